@@ -1,0 +1,256 @@
+//! One Prometheus registry for the whole agent. Core families live here; modules with many series
+//! of their own (gpu, prefetch) define a struct with `register(&mut Registry)` and are added in
+//! [`Metrics::new`]. Labels are low-cardinality only: no pod names, no notice ids.
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::metrics::info::Info;
+use prometheus_client::registry::Registry;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SourceLabels {
+    pub source: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ErrorLabels {
+    pub source: String,
+    pub error: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct NoticeLabels {
+    pub source: String,
+    pub kind: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OutcomeLabels {
+    pub outcome: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ActionLabels {
+    pub action: String,
+    pub outcome: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ModuleErrorLabels {
+    pub module: String,
+    pub error: String,
+}
+
+/// Latency buckets from 1 ms to ~2 min.
+fn latency_buckets() -> impl Iterator<Item = f64> {
+    [
+        0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0,
+        30.0, 60.0, 90.0, 120.0,
+    ]
+    .into_iter()
+}
+
+fn histogram() -> Histogram {
+    Histogram::new(latency_buckets())
+}
+
+/// Core metric families.
+pub struct Metrics {
+    /// `spotguard_metadata_errors_total{source,error}`: failed polls of the metadata service.
+    pub metadata_errors: Family<ErrorLabels, Counter>,
+    /// `spotguard_metadata_polls_total{source}`: successful polls.
+    pub metadata_polls: Family<SourceLabels, Counter>,
+    /// `spotguard_notices_total{source,kind}`: new notices accepted by the store (after dedupe).
+    pub notices: Family<NoticeLabels, Counter>,
+    /// `spotguard_notice_detection_seconds{source}`: cloud publication → agent saw it, where the
+    /// cloud gives a publication time.
+    pub detection_latency: Family<SourceLabels, Histogram, fn() -> Histogram>,
+    /// `spotguard_notice_to_signal_seconds{source}`: agent saw the notice → checkpoint signal sent.
+    pub notice_to_signal: Family<SourceLabels, Histogram, fn() -> Histogram>,
+    /// `spotguard_checkpoint_total{outcome}`: per target group (pod / host selector).
+    pub checkpoint: Family<OutcomeLabels, Counter>,
+    /// `spotguard_checkpoint_ack_latency_seconds`: signal → terminal ack.
+    pub ack_latency: Histogram,
+    /// `spotguard_checkpoint_signals_total`: processes signalled.
+    pub signals_sent: Counter,
+    /// `spotguard_node_actions_total{action,outcome}`: taint, cordon, uncordon, event, annotate…
+    pub node_actions: Family<ActionLabels, Counter>,
+    /// `spotguard_drain_duration_seconds`.
+    pub drain_duration: Histogram,
+    /// `spotguard_drain_pods_total{outcome}`: evicted, blocked, force_deleted, skipped, gone.
+    pub drain_pods: Family<OutcomeLabels, Counter>,
+    /// `spotguard_drain_blocked_pods`: pods still blocked at the end of the last drain.
+    pub drain_blocked: Gauge,
+    /// `spotguard_errors_total{module,error}`: every error the agent logged and carried on from.
+    pub errors: Family<ModuleErrorLabels, Counter>,
+    /// `spotguard_notice_active{kind}`: 1 while a plan for this kind is in progress.
+    pub notice_active: Family<OutcomeLabels, Gauge>,
+    /// `spotguard_notice_deadline_timestamp_seconds`: deadline of the active interruption (0 = none).
+    pub deadline: Gauge<f64, std::sync::atomic::AtomicU64>,
+    /// `spotguard_webhook_total{outcome}`.
+    pub webhook: Family<OutcomeLabels, Counter>,
+}
+
+impl Metrics {
+    /// Create the core families and register them (prefix `spotguard_`).
+    pub fn register(registry: &mut Registry) -> Self {
+        let m = Metrics {
+            metadata_errors: Family::default(),
+            metadata_polls: Family::default(),
+            notices: Family::default(),
+            detection_latency: Family::new_with_constructor(histogram),
+            notice_to_signal: Family::new_with_constructor(histogram),
+            checkpoint: Family::default(),
+            ack_latency: histogram(),
+            signals_sent: Counter::default(),
+            node_actions: Family::default(),
+            drain_duration: histogram(),
+            drain_pods: Family::default(),
+            drain_blocked: Gauge::default(),
+            errors: Family::default(),
+            notice_active: Family::default(),
+            deadline: Gauge::default(),
+            webhook: Family::default(),
+        };
+        let r = registry;
+        r.register(
+            "spotguard_metadata_errors",
+            "Failed polls of the instance metadata service",
+            m.metadata_errors.clone(),
+        );
+        r.register(
+            "spotguard_metadata_polls",
+            "Successful polls of the instance metadata service",
+            m.metadata_polls.clone(),
+        );
+        r.register(
+            "spotguard_notices",
+            "Notices accepted (after dedupe)",
+            m.notices.clone(),
+        );
+        r.register(
+            "spotguard_notice_detection_seconds",
+            "Cloud publication of a notice to the agent seeing it, where the cloud gives a publication time",
+            m.detection_latency.clone(),
+        );
+        r.register(
+            "spotguard_notice_to_signal_seconds",
+            "Agent seeing an interruption notice to the checkpoint signal being delivered",
+            m.notice_to_signal.clone(),
+        );
+        r.register(
+            "spotguard_checkpoint",
+            "Checkpoint outcomes per target (pod or host selector)",
+            m.checkpoint.clone(),
+        );
+        r.register(
+            "spotguard_checkpoint_ack_latency_seconds",
+            "Checkpoint signal to terminal acknowledgement",
+            m.ack_latency.clone(),
+        );
+        r.register(
+            "spotguard_checkpoint_signals",
+            "Processes sent a checkpoint signal",
+            m.signals_sent.clone(),
+        );
+        r.register(
+            "spotguard_node_actions",
+            "Node actions (taint, cordon, uncordon, annotate, event) by outcome",
+            m.node_actions.clone(),
+        );
+        r.register(
+            "spotguard_drain_duration_seconds",
+            "Duration of node drains",
+            m.drain_duration.clone(),
+        );
+        r.register(
+            "spotguard_drain_pods",
+            "Pods handled by drains, by outcome",
+            m.drain_pods.clone(),
+        );
+        r.register(
+            "spotguard_drain_blocked_pods",
+            "Pods still blocked (PDB or not yet gone) at the end of the last drain",
+            m.drain_blocked.clone(),
+        );
+        r.register(
+            "spotguard_errors",
+            "Errors logged and recovered from, by module",
+            m.errors.clone(),
+        );
+        r.register(
+            "spotguard_notice_active",
+            "1 while a plan for a notice of this kind is in progress",
+            m.notice_active.clone(),
+        );
+        r.register(
+            "spotguard_notice_deadline_timestamp_seconds",
+            "Deadline of the active interruption as a Unix time (0 when none)",
+            m.deadline.clone(),
+        );
+        r.register(
+            "spotguard_webhook",
+            "Webhook notifications by outcome",
+            m.webhook.clone(),
+        );
+        r.register(
+            "spotguard_build",
+            "Build information",
+            Info::new(vec![("version", env!("CARGO_PKG_VERSION").to_string())]),
+        );
+        m
+    }
+
+    /// Count an error that was logged and recovered from.
+    pub fn error(&self, module: &str, label: &str) {
+        self.errors
+            .get_or_create(&ModuleErrorLabels {
+                module: module.to_string(),
+                error: label.to_string(),
+            })
+            .inc();
+    }
+
+    /// Count a node action.
+    pub fn action(&self, action: &str, ok: bool) {
+        self.node_actions
+            .get_or_create(&ActionLabels {
+                action: action.to_string(),
+                outcome: if ok { "ok" } else { "error" }.to_string(),
+            })
+            .inc();
+    }
+}
+
+/// Encode a registry in the OpenMetrics text format.
+pub fn encode(registry: &Registry) -> String {
+    let mut out = String::new();
+    // Writing into a String cannot fail.
+    let _ = prometheus_client::encoding::text::encode(&mut out, registry);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn core_families_encode_with_prefix() {
+        let mut r = Registry::default();
+        let m = Metrics::register(&mut r);
+        m.notices
+            .get_or_create(&NoticeLabels {
+                source: "aws".into(),
+                kind: "interruption".into(),
+            })
+            .inc();
+        m.error("notice", "parse");
+        let text = encode(&r);
+        assert!(text.contains("spotguard_notices_total{source=\"aws\",kind=\"interruption\"} 1"));
+        assert!(text.contains("spotguard_errors_total{module=\"notice\",error=\"parse\"} 1"));
+        assert!(text.contains("# EOF"));
+    }
+}

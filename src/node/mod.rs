@@ -1,0 +1,375 @@
+//! Every node-level action spotguard takes goes through the [`NodeOps`] seam: persisting the plan
+//! phase, taint + cordon, Events, drain, GPU conditions. `HostNodeOps` (bare VM / systemd) persists
+//! the phase under `--state-dir` and logs the rest; the Kubernetes implementation performs them
+//! through the API server. Dry-run is decided inside each implementation.
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use jiff::Timestamp;
+use serde::{Deserialize, Serialize};
+
+use crate::notice::{NoticeKind, Source};
+
+pub mod host;
+
+/// Annotation on the Node holding the persisted [`PlanState`] as JSON.
+pub const NOTICE_ANNOTATION: &str = "spotguard.io/notice";
+/// Taint key applied on interruption / maintenance / rebalance (value = notice kind).
+pub const INTERRUPTION_TAINT: &str = "spotguard.io/interruption";
+/// Taint key applied while a GPU is unhealthy.
+pub const GPU_UNHEALTHY_TAINT: &str = "spotguard.io/gpu-unhealthy";
+
+/// Where the handling of one notice stands. Persisted before each step so that a restarted agent
+/// resumes and never repeats a step that already happened (above all: never signals twice).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Phase {
+    /// Seen; nothing done yet.
+    Detected,
+    /// Tainted and cordoned (interruption, maintenance) or soft-tainted (rebalance).
+    Protected,
+    /// Checkpoint signals sent (`signalled_at` set): never signal again for this notice.
+    Signalled,
+    /// Checkpoint wait finished (acks, exits or budget).
+    Checkpointed,
+    /// Drain finished (or gave up at the deadline; the report says which).
+    Drained,
+    /// Cloud acknowledged (Azure) / plan complete.
+    Done,
+    /// The notice was cancelled or expired and what spotguard did was undone.
+    Undone,
+}
+
+impl Phase {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Phase::Detected => "detected",
+            Phase::Protected => "protected",
+            Phase::Signalled => "signalled",
+            Phase::Checkpointed => "checkpointed",
+            Phase::Drained => "drained",
+            Phase::Done => "done",
+            Phase::Undone => "undone",
+        }
+    }
+}
+
+/// The persisted record of the plan for one notice (node annotation `spotguard.io/notice`, or
+/// `<state-dir>/notice.json` in host mode).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PlanState {
+    pub id: String,
+    pub kind: NoticeKind,
+    pub source: Source,
+    pub deadline: Option<Timestamp>,
+    pub phase: Phase,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub signalled_at: Option<Timestamp>,
+    /// What spotguard itself changed, so that undo never touches an operator's cordon or taint.
+    #[serde(default)]
+    pub applied: Applied,
+    /// Boot id of the machine when the plan started: a different one at start-up means the
+    /// machine rebooted (restart-type maintenance ⇒ uncordon).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub boot_id: Option<String>,
+    #[serde(default)]
+    pub restart: bool,
+    pub updated_at: Timestamp,
+}
+
+/// Taint effect.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum TaintEffect {
+    NoSchedule,
+    PreferNoSchedule,
+    NoExecute,
+}
+
+impl TaintEffect {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TaintEffect::NoSchedule => "NoSchedule",
+            TaintEffect::PreferNoSchedule => "PreferNoSchedule",
+            TaintEffect::NoExecute => "NoExecute",
+        }
+    }
+}
+
+/// What to put on the node for a notice.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Protection {
+    /// Taint `spotguard.io/interruption=<value>:<effect>`.
+    pub taint_value: String,
+    pub effect: TaintEffect,
+    /// Also mark the node unschedulable.
+    pub cordon: bool,
+}
+
+/// What spotguard changed on the node (recorded so that undo is exact).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Applied {
+    /// spotguard set `spec.unschedulable` (it was schedulable before).
+    #[serde(default)]
+    pub cordoned: bool,
+    /// spotguard added its taint with this effect (absent before).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub taint_effect: Option<TaintEffect>,
+}
+
+/// Event severity.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EventType {
+    Normal,
+    Warning,
+}
+
+/// Constant Kubernetes Event reasons.
+pub mod reason {
+    pub const SPOT_INTERRUPTION: &str = "SpotInterruption";
+    pub const REBALANCE: &str = "RebalanceRecommendation";
+    pub const MAINTENANCE: &str = "Maintenance";
+    pub const NOTICE_CANCELLED: &str = "NoticeCancelled";
+    pub const CORDON_FAILED: &str = "CordonFailed";
+    pub const DRAIN_STARTED: &str = "DrainStarted";
+    pub const DRAIN_COMPLETE: &str = "DrainComplete";
+    pub const DRAIN_BLOCKED: &str = "DrainBlocked";
+    pub const CHECKPOINT_SIGNALLED: &str = "CheckpointSignalled";
+    pub const CHECKPOINT_ACKED: &str = "CheckpointAcked";
+    pub const CHECKPOINT_TIMEOUT: &str = "CheckpointTimeout";
+    pub const CHECKPOINT_FAILED: &str = "CheckpointFailed";
+    pub const CHECKPOINT_NO_HANDLER: &str = "CheckpointNoHandler";
+    pub const BAD_ANNOTATION: &str = "BadAnnotation";
+    pub const UNCORDONED: &str = "Uncordoned";
+    pub const GPU_UNHEALTHY: &str = "GPUUnhealthy";
+    pub const GPU_DEGRADED: &str = "GPUDegraded";
+    pub const GPU_RECOVERED: &str = "GPURecovered";
+}
+
+/// Parameters of one drain.
+#[derive(Clone, Debug)]
+pub struct DrainRequest {
+    /// Hard deadline: stop and report at this time.
+    pub deadline: Timestamp,
+    /// Delete pods still blocked by a PDB 5 s before the deadline (`--force-delete-at-deadline`).
+    pub force_delete_at_deadline: bool,
+    /// Maximum evictions in flight.
+    pub concurrency: usize,
+}
+
+/// Outcome of a drain.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct DrainReport {
+    /// `namespace/name` of pods evicted and confirmed gone.
+    pub evicted: Vec<String>,
+    /// Pods still present at the deadline, with what blocked them (PDB names when known).
+    pub blocked: Vec<BlockedPod>,
+    /// Pods force-deleted at the deadline.
+    pub force_deleted: Vec<String>,
+    /// Pods that were skipped (DaemonSet, mirror, finished, spotguard itself), `namespace/name`.
+    pub skipped: Vec<String>,
+}
+
+impl DrainReport {
+    pub fn complete(&self) -> bool {
+        self.blocked.is_empty()
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BlockedPod {
+    pub pod: String,
+    /// PodDisruptionBudgets that refused the eviction (names), empty when unknown.
+    pub pdbs: Vec<String>,
+    pub reason: String,
+}
+
+/// The GPU health as spotguard wants it shown on the node: conditions `GPUUnhealthy` and
+/// `GPUDegraded` (problem polarity: status True = problem present) and, while unhealthy, the taint
+/// `spotguard.io/gpu-unhealthy:NoSchedule`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct GpuConditions {
+    pub unhealthy: ConditionState,
+    pub degraded: ConditionState,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ConditionState {
+    /// Condition status True (problem present).
+    pub active: bool,
+    pub reason: String,
+    pub message: String,
+}
+
+/// The node seam. Every mutation of the node (or its host-mode equivalent) goes through here.
+#[async_trait]
+pub trait NodeOps: Send + Sync {
+    /// The persisted plan state, if any.
+    async fn load_state(&self) -> Result<Option<PlanState>, Error>;
+    /// Persist the plan state (replace).
+    async fn save_state(&self, state: &PlanState) -> Result<(), Error>;
+    /// Clear the persisted plan state.
+    async fn clear_state(&self) -> Result<(), Error>;
+    /// Taint (and cordon) the node. Returns what was actually changed; something already present
+    /// (an operator's cordon) is reported as not applied so that undo leaves it.
+    async fn protect(&self, protection: &Protection) -> Result<Applied, Error>;
+    /// Undo exactly what `applied` says spotguard did.
+    async fn unprotect(&self, applied: &Applied) -> Result<(), Error>;
+    /// Emit an Event on the node (host mode: a log line).
+    async fn event(&self, kind: EventType, reason: &str, message: &str) -> Result<(), Error>;
+    /// Evict every evictable pod before the deadline (host mode: nothing to drain).
+    async fn drain(&self, request: &DrainRequest) -> Result<DrainReport, Error>;
+    /// The GPU conditions currently on the node (to resume sticky findings after a restart).
+    async fn gpu_conditions(&self) -> Result<GpuConditions, Error>;
+    /// Make the node show `desired` (no write when nothing changed).
+    async fn set_gpu_conditions(&self, desired: &GpuConditions) -> Result<(), Error>;
+}
+
+#[async_trait]
+impl<T: NodeOps + ?Sized> NodeOps for std::sync::Arc<T> {
+    async fn load_state(&self) -> Result<Option<PlanState>, Error> {
+        (**self).load_state().await
+    }
+    async fn save_state(&self, state: &PlanState) -> Result<(), Error> {
+        (**self).save_state(state).await
+    }
+    async fn clear_state(&self) -> Result<(), Error> {
+        (**self).clear_state().await
+    }
+    async fn protect(&self, protection: &Protection) -> Result<Applied, Error> {
+        (**self).protect(protection).await
+    }
+    async fn unprotect(&self, applied: &Applied) -> Result<(), Error> {
+        (**self).unprotect(applied).await
+    }
+    async fn event(&self, kind: EventType, reason: &str, message: &str) -> Result<(), Error> {
+        (**self).event(kind, reason, message).await
+    }
+    async fn drain(&self, request: &DrainRequest) -> Result<DrainReport, Error> {
+        (**self).drain(request).await
+    }
+    async fn gpu_conditions(&self) -> Result<GpuConditions, Error> {
+        (**self).gpu_conditions().await
+    }
+    async fn set_gpu_conditions(&self, desired: &GpuConditions) -> Result<(), Error> {
+        (**self).set_gpu_conditions(desired).await
+    }
+}
+
+/// Errors from node operations.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("reading state file {path}: {source}")]
+    StateRead {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("writing state file {path}: {source}")]
+    StateWrite {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("persisted state {location} is not valid: {reason}")]
+    StateCorrupt { location: String, reason: String },
+    #[error("getting node {node}: {source}")]
+    GetNode {
+        node: String,
+        #[source]
+        source: kube::Error,
+    },
+    #[error("patching node {node} ({what}): {source}")]
+    PatchNode {
+        node: String,
+        what: &'static str,
+        #[source]
+        source: kube::Error,
+    },
+    #[error("listing pods on node {node}: {source}")]
+    ListPods {
+        node: String,
+        #[source]
+        source: kube::Error,
+    },
+    #[error("evicting pod {pod}: {source}")]
+    Evict {
+        pod: String,
+        #[source]
+        source: kube::Error,
+    },
+    #[error("deleting pod {pod}: {source}")]
+    DeletePod {
+        pod: String,
+        #[source]
+        source: kube::Error,
+    },
+    #[error("creating event {reason}: {source}")]
+    Event {
+        reason: String,
+        #[source]
+        source: kube::Error,
+    },
+    #[error("conflicting updates to node {node} did not settle after {attempts} attempts")]
+    Conflict { node: String, attempts: u32 },
+    #[error("deadline passed while {0}")]
+    Deadline(&'static str),
+}
+
+impl Error {
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            Error::StateRead { .. } | Error::StateWrite { .. } | Error::StateCorrupt { .. } => false,
+            Error::GetNode { source, .. }
+            | Error::PatchNode { source, .. }
+            | Error::ListPods { source, .. }
+            | Error::Evict { source, .. }
+            | Error::DeletePod { source, .. }
+            | Error::Event { source, .. } => kube_retryable(source),
+            Error::Conflict { .. } => true,
+            Error::Deadline(_) => false,
+        }
+    }
+
+    pub fn metric_label(&self) -> &'static str {
+        match self {
+            Error::StateRead { .. } => "state_read",
+            Error::StateWrite { .. } => "state_write",
+            Error::StateCorrupt { .. } => "state_corrupt",
+            Error::GetNode { .. } => "get_node",
+            Error::PatchNode { .. } => "patch_node",
+            Error::ListPods { .. } => "list_pods",
+            Error::Evict { .. } => "evict",
+            Error::DeletePod { .. } => "delete_pod",
+            Error::Event { .. } => "event",
+            Error::Conflict { .. } => "conflict",
+            Error::Deadline(_) => "deadline",
+        }
+    }
+}
+
+/// Whether a kube error is worth retrying: transport errors, 409 conflicts, 429 and 5xx.
+pub fn kube_retryable(e: &kube::Error) -> bool {
+    match e {
+        kube::Error::Api(status) => {
+            let code = status.code;
+            code == 409 || code == 429 || code >= 500
+        }
+        kube::Error::HyperError(_) | kube::Error::Service(_) => true,
+        _ => false,
+    }
+}
+
+/// Clamp helper shared by drain and checkpoint: `min(a, b)` for optional deadlines.
+pub fn earlier(a: Timestamp, b: Timestamp) -> Timestamp {
+    if a < b {
+        a
+    } else {
+        b
+    }
+}
+
+/// Default bound on evictions in flight.
+pub const DEFAULT_DRAIN_CONCURRENCY: usize = 32;
+/// Pods still blocked this long before the deadline are force-deleted when enabled.
+pub const FORCE_DELETE_LEAD: Duration = Duration::from_secs(5);
