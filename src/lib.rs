@@ -1,10 +1,24 @@
 //! spotguard: node agent for GPU training on spot / preemptible capacity.
 //!
-//! Architecture and module map: `docs/architecture.md` (and design §2).
+//! Architecture and module map: `docs/architecture.md` (design §2). Seams (traits):
+//! [`notice::NoticeSource`], [`node::NodeOps`], [`gpu::GpuProbe`],
+//! [`checkpoint::TargetDiscovery`]; the object store seam is `object_store::ObjectStore`.
 
+pub mod admin;
+pub mod app;
 pub mod checkpoint;
+pub mod config;
+pub mod drill;
+pub mod emulator;
 pub mod fsutil;
+pub mod gpu;
+pub mod kube_discovery;
 pub mod metrics;
 pub mod node;
 pub mod notice;
+pub mod prefetch;
+pub mod responder;
+pub mod shutdown;
+pub mod telemetry;
 pub mod testing;
+pub mod webhook;

@@ -9,6 +9,7 @@ use super::{
     Applied, DrainReport, DrainRequest, Error, EventType, GpuConditions, NodeOps, PlanState,
     Protection,
 };
+use crate::checkpoint::PodRef;
 use crate::fsutil::write_atomic;
 
 /// File name of the persisted plan state inside `--state-dir`.
@@ -109,6 +110,21 @@ impl NodeOps for HostNodeOps {
         match kind {
             EventType::Normal => tracing::info!(reason, "{message}"),
             EventType::Warning => tracing::warn!(reason, "{message}"),
+        }
+        Ok(())
+    }
+
+    async fn pod_event(
+        &self,
+        pod: &PodRef,
+        kind: EventType,
+        reason: &str,
+        message: &str,
+    ) -> Result<(), Error> {
+        let pod = format!("{}/{}", pod.namespace, pod.name);
+        match kind {
+            EventType::Normal => tracing::info!(reason, pod, "{message}"),
+            EventType::Warning => tracing::warn!(reason, pod, "{message}"),
         }
         Ok(())
     }

@@ -9,6 +9,7 @@ use async_trait::async_trait;
 use jiff::Timestamp;
 use serde::{Deserialize, Serialize};
 
+use crate::checkpoint::PodRef;
 use crate::notice::{NoticeKind, Source};
 
 pub mod host;
@@ -217,6 +218,14 @@ pub trait NodeOps: Send + Sync {
     async fn unprotect(&self, applied: &Applied) -> Result<(), Error>;
     /// Emit an Event on the node (host mode: a log line).
     async fn event(&self, kind: EventType, reason: &str, message: &str) -> Result<(), Error>;
+    /// Emit an Event on a pod (checkpoint signalled / acked / timeout / no handler / bad annotation).
+    async fn pod_event(
+        &self,
+        pod: &PodRef,
+        kind: EventType,
+        reason: &str,
+        message: &str,
+    ) -> Result<(), Error>;
     /// Evict every evictable pod before the deadline (host mode: nothing to drain).
     async fn drain(&self, request: &DrainRequest) -> Result<DrainReport, Error>;
     /// The GPU conditions currently on the node (to resume sticky findings after a restart).
@@ -244,6 +253,15 @@ impl<T: NodeOps + ?Sized> NodeOps for std::sync::Arc<T> {
     }
     async fn event(&self, kind: EventType, reason: &str, message: &str) -> Result<(), Error> {
         (**self).event(kind, reason, message).await
+    }
+    async fn pod_event(
+        &self,
+        pod: &PodRef,
+        kind: EventType,
+        reason: &str,
+        message: &str,
+    ) -> Result<(), Error> {
+        (**self).pod_event(pod, kind, reason, message).await
     }
     async fn drain(&self, request: &DrainRequest) -> Result<DrainReport, Error> {
         (**self).drain(request).await

@@ -200,3 +200,4 @@ impl Error {
         }
     }
 }
+pub mod store;

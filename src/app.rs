@@ -1,0 +1,363 @@
+//! Wires the agent: one root `CancellationToken`, one `JoinSet` of tasks — the notice monitor(s),
+//! the responder, the GPU monitor, the prefetcher triggers and the admin server.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use prometheus_client::registry::Registry;
+use tokio::sync::{broadcast, mpsc};
+use tokio::task::{JoinHandle, JoinSet};
+use tokio_util::sync::CancellationToken;
+use tracing::{error, info, warn};
+
+use crate::admin::{self, Readiness};
+use crate::checkpoint::discover::HostDiscovery;
+use crate::checkpoint::TargetDiscovery;
+use crate::config::{Config, GpuMode, Mode};
+use crate::metrics::Metrics;
+use crate::node::host::HostNodeOps;
+use crate::node::kube::KubeNodeOps;
+use crate::node::NodeOps;
+use crate::notice::monitor::{run_monitor, PollHealth};
+use crate::notice::{self, NoticeSource, Source};
+use crate::responder::{PlanEvent, Responder, ResponderConfig, StartHook};
+use crate::{gpu, kube_discovery, prefetch, webhook};
+
+/// Errors that stop the agent at start-up (everything after start-up is logged and retried).
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("binding the metrics server to {addr}: {source}")]
+    BindAdmin {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("creating the Kubernetes client (in-cluster config or KUBECONFIG): {0}")]
+    KubeClient(String),
+    #[error("webhook: {0}")]
+    Webhook(String),
+    #[error("GPU thresholds in the config file: {0}")]
+    GpuConfig(String),
+}
+
+impl Error {
+    pub fn is_retryable(&self) -> bool {
+        false
+    }
+    pub fn metric_label(&self) -> &'static str {
+        match self {
+            Error::BindAdmin { .. } => "bind_admin",
+            Error::KubeClient(_) => "kube_client",
+            Error::Webhook(_) => "webhook",
+            Error::GpuConfig(_) => "gpu_config",
+        }
+    }
+}
+
+/// A started agent.
+pub struct App {
+    /// Plan progress (used by `drill` and tests).
+    pub events: broadcast::Receiver<PlanEvent>,
+    /// Where /metrics, /healthz and /readyz are served.
+    pub admin_addr: SocketAddr,
+    /// The metrics registry.
+    pub registry: Arc<Registry>,
+    /// Completes when every task has stopped after cancellation.
+    pub join: JoinHandle<()>,
+}
+
+struct PollReadiness(Arc<PollHealth>);
+
+impl Readiness for PollReadiness {
+    fn ready(&self) -> Result<(), String> {
+        if self.0.ready(jiff::Timestamp::now()) {
+            Ok(())
+        } else {
+            Err("no metadata poll succeeded recently".into())
+        }
+    }
+}
+
+/// Start every task; returns once the admin server is bound and the tasks are spawned.
+pub async fn start(cfg: Config, cancel: CancellationToken) -> Result<App, Error> {
+    let mut registry = Registry::default();
+    let metrics = Arc::new(Metrics::register(&mut registry));
+    let source_metrics = Arc::new(notice::monitor::SourceMetrics::register(&mut registry));
+    let gpu_metrics = Arc::new(gpu::metrics::GpuMetrics::register(&mut registry));
+    let prefetch_metrics = Arc::new(prefetch::PrefetchMetrics::register(&mut registry));
+    let gpu_thresholds = match &cfg.gpu_table {
+        Some(t) => gpu::Thresholds::from_table(t).map_err(Error::GpuConfig)?,
+        None => gpu::Thresholds::default(),
+    };
+    let boot_id = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .ok()
+        .map(|s| s.trim().to_string());
+
+    // Node operations and checkpoint discovery, per mode.
+    let (node, discovery, kube_client): (
+        Arc<dyn NodeOps>,
+        Arc<dyn TargetDiscovery>,
+        Option<kube::Client>,
+    ) = match cfg.mode {
+        Mode::Host => {
+            let node: Arc<dyn NodeOps> =
+                Arc::new(HostNodeOps::new(&cfg.args.state_dir, cfg.args.dry_run));
+            let discovery = Arc::new(HostDiscovery::new(
+                cfg.args.checkpoint_unit.clone(),
+                cfg.args.checkpoint_pidfile.clone(),
+                cfg.args.checkpoint_cmdline.clone(),
+                cfg.args.checkpoint_dir.clone(),
+                cfg.args.checkpoint_signal,
+                cfg.args.checkpoint_timeout,
+                cfg.args.proc_root.clone(),
+            ));
+            (node, discovery, None)
+        }
+        Mode::Kubernetes => {
+            let client = kube::Client::try_default()
+                .await
+                .map_err(|e| Error::KubeClient(e.to_string()))?;
+            let node_name = cfg.node_name.clone().unwrap_or_default();
+            let own_pod = match (&cfg.pod_namespace, &cfg.pod_name) {
+                (Some(ns), Some(n)) => Some((ns.clone(), n.clone())),
+                _ => None,
+            };
+            let ops = Arc::new(KubeNodeOps::new(
+                client.clone(),
+                node_name.clone(),
+                own_pod,
+                cfg.args.dry_run,
+                metrics.clone(),
+            ));
+            let discovery = Arc::new(kube_discovery::KubeDiscovery::new(
+                client.clone(),
+                node_name,
+                ops.clone(),
+                kube_discovery::Defaults {
+                    signal: cfg.args.checkpoint_signal,
+                    timeout: cfg.args.checkpoint_timeout,
+                },
+                cfg.args.proc_root.clone(),
+                metrics.clone(),
+            ));
+            (ops, discovery, Some(client))
+        }
+    };
+
+    // Notice sources.
+    let health = Arc::new(PollHealth::new());
+    let (notice_tx, notice_rx) = mpsc::channel(64);
+    let mut tasks = JoinSet::new();
+    let sources = match cfg.args.cloud.source() {
+        Some(src) => vec![build_source(&cfg, src, &source_metrics)],
+        None => Vec::new(),
+    };
+    for s in &sources {
+        tasks.spawn(run_monitor(
+            s.clone(),
+            notice_tx.clone(),
+            metrics.clone(),
+            health.clone(),
+            cancel.child_token(),
+        ));
+    }
+    if sources.is_empty() {
+        // Auto-detect in the background: never fatal, keep serving everything else.
+        let cfg2 = cfg.clone();
+        let (tx, m, h, sm, c) = (
+            notice_tx.clone(),
+            metrics.clone(),
+            health.clone(),
+            source_metrics.clone(),
+            cancel.child_token(),
+        );
+        tasks.spawn(async move {
+            let mut delay = Duration::from_secs(2);
+            let source = loop {
+                let probe = notice::detect::ProbeEndpoints::from_override(
+                    cfg2.args.metadata_endpoint.as_deref(),
+                );
+                match notice::detect::detect(&cfg2.args.dmi_dir, &probe, Duration::from_secs(2))
+                    .await
+                {
+                    Ok(s) => break s,
+                    Err(e) => {
+                        m.error("detect", e.metric_label());
+                        warn!(error = %e, retry_in = ?delay, "cloud auto-detection failed; set --cloud to skip it");
+                    }
+                }
+                tokio::select! {
+                    _ = c.cancelled() => return,
+                    _ = tokio::time::sleep(delay) => {}
+                }
+                delay = (delay * 2).min(Duration::from_secs(60));
+            };
+            info!(cloud = source.as_str(), "cloud detected");
+            let s = build_source(&cfg2, source, &sm);
+            run_monitor(s, tx, m, h, c).await;
+        });
+    }
+    drop(notice_tx);
+
+    // Hooks run when handling starts: cancel prefetches, send the webhook.
+    let mut on_start: Vec<StartHook> = Vec::new();
+    let prefetcher = Arc::new(prefetch::Prefetcher::new(
+        cfg.args.cache_dir.clone(),
+        cfg.args.cache_max_bytes,
+        prefetch::Defaults::from_endpoint(cfg.args.prefetch_endpoint.clone()),
+        prefetch_metrics,
+        cancel.child_token(),
+    ));
+    {
+        let p = prefetcher.clone();
+        on_start.push(Box::new(move |n| {
+            if n.kind == notice::NoticeKind::Interruption {
+                p.cancel_all();
+            }
+        }));
+    }
+    if let Some(url) = &cfg.args.webhook_url {
+        let hook = Arc::new(
+            webhook::Webhook::new(
+                url.clone(),
+                cfg.args.webhook_template.clone(),
+                metrics.clone(),
+            )
+            .map_err(|e| Error::Webhook(e.to_string()))?,
+        );
+        let node_name = cfg.node_name.clone().unwrap_or_else(hostname);
+        on_start.push(Box::new(move |n| {
+            hook.notify(&webhook::NotifyFields::from_notice(n, &node_name));
+        }));
+    }
+
+    // The responder.
+    let responder = Responder::new(
+        ResponderConfig {
+            on_rebalance: cfg.args.on_rebalance,
+            rebalance_expiry: cfg.args.rebalance_expiry,
+            on_maintenance: cfg.args.on_maintenance,
+            maintenance_lead: cfg.args.maintenance_lead,
+            checkpoint_timeout: cfg.args.checkpoint_timeout,
+            drain_reserve: cfg.args.drain_reserve,
+            force_delete_at_deadline: cfg.args.force_delete_at_deadline,
+            drain_concurrency: usize::from(cfg.args.drain_concurrency),
+            dry_run: cfg.args.dry_run,
+            shutdown_grace: cfg.args.shutdown_grace,
+            boot_id: boot_id.clone(),
+        },
+        crate::responder::Deps {
+            node: node.clone(),
+            discovery,
+            sources: sources.clone(),
+            metrics: metrics.clone(),
+            on_start,
+        },
+    );
+    let events = responder.subscribe();
+    tasks.spawn(responder.run(notice_rx, cancel.clone()));
+
+    // GPU health.
+    if cfg.args.gpu == GpuMode::Auto {
+        tasks.spawn(gpu::run_monitor_with_init(
+            node.clone(),
+            gpu_metrics,
+            gpu::GpuConfig {
+                interval: cfg.args.gpu_interval,
+                thresholds: gpu_thresholds,
+                boot_id: boot_id.unwrap_or_default(),
+            },
+            cancel.child_token(),
+        ));
+    }
+
+    // Prefetch: datasets from config at start, pod annotations in Kubernetes mode.
+    for d in &cfg.datasets {
+        prefetcher.ensure(&d.name, &d.url);
+    }
+    if let (Some(client), Some(node_name)) = (kube_client, cfg.node_name.clone()) {
+        tasks.spawn(kube_discovery::watch_prefetch_annotations(
+            client,
+            node_name,
+            prefetcher.clone(),
+            metrics.clone(),
+            cancel.child_token(),
+        ));
+    }
+
+    // Admin server.
+    let registry = Arc::new(registry);
+    let (admin_addr, serve) = admin::bind(
+        cfg.args.metrics_addr,
+        registry.clone(),
+        Arc::new(PollReadiness(health)),
+        cancel.child_token(),
+    )
+    .await
+    .map_err(|source| Error::BindAdmin {
+        addr: cfg.args.metrics_addr,
+        source,
+    })?;
+    tasks.spawn(serve);
+    info!(
+        mode = ?cfg.mode,
+        node = cfg.node_name.as_deref().unwrap_or("-"),
+        metrics = %admin_addr,
+        dry_run = cfg.args.dry_run,
+        "spotguard started"
+    );
+
+    let join = tokio::spawn(async move {
+        while let Some(r) = tasks.join_next().await {
+            if let Err(e) = r {
+                if e.is_panic() {
+                    error!(error = %e, "a task panicked");
+                }
+            }
+            if !cancel.is_cancelled() {
+                // Every task runs until cancellation; one ending early is a bug worth a log line.
+                warn!("a task ended before shutdown");
+            }
+        }
+        info!("all tasks stopped");
+    });
+    Ok(App {
+        events,
+        admin_addr,
+        registry,
+        join,
+    })
+}
+
+fn build_source(
+    cfg: &Config,
+    source: Source,
+    sm: &Arc<notice::monitor::SourceMetrics>,
+) -> Arc<dyn NoticeSource> {
+    let endpoint = cfg.args.metadata_endpoint.clone();
+    match source {
+        Source::Aws => Arc::new(notice::ec2::Ec2Imds::new(notice::ec2::Ec2Config::new(
+            endpoint,
+            cfg.args.imds_v1_fallback,
+            cfg.args.poll_interval,
+        ))),
+        Source::Gce => Arc::new(notice::gce::GceMetadata::new(
+            notice::gce::GceConfig::new(endpoint, cfg.args.gce_preemption_notice),
+            sm.clone(),
+        )),
+        Source::Azure => Arc::new(notice::azure::AzureScheduledEvents::new(
+            notice::azure::AzureConfig::new(
+                endpoint,
+                cfg.args.azure_vm_name.clone(),
+                cfg.args.poll_interval,
+            ),
+        )),
+    }
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_else(|_| "unknown".into())
+}

@@ -1,0 +1,1059 @@
+//! Configuration: the `run` flags (each also read from `SPOTGUARD_<FLAG>`), an optional TOML file
+//! with the same keys plus structured parts, and validation. Precedence: flag > env > file >
+//! default. Everything is parsed and validated before anything starts; a bad value is reported
+//! with the key that holds it and the process exits 64 (`EX_USAGE`).
+
+use std::collections::BTreeMap;
+use std::ffi::OsString;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use clap::{ArgAction, Args, CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
+use regex::Regex;
+use serde::Deserialize;
+
+use crate::checkpoint::Signal;
+use crate::notice::Source;
+
+/// Exit code for a usage or configuration error (`EX_USAGE`).
+pub const EXIT_USAGE: i32 = 64;
+
+/// Command line of the `spotguard` binary.
+#[derive(Debug, Parser)]
+#[command(
+    name = "spotguard",
+    version,
+    about = "Node agent for GPU training on spot / preemptible capacity: interruption notice → checkpoint hand-shake → drain"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the agent (DaemonSet or systemd unit).
+    #[command(args_override_self = true)]
+    Run(Box<RunArgs>),
+    /// Rehearse a preemption against a training command on this machine (no cloud needed).
+    Drill(crate::drill::DrillArgs),
+    /// Serve an emulated instance-metadata service (EC2, GCE or Azure) for your own tests.
+    Emulate(crate::emulator::EmulateArgs),
+    /// Prefetch a dataset (s3://, gs://, file:///) into the shared cache.
+    Prefetch(crate::prefetch::PrefetchArgs),
+    /// One-shot GPU health report (exit 0 healthy, 1 unhealthy, 2 NVML unavailable).
+    Gpu(crate::gpu::GpuArgs),
+    /// Print the configuration reference (Markdown) generated from these definitions.
+    #[command(hide = true)]
+    ConfigReference,
+    /// The bundled example trainer used by `spotguard drill` when no command is given.
+    #[command(hide = true)]
+    ExampleTrainer(crate::drill::ExampleTrainerArgs),
+}
+
+/// Mode of operation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum ModeChoice {
+    /// Kubernetes when in-cluster config or `KUBECONFIG` is present, else host.
+    Auto,
+    Kubernetes,
+    Host,
+}
+
+/// Which cloud's metadata service to watch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum CloudChoice {
+    /// DMI (`/sys/class/dmi/id/*`), then probing the metadata endpoints.
+    Auto,
+    Aws,
+    Gce,
+    Azure,
+}
+
+impl CloudChoice {
+    pub fn source(self) -> Option<Source> {
+        match self {
+            CloudChoice::Auto => None,
+            CloudChoice::Aws => Some(Source::Aws),
+            CloudChoice::Gce => Some(Source::Gce),
+            CloudChoice::Azure => Some(Source::Azure),
+        }
+    }
+}
+
+/// What to do on an EC2 rebalance recommendation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum RebalanceAction {
+    Ignore,
+    Cordon,
+    Checkpoint,
+    Drain,
+}
+
+/// What to do on scheduled maintenance.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum MaintenanceAction {
+    Ignore,
+    Cordon,
+    Drain,
+}
+
+/// GPU monitoring.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum GpuMode {
+    /// NVML if it loads.
+    Auto,
+    Off,
+}
+
+/// Log output format.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    Json,
+    Text,
+}
+
+/// `spotguard run` flags. Every flag also reads `SPOTGUARD_<FLAG_IN_CAPS>`.
+#[derive(Debug, Clone, Args)]
+pub struct RunArgs {
+    /// TOML file with the same keys as these flags plus `[[datasets]]` and `[gpu.thresholds]`.
+    #[arg(long, env = "SPOTGUARD_CONFIG", value_name = "FILE")]
+    pub config: Option<PathBuf>,
+
+    /// `auto`: kubernetes when in-cluster config or KUBECONFIG is present, else host.
+    #[arg(long, env = "SPOTGUARD_MODE", value_enum, default_value = "auto")]
+    pub mode: ModeChoice,
+
+    /// Cloud to watch; auto = DMI then probing.
+    #[arg(long, env = "SPOTGUARD_CLOUD", value_enum, default_value = "auto")]
+    pub cloud: CloudChoice,
+
+    /// Metadata service base URL override, e.g. http://127.0.0.1:1338 or http://[fd00:ec2::254].
+    #[arg(long, env = "SPOTGUARD_METADATA_ENDPOINT", value_name = "URL", value_parser = parse_url)]
+    pub metadata_endpoint: Option<String>,
+
+    /// EC2 and Azure polling cadence (GCE uses hanging GETs).
+    #[arg(long, env = "SPOTGUARD_POLL_INTERVAL", value_name = "DURATION", default_value = "1s", value_parser = parse_positive_duration)]
+    pub poll_interval: Duration,
+
+    /// Kubernetes node to act on (default: env NODE_NAME).
+    #[arg(long, env = "SPOTGUARD_NODE_NAME", value_name = "NAME")]
+    pub node_name: Option<String>,
+
+    /// Action on an EC2 rebalance recommendation.
+    #[arg(long, env = "SPOTGUARD_ON_REBALANCE", value_enum, default_value = "checkpoint")]
+    pub on_rebalance: RebalanceAction,
+
+    /// Undo a rebalance cordon/taint if no interruption follows within this time.
+    #[arg(long, env = "SPOTGUARD_REBALANCE_EXPIRY", value_name = "DURATION", default_value = "30m", value_parser = parse_positive_duration)]
+    pub rebalance_expiry: Duration,
+
+    /// Action on scheduled maintenance / GCE TERMINATE_ON_HOST_MAINTENANCE.
+    #[arg(long, env = "SPOTGUARD_ON_MAINTENANCE", value_enum, default_value = "drain")]
+    pub on_maintenance: MaintenanceAction,
+
+    /// Start handling a scheduled event this long before its NotBefore.
+    #[arg(long, env = "SPOTGUARD_MAINTENANCE_LEAD", value_name = "DURATION", default_value = "10m", value_parser = parse_duration)]
+    pub maintenance_lead: Duration,
+
+    /// Signal sent to checkpoint targets.
+    #[arg(long, env = "SPOTGUARD_CHECKPOINT_SIGNAL", value_name = "SIGNAL", default_value = "SIGUSR1", value_parser = parse_signal)]
+    pub checkpoint_signal: Signal,
+
+    /// Upper bound on waiting for checkpoint acks.
+    #[arg(long, env = "SPOTGUARD_CHECKPOINT_TIMEOUT", value_name = "DURATION", default_value = "90s", value_parser = parse_positive_duration)]
+    pub checkpoint_timeout: Duration,
+
+    /// Time kept before the deadline for evictions [default: 25s on aws, 8s on gce and azure].
+    #[arg(long, env = "SPOTGUARD_DRAIN_RESERVE", value_name = "DURATION", value_parser = parse_duration)]
+    pub drain_reserve: Option<Duration>,
+
+    /// Delete pods still blocked by a PDB 5 s before the deadline (opt-in; needs pods delete RBAC).
+    #[arg(long, env = "SPOTGUARD_FORCE_DELETE_AT_DEADLINE", action = ArgAction::Set, num_args = 0..=1, default_value_t = false, default_missing_value = "true", value_parser = parse_bool)]
+    pub force_delete_at_deadline: bool,
+
+    /// Log every action it would take; mutate nothing, signal nothing.
+    #[arg(long, env = "SPOTGUARD_DRY_RUN", action = ArgAction::Set, num_args = 0..=1, default_value_t = false, default_missing_value = "true", value_parser = parse_bool)]
+    pub dry_run: bool,
+
+    /// Address of /metrics, /healthz, /readyz.
+    #[arg(long, env = "SPOTGUARD_METRICS_ADDR", value_name = "ADDR", default_value = "0.0.0.0:9464")]
+    pub metrics_addr: SocketAddr,
+
+    /// GPU health monitoring: auto = NVML if it loads.
+    #[arg(long, env = "SPOTGUARD_GPU", value_enum, default_value = "auto")]
+    pub gpu: GpuMode,
+
+    /// Log format [default: json in-cluster, text on a TTY, else json].
+    #[arg(long, env = "SPOTGUARD_LOG_FORMAT", value_enum)]
+    pub log_format: Option<LogFormat>,
+
+    /// Log filter (tracing EnvFilter syntax), e.g. `info` or `spotguard=debug`.
+    #[arg(long, env = "SPOTGUARD_LOG_LEVEL", value_name = "FILTER", default_value = "info")]
+    pub log_level: String,
+
+    /// Host mode target: a systemd unit whose cgroup's processes are checkpointed (repeatable).
+    #[arg(long, env = "SPOTGUARD_CHECKPOINT_UNIT", value_name = "NAME", value_delimiter = ',')]
+    pub checkpoint_unit: Vec<String>,
+
+    /// Host mode target: a pidfile; that process and its descendants (repeatable).
+    #[arg(long, env = "SPOTGUARD_CHECKPOINT_PIDFILE", value_name = "PATH", value_delimiter = ',')]
+    pub checkpoint_pidfile: Vec<PathBuf>,
+
+    /// Host mode target: processes whose command line matches (repeatable).
+    #[arg(long, env = "SPOTGUARD_CHECKPOINT_CMDLINE", value_name = "REGEX", value_parser = parse_regex)]
+    pub checkpoint_cmdline: Vec<Regex>,
+
+    /// Host mode: where notice.json is written and acks are read.
+    #[arg(long, env = "SPOTGUARD_CHECKPOINT_DIR", value_name = "DIR", default_value = "/run/spotguard", value_parser = parse_abs_path)]
+    pub checkpoint_dir: PathBuf,
+
+    /// Host mode: persisted state (notice id, phase).
+    #[arg(long, env = "SPOTGUARD_STATE_DIR", value_name = "DIR", default_value = "/var/lib/spotguard", value_parser = parse_abs_path)]
+    pub state_dir: PathBuf,
+
+    /// EC2: allow IMDSv1 when the IMDSv2 token PUT fails.
+    #[arg(long, env = "SPOTGUARD_IMDS_V1_FALLBACK", action = ArgAction::Set, num_args = 0..=1, default_value_t = false, default_missing_value = "true", value_parser = parse_bool)]
+    pub imds_v1_fallback: bool,
+
+    /// GCE: time from preempted=TRUE to power-off (120s with extended preemption notice).
+    #[arg(long, env = "SPOTGUARD_GCE_PREEMPTION_NOTICE", value_name = "DURATION", default_value = "30s", value_parser = parse_positive_duration)]
+    pub gce_preemption_notice: Duration,
+
+    /// Azure: this VM's name for filtering scheduled events [default: IMDS compute/name].
+    #[arg(long, env = "SPOTGUARD_AZURE_VM_NAME", value_name = "NAME")]
+    pub azure_vm_name: Option<String>,
+
+    /// Notification URL called when handling starts (Slack-compatible JSON by default).
+    #[arg(long, env = "SPOTGUARD_WEBHOOK_URL", value_name = "URL", value_parser = parse_url)]
+    pub webhook_url: Option<String>,
+
+    /// Template of the webhook body; placeholders like {{node}}, {{kind}}, {{deadline}}.
+    #[arg(long, env = "SPOTGUARD_WEBHOOK_TEMPLATE", value_name = "TEMPLATE")]
+    pub webhook_template: Option<String>,
+
+    /// Dataset to warm at start, NAME=URL (repeatable).
+    #[arg(long, env = "SPOTGUARD_PREFETCH", value_name = "NAME=URL", value_delimiter = ',', value_parser = parse_dataset)]
+    pub prefetch: Vec<Dataset>,
+
+    /// Shared dataset cache root.
+    #[arg(long, env = "SPOTGUARD_CACHE_DIR", value_name = "DIR", default_value = "/var/cache/spotguard", value_parser = parse_abs_path)]
+    pub cache_dir: PathBuf,
+
+    /// Evict least-recently-used datasets above this size (e.g. 500GiB).
+    #[arg(long, env = "SPOTGUARD_CACHE_MAX_BYTES", value_name = "BYTES", value_parser = parse_bytes)]
+    pub cache_max_bytes: Option<u64>,
+
+    /// S3-compatible endpoint for prefetch sources (e.g. http://127.0.0.1:9000).
+    #[arg(long, env = "SPOTGUARD_PREFETCH_ENDPOINT", value_name = "URL", value_parser = parse_url)]
+    pub prefetch_endpoint: Option<String>,
+
+    /// Maximum evictions in flight during a drain.
+    #[arg(long, env = "SPOTGUARD_DRAIN_CONCURRENCY", value_name = "N", default_value_t = 32, value_parser = clap::value_parser!(u16).range(1..=1024))]
+    pub drain_concurrency: u16,
+
+    /// On SIGTERM, time an in-flight plan gets to finish (still bounded by its deadline).
+    #[arg(long, env = "SPOTGUARD_SHUTDOWN_GRACE", value_name = "DURATION", default_value = "120s", value_parser = parse_duration)]
+    pub shutdown_grace: Duration,
+
+    /// GPU sampling interval.
+    #[arg(long, env = "SPOTGUARD_GPU_INTERVAL", value_name = "DURATION", default_value = "10s", value_parser = parse_positive_duration)]
+    pub gpu_interval: Duration,
+
+    /// Directory of DMI identifiers used by cloud auto-detection.
+    #[arg(long, env = "SPOTGUARD_DMI_DIR", value_name = "DIR", default_value = "/sys/class/dmi/id", hide = true)]
+    pub dmi_dir: PathBuf,
+
+    /// Root of the proc filesystem (process discovery).
+    #[arg(long, env = "SPOTGUARD_PROC_ROOT", value_name = "DIR", default_value = "/proc", hide = true)]
+    pub proc_root: PathBuf,
+}
+
+/// A dataset to prefetch: `NAME=URL`.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+pub struct Dataset {
+    pub name: String,
+    pub url: String,
+}
+
+/// The structured parts of the config file (everything else maps onto the flags).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileExtras {
+    #[serde(default)]
+    datasets: Vec<Dataset>,
+    #[serde(default)]
+    gpu: Option<toml::Table>,
+}
+
+/// Keys of the config file that are not flags.
+const STRUCTURED_KEYS: &[&str] = &["datasets", "gpu"];
+
+/// Resolved operating mode.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    Kubernetes,
+    Host,
+}
+
+/// The validated configuration of `spotguard run`.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub args: RunArgs,
+    pub mode: Mode,
+    pub node_name: Option<String>,
+    pub pod_name: Option<String>,
+    pub pod_namespace: Option<String>,
+    pub datasets: Vec<Dataset>,
+    /// `[gpu]` table of the config file (thresholds), validated by the gpu module.
+    pub gpu_table: Option<toml::Table>,
+    pub log_format: LogFormat,
+}
+
+impl Config {
+    /// Drain reserve: the flag, else 25 s on AWS and 8 s on GCE and Azure.
+    pub fn drain_reserve(&self, source: Source) -> Duration {
+        self.args.drain_reserve.unwrap_or(match source {
+            Source::Aws => Duration::from_secs(25),
+            Source::Gce | Source::Azure => Duration::from_secs(8),
+        })
+    }
+}
+
+/// A configuration error: names the key and what is wrong.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// clap's own rendering (names the flag / env var).
+    #[error("{0}")]
+    Cli(String),
+    #[error("config file {path}: {reason}")]
+    File { path: String, reason: String },
+    #[error("config file {path}: key `{key}`: {reason}")]
+    FileKey {
+        path: String,
+        key: String,
+        reason: String,
+    },
+    #[error("{key}: {reason}")]
+    Invalid { key: &'static str, reason: String },
+}
+
+impl Error {
+    pub fn is_retryable(&self) -> bool {
+        false
+    }
+    pub fn metric_label(&self) -> &'static str {
+        "config"
+    }
+}
+
+/// Result of parsing the command line: either a command to run, or text to print and an exit code
+/// (help, version, usage errors).
+pub enum Parsed {
+    Command(Command),
+    Exit { code: i32, text: String, stderr: bool },
+}
+
+/// Parse the process's command line (with env and config file) into a [`Command`].
+pub fn parse_cli<I, T>(argv: I) -> Parsed
+where
+    I: IntoIterator<Item = T>,
+    T: Into<OsString> + Clone,
+{
+    let argv: Vec<OsString> = argv.into_iter().map(Into::into).collect();
+    let cli = match Cli::try_parse_from(&argv) {
+        Ok(c) => c,
+        Err(e) => return clap_exit(e),
+    };
+    match cli.command {
+        Command::Run(run) => match merge_config_file(&argv, *run) {
+            Ok(run) => Parsed::Command(Command::Run(Box::new(run))),
+            Err(e) => Parsed::Exit {
+                code: EXIT_USAGE,
+                text: format!("spotguard: {e}\n"),
+                stderr: true,
+            },
+        },
+        other => Parsed::Command(other),
+    }
+}
+
+fn clap_exit(e: clap::Error) -> Parsed {
+    use clap::error::ErrorKind;
+    let text = e.render().to_string();
+    match e.kind() {
+        ErrorKind::DisplayHelp
+        | ErrorKind::DisplayVersion
+        | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => Parsed::Exit {
+            code: if e.kind() == ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand {
+                EXIT_USAGE
+            } else {
+                0
+            },
+            text,
+            stderr: e.kind() == ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand,
+        },
+        _ => Parsed::Exit {
+            code: EXIT_USAGE,
+            text,
+            stderr: true,
+        },
+    }
+}
+
+/// Re-parse `run` with the config file's keys inserted where neither a flag nor an env var set
+/// them, so that flag > env > file > default holds and clap validates file values like any other.
+fn merge_config_file(argv: &[OsString], run: RunArgs) -> Result<RunArgs, Error> {
+    let Some(path) = run.config.clone() else {
+        return Ok(run);
+    };
+    let file_args = config_file_args(&path, argv)?;
+    if file_args.is_empty() {
+        return Ok(run);
+    }
+    // argv = [bin, "run", user args…] → [bin, "run", file args…, user args…]
+    let run_pos = argv
+        .iter()
+        .position(|a| a == "run")
+        .ok_or_else(|| Error::Cli("internal: `run` not found in arguments".into()))?;
+    let mut merged: Vec<OsString> = argv[..=run_pos].to_vec();
+    merged.extend(file_args.into_iter().map(OsString::from));
+    merged.extend(argv[run_pos + 1..].iter().cloned());
+    match Cli::try_parse_from(&merged) {
+        Ok(Cli {
+            command: Command::Run(run),
+        }) => Ok(*run),
+        Ok(_) => Err(Error::Cli("internal: config merge changed the command".into())),
+        Err(e) => Err(Error::File {
+            path: path.display().to_string(),
+            reason: e.render().to_string().trim().to_string(),
+        }),
+    }
+}
+
+/// Read the config file and turn its flag keys into `--key=value` arguments, validating each key on
+/// its own so that an error names the file and the key.
+fn config_file_args(path: &Path, argv: &[OsString]) -> Result<Vec<String>, Error> {
+    let file = path.display().to_string();
+    let text = std::fs::read_to_string(path).map_err(|e| Error::File {
+        path: file.clone(),
+        reason: e.to_string(),
+    })?;
+    let table: toml::Table = text.parse().map_err(|e: toml::de::Error| Error::File {
+        path: file.clone(),
+        reason: e.to_string().trim().to_string(),
+    })?;
+    let cmd = Cli::command();
+    let run_cmd = cmd
+        .find_subcommand("run")
+        .ok_or_else(|| Error::Cli("internal: no run subcommand".into()))?;
+    let mut out = Vec::new();
+    for (raw_key, value) in &table {
+        if STRUCTURED_KEYS.contains(&raw_key.as_str()) {
+            continue;
+        }
+        let key = raw_key.replace('_', "-");
+        let arg = run_cmd
+            .get_arguments()
+            .find(|a| a.get_long() == Some(key.as_str()) && !a.is_hide_set())
+            .ok_or_else(|| Error::FileKey {
+                path: file.clone(),
+                key: raw_key.clone(),
+                reason: "unknown key".into(),
+            })?;
+        if key == "config" {
+            return Err(Error::FileKey {
+                path: file.clone(),
+                key: raw_key.clone(),
+                reason: "a config file cannot name another config file".into(),
+            });
+        }
+        // Flag or env given: they win over the file.
+        let flag = format!("--{key}");
+        let on_cli = argv.iter().any(|a| {
+            let s = a.to_string_lossy();
+            s == flag || s.starts_with(&format!("{flag}="))
+        });
+        let in_env = arg
+            .get_env()
+            .map(|name| std::env::var_os(name).is_some())
+            .unwrap_or(false);
+        if on_cli || in_env {
+            continue;
+        }
+        let values: Vec<String> = match value {
+            toml::Value::Array(items) => items
+                .iter()
+                .map(|v| toml_scalar(v))
+                .collect::<Option<Vec<_>>>()
+                .ok_or_else(|| Error::FileKey {
+                    path: file.clone(),
+                    key: raw_key.clone(),
+                    reason: "expected a list of strings, numbers or booleans".into(),
+                })?,
+            v => vec![toml_scalar(v).ok_or_else(|| Error::FileKey {
+                path: file.clone(),
+                key: raw_key.clone(),
+                reason: "expected a string, number or boolean".into(),
+            })?],
+        };
+        for v in values {
+            let one = format!("--{key}={v}");
+            // Validate this key alone so the error names the file and key.
+            if let Err(e) = Cli::try_parse_from(["spotguard", "run", one.as_str()]) {
+                let msg = e.render().to_string();
+                let reason = msg
+                    .lines()
+                    .next()
+                    .unwrap_or("invalid value")
+                    .trim_start_matches("error: ")
+                    .to_string();
+                return Err(Error::FileKey {
+                    path: file.clone(),
+                    key: raw_key.clone(),
+                    reason,
+                });
+            }
+            out.push(one);
+        }
+    }
+    Ok(out)
+}
+
+fn toml_scalar(v: &toml::Value) -> Option<String> {
+    match v {
+        toml::Value::String(s) => Some(s.clone()),
+        toml::Value::Integer(i) => Some(i.to_string()),
+        toml::Value::Float(f) => Some(f.to_string()),
+        toml::Value::Boolean(b) => Some(b.to_string()),
+        _ => None,
+    }
+}
+
+/// Environment lookups used by [`Config::resolve`] (injectable for tests).
+pub trait Env {
+    fn var(&self, name: &str) -> Option<String>;
+    fn exists(&self, path: &Path) -> bool;
+    fn stdout_is_tty(&self) -> bool;
+}
+
+/// The process environment.
+pub struct ProcessEnv;
+
+impl Env for ProcessEnv {
+    fn var(&self, name: &str) -> Option<String> {
+        std::env::var(name).ok().filter(|v| !v.is_empty())
+    }
+    fn exists(&self, path: &Path) -> bool {
+        path.exists()
+    }
+    fn stdout_is_tty(&self) -> bool {
+        use std::io::IsTerminal;
+        std::io::stderr().is_terminal()
+    }
+}
+
+const SA_TOKEN: &str = "/var/run/secrets/kubernetes.io/serviceaccount/token";
+
+impl Config {
+    /// Validate `run` arguments and resolve the derived settings (mode, node name, log format,
+    /// structured file parts).
+    pub fn resolve(args: RunArgs, env: &dyn Env) -> Result<Config, Error> {
+        let in_cluster =
+            env.var("KUBERNETES_SERVICE_HOST").is_some() && env.exists(Path::new(SA_TOKEN));
+        let mode = match args.mode {
+            ModeChoice::Kubernetes => Mode::Kubernetes,
+            ModeChoice::Host => Mode::Host,
+            ModeChoice::Auto => {
+                if in_cluster || env.var("KUBECONFIG").is_some() {
+                    Mode::Kubernetes
+                } else {
+                    Mode::Host
+                }
+            }
+        };
+        let node_name = args
+            .node_name
+            .clone()
+            .or_else(|| env.var("NODE_NAME"))
+            .filter(|n| !n.trim().is_empty());
+        if mode == Mode::Kubernetes && node_name.is_none() {
+            return Err(Error::Invalid {
+                key: "node-name",
+                reason: "required in kubernetes mode (set --node-name, SPOTGUARD_NODE_NAME or NODE_NAME from the downward API)".into(),
+            });
+        }
+        if let Some(n) = &node_name {
+            validate_dns_subdomain(n).map_err(|reason| Error::Invalid {
+                key: "node-name",
+                reason,
+            })?;
+        }
+        if let Some(reserve) = args.drain_reserve {
+            if reserve >= Duration::from_secs(600) {
+                return Err(Error::Invalid {
+                    key: "drain-reserve",
+                    reason: format!(
+                        "{} leaves no time to checkpoint before any cloud's deadline",
+                        humantime::format_duration(reserve)
+                    ),
+                });
+            }
+        }
+        for unit in &args.checkpoint_unit {
+            if unit.is_empty() || unit.contains('/') {
+                return Err(Error::Invalid {
+                    key: "checkpoint-unit",
+                    reason: format!("{unit:?} is not a systemd unit name"),
+                });
+            }
+        }
+        if args.webhook_template.is_some() && args.webhook_url.is_none() {
+            return Err(Error::Invalid {
+                key: "webhook-template",
+                reason: "set --webhook-url too".into(),
+            });
+        }
+        let (datasets, gpu_table) = match &args.config {
+            Some(path) => read_extras(path)?,
+            None => (Vec::new(), None),
+        };
+        let mut all = datasets;
+        all.extend(args.prefetch.iter().cloned());
+        let mut seen = std::collections::HashSet::new();
+        for d in &all {
+            validate_dataset(d).map_err(|reason| Error::Invalid {
+                key: "prefetch",
+                reason,
+            })?;
+            if !seen.insert(d.name.clone()) {
+                return Err(Error::Invalid {
+                    key: "prefetch",
+                    reason: format!("dataset name {:?} given twice", d.name),
+                });
+            }
+        }
+        let log_format = args.log_format.unwrap_or(if in_cluster {
+            LogFormat::Json
+        } else if env.stdout_is_tty() {
+            LogFormat::Text
+        } else {
+            LogFormat::Json
+        });
+        tracing_subscriber::EnvFilter::try_new(&args.log_level).map_err(|e| Error::Invalid {
+            key: "log-level",
+            reason: e.to_string(),
+        })?;
+        Ok(Config {
+            mode,
+            node_name,
+            pod_name: env.var("POD_NAME"),
+            pod_namespace: env.var("POD_NAMESPACE"),
+            datasets: all,
+            gpu_table,
+            log_format,
+            args,
+        })
+    }
+}
+
+fn read_extras(path: &Path) -> Result<(Vec<Dataset>, Option<toml::Table>), Error> {
+    let file = path.display().to_string();
+    let text = std::fs::read_to_string(path).map_err(|e| Error::File {
+        path: file.clone(),
+        reason: e.to_string(),
+    })?;
+    let mut table: toml::Table = text.parse().map_err(|e: toml::de::Error| Error::File {
+        path: file.clone(),
+        reason: e.to_string().trim().to_string(),
+    })?;
+    table.retain(|k, _| STRUCTURED_KEYS.contains(&k.as_str()));
+    let extras: FileExtras =
+        toml::Value::Table(table)
+            .try_into()
+            .map_err(|e: toml::de::Error| Error::File {
+                path: file.clone(),
+                reason: e.to_string().trim().to_string(),
+            })?;
+    Ok((extras.datasets, extras.gpu))
+}
+
+fn validate_dataset(d: &Dataset) -> Result<(), String> {
+    if d.name.is_empty()
+        || d.name.starts_with('.')
+        || !d
+            .name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+    {
+        return Err(format!(
+            "dataset name {:?}: use letters, digits, '-', '_' and '.' (not leading)",
+            d.name
+        ));
+    }
+    let ok = ["s3://", "gs://", "file:///"]
+        .iter()
+        .any(|p| d.url.starts_with(p) && d.url.len() > p.len());
+    if !ok {
+        return Err(format!(
+            "dataset {:?}: URL {:?} must start with s3://, gs:// or file:///",
+            d.name, d.url
+        ));
+    }
+    Ok(())
+}
+
+fn validate_dns_subdomain(name: &str) -> Result<(), String> {
+    let ok = name.len() <= 253
+        && name
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || c == '.')
+        && !name.starts_with(['-', '.'])
+        && !name.ends_with(['-', '.']);
+    if ok {
+        Ok(())
+    } else {
+        Err(format!("{name:?} is not a valid Kubernetes node name"))
+    }
+}
+
+// === value parsers (used by clap; their messages end up after the flag name) ===
+
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    humantime::parse_duration(s.trim())
+        .map_err(|e| format!("{e} (expected a duration like 500ms, 30s, 10m)"))
+}
+
+pub fn parse_positive_duration(s: &str) -> Result<Duration, String> {
+    let d = parse_duration(s)?;
+    if d.is_zero() {
+        return Err("must be greater than zero".into());
+    }
+    Ok(d)
+}
+
+fn parse_signal(s: &str) -> Result<Signal, String> {
+    s.parse()
+}
+
+fn parse_regex(s: &str) -> Result<Regex, String> {
+    Regex::new(s).map_err(|e| e.to_string())
+}
+
+fn parse_bool(s: &str) -> Result<bool, String> {
+    match s.trim().to_ascii_lowercase().as_str() {
+        "true" | "1" | "yes" | "on" => Ok(true),
+        "false" | "0" | "no" | "off" | "" => Ok(false),
+        other => Err(format!("{other:?} is not a boolean (true/false)")),
+    }
+}
+
+fn parse_abs_path(s: &str) -> Result<PathBuf, String> {
+    let p = PathBuf::from(s);
+    if p.is_absolute() {
+        Ok(p)
+    } else {
+        Err(format!("{s:?} must be an absolute path"))
+    }
+}
+
+fn parse_url(s: &str) -> Result<String, String> {
+    let t = s.trim().trim_end_matches('/');
+    let rest = t
+        .strip_prefix("http://")
+        .or_else(|| t.strip_prefix("https://"))
+        .ok_or_else(|| format!("{s:?} must start with http:// or https://"))?;
+    if rest.is_empty() || rest.contains(char::is_whitespace) {
+        return Err(format!("{s:?} has no host"));
+    }
+    Ok(t.to_string())
+}
+
+fn parse_dataset(s: &str) -> Result<Dataset, String> {
+    let (name, url) = s
+        .split_once('=')
+        .ok_or_else(|| format!("{s:?} must be NAME=URL"))?;
+    let d = Dataset {
+        name: name.trim().to_string(),
+        url: url.trim().to_string(),
+    };
+    validate_dataset(&d)?;
+    Ok(d)
+}
+
+/// Parse a byte size: `1024`, `64KiB`, `10MB`, `1.5GiB`, `2TiB`.
+pub fn parse_bytes(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: f64 = num
+        .parse()
+        .map_err(|_| format!("{s:?} is not a size (expected e.g. 500GiB)"))?;
+    let mult: f64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "k" | "kb" => 1e3,
+        "m" | "mb" => 1e6,
+        "g" | "gb" => 1e9,
+        "t" | "tb" => 1e12,
+        "ki" | "kib" => 1024.0,
+        "mi" | "mib" => 1024.0 * 1024.0,
+        "gi" | "gib" => 1024.0 * 1024.0 * 1024.0,
+        "ti" | "tib" => 1024.0_f64.powi(4),
+        other => return Err(format!("unknown size unit {other:?}")),
+    };
+    let v = n * mult;
+    if !v.is_finite() || v < 1.0 || v > u64::MAX as f64 {
+        return Err(format!("{s:?} is out of range"));
+    }
+    Ok(v as u64)
+}
+
+// === configuration reference ===
+
+/// The configuration reference in Markdown, generated from the clap definitions of `run`.
+pub fn reference_markdown() -> String {
+    let cmd = Cli::command();
+    let mut out = String::new();
+    out.push_str("# Configuration reference\n\n");
+    out.push_str("<!-- Generated by `spotguard config-reference` from the CLI definitions; a test fails when it drifts. Do not edit by hand. -->\n\n");
+    out.push_str("Every `spotguard run` flag also reads the environment variable shown. Precedence: flag > environment > config file (`--config`, TOML, same keys) > default. A bad value exits with code 64 and names the key.\n\n");
+    out.push_str("| flag | environment | default | meaning |\n|---|---|---|---|\n");
+    if let Some(run) = cmd.find_subcommand("run") {
+        let mut rows: BTreeMap<usize, String> = BTreeMap::new();
+        for (i, a) in run.get_arguments().enumerate() {
+            if a.is_hide_set() {
+                continue;
+            }
+            let Some(long) = a.get_long() else { continue };
+            if long == "help" || long == "version" {
+                continue;
+            }
+            let env = a
+                .get_env()
+                .map(|e| format!("`{}`", e.to_string_lossy()))
+                .unwrap_or_default();
+            let default = a
+                .get_default_values()
+                .iter()
+                .map(|v| v.to_string_lossy().into_owned())
+                .collect::<Vec<_>>()
+                .join(",");
+            let possible = a
+                .get_possible_values()
+                .iter()
+                .map(|p| p.get_name().to_string())
+                .collect::<Vec<_>>();
+            let mut help = a.get_help().map(|h| h.to_string()).unwrap_or_default();
+            if !possible.is_empty() && !matches!(possible.as_slice(), [a, b] if a == "true" && b == "false")
+            {
+                help.push_str(&format!(" One of: `{}`.", possible.join("`, `")));
+            }
+            if a.get_num_args().is_some_and(|n| n.max_values() > 1) || matches!(a.get_action(), ArgAction::Append) {
+                help.push_str(" Repeatable; the environment variable takes a comma-separated list.");
+            }
+            let default = if default.is_empty() {
+                "—".to_string()
+            } else {
+                format!("`{default}`")
+            };
+            rows.insert(
+                i,
+                format!(
+                    "| `--{long}` | {env} | {default} | {} |\n",
+                    help.replace('|', "\\|")
+                ),
+            );
+        }
+        for r in rows.values() {
+            out.push_str(r);
+        }
+    }
+    out.push_str("\n## Config file\n\n");
+    out.push_str("`--config FILE` reads TOML with the same keys as the flags (kebab-case or snake_case) plus structured parts:\n\n");
+    out.push_str("```toml\ncloud = \"aws\"\npoll-interval = \"1s\"\ncheckpoint-timeout = \"90s\"\ncheckpoint-cmdline = [\"python.*train\\\\.py\"]\n\n[[datasets]]\nname = \"imagenet\"\nurl = \"s3://my-bucket/imagenet/\"\n\n[gpu.thresholds]\n# see docs/gpu-health.md\n```\n");
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct TestEnv(Vec<(&'static str, &'static str)>);
+    impl Env for TestEnv {
+        fn var(&self, name: &str) -> Option<String> {
+            self.0
+                .iter()
+                .find(|(k, _)| *k == name)
+                .map(|(_, v)| v.to_string())
+        }
+        fn exists(&self, _path: &Path) -> bool {
+            false
+        }
+        fn stdout_is_tty(&self) -> bool {
+            true
+        }
+    }
+
+    fn run_args(args: &[&str]) -> Result<RunArgs, String> {
+        let mut argv = vec!["spotguard", "run"];
+        argv.extend_from_slice(args);
+        match parse_cli(argv) {
+            Parsed::Command(Command::Run(r)) => Ok(*r),
+            Parsed::Command(_) => Err("other command".into()),
+            Parsed::Exit { code, text, .. } => Err(format!("{code}: {text}")),
+        }
+    }
+
+    #[test]
+    fn defaults_match_the_design() {
+        let a = run_args(&[]).unwrap();
+        assert_eq!(a.poll_interval, Duration::from_secs(1));
+        assert_eq!(a.on_rebalance, RebalanceAction::Checkpoint);
+        assert_eq!(a.rebalance_expiry, Duration::from_secs(1800));
+        assert_eq!(a.on_maintenance, MaintenanceAction::Drain);
+        assert_eq!(a.maintenance_lead, Duration::from_secs(600));
+        assert_eq!(a.checkpoint_signal, Signal::USR1);
+        assert_eq!(a.checkpoint_timeout, Duration::from_secs(90));
+        assert_eq!(a.metrics_addr.to_string(), "0.0.0.0:9464");
+        assert_eq!(a.checkpoint_dir, PathBuf::from("/run/spotguard"));
+        assert_eq!(a.state_dir, PathBuf::from("/var/lib/spotguard"));
+        assert_eq!(a.gce_preemption_notice, Duration::from_secs(30));
+        assert!(!a.dry_run && !a.force_delete_at_deadline && !a.imds_v1_fallback);
+        let c = Config::resolve(a, &TestEnv(vec![])).unwrap();
+        assert_eq!(c.mode, Mode::Host);
+        assert_eq!(c.drain_reserve(Source::Aws), Duration::from_secs(25));
+        assert_eq!(c.drain_reserve(Source::Gce), Duration::from_secs(8));
+        assert_eq!(c.drain_reserve(Source::Azure), Duration::from_secs(8));
+    }
+
+    #[test]
+    fn bad_values_exit_64_naming_the_flag() {
+        for (args, needle) in [
+            (vec!["--poll-interval", "soon"], "--poll-interval"),
+            (vec!["--poll-interval", "0s"], "--poll-interval"),
+            (vec!["--checkpoint-signal", "SIGKILL"], "--checkpoint-signal"),
+            (vec!["--on-rebalance", "panic"], "--on-rebalance"),
+            (vec!["--metrics-addr", "nowhere"], "--metrics-addr"),
+            (vec!["--checkpoint-cmdline", "(unclosed"], "--checkpoint-cmdline"),
+            (vec!["--checkpoint-dir", "relative/dir"], "--checkpoint-dir"),
+            (vec!["--cache-max-bytes", "lots"], "--cache-max-bytes"),
+            (vec!["--prefetch", "noequals"], "--prefetch"),
+            (vec!["--dry-run=maybe"], "--dry-run"),
+        ] {
+            let e = run_args(&args).unwrap_err();
+            assert!(e.starts_with("64:"), "{args:?} → {e}");
+            assert!(e.contains(needle), "{args:?} → {e}");
+        }
+    }
+
+    #[test]
+    fn kubernetes_mode_needs_a_node_name() {
+        let a = run_args(&["--mode", "kubernetes"]).unwrap();
+        let e = Config::resolve(a.clone(), &TestEnv(vec![])).unwrap_err();
+        assert!(e.to_string().starts_with("node-name:"), "{e}");
+        let c = Config::resolve(a, &TestEnv(vec![("NODE_NAME", "gpu-node-1")])).unwrap();
+        assert_eq!(c.node_name.as_deref(), Some("gpu-node-1"));
+        let a = run_args(&[]).unwrap();
+        let c = Config::resolve(
+            a,
+            &TestEnv(vec![("KUBECONFIG", "/k"), ("NODE_NAME", "n1")]),
+        )
+        .unwrap();
+        assert_eq!(c.mode, Mode::Kubernetes);
+    }
+
+    #[test]
+    fn config_file_fills_in_below_flags() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.toml");
+        std::fs::write(
+            &path,
+            "cloud = \"gce\"\npoll_interval = \"3s\"\ncheckpoint-timeout = \"45s\"\ndry-run = true\ncheckpoint-cmdline = [\"train\", \"torchrun\"]\n[[datasets]]\nname = \"ds\"\nurl = \"s3://b/p/\"\n",
+        )
+        .unwrap();
+        let p = path.to_str().unwrap();
+        let a = run_args(&["--config", p, "--poll-interval", "2s"]).unwrap();
+        assert_eq!(a.cloud, CloudChoice::Gce);
+        assert_eq!(a.poll_interval, Duration::from_secs(2), "flag beats file");
+        assert_eq!(a.checkpoint_timeout, Duration::from_secs(45));
+        assert!(a.dry_run);
+        assert_eq!(a.checkpoint_cmdline.len(), 2);
+        let c = Config::resolve(a, &TestEnv(vec![])).unwrap();
+        assert_eq!(
+            c.datasets,
+            vec![Dataset {
+                name: "ds".into(),
+                url: "s3://b/p/".into()
+            }]
+        );
+    }
+
+    #[test]
+    fn config_file_errors_name_file_and_key() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.toml");
+        std::fs::write(&path, "poll-interval = \"fast\"\n").unwrap();
+        let e = run_args(&["--config", path.to_str().unwrap()]).unwrap_err();
+        assert!(e.starts_with("64:") && e.contains("poll-interval"), "{e}");
+        std::fs::write(&path, "no-such-key = 1\n").unwrap();
+        let e = run_args(&["--config", path.to_str().unwrap()]).unwrap_err();
+        assert!(e.contains("no-such-key") && e.contains("unknown key"), "{e}");
+        std::fs::write(&path, "this is not toml").unwrap();
+        let e = run_args(&["--config", path.to_str().unwrap()]).unwrap_err();
+        assert!(e.contains("config file"), "{e}");
+    }
+
+    #[test]
+    fn sizes_and_datasets_parse() {
+        assert_eq!(parse_bytes("1024").unwrap(), 1024);
+        assert_eq!(parse_bytes("64KiB").unwrap(), 65536);
+        assert_eq!(parse_bytes("2GiB").unwrap(), 2 << 30);
+        assert_eq!(parse_bytes("1.5GB").unwrap(), 1_500_000_000);
+        assert!(parse_bytes("-1").is_err());
+        assert!(parse_dataset("n=s3://b/p").is_ok());
+        assert!(parse_dataset("../x=s3://b/p").is_err());
+        assert!(parse_dataset("n=http://b/p").is_err());
+    }
+
+    #[test]
+    fn reference_lists_every_visible_flag() {
+        let md = reference_markdown();
+        for flag in [
+            "--cloud",
+            "--metadata-endpoint",
+            "--poll-interval",
+            "--node-name",
+            "--on-rebalance",
+            "--rebalance-expiry",
+            "--on-maintenance",
+            "--maintenance-lead",
+            "--checkpoint-signal",
+            "--checkpoint-timeout",
+            "--drain-reserve",
+            "--force-delete-at-deadline",
+            "--dry-run",
+            "--metrics-addr",
+            "--gpu",
+            "--log-format",
+            "--checkpoint-unit",
+            "--checkpoint-pidfile",
+            "--checkpoint-cmdline",
+            "--checkpoint-dir",
+            "--state-dir",
+            "--imds-v1-fallback",
+            "--gce-preemption-notice",
+            "--webhook-url",
+            "--webhook-template",
+            "--prefetch",
+            "--cache-dir",
+            "--cache-max-bytes",
+        ] {
+            assert!(md.contains(&format!("`{flag}`")), "{flag} missing");
+            let env = format!("SPOTGUARD_{}", flag[2..].replace('-', "_").to_uppercase());
+            assert!(md.contains(&env), "{env} missing");
+        }
+    }
+}

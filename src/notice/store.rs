@@ -1,0 +1,352 @@
+//! The notice store: the one place that decides what a notice means for the plan.
+//!
+//! - An interruption is terminal: the first one starts the one plan; every later interruption
+//!   notice, from any source and whatever its id (some servers return a fresh `time` on every
+//!   poll), only moves the deadline earlier.
+//! - Rebalance and maintenance notices dedupe by id; a maintenance notice whose window moved is an
+//!   update.
+//! - `Cancelled(id)` cancels a known rebalance/maintenance notice once.
+//!
+//! Deadline maths lives here as pure functions.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use jiff::{SignedDuration, Timestamp};
+
+use super::{Notice, NoticeKind};
+
+/// What the responder should do with a notice.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Decision {
+    /// The first interruption: start the one interruption plan.
+    StartInterruption(Notice),
+    /// A later interruption notice with an earlier deadline.
+    DeadlineMoved(Timestamp),
+    /// A new rebalance or maintenance notice.
+    New(Notice),
+    /// A known maintenance notice whose window changed.
+    Updated(Notice),
+    /// A known notice was cancelled.
+    Cancel(String),
+    /// Nothing new.
+    Duplicate,
+}
+
+#[derive(Clone, Debug)]
+struct Seen {
+    kind: NoticeKind,
+    deadline: Option<Timestamp>,
+    not_before: Option<Timestamp>,
+    cancelled: bool,
+}
+
+/// Dedupe and deadline state. Owned by the responder task; not shared.
+#[derive(Debug, Default)]
+pub struct NoticeStore {
+    interruption: Option<(String, Timestamp)>,
+    seen: HashMap<String, Seen>,
+}
+
+impl NoticeStore {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The active interruption's id and effective deadline, if one started.
+    pub fn interruption(&self) -> Option<(&str, Timestamp)> {
+        self.interruption.as_ref().map(|(id, d)| (id.as_str(), *d))
+    }
+
+    /// Restore an interruption plan persisted by an earlier run of the agent.
+    pub fn restore_interruption(&mut self, id: &str, deadline: Timestamp) {
+        self.interruption = Some((id.to_string(), deadline));
+    }
+
+    /// Restore a rebalance/maintenance notice persisted by an earlier run (so re-polls dedupe).
+    pub fn restore(&mut self, id: &str, kind: NoticeKind, deadline: Option<Timestamp>) {
+        self.seen.insert(
+            id.to_string(),
+            Seen {
+                kind,
+                deadline,
+                not_before: deadline,
+                cancelled: false,
+            },
+        );
+    }
+
+    /// Decide what `notice` means. `now` resolves absent or past deadlines ("now").
+    pub fn accept(&mut self, notice: &Notice, now: Timestamp) -> Decision {
+        match &notice.kind {
+            NoticeKind::Interruption => {
+                let deadline = effective_deadline(notice.deadline, now);
+                match &mut self.interruption {
+                    None => {
+                        self.interruption = Some((notice.id.clone(), deadline));
+                        let mut n = notice.clone();
+                        n.deadline = Some(deadline);
+                        Decision::StartInterruption(n)
+                    }
+                    Some((_, current)) if deadline < *current => {
+                        *current = deadline;
+                        Decision::DeadlineMoved(deadline)
+                    }
+                    Some(_) => Decision::Duplicate,
+                }
+            }
+            NoticeKind::Rebalance | NoticeKind::Maintenance => {
+                match self.seen.get_mut(&notice.id) {
+                    None => {
+                        self.seen.insert(
+                            notice.id.clone(),
+                            Seen {
+                                kind: notice.kind.clone(),
+                                deadline: notice.deadline,
+                                not_before: notice.not_before,
+                                cancelled: false,
+                            },
+                        );
+                        Decision::New(notice.clone())
+                    }
+                    Some(seen) if seen.cancelled => Decision::Duplicate,
+                    Some(seen)
+                        if notice.kind == NoticeKind::Maintenance
+                            && (seen.deadline != notice.deadline
+                                || seen.not_before != notice.not_before) =>
+                    {
+                        seen.deadline = notice.deadline;
+                        seen.not_before = notice.not_before;
+                        Decision::Updated(notice.clone())
+                    }
+                    Some(_) => Decision::Duplicate,
+                }
+            }
+            NoticeKind::Cancelled(id) => match self.seen.get_mut(id) {
+                Some(seen) if !seen.cancelled && seen.kind != NoticeKind::Interruption => {
+                    seen.cancelled = true;
+                    Decision::Cancel(id.clone())
+                }
+                Some(_) => Decision::Duplicate,
+                None => {
+                    // Remember it so that a later "active" report of a stale id is not acted on.
+                    self.seen.insert(
+                        id.clone(),
+                        Seen {
+                            kind: NoticeKind::Maintenance,
+                            deadline: None,
+                            not_before: None,
+                            cancelled: true,
+                        },
+                    );
+                    Decision::Duplicate
+                }
+            },
+        }
+    }
+
+    /// Forget a rebalance notice after its expiry, so that a fresh recommendation acts again.
+    pub fn forget(&mut self, id: &str) {
+        self.seen.remove(id);
+    }
+}
+
+/// A missing or past deadline means "now".
+pub fn effective_deadline(deadline: Option<Timestamp>, now: Timestamp) -> Timestamp {
+    match deadline {
+        Some(d) if d > now => d,
+        _ => now,
+    }
+}
+
+/// `t + d`, saturating at the representable range.
+pub fn add(t: Timestamp, d: Duration) -> Timestamp {
+    SignedDuration::try_from(d)
+        .ok()
+        .and_then(|sd| t.checked_add(sd).ok())
+        .unwrap_or(Timestamp::MAX)
+}
+
+/// `t − d`, saturating at the representable range.
+pub fn sub(t: Timestamp, d: Duration) -> Timestamp {
+    SignedDuration::try_from(d)
+        .ok()
+        .and_then(|sd| t.checked_sub(sd).ok())
+        .unwrap_or(Timestamp::MIN)
+}
+
+/// When checkpoint waiting must end: `min(now + timeout, deadline − reserve)`, never before now.
+pub fn checkpoint_deadline(
+    deadline: Timestamp,
+    now: Timestamp,
+    reserve: Duration,
+    timeout: Duration,
+) -> Timestamp {
+    let by_timeout = add(now, timeout);
+    let by_deadline = sub(deadline, reserve);
+    let end = if by_timeout < by_deadline {
+        by_timeout
+    } else {
+        by_deadline
+    };
+    if end < now {
+        now
+    } else {
+        end
+    }
+}
+
+/// When handling of a scheduled event starts: `not_before − lead` (never before now).
+pub fn maintenance_start(not_before: Timestamp, lead: Duration, now: Timestamp) -> Timestamp {
+    let start = sub(not_before, lead);
+    if start < now {
+        now
+    } else {
+        start
+    }
+}
+
+/// Grace period to give an evicted pod: `min(pod's own, time left − 2 s)`, at least 0.
+pub fn eviction_grace(pod_grace: Option<i64>, deadline: Timestamp, now: Timestamp) -> i64 {
+    let own = pod_grace.unwrap_or(30).max(0);
+    let left = super::time_until(Some(deadline), now).as_secs() as i64 - 2;
+    own.min(left.max(0))
+}
+
+/// A `std::time::Duration` until `t` (zero when past).
+pub fn until(t: Timestamp, now: Timestamp) -> Duration {
+    super::time_until(Some(t), now)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::notice::Source;
+
+    fn ts(s: i64) -> Timestamp {
+        Timestamp::from_second(1_800_000_000 + s).unwrap()
+    }
+
+    fn notice(id: &str, kind: NoticeKind, deadline: Option<i64>) -> Notice {
+        Notice {
+            id: id.into(),
+            kind,
+            source: Source::Aws,
+            deadline: deadline.map(ts),
+            not_before: deadline.map(ts),
+            detail: String::new(),
+            restart: false,
+            published_at: None,
+            observed_at: ts(0),
+        }
+    }
+
+    #[test]
+    fn first_interruption_starts_the_plan_later_ones_only_move_the_deadline_earlier() {
+        let mut s = NoticeStore::new();
+        let now = ts(0);
+        let d = s.accept(&notice("a", NoticeKind::Interruption, Some(120)), now);
+        assert!(matches!(d, Decision::StartInterruption(ref n) if n.deadline == Some(ts(120))));
+        // Same content again: duplicate.
+        assert_eq!(
+            s.accept(&notice("a", NoticeKind::Interruption, Some(120)), now),
+            Decision::Duplicate
+        );
+        // Different id (fresh `time` on every poll), later deadline: never a second plan.
+        assert_eq!(
+            s.accept(&notice("b", NoticeKind::Interruption, Some(125)), now),
+            Decision::Duplicate
+        );
+        // Another source, earlier deadline: moves it.
+        let mut g = notice("c", NoticeKind::Interruption, Some(90));
+        g.source = Source::Gce;
+        assert_eq!(s.accept(&g, now), Decision::DeadlineMoved(ts(90)));
+        assert_eq!(s.interruption(), Some(("a", ts(90))));
+    }
+
+    #[test]
+    fn missing_or_past_deadline_means_now() {
+        let mut s = NoticeStore::new();
+        let now = ts(50);
+        match s.accept(&notice("x", NoticeKind::Interruption, Some(10)), now) {
+            Decision::StartInterruption(n) => assert_eq!(n.deadline, Some(now)),
+            d => panic!("{d:?}"),
+        }
+        let mut s = NoticeStore::new();
+        match s.accept(&notice("y", NoticeKind::Interruption, None), now) {
+            Decision::StartInterruption(n) => assert_eq!(n.deadline, Some(now)),
+            d => panic!("{d:?}"),
+        }
+    }
+
+    #[test]
+    fn maintenance_dedupes_by_id_updates_on_window_change_and_cancels_once() {
+        let mut s = NoticeStore::new();
+        let now = ts(0);
+        let m = notice("ev-1", NoticeKind::Maintenance, Some(3600));
+        assert!(matches!(s.accept(&m, now), Decision::New(_)));
+        assert_eq!(s.accept(&m, now), Decision::Duplicate);
+        let moved = notice("ev-1", NoticeKind::Maintenance, Some(7200));
+        assert!(matches!(s.accept(&moved, now), Decision::Updated(_)));
+        let c = notice("ev-1", NoticeKind::Cancelled("ev-1".into()), None);
+        assert_eq!(s.accept(&c, now), Decision::Cancel("ev-1".into()));
+        assert_eq!(s.accept(&c, now), Decision::Duplicate);
+        // A stale "active" report after the cancel is not acted on.
+        assert_eq!(s.accept(&moved, now), Decision::Duplicate);
+        // Cancel of an unknown id: nothing to undo.
+        let c2 = notice("zz", NoticeKind::Cancelled("zz".into()), None);
+        assert_eq!(s.accept(&c2, now), Decision::Duplicate);
+    }
+
+    #[test]
+    fn rebalance_dedupes_and_can_be_forgotten() {
+        let mut s = NoticeStore::new();
+        let r = notice("r1", NoticeKind::Rebalance, None);
+        assert!(matches!(s.accept(&r, ts(0)), Decision::New(_)));
+        assert_eq!(s.accept(&r, ts(1)), Decision::Duplicate);
+        s.forget("r1");
+        assert!(matches!(s.accept(&r, ts(2)), Decision::New(_)));
+    }
+
+    #[test]
+    fn restored_interruption_is_not_started_again() {
+        let mut s = NoticeStore::new();
+        s.restore_interruption("a", ts(100));
+        assert_eq!(
+            s.accept(&notice("a", NoticeKind::Interruption, Some(100)), ts(0)),
+            Decision::Duplicate
+        );
+    }
+
+    #[test]
+    fn checkpoint_deadline_is_min_of_timeout_and_reserve() {
+        let now = ts(0);
+        // EC2: 120 s notice, 25 s reserve, 90 s timeout → 90 s.
+        assert_eq!(
+            checkpoint_deadline(ts(120), now, Duration::from_secs(25), Duration::from_secs(90)),
+            ts(90)
+        );
+        // GCE: 30 s notice, 8 s reserve → 22 s.
+        assert_eq!(
+            checkpoint_deadline(ts(30), now, Duration::from_secs(8), Duration::from_secs(90)),
+            ts(22)
+        );
+        // Deadline already inside the reserve → now.
+        assert_eq!(
+            checkpoint_deadline(ts(5), now, Duration::from_secs(8), Duration::from_secs(90)),
+            now
+        );
+    }
+
+    #[test]
+    fn maintenance_start_and_grace() {
+        let now = ts(0);
+        assert_eq!(maintenance_start(ts(3600), Duration::from_secs(600), now), ts(3000));
+        assert_eq!(maintenance_start(ts(300), Duration::from_secs(600), now), now);
+        assert_eq!(eviction_grace(Some(30), ts(100), now), 30);
+        assert_eq!(eviction_grace(Some(300), ts(20), now), 18);
+        assert_eq!(eviction_grace(None, ts(10), now), 8);
+        assert_eq!(eviction_grace(Some(30), ts(1), now), 0);
+        assert_eq!(eviction_grace(Some(-5), ts(100), now), 0);
+    }
+}

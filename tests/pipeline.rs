@@ -1,0 +1,500 @@
+//! End to end in host mode, over loopback HTTP: the embedded metadata emulator (real wire
+//! protocols) → notice sources → store → responder → checkpoint signal to real child processes →
+//! acks → persisted state. Faults: 5xx storms, stalls, resets, expired tokens, garbage, a metadata
+//! server that is down at start.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use spotguard::app;
+use spotguard::config::{self, Config};
+use spotguard::emulator::{self, Cloud, EmulatedNotice, EmulatorConfig, Fault};
+use spotguard::responder::PlanEvent;
+use tokio::sync::broadcast;
+use tokio_util::sync::CancellationToken;
+
+/// A training-like process tree under one parent: the parent `bash` and a `sleep` do not catch
+/// SIGUSR1; the trainer does, records each signal in `marks`, and writes a `done` ack.
+struct Trainer {
+    parent: tokio::process::Child,
+    dir: PathBuf,
+    pidfile: PathBuf,
+}
+
+const TRAINER: &str = r#"
+trap 'n=$((n+1)); echo $n >> "$MARKS"; printf '"'"'{"state":"done","step":%d,"checkpoint":"ckpt-%d","ts":%s}'"'"' $n $n $(date +%s.%N) > "$SPOTGUARD_DIR/.ack.tmp"; mv "$SPOTGUARD_DIR/.ack.tmp" "$SPOTGUARD_DIR/ack-$BASHPID.json"' USR1
+while :; do sleep 0.05; done
+"#;
+
+impl Trainer {
+    async fn start(dir: &Path) -> Trainer {
+        std::fs::create_dir_all(dir.join("ckpt")).unwrap();
+        let script = format!(
+            "sleep 1000 & echo $! > '{d}/sleep.pid'; bash -c '{t}' & echo $! > '{d}/trainer.pid'; wait",
+            d = dir.display(),
+            t = TRAINER.replace('\'', r"'\''"),
+        );
+        let parent = tokio::process::Command::new("bash")
+            .arg("-c")
+            .arg(script)
+            .env("SPOTGUARD_DIR", dir.join("ckpt"))
+            .env("MARKS", dir.join("marks"))
+            .stdout(Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        let pidfile = dir.join("parent.pid");
+        std::fs::write(&pidfile, parent.id().unwrap().to_string()).unwrap();
+        // Wait until the trainer has installed its trap.
+        let t = Trainer {
+            parent,
+            dir: dir.to_path_buf(),
+            pidfile,
+        };
+        for _ in 0..200 {
+            if let Some(pid) = t.pid("trainer.pid") {
+                if catches_usr1(pid) {
+                    return t;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        panic!("trainer did not start");
+    }
+
+    fn pid(&self, file: &str) -> Option<i32> {
+        std::fs::read_to_string(self.dir.join(file))
+            .ok()?
+            .trim()
+            .parse()
+            .ok()
+    }
+
+    fn signals_seen(&self) -> usize {
+        std::fs::read_to_string(self.dir.join("marks"))
+            .map(|s| s.lines().count())
+            .unwrap_or(0)
+    }
+
+    fn alive(&self, file: &str) -> bool {
+        self.pid(file).is_some_and(alive)
+    }
+}
+
+impl Drop for Trainer {
+    fn drop(&mut self) {
+        for f in ["sleep.pid", "trainer.pid"] {
+            if let Some(p) = self.pid(f) {
+                unsafe { libc::kill(p, libc::SIGKILL) };
+            }
+        }
+        let _ = self.parent.start_kill();
+    }
+}
+
+fn alive(pid: i32) -> bool {
+    // A zombie still answers kill(0); check the state too.
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let state = stat
+        .rsplit(')')
+        .next()
+        .and_then(|r| r.split_whitespace().next());
+    unsafe { libc::kill(pid, 0) == 0 }
+    &&state != Some("Z")
+}
+
+fn catches_usr1(pid: i32) -> bool {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("SigCgt:"))
+        .and_then(|h| u64::from_str_radix(h.trim(), 16).ok())
+        .is_some_and(|m| m & (1 << (libc::SIGUSR1 - 1)) != 0)
+}
+
+fn run_args(cloud: &str, endpoint: &str, t: &Trainer, extra: &[&str]) -> config::RunArgs {
+    let mut argv: Vec<String> = vec![
+        "spotguard".into(),
+        "run".into(),
+        "--mode=host".into(),
+        format!("--cloud={cloud}"),
+        format!("--metadata-endpoint={endpoint}"),
+        "--poll-interval=200ms".into(),
+        "--checkpoint-timeout=20s".into(),
+        format!("--checkpoint-dir={}", t.dir.join("ckpt").display()),
+        format!("--state-dir={}", t.dir.join("state").display()),
+        format!("--checkpoint-pidfile={}", t.pidfile.display()),
+        "--metrics-addr=127.0.0.1:0".into(),
+        "--gpu=off".into(),
+        "--log-level=warn".into(),
+        "--shutdown-grace=2s".into(),
+    ];
+    argv.extend(extra.iter().map(|s| s.to_string()));
+    match config::parse_cli(argv) {
+        config::Parsed::Command(config::Command::Run(r)) => *r,
+        config::Parsed::Exit { text, .. } => panic!("{text}"),
+        _ => unreachable!(),
+    }
+}
+
+async fn start_agent(args: config::RunArgs) -> (app::App, CancellationToken) {
+    let cfg = Config::resolve(args, &config::ProcessEnv).unwrap();
+    let cancel = CancellationToken::new();
+    let app = app::start(cfg, cancel.clone()).await.unwrap();
+    (app, cancel)
+}
+
+/// Wait for an event matching `f`, up to `limit`.
+async fn wait_for<T>(
+    events: &mut broadcast::Receiver<PlanEvent>,
+    limit: Duration,
+    mut f: impl FnMut(&PlanEvent) -> Option<T>,
+) -> T {
+    tokio::time::timeout(limit, async {
+        loop {
+            match events.recv().await {
+                Ok(e) => {
+                    if let Some(v) = f(&e) {
+                        return v;
+                    }
+                }
+                Err(broadcast::error::RecvError::Lagged(_)) => {}
+                Err(e) => panic!("event channel closed: {e}"),
+            }
+        }
+    })
+    .await
+    .expect("timed out waiting for a plan event")
+}
+
+fn persisted_phase(t: &Trainer) -> Option<String> {
+    let s = std::fs::read_to_string(t.dir.join("state/notice.json")).ok()?;
+    let v: serde_json::Value = serde_json::from_str(&s).ok()?;
+    v.get("phase")?.as_str().map(str::to_string)
+}
+
+async fn metrics_text(addr: std::net::SocketAddr) -> String {
+    reqwest::get(format!("http://{addr}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
+
+async fn interruption_round_trip(cloud: Cloud) {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = Trainer::start(tmp.path()).await;
+    let emu = emulator::start(EmulatorConfig::new(cloud)).await.unwrap();
+    let (app, cancel) = start_agent(run_args(cloud.as_str(), &emu.base_url(), &t, &[])).await;
+    let mut events = app.events;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    emu.raise(EmulatedNotice::interruption()).unwrap();
+
+    let processes = wait_for(&mut events, Duration::from_secs(20), |e| match e {
+        PlanEvent::Signalled { processes, .. } => Some(*processes),
+        _ => None,
+    })
+    .await;
+    assert_eq!(
+        processes, 1,
+        "only the process that catches SIGUSR1 is signalled"
+    );
+    let results = wait_for(&mut events, Duration::from_secs(20), |e| match e {
+        PlanEvent::Checkpointed { results, .. } => Some(results.clone()),
+        _ => None,
+    })
+    .await;
+    assert_eq!(results.len(), 1);
+    assert_eq!(results[0].outcome.as_str(), "acked", "{:?}", results[0]);
+    wait_for(&mut events, Duration::from_secs(20), |e| {
+        matches!(e, PlanEvent::Done { .. }).then_some(())
+    })
+    .await;
+
+    assert_eq!(t.signals_seen(), 1);
+    assert!(
+        t.alive("sleep.pid"),
+        "a process that does not catch SIGUSR1 must live"
+    );
+    assert!(t.alive("trainer.pid"));
+    assert_eq!(persisted_phase(&t).as_deref(), Some("done"));
+    let notice: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(t.dir.join("ckpt/notice.json")).unwrap())
+            .unwrap();
+    assert_eq!(notice["source"], cloud.as_str());
+    assert_eq!(notice["kind"], "interruption");
+    assert_eq!(notice["signal"], "SIGUSR1");
+
+    // Re-polls of the same notice never signal again.
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    assert_eq!(t.signals_seen(), 1);
+    let m = metrics_text(app.admin_addr).await;
+    assert!(
+        m.contains(&format!(
+            "spotguard_notices_total{{source=\"{}\",kind=\"interruption\"}} 1",
+            cloud.as_str()
+        )),
+        "{m}"
+    );
+    assert!(
+        m.contains("spotguard_checkpoint_total{outcome=\"acked\"} 1"),
+        "{m}"
+    );
+    if cloud == Cloud::Azure {
+        // Approved only after checkpoint (and drain) completed.
+        assert_eq!(emu.azure_acks().len(), 1);
+    }
+    cancel.cancel();
+    let _ = tokio::time::timeout(Duration::from_secs(5), app.join).await;
+    emu.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn aws_spot_interruption_signals_the_handler_only() {
+    interruption_round_trip(Cloud::Aws).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gce_preemption_signals_the_handler_only() {
+    interruption_round_trip(Cloud::Gce).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn azure_preempt_signals_then_acknowledges() {
+    interruption_round_trip(Cloud::Azure).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn aws_rebalance_is_an_early_checkpoint() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = Trainer::start(tmp.path()).await;
+    let emu = emulator::start(EmulatorConfig::new(Cloud::Aws))
+        .await
+        .unwrap();
+    let (app, cancel) = start_agent(run_args("aws", &emu.base_url(), &t, &[])).await;
+    let mut events = app.events;
+    emu.raise(EmulatedNotice::rebalance()).unwrap();
+    let results = wait_for(&mut events, Duration::from_secs(20), |e| match e {
+        PlanEvent::Checkpointed { results, .. } => Some(results.clone()),
+        _ => None,
+    })
+    .await;
+    assert_eq!(results[0].outcome.as_str(), "acked");
+    assert_eq!(t.signals_seen(), 1);
+    // An interruption after a rebalance still checkpoints (a fresh save).
+    emu.raise(EmulatedNotice::interruption()).unwrap();
+    wait_for(&mut events, Duration::from_secs(20), |e| match e {
+        PlanEvent::Checkpointed { .. } => Some(()),
+        _ => None,
+    })
+    .await;
+    assert_eq!(t.signals_seen(), 2);
+    cancel.cancel();
+    let _ = tokio::time::timeout(Duration::from_secs(5), app.join).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancelled_maintenance_is_undone() {
+    for cloud in [Cloud::Aws, Cloud::Azure] {
+        let tmp = tempfile::tempdir().unwrap();
+        let t = Trainer::start(tmp.path()).await;
+        let emu = emulator::start(EmulatorConfig::new(cloud)).await.unwrap();
+        // Lead longer than the notice: handling starts at once.
+        let (app, cancel) = start_agent(run_args(
+            cloud.as_str(),
+            &emu.base_url(),
+            &t,
+            &["--maintenance-lead=1h", "--on-maintenance=cordon"],
+        ))
+        .await;
+        let mut events = app.events;
+        let raised = emu
+            .raise(EmulatedNotice::maintenance().due_in(Duration::from_secs(600)))
+            .unwrap();
+        wait_for(&mut events, Duration::from_secs(20), |e| {
+            matches!(e, PlanEvent::Done { .. }).then_some(())
+        })
+        .await;
+        assert_eq!(persisted_phase(&t).as_deref(), Some("done"));
+        emu.cancel(Some(&raised.id)).unwrap();
+        let undone = wait_for(&mut events, Duration::from_secs(20), |e| match e {
+            PlanEvent::Undone { id, .. } => Some(id.clone()),
+            _ => None,
+        })
+        .await;
+        assert_eq!(undone, raised.id, "{cloud}");
+        assert_eq!(persisted_phase(&t), None, "state cleared after undo");
+        assert_eq!(t.signals_seen(), 0, "cordon policy never signals");
+        cancel.cancel();
+        let _ = tokio::time::timeout(Duration::from_secs(5), app.join).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn faults_are_counted_and_the_notice_is_still_seen() {
+    for (cloud, faults) in [
+        (
+            Cloud::Aws,
+            vec![
+                Fault::error(500).times(15),
+                Fault::expire_tokens(),
+                Fault::garbage().times(5),
+                Fault::drop_connections().times(5),
+                Fault::stall(Duration::from_secs(3)).times(2),
+            ],
+        ),
+        (
+            Cloud::Gce,
+            vec![
+                Fault::error(503).times(10),
+                Fault::drop_connections().times(4),
+            ],
+        ),
+        (
+            Cloud::Azure,
+            vec![Fault::error(500).times(10), Fault::garbage().times(5)],
+        ),
+    ] {
+        let tmp = tempfile::tempdir().unwrap();
+        let t = Trainer::start(tmp.path()).await;
+        let emu = emulator::start(EmulatorConfig::new(cloud)).await.unwrap();
+        for f in faults {
+            emu.fault(f).unwrap();
+        }
+        let (app, cancel) = start_agent(run_args(cloud.as_str(), &emu.base_url(), &t, &[])).await;
+        let mut events = app.events;
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        emu.raise(EmulatedNotice::interruption()).unwrap();
+        let results = wait_for(&mut events, Duration::from_secs(60), |e| match e {
+            PlanEvent::Checkpointed { results, .. } => Some(results.clone()),
+            _ => None,
+        })
+        .await;
+        assert_eq!(results[0].outcome.as_str(), "acked", "{cloud}");
+        let m = metrics_text(app.admin_addr).await;
+        assert!(
+            m.lines().any(|l| l.starts_with(&format!(
+                "spotguard_metadata_errors_total{{source=\"{}\"",
+                cloud.as_str()
+            ))),
+            "{cloud}: errors counted\n{m}"
+        );
+        assert!(!app.join.is_finished(), "the agent keeps running");
+        cancel.cancel();
+        let _ = tokio::time::timeout(Duration::from_secs(5), app.join).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metadata_down_at_start_then_up() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = Trainer::start(tmp.path()).await;
+    // Reserve a port, release it: nothing listens there at start.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let endpoint = format!("http://127.0.0.1:{port}");
+    let (app, cancel) = start_agent(run_args("aws", &endpoint, &t, &[])).await;
+    let mut events = app.events;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let ready = reqwest::get(format!("http://{}/readyz", app.admin_addr))
+        .await
+        .unwrap();
+    assert_eq!(ready.status(), 503, "not ready while no poll succeeded");
+    let mut cfg = EmulatorConfig::new(Cloud::Aws);
+    cfg.listen = format!("127.0.0.1:{port}").parse().unwrap();
+    let emu = emulator::start(cfg).await.unwrap();
+    emu.raise(EmulatedNotice::interruption()).unwrap();
+    let results = wait_for(&mut events, Duration::from_secs(60), |e| match e {
+        PlanEvent::Checkpointed { results, .. } => Some(results.clone()),
+        _ => None,
+    })
+    .await;
+    assert_eq!(results[0].outcome.as_str(), "acked");
+    let ready = reqwest::get(format!("http://{}/readyz", app.admin_addr))
+        .await
+        .unwrap();
+    assert_eq!(ready.status(), 200);
+    let m = metrics_text(app.admin_addr).await;
+    assert!(
+        m.contains("spotguard_metadata_errors_total{source=\"aws\""),
+        "{m}"
+    );
+    cancel.cancel();
+    let _ = tokio::time::timeout(Duration::from_secs(5), app.join).await;
+}
+
+/// Kill -9 the agent (a real `spotguard run` process) right after it signalled, restart it: it
+/// resumes from the persisted phase and never signals again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restart_mid_plan_never_signals_twice() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = Trainer::start(tmp.path()).await;
+    let emu = emulator::start(EmulatorConfig::new(Cloud::Aws))
+        .await
+        .unwrap();
+    let args = |t: &Trainer| -> Vec<String> {
+        vec![
+            "run".into(),
+            "--mode=host".into(),
+            "--cloud=aws".into(),
+            format!("--metadata-endpoint={}", emu.base_url()),
+            "--poll-interval=200ms".into(),
+            "--checkpoint-timeout=20s".into(),
+            format!("--checkpoint-dir={}", t.dir.join("ckpt").display()),
+            format!("--state-dir={}", t.dir.join("state").display()),
+            format!("--checkpoint-pidfile={}", t.pidfile.display()),
+            "--metrics-addr=127.0.0.1:0".into(),
+            "--gpu=off".into(),
+            "--log-format=json".into(),
+        ]
+    };
+    let bin = env!("CARGO_BIN_EXE_spotguard");
+    let mut first = tokio::process::Command::new(bin)
+        .args(args(&t))
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    emu.raise(EmulatedNotice::interruption()).unwrap();
+    // Wait until the signal has been seen by the trainer, then kill -9 the agent.
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while t.signals_seen() == 0 {
+        assert!(std::time::Instant::now() < deadline, "no signal");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    first.start_kill().unwrap();
+    let _ = first.wait().await;
+    let phase = persisted_phase(&t).expect("phase persisted before the kill");
+    assert!(
+        ["signalled", "checkpointed", "drained", "done"].contains(&phase.as_str()),
+        "{phase}"
+    );
+
+    let mut second = tokio::process::Command::new(bin)
+        .args(args(&t))
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while persisted_phase(&t).as_deref() != Some("done") {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "restarted agent did not converge"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert_eq!(t.signals_seen(), 1, "a restarted agent never signals twice");
+    unsafe { libc::kill(second.id().unwrap() as i32, libc::SIGTERM) };
+    let status = tokio::time::timeout(Duration::from_secs(10), second.wait())
+        .await
+        .expect("agent exits on SIGTERM")
+        .unwrap();
+    assert!(status.success(), "{status}");
+}
