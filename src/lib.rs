@@ -3,6 +3,7 @@
 //! Architecture and module map: `docs/architecture.md` (and design §2).
 
 pub mod checkpoint;
+pub mod emulator;
 pub mod fsutil;
 pub mod metrics;
 pub mod node;
