@@ -1014,6 +1014,31 @@ async fn faults_over_http_round_trip_and_bad_ones_are_rejected() {
     assert_eq!(status, StatusCode::OK);
     assert_eq!(v["faults"], json!([]));
     assert!(!token(&c, &em).await.is_empty());
+
+    // `down` over HTTP is answered before the listener closes, and needs a duration.
+    let (status, _) = post(json!({"kind": "down", "for": "1500ms"})).await;
+    assert_eq!(status, StatusCode::OK);
+    let deadline = Instant::now() + Duration::from_secs(1);
+    let mut refused = false;
+    while Instant::now() < deadline && !refused {
+        refused = client()
+            .get(format!("{}/latest/meta-data/", em.base_url()))
+            .send()
+            .await
+            .is_err_and(|e| e.is_connect());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(refused, "listener never refused while down");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while client()
+        .get(format!("{}/spotguard/state", em.base_url()))
+        .send()
+        .await
+        .is_err()
+    {
+        assert!(Instant::now() < deadline, "listener never came back");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     em.shutdown().await;
 }
 

@@ -7,7 +7,7 @@ use http::{Method, Request, Response, StatusCode};
 use hyper::body::Incoming;
 use serde_json::json;
 
-use super::fault::{Fault, Origin};
+use super::fault::{Fault, FaultKind, Origin};
 use super::model::{EmulatedNotice, Status};
 use super::server::{self, Shared};
 use super::wire::{self, Body};
@@ -27,12 +27,20 @@ pub(super) async fn handle(shared: &Arc<Shared>, req: Request<Incoming>) -> Resp
             Ok(v) => reply(notice(shared, v)),
             Err(e) => reply(Err(e)),
         },
-        (Method::POST, FAULT) => match body_json(req).await {
-            Ok(v) => reply(
-                Fault::from_json(v)
-                    .and_then(|f| shared.apply_fault(f, Origin::Http))
-                    .map(|()| json!({ "faults": shared.state_json()["faults"] })),
-            ),
+        (Method::POST, FAULT) => match body_json(req).await.and_then(Fault::from_json) {
+            Ok(fault) => {
+                let down = fault.kind == FaultKind::Down;
+                let mut resp = reply(
+                    shared
+                        .apply_fault(fault, Origin::Http)
+                        .map(|()| json!({ "faults": shared.state_json()["faults"] })),
+                );
+                if down {
+                    // The listener closes right after this answer; say so.
+                    wire::set_header(&mut resp, "connection", "close");
+                }
+                resp
+            }
             Err(e) => reply(Err(e)),
         },
         (Method::GET, STATE) => wire::json(StatusCode::OK, &shared.state_json()),

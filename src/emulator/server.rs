@@ -20,6 +20,9 @@ use super::model::{EmulatedNotice, Model, NoticeKind, Status};
 use super::wire::{self, Body};
 use super::{aws, azure, control, gce, Cloud, EmulatorConfig, Error, Raised};
 
+/// A `down` requested over HTTP starts this long after its control request is answered.
+pub(super) const HTTP_DOWN_DELAY: Duration = Duration::from_millis(100);
+
 /// Error returned by the service to make hyper close the connection without an answer.
 #[derive(Debug)]
 struct DropConnection;
@@ -326,19 +329,17 @@ impl Shared {
                     *g += 1;
                     *g
                 };
-                self.down.send_replace(true);
-                if let Some(d) = fault.duration {
-                    let s = Arc::clone(self);
-                    self.tasks.spawn(async move {
-                        tokio::select! {
-                            _ = s.cancel.cancelled() => {}
-                            _ = tokio::time::sleep(d) => {
-                                if *s.down_generation() == generation {
-                                    s.down.send_replace(false);
-                                }
+                match origin {
+                    Origin::Handle => self.set_down(generation, fault.duration),
+                    // Let the control request's own answer go out first.
+                    Origin::Http => {
+                        let weak = Arc::downgrade(self);
+                        self.spawn_timer(HTTP_DOWN_DELAY, move || {
+                            if let Some(s) = weak.upgrade() {
+                                s.set_down(generation, fault.duration);
                             }
-                        }
-                    });
+                        });
+                    }
                 }
             }
             FaultKind::Error { .. }
@@ -349,6 +350,25 @@ impl Shared {
             }
         }
         Ok(())
+    }
+
+    /// Close the listener (unless a later `down`/`clear` superseded this one) and schedule its
+    /// return after `duration`.
+    fn set_down(self: &Arc<Self>, generation: u64, duration: Option<Duration>) {
+        if *self.down_generation() != generation {
+            return;
+        }
+        self.down.send_replace(true);
+        if let Some(d) = duration {
+            let weak = Arc::downgrade(self);
+            self.spawn_timer(d, move || {
+                if let Some(s) = weak.upgrade() {
+                    if *s.down_generation() == generation {
+                        s.down.send_replace(false);
+                    }
+                }
+            });
+        }
     }
 
     fn down_generation(&self) -> MutexGuard<'_, u64> {
