@@ -20,6 +20,9 @@ use super::model::{EmulatedNotice, Model, NoticeKind, Status};
 use super::wire::{self, Body};
 use super::{aws, azure, control, gce, Cloud, EmulatorConfig, Error, Raised};
 
+const MAX_COUNTED_PATHS: usize = 10_000;
+const OTHER_PATHS: &str = "<other>";
+
 /// A `down` requested over HTTP starts this long after its control request is answered.
 pub(super) const HTTP_DOWN_DELAY: Duration = Duration::from_millis(100);
 
@@ -233,8 +236,16 @@ impl Shared {
         &self.cancel
     }
 
+    /// Count a request; past [`MAX_COUNTED_PATHS`] distinct paths, new ones count as `<other>`
+    /// (a scanner must not grow the map without bound).
     fn count(&self, path: &str) {
-        *self.lock().requests.entry(path.to_owned()).or_insert(0) += 1;
+        let mut model = self.lock();
+        let key = if model.requests.len() < MAX_COUNTED_PATHS || model.requests.contains_key(path) {
+            path
+        } else {
+            OTHER_PATHS
+        };
+        *model.requests.entry(key.to_owned()).or_insert(0) += 1;
     }
 
     /// Apply a change to the model and publish it: GCE watch values and the Azure incarnation
