@@ -343,9 +343,13 @@ async fn monitor_loop(
     let name = source.name();
     let interval = source.poll_interval();
     health.register(name, interval);
-    let polls = metrics.metadata_polls.get_or_create(&SourceLabels {
-        source: name.to_string(),
-    });
+    // A clone of the counter (shared storage), not the family's lock guard, is kept across awaits.
+    let polls = metrics
+        .metadata_polls
+        .get_or_create(&SourceLabels {
+            source: name.to_string(),
+        })
+        .clone();
     let mut backoff = Backoff::new(policy.backoff_base, policy.backoff_cap);
     let mut limiter = LogLimiter::new(policy.log_every_n, policy.log_every);
     tracing::info!(interval = ?interval, "notice monitor started");
@@ -496,11 +500,13 @@ mod tests {
         m.upcoming_maintenance_start.set(1_700_000_000.0);
         let text = crate::metrics::encode(&r);
         assert!(text.contains("spotguard_gce_upcoming_maintenance{reason=\"FAILURE_GPU_XID\"} 1"));
-        assert!(
-            text.contains("spotguard_gce_upcoming_maintenance_start_timestamp_seconds 1.7e9")
-                || text.contains(
-                    "spotguard_gce_upcoming_maintenance_start_timestamp_seconds 1700000000"
-                )
-        );
+        let start: f64 = text
+            .lines()
+            .find_map(|l| {
+                l.strip_prefix("spotguard_gce_upcoming_maintenance_start_timestamp_seconds ")
+            })
+            .and_then(|v| v.parse().ok())
+            .unwrap();
+        assert_eq!(start, 1_700_000_000.0);
     }
 }
