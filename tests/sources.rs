@@ -77,10 +77,13 @@ fn secs_between(a: Timestamp, b: Timestamp) -> f64 {
 struct Imds {
     /// Token PUT answer status (200 issues a fresh token).
     token_status: Mutex<u16>,
+    token_attempts: AtomicUsize,
+    /// TTLs requested by the token PUTs.
+    requested_ttls: Mutex<Vec<String>>,
     token_puts: AtomicUsize,
-    /// The token GETs must carry; `None` accepts requests without one (IMDSv1).
+    /// The token GETs must carry when `require_token` is set.
     valid_token: Mutex<Option<String>>,
-    require_token: bool,
+    require_token: Mutex<bool>,
     /// Answer 401 to every GET.
     reject_all: bool,
     scripts: Mutex<HashMap<String, VecDeque<(u16, String)>>>,
@@ -92,7 +95,7 @@ impl Imds {
     fn new(require_token: bool) -> Self {
         Imds {
             token_status: Mutex::new(200),
-            require_token,
+            require_token: Mutex::new(require_token),
             ..Default::default()
         }
     }
@@ -111,12 +114,15 @@ impl Imds {
 }
 
 async fn imds_token(State(imds): State<Arc<Imds>>, headers: HeaderMap) -> Response {
-    if headers
+    let Some(ttl) = headers
         .get("x-aws-ec2-metadata-token-ttl-seconds")
-        .is_none()
-    {
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string)
+    else {
         return StatusCode::BAD_REQUEST.into_response();
-    }
+    };
+    imds.requested_ttls.lock().unwrap().push(ttl.clone());
+    imds.token_attempts.fetch_add(1, Ordering::SeqCst);
     let status = *imds.token_status.lock().unwrap();
     if status != 200 {
         return StatusCode::from_u16(status).unwrap().into_response();
@@ -124,7 +130,7 @@ async fn imds_token(State(imds): State<Arc<Imds>>, headers: HeaderMap) -> Respon
     let n = imds.token_puts.fetch_add(1, Ordering::SeqCst) + 1;
     let token = format!("token-{n}");
     *imds.valid_token.lock().unwrap() = Some(token.clone());
-    ([("x-aws-ec2-metadata-token-ttl-seconds", "21600")], token).into_response()
+    ([("x-aws-ec2-metadata-token-ttl-seconds", ttl)], token).into_response()
 }
 
 async fn imds_get(
@@ -141,7 +147,9 @@ async fn imds_get(
     if imds.reject_all {
         return StatusCode::UNAUTHORIZED.into_response();
     }
-    if imds.require_token && token != *imds.valid_token.lock().unwrap() {
+    if *imds.require_token.lock().unwrap()
+        && (token.is_none() || token != *imds.valid_token.lock().unwrap())
+    {
         return StatusCode::UNAUTHORIZED.into_response();
     }
     let mut scripts = imds.scripts.lock().unwrap();
@@ -188,6 +196,10 @@ async fn ec2_token_is_cached_and_sent_and_404_means_none() {
         1,
         "one token for all polls"
     );
+    assert_eq!(
+        *imds.requested_ttls.lock().unwrap(),
+        vec!["21600".to_string()]
+    );
     let seen = imds.seen_tokens.lock().unwrap().clone();
     assert_eq!(seen.len(), 9);
     assert!(
@@ -195,6 +207,28 @@ async fn ec2_token_is_cached_and_sent_and_404_means_none() {
         "{seen:?}"
     );
     assert_eq!(errors(&m, "aws", "status") + errors(&m, "aws", "token"), 0);
+}
+
+#[tokio::test]
+async fn ec2_token_is_refreshed_before_it_expires() {
+    let imds = Arc::new(Imds::new(true));
+    let (_r, m) = metrics();
+    let mut cfg = Ec2Config::new(
+        Some(imds_server(imds.clone()).await),
+        Duration::from_secs(1),
+        false,
+    );
+    cfg.token_ttl = Duration::from_secs(1);
+    let src = Ec2Imds::new(cfg, m).unwrap();
+    src.poll().await.unwrap();
+    src.poll().await.unwrap();
+    assert_eq!(imds.token_puts.load(Ordering::SeqCst), 1);
+    // Refreshed at 90 % of the TTL, before IMDS would reject it.
+    tokio::time::sleep(Duration::from_millis(950)).await;
+    src.poll().await.unwrap();
+    assert_eq!(imds.token_puts.load(Ordering::SeqCst), 2);
+    let seen = imds.seen_tokens.lock().unwrap().clone();
+    assert_eq!(seen.last().unwrap().as_deref(), Some("token-2"));
 }
 
 #[tokio::test]
@@ -225,18 +259,34 @@ async fn ec2_token_failure_with_v1_fallback_polls_without_token() {
     *imds.token_status.lock().unwrap() = 403;
     let (_r, m) = metrics();
     let src = ec2(imds_server(imds.clone()).await, true, m.clone());
-    let notices = src.poll().await.unwrap();
-    assert_eq!(kinds(&notices), vec![NoticeKind::Interruption]);
-    assert_eq!(
-        notices[0].deadline,
-        Some("2030-01-01T00:02:00Z".parse().unwrap())
-    );
+    for _ in 0..3 {
+        let notices = src.poll().await.unwrap();
+        assert_eq!(kinds(&notices), vec![NoticeKind::Interruption]);
+        assert_eq!(
+            notices[0].deadline,
+            Some("2030-01-01T00:02:00Z".parse().unwrap())
+        );
+    }
     assert!(imds.seen_tokens.lock().unwrap().iter().all(Option::is_none));
+    assert_eq!(
+        imds.token_attempts.load(Ordering::SeqCst),
+        1,
+        "v1 sticks for a while"
+    );
     assert_eq!(
         errors(&m, "aws", "token"),
         1,
-        "the failed token request is counted"
+        "the failed token request is counted once"
     );
+    // IMDS now requires v2: the rejected v1 request fetches a token at once and retries.
+    *imds.token_status.lock().unwrap() = 200;
+    *imds.require_token.lock().unwrap() = true;
+    assert_eq!(
+        kinds(&src.poll().await.unwrap()),
+        vec![NoticeKind::Interruption]
+    );
+    assert_eq!(imds.token_puts.load(Ordering::SeqCst), 1);
+    assert_eq!(errors(&m, "aws", "status"), 0);
 }
 
 #[tokio::test]
@@ -271,6 +321,7 @@ async fn ec2_persistent_401_fails_after_one_retoken() {
         reject_all: true,
         ..Imds::new(true)
     });
+    assert!(*imds.require_token.lock().unwrap());
     let (_r, m) = metrics();
     let src = ec2(imds_server(imds.clone()).await, false, m.clone());
     let err = src.poll().await.unwrap_err();

@@ -108,6 +108,22 @@ struct Token {
 struct TokenCache {
     token: Option<Token>,
     generation: u64,
+    /// With v1 fallback after a failed token request: use IMDSv1 without asking again until then.
+    v1_until: Option<Instant>,
+}
+
+/// How long IMDSv1 is used after a failed token request before IMDSv2 is tried again (so a
+/// v1-only IMDS costs one token request and one counted error per period, not per poll).
+const V1_RETRY: Duration = Duration::from_secs(300);
+
+/// Which token [`Ec2Imds::token`] is asked for.
+#[derive(Clone, Copy, Debug)]
+enum Want {
+    /// Whatever is current: the cached token, IMDSv1 during a fallback period, else a new one.
+    Current,
+    /// A replacement for the credential a 401 rejected: token generation `Some(g)`, or `None`
+    /// for an IMDSv1 request. A newer cached token is reused; otherwise a new one is requested.
+    Replacing(Option<u64>),
 }
 
 #[derive(Clone, Debug)]
@@ -156,20 +172,26 @@ impl Ec2Imds {
         })
     }
 
-    /// A usable token, `None` for IMDSv1. `stale` names the generation a 401 rejected: that
-    /// token is replaced even if it has not expired; a newer one (another request re-tokened
-    /// meanwhile) is reused.
-    async fn token(&self, stale: Option<u64>) -> Result<Option<Token>, Error> {
+    /// A usable token, `None` for IMDSv1 (only with the fallback enabled).
+    async fn token(&self, want: Want) -> Result<Option<Token>, Error> {
         let mut cache = self.token.lock().await;
         let now = Instant::now();
+        let rejected = match want {
+            Want::Current => None,
+            Want::Replacing(generation) => Some(generation),
+        };
         if let Some(t) = &cache.token {
-            if Some(t.generation) != stale && now < t.refresh_at {
+            if rejected != Some(Some(t.generation)) && now < t.refresh_at {
                 return Ok(Some(t.clone()));
             }
+        }
+        if matches!(want, Want::Current) && cache.v1_until.is_some_and(|until| now < until) {
+            return Ok(None);
         }
         match self.fetch_token().await {
             Ok((value, ttl)) => {
                 cache.generation += 1;
+                cache.v1_until = None;
                 let margin = (ttl / 10).min(Duration::from_secs(300));
                 let token = Token {
                     value,
@@ -183,7 +205,7 @@ impl Ec2Imds {
             Err(err) => {
                 // A refresh that fails while the old token is still valid keeps the old one.
                 if let Some(t) = &cache.token {
-                    if Some(t.generation) != stale && now < t.expires_at {
+                    if rejected != Some(Some(t.generation)) && now < t.expires_at {
                         self.reporter.report(&err);
                         return Ok(Some(t.clone()));
                     }
@@ -191,7 +213,8 @@ impl Ec2Imds {
                 cache.token = None;
                 if self.config.imds_v1_fallback {
                     self.reporter.report(&err);
-                    tracing::debug!(error = %err, "IMDSv2 token unavailable; using IMDSv1");
+                    cache.v1_until = Some(now + V1_RETRY);
+                    tracing::info!(error = %err, retry_in = ?V1_RETRY, "IMDSv2 token unavailable; using IMDSv1 (--imds-v1-fallback)");
                     Ok(None)
                 } else {
                     Err(err)
@@ -249,7 +272,9 @@ impl Ec2Imds {
     async fn get(&self, url: &Url, token: Option<&Token>) -> Result<Option<String>, Error> {
         let mut resp = self.send_get(url, token).await?;
         if resp.status() == StatusCode::UNAUTHORIZED {
-            let fresh = self.token(token.map(|t| t.generation)).await?;
+            let fresh = self
+                .token(Want::Replacing(token.map(|t| t.generation)))
+                .await?;
             resp = self.send_get(url, fresh.as_ref()).await?;
         }
         match resp.status() {
@@ -320,7 +345,7 @@ impl NoticeSource for Ec2Imds {
     /// `Err` only when the token cannot be had (and v1 fallback is off) or all three paths
     /// failed; otherwise the notices found, with each failed path counted and logged.
     async fn poll(&self) -> Result<Vec<Notice>, Error> {
-        let token = self.token(None).await?;
+        let token = self.token(Want::Current).await?;
         let token = token.as_ref();
         let now = Timestamp::now();
         let (action, rebalance, scheduled) = tokio::join!(
