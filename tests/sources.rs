@@ -21,12 +21,13 @@ use tokio_util::sync::CancellationToken;
 
 use spotguard::metrics::{encode, ErrorLabels, Metrics, SourceLabels};
 use spotguard::notice::azure::{AzureConfig, AzureScheduledEvents};
+use spotguard::notice::detect::{detect, ProbeEndpoints};
 use spotguard::notice::ec2::{Ec2Config, Ec2Imds};
 use spotguard::notice::gce::{GceConfig, GceMetadata};
 use spotguard::notice::monitor::{
     run_monitor, run_monitor_with, GceMetrics, MonitorPolicy, PollHealth,
 };
-use spotguard::notice::{Error, Notice, NoticeKind, NoticeSource};
+use spotguard::notice::{Error, Notice, NoticeKind, NoticeSource, Source};
 
 // ---------------------------------------------------------------- helpers
 
@@ -1155,4 +1156,85 @@ async fn monitor_forwards_gce_change_with_low_latency() {
         .await
         .unwrap()
         .unwrap();
+}
+
+// ---------------------------------------------------------------- detection by probing
+
+async fn gce_identity(headers: HeaderMap) -> Response {
+    if headers.get("metadata-flavor").and_then(|v| v.to_str().ok()) != Some("Google") {
+        return StatusCode::FORBIDDEN.into_response();
+    }
+    ([("metadata-flavor", "Google")], "4520031799277581759").into_response()
+}
+
+async fn azure_vm_id(headers: HeaderMap, Query(query): Query<HashMap<String, String>>) -> Response {
+    if azure_checks(&headers, &query, "2021-02-01").is_some() {
+        return StatusCode::BAD_REQUEST.into_response();
+    }
+    "02aab8a4-74ef-476e-8182-f6d2ba4166a6".into_response()
+}
+
+fn no_dmi() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("sys_vendor"), "QEMU\n").unwrap();
+    dir
+}
+
+#[tokio::test]
+async fn detect_probes_each_metadata_service_with_its_headers() {
+    let dmi = no_dmi();
+    let aws = imds_server(Arc::new(Imds::new(true))).await;
+    let gce =
+        serve(Router::new().route("/computeMetadata/v1/instance/id", get(gce_identity))).await;
+    let azure =
+        serve(Router::new().route("/metadata/instance/compute/vmId", get(azure_vm_id))).await;
+    // A server that answers nothing useful (404 everywhere) stands in for the other clouds.
+    let nothing = serve(Router::new()).await;
+    let timeout = Duration::from_secs(5);
+    let probe = |aws: &Url, gce: &Url, azure: &Url| ProbeEndpoints {
+        aws: aws.clone(),
+        gce: gce.clone(),
+        azure: azure.clone(),
+    };
+    let found = detect(dmi.path(), &probe(&aws, &nothing, &nothing), timeout)
+        .await
+        .unwrap();
+    assert_eq!(found, Source::Aws);
+    let found = detect(dmi.path(), &probe(&nothing, &gce, &nothing), timeout)
+        .await
+        .unwrap();
+    assert_eq!(found, Source::Gce);
+    let found = detect(dmi.path(), &probe(&nothing, &nothing, &azure), timeout)
+        .await
+        .unwrap();
+    assert_eq!(found, Source::Azure);
+    let err = detect(dmi.path(), &probe(&nothing, &nothing, &nothing), timeout)
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("QEMU"), "{err}");
+}
+
+#[tokio::test]
+async fn detect_gives_up_after_the_timeout() {
+    let dmi = no_dmi();
+    // Accepts connections and never answers.
+    let hang = serve(Router::new().fallback(|| async {
+        tokio::time::sleep(Duration::from_secs(60)).await;
+        StatusCode::OK
+    }))
+    .await;
+    let started = Instant::now();
+    let err = detect(
+        dmi.path(),
+        &ProbeEndpoints::all(hang),
+        Duration::from_millis(300),
+    )
+    .await
+    .unwrap_err();
+    assert!(matches!(err, Error::Detect(_)));
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
 }

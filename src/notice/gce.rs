@@ -510,7 +510,7 @@ impl NoticeSource for GceMetadata {
         }
         loop {
             // Every completion of a watched key pushes that key's next request (with no await
-            // in between), so the set never runs dry.
+            // in between), so the set is never empty; should it be, every key is re-armed.
             let Some(item) = w.in_flight.next().await else {
                 for key in KEYS {
                     let f = self.fetch(key, &w.keys[key.index()], None);
