@@ -4,6 +4,12 @@
 //! Sources (`ec2`, `gce`, `azure`) turn their endpoint's answers into notices; "nothing pending"
 //! (a 404, `[]`, `FALSE`) is decided inside each source. The `store` owns dedupe and deadlines.
 
+pub mod azure;
+pub mod detect;
+pub mod ec2;
+pub mod gce;
+pub mod monitor;
+
 use std::fmt;
 use std::time::Duration;
 

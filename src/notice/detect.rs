@@ -1,0 +1,265 @@
+//! `--cloud auto`: which cloud is this? DMI first (`/sys/class/dmi/id/*`, no network), then
+//! concurrent probes of the three metadata services with their required headers; the first
+//! positive answer wins.
+//!
+//! DMI rules: EC2 `sys_vendor`/`bios_vendor` "Amazon EC2"; GCE `sys_vendor`/`bios_vendor`
+//! "Google" or `product_name` "Google Compute Engine"; Azure `sys_vendor` "Microsoft
+//! Corporation" *and* `chassis_asset_tag` 7783-7084-3265-9085-8269-3286-77 (plain Hyper-V has the
+//! vendor but not the tag). Probes: EC2 `PUT /latest/api/token` answered with a token; GCE
+//! `GET /computeMetadata/v1/instance/id` with `Metadata-Flavor: Google`; Azure
+//! `GET /metadata/instance/compute/vmId` with `Metadata: true`.
+
+use std::path::Path;
+use std::time::Duration;
+
+use futures::stream::{FuturesUnordered, StreamExt};
+use reqwest::{Method, Url};
+
+use super::ec2::{constant_url, endpoint_url};
+use super::{Error, Source};
+
+/// Where DMI identity files live on Linux.
+pub const DMI_DIR: &str = "/sys/class/dmi/id";
+
+/// Azure's fixed chassis asset tag.
+const AZURE_ASSET_TAG: &str = "7783-7084-3265-9085-8269-3286-77";
+
+/// The metadata base URLs to probe. All three clouds serve it at `169.254.169.254` by default;
+/// [`ProbeEndpoints::all`] points every probe at one override (`--metadata-endpoint`).
+#[derive(Clone, Debug)]
+pub struct ProbeEndpoints {
+    pub aws: Url,
+    pub gce: Url,
+    pub azure: Url,
+}
+
+impl Default for ProbeEndpoints {
+    fn default() -> Self {
+        ProbeEndpoints::all(constant_url("http://169.254.169.254"))
+    }
+}
+
+impl ProbeEndpoints {
+    /// Probe all three clouds at `endpoint`.
+    pub fn all(endpoint: Url) -> Self {
+        ProbeEndpoints {
+            aws: endpoint.clone(),
+            gce: endpoint.clone(),
+            azure: endpoint,
+        }
+    }
+}
+
+/// The DMI identity strings used for detection (missing files read as empty).
+#[derive(Debug, Default)]
+struct Dmi {
+    sys_vendor: String,
+    bios_vendor: String,
+    product_name: String,
+    chassis_asset_tag: String,
+}
+
+impl Dmi {
+    async fn read(dir: &Path) -> Dmi {
+        async fn field(dir: &Path, name: &str) -> String {
+            tokio::fs::read_to_string(dir.join(name))
+                .await
+                .map(|s| s.trim().to_string())
+                .unwrap_or_default()
+        }
+        Dmi {
+            sys_vendor: field(dir, "sys_vendor").await,
+            bios_vendor: field(dir, "bios_vendor").await,
+            product_name: field(dir, "product_name").await,
+            chassis_asset_tag: field(dir, "chassis_asset_tag").await,
+        }
+    }
+
+    fn cloud(&self) -> Option<Source> {
+        if self.sys_vendor == "Amazon EC2" || self.bios_vendor == "Amazon EC2" {
+            Some(Source::Aws)
+        } else if self.sys_vendor == "Google"
+            || self.bios_vendor == "Google"
+            || self.product_name == "Google Compute Engine"
+        {
+            Some(Source::Gce)
+        } else if self.sys_vendor == "Microsoft Corporation"
+            && self.chassis_asset_tag == AZURE_ASSET_TAG
+        {
+            Some(Source::Azure)
+        } else {
+            None
+        }
+    }
+}
+
+/// Detect the cloud: DMI under `dmi_dir`, else the first metadata service among `probe` that
+/// answers within `timeout`.
+pub async fn detect(
+    dmi_dir: &Path,
+    probe: &ProbeEndpoints,
+    timeout: Duration,
+) -> Result<Source, Error> {
+    let dmi = Dmi::read(dmi_dir).await;
+    if let Some(cloud) = dmi.cloud() {
+        tracing::info!(cloud = %cloud, sys_vendor = %dmi.sys_vendor, "cloud detected from DMI");
+        return Ok(cloud);
+    }
+    let client = reqwest::Client::builder()
+        .no_proxy()
+        .timeout(timeout)
+        .connect_timeout(timeout)
+        .build()
+        .map_err(|e| Error::Detect(format!("cannot build HTTP client: {e}")))?;
+    let probes = [
+        (
+            Source::Aws,
+            &probe.aws,
+            Method::PUT,
+            "/latest/api/token",
+            ("X-aws-ec2-metadata-token-ttl-seconds", "60"),
+        ),
+        (
+            Source::Gce,
+            &probe.gce,
+            Method::GET,
+            "/computeMetadata/v1/instance/id",
+            ("Metadata-Flavor", "Google"),
+        ),
+        (
+            Source::Azure,
+            &probe.azure,
+            Method::GET,
+            "/metadata/instance/compute/vmId?api-version=2021-02-01&format=text",
+            ("Metadata", "true"),
+        ),
+    ];
+    let mut pending = FuturesUnordered::new();
+    for (cloud, base, method, path, (header, value)) in probes {
+        let Ok(url) = endpoint_url(base, path) else {
+            tracing::debug!(cloud = %cloud, base = %base, "probe URL invalid; skipped");
+            continue;
+        };
+        let request = client.request(method, url).header(header, value);
+        pending.push(async move {
+            let ok = match request.send().await {
+                Ok(resp) if resp.status().is_success() => {
+                    resp.text().await.map(|b| !b.trim().is_empty()).unwrap_or(false)
+                }
+                Ok(resp) => {
+                    tracing::debug!(cloud = %cloud, status = resp.status().as_u16(), "metadata probe negative");
+                    false
+                }
+                Err(e) => {
+                    tracing::debug!(cloud = %cloud, error = %e, "metadata probe failed");
+                    false
+                }
+            };
+            ok.then_some(cloud)
+        });
+    }
+    let first = tokio::time::timeout(timeout, async {
+        while let Some(answer) = pending.next().await {
+            if answer.is_some() {
+                return answer;
+            }
+        }
+        None
+    })
+    .await
+    .ok()
+    .flatten();
+    match first {
+        Some(cloud) => {
+            tracing::info!(cloud = %cloud, "cloud detected by metadata probe");
+            Ok(cloud)
+        }
+        None => Err(Error::Detect(format!(
+            "DMI under {} names no known cloud (sys_vendor {:?}, bios_vendor {:?}, product_name {:?}) \
+             and no metadata service answered within {:?}; set --cloud",
+            dmi_dir.display(),
+            dmi.sys_vendor,
+            dmi.bios_vendor,
+            dmi.product_name,
+            timeout
+        ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Endpoints on a loopback port nobody listens on (bound, then released).
+    fn dead_endpoints() -> ProbeEndpoints {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        drop(listener);
+        ProbeEndpoints::all(Url::parse(&format!("http://127.0.0.1:{port}")).unwrap())
+    }
+
+    fn dmi_dir(files: &[(&str, &str)]) -> tempfile::TempDir {
+        let dir = tempfile::tempdir().unwrap();
+        for (name, content) in files {
+            std::fs::write(dir.path().join(name), format!("{content}\n")).unwrap();
+        }
+        dir
+    }
+
+    async fn detect_dmi(files: &[(&str, &str)]) -> Result<Source, Error> {
+        let dir = dmi_dir(files);
+        detect(dir.path(), &dead_endpoints(), Duration::from_millis(500)).await
+    }
+
+    #[tokio::test]
+    async fn dmi_identifies_each_cloud() {
+        assert_eq!(
+            detect_dmi(&[("sys_vendor", "Amazon EC2")]).await.unwrap(),
+            Source::Aws
+        );
+        assert_eq!(
+            detect_dmi(&[("sys_vendor", "Xen"), ("bios_vendor", "Amazon EC2")])
+                .await
+                .unwrap(),
+            Source::Aws
+        );
+        assert_eq!(
+            detect_dmi(&[("sys_vendor", "Google")]).await.unwrap(),
+            Source::Gce
+        );
+        assert_eq!(
+            detect_dmi(&[("product_name", "Google Compute Engine")])
+                .await
+                .unwrap(),
+            Source::Gce
+        );
+        assert_eq!(
+            detect_dmi(&[
+                ("sys_vendor", "Microsoft Corporation"),
+                ("chassis_asset_tag", AZURE_ASSET_TAG)
+            ])
+            .await
+            .unwrap(),
+            Source::Azure
+        );
+    }
+
+    #[tokio::test]
+    async fn hyper_v_without_azure_tag_is_not_azure() {
+        let err = detect_dmi(&[
+            ("sys_vendor", "Microsoft Corporation"),
+            ("chassis_asset_tag", "None"),
+        ])
+        .await
+        .unwrap_err();
+        assert_eq!(err.metric_label(), "detect");
+        assert!(err.to_string().contains("Microsoft Corporation"), "{err}");
+    }
+
+    #[tokio::test]
+    async fn empty_dmi_and_no_service_is_an_error() {
+        let err = detect_dmi(&[]).await.unwrap_err();
+        assert!(matches!(err, Error::Detect(_)));
+        assert!(!err.is_retryable());
+    }
+}

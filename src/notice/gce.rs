@@ -1,0 +1,620 @@
+//! GCE metadata server: `instance/preempted`, `instance/maintenance-event` and
+//! `instance/upcoming-maintenance`, watched with hanging GETs.
+//!
+//! Every key is first read with a plain GET (so a notice already present is seen at once), then
+//! watched with `?wait_for_change=true&last_etag=E&timeout_sec=N` (header `Metadata-Flavor:
+//! Google`). The three requests stay in flight concurrently inside the source across calls of
+//! [`NoticeSource::poll`]: `poll` returns as soon as any of them completes, so a change of any key
+//! reaches the monitor with no added latency, and a dropped `poll` (cancellation) leaves the
+//! in-flight requests to be resumed by the next call. After an error a key backs off on its own
+//! (jittered, exponential) and re-reads its value with a plain GET, without the stale etag.
+//!
+//! `poll` returns the full set of notices currently visible, plus a `Cancelled` for each notice
+//! that just went away. It returns `Err` only when the last attempt of every key failed; the
+//! failures of single keys are counted and logged here (see [`super::monitor`]).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use futures::future::BoxFuture;
+use futures::stream::{FuturesUnordered, StreamExt};
+use jiff::Timestamp;
+use reqwest::{StatusCode, Url};
+use serde::Deserialize;
+use tokio::time::Instant;
+
+use super::ec2::{constant_url, endpoint_url, parse_error, request_error};
+use super::monitor::{Backoff, ErrorReporter, GceMetrics, ReasonLabels};
+use super::{content_id, Error, Notice, NoticeKind, NoticeSource, Source};
+use crate::metrics::Metrics;
+
+const PREEMPTED_PATH: &str = "/computeMetadata/v1/instance/preempted";
+const MAINTENANCE_EVENT_PATH: &str = "/computeMetadata/v1/instance/maintenance-event";
+const UPCOMING_PATH: &str = "/computeMetadata/v1/instance/upcoming-maintenance";
+const AUTO_RESTART_PATH: &str = "/computeMetadata/v1/instance/scheduling/automatic-restart";
+const FLAVOR_HEADER: &str = "Metadata-Flavor";
+const FLAVOR: &str = "Google";
+/// Extra time the client waits for a hanging GET beyond the server's `timeout_sec`.
+const HANG_MARGIN: Duration = Duration::from_secs(10);
+
+/// Settings of [`GceMetadata`].
+#[derive(Clone, Debug)]
+pub struct GceConfig {
+    /// Metadata server base URL (`http://169.254.169.254`, same server as
+    /// `http://metadata.google.internal` without needing DNS).
+    pub endpoint: Url,
+    /// Time from `preempted=TRUE` to power-off (`--gce-preemption-notice`: 30 s, 120 s with
+    /// extended preemption notice).
+    pub preemption_notice: Duration,
+    /// `timeout_sec` of each hanging GET; the client allows 10 s more.
+    pub watch_timeout: Duration,
+    /// Bound on plain (non-hanging) GETs.
+    pub request_timeout: Duration,
+    /// Bound on establishing a connection.
+    pub connect_timeout: Duration,
+    /// How often `upcoming-maintenance` is re-read while the key does not exist (404).
+    pub upcoming_recheck: Duration,
+    /// Per-key backoff after an error: first step, and cap.
+    pub retry_base: Duration,
+    pub retry_cap: Duration,
+}
+
+impl GceConfig {
+    pub const DEFAULT_ENDPOINT: &'static str = "http://169.254.169.254";
+
+    /// `endpoint` `None` means [`Self::DEFAULT_ENDPOINT`]; hanging GETs of 60 s, plain GETs
+    /// bounded at 5 s (2 s to connect), `upcoming-maintenance` re-read every 60 s while absent,
+    /// per-key backoff 1 s doubling to 30 s.
+    pub fn new(endpoint: Option<Url>, preemption_notice: Duration) -> Self {
+        GceConfig {
+            endpoint: endpoint.unwrap_or_else(|| constant_url(Self::DEFAULT_ENDPOINT)),
+            preemption_notice,
+            watch_timeout: Duration::from_secs(60),
+            request_timeout: Duration::from_secs(5),
+            connect_timeout: Duration::from_secs(2),
+            upcoming_recheck: Duration::from_secs(60),
+            retry_base: Duration::from_secs(1),
+            retry_cap: Duration::from_secs(30),
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Key {
+    Preempted,
+    MaintenanceEvent,
+    Upcoming,
+}
+
+const KEYS: [Key; 3] = [Key::Preempted, Key::MaintenanceEvent, Key::Upcoming];
+
+impl Key {
+    fn index(self) -> usize {
+        match self {
+            Key::Preempted => 0,
+            Key::MaintenanceEvent => 1,
+            Key::Upcoming => 2,
+        }
+    }
+}
+
+/// What a completed request in the watch set delivers.
+enum Item {
+    Watched(Key, Fetch),
+    /// `instance/scheduling/automatic-restart`, read once at start (`None`: unreadable).
+    AutomaticRestart(Option<bool>),
+}
+
+/// Outcome of one GET of a key.
+enum Fetch {
+    Value { body: String, etag: Option<String> },
+    NotFound,
+    Failed(Error),
+}
+
+struct KeyState {
+    url: Url,
+    etag: Option<String>,
+    last_failed: bool,
+    backoff: Backoff,
+}
+
+/// State of the watch, owned by whichever `poll` call holds the lock.
+struct Watch {
+    started: bool,
+    in_flight: FuturesUnordered<BoxFuture<'static, Item>>,
+    keys: Vec<KeyState>,
+    preempted: Option<Notice>,
+    maintenance: Option<Notice>,
+    upcoming: Option<Notice>,
+    automatic_restart: Option<bool>,
+}
+
+/// The GCE notice source (name `gce`).
+pub struct GceMetadata {
+    config: GceConfig,
+    client: reqwest::Client,
+    auto_restart_url: Url,
+    watch: tokio::sync::Mutex<Watch>,
+    reporter: ErrorReporter,
+    gce_metrics: GceMetrics,
+}
+
+impl GceMetadata {
+    /// Build the client; nothing is requested until the first `poll`.
+    pub fn new(
+        config: GceConfig,
+        metrics: Arc<Metrics>,
+        gce_metrics: GceMetrics,
+    ) -> Result<Self, Error> {
+        let base = &config.endpoint;
+        let client = reqwest::Client::builder()
+            .no_proxy()
+            .connect_timeout(config.connect_timeout)
+            .build()
+            .map_err(|e| request_error(base, e))?;
+        let mut keys = Vec::with_capacity(KEYS.len());
+        for path in [PREEMPTED_PATH, MAINTENANCE_EVENT_PATH, UPCOMING_PATH] {
+            keys.push(KeyState {
+                url: endpoint_url(base, path)?,
+                etag: None,
+                last_failed: false,
+                backoff: Backoff::new(config.retry_base, config.retry_cap),
+            });
+        }
+        Ok(GceMetadata {
+            auto_restart_url: endpoint_url(base, AUTO_RESTART_PATH)?,
+            client,
+            watch: tokio::sync::Mutex::new(Watch {
+                started: false,
+                in_flight: FuturesUnordered::new(),
+                keys,
+                preempted: None,
+                maintenance: None,
+                upcoming: None,
+                automatic_restart: None,
+            }),
+            reporter: ErrorReporter::new(Source::Gce.as_str(), metrics),
+            gce_metrics,
+            config,
+        })
+    }
+
+    /// The GET of `key` to issue next: a plain read when no etag is known, else a hanging GET;
+    /// started no earlier than `not_before`.
+    fn fetch(
+        &self,
+        key: Key,
+        state: &KeyState,
+        not_before: Option<Instant>,
+    ) -> BoxFuture<'static, Item> {
+        let client = self.client.clone();
+        let mut url = state.url.clone();
+        let etag = state.etag.clone();
+        let timeout = match &etag {
+            Some(etag) => {
+                let secs = self.config.watch_timeout.as_secs().max(1);
+                url.query_pairs_mut()
+                    .append_pair("wait_for_change", "true")
+                    .append_pair("last_etag", etag)
+                    .append_pair("timeout_sec", &secs.to_string());
+                Duration::from_secs(secs) + HANG_MARGIN
+            }
+            None => self.config.request_timeout,
+        };
+        Box::pin(async move {
+            if let Some(at) = not_before {
+                tokio::time::sleep_until(at).await;
+            }
+            let result = client
+                .get(url.clone())
+                .header(FLAVOR_HEADER, FLAVOR)
+                .timeout(timeout)
+                .send()
+                .await;
+            let resp = match result {
+                Ok(r) => r,
+                Err(e) => return Item::Watched(key, Fetch::Failed(request_error(&url, e))),
+            };
+            let status = resp.status();
+            if status == StatusCode::NOT_FOUND {
+                return Item::Watched(key, Fetch::NotFound);
+            }
+            if !status.is_success() {
+                let err = Error::Status {
+                    url: url.to_string(),
+                    status: status.as_u16(),
+                };
+                return Item::Watched(key, Fetch::Failed(err));
+            }
+            let etag = resp
+                .headers()
+                .get(reqwest::header::ETAG)
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_string);
+            match resp.text().await {
+                Ok(body) => Item::Watched(key, Fetch::Value { body, etag }),
+                Err(e) => Item::Watched(key, Fetch::Failed(request_error(&url, e))),
+            }
+        })
+    }
+
+    /// `instance/scheduling/automatic-restart` (whether GCE restarts this VM after a
+    /// terminating host maintenance), read once at start; unknown when it cannot be read.
+    fn automatic_restart(&self) -> BoxFuture<'static, Item> {
+        let request = self
+            .client
+            .get(self.auto_restart_url.clone())
+            .header(FLAVOR_HEADER, FLAVOR)
+            .timeout(self.config.request_timeout);
+        Box::pin(async move {
+            let value = match request.send().await {
+                Ok(resp) if resp.status().is_success() => resp.text().await.ok(),
+                _ => None,
+            };
+            let parsed = match value.as_deref().map(str::trim) {
+                Some(v) if v.eq_ignore_ascii_case("TRUE") => Some(true),
+                Some(v) if v.eq_ignore_ascii_case("FALSE") => Some(false),
+                _ => None,
+            };
+            Item::AutomaticRestart(parsed)
+        })
+    }
+
+    /// Apply a new value of `key`; returns the `Cancelled` notices for notices that went away.
+    /// Synchronous on purpose: a `poll` dropped at an await point must not lose a completed
+    /// request's result.
+    fn apply(
+        &self,
+        w: &mut Watch,
+        key: Key,
+        body: &str,
+        now: Timestamp,
+    ) -> Result<Vec<Notice>, Error> {
+        let url = w.keys[key.index()].url.clone();
+        let mut gone = Vec::new();
+        match key {
+            Key::Preempted => match body.trim() {
+                "TRUE" => {
+                    if w.preempted.is_none() {
+                        let deadline = now
+                            .checked_add(self.config.preemption_notice)
+                            .unwrap_or(now);
+                        tracing::warn!(deadline = %deadline, "GCE preemption notice (preempted=TRUE)");
+                        w.preempted = Some(Notice {
+                            id: content_id(Source::Gce, "interruption", &["preempted"]),
+                            kind: NoticeKind::Interruption,
+                            source: Source::Gce,
+                            deadline: Some(deadline),
+                            not_before: Some(deadline),
+                            detail: format!(
+                                "preempted=TRUE; power-off expected {}s after the notice",
+                                self.config.preemption_notice.as_secs()
+                            ),
+                            restart: false,
+                            published_at: None,
+                            observed_at: now,
+                        });
+                    }
+                }
+                "FALSE" => {
+                    if let Some(prev) = w.preempted.take() {
+                        tracing::warn!(notice_id = %prev.id, "preempted went back to FALSE");
+                        gone.push(cancelled(&prev, now));
+                    }
+                }
+                other => {
+                    return Err(parse_error(
+                        &url,
+                        format!("unexpected preempted value {other:?}"),
+                    ))
+                }
+            },
+            Key::MaintenanceEvent => match body.trim() {
+                "TERMINATE_ON_HOST_MAINTENANCE" => {
+                    if w.maintenance.is_none() {
+                        let window = w
+                            .upcoming
+                            .as_ref()
+                            .and_then(|n| n.not_before)
+                            .filter(|start| *start > now);
+                        tracing::warn!(window_start = ?window, "GCE host maintenance will terminate this VM");
+                        w.maintenance = Some(Notice {
+                            id: content_id(
+                                Source::Gce,
+                                "maintenance",
+                                &["maintenance-event", "TERMINATE_ON_HOST_MAINTENANCE"],
+                            ),
+                            kind: NoticeKind::Maintenance,
+                            source: Source::Gce,
+                            deadline: window,
+                            not_before: window,
+                            detail: "maintenance-event=TERMINATE_ON_HOST_MAINTENANCE".to_string(),
+                            restart: w.automatic_restart.unwrap_or(false),
+                            published_at: None,
+                            observed_at: now,
+                        });
+                    }
+                }
+                value => {
+                    match value {
+                        "NONE" => {}
+                        "MIGRATE_ON_HOST_MAINTENANCE" => {
+                            tracing::info!(
+                                "GCE host maintenance will live-migrate this VM; nothing to do"
+                            )
+                        }
+                        other => tracing::warn!(
+                            value = other,
+                            "unknown maintenance-event value; ignored"
+                        ),
+                    }
+                    if let Some(prev) = w.maintenance.take() {
+                        gone.push(cancelled(&prev, now));
+                    }
+                }
+            },
+            Key::Upcoming => {
+                let next = match parse_upcoming(&url, body, now)? {
+                    Some((notice, reasons)) => {
+                        self.export_upcoming(&reasons, notice.not_before);
+                        Some(notice)
+                    }
+                    None => {
+                        self.export_upcoming(&[], None);
+                        None
+                    }
+                };
+                match (w.upcoming.take(), next) {
+                    (Some(prev), Some(next)) if prev.id == next.id => w.upcoming = Some(prev),
+                    (prev, next) => {
+                        if let Some(prev) = prev {
+                            gone.push(cancelled(&prev, now));
+                        }
+                        w.upcoming = next;
+                    }
+                }
+            }
+        }
+        Ok(gone)
+    }
+
+    fn export_upcoming(&self, reasons: &[String], start: Option<Timestamp>) {
+        let m = &self.gce_metrics;
+        m.upcoming_maintenance.clear();
+        for reason in reasons {
+            m.upcoming_maintenance
+                .get_or_create(&ReasonLabels {
+                    reason: reason.clone(),
+                })
+                .set(1);
+        }
+        let start = start.map_or(0.0, |t| t.as_millisecond() as f64 / 1000.0);
+        m.upcoming_maintenance_start.set(start);
+    }
+}
+
+fn cancelled(prev: &Notice, now: Timestamp) -> Notice {
+    Notice {
+        id: content_id(Source::Gce, "cancelled", &[&prev.id]),
+        kind: NoticeKind::Cancelled(prev.id.clone()),
+        source: Source::Gce,
+        deadline: None,
+        not_before: None,
+        detail: format!("no longer announced: {}", prev.detail),
+        restart: false,
+        published_at: None,
+        observed_at: now,
+    }
+}
+
+#[derive(Deserialize)]
+struct Upcoming {
+    #[serde(default, alias = "windowStartTime")]
+    window_start_time: Option<String>,
+    #[serde(default, alias = "windowEndTime")]
+    window_end_time: Option<String>,
+    #[serde(default, rename = "type")]
+    maintenance_type: Option<String>,
+    #[serde(default, alias = "maintenanceStatus")]
+    maintenance_status: Option<String>,
+    #[serde(default, alias = "maintenanceReasons")]
+    maintenance_reasons: Option<Vec<String>>,
+}
+
+/// The maintenance notice announced by `upcoming-maintenance` (and its reasons); `None` for an
+/// empty value or one without a window start.
+fn parse_upcoming(
+    url: &Url,
+    body: &str,
+    now: Timestamp,
+) -> Result<Option<(Notice, Vec<String>)>, Error> {
+    if body.trim().is_empty() {
+        return Ok(None);
+    }
+    let up: Upcoming = serde_json::from_str(body)
+        .map_err(|e| parse_error(url, format!("upcoming-maintenance JSON: {e}")))?;
+    let Some(start_text) = up.window_start_time.filter(|s| !s.trim().is_empty()) else {
+        return Ok(None);
+    };
+    let start: Timestamp = start_text.trim().parse().map_err(|e| {
+        parse_error(
+            url,
+            format!("window_start_time {start_text:?} is not an RFC 3339 time: {e}"),
+        )
+    })?;
+    let kind = up.maintenance_type.unwrap_or_default();
+    let reasons = up.maintenance_reasons.unwrap_or_default();
+    let notice = Notice {
+        id: content_id(
+            Source::Gce,
+            "maintenance",
+            &["upcoming-maintenance", &start_text, &kind],
+        ),
+        kind: NoticeKind::Maintenance,
+        source: Source::Gce,
+        deadline: Some(start),
+        not_before: Some(start),
+        detail: format!(
+            "upcoming {} maintenance ({}) window {} – {}{}",
+            if kind.is_empty() {
+                "host"
+            } else {
+                kind.as_str()
+            },
+            up.maintenance_status.unwrap_or_default(),
+            start_text,
+            up.window_end_time.unwrap_or_default(),
+            if reasons.is_empty() {
+                String::new()
+            } else {
+                format!(", reasons {}", reasons.join(","))
+            }
+        ),
+        restart: false,
+        published_at: None,
+        observed_at: now,
+    };
+    Ok(Some((notice, reasons)))
+}
+
+fn visible(w: &Watch) -> Vec<Notice> {
+    [&w.preempted, &w.maintenance, &w.upcoming]
+        .into_iter()
+        .flatten()
+        .cloned()
+        .collect()
+}
+
+#[async_trait]
+impl NoticeSource for GceMetadata {
+    fn name(&self) -> &'static str {
+        Source::Gce.as_str()
+    }
+
+    fn poll_interval(&self) -> Duration {
+        Duration::ZERO
+    }
+
+    async fn poll(&self) -> Result<Vec<Notice>, Error> {
+        let mut guard = self.watch.lock().await;
+        let w = &mut *guard;
+        if !w.started {
+            w.started = true;
+            w.in_flight.push(self.automatic_restart());
+            for key in KEYS {
+                let f = self.fetch(key, &w.keys[key.index()], None);
+                w.in_flight.push(f);
+            }
+        }
+        loop {
+            // Every completion of a watched key pushes that key's next request (with no await
+            // in between), so the set is never empty; should it be, every key is re-armed.
+            let Some(item) = w.in_flight.next().await else {
+                for key in KEYS {
+                    let f = self.fetch(key, &w.keys[key.index()], None);
+                    w.in_flight.push(f);
+                }
+                continue;
+            };
+            let (key, fetch) = match item {
+                Item::Watched(key, fetch) => (key, fetch),
+                Item::AutomaticRestart(value) => {
+                    w.automatic_restart = value;
+                    if let Some(m) = w.maintenance.as_mut() {
+                        m.restart = value.unwrap_or(false);
+                    }
+                    continue;
+                }
+            };
+            let now = Timestamp::now();
+            let outcome = match fetch {
+                Fetch::Value { body, etag } => {
+                    self.apply(w, key, &body, now).map(|gone| (gone, etag))
+                }
+                Fetch::NotFound if key == Key::Upcoming => {
+                    self.apply(w, key, "", now).map(|gone| (gone, None))
+                }
+                Fetch::NotFound => Err(Error::Status {
+                    url: w.keys[key.index()].url.to_string(),
+                    status: 404,
+                }),
+                Fetch::Failed(e) => Err(e),
+            };
+            let state = &mut w.keys[key.index()];
+            match outcome {
+                Ok((gone, etag)) => {
+                    state.last_failed = false;
+                    state.backoff.reset();
+                    let delay = match (&etag, key) {
+                        (Some(_), _) => None,
+                        (None, Key::Upcoming) => {
+                            Some(Instant::now() + self.config.upcoming_recheck)
+                        }
+                        // A server that sends no ETag cannot be watched: re-read it shortly.
+                        (None, _) => Some(Instant::now() + self.config.retry_base),
+                    };
+                    state.etag = etag;
+                    let next = self.fetch(key, state, delay);
+                    w.in_flight.push(next);
+                    if w.keys.iter().all(|k| !k.last_failed) {
+                        self.reporter.all_ok();
+                    }
+                    let mut notices = visible(w);
+                    notices.extend(gone);
+                    return Ok(notices);
+                }
+                Err(err) => {
+                    state.last_failed = true;
+                    state.etag = None;
+                    let delay = state.backoff.next_delay();
+                    let next = self.fetch(key, state, Some(Instant::now() + delay));
+                    w.in_flight.push(next);
+                    if w.keys.iter().all(|k| k.last_failed) {
+                        return Err(err);
+                    }
+                    self.reporter.report(&err);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn url() -> Url {
+        constant_url(GceConfig::DEFAULT_ENDPOINT)
+    }
+
+    #[test]
+    fn upcoming_maintenance_snake_and_camel_case() {
+        let now = Timestamp::now();
+        let snake = r#"{"can_reschedule":"false","latest_window_start_time":"2030-04-24T16:51:07Z",
+            "maintenance_status":"PENDING","type":"SCHEDULED","window_end_time":"2030-04-24T20:51:07Z",
+            "window_start_time":"2030-04-24T16:51:07Z","maintenance_reasons":["FAILURE_GPU_XID"]}"#;
+        let (n, reasons) = parse_upcoming(&url(), snake, now).unwrap().unwrap();
+        assert_eq!(n.kind, NoticeKind::Maintenance);
+        assert_eq!(n.not_before, Some("2030-04-24T16:51:07Z".parse().unwrap()));
+        assert_eq!(reasons, vec!["FAILURE_GPU_XID".to_string()]);
+        let camel = r#"{"windowStartTime":"2030-04-24T16:51:07Z","type":"SCHEDULED","maintenanceStatus":"PENDING"}"#;
+        let (m, reasons) = parse_upcoming(&url(), camel, now).unwrap().unwrap();
+        assert_eq!(m.id, n.id, "same window, same id");
+        assert!(reasons.is_empty());
+        assert!(parse_upcoming(&url(), "", now).unwrap().is_none());
+        assert!(parse_upcoming(&url(), "{}", now).unwrap().is_none());
+        assert_eq!(
+            parse_upcoming(&url(), "{", now).unwrap_err().metric_label(),
+            "parse"
+        );
+        let bad_time = r#"{"window_start_time":"tomorrow"}"#;
+        assert_eq!(
+            parse_upcoming(&url(), bad_time, now)
+                .unwrap_err()
+                .metric_label(),
+            "parse"
+        );
+    }
+}
