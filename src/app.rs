@@ -39,6 +39,8 @@ pub enum Error {
     Webhook(String),
     #[error("GPU thresholds in the config file: {0}")]
     GpuConfig(String),
+    #[error("building the metadata client: {0}")]
+    Source(String),
 }
 
 impl Error {
@@ -51,6 +53,7 @@ impl Error {
             Error::KubeClient(_) => "kube_client",
             Error::Webhook(_) => "webhook",
             Error::GpuConfig(_) => "gpu_config",
+            Error::Source(_) => "source",
         }
     }
 }
@@ -71,7 +74,7 @@ struct PollReadiness(Arc<PollHealth>);
 
 impl Readiness for PollReadiness {
     fn ready(&self) -> Result<(), String> {
-        if self.0.ready(jiff::Timestamp::now()) {
+        if self.0.ready(tokio::time::Instant::now()) {
             Ok(())
         } else {
             Err("no metadata poll succeeded recently".into())
@@ -83,7 +86,7 @@ impl Readiness for PollReadiness {
 pub async fn start(cfg: Config, cancel: CancellationToken) -> Result<App, Error> {
     let mut registry = Registry::default();
     let metrics = Arc::new(Metrics::register(&mut registry));
-    let source_metrics = Arc::new(notice::monitor::SourceMetrics::register(&mut registry));
+    let gce_metrics = notice::monitor::GceMetrics::register(&mut registry);
     let gpu_metrics = Arc::new(gpu::metrics::GpuMetrics::register(&mut registry));
     let prefetch_metrics = Arc::new(prefetch::PrefetchMetrics::register(&mut registry));
     let gpu_thresholds = match &cfg.gpu_table {
@@ -150,7 +153,7 @@ pub async fn start(cfg: Config, cancel: CancellationToken) -> Result<App, Error>
     let (notice_tx, notice_rx) = mpsc::channel(64);
     let mut tasks = JoinSet::new();
     let sources = match cfg.args.cloud.source() {
-        Some(src) => vec![build_source(&cfg, src, &source_metrics)],
+        Some(src) => vec![build_source(&cfg, src, &metrics, &gce_metrics)?],
         None => Vec::new(),
     };
     for s in &sources {
@@ -165,19 +168,20 @@ pub async fn start(cfg: Config, cancel: CancellationToken) -> Result<App, Error>
     if sources.is_empty() {
         // Auto-detect in the background: never fatal, keep serving everything else.
         let cfg2 = cfg.clone();
-        let (tx, m, h, sm, c) = (
+        let (tx, m, h, gm, c) = (
             notice_tx.clone(),
             metrics.clone(),
             health.clone(),
-            source_metrics.clone(),
+            gce_metrics.clone(),
             cancel.child_token(),
         );
         tasks.spawn(async move {
             let mut delay = Duration::from_secs(2);
             let source = loop {
-                let probe = notice::detect::ProbeEndpoints::from_override(
-                    cfg2.args.metadata_endpoint.as_deref(),
-                );
+                let probe = match &cfg2.args.metadata_endpoint {
+                    Some(u) => notice::detect::ProbeEndpoints::all(u.clone()),
+                    None => notice::detect::ProbeEndpoints::default(),
+                };
                 match notice::detect::detect(&cfg2.args.dmi_dir, &probe, Duration::from_secs(2))
                     .await
                 {
@@ -194,8 +198,10 @@ pub async fn start(cfg: Config, cancel: CancellationToken) -> Result<App, Error>
                 delay = (delay * 2).min(Duration::from_secs(60));
             };
             info!(cloud = source.as_str(), "cloud detected");
-            let s = build_source(&cfg2, source, &sm);
-            run_monitor(s, tx, m, h, c).await;
+            match build_source(&cfg2, source, &m, &gm) {
+                Ok(s) => run_monitor(s, tx, m, h, c).await,
+                Err(e) => error!(error = %e, "cannot watch the detected cloud"),
+            }
         });
     }
     drop(notice_tx);
@@ -333,27 +339,37 @@ pub async fn start(cfg: Config, cancel: CancellationToken) -> Result<App, Error>
 fn build_source(
     cfg: &Config,
     source: Source,
-    sm: &Arc<notice::monitor::SourceMetrics>,
-) -> Arc<dyn NoticeSource> {
+    metrics: &Arc<Metrics>,
+    gce_metrics: &notice::monitor::GceMetrics,
+) -> Result<Arc<dyn NoticeSource>, Error> {
     let endpoint = cfg.args.metadata_endpoint.clone();
-    match source {
-        Source::Aws => Arc::new(notice::ec2::Ec2Imds::new(notice::ec2::Ec2Config::new(
-            endpoint,
-            cfg.args.imds_v1_fallback,
-            cfg.args.poll_interval,
-        ))),
-        Source::Gce => Arc::new(notice::gce::GceMetadata::new(
+    let built: Result<Arc<dyn NoticeSource>, notice::Error> = match source {
+        Source::Aws => notice::ec2::Ec2Imds::new(
+            notice::ec2::Ec2Config::new(
+                endpoint,
+                cfg.args.poll_interval,
+                cfg.args.imds_v1_fallback,
+            ),
+            metrics.clone(),
+        )
+        .map(|s| Arc::new(s) as Arc<dyn NoticeSource>),
+        Source::Gce => notice::gce::GceMetadata::new(
             notice::gce::GceConfig::new(endpoint, cfg.args.gce_preemption_notice),
-            sm.clone(),
-        )),
-        Source::Azure => Arc::new(notice::azure::AzureScheduledEvents::new(
+            metrics.clone(),
+            gce_metrics.clone(),
+        )
+        .map(|s| Arc::new(s) as Arc<dyn NoticeSource>),
+        Source::Azure => notice::azure::AzureScheduledEvents::new(
             notice::azure::AzureConfig::new(
                 endpoint,
-                cfg.args.azure_vm_name.clone(),
                 cfg.args.poll_interval,
+                cfg.args.azure_vm_name.clone(),
             ),
-        )),
-    }
+            metrics.clone(),
+        )
+        .map(|s| Arc::new(s) as Arc<dyn NoticeSource>),
+    };
+    built.map_err(|e| Error::Source(e.to_string()))
 }
 
 fn hostname() -> String {

@@ -130,8 +130,8 @@ pub struct RunArgs {
     pub cloud: CloudChoice,
 
     /// Metadata service base URL override, e.g. http://127.0.0.1:1338 or http://[fd00:ec2::254].
-    #[arg(long, env = "SPOTGUARD_METADATA_ENDPOINT", value_name = "URL", value_parser = parse_url)]
-    pub metadata_endpoint: Option<String>,
+    #[arg(long, env = "SPOTGUARD_METADATA_ENDPOINT", value_name = "URL", value_parser = parse_endpoint)]
+    pub metadata_endpoint: Option<reqwest::Url>,
 
     /// EC2 and Azure polling cadence (GCE uses hanging GETs).
     #[arg(long, env = "SPOTGUARD_POLL_INTERVAL", value_name = "DURATION", default_value = "1s", value_parser = parse_positive_duration)]
@@ -768,6 +768,11 @@ fn parse_url(s: &str) -> Result<String, String> {
         return Err(format!("{s:?} has no host"));
     }
     Ok(t.to_string())
+}
+
+fn parse_endpoint(s: &str) -> Result<reqwest::Url, String> {
+    let t = parse_url(s)?;
+    reqwest::Url::parse(&t).map_err(|e| format!("{s:?}: {e}"))
 }
 
 fn parse_dataset(s: &str) -> Result<Dataset, String> {

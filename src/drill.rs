@@ -127,10 +127,7 @@ async fn drill(args: &DrillArgs, cancel: CancellationToken) -> Result<Verdict, S
         DrillCloud::Gce => emulator::Cloud::Gce,
         DrillCloud::Azure => emulator::Cloud::Azure,
     };
-    let emu = emulator::start(emulator::EmulatorConfig::new(
-        cloud,
-        "127.0.0.1:0".parse().map_err(|e| format!("{e}"))?,
-    ))
+    let emu = emulator::start(emulator::EmulatorConfig::new(cloud))
     .await
     .map_err(|e| format!("starting the metadata emulator: {e}"))?;
 
@@ -179,7 +176,10 @@ async fn drill(args: &DrillArgs, cancel: CancellationToken) -> Result<Verdict, S
         }
         _ = cancel.cancelled() => return Err("interrupted".into()),
     }
-    let raised_at = emu.raise(emulator::EmulatedNotice::interruption(default_lead(args.cloud)));
+    let raised_at = emu
+        .raise(emulator::EmulatedNotice::interruption())
+        .map_err(|e| format!("raising the notice in the emulator: {e}"))?
+        .visible_at;
     let mut v = Verdict {
         pass: false,
         raised_at,

@@ -48,7 +48,15 @@ fn main() -> ExitCode {
         Command::Drill(args) => with_runtime(|cancel| drill::run(args, cancel)),
         Command::Emulate(args) => {
             telemetry::init(config::LogFormat::Text, "info");
-            with_runtime(|cancel| emulator::run_cli(args, cancel))
+            with_runtime(|cancel| async move {
+                match emulator::run_cli(args, cancel).await {
+                    Ok(()) => 0,
+                    Err(e) => {
+                        eprintln!("spotguard emulate: {e}");
+                        1
+                    }
+                }
+            })
         }
         Command::Prefetch(args) => {
             telemetry::init(config::LogFormat::Text, "warn");
