@@ -8,3 +8,4 @@ pub mod metrics;
 pub mod node;
 pub mod notice;
 pub mod testing;
+pub mod webhook;
