@@ -291,6 +291,7 @@ pub enum Error {
     GaveUp {
         url: String,
         tries: u32,
+        #[source]
         last: Box<Error>,
     },
     #[error("webhook to {url} ran out of its {total:?} bound during try {tries}")]
@@ -522,5 +523,152 @@ impl Webhook {
                 outcome: outcome.to_string(),
             })
             .inc();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fields() -> NotifyFields {
+        NotifyFields {
+            node: "gpu-node-1".into(),
+            instance: "i-0abc".into(),
+            kind: "interruption".into(),
+            source: "aws".into(),
+            deadline: Some(Timestamp::from_second(1_700_000_120).unwrap()),
+            notice_id: "9f8e7d6c".into(),
+            detail: "terminate".into(),
+            action: "checkpoint and drain".into(),
+        }
+    }
+
+    fn now() -> Timestamp {
+        Timestamp::from_second(1_700_000_000).unwrap()
+    }
+
+    #[test]
+    fn every_placeholder_renders() {
+        let text = PLACEHOLDERS
+            .iter()
+            .map(|p| format!("\"{p}\": \"{{{{{p}}}}}\""))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let t = Template::parse(&format!("{{{text}}}")).unwrap();
+        let v: serde_json::Value = serde_json::from_str(&t.render(&fields(), now())).unwrap();
+        let want = serde_json::json!({
+            "node": "gpu-node-1",
+            "instance": "i-0abc",
+            "kind": "interruption",
+            "source": "aws",
+            "deadline": "2023-11-14T22:15:20Z",
+            "deadline_unix": "1700000120",
+            "time_left": "2m",
+            "notice_id": "9f8e7d6c",
+            "detail": "terminate",
+            "action": "checkpoint and drain",
+        });
+        assert_eq!(v, want);
+    }
+
+    #[test]
+    fn no_deadline_means_now() {
+        let t = Template::parse(r#"{"a": "{{deadline}}|{{deadline_unix}}|{{time_left}}"}"#).unwrap();
+        let mut f = fields();
+        f.deadline = None;
+        assert_eq!(t.render(&f, now()), r#"{"a": "now||0s"}"#);
+        // A deadline in the past: zero time left.
+        f.deadline = Some(Timestamp::from_second(1_600_000_000).unwrap());
+        assert!(t.render(&f, now()).ends_with("|0s\"}"));
+    }
+
+    #[test]
+    fn placeholders_tolerate_inner_spaces_and_repeat() {
+        let t = Template::parse(r#"{"t": "{{ node }}/{{node}}"}"#).unwrap();
+        assert_eq!(t.render(&fields(), now()), r#"{"t": "gpu-node-1/gpu-node-1"}"#);
+    }
+
+    #[test]
+    fn values_are_json_escaped() {
+        let t = Template::parse(r#"{"t": "{{node}}"}"#).unwrap();
+        for hostile in [
+            "a\"b",
+            "back\\slash",
+            "line\nbreak\r\t",
+            "\u{0}\u{1f}",
+            "\"}, \"injected\": {\"x\": \"",
+            "ünïcødé ✓ 🚀",
+            "{{kind}}",
+        ] {
+            let mut f = fields();
+            f.node = hostile.into();
+            let rendered = t.render(&f, now());
+            let v: serde_json::Value = serde_json::from_str(&rendered)
+                .unwrap_or_else(|e| panic!("{hostile:?} broke the JSON: {e}: {rendered}"));
+            assert_eq!(v, serde_json::json!({ "t": hostile }), "{hostile:?}");
+        }
+    }
+
+    #[test]
+    fn bad_templates_are_rejected_with_the_reason() {
+        let cases = [
+            (r#"{"t": "{{nodes}}"}"#, "unknown placeholder {{nodes}}"),
+            (r#"{"t": "{{}}"}"#, "unknown placeholder {{}}"),
+            (r#"{"t": "{{node"}"#, "unclosed placeholder"),
+            (r#"{"t": "{{ node }"}"#, "unclosed placeholder"),
+            (r#"{"t": {{node}}}"#, "valid JSON"),
+            (r#"text only {{node}}"#, "valid JSON"),
+            ("", "valid JSON"),
+            (r#"{"t": "x""#, "valid JSON"),
+        ];
+        for (template, needle) in cases {
+            let err = Template::parse(template).expect_err(template);
+            assert!(
+                err.to_string().contains(needle),
+                "{template:?}: {err} lacks {needle:?}"
+            );
+            assert_eq!(err.metric_label(), "template");
+            assert!(!err.is_retryable());
+        }
+    }
+
+    #[test]
+    fn default_template_is_slack_shaped() {
+        let t = Template::parse(DEFAULT_TEMPLATE).unwrap();
+        let v: serde_json::Value = serde_json::from_str(&t.render(&fields(), now())).unwrap();
+        let obj = v.as_object().unwrap();
+        assert_eq!(obj.len(), 1);
+        let text = obj["text"].as_str().unwrap();
+        for part in ["interruption", "gpu-node-1", "i-0abc", "aws", "2m", "9f8e7d6c"] {
+            assert!(text.contains(part), "{text} lacks {part}");
+        }
+    }
+
+    #[test]
+    fn backoff_is_jittered_within_bounds() {
+        let p = RetryPolicy {
+            attempts: 10,
+            base_delay: Duration::from_millis(400),
+            max_delay: Duration::from_secs(2),
+            per_try_timeout: Duration::from_secs(1),
+            total: Duration::from_secs(30),
+        };
+        for _ in 0..200 {
+            let d1 = p.backoff(1);
+            assert!(d1 >= Duration::from_millis(200) && d1 <= Duration::from_millis(400));
+            let d3 = p.backoff(3);
+            assert!(d3 >= Duration::from_millis(800) && d3 <= Duration::from_millis(1600));
+            let d9 = p.backoff(9);
+            assert!(d9 >= Duration::from_secs(1) && d9 <= Duration::from_secs(2));
+            assert!(p.backoff(u32::MAX) <= Duration::from_secs(2));
+        }
+    }
+
+    #[test]
+    fn url_is_redacted() {
+        let u = reqwest::Url::parse("https://hooks.slack.com/services/T000/B000/SECRET?x=1").unwrap();
+        assert_eq!(redact(&u), "https://hooks.slack.com/…");
+        let u = reqwest::Url::parse("http://127.0.0.1:8080/hook/SECRET").unwrap();
+        assert_eq!(redact(&u), "http://127.0.0.1:8080/…");
     }
 }
