@@ -200,7 +200,9 @@ impl Template {
         for segment in &self.segments {
             match segment {
                 Segment::Literal(s) => out.push_str(s),
-                Segment::Placeholder(field) => out.push_str(&json_escape(&fields.value(*field, now))),
+                Segment::Placeholder(field) => {
+                    out.push_str(&json_escape(&fields.value(*field, now)))
+                }
             }
         }
         out
@@ -360,7 +362,11 @@ impl std::fmt::Debug for Webhook {
 
 impl Webhook {
     /// Validate the URL (http or https) and the template (`None`: [`DEFAULT_TEMPLATE`]).
-    pub fn new(url: String, template: Option<String>, metrics: Arc<Metrics>) -> Result<Self, Error> {
+    pub fn new(
+        url: String,
+        template: Option<String>,
+        metrics: Arc<Metrics>,
+    ) -> Result<Self, Error> {
         Self::with_policy(url, template, metrics, RetryPolicy::default())
     }
 
@@ -573,7 +579,8 @@ mod tests {
 
     #[test]
     fn no_deadline_means_now() {
-        let t = Template::parse(r#"{"a": "{{deadline}}|{{deadline_unix}}|{{time_left}}"}"#).unwrap();
+        let t =
+            Template::parse(r#"{"a": "{{deadline}}|{{deadline_unix}}|{{time_left}}"}"#).unwrap();
         let mut f = fields();
         f.deadline = None;
         assert_eq!(t.render(&f, now()), r#"{"a": "now||0s"}"#);
@@ -585,7 +592,10 @@ mod tests {
     #[test]
     fn placeholders_tolerate_inner_spaces_and_repeat() {
         let t = Template::parse(r#"{"t": "{{ node }}/{{node}}"}"#).unwrap();
-        assert_eq!(t.render(&fields(), now()), r#"{"t": "gpu-node-1/gpu-node-1"}"#);
+        assert_eq!(
+            t.render(&fields(), now()),
+            r#"{"t": "gpu-node-1/gpu-node-1"}"#
+        );
     }
 
     #[test]
@@ -639,7 +649,14 @@ mod tests {
         let obj = v.as_object().unwrap();
         assert_eq!(obj.len(), 1);
         let text = obj["text"].as_str().unwrap();
-        for part in ["interruption", "gpu-node-1", "i-0abc", "aws", "2m", "9f8e7d6c"] {
+        for part in [
+            "interruption",
+            "gpu-node-1",
+            "i-0abc",
+            "aws",
+            "2m",
+            "9f8e7d6c",
+        ] {
             assert!(text.contains(part), "{text} lacks {part}");
         }
     }
@@ -666,7 +683,8 @@ mod tests {
 
     #[test]
     fn url_is_redacted() {
-        let u = reqwest::Url::parse("https://hooks.slack.com/services/T000/B000/SECRET?x=1").unwrap();
+        let u =
+            reqwest::Url::parse("https://hooks.slack.com/services/T000/B000/SECRET?x=1").unwrap();
         assert_eq!(redact(&u), "https://hooks.slack.com/…");
         let u = reqwest::Url::parse("http://127.0.0.1:8080/hook/SECRET").unwrap();
         assert_eq!(redact(&u), "http://127.0.0.1:8080/…");

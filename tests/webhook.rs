@@ -173,23 +173,40 @@ impl Setup {
 async fn default_body_is_slack_compatible_json() {
     let (addr, rx) = receiver(&[], None).await;
     let s = Setup::new();
-    let hook = Webhook::new(format!("http://{addr}/hook/T00/B00/xyz"), None, s.metrics.clone())
-        .unwrap();
+    let hook = Webhook::new(
+        format!("http://{addr}/hook/T00/B00/xyz"),
+        None,
+        s.metrics.clone(),
+    )
+    .unwrap();
     hook.send(&fields()).await.unwrap();
 
     let seen = rx.seen();
     assert_eq!(seen.len(), 1);
     assert_eq!(seen[0].path, "/hook/T00/B00/xyz");
     assert_eq!(seen[0].content_type, "application/json");
-    assert!(seen[0].user_agent.starts_with("spotguard/"), "{}", seen[0].user_agent);
+    assert!(
+        seen[0].user_agent.starts_with("spotguard/"),
+        "{}",
+        seen[0].user_agent
+    );
     let body: serde_json::Value = serde_json::from_str(&seen[0].body).unwrap();
     let obj = body.as_object().unwrap();
     assert_eq!(obj.keys().collect::<Vec<_>>(), vec!["text"]);
     let text = obj["text"].as_str().unwrap();
-    for part in ["interruption", "gpu-node-7", "i-0123456789abcdef0", "aws", "5e0c2a91d4b7f310"] {
+    for part in [
+        "interruption",
+        "gpu-node-7",
+        "i-0123456789abcdef0",
+        "aws",
+        "5e0c2a91d4b7f310",
+    ] {
         assert!(text.contains(part), "{text:?} lacks {part}");
     }
-    assert_eq!((s.count("sent"), s.count("retry"), s.count("failed")), (1, 0, 0));
+    assert_eq!(
+        (s.count("sent"), s.count("retry"), s.count("failed")),
+        (1, 0, 0)
+    );
 }
 
 #[tokio::test]
@@ -197,7 +214,11 @@ async fn template_is_rendered_with_escaped_values() {
     let (addr, rx) = receiver(&[], None).await;
     let s = Setup::new();
     let template = r#"{"blocks": [{"type": "section", "text": {"type": "mrkdwn", "text": "*{{kind}}* on `{{node}}`"}}], "deadline": "{{deadline_unix}}", "id": "{{notice_id}}", "detail": "{{detail}}"}"#;
-    let hook = s.webhook(format!("http://{addr}/hook/x"), Some(template), fast_policy());
+    let hook = s.webhook(
+        format!("http://{addr}/hook/x"),
+        Some(template),
+        fast_policy(),
+    );
     let mut f = fields();
     f.node = "evil\"}, \"text\": \"pwned\\\n".into();
     f.detail = "Preempt <!channel> ✓".into();
@@ -232,7 +253,14 @@ async fn template_errors_name_the_placeholder() {
 #[tokio::test]
 async fn bad_urls_are_rejected_at_start() {
     let s = Setup::new();
-    for url in ["", "not a url", "ftp://example.com/x", "file:///etc/passwd", "http://", "unix:/run/x.sock"] {
+    for url in [
+        "",
+        "not a url",
+        "ftp://example.com/x",
+        "file:///etc/passwd",
+        "http://",
+        "unix:/run/x.sock",
+    ] {
         let err = Webhook::new(url.into(), None, s.metrics.clone()).unwrap_err();
         assert!(matches!(err, Error::Url { .. }), "{url:?}: {err:?}");
     }
@@ -240,7 +268,11 @@ async fn bad_urls_are_rejected_at_start() {
 
 #[tokio::test]
 async fn server_errors_are_retried_until_success() {
-    let (addr, rx) = receiver(&[Reply::Status(500), Reply::Status(503), Reply::Status(429)], None).await;
+    let (addr, rx) = receiver(
+        &[Reply::Status(500), Reply::Status(503), Reply::Status(429)],
+        None,
+    )
+    .await;
     let s = Setup::new();
     let policy = RetryPolicy {
         attempts: 4,
@@ -252,26 +284,39 @@ async fn server_errors_are_retried_until_success() {
     assert_eq!(seen.len(), 4);
     // Every try carries the same body.
     assert!(seen.iter().all(|r| r.body == seen[0].body));
-    assert_eq!((s.count("sent"), s.count("retry"), s.count("failed")), (1, 3, 0));
+    assert_eq!(
+        (s.count("sent"), s.count("retry"), s.count("failed")),
+        (1, 3, 0)
+    );
 }
 
 #[tokio::test]
 async fn gives_up_after_the_try_bound() {
     let (addr, rx) = receiver(&[], Some(Reply::Status(502))).await;
     let s = Setup::new();
-    let hook = s.webhook(format!("http://{addr}/hook/SECRET-TOKEN"), None, fast_policy());
+    let hook = s.webhook(
+        format!("http://{addr}/hook/SECRET-TOKEN"),
+        None,
+        fast_policy(),
+    );
     let err = hook.send(&fields()).await.unwrap_err();
     match &err {
         Error::GaveUp { tries, last, .. } => {
             assert_eq!(*tries, 3);
-            assert!(matches!(**last, Error::Status { status: 502, .. }), "{last:?}");
+            assert!(
+                matches!(**last, Error::Status { status: 502, .. }),
+                "{last:?}"
+            );
         }
         other => panic!("{other:?}"),
     }
     // The secret part of the URL never appears in errors (they are logged).
     assert!(!format!("{err} {err:?}").contains("SECRET-TOKEN"), "{err}");
     assert_eq!(rx.seen().len(), 3);
-    assert_eq!((s.count("sent"), s.count("retry"), s.count("failed")), (0, 2, 1));
+    assert_eq!(
+        (s.count("sent"), s.count("retry"), s.count("failed")),
+        (0, 2, 1)
+    );
     assert_eq!(s.errors("gave_up"), 1);
 }
 
@@ -316,7 +361,11 @@ async fn a_hanging_receiver_is_cut_by_the_per_try_timeout() {
         other => panic!("{other:?}"),
     }
     assert_eq!(rx.seen().len(), 2);
-    assert!(started.elapsed() < Duration::from_secs(20), "{:?}", started.elapsed());
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "{:?}",
+        started.elapsed()
+    );
 }
 
 #[tokio::test]
@@ -340,7 +389,11 @@ async fn the_total_bound_ends_retrying() {
     let tries = rx.seen().len();
     assert!((2..1000).contains(&tries), "{tries} tries");
     // Generous: the bound is 2 s.
-    assert!(started.elapsed() < Duration::from_secs(15), "{:?}", started.elapsed());
+    assert!(
+        started.elapsed() < Duration::from_secs(15),
+        "{:?}",
+        started.elapsed()
+    );
     assert_eq!(s.count("failed"), 1);
 }
 
@@ -353,7 +406,10 @@ async fn a_slow_receiver_does_not_block_the_caller() {
     let handle = hook.notify(&fields()).expect("inside a runtime");
     let returned_after = started.elapsed();
     // notify() only spawns: it returns long before the receiver answers (2 s).
-    assert!(returned_after < Duration::from_secs(1), "{returned_after:?}");
+    assert!(
+        returned_after < Duration::from_secs(1),
+        "{returned_after:?}"
+    );
     assert_eq!(s.count("sent"), 0);
     tokio::time::timeout(Duration::from_secs(30), handle)
         .await
@@ -393,7 +449,10 @@ async fn https_urls_are_supported_by_this_build() {
         chain.push_str(&format!(" / {e}"));
         source = e.source();
     }
-    assert!(!chain.contains("scheme is not http"), "no TLS support: {chain}");
+    assert!(
+        !chain.contains("scheme is not http"),
+        "no TLS support: {chain}"
+    );
     match &err {
         Error::GaveUp { tries: 1, last, .. } => {
             assert!(matches!(**last, Error::Request { .. }), "{last:?}")

@@ -468,11 +468,17 @@ mod tests {
             (DIR, "/var/run/spotguard", |s| {
                 s.dir == Path::new("/var/run/spotguard")
             }),
-            (DIR, "  //data//ckpt/  ", |s| s.dir == Path::new("/data/ckpt")),
-            (DIR, "/ü/spötguard", |s| s.dir == Path::new("/ü/spötguard")),
+            (DIR, "  //data//ckpt/  ", |s| {
+                s.dir == Path::new("/data/ckpt")
+            }),
+            (DIR, "/ü/spötguard", |s| {
+                s.dir == Path::new("/ü/spötguard")
+            }),
             (TIMEOUT, "2m", |s| s.timeout == Duration::from_secs(120)),
             (TIMEOUT, "1m 30s", |s| s.timeout == Duration::from_secs(90)),
-            (TIMEOUT, "500ms", |s| s.timeout == Duration::from_millis(500)),
+            (TIMEOUT, "500ms", |s| {
+                s.timeout == Duration::from_millis(500)
+            }),
             (TIMEOUT, "24h", |s| s.timeout == MAX_TIMEOUT),
             (CONTAINERS, "trainer", |s| {
                 s.containers == vec![("trainer".to_string(), ID_A.to_string())]
@@ -574,7 +580,13 @@ mod tests {
         let mut p = pod(&[(CHECKPOINT, "true")]);
         p.metadata.uid = None;
         let err = pod_checkpoint_spec(&p, &PodDefaults::default()).unwrap_err();
-        assert!(matches!(err, Error::Annotation { annotation: CHECKPOINT, .. }));
+        assert!(matches!(
+            err,
+            Error::Annotation {
+                annotation: CHECKPOINT,
+                ..
+            }
+        ));
     }
 
     #[test]
@@ -584,7 +596,11 @@ mod tests {
             st.container_statuses = Some(vec![
                 status("trainer", "", State::NoId),
                 status("sidecar", "rkt://abc", State::Running),
-                status("logger", &format!("containerd://{ID_B}/../x"), State::Running),
+                status(
+                    "logger",
+                    &format!("containerd://{ID_B}/../x"),
+                    State::Running,
+                ),
             ]);
         }
         let s = pod_checkpoint_spec(&p, &PodDefaults::default())
