@@ -5,13 +5,14 @@
 //! pointed at a discovery-only fake server on 127.0.0.1 that answers exactly those reads for the
 //! built-in kinds the manifests use, built from k8s-openapi's own `Resource` constants (group,
 //! version, plural, scope), and declares server-side field validation like every API server
-//! since 1.27. kubectl then does what it does against a real cluster: parses the YAML, rejects
-//! duplicate keys and unknown kinds, maps every object, and leaves field checks to the server —
+//! since 1.27. kubectl ≥ 1.29 (older ones want the protobuf OpenAPI v2 schema) then does what it
+//! does against a real cluster: parses the YAML, rejects duplicate keys and unknown kinds, maps
+//! every object, and leaves field checks to the server —
 //! which here is the strict round trip below: every object is decoded into the typed
 //! k8s-openapi 1.33 struct and encoded back, and any field that did not survive (a typo, a field
 //! of the wrong object) fails the test with its path.
 //!
-//! Tools: kubectl ≥ 1.27 and systemd-analyze (`scripts/deps/kubectl.sh` installs both).
+//! Tools: kubectl ≥ 1.29 and systemd-analyze (`scripts/deps/kubectl.sh` installs both).
 
 use std::any::TypeId;
 use std::collections::BTreeSet;
@@ -41,7 +42,7 @@ use tokio::io::AsyncWriteExt;
 use tokio::process::Command;
 
 const DEPS: &str = "scripts/deps/kubectl.sh";
-const MIN_KUBECTL_MINOR: u32 = 27;
+const MIN_KUBECTL_MINOR: u32 = 29;
 
 fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -358,8 +359,8 @@ impl Kubectl {
             .unwrap_or(0);
         assert!(
             minor >= MIN_KUBECTL_MINOR,
-            "kubectl 1.{minor} is too old (need ≥ 1.{MIN_KUBECTL_MINOR}, which leaves field \
-             validation to the server); run {DEPS}"
+            "kubectl 1.{minor} is too old (need ≥ 1.{MIN_KUBECTL_MINOR}: older ones download the \
+             server's protobuf OpenAPI v2 schema and cannot run offline); run {DEPS}"
         );
     }
 
