@@ -233,7 +233,7 @@ fn redact(url: &reqwest::Url) -> String {
 /// How hard to try.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RetryPolicy {
-    /// Tries in all, including the first.
+    /// Tries in all, including the first (0 is taken as 1).
     pub attempts: u32,
     /// Backoff before the first retry; doubled each time, with full jitter.
     pub base_delay: Duration,
@@ -392,12 +392,11 @@ impl Webhook {
                 reason: "no host".into(),
             });
         }
-        if policy.attempts == 0 {
-            return Err(Error::Url {
-                url: redact(&parsed),
-                reason: "retry policy allows zero tries".into(),
-            });
-        }
+        // At least the first try.
+        let policy = RetryPolicy {
+            attempts: policy.attempts.max(1),
+            ..policy
+        };
         let template = Template::parse(template.as_deref().unwrap_or(DEFAULT_TEMPLATE))?;
         let client = reqwest::Client::builder()
             .timeout(policy.per_try_timeout)
