@@ -681,6 +681,35 @@ mod tests {
     }
 
     #[test]
+    fn fields_from_a_notice() {
+        let notice = Notice {
+            id: "abc".into(),
+            kind: crate::notice::NoticeKind::Maintenance,
+            source: crate::notice::Source::Azure,
+            deadline: None,
+            not_before: None,
+            detail: "Reboot".into(),
+            restart: true,
+            published_at: None,
+            observed_at: now(),
+        };
+        let f = NotifyFields::from_notice(&notice, "node-9", "vm-9", "drain");
+        assert_eq!(
+            f,
+            NotifyFields {
+                node: "node-9".into(),
+                instance: "vm-9".into(),
+                kind: "maintenance".into(),
+                source: "azure".into(),
+                deadline: None,
+                notice_id: "abc".into(),
+                detail: "Reboot".into(),
+                action: "drain".into(),
+            }
+        );
+    }
+
+    #[test]
     fn url_is_redacted() {
         let u =
             reqwest::Url::parse("https://hooks.slack.com/services/T000/B000/SECRET?x=1").unwrap();
