@@ -6,6 +6,8 @@
 //! cmdline; Kubernetes mode lists the opted-in pods on this node and maps their containers to host
 //! PIDs through `/proc/*/cgroup`.
 
+pub mod pods;
+
 use std::path::PathBuf;
 use std::time::Duration;
 

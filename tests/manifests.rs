@@ -1,0 +1,1219 @@
+//! Deployment artefacts (daemonset/, systemd/) are checked with the real tools, offline.
+//!
+//! `kubectl create --dry-run=client` still needs an API server: for discovery (kind → resource
+//! mapping) and to ask, through OpenAPI v3, whether the server validates fields itself. It is
+//! pointed at a discovery-only fake server on 127.0.0.1 that answers exactly those reads for the
+//! built-in kinds the manifests use, built from k8s-openapi's own `Resource` constants (group,
+//! version, plural, scope), and declares server-side field validation like every API server
+//! since 1.27. kubectl ≥ 1.29 (older ones want the protobuf OpenAPI v2 schema) then does what it
+//! does against a real cluster: parses the YAML, rejects duplicate keys and unknown kinds, maps
+//! every object, and leaves field checks to the server —
+//! which here is the strict round trip below: every object is decoded into the typed
+//! k8s-openapi 1.33 struct and encoded back, and any field that did not survive (a typo, a field
+//! of the wrong object) fails the test with its path.
+//!
+//! Tools: kubectl ≥ 1.29 and systemd-analyze (`scripts/deps/kubectl.sh` installs both).
+
+use std::any::TypeId;
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::{Arc, Mutex};
+
+use axum::extract::State;
+use axum::http::{Method, StatusCode, Uri};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use k8s_openapi::api::apps::v1::DaemonSet;
+use k8s_openapi::api::batch::v1::Job;
+use k8s_openapi::api::core::v1::{
+    Container, ContainerState, ContainerStateRunning, ContainerStatus, Namespace, Pod, PodStatus,
+    ResourceQuota, Service, ServiceAccount,
+};
+use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::{NamespaceResourceScope, Resource};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use serde_json::{json, Value};
+use spotguard::checkpoint::pods::{pod_checkpoint_spec, PodDefaults};
+use spotguard::checkpoint::{Signal, TargetMode};
+use tokio::io::AsyncWriteExt;
+use tokio::process::Command;
+
+const DEPS: &str = "scripts/deps/kubectl.sh";
+const MIN_KUBECTL_MINOR: u32 = 29;
+
+fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// Every Kubernetes object file under daemonset/ (kustomization.yaml files are checked through
+/// `kubectl kustomize`).
+fn yaml_files() -> Vec<PathBuf> {
+    fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                walk(&path, out);
+            } else if matches!(
+                path.extension().and_then(|e| e.to_str()),
+                Some("yaml" | "yml")
+            ) && path.file_stem().and_then(|s| s.to_str()) != Some("kustomization")
+            {
+                out.push(path);
+            }
+        }
+    }
+    let mut out = Vec::new();
+    walk(&repo().join("daemonset"), &mut out);
+    out.sort();
+    out
+}
+
+// ---------------------------------------------------------------------------------------------
+// The discovery-only fake API server.
+
+#[derive(Clone, Debug)]
+struct Kind {
+    group: &'static str,
+    version: &'static str,
+    kind: &'static str,
+    plural: &'static str,
+    namespaced: bool,
+}
+
+fn kind_of<K: Resource>() -> Kind
+where
+    K::Scope: 'static,
+{
+    Kind {
+        group: K::GROUP,
+        version: K::VERSION,
+        kind: K::KIND,
+        plural: K::URL_PATH_SEGMENT,
+        namespaced: TypeId::of::<K::Scope>() == TypeId::of::<NamespaceResourceScope>(),
+    }
+}
+
+/// The kinds the fake server knows: the built-ins the manifests may use, plus the Prometheus
+/// Operator's PodMonitor as a cluster with that operator installed serves it.
+fn known_kinds() -> Vec<Kind> {
+    vec![
+        kind_of::<Namespace>(),
+        kind_of::<ServiceAccount>(),
+        kind_of::<Service>(),
+        kind_of::<ResourceQuota>(),
+        kind_of::<Pod>(),
+        kind_of::<ClusterRole>(),
+        kind_of::<ClusterRoleBinding>(),
+        kind_of::<Role>(),
+        kind_of::<RoleBinding>(),
+        kind_of::<DaemonSet>(),
+        kind_of::<Job>(),
+        Kind {
+            group: "monitoring.coreos.com",
+            version: "v1",
+            kind: "PodMonitor",
+            plural: "podmonitors",
+            namespaced: true,
+        },
+    ]
+}
+
+/// Kinds that have no k8s-openapi type (CRDs): kubectl-checked only.
+const CRD_KINDS: &[&str] = &["PodMonitor"];
+
+fn gv_path(group: &str, version: &str) -> String {
+    if group.is_empty() {
+        format!("api/{version}")
+    } else {
+        format!("apis/{group}/{version}")
+    }
+}
+
+#[derive(Default)]
+struct Api {
+    kinds: Vec<Kind>,
+    requests: Mutex<Vec<(Method, String)>>,
+}
+
+impl Api {
+    fn group_versions(&self) -> BTreeSet<(&'static str, &'static str)> {
+        self.kinds.iter().map(|k| (k.group, k.version)).collect()
+    }
+
+    fn resource_list(&self, group: &str, version: &str) -> Value {
+        let resources: Vec<Value> = self
+            .kinds
+            .iter()
+            .filter(|k| k.group == group && k.version == version)
+            .map(|k| {
+                json!({
+                    "name": k.plural,
+                    "singularName": k.kind.to_ascii_lowercase(),
+                    "namespaced": k.namespaced,
+                    "kind": k.kind,
+                    "verbs": ["create", "delete", "get", "list", "patch", "update", "watch"],
+                })
+            })
+            .collect();
+        let gv = if group.is_empty() {
+            version.to_string()
+        } else {
+            format!("{group}/{version}")
+        };
+        json!({"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": gv, "resources": resources})
+    }
+
+    /// OpenAPI v3 document of one group-version: just the PATCH operations, each declaring the
+    /// `fieldValidation` query parameter as a real server does.
+    fn openapi_gv(&self, group: &str, version: &str) -> Value {
+        let mut paths = serde_json::Map::new();
+        for k in self
+            .kinds
+            .iter()
+            .filter(|k| k.group == group && k.version == version)
+        {
+            let ns = if k.namespaced {
+                "namespaces/{namespace}/"
+            } else {
+                ""
+            };
+            paths.insert(
+                format!("/{}/{ns}{}/{{name}}", gv_path(group, version), k.plural),
+                json!({"patch": {
+                    "x-kubernetes-group-version-kind": {"group": group, "version": version, "kind": k.kind},
+                    "parameters": [{"name": "fieldValidation", "in": "query", "schema": {"type": "string", "uniqueItems": true}}],
+                    "responses": {"200": {"description": "OK"}},
+                }}),
+            );
+        }
+        json!({"openapi": "3.0.0", "info": {"title": "Kubernetes", "version": "v1.33.0"}, "paths": paths})
+    }
+}
+
+async fn serve_api(State(api): State<Arc<Api>>, method: Method, uri: Uri) -> Response {
+    let path = uri.path().trim_end_matches('/').to_string();
+    api.requests
+        .lock()
+        .unwrap()
+        .push((method.clone(), path.clone()));
+    if method != Method::GET {
+        return (StatusCode::METHOD_NOT_ALLOWED, "discovery only").into_response();
+    }
+    if path == "/version" {
+        return Json(json!({"major": "1", "minor": "33", "gitVersion": "v1.33.0", "platform": "linux/amd64"}))
+            .into_response();
+    }
+    if path == "/api" {
+        return Json(json!({"kind": "APIVersions", "versions": ["v1"],
+            "serverAddressByClientCIDRs": [{"clientCIDR": "0.0.0.0/0", "serverAddress": "127.0.0.1"}]}))
+        .into_response();
+    }
+    if path == "/apis" {
+        let groups: Vec<Value> = api
+            .group_versions()
+            .into_iter()
+            .filter(|(g, _)| !g.is_empty())
+            .map(|(g, v)| {
+                let gv = json!({"groupVersion": format!("{g}/{v}"), "version": v});
+                json!({"name": g, "versions": [gv.clone()], "preferredVersion": gv})
+            })
+            .collect();
+        return Json(json!({"kind": "APIGroupList", "apiVersion": "v1", "groups": groups}))
+            .into_response();
+    }
+    if path == "/openapi/v3" {
+        let paths: serde_json::Map<String, Value> = api
+            .group_versions()
+            .into_iter()
+            .map(|(g, v)| {
+                let p = gv_path(g, v);
+                (
+                    p.clone(),
+                    json!({"serverRelativeURL": format!("/openapi/v3/{p}?hash=0")}),
+                )
+            })
+            .collect();
+        return Json(json!({ "paths": paths })).into_response();
+    }
+    for (g, v) in api.group_versions() {
+        let p = gv_path(g, v);
+        if path == format!("/{p}") {
+            return Json(api.resource_list(g, v)).into_response();
+        }
+        if path == format!("/openapi/v3/{p}") {
+            return Json(api.openapi_gv(g, v)).into_response();
+        }
+    }
+    (
+        StatusCode::NOT_FOUND,
+        Json(json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "NotFound", "code": 404})),
+    )
+        .into_response()
+}
+
+// ---------------------------------------------------------------------------------------------
+// kubectl, offline.
+
+struct Kubectl {
+    bin: PathBuf,
+    home: tempfile::TempDir,
+    api: Arc<Api>,
+}
+
+struct Ran {
+    ok: bool,
+    stdout: String,
+    stderr: String,
+}
+
+fn find_on_path(name: &str) -> Option<PathBuf> {
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .map(|d| d.join(name))
+        .find(|p| p.is_file())
+}
+
+impl Kubectl {
+    async fn start() -> Kubectl {
+        let bin = std::env::var_os("KUBECTL")
+            .map(PathBuf::from)
+            .or_else(|| find_on_path("kubectl"))
+            .unwrap_or_else(|| panic!("kubectl not found: run {DEPS}"));
+        let api = Arc::new(Api {
+            kinds: known_kinds(),
+            ..Default::default()
+        });
+        let app = axum::Router::new()
+            .fallback(serve_api)
+            .with_state(api.clone());
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            axum::serve(listener, app).await.unwrap();
+        });
+        let home = tempfile::tempdir().unwrap();
+        std::fs::write(
+            home.path().join("config"),
+            format!(
+                "apiVersion: v1\nkind: Config\nclusters:\n- name: fake\n  cluster:\n    server: http://{addr}\n\
+                 contexts:\n- name: fake\n  context:\n    cluster: fake\n    namespace: default\n\
+                 current-context: fake\nusers: []\n"
+            ),
+        )
+        .unwrap();
+        let k = Kubectl { bin, home, api };
+        k.check_version().await;
+        k
+    }
+
+    async fn run(&self, args: &[&str], stdin: Option<&str>) -> Ran {
+        let mut cmd = Command::new(&self.bin);
+        cmd.args(args)
+            .arg("--cache-dir")
+            .arg(self.home.path().join("cache"))
+            .env("KUBECONFIG", self.home.path().join("config"))
+            .env("HOME", self.home.path())
+            .env_remove("KUBERNETES_SERVICE_HOST")
+            .stdin(if stdin.is_some() {
+                Stdio::piped()
+            } else {
+                Stdio::null()
+            })
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true);
+        let mut child = cmd
+            .spawn()
+            .unwrap_or_else(|e| panic!("running {}: {e}; see {DEPS}", self.bin.display()));
+        if let (Some(input), Some(mut pipe)) = (stdin, child.stdin.take()) {
+            pipe.write_all(input.as_bytes()).await.unwrap();
+            drop(pipe);
+        }
+        let out = tokio::time::timeout(
+            std::time::Duration::from_secs(120),
+            child.wait_with_output(),
+        )
+        .await
+        .expect("kubectl finished within 120 s")
+        .unwrap();
+        Ran {
+            ok: out.status.success(),
+            stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        }
+    }
+
+    async fn check_version(&self) {
+        // `version --client` reads no cluster; --cache-dir is accepted by every command.
+        let ran = self.run(&["version", "--client", "-o", "json"], None).await;
+        assert!(ran.ok, "kubectl version failed: {}; see {DEPS}", ran.stderr);
+        let v: Value = serde_json::from_str(&ran.stdout).unwrap();
+        let minor: u32 = v["clientVersion"]["minor"]
+            .as_str()
+            .unwrap_or_default()
+            .trim_end_matches('+')
+            .parse()
+            .unwrap_or(0);
+        assert!(
+            minor >= MIN_KUBECTL_MINOR,
+            "kubectl 1.{minor} is too old (need ≥ 1.{MIN_KUBECTL_MINOR}: older ones download the \
+             server's protobuf OpenAPI v2 schema and cannot run offline); run {DEPS}"
+        );
+    }
+
+    /// `kubectl create --dry-run=client -f FILE -o json`: the objects, or kubectl's error.
+    async fn dry_run(&self, file: &str, stdin: Option<&str>) -> Result<Vec<Value>, String> {
+        let ran = self
+            .run(
+                &["create", "--dry-run=client", "-f", file, "-o", "json"],
+                stdin,
+            )
+            .await;
+        if !ran.ok {
+            return Err(ran.stderr);
+        }
+        let objects: Result<Vec<Value>, _> = serde_json::Deserializer::from_str(&ran.stdout)
+            .into_iter::<Value>()
+            .collect();
+        let objects = objects.map_err(|e| format!("kubectl printed no JSON: {e}"))?;
+        if objects.is_empty() {
+            return Err("no objects".into());
+        }
+        Ok(objects)
+    }
+
+    async fn kustomize(&self, dir: &Path) -> String {
+        let ran = self.run(&["kustomize", dir.to_str().unwrap()], None).await;
+        assert!(
+            ran.ok,
+            "kubectl kustomize {}: {}",
+            dir.display(),
+            ran.stderr
+        );
+        ran.stdout
+    }
+
+    /// Only reads reached the server: a client-side dry run must never write.
+    fn assert_read_only(&self) {
+        let requests = self.api.requests.lock().unwrap();
+        assert!(!requests.is_empty(), "kubectl never asked the fake server");
+        let writes: Vec<_> = requests.iter().filter(|(m, _)| m != Method::GET).collect();
+        assert!(writes.is_empty(), "dry run wrote to the server: {writes:?}");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Strict decoding into the k8s-openapi 1.33 types.
+
+/// Paths of `original` that did not survive the typed round trip into `back`.
+fn lost_fields(path: &str, original: &Value, back: &Value, out: &mut Vec<String>) {
+    match (original, back) {
+        (Value::Object(a), Value::Object(b)) => {
+            for (k, va) in a {
+                let p = format!("{path}.{k}");
+                match b.get(k) {
+                    _ if va.is_null() => {}
+                    None => out.push(p),
+                    Some(vb) => lost_fields(&p, va, vb, out),
+                }
+            }
+        }
+        (Value::Array(a), Value::Array(b)) if a.len() == b.len() => {
+            for (i, (va, vb)) in a.iter().zip(b).enumerate() {
+                lost_fields(&format!("{path}[{i}]"), va, vb, out);
+            }
+        }
+        _ if original == back => {}
+        // Quantities and int-or-strings written as bare numbers come back as strings.
+        (Value::Number(n), Value::String(s)) if n.to_string() == *s => {}
+        _ => out.push(format!("{path} ({original} became {back})")),
+    }
+}
+
+fn strict<K: DeserializeOwned + Serialize>(obj: &Value) -> Result<K, String> {
+    let typed: K =
+        serde_json::from_value(obj.clone()).map_err(|e| format!("does not decode: {e}"))?;
+    let back = serde_json::to_value(&typed).map_err(|e| e.to_string())?;
+    let mut lost = Vec::new();
+    lost_fields("", obj, &back, &mut lost);
+    if lost.is_empty() {
+        Ok(typed)
+    } else {
+        Err(format!(
+            "fields unknown to the Kubernetes 1.33 schema (typo or wrong place?): {}",
+            lost.join(", ")
+        ))
+    }
+}
+
+/// Strictly check one object by its kind.
+fn check_object(obj: &Value) -> Result<(), String> {
+    let kind = obj["kind"].as_str().unwrap_or_default();
+    match kind {
+        "Namespace" => strict::<Namespace>(obj).map(drop),
+        "ServiceAccount" => strict::<ServiceAccount>(obj).map(drop),
+        "Service" => strict::<Service>(obj).map(drop),
+        "ResourceQuota" => strict::<ResourceQuota>(obj).map(drop),
+        "ClusterRole" => strict::<ClusterRole>(obj).map(drop),
+        "ClusterRoleBinding" => strict::<ClusterRoleBinding>(obj).map(drop),
+        "Role" => strict::<Role>(obj).map(drop),
+        "RoleBinding" => strict::<RoleBinding>(obj).map(drop),
+        "DaemonSet" => strict::<DaemonSet>(obj).map(drop),
+        "Job" => strict::<Job>(obj).map(drop),
+        k if CRD_KINDS.contains(&k) => Ok(()),
+        other => Err(format!(
+            "kind {other:?} has no strict check: add it to check_object"
+        )),
+    }
+}
+
+fn object_name(obj: &Value) -> String {
+    format!(
+        "{}/{}",
+        obj["kind"].as_str().unwrap_or("?"),
+        obj["metadata"]["name"].as_str().unwrap_or("?")
+    )
+}
+
+fn find<'a>(objects: &'a [Value], kind: &str, name: &str) -> &'a Value {
+    objects
+        .iter()
+        .find(|o| o["kind"] == kind && o["metadata"]["name"] == name)
+        .unwrap_or_else(|| panic!("{kind}/{name} missing"))
+}
+
+/// Dry-run and strictly check everything kustomize renders from `dir`.
+async fn kustomized(k: &Kubectl, dir: &Path) -> Vec<Value> {
+    let rendered = k.kustomize(dir).await;
+    let objects = k
+        .dry_run("-", Some(&rendered))
+        .await
+        .unwrap_or_else(|e| panic!("kustomized {}: {e}", dir.display()));
+    for obj in &objects {
+        if let Err(e) = check_object(obj) {
+            panic!("kustomized {}: {}: {e}", dir.display(), object_name(obj));
+        }
+    }
+    objects
+}
+
+// ---------------------------------------------------------------------------------------------
+// The tests.
+
+#[tokio::test]
+async fn every_manifest_passes_client_dry_run_and_the_strict_schema() {
+    let k = Kubectl::start().await;
+    let files = yaml_files();
+    assert!(
+        files.len() >= 10,
+        "expected the whole daemonset/ tree, got {files:?}"
+    );
+    let mut failures = Vec::new();
+    let mut seen_kinds = BTreeSet::new();
+    for file in &files {
+        let shown = file.strip_prefix(repo()).unwrap().display().to_string();
+        match k.dry_run(file.to_str().unwrap(), None).await {
+            Err(e) => failures.push(format!("{shown}: kubectl: {e}")),
+            Ok(objects) => {
+                for obj in &objects {
+                    seen_kinds.insert(obj["kind"].as_str().unwrap_or_default().to_string());
+                    if let Err(e) = check_object(obj) {
+                        failures.push(format!("{shown}: {}: {e}", object_name(obj)));
+                    }
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "\n{}", failures.join("\n"));
+    for kind in [
+        "DaemonSet",
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "Job",
+        "PodMonitor",
+    ] {
+        assert!(seen_kinds.contains(kind), "no {kind} under daemonset/");
+    }
+    k.assert_read_only();
+}
+
+/// The fake server and the strict check reject what they should: otherwise the test above
+/// would prove nothing.
+#[tokio::test]
+async fn the_checks_catch_broken_manifests() {
+    let k = Kubectl::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let write = |name: &str, text: &str| {
+        let p = dir.path().join(name);
+        std::fs::write(&p, text).unwrap();
+        p.to_str().unwrap().to_string()
+    };
+    // Unknown kind: kubectl cannot map it.
+    let f = write(
+        "kind.yaml",
+        "apiVersion: v1\nkind: Namespce\nmetadata:\n  name: x\n",
+    );
+    assert!(k.dry_run(&f, None).await.is_err());
+    // Duplicate key: kubectl's own check.
+    let f = write(
+        "dup.yaml",
+        "apiVersion: v1\nkind: Namespace\nmetadata:\n  name: x\n  name: y\n",
+    );
+    assert!(k.dry_run(&f, None).await.is_err());
+    // Not YAML.
+    let f = write("bad.yaml", "apiVersion: v1\nkind: [Namespace\n");
+    assert!(k.dry_run(&f, None).await.is_err());
+    // A typo in a field name passes kubectl (as against a real server) and fails strict.
+    let f = write(
+        "typo.yaml",
+        "apiVersion: apps/v1\nkind: DaemonSet\nmetadata:\n  name: x\nspec:\n  selector:\n    matchLabels: {a: b}\n  template:\n    metadata:\n      labels: {a: b}\n    spec:\n      hostPid: true\n      containers:\n      - name: c\n        image: i\n",
+    );
+    let objects = k.dry_run(&f, None).await.unwrap();
+    let err = check_object(&objects[0]).unwrap_err();
+    assert!(err.contains(".spec.template.spec.hostPid"), "{err}");
+    // A wrong type fails strict too.
+    let f = write(
+        "type.yaml",
+        "apiVersion: v1\nkind: Service\nmetadata:\n  name: x\nspec:\n  ports:\n  - port: nine\n",
+    );
+    let objects = k.dry_run(&f, None).await.unwrap();
+    assert!(check_object(&objects[0]).is_err());
+}
+
+#[tokio::test]
+async fn kustomize_base_renders_the_whole_install() {
+    let k = Kubectl::start().await;
+    let objects = kustomized(&k, &repo().join("daemonset")).await;
+    let names: BTreeSet<String> = objects.iter().map(object_name).collect();
+    let want: BTreeSet<String> = [
+        "Namespace/spotguard",
+        "ServiceAccount/spotguard",
+        "ResourceQuota/spotguard-critical-pods",
+        "ClusterRole/spotguard",
+        "ClusterRoleBinding/spotguard",
+        "DaemonSet/spotguard",
+        "Service/spotguard-metrics",
+    ]
+    .into_iter()
+    .map(String::from)
+    .collect();
+    assert_eq!(names, want);
+    // Without the component, nobody may delete pods.
+    for obj in &objects {
+        if obj["kind"] == "ClusterRole" {
+            let role: ClusterRole = strict(obj).unwrap();
+            assert!(!rule_set(&role)
+                .iter()
+                .any(|(_, r, v)| r == "pods" && v == "delete"));
+        }
+    }
+    k.assert_read_only();
+}
+
+#[tokio::test]
+async fn force_delete_component_adds_only_pod_deletion() {
+    let k = Kubectl::start().await;
+    // An overlay outside daemonset/, the way an operator would enable the component.
+    let overlay = tempfile::tempdir().unwrap();
+    let up = overlay
+        .path()
+        .components()
+        .filter(|c| matches!(c, std::path::Component::Normal(_)))
+        .map(|_| "..")
+        .collect::<Vec<_>>()
+        .join("/");
+    let base = format!("{up}{}", repo().join("daemonset").display());
+    std::fs::write(
+        overlay.path().join("kustomization.yaml"),
+        format!(
+            "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources:\n  - {base}\n\
+             components:\n  - {base}/components/force-delete\n"
+        ),
+    )
+    .unwrap();
+    let objects = kustomized(&k, overlay.path()).await;
+
+    let role: ClusterRole =
+        strict(find(&objects, "ClusterRole", "spotguard-force-delete")).unwrap();
+    assert_eq!(
+        rule_set(&role),
+        BTreeSet::from([(String::new(), "pods".to_string(), "delete".to_string())])
+    );
+    let binding: ClusterRoleBinding = strict(find(
+        &objects,
+        "ClusterRoleBinding",
+        "spotguard-force-delete",
+    ))
+    .unwrap();
+    assert_eq!(binding.role_ref.name, "spotguard-force-delete");
+    let subjects = binding.subjects.unwrap_or_default();
+    assert_eq!(subjects.len(), 1);
+    assert_eq!(
+        (
+            subjects[0].kind.as_str(),
+            subjects[0].name.as_str(),
+            subjects[0].namespace.as_deref()
+        ),
+        ("ServiceAccount", "spotguard", Some("spotguard"))
+    );
+    // The base role is unchanged.
+    let base_role: ClusterRole = strict(find(&objects, "ClusterRole", "spotguard")).unwrap();
+    assert_eq!(rule_set(&base_role), least_privilege());
+
+    let ds: DaemonSet = strict(find(&objects, "DaemonSet", "spotguard")).unwrap();
+    let env = agent(&ds).env.clone().unwrap_or_default();
+    let flags: Vec<_> = env
+        .iter()
+        .filter(|e| e.name == "SPOTGUARD_FORCE_DELETE_AT_DEADLINE")
+        .collect();
+    assert_eq!(flags.len(), 1, "{flags:?}");
+    assert_eq!(flags[0].value.as_deref(), Some("true"));
+}
+
+#[tokio::test]
+async fn monitoring_kustomization_renders() {
+    let k = Kubectl::start().await;
+    let objects = kustomized(&k, &repo().join("daemonset/monitoring")).await;
+    let pm = find(&objects, "PodMonitor", "spotguard");
+    assert_eq!(pm["spec"]["podMetricsEndpoints"][0]["port"], "metrics");
+    assert_eq!(
+        pm["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"],
+        "agent"
+    );
+}
+
+type Rule = (String, String, String);
+
+fn rule_set(role: &ClusterRole) -> BTreeSet<Rule> {
+    let mut out = BTreeSet::new();
+    for rule in role.rules.iter().flatten() {
+        assert!(rule.resource_names.is_none() && rule.non_resource_urls.is_none());
+        for group in rule.api_groups.iter().flatten() {
+            for resource in rule.resources.iter().flatten() {
+                for verb in &rule.verbs {
+                    assert_ne!(verb, "*", "wildcard verb");
+                    assert_ne!(resource, "*", "wildcard resource");
+                    out.insert((group.clone(), resource.clone(), verb.clone()));
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Design §10, exactly.
+fn least_privilege() -> BTreeSet<Rule> {
+    [
+        ("", "nodes", "get"),
+        ("", "nodes", "patch"),
+        ("", "nodes/status", "patch"),
+        ("", "pods", "get"),
+        ("", "pods", "list"),
+        ("", "pods", "watch"),
+        ("", "pods/eviction", "create"),
+        ("", "events", "create"),
+        ("", "events", "patch"),
+        ("events.k8s.io", "events", "create"),
+        ("events.k8s.io", "events", "patch"),
+    ]
+    .into_iter()
+    .map(|(g, r, v)| (g.to_string(), r.to_string(), v.to_string()))
+    .collect()
+}
+
+async fn load<K: DeserializeOwned + Serialize>(k: &Kubectl, file: &str, kind: &str) -> K {
+    let objects = k
+        .dry_run(repo().join(file).to_str().unwrap(), None)
+        .await
+        .unwrap();
+    let obj = objects
+        .iter()
+        .find(|o| o["kind"] == kind)
+        .unwrap_or_else(|| panic!("no {kind} in {file}"));
+    strict(obj).unwrap()
+}
+
+fn agent(ds: &DaemonSet) -> &Container {
+    let pod = ds.spec.as_ref().unwrap().template.spec.as_ref().unwrap();
+    assert_eq!(pod.containers.len(), 1);
+    &pod.containers[0]
+}
+
+#[tokio::test]
+async fn clusterrole_is_exactly_least_privilege() {
+    let k = Kubectl::start().await;
+    let role: ClusterRole = load(&k, "daemonset/clusterrole.yaml", "ClusterRole").await;
+    assert_eq!(rule_set(&role), least_privilege());
+    let binding: ClusterRoleBinding = load(
+        &k,
+        "daemonset/clusterrolebinding.yaml",
+        "ClusterRoleBinding",
+    )
+    .await;
+    assert_eq!(binding.role_ref.name, "spotguard");
+    let sa: ServiceAccount = load(&k, "daemonset/serviceaccount.yaml", "ServiceAccount").await;
+    let subject = &binding.subjects.unwrap()[0];
+    assert_eq!(Some(subject.name.as_str()), sa.metadata.name.as_deref());
+    assert_eq!(subject.namespace, sa.metadata.namespace);
+}
+
+#[tokio::test]
+async fn daemonset_has_the_required_security_shape() {
+    let k = Kubectl::start().await;
+    let ds: DaemonSet = load(&k, "daemonset/daemonset.yaml", "DaemonSet").await;
+    let pod = ds.spec.as_ref().unwrap().template.spec.as_ref().unwrap();
+    assert_eq!(pod.host_pid, Some(true));
+    assert_eq!(pod.host_network, Some(true));
+    assert_eq!(pod.dns_policy.as_deref(), Some("ClusterFirstWithHostNet"));
+    assert_eq!(
+        pod.priority_class_name.as_deref(),
+        Some("system-node-critical")
+    );
+    assert_eq!(pod.service_account_name.as_deref(), Some("spotguard"));
+    assert!(pod.termination_grace_period_seconds.unwrap_or(0) >= 120);
+    assert!(pod.host_ipc.is_none() || pod.host_ipc == Some(false));
+
+    let c = agent(&ds);
+    let sc = c.security_context.as_ref().unwrap();
+    let caps = sc.capabilities.as_ref().unwrap();
+    assert_eq!(caps.drop.as_deref(), Some(&["ALL".to_string()][..]));
+    let added: BTreeSet<&str> = caps.add.iter().flatten().map(String::as_str).collect();
+    assert_eq!(added, BTreeSet::from(["KILL", "SYS_PTRACE"]));
+    assert_eq!(sc.read_only_root_filesystem, Some(true));
+    assert_eq!(sc.allow_privilege_escalation, Some(false));
+    assert_ne!(sc.privileged, Some(true));
+    assert_eq!(sc.run_as_user, Some(0));
+    assert_eq!(sc.seccomp_profile.as_ref().unwrap().type_, "RuntimeDefault");
+    assert_eq!(
+        c.termination_message_policy.as_deref(),
+        Some("FallbackToLogsOnError")
+    );
+
+    // Downward API.
+    let env = c.env.as_deref().unwrap();
+    for (name, field) in [
+        ("NODE_NAME", "spec.nodeName"),
+        ("POD_NAME", "metadata.name"),
+        ("POD_NAMESPACE", "metadata.namespace"),
+    ] {
+        let e = env
+            .iter()
+            .find(|e| e.name == name)
+            .unwrap_or_else(|| panic!("{name}"));
+        let field_ref = e.value_from.as_ref().and_then(|v| v.field_ref.as_ref());
+        assert_eq!(
+            field_ref.map(|f| f.field_path.as_str()),
+            Some(field),
+            "{name}"
+        );
+    }
+    // Flags as SPOTGUARD_* env only.
+    for e in env.iter().filter(|e| e.name.starts_with("SPOTGUARD")) {
+        assert!(
+            e.name.starts_with("SPOTGUARD_") && e.value.is_some(),
+            "{e:?}"
+        );
+    }
+
+    // Probes on the named metrics port.
+    let port = c
+        .ports
+        .as_deref()
+        .unwrap()
+        .iter()
+        .find(|p| p.name.as_deref() == Some("metrics"))
+        .unwrap();
+    assert_eq!(port.container_port, 9464);
+    for (probe, path) in [
+        (&c.liveness_probe, "/healthz"),
+        (&c.readiness_probe, "/readyz"),
+    ] {
+        let get = probe.as_ref().unwrap().http_get.as_ref().unwrap();
+        assert_eq!(get.path.as_deref(), Some(path));
+        assert_eq!(
+            get.port,
+            k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::String("metrics".into())
+        );
+    }
+
+    // Resources.
+    let res = c.resources.as_ref().unwrap();
+    let requests = res.requests.as_ref().unwrap();
+    assert_eq!(requests.get("memory"), Some(&Quantity("64Mi".into())));
+    assert_eq!(requests.get("cpu"), Some(&Quantity("50m".into())));
+    assert_eq!(
+        res.limits.as_ref().unwrap().get("memory"),
+        Some(&Quantity("64Mi".into()))
+    );
+
+    // hostPath mounts: read-only except the prefetch cache.
+    let volumes = pod.volumes.as_deref().unwrap();
+    let mut host_mounts = BTreeSet::new();
+    for m in c.volume_mounts.iter().flatten() {
+        let v = volumes.iter().find(|v| v.name == m.name).unwrap();
+        if let Some(hp) = &v.host_path {
+            let writable = m.read_only != Some(true);
+            host_mounts.insert((hp.path.clone(), m.mount_path.clone(), writable));
+        }
+    }
+    assert_eq!(
+        host_mounts,
+        BTreeSet::from([
+            (
+                "/sys/fs/cgroup".to_string(),
+                "/sys/fs/cgroup".to_string(),
+                false
+            ),
+            (
+                "/var/cache/spotguard".to_string(),
+                "/var/cache/spotguard".to_string(),
+                true
+            ),
+            (
+                "/sys/class/dmi/id".to_string(),
+                "/sys/class/dmi/id".to_string(),
+                false
+            ),
+        ])
+    );
+
+    // Tolerations: GPU, spot and spotguard's own taints.
+    let keys: BTreeSet<&str> = pod
+        .tolerations
+        .iter()
+        .flatten()
+        .filter_map(|t| t.key.as_deref())
+        .collect();
+    for key in [
+        "nvidia.com/gpu",
+        "cloud.google.com/gke-spot",
+        "kubernetes.azure.com/scalesetpriority",
+        "karpenter.sh/disruption",
+        spotguard::node::INTERRUPTION_TAINT,
+        spotguard::node::GPU_UNHEALTHY_TAINT,
+    ] {
+        assert!(keys.contains(key), "no toleration for {key}");
+    }
+    // GPU pool affinity.
+    let terms = &pod
+        .affinity
+        .as_ref()
+        .and_then(|a| a.node_affinity.as_ref())
+        .and_then(|n| {
+            n.required_during_scheduling_ignored_during_execution
+                .as_ref()
+        })
+        .unwrap()
+        .node_selector_terms;
+    assert!(terms.iter().any(|t| t
+        .match_expressions
+        .iter()
+        .flatten()
+        .any(|e| e.key == "nvidia.com/gpu.present")));
+
+    // The headless Service selects these pods on the same port name.
+    let svc: Service = load(&k, "daemonset/service.yaml", "Service").await;
+    let spec = svc.spec.unwrap();
+    assert_eq!(spec.cluster_ip.as_deref(), Some("None"));
+    let labels = ds
+        .spec
+        .as_ref()
+        .unwrap()
+        .template
+        .metadata
+        .as_ref()
+        .unwrap()
+        .labels
+        .clone()
+        .unwrap();
+    for (key, value) in spec.selector.unwrap() {
+        assert_eq!(labels.get(&key), Some(&value));
+    }
+}
+
+#[tokio::test]
+async fn example_job_speaks_the_checkpoint_protocol() {
+    let k = Kubectl::start().await;
+    let job: Job = load(&k, "daemonset/examples/training-job.yaml", "Job").await;
+    let spec = job.spec.as_ref().unwrap();
+    let template = &spec.template;
+    let pod_spec = template.spec.clone().unwrap();
+    assert_eq!(pod_spec.restart_policy.as_deref(), Some("Never"));
+
+    // podFailurePolicy: disruptions ignored, 143 retryable.
+    let rules = &spec.pod_failure_policy.as_ref().unwrap().rules;
+    assert!(rules.iter().any(|r| r.action == "Ignore"
+        && r.on_pod_conditions
+            .iter()
+            .flatten()
+            .any(|c| c.type_ == "DisruptionTarget")));
+    let exit_143 = rules
+        .iter()
+        .find(|r| {
+            r.on_exit_codes
+                .as_ref()
+                .is_some_and(|e| e.operator == "In" && e.values.contains(&143))
+        })
+        .expect("a rule for exit code 143");
+    assert!(matches!(exit_143.action.as_str(), "Count" | "Ignore"));
+
+    // The annotations parse with the agent's own parser, as the pod would be seen on a node.
+    let mut metadata = template.metadata.clone().unwrap();
+    metadata.namespace = job.metadata.namespace.clone();
+    metadata.name = Some("llm-finetune-x7k2p".into());
+    metadata.uid = Some("6a0e1d52-95c6-4d4c-9d2f-5e1b8f3c7a11".into());
+    let trainer_id = "ab".repeat(32);
+    let pod = Pod {
+        metadata,
+        spec: Some(pod_spec.clone()),
+        status: Some(PodStatus {
+            phase: Some("Running".into()),
+            container_statuses: Some(vec![ContainerStatus {
+                name: "trainer".into(),
+                container_id: Some(format!("containerd://{trainer_id}")),
+                state: Some(ContainerState {
+                    running: Some(ContainerStateRunning::default()),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }]),
+            ..Default::default()
+        }),
+    };
+    let parsed = pod_checkpoint_spec(&pod, &PodDefaults::default())
+        .unwrap()
+        .expect("the example opts in");
+    assert_eq!(parsed.signal, Signal::USR1);
+    assert_eq!(parsed.mode, TargetMode::Handlers);
+    assert_eq!(parsed.timeout, std::time::Duration::from_secs(80));
+    assert_eq!(parsed.containers, vec![("trainer".to_string(), trainer_id)]);
+
+    // SPOTGUARD_DIR points at the annotated dir, which is a world-writable emptyDir.
+    let trainer = pod_spec
+        .containers
+        .iter()
+        .find(|c| c.name == "trainer")
+        .unwrap();
+    let dir_env = trainer
+        .env
+        .iter()
+        .flatten()
+        .find(|e| e.name == "SPOTGUARD_DIR")
+        .unwrap();
+    assert_eq!(
+        dir_env.value.as_deref().map(Path::new),
+        Some(parsed.dir.as_path())
+    );
+    let mount = trainer
+        .volume_mounts
+        .iter()
+        .flatten()
+        .find(|m| Path::new(&m.mount_path) == parsed.dir)
+        .expect("a volume at the checkpoint dir");
+    let volume = pod_spec
+        .volumes
+        .iter()
+        .flatten()
+        .find(|v| v.name == mount.name)
+        .unwrap();
+    assert!(volume.empty_dir.is_some());
+    let annotations = template
+        .metadata
+        .as_ref()
+        .unwrap()
+        .annotations
+        .as_ref()
+        .unwrap();
+    assert!(annotations
+        .get("spotguard.io/prefetch")
+        .is_some_and(|u| u.starts_with("s3://")));
+}
+
+// ---------------------------------------------------------------------------------------------
+// systemd.
+
+fn systemd_analyze() -> PathBuf {
+    find_on_path("systemd-analyze")
+        .unwrap_or_else(|| panic!("systemd-analyze not found (Debian package systemd): run {DEPS}"))
+}
+
+/// The unit, with ExecStart pointed at the binary cargo built (verify checks it exists).
+fn unit_for_verify(dir: &Path) -> PathBuf {
+    let unit = std::fs::read_to_string(repo().join("systemd/spotguard.service")).unwrap();
+    let exec = "ExecStart=/usr/local/bin/spotguard run --mode host\n";
+    assert!(unit.contains(exec), "ExecStart changed: update this test");
+    let unit = unit.replace(
+        exec,
+        &format!(
+            "ExecStart={} run --mode host\n",
+            env!("CARGO_BIN_EXE_spotguard")
+        ),
+    );
+    let path = dir.join("spotguard.service");
+    std::fs::write(&path, unit).unwrap();
+    path
+}
+
+#[test]
+fn systemd_unit_verifies_cleanly() {
+    let bin = systemd_analyze();
+    let dir = tempfile::tempdir().unwrap();
+    let unit = unit_for_verify(dir.path());
+    let out = std::process::Command::new(&bin)
+        .args(["verify", "--man=no"])
+        .arg(&unit)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "systemd-analyze verify: {stderr}");
+    // Unknown or misplaced keys are only warnings: they must not be there either.
+    assert!(
+        stderr.trim().is_empty(),
+        "systemd-analyze verify warned: {stderr}"
+    );
+}
+
+#[test]
+fn systemd_unit_exposure_is_low() {
+    let bin = systemd_analyze();
+    let dir = tempfile::tempdir().unwrap();
+    let unit = unit_for_verify(dir.path());
+    // Exposure on systemd's 0–100 scale ("4.0 OK" is 40); the unit scores about 3.0.
+    let out = std::process::Command::new(&bin)
+        .args(["security", "--offline=true", "--threshold=40", "--no-pager"])
+        .arg(&unit)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let summary = stdout.lines().last().unwrap_or_default();
+    assert!(out.status.success(), "exposure above 4.0: {summary}");
+}
+
+#[test]
+fn systemd_unit_keeps_what_discovery_and_signalling_need() {
+    let unit = std::fs::read_to_string(repo().join("systemd/spotguard.service")).unwrap();
+    let directives: Vec<(&str, &str)> = unit
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.starts_with('#') && !l.starts_with('['))
+        .filter_map(|l| l.split_once('='))
+        .collect();
+    let get = |key: &str| -> Vec<&str> {
+        directives
+            .iter()
+            .filter(|(k, _)| *k == key)
+            .map(|(_, v)| *v)
+            .collect()
+    };
+    // Signalling and /proc/<pid>/root need these, and nothing broader.
+    assert_eq!(
+        get("CapabilityBoundingSet"),
+        vec!["CAP_KILL CAP_SYS_PTRACE CAP_DAC_READ_SEARCH"]
+    );
+    // These would hide other processes from discovery or drop the capabilities.
+    for forbidden in [
+        "ProtectProc",
+        "ProcSubset",
+        "PrivateUsers",
+        "PrivatePIDs",
+        "SecureBits",
+        "DynamicUser",
+    ] {
+        assert!(
+            get(forbidden).is_empty(),
+            "{forbidden} breaks discovery or signalling"
+        );
+    }
+    // ProtectClock implies a device allow list that would lock NVML out.
+    assert!(get("ProtectClock").is_empty() && get("PrivateDevices").is_empty());
+    assert_eq!(get("Type"), vec!["exec"]);
+    assert_eq!(
+        get("EnvironmentFile"),
+        vec!["-/etc/spotguard/spotguard.env"]
+    );
+    for (key, value) in [
+        ("StateDirectory", "spotguard"),
+        ("RuntimeDirectory", "spotguard"),
+        ("RuntimeDirectoryPreserve", "yes"),
+        ("CacheDirectory", "spotguard"),
+        ("ProtectSystem", "strict"),
+        ("NoNewPrivileges", "yes"),
+        ("MemoryMax", "64M"),
+        ("Restart", "always"),
+    ] {
+        assert_eq!(get(key), vec![value], "{key}");
+    }
+}
+
+#[test]
+fn env_file_documents_every_variable_the_daemonset_sets() {
+    let env_file = std::fs::read_to_string(repo().join("systemd/spotguard.env")).unwrap();
+    let documented: BTreeSet<String> = env_file
+        .lines()
+        .filter_map(|l| l.strip_prefix('#'))
+        .filter_map(|l| l.split_once('='))
+        .map(|(k, _)| k.to_string())
+        .filter(|k| {
+            k.starts_with("SPOTGUARD_")
+                && k.bytes()
+                    .all(|b| b.is_ascii_uppercase() || b.is_ascii_digit() || b == b'_')
+        })
+        .collect();
+    // Everything is commented out: the file documents defaults, it sets nothing.
+    for line in env_file.lines() {
+        assert!(
+            line.is_empty() || line.starts_with('#'),
+            "active line: {line}"
+        );
+    }
+    let ds = std::fs::read_to_string(repo().join("daemonset/daemonset.yaml")).unwrap();
+    let used: BTreeSet<String> = ds
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("- name: "))
+        .filter(|n| n.starts_with("SPOTGUARD_"))
+        .map(str::to_string)
+        .collect();
+    assert!(!used.is_empty());
+    let missing: Vec<_> = used.difference(&documented).collect();
+    assert!(
+        missing.is_empty(),
+        "undocumented in systemd/spotguard.env: {missing:?}"
+    );
+    // Design §1 flags of `run`, each with its variable.
+    for flag in [
+        "cloud",
+        "metadata-endpoint",
+        "poll-interval",
+        "node-name",
+        "on-rebalance",
+        "rebalance-expiry",
+        "on-maintenance",
+        "maintenance-lead",
+        "checkpoint-signal",
+        "checkpoint-timeout",
+        "drain-reserve",
+        "force-delete-at-deadline",
+        "dry-run",
+        "metrics-addr",
+        "gpu",
+        "log-format",
+        "checkpoint-unit",
+        "checkpoint-pidfile",
+        "checkpoint-cmdline",
+        "checkpoint-dir",
+        "state-dir",
+        "imds-v1-fallback",
+        "gce-preemption-notice",
+        "webhook-url",
+        "webhook-template",
+        "prefetch",
+        "cache-dir",
+        "cache-max-bytes",
+    ] {
+        let var = format!("SPOTGUARD_{}", flag.to_ascii_uppercase().replace('-', "_"));
+        assert!(documented.contains(&var), "{var} not documented");
+    }
+}

@@ -1,0 +1,464 @@
+//! Webhook notifier against a real HTTP receiver on 127.0.0.1 (axum): body shape, template
+//! rendering and escaping, retries, bounds, and that a slow receiver never blocks the caller.
+
+use std::collections::VecDeque;
+use std::error::Error as _;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode, Uri};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use axum::Router;
+use jiff::Timestamp;
+use prometheus_client::registry::Registry;
+use spotguard::metrics::{encode, Metrics};
+use spotguard::webhook::{Error, NotifyFields, RetryPolicy, Webhook};
+
+/// What the receiver does with the next request.
+#[derive(Clone, Copy, Debug)]
+enum Reply {
+    Status(u16),
+    /// Wait, then answer 200.
+    Slow(Duration),
+    /// Never answer.
+    Hang,
+    /// 302 to /elsewhere.
+    Redirect,
+}
+
+#[derive(Clone, Debug)]
+struct Seen {
+    path: String,
+    content_type: String,
+    user_agent: String,
+    body: String,
+}
+
+#[derive(Default)]
+struct Receiver {
+    script: Mutex<VecDeque<Reply>>,
+    /// Reply once the script is used up.
+    then: Mutex<Option<Reply>>,
+    seen: Mutex<Vec<Seen>>,
+}
+
+impl Receiver {
+    fn seen(&self) -> Vec<Seen> {
+        self.seen.lock().unwrap().clone()
+    }
+}
+
+async fn hook(
+    State(rx): State<Arc<Receiver>>,
+    uri: Uri,
+    headers: HeaderMap,
+    body: String,
+) -> Response {
+    let header = |name: &str| {
+        headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_string()
+    };
+    rx.seen.lock().unwrap().push(Seen {
+        path: uri.path().to_string(),
+        content_type: header("content-type"),
+        user_agent: header("user-agent"),
+        body,
+    });
+    let next = rx.script.lock().unwrap().pop_front();
+    let reply = next
+        .or(*rx.then.lock().unwrap())
+        .unwrap_or(Reply::Status(200));
+    match reply {
+        Reply::Status(code) => StatusCode::from_u16(code).unwrap().into_response(),
+        Reply::Slow(d) => {
+            tokio::time::sleep(d).await;
+            StatusCode::OK.into_response()
+        }
+        Reply::Hang => {
+            std::future::pending::<()>().await;
+            StatusCode::OK.into_response()
+        }
+        Reply::Redirect => (StatusCode::FOUND, [("location", "/elsewhere")]).into_response(),
+    }
+}
+
+/// Start a receiver with a script; returns its address.
+async fn receiver(script: &[Reply], then: Option<Reply>) -> (SocketAddr, Arc<Receiver>) {
+    let rx = Arc::new(Receiver::default());
+    rx.script.lock().unwrap().extend(script.iter().copied());
+    *rx.then.lock().unwrap() = then;
+    let app = Router::new()
+        .route("/hook/{*rest}", post(hook))
+        .route("/elsewhere", post(hook))
+        .with_state(rx.clone());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        axum::serve(listener, app).await.unwrap();
+    });
+    (addr, rx)
+}
+
+fn fields() -> NotifyFields {
+    NotifyFields {
+        node: "gpu-node-7".into(),
+        instance: "i-0123456789abcdef0".into(),
+        kind: "interruption".into(),
+        source: "aws".into(),
+        deadline: Some(Timestamp::now() + Duration::from_secs(120)),
+        notice_id: "5e0c2a91d4b7f310".into(),
+        detail: "terminate".into(),
+        action: "checkpoint and drain".into(),
+    }
+}
+
+fn fast_policy() -> RetryPolicy {
+    RetryPolicy {
+        attempts: 3,
+        base_delay: Duration::from_millis(20),
+        max_delay: Duration::from_millis(100),
+        per_try_timeout: Duration::from_secs(5),
+        total: Duration::from_secs(30),
+    }
+}
+
+struct Setup {
+    registry: Registry,
+    metrics: Arc<Metrics>,
+}
+
+impl Setup {
+    fn new() -> Self {
+        let mut registry = Registry::default();
+        let metrics = Arc::new(Metrics::register(&mut registry));
+        Setup { registry, metrics }
+    }
+
+    fn webhook(&self, url: String, template: Option<&str>, policy: RetryPolicy) -> Webhook {
+        Webhook::with_policy(
+            url,
+            template.map(str::to_string),
+            self.metrics.clone(),
+            policy,
+        )
+        .unwrap()
+    }
+
+    fn count(&self, outcome: &str) -> u64 {
+        let needle = format!("spotguard_webhook_total{{outcome=\"{outcome}\"}} ");
+        encode(&self.registry)
+            .lines()
+            .find_map(|l| l.strip_prefix(&needle))
+            .map(|v| v.trim().parse().unwrap())
+            .unwrap_or(0)
+    }
+
+    fn errors(&self, label: &str) -> u64 {
+        let needle = format!("spotguard_errors_total{{module=\"webhook\",error=\"{label}\"}} ");
+        encode(&self.registry)
+            .lines()
+            .find_map(|l| l.strip_prefix(&needle))
+            .map(|v| v.trim().parse().unwrap())
+            .unwrap_or(0)
+    }
+}
+
+#[tokio::test]
+async fn default_body_is_slack_compatible_json() {
+    let (addr, rx) = receiver(&[], None).await;
+    let s = Setup::new();
+    let hook = Webhook::new(
+        format!("http://{addr}/hook/T00/B00/xyz"),
+        None,
+        s.metrics.clone(),
+    )
+    .unwrap();
+    hook.send(&fields()).await.unwrap();
+
+    let seen = rx.seen();
+    assert_eq!(seen.len(), 1);
+    assert_eq!(seen[0].path, "/hook/T00/B00/xyz");
+    assert_eq!(seen[0].content_type, "application/json");
+    assert!(
+        seen[0].user_agent.starts_with("spotguard/"),
+        "{}",
+        seen[0].user_agent
+    );
+    let body: serde_json::Value = serde_json::from_str(&seen[0].body).unwrap();
+    let obj = body.as_object().unwrap();
+    assert_eq!(obj.keys().collect::<Vec<_>>(), vec!["text"]);
+    let text = obj["text"].as_str().unwrap();
+    for part in [
+        "interruption",
+        "gpu-node-7",
+        "i-0123456789abcdef0",
+        "aws",
+        "5e0c2a91d4b7f310",
+    ] {
+        assert!(text.contains(part), "{text:?} lacks {part}");
+    }
+    assert_eq!(
+        (s.count("sent"), s.count("retry"), s.count("failed")),
+        (1, 0, 0)
+    );
+}
+
+#[tokio::test]
+async fn template_is_rendered_with_escaped_values() {
+    let (addr, rx) = receiver(&[], None).await;
+    let s = Setup::new();
+    let template = r#"{"blocks": [{"type": "section", "text": {"type": "mrkdwn", "text": "*{{kind}}* on `{{node}}`"}}], "deadline": "{{deadline_unix}}", "id": "{{notice_id}}", "detail": "{{detail}}"}"#;
+    let hook = s.webhook(
+        format!("http://{addr}/hook/x"),
+        Some(template),
+        fast_policy(),
+    );
+    let mut f = fields();
+    f.node = "evil\"}, \"text\": \"pwned\\\n".into();
+    f.detail = "Preempt <!channel> ✓".into();
+    let deadline = f.deadline.unwrap().as_second();
+    hook.send(&f).await.unwrap();
+
+    let seen = rx.seen();
+    let body: serde_json::Value = serde_json::from_str(&seen[0].body).unwrap();
+    let want = serde_json::json!({
+        "blocks": [{"type": "section", "text": {"type": "mrkdwn",
+            "text": format!("*interruption* on `{}`", f.node)}}],
+        "deadline": deadline.to_string(),
+        "id": "5e0c2a91d4b7f310",
+        "detail": "Preempt <!channel> ✓",
+    });
+    assert_eq!(body, want);
+}
+
+#[tokio::test]
+async fn template_errors_name_the_placeholder() {
+    let s = Setup::new();
+    let err = Webhook::new(
+        "http://127.0.0.1:9/hook".into(),
+        Some(r#"{"text": "{{node}} {{zone}}"}"#.into()),
+        s.metrics.clone(),
+    )
+    .unwrap_err();
+    assert!(matches!(err, Error::Template { .. }), "{err:?}");
+    assert!(err.to_string().contains("{{zone}}"), "{err}");
+}
+
+#[tokio::test]
+async fn bad_urls_are_rejected_at_start() {
+    let s = Setup::new();
+    for url in [
+        "",
+        "not a url",
+        "ftp://example.com/x",
+        "file:///etc/passwd",
+        "http://",
+        "unix:/run/x.sock",
+    ] {
+        let err = Webhook::new(url.into(), None, s.metrics.clone()).unwrap_err();
+        assert!(matches!(err, Error::Url { .. }), "{url:?}: {err:?}");
+    }
+}
+
+#[tokio::test]
+async fn server_errors_are_retried_until_success() {
+    let (addr, rx) = receiver(
+        &[Reply::Status(500), Reply::Status(503), Reply::Status(429)],
+        None,
+    )
+    .await;
+    let s = Setup::new();
+    let policy = RetryPolicy {
+        attempts: 4,
+        ..fast_policy()
+    };
+    let hook = s.webhook(format!("http://{addr}/hook/x"), None, policy);
+    hook.send(&fields()).await.unwrap();
+    let seen = rx.seen();
+    assert_eq!(seen.len(), 4);
+    // Every try carries the same body.
+    assert!(seen.iter().all(|r| r.body == seen[0].body));
+    assert_eq!(
+        (s.count("sent"), s.count("retry"), s.count("failed")),
+        (1, 3, 0)
+    );
+}
+
+#[tokio::test]
+async fn gives_up_after_the_try_bound() {
+    let (addr, rx) = receiver(&[], Some(Reply::Status(502))).await;
+    let s = Setup::new();
+    let hook = s.webhook(
+        format!("http://{addr}/hook/SECRET-TOKEN"),
+        None,
+        fast_policy(),
+    );
+    let err = hook.send(&fields()).await.unwrap_err();
+    match &err {
+        Error::GaveUp { tries, last, .. } => {
+            assert_eq!(*tries, 3);
+            assert!(
+                matches!(**last, Error::Status { status: 502, .. }),
+                "{last:?}"
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+    // The secret part of the URL never appears in errors (they are logged).
+    assert!(!format!("{err} {err:?}").contains("SECRET-TOKEN"), "{err}");
+    assert_eq!(rx.seen().len(), 3);
+    assert_eq!(
+        (s.count("sent"), s.count("retry"), s.count("failed")),
+        (0, 2, 1)
+    );
+    assert_eq!(s.errors("gave_up"), 1);
+}
+
+#[tokio::test]
+async fn client_errors_are_not_retried() {
+    let (addr, rx) = receiver(&[], Some(Reply::Status(404))).await;
+    let s = Setup::new();
+    let hook = s.webhook(format!("http://{addr}/hook/x"), None, fast_policy());
+    let err = hook.send(&fields()).await.unwrap_err();
+    assert!(matches!(err, Error::Status { status: 404, .. }), "{err:?}");
+    assert_eq!(rx.seen().len(), 1);
+    assert_eq!((s.count("retry"), s.count("failed")), (0, 1));
+}
+
+#[tokio::test]
+async fn redirects_are_not_followed() {
+    let (addr, rx) = receiver(&[Reply::Redirect], None).await;
+    let s = Setup::new();
+    let hook = s.webhook(format!("http://{addr}/hook/x"), None, fast_policy());
+    let err = hook.send(&fields()).await.unwrap_err();
+    assert!(matches!(err, Error::Status { status: 302, .. }), "{err:?}");
+    let paths: Vec<String> = rx.seen().into_iter().map(|r| r.path).collect();
+    assert_eq!(paths, vec!["/hook/x".to_string()]);
+}
+
+#[tokio::test]
+async fn a_hanging_receiver_is_cut_by_the_per_try_timeout() {
+    let (addr, rx) = receiver(&[], Some(Reply::Hang)).await;
+    let s = Setup::new();
+    let policy = RetryPolicy {
+        attempts: 2,
+        per_try_timeout: Duration::from_millis(300),
+        ..fast_policy()
+    };
+    let hook = s.webhook(format!("http://{addr}/hook/x"), None, policy);
+    let started = Instant::now();
+    let err = hook.send(&fields()).await.unwrap_err();
+    match &err {
+        Error::GaveUp { tries: 2, last, .. } => {
+            assert_eq!(last.metric_label(), "timeout", "{last:?}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(rx.seen().len(), 2);
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "{:?}",
+        started.elapsed()
+    );
+}
+
+#[tokio::test]
+async fn the_total_bound_ends_retrying() {
+    let (addr, rx) = receiver(&[], Some(Reply::Status(500))).await;
+    let s = Setup::new();
+    let policy = RetryPolicy {
+        attempts: 1000,
+        base_delay: Duration::from_millis(100),
+        max_delay: Duration::from_millis(400),
+        per_try_timeout: Duration::from_secs(5),
+        total: Duration::from_secs(2),
+    };
+    let hook = s.webhook(format!("http://{addr}/hook/x"), None, policy);
+    let started = Instant::now();
+    let err = hook.send(&fields()).await.unwrap_err();
+    assert!(
+        matches!(err, Error::GaveUp { .. } | Error::OutOfTime { .. }),
+        "{err:?}"
+    );
+    let tries = rx.seen().len();
+    assert!((2..1000).contains(&tries), "{tries} tries");
+    // Generous: the bound is 2 s.
+    assert!(
+        started.elapsed() < Duration::from_secs(15),
+        "{:?}",
+        started.elapsed()
+    );
+    assert_eq!(s.count("failed"), 1);
+}
+
+#[tokio::test]
+async fn a_slow_receiver_does_not_block_the_caller() {
+    let (addr, rx) = receiver(&[Reply::Slow(Duration::from_secs(2))], None).await;
+    let s = Setup::new();
+    let hook = s.webhook(format!("http://{addr}/hook/x"), None, fast_policy());
+    let started = Instant::now();
+    let handle = hook.notify(&fields()).expect("inside a runtime");
+    let returned_after = started.elapsed();
+    // notify() only spawns: it returns long before the receiver answers (2 s).
+    assert!(
+        returned_after < Duration::from_secs(1),
+        "{returned_after:?}"
+    );
+    assert_eq!(s.count("sent"), 0);
+    tokio::time::timeout(Duration::from_secs(30), handle)
+        .await
+        .expect("the notification finishes")
+        .unwrap();
+    assert!(started.elapsed() >= Duration::from_secs(2));
+    assert_eq!(rx.seen().len(), 1);
+    assert_eq!(s.count("sent"), 1);
+}
+
+#[test]
+fn notify_outside_a_runtime_is_counted_not_a_panic() {
+    let s = Setup::new();
+    let hook = s.webhook("http://127.0.0.1:9/hook/x".into(), None, fast_policy());
+    assert!(hook.notify(&fields()).is_none());
+    assert_eq!(s.count("failed"), 1);
+    assert_eq!(s.errors("no_runtime"), 1);
+}
+
+/// https URLs (Slack) need TLS in reqwest. This build gets rustls through feature unification
+/// (object_store enables reqwest's rustls-tls-native-roots); if that ever goes away, a request
+/// to an https URL fails before any connection with "scheme is not http". Against a plain-HTTP
+/// receiver, a TLS-capable client gets a handshake error instead.
+#[tokio::test]
+async fn https_urls_are_supported_by_this_build() {
+    let (addr, rx) = receiver(&[], None).await;
+    let s = Setup::new();
+    let policy = RetryPolicy {
+        attempts: 1,
+        ..fast_policy()
+    };
+    let hook = s.webhook(format!("https://{addr}/hook/x"), None, policy);
+    let err = hook.send(&fields()).await.unwrap_err();
+    let mut chain = format!("{err}");
+    let mut source = err.source();
+    while let Some(e) = source {
+        chain.push_str(&format!(" / {e}"));
+        source = e.source();
+    }
+    assert!(
+        !chain.contains("scheme is not http"),
+        "no TLS support: {chain}"
+    );
+    match &err {
+        Error::GaveUp { tries: 1, last, .. } => {
+            assert!(matches!(**last, Error::Request { .. }), "{last:?}")
+        }
+        other => panic!("{other:?}"),
+    }
+    // The receiver got a TLS ClientHello, not an HTTP request it could route.
+    assert!(rx.seen().is_empty());
+}
