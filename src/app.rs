@@ -233,8 +233,15 @@ pub async fn start(cfg: Config, cancel: CancellationToken) -> Result<App, Error>
             .map_err(|e| Error::Webhook(e.to_string()))?,
         );
         let node_name = cfg.node_name.clone().unwrap_or_else(hostname);
+        let instance = hostname();
+        let action = match cfg.mode {
+            Mode::Kubernetes => "checkpoint, cordon and drain",
+            Mode::Host => "checkpoint",
+        };
         on_start.push(Box::new(move |n| {
-            hook.notify(&webhook::NotifyFields::from_notice(n, &node_name));
+            let _ = hook.notify(&webhook::NotifyFields::from_notice(
+                n, &node_name, &instance, action,
+            ));
         }));
     }
 

@@ -16,7 +16,7 @@ use tracing::{debug, info, warn};
 
 use crate::checkpoint::cgroup::ProcIndex;
 use crate::checkpoint::pods::{is_candidate, pod_checkpoint_spec, PodDefaults};
-use crate::checkpoint::{Error, Signal, TargetDiscovery, TargetGroup};
+use crate::checkpoint::{Error, PodRef, Signal, TargetDiscovery, TargetGroup};
 use crate::metrics::Metrics;
 use crate::node::{reason, EventType, NodeOps};
 use crate::prefetch::Prefetcher;
@@ -76,6 +76,7 @@ impl TargetDiscovery for KubeDiscovery {
         let defaults = PodDefaults {
             signal: self.defaults.signal,
             timeout: self.defaults.timeout,
+            ..PodDefaults::default()
         };
         let mut specs = Vec::new();
         for pod in &list.items {
@@ -88,7 +89,7 @@ impl TargetDiscovery for KubeDiscovery {
                 Err(e) => {
                     self.metrics.error("checkpoint", e.metric_label());
                     warn!(error = %e, "skipping pod with a bad checkpoint annotation");
-                    if let Some(pod_ref) = crate::checkpoint::pods::pod_ref(pod) {
+                    if let Some(pod_ref) = pod_ref(pod) {
                         let _ = self
                             .node
                             .pod_event(
@@ -114,6 +115,9 @@ impl TargetDiscovery for KubeDiscovery {
             })??;
         let mut groups = Vec::new();
         for spec in specs {
+            if spec.containers.is_empty() {
+                info!(pod = %spec.name(), "opted-in pod has no running container yet");
+            }
             let mut containers = Vec::new();
             for (name, id) in &spec.containers {
                 match index.container(&spec.pod.uid, id) {
@@ -136,6 +140,14 @@ impl TargetDiscovery for KubeDiscovery {
         }
         Ok(groups)
     }
+}
+
+fn pod_ref(pod: &Pod) -> Option<PodRef> {
+    Some(PodRef {
+        namespace: pod.metadata.namespace.clone()?,
+        name: pod.metadata.name.clone()?,
+        uid: pod.metadata.uid.clone().unwrap_or_default(),
+    })
 }
 
 /// Every 30 s, list this node's pods and `ensure()` the datasets their `spotguard.io/prefetch`
