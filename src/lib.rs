@@ -4,6 +4,7 @@
 
 pub mod checkpoint;
 pub mod fsutil;
+pub mod gpu;
 pub mod metrics;
 pub mod node;
 pub mod notice;
