@@ -509,7 +509,9 @@ impl Collector for GpuCollector {
             } else {
                 MetricType::Gauge
             };
-            let mut family = encoder.encode_descriptor(series.name, series.help, None, metric_type)?;
+            // Same HELP style as registered metrics (the registry appends a full stop).
+            let help = format!("{}.", series.help);
+            let mut family = encoder.encode_descriptor(series.name, &help, None, metric_type)?;
             for (labels, value) in &series.points {
                 let metric = family.encode_family(labels)?;
                 match *value {
