@@ -86,9 +86,15 @@ fn metrics_text_from_recorded_readings() {
         format!("spotguard_gpu_memory_total_bytes{{{rl}}} 25757220864"),
         format!("spotguard_gpu_ecc_enabled{{{hl}}} 1"),
         format!("spotguard_gpu_ecc_errors_total{{{hl},type=\"corrected\",counter=\"volatile\"}} 3"),
-        format!("spotguard_gpu_ecc_errors_total{{{hl},type=\"uncorrected\",counter=\"volatile\"}} 0"),
-        format!("spotguard_gpu_ecc_errors_total{{{hl},type=\"corrected\",counter=\"aggregate\"}} 41"),
-        format!("spotguard_gpu_ecc_errors_total{{{hl},type=\"uncorrected\",counter=\"aggregate\"}} 0"),
+        format!(
+            "spotguard_gpu_ecc_errors_total{{{hl},type=\"uncorrected\",counter=\"volatile\"}} 0"
+        ),
+        format!(
+            "spotguard_gpu_ecc_errors_total{{{hl},type=\"corrected\",counter=\"aggregate\"}} 41"
+        ),
+        format!(
+            "spotguard_gpu_ecc_errors_total{{{hl},type=\"uncorrected\",counter=\"aggregate\"}} 0"
+        ),
         format!("spotguard_gpu_remapped_rows{{{hl},type=\"correctable\"}} 0"),
         format!("spotguard_gpu_remapped_rows{{{hl},type=\"uncorrectable\"}} 0"),
         format!("spotguard_gpu_remap_pending{{{hl}}} 0"),
@@ -174,7 +180,10 @@ fn metrics_follow_the_snapshot_and_pre_ampere_readings() {
         format!("spotguard_gpu_health{{{vl},state=\"unhealthy\"}} 1"),
         "spotguard_gpu_findings{rule=\"retired_pages_pending\",severity=\"unhealthy\"} 1".into(),
     ] {
-        assert!(sample_lines(&text).contains(&line.as_str()), "{line}\n{text}");
+        assert!(
+            sample_lines(&text).contains(&line.as_str()),
+            "{line}\n{text}"
+        );
     }
     // V100 has no row remapping and the R535 A100 no recovery action: no series for them.
     assert!(!text.contains(&format!("spotguard_gpu_remap_pending{{{vl}}}")));
@@ -193,7 +202,8 @@ fn metrics_follow_the_snapshot_and_pre_ampere_readings() {
     metrics.observe(&[a100(1)], &state);
     let text = encode(&registry);
     assert!(!text.contains(&format!("spotguard_gpu_temperature_celsius{{{vl}}}")));
-    assert!(sample_lines(&text).contains(&format!("spotguard_gpu_health{{{vl},state=\"unhealthy\"}} 1").as_str()));
+    assert!(sample_lines(&text)
+        .contains(&format!("spotguard_gpu_health{{{vl},state=\"unhealthy\"}} 1").as_str()));
 
     // Probe down: no readings at all, everything unknown.
     metrics.probe_down(&state);
@@ -201,7 +211,8 @@ fn metrics_follow_the_snapshot_and_pre_ampere_readings() {
     assert!(sample_lines(&text).contains(&"spotguard_gpu_probe_up 0"));
     assert!(!text.contains("spotguard_gpu_temperature_celsius{"));
     assert!(sample_lines(&text).contains(&"spotguard_node_gpu_health{state=\"unknown\"} 1"));
-    assert!(sample_lines(&text).contains(&format!("spotguard_gpu_health{{{vl},state=\"unknown\"}} 1").as_str()));
+    assert!(sample_lines(&text)
+        .contains(&format!("spotguard_gpu_health{{{vl},state=\"unknown\"}} 1").as_str()));
 }
 
 // === monitor ===
@@ -326,8 +337,15 @@ async fn monitor_sets_conditions_from_findings() {
         .await
         .expect("unhealthy condition");
     assert_eq!(c.unhealthy.reason, "XidError");
-    assert!(c.unhealthy.message.contains(&gpus[5].uuid), "{}", c.unhealthy.message);
-    assert!(c.unhealthy.message.contains("XID 79 (GPU has fallen off the bus)"));
+    assert!(
+        c.unhealthy.message.contains(&gpus[5].uuid),
+        "{}",
+        c.unhealthy.message
+    );
+    assert!(c
+        .unhealthy
+        .message
+        .contains("XID 79 (GPU has fallen off the bus)"));
     assert!(c.unhealthy.message.ends_with(&format!("boot_id={BOOT_A}")));
     assert!(!c.degraded.active);
     h.wait_metrics("xid counted", |t| {
@@ -355,7 +373,10 @@ async fn monitor_sets_conditions_from_findings() {
     let taken = probe.samples_taken();
     wait_samples(&probe, taken + 10).await;
     let now = node.on_node();
-    assert!(now.unhealthy.active && now.degraded.active, "sticky: {now:?}");
+    assert!(
+        now.unhealthy.active && now.degraded.active,
+        "sticky: {now:?}"
+    );
     // Only changes were written.
     let writes = node.writes();
     assert_eq!(writes.len(), 3, "{writes:#?}");
@@ -372,7 +393,9 @@ async fn operator_removing_a_condition_clears_momentary_findings_only() {
     let running = h.start(probe.clone(), node.clone());
 
     probe.push_events([xid(&gpus[0], 48, jiff::Timestamp::now())]);
-    node.wait_for(WAIT, |c| c.unhealthy.active).await.expect("unhealthy");
+    node.wait_for(WAIT, |c| c.unhealthy.active)
+        .await
+        .expect("unhealthy");
 
     // The operator sets GPUUnhealthy to False (after replacing the GPU's workload, say).
     node.operator_clears(true, false);
@@ -383,15 +406,20 @@ async fn operator_removing_a_condition_clears_momentary_findings_only() {
     assert!(!c.unhealthy.active);
     let taken = probe.samples_taken();
     wait_samples(&probe, taken + 5).await;
-    assert!(!node.on_node().unhealthy.active, "not re-raised without evidence");
+    assert!(
+        !node.on_node().unhealthy.active,
+        "not re-raised without evidence"
+    );
 
     // Evidence that is still there comes back after an operator clear.
     let mut pending = gpus.clone();
     pending[4].remap_pending = Some(true);
     probe.set_samples(pending);
-    node.wait_for(WAIT, |c| c.unhealthy.active && c.unhealthy.reason == "RowRemapPending")
-        .await
-        .expect("pending remap");
+    node.wait_for(WAIT, |c| {
+        c.unhealthy.active && c.unhealthy.reason == "RowRemapPending"
+    })
+    .await
+    .expect("pending remap");
     node.operator_clears(true, false);
     let taken = probe.samples_taken();
     wait_samples(&probe, taken + 5).await;
@@ -472,13 +500,17 @@ async fn probe_down_is_unknown_keeps_node_conditions_and_recovers() {
                 })
         })
         .await;
-    assert!(text.contains("spotguard_node_gpu_health{state=\"unknown\"} 1"), "{text}");
+    assert!(
+        text.contains("spotguard_node_gpu_health{state=\"unknown\"} 1"),
+        "{text}"
+    );
     assert!(node.writes().is_empty(), "nothing written while blind");
     assert_eq!(node.on_node(), earlier);
 
     // The driver comes up: probe up, the resumed finding still there (no reboot, no reset).
     probe.set_samples(gpus.clone());
-    h.wait_metrics("probe up", |t| t.contains("spotguard_gpu_probe_up 1")).await;
+    h.wait_metrics("probe up", |t| t.contains("spotguard_gpu_probe_up 1"))
+        .await;
     let taken = probe.samples_taken();
     wait_samples(&probe, taken + 5).await;
     assert!(node.on_node().unhealthy.active);
@@ -500,7 +532,10 @@ async fn nvml_probe_that_cannot_load_leaves_probe_up_zero() {
             t.contains("spotguard_gpu_monitor_errors_total{error=\"load_library\"}")
         })
         .await;
-    assert!(sample_lines(&text).contains(&"spotguard_gpu_probe_up 0"), "{text}");
+    assert!(
+        sample_lines(&text).contains(&"spotguard_gpu_probe_up 0"),
+        "{text}"
+    );
     assert!(sample_lines(&text).contains(&"spotguard_node_gpu_health{state=\"unknown\"} 1"));
     assert!(node.writes().is_empty());
     running.stop().await;
@@ -511,7 +546,10 @@ async fn nvml_probe_that_cannot_load_leaves_probe_up_zero() {
 fn nvml_probe_new_fails_cleanly_without_a_driver() {
     let has_driver = Path::new("/dev/nvidiactl").exists();
     match NvmlProbe::new() {
-        Ok(probe) => assert!(has_driver, "NVML initialised without /dev/nvidiactl: {probe:?}"),
+        Ok(probe) => assert!(
+            has_driver,
+            "NVML initialised without /dev/nvidiactl: {probe:?}"
+        ),
         Err(e) => {
             assert!(!has_driver, "driver present but NVML failed: {e}");
             assert!(e.is_init(), "{e:?}");
@@ -541,7 +579,11 @@ fn cli_report_exit_codes_and_rendering() {
     assert!(lines[0].starts_with("GPU  UUID"), "{}", out.stdout);
     assert_eq!(lines.len(), 1 + 8 + 2, "{}", out.stdout);
     assert!(lines[1].contains("NVIDIA H100 80GB HBM3") && lines[1].contains("healthy"));
-    assert!(lines[1].contains("31C") && lines[1].contains("72/700W"), "{}", lines[1]);
+    assert!(
+        lines[1].contains("31C") && lines[1].contains("72/700W"),
+        "{}",
+        lines[1]
+    );
     assert!(lines[1].contains("0.5/79.6 GiB"), "{}", lines[1]);
     assert!(lines[1].contains("gpu_idle"));
     assert_eq!(
@@ -565,10 +607,13 @@ fn cli_report_exit_codes_and_rendering() {
     assert_eq!(r.exit_code(), EXIT_UNHEALTHY);
     let table = r.to_table();
     assert!(table.contains("1/0 pending"), "{table}");
-    assert!(table.contains(&format!(
-        "  unhealthy {} (gpu 6) RowRemapPending: row remap pending",
-        gpus[6].uuid
-    )), "{table}");
+    assert!(
+        table.contains(&format!(
+            "  unhealthy {} (gpu 6) RowRemapPending: row remap pending",
+            gpus[6].uuid
+        )),
+        "{table}"
+    );
 
     // JSON: the same verdict, machine-readable; NotSupported readings are null, not zero.
     let out = cli_output(&GpuArgs { json: true }, &r);
@@ -593,7 +638,9 @@ fn cli_report_exit_codes_and_rendering() {
     assert!(out.stderr.contains("libnvidia-ml.so.1"), "{}", out.stderr);
     let out = cli_output(&GpuArgs { json: true }, &r);
     let v: serde_json::Value = serde_json::from_str(&out.stdout).expect("json");
-    assert!(v["unavailable"].as_str().is_some_and(|s| s.contains("libnvidia-ml.so.1")));
+    assert!(v["unavailable"]
+        .as_str()
+        .is_some_and(|s| s.contains("libnvidia-ml.so.1")));
     assert_eq!(v["node"], "unknown");
 
     // NVML up but no GPU ⇒ exit 2 as well.
@@ -628,7 +675,9 @@ fn conditions_message_resumes_exactly() {
         },
         degraded: ConditionState::default(),
     };
-    assert!(spotguard::gpu::previous_from_conditions(&none).findings.is_empty());
+    assert!(spotguard::gpu::previous_from_conditions(&none)
+        .findings
+        .is_empty());
 }
 
 // === real GPU ===
@@ -651,11 +700,18 @@ fn smoke_real_gpu() {
         assert!(s.ecc_enabled.is_some(), "{}: ECC mode readable", s.uuid);
         assert!(s.memory_total_bytes.is_some_and(|b| b > 1 << 30));
         if s.model.contains("H100") || s.model.contains("H200") || s.model.contains("A100") {
-            assert!(s.remapped_rows_correctable.is_some(), "{}: remapped rows", s.model);
+            assert!(
+                s.remapped_rows_correctable.is_some(),
+                "{}: remapped rows",
+                s.model
+            );
             assert!(s.remap_pending.is_some() && s.remap_failure.is_some());
         }
         if s.model.contains("H100") || s.model.contains("H200") {
-            assert_eq!(s.retired_pages_single_bit, None, "page retirement is NotSupported on Hopper");
+            assert_eq!(
+                s.retired_pages_single_bit, None,
+                "page retirement is NotSupported on Hopper"
+            );
         }
         println!("{s:#?}");
     }
@@ -667,7 +723,10 @@ fn smoke_real_gpu() {
     let r = report(&probe, &Thresholds::default(), &boot);
     println!("{}", r.to_table());
     println!("{}", r.to_json());
-    assert!(matches!(r.node, Health::Healthy | Health::Degraded | Health::Unhealthy));
+    assert!(matches!(
+        r.node,
+        Health::Healthy | Health::Degraded | Health::Unhealthy
+    ));
     let mut registry = Registry::default();
     let metrics = GpuMetrics::register(&mut registry);
     let state = evaluate(

@@ -279,11 +279,17 @@ impl Thresholds {
             return bad("gpu.thresholds.app_xid_count", "must be at least 1".into());
         }
         if self.throttle_samples == 0 {
-            return bad("gpu.thresholds.throttle_samples", "must be at least 1".into());
+            return bad(
+                "gpu.thresholds.throttle_samples",
+                "must be at least 1".into(),
+            );
         }
         for (key, window) in [
             ("gpu.thresholds.app_xid_window", self.app_xid_window),
-            ("gpu.thresholds.ecc_correctable_window", self.ecc_correctable_window),
+            (
+                "gpu.thresholds.ecc_correctable_window",
+                self.ecc_correctable_window,
+            ),
             ("gpu.thresholds.nvlink_window", self.nvlink_window),
         ] {
             if window.is_zero() {
@@ -532,7 +538,9 @@ fn reset_observed(prev: &GpuSample, cur: &GpuSample) -> bool {
         || went_down(prev.energy_millijoules, cur.energy_millijoules)
         || cleared(prev.remap_pending, cur.remap_pending)
         || cleared(prev.retired_pages_pending, cur.retired_pages_pending)
-        || (prev.recovery_action.is_some_and(RecoveryAction::needs_reset)
+        || (prev
+            .recovery_action
+            .is_some_and(RecoveryAction::needs_reset)
             && cur.recovery_action == Some(RecoveryAction::None))
 }
 
@@ -1053,11 +1061,7 @@ fn format_finding(f: &Finding) -> String {
     )
 }
 
-fn parse_finding(
-    segment: &str,
-    severity: Severity,
-    boot_id: &Option<String>,
-) -> Option<Finding> {
+fn parse_finding(segment: &str, severity: Severity, boot_id: &Option<String>) -> Option<Finding> {
     let rest = segment.strip_prefix('[')?;
     let (reason, rest) = rest.split_once("] ")?;
     let rule = Rule::from_reason(reason)?;
@@ -1213,7 +1217,9 @@ mod tests {
     }
 
     fn finding<'a>(st: &'a HealthState, uuid: &str, rule: Rule) -> Option<&'a Finding> {
-        st.findings.iter().find(|f| f.uuid == uuid && f.rule == rule)
+        st.findings
+            .iter()
+            .find(|f| f.uuid == uuid && f.rule == rule)
     }
 
     #[test]
@@ -1389,8 +1395,16 @@ mod tests {
             ),
         ];
         for (name, baseline, broken, rule, severity) in cases {
-            let st = run(&[only(vec![baseline.clone()]), only(vec![broken.clone()])], &t);
-            assert_eq!(rules(&st), vec![(rule, severity)], "{name}: {:?}", st.findings);
+            let st = run(
+                &[only(vec![baseline.clone()]), only(vec![broken.clone()])],
+                &t,
+            );
+            assert_eq!(
+                rules(&st),
+                vec![(rule, severity)],
+                "{name}: {:?}",
+                st.findings
+            );
             let f = &st.findings[0];
             assert_eq!(f.uuid, baseline.uuid, "{name}");
             assert_eq!(f.gpu, Some(0), "{name}");
@@ -1461,7 +1475,11 @@ mod tests {
         let g = h100(3);
         for code in t.reset_xids.clone() {
             let st = run(&[(vec![g.clone()], vec![xid(&g, code, at(0))])], &t);
-            assert_eq!(rules(&st), vec![(Rule::Xid, Severity::Unhealthy)], "XID {code}");
+            assert_eq!(
+                rules(&st),
+                vec![(Rule::Xid, Severity::Unhealthy)],
+                "XID {code}"
+            );
             assert_eq!(st.findings[0].codes, BTreeSet::from([code]));
             assert!(
                 st.findings[0].evidence.starts_with(&format!("XID {code}")),
@@ -1488,7 +1506,10 @@ mod tests {
         let st = run(
             &[
                 (vec![g.clone()], vec![xid(&g, 94, at(0))]),
-                (vec![g.clone()], vec![xid(&g, 48, at(10)), xid(&g, 94, at(11))]),
+                (
+                    vec![g.clone()],
+                    vec![xid(&g, 48, at(10)), xid(&g, 94, at(11))],
+                ),
             ],
             &t,
         );
@@ -1505,7 +1526,9 @@ mod tests {
     fn repeated_app_xids_within_the_window_are_degraded() {
         let t = Thresholds::default();
         let g = a100(1);
-        let burst: Vec<GpuEvent> = (0..5).map(|i| xid(&g, [13, 31, 43][i % 3], at(i as i64))).collect();
+        let burst: Vec<GpuEvent> = (0..5)
+            .map(|i| xid(&g, [13, 31, 43][i % 3], at(i as i64)))
+            .collect();
         let st = run(&[(vec![g.clone()], burst[..4].to_vec())], &t);
         assert!(st.findings.is_empty(), "4 < 5: {:?}", st.findings);
         let st = run(&[(vec![g.clone()], burst.clone())], &t);
@@ -1516,7 +1539,14 @@ mod tests {
         let mut st = HealthState::default();
         for i in 0..5 {
             let now = at(i * 1000);
-            st = evaluate(&st, &[g.clone()], &[xid(&g, 13, now)], now, BOOT, &t);
+            st = evaluate(
+                &st,
+                std::slice::from_ref(&g),
+                &[xid(&g, 13, now)],
+                now,
+                BOOT,
+                &t,
+            );
         }
         assert!(st.findings.is_empty(), "{:?}", st.findings);
     }
@@ -1538,7 +1568,10 @@ mod tests {
         let st = run(&[(vec![g.clone()], vec![sbe])], &t);
         assert!(st.findings.is_empty());
         let st = run(&[(vec![g], vec![ev])], &t);
-        assert_eq!(rules(&st), vec![(Rule::EccUncorrectable, Severity::Unhealthy)]);
+        assert_eq!(
+            rules(&st),
+            vec![(Rule::EccUncorrectable, Severity::Unhealthy)]
+        );
     }
 
     #[test]
@@ -1574,10 +1607,27 @@ mod tests {
             ecc_corrected_aggregate: Some(1000 + n),
             ..h100(0)
         };
-        let st = run(&[only(vec![with(0)]), only(vec![with(60)]), only(vec![with(99)])], &t);
+        let st = run(
+            &[
+                only(vec![with(0)]),
+                only(vec![with(60)]),
+                only(vec![with(99)]),
+            ],
+            &t,
+        );
         assert!(st.findings.is_empty(), "99 < 100: {:?}", st.findings);
-        let st = run(&[only(vec![with(0)]), only(vec![with(60)]), only(vec![with(110)])], &t);
-        assert_eq!(rules(&st), vec![(Rule::EccCorrectableRate, Severity::Degraded)]);
+        let st = run(
+            &[
+                only(vec![with(0)]),
+                only(vec![with(60)]),
+                only(vec![with(110)]),
+            ],
+            &t,
+        );
+        assert_eq!(
+            rules(&st),
+            vec![(Rule::EccCorrectableRate, Severity::Degraded)]
+        );
 
         // The same 110 errors spread over two windows stay below.
         let mut st = HealthState::default();
@@ -1593,7 +1643,10 @@ mod tests {
             ..a100(0)
         };
         let st = run(&[only(vec![agg(500)]), only(vec![agg(650)])], &t);
-        assert_eq!(rules(&st), vec![(Rule::EccCorrectableRate, Severity::Degraded)]);
+        assert_eq!(
+            rules(&st),
+            vec![(Rule::EccCorrectableRate, Severity::Degraded)]
+        );
     }
 
     #[test]
@@ -1607,20 +1660,33 @@ mod tests {
         let st = run(&[only(vec![hw.clone()]), only(vec![hw.clone()])], &t);
         assert!(st.findings.is_empty(), "2 < 3");
         let st = run(
-            &[only(vec![hw.clone()]), only(vec![reasons(0x1)]), only(vec![hw.clone()]), only(vec![hw.clone()])],
+            &[
+                only(vec![hw.clone()]),
+                only(vec![reasons(0x1)]),
+                only(vec![hw.clone()]),
+                only(vec![hw.clone()]),
+            ],
             &t,
         );
         assert!(st.findings.is_empty(), "streak broken");
         for bits in [0x8, 0x20, 0x40, 0x80, 0x48] {
             let s = reasons(bits);
-            let st = run(&[only(vec![s.clone()]), only(vec![s.clone()]), only(vec![s])], &t);
+            let st = run(
+                &[only(vec![s.clone()]), only(vec![s.clone()]), only(vec![s])],
+                &t,
+            );
             assert_eq!(
                 rules(&st),
                 vec![(Rule::ClocksThrottled, Severity::Degraded)],
                 "{bits:#x}"
             );
         }
-        let st = run(&(0..3).map(|_| only(vec![reasons(0x48)])).collect::<Vec<_>>(), &t);
+        let st = run(
+            &(0..3)
+                .map(|_| only(vec![reasons(0x48)]))
+                .collect::<Vec<_>>(),
+            &t,
+        );
         assert_eq!(
             st.findings[0].evidence,
             "clocks held back by hw_slowdown,hw_thermal_slowdown for 3 consecutive samples"
@@ -1643,7 +1709,14 @@ mod tests {
         };
         let st = run(&[only(vec![with(1000, 0)]), only(vec![with(1040, 50)])], &t);
         assert!(st.findings.is_empty(), "90 < 100");
-        let st = run(&[only(vec![with(1000, 0)]), only(vec![with(1040, 50)]), only(vec![with(1050, 50)])], &t);
+        let st = run(
+            &[
+                only(vec![with(1000, 0)]),
+                only(vec![with(1040, 50)]),
+                only(vec![with(1050, 50)]),
+            ],
+            &t,
+        );
         assert_eq!(rules(&st), vec![(Rule::NvlinkErrors, Severity::Degraded)]);
         // A high but constant count (errors from long ago) is not rising.
         let steps: Vec<_> = (0..5).map(|_| only(vec![with(90_000, 4_000)])).collect();
@@ -1654,14 +1727,21 @@ mod tests {
     fn unhealthy_findings_stick_until_reboot() {
         let t = Thresholds::default();
         let g = h100(0);
-        let mut st = evaluate(&HealthState::default(), &[g.clone()], &[xid(&g, 79, at(0))], at(0), BOOT, &t);
+        let mut st = evaluate(
+            &HealthState::default(),
+            std::slice::from_ref(&g),
+            &[xid(&g, 79, at(0))],
+            at(0),
+            BOOT,
+            &t,
+        );
         for i in 1..50 {
-            st = evaluate(&st, &[g.clone()], &[], at(i * 10), BOOT, &t);
+            st = evaluate(&st, std::slice::from_ref(&g), &[], at(i * 10), BOOT, &t);
         }
         let f = finding(&st, &g.uuid, Rule::Xid).expect("sticky");
         assert!(!f.evidence_active);
         assert_eq!(st.node, Health::Unhealthy);
-        let st = evaluate(&st, &[g.clone()], &[], at(600), OTHER_BOOT, &t);
+        let st = evaluate(&st, std::slice::from_ref(&g), &[], at(600), OTHER_BOOT, &t);
         assert!(st.findings.is_empty(), "{:?}", st.findings);
         assert_eq!(st.node, Health::Healthy);
         assert_eq!(st.boot_id.as_deref(), Some(OTHER_BOOT));
@@ -1701,7 +1781,14 @@ mod tests {
                 (Rule::RowRemapPending, Severity::Unhealthy)
             ]
         );
-        let st = evaluate(&st, &[after_reset.clone()], &[], at(100), BOOT, &t);
+        let st = evaluate(
+            &st,
+            std::slice::from_ref(&after_reset),
+            &[],
+            at(100),
+            BOOT,
+            &t,
+        );
         assert!(st.findings.is_empty(), "{:?}", st.findings);
         assert_eq!(st.node, Health::Healthy);
     }
@@ -1765,10 +1852,7 @@ mod tests {
         let all = hgx_h100();
         let seven: Vec<GpuSample> = all.iter().filter(|g| g.index != 1).cloned().collect();
         let st = run(
-            &[
-                (all.clone(), vec![xid(&all[1], 79, at(0))]),
-                only(seven),
-            ],
+            &[(all.clone(), vec![xid(&all[1], 79, at(0))]), only(seven)],
             &t,
         );
         assert_eq!(st.findings.len(), 2, "{:?}", st.findings);
@@ -1789,7 +1873,7 @@ mod tests {
             energy_millijoules: Some(10),
             ..failed.clone()
         };
-        let st = evaluate(&st, &[reloaded.clone()], &[], at(10), BOOT, &t);
+        let st = evaluate(&st, std::slice::from_ref(&reloaded), &[], at(10), BOOT, &t);
         let st = evaluate(&st, &[reloaded], &[], at(20), OTHER_BOOT, &t);
         let f = finding(&st, &failed.uuid, Rule::RowRemapFailure).expect("persists");
         assert_eq!(f.boot_id.as_deref(), Some(OTHER_BOOT));
@@ -1807,7 +1891,14 @@ mod tests {
             energy_millijoules: Some(1),
             ..g.clone()
         };
-        let st = evaluate(&st, &[reset.clone()], &[xid(&g, 79, at(20))], at(20), BOOT, &t);
+        let st = evaluate(
+            &st,
+            std::slice::from_ref(&reset),
+            &[xid(&g, 79, at(20))],
+            at(20),
+            BOOT,
+            &t,
+        );
         let st = evaluate(&st, &[reset], &[], at(30), BOOT, &t);
         assert!(finding(&st, &g.uuid, Rule::Xid).is_some());
     }
@@ -1823,7 +1914,10 @@ mod tests {
         let mut steps: Vec<_> = (0..3).map(|_| only(vec![hot.clone()])).collect();
         steps.extend((0..10).map(|_| only(vec![cool.clone()])));
         let st = run(&steps, &t);
-        assert_eq!(rules(&st), vec![(Rule::ClocksThrottled, Severity::Degraded)]);
+        assert_eq!(
+            rules(&st),
+            vec![(Rule::ClocksThrottled, Severity::Degraded)]
+        );
         assert_eq!(st.node, Health::Degraded);
         let st = evaluate(&st, &[cool], &[], at(1000), OTHER_BOOT, &t);
         assert!(st.findings.is_empty());
@@ -1839,15 +1933,28 @@ mod tests {
         };
         let other = h100(1);
         let mut st = run(
-            &[(vec![pending.clone(), other.clone()], vec![xid(&other, 79, at(0))])],
+            &[(
+                vec![pending.clone(), other.clone()],
+                vec![xid(&other, 79, at(0))],
+            )],
             &t,
         );
         assert_eq!(st.findings.len(), 2);
         assert_eq!(st.clear_severity(Severity::Unhealthy), 2);
         assert!(st.findings.is_empty());
         assert_eq!(st.node, Health::Healthy);
-        let st = evaluate(&st, &[pending.clone(), other.clone()], &[], at(10), BOOT, &t);
-        assert_eq!(rules(&st), vec![(Rule::RowRemapPending, Severity::Unhealthy)]);
+        let st = evaluate(
+            &st,
+            &[pending.clone(), other.clone()],
+            &[],
+            at(10),
+            BOOT,
+            &t,
+        );
+        assert_eq!(
+            rules(&st),
+            vec![(Rule::RowRemapPending, Severity::Unhealthy)]
+        );
         assert_eq!(st.findings[0].uuid, g.uuid);
     }
 
@@ -1904,9 +2011,10 @@ mod tests {
             ..t.clone()
         };
         let st = run(
-            &[
-                (broken.clone(), vec![xid(&gpus[2], 48, at(0)), xid(&gpus[2], 120, at(1))]),
-            ],
+            &[(
+                broken.clone(),
+                vec![xid(&gpus[2], 48, at(0)), xid(&gpus[2], 120, at(1))],
+            )],
             &t8,
         );
         let resumed = previous_from_conditions(&node_conditions(&st, BOOT));
@@ -1941,13 +2049,27 @@ mod tests {
         // Agent restarted, same boot: clean samples do not clear it.
         let mut resumed = previous_from_conditions(&conditions);
         for i in 0..5 {
-            resumed = evaluate(&resumed, &[g.clone()], &[], at(100 + i), BOOT, &t);
+            resumed = evaluate(
+                &resumed,
+                std::slice::from_ref(&g),
+                &[],
+                at(100 + i),
+                BOOT,
+                &t,
+            );
         }
         assert!(finding(&resumed, &g.uuid, Rule::Xid).is_some());
         assert_eq!(node_conditions(&resumed, BOOT), conditions);
 
         // Agent restarted after a reboot: cleared.
-        let rebooted = evaluate(&previous_from_conditions(&conditions), &[g], &[], at(200), OTHER_BOOT, &t);
+        let rebooted = evaluate(
+            &previous_from_conditions(&conditions),
+            &[g],
+            &[],
+            at(200),
+            OTHER_BOOT,
+            &t,
+        );
         assert!(rebooted.findings.is_empty());
         assert!(!node_conditions(&rebooted, OTHER_BOOT).unhealthy.active);
     }
@@ -1967,9 +2089,18 @@ mod tests {
         assert_eq!(st.findings[0].boot_id, None);
         let t = Thresholds::default();
         let st = evaluate(&st, &[h100(0)], &[], at(0), OTHER_BOOT, &t);
-        assert_eq!(st.node, Health::Unhealthy, "unknown boot: kept until an operator clears it");
-        assert!(node_conditions(&st, OTHER_BOOT).unhealthy.message.contains("GPU 3 is bad"));
-        assert!(previous_from_conditions(&GpuConditions::default()).findings.is_empty());
+        assert_eq!(
+            st.node,
+            Health::Unhealthy,
+            "unknown boot: kept until an operator clears it"
+        );
+        assert!(node_conditions(&st, OTHER_BOOT)
+            .unhealthy
+            .message
+            .contains("GPU 3 is bad"));
+        assert!(previous_from_conditions(&GpuConditions::default())
+            .findings
+            .is_empty());
     }
 
     #[test]
@@ -2022,25 +2153,50 @@ mod tests {
 
         fn step() -> impl Strategy<Value = Step> {
             (
-                (20u32..95, any::<u16>(), 0u64..500, 0u64..3, 0u64..500, 0u64..10_000_000),
-                (prop::bool::weighted(0.1), prop::bool::weighted(0.03), prop::bool::weighted(0.03), 0u8..5),
-                prop::collection::vec((any::<bool>(), prop::sample::select(vec![13u64, 31, 43, 45, 48, 63, 74, 79, 92, 999])), 0..4),
+                (
+                    20u32..95,
+                    any::<u16>(),
+                    0u64..500,
+                    0u64..3,
+                    0u64..500,
+                    0u64..10_000_000,
+                ),
+                (
+                    prop::bool::weighted(0.1),
+                    prop::bool::weighted(0.03),
+                    prop::bool::weighted(0.03),
+                    0u8..5,
+                ),
+                prop::collection::vec(
+                    (
+                        any::<bool>(),
+                        prop::sample::select(vec![13u64, 31, 43, 45, 48, 63, 74, 79, 92, 999]),
+                    ),
+                    0..4,
+                ),
                 1i64..5000,
             )
-                .prop_map(|((temp, reasons, corrected, unc, nvlink, energy), (pending, lost, missing, recovery), events, gap_secs)| Step {
-                    temp,
-                    reasons: u64::from(reasons) & 0x1ff,
-                    corrected,
-                    uncorrected_agg: unc,
-                    nvlink,
-                    energy,
-                    pending,
-                    lost,
-                    missing,
-                    recovery,
-                    events,
-                    gap_secs,
-                })
+                .prop_map(
+                    |(
+                        (temp, reasons, corrected, unc, nvlink, energy),
+                        (pending, lost, missing, recovery),
+                        events,
+                        gap_secs,
+                    )| Step {
+                        temp,
+                        reasons: u64::from(reasons) & 0x1ff,
+                        corrected,
+                        uncorrected_agg: unc,
+                        nvlink,
+                        energy,
+                        pending,
+                        lost,
+                        missing,
+                        recovery,
+                        events,
+                        gap_secs,
+                    },
+                )
         }
 
         proptest! {

@@ -288,8 +288,12 @@ impl Published {
             "spotguard_gpu_memory_utilization_ratio",
             "Fraction of the last sample period device memory was read or written",
         );
-        let mut mem_used = Series::gauge("spotguard_gpu_memory_used_bytes", "Allocated device memory");
-        let mut mem_total = Series::gauge("spotguard_gpu_memory_total_bytes", "Installed device memory");
+        let mut mem_used =
+            Series::gauge("spotguard_gpu_memory_used_bytes", "Allocated device memory");
+        let mut mem_total = Series::gauge(
+            "spotguard_gpu_memory_total_bytes",
+            "Installed device memory",
+        );
         let mut ecc_mode = Series::gauge("spotguard_gpu_ecc_enabled", "1 when ECC mode is enabled");
         let mut ecc = Series::counter(
             "spotguard_gpu_ecc_errors",
@@ -323,7 +327,10 @@ impl Published {
             "spotguard_gpu_clocks_event_reasons",
             "1 when this clocks-event (throttle) reason is active",
         );
-        let mut pcie = Series::counter("spotguard_gpu_pcie_replay", "PCIe replays as counted by NVML");
+        let mut pcie = Series::counter(
+            "spotguard_gpu_pcie_replay",
+            "PCIe replays as counted by NVML",
+        );
         let mut energy = Series::counter(
             "spotguard_gpu_energy_joules",
             "Energy consumed since the driver was loaded",
@@ -332,7 +339,10 @@ impl Published {
             "spotguard_gpu_nvlink_errors",
             "NVLink data-link errors as counted by NVML, by link and counter",
         );
-        let mut nvlink_up = Series::gauge("spotguard_gpu_nvlink_up", "1 when the NVLink link is active");
+        let mut nvlink_up = Series::gauge(
+            "spotguard_gpu_nvlink_up",
+            "1 when the NVLink link is active",
+        );
         let mut lost = Series::gauge("spotguard_gpu_lost", "1 when NVML reports the GPU lost");
 
         for s in &self.samples {
@@ -442,7 +452,10 @@ impl Published {
         for (index, uuid, model, h) in &self.gpus {
             for state in Health::ALL {
                 health.push(
-                    with(gpu_labels(*index, uuid, model), &[("state", state.as_str())]),
+                    with(
+                        gpu_labels(*index, uuid, model),
+                        &[("state", state.as_str())],
+                    ),
                     flag(*h == state),
                 );
             }
@@ -452,7 +465,10 @@ impl Published {
             "1 for the current GPU health state of the node (worst GPU)",
         );
         for state in Health::ALL {
-            node.push(vec![("state", state.as_str().to_string())], flag(self.node == state));
+            node.push(
+                vec![("state", state.as_str().to_string())],
+                flag(self.node == state),
+            );
         }
         let mut findings = Series::gauge(
             "spotguard_gpu_findings",

@@ -420,7 +420,9 @@ pub(crate) mod duration_serde {
     pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
         let text = String::deserialize(d)?;
         humantime::parse_duration(&text).map_err(|e| {
-            serde::de::Error::custom(format!("invalid duration {text:?}: {e} (e.g. \"10s\", \"1h\")"))
+            serde::de::Error::custom(format!(
+                "invalid duration {text:?}: {e} (e.g. \"10s\", \"1h\")"
+            ))
         })
     }
 
@@ -489,7 +491,10 @@ mod tests {
 
     #[test]
     fn off_mode_gives_no_probe() {
-        assert!(matches!(probe_from_config(GpuMode::Off), Err(Error::Disabled)));
+        assert!(matches!(
+            probe_from_config(GpuMode::Off),
+            Err(Error::Disabled)
+        ));
         assert!(probe_from_config(GpuMode::Auto).is_ok());
     }
 
@@ -514,7 +519,10 @@ mod tests {
             s.clocks_event_reason_names(),
             vec!["gpu_idle", "hw_slowdown", "hw_thermal_slowdown"]
         );
-        assert_eq!(clock_event_reason_bit("hw_power_brake_slowdown"), Some(0x80));
+        assert_eq!(
+            clock_event_reason_bit("hw_power_brake_slowdown"),
+            Some(0x80)
+        );
         assert_eq!(clock_event_reason_bit("nope"), None);
     }
 }

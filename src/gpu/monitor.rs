@@ -13,7 +13,9 @@ use jiff::Timestamp;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use super::health::{evaluate, node_conditions, previous_from_conditions, Health, HealthState, Severity};
+use super::health::{
+    evaluate, node_conditions, previous_from_conditions, Health, HealthState, Severity,
+};
 use super::{read_boot_id_from, Error, GpuConfig, GpuEvent, GpuMetrics, GpuProbe, GpuSample};
 use crate::node::{GpuConditions, NodeOps};
 
@@ -197,7 +199,11 @@ impl Monitor {
             if self.state.node >= Health::Degraded {
                 tracing::warn!(from = before.as_str(), to = self.state.node.as_str(), findings = ?findings, "GPU health changed");
             } else {
-                tracing::info!(from = before.as_str(), to = self.state.node.as_str(), "GPU health changed");
+                tracing::info!(
+                    from = before.as_str(),
+                    to = self.state.node.as_str(),
+                    "GPU health changed"
+                );
             }
         }
         // Until the node's own conditions were read, writing could erase sticky findings.

@@ -15,7 +15,9 @@ use std::time::Duration;
 
 use jiff::Timestamp;
 use nvml_wrapper::bitmasks::event::EventTypes;
-use nvml_wrapper::enum_wrappers::device::{EccCounter, MemoryError, RetirementCause, TemperatureSensor};
+use nvml_wrapper::enum_wrappers::device::{
+    EccCounter, MemoryError, RetirementCause, TemperatureSensor,
+};
 use nvml_wrapper::enum_wrappers::nv_link::ErrorCounter;
 use nvml_wrapper::enums::device::SampleValue;
 use nvml_wrapper::enums::event::XidError;
@@ -28,7 +30,9 @@ use nvml_wrapper::sys_exports::field_id::{
 };
 use nvml_wrapper::{Device, EventSet, Nvml};
 
-use super::{Error, GpuEvent, GpuEventKind, GpuProbe, GpuSample, NvLinkSample, ReadError, RecoveryAction};
+use super::{
+    Error, GpuEvent, GpuEventKind, GpuProbe, GpuSample, NvLinkSample, ReadError, RecoveryAction,
+};
 
 /// The library `Nvml::init()` loads.
 pub const DEFAULT_LIBRARY: &str = "libnvidia-ml.so.1";
@@ -233,20 +237,22 @@ impl Loaded {
                 tracing::warn!(error = %e, "could not start the NVML event thread; XID events will not be seen");
                 Vec::new()
             }
-            Ok(_) => match ready_rx.recv_timeout(EVENT_SETUP_TIMEOUT) {
-                Ok(Ok(uuids)) => {
-                    tracing::info!(gpus = uuids.len(), "NVML XID/ECC events registered");
-                    uuids
+            Ok(_) => {
+                match ready_rx.recv_timeout(EVENT_SETUP_TIMEOUT) {
+                    Ok(Ok(uuids)) => {
+                        tracing::info!(gpus = uuids.len(), "NVML XID/ECC events registered");
+                        uuids
+                    }
+                    Ok(Err(reason)) => {
+                        tracing::warn!(%reason, "NVML events unavailable; XID events will not be seen (readings still are)");
+                        Vec::new()
+                    }
+                    Err(_) => {
+                        tracing::warn!("NVML event registration did not finish in time; XID events may be missed");
+                        Vec::new()
+                    }
                 }
-                Ok(Err(reason)) => {
-                    tracing::warn!(%reason, "NVML events unavailable; XID events will not be seen (readings still are)");
-                    Vec::new()
-                }
-                Err(_) => {
-                    tracing::warn!("NVML event registration did not finish in time; XID events may be missed");
-                    Vec::new()
-                }
-            },
+            }
         };
         tracing::info!(
             gpus = count,
@@ -430,8 +436,12 @@ impl Loaded {
                 s.nvlinks.push(NvLinkSample {
                     link,
                     up: r.get("nvlink_state", || l.is_active()),
-                    crc_flit: r.get("nvlink_crc_flit", || l.error_counter(ErrorCounter::DlCrcFlit)),
-                    crc_data: r.get("nvlink_crc_data", || l.error_counter(ErrorCounter::DlCrcData)),
+                    crc_flit: r.get("nvlink_crc_flit", || {
+                        l.error_counter(ErrorCounter::DlCrcFlit)
+                    }),
+                    crc_data: r.get("nvlink_crc_data", || {
+                        l.error_counter(ErrorCounter::DlCrcData)
+                    }),
                     replay: r.get("nvlink_replay", || l.error_counter(ErrorCounter::DlReplay)),
                     recovery: r.get("nvlink_recovery", || {
                         l.error_counter(ErrorCounter::DlRecovery)
@@ -567,7 +577,10 @@ fn event_thread(
                     Err(TrySendError::Full(_)) => {
                         let n = dropped.fetch_add(1, Ordering::Relaxed);
                         if n % 1000 == 0 {
-                            tracing::warn!(dropped = n + 1, "GPU event buffer full; events dropped");
+                            tracing::warn!(
+                                dropped = n + 1,
+                                "GPU event buffer full; events dropped"
+                            );
                         }
                     }
                     Err(TrySendError::Disconnected(_)) => return,
@@ -607,7 +620,9 @@ fn register_events<'n>(
                 plan.push((*index, uuid.clone(), types & wanted))
             }
             Ok(_) => tracing::info!(gpu = index, %uuid, "GPU supports no XID/ECC events"),
-            Err(e) => tracing::warn!(gpu = index, %uuid, error = %e, "cannot query GPU event support"),
+            Err(e) => {
+                tracing::warn!(gpu = index, %uuid, error = %e, "cannot query GPU event support")
+            }
         }
     }
     loop {
@@ -704,7 +719,10 @@ mod tests {
                 ThrottleReasons::HW_POWER_BRAKE_SLOWDOWN,
                 "hw_power_brake_slowdown",
             ),
-            (ThrottleReasons::DISPLAY_CLOCK_SETTING, "display_clock_setting"),
+            (
+                ThrottleReasons::DISPLAY_CLOCK_SETTING,
+                "display_clock_setting",
+            ),
         ];
         assert_eq!(expect.len(), CLOCK_EVENT_REASONS.len());
         for ((flag, name), (bit, ours)) in expect.iter().zip(CLOCK_EVENT_REASONS) {
@@ -767,7 +785,10 @@ mod tests {
         let err = NvmlProbe::with_library("/nonexistent/libnvidia-ml.so.1").expect_err("no NVML");
         assert!(matches!(err, Error::LoadLibrary { .. }), "{err:?}");
         assert!(err.is_init());
-        assert!(err.to_string().contains("/nonexistent/libnvidia-ml.so.1"), "{err}");
+        assert!(
+            err.to_string().contains("/nonexistent/libnvidia-ml.so.1"),
+            "{err}"
+        );
     }
 
     #[test]
@@ -779,7 +800,10 @@ mod tests {
         let err = probe.sample().expect_err("not a library");
         assert_eq!(err.metric_label(), "load_library");
         // Deferred: it tries again on the next call (and fails the same way).
-        assert_eq!(probe.sample().expect_err("again").metric_label(), "load_library");
+        assert_eq!(
+            probe.sample().expect_err("again").metric_label(),
+            "load_library"
+        );
         assert!(probe.drain_events().is_empty());
         assert_eq!(probe.driver_version(), None);
         assert!(probe.events_registered().is_empty());

@@ -86,7 +86,15 @@ impl Report {
             return out;
         }
         let header = [
-            "GPU", "UUID", "MODEL", "HEALTH", "TEMP", "POWER", "MEMORY", "ECC UNC/COR", "REMAP",
+            "GPU",
+            "UUID",
+            "MODEL",
+            "HEALTH",
+            "TEMP",
+            "POWER",
+            "MEMORY",
+            "ECC UNC/COR",
+            "REMAP",
             "CLOCKS",
         ];
         let mut rows: Vec<Vec<String>> = vec![header.iter().map(|h| h.to_string()).collect()];
@@ -97,8 +105,7 @@ impl Report {
                 s.uuid.clone(),
                 s.model.clone(),
                 g.health.as_str().to_string(),
-                s.temperature_celsius
-                    .map_or_else(na, |t| format!("{t}C")),
+                s.temperature_celsius.map_or_else(na, |t| format!("{t}C")),
                 match (s.power_watts, s.power_limit_watts) {
                     (Some(p), Some(l)) => format!("{p:.0}/{l:.0}W"),
                     (Some(p), None) => format!("{p:.0}W"),

@@ -15,7 +15,9 @@ use std::time::Duration;
 use async_trait::async_trait;
 use jiff::Timestamp;
 
-use crate::gpu::{Error, GpuEvent, GpuEventKind, GpuProbe, GpuSample, NvLinkSample, RecoveryAction};
+use crate::gpu::{
+    Error, GpuEvent, GpuEventKind, GpuProbe, GpuSample, NvLinkSample, RecoveryAction,
+};
 use crate::node::{
     Applied, DrainReport, DrainRequest, Error as NodeError, EventType, GpuConditions, NodeOps,
     PlanState, Protection,
@@ -168,7 +170,9 @@ impl FakeFailure {
         match self {
             FakeFailure::LibraryMissing => Error::LoadLibrary {
                 library: "libnvidia-ml.so.1".into(),
-                detail: "libnvidia-ml.so.1: cannot open shared object file: No such file or directory".into(),
+                detail:
+                    "libnvidia-ml.so.1: cannot open shared object file: No such file or directory"
+                        .into(),
             },
             FakeFailure::DriverNotLoaded => Error::DriverNotLoaded,
             FakeFailure::CountDevices => Error::CountDevices {
@@ -360,7 +364,12 @@ impl NodeOps for RecordingNodeOps {
     async fn unprotect(&self, _applied: &Applied) -> Result<(), NodeError> {
         Ok(())
     }
-    async fn event(&self, _kind: EventType, _reason: &str, _message: &str) -> Result<(), NodeError> {
+    async fn event(
+        &self,
+        _kind: EventType,
+        _reason: &str,
+        _message: &str,
+    ) -> Result<(), NodeError> {
         Ok(())
     }
     async fn drain(&self, _request: &DrainRequest) -> Result<DrainReport, NodeError> {
