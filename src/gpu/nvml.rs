@@ -237,22 +237,20 @@ impl Loaded {
                 tracing::warn!(error = %e, "could not start the NVML event thread; XID events will not be seen");
                 Vec::new()
             }
-            Ok(_) => {
-                match ready_rx.recv_timeout(EVENT_SETUP_TIMEOUT) {
-                    Ok(Ok(uuids)) => {
-                        tracing::info!(gpus = uuids.len(), "NVML XID/ECC events registered");
-                        uuids
-                    }
-                    Ok(Err(reason)) => {
-                        tracing::warn!(%reason, "NVML events unavailable; XID events will not be seen (readings still are)");
-                        Vec::new()
-                    }
-                    Err(_) => {
-                        tracing::warn!("NVML event registration did not finish in time; XID events may be missed");
-                        Vec::new()
-                    }
+            Ok(_) => match ready_rx.recv_timeout(EVENT_SETUP_TIMEOUT) {
+                Ok(Ok(uuids)) => {
+                    tracing::info!(gpus = uuids.len(), "NVML XID/ECC events registered");
+                    uuids
                 }
-            }
+                Ok(Err(reason)) => {
+                    tracing::warn!(%reason, "NVML events unavailable; XID events will not be seen (readings still are)");
+                    Vec::new()
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "NVML event registration did not complete; XID events may be missed");
+                    Vec::new()
+                }
+            },
         };
         tracing::info!(
             gpus = count,
