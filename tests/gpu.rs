@@ -140,7 +140,12 @@ fn metrics_text_from_recorded_readings() {
         "spotguard_node_gpu_health{state=\"unknown\"} 0".to_string(),
         "spotguard_gpu_findings{rule=\"xid\",severity=\"unhealthy\"} 1".to_string(),
     ]);
-    assert_eq!(sample_lines(&text), expected, "full text:\n{text}");
+    // Every line exact; families keep their series in a hash map, so compare sorted.
+    let mut got = sample_lines(&text);
+    got.sort_unstable();
+    let mut expected: Vec<&str> = expected.iter().map(String::as_str).collect();
+    expected.sort_unstable();
+    assert_eq!(got, expected, "full text:\n{text}");
     // Families without any supported reading have no series and no header either.
     for absent in [
         "spotguard_gpu_retired_pages",
@@ -515,6 +520,19 @@ async fn probe_down_is_unknown_keeps_node_conditions_and_recovers() {
     wait_samples(&probe, taken + 5).await;
     assert!(node.on_node().unhealthy.active);
     assert!(node.on_node().unhealthy.message.contains(&gpus[1].uuid));
+
+    // NVML up but failing to sample: unknown again, no backoff needed, nothing rewritten.
+    let writes = node.writes().len();
+    probe.set_failure(FakeFailure::CountDevices);
+    let text = h
+        .wait_metrics("sampling failure", |t| {
+            t.contains("spotguard_gpu_monitor_errors_total{error=\"count_devices\"}")
+        })
+        .await;
+    assert!(sample_lines(&text).contains(&"spotguard_gpu_probe_up 0"));
+    assert!(sample_lines(&text).contains(&"spotguard_node_gpu_health{state=\"unknown\"} 1"));
+    assert_eq!(node.writes().len(), writes);
+    assert!(node.on_node().unhealthy.active);
 
     running.stop().await;
 }

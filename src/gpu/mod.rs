@@ -133,16 +133,6 @@ pub struct NvLinkSample {
     pub recovery: Option<u64>,
 }
 
-impl NvLinkSample {
-    /// Sum of the error counters that are supported.
-    pub fn error_sum(&self) -> u64 {
-        [self.crc_flit, self.crc_data, self.replay, self.recovery]
-            .into_iter()
-            .flatten()
-            .fold(0u64, u64::saturating_add)
-    }
-}
-
 /// A reading that failed for a reason other than "not supported".
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct ReadError {

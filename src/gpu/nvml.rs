@@ -8,7 +8,7 @@
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -38,7 +38,7 @@ use super::{
 pub const DEFAULT_LIBRARY: &str = "libnvidia-ml.so.1";
 /// Event-set wait timeout (ms): the event thread checks for shutdown this often.
 const EVENT_WAIT_MS: u32 = 5000;
-/// Events buffered between two samples before new ones are dropped (and counted).
+/// Events buffered between two samples before new ones are dropped (and logged).
 const EVENT_BUFFER: usize = 4096;
 /// NVML's maximum number of NVLink links per GPU (`NVML_NVLINK_MAX_LINKS`).
 const MAX_NVLINKS: u32 = 18;
@@ -58,7 +58,6 @@ struct Loaded {
     driver_version: Option<String>,
     events: Receiver<GpuEvent>,
     stop: Arc<AtomicBool>,
-    dropped_events: Arc<AtomicU64>,
     /// Devices the event set covers (UUIDs).
     events_registered: Vec<String>,
     /// index → (uuid, model) as last read, for devices that answer GPU_IS_LOST.
@@ -120,13 +119,6 @@ impl NvmlProbe {
             .as_ref()
             .map(|l| l.events_registered.clone())
             .unwrap_or_default()
-    }
-
-    /// Events dropped because nobody drained them in time.
-    pub fn dropped_events(&self) -> u64 {
-        self.lock()
-            .as_ref()
-            .map_or(0, |l| l.dropped_events.load(Ordering::Relaxed))
     }
 
     fn library_name(&self) -> String {
@@ -218,7 +210,6 @@ impl Loaded {
 
         let (tx, rx) = mpsc::sync_channel(EVENT_BUFFER);
         let stop = Arc::new(AtomicBool::new(false));
-        let dropped = Arc::new(AtomicU64::new(0));
         let (ready_tx, ready_rx) = mpsc::channel();
         let devices: Vec<(u32, String)> = known
             .iter()
@@ -227,10 +218,9 @@ impl Loaded {
         let thread = {
             let nvml = Arc::clone(&nvml);
             let stop = Arc::clone(&stop);
-            let dropped = Arc::clone(&dropped);
             std::thread::Builder::new()
                 .name("spotguard-nvml-events".into())
-                .spawn(move || event_thread(&nvml, &devices, &tx, &stop, &dropped, ready_tx))
+                .spawn(move || event_thread(&nvml, &devices, &tx, &stop, ready_tx))
         };
         let events_registered = match thread {
             Err(e) => {
@@ -262,7 +252,6 @@ impl Loaded {
             driver_version,
             events: rx,
             stop,
-            dropped_events: dropped,
             events_registered,
             known,
             links: BTreeMap::new(),
@@ -549,7 +538,6 @@ fn event_thread(
     devices: &[(u32, String)],
     tx: &SyncSender<GpuEvent>,
     stop: &AtomicBool,
-    dropped: &AtomicU64,
     ready: mpsc::Sender<Result<Vec<String>, String>>,
 ) {
     let set = match register_events(nvml, devices) {
@@ -563,6 +551,7 @@ fn event_thread(
         }
     };
     let mut last_error: Option<String> = None;
+    let mut dropped: u64 = 0;
     while !stop.load(Ordering::Relaxed) {
         match set.wait(EVENT_WAIT_MS) {
             Ok(data) => {
@@ -573,12 +562,9 @@ fn event_thread(
                 match tx.try_send(event) {
                     Ok(()) => {}
                     Err(TrySendError::Full(_)) => {
-                        let n = dropped.fetch_add(1, Ordering::Relaxed);
-                        if n % 1000 == 0 {
-                            tracing::warn!(
-                                dropped = n + 1,
-                                "GPU event buffer full; events dropped"
-                            );
+                        dropped += 1;
+                        if dropped % 1000 == 1 {
+                            tracing::warn!(dropped, "GPU event buffer full; events dropped");
                         }
                     }
                     Err(TrySendError::Disconnected(_)) => return,

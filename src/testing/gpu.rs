@@ -8,7 +8,6 @@
 //! R535 driver without the recovery action field) and V100 SXM2 32 GB (300 W, 6 NVLink2 links,
 //! page retirement, no row remapping).
 
-use std::collections::VecDeque;
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -186,13 +185,13 @@ type Answer = Result<Vec<GpuSample>, FakeFailure>;
 
 #[derive(Debug)]
 struct FakeState {
-    queued: VecDeque<Answer>,
     current: Answer,
     events: Vec<GpuEvent>,
     samples_taken: usize,
 }
 
-/// A scripted probe: answers queued answers first, then the current one, every time.
+/// A scripted probe: answers the current readings (or failure) every time; tests change them
+/// between samples and push events.
 #[derive(Debug)]
 pub struct FakeGpuProbe {
     state: Mutex<FakeState>,
@@ -211,7 +210,6 @@ impl FakeGpuProbe {
     fn answering(current: Answer) -> Self {
         FakeGpuProbe {
             state: Mutex::new(FakeState {
-                queued: VecDeque::new(),
                 current,
                 events: Vec::new(),
                 samples_taken: 0,
@@ -234,11 +232,6 @@ impl FakeGpuProbe {
         self.lock().current = Err(failure);
     }
 
-    /// Answer `answer` once, before the current one (answers queue up in order).
-    pub fn queue(&self, answer: Result<Vec<GpuSample>, FakeFailure>) {
-        self.lock().queued.push_back(answer);
-    }
-
     /// Events handed out by the next `drain_events`.
     pub fn push_events(&self, events: impl IntoIterator<Item = GpuEvent>) {
         self.lock().events.extend(events);
@@ -253,11 +246,7 @@ impl GpuProbe for FakeGpuProbe {
     fn sample(&self) -> Result<Vec<GpuSample>, Error> {
         let mut st = self.lock();
         st.samples_taken += 1;
-        let answer = match st.queued.pop_front() {
-            Some(a) => a,
-            None => st.current.clone(),
-        };
-        answer.map_err(FakeFailure::error)
+        st.current.clone().map_err(FakeFailure::error)
     }
 
     fn drain_events(&self) -> Vec<GpuEvent> {
@@ -273,7 +262,6 @@ impl GpuProbe for FakeGpuProbe {
 struct Recorded {
     on_node: GpuConditions,
     writes: Vec<GpuConditions>,
-    reads: usize,
 }
 
 /// A `NodeOps` for the GPU monitor: keeps the conditions "on the node" in memory, records every
@@ -309,11 +297,6 @@ impl RecordingNodeOps {
     /// What the node shows now.
     pub fn on_node(&self) -> GpuConditions {
         self.lock().on_node.clone()
-    }
-
-    /// How many times the conditions were read.
-    pub fn reads(&self) -> usize {
-        self.lock().reads
     }
 
     /// The operator sets the condition(s) to False (as `kubectl` edits of the status would).
@@ -376,9 +359,7 @@ impl NodeOps for RecordingNodeOps {
         Ok(DrainReport::default())
     }
     async fn gpu_conditions(&self) -> Result<GpuConditions, NodeError> {
-        let mut st = self.lock();
-        st.reads += 1;
-        Ok(st.on_node.clone())
+        Ok(self.lock().on_node.clone())
     }
     async fn set_gpu_conditions(&self, desired: &GpuConditions) -> Result<(), NodeError> {
         {
