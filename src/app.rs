@@ -14,7 +14,7 @@ use tracing::{error, info, warn};
 use crate::admin::{self, Readiness};
 use crate::checkpoint::discover::HostDiscovery;
 use crate::checkpoint::TargetDiscovery;
-use crate::config::{Config, GpuMode, Mode};
+use crate::config::{Config, Mode};
 use crate::metrics::Metrics;
 use crate::node::host::HostNodeOps;
 use crate::node::kube::KubeNodeOps;
@@ -37,8 +37,6 @@ pub enum Error {
     KubeClient(String),
     #[error("webhook: {0}")]
     Webhook(String),
-    #[error("GPU thresholds in the config file: {0}")]
-    GpuConfig(String),
     #[error("building the metadata client: {0}")]
     Source(String),
 }
@@ -52,7 +50,6 @@ impl Error {
             Error::BindAdmin { .. } => "bind_admin",
             Error::KubeClient(_) => "kube_client",
             Error::Webhook(_) => "webhook",
-            Error::GpuConfig(_) => "gpu_config",
             Error::Source(_) => "source",
         }
     }
@@ -87,12 +84,8 @@ pub async fn start(cfg: Config, cancel: CancellationToken) -> Result<App, Error>
     let mut registry = Registry::default();
     let metrics = Arc::new(Metrics::register(&mut registry));
     let gce_metrics = notice::monitor::GceMetrics::register(&mut registry);
-    let gpu_metrics = Arc::new(gpu::metrics::GpuMetrics::register(&mut registry));
+    let gpu_metrics = Arc::new(gpu::GpuMetrics::register(&mut registry));
     let prefetch_metrics = Arc::new(prefetch::PrefetchMetrics::register(&mut registry));
-    let gpu_thresholds = match &cfg.gpu_table {
-        Some(t) => gpu::Thresholds::from_table(t).map_err(Error::GpuConfig)?,
-        None => gpu::Thresholds::default(),
-    };
     let boot_id = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
         .ok()
         .map(|s| s.trim().to_string());
@@ -271,18 +264,18 @@ pub async fn start(cfg: Config, cancel: CancellationToken) -> Result<App, Error>
     let events = responder.subscribe();
     tasks.spawn(responder.run(notice_rx, cancel.clone()));
 
-    // GPU health.
-    if cfg.args.gpu == GpuMode::Auto {
-        tasks.spawn(gpu::run_monitor_with_init(
-            node.clone(),
-            gpu_metrics,
-            gpu::GpuConfig {
-                interval: cfg.args.gpu_interval,
-                thresholds: gpu_thresholds,
-                boot_id: boot_id.unwrap_or_default(),
-            },
-            cancel.child_token(),
-        ));
+    // GPU health: NVML is loaded (and retried) by the probe itself; `off` starts nothing.
+    match gpu::probe_from_config(cfg.gpu.mode) {
+        Ok(probe) => {
+            tasks.spawn(gpu::run_monitor(
+                probe,
+                node.clone(),
+                gpu_metrics,
+                cfg.gpu.clone(),
+                cancel.child_token(),
+            ));
+        }
+        Err(e) => info!(reason = %e, "GPU monitoring off"),
     }
 
     // Prefetch: datasets from config at start, pod annotations in Kubernetes mode.

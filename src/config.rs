@@ -14,6 +14,7 @@ use regex::Regex;
 use serde::Deserialize;
 
 use crate::checkpoint::Signal;
+pub use crate::gpu::GpuMode;
 use crate::notice::Source;
 
 /// Exit code for a usage or configuration error (`EX_USAGE`).
@@ -97,14 +98,6 @@ pub enum MaintenanceAction {
     Ignore,
     Cordon,
     Drain,
-}
-
-/// GPU monitoring.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum GpuMode {
-    /// NVML if it loads.
-    Auto,
-    Off,
 }
 
 /// Log output format.
@@ -257,10 +250,6 @@ pub struct RunArgs {
     #[arg(long, env = "SPOTGUARD_SHUTDOWN_GRACE", value_name = "DURATION", default_value = "120s", value_parser = parse_duration)]
     pub shutdown_grace: Duration,
 
-    /// GPU sampling interval.
-    #[arg(long, env = "SPOTGUARD_GPU_INTERVAL", value_name = "DURATION", default_value = "10s", value_parser = parse_positive_duration)]
-    pub gpu_interval: Duration,
-
     /// Directory of DMI identifiers used by cloud auto-detection.
     #[arg(long, env = "SPOTGUARD_DMI_DIR", value_name = "DIR", default_value = "/sys/class/dmi/id", hide = true)]
     pub dmi_dir: PathBuf,
@@ -306,8 +295,8 @@ pub struct Config {
     pub pod_name: Option<String>,
     pub pod_namespace: Option<String>,
     pub datasets: Vec<Dataset>,
-    /// `[gpu]` table of the config file (thresholds), validated by the gpu module.
-    pub gpu_table: Option<toml::Table>,
+    /// GPU monitoring settings: `--gpu` plus the config file's `[gpu]` table (interval, thresholds).
+    pub gpu: crate::gpu::GpuConfig,
     pub log_format: LogFormat,
 }
 
@@ -645,13 +634,25 @@ impl Config {
             key: "log-level",
             reason: e.to_string(),
         })?;
+        let mut gpu: crate::gpu::GpuConfig = match gpu_table {
+            Some(t) => toml::Value::Table(t).try_into().map_err(|e: toml::de::Error| Error::Invalid {
+                key: "gpu",
+                reason: e.to_string().trim().to_string(),
+            })?,
+            None => crate::gpu::GpuConfig::default(),
+        };
+        gpu.mode = args.gpu;
+        gpu.validate().map_err(|e| Error::Invalid {
+            key: "gpu",
+            reason: e.to_string(),
+        })?;
         Ok(Config {
+            gpu,
             mode,
             node_name,
             pod_name: env.var("POD_NAME"),
             pod_namespace: env.var("POD_NAMESPACE"),
             datasets: all,
-            gpu_table,
             log_format,
             args,
         })
