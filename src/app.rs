@@ -12,7 +12,8 @@ use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
 use crate::admin::{self, Readiness};
-use crate::checkpoint::discover::HostDiscovery;
+use crate::checkpoint::discover::{HostDiscovery, HostTargets};
+use crate::checkpoint::procfs::ProcFs;
 use crate::checkpoint::TargetDiscovery;
 use crate::config::{Config, Mode};
 use crate::metrics::Metrics;
@@ -99,15 +100,17 @@ pub async fn start(cfg: Config, cancel: CancellationToken) -> Result<App, Error>
         Mode::Host => {
             let node: Arc<dyn NodeOps> =
                 Arc::new(HostNodeOps::new(&cfg.args.state_dir, cfg.args.dry_run));
-            let discovery = Arc::new(HostDiscovery::new(
-                cfg.args.checkpoint_unit.clone(),
-                cfg.args.checkpoint_pidfile.clone(),
-                cfg.args.checkpoint_cmdline.clone(),
-                cfg.args.checkpoint_dir.clone(),
-                cfg.args.checkpoint_signal,
-                cfg.args.checkpoint_timeout,
-                cfg.args.proc_root.clone(),
-            ));
+            let discovery = Arc::new(
+                HostDiscovery::new(HostTargets {
+                    units: cfg.args.checkpoint_unit.clone(),
+                    pidfiles: cfg.args.checkpoint_pidfile.clone(),
+                    cmdlines: cfg.args.checkpoint_cmdline.clone(),
+                    dir: cfg.args.checkpoint_dir.clone(),
+                    signal: cfg.args.checkpoint_signal,
+                    timeout: cfg.args.checkpoint_timeout,
+                })
+                .with_proc(ProcFs::new(cfg.args.proc_root.clone())),
+            );
             (node, discovery, None)
         }
         Mode::Kubernetes => {

@@ -806,15 +806,30 @@ impl Plan {
         }
         let deliveries = if let Some(at) = state.signalled_at {
             info!(signalled_at = %at, "signals were sent before a restart: waiting for acks without signalling again");
-            ckpt::plan_without_signal(&groups, &req, at)
+            let (g, r) = (groups.clone(), req.clone());
+            match tokio::task::spawn_blocking(move || ckpt::plan_without_signal(&g, &r, at)).await {
+                Ok(d) => d,
+                Err(e) => {
+                    error!(error = %e, "rebuilding the checkpoint wait failed");
+                    Vec::new()
+                }
+            }
         } else {
             // Persist before signalling: a crash after this point never signals twice.
             let at = Timestamp::now();
             state.signalled_at = Some(at);
             self.persist(state, Phase::Signalled).await;
-            let deliveries = ckpt::deliver(&groups, &req, &self.deps.metrics);
+            let (g, r, m) = (groups.clone(), req.clone(), self.deps.metrics.clone());
+            let deliveries =
+                match tokio::task::spawn_blocking(move || ckpt::deliver(&g, &r, &m)).await {
+                    Ok(d) => d,
+                    Err(e) => {
+                        error!(error = %e, "delivering checkpoint signals failed");
+                        Vec::new()
+                    }
+                };
             let sent_at = Timestamp::now();
-            let processes: usize = deliveries.iter().map(|d| d.signalled_count()).sum();
+            let processes: usize = deliveries.iter().map(|d| d.signalled()).sum();
             let latency = sent_at.duration_since(self.notice.observed_at).as_secs_f64();
             if processes > 0 && latency >= 0.0 {
                 self.deps
