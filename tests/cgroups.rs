@@ -80,7 +80,10 @@ impl Kid {
 impl Drop for Kid {
     fn drop(&mut self) {
         // Only while the leader is unreaped is its PID (the group id) certainly still ours.
-        if let (Ok(None), Some(pg)) = (self.child.try_wait(), rustix::process::Pid::from_raw(self.pid())) {
+        if let (Ok(None), Some(pg)) = (
+            self.child.try_wait(),
+            rustix::process::Pid::from_raw(self.pid()),
+        ) {
             let _ = rustix::process::kill_process_group(pg, rustix::process::Signal::KILL);
         }
         let _ = self.child.wait();
@@ -124,7 +127,9 @@ impl CgroupTree {
 
     /// Create `<hierarchy>[/<under>]/<tag>/<rel>` and return it.
     fn make(&mut self, hierarchy: &str, under: &str, rel: &str) -> PathBuf {
-        let base = Path::new(CG).join(hierarchy).join(under.trim_start_matches('/'));
+        let base = Path::new(CG)
+            .join(hierarchy)
+            .join(under.trim_start_matches('/'));
         let mut path = base.join(&self.tag);
         if !path.exists() {
             std::fs::create_dir(&path).expect("create test cgroup");
@@ -167,18 +172,29 @@ fn own_cgroup(controller: &str) -> String {
         .find_map(|l| {
             let mut parts = l.splitn(3, ':');
             let (_, ctrl, path) = (parts.next()?, parts.next()?, parts.next()?);
-            ctrl.split(',').any(|c| c == controller).then(|| path.to_string())
+            ctrl.split(',')
+                .any(|c| c == controller)
+                .then(|| path.to_string())
         })
         .unwrap_or_else(|| "/".to_string())
 }
 
 fn uuid() -> String {
     let h = format!("{:016x}{:016x}", fastrand::u64(..), fastrand::u64(..));
-    format!("{}-{}-{}-{}-{}", &h[0..8], &h[8..12], &h[12..16], &h[16..20], &h[20..32])
+    format!(
+        "{}-{}-{}-{}-{}",
+        &h[0..8],
+        &h[8..12],
+        &h[12..16],
+        &h[16..20],
+        &h[20..32]
+    )
 }
 
 fn container_id() -> String {
-    (0..4).map(|_| format!("{:016x}", fastrand::u64(..))).collect()
+    (0..4)
+        .map(|_| format!("{:016x}", fastrand::u64(..)))
+        .collect()
 }
 
 fn scan() -> ProcIndex {
@@ -203,7 +219,12 @@ fn request() -> CheckpointRequest {
     }
 }
 
-fn pod_group(uid: &str, containers: Vec<TargetContainer>, dir: &Path, timeout: Duration) -> TargetGroup {
+fn pod_group(
+    uid: &str,
+    containers: Vec<TargetContainer>,
+    dir: &Path,
+    timeout: Duration,
+) -> TargetGroup {
     TargetGroup {
         name: "ml/trainer-0".into(),
         pod: Some(PodRef {
@@ -229,29 +250,48 @@ async fn systemd_driver_burstable_containerd_in_v1_systemd_and_v2() {
         uid.replace('-', "_")
     );
     let tmp = tempfile::tempdir().unwrap();
-    let mut trainer = Kid::held_sh(HANDLER, &[("DIR", tmp.path().to_str().unwrap()), ("STATE", "done")]);
+    let mut trainer = Kid::held_sh(
+        HANDLER,
+        &[("DIR", tmp.path().to_str().unwrap()), ("STATE", "done")],
+    );
     let mut pause = Kid::held_sh("exec sleep 1000", &[]);
     for h in ["systemd", "unified"] {
-        join(&tree.make(h, "", &format!("{pod}/cri-containerd-{app}.scope")), trainer.pid());
-        join(&tree.make(h, "", &format!("{pod}/cri-containerd-{sandbox}.scope")), pause.pid());
+        join(
+            &tree.make(h, "", &format!("{pod}/cri-containerd-{app}.scope")),
+            trainer.pid(),
+        );
+        join(
+            &tree.make(h, "", &format!("{pod}/cri-containerd-{sandbox}.scope")),
+            pause.pid(),
+        );
     }
     trainer.release();
     pause.release();
     // the trainer's `sleep` is forked inside the container's cgroups
-    eventually("the trainer's child", || children_of(trainer.pid()).len() == 1);
+    eventually("the trainer's child", || {
+        children_of(trainer.pid()).len() == 1
+    });
     let worker = children_of(trainer.pid())[0];
 
     let index = scan();
     let c = index
-        .container(&uid, container_id_from_status(&format!("containerd://{app}")).unwrap())
+        .container(
+            &uid,
+            container_id_from_status(&format!("containerd://{app}")).unwrap(),
+        )
         .expect("container found");
     let mut want = vec![trainer.pid(), worker];
     want.sort_unstable();
     assert_eq!(pids(&c), want);
-    assert!(!pids(&c).contains(&pause.pid()), "the sandbox is not the container");
+    assert!(
+        !pids(&c).contains(&pause.pid()),
+        "the sandbox is not the container"
+    );
     assert_eq!(c.init_pid, Some(trainer.pid()));
     assert_eq!(c.root_pid, Some(trainer.pid()));
-    let sandbox_c = index.container(&uid, &sandbox).expect("sandbox indexed under its own id");
+    let sandbox_c = index
+        .container(&uid, &sandbox)
+        .expect("sandbox indexed under its own id");
     assert_eq!(pids(&sandbox_c), vec![pause.pid()]);
 
     // End to end as a pod: only the process with a handler is signalled, inside its root.
@@ -263,9 +303,15 @@ async fn systemd_driver_burstable_containerd_in_v1_systemd_and_v2() {
     assert_eq!(deliveries[0].signalled_pids(), vec![trainer.pid()]);
     let results = wait(deliveries, &req, &m, &CancellationToken::new()).await;
     assert_eq!(results[0].outcome, Outcome::Acked, "{}", results[0].detail);
-    assert_eq!(results[0].pod.as_ref().map(|p| p.uid.as_str()), Some(uid.as_str()));
+    assert_eq!(
+        results[0].pod.as_ref().map(|p| p.uid.as_str()),
+        Some(uid.as_str())
+    );
     assert!(pause.running());
-    assert!(ProcFs::default().alive(worker, worker_start).unwrap(), "the worker without a handler lives");
+    assert!(
+        ProcFs::default().alive(worker, worker_start).unwrap(),
+        "the worker without a handler lives"
+    );
 }
 
 #[tokio::test]
@@ -278,21 +324,46 @@ async fn systemd_driver_guaranteed_crio_and_docker_scopes_skip_conmon() {
     let mut conmon = Kid::held_sh("exec sleep 1000", &[]);
     let mut b = Kid::held_sh("exec sleep 1000", &[]);
     // crun puts the payload in a `container` sub-cgroup on v2; cpu (v1) has the scope itself
-    join(&tree.make("unified", "", &format!("{pod}/crio-{crio}.scope/container")), a.pid());
-    join(&tree.make("cpu", "", &format!("{pod}/crio-{crio}.scope")), a.pid());
-    join(&tree.make("unified", "", &format!("{pod}/crio-conmon-{crio}.scope")), conmon.pid());
-    join(&tree.make("cpu", "", &format!("{pod}/crio-conmon-{crio}.scope")), conmon.pid());
-    join(&tree.make("unified", "", &format!("{pod}/docker-{docker}.scope")), b.pid());
+    join(
+        &tree.make("unified", "", &format!("{pod}/crio-{crio}.scope/container")),
+        a.pid(),
+    );
+    join(
+        &tree.make("cpu", "", &format!("{pod}/crio-{crio}.scope")),
+        a.pid(),
+    );
+    join(
+        &tree.make("unified", "", &format!("{pod}/crio-conmon-{crio}.scope")),
+        conmon.pid(),
+    );
+    join(
+        &tree.make("cpu", "", &format!("{pod}/crio-conmon-{crio}.scope")),
+        conmon.pid(),
+    );
+    join(
+        &tree.make("unified", "", &format!("{pod}/docker-{docker}.scope")),
+        b.pid(),
+    );
     for k in [&mut a, &mut conmon, &mut b] {
         k.release();
     }
     let index = scan();
     let ca = index
-        .container(&uid, container_id_from_status(&format!("cri-o://{crio}")).unwrap())
+        .container(
+            &uid,
+            container_id_from_status(&format!("cri-o://{crio}")).unwrap(),
+        )
         .expect("cri-o container");
-    assert_eq!(pids(&ca), vec![a.pid()], "conmon carries the id but is not the container");
+    assert_eq!(
+        pids(&ca),
+        vec![a.pid()],
+        "conmon carries the id but is not the container"
+    );
     let cb = index
-        .container(&uid, container_id_from_status(&format!("docker://{docker}")).unwrap())
+        .container(
+            &uid,
+            container_id_from_status(&format!("docker://{docker}")).unwrap(),
+        )
         .expect("docker container");
     assert_eq!(pids(&cb), vec![b.pid()]);
     assert_eq!(cb.init_pid, Some(b.pid()));
@@ -309,7 +380,10 @@ async fn cgroupfs_driver_burstable_and_guaranteed_in_v1_controllers() {
     join(&tree.make("cpu", "", &burstable), a.pid());
     join(&tree.make("pids", "", &burstable), a.pid());
     // memory: below our own memory cgroup, which must not be left
-    join(&tree.make("memory", &own_cgroup("memory"), &burstable), a.pid());
+    join(
+        &tree.make("memory", &own_cgroup("memory"), &burstable),
+        a.pid(),
+    );
     let guaranteed = format!("kubepods/pod{uid2}/{id2}");
     join(&tree.make("pids", "", &guaranteed), b.pid());
     a.release();
@@ -339,7 +413,10 @@ async fn cgroup_namespace_view_with_leading_dotdot() {
         &tree.make(
             "unified",
             "",
-            &format!("kubepods.slice/kubepods-pod{}.slice/cri-containerd-{id}.scope", uid.replace('-', "_")),
+            &format!(
+                "kubepods.slice/kubepods-pod{}.slice/cri-containerd-{id}.scope",
+                uid.replace('-', "_")
+            ),
         ),
         target.pid(),
     );
@@ -349,7 +426,10 @@ async fn cgroup_namespace_view_with_leading_dotdot() {
     let mut reader = Command::new("sh");
     reader
         .arg("-c")
-        .arg(format!("read x; exec unshare --cgroup cat /proc/{}/cgroup", target.pid()))
+        .arg(format!(
+            "read x; exec unshare --cgroup cat /proc/{}/cgroup",
+            target.pid()
+        ))
         .stdout(Stdio::piped())
         .stdin(Stdio::piped())
         .process_group(0);
@@ -369,7 +449,9 @@ async fn cgroup_namespace_view_with_leading_dotdot() {
         std::fs::copy(format!("/proc/{}/{f}", target.pid()), pdir.join(f)).unwrap();
     }
     let index = ProcIndex::scan(fake.path()).unwrap();
-    let c = index.container(&uid, &id).expect("found through the namespaced path");
+    let c = index
+        .container(&uid, &id)
+        .expect("found through the namespaced path");
     assert_eq!(pids(&c), vec![target.pid()]);
 }
 
@@ -382,7 +464,7 @@ fn chroot_dir(base: &Path) -> PathBuf {
     std::fs::create_dir_all(root.join("dev")).unwrap();
     rustix::fs::mknodat(
         rustix::fs::CWD,
-        &root.join("dev/null"),
+        root.join("dev/null"),
         rustix::fs::FileType::CharacterDevice,
         rustix::fs::Mode::from_raw_mode(0o666),
         rustix::fs::makedev(1, 3),
@@ -390,7 +472,10 @@ fn chroot_dir(base: &Path) -> PathBuf {
     .unwrap();
     std::fs::copy("/usr/bin/dash", root.join("bin/sh")).unwrap();
     std::fs::copy("/usr/bin/sleep", root.join("bin/sleep")).unwrap();
-    let ldd = Command::new("ldd").args(["/usr/bin/dash", "/usr/bin/sleep"]).output().unwrap();
+    let ldd = Command::new("ldd")
+        .args(["/usr/bin/dash", "/usr/bin/sleep"])
+        .output()
+        .unwrap();
     for lib in String::from_utf8_lossy(&ldd.stdout)
         .split_whitespace()
         .filter(|w| w.starts_with('/') && !w.ends_with(':'))
@@ -419,7 +504,9 @@ fn chrooted(root: &Path, dir: &str, state: Option<&str>) -> Kid {
     kid.release();
     let pid = kid.pid();
     eventually("the chrooted handler", || {
-        ProcFs::default().status(pid).is_ok_and(|s| s.catches(Signal::USR1))
+        ProcFs::default()
+            .status(pid)
+            .is_ok_and(|s| s.catches(Signal::USR1))
             && std::fs::read_link(format!("/proc/{pid}/root")).is_ok_and(|r| r == root)
     });
     kid
@@ -450,10 +537,18 @@ async fn notice_and_acks_are_resolved_inside_the_container_root() {
     let acker = chrooted(&root, &dir, Some("done"));
     let req = request();
     let m = Metrics::register(&mut Registry::default());
-    let group = pod_group("u1", vec![container(&acker)], Path::new(&dir), Duration::from_secs(20));
+    let group = pod_group(
+        "u1",
+        vec![container(&acker)],
+        Path::new(&dir),
+        Duration::from_secs(20),
+    );
     let deliveries = deliver(&[group], &req, &m);
     assert_eq!(deliveries[0].containers[0].notice, NoticeStatus::Written);
-    assert!(inside.join("notice.json").exists(), "notice.json is created inside the root");
+    assert!(
+        inside.join("notice.json").exists(),
+        "notice.json is created inside the root"
+    );
     assert!(!host_dir.join("notice.json").exists(), "never on the host");
     let results = wait(deliveries, &req, &m, &CancellationToken::new()).await;
     assert_eq!(results[0].outcome, Outcome::Acked, "{}", results[0].detail);
@@ -461,7 +556,12 @@ async fn notice_and_acks_are_resolved_inside_the_container_root() {
 
     // A host-side ack under the same path is not the container's ack.
     let silent = chrooted(&root, &dir, None);
-    let group = pod_group("u2", vec![container(&silent)], Path::new(&dir), Duration::from_millis(1500));
+    let group = pod_group(
+        "u2",
+        vec![container(&silent)],
+        Path::new(&dir),
+        Duration::from_millis(1500),
+    );
     let deliveries = deliver(&[group], &req, &m);
     std::fs::write(host_dir.join("ack"), b"").unwrap();
     std::fs::write(
@@ -470,7 +570,12 @@ async fn notice_and_acks_are_resolved_inside_the_container_root() {
     )
     .unwrap();
     let results = wait(deliveries, &req, &m, &CancellationToken::new()).await;
-    assert_eq!(results[0].outcome, Outcome::Timeout, "{}", results[0].detail);
+    assert_eq!(
+        results[0].outcome,
+        Outcome::Timeout,
+        "{}",
+        results[0].detail
+    );
     assert!(inside.join(format!("marker-{}", silent.pid())).exists());
 }
 
@@ -485,7 +590,10 @@ async fn symlinks_planted_in_the_container_never_reach_the_host() {
     std::os::unix::fs::symlink(&host_target, root.join(format!("{tag}-abs"))).unwrap();
     let up = "../".repeat(host_target.components().count() + 3);
     std::os::unix::fs::symlink(
-        format!("{up}{}", host_target.to_str().unwrap().trim_start_matches('/')),
+        format!(
+            "{up}{}",
+            host_target.to_str().unwrap().trim_start_matches('/')
+        ),
         root.join(format!("{tag}-rel")),
     )
     .unwrap();
@@ -501,7 +609,12 @@ async fn symlinks_planted_in_the_container_never_reach_the_host() {
     for suffix in ["abs", "rel", "dir"] {
         let dir = format!("/{tag}-{suffix}");
         let kid = chrooted(&root, &dir, None);
-        groups.push(pod_group(&format!("u-{suffix}"), vec![container(&kid)], Path::new(&dir), Duration::from_millis(1500)));
+        groups.push(pod_group(
+            &format!("u-{suffix}"),
+            vec![container(&kid)],
+            Path::new(&dir),
+            Duration::from_millis(1500),
+        ));
         kids.push(kid);
     }
     let deliveries = deliver(&groups, &req, &m);
@@ -511,15 +624,29 @@ async fn symlinks_planted_in_the_container_never_reach_the_host() {
         assert_eq!(d.state, DeliveryState::Signalled);
     }
     // the symlinked dirs resolve inside the root, where their target does not exist
-    assert!(matches!(deliveries[0].containers[0].notice, NoticeStatus::Failed(_)));
-    assert!(matches!(deliveries[1].containers[0].notice, NoticeStatus::Failed(_)));
+    assert!(matches!(
+        deliveries[0].containers[0].notice,
+        NoticeStatus::Failed(_)
+    ));
+    assert!(matches!(
+        deliveries[1].containers[0].notice,
+        NoticeStatus::Failed(_)
+    ));
     assert_eq!(deliveries[2].containers[0].notice, NoticeStatus::Written);
     let results = wait(deliveries, &req, &m, &CancellationToken::new()).await;
     for r in &results {
         assert_eq!(r.outcome, Outcome::Timeout, "{}: {}", r.group, r.detail);
     }
-    assert!(results[0].detail.contains("notice.json not written"), "{}", results[0].detail);
-    assert_eq!(std::fs::read_dir(&host_target).unwrap().count(), 0, "host dir untouched");
+    assert!(
+        results[0].detail.contains("notice.json not written"),
+        "{}",
+        results[0].detail
+    );
+    assert_eq!(
+        std::fs::read_dir(&host_target).unwrap().count(),
+        0,
+        "host dir untouched"
+    );
     assert!(!Path::new(&format!("/{tag}-abs")).exists());
     assert!(!Path::new(&format!("/{tag}-dir")).exists());
     assert_eq!(std::fs::read(&host_ack).unwrap(), b"");

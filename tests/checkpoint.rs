@@ -82,7 +82,10 @@ impl Kid {
 impl Drop for Kid {
     fn drop(&mut self) {
         // Only while the leader is unreaped is its PID (the group id) certainly still ours.
-        if let (Ok(None), Some(pg)) = (self.child.try_wait(), rustix::process::Pid::from_raw(self.pid())) {
+        if let (Ok(None), Some(pg)) = (
+            self.child.try_wait(),
+            rustix::process::Pid::from_raw(self.pid()),
+        ) {
             let _ = rustix::process::kill_process_group(pg, rustix::process::Signal::KILL);
         }
         let _ = self.child.wait();
@@ -121,7 +124,12 @@ fn wait_for_exec(pid: i32, name: &str) {
     });
 }
 
-fn host_group(name: &str, dir: &Path, processes: Vec<TargetProcess>, timeout: Duration) -> TargetGroup {
+fn host_group(
+    name: &str,
+    dir: &Path,
+    processes: Vec<TargetProcess>,
+    timeout: Duration,
+) -> TargetGroup {
     TargetGroup {
         name: name.to_string(),
         pod: None,
@@ -169,7 +177,12 @@ async fn handler_acks_done_and_non_handler_is_never_hit() {
     std::fs::create_dir(&dir).unwrap();
     let mut handler = Kid::handler(&dir, &[("STATE", "done")]);
     let mut sleeper = Kid::sleeper();
-    let group = host_group("train", &dir, vec![handler.target(), sleeper.target()], LONG);
+    let group = host_group(
+        "train",
+        &dir,
+        vec![handler.target(), sleeper.target()],
+        LONG,
+    );
     let req = request(false);
     let (registry, m) = metrics();
 
@@ -192,7 +205,10 @@ async fn handler_acks_done_and_non_handler_is_never_hit() {
     assert_eq!(notice["kind"], "interruption");
     assert_eq!(notice["signal"], "SIGUSR1");
     assert_eq!(notice["deadline_unix"], req.deadline.unwrap().as_second());
-    assert_eq!(notice["checkpoint_deadline_unix"], req.checkpoint_deadline.as_second());
+    assert_eq!(
+        notice["checkpoint_deadline_unix"],
+        req.checkpoint_deadline.as_second()
+    );
 
     let results = wait(deliveries, &req, &m, &CancellationToken::new()).await;
     assert_eq!(results.len(), 1);
@@ -203,12 +219,24 @@ async fn handler_acks_done_and_non_handler_is_never_hit() {
     assert!(r.detail.contains("done step=42"), "{}", r.detail);
     assert!(marker(&dir, handler.pid()).exists());
     assert!(handler.running());
-    assert!(sleeper.running(), "the process without a handler must never be signalled");
+    assert!(
+        sleeper.running(),
+        "the process without a handler must never be signalled"
+    );
 
     let text = encode(&registry);
-    assert!(text.contains("spotguard_checkpoint_total{outcome=\"acked\"} 1"), "{text}");
-    assert!(text.contains("spotguard_checkpoint_signals_total 1"), "{text}");
-    assert!(text.contains("spotguard_checkpoint_ack_latency_seconds_count 1"), "{text}");
+    assert!(
+        text.contains("spotguard_checkpoint_total{outcome=\"acked\"} 1"),
+        "{text}"
+    );
+    assert!(
+        text.contains("spotguard_checkpoint_signals_total 1"),
+        "{text}"
+    );
+    assert!(
+        text.contains("spotguard_checkpoint_ack_latency_seconds_count 1"),
+        "{text}"
+    );
 }
 
 #[tokio::test]
@@ -229,20 +257,35 @@ async fn skipped_failed_and_plain_ack_groups_in_one_delivery() {
     let req = request(false);
     let (registry, m) = metrics();
     let deliveries = deliver(&groups, &req, &m);
-    assert!(deliveries.iter().all(|d| d.state == DeliveryState::Signalled));
+    assert!(deliveries
+        .iter()
+        .all(|d| d.state == DeliveryState::Signalled));
     let results = wait(deliveries, &req, &m, &CancellationToken::new()).await;
-    let outcomes: Vec<_> = results.iter().map(|r| (r.group.as_str(), r.outcome)).collect();
+    let outcomes: Vec<_> = results
+        .iter()
+        .map(|r| (r.group.as_str(), r.outcome))
+        .collect();
     assert_eq!(
         outcomes,
-        vec![("skip", Outcome::Skipped), ("fail", Outcome::Failed), ("plain", Outcome::Acked)],
+        vec![
+            ("skip", Outcome::Skipped),
+            ("fail", Outcome::Failed),
+            ("plain", Outcome::Acked)
+        ],
         "{results:#?}"
     );
     assert!(results[2].detail.contains("plain ack"));
     let text = encode(&registry);
     for o in ["skipped", "failed", "acked"] {
-        assert!(text.contains(&format!("spotguard_checkpoint_total{{outcome=\"{o}\"}} 1")), "{text}");
+        assert!(
+            text.contains(&format!("spotguard_checkpoint_total{{outcome=\"{o}\"}} 1")),
+            "{text}"
+        );
     }
-    assert!(text.contains("spotguard_checkpoint_signals_total 3"), "{text}");
+    assert!(
+        text.contains("spotguard_checkpoint_signals_total 3"),
+        "{text}"
+    );
 }
 
 #[tokio::test]
@@ -260,7 +303,13 @@ async fn exit_after_done_is_success_and_exit_without_done_is_exited() {
     ];
     let req = request(false);
     let (_r, m) = metrics();
-    let results = wait(deliver(&groups, &req, &m), &req, &m, &CancellationToken::new()).await;
+    let results = wait(
+        deliver(&groups, &req, &m),
+        &req,
+        &m,
+        &CancellationToken::new(),
+    )
+    .await;
     assert_eq!(results[0].outcome, Outcome::Acked, "{}", results[0].detail);
     assert_eq!(results[1].outcome, Outcome::Exited, "{}", results[1].detail);
     assert!(results[1].detail.contains("exited without done"));
@@ -280,7 +329,8 @@ async fn received_without_terminal_ack_times_out_and_stale_acks_do_not_count() {
     for path in [b.join(format!("ack-{}.json", silent.pid())), b.join("ack")] {
         std::fs::write(&path, r#"{"state":"done"}"#).unwrap();
         let f = std::fs::File::options().write(true).open(&path).unwrap();
-        f.set_modified(std::time::SystemTime::now() - Duration::from_secs(600)).unwrap();
+        f.set_modified(std::time::SystemTime::now() - Duration::from_secs(600))
+            .unwrap();
     }
     let timeout = Duration::from_millis(1500);
     let groups = vec![
@@ -290,15 +340,29 @@ async fn received_without_terminal_ack_times_out_and_stale_acks_do_not_count() {
     let req = request(false);
     let (registry, m) = metrics();
     let started = Instant::now();
-    let results = wait(deliver(&groups, &req, &m), &req, &m, &CancellationToken::new()).await;
+    let results = wait(
+        deliver(&groups, &req, &m),
+        &req,
+        &m,
+        &CancellationToken::new(),
+    )
+    .await;
     assert!(started.elapsed() >= Duration::from_millis(1400));
     assert!(started.elapsed() < Duration::from_secs(15));
     for r in &results {
         assert_eq!(r.outcome, Outcome::Timeout, "{r:?}");
         assert_eq!(r.ack_latency, None);
     }
-    assert!(results[0].detail.contains("received, no terminal ack"), "{}", results[0].detail);
-    assert!(results[1].detail.contains("no ack"), "{}", results[1].detail);
+    assert!(
+        results[0].detail.contains("received, no terminal ack"),
+        "{}",
+        results[0].detail
+    );
+    assert!(
+        results[1].detail.contains("no ack"),
+        "{}",
+        results[1].detail
+    );
     assert!(marker(&b, silent.pid()).exists());
     assert!(encode(&registry).contains("spotguard_checkpoint_total{outcome=\"timeout\"} 2"));
 }
@@ -307,12 +371,23 @@ async fn received_without_terminal_ack_times_out_and_stale_acks_do_not_count() {
 async fn budget_is_capped_by_the_checkpoint_deadline() {
     let tmp = tempfile::tempdir().unwrap();
     let silent = Kid::handler(tmp.path(), &[]);
-    let group = host_group("g", tmp.path(), vec![silent.target()], Duration::from_secs(600));
+    let group = host_group(
+        "g",
+        tmp.path(),
+        vec![silent.target()],
+        Duration::from_secs(600),
+    );
     let mut req = request(false);
     req.checkpoint_deadline = Timestamp::now() + Duration::from_secs(1);
     let (_r, m) = metrics();
     let started = Instant::now();
-    let results = wait(deliver(&[group], &req, &m), &req, &m, &CancellationToken::new()).await;
+    let results = wait(
+        deliver(&[group], &req, &m),
+        &req,
+        &m,
+        &CancellationToken::new(),
+    )
+    .await;
     assert_eq!(results[0].outcome, Outcome::Timeout);
     assert!(started.elapsed() < Duration::from_secs(15));
 }
@@ -330,13 +405,23 @@ async fn no_handler_sends_nothing_and_writes_nothing() {
     assert_eq!(deliveries[0].signalled(), 0);
     let results = wait(deliveries, &req, &m, &CancellationToken::new()).await;
     assert_eq!(results[0].outcome, Outcome::NoHandler);
-    assert!(results[0].detail.contains("no_handler"), "{}", results[0].detail);
+    assert!(
+        results[0].detail.contains("no_handler"),
+        "{}",
+        results[0].detail
+    );
     assert!(!tmp.path().join("notice.json").exists());
     std::thread::sleep(Duration::from_millis(200));
     assert!(a.running() && b.running());
     let text = encode(&registry);
-    assert!(text.contains("spotguard_checkpoint_total{outcome=\"no_handler\"} 1"), "{text}");
-    assert!(text.contains("spotguard_checkpoint_signals_total 0"), "{text}");
+    assert!(
+        text.contains("spotguard_checkpoint_total{outcome=\"no_handler\"} 1"),
+        "{text}"
+    );
+    assert!(
+        text.contains("spotguard_checkpoint_signals_total 0"),
+        "{text}"
+    );
 }
 
 #[tokio::test]
@@ -356,7 +441,11 @@ async fn recycled_pid_is_never_signalled() {
     ));
     let results = wait(deliveries, &req, &m, &CancellationToken::new()).await;
     assert_eq!(results[0].outcome, Outcome::Exited);
-    assert!(results[0].detail.contains("recycled"), "{}", results[0].detail);
+    assert!(
+        results[0].detail.contains("recycled"),
+        "{}",
+        results[0].detail
+    );
     std::thread::sleep(Duration::from_millis(300));
     assert!(!marker(tmp.path(), kid.pid()).exists());
     assert!(kid.running());
@@ -374,14 +463,21 @@ async fn dry_run_writes_and_signals_nothing() {
     assert_eq!(deliveries[0].containers[0].would_signal, vec![kid.pid()]);
     assert_eq!(deliveries[0].containers[0].notice, NoticeStatus::DryRun);
     let results = wait(deliveries, &req, &m, &CancellationToken::new()).await;
-    assert!(results[0].detail.starts_with("dry-run:"), "{}", results[0].detail);
+    assert!(
+        results[0].detail.starts_with("dry-run:"),
+        "{}",
+        results[0].detail
+    );
     assert!(results[0].detail.contains(&kid.pid().to_string()));
     std::thread::sleep(Duration::from_millis(300));
     assert!(!marker(tmp.path(), kid.pid()).exists());
     assert!(!tmp.path().join("notice.json").exists());
     let text = encode(&registry);
     assert!(!text.contains("spotguard_checkpoint_total{"), "{text}");
-    assert!(text.contains("spotguard_checkpoint_signals_total 0"), "{text}");
+    assert!(
+        text.contains("spotguard_checkpoint_signals_total 0"),
+        "{text}"
+    );
 }
 
 #[tokio::test]
@@ -404,7 +500,10 @@ async fn pid1_and_all_target_modes() {
     let (_r, m) = metrics();
     let deliveries = deliver(&[pid1, all], &req, &m);
     assert_eq!(deliveries[0].signalled_pids(), vec![init.pid()]);
-    assert_eq!(deliveries[1].signalled_pids(), vec![handler.pid(), victim.pid()]);
+    assert_eq!(
+        deliveries[1].signalled_pids(),
+        vec![handler.pid(), victim.pid()]
+    );
     let results = wait(deliveries, &req, &m, &CancellationToken::new()).await;
     assert_eq!(results[0].outcome, Outcome::Acked, "{}", results[0].detail);
     assert!(!marker(&a, other.pid()).exists());
@@ -425,7 +524,11 @@ async fn pid1_without_known_init_is_an_error() {
     let (_r, m) = metrics();
     let results = wait(deliver(&[g], &req, &m), &req, &m, &CancellationToken::new()).await;
     assert_eq!(results[0].outcome, Outcome::Error);
-    assert!(results[0].detail.contains("init process is unknown"), "{}", results[0].detail);
+    assert!(
+        results[0].detail.contains("init process is unknown"),
+        "{}",
+        results[0].detail
+    );
 }
 
 #[tokio::test]
@@ -440,7 +543,10 @@ async fn restart_path_never_signals_but_sees_acks() {
     let long_ago = Timestamp::now() - Duration::from_secs(60);
     let plan = plan_without_signal(std::slice::from_ref(&group), &req, long_ago);
     assert_eq!(plan[0].state, DeliveryState::Gone);
-    assert_eq!(plan[0].containers[0].skipped[0].reason, NotSignalled::StartedAfterSignal);
+    assert_eq!(
+        plan[0].containers[0].skipped[0].reason,
+        NotSignalled::StartedAfterSignal
+    );
 
     let signalled_at = Timestamp::now();
     let plan = plan_without_signal(std::slice::from_ref(&group), &req, signalled_at);
@@ -458,7 +564,10 @@ async fn restart_path_never_signals_but_sees_acks() {
     let results = wait(plan, &req, &m, &CancellationToken::new()).await;
     assert_eq!(results[0].outcome, Outcome::Acked, "{}", results[0].detail);
     std::thread::sleep(Duration::from_millis(200));
-    assert!(!marker(tmp.path(), kid.pid()).exists(), "the restart path must not signal");
+    assert!(
+        !marker(tmp.path(), kid.pid()).exists(),
+        "the restart path must not signal"
+    );
     assert!(encode(&registry).contains("spotguard_checkpoint_signals_total 0"));
 }
 
@@ -496,8 +605,9 @@ async fn pid_namespace_acks_use_the_namespaced_pid() {
     let mut inner = None;
     eventually("the namespaced shell", || {
         inner = proc.pids().unwrap().into_iter().find(|p| {
-            proc.status(*p)
-                .is_ok_and(|s| s.ppid == outer.pid() && s.ns_pid() == Some(1) && s.catches(Signal::USR1))
+            proc.status(*p).is_ok_and(|s| {
+                s.ppid == outer.pid() && s.ns_pid() == Some(1) && s.catches(Signal::USR1)
+            })
         });
         inner.is_some()
     });
@@ -510,7 +620,11 @@ async fn pid_namespace_acks_use_the_namespaced_pid() {
     assert_eq!(deliveries[0].containers[0].signalled[0].ns_pid, 1);
     let results = wait(deliveries, &req, &m, &CancellationToken::new()).await;
     assert_eq!(results[0].outcome, Outcome::Acked, "{}", results[0].detail);
-    assert!(results[0].detail.contains("pid 1 in its namespace"), "{}", results[0].detail);
+    assert!(
+        results[0].detail.contains("pid 1 in its namespace"),
+        "{}",
+        results[0].detail
+    );
     assert!(tmp.path().join("ack-1.json").exists());
     assert!(tmp.path().join("notice.json").exists());
 }
@@ -529,7 +643,11 @@ fn targets(dir: &Path) -> HostTargets {
 }
 
 fn pids_of(g: &TargetGroup) -> Vec<i32> {
-    let mut p: Vec<i32> = g.containers.iter().flat_map(|c| c.processes.iter().map(|p| p.pid)).collect();
+    let mut p: Vec<i32> = g
+        .containers
+        .iter()
+        .flat_map(|c| c.processes.iter().map(|p| p.pid))
+        .collect();
     p.sort_unstable();
     p
 }
@@ -563,10 +681,19 @@ async fn pidfile_selects_the_launcher_and_its_descendants() {
     let groups = HostDiscovery::new(t).discover().await.unwrap();
     assert_eq!(groups.len(), 2);
     let g = &groups[0];
-    assert_eq!(g.name, format!("pidfile:{}", tmp.path().join("train.pid").display()));
+    assert_eq!(
+        g.name,
+        format!("pidfile:{}", tmp.path().join("train.pid").display())
+    );
     let pids = pids_of(g);
-    assert!(pids.contains(&launcher.pid()) && pids.contains(&worker), "{pids:?}");
-    assert!(pids.len() >= 4, "launcher, worker, worker's sleep, sleeper: {pids:?}");
+    assert!(
+        pids.contains(&launcher.pid()) && pids.contains(&worker),
+        "{pids:?}"
+    );
+    assert!(
+        pids.len() >= 4,
+        "launcher, worker, worker's sleep, sleeper: {pids:?}"
+    );
     assert_eq!(g.containers[0].init_pid, Some(launcher.pid()));
     assert_eq!(g.containers[0].root_pid, None);
     assert_eq!(g.mode, TargetMode::Handlers);
@@ -579,8 +706,15 @@ async fn pidfile_selects_the_launcher_and_its_descendants() {
     let results = wait(deliveries, &req, &m, &CancellationToken::new()).await;
     assert_eq!(results[0].outcome, Outcome::Acked, "{}", results[0].detail);
     assert_eq!(results[1].outcome, Outcome::NoHandler);
-    assert!(dir.join("notice.json").exists(), "the checkpoint dir is created");
-    let notice: NoticeFile = CheckpointDir::host(&dir).unwrap().read_notice().unwrap().unwrap();
+    assert!(
+        dir.join("notice.json").exists(),
+        "the checkpoint dir is created"
+    );
+    let notice: NoticeFile = CheckpointDir::host(&dir)
+        .unwrap()
+        .read_notice()
+        .unwrap()
+        .unwrap();
     assert_eq!(notice.notice_id, "notice-1");
 }
 
@@ -591,7 +725,8 @@ async fn stale_pidfile_selects_nothing() {
     let pf = tmp.path().join("old.pid");
     std::fs::write(&pf, kid.pid().to_string()).unwrap();
     let f = std::fs::File::options().write(true).open(&pf).unwrap();
-    f.set_modified(std::time::SystemTime::now() - Duration::from_secs(3600)).unwrap();
+    f.set_modified(std::time::SystemTime::now() - Duration::from_secs(3600))
+        .unwrap();
     let mut t = targets(tmp.path());
     t.pidfiles = vec![pf];
     let groups = HostDiscovery::new(t).discover().await.unwrap();
@@ -604,7 +739,9 @@ async fn cmdline_selects_matching_processes_but_never_spotguard() {
     let token = format!("sg-train-{}", fastrand::u64(..));
     let mut cmd = Command::new("sh");
     // `$0` carries the token into the cmdline
-    cmd.args(["-c", HANDLER, &token]).env("DIR", tmp.path()).env("STATE", "done");
+    cmd.args(["-c", HANDLER, &token])
+        .env("DIR", tmp.path())
+        .env("STATE", "done");
     let kid = Kid::spawn(cmd);
     wait_for_handler(kid.pid());
     let mut t = targets(tmp.path());
@@ -618,7 +755,13 @@ async fn cmdline_selects_matching_processes_but_never_spotguard() {
     assert!(!pids_of(&groups[1]).contains(&(std::process::id() as i32)));
     let req = request(false);
     let (_r, m) = metrics();
-    let results = wait(deliver(&groups[..1], &req, &m), &req, &m, &CancellationToken::new()).await;
+    let results = wait(
+        deliver(&groups[..1], &req, &m),
+        &req,
+        &m,
+        &CancellationToken::new(),
+    )
+    .await;
     assert_eq!(results[0].outcome, Outcome::Acked, "{}", results[0].detail);
 }
 
@@ -640,7 +783,9 @@ impl Drop for Cgroup {
 async fn unit_selects_the_units_cgroup() {
     let tmp = tempfile::tempdir().unwrap();
     let n = fastrand::u64(..);
-    let slice = Cgroup(PathBuf::from(format!("/sys/fs/cgroup/systemd/sg-test-{n}.slice")));
+    let slice = Cgroup(PathBuf::from(format!(
+        "/sys/fs/cgroup/systemd/sg-test-{n}.slice"
+    )));
     let unit = Cgroup(slice.0.join(format!("sg-train-{n}.service")));
     std::fs::create_dir_all(&unit.0).unwrap();
     let kid = Kid::handler(tmp.path(), &[("STATE", "done")]);
@@ -655,7 +800,13 @@ async fn unit_selects_the_units_cgroup() {
     assert!(pids_of(&groups[1]).is_empty());
     let req = request(false);
     let (_r, m) = metrics();
-    let results = wait(deliver(&groups, &req, &m), &req, &m, &CancellationToken::new()).await;
+    let results = wait(
+        deliver(&groups, &req, &m),
+        &req,
+        &m,
+        &CancellationToken::new(),
+    )
+    .await;
     assert_eq!(results[0].outcome, Outcome::Acked, "{}", results[0].detail);
     assert_eq!(results[1].outcome, Outcome::NoHandler);
     assert!(!marker(tmp.path(), outside.pid()).exists());

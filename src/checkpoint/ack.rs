@@ -8,7 +8,7 @@
 //! planted in the container stay inside the container, and `/proc/self/root`-style magic links are
 //! refused, so the agent can never be pointed at a host file. The directory is created if missing
 //! (owned by the target process's user so that it can write its acks), files are written as temp +
-//! fsync + rename + fsync of the directory, and reads refuse anything but a small regular file
+//! fsync + rename, and reads refuse anything but a small regular file
 //! (a FIFO or device planted as an ack cannot block or flood the agent).
 
 use std::io::{self, Read, Write};
@@ -218,7 +218,11 @@ impl CheckpointDir {
                         .filter(|p| !p.as_os_str().is_empty())
                         .unwrap_or(Path::new("."));
                     let parent_fd = self.open_in_root(parent, OFlags::PATH | OFlags::DIRECTORY)?;
-                    match rustix::fs::mkdirat(&parent_fd, comp.as_os_str(), Mode::from_raw_mode(0o755)) {
+                    match rustix::fs::mkdirat(
+                        &parent_fd,
+                        comp.as_os_str(),
+                        Mode::from_raw_mode(0o755),
+                    ) {
                         Ok(()) => created_last = i + 1 == count,
                         Err(rustix::io::Errno::EXIST) => {}
                         Err(e) => return Err(e.into()),
@@ -241,19 +245,31 @@ impl CheckpointDir {
         Ok(dir)
     }
 
-    /// Write `name` atomically inside the dir (temp + fsync + rename + fsync of the dir),
-    /// creating the dir if needed.
-    pub fn write_atomic(&self, name: &str, data: &[u8], owner: Option<(u32, u32)>) -> Result<(), Error> {
+    /// Write `name` atomically inside the dir (temp + fsync + rename), creating the dir if
+    /// needed.
+    pub fn write_atomic(
+        &self,
+        name: &str,
+        data: &[u8],
+        owner: Option<(u32, u32)>,
+    ) -> Result<(), Error> {
         let err = |source| Error::WriteNotice {
             target: self.display.clone(),
             file: name.to_string(),
             source,
         };
         if name.is_empty() || name.contains('/') || name == "." || name == ".." {
-            return Err(err(io::Error::new(io::ErrorKind::InvalidInput, "bad file name")));
+            return Err(err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "bad file name",
+            )));
         }
         let dir = self.ensure_dir(owner).map_err(err)?;
-        let tmp = format!(".{name}.tmp-{}-{:08x}", std::process::id(), fastrand::u32(..));
+        let tmp = format!(
+            ".{name}.tmp-{}-{:08x}",
+            std::process::id(),
+            fastrand::u32(..)
+        );
         let result = (|| -> io::Result<()> {
             let fd = rustix::fs::openat(
                 &dir,
@@ -266,7 +282,8 @@ impl CheckpointDir {
             file.write_all(data)?;
             file.sync_all()?;
             rustix::fs::renameat(&dir, tmp.as_str(), &dir, name)?;
-            rustix::fs::fsync(&dir)?;
+            // The rename is atomic for readers. The directory itself is not fsynced: a notice is
+            // meaningless after a crash, and every fsync is milliseconds before the signal.
             Ok(())
         })();
         if result.is_err() {
@@ -276,7 +293,11 @@ impl CheckpointDir {
     }
 
     /// Write `notice.json`.
-    pub fn write_notice(&self, notice: &NoticeFile, owner: Option<(u32, u32)>) -> Result<(), Error> {
+    pub fn write_notice(
+        &self,
+        notice: &NoticeFile,
+        owner: Option<(u32, u32)>,
+    ) -> Result<(), Error> {
         let mut data = serde_json::to_vec_pretty(notice).map_err(|e| Error::WriteNotice {
             target: self.display.clone(),
             file: NOTICE_FILE.to_string(),
@@ -455,7 +476,10 @@ mod tests {
         cd.write_notice(&notice(), Some((4321, 4322))).unwrap();
         let meta = std::fs::metadata(&dir).unwrap();
         use std::os::unix::fs::MetadataExt;
-        assert_eq!((meta.uid(), meta.gid(), meta.mode() & 0o7777), (4321, 4322, 0o755));
+        assert_eq!(
+            (meta.uid(), meta.gid(), meta.mode() & 0o7777),
+            (4321, 4322, 0o755)
+        );
         let file = std::fs::metadata(dir.join(NOTICE_FILE)).unwrap();
         assert_eq!(file.mode() & 0o777, 0o644);
         // an existing dir keeps its owner
@@ -495,6 +519,9 @@ mod tests {
         std::os::unix::fs::symlink("/proc/self/cwd", tmp.path().join("magic")).unwrap();
         let cd = CheckpointDir::host(&tmp.path().join("magic")).unwrap();
         let err = cd.write_notice(&notice(), None).unwrap_err();
-        assert!(matches!(&err, Error::WriteNotice { source, .. } if source.raw_os_error() == Some(libc::ELOOP)), "{err}");
+        assert!(
+            matches!(&err, Error::WriteNotice { source, .. } if source.raw_os_error() == Some(libc::ELOOP)),
+            "{err}"
+        );
     }
 }

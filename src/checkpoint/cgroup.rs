@@ -184,10 +184,13 @@ struct Indexed {
     ns_init: bool,
 }
 
+/// (pod UID, container ID).
+type ContainerKey = (String, String);
+
 /// Processes of every Kubernetes container on this host, from one scan of `/proc/*/cgroup`.
 #[derive(Clone, Debug, Default)]
 pub struct ProcIndex {
-    by_container: HashMap<(String, String), Vec<Indexed>>,
+    by_container: HashMap<ContainerKey, Vec<Indexed>>,
 }
 
 impl ProcIndex {
@@ -250,7 +253,7 @@ impl ProcIndex {
     }
 }
 
-fn index_one(proc: &ProcFs, pid: i32) -> Result<Option<((String, String), Indexed)>, Error> {
+fn index_one(proc: &ProcFs, pid: i32) -> Result<Option<(ContainerKey, Indexed)>, Error> {
     let text = proc.cgroup(pid)?;
     let Some(kube) = text
         .lines()
@@ -290,7 +293,10 @@ mod tests {
     #[test]
     fn parses_line_shapes() {
         let l = parse_line("12:cpu,cpuacct:/kubepods/pod1").unwrap();
-        assert_eq!((l.hierarchy, l.controllers, l.path), (12, "cpu,cpuacct", "/kubepods/pod1"));
+        assert_eq!(
+            (l.hierarchy, l.controllers, l.path),
+            (12, "cpu,cpuacct", "/kubepods/pod1")
+        );
         assert!(!l.is_unified());
         let l = parse_line("0::/system.slice/a:b.service").unwrap();
         assert_eq!(l.path, "/system.slice/a:b.service");
@@ -305,7 +311,8 @@ mod tests {
     #[test]
     fn kubelet_paths_table() {
         let u = UID.replace('-', "_");
-        let table: Vec<(String, Option<(&str, Option<&str>)>)> = vec![
+        type Want<'a> = Option<(&'a str, Option<&'a str>)>;
+        let table: Vec<(String, Want)> = vec![
             // systemd driver, containerd, burstable, v2
             (format!("0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{u}.slice/cri-containerd-{ID}.scope"), Some((UID, Some(ID)))),
             // Guaranteed: no QoS level
@@ -357,10 +364,20 @@ mod tests {
 
     #[test]
     fn container_ids_from_status() {
-        assert_eq!(container_id_from_status(&format!("containerd://{ID}")), Some(ID));
+        assert_eq!(
+            container_id_from_status(&format!("containerd://{ID}")),
+            Some(ID)
+        );
         assert_eq!(container_id_from_status(&format!("cri-o://{ID}")), Some(ID));
         assert_eq!(container_id_from_status("docker://abc123"), Some("abc123"));
-        for bad in ["", "abc", "containerd://", "://abc", "containerd://a/b", "docker://../x"] {
+        for bad in [
+            "",
+            "abc",
+            "containerd://",
+            "://abc",
+            "containerd://a/b",
+            "docker://../x",
+        ] {
             assert_eq!(container_id_from_status(bad), None, "{bad:?}");
         }
     }
@@ -369,14 +386,17 @@ mod tests {
     fn scan_fake_proc_tree() {
         let dir = tempfile::tempdir().unwrap();
         let u = UID.replace('-', "_");
-        let scope = format!("/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{u}.slice");
+        let scope =
+            format!("/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{u}.slice");
         let mk = |pid: i32, ppid: i32, start: u64, nspid: &str, cgroup: &str| {
             let p = dir.path().join(pid.to_string());
             std::fs::create_dir_all(&p).unwrap();
             std::fs::write(p.join("cgroup"), cgroup).unwrap();
             std::fs::write(
                 p.join("stat"),
-                format!("{pid} (my (proc)) S {ppid} 1 1 0 -1 0 0 0 0 0 0 0 0 0 20 0 1 0 {start} 1 1\n"),
+                format!(
+                    "{pid} (my (proc)) S {ppid} 1 1 0 -1 0 0 0 0 0 0 0 0 0 20 0 1 0 {start} 1 1\n"
+                ),
             )
             .unwrap();
             std::fs::write(
@@ -386,10 +406,28 @@ mod tests {
             .unwrap();
         };
         // container with its own pid namespace: init has NSpid ... 1
-        mk(100, 90, 500, "100\t1", &format!("0::/../..{scope}/cri-containerd-{ID}.scope\n"));
-        mk(101, 100, 501, "101\t7", &format!("0::{scope}/cri-containerd-{ID}.scope\n"));
+        mk(
+            100,
+            90,
+            500,
+            "100\t1",
+            &format!("0::/../..{scope}/cri-containerd-{ID}.scope\n"),
+        );
+        mk(
+            101,
+            100,
+            501,
+            "101\t7",
+            &format!("0::{scope}/cri-containerd-{ID}.scope\n"),
+        );
         // sandbox of the same pod
-        mk(99, 90, 400, "99\t1", &format!("0::{scope}/cri-containerd-feed.scope\n"));
+        mk(
+            99,
+            90,
+            400,
+            "99\t1",
+            &format!("0::{scope}/cri-containerd-feed.scope\n"),
+        );
         // host process, garbage process
         mk(1, 0, 1, "1", "0::/init.scope\n");
         mk(5, 1, 2, "5", "\u{0}garbage\n");
@@ -404,8 +442,14 @@ mod tests {
         assert_eq!(
             c.processes,
             vec![
-                TargetProcess { pid: 100, start_time: 500 },
-                TargetProcess { pid: 101, start_time: 501 }
+                TargetProcess {
+                    pid: 100,
+                    start_time: 500
+                },
+                TargetProcess {
+                    pid: 101,
+                    start_time: 501
+                }
             ]
         );
         assert!(index.container(UID, "other").is_none());

@@ -22,7 +22,9 @@ use async_trait::async_trait;
 
 use super::cgroup::{parse_line, segments};
 use super::procfs::{clock_ticks_per_second, is_gone, ProcFs};
-use super::{Error, Signal, TargetContainer, TargetDiscovery, TargetGroup, TargetMode, TargetProcess};
+use super::{
+    Error, Signal, TargetContainer, TargetDiscovery, TargetGroup, TargetMode, TargetProcess,
+};
 
 /// The host-mode selectors and the protocol settings shared by all their groups.
 #[derive(Clone, Debug)]
@@ -127,7 +129,13 @@ impl HostDiscovery {
         Ok(groups)
     }
 
-    fn group(&self, name: String, snap: &HashMap<i32, Snap>, pids: Vec<i32>, init_pid: Option<i32>) -> TargetGroup {
+    fn group(
+        &self,
+        name: String,
+        snap: &HashMap<i32, Snap>,
+        pids: Vec<i32>,
+        init_pid: Option<i32>,
+    ) -> TargetGroup {
         let processes = pids
             .iter()
             .filter_map(|pid| {
@@ -208,7 +216,8 @@ impl HostDiscovery {
                 .duration_since(std::time::UNIX_EPOCH)
                 .map(|d| d.as_secs())
                 .unwrap_or(0);
-            let started = u64::try_from(boot).unwrap_or(0) + proc.start_time / clock_ticks_per_second();
+            let started =
+                u64::try_from(boot).unwrap_or(0) + proc.start_time / clock_ticks_per_second();
             if started > written + 2 {
                 return Err(bad(format!(
                     "process {pid} started after the pidfile was written (recycled pid)"
@@ -280,7 +289,15 @@ mod tests {
     fn descendants_walk_the_tree() {
         let snap: HashMap<i32, Snap> = [(10, 1), (11, 10), (12, 10), (13, 12), (20, 1), (21, 20)]
             .into_iter()
-            .map(|(pid, ppid)| (pid, Snap { ppid, start_time: 0 }))
+            .map(|(pid, ppid)| {
+                (
+                    pid,
+                    Snap {
+                        ppid,
+                        start_time: 0,
+                    },
+                )
+            })
             .collect();
         assert_eq!(descendants(&snap, 10), vec![10, 11, 12, 13]);
         assert_eq!(descendants(&snap, 21), vec![21]);

@@ -106,8 +106,16 @@ pub fn parse_status(text: &str, path: &Path) -> Result<ProcStatus, Error> {
                         .map_err(|e| invalid(path, format!("PPid {value:?}: {e}")))?,
                 )
             }
-            "SigCgt" => sig_cgt = Some(parse_mask(value).ok_or_else(|| invalid(path, format!("SigCgt {value:?}")))?),
-            "SigIgn" => sig_ign = Some(parse_mask(value).ok_or_else(|| invalid(path, format!("SigIgn {value:?}")))?),
+            "SigCgt" => {
+                sig_cgt = Some(
+                    parse_mask(value).ok_or_else(|| invalid(path, format!("SigCgt {value:?}")))?,
+                )
+            }
+            "SigIgn" => {
+                sig_ign = Some(
+                    parse_mask(value).ok_or_else(|| invalid(path, format!("SigIgn {value:?}")))?,
+                )
+            }
             "NSpid" => {
                 nspid = value
                     .split_whitespace()
@@ -115,8 +123,12 @@ pub fn parse_status(text: &str, path: &Path) -> Result<ProcStatus, Error> {
                     .collect::<Result<_, _>>()
                     .map_err(|e| invalid(path, format!("NSpid {value:?}: {e}")))?
             }
-            "Uid" => uid = Some(first_id(value).ok_or_else(|| invalid(path, format!("Uid {value:?}")))?),
-            "Gid" => gid = Some(first_id(value).ok_or_else(|| invalid(path, format!("Gid {value:?}")))?),
+            "Uid" => {
+                uid = Some(first_id(value).ok_or_else(|| invalid(path, format!("Uid {value:?}")))?)
+            }
+            "Gid" => {
+                gid = Some(first_id(value).ok_or_else(|| invalid(path, format!("Gid {value:?}")))?)
+            }
             _ => {}
         }
     }
@@ -161,9 +173,12 @@ pub fn parse_stat(text: &str, path: &Path) -> Result<ProcStat, Error> {
     // Fields 3.. follow the comm; index 0 here is field 3.
     let rest: Vec<&str> = text[close + 1..].split_whitespace().collect();
     let field = |n: usize| -> Result<&str, Error> {
-        rest.get(n - 3)
-            .copied()
-            .ok_or_else(|| invalid(path, format!("only {} fields, need field {n}", rest.len() + 2)))
+        rest.get(n - 3).copied().ok_or_else(|| {
+            invalid(
+                path,
+                format!("only {} fields, need field {n}", rest.len() + 2),
+            )
+        })
     };
     let state = field(3)?
         .chars()
@@ -373,9 +388,18 @@ mod tests {
         for (text, needle) in [
             ("Name:\tx\nPPid:\tone\n", "PPid"),
             ("Name:\tx\nPPid:\t1\nSigCgt:\tzz\n", "SigCgt"),
-            ("Name:\tx\nPPid:\t1\nSigCgt:\t00000000000000000000\n", "SigCgt"),
-            ("Name:\tx\nPPid:\t1\nSigCgt:\t0\nSigIgn:\t0\nUid:\t0\nGid:\t0\n\nNSpid:\t1 a\n", "NSpid"),
-            ("Name:\tx\nPPid:\t1\nSigIgn:\t0\nUid:\t0\nGid:\t0\n", "no SigCgt"),
+            (
+                "Name:\tx\nPPid:\t1\nSigCgt:\t00000000000000000000\n",
+                "SigCgt",
+            ),
+            (
+                "Name:\tx\nPPid:\t1\nSigCgt:\t0\nSigIgn:\t0\nUid:\t0\nGid:\t0\n\nNSpid:\t1 a\n",
+                "NSpid",
+            ),
+            (
+                "Name:\tx\nPPid:\t1\nSigIgn:\t0\nUid:\t0\nGid:\t0\n",
+                "no SigCgt",
+            ),
             ("", "no Name"),
             ("\u{0}\u{ff}garbage", "no Name"),
         ] {
@@ -424,7 +448,12 @@ mod tests {
     fn cmdline_splits_on_nul() {
         assert_eq!(
             parse_cmdline(b"python3\0-m\0torch.distributed.run\0--nproc-per-node=8\0"),
-            vec!["python3", "-m", "torch.distributed.run", "--nproc-per-node=8"]
+            vec![
+                "python3",
+                "-m",
+                "torch.distributed.run",
+                "--nproc-per-node=8"
+            ]
         );
         assert_eq!(parse_cmdline(b""), Vec::<String>::new());
         assert_eq!(parse_cmdline(b"\0"), Vec::<String>::new());

@@ -172,11 +172,19 @@ pub struct GroupResult {
     pub detail: String,
 }
 
-/// Write `notice.json` into every target container and signal every target of every group, all
-/// groups concurrently. Blocking.
-pub fn deliver(groups: &[TargetGroup], req: &CheckpointRequest, metrics: &Metrics) -> Vec<Delivery> {
+/// Write `notice.json` into every target container and signal every target of every group. Groups
+/// run concurrently, one thread each: a group is signalled as soon as its own notices are written,
+/// so a slow or hung checkpoint filesystem in one pod never delays another pod's signal. Blocking.
+pub fn deliver(
+    groups: &[TargetGroup],
+    req: &CheckpointRequest,
+    metrics: &Metrics,
+) -> Vec<Delivery> {
     let proc = ProcFs::default();
-    for_each_group(groups, |g| deliver_group(&proc, g, req, metrics, Mode::Deliver))
+    per_group(groups, |g| {
+        let staged = stage_group(&proc, g, req, metrics, Mode::Deliver);
+        signal_group(staged, req, metrics, Mode::Deliver)
+    })
 }
 
 /// After an agent restart: rebuild the deliveries from fresh discovery as if the processes had been
@@ -188,16 +196,25 @@ pub fn plan_without_signal(
     signalled_at: Timestamp,
 ) -> Vec<Delivery> {
     let proc = ProcFs::default();
-    let boot = proc.boot_time().ok();
+    let mode = Mode::Replan {
+        signalled_at,
+        boot: proc.boot_time().ok(),
+    };
     groups
         .iter()
-        .map(|g| deliver_group(&proc, g, req, &NoMetrics, Mode::Replan { signalled_at, boot }))
+        .map(|g| {
+            signal_group(
+                stage_group(&proc, g, req, &NoMetrics, mode),
+                req,
+                &NoMetrics,
+                mode,
+            )
+        })
         .collect()
 }
 
-/// Run `f` for each group, on a scoped thread per group when there are several (notice writes
-/// fsync; signals to all groups go out at once).
-fn for_each_group<F>(groups: &[TargetGroup], f: F) -> Vec<Delivery>
+/// Run `f` for each group, on a scoped thread per group when there are several.
+fn per_group<F>(groups: &[TargetGroup], f: F) -> Vec<Delivery>
 where
     F: Fn(&TargetGroup) -> Delivery + Sync,
 {
@@ -209,21 +226,30 @@ where
             .iter()
             .map(|g| {
                 let f = &f;
-                std::thread::Builder::new()
+                let handle = std::thread::Builder::new()
                     .name("sg-deliver".into())
-                    .spawn_scoped(s, move || f(g))
-                    .map_err(|e| (g, e))
+                    .spawn_scoped(s, move || f(g));
+                (g, handle)
             })
             .collect();
         handles
             .into_iter()
-            .map(|h| match h {
+            .map(|(g, h)| match h {
                 Ok(handle) => handle.join().unwrap_or_else(|_| {
-                    // Unreachable in practice: delivery code does not panic.
-                    failed_delivery(None, "delivery thread panicked")
+                    tracing::error!(group = %g.name, "checkpoint delivery thread panicked");
+                    Delivery {
+                        group: g.name.clone(),
+                        pod: g.pod.clone(),
+                        dir: g.dir.clone(),
+                        signal: g.signal,
+                        timeout: g.timeout,
+                        state: DeliveryState::Error("delivery thread panicked".into()),
+                        signalled_at: None,
+                        containers: Vec::new(),
+                    }
                 }),
                 // No thread available: deliver on this one.
-                Err((g, e)) => {
+                Err(e) => {
                     tracing::debug!(error = %e, "no thread for delivery, delivering inline");
                     f(g)
                 }
@@ -232,17 +258,10 @@ where
     })
 }
 
-fn failed_delivery(group: Option<&TargetGroup>, reason: &str) -> Delivery {
-    Delivery {
-        group: group.map(|g| g.name.clone()).unwrap_or_default(),
-        pod: group.and_then(|g| g.pod.clone()),
-        dir: group.map(|g| g.dir.clone()).unwrap_or_default(),
-        signal: group.map(|g| g.signal).unwrap_or(Signal::USR1),
-        timeout: group.map(|g| g.timeout).unwrap_or_default(),
-        state: DeliveryState::Error(reason.to_string()),
-        signalled_at: None,
-        containers: Vec::new(),
-    }
+/// A group whose targets are checked and pinned and whose notices are written.
+struct Staged<'g> {
+    group: &'g TargetGroup,
+    containers: Vec<(ContainerDelivery, Vec<Prepared>)>,
 }
 
 /// Metric sink: the restart path counts nothing (nothing is sent).
@@ -277,21 +296,22 @@ enum Mode {
 }
 
 /// The processes of a container to consider, by target mode.
-fn candidates<'a>(
-    c: &'a TargetContainer,
-    mode: TargetMode,
-) -> Result<Vec<&'a super::TargetProcess>, String> {
+fn candidates(c: &TargetContainer, mode: TargetMode) -> Result<Vec<&super::TargetProcess>, String> {
     match mode {
         TargetMode::Handlers | TargetMode::All => Ok(c.processes.iter().collect()),
         TargetMode::Pid1 => {
-            let init = c
-                .init_pid
-                .ok_or_else(|| "target pid1: the container's init process is unknown".to_string())?;
+            let init = c.init_pid.ok_or_else(|| {
+                "target pid1: the container's init process is unknown".to_string()
+            })?;
             c.processes
                 .iter()
                 .find(|p| p.pid == init)
                 .map(|p| vec![p])
-                .ok_or_else(|| format!("target pid1: init process {init} is not among the container's processes"))
+                .ok_or_else(|| {
+                    format!(
+                        "target pid1: init process {init} is not among the container's processes"
+                    )
+                })
         }
     }
 }
@@ -327,24 +347,28 @@ fn open_dir(
     }))
 }
 
-fn deliver_group(
-    proc: &ProcFs,
-    group: &TargetGroup,
-    req: &CheckpointRequest,
-    metrics: &dyn Counting,
-    mode: Mode,
-) -> Delivery {
-    let span = tracing::info_span!(
+fn group_span(req: &CheckpointRequest, group: &str) -> tracing::Span {
+    tracing::info_span!(
         "checkpoint",
         notice_id = %req.notice_id,
         source = %req.source,
-        pod = %group.name
-    );
+        pod = %group
+    )
+}
+
+/// Phase 1 for one group: check and pin the targets, write the notices.
+fn stage_group<'g>(
+    proc: &ProcFs,
+    group: &'g TargetGroup,
+    req: &CheckpointRequest,
+    metrics: &dyn Counting,
+    mode: Mode,
+) -> Staged<'g> {
+    let span = group_span(req, &group.name);
     let _enter = span.enter();
     let notice = req.notice(group.signal);
     let require_handler = group.mode == TargetMode::Handlers;
 
-    // Phase 1: check and pin the targets, write the notices.
     let mut staged: Vec<(ContainerDelivery, Vec<Prepared>)> = Vec::new();
     for c in &group.containers {
         let mut cd = ContainerDelivery {
@@ -422,11 +446,25 @@ fn deliver_group(
         }
         staged.push((cd, prepared));
     }
+    Staged {
+        group,
+        containers: staged,
+    }
+}
 
-    // Phase 2: signal everything that was pinned.
+/// Phase 2 for one group: signal everything that was pinned.
+fn signal_group(
+    staged: Staged<'_>,
+    req: &CheckpointRequest,
+    metrics: &dyn Counting,
+    mode: Mode,
+) -> Delivery {
+    let group = staged.group;
+    let span = group_span(req, &group.name);
+    let _enter = span.enter();
     let mut first_signal = None;
-    let mut containers = Vec::with_capacity(staged.len());
-    for (mut cd, prepared) in staged {
+    let mut containers = Vec::with_capacity(staged.containers.len());
+    for (mut cd, prepared) in staged.containers {
         for p in prepared {
             match mode {
                 Mode::Replan { signalled_at, .. } => {
@@ -502,11 +540,11 @@ fn started_after(p: &Prepared, signalled_at: Timestamp, boot: Option<i64>) -> bo
         return false;
     };
     let ticks = clock_ticks_per_second();
-    let started_ms = boot
-        .saturating_mul(1000)
-        .saturating_add(i64::try_from(p.start_time.saturating_mul(1000) / ticks).unwrap_or(i64::MAX));
-    let limit = signalled_at.as_millisecond()
-        + i64::try_from(START_SLACK.as_millis()).unwrap_or(i64::MAX);
+    let started_ms = boot.saturating_mul(1000).saturating_add(
+        i64::try_from(p.start_time.saturating_mul(1000) / ticks).unwrap_or(i64::MAX),
+    );
+    let limit =
+        signalled_at.as_millisecond() + i64::try_from(START_SLACK.as_millis()).unwrap_or(i64::MAX);
     started_ms > limit
 }
 
@@ -533,7 +571,9 @@ fn delivery_state(dry_run: bool, containers: &[ContainerDelivery]) -> DeliverySt
         && skipped().all(|s| {
             matches!(
                 s.reason,
-                NotSignalled::Gone | NotSignalled::Recycled { .. } | NotSignalled::StartedAfterSignal
+                NotSignalled::Gone
+                    | NotSignalled::Recycled { .. }
+                    | NotSignalled::StartedAfterSignal
             )
         });
     if all_gone {
@@ -548,9 +588,17 @@ fn delivery_state(dry_run: bool, containers: &[ContainerDelivery]) -> DeliverySt
 /// What is known about one signalled process.
 #[derive(Clone, Debug, PartialEq)]
 enum ProcState {
-    Pending { received: Option<Timestamp> },
-    Acked { state: AckState, at: Timestamp, note: String },
-    Exited { at: Timestamp },
+    Pending {
+        received: Option<Timestamp>,
+    },
+    Acked {
+        state: AckState,
+        at: Timestamp,
+        note: String,
+    },
+    Exited {
+        at: Timestamp,
+    },
 }
 
 #[derive(Debug)]
@@ -571,7 +619,11 @@ struct ContainerWatch {
 
 impl ContainerWatch {
     fn finished(&self) -> bool {
-        self.plain_ack.is_some() || self.procs.iter().all(|p| !matches!(p.state, ProcState::Pending { .. }))
+        self.plain_ack.is_some()
+            || self
+                .procs
+                .iter()
+                .all(|p| !matches!(p.state, ProcState::Pending { .. }))
     }
 }
 
@@ -620,20 +672,23 @@ pub async fn wait(
         };
         first = false;
         if cancelled {
-                for w in watches.iter_mut().filter(|w| w.result.is_none()) {
-                    let detail = format!("cancelled (agent shutting down) while waiting: {}", pending_detail(w));
-                    w.result = Some(GroupResult {
-                        group: w.group.clone(),
-                        pod: w.pod.clone(),
-                        outcome: Outcome::Error,
-                        signalled: w.containers.iter().map(|c| c.procs.len()).sum(),
-                        signalled_at: Some(w.signalled_at),
-                        ack_latency: None,
-                        detail,
-                    });
-                    w.recorded = true;
-                }
-                break;
+            for w in watches.iter_mut().filter(|w| w.result.is_none()) {
+                let detail = format!(
+                    "cancelled (agent shutting down) while waiting: {}",
+                    pending_detail(w)
+                );
+                w.result = Some(GroupResult {
+                    group: w.group.clone(),
+                    pod: w.pod.clone(),
+                    outcome: Outcome::Error,
+                    signalled: w.containers.iter().map(|c| c.procs.len()).sum(),
+                    signalled_at: Some(w.signalled_at),
+                    ack_latency: None,
+                    detail,
+                });
+                w.recorded = true;
+            }
+            break;
         }
         let p = proc.clone();
         let polled = tokio::task::spawn_blocking(move || {
@@ -679,7 +734,9 @@ fn record(r: &GroupResult, req: &CheckpointRequest, metrics: &Metrics) {
         metrics.ack_latency.observe(l.as_secs_f64());
     }
     match r.outcome {
-        Outcome::Acked => tracing::info!(outcome = "acked", latency = ?r.ack_latency, detail = %r.detail, "checkpoint finished"),
+        Outcome::Acked => {
+            tracing::info!(outcome = "acked", latency = ?r.ack_latency, detail = %r.detail, "checkpoint finished")
+        }
         o => tracing::warn!(outcome = o.as_str(), detail = %r.detail, "checkpoint finished"),
     }
 }
@@ -716,23 +773,34 @@ fn watch(d: Delivery, req: &CheckpointRequest) -> GroupWatch {
             format!(
                 "no process catches {}{}",
                 d.signal,
-                skipped_detail(&d.containers).map(|s| format!(": {s}")).unwrap_or_else(|| ": no process matched".into())
+                skipped_detail(&d.containers)
+                    .map(|s| format!(": {s}"))
+                    .unwrap_or_else(|| ": no process matched".into())
             ),
         )),
         DeliveryState::Gone => Some(immediate(
             Outcome::Exited,
-            format!("every target exited before the signal: {}", skipped_detail(&d.containers).unwrap_or_default()),
+            format!(
+                "every target exited before the signal: {}",
+                skipped_detail(&d.containers).unwrap_or_default()
+            ),
         )),
         DeliveryState::Error(e) => Some(immediate(Outcome::Error, e.clone())),
         DeliveryState::DryRun => {
-            let pids: Vec<i32> = d.containers.iter().flat_map(|c| c.would_signal.iter().copied()).collect();
+            let pids: Vec<i32> = d
+                .containers
+                .iter()
+                .flat_map(|c| c.would_signal.iter().copied())
+                .collect();
             if pids.is_empty() {
                 Some(immediate(
                     Outcome::NoHandler,
                     format!(
                         "dry-run: no process catches {}{}",
                         d.signal,
-                        skipped_detail(&d.containers).map(|s| format!(": {s}")).unwrap_or_default()
+                        skipped_detail(&d.containers)
+                            .map(|s| format!(": {s}"))
+                            .unwrap_or_default()
                     ),
                 ))
             } else {
@@ -780,14 +848,21 @@ fn watch(d: Delivery, req: &CheckpointRequest) -> GroupWatch {
 fn skipped_detail(containers: &[ContainerDelivery]) -> Option<String> {
     let parts: Vec<String> = containers
         .iter()
-        .flat_map(|c| c.skipped.iter().map(|s| format!("pid {} {}", s.pid, s.reason)))
+        .flat_map(|c| {
+            c.skipped
+                .iter()
+                .map(|s| format!("pid {} {}", s.pid, s.reason))
+        })
         .chain(containers.iter().filter_map(|c| c.error.clone()))
         .collect();
     (!parts.is_empty()).then(|| parts.join(", "))
 }
 
 fn fresh(mtime: Timestamp, signalled_at: Timestamp) -> bool {
-    mtime >= signalled_at.checked_sub(ACK_CLOCK_SLACK).unwrap_or(signalled_at)
+    mtime
+        >= signalled_at
+            .checked_sub(ACK_CLOCK_SLACK)
+            .unwrap_or(signalled_at)
 }
 
 fn ack_note(ack: &super::ack::AckFile) -> String {
@@ -814,7 +889,12 @@ fn poll_group(proc: &ProcFs, w: &mut GroupWatch, now: Timestamp) {
             }
             continue;
         };
-        let first_signal = c.procs.iter().map(|p| p.process.signalled_at).min().unwrap_or(w.signalled_at);
+        let first_signal = c
+            .procs
+            .iter()
+            .map(|p| p.process.signalled_at)
+            .min()
+            .unwrap_or(w.signalled_at);
         match dir.plain_ack() {
             Ok(Some(mtime)) if fresh(mtime, first_signal) => {
                 c.plain_ack = Some(mtime);
@@ -884,7 +964,9 @@ fn check_exit(proc: &ProcFs, dir: Option<&CheckpointDir>, p: &mut ProcWatch, now
                 p.state = ProcState::Exited { at: now };
             }
         }
-        Err(e) => tracing::debug!(pid = p.process.pid, error = %e, "cannot check whether a target exited"),
+        Err(e) => {
+            tracing::debug!(pid = p.process.pid, error = %e, "cannot check whether a target exited")
+        }
     }
 }
 
@@ -921,13 +1003,18 @@ fn finish(w: &GroupWatch) -> GroupResult {
             if rank(o) > rank(worst) {
                 worst = o;
             }
-            parts.push(format!("pid {}{}: {text}", p.process.pid, ns_suffix(&p.process)));
+            parts.push(format!(
+                "pid {}{}: {text}",
+                p.process.pid,
+                ns_suffix(&p.process)
+            ));
         }
     }
     parts.extend(w.notice_problems.iter().cloned());
     let ack_latency = match worst {
         Outcome::Acked | Outcome::Skipped | Outcome::Failed => last_ack.map(|at| {
-            Duration::try_from(at.duration_since(w.signalled_at).max(SignedDuration::ZERO)).unwrap_or_default()
+            Duration::try_from(at.duration_since(w.signalled_at).max(SignedDuration::ZERO))
+                .unwrap_or_default()
         }),
         _ => None,
     };
@@ -964,8 +1051,16 @@ fn pending_detail(w: &GroupWatch) -> String {
                 ProcState::Acked { state, note, .. } => format!("{}{note}", state.as_str()),
                 ProcState::Exited { .. } => "exited without done".to_string(),
             };
-            let problem = p.problem.as_deref().map(|e| format!(" ({e})")).unwrap_or_default();
-            parts.push(format!("pid {}{}: {s}{problem}", p.process.pid, ns_suffix(&p.process)));
+            let problem = p
+                .problem
+                .as_deref()
+                .map(|e| format!(" ({e})"))
+                .unwrap_or_default();
+            parts.push(format!(
+                "pid {}{}: {s}{problem}",
+                p.process.pid,
+                ns_suffix(&p.process)
+            ));
         }
     }
     parts.extend(w.notice_problems.iter().cloned());

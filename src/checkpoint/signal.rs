@@ -99,7 +99,12 @@ pub fn prepare(
     let pidfd = match pidfd_open(pid, PidfdFlags::empty()) {
         Ok(fd) => fd,
         Err(e) if e == rustix::io::Errno::SRCH => return Err(NotSignalled::Gone),
-        Err(e) => return Err(NotSignalled::Failed(format!("pidfd_open({}): {e}", target.pid))),
+        Err(e) => {
+            return Err(NotSignalled::Failed(format!(
+                "pidfd_open({}): {e}",
+                target.pid
+            )))
+        }
     };
     let failed = |e: Error| {
         if is_gone(&e) {
@@ -165,8 +170,14 @@ mod tests {
 
     #[test]
     fn signal_conversion() {
-        assert_eq!(rustix_signal(Signal::USR1), Some(rustix::process::Signal::USR1));
-        assert_eq!(rustix_signal(Signal::TERM), Some(rustix::process::Signal::TERM));
+        assert_eq!(
+            rustix_signal(Signal::USR1),
+            Some(rustix::process::Signal::USR1)
+        );
+        assert_eq!(
+            rustix_signal(Signal::TERM),
+            Some(rustix::process::Signal::TERM)
+        );
         assert_eq!(rustix_signal(Signal(40)).map(|s| s.as_raw()), Some(40));
         assert_eq!(rustix_signal(Signal(32)), None);
         assert_eq!(rustix_signal(Signal(0)), None);
@@ -178,20 +189,39 @@ mod tests {
         let proc = ProcFs::default();
         let me = std::process::id() as i32;
         let start = proc.start_time(me).unwrap();
-        let t = TargetProcess { pid: me, start_time: start };
-        assert_eq!(prepare(&proc, &t, Signal::USR1, false).unwrap_err(), NotSignalled::Spotguard);
+        let t = TargetProcess {
+            pid: me,
+            start_time: start,
+        };
+        assert_eq!(
+            prepare(&proc, &t, Signal::USR1, false).unwrap_err(),
+            NotSignalled::Spotguard
+        );
 
-        let mut child = Command::new("sleep").arg("30").stdin(Stdio::null()).spawn().unwrap();
+        let mut child = Command::new("sleep")
+            .arg("30")
+            .stdin(Stdio::null())
+            .spawn()
+            .unwrap();
         let pid = child.id() as i32;
         let start = proc.start_time(pid).unwrap();
-        let wrong = TargetProcess { pid, start_time: start + 1 };
+        let wrong = TargetProcess {
+            pid,
+            start_time: start + 1,
+        };
         assert!(matches!(
             prepare(&proc, &wrong, Signal::TERM, false),
             Err(NotSignalled::Recycled { .. })
         ));
-        let right = TargetProcess { pid, start_time: start };
+        let right = TargetProcess {
+            pid,
+            start_time: start,
+        };
         // `sleep` has no handler for SIGUSR1
-        assert_eq!(prepare(&proc, &right, Signal::USR1, true).unwrap_err(), NotSignalled::NoHandler);
+        assert_eq!(
+            prepare(&proc, &right, Signal::USR1, true).unwrap_err(),
+            NotSignalled::NoHandler
+        );
         let p = prepare(&proc, &right, Signal::TERM, false).unwrap();
         assert_eq!(p.ns_pid, pid);
         send(&p, Signal::TERM).unwrap();
