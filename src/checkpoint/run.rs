@@ -1,5 +1,5 @@
 //! The checkpoint step of the responder (design §4 step 3, §5): [`deliver`] writes `notice.json`
-//! and signals every target of every group at once; [`wait`] watches acks and exits until each
+//! and signals the targets of all groups concurrently; [`wait`] watches acks and exits until each
 //! group is finished or its budget ran out. After an agent restart, [`plan_without_signal`]
 //! rebuilds what to wait for from fresh discovery without signalling anyone again.
 //!
@@ -1065,4 +1065,125 @@ fn pending_detail(w: &GroupWatch) -> String {
     }
     parts.extend(w.notice_problems.iter().cloned());
     parts.join("; ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn proc_in(state: ProcState, pid: i32, at: Timestamp) -> ProcWatch {
+        ProcWatch {
+            process: SignalledProcess {
+                pid,
+                ns_pid: pid,
+                start_time: 1,
+                signalled_at: at,
+            },
+            state,
+            problem: None,
+        }
+    }
+
+    fn group(containers: Vec<ContainerWatch>, at: Timestamp) -> GroupWatch {
+        GroupWatch {
+            group: "g".into(),
+            pod: None,
+            signalled_at: at,
+            deadline: at + Duration::from_secs(10),
+            containers,
+            notice_problems: Vec::new(),
+            result: None,
+            recorded: false,
+        }
+    }
+
+    fn acked(state: AckState, at: Timestamp) -> ProcState {
+        ProcState::Acked {
+            state,
+            at,
+            note: String::new(),
+        }
+    }
+
+    #[test]
+    fn outcome_precedence_and_latency() {
+        let t0 = Timestamp::from_second(1_700_000_000).unwrap();
+        let t1 = t0 + Duration::from_millis(1500);
+        let t2 = t0 + Duration::from_secs(3);
+        let exited = ProcState::Exited { at: t1 };
+        let cases = [
+            (
+                vec![acked(AckState::Done, t1), acked(AckState::Done, t2)],
+                Outcome::Acked,
+            ),
+            (
+                vec![acked(AckState::Done, t1), acked(AckState::Skipped, t2)],
+                Outcome::Skipped,
+            ),
+            (
+                vec![acked(AckState::Skipped, t1), exited.clone()],
+                Outcome::Exited,
+            ),
+            (vec![exited, acked(AckState::Failed, t1)], Outcome::Failed),
+        ];
+        for (states, want) in cases {
+            let procs = states
+                .into_iter()
+                .enumerate()
+                .map(|(i, s)| proc_in(s, i as i32 + 10, t0))
+                .collect();
+            let c = ContainerWatch {
+                name: "c".into(),
+                dir: None,
+                plain_ack: None,
+                procs,
+            };
+            let r = finish(&group(vec![c], t0));
+            assert_eq!(r.outcome, want, "{}", r.detail);
+            assert_eq!(r.signalled, 2);
+            match want {
+                Outcome::Exited => assert_eq!(r.ack_latency, None),
+                _ => assert!(r.ack_latency.is_some()),
+            }
+        }
+        // latency is to the last terminal ack
+        let c = ContainerWatch {
+            name: "c".into(),
+            dir: None,
+            plain_ack: None,
+            procs: vec![
+                proc_in(acked(AckState::Done, t1), 1, t0),
+                proc_in(acked(AckState::Done, t2), 2, t0),
+            ],
+        };
+        assert_eq!(
+            finish(&group(vec![c], t0)).ack_latency,
+            Some(Duration::from_secs(3))
+        );
+    }
+
+    #[test]
+    fn plain_ack_finishes_a_container_with_pending_processes() {
+        let t0 = Timestamp::from_second(1_700_000_000).unwrap();
+        let c = ContainerWatch {
+            name: "trainer".into(),
+            dir: None,
+            plain_ack: Some(t0 + Duration::from_secs(2)),
+            procs: vec![proc_in(ProcState::Pending { received: None }, 1, t0)],
+        };
+        assert!(c.finished());
+        let r = finish(&group(vec![c], t0));
+        assert_eq!(r.outcome, Outcome::Acked);
+        assert_eq!(r.ack_latency, Some(Duration::from_secs(2)));
+        assert!(r.detail.contains("trainer: plain ack"));
+    }
+
+    #[test]
+    fn acks_within_the_clock_slack_count() {
+        let t0 = Timestamp::from_second(1_700_000_000).unwrap();
+        assert!(fresh(t0, t0));
+        assert!(fresh(t0 - Duration::from_millis(20), t0));
+        assert!(!fresh(t0 - Duration::from_millis(200), t0));
+        assert!(fresh(Timestamp::MIN, Timestamp::MIN));
+    }
 }
