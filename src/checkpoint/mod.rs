@@ -6,7 +6,13 @@
 //! cmdline; Kubernetes mode lists the opted-in pods on this node and maps their containers to host
 //! PIDs through `/proc/*/cgroup`.
 
+pub mod ack;
+pub mod cgroup;
+pub mod discover;
 pub mod pods;
+pub mod procfs;
+pub mod run;
+pub mod signal;
 
 use std::path::PathBuf;
 use std::time::Duration;

@@ -1,0 +1,816 @@
+//! Checkpoint hand-shake against real processes: real signals through pidfds, real ack files,
+//! real exits. Every test uses its own temp dir and its own children (tests run in parallel).
+
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use jiff::Timestamp;
+use prometheus_client::registry::Registry;
+use spotguard::checkpoint::ack::{CheckpointDir, NoticeFile};
+use spotguard::checkpoint::discover::{HostDiscovery, HostTargets};
+use spotguard::checkpoint::procfs::ProcFs;
+use spotguard::checkpoint::run::{
+    deliver, plan_without_signal, wait, CheckpointRequest, DeliveryState, NoticeStatus,
+};
+use spotguard::checkpoint::signal::NotSignalled;
+use spotguard::checkpoint::{
+    Outcome, Signal, TargetContainer, TargetDiscovery, TargetGroup, TargetMode, TargetProcess,
+};
+use spotguard::metrics::{encode, Metrics};
+use tokio_util::sync::CancellationToken;
+
+/// A shell that handles SIGUSR1: writes `marker-$$`, then depending on the environment an ack
+/// with `$STATE`, the plain ack (`$PLAIN`), and exits with `$EXIT`. Waits in `wait` (no busy loop).
+const HANDLER: &str = r#"
+trap 'echo got > "$DIR/marker-$$"
+  if [ -n "$RECEIVED" ]; then printf "{\"state\":\"received\"}" > "$DIR/.t$$" && mv "$DIR/.t$$" "$DIR/ack-$$.json"; fi
+  if [ -n "$STATE" ]; then printf "{\"state\":\"%s\",\"step\":42,\"checkpoint\":\"/ck/42\",\"ts\":1}" "$STATE" > "$DIR/.t$$" && mv "$DIR/.t$$" "$DIR/ack-$$.json"; fi
+  if [ -n "$PLAIN" ]; then : > "$DIR/ack"; fi
+  if [ -n "$EXIT" ]; then kill $S; exit "$EXIT"; fi' USR1
+sleep 1000 & S=$!
+while :; do wait $S; done
+"#;
+
+/// A child in its own process group, killed with its descendants on drop.
+struct Kid {
+    child: Child,
+}
+
+impl Kid {
+    fn spawn(mut cmd: Command) -> Kid {
+        cmd.stdin(Stdio::null()).process_group(0);
+        Kid {
+            child: cmd.spawn().expect("spawn child"),
+        }
+    }
+
+    fn handler(dir: &Path, env: &[(&str, &str)]) -> Kid {
+        let mut cmd = Command::new("sh");
+        cmd.arg("-c").arg(HANDLER).env("DIR", dir);
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let kid = Kid::spawn(cmd);
+        wait_for_handler(kid.pid());
+        kid
+    }
+
+    fn sleeper() -> Kid {
+        let mut cmd = Command::new("sleep");
+        cmd.arg("1000");
+        let kid = Kid::spawn(cmd);
+        wait_for_exec(kid.pid(), "sleep");
+        kid
+    }
+
+    fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+
+    fn target(&self) -> TargetProcess {
+        target(self.pid())
+    }
+
+    /// Still running (not a zombie, not reaped).
+    fn running(&mut self) -> bool {
+        self.child.try_wait().expect("try_wait").is_none()
+    }
+}
+
+impl Drop for Kid {
+    fn drop(&mut self) {
+        // Only while the leader is unreaped is its PID (the group id) certainly still ours.
+        if let (Ok(None), Some(pg)) = (
+            self.child.try_wait(),
+            rustix::process::Pid::from_raw(self.pid()),
+        ) {
+            let _ = rustix::process::kill_process_group(pg, rustix::process::Signal::KILL);
+        }
+        let _ = self.child.wait();
+    }
+}
+
+fn target(pid: i32) -> TargetProcess {
+    TargetProcess {
+        pid,
+        start_time: ProcFs::default().start_time(pid).expect("start time"),
+    }
+}
+
+fn eventually(what: &str, mut f: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_secs(10) {
+        if f() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    panic!("timed out waiting for {what}");
+}
+
+fn wait_for_handler(pid: i32) {
+    eventually("the SIGUSR1 trap", || {
+        ProcFs::default()
+            .status(pid)
+            .is_ok_and(|s| s.catches(Signal::USR1))
+    });
+}
+
+fn wait_for_exec(pid: i32, name: &str) {
+    eventually("exec", || {
+        ProcFs::default().status(pid).is_ok_and(|s| s.name == name)
+    });
+}
+
+fn host_group(
+    name: &str,
+    dir: &Path,
+    processes: Vec<TargetProcess>,
+    timeout: Duration,
+) -> TargetGroup {
+    TargetGroup {
+        name: name.to_string(),
+        pod: None,
+        containers: vec![TargetContainer {
+            name: name.to_string(),
+            root_pid: None,
+            init_pid: processes.first().map(|p| p.pid),
+            processes,
+        }],
+        mode: TargetMode::Handlers,
+        signal: Signal::USR1,
+        dir: dir.to_path_buf(),
+        timeout,
+    }
+}
+
+fn request(dry_run: bool) -> CheckpointRequest {
+    let now = Timestamp::now();
+    CheckpointRequest {
+        notice_id: "notice-1".into(),
+        source: "aws".into(),
+        kind: "interruption".into(),
+        deadline: Some(now + Duration::from_secs(120)),
+        checkpoint_deadline: now + Duration::from_secs(60),
+        dry_run,
+    }
+}
+
+fn metrics() -> (Registry, Metrics) {
+    let mut r = Registry::default();
+    let m = Metrics::register(&mut r);
+    (r, m)
+}
+
+fn marker(dir: &Path, pid: i32) -> PathBuf {
+    dir.join(format!("marker-{pid}"))
+}
+
+const LONG: Duration = Duration::from_secs(20);
+
+#[tokio::test]
+async fn handler_acks_done_and_non_handler_is_never_hit() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ckpt");
+    std::fs::create_dir(&dir).unwrap();
+    let mut handler = Kid::handler(&dir, &[("STATE", "done")]);
+    let mut sleeper = Kid::sleeper();
+    let group = host_group(
+        "train",
+        &dir,
+        vec![handler.target(), sleeper.target()],
+        LONG,
+    );
+    let req = request(false);
+    let (registry, m) = metrics();
+
+    let deliveries = deliver(std::slice::from_ref(&group), &req, &m);
+    assert_eq!(deliveries.len(), 1);
+    let d = &deliveries[0];
+    assert_eq!(d.state, DeliveryState::Signalled);
+    assert_eq!(d.signalled_pids(), vec![handler.pid()]);
+    assert_eq!(d.containers[0].notice, NoticeStatus::Written);
+    assert!(d.containers[0]
+        .skipped
+        .iter()
+        .any(|s| s.pid == sleeper.pid() && s.reason == NotSignalled::NoHandler));
+    assert_eq!(d.containers[0].signalled[0].ns_pid, handler.pid());
+
+    let notice: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("notice.json")).unwrap()).unwrap();
+    assert_eq!(notice["notice_id"], "notice-1");
+    assert_eq!(notice["source"], "aws");
+    assert_eq!(notice["kind"], "interruption");
+    assert_eq!(notice["signal"], "SIGUSR1");
+    assert_eq!(notice["deadline_unix"], req.deadline.unwrap().as_second());
+    assert_eq!(
+        notice["checkpoint_deadline_unix"],
+        req.checkpoint_deadline.as_second()
+    );
+
+    let results = wait(deliveries, &req, &m, &CancellationToken::new()).await;
+    assert_eq!(results.len(), 1);
+    let r = &results[0];
+    assert_eq!(r.outcome, Outcome::Acked, "{}", r.detail);
+    assert_eq!(r.signalled, 1);
+    assert!(r.ack_latency.is_some());
+    assert!(r.detail.contains("done step=42"), "{}", r.detail);
+    assert!(marker(&dir, handler.pid()).exists());
+    assert!(handler.running());
+    assert!(
+        sleeper.running(),
+        "the process without a handler must never be signalled"
+    );
+
+    let text = encode(&registry);
+    assert!(
+        text.contains("spotguard_checkpoint_total{outcome=\"acked\"} 1"),
+        "{text}"
+    );
+    assert!(
+        text.contains("spotguard_checkpoint_signals_total 1"),
+        "{text}"
+    );
+    assert!(
+        text.contains("spotguard_checkpoint_ack_latency_seconds_count 1"),
+        "{text}"
+    );
+}
+
+#[tokio::test]
+async fn skipped_failed_and_plain_ack_groups_in_one_delivery() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dirs: Vec<PathBuf> = ["a", "b", "c"].iter().map(|n| tmp.path().join(n)).collect();
+    for d in &dirs {
+        std::fs::create_dir(d).unwrap();
+    }
+    let skipper = Kid::handler(&dirs[0], &[("STATE", "skipped")]);
+    let failer = Kid::handler(&dirs[1], &[("STATE", "failed")]);
+    let plain = Kid::handler(&dirs[2], &[("PLAIN", "1")]);
+    let groups = vec![
+        host_group("skip", &dirs[0], vec![skipper.target()], LONG),
+        host_group("fail", &dirs[1], vec![failer.target()], LONG),
+        host_group("plain", &dirs[2], vec![plain.target()], LONG),
+    ];
+    let req = request(false);
+    let (registry, m) = metrics();
+    let deliveries = deliver(&groups, &req, &m);
+    assert!(deliveries
+        .iter()
+        .all(|d| d.state == DeliveryState::Signalled));
+    let results = wait(deliveries, &req, &m, &CancellationToken::new()).await;
+    let outcomes: Vec<_> = results
+        .iter()
+        .map(|r| (r.group.as_str(), r.outcome))
+        .collect();
+    assert_eq!(
+        outcomes,
+        vec![
+            ("skip", Outcome::Skipped),
+            ("fail", Outcome::Failed),
+            ("plain", Outcome::Acked)
+        ],
+        "{results:#?}"
+    );
+    assert!(results[2].detail.contains("plain ack"));
+    let text = encode(&registry);
+    for o in ["skipped", "failed", "acked"] {
+        assert!(
+            text.contains(&format!("spotguard_checkpoint_total{{outcome=\"{o}\"}} 1")),
+            "{text}"
+        );
+    }
+    assert!(
+        text.contains("spotguard_checkpoint_signals_total 3"),
+        "{text}"
+    );
+}
+
+#[tokio::test]
+async fn exit_after_done_is_success_and_exit_without_done_is_exited() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (a, b) = (tmp.path().join("a"), tmp.path().join("b"));
+    std::fs::create_dir(&a).unwrap();
+    std::fs::create_dir(&b).unwrap();
+    // exit 143 after the save, as the training helper recommends
+    let mut clean = Kid::handler(&a, &[("STATE", "done"), ("EXIT", "143")]);
+    let mut quitter = Kid::handler(&b, &[("EXIT", "0")]);
+    let groups = vec![
+        host_group("clean", &a, vec![clean.target()], LONG),
+        host_group("quit", &b, vec![quitter.target()], LONG),
+    ];
+    let req = request(false);
+    let (_r, m) = metrics();
+    let results = wait(
+        deliver(&groups, &req, &m),
+        &req,
+        &m,
+        &CancellationToken::new(),
+    )
+    .await;
+    assert_eq!(results[0].outcome, Outcome::Acked, "{}", results[0].detail);
+    assert_eq!(results[1].outcome, Outcome::Exited, "{}", results[1].detail);
+    assert!(results[1].detail.contains("exited without done"));
+    assert!(!clean.running());
+    assert!(!quitter.running());
+}
+
+#[tokio::test]
+async fn received_without_terminal_ack_times_out_and_stale_acks_do_not_count() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (a, b) = (tmp.path().join("a"), tmp.path().join("b"));
+    std::fs::create_dir(&a).unwrap();
+    std::fs::create_dir(&b).unwrap();
+    let slow = Kid::handler(&a, &[("RECEIVED", "1")]);
+    let silent = Kid::handler(&b, &[]);
+    // an ack and a plain ack from an earlier notice
+    for path in [b.join(format!("ack-{}.json", silent.pid())), b.join("ack")] {
+        std::fs::write(&path, r#"{"state":"done"}"#).unwrap();
+        let f = std::fs::File::options().write(true).open(&path).unwrap();
+        f.set_modified(std::time::SystemTime::now() - Duration::from_secs(600))
+            .unwrap();
+    }
+    let timeout = Duration::from_millis(1500);
+    let groups = vec![
+        host_group("slow", &a, vec![slow.target()], timeout),
+        host_group("silent", &b, vec![silent.target()], timeout),
+    ];
+    let req = request(false);
+    let (registry, m) = metrics();
+    let started = Instant::now();
+    let results = wait(
+        deliver(&groups, &req, &m),
+        &req,
+        &m,
+        &CancellationToken::new(),
+    )
+    .await;
+    assert!(started.elapsed() >= Duration::from_millis(1400));
+    assert!(started.elapsed() < Duration::from_secs(15));
+    for r in &results {
+        assert_eq!(r.outcome, Outcome::Timeout, "{r:?}");
+        assert_eq!(r.ack_latency, None);
+    }
+    assert!(
+        results[0].detail.contains("received, no terminal ack"),
+        "{}",
+        results[0].detail
+    );
+    assert!(
+        results[1].detail.contains("no ack"),
+        "{}",
+        results[1].detail
+    );
+    assert!(marker(&b, silent.pid()).exists());
+    assert!(encode(&registry).contains("spotguard_checkpoint_total{outcome=\"timeout\"} 2"));
+}
+
+#[tokio::test]
+async fn budget_is_capped_by_the_checkpoint_deadline() {
+    let tmp = tempfile::tempdir().unwrap();
+    let silent = Kid::handler(tmp.path(), &[]);
+    let group = host_group(
+        "g",
+        tmp.path(),
+        vec![silent.target()],
+        Duration::from_secs(600),
+    );
+    let mut req = request(false);
+    req.checkpoint_deadline = Timestamp::now() + Duration::from_secs(1);
+    let (_r, m) = metrics();
+    let started = Instant::now();
+    let results = wait(
+        deliver(&[group], &req, &m),
+        &req,
+        &m,
+        &CancellationToken::new(),
+    )
+    .await;
+    assert_eq!(results[0].outcome, Outcome::Timeout);
+    assert!(started.elapsed() < Duration::from_secs(15));
+}
+
+#[tokio::test]
+async fn no_handler_sends_nothing_and_writes_nothing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut a = Kid::sleeper();
+    let mut b = Kid::sleeper();
+    let group = host_group("g", tmp.path(), vec![a.target(), b.target()], LONG);
+    let req = request(false);
+    let (registry, m) = metrics();
+    let deliveries = deliver(&[group], &req, &m);
+    assert_eq!(deliveries[0].state, DeliveryState::NoHandler);
+    assert_eq!(deliveries[0].signalled(), 0);
+    let results = wait(deliveries, &req, &m, &CancellationToken::new()).await;
+    assert_eq!(results[0].outcome, Outcome::NoHandler);
+    assert!(
+        results[0].detail.contains("no_handler"),
+        "{}",
+        results[0].detail
+    );
+    assert!(!tmp.path().join("notice.json").exists());
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(a.running() && b.running());
+    let text = encode(&registry);
+    assert!(
+        text.contains("spotguard_checkpoint_total{outcome=\"no_handler\"} 1"),
+        "{text}"
+    );
+    assert!(
+        text.contains("spotguard_checkpoint_signals_total 0"),
+        "{text}"
+    );
+}
+
+#[tokio::test]
+async fn recycled_pid_is_never_signalled() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut kid = Kid::handler(tmp.path(), &[("STATE", "done")]);
+    let mut t = kid.target();
+    t.start_time += 1; // what discovery saw was another process with this PID
+    let group = host_group("g", tmp.path(), vec![t], LONG);
+    let req = request(false);
+    let (_r, m) = metrics();
+    let deliveries = deliver(&[group], &req, &m);
+    assert_eq!(deliveries[0].state, DeliveryState::Gone);
+    assert!(matches!(
+        deliveries[0].containers[0].skipped[0].reason,
+        NotSignalled::Recycled { .. }
+    ));
+    let results = wait(deliveries, &req, &m, &CancellationToken::new()).await;
+    assert_eq!(results[0].outcome, Outcome::Exited);
+    assert!(
+        results[0].detail.contains("recycled"),
+        "{}",
+        results[0].detail
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(!marker(tmp.path(), kid.pid()).exists());
+    assert!(kid.running());
+}
+
+#[tokio::test]
+async fn dry_run_writes_and_signals_nothing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let kid = Kid::handler(tmp.path(), &[("STATE", "done")]);
+    let group = host_group("g", tmp.path(), vec![kid.target()], LONG);
+    let req = request(true);
+    let (registry, m) = metrics();
+    let deliveries = deliver(&[group], &req, &m);
+    assert_eq!(deliveries[0].state, DeliveryState::DryRun);
+    assert_eq!(deliveries[0].containers[0].would_signal, vec![kid.pid()]);
+    assert_eq!(deliveries[0].containers[0].notice, NoticeStatus::DryRun);
+    let results = wait(deliveries, &req, &m, &CancellationToken::new()).await;
+    assert!(
+        results[0].detail.starts_with("dry-run:"),
+        "{}",
+        results[0].detail
+    );
+    assert!(results[0].detail.contains(&kid.pid().to_string()));
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(!marker(tmp.path(), kid.pid()).exists());
+    assert!(!tmp.path().join("notice.json").exists());
+    let text = encode(&registry);
+    assert!(!text.contains("spotguard_checkpoint_total{"), "{text}");
+    assert!(
+        text.contains("spotguard_checkpoint_signals_total 0"),
+        "{text}"
+    );
+}
+
+#[tokio::test]
+async fn pid1_and_all_target_modes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (a, b) = (tmp.path().join("a"), tmp.path().join("b"));
+    std::fs::create_dir(&a).unwrap();
+    std::fs::create_dir(&b).unwrap();
+    // pid1: only the init process (the first), even though the second also handles it
+    let init = Kid::handler(&a, &[("STATE", "done")]);
+    let other = Kid::handler(&a, &[("STATE", "done")]);
+    let mut pid1 = host_group("pid1", &a, vec![init.target(), other.target()], LONG);
+    pid1.mode = TargetMode::Pid1;
+    // all: the sleeper is hit too, and SIGUSR1's default action kills it
+    let handler = Kid::handler(&b, &[("STATE", "done")]);
+    let mut victim = Kid::sleeper();
+    let mut all = host_group("all", &b, vec![handler.target(), victim.target()], LONG);
+    all.mode = TargetMode::All;
+    let req = request(false);
+    let (_r, m) = metrics();
+    let deliveries = deliver(&[pid1, all], &req, &m);
+    assert_eq!(deliveries[0].signalled_pids(), vec![init.pid()]);
+    assert_eq!(
+        deliveries[1].signalled_pids(),
+        vec![handler.pid(), victim.pid()]
+    );
+    let results = wait(deliveries, &req, &m, &CancellationToken::new()).await;
+    assert_eq!(results[0].outcome, Outcome::Acked, "{}", results[0].detail);
+    assert!(!marker(&a, other.pid()).exists());
+    assert_eq!(results[1].outcome, Outcome::Exited, "{}", results[1].detail);
+    use std::os::unix::process::ExitStatusExt;
+    let status = victim.child.wait().unwrap();
+    assert_eq!(status.signal(), Some(libc::SIGUSR1));
+}
+
+#[tokio::test]
+async fn pid1_without_known_init_is_an_error() {
+    let tmp = tempfile::tempdir().unwrap();
+    let kid = Kid::handler(tmp.path(), &[]);
+    let mut g = host_group("g", tmp.path(), vec![kid.target()], LONG);
+    g.mode = TargetMode::Pid1;
+    g.containers[0].init_pid = None;
+    let req = request(false);
+    let (_r, m) = metrics();
+    let results = wait(deliver(&[g], &req, &m), &req, &m, &CancellationToken::new()).await;
+    assert_eq!(results[0].outcome, Outcome::Error);
+    assert!(
+        results[0].detail.contains("init process is unknown"),
+        "{}",
+        results[0].detail
+    );
+}
+
+#[tokio::test]
+async fn restart_path_never_signals_but_sees_acks() {
+    let tmp = tempfile::tempdir().unwrap();
+    let kid = Kid::handler(tmp.path(), &[("STATE", "done")]);
+    let group = host_group("g", tmp.path(), vec![kid.target()], LONG);
+    let req = request(false);
+    let (registry, m) = metrics();
+
+    // The signal went out a minute ago, before this process started: nothing to wait for.
+    let long_ago = Timestamp::now() - Duration::from_secs(60);
+    let plan = plan_without_signal(std::slice::from_ref(&group), &req, long_ago);
+    assert_eq!(plan[0].state, DeliveryState::Gone);
+    assert_eq!(
+        plan[0].containers[0].skipped[0].reason,
+        NotSignalled::StartedAfterSignal
+    );
+
+    let signalled_at = Timestamp::now();
+    let plan = plan_without_signal(std::slice::from_ref(&group), &req, signalled_at);
+    assert_eq!(plan[0].state, DeliveryState::Signalled);
+    assert_eq!(plan[0].signalled_at, Some(signalled_at));
+    assert_eq!(plan[0].containers[0].notice, NoticeStatus::AlreadyWritten);
+    assert!(!tmp.path().join("notice.json").exists());
+    // The process acks (as it would have after the original signal).
+    std::thread::sleep(Duration::from_millis(100));
+    std::fs::write(
+        tmp.path().join(format!("ack-{}.json", kid.pid())),
+        r#"{"state":"done","step":7}"#,
+    )
+    .unwrap();
+    let results = wait(plan, &req, &m, &CancellationToken::new()).await;
+    assert_eq!(results[0].outcome, Outcome::Acked, "{}", results[0].detail);
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(
+        !marker(tmp.path(), kid.pid()).exists(),
+        "the restart path must not signal"
+    );
+    assert!(encode(&registry).contains("spotguard_checkpoint_signals_total 0"));
+}
+
+#[tokio::test]
+async fn cancel_ends_the_wait() {
+    let tmp = tempfile::tempdir().unwrap();
+    let kid = Kid::handler(tmp.path(), &[]);
+    let group = host_group("g", tmp.path(), vec![kid.target()], LONG);
+    let req = request(false);
+    let (registry, m) = metrics();
+    let cancel = CancellationToken::new();
+    let c = cancel.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        c.cancel();
+    });
+    let started = Instant::now();
+    let results = wait(deliver(&[group], &req, &m), &req, &m, &cancel).await;
+    assert!(started.elapsed() < Duration::from_secs(10));
+    assert_eq!(results[0].outcome, Outcome::Error);
+    assert!(results[0].detail.starts_with("cancelled"));
+    assert!(!encode(&registry).contains("spotguard_checkpoint_total{"));
+}
+
+#[tokio::test]
+async fn pid_namespace_acks_use_the_namespaced_pid() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut cmd = Command::new("unshare");
+    cmd.args(["--pid", "--fork", "--kill-child", "sh", "-c", HANDLER])
+        .env("DIR", tmp.path())
+        .env("STATE", "done");
+    let outer = Kid::spawn(cmd);
+    // the shell is pid 1 of the new namespace, a child of unshare
+    let proc = ProcFs::default();
+    let mut inner = None;
+    eventually("the namespaced shell", || {
+        inner = proc.pids().unwrap().into_iter().find(|p| {
+            proc.status(*p).is_ok_and(|s| {
+                s.ppid == outer.pid() && s.ns_pid() == Some(1) && s.catches(Signal::USR1)
+            })
+        });
+        inner.is_some()
+    });
+    let inner = inner.unwrap();
+    let mut group = host_group("ns", tmp.path(), vec![target(inner)], LONG);
+    group.containers[0].root_pid = Some(inner);
+    let req = request(false);
+    let (_r, m) = metrics();
+    let deliveries = deliver(&[group], &req, &m);
+    assert_eq!(deliveries[0].containers[0].signalled[0].ns_pid, 1);
+    let results = wait(deliveries, &req, &m, &CancellationToken::new()).await;
+    assert_eq!(results[0].outcome, Outcome::Acked, "{}", results[0].detail);
+    assert!(
+        results[0].detail.contains("pid 1 in its namespace"),
+        "{}",
+        results[0].detail
+    );
+    assert!(tmp.path().join("ack-1.json").exists());
+    assert!(tmp.path().join("notice.json").exists());
+}
+
+// === host selectors ===
+
+fn targets(dir: &Path) -> HostTargets {
+    HostTargets {
+        units: Vec::new(),
+        pidfiles: Vec::new(),
+        cmdlines: Vec::new(),
+        dir: dir.to_path_buf(),
+        signal: Signal::USR1,
+        timeout: LONG,
+    }
+}
+
+fn pids_of(g: &TargetGroup) -> Vec<i32> {
+    let mut p: Vec<i32> = g
+        .containers
+        .iter()
+        .flat_map(|c| c.processes.iter().map(|p| p.pid))
+        .collect();
+    p.sort_unstable();
+    p
+}
+
+#[tokio::test]
+async fn pidfile_selects_the_launcher_and_its_descendants() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ckpt");
+    // launcher: a shell without a handler that starts a worker shell with one, and a sleeper
+    let launcher_script = format!(
+        "DIR={dir} STATE=done sh -c '{h}' & sleep 1000 & echo $$ > {pf}; wait",
+        dir = dir.display(),
+        h = HANDLER.replace('\'', "'\\''"),
+        pf = tmp.path().join("train.pid").display()
+    );
+    let mut cmd = Command::new("sh");
+    cmd.arg("-c").arg(&launcher_script);
+    let launcher = Kid::spawn(cmd);
+    let proc = ProcFs::default();
+    let mut worker = None;
+    eventually("the worker", || {
+        worker = proc.pids().unwrap().into_iter().find(|p| {
+            proc.status(*p)
+                .is_ok_and(|s| s.ppid == launcher.pid() && s.catches(Signal::USR1))
+        });
+        worker.is_some() && tmp.path().join("train.pid").exists()
+    });
+    let worker = worker.unwrap();
+    let mut t = targets(&dir);
+    t.pidfiles = vec![tmp.path().join("train.pid"), tmp.path().join("missing.pid")];
+    let groups = HostDiscovery::new(t).discover().await.unwrap();
+    assert_eq!(groups.len(), 2);
+    let g = &groups[0];
+    assert_eq!(
+        g.name,
+        format!("pidfile:{}", tmp.path().join("train.pid").display())
+    );
+    let pids = pids_of(g);
+    assert!(
+        pids.contains(&launcher.pid()) && pids.contains(&worker),
+        "{pids:?}"
+    );
+    assert!(
+        pids.len() >= 4,
+        "launcher, worker, worker's sleep, sleeper: {pids:?}"
+    );
+    assert_eq!(g.containers[0].init_pid, Some(launcher.pid()));
+    assert_eq!(g.containers[0].root_pid, None);
+    assert_eq!(g.mode, TargetMode::Handlers);
+    assert!(pids_of(&groups[1]).is_empty());
+
+    let req = request(false);
+    let (_r, m) = metrics();
+    let deliveries = deliver(&groups, &req, &m);
+    assert_eq!(deliveries[0].signalled_pids(), vec![worker]);
+    let results = wait(deliveries, &req, &m, &CancellationToken::new()).await;
+    assert_eq!(results[0].outcome, Outcome::Acked, "{}", results[0].detail);
+    assert_eq!(results[1].outcome, Outcome::NoHandler);
+    assert!(
+        dir.join("notice.json").exists(),
+        "the checkpoint dir is created"
+    );
+    let notice: NoticeFile = CheckpointDir::host(&dir)
+        .unwrap()
+        .read_notice()
+        .unwrap()
+        .unwrap();
+    assert_eq!(notice.notice_id, "notice-1");
+}
+
+#[tokio::test]
+async fn stale_pidfile_selects_nothing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let kid = Kid::handler(tmp.path(), &[]);
+    let pf = tmp.path().join("old.pid");
+    std::fs::write(&pf, kid.pid().to_string()).unwrap();
+    let f = std::fs::File::options().write(true).open(&pf).unwrap();
+    f.set_modified(std::time::SystemTime::now() - Duration::from_secs(3600))
+        .unwrap();
+    let mut t = targets(tmp.path());
+    t.pidfiles = vec![pf];
+    let groups = HostDiscovery::new(t).discover().await.unwrap();
+    assert!(pids_of(&groups[0]).is_empty());
+}
+
+#[tokio::test]
+async fn cmdline_selects_matching_processes_but_never_spotguard() {
+    let tmp = tempfile::tempdir().unwrap();
+    let token = format!("sg-train-{}", fastrand::u64(..));
+    let mut cmd = Command::new("sh");
+    // `$0` carries the token into the cmdline
+    cmd.args(["-c", HANDLER, &token])
+        .env("DIR", tmp.path())
+        .env("STATE", "done");
+    let kid = Kid::spawn(cmd);
+    wait_for_handler(kid.pid());
+    let mut t = targets(tmp.path());
+    t.cmdlines = vec![
+        regex::Regex::new(&format!("(?s)^sh -c .* {token}$")).unwrap(),
+        // matches this test binary's own cmdline: never selected
+        regex::Regex::new("checkpoint").unwrap(),
+    ];
+    let groups = HostDiscovery::new(t).discover().await.unwrap();
+    assert_eq!(pids_of(&groups[0]), vec![kid.pid()]);
+    assert!(!pids_of(&groups[1]).contains(&(std::process::id() as i32)));
+    let req = request(false);
+    let (_r, m) = metrics();
+    let results = wait(
+        deliver(&groups[..1], &req, &m),
+        &req,
+        &m,
+        &CancellationToken::new(),
+    )
+    .await;
+    assert_eq!(results[0].outcome, Outcome::Acked, "{}", results[0].detail);
+}
+
+/// A cgroup directory created for a test, removed on drop (after its processes are gone).
+struct Cgroup(PathBuf);
+
+impl Drop for Cgroup {
+    fn drop(&mut self) {
+        for _ in 0..100 {
+            if std::fs::remove_dir(&self.0).is_ok() || !self.0.exists() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+#[tokio::test]
+async fn unit_selects_the_units_cgroup() {
+    let tmp = tempfile::tempdir().unwrap();
+    let n = fastrand::u64(..);
+    let slice = Cgroup(PathBuf::from(format!(
+        "/sys/fs/cgroup/systemd/sg-test-{n}.slice"
+    )));
+    let unit = Cgroup(slice.0.join(format!("sg-train-{n}.service")));
+    std::fs::create_dir_all(&unit.0).unwrap();
+    let kid = Kid::handler(tmp.path(), &[("STATE", "done")]);
+    let outside = Kid::handler(tmp.path(), &[]);
+    std::fs::write(unit.0.join("cgroup.procs"), kid.pid().to_string()).unwrap();
+    let mut t = targets(tmp.path());
+    t.units = vec![format!("sg-train-{n}"), format!("sg-absent-{n}.service")];
+    let groups = HostDiscovery::new(t).discover().await.unwrap();
+    assert_eq!(groups[0].name, format!("unit:sg-train-{n}.service"));
+    assert_eq!(pids_of(&groups[0]), vec![kid.pid()]);
+    assert_eq!(groups[0].containers[0].init_pid, Some(kid.pid()));
+    assert!(pids_of(&groups[1]).is_empty());
+    let req = request(false);
+    let (_r, m) = metrics();
+    let results = wait(
+        deliver(&groups, &req, &m),
+        &req,
+        &m,
+        &CancellationToken::new(),
+    )
+    .await;
+    assert_eq!(results[0].outcome, Outcome::Acked, "{}", results[0].detail);
+    assert_eq!(results[1].outcome, Outcome::NoHandler);
+    assert!(!marker(tmp.path(), outside.pid()).exists());
+    drop(kid);
+    drop(unit);
+    drop(slice);
+}
