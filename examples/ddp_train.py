@@ -20,11 +20,12 @@ Each rank sees the signal at a slightly different moment; should_checkpoint() is
 (all-reduce MAX of the local flag), so every rank takes the same step. Rank 0 saves; all ranks
 ack with their own pid (`ack-<pid>.json`) and exit 143.
 
-torchrun itself exits 1 when a worker exits non-zero, so the pod reports 1, which Kubeflow's
-`ExitCode` policy treats as permanent. Wrap torchrun to hand 143 back (docs/training-integration.md):
+torchrun itself exits 1 when a worker exits non-zero, so the pod would report 1, which Kubeflow's
+`ExitCode` policy and a podFailurePolicy FailJob rule treat as permanent. Start torchrun through
+the helper's launcher, which forwards SIGTERM/SIGINT/SIGHUP from the kubelet and turns "failed
+after a `done` ack" back into 143:
 
-    torchrun ... examples/ddp_train.py; rc=$?
-    grep -qs '"state":"done"' "$SPOTGUARD_DIR"/ack-*.json && exit 143; exit $rc
+    python3 clients/python/spotguard.py launch -- torchrun --nproc-per-node 8 examples/ddp_train.py
 
 Multi-node: --ckpt-dir must be shared storage (EFS, Filestore, NFS) so every node resumes from it.
 """

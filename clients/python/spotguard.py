@@ -35,6 +35,11 @@ Files (all written atomically: temp file in the same directory, fsync, rename, f
 
 ``<dir>`` is the ``dir`` given to :func:`install`, else ``$SPOTGUARD_DIR``, else
 ``/tmp/spotguard``. Protocol reference: ``docs/checkpoint-protocol.md``.
+
+Launchers: ``torchrun`` exits 1 when a worker exits 143, which Kubeflow and a Job
+``podFailurePolicy`` read as a permanent failure. Run it through :func:`launch` to get 143 back::
+
+    python3 spotguard.py launch -- torchrun --nproc-per-node 8 train.py
 """
 
 from __future__ import annotations
@@ -44,18 +49,20 @@ import json
 import operator
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import Any, Callable, Dict, Iterable, Optional, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Union
 
 __all__ = [
     "ACK_STATES",
     "DEFAULT_DIR",
     "EXIT_CODE",
+    "MAX_ACK_BYTES",
     "Notice",
     "ack",
     "ack_container",
@@ -66,6 +73,7 @@ __all__ = [
     "handler_error",
     "install",
     "installed_signals",
+    "launch",
     "notice",
     "received_at",
     "received_signal",
@@ -81,6 +89,9 @@ DEFAULT_DIR = "/tmp/spotguard"
 #: The states an ack may carry. ``received`` is written by the signal handler; the other three
 #: are terminal and written by the training code.
 ACK_STATES = ("received", "done", "skipped", "failed")
+
+#: The agent refuses ack and notice files larger than this (bytes).
+MAX_ACK_BYTES = 64 * 1024
 
 #: 128 + SIGTERM: what a process killed by SIGTERM reports, and what Kubeflow's ``ExitCode``
 #: restart policy (128–255 = retryable) and a Job ``podFailurePolicy`` rule can match on.
@@ -232,8 +243,11 @@ def ack(
             step = operator.index(step)  # accepts numpy / 0-d integer tensor steps too
         except TypeError:
             raise ValueError(f"step must be an int or None, got {step!r}") from None
+    data = _ack_bytes(state, step, None if checkpoint is None else os.fspath(checkpoint))
+    if len(data) > MAX_ACK_BYTES:
+        raise ValueError(f"ack is {len(data)} bytes; the agent reads at most {MAX_ACK_BYTES}")
     path = ack_path()
-    _write_atomic(path, _ack_bytes(state, step, None if checkpoint is None else os.fspath(checkpoint)))
+    _write_atomic(path, data)
     return path
 
 
@@ -492,3 +506,90 @@ def exit_after_checkpoint(code: int = EXIT_CODE, *, hard: bool = True) -> None:
         except (OSError, ValueError):
             pass
     os._exit(code)
+
+
+LAUNCH_FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def _done_acked_since(since: float) -> bool:
+    """Whether any process acked ``done`` (or the plain ``ack`` appeared) at or after ``since``."""
+    directory = checkpoint_dir()
+    plain = directory / "ack"
+    try:
+        if plain.stat().st_mtime >= since:
+            return True
+    except OSError:
+        pass
+    for path in directory.glob("ack-*.json"):
+        try:
+            if path.stat().st_mtime < since:
+                continue
+            body = json.loads(path.read_bytes().decode("utf-8"))
+        except (OSError, ValueError):
+            continue
+        if isinstance(body, dict) and body.get("state") == "done":
+            return True
+    return False
+
+
+def launch(argv: Sequence[str], forward: Iterable[int] = LAUNCH_FORWARDED) -> int:
+    """Run a launcher such as ``torchrun`` as a child and return the exit code the pod should
+    report: 143 when it failed after a checkpoint was acked ``done`` during this run (torchrun
+    turns its workers' 143 into 1), else the child's own code (128 + N when killed by signal N).
+
+    ``SIGTERM``, ``SIGINT`` and ``SIGHUP`` received by this process (the container's PID 1, which
+    is what the kubelet signals) are forwarded to the child. ``SIGUSR1`` is deliberately not
+    caught: spotguard's ``handlers`` mode then skips this process and signals the workers, which
+    called :func:`install`, directly. Main thread only.
+    """
+    if not argv:
+        raise ValueError("launch: no command given")
+    if threading.current_thread() is not threading.main_thread():
+        raise RuntimeError("spotguard.launch() must be called from the main thread")
+    # File times come from the kernel's coarse clock, a few ms behind time.time(): allow for it.
+    started = time.time() - 0.5
+    child = subprocess.Popen(list(argv))
+
+    def relay(signum: int, frame: Optional[FrameType]) -> None:
+        try:
+            child.send_signal(signum)
+        except ProcessLookupError:
+            pass
+
+    saved = {}
+    for s in forward:
+        saved[s] = signal.signal(s, relay)
+    try:
+        rc = child.wait()
+    finally:
+        for s, previous in saved.items():
+            signal.signal(s, previous if previous is not None else signal.SIG_DFL)
+    if rc < 0:
+        rc = 128 - rc
+    if rc != 0 and _done_acked_since(started):
+        return EXIT_CODE
+    return rc
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """``python3 spotguard.py launch [--] CMD ARGS…`` (see :func:`launch`)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    usage = "usage: spotguard.py launch [--] CMD [ARGS...]"
+    if not args or args[0] != "launch":
+        print(usage, file=sys.stderr)
+        return 64
+    cmd = args[1:]
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        print(usage, file=sys.stderr)
+        return 64
+    try:
+        return launch(cmd)
+    except OSError as err:
+        print(f"spotguard.py launch: cannot run {cmd[0]!r}: {err}", file=sys.stderr)
+        return 127
+
+
+if __name__ == "__main__":
+    sys.exit(main())

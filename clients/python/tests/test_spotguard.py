@@ -76,6 +76,12 @@ def test_ack_accepts_integer_like_step(guard_dir: Path) -> None:
     assert body["step"] == 42 and isinstance(body["step"], int)
 
 
+def test_ack_larger_than_the_agent_reads_is_refused(guard_dir: Path) -> None:
+    with pytest.raises(ValueError, match="at most 65536"):
+        spotguard.ack("done", step=1, checkpoint="/" + "x" * spotguard.MAX_ACK_BYTES)
+    assert not spotguard.ack_path().exists()
+
+
 def test_ack_container_writes_plain_ack_file(guard_dir: Path) -> None:
     path = spotguard.ack_container(step=5, checkpoint="/ckpt/5")
     assert path == guard_dir / "ack"
@@ -85,7 +91,7 @@ def test_ack_container_writes_plain_ack_file(guard_dir: Path) -> None:
 
 def test_atomic_write_never_shows_a_partial_file(guard_dir: Path) -> None:
     """A reader polling the ack (as the agent does) must always parse a whole document."""
-    big = "/ckpt/" + "x" * 200_000
+    big = "/ckpt/" + "x" * 60_000
     spotguard.ack("received")
     path = spotguard.ack_path()
     stop = threading.Event()
@@ -579,3 +585,103 @@ def test_should_checkpoint_all_ranks_agree_with_torch(guard_dir: Path, spawn, ev
     for child, result in zip(ranks, results):
         body = read_json(guard_dir / f"ack-{child.pid}.json")
         assert body is not None and body["state"] == "done" and body["step"] == result["step"]
+
+
+# ---------------------------------------------------------------------------------------------
+# launch: a torchrun-style launcher as the container's PID 1
+# ---------------------------------------------------------------------------------------------
+
+# Stands in for torchrun: runs one "worker", passes SIGTERM on to it, and exits 1 when the worker
+# fails, as torchrun's agent does.
+FAKE_LAUNCHER = """
+import signal, subprocess, sys
+worker = subprocess.Popen([sys.executable, "-u"] + sys.argv[1:])
+signal.signal(signal.SIGTERM, lambda signum, frame: worker.send_signal(signum))
+rc = worker.wait()
+sys.exit(0 if rc == 0 else 1)
+"""
+
+WORKER = """
+import os, sys, time, pathlib
+import spotguard
+
+d = pathlib.Path(os.environ["SPOTGUARD_DIR"])
+mode = sys.argv[1]
+if mode == "wait-signal":
+    spotguard.install()
+    (d / "ready").write_text(str(os.getpid()))
+    end = time.monotonic() + 60
+    while not spotguard.should_checkpoint() and time.monotonic() < end:
+        time.sleep(0.01)
+    spotguard.ack("done", step=5, checkpoint="/ckpt/5")
+    spotguard.exit_after_checkpoint()
+if mode == "done-then-fail":
+    spotguard.ack("done", step=1)
+    sys.exit(143)
+if mode == "fail":
+    sys.exit(1)
+if mode == "skipped-then-fail":
+    spotguard.ack("skipped", step=1)
+    sys.exit(143)
+sys.exit(0)
+"""
+
+
+def _launch(spawn, guard_dir: Path, tmp_path: Path, mode: str):
+    (tmp_path / "fake_torchrun.py").write_text(FAKE_LAUNCHER)
+    (tmp_path / "worker.py").write_text(WORKER)
+    script = "import sys, spotguard; sys.exit(spotguard.main())"
+    return spawn(script, guard_dir, name="launcher.py",
+                 args=("launch", "--", sys.executable, str(tmp_path / "fake_torchrun.py"),
+                       str(tmp_path / "worker.py"), mode))
+
+
+@pytest.mark.parametrize(
+    "mode, expected",
+    [("done-then-fail", 143), ("fail", 1), ("skipped-then-fail", 1), ("ok", 0)],
+)
+def test_launch_maps_launcher_failure_after_done_to_143(guard_dir: Path, spawn, tmp_path: Path,
+                                                        mode: str, expected: int) -> None:
+    guard_dir.mkdir()
+    rc, out, err = _launch(spawn, guard_dir, tmp_path, mode).wait()
+    assert rc == expected, err
+
+
+def test_launch_ignores_done_acks_from_an_earlier_run(guard_dir: Path, spawn, tmp_path: Path) -> None:
+    guard_dir.mkdir()
+    stale = guard_dir / "ack-4242.json"
+    stale.write_text('{"state":"done","step":9,"checkpoint":null,"ts":1}')
+    old = time.time() - 3600
+    os.utime(stale, (old, old))
+    rc, out, err = _launch(spawn, guard_dir, tmp_path, "fail").wait()
+    assert rc == 1, err
+
+
+def test_launch_forwards_sigterm_and_is_never_a_sigusr1_target(guard_dir: Path, spawn,
+                                                                tmp_path: Path) -> None:
+    guard_dir.mkdir()
+    launcher = _launch(spawn, guard_dir, tmp_path, "wait-signal")
+    wait_for("the worker to install the helper", _ready(guard_dir))
+    assert sig_caught(launcher.pid, signal.SIGTERM)
+    assert not sig_caught(launcher.pid, signal.SIGUSR1)
+    worker_pid = int((guard_dir / "ready").read_text())
+    with open(f"/proc/{worker_pid}/stat") as f:
+        fake_torchrun = int(f.read().rpartition(")")[2].split()[1])
+    wait_for("the fake torchrun to relay SIGTERM", lambda: sig_caught(fake_torchrun, signal.SIGTERM))
+    # The kubelet signals PID 1 only: SIGTERM goes launcher -> torchrun -> worker, which treats it
+    # as "checkpoint now", acks done and exits 143; torchrun exits 1; the pod must report 143.
+    launcher.kill(signal.SIGTERM)
+    rc, out, err = launcher.wait()
+    assert rc == 143, err
+    body = read_json(guard_dir / f"ack-{worker_pid}.json")
+    assert body is not None and body["state"] == "done" and body["step"] == 5
+
+
+def test_launch_usage_errors(guard_dir: Path, spawn) -> None:
+    for args in ((), ("launch",), ("launch", "--"), ("other",)):
+        rc, out, err = spawn("import sys, spotguard; sys.exit(spotguard.main())", guard_dir,
+                             name="usage.py", args=args).wait()
+        assert rc == 64 and "usage: spotguard.py launch" in err
+    rc, out, err = spawn("import sys, spotguard; sys.exit(spotguard.main())", guard_dir,
+                         name="missing.py", args=("launch", "/nonexistent/torchrun")).wait()
+    assert rc == 127 and "cannot run" in err
