@@ -11,8 +11,10 @@ the workers. That is what you want:
 
 * The torchrun (elastic) agent does not handle SIGUSR1. Its default action is to terminate, so
   signalling the agent (`pid1` target) would kill it, and with it the workers, before any save.
-* The agent does handle SIGTERM (and SIGINT/SIGHUP/SIGQUIT): it tears the workers down. Keep
-  `spotguard.io/checkpoint-signal` at SIGUSR1 under torchrun so the agent is never a target.
+* The agent does handle SIGTERM (and SIGINT/SIGHUP/SIGQUIT): it shuts the workers down (SIGTERM
+  to each, SIGKILL 30 s later) and exits. Keep `spotguard.io/checkpoint-signal` at SIGUSR1 under
+  torchrun so that the agent is never a target. A kubelet SIGTERM still works: the workers get
+  it from the agent and the helper treats it as "checkpoint now" (within those 30 s).
 * DataLoader workers forked from a rank get their old dispositions back (the helper resets them
   after fork), so they are not signalled either and nobody waits for an ack they would never send.
 
