@@ -56,7 +56,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 __all__ = [
     "ACK_STATES",
@@ -310,7 +310,7 @@ def handler_error() -> Optional[BaseException]:
     return _handler_error
 
 
-def installed_signals() -> tuple:
+def installed_signals() -> Tuple[int, ...]:
     """The signals the helper currently handles."""
     return tuple(_previous)
 
