@@ -258,7 +258,8 @@ def ack_container(
     """Write the plain ``<dir>/ack`` file: it acknowledges the whole container at once (for
     launchers where one process saves on behalf of all). Content is informational JSON."""
     path = checkpoint_dir() / "ack"
-    _write_atomic(path, _ack_bytes("done", step, None if checkpoint is None else os.fspath(checkpoint)))
+    where = None if checkpoint is None else os.fspath(checkpoint)
+    _write_atomic(path, _ack_bytes("done", step, where))
     return path
 
 
@@ -375,10 +376,10 @@ def install(
     The handler sets a flag, records the signal, writes ``<dir>/ack-<pid>.json`` with
     ``{"state": "received", ...}`` on the first signal of a request, then calls the handler that
     was installed before (when ``chain`` and that handler is a Python callable). It never chains
-    ``SIG_DFL``, ``SIG_IGN`` or Python's SIGINT ``default_int_handler`` (KeyboardInterrupt): for SIGTERM the default action would kill the process before the
-    save — the point of catching it. A chained handler that exits (e.g. raises ``SystemExit``)
-    defeats the save, so install spotguard *after* a framework whose handler you want kept only
-    if that handler returns.
+    ``SIG_DFL``, ``SIG_IGN`` or Python's SIGINT ``default_int_handler`` (KeyboardInterrupt): for
+    SIGTERM the default action would kill the process before the save, which is the point of
+    catching it. A chained handler that exits (e.g. raises ``SystemExit``) defeats the save, so
+    keep an earlier framework handler only if it returns (else pass ``chain=False``).
 
     Idempotent: calling it again (with the same or other signals) does not wrap itself. ``dir``
     overrides ``$SPOTGUARD_DIR``. Forked children get their previous dispositions back.
