@@ -114,6 +114,7 @@ _owner_pid: Optional[int] = None
 _handler_error: Optional[BaseException] = None
 _tmp_counter = itertools.count()
 _fork_hook_registered = False
+_installed_at: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -264,10 +265,18 @@ def ack_container(
 
 
 def notice() -> Optional[Notice]:
-    """The parsed ``<dir>/notice.json``, or ``None`` when there is none (or it cannot be read or
-    parsed: the agent writes it atomically, so that only happens when something else wrote it)."""
+    """The parsed ``<dir>/notice.json``, or ``None`` when there is none, when it cannot be read or
+    parsed (the agent writes it atomically, so that only happens when something else wrote it),
+    or when it is older than :func:`install` in this process.
+
+    The last rule drops leftovers: the agent writes the notice before it signals, and it only
+    signals processes that already catch the signal, so a notice written before ``install()`` was
+    never meant for this process (e.g. an ``emptyDir`` that survived a container restart)."""
+    path = checkpoint_dir() / "notice.json"
     try:
-        with open(checkpoint_dir() / "notice.json", "rb") as f:
+        with open(path, "rb") as f:
+            if _installed_at is not None and os.fstat(f.fileno()).st_mtime < _installed_at - 1.0:
+                return None
             data = json.loads(f.read().decode("utf-8"))
     except (OSError, ValueError):
         return None
@@ -350,12 +359,13 @@ def _reset_in_child() -> None:
     """After ``os.fork`` (DataLoader workers, multiprocessing 'fork'): give the child the
     dispositions it had before :func:`install`, so that its ``SigCgt`` no longer shows the signal
     and spotguard's ``handlers`` mode never signals it (it would never ack)."""
-    global _owner_pid
+    global _owner_pid, _installed_at
     if _owner_pid is None or os.getpid() == _owner_pid:
         return
     saved = dict(_previous)
     _previous.clear()
     _owner_pid = None
+    _installed_at = None
     for signum, previous in saved.items():
         try:
             signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
@@ -385,7 +395,7 @@ def install(
     overrides ``$SPOTGUARD_DIR``. Forked children get their previous dispositions back.
     Returns the checkpoint directory. Raises ``RuntimeError`` outside the main thread.
     """
-    global _dir, _chain, _owner_pid, _fork_hook_registered
+    global _dir, _chain, _owner_pid, _fork_hook_registered, _installed_at
     if threading.current_thread() is not threading.main_thread():
         raise RuntimeError(
             "spotguard.install() must be called from the main thread: Python runs signal handlers "
@@ -401,6 +411,8 @@ def install(
         _dir = os.fspath(dir)
     _chain = chain
     _owner_pid = os.getpid()
+    if _installed_at is None:
+        _installed_at = time.time()
     for s in sigs:
         if s in _previous:
             continue
@@ -416,13 +428,14 @@ def install(
 def uninstall() -> None:
     """Restore the dispositions that were in place before :func:`install` and clear the flag.
     Main thread only."""
-    global _owner_pid
+    global _owner_pid, _installed_at
     if threading.current_thread() is not threading.main_thread():
         raise RuntimeError("spotguard.uninstall() must be called from the main thread")
     for signum, previous in list(_previous.items()):
         signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
         del _previous[signum]
     _owner_pid = None
+    _installed_at = None
     clear()
 
 

@@ -685,3 +685,30 @@ def test_launch_usage_errors(guard_dir: Path, spawn) -> None:
     rc, out, err = spawn("import sys, spotguard; sys.exit(spotguard.main())", guard_dir,
                          name="missing.py", args=("launch", "/nonexistent/torchrun")).wait()
     assert rc == 127 and "cannot run" in err
+
+
+STALE_NOTICE = """
+import json, os, sys, time, pathlib
+import spotguard
+
+d = pathlib.Path(os.environ["SPOTGUARD_DIR"])
+before = spotguard.notice() is not None          # not installed: any notice.json is returned
+spotguard.install()
+after_install = spotguard.notice() is not None   # written before install(): a leftover
+(d / "notice.json").write_text(sys.argv[1])       # as the agent does for a live notice
+fresh = spotguard.notice()
+print(json.dumps({"before": before, "after_install": after_install,
+                  "fresh": fresh.notice_id if fresh else None}))
+"""
+
+
+def test_notice_written_before_install_is_a_leftover(guard_dir: Path, spawn) -> None:
+    guard_dir.mkdir()
+    old = guard_dir / "notice.json"
+    old.write_text(json.dumps(dict(NOTICE, notice_id="old")))
+    stamp = time.time() - 600
+    os.utime(old, (stamp, stamp))
+    child = spawn(STALE_NOTICE, guard_dir, args=(json.dumps(dict(NOTICE, notice_id="new")),))
+    rc, out, err = child.wait()
+    assert rc == 0, err
+    assert json.loads(out) == {"before": True, "after_install": False, "fresh": "new"}

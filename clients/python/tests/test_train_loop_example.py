@@ -4,11 +4,13 @@ SIGUSR1 once the process catches it, then the ack and the exit code; and resumin
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional, Tuple
 
 from conftest import REPO_ROOT, WAIT_S, read_json, sig_caught, wait_for
 
@@ -36,9 +38,14 @@ def finish(proc: subprocess.Popen) -> tuple:
     return proc.returncode, out, err
 
 
-def signal_when_caught(proc: subprocess.Popen, signum: int) -> None:
+def signal_when_caught(proc: subprocess.Popen, signum: int,
+                       notice: Optional[Tuple[Path, float]] = None) -> None:
+    """Like the agent: wait until the process catches the signal, write notice.json (if given:
+    dir and seconds until the checkpoint deadline), then signal."""
     wait_for("the example to install its handler",
              lambda: proc.poll() is None and sig_caught(proc.pid, signal.SIGUSR1))
+    if notice is not None:
+        write_notice(*notice)
     proc.send_signal(signum)
 
 
@@ -54,9 +61,8 @@ def write_notice(guard_dir: Path, checkpoint_in: float) -> None:
 
 def test_checkpoints_on_sigusr1_acks_done_and_resumes(tmp_path: Path) -> None:
     guard = tmp_path / "guard"
-    write_notice(guard, checkpoint_in=90)
     proc = start(guard, "--steps", "100000")
-    signal_when_caught(proc, signal.SIGUSR1)
+    signal_when_caught(proc, signal.SIGUSR1, notice=(guard, 90))
     rc, out, err = finish(proc)
     assert rc == 143, (out, err)
     ack = read_json(guard / f"ack-{proc.pid}.json")
@@ -78,6 +84,11 @@ def test_checkpoints_on_sigusr1_acks_done_and_resumes(tmp_path: Path) -> None:
 
 def test_sigterm_without_notice_checkpoints_too(tmp_path: Path) -> None:
     guard = tmp_path / "guard"
+    # A notice left over from an earlier run (e.g. an emptyDir that survived a container
+    # restart) must not be taken for this SIGTERM's budget.
+    write_notice(guard, checkpoint_in=-5)
+    stale = time.time() - 600
+    os.utime(guard / "notice.json", (stale, stale))
     proc = start(guard, "--steps", "100000", "--ckpt-dir", str(tmp_path / "ck"))
     signal_when_caught(proc, signal.SIGTERM)
     rc, out, err = finish(proc)
@@ -90,9 +101,9 @@ def test_sigterm_without_notice_checkpoints_too(tmp_path: Path) -> None:
 
 def test_skips_when_the_save_cannot_fit(tmp_path: Path) -> None:
     guard = tmp_path / "guard"
-    write_notice(guard, checkpoint_in=-5)  # checkpoint deadline already passed
     proc = start(guard, "--steps", "100000")
-    signal_when_caught(proc, signal.SIGUSR1)
+    # The checkpoint deadline has already passed.
+    signal_when_caught(proc, signal.SIGUSR1, notice=(guard, -5))
     rc, out, err = finish(proc)
     assert rc == 143, (out, err)
     ack = read_json(guard / f"ack-{proc.pid}.json")
