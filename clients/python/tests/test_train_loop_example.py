@@ -1,0 +1,111 @@
+"""examples/train_loop.py driven the way `spotguard drill` drives it: notice.json, then a real
+SIGUSR1 once the process catches it, then the ack and the exit code; and resuming afterwards."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional, Tuple
+
+from conftest import REPO_ROOT, WAIT_S, read_json, sig_caught, wait_for
+
+EXAMPLE = REPO_ROOT / "examples" / "train_loop.py"
+
+
+def start(guard_dir: Path, *args: str) -> subprocess.Popen:
+    env = {"SPOTGUARD_DIR": str(guard_dir), "PATH": "/usr/bin:/bin"}
+    return subprocess.Popen(
+        [sys.executable, "-u", str(EXAMPLE), "--step-time", "0.02", "--save-time", "0.05", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def finish(proc: subprocess.Popen) -> tuple:
+    try:
+        out, err = proc.communicate(timeout=WAIT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        raise AssertionError(f"example did not exit\nstdout:\n{out}\nstderr:\n{err}")
+    return proc.returncode, out, err
+
+
+def signal_when_caught(proc: subprocess.Popen, signum: int,
+                       notice: Optional[Tuple[Path, float]] = None) -> None:
+    """Like the agent: wait until the process catches the signal, write notice.json (if given:
+    dir and seconds until the checkpoint deadline), then signal."""
+    wait_for("the example to install its handler",
+             lambda: proc.poll() is None and sig_caught(proc.pid, signal.SIGUSR1))
+    if notice is not None:
+        write_notice(*notice)
+    proc.send_signal(signum)
+
+
+def write_notice(guard_dir: Path, checkpoint_in: float) -> None:
+    now = time.time()
+    guard_dir.mkdir(parents=True, exist_ok=True)
+    (guard_dir / "notice.json").write_text(json.dumps({
+        "notice_id": "drill-1", "source": "aws", "kind": "interruption",
+        "deadline_unix": now + checkpoint_in + 25, "checkpoint_deadline_unix": now + checkpoint_in,
+        "signal": "SIGUSR1",
+    }))
+
+
+def test_checkpoints_on_sigusr1_acks_done_and_resumes(tmp_path: Path) -> None:
+    guard = tmp_path / "guard"
+    proc = start(guard, "--steps", "100000")
+    signal_when_caught(proc, signal.SIGUSR1, notice=(guard, 90))
+    rc, out, err = finish(proc)
+    assert rc == 143, (out, err)
+    ack = read_json(guard / f"ack-{proc.pid}.json")
+    assert ack is not None and ack["state"] == "done"
+    ckpt = Path(ack["checkpoint"])
+    assert ckpt.parent == guard / "checkpoints"
+    assert json.loads(ckpt.read_text())["step"] == ack["step"]
+    assert "SIGUSR1 received; checkpointing after step" in out
+    assert "s left)" in out
+
+    # The next attempt resumes where the last one saved and runs to the end.
+    steps = ack["step"] + 5
+    again = start(guard, "--steps", str(steps), "--log-every", "0")
+    rc, out, err = finish(again)
+    assert rc == 0, (out, err)
+    assert out.splitlines()[0].startswith(f"resumed from step {ack['step']} ")
+    assert out.splitlines()[-1] == f"training finished at step {steps}"
+
+
+def test_sigterm_without_notice_checkpoints_too(tmp_path: Path) -> None:
+    guard = tmp_path / "guard"
+    # A notice left over from an earlier run (e.g. an emptyDir that survived a container
+    # restart) must not be taken for this SIGTERM's budget.
+    write_notice(guard, checkpoint_in=-5)
+    stale = time.time() - 600
+    os.utime(guard / "notice.json", (stale, stale))
+    proc = start(guard, "--steps", "100000", "--ckpt-dir", str(tmp_path / "ck"))
+    signal_when_caught(proc, signal.SIGTERM)
+    rc, out, err = finish(proc)
+    assert rc == 143, (out, err)
+    ack = read_json(guard / f"ack-{proc.pid}.json")
+    assert ack is not None and ack["state"] == "done"
+    assert Path(ack["checkpoint"]).parent == tmp_path / "ck"
+    assert "SIGTERM received" in out and "no notice.json" in out
+
+
+def test_skips_when_the_save_cannot_fit(tmp_path: Path) -> None:
+    guard = tmp_path / "guard"
+    proc = start(guard, "--steps", "100000")
+    # The checkpoint deadline has already passed.
+    signal_when_caught(proc, signal.SIGUSR1, notice=(guard, -5))
+    rc, out, err = finish(proc)
+    assert rc == 143, (out, err)
+    ack = read_json(guard / f"ack-{proc.pid}.json")
+    assert ack is not None and ack["state"] == "skipped" and ack["checkpoint"] is None
+    assert not (guard / "checkpoints").exists()

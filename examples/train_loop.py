@@ -1,0 +1,138 @@
+#!/usr/bin/env python3
+"""A plain training loop that checkpoints when spotguard asks, then exits 143 to be retried.
+
+Standard library only: a "step" is a short sleep, a "checkpoint" is a small JSON file. Swap in
+your model, optimizer and torch.save; the control flow stays the same.
+
+    spotguard drill -- python3 examples/train_loop.py     # rehearse a preemption
+    SPOTGUARD_DIR=$(mktemp -d) python3 examples/train_loop.py & sleep 2; kill -USR1 $!; wait
+
+What happens:
+  start   resume from the newest checkpoint in --ckpt-dir (default $SPOTGUARD_DIR/checkpoints)
+  signal  SIGUSR1 (spotguard) or SIGTERM (kubelet): the helper sets a flag and acks "received"
+  step    the current step finishes; the loop sees the flag at the step boundary
+  save    write the checkpoint atomically, ack "done" with the step and path (or "skipped" when
+          the save cannot fit before the notice's checkpoint deadline)
+  exit    143, so Kubeflow's ExitCode restart policy / a Job podFailurePolicy retries elsewhere
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Optional, Tuple
+
+HERE = Path(__file__).resolve().parent
+# The helper lives in clients/python of the repository; a copy next to this file works too.
+sys.path.insert(0, str(HERE.parent / "clients" / "python"))
+sys.path.insert(1, str(HERE))
+import spotguard  # noqa: E402
+
+CKPT_PREFIX = "step-"
+CKPT_SUFFIX = ".ckpt.json"
+
+
+def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=600, help="total steps to train (default 600)")
+    p.add_argument("--step-time", type=float, default=0.1, help="seconds per simulated step")
+    p.add_argument("--save-time", type=float, default=0.3, help="seconds a simulated save takes")
+    p.add_argument(
+        "--ckpt-dir",
+        type=Path,
+        default=None,
+        help="where checkpoints go (default: $SPOTGUARD_DIR/checkpoints)",
+    )
+    p.add_argument("--log-every", type=int, default=50, help="print progress every N steps")
+    return p.parse_args(argv)
+
+
+def latest_checkpoint(ckpt_dir: Path) -> Optional[Tuple[int, Path, dict]]:
+    """The newest readable checkpoint as (step, path, state), or None."""
+    best: Optional[Tuple[int, Path, dict]] = None
+    if not ckpt_dir.is_dir():
+        return None
+    for path in ckpt_dir.glob(f"{CKPT_PREFIX}*{CKPT_SUFFIX}"):
+        try:
+            state = json.loads(path.read_text())
+            step = int(state["step"])
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            print(f"ignoring unreadable checkpoint {path.name}: {err}", file=sys.stderr)
+            continue
+        if best is None or step > best[0]:
+            best = (step, path, state)
+    return best
+
+
+def save_checkpoint(ckpt_dir: Path, state: dict, save_time: float) -> Path:
+    """Write the checkpoint atomically (temp + fsync + rename): a crash mid-save leaves the
+    previous checkpoint as the newest one, never a torn file."""
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    path = ckpt_dir / f"{CKPT_PREFIX}{state['step']:08d}{CKPT_SUFFIX}"
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    time.sleep(save_time)  # stands in for torch.save of a real model
+    with open(tmp, "w") as f:
+        json.dump(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def loss_at(step: int) -> float:
+    return 2.5 / (1.0 + 0.02 * step)
+
+
+def main(argv: Optional[list] = None) -> int:
+    args = parse_args(argv)
+    guard_dir = spotguard.install()  # SIGUSR1 + SIGTERM; main thread, before the loop
+    ckpt_dir: Path = args.ckpt_dir or guard_dir / "checkpoints"
+
+    start = 0
+    found = latest_checkpoint(ckpt_dir)
+    if found is not None:
+        start = found[0]
+        print(f"resumed from step {start} ({found[1]})")
+    if start >= args.steps:
+        print(f"already trained {start} steps; nothing to do")
+        return 0
+    print(f"training steps {start + 1}..{args.steps} (pid {os.getpid()}, SPOTGUARD_DIR={guard_dir})")
+
+    for step in range(start + 1, args.steps + 1):
+        time.sleep(args.step_time)  # forward, backward, optimizer.step()
+        if args.log_every > 0 and step % args.log_every == 0:
+            print(f"step {step}  loss {loss_at(step):.3f}")
+
+        if not spotguard.should_checkpoint():
+            continue
+
+        signum = spotguard.received_signal()
+        name = signal.Signals(signum).name if signum is not None else "signal"
+        left = spotguard.time_left()
+        budget = f"{left:.0f}s left" if left is not None else "no notice.json"
+        print(f"{name} received; checkpointing after step {step} ({budget})")
+        if left is not None and left < args.save_time:
+            spotguard.ack("skipped", step=step)
+            print("no time to save before the deadline: acked skipped; exiting 143")
+            spotguard.exit_after_checkpoint()
+        try:
+            path = save_checkpoint(ckpt_dir, {"step": step, "loss": loss_at(step)}, args.save_time)
+        except OSError as err:
+            spotguard.ack("failed", step=step)
+            print(f"checkpoint failed: {err}; acked failed; exiting 143", file=sys.stderr)
+            spotguard.exit_after_checkpoint()
+        spotguard.ack("done", step=step, checkpoint=path)
+        print(f"saved {path}; acked done; exiting 143 so the job is retried")
+        spotguard.exit_after_checkpoint()
+
+    print(f"training finished at step {args.steps}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
