@@ -67,7 +67,11 @@ pub fn grace_seconds(own: i64, left: Duration) -> i64 {
 /// "… is still being processed …", "… does not allow evicting pods …".
 pub fn pdb_names(status: &Status) -> Vec<String> {
     const PREFIX: &str = "The disruption budget ";
-    let causes = status.details.as_ref().map(|d| d.causes.as_slice()).unwrap_or(&[]);
+    let causes = status
+        .details
+        .as_ref()
+        .map(|d| d.causes.as_slice())
+        .unwrap_or(&[]);
     let mut names: Vec<String> = causes
         .iter()
         .filter(|c| c.reason == "DisruptionBudget" || c.message.starts_with(PREFIX))
@@ -88,7 +92,10 @@ enum Outcome {
     /// Already gone when we came to evict it.
     Gone,
     ForceDeleted,
-    Blocked { pdbs: Vec<String>, reason: String },
+    Blocked {
+        pdbs: Vec<String>,
+        reason: String,
+    },
 }
 
 impl Outcome {
@@ -161,7 +168,9 @@ impl Drainer<'_> {
             if now >= self.deadline {
                 return Outcome::Blocked {
                     pdbs: pdbs.into_iter().collect(),
-                    reason: refused.unwrap_or_else(|| "deadline reached before the eviction was accepted".into()),
+                    reason: refused.unwrap_or_else(|| {
+                        "deadline reached before the eviction was accepted".into()
+                    }),
                 };
             }
             if let (Some(force_at), Some(why)) = (self.force_at, &refused) {
@@ -175,7 +184,12 @@ impl Drainer<'_> {
             let grace = grace_seconds(own_grace, self.deadline.saturating_duration_since(now));
             let eviction = eviction_body(&name, &ns, grace, uid.as_deref());
             let result = self
-                .call(pods.create_subresource::<_, Value>("eviction", &name, &PostParams::default(), &eviction))
+                .call(pods.create_subresource::<_, Value>(
+                    "eviction",
+                    &name,
+                    &PostParams::default(),
+                    &eviction,
+                ))
                 .await;
             match result {
                 Ok(_) => {
@@ -202,8 +216,11 @@ impl Drainer<'_> {
                             _ => {}
                         }
                         refused = Some(status_reason(&s));
-                        self.pause(jitter(Duration::from_millis(50), Duration::from_millis(250)), true)
-                            .await;
+                        self.pause(
+                            jitter(Duration::from_millis(50), Duration::from_millis(250)),
+                            true,
+                        )
+                        .await;
                     }
                     code if code >= 500 => {
                         tracing::debug!(code, message = %s.message, "eviction failed on the server; retrying");
@@ -251,7 +268,10 @@ impl Drainer<'_> {
         pdbs: BTreeSet<String>,
         why: String,
     ) -> Outcome {
-        let grace = grace_seconds(own_grace, self.deadline.saturating_duration_since(Instant::now()));
+        let grace = grace_seconds(
+            own_grace,
+            self.deadline.saturating_duration_since(Instant::now()),
+        );
         let params = DeleteParams {
             grace_period_seconds: Some(grace.max(0) as u32),
             preconditions: uid.map(|u| kube::api::Preconditions {
@@ -266,17 +286,23 @@ impl Drainer<'_> {
         };
         match self.call(pods.delete(name, &params)).await {
             Ok(_) => {}
-            Err(CallError::Kube(::kube::Error::Api(s))) if s.code == 404 => return Outcome::ForceDeleted,
+            Err(CallError::Kube(::kube::Error::Api(s))) if s.code == 404 => {
+                return Outcome::ForceDeleted
+            }
             Err(CallError::Kube(e)) => {
                 tracing::warn!(error = %e, "force delete failed");
                 return blocked(format!("{why}; force delete failed: {e}"));
             }
-            Err(CallError::Deadline) => return blocked(format!("{why}; deadline reached during force delete")),
+            Err(CallError::Deadline) => {
+                return blocked(format!("{why}; deadline reached during force delete"))
+            }
         }
         if self.wait_gone(pods, name, uid).await {
             Outcome::ForceDeleted
         } else {
-            blocked(format!("{why}; force-deleted, still terminating at the deadline"))
+            blocked(format!(
+                "{why}; force-deleted, still terminating at the deadline"
+            ))
         }
     }
 
@@ -323,7 +349,13 @@ fn status_reason(s: &Status) -> String {
     let causes: Vec<&str> = s
         .details
         .as_ref()
-        .map(|d| d.causes.iter().map(|c| c.message.as_str()).filter(|m| !m.is_empty()).collect())
+        .map(|d| {
+            d.causes
+                .iter()
+                .map(|c| c.message.as_str())
+                .filter(|m| !m.is_empty())
+                .collect()
+        })
         .unwrap_or_default();
     let mut out = format!("eviction refused ({} {}): {}", s.code, s.reason, s.message);
     if !causes.is_empty() {
@@ -370,11 +402,15 @@ async fn drain_inner(
     let params = ListParams::default().fields(&format!("spec.nodeName={node}"));
     let mut attempt = 0;
     let pods = loop {
-        match tokio::time::timeout_at(deadline, super::kube::with_timeout(all.list(&params))).await {
+        match tokio::time::timeout_at(deadline, super::kube::with_timeout(all.list(&params))).await
+        {
             Ok(Ok(list)) => break list.items,
             Ok(Err(e)) if super::kube_retryable(&e) && Instant::now() < deadline => {
                 tracing::debug!(error = %e, "listing pods failed; retrying");
-                tokio::time::sleep_until((Instant::now() + super::kube::backoff(attempt)).min(deadline)).await;
+                tokio::time::sleep_until(
+                    (Instant::now() + super::kube::backoff(attempt)).min(deadline),
+                )
+                .await;
                 attempt += 1;
             }
             Ok(Err(source)) => {
@@ -408,7 +444,11 @@ async fn drain_inner(
                 .unwrap_or(DEFAULT_GRACE_SECONDS);
             tracing::info!(pod = %pod_key(pod), grace_seconds = grace_seconds(own, left), "dry-run: would evict");
         }
-        tracing::info!(would_evict = to_evict.len(), skipped = report.skipped.len(), "dry-run: drain planned, nothing evicted");
+        tracing::info!(
+            would_evict = to_evict.len(),
+            skipped = report.skipped.len(),
+            "dry-run: drain planned, nothing evicted"
+        );
         return Ok(report);
     }
     tracing::info!(
@@ -516,7 +556,8 @@ mod tests {
     fn pdb_names_come_from_the_disruption_budget_cause() {
         let s = status_429(vec![StatusCause {
             reason: "DisruptionBudget".into(),
-            message: "The disruption budget trainer-pdb needs 2 healthy pods and has 2 currently".into(),
+            message: "The disruption budget trainer-pdb needs 2 healthy pods and has 2 currently"
+                .into(),
             field: String::new(),
         }]);
         assert_eq!(pdb_names(&s), vec!["trainer-pdb"]);

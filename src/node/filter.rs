@@ -84,7 +84,10 @@ pub fn classify(pod: &Pod, own: Option<(&str, &str)>) -> Decision {
 }
 
 /// Split the pods on a node into those to evict and those skipped (`namespace/name`, reason).
-pub fn partition(pods: Vec<Pod>, own: Option<(&str, &str)>) -> (Vec<Pod>, Vec<(String, SkipReason)>) {
+pub fn partition(
+    pods: Vec<Pod>,
+    own: Option<(&str, &str)>,
+) -> (Vec<Pod>, Vec<(String, SkipReason)>) {
     let mut evict = Vec::new();
     let mut skipped = Vec::new();
     for pod in pods {
@@ -136,7 +139,10 @@ mod tests {
     }
 
     fn with_owner(mut p: Pod, o: OwnerReference) -> Pod {
-        p.metadata.owner_references.get_or_insert_with(Vec::new).push(o);
+        p.metadata
+            .owner_references
+            .get_or_insert_with(Vec::new)
+            .push(o);
         p
     }
 
@@ -151,7 +157,11 @@ mod tests {
     #[test]
     fn plain_pods_are_evicted_whatever_their_phase_before_finishing() {
         for phase in ["Pending", "Running", "Unknown"] {
-            assert_eq!(classify(&with_phase(pod("a", "b"), phase), OWN), Decision::Evict, "{phase}");
+            assert_eq!(
+                classify(&with_phase(pod("a", "b"), phase), OWN),
+                Decision::Evict,
+                "{phase}"
+            );
         }
         // No status at all (just created) and a bare pod without any owner.
         assert_eq!(classify(&pod("a", "b"), OWN), Decision::Evict);
@@ -166,7 +176,10 @@ mod tests {
             ("Job", "batch/v1"),
             ("PyTorchJob", "kubeflow.org/v1"),
         ] {
-            let p = with_owner(with_phase(pod("a", "b"), "Running"), owner(kind, av, Some(true)));
+            let p = with_owner(
+                with_phase(pod("a", "b"), "Running"),
+                owner(kind, av, Some(true)),
+            );
             assert_eq!(classify(&p, OWN), Decision::Evict, "{kind}");
         }
     }
@@ -198,13 +211,19 @@ mod tests {
         assert_eq!(classify(&p, OWN), Decision::Evict);
         // Same kind from another API group (e.g. OpenKruise's Advanced DaemonSet): like kubectl,
         // the kind decides.
-        let p = with_owner(pod("a", "b"), owner("DaemonSet", "apps.kruise.io/v1alpha1", Some(true)));
+        let p = with_owner(
+            pod("a", "b"),
+            owner("DaemonSet", "apps.kruise.io/v1alpha1", Some(true)),
+        );
         assert_eq!(classify(&p, OWN), Decision::Skip(SkipReason::DaemonSet));
     }
 
     #[test]
     fn mirror_annotation_marks_static_pods() {
-        assert_eq!(classify(&mirrored(pod("kube-system", "etcd-n1")), OWN), Decision::Skip(SkipReason::Mirror));
+        assert_eq!(
+            classify(&mirrored(pod("kube-system", "etcd-n1")), OWN),
+            Decision::Skip(SkipReason::Mirror)
+        );
         let mut other = pod("a", "b");
         other
             .metadata
@@ -216,10 +235,16 @@ mod tests {
 
     #[test]
     fn own_pod_matches_namespace_and_name() {
-        assert_eq!(classify(&pod("spotguard", "agent-x"), OWN), Decision::Skip(SkipReason::Own));
+        assert_eq!(
+            classify(&pod("spotguard", "agent-x"), OWN),
+            Decision::Skip(SkipReason::Own)
+        );
         assert_eq!(classify(&pod("default", "agent-x"), OWN), Decision::Evict);
         assert_eq!(classify(&pod("spotguard", "agent-y"), OWN), Decision::Evict);
-        assert_eq!(classify(&pod("spotguard", "agent-x"), None), Decision::Evict);
+        assert_eq!(
+            classify(&pod("spotguard", "agent-x"), None),
+            Decision::Evict
+        );
         // A pod with no name or namespace never matches.
         let mut anon = pod("spotguard", "agent-x");
         anon.metadata.namespace = None;
@@ -230,8 +255,13 @@ mod tests {
     #[test]
     fn every_combination_follows_precedence() {
         for bits in 0u8..16 {
-            let (own, mirror, ds, finished) = (bits & 1 != 0, bits & 2 != 0, bits & 4 != 0, bits & 8 != 0);
-            let mut p = if own { pod("spotguard", "agent-x") } else { pod("team", "trainer-0") };
+            let (own, mirror, ds, finished) =
+                (bits & 1 != 0, bits & 2 != 0, bits & 4 != 0, bits & 8 != 0);
+            let mut p = if own {
+                pod("spotguard", "agent-x")
+            } else {
+                pod("team", "trainer-0")
+            };
             if mirror {
                 p = mirrored(p);
             }
@@ -250,7 +280,11 @@ mod tests {
             } else {
                 Decision::Evict
             };
-            assert_eq!(classify(&p, OWN), expected, "own={own} mirror={mirror} ds={ds} finished={finished}");
+            assert_eq!(
+                classify(&p, OWN),
+                expected,
+                "own={own} mirror={mirror} ds={ds} finished={finished}"
+            );
         }
     }
 
@@ -258,7 +292,10 @@ mod tests {
     fn partition_keeps_order_and_names_skipped_pods() {
         let pods = vec![
             with_phase(pod("a", "p1"), "Running"),
-            with_owner(pod("kube-system", "fluentd-x"), owner("DaemonSet", "apps/v1", Some(true))),
+            with_owner(
+                pod("kube-system", "fluentd-x"),
+                owner("DaemonSet", "apps/v1", Some(true)),
+            ),
             with_phase(pod("a", "p2"), "Succeeded"),
             pod("spotguard", "agent-x"),
             with_phase(pod("b", "p3"), "Pending"),

@@ -215,7 +215,12 @@ impl KubeNodeOps {
                 field_manager: Some(FIELD_MANAGER.to_string()),
                 ..Default::default()
             };
-            let result = with_timeout(self.nodes.patch(&self.node_name, &params, &Patch::Merge(&patch))).await;
+            let result = with_timeout(self.nodes.patch(
+                &self.node_name,
+                &params,
+                &Patch::Merge(&patch),
+            ))
+            .await;
             match result {
                 Ok(_) => {
                     return Ok(Rmw {
@@ -307,7 +312,13 @@ impl KubeNodeOps {
     }
 
     /// Add (`present`) or remove a taint `key:effect` through an RV-guarded write.
-    async fn set_taint(&self, key: &str, value: Option<&str>, effect: &str, present: bool) -> Result<bool, Error> {
+    async fn set_taint(
+        &self,
+        key: &str,
+        value: Option<&str>,
+        effect: &str,
+        present: bool,
+    ) -> Result<bool, Error> {
         let what = if present { "taint" } else { "untaint" };
         let out = self
             .modify_node(what, |node| {
@@ -386,7 +397,9 @@ impl KubeNodeOps {
             reason: reason.to_string(),
             note: note.to_string(),
         };
-        let result = self.emit_inner(namespace, regarding, key, reason, note).await;
+        let result = self
+            .emit_inner(namespace, regarding, key, reason, note)
+            .await;
         self.count("event", &result);
         result
     }
@@ -435,7 +448,11 @@ impl KubeNodeOps {
             now.as_nanosecond(),
             fastrand::u16(..)
         );
-        let instance = truncate(&format!("{REPORTING_CONTROLLER}-{}", self.node_name), EVENT_FIELD_MAX_BYTES).to_string();
+        let instance = truncate(
+            &format!("{REPORTING_CONTROLLER}-{}", self.node_name),
+            EVENT_FIELD_MAX_BYTES,
+        )
+        .to_string();
         let event = Event {
             metadata: ObjectMeta {
                 name: Some(name.clone()),
@@ -518,7 +535,9 @@ impl NodeOps for KubeNodeOps {
             return Ok(());
         }
         let patch = json!({ "metadata": { "annotations": { NOTICE_ANNOTATION: json } } });
-        let result = self.patch_blind("annotate", false, Patch::Merge(patch)).await;
+        let result = self
+            .patch_blind("annotate", false, Patch::Merge(patch))
+            .await;
         self.count("annotate", &result);
         result
     }
@@ -529,7 +548,9 @@ impl NodeOps for KubeNodeOps {
             return Ok(());
         }
         let patch = json!({ "metadata": { "annotations": { NOTICE_ANNOTATION: null } } });
-        let result = self.patch_blind("annotate", false, Patch::Merge(patch)).await;
+        let result = self
+            .patch_blind("annotate", false, Patch::Merge(patch))
+            .await;
         self.count("annotate", &result);
         result
     }
@@ -587,14 +608,13 @@ impl NodeOps for KubeNodeOps {
                 return Err(e);
             }
         };
-        let change = rmw
-            .ambiguous
-            .iter()
-            .chain(rmw.applied.iter())
-            .fold(ProtectChange::default(), |acc, c| ProtectChange {
+        let change = rmw.ambiguous.iter().chain(rmw.applied.iter()).fold(
+            ProtectChange::default(),
+            |acc, c| ProtectChange {
                 cordon: acc.cordon || c.cordon,
                 taint: acc.taint || c.taint,
-            });
+            },
+        );
         let applied = Applied {
             cordoned: change.cordon,
             taint_effect: change.taint.then_some(protection.effect),
@@ -714,6 +734,7 @@ impl NodeOps for KubeNodeOps {
         let now = Timestamp::now();
         let mut patches = Vec::new();
         let mut transitions: Vec<(EventType, &str, String)> = Vec::new();
+        let mut recovered: Vec<&str> = Vec::new();
         for (type_, want) in [
             (CONDITION_GPU_UNHEALTHY, &desired.unhealthy),
             (CONDITION_GPU_DEGRADED, &desired.degraded),
@@ -730,11 +751,9 @@ impl NodeOps for KubeNodeOps {
             }
             let was_active = current_state.as_ref().is_some_and(|c| c.active);
             let transition_time = match current {
-                Some(c) if was_active == want.active => c
-                    .last_transition_time
-                    .as_ref()
-                    .map(|t| t.0)
-                    .unwrap_or(now),
+                Some(c) if was_active == want.active => {
+                    c.last_transition_time.as_ref().map(|t| t.0).unwrap_or(now)
+                }
                 _ => now,
             };
             patches.push(json!({
@@ -753,12 +772,15 @@ impl NodeOps for KubeNodeOps {
                 };
                 transitions.push((EventType::Warning, r, want.message.clone()));
             } else if !want.active && was_active {
-                transitions.push((
-                    EventType::Normal,
-                    reason::GPU_RECOVERED,
-                    format!("{type_} cleared: {}", want.message),
-                ));
+                recovered.push(type_);
             }
+        }
+        if !recovered.is_empty() {
+            transitions.push((
+                EventType::Normal,
+                reason::GPU_RECOVERED,
+                format!("{} cleared", recovered.join(", ")),
+            ));
         }
         if !patches.is_empty() {
             if self.dry_run {
@@ -777,8 +799,13 @@ impl NodeOps for KubeNodeOps {
             .iter()
             .any(|t| t.key == GPU_UNHEALTHY_TAINT && t.effect == "NoSchedule");
         if desired.unhealthy.active != has_taint {
-            self.set_taint(GPU_UNHEALTHY_TAINT, None, "NoSchedule", desired.unhealthy.active)
-                .await?;
+            self.set_taint(
+                GPU_UNHEALTHY_TAINT,
+                None,
+                "NoSchedule",
+                desired.unhealthy.active,
+            )
+            .await?;
         }
         for (kind, r, message) in transitions {
             if let Err(e) = self.event(kind, r, &message).await {
@@ -879,7 +906,10 @@ mod tests {
         assert_eq!(truncate("abcdef", 3), "abc");
         // 'é' is two bytes: cutting inside it backs off.
         assert_eq!(truncate("aé", 2), "a");
-        assert_eq!(truncate(&"x".repeat(2000), EVENT_NOTE_MAX_BYTES).len(), 1024);
+        assert_eq!(
+            truncate(&"x".repeat(2000), EVENT_NOTE_MAX_BYTES).len(),
+            1024
+        );
     }
 
     #[test]
@@ -914,6 +944,9 @@ mod tests {
             effect: "NoSchedule".into(),
             time_added: None,
         };
-        assert_eq!(taints_value(&[t]), json!([{ "key": "k", "effect": "NoSchedule" }]));
+        assert_eq!(
+            taints_value(&[t]),
+            json!([{ "key": "k", "effect": "NoSchedule" }])
+        );
     }
 }

@@ -236,7 +236,11 @@ impl FakeApiServer {
         let mut obj = to_value(&pod);
         set_kind(&mut obj, "v1", "Pod");
         let ns = str_at(&obj, "/metadata/namespace").to_string();
-        let ns = if ns.is_empty() { "default".to_string() } else { ns };
+        let ns = if ns.is_empty() {
+            "default".to_string()
+        } else {
+            ns
+        };
         obj["metadata"]["namespace"] = json!(ns);
         let name = str_at(&obj, "/metadata/name").to_string();
         s.stamp_new(&mut obj);
@@ -262,7 +266,8 @@ impl FakeApiServer {
             "spec": spec,
         });
         s.stamp_new(&mut obj);
-        s.pdbs.insert((namespace.to_string(), name.to_string()), obj);
+        s.pdbs
+            .insert((namespace.to_string(), name.to_string()), obj);
     }
 
     /// Replace a pod's phase (e.g. a pod that finished).
@@ -286,7 +291,9 @@ impl FakeApiServer {
     /// without applying them.
     pub fn fail_node_writes(&self, code: u16, n: usize) {
         let mut s = self.shared.lock();
-        s.knobs.node_write_faults.extend(std::iter::repeat_n(code, n));
+        s.knobs
+            .node_write_faults
+            .extend(std::iter::repeat_n(code, n));
     }
 
     /// The simulated kubelet removes a pod `min(grace, delay)` after its graceful deletion.
@@ -677,7 +684,10 @@ impl Store {
     // --- nodes ---
 
     fn list_nodes(&self, q: &Query) -> ApiResult {
-        let fs = parse_field_selector(qget(q, "fieldSelector").unwrap_or(""), &["metadata.name", "spec.unschedulable"])?;
+        let fs = parse_field_selector(
+            qget(q, "fieldSelector").unwrap_or(""),
+            &["metadata.name", "spec.unschedulable"],
+        )?;
         let ls = parse_label_selector(qget(q, "labelSelector").unwrap_or(""))?;
         let items: Vec<Value> = self
             .nodes
@@ -698,14 +708,25 @@ impl Store {
             Some(409) => Err(ApiErr::conflict("nodes", name)),
             Some(code) => Err(ApiErr::new(
                 code,
-                if code == 429 { "TooManyRequests" } else { "InternalError" },
+                if code == 429 {
+                    "TooManyRequests"
+                } else {
+                    "InternalError"
+                },
                 "Internal error occurred: injected fault",
             )
             .details(json!({ "causes": [{ "message": "injected fault" }] }))),
         }
     }
 
-    fn patch_node(&mut self, name: &str, part: NodePart, q: &Query, ct: Option<&str>, body: &[u8]) -> ApiResult {
+    fn patch_node(
+        &mut self,
+        name: &str,
+        part: NodePart,
+        q: &Query,
+        ct: Option<&str>,
+        body: &[u8],
+    ) -> ApiResult {
         self.take_node_fault(name)?;
         let current = self
             .nodes
@@ -726,12 +747,21 @@ impl Store {
             .ok_or_else(|| ApiErr::not_found("nodes", name))?;
         let new = parse_json(body)?;
         if !new.is_object() {
-            return Err(ApiErr::bad_request("the body of the request is not a Node object"));
+            return Err(ApiErr::bad_request(
+                "the body of the request is not a Node object",
+            ));
         }
         self.commit_node(name, &current, new, part, is_dry_run(q))
     }
 
-    fn commit_node(&mut self, name: &str, current: &Value, mut new: Value, part: NodePart, dry: bool) -> ApiResult {
+    fn commit_node(
+        &mut self,
+        name: &str,
+        current: &Value,
+        mut new: Value,
+        part: NodePart,
+        dry: bool,
+    ) -> ApiResult {
         match new.pointer("/metadata/resourceVersion") {
             None | Some(Value::Null) => {}
             Some(Value::String(rv)) if rv.is_empty() => {}
@@ -832,7 +862,10 @@ impl Store {
                 .map_err(|_| ApiErr::bad_request(format!("invalid gracePeriodSeconds {g:?}")))?;
             opts["gracePeriodSeconds"] = json!(g);
         }
-        let dry = is_dry_run(q) || opts["dryRun"].as_array().is_some_and(|a| a.iter().any(|v| v == "All"));
+        let dry = is_dry_run(q)
+            || opts["dryRun"]
+                .as_array()
+                .is_some_and(|a| a.iter().any(|v| v == "All"));
         self.check_preconditions(&key, &opts)?;
         let obj = self.graceful_delete(&key, opts["gracePeriodSeconds"].as_i64(), dry)?;
         Ok(Reply::ok(obj))
@@ -879,19 +912,29 @@ impl Store {
     }
 
     /// Pod graceful deletion as the registry does it; returns the pod as it now stands.
-    fn graceful_delete(&mut self, key: &(String, String), grace: Option<i64>, dry: bool) -> Result<Value, ApiErr> {
+    fn graceful_delete(
+        &mut self,
+        key: &(String, String),
+        grace: Option<i64>,
+        dry: bool,
+    ) -> Result<Value, ApiErr> {
         let delay = self.knobs.deletion_delay;
         let stuck = self.knobs.stuck.contains(key);
         let Some(pod) = self.pods.get(key) else {
             return Err(ApiErr::not_found("pods", &key.1));
         };
-        let own_grace = pod.obj["spec"]["terminationGracePeriodSeconds"].as_i64().unwrap_or(30);
+        let own_grace = pod.obj["spec"]["terminationGracePeriodSeconds"]
+            .as_i64()
+            .unwrap_or(30);
         let mut grace = grace.unwrap_or(own_grace);
         if grace < 0 {
             grace = 1;
         }
         let phase = str_at(&pod.obj, "/status/phase");
-        if str_at(&pod.obj, "/spec/nodeName").is_empty() || phase == "Succeeded" || phase == "Failed" {
+        if str_at(&pod.obj, "/spec/nodeName").is_empty()
+            || phase == "Succeeded"
+            || phase == "Failed"
+        {
             grace = 0;
         }
         if dry {
@@ -911,7 +954,8 @@ impl Store {
         let Some(pod) = self.pods.get_mut(key) else {
             return Err(ApiErr::not_found("pods", &key.1));
         };
-        let deletion = Timestamp::from_second(now_seconds().as_second() + grace).unwrap_or_else(|_| now_seconds());
+        let deletion = Timestamp::from_second(now_seconds().as_second() + grace)
+            .unwrap_or_else(|_| now_seconds());
         pod.obj["metadata"]["deletionTimestamp"] = json!(deletion.to_string());
         pod.obj["metadata"]["deletionGracePeriodSeconds"] = json!(grace);
         pod.obj["metadata"]["resourceVersion"] = json!(rv);
@@ -926,11 +970,15 @@ impl Store {
     fn evict(&mut self, ns: &str, name: &str, q: &Query, body: &[u8]) -> ApiResult {
         let eviction = parse_json(body)?;
         let Value::Object(fields) = &eviction else {
-            return Err(ApiErr::bad_request("the body of the request is not an Eviction object"));
+            return Err(ApiErr::bad_request(
+                "the body of the request is not an Eviction object",
+            ));
         };
         if let Some(kind) = fields.get("kind").and_then(Value::as_str) {
             if kind != "Eviction" {
-                return Err(ApiErr::bad_request(format!("expected kind Eviction, got {kind}")));
+                return Err(ApiErr::bad_request(format!(
+                    "expected kind Eviction, got {kind}"
+                )));
             }
         }
         if let Some(av) = fields.get("apiVersion").and_then(Value::as_str) {
@@ -941,7 +989,9 @@ impl Store {
             }
         }
         if str_at(&eviction, "/metadata/name") != name {
-            return Err(ApiErr::bad_request("name in URL does not match name in Eviction object"));
+            return Err(ApiErr::bad_request(
+                "name in URL does not match name in Eviction object",
+            ));
         }
         let body_ns = str_at(&eviction, "/metadata/namespace");
         if !body_ns.is_empty() && body_ns != ns {
@@ -952,17 +1002,28 @@ impl Store {
         // The real server drops unknown fields with a warning (fieldValidation=Warn by default).
         let warnings: Vec<String> = fields
             .keys()
-            .filter(|k| !matches!(k.as_str(), "apiVersion" | "kind" | "metadata" | "deleteOptions"))
+            .filter(|k| {
+                !matches!(
+                    k.as_str(),
+                    "apiVersion" | "kind" | "metadata" | "deleteOptions"
+                )
+            })
             .map(|k| format!("unknown field \"{k}\""))
             .collect();
-        let opts = fields.get("deleteOptions").cloned().unwrap_or_else(|| json!({}));
+        let opts = fields
+            .get("deleteOptions")
+            .cloned()
+            .unwrap_or_else(|| json!({}));
         let key = (ns.to_string(), name.to_string());
         let Some(pod) = self.pods.get(&key) else {
             return Err(ApiErr::not_found("pods", name));
         };
         let pod = pod.obj.clone();
         self.check_preconditions(&key, &opts)?;
-        let dry = is_dry_run(q) || opts["dryRun"].as_array().is_some_and(|a| a.iter().any(|v| v == "All"));
+        let dry = is_dry_run(q)
+            || opts["dryRun"]
+                .as_array()
+                .is_some_and(|a| a.iter().any(|v| v == "All"));
         let phase = str_at(&pod, "/status/phase");
         let terminating = !str_at(&pod, "/metadata/deletionTimestamp").is_empty();
         let ignore_pdb = matches!(phase, "Succeeded" | "Failed" | "Pending") || terminating;
@@ -1014,7 +1075,9 @@ impl Store {
     // --- PodDisruptionBudgets (the disruption controller's arithmetic, computed on demand) ---
 
     fn pdbs_for(&self, ns: &str, pod: &Value) -> Vec<Value> {
-        let no_labels = pod["metadata"]["labels"].as_object().is_none_or(Map::is_empty);
+        let no_labels = pod["metadata"]["labels"]
+            .as_object()
+            .is_none_or(Map::is_empty);
         if no_labels {
             return Vec::new();
         }
@@ -1080,7 +1143,9 @@ impl Store {
     fn create_event(&mut self, api: EventApi, ns: &str, q: &Query, body: &[u8]) -> ApiResult {
         let mut ev = parse_json(body)?;
         if !ev.is_object() {
-            return Err(ApiErr::bad_request("the body of the request is not an Event object"));
+            return Err(ApiErr::bad_request(
+                "the body of the request is not an Event object",
+            ));
         }
         let (kind_str, api_version) = match api {
             EventApi::EventsV1 => ("Event.events.k8s.io", "events.k8s.io/v1"),
@@ -1103,7 +1168,10 @@ impl Store {
                 return Err(ApiErr::invalid(
                     kind_str,
                     "",
-                    vec![("metadata.name".into(), "Required value: name or generateName is required".into())],
+                    vec![(
+                        "metadata.name".into(),
+                        "Required value: name or generateName is required".into(),
+                    )],
                 ));
             }
             self.seq += 1;
@@ -1122,7 +1190,14 @@ impl Store {
             return Err(ApiErr::new(
                 409,
                 "AlreadyExists",
-                format!("{} \"{name}\" already exists", if api == EventApi::Core { "events" } else { "events.events.k8s.io" }),
+                format!(
+                    "{} \"{name}\" already exists",
+                    if api == EventApi::Core {
+                        "events"
+                    } else {
+                        "events.events.k8s.io"
+                    }
+                ),
             )
             .details(json!({ "name": name, "kind": "events" })));
         }
@@ -1140,7 +1215,15 @@ impl Store {
         Ok(Reply::created(ev))
     }
 
-    fn patch_event(&mut self, api: EventApi, ns: &str, name: &str, q: &Query, ct: Option<&str>, body: &[u8]) -> ApiResult {
+    fn patch_event(
+        &mut self,
+        api: EventApi,
+        ns: &str,
+        name: &str,
+        q: &Query,
+        ct: Option<&str>,
+        body: &[u8],
+    ) -> ApiResult {
         let patch = parse_json(body)?;
         let Some(idx) = self
             .events
@@ -1151,7 +1234,10 @@ impl Store {
         };
         let current = self.events[idx].obj.clone();
         let mut new = apply_patch(&current, &patch, ct)?;
-        if let Some(rv) = new.pointer("/metadata/resourceVersion").and_then(Value::as_str) {
+        if let Some(rv) = new
+            .pointer("/metadata/resourceVersion")
+            .and_then(Value::as_str)
+        {
             if !rv.is_empty() && rv != str_at(&current, "/metadata/resourceVersion") {
                 return Err(ApiErr::conflict("events", name));
             }
@@ -1206,7 +1292,9 @@ fn scaled(v: &Value, total: i64) -> i64 {
 }
 
 fn pod_is_healthy(pod: &Value) -> bool {
-    if str_at(pod, "/status/phase") != "Running" || !str_at(pod, "/metadata/deletionTimestamp").is_empty() {
+    if str_at(pod, "/status/phase") != "Running"
+        || !str_at(pod, "/metadata/deletionTimestamp").is_empty()
+    {
         return false;
     }
     let ready = pod["status"]["conditions"]
@@ -1254,7 +1342,11 @@ fn selector_matches(selector: &Value, obj: &Value) -> bool {
 
 fn validate_node(name: &str, node: &Value) -> Result<(), ApiErr> {
     if let Err(e) = serde_json::from_value::<Node>(node.clone()) {
-        return Err(ApiErr::invalid("Node", name, vec![("body".into(), e.to_string())]));
+        return Err(ApiErr::invalid(
+            "Node",
+            name,
+            vec![("body".into(), e.to_string())],
+        ));
     }
     let mut causes = Vec::new();
     let mut seen: HashSet<(String, String)> = HashSet::new();
@@ -1263,7 +1355,10 @@ fn validate_node(name: &str, node: &Value) -> Result<(), ApiErr> {
             let key = t["key"].as_str().unwrap_or("");
             let effect = t["effect"].as_str().unwrap_or("");
             if key.is_empty() {
-                causes.push((format!("spec.taints[{i}].key"), "Required value".to_string()));
+                causes.push((
+                    format!("spec.taints[{i}].key"),
+                    "Required value".to_string(),
+                ));
             }
             if !matches!(effect, "NoSchedule" | "PreferNoSchedule" | "NoExecute") {
                 causes.push((
@@ -1282,7 +1377,10 @@ fn validate_node(name: &str, node: &Value) -> Result<(), ApiErr> {
     if let Some(conds) = node["status"]["conditions"].as_array() {
         for (i, c) in conds.iter().enumerate() {
             if c["type"].as_str().unwrap_or("").is_empty() {
-                causes.push((format!("status.conditions[{i}].type"), "Required value".to_string()));
+                causes.push((
+                    format!("status.conditions[{i}].type"),
+                    "Required value".to_string(),
+                ));
             }
         }
     }
@@ -1302,32 +1400,56 @@ fn validate_event(api: EventApi, ns: &str, ev: &Value) -> Vec<(String, String)> 
     let reg_ns = regarding["namespace"].as_str().unwrap_or("");
     if reg_ns.is_empty() {
         if !ns.is_empty() && ns != "default" {
-            causes.push((format!("{obj_field}.namespace"), "Invalid value: does not match event.namespace".into()));
+            causes.push((
+                format!("{obj_field}.namespace"),
+                "Invalid value: does not match event.namespace".into(),
+            ));
         }
     } else if reg_ns != ns {
-        causes.push((format!("{obj_field}.namespace"), "Invalid value: does not match event.namespace".into()));
+        causes.push((
+            format!("{obj_field}.namespace"),
+            "Invalid value: does not match event.namespace".into(),
+        ));
     }
     let ty = ev["type"].as_str().unwrap_or("");
     let v1 = api == EventApi::EventsV1 || !ev["eventTime"].is_null();
     if !matches!(ty, "Normal" | "Warning") && (v1 || !ty.is_empty()) {
-        causes.push(("type".into(), format!("Unsupported value: \"{ty}\": supported values: \"Normal\", \"Warning\"")));
+        causes.push((
+            "type".into(),
+            format!("Unsupported value: \"{ty}\": supported values: \"Normal\", \"Warning\""),
+        ));
     }
     if v1 {
         if ev["eventTime"].is_null() {
             causes.push(("eventTime".into(), "Required value".into()));
         }
-        for (field, limit) in [("reportingController", 253), ("reportingInstance", 128), ("action", 128), ("reason", 128)] {
+        for (field, limit) in [
+            ("reportingController", 253),
+            ("reportingInstance", 128),
+            ("action", 128),
+            ("reason", 128),
+        ] {
             let v = ev[field].as_str().unwrap_or("");
             if v.is_empty() {
                 causes.push((field.into(), "Required value".into()));
             } else if v.len() > limit {
-                causes.push((field.into(), format!("Too long: may not be more than {limit} bytes")));
+                causes.push((
+                    field.into(),
+                    format!("Too long: may not be more than {limit} bytes"),
+                ));
             }
         }
     }
-    let note_field = if api == EventApi::EventsV1 { "note" } else { "message" };
+    let note_field = if api == EventApi::EventsV1 {
+        "note"
+    } else {
+        "message"
+    };
     if api == EventApi::EventsV1 && ev[note_field].as_str().is_some_and(|n| n.len() > 1024) {
-        causes.push((note_field.into(), "Too long: may not be more than 1024 bytes".into()));
+        causes.push((
+            note_field.into(),
+            "Too long: may not be more than 1024 bytes".into(),
+        ));
     }
     causes
 }
@@ -1471,7 +1593,9 @@ fn strategic_merge(target: Value, patch: &Value, path: &str) -> Result<Value, Ap
         }
         let cur = t.remove(k).unwrap_or(Value::Null);
         let merged = match (v, list_strategy(&child)) {
-            (Value::Array(items), Some(ListStrategy::MergeKey(key))) => merge_keyed_list(cur, items, key, &child)?,
+            (Value::Array(items), Some(ListStrategy::MergeKey(key))) => {
+                merge_keyed_list(cur, items, key, &child)?
+            }
             (Value::Array(items), Some(ListStrategy::Primitive)) => {
                 let mut out = match cur {
                     Value::Array(a) => a,
@@ -1495,7 +1619,10 @@ fn strategic_merge(target: Value, patch: &Value, path: &str) -> Result<Value, Ap
 }
 
 fn merge_keyed_list(cur: Value, items: &[Value], key: &str, path: &str) -> Result<Value, ApiErr> {
-    if items.iter().any(|i| i.get("$patch").and_then(Value::as_str) == Some("replace")) {
+    if items
+        .iter()
+        .any(|i| i.get("$patch").and_then(Value::as_str) == Some("replace"))
+    {
         let kept: Vec<Value> = items
             .iter()
             .filter(|i| i.get("$patch").is_none())
@@ -1534,7 +1661,9 @@ fn merge_keyed_list(cur: Value, items: &[Value], key: &str, path: &str) -> Resul
 /// RFC 6902 JSON patch.
 fn json_patch(mut doc: Value, ops: &Value) -> Result<Value, ApiErr> {
     let Value::Array(ops) = ops else {
-        return Err(ApiErr::bad_request("a JSON patch must be an array of operations"));
+        return Err(ApiErr::bad_request(
+            "a JSON patch must be an array of operations",
+        ));
     };
     for op in ops {
         let kind = op["op"].as_str().unwrap_or("");
@@ -1618,7 +1747,9 @@ fn pointer_add(doc: &mut Value, path: &str, value: Value) -> Result<(), ApiErr> 
             a.insert(i, value);
             Ok(())
         }
-        _ => Err(json_patch_err(format!("parent of {path} is not a container"))),
+        _ => Err(json_patch_err(format!(
+            "parent of {path} is not a container"
+        ))),
     }
 }
 
@@ -1640,7 +1771,9 @@ fn pointer_remove(doc: &mut Value, path: &str) -> Result<Value, ApiErr> {
             }
             Ok(a.remove(i))
         }
-        _ => Err(json_patch_err(format!("parent of {path} is not a container"))),
+        _ => Err(json_patch_err(format!(
+            "parent of {path} is not a container"
+        ))),
     }
 }
 
@@ -1661,11 +1794,15 @@ fn parse_field_selector(s: &str, supported: &[&str]) -> Result<Vec<FieldReq>, Ap
         } else if let Some((f, v)) = part.split_once('=') {
             (f, v, false)
         } else {
-            return Err(ApiErr::bad_request(format!("invalid selector: '{s}'; can't understand '{part}'")));
+            return Err(ApiErr::bad_request(format!(
+                "invalid selector: '{s}'; can't understand '{part}'"
+            )));
         };
         let field = field.trim();
         if !supported.contains(&field) {
-            return Err(ApiErr::bad_request(format!("field label not supported: {field}")));
+            return Err(ApiErr::bad_request(format!(
+                "field label not supported: {field}"
+            )));
         }
         out.push(if neg {
             FieldReq::Ne(field.to_string(), value.trim().to_string())
@@ -1735,7 +1872,11 @@ fn parse_set(rest: &str, whole: &str) -> Result<Vec<String>, ApiErr> {
 
 fn parse_label_selector(s: &str) -> Result<Vec<LabelReq>, ApiErr> {
     let mut out = Vec::new();
-    for part in split_top_level(s).into_iter().map(str::trim).filter(|p| !p.is_empty()) {
+    for part in split_top_level(s)
+        .into_iter()
+        .map(str::trim)
+        .filter(|p| !p.is_empty())
+    {
         if let Some(k) = part.strip_prefix('!') {
             out.push(LabelReq::NotExists(k.trim().to_string()));
         } else if let Some((k, v)) = part.split_once("!=") {
@@ -1745,11 +1886,16 @@ fn parse_label_selector(s: &str) -> Result<Vec<LabelReq>, ApiErr> {
         } else if let Some((k, v)) = part.split_once('=') {
             out.push(LabelReq::Eq(k.trim().to_string(), v.trim().to_string()));
         } else if let Some((k, rest)) = part.split_once(" notin ") {
-            out.push(LabelReq::NotIn(k.trim().to_string(), parse_set(rest, part)?));
+            out.push(LabelReq::NotIn(
+                k.trim().to_string(),
+                parse_set(rest, part)?,
+            ));
         } else if let Some((k, rest)) = part.split_once(" in ") {
             out.push(LabelReq::In(k.trim().to_string(), parse_set(rest, part)?));
         } else if part.contains(char::is_whitespace) || part.contains('(') {
-            return Err(ApiErr::bad_request(format!("unable to parse requirement: {part}")));
+            return Err(ApiErr::bad_request(format!(
+                "unable to parse requirement: {part}"
+            )));
         } else {
             out.push(LabelReq::Exists(part.to_string()));
         }
@@ -1868,7 +2014,8 @@ fn restore(dst: &mut Value, src: &Value, key: &str) {
 }
 
 fn parse_json(body: &[u8]) -> Result<Value, ApiErr> {
-    serde_json::from_slice(body).map_err(|e| ApiErr::bad_request(format!("error decoding the request body: {e}")))
+    serde_json::from_slice(body)
+        .map_err(|e| ApiErr::bad_request(format!("error decoding the request body: {e}")))
 }
 
 fn now_seconds() -> Timestamp {
@@ -2029,7 +2176,10 @@ impl TestPod {
             .metadata
             .annotations
             .get_or_insert_with(BTreeMap::new)
-            .insert(crate::node::filter::MIRROR_ANNOTATION.to_string(), "hash".to_string());
+            .insert(
+                crate::node::filter::MIRROR_ANNOTATION.to_string(),
+                "hash".to_string(),
+            );
         self.pod.metadata.owner_references = Some(vec![OwnerReference {
             api_version: "v1".to_string(),
             kind: "Node".to_string(),
@@ -2065,7 +2215,10 @@ mod tests {
                         "$setElementOrder/conditions": [{ "type": "Ready" }, { "type": "GPUUnhealthy" }] }
         });
         let out = strategic_merge(node, &patch, "").unwrap();
-        assert_eq!(out["spec"]["taints"], json!([{ "key": "b", "effect": "NoSchedule" }]));
+        assert_eq!(
+            out["spec"]["taints"],
+            json!([{ "key": "b", "effect": "NoSchedule" }])
+        );
         assert_eq!(
             out["status"]["conditions"],
             json!([
@@ -2075,7 +2228,10 @@ mod tests {
         );
         let del = json!({ "status": { "conditions": [{ "type": "Ready", "$patch": "delete" }] } });
         let out = strategic_merge(out, &del, "").unwrap();
-        assert_eq!(out["status"]["conditions"].as_array().map(Vec::len), Some(1));
+        assert_eq!(
+            out["status"]["conditions"].as_array().map(Vec::len),
+            Some(1)
+        );
         let bad = json!({ "status": { "conditions": [{ "status": "True" }] } });
         assert_eq!(strategic_merge(out, &bad, "").unwrap_err().code, 400);
     }
@@ -2083,7 +2239,10 @@ mod tests {
     #[test]
     fn merge_patch_follows_rfc7386() {
         let doc = json!({ "a": 1, "b": { "c": 2, "d": 3 }, "l": [1, 2] });
-        let out = merge_patch(doc, &json!({ "b": { "c": null, "e": 4 }, "l": [3], "a": null }));
+        let out = merge_patch(
+            doc,
+            &json!({ "b": { "c": null, "e": 4 }, "l": [3], "a": null }),
+        );
         assert_eq!(out, json!({ "b": { "d": 3, "e": 4 }, "l": [3] }));
     }
 
@@ -2109,11 +2268,20 @@ mod tests {
     fn selectors_parse_and_match() {
         let pod = json!({ "metadata": { "name": "p", "labels": { "app": "x", "tier": "gpu" } },
                           "spec": { "nodeName": "n1" } });
-        let fs = parse_field_selector("spec.nodeName=n1,metadata.name!=q", &["spec.nodeName", "metadata.name"]).unwrap();
+        let fs = parse_field_selector(
+            "spec.nodeName=n1,metadata.name!=q",
+            &["spec.nodeName", "metadata.name"],
+        )
+        .unwrap();
         assert!(fields_match(&pod, &fs));
         let fs = parse_field_selector("spec.nodeName==n2", &["spec.nodeName"]).unwrap();
         assert!(!fields_match(&pod, &fs));
-        assert_eq!(parse_field_selector("spec.bogus=1", &["spec.nodeName"]).err().map(|e| e.code), Some(400));
+        assert_eq!(
+            parse_field_selector("spec.bogus=1", &["spec.nodeName"])
+                .err()
+                .map(|e| e.code),
+            Some(400)
+        );
         for (sel, want) in [
             ("app=x", true),
             ("app==x,tier", true),
@@ -2149,7 +2317,8 @@ mod tests {
         assert!(selector_matches(&sel, &pod));
         assert!(selector_matches(&json!({}), &pod));
         assert!(!selector_matches(&Value::Null, &pod));
-        let expr = json!({ "matchExpressions": [{ "key": "app", "operator": "NotIn", "values": ["x"] }] });
+        let expr =
+            json!({ "matchExpressions": [{ "key": "app", "operator": "NotIn", "values": ["x"] }] });
         assert!(!selector_matches(&expr, &pod));
     }
 }
