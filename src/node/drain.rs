@@ -506,6 +506,30 @@ async fn drain_inner(
     Ok(report)
 }
 
+/// One line for a `DrainBlocked` Event or log: every pod still on the node, the PDBs that held
+/// it and why (empty when the drain completed).
+pub fn blocked_summary(report: &DrainReport) -> String {
+    if report.blocked.is_empty() {
+        return String::new();
+    }
+    let pods: Vec<String> = report
+        .blocked
+        .iter()
+        .map(|b| {
+            if b.pdbs.is_empty() {
+                format!("{} ({})", b.pod, b.reason)
+            } else {
+                format!("{} (PodDisruptionBudget {}: {})", b.pod, b.pdbs.join(", "), b.reason)
+            }
+        })
+        .collect();
+    format!(
+        "{} pod(s) still on the node at the deadline: {}",
+        report.blocked.len(),
+        pods.join("; ")
+    )
+}
+
 fn count(metrics: &Metrics, outcome: &str, n: usize) {
     if n > 0 {
         metrics
@@ -573,6 +597,31 @@ mod tests {
         assert_eq!(pdb_names(&s), vec!["web"]);
         // Nothing named: empty, not garbage.
         assert!(pdb_names(&status_429(Vec::new())).is_empty());
+    }
+
+    #[test]
+    fn blocked_summary_names_pods_and_budgets() {
+        assert_eq!(blocked_summary(&DrainReport::default()), "");
+        let report = DrainReport {
+            blocked: vec![
+                BlockedPod {
+                    pod: "db/pg-0".into(),
+                    pdbs: vec!["pg-pdb".into()],
+                    reason: "eviction refused (429 TooManyRequests)".into(),
+                },
+                BlockedPod {
+                    pod: "a/stuck".into(),
+                    pdbs: Vec::new(),
+                    reason: "evicted, still terminating at the deadline".into(),
+                },
+            ],
+            ..Default::default()
+        };
+        assert_eq!(
+            blocked_summary(&report),
+            "2 pod(s) still on the node at the deadline: db/pg-0 (PodDisruptionBudget pg-pdb: \
+             eviction refused (429 TooManyRequests)); a/stuck (evicted, still terminating at the deadline)"
+        );
     }
 
     #[test]

@@ -158,18 +158,23 @@ impl KubeNodeOps {
 
     // === node reads and writes ===
 
+    /// GET the node once (and remember its UID for Event references).
+    async fn get_node_once(&self) -> Result<Node, ::kube::Error> {
+        let node = with_timeout(self.nodes.get(&self.node_name)).await?;
+        if let Some(uid) = &node.metadata.uid {
+            if let Ok(mut g) = self.node_uid.lock() {
+                *g = Some(uid.clone());
+            }
+        }
+        Ok(node)
+    }
+
+    /// GET the node, retrying transient errors.
     async fn get_node(&self) -> Result<Node, Error> {
         let mut attempt = 0;
         loop {
-            match with_timeout(self.nodes.get(&self.node_name)).await {
-                Ok(node) => {
-                    if let Some(uid) = &node.metadata.uid {
-                        if let Ok(mut g) = self.node_uid.lock() {
-                            *g = Some(uid.clone());
-                        }
-                    }
-                    return Ok(node);
-                }
+            match self.get_node_once().await {
+                Ok(node) => return Ok(node),
                 Err(e) if super::kube_retryable(&e) && attempt + 1 < NODE_WRITE_ATTEMPTS => {
                     tracing::debug!(node = %self.node_name, error = %e, "reading node failed, retrying");
                     tokio::time::sleep(backoff(attempt)).await;
@@ -190,13 +195,35 @@ impl KubeNodeOps {
     /// already as wanted.
     async fn modify_node<T, F>(&self, what: &'static str, mut plan: F) -> Result<Rmw<T>, Error>
     where
-        T: Clone,
         F: FnMut(&Node) -> Option<(Value, T)>,
     {
         let mut ambiguous = Vec::new();
-        let mut last_conflict = false;
+        let mut last_error: Option<::kube::Error> = None;
         for attempt in 0..NODE_WRITE_ATTEMPTS {
-            let node = self.get_node().await?;
+            if attempt > 0 {
+                // A conflict re-reads at once (tiny jitter); anything else backs off.
+                let conflict = matches!(&last_error, Some(::kube::Error::Api(s)) if s.code == 409);
+                let pause = if conflict {
+                    Duration::from_millis(fastrand::u64(0..20))
+                } else {
+                    backoff(attempt - 1)
+                };
+                tokio::time::sleep(pause).await;
+            }
+            let node = match self.get_node_once().await {
+                Ok(node) => node,
+                Err(e) if super::kube_retryable(&e) => {
+                    tracing::debug!(node = %self.node_name, what, attempt, error = %e, "reading node failed, retrying");
+                    last_error = Some(e);
+                    continue;
+                }
+                Err(source) => {
+                    return Err(Error::GetNode {
+                        node: self.node_name.clone(),
+                        source,
+                    })
+                }
+            };
             let Some((mut patch, change)) = plan(&node) else {
                 return Ok(Rmw {
                     applied: None,
@@ -215,12 +242,9 @@ impl KubeNodeOps {
                 field_manager: Some(FIELD_MANAGER.to_string()),
                 ..Default::default()
             };
-            let result = with_timeout(self.nodes.patch(
-                &self.node_name,
-                &params,
-                &Patch::Merge(&patch),
-            ))
-            .await;
+            let result =
+                with_timeout(self.nodes.patch(&self.node_name, &params, &Patch::Merge(&patch)))
+                    .await;
             match result {
                 Ok(_) => {
                     return Ok(Rmw {
@@ -229,16 +253,14 @@ impl KubeNodeOps {
                     })
                 }
                 Err(::kube::Error::Api(s)) if s.code == 409 => {
-                    last_conflict = true;
                     tracing::debug!(node = %self.node_name, what, attempt, "node changed underneath, re-reading");
-                    tokio::time::sleep(Duration::from_millis(fastrand::u64(0..20))).await;
+                    last_error = Some(::kube::Error::Api(s));
                 }
                 Err(e) if super::kube_retryable(&e) => {
-                    last_conflict = false;
                     tracing::debug!(node = %self.node_name, what, attempt, error = %e, "node patch failed, retrying");
                     // The write may have landed: remember what it would have changed.
                     ambiguous.push(change);
-                    tokio::time::sleep(backoff(attempt)).await;
+                    last_error = Some(e);
                 }
                 Err(source) => {
                     return Err(Error::PatchNode {
@@ -249,19 +271,20 @@ impl KubeNodeOps {
                 }
             }
         }
-        if last_conflict {
-            Err(Error::Conflict {
+        match last_error {
+            Some(::kube::Error::Api(s)) if s.code == 409 => Err(Error::Conflict {
                 node: self.node_name.clone(),
                 attempts: NODE_WRITE_ATTEMPTS,
-            })
-        } else {
-            Err(Error::PatchNode {
+            }),
+            Some(source) => Err(Error::PatchNode {
                 node: self.node_name.clone(),
                 what,
-                source: ::kube::Error::Service(
-                    format!("gave up after {NODE_WRITE_ATTEMPTS} attempts").into(),
-                ),
-            })
+                source,
+            }),
+            None => Err(Error::Conflict {
+                node: self.node_name.clone(),
+                attempts: NODE_WRITE_ATTEMPTS,
+            }),
         }
     }
 
