@@ -32,7 +32,10 @@ struct Sample {
 }
 
 fn main() -> ExitCode {
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("cannot build a tokio runtime: {e}");
@@ -51,9 +54,13 @@ fn main() -> ExitCode {
 fn seed(server: &FakeApiServer, round: usize) {
     server.add_node(test_node(NODE));
     for i in 0..PODS {
-        let pod = TestPod::new(&format!("team-{}", i % 4), &format!("worker-{round}-{i}"), NODE)
-            .label("app", "trainer")
-            .build();
+        let pod = TestPod::new(
+            &format!("team-{}", i % 4),
+            &format!("worker-{round}-{i}"),
+            NODE,
+        )
+        .label("app", "trainer")
+        .build();
         server.add_pod(pod);
     }
 }
@@ -64,7 +71,9 @@ async fn run() -> Result<(), String> {
         .and_then(|v| v.parse().ok())
         .unwrap_or(12)
         .max(10);
-    let server = FakeApiServer::start().await.map_err(|e| format!("fake API server: {e}"))?;
+    let server = FakeApiServer::start()
+        .await
+        .map_err(|e| format!("fake API server: {e}"))?;
     server.set_latency(LATENCY);
     server.set_deletion_delay(Duration::ZERO);
     let metrics = Arc::new(Metrics::register(&mut Registry::default()));
@@ -112,7 +121,10 @@ async fn run() -> Result<(), String> {
         "  agent overhead = median wall − server minimum: {:?}",
         median.saturating_sub(critical)
     );
-    println!("  peak RSS (VmHWM, whole bench process incl. fake server): {}", vm_hwm());
+    println!(
+        "  peak RSS (VmHWM, whole bench process incl. fake server): {}",
+        vm_hwm()
+    );
 
     if std::env::var("DRAIN_BENCH_KUBECTL").as_deref() != Ok("0") {
         match kubectl_runs(&server, runs.min(10)).await {
@@ -176,14 +188,27 @@ async fn kubectl_runs(server: &FakeApiServer, runs: usize) -> Result<Vec<Sample>
             .arg(&kubeconfig)
             .arg("--cache-dir")
             .arg(&cache)
-            .args(["drain", NODE, "--ignore-daemonsets", "--delete-emptydir-data", "--timeout=120s"])
+            .args([
+                "drain",
+                NODE,
+                "--ignore-daemonsets",
+                "--delete-emptydir-data",
+                "--timeout=120s",
+            ])
             .output()
             .await
             .map_err(|e| format!("running kubectl: {e}"))?;
         let wall = started.elapsed();
         if !out.status.success() {
             let stderr = String::from_utf8_lossy(&out.stderr);
-            let tail: String = stderr.chars().rev().take(600).collect::<Vec<_>>().into_iter().rev().collect();
+            let tail: String = stderr
+                .chars()
+                .rev()
+                .take(600)
+                .collect::<Vec<_>>()
+                .into_iter()
+                .rev()
+                .collect();
             return Err(format!("kubectl exited with {}: {tail}", out.status));
         }
         let left = server.pods().len();

@@ -519,7 +519,12 @@ pub fn blocked_summary(report: &DrainReport) -> String {
             if b.pdbs.is_empty() {
                 format!("{} ({})", b.pod, b.reason)
             } else {
-                format!("{} (PodDisruptionBudget {}: {})", b.pod, b.pdbs.join(", "), b.reason)
+                format!(
+                    "{} (PodDisruptionBudget {}: {})",
+                    b.pod,
+                    b.pdbs.join(", "),
+                    b.reason
+                )
             }
         })
         .collect();

@@ -242,9 +242,12 @@ impl KubeNodeOps {
                 field_manager: Some(FIELD_MANAGER.to_string()),
                 ..Default::default()
             };
-            let result =
-                with_timeout(self.nodes.patch(&self.node_name, &params, &Patch::Merge(&patch)))
-                    .await;
+            let result = with_timeout(self.nodes.patch(
+                &self.node_name,
+                &params,
+                &Patch::Merge(&patch),
+            ))
+            .await;
             match result {
                 Ok(_) => {
                     return Ok(Rmw {
