@@ -12,7 +12,10 @@ use serde::{Deserialize, Serialize};
 use crate::checkpoint::PodRef;
 use crate::notice::{NoticeKind, Source};
 
+pub mod drain;
+pub mod filter;
 pub mod host;
+pub mod kube;
 
 /// Annotation on the Node holding the persisted [`PlanState`] as JSON.
 pub const NOTICE_ANNOTATION: &str = "spotguard.io/notice";
@@ -295,38 +298,38 @@ pub enum Error {
     GetNode {
         node: String,
         #[source]
-        source: kube::Error,
+        source: ::kube::Error,
     },
     #[error("patching node {node} ({what}): {source}")]
     PatchNode {
         node: String,
         what: &'static str,
         #[source]
-        source: kube::Error,
+        source: ::kube::Error,
     },
     #[error("listing pods on node {node}: {source}")]
     ListPods {
         node: String,
         #[source]
-        source: kube::Error,
+        source: ::kube::Error,
     },
     #[error("evicting pod {pod}: {source}")]
     Evict {
         pod: String,
         #[source]
-        source: kube::Error,
+        source: ::kube::Error,
     },
     #[error("deleting pod {pod}: {source}")]
     DeletePod {
         pod: String,
         #[source]
-        source: kube::Error,
+        source: ::kube::Error,
     },
     #[error("creating event {reason}: {source}")]
     Event {
         reason: String,
         #[source]
-        source: kube::Error,
+        source: ::kube::Error,
     },
     #[error("conflicting updates to node {node} did not settle after {attempts} attempts")]
     Conflict { node: String, attempts: u32 },
@@ -367,13 +370,13 @@ impl Error {
 }
 
 /// Whether a kube error is worth retrying: transport errors, 409 conflicts, 429 and 5xx.
-pub fn kube_retryable(e: &kube::Error) -> bool {
+pub fn kube_retryable(e: &::kube::Error) -> bool {
     match e {
-        kube::Error::Api(status) => {
+        ::kube::Error::Api(status) => {
             let code = status.code;
             code == 409 || code == 429 || code >= 500
         }
-        kube::Error::HyperError(_) | kube::Error::Service(_) => true,
+        ::kube::Error::HyperError(_) | ::kube::Error::Service(_) => true,
         _ => false,
     }
 }

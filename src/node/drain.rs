@@ -1,0 +1,643 @@
+//! Deadline-bounded drain of this node through the Eviction API (policy/v1).
+//!
+//! 1. List the pods with `fieldSelector=spec.nodeName=<node>`; [`filter`](super::filter) decides
+//!    which to evict.
+//! 2. Evict all of them concurrently (at most `concurrency` API requests in flight; waiting for a
+//!    deletion holds no slot), each with `gracePeriodSeconds = min(pod's own, time left − 2 s)`
+//!    and a UID precondition (a replacement pod with the same name is never evicted).
+//!    201 ⇒ wait for the deletion; 404 ⇒ gone; 429 ⇒ a PodDisruptionBudget refuses: remember it
+//!    (named in the Status cause, no extra RBAC) and retry every 1–2 s; 409 ⇒ check whether the pod
+//!    was replaced, else retry; 5xx / transport ⇒ retry; 403 and anything else ⇒ blocked.
+//! 3. Wait for the deletion by polling GET (404 or a different UID ⇒ gone), backing off from
+//!    25 ms to 1 s.
+//! 4. With `force_delete_at_deadline`, pods still refused [`FORCE_DELETE_LEAD`] before the
+//!    deadline are deleted (grace capped to the time left).
+//! 5. At the deadline everything stops; the report names every pod still there and the PDBs
+//!    that blocked it.
+//!
+//! Re-running is safe: pods already gone are simply not listed, pods already terminating are
+//! evicted again (the API server lets a terminating pod through without a PDB check) and waited
+//! for, so an agent restarted mid-drain converges.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::stream::{FuturesUnordered, StreamExt};
+use jiff::Timestamp;
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::policy::v1::Eviction;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{DeleteOptions, ObjectMeta, Preconditions};
+use kube::api::{Api, DeleteParams, ListParams, PostParams};
+use kube::core::Status;
+use kube::Client;
+use serde_json::Value;
+use tokio::sync::Semaphore;
+use tokio::time::Instant;
+use tracing::Instrument;
+
+use super::filter::{self, pod_key};
+use super::{BlockedPod, DrainReport, DrainRequest, Error, FORCE_DELETE_LEAD};
+use crate::metrics::{Metrics, OutcomeLabels};
+
+/// Kept between the eviction's grace period and the deadline.
+pub const GRACE_MARGIN: Duration = Duration::from_secs(2);
+/// Default grace period of a pod that does not set one.
+pub const DEFAULT_GRACE_SECONDS: i64 = 30;
+/// Retry cadence for refused evictions (429, 5xx): uniformly 1–2 s.
+const RETRY_MIN: Duration = Duration::from_secs(1);
+const RETRY_MAX: Duration = Duration::from_secs(2);
+/// Deletion polling: from this, doubling up to the cap.
+const POLL_FIRST: Duration = Duration::from_millis(25);
+const POLL_MAX: Duration = Duration::from_secs(1);
+
+/// `gracePeriodSeconds` for an eviction or deletion with `left` before the deadline:
+/// `min(own, left − 2 s)`, at least 1 s (0 would remove the pod object before its containers
+/// stopped) unless the pod itself asks for 0.
+pub fn grace_seconds(own: i64, left: Duration) -> i64 {
+    if own <= 0 {
+        return 0;
+    }
+    let cap = left.saturating_sub(GRACE_MARGIN).as_secs() as i64;
+    own.min(cap.max(1))
+}
+
+/// Names of the PodDisruptionBudgets a 429 from the eviction subresource refers to. The API
+/// server names the budget in a `DisruptionBudget` cause: "The disruption budget NAME needs …",
+/// "… is still being processed …", "… does not allow evicting pods …".
+pub fn pdb_names(status: &Status) -> Vec<String> {
+    const PREFIX: &str = "The disruption budget ";
+    let causes = status
+        .details
+        .as_ref()
+        .map(|d| d.causes.as_slice())
+        .unwrap_or(&[]);
+    let mut names: Vec<String> = causes
+        .iter()
+        .filter(|c| c.reason == "DisruptionBudget" || c.message.starts_with(PREFIX))
+        .filter_map(|c| c.message.strip_prefix(PREFIX))
+        .chain(status.message.split(PREFIX).skip(1))
+        .filter_map(|rest| rest.split_whitespace().next())
+        .map(|n| n.trim_end_matches(['.', ',', ':']).to_string())
+        .filter(|n| !n.is_empty())
+        .collect();
+    names.sort();
+    names.dedup();
+    names
+}
+
+enum Outcome {
+    /// Evicted and confirmed gone.
+    Evicted,
+    /// Already gone when we came to evict it.
+    Gone,
+    ForceDeleted,
+    Blocked {
+        pdbs: Vec<String>,
+        reason: String,
+    },
+}
+
+impl Outcome {
+    fn label(&self) -> &'static str {
+        match self {
+            Outcome::Evicted => "evicted",
+            Outcome::Gone => "gone",
+            Outcome::ForceDeleted => "force_deleted",
+            Outcome::Blocked { .. } => "blocked",
+        }
+    }
+}
+
+enum CallError {
+    Deadline,
+    Kube(::kube::Error),
+}
+
+struct Drainer<'a> {
+    client: &'a Client,
+    deadline: Instant,
+    force_at: Option<Instant>,
+    permits: Arc<Semaphore>,
+}
+
+impl Drainer<'_> {
+    /// One API call holding a concurrency slot, bounded by the deadline.
+    async fn call<T>(
+        &self,
+        fut: impl std::future::Future<Output = Result<T, ::kube::Error>>,
+    ) -> Result<T, CallError> {
+        let _permit = match tokio::time::timeout_at(self.deadline, self.permits.acquire()).await {
+            Ok(Ok(p)) => p,
+            Ok(Err(_)) | Err(_) => return Err(CallError::Deadline),
+        };
+        match tokio::time::timeout_at(self.deadline, super::kube::with_timeout(fut)).await {
+            Ok(r) => r.map_err(CallError::Kube),
+            Err(_) => Err(CallError::Deadline),
+        }
+    }
+
+    /// Sleep `d` (or less: never past the deadline, nor past the force-delete moment when
+    /// `until_force`).
+    async fn pause(&self, d: Duration, until_force: bool) {
+        let mut until = Instant::now() + d;
+        if until_force {
+            if let Some(f) = self.force_at {
+                if f > Instant::now() {
+                    until = until.min(f);
+                }
+            }
+        }
+        tokio::time::sleep_until(until.min(self.deadline)).await;
+    }
+
+    async fn evict(&self, pod: Pod) -> Outcome {
+        let name = pod.metadata.name.clone().unwrap_or_default();
+        let ns = pod.metadata.namespace.clone().unwrap_or_default();
+        let uid = pod.metadata.uid.clone();
+        let own_grace = pod
+            .spec
+            .as_ref()
+            .and_then(|s| s.termination_grace_period_seconds)
+            .unwrap_or(DEFAULT_GRACE_SECONDS);
+        let pods: Api<Pod> = Api::namespaced(self.client.clone(), &ns);
+        let mut pdbs: BTreeSet<String> = BTreeSet::new();
+        let mut refused: Option<String> = None;
+        loop {
+            let now = Instant::now();
+            if now >= self.deadline {
+                return Outcome::Blocked {
+                    pdbs: pdbs.into_iter().collect(),
+                    reason: refused.unwrap_or_else(|| {
+                        "deadline reached before the eviction was accepted".into()
+                    }),
+                };
+            }
+            if let (Some(force_at), Some(why)) = (self.force_at, &refused) {
+                if now >= force_at {
+                    tracing::warn!(reason = %why, "still refused at the force-delete moment: deleting");
+                    return self
+                        .force_delete(&pods, &name, uid.as_deref(), own_grace, pdbs, why.clone())
+                        .await;
+                }
+            }
+            let grace = grace_seconds(own_grace, self.deadline.saturating_duration_since(now));
+            let eviction = eviction_body(&name, &ns, grace, uid.as_deref());
+            let result = self
+                .call(pods.create_subresource::<_, Value>(
+                    "eviction",
+                    &name,
+                    &PostParams::default(),
+                    &eviction,
+                ))
+                .await;
+            match result {
+                Ok(_) => {
+                    tracing::debug!(grace, "eviction accepted");
+                    break;
+                }
+                Err(CallError::Deadline) => continue,
+                Err(CallError::Kube(::kube::Error::Api(s))) => match s.code {
+                    404 => return Outcome::Gone,
+                    429 => {
+                        let names = pdb_names(&s);
+                        if refused.is_none() {
+                            tracing::info!(pdbs = ?names, message = %s.message, "eviction refused by a disruption budget; retrying");
+                        }
+                        pdbs.extend(names);
+                        refused = Some(status_reason(&s));
+                        self.pause(jitter(RETRY_MIN, RETRY_MAX), true).await;
+                    }
+                    409 => {
+                        // Precondition (UID) failed or a concurrent PDB update: replaced ⇒ gone.
+                        match self.call(pods.get_opt(&name)).await {
+                            Ok(None) => return Outcome::Gone,
+                            Ok(Some(p)) if p.metadata.uid != uid => return Outcome::Gone,
+                            _ => {}
+                        }
+                        refused = Some(status_reason(&s));
+                        self.pause(
+                            jitter(Duration::from_millis(50), Duration::from_millis(250)),
+                            true,
+                        )
+                        .await;
+                    }
+                    code if code >= 500 => {
+                        tracing::debug!(code, message = %s.message, "eviction failed on the server; retrying");
+                        refused = Some(status_reason(&s));
+                        self.pause(jitter(RETRY_MIN, RETRY_MAX), true).await;
+                    }
+                    _ => {
+                        tracing::warn!(code = s.code, message = %s.message, "eviction refused");
+                        return Outcome::Blocked {
+                            pdbs: pdbs.into_iter().collect(),
+                            reason: status_reason(&s),
+                        };
+                    }
+                },
+                Err(CallError::Kube(e)) if super::kube_retryable(&e) => {
+                    tracing::debug!(error = %e, "eviction request failed; retrying");
+                    refused = Some(format!("eviction request failed: {e}"));
+                    self.pause(jitter(RETRY_MIN, RETRY_MAX), true).await;
+                }
+                Err(CallError::Kube(e)) => {
+                    tracing::warn!(error = %e, "eviction request failed");
+                    return Outcome::Blocked {
+                        pdbs: pdbs.into_iter().collect(),
+                        reason: format!("eviction request failed: {e}"),
+                    };
+                }
+            }
+        }
+        if self.wait_gone(&pods, &name, uid.as_deref()).await {
+            Outcome::Evicted
+        } else {
+            Outcome::Blocked {
+                pdbs: Vec::new(),
+                reason: "evicted, still terminating at the deadline".into(),
+            }
+        }
+    }
+
+    async fn force_delete(
+        &self,
+        pods: &Api<Pod>,
+        name: &str,
+        uid: Option<&str>,
+        own_grace: i64,
+        pdbs: BTreeSet<String>,
+        why: String,
+    ) -> Outcome {
+        let grace = grace_seconds(
+            own_grace,
+            self.deadline.saturating_duration_since(Instant::now()),
+        );
+        let params = DeleteParams {
+            grace_period_seconds: Some(grace.max(0) as u32),
+            preconditions: uid.map(|u| kube::api::Preconditions {
+                uid: Some(u.to_string()),
+                resource_version: None,
+            }),
+            ..Default::default()
+        };
+        let blocked = |reason: String| Outcome::Blocked {
+            pdbs: pdbs.iter().cloned().collect(),
+            reason,
+        };
+        match self.call(pods.delete(name, &params)).await {
+            Ok(_) => {}
+            Err(CallError::Kube(::kube::Error::Api(s))) if s.code == 404 => {
+                return Outcome::ForceDeleted
+            }
+            Err(CallError::Kube(e)) => {
+                tracing::warn!(error = %e, "force delete failed");
+                return blocked(format!("{why}; force delete failed: {e}"));
+            }
+            Err(CallError::Deadline) => {
+                return blocked(format!("{why}; deadline reached during force delete"))
+            }
+        }
+        if self.wait_gone(pods, name, uid).await {
+            Outcome::ForceDeleted
+        } else {
+            blocked(format!(
+                "{why}; force-deleted, still terminating at the deadline"
+            ))
+        }
+    }
+
+    /// Poll until the pod is gone (404 or a new UID); false at the deadline.
+    async fn wait_gone(&self, pods: &Api<Pod>, name: &str, uid: Option<&str>) -> bool {
+        let mut delay = POLL_FIRST;
+        loop {
+            self.pause(jitter(delay.mul_f32(0.8), delay.mul_f32(1.2)), false)
+                .await;
+            if Instant::now() >= self.deadline {
+                return false;
+            }
+            match self.call(pods.get_opt(name)).await {
+                Ok(None) => return true,
+                Ok(Some(p)) if p.metadata.uid.as_deref() != uid => return true,
+                Ok(Some(_)) => {}
+                Err(CallError::Deadline) => return false,
+                Err(CallError::Kube(e)) => tracing::debug!(error = %e, "checking deletion failed"),
+            }
+            delay = (delay * 2).min(POLL_MAX);
+        }
+    }
+}
+
+fn eviction_body(name: &str, ns: &str, grace: i64, uid: Option<&str>) -> Eviction {
+    Eviction {
+        metadata: ObjectMeta {
+            name: Some(name.to_string()),
+            namespace: Some(ns.to_string()),
+            ..Default::default()
+        },
+        delete_options: Some(DeleteOptions {
+            grace_period_seconds: Some(grace),
+            preconditions: uid.map(|u| Preconditions {
+                uid: Some(u.to_string()),
+                resource_version: None,
+            }),
+            ..Default::default()
+        }),
+    }
+}
+
+fn status_reason(s: &Status) -> String {
+    let causes: Vec<&str> = s
+        .details
+        .as_ref()
+        .map(|d| {
+            d.causes
+                .iter()
+                .map(|c| c.message.as_str())
+                .filter(|m| !m.is_empty())
+                .collect()
+        })
+        .unwrap_or_default();
+    let mut out = format!("eviction refused ({} {}): {}", s.code, s.reason, s.message);
+    if !causes.is_empty() {
+        out.push_str(" (");
+        out.push_str(&causes.join("; "));
+        out.push(')');
+    }
+    out
+}
+
+fn jitter(min: Duration, max: Duration) -> Duration {
+    let span = max.saturating_sub(min).as_millis() as u64;
+    min + Duration::from_millis(fastrand::u64(0..=span))
+}
+
+/// Drain `node` before `request.deadline`. Errors only when the pods cannot be listed; every
+/// per-pod problem ends in the report.
+pub async fn drain_node(
+    client: &Client,
+    node: &str,
+    own_pod: Option<(&str, &str)>,
+    dry_run: bool,
+    metrics: &Metrics,
+    request: &DrainRequest,
+) -> Result<DrainReport, Error> {
+    let span = tracing::info_span!("drain", node = %node);
+    drain_inner(client, node, own_pod, dry_run, metrics, request)
+        .instrument(span)
+        .await
+}
+
+async fn drain_inner(
+    client: &Client,
+    node: &str,
+    own_pod: Option<(&str, &str)>,
+    dry_run: bool,
+    metrics: &Metrics,
+    request: &DrainRequest,
+) -> Result<DrainReport, Error> {
+    let started = Instant::now();
+    let left = crate::notice::time_until(Some(request.deadline), Timestamp::now());
+    let deadline = started + left;
+    let all: Api<Pod> = Api::all(client.clone());
+    let params = ListParams::default().fields(&format!("spec.nodeName={node}"));
+    let mut attempt = 0;
+    let pods = loop {
+        match tokio::time::timeout_at(deadline, super::kube::with_timeout(all.list(&params))).await
+        {
+            Ok(Ok(list)) => break list.items,
+            Ok(Err(e)) if super::kube_retryable(&e) && Instant::now() < deadline => {
+                tracing::debug!(error = %e, "listing pods failed; retrying");
+                tokio::time::sleep_until(
+                    (Instant::now() + super::kube::backoff(attempt)).min(deadline),
+                )
+                .await;
+                attempt += 1;
+            }
+            Ok(Err(source)) => {
+                metrics.error("node", "list_pods");
+                return Err(Error::ListPods {
+                    node: node.to_string(),
+                    source,
+                });
+            }
+            Err(_) => {
+                metrics.error("node", "deadline");
+                return Err(Error::Deadline("listing the pods to drain"));
+            }
+        }
+    };
+    let (to_evict, skipped) = filter::partition(pods, own_pod);
+    let mut report = DrainReport {
+        skipped: skipped.iter().map(|(k, _)| k.clone()).collect(),
+        ..Default::default()
+    };
+    for (pod, why) in &skipped {
+        tracing::debug!(pod = %pod, reason = why.as_str(), "not evicting");
+    }
+    count(metrics, "skipped", skipped.len());
+    if dry_run {
+        for pod in &to_evict {
+            let own = pod
+                .spec
+                .as_ref()
+                .and_then(|s| s.termination_grace_period_seconds)
+                .unwrap_or(DEFAULT_GRACE_SECONDS);
+            tracing::info!(pod = %pod_key(pod), grace_seconds = grace_seconds(own, left), "dry-run: would evict");
+        }
+        tracing::info!(
+            would_evict = to_evict.len(),
+            skipped = report.skipped.len(),
+            "dry-run: drain planned, nothing evicted"
+        );
+        return Ok(report);
+    }
+    tracing::info!(
+        pods = to_evict.len(),
+        skipped = report.skipped.len(),
+        seconds_left = left.as_secs(),
+        "draining"
+    );
+    let drainer = Drainer {
+        client,
+        deadline,
+        force_at: request
+            .force_delete_at_deadline
+            .then(|| deadline.checked_sub(FORCE_DELETE_LEAD).unwrap_or(started)),
+        permits: Arc::new(Semaphore::new(request.concurrency.max(1))),
+    };
+    let mut tasks: FuturesUnordered<_> = to_evict
+        .into_iter()
+        .map(|pod| {
+            let key = pod_key(&pod);
+            let span = tracing::info_span!("evict", pod = %key);
+            let drainer = &drainer;
+            async move { (key, drainer.evict(pod).await) }.instrument(span)
+        })
+        .collect();
+    while let Some((key, outcome)) = tasks.next().await {
+        count(metrics, outcome.label(), 1);
+        match outcome {
+            Outcome::Evicted | Outcome::Gone => report.evicted.push(key),
+            Outcome::ForceDeleted => report.force_deleted.push(key),
+            Outcome::Blocked { pdbs, reason } => {
+                tracing::warn!(pod = %key, pdbs = ?pdbs, reason = %reason, "pod still on the node at the deadline");
+                report.blocked.push(BlockedPod {
+                    pod: key,
+                    pdbs,
+                    reason,
+                });
+            }
+        }
+    }
+    report.evicted.sort();
+    report.force_deleted.sort();
+    report.blocked.sort_by(|a, b| a.pod.cmp(&b.pod));
+    let elapsed = started.elapsed();
+    metrics.drain_duration.observe(elapsed.as_secs_f64());
+    metrics.drain_blocked.set(report.blocked.len() as i64);
+    tracing::info!(
+        evicted = report.evicted.len(),
+        blocked = report.blocked.len(),
+        force_deleted = report.force_deleted.len(),
+        skipped = report.skipped.len(),
+        seconds = elapsed.as_secs_f64(),
+        "drain finished"
+    );
+    Ok(report)
+}
+
+/// One line for a `DrainBlocked` Event or log: every pod still on the node, the PDBs that held
+/// it and why (empty when the drain completed).
+pub fn blocked_summary(report: &DrainReport) -> String {
+    if report.blocked.is_empty() {
+        return String::new();
+    }
+    let pods: Vec<String> = report
+        .blocked
+        .iter()
+        .map(|b| {
+            if b.pdbs.is_empty() {
+                format!("{} ({})", b.pod, b.reason)
+            } else {
+                format!(
+                    "{} (PodDisruptionBudget {}: {})",
+                    b.pod,
+                    b.pdbs.join(", "),
+                    b.reason
+                )
+            }
+        })
+        .collect();
+    format!(
+        "{} pod(s) still on the node at the deadline: {}",
+        report.blocked.len(),
+        pods.join("; ")
+    )
+}
+
+fn count(metrics: &Metrics, outcome: &str, n: usize) {
+    if n > 0 {
+        metrics
+            .drain_pods
+            .get_or_create(&OutcomeLabels {
+                outcome: outcome.to_string(),
+            })
+            .inc_by(n as u64);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kube::core::response::{StatusCause, StatusDetails};
+
+    #[test]
+    fn grace_is_capped_by_time_left_minus_margin() {
+        assert_eq!(grace_seconds(30, Duration::from_secs(120)), 30);
+        assert_eq!(grace_seconds(30, Duration::from_secs(20)), 18);
+        assert_eq!(grace_seconds(30, Duration::from_millis(12_900)), 10);
+        // Never below 1 s (0 would bypass the kubelet)…
+        assert_eq!(grace_seconds(30, Duration::from_secs(2)), 1);
+        assert_eq!(grace_seconds(30, Duration::ZERO), 1);
+        // …unless the pod itself asks for 0.
+        assert_eq!(grace_seconds(0, Duration::from_secs(60)), 0);
+        assert_eq!(grace_seconds(-5, Duration::from_secs(60)), 0);
+    }
+
+    fn status_429(causes: Vec<StatusCause>) -> Status {
+        let mut s = Status::failure(
+            "Cannot evict pod as it would violate the pod's disruption budget.",
+            "TooManyRequests",
+        );
+        s.code = 429;
+        s.details = Some(StatusDetails {
+            name: String::new(),
+            group: String::new(),
+            kind: String::new(),
+            uid: String::new(),
+            causes,
+            retry_after_seconds: 0,
+        });
+        s
+    }
+
+    #[test]
+    fn pdb_names_come_from_the_disruption_budget_cause() {
+        let s = status_429(vec![StatusCause {
+            reason: "DisruptionBudget".into(),
+            message: "The disruption budget trainer-pdb needs 2 healthy pods and has 2 currently"
+                .into(),
+            field: String::new(),
+        }]);
+        assert_eq!(pdb_names(&s), vec!["trainer-pdb"]);
+        let s = status_429(vec![StatusCause {
+            reason: "DisruptionBudget".into(),
+            message: "The disruption budget db is still being processed by the server.".into(),
+            field: String::new(),
+        }]);
+        assert_eq!(pdb_names(&s), vec!["db"]);
+        // A server that only says it in the message (old / proxied): still found.
+        let mut s = status_429(Vec::new());
+        s.message = "Cannot evict pod as it would violate the pod's disruption budget. The disruption budget web does not allow evicting pods currently".into();
+        assert_eq!(pdb_names(&s), vec!["web"]);
+        // Nothing named: empty, not garbage.
+        assert!(pdb_names(&status_429(Vec::new())).is_empty());
+    }
+
+    #[test]
+    fn blocked_summary_names_pods_and_budgets() {
+        assert_eq!(blocked_summary(&DrainReport::default()), "");
+        let report = DrainReport {
+            blocked: vec![
+                BlockedPod {
+                    pod: "db/pg-0".into(),
+                    pdbs: vec!["pg-pdb".into()],
+                    reason: "eviction refused (429 TooManyRequests)".into(),
+                },
+                BlockedPod {
+                    pod: "a/stuck".into(),
+                    pdbs: Vec::new(),
+                    reason: "evicted, still terminating at the deadline".into(),
+                },
+            ],
+            ..Default::default()
+        };
+        assert_eq!(
+            blocked_summary(&report),
+            "2 pod(s) still on the node at the deadline: db/pg-0 (PodDisruptionBudget pg-pdb: \
+             eviction refused (429 TooManyRequests)); a/stuck (evicted, still terminating at the deadline)"
+        );
+    }
+
+    #[test]
+    fn eviction_body_is_policy_v1_with_delete_options() {
+        let v = serde_json::to_value(eviction_body("p", "ns", 7, Some("u1"))).unwrap();
+        assert_eq!(v["apiVersion"], "policy/v1");
+        assert_eq!(v["kind"], "Eviction");
+        assert_eq!(v["metadata"]["name"], "p");
+        assert_eq!(v["metadata"]["namespace"], "ns");
+        assert_eq!(v["deleteOptions"]["gracePeriodSeconds"], 7);
+        assert_eq!(v["deleteOptions"]["preconditions"]["uid"], "u1");
+        assert!(v.get("delete_options").is_none());
+    }
+}

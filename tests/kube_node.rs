@@ -1,0 +1,1209 @@
+//! KubeNodeOps against the in-process fake API server (behaviour) and against tower-test scripted
+//! exchanges (exact request shapes).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use jiff::Timestamp;
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use prometheus_client::registry::Registry;
+use serde_json::{json, Value};
+use spotguard::metrics::{encode, Metrics};
+use spotguard::node::kube::KubeNodeOps;
+use spotguard::node::{
+    reason, Applied, ConditionState, DrainRequest, Error, EventType, GpuConditions, NodeOps, Phase,
+    PlanState, Protection, TaintEffect, GPU_UNHEALTHY_TAINT, INTERRUPTION_TAINT, NOTICE_ANNOTATION,
+};
+use spotguard::notice::{NoticeKind, Source};
+use spotguard::testing::apiserver::{
+    test_node, EventApi, FakeApiServer, PdbLimit, RecordedRequest, TestPod,
+};
+
+const NODE: &str = "gpu-node-1";
+const OWN_NS: &str = "spotguard";
+const OWN_POD: &str = "spotguard-agent-x7k2p";
+
+struct Env {
+    server: FakeApiServer,
+    ops: KubeNodeOps,
+    registry: Registry,
+}
+
+async fn env(dry_run: bool) -> Env {
+    let server = FakeApiServer::start()
+        .await
+        .expect("fake API server starts");
+    server.add_node(test_node(NODE));
+    let mut registry = Registry::default();
+    let metrics = Arc::new(Metrics::register(&mut registry));
+    let ops = KubeNodeOps::new(
+        server.client(),
+        NODE.to_string(),
+        Some((OWN_NS.to_string(), OWN_POD.to_string())),
+        dry_run,
+        metrics,
+    );
+    Env {
+        server,
+        ops,
+        registry,
+    }
+}
+
+fn interruption() -> Protection {
+    Protection {
+        taint_value: "interruption".to_string(),
+        effect: TaintEffect::NoSchedule,
+        cordon: true,
+    }
+}
+
+fn taints(server: &FakeApiServer) -> Vec<(String, Option<String>, String)> {
+    server
+        .node(NODE)
+        .and_then(|n| n.spec)
+        .and_then(|s| s.taints)
+        .unwrap_or_default()
+        .into_iter()
+        .map(|t| (t.key, t.value, t.effect))
+        .collect()
+}
+
+fn cordoned(server: &FakeApiServer) -> bool {
+    server
+        .node(NODE)
+        .and_then(|n| n.spec)
+        .and_then(|s| s.unschedulable)
+        == Some(true)
+}
+
+fn in_secs(secs: u64) -> Timestamp {
+    Timestamp::now() + Duration::from_secs(secs)
+}
+
+fn drain_request(deadline: Timestamp) -> DrainRequest {
+    DrainRequest {
+        deadline,
+        force_delete_at_deadline: false,
+        concurrency: 8,
+    }
+}
+
+fn evictions(server: &FakeApiServer) -> Vec<RecordedRequest> {
+    server
+        .requests()
+        .into_iter()
+        .filter(|r| r.method == "POST" && r.path.ends_with("/eviction"))
+        .collect()
+}
+
+fn sample_state() -> PlanState {
+    PlanState {
+        id: "i-0abc-interruption".to_string(),
+        kind: NoticeKind::Interruption,
+        source: Source::Aws,
+        deadline: Some("2030-01-02T03:04:05Z".parse().expect("timestamp")),
+        phase: Phase::Signalled,
+        signalled_at: Some("2030-01-02T03:02:10Z".parse().expect("timestamp")),
+        applied: Applied {
+            cordoned: true,
+            taint_effect: Some(TaintEffect::NoSchedule),
+        },
+        boot_id: Some("3f0c2e8a".to_string()),
+        restart: false,
+        updated_at: "2030-01-02T03:02:11Z".parse().expect("timestamp"),
+    }
+}
+
+// === protect / unprotect ===
+
+#[tokio::test]
+async fn protect_and_unprotect_a_schedulable_node() {
+    let e = env(false).await;
+    let applied = e.ops.protect(&interruption()).await.expect("protect");
+    assert_eq!(
+        applied,
+        Applied {
+            cordoned: true,
+            taint_effect: Some(TaintEffect::NoSchedule)
+        }
+    );
+    assert!(cordoned(&e.server));
+    assert_eq!(
+        taints(&e.server),
+        vec![(
+            INTERRUPTION_TAINT.to_string(),
+            Some("interruption".to_string()),
+            "NoSchedule".to_string()
+        )]
+    );
+    // One PATCH did both, carrying the resourceVersion it read.
+    let patches: Vec<_> = e
+        .server
+        .requests()
+        .into_iter()
+        .filter(|r| r.method == "PATCH")
+        .collect();
+    assert_eq!(patches.len(), 1);
+    assert_eq!(
+        patches[0].content_type.as_deref(),
+        Some("application/merge-patch+json")
+    );
+    let body = patches[0].json().expect("json body");
+    assert!(body["metadata"]["resourceVersion"].is_string(), "{body}");
+
+    e.ops.unprotect(&applied).await.expect("unprotect");
+    assert!(!cordoned(&e.server));
+    assert!(taints(&e.server).is_empty());
+    let text = encode(&e.registry);
+    assert!(
+        text.contains("spotguard_node_actions_total{action=\"cordon\",outcome=\"ok\"} 1"),
+        "{text}"
+    );
+    assert!(
+        text.contains("spotguard_node_actions_total{action=\"uncordon\",outcome=\"ok\"} 1"),
+        "{text}"
+    );
+}
+
+#[tokio::test]
+async fn an_operators_cordon_and_taints_survive_undo() {
+    let e = env(false).await;
+    let mut node = test_node(NODE);
+    node.spec = Some(k8s_openapi::api::core::v1::NodeSpec {
+        unschedulable: Some(true),
+        taints: Some(vec![k8s_openapi::api::core::v1::Taint {
+            key: "dedicated".into(),
+            value: Some("training".into()),
+            effect: "NoSchedule".into(),
+            time_added: None,
+        }]),
+        ..Default::default()
+    });
+    e.server.add_node(node);
+    let applied = e.ops.protect(&interruption()).await.expect("protect");
+    assert_eq!(
+        applied,
+        Applied {
+            cordoned: false,
+            taint_effect: Some(TaintEffect::NoSchedule)
+        }
+    );
+    assert_eq!(taints(&e.server).len(), 2);
+    e.ops.unprotect(&applied).await.expect("unprotect");
+    assert!(cordoned(&e.server), "the operator's cordon stays");
+    assert_eq!(
+        taints(&e.server),
+        vec![(
+            "dedicated".to_string(),
+            Some("training".to_string()),
+            "NoSchedule".to_string()
+        )]
+    );
+}
+
+#[tokio::test]
+async fn protecting_twice_writes_once_and_reports_nothing_new() {
+    let e = env(false).await;
+    e.ops.protect(&interruption()).await.expect("protect");
+    let writes = e.server.write_count();
+    let again = e.ops.protect(&interruption()).await.expect("protect again");
+    assert_eq!(again, Applied::default());
+    assert_eq!(
+        e.server.write_count(),
+        writes,
+        "nothing to change: no write"
+    );
+    assert_eq!(taints(&e.server).len(), 1, "taint added once");
+}
+
+#[tokio::test]
+async fn rebalance_then_interruption_keeps_both_taints_and_undoes_one() {
+    let e = env(false).await;
+    let soft = Protection {
+        taint_value: "rebalance".into(),
+        effect: TaintEffect::PreferNoSchedule,
+        cordon: false,
+    };
+    let a1 = e.ops.protect(&soft).await.expect("soft taint");
+    assert_eq!(a1.taint_effect, Some(TaintEffect::PreferNoSchedule));
+    assert!(!a1.cordoned && !cordoned(&e.server));
+    let a2 = e.ops.protect(&interruption()).await.expect("hard taint");
+    assert_eq!(a2.taint_effect, Some(TaintEffect::NoSchedule));
+    assert_eq!(taints(&e.server).len(), 2);
+    e.ops
+        .unprotect(&a1)
+        .await
+        .expect("undo the rebalance taint");
+    assert_eq!(
+        taints(&e.server),
+        vec![(
+            INTERRUPTION_TAINT.to_string(),
+            Some("interruption".to_string()),
+            "NoSchedule".to_string()
+        )]
+    );
+    assert!(cordoned(&e.server));
+}
+
+#[tokio::test]
+async fn conflicts_and_server_errors_during_cordon_are_retried() {
+    let e = env(false).await;
+    e.server.fail_node_writes(409, 2);
+    e.server.fail_node_writes(500, 2);
+    let applied = e
+        .ops
+        .protect(&interruption())
+        .await
+        .expect("protect despite faults");
+    assert!(applied.cordoned);
+    assert_eq!(applied.taint_effect, Some(TaintEffect::NoSchedule));
+    assert!(cordoned(&e.server));
+    assert_eq!(taints(&e.server).len(), 1, "taint added once");
+    let reqs = e.server.requests();
+    let patches = reqs.iter().filter(|r| r.method == "PATCH").count();
+    let gets = reqs.iter().filter(|r| r.method == "GET").count();
+    assert_eq!(patches, 5, "4 refused + 1 accepted");
+    assert!(gets >= 5, "every attempt re-reads the node ({gets} GETs)");
+}
+
+#[tokio::test]
+async fn a_conflict_that_never_settles_is_reported() {
+    let e = env(false).await;
+    e.server.fail_node_writes(409, 100);
+    match e.ops.protect(&interruption()).await {
+        Err(err @ Error::Conflict { .. }) => assert!(err.is_retryable()),
+        other => panic!("expected a conflict error, got {other:?}"),
+    }
+    assert!(!cordoned(&e.server));
+}
+
+#[tokio::test]
+async fn the_server_refuses_a_write_with_a_stale_resource_version() {
+    use kube::api::{Api, Patch, PatchParams};
+    let e = env(false).await;
+    let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(e.server.client());
+    let node = nodes.get(NODE).await.expect("get");
+    let rv = node
+        .metadata
+        .resource_version
+        .clone()
+        .expect("resourceVersion");
+    e.server
+        .set_node_annotation(NODE, "other/controller", "was-here");
+    let patch = json!({ "metadata": { "resourceVersion": rv }, "spec": { "unschedulable": true } });
+    match nodes
+        .patch(NODE, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+    {
+        Err(kube::Error::Api(s)) => {
+            assert_eq!(s.code, 409);
+            assert_eq!(s.reason, "Conflict");
+        }
+        other => panic!("expected 409, got {other:?}"),
+    }
+    assert!(!cordoned(&e.server));
+}
+
+// === plan state annotation ===
+
+#[tokio::test]
+async fn plan_state_round_trips_through_the_node_annotation() {
+    let e = env(false).await;
+    assert_eq!(e.ops.load_state().await.expect("load"), None);
+    let state = sample_state();
+    e.ops.save_state(&state).await.expect("save");
+    assert_eq!(e.ops.load_state().await.expect("load"), Some(state.clone()));
+    let raw = e
+        .server
+        .node(NODE)
+        .and_then(|n| n.metadata.annotations)
+        .expect("annotations");
+    let stored: Value = serde_json::from_str(&raw[NOTICE_ANNOTATION]).expect("annotation is JSON");
+    assert_eq!(stored["phase"], "signalled");
+    e.ops.clear_state().await.expect("clear");
+    assert_eq!(e.ops.load_state().await.expect("load"), None);
+}
+
+#[tokio::test]
+async fn a_corrupt_annotation_is_a_typed_error() {
+    let e = env(false).await;
+    e.server
+        .set_node_annotation(NODE, NOTICE_ANNOTATION, "{\"id\": \"x\", \"phase\": ");
+    match e.ops.load_state().await {
+        Err(err @ Error::StateCorrupt { .. }) => {
+            assert_eq!(err.metric_label(), "state_corrupt");
+            assert!(err.to_string().contains(NOTICE_ANNOTATION), "{err}");
+        }
+        other => panic!("expected StateCorrupt, got {other:?}"),
+    }
+    // Saving over it repairs it.
+    e.ops.save_state(&sample_state()).await.expect("save");
+    assert!(e.ops.load_state().await.expect("load").is_some());
+}
+
+// === events ===
+
+#[tokio::test]
+async fn node_events_use_events_v1_and_repeat_as_a_series() {
+    let e = env(false).await;
+    let msg = "EC2 spot interruption: terminate at 2030-01-02T03:04:05Z";
+    e.ops
+        .event(EventType::Warning, reason::SPOT_INTERRUPTION, msg)
+        .await
+        .expect("event");
+    e.ops
+        .event(EventType::Warning, reason::SPOT_INTERRUPTION, msg)
+        .await
+        .expect("event again");
+    let events = e.server.events();
+    assert_eq!(events.len(), 1, "{events:?}");
+    let ev = &events[0];
+    assert_eq!(ev.api, EventApi::EventsV1);
+    assert_eq!(ev.namespace, "default");
+    assert_eq!(
+        (ev.regarding_kind.as_str(), ev.regarding_name.as_str()),
+        ("Node", NODE)
+    );
+    assert!(
+        !ev.raw["regarding"]["uid"].as_str().unwrap_or("").is_empty(),
+        "node uid set"
+    );
+    assert_eq!(ev.reason, "SpotInterruption");
+    assert_eq!(ev.type_, "Warning");
+    assert_eq!(ev.message, msg);
+    assert_eq!(ev.reporting_controller, "spotguard.io/agent");
+    assert_eq!(ev.count, 2);
+
+    let long = "x".repeat(5000);
+    e.ops
+        .event(EventType::Normal, reason::DRAIN_COMPLETE, &long)
+        .await
+        .expect("long note is cut to the limit");
+    let pod = spotguard::checkpoint::PodRef {
+        namespace: "team-a".into(),
+        name: "trainer-0".into(),
+        uid: "uid-1".into(),
+    };
+    e.ops
+        .pod_event(
+            &pod,
+            EventType::Normal,
+            reason::CHECKPOINT_ACKED,
+            "checkpoint step 1200 saved",
+        )
+        .await
+        .expect("pod event");
+    let events = e.server.events();
+    assert_eq!(events.len(), 3);
+    let pev = events
+        .iter()
+        .find(|ev| ev.reason == "CheckpointAcked")
+        .expect("pod event stored");
+    assert_eq!(pev.namespace, "team-a");
+    assert_eq!(
+        (
+            pev.regarding_kind.as_str(),
+            pev.regarding_namespace.as_str()
+        ),
+        ("Pod", "team-a")
+    );
+}
+
+// === drain ===
+
+#[tokio::test]
+async fn drain_evicts_twenty_pods() {
+    let e = env(false).await;
+    for i in 0..20 {
+        e.server
+            .add_pod(TestPod::new("team-a", &format!("worker-{i}"), NODE).build());
+    }
+    e.server
+        .add_pod(TestPod::new("team-a", "elsewhere", "gpu-node-2").build());
+    let report = e
+        .ops
+        .drain(&drain_request(in_secs(60)))
+        .await
+        .expect("drain");
+    assert!(report.complete(), "{report:?}");
+    assert_eq!(report.evicted.len(), 20);
+    assert!(report.evicted.contains(&"team-a/worker-7".to_string()));
+    let left: Vec<String> = e
+        .server
+        .pods()
+        .into_iter()
+        .filter_map(|p| p.metadata.name)
+        .collect();
+    assert_eq!(left, vec!["elsewhere".to_string()]);
+    // Listed once, for this node only.
+    let lists: Vec<_> = e
+        .server
+        .requests()
+        .into_iter()
+        .filter(|r| r.method == "GET" && r.path == "/api/v1/pods")
+        .collect();
+    assert_eq!(lists.len(), 1);
+    assert_eq!(
+        lists[0].query_param("fieldSelector").as_deref(),
+        Some(&*format!("spec.nodeName={NODE}"))
+    );
+    assert_eq!(evictions(&e.server).len(), 20);
+    let text = encode(&e.registry);
+    assert!(
+        text.contains("spotguard_drain_pods_total{outcome=\"evicted\"} 20"),
+        "{text}"
+    );
+    assert!(text.contains("spotguard_drain_blocked_pods 0"), "{text}");
+    assert!(
+        text.contains("spotguard_drain_duration_seconds_count 1"),
+        "{text}"
+    );
+}
+
+#[tokio::test]
+async fn daemonset_mirror_finished_and_own_pods_are_never_evicted() {
+    let e = env(false).await;
+    e.server.add_pod(
+        TestPod::new("kube-system", "nvidia-device-plugin-abc", NODE)
+            .daemonset()
+            .build(),
+    );
+    e.server.add_pod(
+        TestPod::new("kube-system", "kube-proxy-gpu-node-1", NODE)
+            .mirror()
+            .build(),
+    );
+    e.server.add_pod(
+        TestPod::new("team-a", "preprocess-done", NODE)
+            .phase("Succeeded")
+            .build(),
+    );
+    e.server.add_pod(
+        TestPod::new("team-a", "preprocess-crashed", NODE)
+            .phase("Failed")
+            .build(),
+    );
+    e.server
+        .add_pod(TestPod::new(OWN_NS, OWN_POD, NODE).build());
+    e.server
+        .add_pod(TestPod::new("team-a", "trainer-0", NODE).build());
+    let report = e
+        .ops
+        .drain(&drain_request(in_secs(60)))
+        .await
+        .expect("drain");
+    assert_eq!(report.evicted, vec!["team-a/trainer-0".to_string()]);
+    let mut skipped = report.skipped.clone();
+    skipped.sort();
+    assert_eq!(
+        skipped,
+        vec![
+            "kube-system/kube-proxy-gpu-node-1",
+            "kube-system/nvidia-device-plugin-abc",
+            "spotguard/spotguard-agent-x7k2p",
+            "team-a/preprocess-crashed",
+            "team-a/preprocess-done",
+        ]
+    );
+    let evicted: Vec<String> = evictions(&e.server)
+        .iter()
+        .map(|r| r.path.clone())
+        .collect();
+    assert_eq!(
+        evicted,
+        vec!["/api/v1/namespaces/team-a/pods/trainer-0/eviction".to_string()]
+    );
+    assert_eq!(e.server.pods().len(), 5);
+}
+
+#[tokio::test]
+async fn a_pdb_blocks_one_pod_until_the_deadline_and_is_named() {
+    let e = env(false).await;
+    e.server.add_pod(
+        TestPod::new("db", "postgres-0", NODE)
+            .label("app", "postgres")
+            .build(),
+    );
+    e.server.add_pdb(
+        "db",
+        "postgres-pdb",
+        &[("app", "postgres")],
+        PdbLimit::MinAvailable(IntOrString::Int(1)),
+    );
+    for i in 0..3 {
+        e.server
+            .add_pod(TestPod::new("team-a", &format!("worker-{i}"), NODE).build());
+    }
+    let deadline = in_secs(4);
+    let started = std::time::Instant::now();
+    let report = e.ops.drain(&drain_request(deadline)).await.expect("drain");
+    let took = started.elapsed();
+    assert!(
+        took >= Duration::from_millis(3000),
+        "returned before the deadline: {took:?}"
+    );
+    assert!(
+        took < Duration::from_secs(8),
+        "overran the deadline: {took:?}"
+    );
+    assert_eq!(report.evicted.len(), 3);
+    assert_eq!(report.blocked.len(), 1, "{report:?}");
+    let b = &report.blocked[0];
+    assert_eq!(b.pod, "db/postgres-0");
+    assert_eq!(b.pdbs, vec!["postgres-pdb".to_string()]);
+    assert!(b.reason.contains("429"), "{}", b.reason);
+    assert!(b.reason.contains("disruption budget"), "{}", b.reason);
+    assert!(e.server.pod("db", "postgres-0").is_some());
+    // Retried every 1–2 s, not hammered.
+    let tries = evictions(&e.server)
+        .iter()
+        .filter(|r| r.path.contains("postgres-0"))
+        .count();
+    assert!(
+        (2..=5).contains(&tries),
+        "{tries} eviction attempts in ~4 s"
+    );
+    let text = encode(&e.registry);
+    assert!(text.contains("spotguard_drain_blocked_pods 1"), "{text}");
+    assert!(
+        text.contains("spotguard_drain_pods_total{outcome=\"blocked\"} 1"),
+        "{text}"
+    );
+}
+
+#[tokio::test]
+async fn a_pdb_with_room_lets_pods_go_one_at_a_time() {
+    let e = env(false).await;
+    e.server.set_deletion_delay(Duration::from_millis(300));
+    for i in 0..3 {
+        e.server.add_pod(
+            TestPod::new("web", &format!("web-{i}"), NODE)
+                .label("app", "web")
+                .build(),
+        );
+    }
+    e.server.add_pdb(
+        "web",
+        "web-pdb",
+        &[("app", "web")],
+        PdbLimit::MaxUnavailable(IntOrString::Int(1)),
+    );
+    let report = e
+        .ops
+        .drain(&drain_request(in_secs(30)))
+        .await
+        .expect("drain");
+    assert!(report.complete(), "{report:?}");
+    assert_eq!(report.evicted.len(), 3);
+    let tries = evictions(&e.server).len();
+    assert!(
+        tries > 3,
+        "some evictions waited for the budget ({tries} attempts)"
+    );
+}
+
+#[tokio::test]
+async fn grace_period_longer_than_the_time_left_is_capped() {
+    let e = env(false).await;
+    e.server.add_pod(
+        TestPod::new("team-a", "slow-shutdown", NODE)
+            .grace_period(600)
+            .build(),
+    );
+    e.server.add_pod(
+        TestPod::new("team-a", "quick", NODE)
+            .grace_period(5)
+            .build(),
+    );
+    e.server
+        .add_pod(TestPod::new("team-a", "default-grace", NODE).build());
+    let report = e
+        .ops
+        .drain(&drain_request(in_secs(20)))
+        .await
+        .expect("drain");
+    assert!(report.complete(), "{report:?}");
+    let grace = |pod: &str| -> i64 {
+        let r = evictions(&e.server)
+            .into_iter()
+            .find(|r| r.path.contains(pod))
+            .expect("eviction sent");
+        let body = r.json().expect("json");
+        assert_eq!(body["apiVersion"], "policy/v1");
+        assert_eq!(body["kind"], "Eviction");
+        assert_eq!(body["metadata"]["name"], pod);
+        assert!(body["deleteOptions"]["preconditions"]["uid"].is_string());
+        body["deleteOptions"]["gracePeriodSeconds"]
+            .as_i64()
+            .expect("grace set")
+    };
+    let capped = grace("slow-shutdown");
+    assert!(
+        (14..=18).contains(&capped),
+        "capped to time left − 2 s: {capped}"
+    );
+    assert_eq!(grace("quick"), 5);
+    let dflt = grace("default-grace");
+    assert!((14..=18).contains(&dflt), "default 30 s capped too: {dflt}");
+}
+
+#[tokio::test]
+async fn blocked_pods_are_force_deleted_before_the_deadline_when_enabled() {
+    let e = env(false).await;
+    e.server.add_pod(
+        TestPod::new("db", "etcd-0", NODE)
+            .label("app", "etcd")
+            .grace_period(120)
+            .build(),
+    );
+    e.server.add_pdb(
+        "db",
+        "etcd-quorum",
+        &[("app", "etcd")],
+        PdbLimit::MaxUnavailable(IntOrString::Int(0)),
+    );
+    let request = DrainRequest {
+        deadline: in_secs(8),
+        force_delete_at_deadline: true,
+        concurrency: 4,
+    };
+    let started = std::time::Instant::now();
+    let report = e.ops.drain(&request).await.expect("drain");
+    assert_eq!(
+        report.force_deleted,
+        vec!["db/etcd-0".to_string()],
+        "{report:?}"
+    );
+    assert!(report.blocked.is_empty());
+    assert!(
+        started.elapsed() < Duration::from_secs(8),
+        "finished before the deadline"
+    );
+    assert!(e.server.pod("db", "etcd-0").is_none());
+    let delete = e
+        .server
+        .requests()
+        .into_iter()
+        .find(|r| r.method == "DELETE")
+        .expect("a DELETE was sent");
+    let grace = delete.json().expect("delete options")["gracePeriodSeconds"]
+        .as_i64()
+        .expect("grace");
+    assert!(
+        (1..=4).contains(&grace),
+        "grace capped to the time left: {grace}"
+    );
+    let text = encode(&e.registry);
+    assert!(
+        text.contains("spotguard_drain_pods_total{outcome=\"force_deleted\"} 1"),
+        "{text}"
+    );
+}
+
+#[tokio::test]
+async fn a_pod_that_never_finishes_terminating_is_reported() {
+    let e = env(false).await;
+    e.server
+        .add_pod(TestPod::new("team-a", "stuck", NODE).build());
+    e.server
+        .add_pod(TestPod::new("team-a", "fine", NODE).build());
+    e.server.stick_pod("team-a", "stuck");
+    let report = e
+        .ops
+        .drain(&drain_request(in_secs(3)))
+        .await
+        .expect("drain");
+    assert_eq!(report.evicted, vec!["team-a/fine".to_string()]);
+    assert_eq!(report.blocked.len(), 1);
+    assert_eq!(report.blocked[0].pod, "team-a/stuck");
+    assert!(report.blocked[0].pdbs.is_empty());
+    assert!(
+        report.blocked[0].reason.contains("terminating"),
+        "{}",
+        report.blocked[0].reason
+    );
+}
+
+#[tokio::test]
+async fn two_pdbs_on_one_pod_are_a_server_error_reported_at_the_deadline() {
+    let e = env(false).await;
+    e.server.add_pod(
+        TestPod::new("ml", "ps-0", NODE)
+            .label("app", "ps")
+            .label("tier", "train")
+            .build(),
+    );
+    e.server.add_pdb(
+        "ml",
+        "ps-a",
+        &[("app", "ps")],
+        PdbLimit::MinAvailable(IntOrString::Int(0)),
+    );
+    e.server.add_pdb(
+        "ml",
+        "ps-b",
+        &[("tier", "train")],
+        PdbLimit::MinAvailable(IntOrString::Int(0)),
+    );
+    let report = e
+        .ops
+        .drain(&drain_request(in_secs(3)))
+        .await
+        .expect("drain");
+    assert_eq!(report.blocked.len(), 1);
+    assert!(
+        report.blocked[0]
+            .reason
+            .contains("more than one PodDisruptionBudget"),
+        "{}",
+        report.blocked[0].reason
+    );
+}
+
+#[tokio::test]
+async fn an_interrupted_drain_converges_when_run_again() {
+    let e = env(false).await;
+    e.server.set_deletion_delay(Duration::from_millis(1500));
+    for i in 0..10 {
+        e.server
+            .add_pod(TestPod::new("team-a", &format!("worker-{i}"), NODE).build());
+    }
+    let request = drain_request(in_secs(60));
+    // The agent dies mid-drain: the future is dropped after the evictions went out.
+    let first = tokio::time::timeout(Duration::from_millis(600), e.ops.drain(&request)).await;
+    assert!(first.is_err(), "the first drain was cut off");
+    let terminating = e
+        .server
+        .pods()
+        .iter()
+        .filter(|p| p.metadata.deletion_timestamp.is_some())
+        .count();
+    assert!(terminating > 0, "evictions went out before the cut");
+    let present = e.server.pods().len();
+    let report = e.ops.drain(&request).await.expect("second drain");
+    assert!(report.complete(), "{report:?}");
+    assert!(e.server.pods().is_empty());
+    assert_eq!(
+        report.evicted.len(),
+        present,
+        "every pod still there is evicted (or found gone)"
+    );
+}
+
+#[tokio::test]
+async fn dry_run_writes_nothing() {
+    let e = env(true).await;
+    e.server
+        .add_pod(TestPod::new("team-a", "trainer-0", NODE).build());
+    e.server.add_pod(
+        TestPod::new("kube-system", "ds-pod", NODE)
+            .daemonset()
+            .build(),
+    );
+    let applied = e.ops.protect(&interruption()).await.expect("protect");
+    assert!(applied.cordoned, "reports what it would do");
+    e.ops.unprotect(&applied).await.expect("unprotect");
+    e.ops.save_state(&sample_state()).await.expect("save");
+    e.ops.clear_state().await.expect("clear");
+    e.ops
+        .event(EventType::Warning, reason::SPOT_INTERRUPTION, "would say")
+        .await
+        .expect("event");
+    let report = e
+        .ops
+        .drain(&drain_request(in_secs(30)))
+        .await
+        .expect("drain");
+    assert_eq!(report.skipped, vec!["kube-system/ds-pod".to_string()]);
+    let gpu = GpuConditions {
+        unhealthy: ConditionState {
+            active: true,
+            reason: "XID79".into(),
+            message: "GPU-1 fell off the bus".into(),
+        },
+        degraded: ConditionState::default(),
+    };
+    e.ops.set_gpu_conditions(&gpu).await.expect("conditions");
+    assert_eq!(e.server.write_count(), 0, "{:?}", e.server.requests());
+    assert!(!cordoned(&e.server));
+    assert_eq!(e.server.pods().len(), 2);
+    assert!(e.server.events().is_empty());
+}
+
+// === GPU conditions ===
+
+fn condition(
+    server: &FakeApiServer,
+    type_: &str,
+) -> Option<k8s_openapi::api::core::v1::NodeCondition> {
+    server
+        .node(NODE)?
+        .status?
+        .conditions?
+        .into_iter()
+        .find(|c| c.type_ == type_)
+}
+
+#[tokio::test]
+async fn gpu_conditions_set_merge_and_clear() {
+    let e = env(false).await;
+    let ready_before = condition(&e.server, "Ready").expect("kubelet condition");
+
+    // Healthy and never shown: nothing to write.
+    e.ops
+        .set_gpu_conditions(&GpuConditions::default())
+        .await
+        .expect("healthy");
+    assert_eq!(e.server.write_count(), 0);
+
+    let unhealthy = GpuConditions {
+        unhealthy: ConditionState {
+            active: true,
+            reason: "XidCritical".into(),
+            message: "GPU-5f1e2a: XID 79 (GPU has fallen off the bus); boot 3f0c2e8a".into(),
+        },
+        degraded: ConditionState::default(),
+    };
+    e.ops
+        .set_gpu_conditions(&unhealthy)
+        .await
+        .expect("unhealthy");
+    let c = condition(&e.server, "GPUUnhealthy").expect("condition set");
+    assert_eq!(c.status, "True");
+    assert_eq!(c.reason.as_deref(), Some("XidCritical"));
+    assert_eq!(
+        c.message.as_deref(),
+        Some(unhealthy.unhealthy.message.as_str())
+    );
+    assert!(condition(&e.server, "GPUDegraded").is_none());
+    assert_eq!(
+        condition(&e.server, "Ready"),
+        Some(ready_before.clone()),
+        "kubelet's condition untouched"
+    );
+    let status_patch = e
+        .server
+        .requests()
+        .into_iter()
+        .find(|r| r.path.ends_with("/status"))
+        .expect("status patch");
+    assert_eq!(
+        status_patch.content_type.as_deref(),
+        Some("application/strategic-merge-patch+json")
+    );
+    assert_eq!(
+        taints(&e.server),
+        vec![(
+            GPU_UNHEALTHY_TAINT.to_string(),
+            None,
+            "NoSchedule".to_string()
+        )]
+    );
+    assert_eq!(e.ops.gpu_conditions().await.expect("read back"), unhealthy);
+
+    // Same again: no write at all.
+    let writes = e.server.write_count();
+    e.ops
+        .set_gpu_conditions(&unhealthy)
+        .await
+        .expect("unchanged");
+    assert_eq!(e.server.write_count(), writes);
+
+    // Degraded as well; unhealthy unchanged keeps its transition time.
+    let both = GpuConditions {
+        degraded: ConditionState {
+            active: true,
+            reason: "ThermalThrottle".into(),
+            message: "GPU-77aa: HW thermal slowdown".into(),
+        },
+        ..unhealthy.clone()
+    };
+    let ltt = c.last_transition_time.clone();
+    e.ops.set_gpu_conditions(&both).await.expect("degraded");
+    assert_eq!(
+        condition(&e.server, "GPUDegraded").map(|c| c.status),
+        Some("True".into())
+    );
+    assert_eq!(
+        condition(&e.server, "GPUUnhealthy").and_then(|c| c.last_transition_time),
+        ltt
+    );
+    assert_eq!(taints(&e.server).len(), 1, "taint added once");
+
+    // Recovered: conditions go False with a new transition time, the taint goes.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    e.ops
+        .set_gpu_conditions(&GpuConditions::default())
+        .await
+        .expect("recovered");
+    let c = condition(&e.server, "GPUUnhealthy").expect("still shown");
+    assert_eq!(c.status, "False");
+    assert!(c.reason.is_none() && c.message.is_none(), "{c:?}");
+    assert_ne!(c.last_transition_time, ltt);
+    assert_eq!(
+        condition(&e.server, "GPUDegraded").map(|c| c.status),
+        Some("False".into())
+    );
+    assert!(taints(&e.server).is_empty());
+    assert_eq!(condition(&e.server, "Ready"), Some(ready_before));
+
+    let reasons: Vec<String> = e.server.events().into_iter().map(|ev| ev.reason).collect();
+    assert_eq!(reasons, vec!["GPUUnhealthy", "GPUDegraded", "GPURecovered"]);
+}
+
+// === exact request shapes (tower-test) ===
+
+mod verifier {
+    use super::*;
+    use http::{Request, Response};
+    use http_body_util::BodyExt;
+    use kube::client::Body;
+
+    pub type Handle = tower_test::mock::Handle<Request<Body>, Response<Body>>;
+
+    pub fn client() -> (kube::Client, Handle) {
+        let (service, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+        (kube::Client::new(service, "default"), handle)
+    }
+
+    pub struct Exchange {
+        pub method: String,
+        pub uri: String,
+        pub content_type: Option<String>,
+        pub body: Value,
+        send: tower_test::mock::SendResponse<Response<Body>>,
+    }
+
+    impl Exchange {
+        pub fn reply(self, code: u16, body: Value) {
+            let resp = Response::builder()
+                .status(code)
+                .header("content-type", "application/json")
+                .body(Body::from(body.to_string().into_bytes()));
+            match resp {
+                Ok(r) => self.send.send_response(r),
+                Err(e) => panic!("building a response: {e}"),
+            }
+        }
+    }
+
+    /// The next request, within a generous timeout (a missing call fails the test).
+    pub async fn next(handle: &mut Handle) -> Exchange {
+        let (req, send) = tokio::time::timeout(Duration::from_secs(10), handle.next_request())
+            .await
+            .expect("the client made the expected request in time")
+            .expect("the client is still alive");
+        let (parts, body) = req.into_parts();
+        let bytes = body.collect().await.expect("request body").to_bytes();
+        Exchange {
+            method: parts.method.to_string(),
+            uri: parts.uri.to_string(),
+            content_type: parts
+                .headers
+                .get("content-type")
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_string),
+            body: if bytes.is_empty() {
+                Value::Null
+            } else {
+                serde_json::from_slice(&bytes).expect("JSON body")
+            },
+            send,
+        }
+    }
+
+    pub fn node_json(rv: &str, spec: Value) -> Value {
+        json!({
+            "apiVersion": "v1", "kind": "Node",
+            "metadata": { "name": NODE, "uid": "node-uid-1", "resourceVersion": rv },
+            "spec": spec,
+            "status": { "conditions": [{ "type": "Ready", "status": "True" }] }
+        })
+    }
+}
+
+fn verifier_ops(client: kube::Client) -> KubeNodeOps {
+    let metrics = Arc::new(Metrics::register(&mut Registry::default()));
+    KubeNodeOps::new(client, NODE.to_string(), None, false, metrics)
+}
+
+#[tokio::test]
+async fn cordon_and_taint_is_one_merge_patch_with_the_resource_version() {
+    let (client, mut handle) = verifier::client();
+    let ops = verifier_ops(client);
+    let task = tokio::spawn(async move { ops.protect(&interruption()).await });
+
+    let get = verifier::next(&mut handle).await;
+    assert_eq!(
+        (get.method.as_str(), get.uri.as_str()),
+        ("GET", "/api/v1/nodes/gpu-node-1")
+    );
+    get.reply(200, verifier::node_json("4711", json!({})));
+
+    let patch = verifier::next(&mut handle).await;
+    assert_eq!(patch.method, "PATCH");
+    assert_eq!(
+        patch.uri,
+        "/api/v1/nodes/gpu-node-1?&fieldManager=spotguard"
+    );
+    assert_eq!(
+        patch.content_type.as_deref(),
+        Some("application/merge-patch+json")
+    );
+    assert_eq!(
+        patch.body,
+        json!({
+            "metadata": { "resourceVersion": "4711" },
+            "spec": {
+                "unschedulable": true,
+                "taints": [{ "key": "spotguard.io/interruption", "value": "interruption", "effect": "NoSchedule" }]
+            }
+        })
+    );
+    patch.reply(
+        200,
+        verifier::node_json("4712", json!({ "unschedulable": true })),
+    );
+    let applied = task.await.expect("task").expect("protect");
+    assert!(applied.cordoned);
+}
+
+#[tokio::test]
+async fn drain_lists_by_field_selector_evicts_with_a_policy_v1_body_and_retries_429() {
+    let (client, mut handle) = verifier::client();
+    let ops = verifier_ops(client);
+    let task = tokio::spawn(async move { ops.drain(&drain_request(in_secs(60))).await });
+
+    let list = verifier::next(&mut handle).await;
+    assert_eq!(list.method, "GET");
+    assert_eq!(
+        list.uri,
+        "/api/v1/pods?&fieldSelector=spec.nodeName%3Dgpu-node-1"
+    );
+    let pod = TestPod::new("team-a", "trainer-0", NODE)
+        .grace_period(600)
+        .build();
+    let mut pod_json = serde_json::to_value(&pod).expect("pod json");
+    pod_json["metadata"]["uid"] = json!("pod-uid-1");
+    list.reply(
+        200,
+        json!({ "apiVersion": "v1", "kind": "PodList", "metadata": {}, "items": [pod_json] }),
+    );
+
+    let evict = verifier::next(&mut handle).await;
+    assert_eq!(evict.method, "POST");
+    assert_eq!(
+        evict.uri,
+        "/api/v1/namespaces/team-a/pods/trainer-0/eviction?"
+    );
+    assert_eq!(evict.content_type.as_deref(), Some("application/json"));
+    let grace = evict.body["deleteOptions"]["gracePeriodSeconds"]
+        .as_i64()
+        .expect("grace");
+    assert!((55..=58).contains(&grace), "600 s capped to ~58: {grace}");
+    assert_eq!(
+        evict.body,
+        json!({
+            "apiVersion": "policy/v1", "kind": "Eviction",
+            "metadata": { "name": "trainer-0", "namespace": "team-a" },
+            "deleteOptions": { "gracePeriodSeconds": grace, "preconditions": { "uid": "pod-uid-1" } }
+        })
+    );
+    // What the API server answers when a PDB refuses.
+    evict.reply(
+        429,
+        json!({
+            "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+            "message": "Cannot evict pod as it would violate the pod's disruption budget.",
+            "reason": "TooManyRequests",
+            "details": { "causes": [{ "reason": "DisruptionBudget",
+                "message": "The disruption budget trainer-pdb needs 1 healthy pods and has 1 currently" }] },
+            "code": 429
+        }),
+    );
+    let retry = verifier::next(&mut handle).await;
+    assert_eq!(
+        retry.uri,
+        "/api/v1/namespaces/team-a/pods/trainer-0/eviction?"
+    );
+    retry.reply(
+        201,
+        json!({ "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success" }),
+    );
+
+    let poll = verifier::next(&mut handle).await;
+    assert_eq!(
+        (poll.method.as_str(), poll.uri.as_str()),
+        ("GET", "/api/v1/namespaces/team-a/pods/trainer-0")
+    );
+    poll.reply(
+        404,
+        json!({ "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+                "message": "pods \"trainer-0\" not found", "reason": "NotFound", "code": 404 }),
+    );
+    let report = task.await.expect("task").expect("drain");
+    assert_eq!(report.evicted, vec!["team-a/trainer-0".to_string()]);
+    assert!(report.complete());
+}
+
+#[tokio::test]
+async fn gpu_condition_is_a_strategic_status_patch_with_only_spotguards_types() {
+    let (client, mut handle) = verifier::client();
+    let ops = verifier_ops(client);
+    let desired = GpuConditions {
+        unhealthy: ConditionState::default(),
+        degraded: ConditionState {
+            active: true,
+            reason: "NvlinkErrors".into(),
+            message: "GPU-1: NVLink CRC errors rising".into(),
+        },
+    };
+    let task = tokio::spawn(async move { ops.set_gpu_conditions(&desired).await });
+    let get = verifier::next(&mut handle).await;
+    assert_eq!(get.uri, "/api/v1/nodes/gpu-node-1");
+    get.reply(200, verifier::node_json("10", json!({})));
+
+    let patch = verifier::next(&mut handle).await;
+    assert_eq!(patch.method, "PATCH");
+    assert_eq!(
+        patch.uri,
+        "/api/v1/nodes/gpu-node-1/status?&fieldManager=spotguard"
+    );
+    assert_eq!(
+        patch.content_type.as_deref(),
+        Some("application/strategic-merge-patch+json")
+    );
+    let conds = patch.body["status"]["conditions"]
+        .as_array()
+        .expect("conditions list")
+        .clone();
+    assert_eq!(
+        conds.len(),
+        1,
+        "only the changed condition, never the kubelet's: {conds:?}"
+    );
+    assert_eq!(conds[0]["type"], "GPUDegraded");
+    assert_eq!(conds[0]["status"], "True");
+    assert_eq!(conds[0]["reason"], "NvlinkErrors");
+    assert!(conds[0]["lastTransitionTime"].is_string());
+    patch.reply(200, verifier::node_json("11", json!({})));
+
+    // Degraded alone is no reason to taint; the transition is announced.
+    let event = verifier::next(&mut handle).await;
+    assert_eq!(event.method, "POST");
+    assert_eq!(
+        event.uri,
+        "/apis/events.k8s.io/v1/namespaces/default/events?"
+    );
+    assert_eq!(event.body["reason"], "GPUDegraded");
+    assert_eq!(event.body["type"], "Warning");
+    assert_eq!(
+        event.body["regarding"],
+        json!({ "apiVersion": "v1", "kind": "Node", "name": NODE, "uid": "node-uid-1" })
+    );
+    assert_eq!(event.body["reportingController"], "spotguard.io/agent");
+    let echo = event.body.clone();
+    event.reply(201, echo);
+    task.await.expect("task").expect("conditions");
+}
