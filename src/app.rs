@@ -114,8 +114,11 @@ pub async fn start(cfg: Config, cancel: CancellationToken) -> Result<App, Error>
             (node, discovery, None)
         }
         Mode::Kubernetes => {
-            let client = kube::Client::try_default()
+            // kube's default client retries 429s for minutes: the drain must see PDB refusals.
+            let config = kube::Config::infer()
                 .await
+                .map_err(|e| Error::KubeClient(e.to_string()))?;
+            let client = crate::node::kube::client_from_config(config)
                 .map_err(|e| Error::KubeClient(e.to_string()))?;
             let node_name = cfg.node_name.clone().unwrap_or_default();
             let own_pod = match (&cfg.pod_namespace, &cfg.pod_name) {

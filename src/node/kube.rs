@@ -137,7 +137,7 @@ impl KubeNodeOps {
     }
 
     /// Emit an Event on a pod (checkpoint outcomes).
-    pub async fn pod_event(
+    async fn emit_pod_event(
         &self,
         pod: &PodRef,
         kind: EventType,
@@ -533,6 +533,16 @@ impl KubeNodeOps {
 
 #[async_trait]
 impl NodeOps for KubeNodeOps {
+    async fn pod_event(
+        &self,
+        pod: &PodRef,
+        kind: EventType,
+        reason: &str,
+        message: &str,
+    ) -> Result<(), Error> {
+        self.emit_pod_event(pod, kind, reason, message).await
+    }
+
     async fn load_state(&self) -> Result<Option<PlanState>, Error> {
         let node = self.get_node().await?;
         let Some(raw) = node
