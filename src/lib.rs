@@ -7,4 +7,5 @@ pub mod fsutil;
 pub mod metrics;
 pub mod node;
 pub mod notice;
+pub mod prefetch;
 pub mod testing;
