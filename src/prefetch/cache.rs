@@ -298,7 +298,8 @@ pub struct EvictReport {
     pub used: u64,
 }
 
-/// Evict until `need` more bytes fit under `max`, keeping the dataset `keep`. Blocking.
+/// Evict until the dataset `keep`, at `need` bytes, fits under `max` with the other datasets.
+/// `used` in the report counts the other datasets only. Blocking.
 pub fn make_room(
     root: &Path,
     keep: &str,
@@ -312,7 +313,11 @@ pub fn make_room(
         source,
     };
     let datasets = scan(root, in_use_window, SystemTime::now()).map_err(io_err)?;
-    let mut used: u64 = datasets.iter().map(|d| d.bytes).sum();
+    let mut used: u64 = datasets
+        .iter()
+        .filter(|d| d.name != keep)
+        .map(|d| d.bytes)
+        .sum();
     let mut report = EvictReport::default();
     if used.saturating_add(need) <= max {
         report.used = used;
@@ -474,12 +479,12 @@ mod tests {
             .collect();
         assert_eq!(order, vec!["old", "partial-idle"]);
 
-        // Need 120 more under a 500 limit with 500 used: evicting "old" (100) is not enough,
-        // "newer" is kept, so "partial-idle" goes too.
-        let report = make_room(r, "newer", 120, 500, Duration::from_secs(900)).unwrap();
+        // "newer" grows to 220 bytes under a 500 limit with 400 used by the others: evicting
+        // "old" (100) is not enough, so "partial-idle" (50) goes too.
+        let report = make_room(r, "newer", 220, 500, Duration::from_secs(900)).unwrap();
         assert_eq!(report.evicted, vec!["old", "partial-idle"]);
         assert_eq!(report.freed, 150);
-        assert_eq!(report.used, 350);
+        assert_eq!(report.used, 250);
         assert!(!r.join("old").exists());
         assert!(r.join("used").exists() && r.join("claimed").exists());
         assert!(r.join("not-a-dataset").exists());
@@ -489,7 +494,7 @@ mod tests {
             Err(Error::CacheFull {
                 need, max, used, ..
             }) => {
-                assert_eq!((need, max, used), (1000, 500, 350))
+                assert_eq!((need, max, used), (1000, 500, 250))
             }
             other => panic!("{other:?}"),
         }

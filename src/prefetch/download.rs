@@ -625,8 +625,7 @@ async fn produce(
     let mut tasks: JoinSet<Done> = JoinSet::new();
     let mut deferred: Vec<Listed> = Vec::new();
     let mut keys = HashSet::new();
-    let mut to_fetch: u64 = 0;
-    let mut room_checked: u64 = 0;
+    let mut room: u64 = 0;
     let labels = PrefetchMetrics::dataset(&run.paths.name);
 
     let mut listing = run.store.list(run.source.list_prefix());
@@ -679,15 +678,16 @@ async fn produce(
             listing_ok = false;
             break;
         }
-        to_fetch += size;
         if let Some(max) = run.opts.max_bytes {
-            // Check the cache limit in steps, not per object (a scan reads every manifest).
-            if to_fetch > room_checked {
-                let need = to_fetch + (256 << 20);
+            // A scan reads every dataset's manifest: rescan only when the room found by the
+            // last one is used up.
+            if run.progress.bytes_total.load(Ordering::Relaxed) > room {
                 let root = cache_root.to_path_buf();
                 let keep = run.paths.name.clone();
                 let window = run.opts.in_use_window;
-                match blocking(move || cache::make_room(&root, &keep, need.min(max), max, window))
+                // The dataset's size when complete, as listed so far.
+                let need = run.progress.bytes_total.load(Ordering::Relaxed);
+                match blocking(move || cache::make_room(&root, &keep, need, max, window))
                     .await
                     .and_then(|r| r)
                 {
@@ -696,24 +696,8 @@ async fn produce(
                             m.evictions.inc_by(report.evicted.len() as u64);
                         }
                         evicted.extend(report.evicted);
-                        room_checked = need;
-                    }
-                    Err(Error::CacheFull {
-                        max,
-                        used,
-                        evicted: n,
-                        ..
-                    }) => {
-                        // The whole dataset may still fit once evictions are counted; report
-                        // what was asked for.
-                        run.set_fatal(Error::CacheFull {
-                            need: to_fetch,
-                            max,
-                            used,
-                            evicted: n,
-                        });
-                        listing_ok = false;
-                        break;
+                        // `used` counts the other datasets.
+                        room = max.saturating_sub(report.used);
                     }
                     Err(e) => {
                         run.set_fatal(e);
@@ -874,7 +858,7 @@ async fn fetch_object(run: &Arc<Run>, mut listed: Listed) -> Done {
         base_done: Mutex::new(Vec::new()),
         segments: Mutex::new(Vec::new()),
         synced: Mutex::new(Vec::new()),
-        lost: run.abort.child_token(),
+        lost: CancellationToken::new(),
     });
     lock(&run.active).insert(key.clone(), active.clone());
 
@@ -1373,7 +1357,13 @@ async fn fetch_segment(
             (Some(want), Some(got)) if normalize_etag(want) != normalize_etag(got) => {
                 return Err(Stop::Err(Error::Changed { key: key.clone() }))
             }
-            (None, Some(_)) => expected = etag.clone(),
+            (None, Some(_)) => {
+                // Learned from the first response: record it so a resumer can check it.
+                expected = etag.clone();
+                lock(&active.record)
+                    .etag
+                    .get_or_insert_with(|| etag.clone().unwrap_or_default());
+            }
             _ => {}
         }
         if res.meta.size != size {

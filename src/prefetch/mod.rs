@@ -95,8 +95,8 @@ pub enum Error {
     },
 
     #[error(
-        "cache full: {need} more bytes do not fit under --cache-max-bytes {max} ({used} bytes \
-         used after evicting {evicted} datasets; the rest are in use or being written)"
+        "cache full: a dataset of {need} bytes does not fit under --cache-max-bytes {max} next to \
+         {used} bytes of other datasets (evicted {evicted}; the rest are in use or being written)"
     )]
     CacheFull {
         need: u64,
