@@ -210,7 +210,13 @@ pub async fn start(cfg: Config, cancel: CancellationToken) -> Result<App, Error>
     let prefetcher = Arc::new(prefetch::Prefetcher::new(
         cfg.args.cache_dir.clone(),
         cfg.args.cache_max_bytes,
-        prefetch::Defaults::from_endpoint(cfg.args.prefetch_endpoint.clone()),
+        prefetch::PrefetchDefaults {
+            store: prefetch::StoreOptions {
+                endpoint: cfg.args.prefetch_endpoint.clone(),
+                ..Default::default()
+            },
+            ..Default::default()
+        },
         prefetch_metrics,
         cancel.child_token(),
     ));
@@ -286,7 +292,13 @@ pub async fn start(cfg: Config, cancel: CancellationToken) -> Result<App, Error>
 
     // Prefetch: datasets from config at start, pod annotations in Kubernetes mode.
     for d in &cfg.datasets {
-        prefetcher.ensure(&d.name, &d.url);
+        match prefetcher.ensure(&d.name, &d.url) {
+            Ok(how) => info!(dataset = %d.name, url = %d.url, ?how, "prefetch at start"),
+            Err(e) => {
+                metrics.error("prefetch", e.metric_label());
+                error!(dataset = %d.name, error = %e, "cannot prefetch dataset");
+            }
+        }
     }
     if let (Some(client), Some(node_name)) = (kube_client, cfg.node_name.clone()) {
         tasks.spawn(kube_discovery::watch_prefetch_annotations(

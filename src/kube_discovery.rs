@@ -177,14 +177,15 @@ pub async fn watch_prefetch_annotations(
                         if !seen.insert(u.to_string()) {
                             continue;
                         }
-                        match crate::prefetch::dataset_name_from_url(u) {
-                            Ok(name) => {
-                                info!(dataset = %name, url = %u, "prefetch requested by pod annotation");
-                                prefetcher.ensure(&name, u);
+                        match prefetcher.ensure_url(u) {
+                            Ok((name, how)) => {
+                                info!(dataset = %name, url = %u, ?how, "prefetch requested by pod annotation");
                             }
                             Err(e) => {
-                                metrics.error("prefetch", "annotation");
-                                warn!(url = %u, error = %e, "bad spotguard.io/prefetch annotation");
+                                metrics.error("prefetch", e.metric_label());
+                                warn!(url = %u, error = %e, "cannot prefetch the dataset a spotguard.io/prefetch annotation names");
+                                // Not marked seen: a transient error is retried on the next round.
+                                seen.remove(u);
                             }
                         }
                     }

@@ -1,0 +1,1111 @@
+//! `spotguard prefetch` against real S3-compatible servers on loopback: s3s-fs for most tests,
+//! moto where `If-Match` must be honoured, and a small fault-injecting proxy in front of them
+//! (503 SlowDown, 403/404 for one key, bandwidth limits, request counting).
+//!
+//! Needs `s3s-fs` and `moto_server`: run `scripts/deps/prefetch.sh` once.
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use futures::StreamExt;
+use http_body_util::{combinators::BoxBody, BodyExt, Full, StreamBody};
+use hyper::body::{Frame, Incoming};
+use hyper::{Request, Response};
+use hyper_util::client::legacy::{connect::HttpConnector, Client};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use object_store::aws::{AmazonS3Builder, AwsAuthorizer, AwsCredential};
+use object_store::path::Path as ObjectPath;
+use object_store::{ClientOptions, ObjectStore, ObjectStoreExt, PutPayload};
+use serde_json::Value;
+
+const ACCESS_KEY: &str = "spotguardtest";
+const SECRET_KEY: &str = "spotguardtestsecret";
+const REGION: &str = "us-east-1";
+const DEPS: &str = "scripts/deps/prefetch.sh";
+
+// ---------------------------------------------------------------------------------------------
+// Servers
+
+/// A child process killed on drop.
+struct ServerProcess {
+    child: Child,
+    addr: SocketAddr,
+    _dir: Option<tempfile::TempDir>,
+}
+
+impl Drop for ServerProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl ServerProcess {
+    fn endpoint(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+}
+
+fn wait_for_line(
+    reader: impl std::io::Read + Send + 'static,
+    marker: &'static str,
+    what: &str,
+) -> SocketAddr {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut sent = false;
+        for line in BufReader::new(reader).lines().map_while(Result::ok) {
+            if !sent {
+                if let Some(rest) = line.split(marker).nth(1) {
+                    let addr: String = rest
+                        .chars()
+                        .take_while(|c| c.is_ascii_digit() || *c == '.' || *c == ':')
+                        .collect();
+                    if let Ok(a) = addr.parse::<SocketAddr>() {
+                        let _ = tx.send(a);
+                        sent = true;
+                    }
+                }
+            }
+            // Keep draining so the server never blocks on a full pipe.
+        }
+    });
+    rx.recv_timeout(Duration::from_secs(60))
+        .unwrap_or_else(|_| panic!("{what} did not report its address within 60 s"))
+}
+
+/// `s3s-fs` over a fresh directory on an ephemeral loopback port.
+fn start_s3s_fs() -> ServerProcess {
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = Command::new("s3s-fs")
+        .args(["--host", "127.0.0.1", "--port", "0"])
+        .args(["--access-key", ACCESS_KEY, "--secret-key", SECRET_KEY])
+        .arg(dir.path())
+        .env("RUST_LOG", "s3s_fs=info")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot run s3s-fs ({e}): install it with {DEPS}"));
+    let out = child.stdout.take().unwrap();
+    let addr = wait_for_line(out, "server is running at http://", "s3s-fs");
+    ServerProcess {
+        child,
+        addr,
+        _dir: Some(dir),
+    }
+}
+
+/// moto's S3 server (honours `If-Match` on GET).
+fn start_moto() -> ServerProcess {
+    let mut child = Command::new("moto_server")
+        .args(["-H", "127.0.0.1", "-p", "0"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot run moto_server ({e}): install it with {DEPS}"));
+    let err = child.stderr.take().unwrap();
+    let addr = wait_for_line(err, "Running on http://", "moto_server");
+    ServerProcess {
+        child,
+        addr,
+        _dir: None,
+    }
+}
+
+fn store(endpoint: &str, bucket: &str) -> Arc<dyn ObjectStore> {
+    Arc::new(
+        AmazonS3Builder::new()
+            .with_endpoint(endpoint)
+            .with_bucket_name(bucket)
+            .with_access_key_id(ACCESS_KEY)
+            .with_secret_access_key(SECRET_KEY)
+            .with_region(REGION)
+            .with_client_options(ClientOptions::new().with_allow_http(true))
+            .build()
+            .unwrap(),
+    )
+}
+
+/// Create a bucket through the S3 API (signed `PUT /bucket`).
+async fn create_bucket(endpoint: &str, bucket: &str) {
+    let cred = AwsCredential {
+        key_id: ACCESS_KEY.into(),
+        secret_key: SECRET_KEY.into(),
+        token: None,
+    };
+    let mut req = object_store::client::HttpRequest::new(Vec::<u8>::new().into());
+    *req.method_mut() = http::Method::PUT;
+    *req.uri_mut() = format!("{endpoint}/{bucket}").parse().unwrap();
+    let host = req.uri().authority().unwrap().to_string();
+    req.headers_mut()
+        .insert(http::header::HOST, host.parse().unwrap());
+    AwsAuthorizer::new(&cred, "s3", REGION).authorize(&mut req, None);
+    let client = reqwest::Client::new();
+    let mut r = client.put(req.uri().to_string());
+    for (k, v) in req.headers() {
+        r = r.header(k, v);
+    }
+    let resp = r.send().await.unwrap();
+    assert!(
+        resp.status().is_success(),
+        "create bucket {bucket}: {} {}",
+        resp.status(),
+        resp.text().await.unwrap_or_default()
+    );
+}
+
+async fn put(store: &Arc<dyn ObjectStore>, key: &str, data: &[u8]) {
+    store
+        .put(&ObjectPath::from(key), PutPayload::from(data.to_vec()))
+        .await
+        .unwrap_or_else(|e| panic!("put {key}: {e}"));
+}
+
+/// Deterministic, incompressible-enough test data.
+fn data(len: usize, seed: u64) -> Vec<u8> {
+    let mut rng = fastrand::Rng::with_seed(seed);
+    let mut v = vec![0u8; len];
+    rng.fill(&mut v);
+    v
+}
+
+// ---------------------------------------------------------------------------------------------
+// A fault-injecting, bandwidth-limiting, counting proxy
+
+#[derive(Default)]
+struct ProxyState {
+    upstream: String,
+    /// Answer this many requests with 503 SlowDown first.
+    slowdowns: AtomicU32,
+    slowdowns_sent: AtomicU32,
+    /// Answer GETs of paths ending in this key with this status.
+    deny: Mutex<Option<(String, u16)>>,
+    /// Response body rate limit per request, bytes/s (0 = none).
+    rate_bps: AtomicU64,
+    gets: AtomicU64,
+    get_bytes: AtomicU64,
+    bytes_by_path: Mutex<HashMap<String, u64>>,
+}
+
+struct Proxy {
+    addr: SocketAddr,
+    state: Arc<ProxyState>,
+    _task: tokio::task::JoinHandle<()>,
+}
+
+impl Proxy {
+    async fn start(upstream: &ServerProcess) -> Proxy {
+        let state = Arc::new(ProxyState {
+            upstream: upstream.addr.to_string(),
+            ..ProxyState::default()
+        });
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let client: Client<HttpConnector, Incoming> =
+            Client::builder(TokioExecutor::new()).build_http();
+        let st = state.clone();
+        let task = tokio::spawn(async move {
+            loop {
+                let Ok((sock, _)) = listener.accept().await else {
+                    continue;
+                };
+                let (st, client) = (st.clone(), client.clone());
+                tokio::spawn(async move {
+                    let svc = hyper::service::service_fn(move |req| {
+                        proxy_one(st.clone(), client.clone(), req)
+                    });
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(sock), svc)
+                        .await;
+                });
+            }
+        });
+        Proxy {
+            addr,
+            state,
+            _task: task,
+        }
+    }
+
+    fn endpoint(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+}
+
+type ProxyBody = BoxBody<Bytes, Box<dyn std::error::Error + Send + Sync>>;
+
+fn s3_error(status: u16, code: &str) -> Response<ProxyBody> {
+    let body = format!(
+        "<?xml version=\"1.0\" encoding=\"UTF-8\"?><Error><Code>{code}</Code><Message>injected by the test proxy</Message></Error>"
+    );
+    Response::builder()
+        .status(status)
+        .header("content-type", "application/xml")
+        .body(Full::new(Bytes::from(body)).map_err(|e| match e {}).boxed())
+        .unwrap()
+}
+
+async fn proxy_one(
+    st: Arc<ProxyState>,
+    client: Client<HttpConnector, Incoming>,
+    req: Request<Incoming>,
+) -> Result<Response<ProxyBody>, Infallible> {
+    if st
+        .slowdowns
+        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+        .is_ok()
+    {
+        st.slowdowns_sent.fetch_add(1, Ordering::SeqCst);
+        return Ok(s3_error(503, "SlowDown"));
+    }
+    let path = req.uri().path().to_string();
+    let is_get = req.method() == http::Method::GET;
+    if is_get {
+        if let Some((key, status)) = st.deny.lock().unwrap().clone() {
+            if path.ends_with(&key) {
+                let code = if status == 403 {
+                    "AccessDenied"
+                } else {
+                    "NoSuchKey"
+                };
+                return Ok(s3_error(status, code));
+            }
+        }
+    }
+    let (mut parts, body) = req.into_parts();
+    let pq = parts
+        .uri
+        .path_and_query()
+        .map(|p| p.as_str().to_string())
+        .unwrap_or_default();
+    parts.uri = format!("http://{}{pq}", st.upstream).parse().unwrap();
+    let resp = match client.request(Request::from_parts(parts, body)).await {
+        Ok(r) => r,
+        Err(e) => return Ok(s3_error(502, &format!("ProxyError {e}"))),
+    };
+    let counted = is_get
+        && resp.status().is_success()
+        && !path.ends_with('/')
+        && path.matches('/').count() >= 2;
+    if counted {
+        st.gets.fetch_add(1, Ordering::SeqCst);
+    }
+    let rate = st.rate_bps.load(Ordering::SeqCst);
+    let (parts, body) = resp.into_parts();
+    let st2 = st.clone();
+    let started = Instant::now();
+    let mut sent = 0u64;
+    let stream = http_body_util::BodyStream::new(body).then(move |frame| {
+        let st = st2.clone();
+        let path = path.clone();
+        let len = frame
+            .as_ref()
+            .ok()
+            .and_then(|f| f.data_ref())
+            .map(|d| d.len() as u64)
+            .unwrap_or(0);
+        sent += len;
+        let due = if rate > 0 {
+            Some(started + Duration::from_secs_f64(sent as f64 / rate as f64))
+        } else {
+            None
+        };
+        async move {
+            if counted && len > 0 {
+                st.get_bytes.fetch_add(len, Ordering::SeqCst);
+                *st.bytes_by_path.lock().unwrap().entry(path).or_default() += len;
+            }
+            if let Some(due) = due {
+                tokio::time::sleep_until(due.into()).await;
+            }
+            frame.map_err(|e| Box::new(e) as Box<dyn std::error::Error + Send + Sync>)
+        }
+    });
+    let body: ProxyBody =
+        BodyExt::boxed(StreamBody::new(stream.map(|r: Result<Frame<Bytes>, _>| r)));
+    Ok(Response::from_parts(parts, body))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Running spotguard
+
+/// The binary under test, copied once at the start: the target directory may be shared with
+/// other builds that overwrite `CARGO_BIN_EXE_spotguard` while the tests run.
+fn binary() -> &'static Path {
+    static BIN: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    BIN.get_or_init(|| {
+        let dir = Path::new(env!("CARGO_TARGET_TMPDIR"));
+        for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+            if e.file_name()
+                .to_string_lossy()
+                .starts_with("prefetch-test-spotguard-")
+            {
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
+        let copy = dir.join(format!("prefetch-test-spotguard-{}", std::process::id()));
+        std::fs::copy(env!("CARGO_BIN_EXE_spotguard"), &copy).unwrap();
+        let help = Command::new(&copy)
+            .args(["prefetch", "--help"])
+            .output()
+            .unwrap();
+        assert!(
+            help.status.success(),
+            "{} is not this tree's spotguard (another build overwrote it): run the tests again",
+            env!("CARGO_BIN_EXE_spotguard")
+        );
+        copy
+    })
+}
+
+fn spotguard(src: &str, dest: &Path, endpoint: &str, extra: &[&str]) -> Command {
+    let mut c = Command::new(binary());
+    c.arg("prefetch")
+        .arg(src)
+        .arg(dest)
+        .args(["--endpoint", endpoint, "--progress", "json"])
+        .args(extra)
+        .env("AWS_ACCESS_KEY_ID", ACCESS_KEY)
+        .env("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
+        .env("AWS_REGION", REGION)
+        .env("AWS_EC2_METADATA_DISABLED", "true")
+        .env("RUST_LOG", "spotguard=info")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    c
+}
+
+struct RunResult {
+    code: i32,
+    summary: Value,
+    stderr: String,
+    stdout: String,
+}
+
+fn finish(out: Output) -> RunResult {
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    let summary = stdout
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .find(|v| v["event"] == "summary")
+        .unwrap_or(Value::Null);
+    RunResult {
+        code: out.status.code().unwrap_or(-1),
+        summary,
+        stderr,
+        stdout,
+    }
+}
+
+async fn run(cmd: Command) -> RunResult {
+    let mut cmd = cmd;
+    tokio::task::spawn_blocking(move || finish(cmd.output().unwrap()))
+        .await
+        .unwrap()
+}
+
+fn n(v: &Value, field: &str) -> u64 {
+    v[field]
+        .as_u64()
+        .unwrap_or_else(|| panic!("summary has no {field}: {v}"))
+}
+
+fn walk(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    if let Ok(rd) = std::fs::read_dir(dir) {
+        for e in rd.flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                out.extend(walk(&p));
+            } else {
+                out.push(p);
+            }
+        }
+    }
+    out
+}
+
+fn part_files(dir: &Path) -> Vec<PathBuf> {
+    walk(dir)
+        .into_iter()
+        .filter(|p| p.to_string_lossy().contains(".spotguard-part-"))
+        .collect()
+}
+
+fn manifest(dir: &Path) -> HashMap<String, Value> {
+    let text = std::fs::read_to_string(dir.join(".spotguard/manifest.json")).unwrap();
+    let v: Value = serde_json::from_str(&text).unwrap();
+    v["objects"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| (e["key"].as_str().unwrap().to_string(), e.clone()))
+        .collect()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tests
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn full_prefetch_is_byte_identical_and_idempotent() {
+    let server = start_s3s_fs();
+    create_bucket(&server.endpoint(), "data").await;
+    let s = store(&server.endpoint(), "data");
+    let mut expected: Vec<(String, Vec<u8>)> = Vec::new();
+    for i in 0..40u64 {
+        let len = 1 + (i as usize * 7919) % (300 << 10);
+        expected.push((format!("train/shard-{i:03}.bin"), data(len, i)));
+    }
+    expected.push((
+        "train/deep/er/large-a.bin".into(),
+        data((5 << 20) + 123, 100),
+    ));
+    expected.push(("train/large-b.bin".into(), data(3 << 20, 101)));
+    expected.push(("train/empty".into(), Vec::new()));
+    for (k, v) in &expected {
+        put(&s, k, v).await;
+    }
+    put(&s, "other/not-in-dataset", b"x").await;
+
+    let cache = tempfile::tempdir().unwrap();
+    let r = run(spotguard(
+        "s3://data/train",
+        cache.path(),
+        &server.endpoint(),
+        &[
+            "--name",
+            "train",
+            "--part-size",
+            "1MiB",
+            "--concurrency",
+            "8",
+        ],
+    ))
+    .await;
+    assert_eq!(r.code, 0, "stderr: {}\nstdout: {}", r.stderr, r.stdout);
+    let total: u64 = expected.iter().map(|(_, v)| v.len() as u64).sum();
+    assert_eq!(r.summary["outcome"], "complete");
+    assert_eq!(n(&r.summary, "files_total"), expected.len() as u64);
+    assert_eq!(n(&r.summary, "files_fetched"), expected.len() as u64);
+    assert_eq!(n(&r.summary, "bytes_total"), total);
+    assert_eq!(n(&r.summary, "bytes_fetched"), total);
+    let dir = cache.path().join("train");
+    for (k, v) in &expected {
+        let rel = k.strip_prefix("train/").unwrap();
+        let got = std::fs::read(dir.join(rel)).unwrap_or_else(|e| panic!("{rel}: {e}"));
+        assert!(got == *v, "{rel} differs");
+    }
+    assert!(!dir.join("not-in-dataset").exists());
+    assert!(part_files(&dir).is_empty());
+    assert!(dir.join(".spotguard/complete").exists());
+    assert!(
+        dir.join(".spotguard/lease").exists(),
+        "the CLI touches the lease when done"
+    );
+    let m = manifest(&dir);
+    assert_eq!(m.len(), expected.len());
+    assert!(m.values().all(|e| e["done"] == true));
+    assert!(
+        std::fs::read_dir(dir.join(".spotguard/claims"))
+            .unwrap()
+            .next()
+            .is_none(),
+        "claims are released"
+    );
+
+    // Run again: everything is present, nothing is fetched.
+    let again = run(spotguard(
+        "s3://data/train",
+        cache.path(),
+        &server.endpoint(),
+        &["--name", "train"],
+    ))
+    .await;
+    assert_eq!(again.code, 0, "{}", again.stderr);
+    assert_eq!(n(&again.summary, "files_present"), expected.len() as u64);
+    assert_eq!(n(&again.summary, "requests"), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resumes_with_a_ranged_get_after_kill_9() {
+    let server = start_s3s_fs();
+    create_bucket(&server.endpoint(), "big").await;
+    let s = store(&server.endpoint(), "big");
+    let size = 16 << 20;
+    let payload = data(size, 7);
+    put(&s, "ds/model.bin", &payload).await;
+    let proxy = Proxy::start(&server).await;
+    // 1 MiB/s per request, 2 requests at a time: the 16 MiB object takes ~8 s.
+    proxy.state.rate_bps.store(1 << 20, Ordering::SeqCst);
+
+    let cache = tempfile::tempdir().unwrap();
+    let args = [
+        "--name",
+        "m",
+        "--part-size",
+        "1MiB",
+        "--concurrency",
+        "2",
+        "--claim-lease",
+        "3s",
+    ];
+    let mut child = spotguard("s3://big/ds", cache.path(), &proxy.endpoint(), &args)
+        .spawn()
+        .unwrap();
+    let dir = cache.path().join("m");
+    let claims = dir.join(".spotguard/claims");
+    // Wait until the claim records at least 3 MiB written and synced, then kill -9.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let recorded = loop {
+        assert!(
+            Instant::now() < deadline,
+            "no progress recorded in the claim"
+        );
+        let done: u64 = walk(&claims)
+            .iter()
+            .filter_map(|p| std::fs::read(p).ok())
+            .filter_map(|b| serde_json::from_slice::<Value>(&b).ok())
+            .map(|v| {
+                v["done"]
+                    .as_array()
+                    .map(|a| {
+                        a.iter()
+                            .map(|r| r[1].as_u64().unwrap() - r[0].as_u64().unwrap())
+                            .sum::<u64>()
+                    })
+                    .unwrap_or(0)
+            })
+            .sum();
+        if done >= 3 << 20 {
+            break done;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    child.kill().unwrap(); // SIGKILL
+    let _ = child.wait();
+    assert!(recorded < size as u64, "the kill must land mid-object");
+    assert!(
+        !dir.join("model.bin").exists(),
+        "nothing partial under the final name"
+    );
+    assert_eq!(
+        part_files(&dir).len(),
+        1,
+        "the part file stays for resuming"
+    );
+
+    // Resume at full speed: the dead owner's claim is taken over at once (same host, dead pid).
+    proxy.state.rate_bps.store(0, Ordering::SeqCst);
+    let before = proxy.state.get_bytes.load(Ordering::SeqCst);
+    let r = run(spotguard(
+        "s3://big/ds",
+        cache.path(),
+        &proxy.endpoint(),
+        &args,
+    ))
+    .await;
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let resumed = n(&r.summary, "bytes_resumed");
+    assert!(
+        resumed >= recorded,
+        "resumed {resumed} < recorded {recorded}"
+    );
+    assert_eq!(n(&r.summary, "bytes_fetched") + resumed, size as u64);
+    let fetched_now = proxy.state.get_bytes.load(Ordering::SeqCst) - before;
+    assert_eq!(
+        fetched_now,
+        size as u64 - resumed,
+        "only the missing ranges were fetched"
+    );
+    assert!(std::fs::read(dir.join("model.bin")).unwrap() == payload);
+    assert!(part_files(&dir).is_empty());
+    assert!(
+        r.stderr.contains("resuming a partial download"),
+        "{}",
+        r.stderr
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_checkpoints_and_the_next_run_resumes() {
+    let server = start_s3s_fs();
+    create_bucket(&server.endpoint(), "sigterm").await;
+    let s = store(&server.endpoint(), "sigterm");
+    let payload = data(6 << 20, 9);
+    put(&s, "p/x.bin", &payload).await;
+    let proxy = Proxy::start(&server).await;
+    proxy.state.rate_bps.store(512 << 10, Ordering::SeqCst);
+    let cache = tempfile::tempdir().unwrap();
+    let args = ["--name", "x", "--part-size", "1MiB", "--concurrency", "2"];
+    let child = spotguard("s3://sigterm/p", cache.path(), &proxy.endpoint(), &args)
+        .spawn()
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(child.id() as i32).unwrap(),
+        rustix::process::Signal::TERM,
+    )
+    .unwrap();
+    let r = tokio::task::spawn_blocking(move || finish(child.wait_with_output().unwrap()))
+        .await
+        .unwrap();
+    assert_eq!(r.code, 3, "cancelled: {}", r.stderr);
+    assert_eq!(r.summary["outcome"], "cancelled");
+    assert!(r.stderr.contains("run again to resume"));
+    let progress: Vec<Value> = r
+        .stdout
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|v| v["event"] == "progress")
+        .collect();
+    assert!(
+        !progress.is_empty(),
+        "JSON progress lines every second: {}",
+        r.stdout
+    );
+    for field in [
+        "bytes_done",
+        "bytes_total",
+        "files_done",
+        "files_total",
+        "rate_bps",
+    ] {
+        assert!(progress[0][field].is_u64(), "{field} in {}", progress[0]);
+    }
+    let dir = cache.path().join("x");
+    assert!(!dir.join("x.bin").exists());
+    let claim: Value = serde_json::from_slice(
+        &std::fs::read(walk(&dir.join(".spotguard/claims"))[0].clone()).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(
+        claim["lease_until_ms"], 0,
+        "lease ended for immediate takeover: {claim}\n{}",
+        r.stderr
+    );
+
+    proxy.state.rate_bps.store(0, Ordering::SeqCst);
+    let again = run(spotguard(
+        "s3://sigterm/p",
+        cache.path(),
+        &proxy.endpoint(),
+        &args,
+    ))
+    .await;
+    assert_eq!(again.code, 0, "{}", again.stderr);
+    assert!(n(&again.summary, "bytes_resumed") > 0);
+    assert!(std::fs::read(dir.join("x.bin")).unwrap() == payload);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_processes_share_one_cache_and_fetch_each_object_once() {
+    let server = start_s3s_fs();
+    create_bucket(&server.endpoint(), "shared").await;
+    let s = store(&server.endpoint(), "shared");
+    let mut objects = Vec::new();
+    for i in 0..150u64 {
+        objects.push((format!("ds/f{i:03}"), data(32 << 10, i)));
+    }
+    objects.push(("ds/big1".into(), data(4 << 20, 1000)));
+    objects.push(("ds/big2".into(), data(3 << 20, 1001)));
+    for (k, v) in &objects {
+        put(&s, k, v).await;
+    }
+    let total: u64 = objects.iter().map(|(_, v)| v.len() as u64).sum();
+    let proxy = Proxy::start(&server).await;
+    // Slow enough that the two runs overlap.
+    proxy.state.rate_bps.store(4 << 20, Ordering::SeqCst);
+    let cache = tempfile::tempdir().unwrap();
+    let args = [
+        "--name",
+        "shared",
+        "--part-size",
+        "1MiB",
+        "--concurrency",
+        "4",
+    ];
+    let a = spotguard("s3://shared/ds", cache.path(), &proxy.endpoint(), &args)
+        .spawn()
+        .unwrap();
+    let b = spotguard("s3://shared/ds", cache.path(), &proxy.endpoint(), &args)
+        .spawn()
+        .unwrap();
+    let (ra, rb) = tokio::task::spawn_blocking(move || {
+        (
+            finish(a.wait_with_output().unwrap()),
+            finish(b.wait_with_output().unwrap()),
+        )
+    })
+    .await
+    .unwrap();
+    assert_eq!(ra.code, 0, "{}", ra.stderr);
+    assert_eq!(rb.code, 0, "{}", rb.stderr);
+    let count = objects.len() as u64;
+    let (fa, fb) = (
+        n(&ra.summary, "files_fetched"),
+        n(&rb.summary, "files_fetched"),
+    );
+    assert_eq!(fa + fb, count, "each object fetched once: {fa} + {fb}");
+    assert!(fa > 0 && fb > 0, "both processes did work: {fa} + {fb}");
+    assert_eq!(fa + n(&ra.summary, "files_by_others"), count);
+    assert_eq!(fb + n(&rb.summary, "files_by_others"), count);
+    assert_eq!(
+        proxy.state.get_bytes.load(Ordering::SeqCst),
+        total,
+        "no byte downloaded twice"
+    );
+    let dir = cache.path().join("shared");
+    for (k, v) in &objects {
+        let rel = k.strip_prefix("ds/").unwrap();
+        assert!(std::fs::read(dir.join(rel)).unwrap() == *v, "{rel}");
+    }
+    let m = manifest(&dir);
+    assert_eq!(m.len(), objects.len());
+    assert!(m.values().all(|e| e["done"] == true));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn changed_objects_are_refetched_even_mid_download() {
+    let server = start_moto();
+    create_bucket(&server.endpoint(), "chg").await;
+    let s = store(&server.endpoint(), "chg");
+    put(&s, "d/a.bin", &data(100 << 10, 1)).await;
+    put(&s, "d/b.bin", &data(100 << 10, 2)).await;
+    let cache = tempfile::tempdir().unwrap();
+    let args = [
+        "--name",
+        "chg",
+        "--part-size",
+        "256KiB",
+        "--concurrency",
+        "2",
+    ];
+    let r = run(spotguard(
+        "s3://chg/d",
+        cache.path(),
+        &server.endpoint(),
+        &args,
+    ))
+    .await;
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let dir = cache.path().join("chg");
+
+    // Same size, new content: the etag differs from the manifest, so it is fetched again.
+    let v2 = data(100 << 10, 3);
+    put(&s, "d/a.bin", &v2).await;
+    let r = run(spotguard(
+        "s3://chg/d",
+        cache.path(),
+        &server.endpoint(),
+        &args,
+    ))
+    .await;
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert_eq!(n(&r.summary, "files_fetched"), 1);
+    assert_eq!(n(&r.summary, "files_present"), 1);
+    assert!(std::fs::read(dir.join("a.bin")).unwrap() == v2);
+
+    // Changed while being downloaded in parts: If-Match makes the remaining parts fail with 412,
+    // and the object is fetched again from its new version.
+    let big1 = data(4 << 20, 10);
+    put(&s, "d/big.bin", &big1).await;
+    let proxy = Proxy::start(&server).await;
+    proxy.state.rate_bps.store(1 << 20, Ordering::SeqCst);
+    let child = spotguard("s3://chg/d", cache.path(), &proxy.endpoint(), &args)
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while proxy.state.get_bytes.load(Ordering::SeqCst) < 300 << 10 {
+        assert!(Instant::now() < deadline, "download did not start");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let big2 = data(4 << 20, 11);
+    put(&s, "d/big.bin", &big2).await;
+    proxy.state.rate_bps.store(0, Ordering::SeqCst);
+    let r = tokio::task::spawn_blocking(move || finish(child.wait_with_output().unwrap()))
+        .await
+        .unwrap();
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert!(
+        std::fs::read(dir.join("big.bin")).unwrap() == big2,
+        "the new version, whole"
+    );
+    assert!(r.stderr.contains("changed at the source"), "{}", r.stderr);
+    assert!(part_files(&dir).is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn throttling_is_retried_with_backoff() {
+    let server = start_s3s_fs();
+    create_bucket(&server.endpoint(), "thr").await;
+    let s = store(&server.endpoint(), "thr");
+    for i in 0..6u64 {
+        put(&s, &format!("t/{i}"), &data(50 << 10, i)).await;
+    }
+    let proxy = Proxy::start(&server).await;
+    proxy.state.slowdowns.store(6, Ordering::SeqCst);
+    let cache = tempfile::tempdir().unwrap();
+    let r = run(spotguard(
+        "s3://thr/t",
+        cache.path(),
+        &proxy.endpoint(),
+        &["--name", "t", "--concurrency", "2"],
+    ))
+    .await;
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert_eq!(proxy.state.slowdowns_sent.load(Ordering::SeqCst), 6);
+    assert_eq!(n(&r.summary, "files_fetched"), 6);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn access_denied_and_missing_objects_are_named() {
+    let server = start_s3s_fs();
+    create_bucket(&server.endpoint(), "err").await;
+    let s = store(&server.endpoint(), "err");
+    for k in ["e/ok.bin", "e/secret.bin", "e/vanished.bin"] {
+        put(&s, k, &data(10 << 10, 5)).await;
+    }
+    let proxy = Proxy::start(&server).await;
+    *proxy.state.deny.lock().unwrap() = Some(("e/secret.bin".into(), 403));
+    let cache = tempfile::tempdir().unwrap();
+    let r = run(spotguard(
+        "s3://err/e",
+        cache.path(),
+        &proxy.endpoint(),
+        &["--name", "e"],
+    ))
+    .await;
+    assert_eq!(r.code, 1, "some objects failed: {}", r.stderr);
+    assert_eq!(r.summary["outcome"], "incomplete");
+    assert!(
+        r.stderr.contains("secret.bin") && r.stderr.contains("access denied (403"),
+        "{}",
+        r.stderr
+    );
+    assert_eq!(r.summary["errors"][0]["kind"], "permission_denied");
+    let dir = cache.path().join("e");
+    assert!(dir.join("ok.bin").exists() && dir.join("vanished.bin").exists());
+    assert!(!dir.join("secret.bin").exists());
+    assert!(!dir.join(".spotguard/complete").exists());
+    assert_eq!(manifest(&dir)["secret.bin"]["done"], false);
+
+    *proxy.state.deny.lock().unwrap() = Some(("e/vanished.bin".into(), 404));
+    std::fs::remove_file(dir.join("vanished.bin")).unwrap();
+    let r = run(spotguard(
+        "s3://err/e",
+        cache.path(),
+        &proxy.endpoint(),
+        &["--name", "e"],
+    ))
+    .await;
+    assert_eq!(r.code, 1, "{}", r.stderr);
+    assert!(
+        r.stderr.contains("vanished.bin") && r.stderr.contains("not found (404)"),
+        "{}",
+        r.stderr
+    );
+    assert_eq!(
+        n(&r.summary, "files_fetched"),
+        1,
+        "secret.bin is allowed now"
+    );
+}
+
+/// A tmpfs mounted for the test and unmounted when dropped.
+struct TmpfsMount {
+    dir: tempfile::TempDir,
+}
+
+impl TmpfsMount {
+    fn new(size: &str) -> TmpfsMount {
+        let dir = tempfile::tempdir().unwrap();
+        let st = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(dir.path())
+            .status()
+            .expect("mount (the tests run as root)");
+        assert!(
+            st.success(),
+            "mount -t tmpfs failed (root and CAP_SYS_ADMIN needed)"
+        );
+        TmpfsMount { dir }
+    }
+}
+
+impl Drop for TmpfsMount {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(self.dir.path()).status();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn disk_full_is_a_clear_error_and_leaves_the_cache_consistent() {
+    let server = start_s3s_fs();
+    create_bucket(&server.endpoint(), "full").await;
+    let s = store(&server.endpoint(), "full");
+    let objs = [
+        ("f/a.bin", data(3 << 20, 1)),
+        ("f/b.bin", data(3 << 20, 2)),
+        ("f/c.bin", data(3 << 20, 3)),
+    ];
+    for (k, v) in &objs {
+        put(&s, k, v).await;
+    }
+    let mnt = TmpfsMount::new("8m");
+    let r = run(spotguard(
+        "s3://full/f",
+        mnt.dir.path(),
+        &server.endpoint(),
+        &["--name", "f", "--concurrency", "1"],
+    ))
+    .await;
+    assert_eq!(r.code, 2, "{}", r.stderr);
+    assert_eq!(r.summary["outcome"], "failed");
+    assert!(r.stderr.contains("disk full writing"), "{}", r.stderr);
+    assert!(
+        r.stderr.contains("c.bin.spotguard-part-"),
+        "names the file: {}",
+        r.stderr
+    );
+    let dir = mnt.dir.path().join("f");
+    assert!(
+        part_files(&dir).is_empty(),
+        "part files removed: {:?}",
+        part_files(&dir)
+    );
+    assert!(!dir.join("c.bin").exists());
+    assert!(!dir.join(".spotguard/complete").exists());
+    // Consistent: what the manifest calls done is whole; nothing else is under a final name.
+    let m = manifest(&dir);
+    assert_eq!(m["c.bin"]["done"], false);
+    // c.bin is the third object to be preallocated: one of the first two finished before it.
+    assert!(
+        m["a.bin"]["done"] == true || m["b.bin"]["done"] == true,
+        "{m:?}"
+    );
+    for (k, v) in &objs {
+        let rel = k.strip_prefix("f/").unwrap();
+        if m[rel]["done"] == true {
+            assert!(std::fs::read(dir.join(rel)).unwrap() == *v, "{rel}");
+        } else {
+            assert!(!dir.join(rel).exists(), "{rel} is not done but visible");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_escaping_the_dataset_is_rejected_by_name() {
+    let server = start_moto();
+    create_bucket(&server.endpoint(), "esc").await;
+    // object_store refuses to write such a key; send the PUT raw (moto does not check auth).
+    let client: Client<HttpConnector, Full<Bytes>> =
+        Client::builder(TokioExecutor::new()).build_http();
+    let req = Request::put(format!(
+        "{}/esc/d/%2E%2E/%2E%2E/escape.txt",
+        server.endpoint()
+    ))
+    .body(Full::new(Bytes::from_static(b"owned")))
+    .unwrap();
+    let resp = client.request(req).await.unwrap();
+    assert!(resp.status().is_success(), "{}", resp.status());
+    let s = store(&server.endpoint(), "esc");
+    put(&s, "d/fine.txt", b"fine").await;
+    let cache = tempfile::tempdir().unwrap();
+    let inner = cache.path().join("root");
+    let r = run(spotguard(
+        "s3://esc/d",
+        &inner,
+        &server.endpoint(),
+        &["--name", "d"],
+    ))
+    .await;
+    assert_ne!(r.code, 0);
+    assert!(
+        r.stderr.contains("d/../../escape.txt"),
+        "names the key: {}",
+        r.stderr
+    );
+    assert!(r.stderr.contains("escapes the dataset"), "{}", r.stderr);
+    assert!(!cache.path().join("escape.txt").exists());
+    assert!(!inner.join("escape.txt").exists());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn eviction_removes_the_least_recently_used_dataset_not_in_use() {
+    let server = start_s3s_fs();
+    create_bucket(&server.endpoint(), "evict").await;
+    let s = store(&server.endpoint(), "evict");
+    for ds in ["a", "b", "c", "d"] {
+        put(
+            &s,
+            &format!("{ds}/blob"),
+            &data(1 << 20, ds.as_bytes()[0] as u64),
+        )
+        .await;
+    }
+    let cache = tempfile::tempdir().unwrap();
+    let window = ["--in-use-window", "2s", "--cache-max-bytes", "3MiB"];
+    for ds in ["a", "b", "c"] {
+        let mut args = vec!["--name", ds];
+        args.extend(window);
+        let r = run(spotguard(
+            &format!("s3://evict/{ds}"),
+            cache.path(),
+            &server.endpoint(),
+            &args,
+        ))
+        .await;
+        assert_eq!(r.code, 0, "{ds}: {}", r.stderr);
+        tokio::time::sleep(Duration::from_millis(1100)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(2000)).await;
+    // "a" is the least recently used, but a job is reading it (it touches the lease).
+    std::fs::File::options()
+        .write(true)
+        .open(cache.path().join("a/.spotguard/lease"))
+        .unwrap()
+        .set_modified(std::time::SystemTime::now())
+        .unwrap();
+    let mut args = vec!["--name", "d"];
+    args.extend(window);
+    let r = run(spotguard(
+        "s3://evict/d",
+        cache.path(),
+        &server.endpoint(),
+        &args,
+    ))
+    .await;
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert_eq!(
+        r.summary["evicted"],
+        serde_json::json!(["b"]),
+        "{}",
+        r.summary
+    );
+    assert!(cache.path().join("a/blob").exists());
+    assert!(!cache.path().join("b").exists());
+    assert!(cache.path().join("c/blob").exists() && cache.path().join("d/blob").exists());
+
+    // Nothing evictable is left (a in use, c and d too recent): a clear error.
+    put(&s, "e/blob", &data(2 << 20, 9)).await;
+    let mut args = vec!["--name", "e", "--cache-max-bytes", "3MiB"];
+    args.extend(["--in-use-window", "1h"]);
+    let r = run(spotguard(
+        "s3://evict/e",
+        cache.path(),
+        &server.endpoint(),
+        &args,
+    ))
+    .await;
+    assert_eq!(r.code, 2, "{}", r.stderr);
+    assert!(r.stderr.contains("cache full"), "{}", r.stderr);
+}
