@@ -9,7 +9,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use clap::{ArgAction, Args, CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
+use clap::{ArgAction, Args, CommandFactory, Parser, Subcommand, ValueEnum};
 use regex::Regex;
 use serde::Deserialize;
 
@@ -669,7 +669,7 @@ fn read_extras(path: &Path) -> Result<(Vec<Dataset>, Option<toml::Table>), Error
         path: file.clone(),
         reason: e.to_string().trim().to_string(),
     })?;
-    table.retain(|k, _| STRUCTURED_KEYS.contains(&k.as_str()));
+    table.retain(|k, _| STRUCTURED_KEYS.contains(&k));
     let extras: FileExtras =
         toml::Value::Table(table)
             .try_into()
@@ -853,6 +853,9 @@ pub fn reference_markdown() -> String {
                 .map(|p| p.get_name().to_string())
                 .collect::<Vec<_>>();
             let mut help = a.get_help().map(|h| h.to_string()).unwrap_or_default();
+            if !help.is_empty() && !help.ends_with('.') && !help.ends_with(']') {
+                help.push('.');
+            }
             if !possible.is_empty() && !matches!(possible.as_slice(), [a, b] if a == "true" && b == "false")
             {
                 help.push_str(&format!(" One of: `{}`.", possible.join("`, `")));

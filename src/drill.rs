@@ -49,8 +49,8 @@ pub struct DrillArgs {
     /// Upper bound on waiting for the acknowledgement (--checkpoint-timeout of `run`).
     #[arg(long, default_value = "90s", value_parser = config::parse_positive_duration)]
     pub timeout: Duration,
-    /// Log level of the agent pipeline while the drill runs.
-    #[arg(long, default_value = "warn")]
+    /// Log level of the agent pipeline while the drill runs (e.g. `info` to watch every step).
+    #[arg(long, default_value = "error")]
     pub log_level: String,
     /// The training command and its arguments (after `--`). Default: the bundled example trainer.
     #[arg(last = true, value_name = "CMD")]

@@ -174,7 +174,6 @@ struct Running {
 
 /// A maintenance notice waiting for `not_before − lead`.
 struct Scheduled {
-    notice: Notice,
     timer: JoinHandle<()>,
 }
 
@@ -280,7 +279,7 @@ impl Responder {
                                         tokio::time::sleep(wait).await;
                                         let _ = tx.send(due).await;
                                     });
-                                    scheduled.insert(n.id.clone(), Scheduled { notice: n, timer });
+                                    scheduled.insert(n.id.clone(), Scheduled { timer });
                                 }
                                 NoticeKind::Rebalance => {
                                     if running.is_some() {
@@ -793,7 +792,7 @@ impl Plan {
             reserve,
             self.cfg.checkpoint_timeout,
         );
-        let mut req = CheckpointRequest {
+        let req = CheckpointRequest {
             notice_id: self.notice.id.clone(),
             source: self.notice.source.as_str().to_string(),
             kind: self.notice.kind.label().to_string(),
@@ -871,24 +870,33 @@ impl Plan {
         let results = {
             let wait = ckpt::wait(deliveries, &req, &self.deps.metrics, &wait_cancel);
             tokio::pin!(wait);
-            loop {
+            let mut cut_at = req.checkpoint_deadline;
+            let mut cutter: Option<JoinHandle<()>> = None;
+            let results = loop {
                 tokio::select! {
                     r = &mut wait => break r,
                     changed = self.deadline.changed() => {
                         if changed.is_err() { continue; }
                         let new_ck = store::checkpoint_deadline(self.deadline(), Timestamp::now(), reserve, self.cfg.checkpoint_timeout);
-                        if new_ck < req.checkpoint_deadline {
-                            req.checkpoint_deadline = new_ck;
+                        if new_ck < cut_at {
+                            cut_at = new_ck;
+                            info!(checkpoint_deadline = %new_ck, "deadline moved earlier: checkpoint wait cut short");
                             let cancel = wait_cancel.clone();
                             let wait_for = store::until(new_ck, Timestamp::now());
-                            tokio::spawn(async move {
+                            if let Some(old) = cutter.replace(tokio::spawn(async move {
                                 tokio::time::sleep(wait_for).await;
                                 cancel.cancel();
-                            });
+                            })) {
+                                old.abort();
+                            }
                         }
                     }
                 }
+            };
+            if let Some(c) = cutter {
+                c.abort();
             }
+            results
         };
         for r in &results {
             info!(target_group = %r.group, outcome = r.outcome.as_str(), signalled = r.signalled, ack_ms = ?r.ack_latency.map(|d| d.as_millis()), detail = %r.detail, "checkpoint result");

@@ -41,6 +41,7 @@ impl Trainer {
             .env("SPOTGUARD_DIR", dir.join("ckpt"))
             .env("MARKS", dir.join("marks"))
             .stdout(Stdio::null())
+            .stderr(Stdio::null())
             .kill_on_drop(true)
             .spawn()
             .unwrap();
@@ -100,8 +101,8 @@ fn alive(pid: i32) -> bool {
         .rsplit(')')
         .next()
         .and_then(|r| r.split_whitespace().next());
-    unsafe { libc::kill(pid, 0) == 0 }
-    &&state != Some("Z")
+    let exists = unsafe { libc::kill(pid, 0) } == 0;
+    exists && state != Some("Z")
 }
 
 fn catches_usr1(pid: i32) -> bool {
@@ -127,7 +128,7 @@ fn run_args(cloud: &str, endpoint: &str, t: &Trainer, extra: &[&str]) -> config:
         format!("--checkpoint-pidfile={}", t.pidfile.display()),
         "--metrics-addr=127.0.0.1:0".into(),
         "--gpu=off".into(),
-        "--log-level=warn".into(),
+        format!("--log-level={}", std::env::var("SG_TEST_LOG").unwrap_or_else(|_| "warn".into())),
         "--shutdown-grace=2s".into(),
     ];
     argv.extend(extra.iter().map(|s| s.to_string()));
@@ -140,6 +141,7 @@ fn run_args(cloud: &str, endpoint: &str, t: &Trainer, extra: &[&str]) -> config:
 
 async fn start_agent(args: config::RunArgs) -> (app::App, CancellationToken) {
     let cfg = Config::resolve(args, &config::ProcessEnv).unwrap();
+    spotguard::telemetry::init(config::LogFormat::Text, &cfg.args.log_level);
     let cancel = CancellationToken::new();
     let app = app::start(cfg, cancel.clone()).await.unwrap();
     (app, cancel)
@@ -338,7 +340,7 @@ async fn faults_are_counted_and_the_notice_is_still_seen() {
         (
             Cloud::Aws,
             vec![
-                Fault::error(500).times(15),
+                Fault::error(500).times(6),
                 Fault::expire_tokens(),
                 Fault::garbage().times(5),
                 Fault::drop_connections().times(5),
@@ -357,6 +359,7 @@ async fn faults_are_counted_and_the_notice_is_still_seen() {
             vec![Fault::error(500).times(10), Fault::garbage().times(5)],
         ),
     ] {
+        eprintln!("faults: {cloud}");
         let tmp = tempfile::tempdir().unwrap();
         let t = Trainer::start(tmp.path()).await;
         let emu = emulator::start(EmulatorConfig::new(cloud)).await.unwrap();

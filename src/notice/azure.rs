@@ -182,10 +182,11 @@ impl AzureScheduledEvents {
         }
         let body = resp.text().await.map_err(|e| request_error(url, e))?;
         let name = body.trim();
-        if name.is_empty() || name.contains(['\r', '\n']) {
+        if !valid_vm_name(name) {
+            // A garbled answer must never become the filter: it would hide this VM's events.
             return Err(parse_error(
                 url,
-                "compute/name is empty or not a single line",
+                "compute/name is not a VM name (1-64 letters, digits, '-', '_', '.')",
             ));
         }
         tracing::info!(vm_name = name, "Azure VM name from IMDS");
@@ -260,6 +261,14 @@ impl AzureScheduledEvents {
             observed_at: now,
         }))
     }
+}
+
+/// Azure resource names: 1–64 characters of letters, digits, `-`, `_` and `.`.
+fn valid_vm_name(name: &str) -> bool {
+    (1..=64).contains(&name.len())
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
 }
 
 fn names_vm(ev: &Event, vm_name: &str) -> bool {

@@ -7,7 +7,7 @@
 //! queried concurrently on every poll; one failing does not hide the others' notices (see
 //! [`super::monitor`] for how partial failures are counted).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -143,6 +143,10 @@ pub struct Ec2Imds {
     reporter: ErrorReporter,
     /// Notice id → when it was first seen, for `observed_at` across re-polls.
     first_seen: Mutex<HashMap<String, Timestamp>>,
+    /// Active scheduled events of the last successful read of `events/maintenance/scheduled`:
+    /// AWS moves canceled and completed events to `events/maintenance/history`, so an event that
+    /// vanishes from `scheduled` is reported as `Cancelled`.
+    active_events: Mutex<Option<HashSet<String>>>,
 }
 
 impl Ec2Imds {
@@ -169,6 +173,7 @@ impl Ec2Imds {
             token: tokio::sync::Mutex::new(TokenCache::default()),
             reporter: ErrorReporter::new(Source::Aws.as_str(), metrics),
             first_seen: Mutex::new(HashMap::new()),
+            active_events: Mutex::new(None),
         })
     }
 
@@ -313,10 +318,28 @@ impl Ec2Imds {
 
     async fn scheduled(&self, token: Option<&Token>, now: Timestamp) -> Result<Vec<Notice>, Error> {
         let url = &self.urls.scheduled;
-        match self.get(url, token).await? {
-            None => Ok(Vec::new()),
-            Some(body) => parse_scheduled(url, &body, now),
+        let mut notices = match self.get(url, token).await? {
+            None => Vec::new(),
+            Some(body) => parse_scheduled(url, &body, now)?,
+        };
+        let active: HashSet<String> = notices
+            .iter()
+            .filter(|n| n.kind == NoticeKind::Maintenance)
+            .map(|n| n.id.clone())
+            .collect();
+        let previous = match self.active_events.lock() {
+            Ok(mut guard) => guard.replace(active.clone()),
+            Err(_) => None,
+        };
+        for gone in previous.unwrap_or_default().difference(&active) {
+            let already = notices
+                .iter()
+                .any(|n| n.kind == NoticeKind::Cancelled(gone.clone()));
+            if !already {
+                notices.push(vanished_event(gone, now));
+            }
         }
+        Ok(notices)
     }
 
     /// Give each notice the time its id was first seen; forget ids no longer visible (only after
@@ -476,6 +499,22 @@ pub(crate) fn parse_rfc2822(url: &Url, field: &str, value: &str) -> Result<Times
                 format!("{field} {value:?} is not an RFC 2822 time: {e}"),
             )
         })
+}
+
+/// A scheduled event that left `events/maintenance/scheduled` (moved to history: canceled or
+/// completed).
+fn vanished_event(event_id: &str, now: Timestamp) -> Notice {
+    Notice {
+        id: content_id(Source::Aws, "cancelled", &[event_id]),
+        kind: NoticeKind::Cancelled(event_id.to_string()),
+        source: Source::Aws,
+        deadline: None,
+        not_before: None,
+        detail: format!("scheduled event {event_id} left the schedule (canceled or completed)"),
+        restart: false,
+        published_at: None,
+        observed_at: now,
+    }
 }
 
 fn parse_scheduled(url: &Url, body: &str, now: Timestamp) -> Result<Vec<Notice>, Error> {

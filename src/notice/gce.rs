@@ -65,7 +65,7 @@ impl GceConfig {
 
     /// `endpoint` `None` means [`Self::DEFAULT_ENDPOINT`]; hanging GETs of 60 s, plain GETs
     /// bounded at 5 s (2 s to connect), `upcoming-maintenance` re-read every 60 s while absent,
-    /// per-key backoff 1 s doubling to 30 s.
+    /// per-key backoff 1 s doubling to 5 s.
     pub fn new(endpoint: Option<Url>, preemption_notice: Duration) -> Self {
         GceConfig {
             endpoint: endpoint.unwrap_or_else(|| constant_url(Self::DEFAULT_ENDPOINT)),
@@ -75,7 +75,8 @@ impl GceConfig {
             connect_timeout: Duration::from_secs(2),
             upcoming_recheck: Duration::from_secs(60),
             retry_base: Duration::from_secs(1),
-            retry_cap: Duration::from_secs(30),
+            // Short on purpose: a preemption gives 30 s, so a key must not sleep most of it.
+            retry_cap: Duration::from_secs(5),
         }
     }
 }

@@ -30,8 +30,10 @@ use crate::metrics::{ErrorLabels, Metrics, SourceLabels};
 const READY_INTERVALS: u32 = 5;
 
 /// Backoff and log-limiting knobs of [`run_monitor_with`]. [`MonitorPolicy::default`] is what
-/// [`run_monitor`] uses: backoff 1 s doubling to 30 s (jittered to 50–100 % of the step), an error
-/// logged first, then every 10th consecutive one or at least every 30 s.
+/// [`run_monitor`] uses: backoff 1 s doubling to 5 s (jittered to 50–100 % of the step), an error
+/// logged first, then every 10th consecutive one or at least every 30 s. The cap is short on
+/// purpose: a notice gives 30–120 s, so a 5xx storm must not hide it for long; the metadata
+/// service is link-local and a 1 Hz poll is what the clouds document.
 #[derive(Clone, Debug)]
 pub struct MonitorPolicy {
     pub backoff_base: Duration,
@@ -44,7 +46,7 @@ impl Default for MonitorPolicy {
     fn default() -> Self {
         MonitorPolicy {
             backoff_base: Duration::from_secs(1),
-            backoff_cap: Duration::from_secs(30),
+            backoff_cap: Duration::from_secs(5),
             log_every_n: 10,
             log_every: Duration::from_secs(30),
         }
@@ -350,7 +352,13 @@ async fn monitor_loop(
             source: name.to_string(),
         })
         .clone();
-    let mut backoff = Backoff::new(policy.backoff_base, policy.backoff_cap);
+    // Start backing off from the poll interval when it is shorter than the policy's base.
+    let base = if interval.is_zero() {
+        policy.backoff_base
+    } else {
+        policy.backoff_base.min(interval)
+    };
+    let mut backoff = Backoff::new(base, policy.backoff_cap.max(base));
     let mut limiter = LogLimiter::new(policy.log_every_n, policy.log_every);
     tracing::info!(interval = ?interval, "notice monitor started");
 

@@ -355,6 +355,15 @@ impl NodeOps for RecordingNodeOps {
     ) -> Result<(), NodeError> {
         Ok(())
     }
+    async fn pod_event(
+        &self,
+        _pod: &crate::checkpoint::PodRef,
+        _kind: EventType,
+        _reason: &str,
+        _message: &str,
+    ) -> Result<(), NodeError> {
+        Ok(())
+    }
     async fn drain(&self, _request: &DrainRequest) -> Result<DrainReport, NodeError> {
         Ok(DrainReport::default())
     }
