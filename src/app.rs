@@ -82,6 +82,16 @@ impl Readiness for PollReadiness {
 
 /// Start every task; returns once the admin server is bound and the tasks are spawned.
 pub async fn start(cfg: Config, cancel: CancellationToken) -> Result<App, Error> {
+    start_with_client(cfg, cancel, None).await
+}
+
+/// [`start`] with a Kubernetes client given instead of inferred from the environment (tests
+/// point it at an in-process API server). Used only in Kubernetes mode.
+pub async fn start_with_client(
+    cfg: Config,
+    cancel: CancellationToken,
+    client: Option<kube::Client>,
+) -> Result<App, Error> {
     let mut registry = Registry::default();
     let metrics = Arc::new(Metrics::register(&mut registry));
     let gce_metrics = notice::monitor::GceMetrics::register(&mut registry);
@@ -114,12 +124,18 @@ pub async fn start(cfg: Config, cancel: CancellationToken) -> Result<App, Error>
             (node, discovery, None)
         }
         Mode::Kubernetes => {
-            // kube's default client retries 429s for minutes: the drain must see PDB refusals.
-            let config = kube::Config::infer()
-                .await
-                .map_err(|e| Error::KubeClient(e.to_string()))?;
-            let client = crate::node::kube::client_from_config(config)
-                .map_err(|e| Error::KubeClient(e.to_string()))?;
+            let client = match client {
+                Some(c) => c,
+                None => {
+                    // kube's default client retries 429s for minutes: the drain must see PDB
+                    // refusals, so build it without that retry.
+                    let config = kube::Config::infer()
+                        .await
+                        .map_err(|e| Error::KubeClient(e.to_string()))?;
+                    crate::node::kube::client_from_config(config)
+                        .map_err(|e| Error::KubeClient(e.to_string()))?
+                }
+            };
             let node_name = cfg.node_name.clone().unwrap_or_default();
             let own_pod = match (&cfg.pod_namespace, &cfg.pod_name) {
                 (Some(ns), Some(n)) => Some((ns.clone(), n.clone())),

@@ -734,7 +734,7 @@ impl Plan {
 
         // 3. Checkpoint.
         if steps.checkpoint && state.phase < Phase::Checkpointed {
-            self.checkpoint(state).await;
+            self.checkpoint(state, steps.drain).await;
             self.persist(state, Phase::Checkpointed).await;
         }
         if self.cancel.is_cancelled() {
@@ -775,7 +775,7 @@ impl Plan {
         Ok(())
     }
 
-    async fn checkpoint(&mut self, state: &mut PlanState) {
+    async fn checkpoint(&mut self, state: &mut PlanState, drain: bool) {
         let groups = match self.deps.discovery.discover().await {
             Ok(g) => g,
             Err(e) => {
@@ -785,13 +785,15 @@ impl Plan {
             }
         };
         let now = Timestamp::now();
-        let reserve = self.cfg.reserve(self.notice.source);
-        let ck_deadline = store::checkpoint_deadline(
-            self.deadline(),
-            now,
-            reserve,
-            self.cfg.checkpoint_timeout,
-        );
+        // A rebalance recommendation has no deadline (its plan's "deadline" is the expiry): the
+        // early checkpoint gets the full --checkpoint-timeout, with nothing reserved for a drain.
+        let (bound, reserve) = if self.notice.kind == NoticeKind::Rebalance && !drain {
+            (store::add(now, self.cfg.checkpoint_timeout), Duration::ZERO)
+        } else {
+            (self.deadline(), self.cfg.reserve(self.notice.source))
+        };
+        let ck_deadline =
+            store::checkpoint_deadline(bound, now, reserve, self.cfg.checkpoint_timeout);
         let req = CheckpointRequest {
             notice_id: self.notice.id.clone(),
             source: self.notice.source.as_str().to_string(),
