@@ -65,6 +65,9 @@ async fn metrics(State(s): State<Arc<AdminState>>) -> impl IntoResponse {
 async fn readyz(State(s): State<Arc<AdminState>>) -> impl IntoResponse {
     match s.readiness.ready() {
         Ok(()) => (StatusCode::OK, "ready\n".to_string()),
-        Err(why) => (StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {why}\n")),
+        Err(why) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("not ready: {why}\n"),
+        ),
     }
 }

@@ -135,7 +135,12 @@ pub struct RunArgs {
     pub node_name: Option<String>,
 
     /// Action on an EC2 rebalance recommendation.
-    #[arg(long, env = "SPOTGUARD_ON_REBALANCE", value_enum, default_value = "checkpoint")]
+    #[arg(
+        long,
+        env = "SPOTGUARD_ON_REBALANCE",
+        value_enum,
+        default_value = "checkpoint"
+    )]
     pub on_rebalance: RebalanceAction,
 
     /// Undo a rebalance cordon/taint if no interruption follows within this time.
@@ -143,7 +148,12 @@ pub struct RunArgs {
     pub rebalance_expiry: Duration,
 
     /// Action on scheduled maintenance / GCE TERMINATE_ON_HOST_MAINTENANCE.
-    #[arg(long, env = "SPOTGUARD_ON_MAINTENANCE", value_enum, default_value = "drain")]
+    #[arg(
+        long,
+        env = "SPOTGUARD_ON_MAINTENANCE",
+        value_enum,
+        default_value = "drain"
+    )]
     pub on_maintenance: MaintenanceAction,
 
     /// Start handling a scheduled event this long before its NotBefore.
@@ -171,7 +181,12 @@ pub struct RunArgs {
     pub dry_run: bool,
 
     /// Address of /metrics, /healthz, /readyz.
-    #[arg(long, env = "SPOTGUARD_METRICS_ADDR", value_name = "ADDR", default_value = "0.0.0.0:9464")]
+    #[arg(
+        long,
+        env = "SPOTGUARD_METRICS_ADDR",
+        value_name = "ADDR",
+        default_value = "0.0.0.0:9464"
+    )]
     pub metrics_addr: SocketAddr,
 
     /// GPU health monitoring: auto = NVML if it loads.
@@ -183,15 +198,30 @@ pub struct RunArgs {
     pub log_format: Option<LogFormat>,
 
     /// Log filter (tracing EnvFilter syntax), e.g. `info` or `spotguard=debug`.
-    #[arg(long, env = "SPOTGUARD_LOG_LEVEL", value_name = "FILTER", default_value = "info")]
+    #[arg(
+        long,
+        env = "SPOTGUARD_LOG_LEVEL",
+        value_name = "FILTER",
+        default_value = "info"
+    )]
     pub log_level: String,
 
     /// Host mode target: a systemd unit whose cgroup's processes are checkpointed (repeatable).
-    #[arg(long, env = "SPOTGUARD_CHECKPOINT_UNIT", value_name = "NAME", value_delimiter = ',')]
+    #[arg(
+        long,
+        env = "SPOTGUARD_CHECKPOINT_UNIT",
+        value_name = "NAME",
+        value_delimiter = ','
+    )]
     pub checkpoint_unit: Vec<String>,
 
     /// Host mode target: a pidfile; that process and its descendants (repeatable).
-    #[arg(long, env = "SPOTGUARD_CHECKPOINT_PIDFILE", value_name = "PATH", value_delimiter = ',')]
+    #[arg(
+        long,
+        env = "SPOTGUARD_CHECKPOINT_PIDFILE",
+        value_name = "PATH",
+        value_delimiter = ','
+    )]
     pub checkpoint_pidfile: Vec<PathBuf>,
 
     /// Host mode target: processes whose command line matches (repeatable).
@@ -251,11 +281,23 @@ pub struct RunArgs {
     pub shutdown_grace: Duration,
 
     /// Directory of DMI identifiers used by cloud auto-detection.
-    #[arg(long, env = "SPOTGUARD_DMI_DIR", value_name = "DIR", default_value = "/sys/class/dmi/id", hide = true)]
+    #[arg(
+        long,
+        env = "SPOTGUARD_DMI_DIR",
+        value_name = "DIR",
+        default_value = "/sys/class/dmi/id",
+        hide = true
+    )]
     pub dmi_dir: PathBuf,
 
     /// Root of the proc filesystem (process discovery).
-    #[arg(long, env = "SPOTGUARD_PROC_ROOT", value_name = "DIR", default_value = "/proc", hide = true)]
+    #[arg(
+        long,
+        env = "SPOTGUARD_PROC_ROOT",
+        value_name = "DIR",
+        default_value = "/proc",
+        hide = true
+    )]
     pub proc_root: PathBuf,
 }
 
@@ -341,7 +383,11 @@ impl Error {
 /// (help, version, usage errors).
 pub enum Parsed {
     Command(Command),
-    Exit { code: i32, text: String, stderr: bool },
+    Exit {
+        code: i32,
+        text: String,
+        stderr: bool,
+    },
 }
 
 /// Parse the process's command line (with env and config file) into a [`Command`].
@@ -413,7 +459,9 @@ fn merge_config_file(argv: &[OsString], run: RunArgs) -> Result<RunArgs, Error> 
         Ok(Cli {
             command: Command::Run(run),
         }) => Ok(*run),
-        Ok(_) => Err(Error::Cli("internal: config merge changed the command".into())),
+        Ok(_) => Err(Error::Cli(
+            "internal: config merge changed the command".into(),
+        )),
         Err(e) => Err(Error::File {
             path: path.display().to_string(),
             reason: e.render().to_string().trim().to_string(),
@@ -474,7 +522,7 @@ fn config_file_args(path: &Path, argv: &[OsString]) -> Result<Vec<String>, Error
         let values: Vec<String> = match value {
             toml::Value::Array(items) => items
                 .iter()
-                .map(|v| toml_scalar(v))
+                .map(toml_scalar)
                 .collect::<Option<Vec<_>>>()
                 .ok_or_else(|| Error::FileKey {
                     path: file.clone(),
@@ -635,10 +683,12 @@ impl Config {
             reason: e.to_string(),
         })?;
         let mut gpu: crate::gpu::GpuConfig = match gpu_table {
-            Some(t) => toml::Value::Table(t).try_into().map_err(|e: toml::de::Error| Error::Invalid {
-                key: "gpu",
-                reason: e.to_string().trim().to_string(),
-            })?,
+            Some(t) => toml::Value::Table(t)
+                .try_into()
+                .map_err(|e: toml::de::Error| Error::Invalid {
+                    key: "gpu",
+                    reason: e.to_string().trim().to_string(),
+                })?,
             None => crate::gpu::GpuConfig::default(),
         };
         gpu.mode = args.gpu;
@@ -856,12 +906,17 @@ pub fn reference_markdown() -> String {
             if !help.is_empty() && !help.ends_with('.') && !help.ends_with(']') {
                 help.push('.');
             }
-            if !possible.is_empty() && !matches!(possible.as_slice(), [a, b] if a == "true" && b == "false")
+            if !possible.is_empty()
+                && !matches!(possible.as_slice(), [a, b] if a == "true" && b == "false")
             {
                 help.push_str(&format!(" One of: `{}`.", possible.join("`, `")));
             }
-            if a.get_num_args().is_some_and(|n| n.max_values() > 1) || matches!(a.get_action(), ArgAction::Append) {
-                help.push_str(" Repeatable; the environment variable takes a comma-separated list.");
+            if a.get_num_args().is_some_and(|n| n.max_values() > 1)
+                || matches!(a.get_action(), ArgAction::Append)
+            {
+                help.push_str(
+                    " Repeatable; the environment variable takes a comma-separated list.",
+                );
             }
             let default = if default.is_empty() {
                 "—".to_string()
@@ -943,10 +998,16 @@ mod tests {
         for (args, needle) in [
             (vec!["--poll-interval", "soon"], "--poll-interval"),
             (vec!["--poll-interval", "0s"], "--poll-interval"),
-            (vec!["--checkpoint-signal", "SIGKILL"], "--checkpoint-signal"),
+            (
+                vec!["--checkpoint-signal", "SIGKILL"],
+                "--checkpoint-signal",
+            ),
             (vec!["--on-rebalance", "panic"], "--on-rebalance"),
             (vec!["--metrics-addr", "nowhere"], "--metrics-addr"),
-            (vec!["--checkpoint-cmdline", "(unclosed"], "--checkpoint-cmdline"),
+            (
+                vec!["--checkpoint-cmdline", "(unclosed"],
+                "--checkpoint-cmdline",
+            ),
             (vec!["--checkpoint-dir", "relative/dir"], "--checkpoint-dir"),
             (vec!["--cache-max-bytes", "lots"], "--cache-max-bytes"),
             (vec!["--prefetch", "noequals"], "--prefetch"),
@@ -966,11 +1027,8 @@ mod tests {
         let c = Config::resolve(a, &TestEnv(vec![("NODE_NAME", "gpu-node-1")])).unwrap();
         assert_eq!(c.node_name.as_deref(), Some("gpu-node-1"));
         let a = run_args(&[]).unwrap();
-        let c = Config::resolve(
-            a,
-            &TestEnv(vec![("KUBECONFIG", "/k"), ("NODE_NAME", "n1")]),
-        )
-        .unwrap();
+        let c =
+            Config::resolve(a, &TestEnv(vec![("KUBECONFIG", "/k"), ("NODE_NAME", "n1")])).unwrap();
         assert_eq!(c.mode, Mode::Kubernetes);
     }
 
@@ -1009,7 +1067,10 @@ mod tests {
         assert!(e.starts_with("64:") && e.contains("poll-interval"), "{e}");
         std::fs::write(&path, "no-such-key = 1\n").unwrap();
         let e = run_args(&["--config", path.to_str().unwrap()]).unwrap_err();
-        assert!(e.contains("no-such-key") && e.contains("unknown key"), "{e}");
+        assert!(
+            e.contains("no-such-key") && e.contains("unknown key"),
+            "{e}"
+        );
         std::fs::write(&path, "this is not toml").unwrap();
         let e = run_args(&["--config", path.to_str().unwrap()]).unwrap_err();
         assert!(e.contains("config file"), "{e}");

@@ -128,8 +128,8 @@ async fn drill(args: &DrillArgs, cancel: CancellationToken) -> Result<Verdict, S
         DrillCloud::Azure => emulator::Cloud::Azure,
     };
     let emu = emulator::start(emulator::EmulatorConfig::new(cloud))
-    .await
-    .map_err(|e| format!("starting the metadata emulator: {e}"))?;
+        .await
+        .map_err(|e| format!("starting the metadata emulator: {e}"))?;
 
     // 2. The child.
     let (program, child_args): (PathBuf, Vec<String>) = if args.command.is_empty() {
@@ -143,7 +143,11 @@ async fn drill(args: &DrillArgs, cancel: CancellationToken) -> Result<Verdict, S
     } else {
         args.command.join(" ")
     };
-    println!("spotguard drill: {} interruption in {} against `{shown}`", cloud_name(args.cloud), humantime::format_duration(args.after));
+    println!(
+        "spotguard drill: {} interruption in {} against `{shown}`",
+        cloud_name(args.cloud),
+        humantime::format_duration(args.after)
+    );
     println!("  SPOTGUARD_DIR={}", ckpt_dir.display());
     let _ = std::io::stdout().flush();
     let mut child = Command::new(&program)
@@ -251,7 +255,9 @@ async fn drill(args: &DrillArgs, cancel: CancellationToken) -> Result<Verdict, S
 
     let outcome = v.results.first().map(|r| r.outcome);
     v.pass = matches!(outcome, Some(Outcome::Acked) | Some(Outcome::Exited))
-        && v.results.iter().all(|r| matches!(r.outcome, Outcome::Acked | Outcome::Exited));
+        && v.results
+            .iter()
+            .all(|r| matches!(r.outcome, Outcome::Acked | Outcome::Exited));
     if v.reason.is_empty() {
         v.reason = match outcome {
             Some(Outcome::Acked) => "acknowledged `done` within the budget".into(),
@@ -340,8 +346,12 @@ fn read_ack(dir: &Path) -> Option<serde_json::Value> {
             continue;
         }
         let mtime = entry.metadata().and_then(|m| m.modified()).ok()?;
-        let Ok(bytes) = std::fs::read(entry.path()) else { continue };
-        let Ok(v) = serde_json::from_slice::<serde_json::Value>(&bytes) else { continue };
+        let Ok(bytes) = std::fs::read(entry.path()) else {
+            continue;
+        };
+        let Ok(v) = serde_json::from_slice::<serde_json::Value>(&bytes) else {
+            continue;
+        };
         if best.as_ref().is_none_or(|(t, _)| mtime > *t) {
             best = Some((mtime, v));
         }
@@ -368,19 +378,39 @@ fn print_verdict(args: &DrillArgs, v: &Verdict) {
     };
     let mut out = String::new();
     out.push_str("\n  step                 time       detail\n");
-    out.push_str(&format!("  notice raised        {:<10} {} interruption, deadline {}\n", "+0.000s", cloud_name(args.cloud), v.deadline.map(|d| format!("+{:.0}s", d.duration_since(t0).as_secs_f64())).unwrap_or_else(|| "now".into())));
-    out.push_str(&format!("  notice seen          {:<10} by the agent polling the emulator\n", secs_after(v.seen_at, t0)));
-    out.push_str(&format!("  signal sent          {:<10} SIGUSR1 to {} process(es)\n", secs_after(v.signalled_at, t0), v.processes));
+    out.push_str(&format!(
+        "  notice raised        {:<10} {} interruption, deadline {}\n",
+        "+0.000s",
+        cloud_name(args.cloud),
+        v.deadline
+            .map(|d| format!("+{:.0}s", d.duration_since(t0).as_secs_f64()))
+            .unwrap_or_else(|| "now".into())
+    ));
+    out.push_str(&format!(
+        "  notice seen          {:<10} by the agent polling the emulator\n",
+        secs_after(v.seen_at, t0)
+    ));
+    out.push_str(&format!(
+        "  signal sent          {:<10} SIGUSR1 to {} process(es)\n",
+        secs_after(v.signalled_at, t0),
+        v.processes
+    ));
     let ack_detail = match &v.ack {
         Some(a) => format!(
             "state={} step={} checkpoint={}",
             a.get("state").and_then(|s| s.as_str()).unwrap_or("?"),
-            a.get("step").map(|s| s.to_string()).unwrap_or_else(|| "null".into()),
+            a.get("step")
+                .map(|s| s.to_string())
+                .unwrap_or_else(|| "null".into()),
             a.get("checkpoint").and_then(|s| s.as_str()).unwrap_or("-"),
         ),
         None => "no ack file".into(),
     };
-    out.push_str(&format!("  ack / result         {:<10} {}\n", secs_after(v.acked_at, t0), ack_detail));
+    out.push_str(&format!(
+        "  ack / result         {:<10} {}\n",
+        secs_after(v.acked_at, t0),
+        ack_detail
+    ));
     if let Some(b) = budget {
         out.push_str(&format!(
             "  budget               {:<10} min(--timeout {}, deadline − drain reserve)\n",
@@ -389,13 +419,29 @@ fn print_verdict(args: &DrillArgs, v: &Verdict) {
         ));
     }
     if let Some(t) = took {
-        out.push_str(&format!("  checkpoint took      {:<10} signal → result\n", format!("{t:.3}s")));
+        out.push_str(&format!(
+            "  checkpoint took      {:<10} signal → result\n",
+            format!("{t:.3}s")
+        ));
     }
     for r in &v.results {
-        out.push_str(&format!("  outcome              {:<10} {} ({})\n", r.outcome.as_str(), r.group, r.detail));
+        out.push_str(&format!(
+            "  outcome              {:<10} {} ({})\n",
+            r.outcome.as_str(),
+            r.group,
+            r.detail
+        ));
     }
     if let Some(code) = v.child_exit {
-        out.push_str(&format!("  command exit         {:<10} {}\n", code, if code == 143 || code == 0 { "clean (143 = retryable after a checkpoint)" } else { "" }));
+        out.push_str(&format!(
+            "  command exit         {:<10} {}\n",
+            code,
+            if code == 143 || code == 0 {
+                "clean (143 = retryable after a checkpoint)"
+            } else {
+                ""
+            }
+        ));
     }
     out.push_str(&format!(
         "\n  verdict: {} — {}\n",
@@ -452,7 +498,8 @@ fn write_ack(dir: &Path, state: &str, step: u64, checkpoint: Option<&Path>) -> s
 /// The bundled trainer: simulated steps; on SIGUSR1/SIGTERM it finishes the step, saves a
 /// checkpoint into `$SPOTGUARD_DIR`, acks `done` and exits 143. Resumes from the newest checkpoint.
 pub fn example_trainer(args: ExampleTrainerArgs) -> i32 {
-    let dir = PathBuf::from(std::env::var("SPOTGUARD_DIR").unwrap_or_else(|_| "/tmp/spotguard".into()));
+    let dir =
+        PathBuf::from(std::env::var("SPOTGUARD_DIR").unwrap_or_else(|_| "/tmp/spotguard".into()));
     if let Err(e) = std::fs::create_dir_all(&dir).and_then(|_| install_handlers()) {
         eprintln!("example-trainer: {e}");
         return 1;
@@ -461,7 +508,10 @@ pub fn example_trainer(args: ExampleTrainerArgs) -> i32 {
     if step > 0 {
         println!("example-trainer: resumed from step {step}");
     } else {
-        println!("example-trainer: starting from scratch (pid {})", std::process::id());
+        println!(
+            "example-trainer: starting from scratch (pid {})",
+            std::process::id()
+        );
     }
     let _ = std::io::stdout().flush();
     loop {
@@ -483,7 +533,10 @@ pub fn example_trainer(args: ExampleTrainerArgs) -> i32 {
                 eprintln!("example-trainer: writing ack: {e}");
                 return 1;
             }
-            println!("example-trainer: checkpoint {} saved; exiting 143", path.display());
+            println!(
+                "example-trainer: checkpoint {} saved; exiting 143",
+                path.display()
+            );
             let _ = std::io::stdout().flush();
             return 143;
         }

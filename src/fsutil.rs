@@ -9,7 +9,10 @@ use std::path::Path;
 /// the directory. Readers see the old content or the new, never a partial file. Creates the parent
 /// directory if needed.
 pub fn write_atomic(path: &Path, data: &[u8], mode: u32) -> io::Result<()> {
-    let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let dir = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
     fs::create_dir_all(dir)?;
     let name = path
         .file_name()

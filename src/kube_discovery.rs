@@ -125,7 +125,9 @@ impl TargetDiscovery for KubeDiscovery {
                         c.name = name.clone();
                         containers.push(c);
                     }
-                    None => debug!(pod = %format!("{}/{}", spec.pod.namespace, spec.pod.name), container = %name, "no processes found for container"),
+                    None => {
+                        debug!(pod = %format!("{}/{}", spec.pod.namespace, spec.pod.name), container = %name, "no processes found for container")
+                    }
                 }
             }
             groups.push(TargetGroup {

@@ -1,9 +1,13 @@
 //! The responder: turns accepted notices into the plan of design §4 and carries it out.
 //!
 //! Interruption (and maintenance with `--on-maintenance drain`), each step persisted first:
-//! 1. persist `detected`; 2. taint + cordon, Event, cancel prefetches, webhook; 3. checkpoint:
-//! signal every target at once, wait for acks until `min(now + checkpoint-timeout, deadline −
-//! drain-reserve)`; 4. drain until the deadline; 5. mark `drained`, Azure: acknowledge; `done`.
+//!
+//! 1. persist `detected`;
+//! 2. taint + cordon, Event, cancel prefetches, webhook;
+//! 3. checkpoint: signal every target at once, wait for acks until
+//!    `min(now + checkpoint-timeout, deadline − drain-reserve)`;
+//! 4. drain until the deadline;
+//! 5. mark `drained`, Azure: acknowledge; `done`.
 //!
 //! A restarted agent resumes from the persisted phase: past `signalled` it never signals again,
 //! past `drained` it never drains again. Rebalance (default `checkpoint`): soft taint, early
@@ -582,7 +586,11 @@ impl Undoer {
                     state.kind.label(),
                     id,
                     state.applied.cordoned,
-                    state.applied.taint_effect.map(|e| e.as_str()).unwrap_or("none"),
+                    state
+                        .applied
+                        .taint_effect
+                        .map(|e| e.as_str())
+                        .unwrap_or("none"),
                 );
                 info!(notice_id = %id, "{msg}");
                 let _ = node
@@ -630,7 +638,11 @@ impl Plan {
         let active = OutcomeLabels {
             outcome: self.notice.kind.label().into(),
         };
-        self.deps.metrics.notice_active.get_or_create(&active).set(1);
+        self.deps
+            .metrics
+            .notice_active
+            .get_or_create(&active)
+            .set(1);
         if self.notice.kind == NoticeKind::Interruption {
             self.deps
                 .metrics
@@ -653,7 +665,11 @@ impl Plan {
             self.persist(&mut state, Phase::Detected).await;
         }
         let result = self.steps(steps, &mut state).await;
-        self.deps.metrics.notice_active.get_or_create(&active).set(0);
+        self.deps
+            .metrics
+            .notice_active
+            .get_or_create(&active)
+            .set(0);
         if let Err(why) = result {
             warn!("plan stopped: {why}");
         }
@@ -831,7 +847,9 @@ impl Plan {
                 };
             let sent_at = Timestamp::now();
             let processes: usize = deliveries.iter().map(|d| d.signalled()).sum();
-            let latency = sent_at.duration_since(self.notice.observed_at).as_secs_f64();
+            let latency = sent_at
+                .duration_since(self.notice.observed_at)
+                .as_secs_f64();
             if processes > 0 && latency >= 0.0 {
                 self.deps
                     .metrics
@@ -904,7 +922,9 @@ impl Plan {
             info!(target_group = %r.group, outcome = r.outcome.as_str(), signalled = r.signalled, ack_ms = ?r.ack_latency.map(|d| d.as_millis()), detail = %r.detail, "checkpoint result");
             if let Some(pod) = &r.pod {
                 let (kind, reason) = match r.outcome {
-                    Outcome::Acked | Outcome::Exited => (EventType::Normal, reason::CHECKPOINT_ACKED),
+                    Outcome::Acked | Outcome::Exited => {
+                        (EventType::Normal, reason::CHECKPOINT_ACKED)
+                    }
                     Outcome::Timeout => (EventType::Warning, reason::CHECKPOINT_TIMEOUT),
                     Outcome::NoHandler => (EventType::Warning, reason::CHECKPOINT_NO_HANDLER),
                     Outcome::Skipped | Outcome::Failed | Outcome::Error => {

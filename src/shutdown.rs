@@ -15,7 +15,10 @@ pub fn install() -> std::io::Result<CancellationToken> {
             _ = term.recv() => "SIGTERM",
             _ = int.recv() => "SIGINT",
         };
-        tracing::info!(signal = name, "shutting down: monitors stop now, an in-flight plan gets its grace period");
+        tracing::info!(
+            signal = name,
+            "shutting down: monitors stop now, an in-flight plan gets its grace period"
+        );
         t.cancel();
         tokio::select! {
             _ = term.recv() => {},

@@ -26,9 +26,15 @@ fn stderr(o: &Output) -> String {
 fn bad_flag_values_exit_64_naming_the_flag() {
     for (args, key) in [
         (vec!["run", "--poll-interval", "often"], "--poll-interval"),
-        (vec!["run", "--checkpoint-signal", "SIGKILL"], "--checkpoint-signal"),
+        (
+            vec!["run", "--checkpoint-signal", "SIGKILL"],
+            "--checkpoint-signal",
+        ),
         (vec!["run", "--cloud", "ibm"], "--cloud"),
-        (vec!["run", "--metadata-endpoint", "ftp://x"], "--metadata-endpoint"),
+        (
+            vec!["run", "--metadata-endpoint", "ftp://x"],
+            "--metadata-endpoint",
+        ),
         (vec!["run", "--no-such-flag"], "--no-such-flag"),
     ] {
         let o = spotguard(&args, &[]);
@@ -41,7 +47,11 @@ fn bad_flag_values_exit_64_naming_the_flag() {
 fn bad_env_values_exit_64_naming_the_variable() {
     let o = spotguard(&["run"], &[("SPOTGUARD_CHECKPOINT_TIMEOUT", "forever")]);
     assert_eq!(o.status.code(), Some(64), "{}", stderr(&o));
-    assert!(stderr(&o).contains("--checkpoint-timeout"), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("--checkpoint-timeout"),
+        "{}",
+        stderr(&o)
+    );
     let o = spotguard(&["run"], &[("SPOTGUARD_DRY_RUN", "perhaps")]);
     assert_eq!(o.status.code(), Some(64), "{}", stderr(&o));
     assert!(stderr(&o).contains("--dry-run"), "{}", stderr(&o));
@@ -57,7 +67,10 @@ fn bad_config_files_exit_64_naming_file_and_key() {
     for (content, needle) in [
         ("poll-interval = \"whenever\"\n", "poll-interval"),
         ("unknown-key = true\n", "unknown-key"),
-        ("[[datasets]]\nname = \"x\"\nurl = \"http://nope\"\n", "prefetch"),
+        (
+            "[[datasets]]\nname = \"x\"\nurl = \"http://nope\"\n",
+            "prefetch",
+        ),
         ("[gpu.thresholds]\nnot_a_threshold = 3\n", "gpu"),
         ("not toml at all", "config file"),
     ] {
@@ -102,7 +115,8 @@ fn configuration_reference_matches_docs() {
 #[test]
 fn env_file_names_only_real_variables() {
     // Every SPOTGUARD_* in the systemd env file is a variable `run` reads.
-    let reference = String::from_utf8_lossy(&spotguard(&["config-reference"], &[]).stdout).into_owned();
+    let reference =
+        String::from_utf8_lossy(&spotguard(&["config-reference"], &[]).stdout).into_owned();
     let env_file = std::fs::read_to_string(concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/systemd/spotguard.env"
@@ -113,8 +127,14 @@ fn env_file_names_only_real_variables() {
         .collect();
     for word in &words {
         // SPOTGUARD_DIR is the training side's variable, mentioned in a comment.
-        if word.starts_with("SPOTGUARD_") && word.len() > "SPOTGUARD_".len() && *word != "SPOTGUARD_DIR" {
-            assert!(reference.contains(word), "{word} in systemd/spotguard.env is not a run variable");
+        if word.starts_with("SPOTGUARD_")
+            && word.len() > "SPOTGUARD_".len()
+            && *word != "SPOTGUARD_DIR"
+        {
+            assert!(
+                reference.contains(word),
+                "{word} in systemd/spotguard.env is not a run variable"
+            );
         }
     }
     // And every documented variable is in the env file.
@@ -122,6 +142,9 @@ fn env_file_names_only_real_variables() {
         .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
         .filter(|w| w.starts_with("SPOTGUARD_") && w.len() > "SPOTGUARD_".len())
     {
-        assert!(words.contains(&var), "{var} missing from systemd/spotguard.env");
+        assert!(
+            words.contains(&var),
+            "{var} missing from systemd/spotguard.env"
+        );
     }
 }

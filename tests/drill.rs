@@ -50,7 +50,15 @@ fn a_command_without_a_handler_fails_with_a_hint() {
 fn a_checkpoint_that_does_not_fit_the_gce_budget_fails() {
     // The trainer needs 40 s to save; GCE gives 30 s − 8 s reserve.
     let (code, out) = drill(&[
-        "--cloud", "gce", "--after", "1s", "--", env!("CARGO_BIN_EXE_spotguard"), "example-trainer", "--save-time", "40s",
+        "--cloud",
+        "gce",
+        "--after",
+        "1s",
+        "--",
+        env!("CARGO_BIN_EXE_spotguard"),
+        "example-trainer",
+        "--save-time",
+        "40s",
     ]);
     assert_eq!(code, 1, "{out}");
     assert!(out.contains("timeout"), "{out}");

@@ -81,8 +81,7 @@ impl PodProcess {
             container_id,
         };
         for _ in 0..200 {
-            let status =
-                std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+            let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
             let caught = status
                 .lines()
                 .find_map(|l| l.strip_prefix("SigCgt:"))
@@ -172,9 +171,17 @@ impl Cluster {
         let trainer = PodProcess::start().await;
         api.add_pod(trainer.pod("trainer-0"));
         for i in 0..3 {
-            api.add_pod(TestPod::new("web", &format!("web-{i}"), NODE).label("app", "web").build());
+            api.add_pod(
+                TestPod::new("web", &format!("web-{i}"), NODE)
+                    .label("app", "web")
+                    .build(),
+            );
         }
-        api.add_pod(TestPod::new("kube-system", "nvidia-device-plugin", NODE).daemonset().build());
+        api.add_pod(
+            TestPod::new("kube-system", "nvidia-device-plugin", NODE)
+                .daemonset()
+                .build(),
+        );
         api.add_pod(TestPod::new("spotguard", "spotguard-abcde", NODE).build());
         api.add_pod(TestPod::new("web", "elsewhere", "other-node").build());
         let emu = emulator::start(EmulatorConfig::new(cloud)).await.unwrap();
@@ -329,7 +336,11 @@ async fn spot_notice_checkpoints_before_the_first_eviction_then_drains_once() {
         .expect("evictions");
     let signalled_event = reqs
         .iter()
-        .position(|r| r.method == "POST" && r.path.contains("events") && r.body.contains("CheckpointSignalled"))
+        .position(|r| {
+            r.method == "POST"
+                && r.path.contains("events")
+                && r.body.contains("CheckpointSignalled")
+        })
         .expect("CheckpointSignalled event");
     assert!(signalled_event < first_eviction);
 
@@ -344,8 +355,16 @@ async fn spot_notice_checkpoints_before_the_first_eviction_then_drains_once() {
     );
     assert_eq!(c.phase().as_deref(), Some("done"));
     let reasons: Vec<String> = c.api.events().iter().map(|e| e.reason.clone()).collect();
-    for r in ["SpotInterruption", "CheckpointSignalled", "CheckpointAcked", "DrainComplete"] {
-        assert!(reasons.iter().any(|x| x == r), "{r} missing from {reasons:?}");
+    for r in [
+        "SpotInterruption",
+        "CheckpointSignalled",
+        "CheckpointAcked",
+        "DrainComplete",
+    ] {
+        assert!(
+            reasons.iter().any(|x| x == r),
+            "{r} missing from {reasons:?}"
+        );
     }
 
     // The same notice, polled again and again: one signal, one drain.
@@ -367,7 +386,9 @@ async fn pdb_blocked_pod_is_named_at_the_deadline() {
         &[("app", "web")],
         PdbLimit::MinAvailable(IntOrString::Int(3)),
     );
-    let (app, cancel) = c.agent(&["--drain-reserve=5s", "--checkpoint-timeout=3s"]).await;
+    let (app, cancel) = c
+        .agent(&["--drain-reserve=5s", "--checkpoint-timeout=3s"])
+        .await;
     let mut events = app.events;
     let raised = c
         .emu
@@ -379,19 +400,47 @@ async fn pdb_blocked_pod_is_named_at_the_deadline() {
     })
     .await;
     let now = jiff::Timestamp::now();
-    let deadline = raised.visible_at.checked_add(jiff::SignedDuration::from_secs(12)).unwrap();
-    assert!(now >= deadline.checked_sub(jiff::SignedDuration::from_secs(2)).unwrap(), "gave up early");
-    assert!(now <= deadline.checked_add(jiff::SignedDuration::from_secs(3)).unwrap(), "overran the deadline");
+    let deadline = raised
+        .visible_at
+        .checked_add(jiff::SignedDuration::from_secs(12))
+        .unwrap();
+    assert!(
+        now >= deadline
+            .checked_sub(jiff::SignedDuration::from_secs(2))
+            .unwrap(),
+        "gave up early"
+    );
+    assert!(
+        now <= deadline
+            .checked_add(jiff::SignedDuration::from_secs(3))
+            .unwrap(),
+        "overran the deadline"
+    );
     assert_eq!(report.blocked.len(), 3, "{report:?}");
-    assert!(report.blocked.iter().all(|b| b.pdbs == vec!["web-pdb".to_string()]), "{report:?}");
+    assert!(
+        report
+            .blocked
+            .iter()
+            .all(|b| b.pdbs == vec!["web-pdb".to_string()]),
+        "{report:?}"
+    );
     let blocked = c
         .api
         .events()
         .into_iter()
         .find(|e| e.reason == "DrainBlocked")
         .expect("DrainBlocked event");
-    assert!(blocked.message.contains("web/web-0") && blocked.message.contains("web-pdb"), "{}", blocked.message);
-    let m = reqwest::get(format!("http://{}/metrics", app.admin_addr)).await.unwrap().text().await.unwrap();
+    assert!(
+        blocked.message.contains("web/web-0") && blocked.message.contains("web-pdb"),
+        "{}",
+        blocked.message
+    );
+    let m = reqwest::get(format!("http://{}/metrics", app.admin_addr))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
     assert!(m.contains("spotguard_drain_blocked_pods 3"), "{m}");
     cancel.cancel();
     let _ = tokio::time::timeout(Duration::from_secs(5), app.join).await;
@@ -413,7 +462,11 @@ async fn agent_stopped_mid_drain_resumes_without_a_second_signal() {
     assert!(!c.evictions().is_empty(), "drain started");
     cancel.cancel();
     let _ = tokio::time::timeout(Duration::from_secs(5), app.join).await;
-    assert_eq!(c.phase().as_deref(), Some("checkpointed"), "stopped mid-drain");
+    assert_eq!(
+        c.phase().as_deref(),
+        Some("checkpointed"),
+        "stopped mid-drain"
+    );
     assert_eq!(c.trainer.signals(), 1);
 
     let (app, cancel) = c.agent(&[]).await;
@@ -448,7 +501,16 @@ async fn dry_run_writes_nothing_and_signals_nothing() {
         matches!(e, PlanEvent::Done { .. }).then_some(())
     })
     .await;
-    assert_eq!(c.api.write_count(), 0, "{:?}", c.api.requests().iter().filter(|r| r.is_write()).collect::<Vec<_>>());
+    assert_eq!(
+        c.api.write_count(),
+        0,
+        "{:?}",
+        c.api
+            .requests()
+            .iter()
+            .filter(|r| r.is_write())
+            .collect::<Vec<_>>()
+    );
     assert_eq!(c.trainer.signals(), 0);
     assert!(!c.cordoned());
     assert!(!c.trainer.dir.path().join("ckpt/notice.json").exists());
@@ -469,9 +531,10 @@ async fn rebalance_soft_taint_early_checkpoint_then_expiry_undoes() {
     .await;
     assert_eq!(results[0].outcome.as_str(), "acked");
     assert_eq!(c.trainer.signals(), 1, "early checkpoint");
-    assert!(c
-        .taints()
-        .contains(&("spotguard.io/interruption".into(), "PreferNoSchedule".into())));
+    assert!(c.taints().contains(&(
+        "spotguard.io/interruption".into(),
+        "PreferNoSchedule".into()
+    )));
     assert!(!c.cordoned(), "rebalance does not cordon");
     assert!(c.evictions().is_empty(), "rebalance does not drain");
     wait_for(&mut events, Duration::from_secs(20), |e| {
@@ -489,7 +552,9 @@ async fn cancelled_maintenance_keeps_the_operators_cordon() {
     let mut node = test_node(NODE);
     node.spec.get_or_insert_with(Default::default).unschedulable = Some(true);
     c.api.add_node(node);
-    let (app, cancel) = c.agent(&["--maintenance-lead=1h", "--on-maintenance=cordon"]).await;
+    let (app, cancel) = c
+        .agent(&["--maintenance-lead=1h", "--on-maintenance=cordon"])
+        .await;
     let mut events = app.events;
     let raised = c
         .emu
@@ -507,7 +572,11 @@ async fn cancelled_maintenance_keeps_the_operators_cordon() {
         matches!(e, PlanEvent::Undone { .. }).then_some(())
     })
     .await;
-    assert!(c.taints().is_empty(), "spotguard's taint removed: {:?}", c.taints());
+    assert!(
+        c.taints().is_empty(),
+        "spotguard's taint removed: {:?}",
+        c.taints()
+    );
     assert!(c.cordoned(), "the operator's cordon stays");
     assert_eq!(c.trainer.signals(), 0);
     assert!(c.api.events().iter().any(|e| e.reason == "NoticeCancelled"));

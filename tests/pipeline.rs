@@ -128,7 +128,10 @@ fn run_args(cloud: &str, endpoint: &str, t: &Trainer, extra: &[&str]) -> config:
         format!("--checkpoint-pidfile={}", t.pidfile.display()),
         "--metrics-addr=127.0.0.1:0".into(),
         "--gpu=off".into(),
-        format!("--log-level={}", std::env::var("SG_TEST_LOG").unwrap_or_else(|_| "warn".into())),
+        format!(
+            "--log-level={}",
+            std::env::var("SG_TEST_LOG").unwrap_or_else(|_| "warn".into())
+        ),
         "--shutdown-grace=2s".into(),
     ];
     argv.extend(extra.iter().map(|s| s.to_string()));

@@ -85,7 +85,11 @@ impl std::str::FromStr for Signal {
             }
             return Err(format!("signal number {n} is not allowed"));
         }
-        let full = if t.starts_with("SIG") { t } else { format!("SIG{t}") };
+        let full = if t.starts_with("SIG") {
+            t
+        } else {
+            format!("SIG{t}")
+        };
         Self::NAMES
             .iter()
             .find(|(name, _)| *name == full)

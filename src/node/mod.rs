@@ -340,7 +340,9 @@ pub enum Error {
 impl Error {
     pub fn is_retryable(&self) -> bool {
         match self {
-            Error::StateRead { .. } | Error::StateWrite { .. } | Error::StateCorrupt { .. } => false,
+            Error::StateRead { .. } | Error::StateWrite { .. } | Error::StateCorrupt { .. } => {
+                false
+            }
             Error::GetNode { source, .. }
             | Error::PatchNode { source, .. }
             | Error::ListPods { source, .. }

@@ -323,7 +323,12 @@ mod tests {
         let now = ts(0);
         // EC2: 120 s notice, 25 s reserve, 90 s timeout → 90 s.
         assert_eq!(
-            checkpoint_deadline(ts(120), now, Duration::from_secs(25), Duration::from_secs(90)),
+            checkpoint_deadline(
+                ts(120),
+                now,
+                Duration::from_secs(25),
+                Duration::from_secs(90)
+            ),
             ts(90)
         );
         // GCE: 30 s notice, 8 s reserve → 22 s.
@@ -341,8 +346,14 @@ mod tests {
     #[test]
     fn maintenance_start_and_grace() {
         let now = ts(0);
-        assert_eq!(maintenance_start(ts(3600), Duration::from_secs(600), now), ts(3000));
-        assert_eq!(maintenance_start(ts(300), Duration::from_secs(600), now), now);
+        assert_eq!(
+            maintenance_start(ts(3600), Duration::from_secs(600), now),
+            ts(3000)
+        );
+        assert_eq!(
+            maintenance_start(ts(300), Duration::from_secs(600), now),
+            now
+        );
         assert_eq!(eviction_grace(Some(30), ts(100), now), 30);
         assert_eq!(eviction_grace(Some(300), ts(20), now), 18);
         assert_eq!(eviction_grace(None, ts(10), now), 8);
