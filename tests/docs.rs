@@ -45,6 +45,9 @@ fn every_registered_metric_is_documented() {
             || docs.contains(&format!("`{name}_info`"))
             || docs.contains(&format!("{name}`"))
             || docs.contains(&format!("{name}_total`"));
-        assert!(documented, "{name} (registered in {file}) is not in docs/metrics.md");
+        assert!(
+            documented,
+            "{name} (registered in {file}) is not in docs/metrics.md"
+        );
     }
 }

@@ -17,7 +17,7 @@ use spotguard::config::{self, Config};
 use spotguard::emulator::{self, Cloud, EmulatedNotice, EmulatorConfig};
 use spotguard::responder::PlanEvent;
 use spotguard::testing::apiserver::{test_node, FakeApiServer, PdbLimit, TestPod};
-use tokio::sync::broadcast;
+use spotguard::testing::wait_for_event as wait_for;
 use tokio_util::sync::CancellationToken;
 
 const NODE: &str = "gpu-node-1";
@@ -279,28 +279,6 @@ impl Cluster {
             .map(|r| r.path.clone())
             .collect()
     }
-}
-
-async fn wait_for<T>(
-    events: &mut broadcast::Receiver<PlanEvent>,
-    limit: Duration,
-    mut f: impl FnMut(&PlanEvent) -> Option<T>,
-) -> T {
-    tokio::time::timeout(limit, async {
-        loop {
-            match events.recv().await {
-                Ok(e) => {
-                    if let Some(v) = f(&e) {
-                        return v;
-                    }
-                }
-                Err(broadcast::error::RecvError::Lagged(_)) => {}
-                Err(e) => panic!("event channel closed: {e}"),
-            }
-        }
-    })
-    .await
-    .expect("timed out waiting for a plan event")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -11,7 +11,7 @@ use spotguard::app;
 use spotguard::config::{self, Config};
 use spotguard::emulator::{self, Cloud, EmulatedNotice, EmulatorConfig, Fault};
 use spotguard::responder::PlanEvent;
-use tokio::sync::broadcast;
+use spotguard::testing::wait_for_event as wait_for;
 use tokio_util::sync::CancellationToken;
 
 /// A training-like process tree under one parent: the parent `bash` and a `sleep` do not catch
@@ -148,29 +148,6 @@ async fn start_agent(args: config::RunArgs) -> (app::App, CancellationToken) {
     let cancel = CancellationToken::new();
     let app = app::start(cfg, cancel.clone()).await.unwrap();
     (app, cancel)
-}
-
-/// Wait for an event matching `f`, up to `limit`.
-async fn wait_for<T>(
-    events: &mut broadcast::Receiver<PlanEvent>,
-    limit: Duration,
-    mut f: impl FnMut(&PlanEvent) -> Option<T>,
-) -> T {
-    tokio::time::timeout(limit, async {
-        loop {
-            match events.recv().await {
-                Ok(e) => {
-                    if let Some(v) = f(&e) {
-                        return v;
-                    }
-                }
-                Err(broadcast::error::RecvError::Lagged(_)) => {}
-                Err(e) => panic!("event channel closed: {e}"),
-            }
-        }
-    })
-    .await
-    .expect("timed out waiting for a plan event")
 }
 
 fn persisted_phase(t: &Trainer) -> Option<String> {
