@@ -661,9 +661,8 @@ impl Plan {
             restart: self.notice.restart,
             updated_at: Timestamp::now(),
         });
-        if state.phase == Phase::Detected {
-            self.persist(&mut state, Phase::Detected).await;
-        }
+        // No separate record of `detected`: the notice is still in the metadata service after a
+        // crash, and every write before the signal costs time (an fsync, or an API round trip).
         let result = self.steps(steps, &mut state).await;
         self.deps
             .metrics
@@ -738,7 +737,12 @@ impl Plan {
             for hook in &self.deps.on_start {
                 hook(&self.notice);
             }
-            self.persist(state, Phase::Protected).await;
+            state.phase = Phase::Protected;
+            // When a checkpoint follows, the `signalled` record (which carries what was applied)
+            // is the one write before the signal; otherwise record `protected` now.
+            if !steps.checkpoint {
+                self.persist(state, Phase::Protected).await;
+            }
             let _ = self.events.send(PlanEvent::Protected {
                 id: self.notice.id.clone(),
                 at: Timestamp::now(),
