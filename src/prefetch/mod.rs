@@ -538,6 +538,14 @@ impl Prefetcher {
         Ok(Ensure::Started)
     }
 
+    /// [`Prefetcher::ensure`] under the name derived from the URL (pod annotations
+    /// `spotguard.io/prefetch: s3://bucket/prefix`): `bucket-prefix`. Returns the name.
+    pub fn ensure_url(&self, url: &str) -> Result<(String, Ensure), Error> {
+        let name = SourceUrl::parse(url)?.default_name();
+        let outcome = self.ensure(&name, url)?;
+        Ok((name, outcome))
+    }
+
     /// Cancel every run (an interruption notice: the node is going away). Part files and claims
     /// are checkpointed so another node, or this one after a restart, resumes them. Later
     /// [`Prefetcher::ensure`] calls return [`Error::Cancelled`].
@@ -801,6 +809,7 @@ mod tests {
                 etag: meta.e_tag.clone(),
                 part: part.clone(),
                 done: vec![[0, 128 << 10]],
+                keys: vec![],
             })
             .unwrap();
         let report =
@@ -828,7 +837,8 @@ mod tests {
             start_ticks: 0,
             nonce: 3,
         };
-        let c = claim::Claim::new(&paths.claims, "f");
+        // Small objects are claimed in groups (here a group of one).
+        let c = claim::Claim::new(&paths.claims, &download::group_claim_key("f", "f"));
         c.write(&claim::ClaimRecord {
             owner: other.clone(),
             lease_until_ms: claim::now_ms() + 600_000,
@@ -837,6 +847,7 @@ mod tests {
             etag: None,
             part: "f.spotguard-part-other-node-1".into(),
             done: vec![],
+            keys: vec![],
         })
         .unwrap();
         let run = tokio::spawn(download::fetch_dataset(job(
@@ -925,6 +936,11 @@ mod tests {
             pattern(5000, 4)
         );
         assert_eq!(p.ensure("local", &url).unwrap(), Ensure::AlreadyComplete);
+        let (derived, _) = p.ensure_url(&url).unwrap();
+        assert_eq!(
+            p.wait(&derived).await.unwrap().state,
+            DatasetState::Complete
+        );
         let text = crate::metrics::encode(&registry);
         assert!(
             text.contains("spotguard_prefetch_files_total{dataset=\"local\"} 2"),
