@@ -305,6 +305,8 @@ struct Run {
     complete_removed: AtomicBool,
     /// The shared manifest as last read, keyed by (inode, mtime) of the file.
     shared: Mutex<Option<(ManifestStamp, Arc<Manifest>)>>,
+    /// The cache is on tmpfs (no block reservation: see [`preallocate`]).
+    on_tmpfs: AtomicBool,
 }
 
 type ManifestStamp = (u64, Option<std::time::SystemTime>);
@@ -483,6 +485,7 @@ pub async fn fetch_dataset(job: Job) -> Report {
         made_dirs: Mutex::new(HashSet::new()),
         complete_removed: AtomicBool::new(false),
         shared: Mutex::new(None),
+        on_tmpfs: AtomicBool::new(false),
     });
     if let Some(m) = &run.metrics {
         m.active.inc();
@@ -543,6 +546,7 @@ async fn drive(run: &Arc<Run>, cache_root: &Path) -> Vec<String> {
         let paths = paths.clone();
         let source = run.source.url.clone();
         let root = cache_root.to_path_buf();
+        let r = run.clone();
         blocking(move || -> Result<Manifest, Error> {
             cache::remove_eviction_leftovers(&root);
             paths.create().map_err(|source| Error::Io {
@@ -550,6 +554,9 @@ async fn drive(run: &Arc<Run>, cache_root: &Path) -> Vec<String> {
                 path: paths.claims.clone(),
                 source,
             })?;
+            let tmpfs = rustix::fs::statfs(&paths.dir)
+                .is_ok_and(|st| st.f_type as i64 == libc::TMPFS_MAGIC as i64);
+            r.on_tmpfs.store(tmpfs, Ordering::Relaxed);
             match Manifest::load(&paths.manifest, &source) {
                 Ok(m) => Ok(m),
                 Err(e) if e.kind() == io::ErrorKind::InvalidData => {
@@ -1317,8 +1324,11 @@ async fn download(
                         .truncate(true)
                         .open(&part)
                         .map_err(|e| Error::io_for(&k, "create part file", part.clone(), e))?;
-                    preallocate(&f, size)
-                        .map_err(|e| Error::io_for(&k, "preallocate", part.clone(), e))?;
+                    let ranged = size > run2.opts.part_size;
+                    if ranged {
+                        preallocate(&f, size, !run2.on_tmpfs.load(Ordering::Relaxed))
+                            .map_err(|e| Error::io_for(&k, "preallocate", part.clone(), e))?;
+                    }
                     Ok((f, Vec::new()))
                 })
                 .await
@@ -1868,10 +1878,17 @@ fn copy_range(src: &File, dst: &File, at: u64, len: u64) -> io::Result<u64> {
     }
 }
 
-/// Reserve the whole file up front: a full disk fails here, before any byte is fetched.
-fn preallocate(f: &File, size: u64) -> io::Result<()> {
+/// Size the part file of an object fetched in ranged parts. Where it pays (disk filesystems),
+/// reserve the blocks too: a full disk fails here, before any byte is fetched, and parallel
+/// ranges do not fragment the file. Not on tmpfs, where reserving means zeroing every page
+/// that the download then overwrites. Objects fetched in one piece are written sequentially
+/// and not sized ahead at all (a full disk then shows at the write, with the same error).
+fn preallocate(f: &File, size: u64, reserve: bool) -> io::Result<()> {
     if size == 0 {
         return Ok(());
+    }
+    if !reserve {
+        return f.set_len(size);
     }
     match rustix::fs::fallocate(f, rustix::fs::FallocateFlags::empty(), 0, size) {
         Ok(()) => Ok(()),
