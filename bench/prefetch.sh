@@ -8,9 +8,15 @@
 #
 #   bench/prefetch.sh [ROUNDS]        (default 3; needs bench/deps.sh once)
 #
-# Environment: BENCH_DIR (work directory, default a fresh one under /tmp; needs ~4.5 GiB),
-# BENCH_SMALL (count of 1 MiB objects, default 1000), BENCH_LARGE (count of 256 MiB objects,
-# default 4), SPOTGUARD (a prebuilt binary, skips the release build).
+# Environment: BENCH_DIR (work directory, default a fresh one under /tmp; needs ~2.5 GiB for the
+# server's copy), BENCH_DEST (destination, default <BENCH_DIR>/dest; 2 GiB), BENCH_SMALL (count of
+# 1 MiB objects, default 1000), BENCH_LARGE (count of 256 MiB objects, default 4), SPOTGUARD (a
+# prebuilt binary, skips the release build).
+#
+# On a filesystem that reuses inodes lazily (ext4 without a journal skips inodes freed within the
+# last 60-360 s), clearing the destination between runs makes every client's file creations scan
+# thousands of freed inodes: set BENCH_DEST to a tmpfs (e.g. /dev/shm/prefetch-bench) to measure
+# the clients rather than that.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 repo="$(cd "$here/.." && pwd)"
@@ -31,4 +37,4 @@ if [ -z "${SPOTGUARD:-}" ]; then
     SPOTGUARD="$work/spotguard"
 fi
 exec python3 "$here/prefetch_bench.py" --spotguard "$SPOTGUARD" --work "$work" --rounds "$rounds" \
-    --small "${BENCH_SMALL:-1000}" --large "${BENCH_LARGE:-4}"
+    --small "${BENCH_SMALL:-1000}" --large "${BENCH_LARGE:-4}" --dest "${BENCH_DEST:-$work/dest}"

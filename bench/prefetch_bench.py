@@ -157,6 +157,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--small", type=int, default=1000)
     ap.add_argument("--large", type=int, default=4)
+    ap.add_argument("--dest", help="destination directory (cleared before every run)")
     args = ap.parse_args()
 
     root = os.path.join(args.work, "s3root")
@@ -169,12 +170,12 @@ def main():
                                                      args.large)
         gib = want_bytes / GIB
         env = tool_env(endpoint)
-        dest = os.path.join(args.work, "dest")
+        dest = args.dest or os.path.join(args.work, "dest")
         cmds = commands(args.spotguard, s5, endpoint, dest)
         names = list(cmds)
         results = {n: [] for n in names}
         print(f"dataset: {want_files} objects, {gib:.2f} GiB; s3s-fs at {endpoint}; "
-              f"{args.rounds} rounds, interleaved", flush=True)
+              f"destination {dest}; {args.rounds} rounds, interleaved", flush=True)
         for r in range(args.rounds):
             order = names[r % len(names):] + names[:r % len(names)]
             for n in order:

@@ -555,7 +555,7 @@ async fn drive(run: &Arc<Run>, cache_root: &Path) -> Vec<String> {
                 source,
             })?;
             let tmpfs = rustix::fs::statfs(&paths.dir)
-                .is_ok_and(|st| st.f_type as i64 == libc::TMPFS_MAGIC as i64);
+                .is_ok_and(|st| st.f_type == libc::TMPFS_MAGIC);
             r.on_tmpfs.store(tmpfs, Ordering::Relaxed);
             match Manifest::load(&paths.manifest, &source) {
                 Ok(m) => Ok(m),
@@ -1663,6 +1663,9 @@ async fn fetch_segment(
     }
 }
 
+/// A batch write on the blocking pool: its result, the MD5 state after it, its length.
+type WriteJob = tokio::task::JoinHandle<(io::Result<()>, Option<Md5>, u64)>;
+
 /// Stream a body into `file` at the segment's position, in batches written with `pwritev` on
 /// the blocking pool, one batch in flight while the next is received.
 async fn stream_to_file(
@@ -1676,7 +1679,7 @@ async fn stream_to_file(
 ) -> Result<(), Stop> {
     let mut batch: Vec<Bytes> = Vec::new();
     let mut batch_len = 0usize;
-    let mut inflight: Option<tokio::task::JoinHandle<(io::Result<()>, Option<Md5>, u64)>> = None;
+    let mut inflight: Option<WriteJob> = None;
     let mut offset = seg.start + seg.written.load(Ordering::Acquire);
     let limit = seg.end;
     let mut stream_err: Option<Error> = None;
@@ -1754,7 +1757,7 @@ async fn stream_to_file(
 async fn finish_write(
     run: &Run,
     seg: &Segment,
-    h: tokio::task::JoinHandle<(io::Result<()>, Option<Md5>, u64)>,
+    h: WriteJob,
     hasher: &mut Option<Md5>,
     key: &str,
 ) -> Result<(), Stop> {
@@ -1937,13 +1940,30 @@ async fn flush(run: &Arc<Run>) -> Result<(), Error> {
     let paths = run.paths.clone();
     let source = run.source.url.clone();
     let owner = run.owner.clone();
-    let any_done = updates.iter().any(|u| matches!(u, Update::Done(_)));
     let updates2 = updates.clone();
     let res = blocking(move || -> io::Result<()> {
-        if any_done {
-            // The manifest may only claim what is on disk: flush the published files first.
-            let dir = File::open(&paths.dir)?;
-            rustix::fs::syncfs(&dir)?;
+        // The manifest only claims what is on stable storage: sync the files published since
+        // the last merge (just those: never the whole filesystem, which may hold a training
+        // job's checkpoints). A file replaced or evicted meanwhile is not ours to sync.
+        let mut dirs = HashSet::new();
+        for u in &updates2 {
+            if let Update::Done(e) = u {
+                let file = paths.file(&e.key);
+                match File::open(&file).and_then(|f| f.sync_data()) {
+                    Err(err) if err.kind() != io::ErrorKind::NotFound => return Err(err),
+                    _ => {}
+                }
+                if let Some(dir) = file.parent() {
+                    dirs.insert(dir.to_path_buf());
+                }
+            }
+        }
+        for dir in dirs {
+            // The renames themselves (directory entries); best effort on filesystems that
+            // refuse to sync a directory.
+            if let Ok(d) = File::open(&dir) {
+                let _ = d.sync_all();
+            }
         }
         Manifest::merge_into(&paths.manifest, &source, &updates2)?;
         for c in &claims {
