@@ -1516,11 +1516,14 @@ async fn download(
         }
     }
 
-    // Publish: the file appears under its final name only now, whole and verified.
+    // Publish: the file appears under its final name only now, whole, verified and on stable
+    // storage (synced here, in parallel across the downloads in flight; a no-op on tmpfs).
     *lock(&active.file) = None;
-    drop(file);
     let k = key.clone();
     blocking(move || {
+        file.sync_data()
+            .map_err(|e| Error::io_for(&k, "sync", part_path.clone(), e))?;
+        drop(file);
         fs::rename(&part_path, &final_path)
             .map_err(|e| Error::io_for(&k, "publish (rename)", final_path.clone(), e))
     })
@@ -1942,22 +1945,16 @@ async fn flush(run: &Arc<Run>) -> Result<(), Error> {
     let owner = run.owner.clone();
     let updates2 = updates.clone();
     let res = blocking(move || -> io::Result<()> {
-        // The manifest only claims what is on stable storage: sync the files published since
-        // the last merge (just those: never the whole filesystem, which may hold a training
-        // job's checkpoints). A file replaced or evicted meanwhile is not ours to sync.
-        let mut dirs = HashSet::new();
-        for u in &updates2 {
-            if let Update::Done(e) = u {
-                let file = paths.file(&e.key);
-                match File::open(&file).and_then(|f| f.sync_data()) {
-                    Err(err) if err.kind() != io::ErrorKind::NotFound => return Err(err),
-                    _ => {}
-                }
-                if let Some(dir) = file.parent() {
-                    dirs.insert(dir.to_path_buf());
-                }
-            }
-        }
+        // The manifest only claims what is on stable storage: the files were synced before
+        // their rename; sync the directories holding the renames (just those: never the whole
+        // filesystem, which may hold a training job's checkpoints).
+        let dirs: HashSet<PathBuf> = updates2
+            .iter()
+            .filter_map(|u| match u {
+                Update::Done(e) => paths.file(&e.key).parent().map(Path::to_path_buf),
+                _ => None,
+            })
+            .collect();
         for dir in dirs {
             // The renames themselves (directory entries); best effort on filesystems that
             // refuse to sync a directory.
