@@ -41,6 +41,8 @@ const BATCH_BYTES: usize = 256 << 10;
 const BATCH_CHUNKS: usize = 512;
 /// Attempts per object for transient failures, on top of object_store's own retries.
 const OBJECT_ATTEMPTS: u32 = 3;
+/// Published files being synced at once.
+const SYNCS_IN_FLIGHT: usize = 16;
 
 /// What to verify before a file is published.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize)]
@@ -307,6 +309,8 @@ struct Run {
     shared: Mutex<Option<(ManifestStamp, Arc<Manifest>)>>,
     /// The cache is on tmpfs (no block reservation: see [`preallocate`]).
     on_tmpfs: AtomicBool,
+    /// Bounds the files being synced at once (see [`make_durable`]).
+    syncs: Semaphore,
 }
 
 type ManifestStamp = (u64, Option<std::time::SystemTime>);
@@ -486,6 +490,7 @@ pub async fn fetch_dataset(job: Job) -> Report {
         complete_removed: AtomicBool::new(false),
         shared: Mutex::new(None),
         on_tmpfs: AtomicBool::new(false),
+        syncs: Semaphore::new(SYNCS_IN_FLIGHT),
     });
     if let Some(m) = &run.metrics {
         m.active.inc();
@@ -969,8 +974,14 @@ async fn fetch_object(run: &Arc<Run>, mut listed: Listed) -> Done {
     let result = fetch_attempts(run, &mut listed, &active, &part_rel, previous).await;
     lock(&run.active).remove(&key);
     match result {
-        Ok(etag) => {
-            record_done(run, &listed, etag, Some(claim));
+        Ok(published) => {
+            match make_durable(run, &key, published).await {
+                Ok(etag) => record_done(run, &listed, etag, Some(claim)),
+                Err(e) => {
+                    release(run, &claim).await;
+                    fail_or_fatal(run, &key, e);
+                }
+            }
             Done::Finished
         }
         Err(Stop::Cancelled) | Err(Stop::Aborted) if !run.disk_full() => {
@@ -1075,8 +1086,11 @@ async fn fetch_group(run: &Arc<Run>, group: Group) -> Done {
             let key = listed.entry.key.clone();
             let part_rel = r.paths.part_rel(&key, &r.owner.tag());
             match fetch_attempts(&r, &mut listed, &active, &part_rel, None).await {
-                Ok(etag) => {
-                    record_done(&r, &listed, etag, None);
+                Ok(published) => {
+                    match make_durable(&r, &key, published).await {
+                        Ok(etag) => record_done(&r, &listed, etag, None),
+                        Err(e) => fail_or_fatal(&r, &key, e),
+                    }
                     None
                 }
                 Err(Stop::Lost) => {
@@ -1129,13 +1143,13 @@ async fn fetch_attempts(
     active: &Arc<Active>,
     part_rel: &str,
     mut previous: Option<ClaimRecord>,
-) -> Result<Option<String>, Stop> {
+) -> Result<Published, Stop> {
     let key = listed.entry.key.clone();
     let mut attempt = 0;
     loop {
         attempt += 1;
         match download(run, listed, active, previous.take(), part_rel).await {
-            Ok(etag) => return Ok(etag),
+            Ok(published) => return Ok(published),
             Err(Stop::Err(Error::Changed { .. })) if attempt < OBJECT_ATTEMPTS => {
                 tracing::info!(dataset = %run.paths.name, key, "object changed at the source; fetching the new version");
                 discard_part(run, active, part_rel).await;
@@ -1266,7 +1280,7 @@ async fn download(
     active: &Arc<Active>,
     previous: Option<ClaimRecord>,
     part_rel: &str,
-) -> Result<Option<String>, Stop> {
+) -> Result<Published, Stop> {
     let key = listed.entry.key.clone();
     let size = listed.entry.size;
     let dir = run.paths.dir.clone();
@@ -1516,19 +1530,49 @@ async fn download(
         }
     }
 
-    // Publish: the file appears under its final name only now, whole, verified and on stable
-    // storage (synced here, in parallel across the downloads in flight; a no-op on tmpfs).
+    // Publish: the file appears under its final name only now, whole and verified.
     *lock(&active.file) = None;
     let k = key.clone();
+    let path = final_path.clone();
     blocking(move || {
-        file.sync_data()
-            .map_err(|e| Error::io_for(&k, "sync", part_path.clone(), e))?;
-        drop(file);
-        fs::rename(&part_path, &final_path)
-            .map_err(|e| Error::io_for(&k, "publish (rename)", final_path.clone(), e))
+        fs::rename(&part_path, &path)
+            .map_err(|e| Error::io_for(&k, "publish (rename)", path.clone(), e))
     })
     .await??;
-    Ok(etag_seen)
+    Ok(Published {
+        etag: etag_seen,
+        file,
+        path: final_path,
+    })
+}
+
+/// A file just renamed into place.
+struct Published {
+    /// The etag its bytes belong to.
+    etag: Option<String>,
+    file: Arc<File>,
+    path: PathBuf,
+}
+
+/// Make a published file durable before the manifest records it: synced off the request slots,
+/// so the device's flushes overlap the downloads (a no-op on tmpfs). A file that cannot be
+/// synced is withdrawn. Returns its etag.
+async fn make_durable(run: &Run, key: &str, p: Published) -> Result<Option<String>, Error> {
+    let _permit = run
+        .syncs
+        .acquire()
+        .await
+        .map_err(|_| Error::Internal("sync semaphore closed"))?;
+    let k = key.to_string();
+    let Published { etag, file, path } = p;
+    blocking(move || {
+        file.sync_data().map_err(|e| {
+            let _ = fs::remove_file(&path);
+            Error::io_for(&k, "sync", path.clone(), e)
+        })
+    })
+    .await??;
+    Ok(etag)
 }
 
 fn part_error(res: Result<Result<(), Stop>, tokio::task::JoinError>) -> Option<Stop> {
@@ -1945,7 +1989,7 @@ async fn flush(run: &Arc<Run>) -> Result<(), Error> {
     let owner = run.owner.clone();
     let updates2 = updates.clone();
     let res = blocking(move || -> io::Result<()> {
-        // The manifest only claims what is on stable storage: the files were synced before
+        // The manifest only claims what is on stable storage: the files were synced after
         // their rename; sync the directories holding the renames (just those: never the whole
         // filesystem, which may hold a training job's checkpoints).
         let dirs: HashSet<PathBuf> = updates2
