@@ -1289,7 +1289,7 @@ async fn download(
     let listed_etag = listed.entry.etag.clone();
     // An object fetched with one request holds its request slot from part-file creation to
     // publication: open part files (and preallocated space) stay bounded by the concurrency.
-    let _slot = if size <= run.opts.part_size {
+    let slot = if size <= run.opts.part_size {
         Some(acquire_request(run, active).await?)
     } else {
         None
@@ -1416,7 +1416,7 @@ async fn download(
             hasher,
             None,
         );
-        let (h, seen) = if _slot.is_some() {
+        let (h, seen) = if slot.is_some() {
             fetch.await?
         } else {
             with_request(run, active, fetch).await?

@@ -319,6 +319,25 @@ impl Error {
     }
 }
 
+/// Parse a dataset spec as given to `--prefetch`: `NAME=URL`, or a bare URL (the name is then
+/// derived from it). Both parts are validated. Returns `(name, url)`.
+pub fn parse_spec(spec: &str) -> Result<(String, String), Error> {
+    let spec = spec.trim();
+    let (name, url) = match spec.split_once('=') {
+        // `=` inside a URL (after "://") is not a separator.
+        Some((name, url)) if !name.contains("://") => (name.trim().to_string(), url.trim()),
+        _ => (String::new(), spec),
+    };
+    let src = SourceUrl::parse(url)?;
+    let name = if name.is_empty() {
+        src.default_name()
+    } else {
+        name
+    };
+    source::validate_name(&name)?;
+    Ok((name, url.to_string()))
+}
+
 /// Defaults the daemon applies to every dataset it prefetches.
 #[derive(Clone, Debug, Default)]
 pub struct PrefetchDefaults {
@@ -610,6 +629,30 @@ mod tests {
     use object_store::memory::InMemory;
     use object_store::path::Path as ObjectPath;
     use object_store::{ObjectStore, ObjectStoreExt};
+
+    #[test]
+    fn specs_parse_with_or_without_a_name() {
+        assert_eq!(
+            parse_spec("imagenet=s3://bkt/imagenet/train").unwrap(),
+            (
+                "imagenet".to_string(),
+                "s3://bkt/imagenet/train".to_string()
+            )
+        );
+        assert_eq!(
+            parse_spec("gs://b/p").unwrap(),
+            ("b-p".to_string(), "gs://b/p".to_string())
+        );
+        assert!(matches!(
+            parse_spec("../x=s3://b/p"),
+            Err(Error::InvalidName { .. })
+        ));
+        assert!(matches!(
+            parse_spec("x=http://b/p"),
+            Err(Error::InvalidUrl { .. })
+        ));
+        assert!(matches!(parse_spec("x="), Err(Error::InvalidUrl { .. })));
+    }
 
     #[test]
     fn list_errors_name_the_escaping_key() {
