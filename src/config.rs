@@ -256,7 +256,7 @@ pub struct RunArgs {
     #[arg(long, env = "SPOTGUARD_WEBHOOK_TEMPLATE", value_name = "TEMPLATE")]
     pub webhook_template: Option<String>,
 
-    /// Dataset to warm at start, NAME=URL (repeatable).
+    /// Dataset to warm at start, NAME=URL or a bare URL (repeatable).
     #[arg(long, env = "SPOTGUARD_PREFETCH", value_name = "NAME=URL", value_delimiter = ',', value_parser = parse_dataset)]
     pub prefetch: Vec<Dataset>,
 
@@ -731,28 +731,10 @@ fn read_extras(path: &Path) -> Result<(Vec<Dataset>, Option<toml::Table>), Error
 }
 
 fn validate_dataset(d: &Dataset) -> Result<(), String> {
-    if d.name.is_empty()
-        || d.name.starts_with('.')
-        || !d
-            .name
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
-    {
-        return Err(format!(
-            "dataset name {:?}: use letters, digits, '-', '_' and '.' (not leading)",
-            d.name
-        ));
-    }
-    let ok = ["s3://", "gs://", "file:///"]
-        .iter()
-        .any(|p| d.url.starts_with(p) && d.url.len() > p.len());
-    if !ok {
-        return Err(format!(
-            "dataset {:?}: URL {:?} must start with s3://, gs:// or file:///",
-            d.name, d.url
-        ));
-    }
-    Ok(())
+    let spec = format!("{}={}", d.name, d.url);
+    crate::prefetch::parse_spec(&spec)
+        .map(|_| ())
+        .map_err(|e| format!("dataset {:?}: {e}", d.name))
 }
 
 fn validate_dns_subdomain(name: &str) -> Result<(), String> {
@@ -826,16 +808,10 @@ fn parse_endpoint(s: &str) -> Result<reqwest::Url, String> {
     reqwest::Url::parse(&t).map_err(|e| format!("{s:?}: {e}"))
 }
 
+/// `NAME=URL` or a bare URL (the name derived from it), validated by the prefetch module.
 fn parse_dataset(s: &str) -> Result<Dataset, String> {
-    let (name, url) = s
-        .split_once('=')
-        .ok_or_else(|| format!("{s:?} must be NAME=URL"))?;
-    let d = Dataset {
-        name: name.trim().to_string(),
-        url: url.trim().to_string(),
-    };
-    validate_dataset(&d)?;
-    Ok(d)
+    let (name, url) = crate::prefetch::parse_spec(s).map_err(|e| e.to_string())?;
+    Ok(Dataset { name, url })
 }
 
 /// Parse a byte size: `1024`, `64KiB`, `10MB`, `1.5GiB`, `2TiB`.
@@ -1083,7 +1059,8 @@ mod tests {
         assert_eq!(parse_bytes("2GiB").unwrap(), 2 << 30);
         assert_eq!(parse_bytes("1.5GB").unwrap(), 1_500_000_000);
         assert!(parse_bytes("-1").is_err());
-        assert!(parse_dataset("n=s3://b/p").is_ok());
+        assert_eq!(parse_dataset("n=s3://b/p").unwrap().name, "n");
+        assert!(parse_dataset("s3://b/p").is_ok(), "bare URL: name derived");
         assert!(parse_dataset("../x=s3://b/p").is_err());
         assert!(parse_dataset("n=http://b/p").is_err());
     }

@@ -179,11 +179,7 @@ pub async fn watch_prefetch_annotations(
                         if !seen.insert(u.to_string()) {
                             continue;
                         }
-                        let ensured = crate::prefetch::SourceUrl::parse(u).and_then(|src| {
-                            let name = src.default_name();
-                            prefetcher.ensure(&name, u).map(|how| (name, how))
-                        });
-                        match ensured {
+                        match prefetcher.ensure_url(u) {
                             Ok((name, how)) => {
                                 info!(dataset = %name, url = %u, ?how, "prefetch requested by pod annotation");
                             }
