@@ -16,6 +16,8 @@ fi
 
 if ! command -v moto_server >/dev/null 2>&1; then
     python3 -m pip install --quiet 'moto[server]'
+    # pyenv: `python3 -m pip` does not refresh the shims that put moto_server on PATH.
+    if command -v pyenv >/dev/null 2>&1; then pyenv rehash || true; fi
 fi
 
 echo "prefetch test dependencies: s3s-fs $(command -v s3s-fs), moto_server $(command -v moto_server)"

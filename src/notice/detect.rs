@@ -107,6 +107,12 @@ pub async fn detect(
     }
     let client = reqwest::Client::builder()
         .no_proxy()
+        // Link-local plain HTTP: no CA store unless an override is https.
+        .tls_built_in_root_certs(
+            [&probe.aws, &probe.gce, &probe.azure]
+                .iter()
+                .any(|u| u.scheme() == "https"),
+        )
         .timeout(timeout)
         .connect_timeout(timeout)
         .build()

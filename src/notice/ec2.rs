@@ -162,6 +162,8 @@ impl Ec2Imds {
         };
         let client = reqwest::Client::builder()
             .no_proxy()
+            // Link-local plain HTTP: load no CA store (saves memory) unless the override is https.
+            .tls_built_in_root_certs(config.endpoint.scheme() == "https")
             .timeout(config.request_timeout)
             .connect_timeout(config.connect_timeout)
             .build()

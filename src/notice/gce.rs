@@ -152,6 +152,8 @@ impl GceMetadata {
         let base = &config.endpoint;
         let client = reqwest::Client::builder()
             .no_proxy()
+            // Link-local plain HTTP: load no CA store (saves memory) unless the override is https.
+            .tls_built_in_root_certs(config.endpoint.scheme() == "https")
             .connect_timeout(config.connect_timeout)
             .build()
             .map_err(|e| request_error(base, e))?;
