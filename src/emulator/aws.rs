@@ -48,18 +48,8 @@ pub(super) fn build(
     now: Timestamp,
 ) -> Result<Event, Error> {
     let mut event = Event {
-        id: String::new(),
-        kind: notice.kind,
-        raised_at: now,
-        start: now,
-        end: None,
-        action: notice.action.unwrap_or_default(),
-        code: String::new(),
-        description: notice.description.clone().unwrap_or_default(),
         target: cfg.vm_name.clone(),
-        status: Status::Scheduled,
-        duration_secs: -1,
-        reasons: Vec::new(),
+        ..Event::scheduled(notice, now)
     };
     match notice.kind {
         NoticeKind::Interruption => {

@@ -120,20 +120,15 @@ pub(super) fn build(
     };
     Ok(Event {
         id: notice.event_id.clone().unwrap_or_else(guid),
-        kind: notice.kind,
-        raised_at: now,
         start: notice.deadline(now, default_notice(event_type))?,
-        end: None,
-        action: notice.action.unwrap_or_default(),
         code: event_type.to_owned(),
         description: notice
             .description
             .clone()
             .unwrap_or_else(|| default_description(event_type).to_owned()),
         target: notice.target.clone().unwrap_or_else(|| cfg.vm_name.clone()),
-        status: Status::Scheduled,
         duration_secs,
-        reasons: Vec::new(),
+        ..Event::scheduled(notice, now)
     })
 }
 

@@ -24,9 +24,7 @@ use serde_json::json;
 use sha2::{Digest, Sha256};
 use tokio::sync::watch;
 
-use super::model::{
-    self, check_code, random_hex, EmulatedNotice, Event, Model, NoticeKind, Status,
-};
+use super::model::{self, check_code, random_hex, EmulatedNotice, Event, Model, NoticeKind};
 use super::server::{self, Shared};
 use super::wire::{self, Body};
 use super::{Cloud, EmulatorConfig, Error, GceNoMaintenance};
@@ -182,18 +180,8 @@ pub(super) fn build(
     now: Timestamp,
 ) -> Result<Event, Error> {
     let mut event = Event {
-        id: String::new(),
-        kind: notice.kind,
-        raised_at: now,
-        start: now,
-        end: None,
-        action: notice.action.unwrap_or_default(),
-        code: String::new(),
-        description: notice.description.clone().unwrap_or_default(),
-        target: String::new(),
-        status: Status::Scheduled,
-        duration_secs: -1,
         reasons: notice.reasons.clone(),
+        ..Event::scheduled(notice, now)
     };
     match notice.kind {
         // `preempted` flips to TRUE now; the server carries no deadline (the client adds its

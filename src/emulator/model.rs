@@ -222,6 +222,27 @@ pub(super) struct Event {
     pub reasons: Vec<String>,
 }
 
+impl Event {
+    /// A scheduled event for `notice` raised at `now`, starting now, with no id, code, target or
+    /// reasons yet: each cloud fills in what its protocol carries.
+    pub(super) fn scheduled(notice: &EmulatedNotice, now: Timestamp) -> Event {
+        Event {
+            id: String::new(),
+            kind: notice.kind,
+            raised_at: now,
+            start: now,
+            end: None,
+            action: notice.action.unwrap_or_default(),
+            code: String::new(),
+            description: notice.description.clone().unwrap_or_default(),
+            target: String::new(),
+            status: Status::Scheduled,
+            duration_secs: -1,
+            reasons: Vec::new(),
+        }
+    }
+}
+
 /// Everything the protocols read and the control surface writes. Guarded by one mutex in
 /// `server::Shared`; never held across an await.
 #[derive(Default)]
