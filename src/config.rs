@@ -345,11 +345,17 @@ pub struct Config {
 impl Config {
     /// Drain reserve: the flag, else 25 s on AWS and 8 s on GCE and Azure.
     pub fn drain_reserve(&self, source: Source) -> Duration {
-        self.args.drain_reserve.unwrap_or(match source {
-            Source::Aws => Duration::from_secs(25),
-            Source::Gce | Source::Azure => Duration::from_secs(8),
-        })
+        drain_reserve(self.args.drain_reserve, source)
     }
+}
+
+/// `--drain-reserve` if given, else the per-cloud default: 25 s on AWS (about 120 s of notice),
+/// 8 s on GCE and Azure (30 s).
+pub fn drain_reserve(flag: Option<Duration>, source: Source) -> Duration {
+    flag.unwrap_or(match source {
+        Source::Aws => Duration::from_secs(25),
+        Source::Gce | Source::Azure => Duration::from_secs(8),
+    })
 }
 
 /// A configuration error: names the key and what is wrong.

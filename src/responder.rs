@@ -56,10 +56,7 @@ pub struct ResponderConfig {
 
 impl ResponderConfig {
     fn reserve(&self, source: Source) -> Duration {
-        self.drain_reserve.unwrap_or(match source {
-            Source::Aws => Duration::from_secs(25),
-            Source::Gce | Source::Azure => Duration::from_secs(8),
-        })
+        crate::config::drain_reserve(self.drain_reserve, source)
     }
 }
 
@@ -700,8 +697,9 @@ impl Plan {
                     effect,
                     cordon: steps.cordon,
                 };
-                match with_retry(&self.cancel, self.deadline(), || node.protect(&protection)).await
-                {
+                // One call: node ops retry conflicts and 5xx themselves, boundedly. Retrying here
+                // until the deadline would hold the checkpoint hostage to an API-server outage.
+                match node.protect(&protection).await {
                     Ok(applied) => {
                         self.deps.metrics.action("protect", true);
                         state.applied = applied;
@@ -1049,32 +1047,6 @@ impl Plan {
                 self.deps.metrics.error("notice", e.metric_label());
                 warn!(error = %e, "acknowledging the event failed");
             }
-        }
-    }
-}
-
-/// Retry a node operation on retryable errors with jittered backoff, until success, a permanent
-/// error, cancellation or the deadline.
-async fn with_retry<T, F, Fut>(
-    cancel: &CancellationToken,
-    deadline: Timestamp,
-    mut op: F,
-) -> Result<T, crate::node::Error>
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Result<T, crate::node::Error>>,
-{
-    let mut delay = Duration::from_millis(100);
-    loop {
-        match op().await {
-            Ok(v) => return Ok(v),
-            Err(e) if e.is_retryable() && Timestamp::now() < deadline && !cancel.is_cancelled() => {
-                warn!(error = %e, "retrying node operation");
-                let jitter = Duration::from_millis(fastrand::u64(0..=delay.as_millis() as u64 / 2));
-                tokio::time::sleep(delay + jitter).await;
-                delay = (delay * 2).min(Duration::from_secs(2));
-            }
-            Err(e) => return Err(e),
         }
     }
 }
