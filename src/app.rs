@@ -1,6 +1,7 @@
 //! Wires the agent: one root `CancellationToken`, one `JoinSet` of tasks — the notice monitor(s),
 //! the responder, the GPU monitor, the prefetcher triggers and the admin server.
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -17,7 +18,7 @@ use crate::checkpoint::procfs::ProcFs;
 use crate::checkpoint::TargetDiscovery;
 use crate::config::{Config, Mode};
 use crate::metrics::Metrics;
-use crate::node::host::HostNodeOps;
+use crate::node::host::{HostNodeOps, StateFile};
 use crate::node::kube::KubeNodeOps;
 use crate::node::NodeOps;
 use crate::notice::monitor::{run_monitor, PollHealth};
@@ -40,6 +41,8 @@ pub enum Error {
     Webhook(String),
     #[error("building the metadata client: {0}")]
     Source(String),
+    #[error("the {0} task ended before shutdown")]
+    TaskEnded(&'static str),
 }
 
 impl Error {
@@ -52,6 +55,7 @@ impl Error {
             Error::KubeClient(_) => "kube_client",
             Error::Webhook(_) => "webhook",
             Error::Source(_) => "source",
+            Error::TaskEnded(_) => "task_ended",
         }
     }
 }
@@ -64,8 +68,9 @@ pub struct App {
     pub admin_addr: SocketAddr,
     /// The metrics registry.
     pub registry: Arc<Registry>,
-    /// Completes when every task has stopped after cancellation.
-    pub join: JoinHandle<()>,
+    /// Completes when every task has stopped after cancellation; an error when a task ended (or
+    /// panicked) before it: the process must then exit non-zero.
+    pub join: JoinHandle<Result<(), Error>>,
 }
 
 struct PollReadiness(Arc<PollHealth>);
@@ -97,9 +102,14 @@ pub async fn start_with_client(
     let gce_metrics = notice::monitor::GceMetrics::register(&mut registry);
     let gpu_metrics = Arc::new(gpu::GpuMetrics::register(&mut registry));
     let prefetch_metrics = Arc::new(prefetch::PrefetchMetrics::register(&mut registry));
-    let boot_id = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
-        .ok()
-        .map(|s| s.trim().to_string());
+    let boot_id = match gpu::read_boot_id_from(&cfg.args.boot_id_file) {
+        Ok(id) => Some(id),
+        Err(e) => {
+            metrics.error("responder", e.metric_label());
+            warn!(error = %e, "no boot id: persisted plan state cannot tell a previous life of the machine");
+            None
+        }
+    };
 
     // Node operations and checkpoint discovery, per mode.
     let (node, discovery, kube_client): (
@@ -171,14 +181,16 @@ pub async fn start_with_client(
         Some(src) => vec![build_source(&cfg, src, &metrics, &gce_metrics)?],
         None => Vec::new(),
     };
+    let mut names: HashMap<tokio::task::Id, &'static str> = HashMap::new();
     for s in &sources {
-        tasks.spawn(run_monitor(
+        let h = tasks.spawn(run_monitor(
             s.clone(),
             notice_tx.clone(),
             metrics.clone(),
             health.clone(),
             cancel.child_token(),
         ));
+        names.insert(h.id(), "notice monitor");
     }
     if sources.is_empty() {
         // Auto-detect in the background: never fatal, keep serving everything else.
@@ -190,7 +202,7 @@ pub async fn start_with_client(
             gce_metrics.clone(),
             cancel.child_token(),
         );
-        tasks.spawn(async move {
+        let h = tasks.spawn(async move {
             let mut delay = Duration::from_secs(2);
             let source = loop {
                 let probe = match &cfg2.args.metadata_endpoint {
@@ -218,6 +230,7 @@ pub async fn start_with_client(
                 Err(e) => error!(error = %e, "cannot watch the detected cloud"),
             }
         });
+        names.insert(h.id(), "cloud detection and notice monitor");
     }
     drop(notice_tx);
 
@@ -272,6 +285,7 @@ pub async fn start_with_client(
             on_rebalance: cfg.args.on_rebalance,
             rebalance_expiry: cfg.args.rebalance_expiry,
             on_maintenance: cfg.args.on_maintenance,
+            on_azure_freeze: cfg.args.on_azure_freeze,
             maintenance_lead: cfg.args.maintenance_lead,
             checkpoint_timeout: cfg.args.checkpoint_timeout,
             drain_reserve: cfg.args.drain_reserve,
@@ -283,6 +297,7 @@ pub async fn start_with_client(
         },
         crate::responder::Deps {
             node: node.clone(),
+            local: StateFile::new(&cfg.args.state_dir, cfg.args.dry_run),
             discovery,
             sources: sources.clone(),
             metrics: metrics.clone(),
@@ -290,18 +305,20 @@ pub async fn start_with_client(
         },
     );
     let events = responder.subscribe();
-    tasks.spawn(responder.run(notice_rx, cancel.clone()));
+    let h = tasks.spawn(responder.run(notice_rx, cancel.clone()));
+    names.insert(h.id(), "responder");
 
     // GPU health: NVML is loaded (and retried) by the probe itself; `off` starts nothing.
     match gpu::probe_from_config(cfg.gpu.mode) {
         Ok(probe) => {
-            tasks.spawn(gpu::run_monitor(
+            let h = tasks.spawn(gpu::run_monitor(
                 probe,
                 node.clone(),
                 gpu_metrics,
                 cfg.gpu.clone(),
                 cancel.child_token(),
             ));
+            names.insert(h.id(), "GPU monitor");
         }
         Err(e) => info!(reason = %e, "GPU monitoring off"),
     }
@@ -317,13 +334,14 @@ pub async fn start_with_client(
         }
     }
     if let (Some(client), Some(node_name)) = (kube_client, cfg.node_name.clone()) {
-        tasks.spawn(kube_discovery::watch_prefetch_annotations(
+        let h = tasks.spawn(kube_discovery::watch_prefetch_annotations(
             client,
             node_name,
             prefetcher.clone(),
             metrics.clone(),
             cancel.child_token(),
         ));
+        names.insert(h.id(), "prefetch annotation watch");
     }
 
     // Admin server.
@@ -339,7 +357,8 @@ pub async fn start_with_client(
         addr: cfg.args.metrics_addr,
         source,
     })?;
-    tasks.spawn(serve);
+    let h = tasks.spawn(serve);
+    names.insert(h.id(), "admin server");
     info!(
         mode = ?cfg.mode,
         node = cfg.node_name.as_deref().unwrap_or("-"),
@@ -348,19 +367,36 @@ pub async fn start_with_client(
         "spotguard started"
     );
 
+    // Every task runs until cancellation. One that ends (or panics) before is a bug: stop the
+    // others and exit non-zero, so that systemd / the kubelet restarts the agent, which resumes
+    // from the persisted state. `/healthz` never stays green over a dead responder.
     let join = tokio::spawn(async move {
-        while let Some(r) = tasks.join_next().await {
-            if let Err(e) = r {
-                if e.is_panic() {
-                    error!(error = %e, "a task panicked");
-                }
+        let mut failed: Option<&'static str> = None;
+        while let Some(r) = tasks.join_next_with_id().await {
+            let (id, panicked) = match &r {
+                Ok((id, ())) => (*id, None),
+                Err(e) => (e.id(), e.is_panic().then(|| e.to_string())),
+            };
+            let name = names.get(&id).copied().unwrap_or("task");
+            if let Some(p) = &panicked {
+                error!(task = name, error = %p, "a task panicked");
             }
-            if !cancel.is_cancelled() {
-                // Every task runs until cancellation; one ending early is a bug worth a log line.
-                warn!("a task ended before shutdown");
+            if !cancel.is_cancelled() || panicked.is_some() {
+                if failed.is_none() {
+                    error!(
+                        task = name,
+                        "a task ended before shutdown: stopping the agent so that it is restarted"
+                    );
+                    failed = Some(name);
+                }
+                cancel.cancel();
             }
         }
         info!("all tasks stopped");
+        match failed {
+            Some(task) => Err(Error::TaskEnded(task)),
+            None => Ok(()),
+        }
     });
     Ok(App {
         events,

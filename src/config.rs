@@ -156,6 +156,16 @@ pub struct RunArgs {
     )]
     pub on_maintenance: MaintenanceAction,
 
+    /// Action on an Azure `Freeze` event (the VM is paused for a few seconds, not restarted or
+    /// moved): `ignore` (default), `cordon`, or `drain` like other maintenance.
+    #[arg(
+        long,
+        env = "SPOTGUARD_ON_AZURE_FREEZE",
+        value_enum,
+        default_value = "ignore"
+    )]
+    pub on_azure_freeze: MaintenanceAction,
+
     /// Start handling a scheduled event this long before its NotBefore.
     #[arg(long, env = "SPOTGUARD_MAINTENANCE_LEAD", value_name = "DURATION", default_value = "10m", value_parser = parse_duration)]
     pub maintenance_lead: Duration,
@@ -299,6 +309,17 @@ pub struct RunArgs {
         hide = true
     )]
     pub proc_root: PathBuf,
+
+    /// File holding this machine's boot id: persisted plan state from another boot belongs to a
+    /// previous life of the machine (stop/start, hibernation, reboot).
+    #[arg(
+        long,
+        env = "SPOTGUARD_BOOT_ID_FILE",
+        value_name = "FILE",
+        default_value = "/proc/sys/kernel/random/boot_id",
+        hide = true
+    )]
+    pub boot_id_file: PathBuf,
 }
 
 /// A dataset to prefetch: `NAME=URL`.
@@ -698,6 +719,7 @@ impl Config {
             None => crate::gpu::GpuConfig::default(),
         };
         gpu.mode = args.gpu;
+        gpu.boot_id_path.clone_from(&args.boot_id_file);
         gpu.validate().map_err(|e| Error::Invalid {
             key: "gpu",
             reason: e.to_string(),

@@ -74,7 +74,7 @@ fn main() -> ExitCode {
 async fn run(cfg: Config) -> anyhow::Result<()> {
     let cancel = shutdown::install().context("installing signal handlers")?;
     let app = app::start(cfg, cancel).await.context("starting")?;
-    app.join.await.context("agent task")?;
+    app.join.await.context("agent task")??;
     Ok(())
 }
 

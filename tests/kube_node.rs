@@ -111,6 +111,8 @@ fn sample_state() -> PlanState {
         },
         boot_id: Some("3f0c2e8a".to_string()),
         restart: false,
+        detail: "instance-action terminate".to_string(),
+        failure: None,
         updated_at: "2030-01-02T03:02:11Z".parse().expect("timestamp"),
     }
 }

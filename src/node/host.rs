@@ -15,36 +15,37 @@ use crate::fsutil::write_atomic;
 /// File name of the persisted plan state inside `--state-dir`.
 pub const STATE_FILE: &str = "notice.json";
 
-pub struct HostNodeOps {
-    state_path: PathBuf,
+/// The local record of the plan state: `<state-dir>/notice.json`, written atomically and fsync'd.
+/// Host mode keeps only this record; Kubernetes mode keeps it beside the Node annotation (the
+/// DaemonSet mounts a hostPath there), so that an API-server outage at restart never makes the
+/// agent forget that it already signalled, and the record is written before the checkpoint signal
+/// without waiting for the API server.
+#[derive(Clone, Debug)]
+pub struct StateFile {
+    path: PathBuf,
     dry_run: bool,
-    gpu: std::sync::Mutex<GpuConditions>,
 }
 
-impl HostNodeOps {
+impl StateFile {
     pub fn new(state_dir: &Path, dry_run: bool) -> Self {
-        HostNodeOps {
-            state_path: state_dir.join(STATE_FILE),
+        StateFile {
+            path: state_dir.join(STATE_FILE),
             dry_run,
-            gpu: std::sync::Mutex::new(GpuConditions::default()),
         }
     }
 
-    pub fn state_path(&self) -> &Path {
-        &self.state_path
+    pub fn path(&self) -> &Path {
+        &self.path
     }
-}
 
-#[async_trait]
-impl NodeOps for HostNodeOps {
-    async fn load_state(&self) -> Result<Option<PlanState>, Error> {
-        let path = self.state_path.clone();
-        let bytes = match tokio::fs::read(&path).await {
+    /// The record, if any. Blocking.
+    pub fn load_blocking(&self) -> Result<Option<PlanState>, Error> {
+        let bytes = match std::fs::read(&self.path) {
             Ok(b) => b,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
             Err(source) => {
                 return Err(Error::StateRead {
-                    path: path.display().to_string(),
+                    path: self.path.display().to_string(),
                     source,
                 })
             }
@@ -52,45 +53,104 @@ impl NodeOps for HostNodeOps {
         serde_json::from_slice(&bytes)
             .map(Some)
             .map_err(|e| Error::StateCorrupt {
-                location: path.display().to_string(),
+                location: self.path.display().to_string(),
                 reason: e.to_string(),
             })
     }
 
-    async fn save_state(&self, state: &PlanState) -> Result<(), Error> {
+    /// Replace the record (atomic write, fsync of file and directory). Blocking.
+    pub fn save_blocking(&self, state: &PlanState) -> Result<(), Error> {
         if self.dry_run {
             tracing::info!(phase = state.phase.as_str(), notice_id = %state.id, "dry-run: would persist plan state");
             return Ok(());
         }
         let json = serde_json::to_vec_pretty(state).map_err(|e| Error::StateCorrupt {
-            location: self.state_path.display().to_string(),
+            location: self.path.display().to_string(),
             reason: e.to_string(),
         })?;
-        let path = self.state_path.clone();
-        tokio::task::spawn_blocking(move || write_atomic(&path, &json, 0o644))
-            .await
-            .map_err(|e| Error::StateWrite {
-                path: self.state_path.display().to_string(),
-                source: std::io::Error::other(e),
-            })?
-            .map_err(|source| Error::StateWrite {
-                path: self.state_path.display().to_string(),
-                source,
-            })
+        write_atomic(&self.path, &json, 0o644).map_err(|source| Error::StateWrite {
+            path: self.path.display().to_string(),
+            source,
+        })
     }
 
-    async fn clear_state(&self) -> Result<(), Error> {
+    /// Remove the record. Blocking.
+    pub fn clear_blocking(&self) -> Result<(), Error> {
         if self.dry_run {
             return Ok(());
         }
-        match tokio::fs::remove_file(&self.state_path).await {
+        match std::fs::remove_file(&self.path) {
             Ok(()) => Ok(()),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
             Err(source) => Err(Error::StateWrite {
-                path: self.state_path.display().to_string(),
+                path: self.path.display().to_string(),
                 source,
             }),
         }
+    }
+
+    pub async fn load(&self) -> Result<Option<PlanState>, Error> {
+        let me = self.clone();
+        blocking(move || me.load_blocking(), &self.path).await
+    }
+
+    pub async fn save(&self, state: &PlanState) -> Result<(), Error> {
+        let (me, state) = (self.clone(), state.clone());
+        blocking(move || me.save_blocking(&state), &self.path).await
+    }
+
+    pub async fn clear(&self) -> Result<(), Error> {
+        let me = self.clone();
+        blocking(move || me.clear_blocking(), &self.path).await
+    }
+}
+
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, Error> + Send + 'static,
+    path: &Path,
+) -> Result<T, Error> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| Error::StateWrite {
+            path: path.display().to_string(),
+            source: std::io::Error::other(e),
+        })?
+}
+
+pub struct HostNodeOps {
+    state: StateFile,
+    gpu: std::sync::Mutex<GpuConditions>,
+}
+
+impl HostNodeOps {
+    pub fn new(state_dir: &Path, dry_run: bool) -> Self {
+        HostNodeOps {
+            state: StateFile::new(state_dir, dry_run),
+            gpu: std::sync::Mutex::new(GpuConditions::default()),
+        }
+    }
+
+    pub fn state_path(&self) -> &Path {
+        self.state.path()
+    }
+}
+
+#[async_trait]
+impl NodeOps for HostNodeOps {
+    fn state_is_local(&self) -> bool {
+        true
+    }
+
+    async fn load_state(&self) -> Result<Option<PlanState>, Error> {
+        self.state.load().await
+    }
+
+    async fn save_state(&self, state: &PlanState) -> Result<(), Error> {
+        self.state.save(state).await
+    }
+
+    async fn clear_state(&self) -> Result<(), Error> {
+        self.state.clear().await
     }
 
     async fn protect(&self, protection: &Protection) -> Result<Applied, Error> {

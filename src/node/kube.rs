@@ -908,8 +908,11 @@ fn action_for(r: &str) -> &'static str {
     match r {
         reason::SPOT_INTERRUPTION | reason::REBALANCE | reason::MAINTENANCE => "Protect",
         reason::CORDON_FAILED => "Cordon",
-        reason::UNCORDONED | reason::NOTICE_CANCELLED => "Undo",
-        reason::DRAIN_STARTED | reason::DRAIN_COMPLETE | reason::DRAIN_BLOCKED => "Drain",
+        reason::UNCORDONED | reason::NOTICE_CANCELLED | reason::PREVIOUS_LIFE => "Undo",
+        reason::DRAIN_STARTED
+        | reason::DRAIN_COMPLETE
+        | reason::DRAIN_BLOCKED
+        | reason::DRAIN_FAILED => "Drain",
         reason::CHECKPOINT_SIGNALLED
         | reason::CHECKPOINT_ACKED
         | reason::CHECKPOINT_TIMEOUT

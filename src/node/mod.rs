@@ -73,13 +73,32 @@ pub struct PlanState {
     /// What spotguard itself changed, so that undo never touches an operator's cordon or taint.
     #[serde(default)]
     pub applied: Applied,
-    /// Boot id of the machine when the plan started: a different one at start-up means the
-    /// machine rebooted (restart-type maintenance ⇒ uncordon).
+    /// Boot id of the machine when the record was written. A different one at start-up means the
+    /// record belongs to a previous life of the machine (stop/start, hibernation, reboot): what
+    /// spotguard applied is undone, the record cleared, and the agent armed again.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub boot_id: Option<String>,
     #[serde(default)]
     pub restart: bool,
+    /// The cloud's description of the notice (kept so that a resumed plan follows the same policy,
+    /// e.g. an Azure `Freeze`).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub detail: String,
+    /// Why the plan did not complete (a failed or blocked drain), when it did not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failure: Option<String>,
     pub updated_at: Timestamp,
+}
+
+impl PlanState {
+    /// Whether this record was written during the machine's current life. A record or an agent
+    /// without a boot id cannot tell and counts as the same life.
+    pub fn same_life(&self, boot_id: Option<&str>) -> bool {
+        match (self.boot_id.as_deref(), boot_id) {
+            (Some(recorded), Some(now)) => recorded == now,
+            _ => true,
+        }
+    }
 }
 
 /// Taint effect.
@@ -138,6 +157,8 @@ pub mod reason {
     pub const DRAIN_STARTED: &str = "DrainStarted";
     pub const DRAIN_COMPLETE: &str = "DrainComplete";
     pub const DRAIN_BLOCKED: &str = "DrainBlocked";
+    pub const DRAIN_FAILED: &str = "DrainFailed";
+    pub const PREVIOUS_LIFE: &str = "PreviousLifeUndone";
     pub const CHECKPOINT_SIGNALLED: &str = "CheckpointSignalled";
     pub const CHECKPOINT_ACKED: &str = "CheckpointAcked";
     pub const CHECKPOINT_TIMEOUT: &str = "CheckpointTimeout";
@@ -208,6 +229,11 @@ pub struct ConditionState {
 /// The node seam. Every mutation of the node (or its host-mode equivalent) goes through here.
 #[async_trait]
 pub trait NodeOps: Send + Sync {
+    /// Whether `save_state` writes the local record itself (host mode: `<state-dir>/notice.json`),
+    /// so that the responder's local copy and the node's copy are the same file.
+    fn state_is_local(&self) -> bool {
+        false
+    }
     /// The persisted plan state, if any.
     async fn load_state(&self) -> Result<Option<PlanState>, Error>;
     /// Persist the plan state (replace).
@@ -239,6 +265,9 @@ pub trait NodeOps: Send + Sync {
 
 #[async_trait]
 impl<T: NodeOps + ?Sized> NodeOps for std::sync::Arc<T> {
+    fn state_is_local(&self) -> bool {
+        (**self).state_is_local()
+    }
     async fn load_state(&self) -> Result<Option<PlanState>, Error> {
         (**self).load_state().await
     }

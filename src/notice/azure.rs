@@ -265,6 +265,14 @@ impl AzureScheduledEvents {
     }
 }
 
+/// Whether `notice` is an Azure `Freeze` event: the VM is paused for a few seconds, not restarted
+/// or moved, so it gets its own policy (`--on-azure-freeze`, default `ignore`).
+pub fn is_freeze(notice: &Notice) -> bool {
+    notice.source == Source::Azure
+        && notice.kind == NoticeKind::Maintenance
+        && notice.detail.starts_with("Freeze (")
+}
+
 /// Azure resource names: 1–64 characters of letters, digits, `-`, `_` and `.`.
 fn valid_vm_name(name: &str) -> bool {
     (1..=64).contains(&name.len())

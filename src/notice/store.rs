@@ -5,7 +5,13 @@
 //!   poll), only moves the deadline earlier.
 //! - Rebalance and maintenance notices dedupe by id; a maintenance notice whose window moved is an
 //!   update.
-//! - `Cancelled(id)` cancels a known rebalance/maintenance notice once.
+//! - `Cancelled(id)` cancels a known rebalance/maintenance notice once. The same id seen again
+//!   *after* the cancel (first observed later: GCE's maintenance notice has a fixed id) is a new
+//!   occurrence; a stale report observed before the cancel is not.
+//! - A rebalance recommendation stays known after its expiry: the metadata service keeps serving
+//!   the same `noticeTime` until the instance dies, and one recommendation is one plan.
+//! - Persisted state carries the boot id: [`resume`] tells a record of this life of the machine
+//!   (resume or remember it) from one of a previous life (undo, clear, arm again).
 //!
 //! Deadline maths lives here as pure functions.
 
@@ -15,6 +21,7 @@ use std::time::Duration;
 use jiff::{SignedDuration, Timestamp};
 
 use super::{Notice, NoticeKind};
+use crate::node::{Phase, PlanState};
 
 /// What the responder should do with a notice.
 #[derive(Clone, Debug, PartialEq)]
@@ -38,7 +45,8 @@ struct Seen {
     kind: NoticeKind,
     deadline: Option<Timestamp>,
     not_before: Option<Timestamp>,
-    cancelled: bool,
+    /// When the cancel was accepted.
+    cancelled: Option<Timestamp>,
 }
 
 /// Dedupe and deadline state. Owned by the responder task; not shared.
@@ -71,9 +79,29 @@ impl NoticeStore {
                 kind,
                 deadline,
                 not_before: deadline,
-                cancelled: false,
+                cancelled: None,
             },
         );
+    }
+
+    /// Restore what a persisted record of this life says: the interruption (never started
+    /// again), or a rebalance/maintenance notice (so that re-polls dedupe; an undone one as
+    /// cancelled at the time it was undone).
+    pub fn restore_state(&mut self, state: &PlanState, now: Timestamp) {
+        match &state.kind {
+            NoticeKind::Interruption => {
+                self.restore_interruption(&state.id, state.deadline.unwrap_or(now))
+            }
+            NoticeKind::Cancelled(_) => {}
+            kind => {
+                self.restore(&state.id, kind.clone(), state.deadline);
+                if state.phase == Phase::Undone {
+                    if let Some(seen) = self.seen.get_mut(&state.id) {
+                        seen.cancelled = Some(state.updated_at);
+                    }
+                }
+            }
+        }
     }
 
     /// Decide what `notice` means. `now` resolves absent or past deadlines ("now").
@@ -104,12 +132,22 @@ impl NoticeStore {
                                 kind: notice.kind.clone(),
                                 deadline: notice.deadline,
                                 not_before: notice.not_before,
-                                cancelled: false,
+                                cancelled: None,
                             },
                         );
                         Decision::New(notice.clone())
                     }
-                    Some(seen) if seen.cancelled => Decision::Duplicate,
+                    // Seen again after the cancel, first observed after it: a new occurrence.
+                    Some(seen) if seen.cancelled.is_some_and(|at| notice.observed_at > at) => {
+                        *seen = Seen {
+                            kind: notice.kind.clone(),
+                            deadline: notice.deadline,
+                            not_before: notice.not_before,
+                            cancelled: None,
+                        };
+                        Decision::New(notice.clone())
+                    }
+                    Some(seen) if seen.cancelled.is_some() => Decision::Duplicate,
                     Some(seen)
                         if notice.kind == NoticeKind::Maintenance
                             && (seen.deadline != notice.deadline
@@ -123,8 +161,8 @@ impl NoticeStore {
                 }
             }
             NoticeKind::Cancelled(id) => match self.seen.get_mut(id) {
-                Some(seen) if !seen.cancelled && seen.kind != NoticeKind::Interruption => {
-                    seen.cancelled = true;
+                Some(seen) if seen.cancelled.is_none() && seen.kind != NoticeKind::Interruption => {
+                    seen.cancelled = Some(now);
                     Decision::Cancel(id.clone())
                 }
                 Some(_) => Decision::Duplicate,
@@ -136,7 +174,7 @@ impl NoticeStore {
                             kind: NoticeKind::Maintenance,
                             deadline: None,
                             not_before: None,
-                            cancelled: true,
+                            cancelled: Some(now),
                         },
                     );
                     Decision::Duplicate
@@ -144,10 +182,30 @@ impl NoticeStore {
             },
         }
     }
+}
 
-    /// Forget a rebalance notice after its expiry, so that a fresh recommendation acts again.
-    pub fn forget(&mut self, id: &str) {
-        self.seen.remove(id);
+/// What a persisted record means at start-up.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Resume {
+    /// Written in a previous life of the machine: undo what spotguard applied, clear it, arm again.
+    PreviousLife,
+    /// Nothing left to do; remember the notice so that re-polls of it dedupe.
+    Remember,
+    /// A rebalance whose early checkpoint is done: remember it and undo at its expiry.
+    AwaitExpiry,
+    /// A plan of this life that had not finished: carry on from its phase.
+    Continue,
+}
+
+/// Decide what the persisted `state` means for an agent starting in boot `boot_id`.
+pub fn resume(state: &PlanState, boot_id: Option<&str>) -> Resume {
+    if !state.same_life(boot_id) {
+        return Resume::PreviousLife;
+    }
+    match (&state.kind, state.phase) {
+        (_, Phase::Done | Phase::Undone) => Resume::Remember,
+        (NoticeKind::Rebalance, phase) if phase >= Phase::Checkpointed => Resume::AwaitExpiry,
+        _ => Resume::Continue,
     }
 }
 
@@ -299,13 +357,32 @@ mod tests {
     }
 
     #[test]
-    fn rebalance_dedupes_and_can_be_forgotten() {
+    fn one_rebalance_recommendation_is_one_plan_for_ever() {
         let mut s = NoticeStore::new();
         let r = notice("r1", NoticeKind::Rebalance, None);
         assert!(matches!(s.accept(&r, ts(0)), Decision::New(_)));
         assert_eq!(s.accept(&r, ts(1)), Decision::Duplicate);
-        s.forget("r1");
-        assert!(matches!(s.accept(&r, ts(2)), Decision::New(_)));
+        // Long after any expiry, the same noticeTime is still the same recommendation.
+        assert_eq!(s.accept(&r, ts(100_000)), Decision::Duplicate);
+        // A new recommendation (another noticeTime) is new.
+        let r2 = notice("r2", NoticeKind::Rebalance, None);
+        assert!(matches!(s.accept(&r2, ts(100_001)), Decision::New(_)));
+    }
+
+    #[test]
+    fn a_fixed_id_seen_again_after_its_cancel_is_a_new_occurrence() {
+        let mut s = NoticeStore::new();
+        let m = notice("gce-m", NoticeKind::Maintenance, None);
+        assert!(matches!(s.accept(&m, ts(0)), Decision::New(_)));
+        let c = notice("x", NoticeKind::Cancelled("gce-m".into()), None);
+        assert_eq!(s.accept(&c, ts(10)), Decision::Cancel("gce-m".into()));
+        // A stale report first observed before the cancel: nothing.
+        assert_eq!(s.accept(&m, ts(11)), Decision::Duplicate);
+        // The event again, observed after the cancel: a new plan.
+        let mut again = m.clone();
+        again.observed_at = ts(20);
+        assert!(matches!(s.accept(&again, ts(20)), Decision::New(_)));
+        assert_eq!(s.accept(&again, ts(21)), Decision::Duplicate);
     }
 
     #[test]
