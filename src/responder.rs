@@ -206,6 +206,12 @@ impl Running {
     }
 }
 
+#[derive(Clone, Copy)]
+enum DecisionKind {
+    Updated,
+    Other,
+}
+
 /// A maintenance notice waiting for `not_before − lead`.
 struct Scheduled {
     timer: JoinHandle<()>,
@@ -401,6 +407,10 @@ impl Responder {
                     let now = Timestamp::now();
                     let decision = store.accept(&notice, now);
                     self.count_notice(&notice, &decision, now);
+                    let decision_kind = match &decision {
+                        Decision::Updated(_) => DecisionKind::Updated,
+                        _ => DecisionKind::Other,
+                    };
                     match decision {
                         Decision::Duplicate => {}
                         Decision::StartInterruption(n) => {
@@ -436,6 +446,10 @@ impl Responder {
                                         let d = store::effective_deadline(n.not_before.or(n.deadline), now);
                                         info!(notice_id = %n.id, deadline = %d, "maintenance window changed: plan deadline updated");
                                         let _ = r.deadline_tx.send(d);
+                                        continue;
+                                    }
+                                    if matches!(decision_kind, DecisionKind::Updated) && self.plan_finished(&n.id).await {
+                                        info!(notice_id = %n.id, "maintenance window changed after its plan completed: nothing to redo");
                                         continue;
                                     }
                                     let start = store::maintenance_start(
@@ -557,6 +571,13 @@ impl Responder {
                 }
             }
         }
+    }
+
+    /// Whether the last plan persisted is `id`'s and it completed (this life of the machine).
+    async fn plan_finished(&self, id: &str) -> bool {
+        self.deps.local.load().await.ok().flatten().is_some_and(|s| {
+            s.id == id && s.phase == Phase::Done && s.same_life(self.cfg.boot_id.as_deref())
+        })
     }
 
     fn undoer(&self) -> Undoer {
@@ -770,8 +791,9 @@ impl Undoer {
         }
     }
 
-    /// A cancelled or expired notice: undo, then keep an `undone` record so that a restarted agent
-    /// still knows the notice (re-polls of it stay duplicates).
+    /// A cancelled or expired notice: undo, then clear the record, except for a rebalance
+    /// recommendation: the metadata service keeps serving it until the instance dies, so an
+    /// `undone` record keeps a restarted agent from acting on it again.
     async fn undo(&self, id: &str, why: &str) {
         let state = match self.records.load().await {
             Some(s) if s.id == id && s.phase != Phase::Undone => s,
@@ -783,12 +805,16 @@ impl Undoer {
         if !self.unprotect(&state, why, reason::NOTICE_CANCELLED).await {
             return;
         }
-        let mut s = state;
-        s.phase = Phase::Undone;
-        s.applied = Applied::default();
-        s.boot_id.clone_from(&self.boot_id);
-        s.updated_at = Timestamp::now();
-        self.records.save(&s, SIDE_BUDGET_MAX).await;
+        if state.kind == NoticeKind::Rebalance {
+            let mut s = state;
+            s.phase = Phase::Undone;
+            s.applied = Applied::default();
+            s.boot_id.clone_from(&self.boot_id);
+            s.updated_at = Timestamp::now();
+            self.records.save(&s, SIDE_BUDGET_MAX).await;
+        } else {
+            self.records.clear(SIDE_BUDGET_MAX).await;
+        }
         let _ = self.events.send(PlanEvent::Undone {
             id: id.to_string(),
             at: Timestamp::now(),

@@ -162,6 +162,8 @@ struct Cluster {
     emu: emulator::EmulatorHandle,
     trainer: PodProcess,
     state: tempfile::TempDir,
+    /// `--boot-id-file`: the test "reboots" the machine by changing it.
+    boot: tempfile::TempDir,
 }
 
 impl Cluster {
@@ -185,12 +187,20 @@ impl Cluster {
         api.add_pod(TestPod::new("spotguard", "spotguard-abcde", NODE).build());
         api.add_pod(TestPod::new("web", "elsewhere", "other-node").build());
         let emu = emulator::start(EmulatorConfig::new(cloud)).await.unwrap();
+        let boot = tempfile::tempdir().unwrap();
+        std::fs::write(boot.path().join("boot_id"), "boot-1\n").unwrap();
         Cluster {
             api,
             emu,
             trainer,
             state: tempfile::tempdir().unwrap(),
+            boot,
         }
+    }
+
+    /// The machine comes back in a new life (stop/start, hibernation, reboot).
+    fn reboot(&self, boot_id: &str) {
+        std::fs::write(self.boot.path().join("boot_id"), boot_id).unwrap();
     }
 
     async fn agent(&self, extra: &[&str]) -> (app::App, CancellationToken) {
@@ -203,6 +213,10 @@ impl Cluster {
             format!("--metadata-endpoint={}", self.emu.base_url()),
             "--poll-interval=200ms".into(),
             format!("--state-dir={}", self.state.path().display()),
+            format!(
+                "--boot-id-file={}",
+                self.boot.path().join("boot_id").display()
+            ),
             "--metrics-addr=127.0.0.1:0".into(),
             "--gpu=off".into(),
             format!(
@@ -560,4 +574,222 @@ async fn cancelled_maintenance_keeps_the_operators_cordon() {
     assert!(c.api.events().iter().any(|e| e.reason == "NoticeCancelled"));
     cancel.cancel();
     let _ = tokio::time::timeout(Duration::from_secs(5), app.join).await;
+}
+
+async fn metrics_of(addr: std::net::SocketAddr) -> String {
+    reqwest::get(format!("http://{addr}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
+
+async fn stop(join: tokio::task::JoinHandle<Result<(), app::Error>>, cancel: CancellationToken) {
+    cancel.cancel();
+    let _ = tokio::time::timeout(Duration::from_secs(10), join).await;
+}
+
+/// Issue 9 item 1: a handled interruption, then the machine is stopped and started (a new boot):
+/// the agent undoes its own cordon and taint from the previous life and acts on the next
+/// interruption again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_boot_undoes_the_previous_life_and_the_next_interruption_is_signalled() {
+    let c = Cluster::new(Cloud::Aws).await;
+    let (app, cancel) = c.agent(&[]).await;
+    let mut events = app.events;
+    c.emu.raise(EmulatedNotice::interruption()).unwrap();
+    wait_for(&mut events, Duration::from_secs(60), |e| {
+        matches!(e, PlanEvent::Done { .. }).then_some(())
+    })
+    .await;
+    assert!(c.cordoned());
+    assert_eq!(c.trainer.signals(), 1);
+    assert_eq!(c.phase().as_deref(), Some("done"));
+    stop(app.join, cancel).await;
+
+    // Same boot, agent restarted: the handled interruption stays handled (no second signal).
+    let (app, cancel) = c.agent(&[]).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(c.trainer.signals(), 1, "same life: never a second signal");
+    assert!(c.cordoned(), "same life: the plan's cordon stays");
+    stop(app.join, cancel).await;
+
+    // Stop/start: a new boot id. The trainer's pod is scheduled here again.
+    c.emu.clear();
+    c.reboot("boot-2");
+    c.api.add_pod(c.trainer.pod("trainer-0"));
+    let (app, cancel) = c.agent(&[]).await;
+    let mut events = app.events;
+    wait_for(&mut events, Duration::from_secs(20), |e| {
+        matches!(e, PlanEvent::Undone { .. }).then_some(())
+    })
+    .await;
+    assert!(!c.cordoned(), "spotguard's cordon from the previous life is gone");
+    assert!(c.taints().is_empty(), "{:?}", c.taints());
+    assert_eq!(c.phase(), None, "record of the previous life cleared");
+    assert!(c
+        .api
+        .events()
+        .iter()
+        .any(|e| e.reason == "PreviousLifeUndone"));
+    assert!(!c.state.path().join("notice.json").exists());
+
+    c.emu.raise(EmulatedNotice::interruption()).unwrap();
+    let processes = wait_for(&mut events, Duration::from_secs(30), |e| match e {
+        PlanEvent::Signalled { processes, .. } => Some(*processes),
+        _ => None,
+    })
+    .await;
+    assert_eq!(processes, 1);
+    wait_for(&mut events, Duration::from_secs(60), |e| {
+        matches!(e, PlanEvent::Done { .. }).then_some(())
+    })
+    .await;
+    assert_eq!(c.trainer.signals(), 2, "armed again in the new life");
+    assert!(c.cordoned());
+    let raw = c.node_json()["metadata"]["annotations"]["spotguard.io/notice"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let rec: serde_json::Value = serde_json::from_str(&raw).unwrap();
+    assert_eq!(rec["boot_id"], "boot-2");
+    stop(app.join, cancel).await;
+}
+
+/// Issue 9 item 1: the operator's cordon from before the previous life is never undone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_boot_keeps_the_operators_cordon() {
+    let c = Cluster::new(Cloud::Aws).await;
+    let mut node = test_node(NODE);
+    node.spec.get_or_insert_with(Default::default).unschedulable = Some(true);
+    c.api.add_node(node);
+    let (app, cancel) = c.agent(&[]).await;
+    let mut events = app.events;
+    c.emu.raise(EmulatedNotice::interruption()).unwrap();
+    wait_for(&mut events, Duration::from_secs(60), |e| {
+        matches!(e, PlanEvent::Done { .. }).then_some(())
+    })
+    .await;
+    stop(app.join, cancel).await;
+    c.emu.clear();
+    c.reboot("boot-2");
+    let (app, cancel) = c.agent(&[]).await;
+    let mut events = app.events;
+    wait_for(&mut events, Duration::from_secs(20), |e| {
+        matches!(e, PlanEvent::Undone { .. }).then_some(())
+    })
+    .await;
+    assert!(c.taints().is_empty(), "spotguard's taint removed");
+    assert!(c.cordoned(), "the operator's cordon stays");
+    stop(app.join, cancel).await;
+}
+
+/// Issue 9 item 4: a drain that fails (pods cannot be listed: RBAC) is never reported complete:
+/// no DrainComplete, no `drained` phase, no Azure approval; a DrainFailed Event and the error
+/// metric name why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_drain_is_not_complete_and_the_azure_event_is_not_approved() {
+    let c = Cluster::new(Cloud::Azure).await;
+    let (app, cancel) = c.agent(&["--checkpoint-timeout=3s"]).await;
+    let mut events = app.events;
+    c.emu
+        .raise(EmulatedNotice::interruption().due_in(Duration::from_secs(60)))
+        .unwrap();
+    wait_for(&mut events, Duration::from_secs(30), |e| {
+        matches!(e, PlanEvent::Checkpointed { .. }).then_some(())
+    })
+    .await;
+    // From now on the agent may not list pods.
+    c.api.refuse("GET", "/api/v1/pods", 403);
+    let mut drained = false;
+    let reason = wait_for(&mut events, Duration::from_secs(60), |e| match e {
+        PlanEvent::Drained { .. } => {
+            drained = true;
+            None
+        }
+        PlanEvent::DrainFailed { reason, .. } => Some(reason.clone()),
+        _ => None,
+    })
+    .await;
+    assert!(!drained, "a failed drain sends no Drained");
+    assert!(reason.contains("listing pods"), "{reason}");
+    wait_for(&mut events, Duration::from_secs(10), |e| {
+        matches!(e, PlanEvent::Done { .. }).then_some(())
+    })
+    .await;
+    let reasons: Vec<String> = c.api.events().iter().map(|e| e.reason.clone()).collect();
+    assert!(!reasons.iter().any(|r| r == "DrainComplete"), "{reasons:?}");
+    let failed = c
+        .api
+        .events()
+        .into_iter()
+        .find(|e| e.reason == "DrainFailed")
+        .expect("DrainFailed event");
+    assert!(failed.message.contains("listing pods"), "{}", failed.message);
+    assert!(c.emu.azure_acks().is_empty(), "{:?}", c.emu.azure_acks());
+    let raw = c.node_json()["metadata"]["annotations"]["spotguard.io/notice"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let rec: serde_json::Value = serde_json::from_str(&raw).unwrap();
+    assert_eq!(rec["phase"], "done", "never `drained`");
+    assert!(rec["failure"].as_str().unwrap().contains("listing pods"));
+    let m = metrics_of(app.admin_addr).await;
+    assert!(
+        m.contains(r#"spotguard_errors_total{module="drain",error="list_pods"} 1"#),
+        "{m}"
+    );
+    assert!(
+        m.contains(r#"spotguard_node_actions_total{action="drain",outcome="error"} 1"#),
+        "{m}"
+    );
+    stop(app.join, cancel).await;
+}
+
+/// Issue 9 item 4 (control): the same plan with a drain that completes approves the event.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_complete_drain_approves_the_azure_event() {
+    let c = Cluster::new(Cloud::Azure).await;
+    let (app, cancel) = c.agent(&["--checkpoint-timeout=3s"]).await;
+    let mut events = app.events;
+    let raised = c
+        .emu
+        .raise(EmulatedNotice::interruption().due_in(Duration::from_secs(60)))
+        .unwrap();
+    wait_for(&mut events, Duration::from_secs(60), |e| {
+        matches!(e, PlanEvent::Done { .. }).then_some(())
+    })
+    .await;
+    assert_eq!(c.emu.azure_acks(), vec![raised.id]);
+    assert_eq!(c.phase().as_deref(), Some("done"));
+    stop(app.join, cancel).await;
+}
+
+/// Issue 9 item 6: the agent restarts mid-plan while the API server does not answer: the local
+/// record says the signal went out, so it never goes out again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_api_outage_at_restart_never_signals_again() {
+    let c = Cluster::new(Cloud::Aws).await;
+    c.api.set_deletion_delay(Duration::from_secs(3));
+    let (app, cancel) = c.agent(&[]).await;
+    let mut events = app.events;
+    c.emu.raise(EmulatedNotice::interruption()).unwrap();
+    wait_for(&mut events, Duration::from_secs(30), |e| {
+        matches!(e, PlanEvent::Checkpointed { .. }).then_some(())
+    })
+    .await;
+    stop(app.join, cancel).await;
+    assert_eq!(c.trainer.signals(), 1);
+    let local = std::fs::read_to_string(c.state.path().join("notice.json")).unwrap();
+    assert!(local.contains("\"signalled_at\""), "{local}");
+
+    // Every API request now takes 30 s: the annotation cannot be read at restart.
+    c.api.set_latency(Duration::from_secs(30));
+    let (app, cancel) = c.agent(&[]).await;
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    assert_eq!(c.trainer.signals(), 1, "never signalled twice");
+    c.api.set_latency(Duration::ZERO);
+    stop(app.join, cancel).await;
+    assert_eq!(c.trainer.signals(), 1, "never signalled twice");
 }

@@ -130,7 +130,7 @@ fn render(cfg: &EmulatorConfig, model: &Model, key: &str) -> Value {
         "instance/maintenance-event" => {
             Value::text(maintenance.map(|e| e.code.as_str()).unwrap_or("NONE"))
         }
-        "instance/upcoming-maintenance" => match maintenance {
+        "instance/upcoming-maintenance" => match maintenance.filter(|e| !e.window_hidden) {
             Some(e) => Value::new(StatusCode::OK, upcoming_json(e), true),
             None => match cfg.gce_no_maintenance {
                 GceNoMaintenance::Empty => Value::new(StatusCode::OK, "{}".to_owned(), true),
@@ -221,6 +221,7 @@ pub(super) fn build(
                 event.start,
                 notice.duration.unwrap_or(MAINTENANCE_WINDOW),
             )?);
+            event.window_hidden = notice.window_after.is_some();
         }
     }
     Ok(event)

@@ -97,6 +97,14 @@ pub struct EmulatedNotice {
     /// GCE `maintenance_reasons` (e.g. `FAILURE_GPU_XID`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub reasons: Vec<String>,
+    /// GCE: `upcoming-maintenance` shows the window only this long after `maintenance-event`
+    /// changed (the window is learned after the event). JSON: `"window_after": "5s"`.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        with = "opt_duration"
+    )]
+    pub window_after: Option<Duration>,
 }
 
 impl EmulatedNotice {
@@ -111,6 +119,7 @@ impl EmulatedNotice {
             description: None,
             duration: None,
             reasons: Vec::new(),
+            window_after: None,
         }
     }
 
@@ -163,6 +172,11 @@ impl EmulatedNotice {
 
     pub fn reason(mut self, reason: impl Into<String>) -> Self {
         self.reasons.push(reason.into());
+        self
+    }
+
+    pub fn window_after(mut self, delay: Duration) -> Self {
+        self.window_after = Some(delay);
         self
     }
 
@@ -220,6 +234,8 @@ pub(super) struct Event {
     /// Azure `DurationInSeconds` (−1 = unknown).
     pub duration_secs: i64,
     pub reasons: Vec<String>,
+    /// GCE: the window is not yet published in `upcoming-maintenance`.
+    pub window_hidden: bool,
 }
 
 impl Event {
@@ -239,6 +255,7 @@ impl Event {
             status: Status::Scheduled,
             duration_secs: -1,
             reasons: Vec::new(),
+            window_hidden: false,
         }
     }
 }

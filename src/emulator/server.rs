@@ -279,6 +279,20 @@ impl Shared {
         if self.cfg.cloud == Cloud::Azure {
             azure::schedule_auto_start(self, id.clone(), start);
         }
+        if let (Cloud::Gce, Some(delay)) = (self.cfg.cloud, notice.window_after) {
+            // Publish the window later, as GCE sometimes does.
+            let weak = Arc::downgrade(self);
+            let reveal = id.clone();
+            self.spawn_timer(delay, move || {
+                if let Some(shared) = weak.upgrade() {
+                    shared.mutate(|m| {
+                        if let Some(e) = m.find_mut(&reveal) {
+                            e.window_hidden = false;
+                        }
+                    });
+                }
+            });
+        }
         Ok(Raised { id, visible_at })
     }
 

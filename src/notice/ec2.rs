@@ -320,14 +320,21 @@ impl Ec2Imds {
 
     async fn scheduled(&self, token: Option<&Token>, now: Timestamp) -> Result<Vec<Notice>, Error> {
         let url = &self.urls.scheduled;
-        let mut notices = match self.get(url, token).await? {
-            None => Vec::new(),
+        let (mut notices, skipped) = match self.get(url, token).await? {
+            None => (Vec::new(), Vec::new()),
             Some(body) => parse_scheduled(url, &body, now)?,
         };
+        // One bad event never hides the others: it is skipped, counted and logged; its id stays
+        // "active" so that it is not mistaken for a cancelled one.
+        for (id, e) in &skipped {
+            self.reporter.report(e);
+            tracing::warn!(event_id = %id, error = %e, "scheduled event skipped");
+        }
         let active: HashSet<String> = notices
             .iter()
             .filter(|n| n.kind == NoticeKind::Maintenance)
             .map(|n| n.id.clone())
+            .chain(skipped.into_iter().map(|(id, _)| id))
             .collect();
         let previous = match self.active_events.lock() {
             Ok(mut guard) => guard.replace(active.clone()),
@@ -403,9 +410,34 @@ impl NoticeSource for Ec2Imds {
             self.reporter.all_ok();
         }
         self.stamp_observed(&mut notices, complete);
+        for n in notices
+            .iter_mut()
+            .filter(|n| n.kind == NoticeKind::Interruption)
+        {
+            n.deadline = clamp_interruption_deadline(n.deadline, n.observed_at);
+            n.not_before = n.deadline;
+        }
         Ok(notices)
     }
 }
+
+/// EC2 gives at most two minutes between the instance-action notice and the action: a `time`
+/// outside [first seen, first seen + 120 s] (a skewed or bogus clock) is clamped into it.
+pub fn clamp_interruption_deadline(
+    deadline: Option<Timestamp>,
+    first_seen: Timestamp,
+) -> Option<Timestamp> {
+    let latest = crate::notice::store::add(first_seen, INTERRUPTION_NOTICE);
+    Some(match deadline {
+        Some(d) if d < first_seen => first_seen,
+        Some(d) if d > latest => latest,
+        Some(d) => d,
+        None => first_seen,
+    })
+}
+
+/// EC2's spot interruption notice: two minutes.
+pub const INTERRUPTION_NOTICE: Duration = Duration::from_secs(120);
 
 #[derive(Deserialize)]
 struct InstanceAction {
@@ -519,13 +551,21 @@ fn vanished_event(event_id: &str, now: Timestamp) -> Notice {
     }
 }
 
-fn parse_scheduled(url: &Url, body: &str, now: Timestamp) -> Result<Vec<Notice>, Error> {
+/// The notices of `events/maintenance/scheduled`, and the events skipped because a field could not
+/// be parsed (id, error). `Err` only when the document itself is not a JSON array of events.
+#[allow(clippy::type_complexity)]
+fn parse_scheduled(
+    url: &Url,
+    body: &str,
+    now: Timestamp,
+) -> Result<(Vec<Notice>, Vec<(String, Error)>), Error> {
     if body.trim().is_empty() {
-        return Ok(Vec::new());
+        return Ok((Vec::new(), Vec::new()));
     }
     let events: Vec<ScheduledEvent> = serde_json::from_str(body)
         .map_err(|e| parse_error(url, format!("scheduled events JSON: {e}")))?;
     let mut notices = Vec::with_capacity(events.len());
+    let mut skipped = Vec::new();
     for ev in events {
         let event_id = if ev.event_id.is_empty() {
             content_id(Source::Aws, "maintenance", &[&ev.code, &ev.not_before])
@@ -547,7 +587,13 @@ fn parse_scheduled(url: &Url, body: &str, now: Timestamp) -> Result<Vec<Notice>,
             });
             continue;
         }
-        let not_before = parse_rfc2822(url, "NotBefore", &ev.not_before)?;
+        let not_before = match parse_rfc2822(url, "NotBefore", &ev.not_before) {
+            Ok(t) => t,
+            Err(e) => {
+                skipped.push((event_id, e));
+                continue;
+            }
+        };
         notices.push(Notice {
             id: event_id,
             kind: NoticeKind::Maintenance,
@@ -563,7 +609,7 @@ fn parse_scheduled(url: &Url, body: &str, now: Timestamp) -> Result<Vec<Notice>,
             observed_at: now,
         });
     }
-    Ok(notices)
+    Ok((notices, skipped))
 }
 
 #[cfg(test)]
@@ -666,7 +712,8 @@ mod tests {
           {"NotBefore":"Wed, 23 Jan 2019 09:00:43 GMT","Code":"instance-retirement","Description":"retire",
            "EventId":"instance-event-2","NotAfter":"","State":"active"}
         ]"#;
-        let n = parse_scheduled(&url(), body, Timestamp::now()).unwrap();
+        let (n, skipped) = parse_scheduled(&url(), body, Timestamp::now()).unwrap();
+        assert!(skipped.is_empty());
         assert_eq!(n.len(), 3);
         assert_eq!(n[0].id, "instance-event-0d59937288b749b32");
         assert_eq!(n[0].kind, NoticeKind::Maintenance);
@@ -678,17 +725,44 @@ mod tests {
         assert_eq!(n[2].not_before, Some(ts("2019-01-23T09:00:43Z")));
         assert!(parse_scheduled(&url(), "[]", Timestamp::now())
             .unwrap()
+            .0
             .is_empty());
         assert!(parse_scheduled(&url(), "", Timestamp::now())
             .unwrap()
+            .0
             .is_empty());
-        let bad =
-            r#"[{"NotBefore":"sometime","Code":"system-reboot","EventId":"e","State":"active"}]"#;
         assert_eq!(
-            parse_scheduled(&url(), bad, Timestamp::now())
+            parse_scheduled(&url(), "{", Timestamp::now())
                 .unwrap_err()
                 .metric_label(),
             "parse"
         );
+    }
+
+    #[test]
+    fn one_unparsable_scheduled_event_is_skipped_the_others_kept() {
+        let body = r#"[
+          {"NotBefore":"sometime","Code":"system-reboot","EventId":"e-bad","State":"active"},
+          {"NotBefore":"21 Jan 2019 09:00:43 GMT","Code":"system-reboot","Description":"reboot",
+           "EventId":"e-good","NotAfter":"21 Jan 2019 09:17:23 GMT","State":"active"}
+        ]"#;
+        let (n, skipped) = parse_scheduled(&url(), body, Timestamp::now()).unwrap();
+        assert_eq!(n.len(), 1);
+        assert_eq!(n[0].id, "e-good");
+        assert_eq!(skipped.len(), 1);
+        assert_eq!(skipped[0].0, "e-bad");
+        assert_eq!(skipped[0].1.metric_label(), "parse");
+    }
+
+    #[test]
+    fn interruption_deadline_is_clamped_into_the_two_minutes_after_first_sight() {
+        let seen = ts("2024-05-01T10:00:00Z");
+        let clamp = |d: &str| clamp_interruption_deadline(Some(ts(d)), seen).unwrap();
+        assert_eq!(clamp("2024-05-01T10:01:30Z"), ts("2024-05-01T10:01:30Z"));
+        // A clock an hour ahead: at most two minutes.
+        assert_eq!(clamp("2024-05-01T11:00:00Z"), ts("2024-05-01T10:02:00Z"));
+        // A time before the notice was first seen: now.
+        assert_eq!(clamp("2024-05-01T09:00:00Z"), seen);
+        assert_eq!(clamp_interruption_deadline(None, seen), Some(seen));
     }
 }

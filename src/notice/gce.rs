@@ -31,6 +31,8 @@ use crate::metrics::Metrics;
 
 const PREEMPTED_PATH: &str = "/computeMetadata/v1/instance/preempted";
 const MAINTENANCE_EVENT_PATH: &str = "/computeMetadata/v1/instance/maintenance-event";
+/// GCE's minimum notice before a terminating host maintenance, assumed until the window is known.
+pub const MAINTENANCE_MIN_NOTICE: Duration = Duration::from_secs(60);
 const UPCOMING_PATH: &str = "/computeMetadata/v1/instance/upcoming-maintenance";
 const AUTO_RESTART_PATH: &str = "/computeMetadata/v1/instance/scheduling/automatic-restart";
 const FLAVOR_HEADER: &str = "Metadata-Flavor";
@@ -317,12 +319,23 @@ impl GceMetadata {
             Key::MaintenanceEvent => match body.trim() {
                 "TERMINATE_ON_HOST_MAINTENANCE" => {
                     if w.maintenance.is_none() {
-                        let window = w
+                        let known = w
                             .upcoming
                             .as_ref()
                             .and_then(|n| n.not_before)
                             .filter(|start| *start > now);
-                        tracing::warn!(window_start = ?window, "GCE host maintenance will terminate this VM");
+                        // Without a known window, GCE's minimum notice: never a zero-length
+                        // plan. A window learned later moves the deadline (see `Key::Upcoming`).
+                        let window = Some(known.unwrap_or_else(|| {
+                            crate::notice::store::add(now, MAINTENANCE_MIN_NOTICE)
+                        }));
+                        match known {
+                            Some(start) => tracing::warn!(window_start = %start, "GCE host maintenance will terminate this VM"),
+                            None => tracing::warn!(
+                                assumed_notice_s = MAINTENANCE_MIN_NOTICE.as_secs(),
+                                "GCE host maintenance will terminate this VM; window not known yet"
+                            ),
+                        }
                         w.maintenance = Some(Notice {
                             id: content_id(
                                 Source::Gce,
@@ -376,6 +389,20 @@ impl GceMetadata {
                             gone.push(cancelled(&prev, now));
                         }
                         w.upcoming = next;
+                    }
+                }
+                // A window learned (or moved) while TERMINATE_ON_HOST_MAINTENANCE is pending:
+                // the maintenance notice (same id) gets the real deadline.
+                let window = w
+                    .upcoming
+                    .as_ref()
+                    .and_then(|n| n.not_before)
+                    .filter(|start| *start > now);
+                if let (Some(m), Some(start)) = (w.maintenance.as_mut(), window) {
+                    if m.not_before != Some(start) {
+                        tracing::info!(notice_id = %m.id, window_start = %start, "GCE maintenance window learned: deadline updated");
+                        m.deadline = Some(start);
+                        m.not_before = Some(start);
                     }
                 }
             }
@@ -482,8 +509,15 @@ fn parse_upcoming(
     Ok(Some((notice, reasons)))
 }
 
+/// The notices visible now. While `maintenance-event` announces a termination, that notice
+/// carries the upcoming window: one maintenance is one notice, never two plans.
 fn visible(w: &Watch) -> Vec<Notice> {
-    [&w.preempted, &w.maintenance, &w.upcoming]
+    let upcoming = if w.maintenance.is_some() {
+        &None
+    } else {
+        &w.upcoming
+    };
+    [&w.preempted, &w.maintenance, upcoming]
         .into_iter()
         .flatten()
         .cloned()

@@ -148,6 +148,8 @@ struct Knobs {
     node_write_faults: VecDeque<u16>,
     deletion_delay: Duration,
     stuck: HashSet<(String, String)>,
+    /// (method, path, code): requests refused outright.
+    refusals: Vec<(String, String, u16)>,
 }
 
 #[derive(Default)]
@@ -294,6 +296,14 @@ impl FakeApiServer {
         s.knobs
             .node_write_faults
             .extend(std::iter::repeat_n(code, n));
+    }
+
+    /// Answer every `method` request to exactly `path` with `code` (e.g. 403: RBAC missing).
+    pub fn refuse(&self, method: &str, path: &str, code: u16) {
+        let mut s = self.shared.lock();
+        s.knobs
+            .refusals
+            .push((method.to_string(), path.to_string(), code));
     }
 
     /// The simulated kubelet removes a pod `min(grace, delay)` after its graceful deletion.
@@ -518,8 +528,23 @@ async fn handle(State(shared): State<Arc<Shared>>, req: Request) -> Response {
     let result = {
         let mut s = shared.lock();
         s.purge();
-        let q = parse_query(&query);
-        s.route(&method, &path, &q, content_type.as_deref(), &bytes)
+        let refused = s
+            .knobs
+            .refusals
+            .iter()
+            .find(|(m, p, _)| *m == method.as_str() && *p == path)
+            .map(|(_, _, code)| *code);
+        match refused {
+            Some(code) => Err(ApiErr::new(
+                code,
+                if code == 403 { "Forbidden" } else { "InternalError" },
+                format!("{method} {path} refused by the test"),
+            )),
+            None => {
+                let q = parse_query(&query);
+                s.route(&method, &path, &q, content_type.as_deref(), &bytes)
+            }
+        }
     };
     respond(result)
 }
