@@ -367,43 +367,49 @@ pub async fn start_with_client(
         "spotguard started"
     );
 
-    // Every task runs until cancellation. One that ends (or panics) before is a bug: stop the
-    // others and exit non-zero, so that systemd / the kubelet restarts the agent, which resumes
-    // from the persisted state. `/healthz` never stays green over a dead responder.
-    let join = tokio::spawn(async move {
-        let mut failed: Option<&'static str> = None;
-        while let Some(r) = tasks.join_next_with_id().await {
-            let (id, panicked) = match &r {
-                Ok((id, ())) => (*id, None),
-                Err(e) => (e.id(), e.is_panic().then(|| e.to_string())),
-            };
-            let name = names.get(&id).copied().unwrap_or("task");
-            if let Some(p) = &panicked {
-                error!(task = name, error = %p, "a task panicked");
-            }
-            if !cancel.is_cancelled() || panicked.is_some() {
-                if failed.is_none() {
-                    error!(
-                        task = name,
-                        "a task ended before shutdown: stopping the agent so that it is restarted"
-                    );
-                    failed = Some(name);
-                }
-                cancel.cancel();
-            }
-        }
-        info!("all tasks stopped");
-        match failed {
-            Some(task) => Err(Error::TaskEnded(task)),
-            None => Ok(()),
-        }
-    });
+    let join = tokio::spawn(supervise(tasks, names, cancel));
     Ok(App {
         events,
         admin_addr,
         registry,
         join,
     })
+}
+
+/// Wait for every task. Each runs until cancellation; one that ends (or panics) before is a bug:
+/// stop the others and fail, so that the process exits non-zero and systemd / the kubelet restarts
+/// it (it resumes from the persisted state). `/healthz` never stays green over a dead responder.
+async fn supervise(
+    mut tasks: JoinSet<()>,
+    names: HashMap<tokio::task::Id, &'static str>,
+    cancel: CancellationToken,
+) -> Result<(), Error> {
+    let mut failed: Option<&'static str> = None;
+    while let Some(r) = tasks.join_next_with_id().await {
+        let (id, panicked) = match &r {
+            Ok((id, ())) => (*id, None),
+            Err(e) => (e.id(), e.is_panic().then(|| e.to_string())),
+        };
+        let name = names.get(&id).copied().unwrap_or("task");
+        if let Some(p) = &panicked {
+            error!(task = name, error = %p, "a task panicked");
+        }
+        if !cancel.is_cancelled() || panicked.is_some() {
+            if failed.is_none() {
+                error!(
+                    task = name,
+                    "a task ended before shutdown: stopping the agent so that it is restarted"
+                );
+                failed = Some(name);
+            }
+            cancel.cancel();
+        }
+    }
+    info!("all tasks stopped");
+    match failed {
+        Some(task) => Err(Error::TaskEnded(task)),
+        None => Ok(()),
+    }
 }
 
 fn build_source(
@@ -446,4 +452,50 @@ fn hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
         .map(|s| s.trim().to_string())
         .unwrap_or_else(|_| "unknown".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_task_that_ends_early_stops_the_others_and_fails() {
+        let cancel = CancellationToken::new();
+        let mut tasks = JoinSet::new();
+        let mut names = HashMap::new();
+        let c = cancel.clone();
+        let h = tasks.spawn(async move { c.cancelled().await });
+        names.insert(h.id(), "monitor");
+        let h = tasks.spawn(async {});
+        names.insert(h.id(), "responder");
+        let r = tokio::time::timeout(
+            Duration::from_secs(5),
+            supervise(tasks, names, cancel.clone()),
+        )
+        .await
+        .expect("the others are stopped");
+        assert!(matches!(r, Err(Error::TaskEnded("responder"))), "{r:?}");
+        assert!(cancel.is_cancelled());
+    }
+
+    #[tokio::test]
+    async fn a_panicking_task_fails_the_agent() {
+        let cancel = CancellationToken::new();
+        let mut tasks = JoinSet::new();
+        let mut names = HashMap::new();
+        let h = tasks.spawn(async { panic!("boom") });
+        names.insert(h.id(), "responder");
+        let r = supervise(tasks, names, cancel.clone()).await;
+        assert!(matches!(r, Err(Error::TaskEnded("responder"))), "{r:?}");
+    }
+
+    #[tokio::test]
+    async fn tasks_ending_at_shutdown_are_fine() {
+        let cancel = CancellationToken::new();
+        let mut tasks = JoinSet::new();
+        let c = cancel.clone();
+        tasks.spawn(async move { c.cancelled().await });
+        cancel.cancel();
+        assert!(supervise(tasks, HashMap::new(), cancel).await.is_ok());
+    }
 }

@@ -193,6 +193,8 @@ fn event_reason(kind: &NoticeKind) -> &'static str {
 
 /// A running plan.
 struct Running {
+    /// Which plan this is (plans of the same notice id can follow each other).
+    seq: u64,
     id: String,
     kind: NoticeKind,
     cancel: CancellationToken,
@@ -356,15 +358,23 @@ pub struct Responder {
     cfg: ResponderConfig,
     deps: Arc<Deps>,
     events: broadcast::Sender<PlanEvent>,
+    next_seq: std::sync::atomic::AtomicU64,
+    /// Plans report here when they end, so that the responder is free at once.
+    finished_tx: mpsc::UnboundedSender<u64>,
+    finished_rx: Option<mpsc::UnboundedReceiver<u64>>,
 }
 
 impl Responder {
     pub fn new(cfg: ResponderConfig, deps: Deps) -> Self {
         let (events, _) = broadcast::channel(256);
+        let (tx, rx) = mpsc::unbounded_channel();
         Responder {
             cfg,
             deps: Arc::new(deps),
             events,
+            next_seq: std::sync::atomic::AtomicU64::new(0),
+            finished_tx: tx,
+            finished_rx: Some(rx),
         }
     }
 
@@ -374,7 +384,7 @@ impl Responder {
     }
 
     /// Run until `cancel`; then give an in-flight plan up to the shutdown grace period.
-    pub async fn run(self, mut rx: mpsc::Receiver<Notice>, cancel: CancellationToken) {
+    pub async fn run(mut self, mut rx: mpsc::Receiver<Notice>, cancel: CancellationToken) {
         let mut store = NoticeStore::new();
         let mut running: Option<Running> = None;
         let mut scheduled: HashMap<String, Scheduled> = HashMap::new();
@@ -384,6 +394,11 @@ impl Responder {
         let (due_tx, mut due_rx) = mpsc::channel::<Notice>(16);
         let (expired_tx, mut expired_rx) = mpsc::channel::<String>(4);
         let (expiry_due_tx, mut expiry_due_rx) = mpsc::channel::<String>(4);
+        // `run` consumes the responder: the receiver is always there.
+        let mut finished_rx = self
+            .finished_rx
+            .take()
+            .unwrap_or_else(|| mpsc::unbounded_channel().1);
 
         self.resume(
             &mut store,
@@ -402,6 +417,11 @@ impl Responder {
             }
             tokio::select! {
                 _ = cancel.cancelled() => break,
+                Some(seq) = finished_rx.recv() => {
+                    if running.as_ref().is_some_and(|r| r.seq == seq) {
+                        running = None;
+                    }
+                }
                 maybe = rx.recv() => {
                     let Some(notice) = maybe else { break };
                     let now = Timestamp::now();
@@ -472,7 +492,7 @@ impl Responder {
                                     scheduled.insert(n.id.clone(), Scheduled { timer });
                                 }
                                 NoticeKind::Rebalance => {
-                                    if running.is_some() {
+                                    if running.as_ref().is_some_and(|r| r.active()) {
                                         info!(notice_id = %n.id, "a plan is in progress: rebalance recommendation noted");
                                         continue;
                                     }
@@ -575,9 +595,15 @@ impl Responder {
 
     /// Whether the last plan persisted is `id`'s and it completed (this life of the machine).
     async fn plan_finished(&self, id: &str) -> bool {
-        self.deps.local.load().await.ok().flatten().is_some_and(|s| {
-            s.id == id && s.phase == Phase::Done && s.same_life(self.cfg.boot_id.as_deref())
-        })
+        self.deps
+            .local
+            .load()
+            .await
+            .ok()
+            .flatten()
+            .is_some_and(|s| {
+                s.id == id && s.phase == Phase::Done && s.same_life(self.cfg.boot_id.as_deref())
+            })
     }
 
     fn undoer(&self) -> Undoer {
@@ -703,7 +729,12 @@ impl Responder {
         };
         let (deadline_tx, deadline_rx) = watch::channel(deadline);
         let cancel = plan_cancel.child_token();
+        let seq = self
+            .next_seq
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let plan = Plan {
+            seq,
+            finished_tx: self.finished_tx.clone(),
             cfg: self.cfg.clone(),
             deps: self.deps.clone(),
             records: Records::new(&self.deps),
@@ -722,6 +753,7 @@ impl Responder {
         let span = tracing::info_span!("plan", notice_id = %notice.id, source = notice.source.as_str(), kind = notice.kind.label());
         let task = tokio::spawn(plan.run(resume).instrument(span));
         Running {
+            seq,
             id: notice.id,
             kind: notice.kind,
             cancel,
@@ -849,6 +881,8 @@ impl Undoer {
 
 /// One plan in progress.
 struct Plan {
+    seq: u64,
+    finished_tx: mpsc::UnboundedSender<u64>,
     cfg: ResponderConfig,
     deps: Arc<Deps>,
     records: Records,
@@ -865,7 +899,13 @@ struct SideResult {
 }
 
 impl Plan {
-    async fn run(mut self, resume: Option<PlanState>) {
+    async fn run(self, resume: Option<PlanState>) {
+        let (seq, finished) = (self.seq, self.finished_tx.clone());
+        self.run_steps(resume).await;
+        let _ = finished.send(seq);
+    }
+
+    async fn run_steps(mut self, resume: Option<PlanState>) {
         let Some(steps) = steps_for(&self.notice, &self.cfg) else {
             info!("policy says ignore: logged only");
             return;

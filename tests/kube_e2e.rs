@@ -625,7 +625,10 @@ async fn a_new_boot_undoes_the_previous_life_and_the_next_interruption_is_signal
         matches!(e, PlanEvent::Undone { .. }).then_some(())
     })
     .await;
-    assert!(!c.cordoned(), "spotguard's cordon from the previous life is gone");
+    assert!(
+        !c.cordoned(),
+        "spotguard's cordon from the previous life is gone"
+    );
     assert!(c.taints().is_empty(), "{:?}", c.taints());
     assert_eq!(c.phase(), None, "record of the previous life cleared");
     assert!(c
@@ -726,7 +729,11 @@ async fn a_failed_drain_is_not_complete_and_the_azure_event_is_not_approved() {
         .into_iter()
         .find(|e| e.reason == "DrainFailed")
         .expect("DrainFailed event");
-    assert!(failed.message.contains("listing pods"), "{}", failed.message);
+    assert!(
+        failed.message.contains("listing pods"),
+        "{}",
+        failed.message
+    );
     assert!(c.emu.azure_acks().is_empty(), "{:?}", c.emu.azure_acks());
     let raw = c.node_json()["metadata"]["annotations"]["spotguard.io/notice"]
         .as_str()

@@ -849,7 +849,7 @@ async fn daemonset_has_the_required_security_shape() {
         Some(&Quantity("64Mi".into()))
     );
 
-    // hostPath mounts: read-only except the prefetch cache.
+    // hostPath mounts: read-only except the prefetch cache and the plan record.
     let volumes = pod.volumes.as_deref().unwrap();
     let mut host_mounts = BTreeSet::new();
     for m in c.volume_mounts.iter().flatten() {
@@ -870,6 +870,11 @@ async fn daemonset_has_the_required_security_shape() {
             (
                 "/var/cache/spotguard".to_string(),
                 "/var/cache/spotguard".to_string(),
+                true
+            ),
+            (
+                "/var/lib/spotguard".to_string(),
+                "/var/lib/spotguard".to_string(),
                 true
             ),
             (

@@ -330,7 +330,9 @@ impl GceMetadata {
                             crate::notice::store::add(now, MAINTENANCE_MIN_NOTICE)
                         }));
                         match known {
-                            Some(start) => tracing::warn!(window_start = %start, "GCE host maintenance will terminate this VM"),
+                            Some(start) => {
+                                tracing::warn!(window_start = %start, "GCE host maintenance will terminate this VM")
+                            }
                             None => tracing::warn!(
                                 assumed_notice_s = MAINTENANCE_MIN_NOTICE.as_secs(),
                                 "GCE host maintenance will terminate this VM; window not known yet"

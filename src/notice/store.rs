@@ -85,22 +85,15 @@ impl NoticeStore {
     }
 
     /// Restore what a persisted record of this life says: the interruption (never started
-    /// again), or a rebalance/maintenance notice (so that re-polls dedupe; an undone one as
-    /// cancelled at the time it was undone).
+    /// again), or a rebalance/maintenance notice (so that re-polls of it dedupe, also after its
+    /// plan was undone at expiry).
     pub fn restore_state(&mut self, state: &PlanState, now: Timestamp) {
         match &state.kind {
             NoticeKind::Interruption => {
                 self.restore_interruption(&state.id, state.deadline.unwrap_or(now))
             }
             NoticeKind::Cancelled(_) => {}
-            kind => {
-                self.restore(&state.id, kind.clone(), state.deadline);
-                if state.phase == Phase::Undone {
-                    if let Some(seen) = self.seen.get_mut(&state.id) {
-                        seen.cancelled = Some(state.updated_at);
-                    }
-                }
-            }
+            kind => self.restore(&state.id, kind.clone(), state.deadline),
         }
     }
 
@@ -436,5 +429,141 @@ mod tests {
         assert_eq!(eviction_grace(None, ts(10), now), 8);
         assert_eq!(eviction_grace(Some(30), ts(1), now), 0);
         assert_eq!(eviction_grace(Some(-5), ts(100), now), 0);
+    }
+
+    mod lives {
+        //! Property: over any sequence of notices, agent restarts (with a persisted record that
+        //! may be mid-plan) and reboots (new boot id), the agent signals at most once per
+        //! interruption per boot, and in every boot that sees an interruption it signals: never a
+        //! permanently disarmed agent. Rebalance recommendations: at most one plan each per boot.
+        use super::*;
+        use crate::node::{Applied, Phase, PlanState};
+        use proptest::prelude::*;
+
+        #[derive(Clone, Debug)]
+        enum Op {
+            Interruption(u8),
+            /// The metadata service serves its recommendation: the same one, or a newer one
+            /// (a new `noticeTime` replaces the old, which is never served again).
+            Rebalance(bool),
+            /// The agent restarts; the plan in progress was cut at this phase.
+            Restart(bool),
+            /// Stop/start: a new boot id (the cloud's notices of the old life are gone).
+            Reboot,
+        }
+
+        fn op() -> impl Strategy<Value = Op> {
+            prop_oneof![
+                (0u8..3).prop_map(Op::Interruption),
+                any::<bool>().prop_map(Op::Rebalance),
+                any::<bool>().prop_map(Op::Restart),
+                Just(Op::Reboot),
+            ]
+        }
+
+        fn record(n: &Notice, phase: Phase, boot: &str, at: Timestamp) -> PlanState {
+            PlanState {
+                id: n.id.clone(),
+                kind: n.kind.clone(),
+                source: n.source,
+                deadline: n.deadline,
+                phase,
+                signalled_at: Some(at),
+                applied: Applied::default(),
+                boot_id: Some(boot.to_string()),
+                restart: false,
+                detail: String::new(),
+                failure: None,
+                updated_at: at,
+            }
+        }
+
+        proptest! {
+            #[test]
+            fn at_most_one_signal_per_interruption_per_boot_and_never_disarmed(
+                ops in proptest::collection::vec(op(), 1..60)
+            ) {
+                let mut boot = 0u32;
+                let mut clock = 0i64;
+                let mut store = NoticeStore::new();
+                let mut persisted: Option<PlanState> = None;
+                // Per boot: interruption signals, whether an interruption was seen,
+                // rebalance plans per id.
+                let mut signals = vec![0u32];
+                let mut seen_interruption = vec![false];
+                let mut rebalance_plans: Vec<HashMap<String, u32>> = vec![HashMap::new()];
+                let mut recommendation = 0u32;
+                for op in ops {
+                    clock += 7;
+                    let now = ts(clock);
+                    let boot_id = format!("boot-{boot}");
+                    match op {
+                        Op::Interruption(k) => {
+                            let mut n = notice(&format!("i{k}"), NoticeKind::Interruption, Some(clock + 120));
+                            n.observed_at = now;
+                            seen_interruption[boot as usize] = true;
+                            if let Decision::StartInterruption(n) = store.accept(&n, now) {
+                                signals[boot as usize] += 1;
+                                persisted = Some(record(&n, Phase::Done, &boot_id, now));
+                            }
+                        }
+                        Op::Rebalance(newer) => {
+                            if newer {
+                                recommendation += 1;
+                            }
+                            let mut n = notice(&format!("r{recommendation}"), NoticeKind::Rebalance, None);
+                            n.observed_at = now;
+                            if let Decision::New(n) = store.accept(&n, now) {
+                                if store.interruption().is_none() {
+                                    *rebalance_plans[boot as usize].entry(n.id.clone()).or_default() += 1;
+                                    persisted = Some(record(&n, Phase::Undone, &boot_id, now));
+                                }
+                            }
+                        }
+                        Op::Restart(mid_plan) => {
+                            if mid_plan {
+                                if let Some(p) = persisted.as_mut() {
+                                    if p.kind == NoticeKind::Interruption {
+                                        p.phase = Phase::Signalled;
+                                    }
+                                }
+                            }
+                            store = NoticeStore::new();
+                            if let Some(p) = persisted.clone() {
+                                match resume(&p, Some(&boot_id)) {
+                                    Resume::PreviousLife => persisted = None,
+                                    Resume::Remember | Resume::AwaitExpiry | Resume::Continue => {
+                                        store.restore_state(&p, now)
+                                    }
+                                }
+                            }
+                        }
+                        Op::Reboot => {
+                            boot += 1;
+                            signals.push(0);
+                            seen_interruption.push(false);
+                            rebalance_plans.push(HashMap::new());
+                            store = NoticeStore::new();
+                            let boot_id = format!("boot-{boot}");
+                            if let Some(p) = persisted.clone() {
+                                match resume(&p, Some(&boot_id)) {
+                                    Resume::PreviousLife => persisted = None,
+                                    _ => prop_assert!(false, "a record of another boot resumed"),
+                                }
+                            }
+                        }
+                    }
+                }
+                for (b, n) in signals.iter().enumerate() {
+                    prop_assert!(*n <= 1, "boot {b}: {n} interruption signals");
+                    prop_assert_eq!(*n == 1, seen_interruption[b], "boot {}: disarmed", b);
+                }
+                for (b, plans) in rebalance_plans.iter().enumerate() {
+                    for (id, n) in plans {
+                        prop_assert!(*n <= 1, "boot {b}: rebalance {id} planned {n} times");
+                    }
+                }
+            }
+        }
     }
 }

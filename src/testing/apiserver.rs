@@ -537,7 +537,11 @@ async fn handle(State(shared): State<Arc<Shared>>, req: Request) -> Response {
         match refused {
             Some(code) => Err(ApiErr::new(
                 code,
-                if code == 403 { "Forbidden" } else { "InternalError" },
+                if code == 403 {
+                    "Forbidden"
+                } else {
+                    "InternalError"
+                },
                 format!("{method} {path} refused by the test"),
             )),
             None => {
