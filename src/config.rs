@@ -156,8 +156,7 @@ pub struct RunArgs {
     )]
     pub on_maintenance: MaintenanceAction,
 
-    /// Action on an Azure `Freeze` event (the VM is paused for a few seconds, not restarted or
-    /// moved): `ignore` (default), `cordon`, or `drain` like other maintenance.
+    /// Action on an Azure `Freeze` event (the VM is paused for a few seconds, not restarted or moved).
     #[arg(
         long,
         env = "SPOTGUARD_ON_AZURE_FREEZE",

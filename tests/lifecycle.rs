@@ -280,10 +280,10 @@ async fn a_gce_window_learned_after_the_event_gives_the_plan_its_real_budget() {
     a.stop().await;
 }
 
-/// Item 5: after a maintenance plan finishes the responder is free: the same GCE maintenance
-/// (fixed notice id) after a cancellation, and a later rebalance, are acted on.
+/// Item 5: after a plan finishes (and is cancelled) the responder is free: the same GCE
+/// maintenance (fixed notice id) reported again is acted on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn after_a_plan_finishes_the_next_notice_is_acted_on() {
+async fn a_gce_maintenance_after_a_cancelled_one_is_acted_on() {
     let m = Machine::start(true).await;
     let emu = emulator::start(EmulatorConfig::new(Cloud::Gce))
         .await
