@@ -857,13 +857,36 @@ impl Undoer {
     /// operator's cordon), clear the record, and arm again.
     async fn previous_life(&self, state: PlanState) {
         info!(notice_id = %state.id, phase = state.phase.as_str(), "the machine has rebooted since this plan: undoing what spotguard applied and arming again");
-        let undone = self
-            .unprotect(
-                &state,
-                "belongs to a previous life of the machine (it rebooted since)",
-                reason::PREVIOUS_LIFE,
-            )
-            .await;
+        // The record and the node's own marks together: a crash between a protect patch and
+        // the record loses nothing.
+        let marks =
+            match tokio::time::timeout(SIDE_BUDGET_MAX, self.deps.node.applied_marks()).await {
+                Ok(Ok(m)) => m,
+                _ => Default::default(),
+            };
+        let mut state = state;
+        state.applied.cordoned |= marks.cordoned;
+        let mut effects: Vec<TaintEffect> = state.applied.taint_effect.into_iter().collect();
+        for e in marks.taints {
+            if !effects.contains(&e) {
+                effects.push(e);
+            }
+        }
+        let why = "belongs to a previous life of the machine (it rebooted since)";
+        let mut undone = true;
+        let mut first = true;
+        for effect in effects.iter().copied().map(Some).chain(
+            // Nothing tainted: still undo a cordon.
+            effects.is_empty().then_some(None),
+        ) {
+            let mut one = state.clone();
+            one.applied = Applied {
+                cordoned: first && state.applied.cordoned,
+                taint_effect: effect,
+            };
+            first = false;
+            undone &= self.unprotect(&one, why, reason::PREVIOUS_LIFE).await;
+        }
         if !undone {
             // Keep the record so that the next start tries again; the agent is armed anyway
             // (nothing of it is restored into the store).
@@ -999,8 +1022,17 @@ impl Plan {
             };
             // One call: node ops retry conflicts and 5xx themselves, boundedly.
             let failure = match tokio::time::timeout(budget, node.protect(&protection)).await {
-                Ok(Ok(applied)) => {
+                Ok(Ok(mut applied)) => {
                     deps.metrics.action("protect", true);
+                    if !hooks {
+                        // A resumed plan: an earlier run may have protected the node and died
+                        // before recording it. The node's own marks say what spotguard did.
+                        if let Ok(Ok(marks)) =
+                            tokio::time::timeout(budget, node.applied_marks()).await
+                        {
+                            merge_applied(&mut applied, Some(marks.for_protection(&protection)));
+                        }
+                    }
                     return Some(applied);
                 }
                 Ok(Err(e)) => e.to_string(),

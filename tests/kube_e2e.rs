@@ -800,3 +800,50 @@ async fn an_api_outage_at_restart_never_signals_again() {
     stop(app.join, cancel).await;
     assert_eq!(c.trainer.signals(), 1, "never signalled twice");
 }
+
+/// Issue 9 item 6: the agent cordoned and tainted the node, then died before its record said so
+/// (the record, written before the signal, has nothing applied). The machine comes back in a new
+/// boot: the node's own marks tell what spotguard did, and it is undone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_protect_that_was_never_recorded_is_still_undone_in_the_next_life() {
+    let c = Cluster::new(Cloud::Aws).await;
+    let mut node = test_node(NODE);
+    node.spec.get_or_insert_with(Default::default).unschedulable = Some(true);
+    node.spec.get_or_insert_with(Default::default).taints =
+        Some(vec![k8s_openapi::api::core::v1::Taint {
+            key: "spotguard.io/interruption".into(),
+            value: Some("interruption".into()),
+            effect: "NoSchedule".into(),
+            time_added: None,
+        }]);
+    c.api.add_node(node);
+    c.api.set_node_annotation(
+        NODE,
+        "spotguard.io/applied",
+        r#"{"cordoned":true,"taints":["NoSchedule"]}"#,
+    );
+    let now = jiff::Timestamp::now();
+    let record = serde_json::json!({
+        "id": "i-died", "kind": {"type": "interruption"}, "source": "aws",
+        "deadline": now.to_string(), "phase": "signalled", "signalled_at": now.to_string(),
+        "boot_id": "boot-1", "updated_at": now.to_string(),
+    });
+    c.api
+        .set_node_annotation(NODE, "spotguard.io/notice", &record.to_string());
+    c.reboot("boot-2");
+    let (app, cancel) = c.agent(&[]).await;
+    let mut events = app.events;
+    wait_for(&mut events, Duration::from_secs(20), |e| {
+        matches!(e, PlanEvent::Undone { .. }).then_some(())
+    })
+    .await;
+    assert!(
+        !c.cordoned(),
+        "spotguard's cordon undone from the node's marks"
+    );
+    assert!(c.taints().is_empty(), "{:?}", c.taints());
+    assert!(c.node_json()["metadata"]["annotations"]["spotguard.io/applied"].is_null());
+    assert_eq!(c.phase(), None);
+    assert_eq!(c.trainer.signals(), 0);
+    stop(app.join, cancel).await;
+}

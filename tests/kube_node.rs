@@ -11,8 +11,9 @@ use serde_json::{json, Value};
 use spotguard::metrics::{encode, Metrics};
 use spotguard::node::kube::KubeNodeOps;
 use spotguard::node::{
-    reason, Applied, ConditionState, DrainRequest, Error, EventType, GpuConditions, NodeOps, Phase,
-    PlanState, Protection, TaintEffect, GPU_UNHEALTHY_TAINT, INTERRUPTION_TAINT, NOTICE_ANNOTATION,
+    reason, Applied, AppliedMarks, ConditionState, DrainRequest, Error, EventType, GpuConditions,
+    NodeOps, Phase, PlanState, Protection, TaintEffect, GPU_UNHEALTHY_TAINT, INTERRUPTION_TAINT,
+    NOTICE_ANNOTATION,
 };
 use spotguard::notice::{NoticeKind, Source};
 use spotguard::testing::apiserver::{
@@ -118,6 +119,63 @@ fn sample_state() -> PlanState {
 }
 
 // === protect / unprotect ===
+
+/// Issue 9 item 6: what spotguard applied is recorded on the Node in the same patch, so an agent
+/// that died between the patch and its plan record still knows (and undo still spares an
+/// operator's changes).
+#[tokio::test]
+async fn the_node_records_what_spotguard_applied_in_the_same_patch() {
+    let e = env(false).await;
+    assert!(e.ops.applied_marks().await.expect("marks").is_empty());
+    e.ops.protect(&interruption()).await.expect("protect");
+    let marks = e.ops.applied_marks().await.expect("marks");
+    assert_eq!(
+        marks,
+        AppliedMarks {
+            cordoned: true,
+            taints: vec![TaintEffect::NoSchedule]
+        }
+    );
+    // A second protect (the resumed plan) changes nothing and reports nothing new, but the marks
+    // still tell what spotguard did.
+    let again = e.ops.protect(&interruption()).await.expect("protect");
+    assert_eq!(again, Applied::default());
+    assert_eq!(
+        e.ops
+            .applied_marks()
+            .await
+            .expect("marks")
+            .for_protection(&interruption()),
+        Applied {
+            cordoned: true,
+            taint_effect: Some(TaintEffect::NoSchedule)
+        }
+    );
+    e.ops
+        .unprotect(&marks.for_protection(&interruption()))
+        .await
+        .expect("unprotect");
+    assert!(!cordoned(&e.server));
+    assert!(e.ops.applied_marks().await.expect("marks").is_empty());
+    let node = e.server.node_json(NODE).expect("node");
+    assert!(
+        node["metadata"]["annotations"]["spotguard.io/applied"].is_null(),
+        "{node}"
+    );
+}
+
+/// An operator's cordon is never in spotguard's marks.
+#[tokio::test]
+async fn marks_never_claim_an_operators_cordon() {
+    let e = env(false).await;
+    let mut node = test_node(NODE);
+    node.spec.get_or_insert_with(Default::default).unschedulable = Some(true);
+    e.server.add_node(node);
+    e.ops.protect(&interruption()).await.expect("protect");
+    let marks = e.ops.applied_marks().await.expect("marks");
+    assert!(!marks.cordoned);
+    assert_eq!(marks.taints, vec![TaintEffect::NoSchedule]);
+}
 
 #[tokio::test]
 async fn protect_and_unprotect_a_schedulable_node() {
@@ -1056,7 +1114,12 @@ async fn cordon_and_taint_is_one_merge_patch_with_the_resource_version() {
     assert_eq!(
         patch.body,
         json!({
-            "metadata": { "resourceVersion": "4711" },
+            "metadata": {
+                "resourceVersion": "4711",
+                "annotations": {
+                    "spotguard.io/applied": r#"{"cordoned":true,"taints":["NoSchedule"]}"#
+                }
+            },
             "spec": {
                 "unschedulable": true,
                 "taints": [{ "key": "spotguard.io/interruption", "value": "interruption", "effect": "NoSchedule" }]

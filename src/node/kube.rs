@@ -29,8 +29,9 @@ use serde_json::{json, Value};
 use tokio::time::Instant;
 
 use super::{
-    reason, Applied, ConditionState, DrainReport, DrainRequest, Error, EventType, GpuConditions,
-    NodeOps, PlanState, Protection, GPU_UNHEALTHY_TAINT, INTERRUPTION_TAINT, NOTICE_ANNOTATION,
+    reason, Applied, AppliedMarks, ConditionState, DrainReport, DrainRequest, Error, EventType,
+    GpuConditions, NodeOps, PlanState, Protection, APPLIED_ANNOTATION, GPU_UNHEALTHY_TAINT,
+    INTERRUPTION_TAINT, NOTICE_ANNOTATION,
 };
 use crate::checkpoint::PodRef;
 use crate::metrics::Metrics;
@@ -609,6 +610,12 @@ impl NodeOps for KubeNodeOps {
                 if !need_cordon && !need_taint {
                     return None;
                 }
+                let mut marks = marks_of(node);
+                let before = marks.clone();
+                marks.cordoned |= need_cordon;
+                if need_taint && !marks.taints.contains(&protection.effect) {
+                    marks.taints.push(protection.effect);
+                }
                 let mut spec = json!({});
                 if need_cordon {
                     spec["unschedulable"] = json!(true);
@@ -625,8 +632,12 @@ impl NodeOps for KubeNodeOps {
                     }
                     spec["taints"] = taints_value(&taints);
                 }
+                let mut patch = json!({ "spec": spec });
+                if marks != before {
+                    patch["metadata"]["annotations"][APPLIED_ANNOTATION] = marks_value(&marks);
+                }
                 Some((
-                    json!({ "spec": spec }),
+                    patch,
                     ProtectChange {
                         cordon: need_cordon,
                         taint: need_taint,
@@ -690,7 +701,15 @@ impl NodeOps for KubeNodeOps {
                     .cloned()
                     .collect();
                 let untaint = remaining.len() != taints.len();
-                if !uncordon && !untaint {
+                let mut marks = marks_of(node);
+                let before = marks.clone();
+                if applied.cordoned {
+                    marks.cordoned = false;
+                }
+                if let Some(e) = applied.taint_effect {
+                    marks.taints.retain(|t| *t != e);
+                }
+                if !uncordon && !untaint && marks == before {
                     return None;
                 }
                 let mut spec = json!({});
@@ -700,7 +719,14 @@ impl NodeOps for KubeNodeOps {
                 if untaint {
                     spec["taints"] = taints_value(&remaining);
                 }
-                Some((json!({ "spec": spec }), (uncordon, untaint)))
+                let mut patch = json!({});
+                if uncordon || untaint {
+                    patch["spec"] = spec;
+                }
+                if marks != before {
+                    patch["metadata"]["annotations"][APPLIED_ANNOTATION] = marks_value(&marks);
+                }
+                Some((patch, (uncordon, untaint)))
             })
             .await;
         match &result {
@@ -728,6 +754,10 @@ impl NodeOps for KubeNodeOps {
             }
         }
         result.map(|_| ())
+    }
+
+    async fn applied_marks(&self) -> Result<AppliedMarks, Error> {
+        Ok(marks_of(&self.get_node().await?))
     }
 
     async fn event(&self, kind: EventType, reason: &str, message: &str) -> Result<(), Error> {
@@ -880,6 +910,25 @@ fn node_taints(node: &Node) -> Vec<Taint> {
 }
 
 /// The taints list for a merge patch (null removes the field when empty).
+/// The node's `spotguard.io/applied` marks; absent or unreadable ones count as none.
+fn marks_of(node: &Node) -> AppliedMarks {
+    node.metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(APPLIED_ANNOTATION))
+        .and_then(|raw| serde_json::from_str(raw).ok())
+        .unwrap_or_default()
+}
+
+/// The annotation value for `marks` (`null` removes it when nothing is left).
+fn marks_value(marks: &AppliedMarks) -> Value {
+    if marks.is_empty() {
+        Value::Null
+    } else {
+        serde_json::to_string(marks).map_or(Value::Null, Value::String)
+    }
+}
+
 fn taints_value(taints: &[Taint]) -> Value {
     if taints.is_empty() {
         Value::Null

@@ -19,6 +19,9 @@ pub mod kube;
 
 /// Annotation on the Node holding the persisted [`PlanState`] as JSON.
 pub const NOTICE_ANNOTATION: &str = "spotguard.io/notice";
+/// Annotation on the Node recording what spotguard itself applied ([`AppliedMarks`]), written in
+/// the same patch as the cordon / taint it describes.
+pub const APPLIED_ANNOTATION: &str = "spotguard.io/applied";
 /// Taint key applied on interruption / maintenance / rebalance (value = notice kind).
 pub const INTERRUPTION_TAINT: &str = "spotguard.io/interruption";
 /// Taint key applied while a GPU is unhealthy.
@@ -140,6 +143,35 @@ pub struct Applied {
     pub taint_effect: Option<TaintEffect>,
 }
 
+/// What spotguard has applied on the node, kept on the Node itself (annotation
+/// `spotguard.io/applied`) and changed in the same patch as the cordon / taint: a crash between
+/// that patch and the plan record loses nothing, and undo still touches only spotguard's changes.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AppliedMarks {
+    #[serde(default)]
+    pub cordoned: bool,
+    /// Effects of the `spotguard.io/interruption` taints spotguard added.
+    #[serde(default)]
+    pub taints: Vec<TaintEffect>,
+}
+
+impl AppliedMarks {
+    pub fn is_empty(&self) -> bool {
+        !self.cordoned && self.taints.is_empty()
+    }
+
+    /// What these marks say spotguard applied for `protection`.
+    pub fn for_protection(&self, protection: &Protection) -> Applied {
+        Applied {
+            cordoned: protection.cordon && self.cordoned,
+            taint_effect: self
+                .taints
+                .contains(&protection.effect)
+                .then_some(protection.effect),
+        }
+    }
+}
+
 /// Event severity.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum EventType {
@@ -245,6 +277,11 @@ pub trait NodeOps: Send + Sync {
     async fn protect(&self, protection: &Protection) -> Result<Applied, Error>;
     /// Undo exactly what `applied` says spotguard did.
     async fn unprotect(&self, applied: &Applied) -> Result<(), Error>;
+    /// What the node itself records that spotguard applied (Kubernetes: the annotation
+    /// `spotguard.io/applied`; host mode: nothing).
+    async fn applied_marks(&self) -> Result<AppliedMarks, Error> {
+        Ok(AppliedMarks::default())
+    }
     /// Emit an Event on the node (host mode: a log line).
     async fn event(&self, kind: EventType, reason: &str, message: &str) -> Result<(), Error>;
     /// Emit an Event on a pod (checkpoint signalled / acked / timeout / no handler / bad annotation).
@@ -282,6 +319,9 @@ impl<T: NodeOps + ?Sized> NodeOps for std::sync::Arc<T> {
     }
     async fn unprotect(&self, applied: &Applied) -> Result<(), Error> {
         (**self).unprotect(applied).await
+    }
+    async fn applied_marks(&self) -> Result<AppliedMarks, Error> {
+        (**self).applied_marks().await
     }
     async fn event(&self, kind: EventType, reason: &str, message: &str) -> Result<(), Error> {
         (**self).event(kind, reason, message).await

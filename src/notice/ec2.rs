@@ -410,34 +410,9 @@ impl NoticeSource for Ec2Imds {
             self.reporter.all_ok();
         }
         self.stamp_observed(&mut notices, complete);
-        for n in notices
-            .iter_mut()
-            .filter(|n| n.kind == NoticeKind::Interruption)
-        {
-            n.deadline = clamp_interruption_deadline(n.deadline, n.observed_at);
-            n.not_before = n.deadline;
-        }
         Ok(notices)
     }
 }
-
-/// EC2 gives at most two minutes between the instance-action notice and the action: a `time`
-/// outside [first seen, first seen + 120 s] (a skewed or bogus clock) is clamped into it.
-pub fn clamp_interruption_deadline(
-    deadline: Option<Timestamp>,
-    first_seen: Timestamp,
-) -> Option<Timestamp> {
-    let latest = crate::notice::store::add(first_seen, INTERRUPTION_NOTICE);
-    Some(match deadline {
-        Some(d) if d < first_seen => first_seen,
-        Some(d) if d > latest => latest,
-        Some(d) => d,
-        None => first_seen,
-    })
-}
-
-/// EC2's spot interruption notice: two minutes.
-pub const INTERRUPTION_NOTICE: Duration = Duration::from_secs(120);
 
 #[derive(Deserialize)]
 struct InstanceAction {
@@ -551,14 +526,12 @@ fn vanished_event(event_id: &str, now: Timestamp) -> Notice {
     }
 }
 
-/// The notices of `events/maintenance/scheduled`, and the events skipped because a field could not
-/// be parsed (id, error). `Err` only when the document itself is not a JSON array of events.
-#[allow(clippy::type_complexity)]
-fn parse_scheduled(
-    url: &Url,
-    body: &str,
-    now: Timestamp,
-) -> Result<(Vec<Notice>, Vec<(String, Error)>), Error> {
+/// Scheduled events skipped because a field could not be parsed: (event id, error).
+type Skipped = Vec<(String, Error)>;
+
+/// The notices of `events/maintenance/scheduled`, and the events skipped. `Err` only when the
+/// document itself is not a JSON array of events.
+fn parse_scheduled(url: &Url, body: &str, now: Timestamp) -> Result<(Vec<Notice>, Skipped), Error> {
     if body.trim().is_empty() {
         return Ok((Vec::new(), Vec::new()));
     }
@@ -752,17 +725,5 @@ mod tests {
         assert_eq!(skipped.len(), 1);
         assert_eq!(skipped[0].0, "e-bad");
         assert_eq!(skipped[0].1.metric_label(), "parse");
-    }
-
-    #[test]
-    fn interruption_deadline_is_clamped_into_the_two_minutes_after_first_sight() {
-        let seen = ts("2024-05-01T10:00:00Z");
-        let clamp = |d: &str| clamp_interruption_deadline(Some(ts(d)), seen).unwrap();
-        assert_eq!(clamp("2024-05-01T10:01:30Z"), ts("2024-05-01T10:01:30Z"));
-        // A clock an hour ahead: at most two minutes.
-        assert_eq!(clamp("2024-05-01T11:00:00Z"), ts("2024-05-01T10:02:00Z"));
-        // A time before the notice was first seen: now.
-        assert_eq!(clamp("2024-05-01T09:00:00Z"), seen);
-        assert_eq!(clamp_interruption_deadline(None, seen), Some(seen));
     }
 }

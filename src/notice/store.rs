@@ -101,7 +101,7 @@ impl NoticeStore {
     pub fn accept(&mut self, notice: &Notice, now: Timestamp) -> Decision {
         match &notice.kind {
             NoticeKind::Interruption => {
-                let deadline = effective_deadline(notice.deadline, now);
+                let deadline = effective_deadline(checked_deadline(notice), now);
                 match &mut self.interruption {
                     None => {
                         self.interruption = Some((notice.id.clone(), deadline));
@@ -200,6 +200,25 @@ pub fn resume(state: &PlanState, boot_id: Option<&str>) -> Resume {
         (NoticeKind::Rebalance, phase) if phase >= Phase::Checkpointed => Resume::AwaitExpiry,
         _ => Resume::Continue,
     }
+}
+
+/// EC2 gives at most two minutes between the instance-action notice and the action.
+pub const EC2_INTERRUPTION_NOTICE: Duration = Duration::from_secs(120);
+
+/// The deadline of `notice` as far as it can be trusted: an EC2 instance-action `time` outside
+/// [first seen, first seen + 120 s] (a skewed or bogus clock) is clamped into it.
+pub fn checked_deadline(notice: &Notice) -> Option<Timestamp> {
+    if notice.source != super::Source::Aws || notice.kind != NoticeKind::Interruption {
+        return notice.deadline;
+    }
+    let first_seen = notice.observed_at;
+    let latest = add(first_seen, EC2_INTERRUPTION_NOTICE);
+    Some(match notice.deadline {
+        Some(d) if d > latest => latest,
+        Some(d) if d < first_seen => first_seen,
+        Some(d) => d,
+        None => first_seen,
+    })
 }
 
 /// A missing or past deadline means "now".
@@ -360,6 +379,25 @@ mod tests {
         // A new recommendation (another noticeTime) is new.
         let r2 = notice("r2", NoticeKind::Rebalance, None);
         assert!(matches!(s.accept(&r2, ts(100_001)), Decision::New(_)));
+    }
+
+    #[test]
+    fn an_ec2_deadline_is_clamped_into_the_two_minutes_after_first_sight() {
+        let clamp = |d: i64| {
+            let n = notice("i", NoticeKind::Interruption, Some(d));
+            checked_deadline(&n).unwrap()
+        };
+        // observed_at = ts(0)
+        assert_eq!(clamp(90), ts(90));
+        assert_eq!(clamp(3600), ts(120), "a clock an hour ahead: two minutes");
+        assert_eq!(clamp(-600), ts(0), "before first sight: now");
+        let mut s = NoticeStore::new();
+        let d = s.accept(&notice("i", NoticeKind::Interruption, Some(3600)), ts(1));
+        assert!(matches!(d, Decision::StartInterruption(ref n) if n.deadline == Some(ts(120))));
+        // Other clouds' deadlines are their own (GCE: detection + notice).
+        let mut g = notice("g", NoticeKind::Interruption, Some(3600));
+        g.source = Source::Gce;
+        assert_eq!(checked_deadline(&g), Some(ts(3600)));
     }
 
     #[test]
