@@ -143,6 +143,7 @@ fn host_group(
         signal: Signal::USR1,
         dir: dir.to_path_buf(),
         timeout,
+        proc_root: "/proc".into(),
     }
 }
 
