@@ -75,9 +75,21 @@ impl HostDiscovery {
         self
     }
 
-    /// Blocking discovery (reads `/proc`); [`TargetDiscovery::discover`] runs it on a blocking
-    /// thread.
+    /// Blocking discovery (reads `/proc`); [`TargetDiscovery::discover`] runs it on a thread of
+    /// its own.
     pub fn discover_blocking(&self) -> Result<Vec<TargetGroup>, Error> {
+        let snap = self.snapshot()?;
+        self.groups(&snap)
+    }
+
+    /// Check one pidfile against the rules (module docs): the PID it names, or why it is refused.
+    /// Blocking.
+    pub fn check_pidfile(&self, path: &Path) -> Result<i32, Error> {
+        let snap = self.snapshot()?;
+        self.pidfile_root(path, &snap).map(|(pid, _)| pid)
+    }
+
+    fn snapshot(&self) -> Result<HashMap<i32, Snap>, Error> {
         let me = i32::try_from(std::process::id()).unwrap_or(-1);
         let mut snap: HashMap<i32, Snap> = HashMap::new();
         for pid in self.proc.pids()? {
@@ -99,6 +111,11 @@ impl HostDiscovery {
                 Err(e) => tracing::debug!(pid, error = %e, "skipping process in host discovery"),
             }
         }
+        Ok(snap)
+    }
+
+    fn groups(&self, snap: &HashMap<i32, Snap>) -> Result<Vec<TargetGroup>, Error> {
+        let snap = snap;
         let mut groups = Vec::new();
         for unit in &self.targets.units {
             let unit = unit_name(unit);

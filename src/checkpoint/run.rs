@@ -53,7 +53,7 @@ use crate::metrics::{Metrics, ModuleErrorLabels, OutcomeLabels};
 pub const POLL_INTERVAL: Duration = Duration::from_millis(50);
 /// How long a container's checkpoint dir may take to open and take `notice.json` before its
 /// processes are signalled without it.
-pub const NOTICE_BUDGET: Duration = Duration::from_millis(500);
+pub const NOTICE_BUDGET: Duration = Duration::from_secs(1);
 /// How long [`deliver`] waits for a group's delivery thread (procfs checks, pidfds, signals)
 /// before reporting the group as `error` and abandoning the thread.
 pub const DELIVER_BUDGET: Duration = Duration::from_secs(3);
