@@ -680,6 +680,7 @@ fn stage_group<'g>(
                 let budget_ms = NOTICE_BUDGET.as_millis() as u64;
                 tracing::warn!(container = %cd.name, dir = %group.dir.display(), budget_ms, "checkpoint dir does not answer (hung filesystem?); signalling without notice.json");
                 counters.error("dir_timeout");
+                count_stuck(&counters.errors);
                 cd.notice = NoticeStatus::Failed(format!(
                     "checkpoint dir did not answer within {budget_ms} ms (hung filesystem?)"
                 ));
