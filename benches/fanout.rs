@@ -52,6 +52,7 @@ fn group(name: &str, dir: &Path, processes: Vec<TargetProcess>) -> TargetGroup {
         signal: Signal::USR1,
         dir: dir.to_path_buf(),
         timeout: Duration::from_secs(90),
+        proc_root: "/proc".into(),
     }
 }
 

@@ -73,10 +73,12 @@ pub struct App {
     pub join: JoinHandle<Result<(), Error>>,
 }
 
-struct PollReadiness(Arc<PollHealth>);
+struct PollReadiness(Arc<PollHealth>, Result<(), String>);
 
 impl Readiness for PollReadiness {
     fn ready(&self) -> Result<(), String> {
+        // A kernel without the features checkpoint delivery needs is never ready.
+        self.1.clone()?;
         if self.0.ready(tokio::time::Instant::now()) {
             Ok(())
         } else {
@@ -110,6 +112,12 @@ pub async fn start_with_client(
             None
         }
     };
+
+    let kernel = crate::checkpoint::probe::kernel_features();
+    if let Err(e) = &kernel {
+        tracing::error!(error = %e, "checkpoint delivery is impossible on this kernel");
+    }
+    let mut tasks = JoinSet::new();
 
     // Node operations and checkpoint discovery, per mode.
     let (node, discovery, kube_client): (
@@ -169,6 +177,8 @@ pub async fn start_with_client(
                 cfg.args.proc_root.clone(),
                 metrics.clone(),
             ));
+            // The pod cache is filled before any notice: no API round trip before the signal.
+            tasks.spawn(discovery.clone().keep_warm(cancel.clone()));
             (ops, discovery, Some(client))
         }
     };
@@ -176,7 +186,6 @@ pub async fn start_with_client(
     // Notice sources.
     let health = Arc::new(PollHealth::new());
     let (notice_tx, notice_rx) = mpsc::channel(64);
-    let mut tasks = JoinSet::new();
     let sources = match cfg.args.cloud.source() {
         Some(src) => vec![build_source(&cfg, src, &metrics, &gce_metrics)?],
         None => Vec::new(),
@@ -349,7 +358,7 @@ pub async fn start_with_client(
     let (admin_addr, serve) = admin::bind(
         cfg.args.metrics_addr,
         registry.clone(),
-        Arc::new(PollReadiness(health)),
+        Arc::new(PollReadiness(health, kernel)),
         cancel.child_token(),
     )
     .await

@@ -1,28 +1,46 @@
-//! Kubernetes-mode checkpoint discovery: list the pods on this node (`spec.nodeName` field
-//! selector), parse their `spotguard.io/checkpoint*` annotations, and map each opted-in
-//! container to host processes through `/proc/*/cgroup`. A bad annotation skips that pod with a
-//! Warning Event on it; the rest proceed. Also watches `spotguard.io/prefetch` annotations.
+//! Kubernetes-mode checkpoint discovery: a cache of this node's pods (`spec.nodeName` field
+//! selector) kept warm by a list + watch from start-up ([`KubeDiscovery::keep_warm`]), so that
+//! [`TargetDiscovery::discover`] on a notice needs **no API round trip**: it reads the cache and
+//! maps each opted-in container to host processes through `/proc/*/cgroup` (on a thread of its
+//! own). Only if the cache never synced (API server unreachable since start) does discovery fall
+//! back to one list bounded by [`FALLBACK_LIST_TIMEOUT`].
+//!
+//! The cache keeps only what checkpointing needs (the parsed `spotguard.io/checkpoint*` settings
+//! of opted-in running pods), not the pod objects. A bad annotation is reported when the pod is
+//! seen (a Warning Event on it, once per pod and problem), never on the notice's path.
+//! Also watches `spotguard.io/prefetch` annotations.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
+use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
-use kube::api::{Api, ListParams};
+use kube::api::{Api, ListParams, WatchEvent, WatchParams};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use crate::checkpoint::cgroup::ProcIndex;
-use crate::checkpoint::pods::{is_candidate, pod_checkpoint_spec, PodDefaults};
+use crate::checkpoint::pods::{is_candidate, pod_checkpoint_spec, PodCheckpointSpec, PodDefaults};
 use crate::checkpoint::{Error, PodRef, Signal, TargetDiscovery, TargetGroup};
 use crate::metrics::Metrics;
 use crate::node::{reason, EventType, NodeOps};
+use crate::notice::monitor::Backoff;
 use crate::prefetch::Prefetcher;
 
 /// Annotation asking spotguard to warm a dataset on the pod's node.
 pub const PREFETCH_ANNOTATION: &str = "spotguard.io/prefetch";
+
+/// Bound on the one list discovery makes when the cache never synced.
+pub const FALLBACK_LIST_TIMEOUT: Duration = Duration::from_secs(1);
+/// Bound on the cache's own (re)lists.
+const LIST_TIMEOUT: Duration = Duration::from_secs(30);
+/// Server-side watch timeout (the API server ends the watch after it; we re-watch).
+const WATCH_TIMEOUT_SECS: u32 = 290;
+/// A watch silent for this long is presumed dead (a dropped connection sends nothing).
+const WATCH_IDLE: Duration = Duration::from_secs(WATCH_TIMEOUT_SECS as u64 + 30);
 
 /// Node-wide defaults for pods that do not override them.
 #[derive(Clone, Debug)]
@@ -31,14 +49,33 @@ pub struct Defaults {
     pub timeout: Duration,
 }
 
+/// What the cache keeps per pod (by uid).
+#[derive(Clone, Debug)]
+enum Cached {
+    /// Opted in, running on this node, annotations valid.
+    Target(PodCheckpointSpec),
+    /// Anything else (kept so a later update can replace it).
+    Other,
+}
+
+#[derive(Default)]
+struct CacheState {
+    /// A list succeeded at least once.
+    synced: bool,
+    pods: HashMap<String, Cached>,
+    /// `(pod uid, problem)` already reported with an Event.
+    reported: HashSet<(String, String)>,
+}
+
 /// Finds opted-in pods' processes on this node.
 pub struct KubeDiscovery {
     pods: Api<Pod>,
     node_name: String,
     node: Arc<dyn NodeOps>,
-    defaults: Defaults,
+    defaults: PodDefaults,
     proc_root: PathBuf,
     metrics: Arc<Metrics>,
+    cache: Mutex<CacheState>,
 }
 
 impl KubeDiscovery {
@@ -54,10 +91,209 @@ impl KubeDiscovery {
             pods: Api::all(client),
             node_name,
             node,
-            defaults,
+            defaults: PodDefaults {
+                signal: defaults.signal,
+                timeout: defaults.timeout,
+                ..PodDefaults::default()
+            },
             proc_root,
             metrics,
+            cache: Mutex::new(CacheState::default()),
         }
+    }
+
+    /// Whether the pod cache has been filled by a list at least once.
+    pub fn synced(&self) -> bool {
+        self.state().synced
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, CacheState> {
+        self.cache.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Classify a pod; report a bad annotation (once per pod and problem) in the background.
+    fn classify(&self, pod: &Pod) -> Cached {
+        if !is_candidate(pod, &self.node_name) {
+            return Cached::Other;
+        }
+        match pod_checkpoint_spec(pod, &self.defaults) {
+            Ok(Some(spec)) => Cached::Target(spec),
+            Ok(None) => Cached::Other,
+            Err(e) => {
+                let key = (
+                    pod.metadata.uid.clone().unwrap_or_default(),
+                    e.to_string(),
+                );
+                if self.state().reported.insert(key) {
+                    self.metrics.error("checkpoint", e.metric_label());
+                    warn!(error = %e, "pod with a bad checkpoint annotation will not be checkpointed");
+                    if let Some(pod_ref) = pod_ref(pod) {
+                        let node = self.node.clone();
+                        let message = e.to_string();
+                        tokio::spawn(async move {
+                            let _ = node
+                                .pod_event(
+                                    &pod_ref,
+                                    EventType::Warning,
+                                    reason::BAD_ANNOTATION,
+                                    &message,
+                                )
+                                .await;
+                        });
+                    }
+                }
+                Cached::Other
+            }
+        }
+    }
+
+    fn upsert(&self, pod: &Pod) {
+        let Some(uid) = pod.metadata.uid.clone() else {
+            return;
+        };
+        let entry = self.classify(pod);
+        self.state().pods.insert(uid, entry);
+    }
+
+    fn remove(&self, pod: &Pod) {
+        if let Some(uid) = &pod.metadata.uid {
+            let mut st = self.state();
+            st.pods.remove(uid);
+            st.reported.retain(|(u, _)| u != uid);
+        }
+    }
+
+    /// Keep the pod cache warm until `cancel`: list, then watch from the list's resourceVersion;
+    /// re-watch when the server ends a watch, relist on `410 Gone` or errors (jittered backoff).
+    /// Until the first list succeeds, discovery falls back to a bounded list.
+    pub async fn keep_warm(self: Arc<Self>, cancel: CancellationToken) {
+        let mut backoff = Backoff::new(Duration::from_millis(500), Duration::from_secs(30));
+        loop {
+            let outcome = tokio::select! {
+                _ = cancel.cancelled() => return,
+                r = self.list_and_watch() => r,
+            };
+            let pause = match outcome {
+                Ok(()) => {
+                    backoff.reset();
+                    Duration::ZERO
+                }
+                Err(e) => {
+                    self.metrics.error("checkpoint", "pod_watch");
+                    warn!(error = %e, "pod cache: list/watch of this node's pods failed; retrying");
+                    backoff.next_delay()
+                }
+            };
+            tokio::select! {
+                _ = cancel.cancelled() => return,
+                _ = tokio::time::sleep(pause) => {}
+            }
+        }
+    }
+
+    /// One list + watch cycle. `Ok` when the cycle should simply start over (relist).
+    async fn list_and_watch(&self) -> Result<(), String> {
+        let list = tokio::time::timeout(LIST_TIMEOUT, self.pods.list(&on_node(&self.node_name)))
+            .await
+            .map_err(|_| format!("list timed out after {}s", LIST_TIMEOUT.as_secs()))?
+            .map_err(|e| e.to_string())?;
+        let mut rv = list.metadata.resource_version.clone().unwrap_or_default();
+        {
+            let fresh: HashMap<String, Cached> = list
+                .items
+                .iter()
+                .filter_map(|p| Some((p.metadata.uid.clone()?, self.classify(p))))
+                .collect();
+            let mut st = self.state();
+            let was_synced = st.synced;
+            st.pods = fresh;
+            st.synced = true;
+            let targets = st
+                .pods
+                .values()
+                .filter(|c| matches!(c, Cached::Target(_)))
+                .count();
+            drop(st);
+            if !was_synced {
+                info!(pods = list.items.len(), targets, "pod cache synced");
+            }
+        }
+        loop {
+            let wp = WatchParams::default()
+                .fields(&format!("spec.nodeName={}", self.node_name))
+                .timeout(WATCH_TIMEOUT_SECS);
+            let stream = tokio::time::timeout(LIST_TIMEOUT, self.pods.watch(&wp, &rv))
+                .await
+                .map_err(|_| "starting the watch timed out".to_string())?
+                .map_err(|e| e.to_string())?;
+            let mut stream = std::pin::pin!(stream);
+            loop {
+                let next = match tokio::time::timeout(WATCH_IDLE, stream.next()).await {
+                    Ok(n) => n,
+                    Err(_) => return Err("watch silent for too long".into()),
+                };
+                match next {
+                    None => break, // the server ended the watch: re-watch from rv
+                    Some(Err(e)) => return Err(e.to_string()),
+                    Some(Ok(ev)) => match ev {
+                        WatchEvent::Added(p) | WatchEvent::Modified(p) => {
+                            rv = p.metadata.resource_version.clone().unwrap_or(rv);
+                            self.upsert(&p);
+                        }
+                        WatchEvent::Deleted(p) => {
+                            rv = p.metadata.resource_version.clone().unwrap_or(rv);
+                            self.remove(&p);
+                        }
+                        WatchEvent::Bookmark(b) => rv = b.metadata.resource_version,
+                        WatchEvent::Error(status) if status.code == 410 => {
+                            debug!("pod watch: resourceVersion too old; relisting");
+                            return Ok(());
+                        }
+                        WatchEvent::Error(status) => {
+                            return Err(format!("watch error {}: {}", status.code, status.message))
+                        }
+                    },
+                }
+            }
+        }
+    }
+
+    /// The opted-in pods: from the cache, or (never synced) one bounded list.
+    async fn specs(&self) -> Result<Vec<PodCheckpointSpec>, Error> {
+        {
+            let st = self.state();
+            if st.synced {
+                return Ok(st
+                    .pods
+                    .values()
+                    .filter_map(|c| match c {
+                        Cached::Target(s) => Some(s.clone()),
+                        Cached::Other => None,
+                    })
+                    .collect());
+            }
+        }
+        warn!(timeout_ms = FALLBACK_LIST_TIMEOUT.as_millis() as u64, "pod cache never synced; listing this node's pods");
+        let list = tokio::time::timeout(
+            FALLBACK_LIST_TIMEOUT,
+            self.pods.list(&on_node(&self.node_name)),
+        )
+        .await
+        .map_err(|_| {
+            Error::ListPods(format!(
+                "no answer within {} ms and the pod cache never synced",
+                FALLBACK_LIST_TIMEOUT.as_millis()
+            ))
+        })?
+        .map_err(|e| Error::ListPods(e.to_string()))?;
+        Ok(list
+            .items
+            .iter()
+            .filter_map(|p| match self.classify(p) {
+                Cached::Target(s) => Some(s),
+                Cached::Other => None,
+            })
+            .collect())
     }
 }
 
@@ -68,50 +304,17 @@ fn on_node(node: &str) -> ListParams {
 #[async_trait]
 impl TargetDiscovery for KubeDiscovery {
     async fn discover(&self) -> Result<Vec<TargetGroup>, Error> {
-        let list = self
-            .pods
-            .list(&on_node(&self.node_name))
-            .await
-            .map_err(|e| Error::ListPods(e.to_string()))?;
-        let defaults = PodDefaults {
-            signal: self.defaults.signal,
-            timeout: self.defaults.timeout,
-            ..PodDefaults::default()
-        };
-        let mut specs = Vec::new();
-        for pod in &list.items {
-            if !is_candidate(pod, &self.node_name) {
-                continue;
-            }
-            match pod_checkpoint_spec(pod, &defaults) {
-                Ok(Some(spec)) => specs.push(spec),
-                Ok(None) => {}
-                Err(e) => {
-                    self.metrics.error("checkpoint", e.metric_label());
-                    warn!(error = %e, "skipping pod with a bad checkpoint annotation");
-                    if let Some(pod_ref) = pod_ref(pod) {
-                        let _ = self
-                            .node
-                            .pod_event(
-                                &pod_ref,
-                                EventType::Warning,
-                                reason::BAD_ANNOTATION,
-                                &e.to_string(),
-                            )
-                            .await;
-                    }
-                }
-            }
-        }
+        let mut specs = self.specs().await?;
         if specs.is_empty() {
             return Ok(Vec::new());
         }
+        specs.sort_by(|a, b| a.name().cmp(&b.name()));
         let root = self.proc_root.clone();
-        let index = tokio::task::spawn_blocking(move || ProcIndex::scan(&root))
+        let index = crate::checkpoint::run_on_thread("sg-ckpt-scan", move || ProcIndex::scan(&root))
             .await
             .map_err(|e| Error::Proc {
                 path: self.proc_root.display().to_string(),
-                source: std::io::Error::other(e),
+                source: e,
             })??;
         let mut groups = Vec::new();
         for spec in specs {
@@ -126,18 +329,19 @@ impl TargetDiscovery for KubeDiscovery {
                         containers.push(c);
                     }
                     None => {
-                        debug!(pod = %format!("{}/{}", spec.pod.namespace, spec.pod.name), container = %name, "no processes found for container")
+                        debug!(pod = %spec.name(), container = %name, "no processes found for container")
                     }
                 }
             }
             groups.push(TargetGroup {
-                name: format!("{}/{}", spec.pod.namespace, spec.pod.name),
+                name: spec.name(),
                 pod: Some(spec.pod),
                 containers,
                 mode: spec.mode,
                 signal: spec.signal,
                 dir: spec.dir,
                 timeout: spec.timeout,
+                proc_root: self.proc_root.clone(),
             });
         }
         Ok(groups)

@@ -237,6 +237,7 @@ fn pod_group(
         signal: Signal::USR1,
         dir: dir.to_path_buf(),
         timeout,
+        proc_root: "/proc".into(),
     }
 }
 

@@ -143,6 +143,7 @@ fn host_group(
         signal: Signal::USR1,
         dir: dir.to_path_buf(),
         timeout,
+        proc_root: "/proc".into(),
     }
 }
 
@@ -813,4 +814,102 @@ async fn unit_selects_the_units_cgroup() {
     drop(kid);
     drop(unit);
     drop(slice);
+}
+
+// === pidfile rules ===
+
+#[tokio::test]
+async fn pidfile_rules_each_refuse_with_a_clear_reason() {
+    let tmp = tempfile::tempdir().unwrap();
+    let kid = Kid::handler(tmp.path(), &[]);
+    let d = HostDiscovery::new(targets(tmp.path()));
+    let refuse = |name: &str, want: &str| {
+        let path = tmp.path().join(name);
+        let started = Instant::now();
+        let err = d.check_pidfile(&path).unwrap_err().to_string();
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "{name}: refusing took {:?}",
+            started.elapsed()
+        );
+        assert!(err.contains(want), "{name}: {err}");
+        assert!(err.contains(&path.display().to_string()), "{err}");
+    };
+
+    let good = tmp.path().join("good.pid");
+    std::fs::write(&good, format!("{}\n", kid.pid())).unwrap();
+    assert_eq!(d.check_pidfile(&good).unwrap(), kid.pid());
+
+    // never followed: a symlink to the good pidfile, and to /dev/zero (never read)
+    std::os::unix::fs::symlink(&good, tmp.path().join("link.pid")).unwrap();
+    refuse("link.pid", "symlink");
+    std::os::unix::fs::symlink("/dev/zero", tmp.path().join("zero.pid")).unwrap();
+    refuse("zero.pid", "symlink");
+    // a FIFO nobody writes: refused at once, not waited on
+    rustix::fs::mknodat(
+        rustix::fs::CWD,
+        &tmp.path().join("fifo.pid"),
+        rustix::fs::FileType::Fifo,
+        rustix::fs::Mode::from_raw_mode(0o644),
+        0,
+    )
+    .unwrap();
+    refuse("fifo.pid", "FIFO, not a regular file");
+    std::fs::create_dir(tmp.path().join("dir.pid")).unwrap();
+    refuse("dir.pid", "directory, not a regular file");
+    // size cap
+    std::fs::write(tmp.path().join("huge.pid"), vec![b'7'; 4096]).unwrap();
+    refuse("huge.pid", "4096 bytes is not a pid");
+    // never PID 1
+    std::fs::write(tmp.path().join("init.pid"), "1\n").unwrap();
+    refuse("init.pid", "pid 1");
+    // owner must be root or the process's user: uid 1000 cannot name a root process
+    let other = tmp.path().join("other.pid");
+    std::fs::write(&other, kid.pid().to_string()).unwrap();
+    std::os::unix::fs::chown(&other, Some(1000), Some(1000)).unwrap();
+    refuse("other.pid", "owned by uid 1000 but process");
+
+    // ... but may name its own process
+    let mut cmd = Command::new("sleep");
+    cmd.arg("1000").uid(1000).gid(1000);
+    let user_kid = Kid::spawn(cmd);
+    wait_for_exec(user_kid.pid(), "sleep");
+    let own = tmp.path().join("own.pid");
+    std::fs::write(&own, user_kid.pid().to_string()).unwrap();
+    std::os::unix::fs::chown(&own, Some(1000), Some(1000)).unwrap();
+    assert_eq!(d.check_pidfile(&own).unwrap(), user_kid.pid());
+}
+
+#[tokio::test]
+async fn pidfile_descendants_are_only_those_of_the_same_user() {
+    let tmp = tempfile::tempdir().unwrap();
+    let pf = tmp.path().join("launch.pid");
+    let script = format!(
+        "setpriv --reuid=1000 --regid=1000 --clear-groups sleep 1000 & sleep 1000 & echo $$ > {}; wait",
+        pf.display()
+    );
+    let mut cmd = Command::new("sh");
+    cmd.arg("-c").arg(&script);
+    let launcher = Kid::spawn(cmd);
+    let proc = ProcFs::default();
+    let kids = || -> Vec<(i32, u32)> {
+        proc.pids()
+            .unwrap()
+            .into_iter()
+            .filter_map(|p| {
+                let s = proc.status(p).ok()?;
+                (s.ppid == launcher.pid() && s.name == "sleep").then_some((p, s.uid))
+            })
+            .collect()
+    };
+    eventually("both sleepers", || kids().len() == 2 && pf.exists());
+    let kids = kids();
+    let mut t = targets(tmp.path());
+    t.pidfiles = vec![pf];
+    let groups = HostDiscovery::new(t).discover().await.unwrap();
+    let pids = pids_of(&groups[0]);
+    for (pid, uid) in kids {
+        assert_eq!(pids.contains(&pid), uid == 0, "pid {pid} uid {uid}: {pids:?}");
+    }
+    assert!(pids.contains(&launcher.pid()));
 }

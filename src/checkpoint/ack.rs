@@ -6,16 +6,24 @@
 //! recycled PID cannot hand us another root), `/` for a host group. Every path below that root is
 //! resolved with `openat2(RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)`: absolute symlinks and `..`
 //! planted in the container stay inside the container, and `/proc/self/root`-style magic links are
-//! refused, so the agent can never be pointed at a host file. The directory is created if missing
-//! (owned by the target process's user so that it can write its acks), files are written as temp +
-//! fsync + rename, and reads refuse anything but a small regular file
-//! (a FIFO or device planted as an ack cannot block or flood the agent).
+//! refused, so the agent can never be pointed at a host file. Inside the checkpoint dir, names are
+//! resolved with `RESOLVE_BENEATH | RESOLVE_NO_XDEV | RESOLVE_NO_SYMLINKS` and `O_NOFOLLOW`: an ack
+//! or notice is a plain entry of the dir itself, never a symlink and never on another mount. (The
+//! path *to* the dir may cross mounts: an emptyDir volume is a mount of its own.)
+//!
+//! A missing dir is created by the agent owned by root with mode `1777` (sticky, world-writable:
+//! `fchmod` by the owner needs no capability), so a trainer of any uid can write its acks; the
+//! agent never chowns (it ships without CAP_CHOWN). Files are written as temp + fsync + rename, and
+//! reads open with `O_NOFOLLOW | O_NONBLOCK`, then `fstat` and refuse anything but a small regular
+//! file (a FIFO or device planted as an ack cannot block or flood the agent).
+//!
+//! Whether an ack is newer than the signal is decided without comparing the file's mtime with the
+//! agent's clock (a network filesystem stamps files with its server's clock): see [`FileStamp`].
 
 use std::io::{self, Read, Write};
 use std::os::fd::OwnedFd;
 use std::path::{Component, Path, PathBuf};
 
-use jiff::Timestamp;
 use rustix::fs::{Mode, OFlags, ResolveFlags};
 use serde::{Deserialize, Serialize};
 
@@ -89,12 +97,39 @@ pub struct AckFile {
     pub ts: Option<serde_json::Value>,
 }
 
-/// An ack file read back, with its modification time (what "written after the signal" is judged
-/// by: the agent and the writer share the kernel's clock, whatever `ts` says).
+/// Identity and change stamp of a file in the checkpoint dir, as the filesystem reports it. An
+/// ack counts as written after the signal when its stamp differs from the one taken just before
+/// the signal (a new file, a rename over the old one, or a rewrite all change it; nothing is
+/// compared with the agent's clock), or — on the restart path, where no earlier stamp exists —
+/// when it changed no earlier than `notice.json` of the same notice (both stamped by the same
+/// filesystem clock).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FileStamp {
+    pub dev: u64,
+    pub ino: u64,
+    pub size: u64,
+    /// Last status change (seconds, nanoseconds): writers cannot set it.
+    pub ctime: (i64, i64),
+    pub mtime: (i64, i64),
+}
+
+impl FileStamp {
+    fn of(st: &rustix::fs::Stat) -> FileStamp {
+        FileStamp {
+            dev: st.st_dev,
+            ino: st.st_ino,
+            size: u64::try_from(st.st_size).unwrap_or(0),
+            ctime: (st.st_ctime, i64::try_from(st.st_ctime_nsec).unwrap_or(0)),
+            mtime: (st.st_mtime, i64::try_from(st.st_mtime_nsec).unwrap_or(0)),
+        }
+    }
+}
+
+/// An ack file read back, with its stamp.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Ack {
     pub file: AckFile,
-    pub mtime: Timestamp,
+    pub stamp: FileStamp,
 }
 
 /// The checkpoint dir of one target, resolved inside its filesystem root.
@@ -108,6 +143,14 @@ pub struct CheckpointDir {
 }
 
 const RESOLVE: ResolveFlags = ResolveFlags::IN_ROOT.union(ResolveFlags::NO_MAGICLINKS);
+/// Names inside the checkpoint dir: the dir's own entries only.
+const RESOLVE_ENTRY: ResolveFlags = ResolveFlags::BENEATH
+    .union(ResolveFlags::NO_XDEV)
+    .union(ResolveFlags::NO_SYMLINKS)
+    .union(ResolveFlags::NO_MAGICLINKS);
+/// Mode of a checkpoint dir the agent creates: any uid may write its acks, nobody may remove
+/// another's files.
+pub const CREATED_DIR_MODE: u32 = 0o1777;
 
 fn relative(dir: &Path) -> io::Result<PathBuf> {
     if !dir.is_absolute() {
@@ -202,9 +245,9 @@ impl CheckpointDir {
         )?)
     }
 
-    /// Open the dir, creating missing components. A newly created final directory is given to
-    /// `owner` (uid, gid) so that the process can write its acks.
-    fn ensure_dir(&self, owner: Option<(u32, u32)>) -> io::Result<OwnedFd> {
+    /// Open the dir (a directory fd), creating missing components: intermediate ones `0755`, the
+    /// dir itself [`CREATED_DIR_MODE`], all owned by the agent (root). Nothing is chowned.
+    fn ensure_dir(&self) -> io::Result<OwnedFd> {
         let mut prefix = PathBuf::new();
         let mut created_last = false;
         let count = self.rel.components().count();
@@ -233,26 +276,48 @@ impl CheckpointDir {
         }
         let dir = self.open_in_root(&self.rel, OFlags::RDONLY | OFlags::DIRECTORY)?;
         if created_last {
-            rustix::fs::fchmod(&dir, Mode::from_raw_mode(0o755))?;
-            if let Some((uid, gid)) = owner {
-                rustix::fs::fchown(
-                    &dir,
-                    Some(rustix::fs::Uid::from_raw(uid)),
-                    Some(rustix::fs::Gid::from_raw(gid)),
-                )?;
-            }
+            // The agent owns what it just made: fchmod needs no capability (umask left it 0755).
+            rustix::fs::fchmod(&dir, Mode::from_raw_mode(CREATED_DIR_MODE))?;
         }
         Ok(dir)
     }
 
+    /// Open the existing dir (no creation).
+    fn open_dir(&self) -> io::Result<OwnedFd> {
+        self.open_in_root(&self.rel, OFlags::RDONLY | OFlags::DIRECTORY)
+    }
+
+    /// Open an entry of the dir: never through a symlink, never on another mount.
+    fn open_entry(dir: &OwnedFd, name: &str, flags: OFlags) -> io::Result<OwnedFd> {
+        Ok(rustix::fs::openat2(
+            dir,
+            name,
+            flags | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+            Mode::empty(),
+            RESOLVE_ENTRY,
+        )?)
+    }
+
+    /// Stamps of `names` as they are now (absent names are left out; a missing dir gives none).
+    /// Taken just before the signal; see [`FileStamp`].
+    pub fn stamps(&self, names: &[String]) -> std::collections::HashMap<String, FileStamp> {
+        let mut out = std::collections::HashMap::new();
+        let Ok(dir) = self.open_dir() else {
+            return out;
+        };
+        for name in names {
+            if let Ok(st) =
+                rustix::fs::statat(&dir, name.as_str(), rustix::fs::AtFlags::SYMLINK_NOFOLLOW)
+            {
+                out.insert(name.clone(), FileStamp::of(&st));
+            }
+        }
+        out
+    }
+
     /// Write `name` atomically inside the dir (temp + fsync + rename), creating the dir if
     /// needed.
-    pub fn write_atomic(
-        &self,
-        name: &str,
-        data: &[u8],
-        owner: Option<(u32, u32)>,
-    ) -> Result<(), Error> {
+    pub fn write_atomic(&self, name: &str, data: &[u8]) -> Result<(), Error> {
         let err = |source| Error::WriteNotice {
             target: self.display.clone(),
             file: name.to_string(),
@@ -264,7 +329,7 @@ impl CheckpointDir {
                 "bad file name",
             )));
         }
-        let dir = self.ensure_dir(owner).map_err(err)?;
+        let dir = self.ensure_dir().map_err(err)?;
         let tmp = format!(
             ".{name}.tmp-{}-{:08x}",
             std::process::id(),
@@ -293,78 +358,100 @@ impl CheckpointDir {
     }
 
     /// Write `notice.json`.
-    pub fn write_notice(
-        &self,
-        notice: &NoticeFile,
-        owner: Option<(u32, u32)>,
-    ) -> Result<(), Error> {
+    pub fn write_notice(&self, notice: &NoticeFile) -> Result<(), Error> {
         let mut data = serde_json::to_vec_pretty(notice).map_err(|e| Error::WriteNotice {
             target: self.display.clone(),
             file: NOTICE_FILE.to_string(),
             source: io::Error::new(io::ErrorKind::InvalidData, e),
         })?;
         data.push(b'\n');
-        self.write_atomic(NOTICE_FILE, &data, owner)
+        self.write_atomic(NOTICE_FILE, &data)
     }
 
-    /// Read a small regular file in the dir: `None` when it does not exist.
-    fn read_file(&self, name: &str) -> Result<Option<(Vec<u8>, Timestamp)>, Error> {
+    /// Read a small regular file in the dir: `None` when it (or the dir) does not exist. Opened
+    /// with `O_NOFOLLOW | O_NONBLOCK` (a symlink is refused, a FIFO does not block), then checked
+    /// with `fstat` before anything is read.
+    fn read_file(&self, name: &str) -> Result<Option<(Vec<u8>, FileStamp)>, Error> {
         let err = |source| Error::ReadAck {
             target: format!("{} ({name})", self.display),
             source,
         };
-        let fd = match self.open_in_root(
-            &self.rel.join(name),
-            OFlags::RDONLY | OFlags::NONBLOCK | OFlags::NOCTTY,
-        ) {
-            Ok(fd) => fd,
+        let dir = match self.open_dir() {
+            Ok(d) => d,
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
             Err(e) => return Err(err(e)),
         };
-        let mut file = std::fs::File::from(fd);
-        let meta = file.metadata().map_err(err)?;
-        if !meta.is_file() {
+        let fd = match Self::open_entry(&dir, name, OFlags::RDONLY | OFlags::NONBLOCK | OFlags::NOCTTY)
+        {
+            Ok(fd) => fd,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+            Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
+                return Err(err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    "is a symlink (refused)",
+                )))
+            }
+            Err(e) if e.raw_os_error() == Some(libc::EXDEV) => {
+                return Err(err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    "is on another mount (refused)",
+                )))
+            }
+            Err(e) => return Err(err(e)),
+        };
+        let st = rustix::fs::fstat(&fd).map_err(|e| err(e.into()))?;
+        if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::RegularFile {
             return Err(err(io::Error::new(
                 io::ErrorKind::InvalidData,
                 "not a regular file",
             )));
         }
-        if meta.len() > MAX_FILE_BYTES {
+        let stamp = FileStamp::of(&st);
+        if stamp.size > MAX_FILE_BYTES {
             return Err(err(io::Error::new(
                 io::ErrorKind::InvalidData,
-                format!("{} bytes, more than {MAX_FILE_BYTES}", meta.len()),
+                format!("{} bytes, more than {MAX_FILE_BYTES}", stamp.size),
             )));
         }
-        let mtime = meta
-            .modified()
-            .ok()
-            .and_then(|t| Timestamp::try_from(t).ok())
-            .unwrap_or(Timestamp::UNIX_EPOCH);
+        let mut file = std::fs::File::from(fd);
         let mut data = Vec::new();
         (&mut file)
             .take(MAX_FILE_BYTES)
             .read_to_end(&mut data)
             .map_err(err)?;
-        Ok(Some((data, mtime)))
+        Ok(Some((data, stamp)))
     }
 
     /// Read `ack-<ns_pid>.json`. `Ok(None)` when absent; malformed JSON (perhaps a writer that is
     /// not atomic, caught mid-write) is an `InvalidData` error.
     pub fn read_ack(&self, ns_pid: i32) -> Result<Option<Ack>, Error> {
         let name = ack_file_name(ns_pid);
-        let Some((data, mtime)) = self.read_file(&name)? else {
+        let Some((data, stamp)) = self.read_file(&name)? else {
             return Ok(None);
         };
         let file: AckFile = serde_json::from_slice(&data).map_err(|e| Error::ReadAck {
             target: format!("{} ({name})", self.display),
             source: io::Error::new(io::ErrorKind::InvalidData, e),
         })?;
-        Ok(Some(Ack { file, mtime }))
+        Ok(Some(Ack { file, stamp }))
     }
 
-    /// Modification time of the plain `ack` file, if present (any content).
-    pub fn plain_ack(&self) -> Result<Option<Timestamp>, Error> {
-        Ok(self.read_file(PLAIN_ACK_FILE)?.map(|(_, mtime)| mtime))
+    /// Stamp of the plain `ack` file, if present (any content).
+    pub fn plain_ack(&self) -> Result<Option<FileStamp>, Error> {
+        Ok(self.read_file(PLAIN_ACK_FILE)?.map(|(_, stamp)| stamp))
+    }
+
+    /// `notice.json` read back with its stamp (restart path: the anchor acks are compared with).
+    pub fn read_notice_stamped(&self) -> Result<Option<(NoticeFile, FileStamp)>, Error> {
+        let Some((data, stamp)) = self.read_file(NOTICE_FILE)? else {
+            return Ok(None);
+        };
+        serde_json::from_slice(&data)
+            .map(|n| Some((n, stamp)))
+            .map_err(|e| Error::ReadAck {
+                target: format!("{} ({NOTICE_FILE})", self.display),
+                source: io::Error::new(io::ErrorKind::InvalidData, e),
+            })
     }
 
     /// Read `notice.json` back (restart path, tests).
@@ -402,11 +489,11 @@ mod tests {
         let dir = tmp.path().join("a/b/ckpt");
         let cd = CheckpointDir::host(&dir).unwrap();
         assert_eq!(cd.read_notice().unwrap(), None);
-        cd.write_notice(&notice(), None).unwrap();
+        cd.write_notice(&notice()).unwrap();
         assert_eq!(cd.read_notice().unwrap(), Some(notice()));
         let mut second = notice();
         second.deadline_unix = None;
-        cd.write_notice(&second, None).unwrap();
+        cd.write_notice(&second).unwrap();
         let text = std::fs::read_to_string(dir.join(NOTICE_FILE)).unwrap();
         let v: serde_json::Value = serde_json::from_str(&text).unwrap();
         assert_eq!(v["deadline_unix"], serde_json::Value::Null);
@@ -434,7 +521,7 @@ mod tests {
         let ack = cd.read_ack(7).unwrap().unwrap();
         assert_eq!(ack.file.state, AckState::Done);
         assert_eq!(ack.file.step, Some(serde_json::json!(1200)));
-        assert!(ack.mtime > Timestamp::now() - jiff::SignedDuration::from_secs(60));
+        assert_eq!(ack.stamp.size, std::fs::metadata(tmp.path().join("ack-7.json")).unwrap().len());
         std::fs::write(tmp.path().join("ack-8.json"), r#"{"state":"recei"#).unwrap();
         let err = cd.read_ack(8).unwrap_err();
         assert!(err.to_string().contains("ack-8.json"), "{err}");
@@ -464,28 +551,52 @@ mod tests {
         let tmp = tempfile::tempdir().unwrap();
         let cd = CheckpointDir::host(tmp.path()).unwrap();
         for bad in ["", "a/b", "..", "."] {
-            assert!(cd.write_atomic(bad, b"x", None).is_err());
+            assert!(cd.write_atomic(bad, b"x").is_err());
         }
     }
 
     #[test]
-    fn created_dir_is_given_to_owner() {
-        let tmp = tempfile::tempdir().unwrap();
-        let dir = tmp.path().join("owned");
-        let cd = CheckpointDir::host(&dir).unwrap();
-        cd.write_notice(&notice(), Some((4321, 4322))).unwrap();
-        let meta = std::fs::metadata(&dir).unwrap();
+    fn created_dir_is_sticky_and_world_writable_and_never_chowned() {
         use std::os::unix::fs::MetadataExt;
-        assert_eq!(
-            (meta.uid(), meta.gid(), meta.mode() & 0o7777),
-            (4321, 4322, 0o755)
-        );
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("made/here");
+        let cd = CheckpointDir::host(&dir).unwrap();
+        cd.write_notice(&notice()).unwrap();
+        let meta = std::fs::metadata(&dir).unwrap();
+        assert_eq!((meta.uid(), meta.mode() & 0o7777), (0, 0o1777));
+        // intermediate components are not world-writable
+        let parent = std::fs::metadata(tmp.path().join("made")).unwrap();
+        assert_eq!(parent.mode() & 0o7777, 0o755);
         let file = std::fs::metadata(dir.join(NOTICE_FILE)).unwrap();
         assert_eq!(file.mode() & 0o777, 0o644);
-        // an existing dir keeps its owner
+        // an existing dir keeps its mode
+        std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
+        cd.write_notice(&notice()).unwrap();
+        assert_eq!(std::fs::metadata(&dir).unwrap().mode() & 0o7777, 0o700);
+    }
+
+    #[test]
+    fn acks_through_symlinks_are_refused_and_stamps_change_on_rewrite() {
+        let tmp = tempfile::tempdir().unwrap();
         let cd = CheckpointDir::host(tmp.path()).unwrap();
-        cd.write_notice(&notice(), Some((4321, 4322))).unwrap();
-        assert_eq!(std::fs::metadata(tmp.path()).unwrap().uid(), 0);
+        let elsewhere = tmp.path().join("elsewhere.json");
+        std::fs::write(&elsewhere, r#"{"state":"done"}"#).unwrap();
+        std::os::unix::fs::symlink(&elsewhere, tmp.path().join("ack-5.json")).unwrap();
+        let err = cd.read_ack(5).unwrap_err();
+        assert!(err.to_string().contains("symlink"), "{err}");
+        std::os::unix::fs::symlink(&elsewhere, tmp.path().join(PLAIN_ACK_FILE)).unwrap();
+        assert!(cd.plain_ack().is_err());
+
+        let names = vec![ack_file_name(6)];
+        assert!(cd.stamps(&names).is_empty());
+        std::fs::write(tmp.path().join("ack-6.json"), r#"{"state":"received"}"#).unwrap();
+        let before = cd.stamps(&names)[&names[0]];
+        assert_eq!(cd.read_ack(6).unwrap().unwrap().stamp, before);
+        // an atomic replace (new inode) changes the stamp even within one clock tick
+        let tmpfile = tmp.path().join(".ack-6.tmp");
+        std::fs::write(&tmpfile, r#"{"state":"done"}"#).unwrap();
+        std::fs::rename(&tmpfile, tmp.path().join("ack-6.json")).unwrap();
+        assert_ne!(cd.read_ack(6).unwrap().unwrap().stamp, before);
     }
 
     #[test]
@@ -503,12 +614,12 @@ mod tests {
             rel: PathBuf::from("tmp/sg"),
             display: "test".into(),
         };
-        assert!(cd.write_notice(&notice(), None).is_err());
+        assert!(cd.write_notice(&notice()).is_err());
         assert_eq!(std::fs::read_dir(&host_target).unwrap().count(), 0);
         // the symlink target created inside the root: now the write lands there
         let inside = root.join(host_target.strip_prefix("/").unwrap());
         std::fs::create_dir_all(&inside).unwrap();
-        cd.write_notice(&notice(), None).unwrap();
+        cd.write_notice(&notice()).unwrap();
         assert!(inside.join(NOTICE_FILE).exists());
         assert_eq!(std::fs::read_dir(&host_target).unwrap().count(), 0);
     }
@@ -518,7 +629,7 @@ mod tests {
         let tmp = tempfile::tempdir().unwrap();
         std::os::unix::fs::symlink("/proc/self/cwd", tmp.path().join("magic")).unwrap();
         let cd = CheckpointDir::host(&tmp.path().join("magic")).unwrap();
-        let err = cd.write_notice(&notice(), None).unwrap_err();
+        let err = cd.write_notice(&notice()).unwrap_err();
         assert!(
             matches!(&err, Error::WriteNotice { source, .. } if source.raw_os_error() == Some(libc::ELOOP)),
             "{err}"

@@ -1,13 +1,20 @@
 //! Host-mode target discovery: `--checkpoint-unit`, `--checkpoint-pidfile`,
 //! `--checkpoint-cmdline` (each repeatable; each selector is one [`TargetGroup`] with one outcome).
 //!
-//! - **unit** `NAME`: every process whose cgroup path in the `name=systemd` v1 hierarchy or the v2
-//!   hierarchy has a segment `NAME` (the unit's cgroup and any sub-cgroups a delegated unit made).
-//!   A name without a `.` means `NAME.service`, as with `systemctl`.
-//! - **pidfile** `PATH`: the process whose PID the file holds *and all its descendants* (a launcher
-//!   such as torchrun or a shell script and its workers; with the `handlers` target mode only those
-//!   that catch the signal are hit). A pidfile older than its process's start (the PID was
-//!   recycled since the file was written) selects nothing.
+//! - **unit** `NAME`: every process in the unit's own cgroup (or a sub-cgroup a delegated unit
+//!   made) in the `name=systemd` v1 hierarchy or the v2 hierarchy. The unit's cgroup is where
+//!   systemd puts units: `NAME` directly below slices only (`/system.slice/NAME`,
+//!   `/user.slice/user-1000.slice/NAME`); a cgroup of the same name nested below another unit,
+//!   scope or container does not match. A name without a `.` means `NAME.service`, as with
+//!   `systemctl`.
+//! - **pidfile** `PATH`: the process whose PID the file holds *and its descendants running as the
+//!   same user* (a launcher such as torchrun or a shell script and its workers; with the `handlers`
+//!   target mode only those that catch the signal are hit). The pidfile is hostile input (host
+//!   mode's checkpoint dir is often world-writable): it must be a regular file (opened with
+//!   `O_NOFOLLOW | O_NONBLOCK`, so a symlink or FIFO is refused, never followed or waited on) of at
+//!   most 64 bytes, owned by root or by the user the process runs as; PID 1 is never selected. A
+//!   pidfile older than its process's start (the PID was recycled since the file was written)
+//!   selects nothing. Each refusal is logged with its reason and the group ends `no_handler`.
 //! - **cmdline** `REGEX`: every process whose arguments joined by spaces match; kernel threads
 //!   (empty cmdline) and spotguard itself never match.
 //!
@@ -68,9 +75,21 @@ impl HostDiscovery {
         self
     }
 
-    /// Blocking discovery (reads `/proc`); [`TargetDiscovery::discover`] runs it on a blocking
-    /// thread.
+    /// Blocking discovery (reads `/proc`); [`TargetDiscovery::discover`] runs it on a thread of
+    /// its own.
     pub fn discover_blocking(&self) -> Result<Vec<TargetGroup>, Error> {
+        let snap = self.snapshot()?;
+        self.groups(&snap)
+    }
+
+    /// Check one pidfile against the rules (module docs): the PID it names, or why it is refused.
+    /// Blocking.
+    pub fn check_pidfile(&self, path: &Path) -> Result<i32, Error> {
+        let snap = self.snapshot()?;
+        self.pidfile_root(path, &snap).map(|(pid, _)| pid)
+    }
+
+    fn snapshot(&self) -> Result<HashMap<i32, Snap>, Error> {
         let me = i32::try_from(std::process::id()).unwrap_or(-1);
         let mut snap: HashMap<i32, Snap> = HashMap::new();
         for pid in self.proc.pids()? {
@@ -92,6 +111,11 @@ impl HostDiscovery {
                 Err(e) => tracing::debug!(pid, error = %e, "skipping process in host discovery"),
             }
         }
+        Ok(snap)
+    }
+
+    fn groups(&self, snap: &HashMap<i32, Snap>) -> Result<Vec<TargetGroup>, Error> {
+        let snap = snap;
         let mut groups = Vec::new();
         for unit in &self.targets.units {
             let unit = unit_name(unit);
@@ -109,8 +133,18 @@ impl HostDiscovery {
         for pidfile in &self.targets.pidfiles {
             let name = format!("pidfile:{}", pidfile.display());
             match self.pidfile_root(pidfile, &snap) {
-                Ok(root) => {
-                    let pids = descendants(&snap, root);
+                Ok((root, uid)) => {
+                    let pids: Vec<i32> = descendants(&snap, root)
+                        .into_iter()
+                        .filter(|pid| {
+                            let same = *pid == root
+                                || self.proc.status(*pid).is_ok_and(|s| s.uid == uid);
+                            if !same {
+                                tracing::debug!(pidfile = %pidfile.display(), pid = *pid, "descendant runs as another user; not selected");
+                            }
+                            same
+                        })
+                        .collect();
                     groups.push(self.group(name, &snap, pids, Some(root)));
                 }
                 Err(e) => {
@@ -158,6 +192,7 @@ impl HostDiscovery {
             signal: self.targets.signal,
             dir: self.targets.dir.clone(),
             timeout: self.targets.timeout,
+            proc_root: self.proc.root().to_path_buf(),
         }
     }
 
@@ -166,9 +201,10 @@ impl HostDiscovery {
             .keys()
             .copied()
             .filter(|pid| match self.proc.cgroup(*pid) {
-                Ok(text) => text.lines().filter_map(parse_line).any(|l| {
-                    (l.is_systemd() || l.is_unified()) && segments(l.path).any(|s| s == unit)
-                }),
+                Ok(text) => text
+                    .lines()
+                    .filter_map(parse_line)
+                    .any(|l| (l.is_systemd() || l.is_unified()) && in_unit(l.path, unit)),
                 Err(_) => false,
             })
             .collect();
@@ -189,33 +225,72 @@ impl HostDiscovery {
         pids
     }
 
-    /// The PID in a pidfile, if that process is running and not younger than the file.
-    fn pidfile_root(&self, path: &Path, snap: &HashMap<i32, Snap>) -> Result<i32, Error> {
+    /// The PID in a pidfile and its process's uid, if the file passes the rules in the module
+    /// docs and that process is running and not younger than the file.
+    fn pidfile_root(&self, path: &Path, snap: &HashMap<i32, Snap>) -> Result<(i32, u32), Error> {
+        use rustix::fs::{FileType, Mode, OFlags};
+        use std::io::Read;
         let bad = |reason: String| Error::Pidfile {
             path: path.display().to_string(),
             reason,
         };
-        let meta = std::fs::metadata(path).map_err(|e| bad(e.to_string()))?;
-        if meta.len() > 64 {
-            return Err(bad(format!("{} bytes is not a pid", meta.len())));
+        let fd = rustix::fs::open(
+            path,
+            OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::NOCTTY | OFlags::CLOEXEC,
+            Mode::empty(),
+        )
+        .map_err(|e| match e {
+            rustix::io::Errno::LOOP => bad("is a symlink; refused (pidfiles are never followed)".into()),
+            e => bad(std::io::Error::from(e).to_string()),
+        })?;
+        let st = rustix::fs::fstat(&fd).map_err(|e| bad(std::io::Error::from(e).to_string()))?;
+        let kind = FileType::from_raw_mode(st.st_mode);
+        if kind != FileType::RegularFile {
+            return Err(bad(format!(
+                "is a {}, not a regular file; refused",
+                file_type_name(kind)
+            )));
         }
-        let text = std::fs::read_to_string(path).map_err(|e| bad(e.to_string()))?;
+        if st.st_size > MAX_PIDFILE_BYTES as i64 {
+            return Err(bad(format!(
+                "{} bytes is not a pid (at most {MAX_PIDFILE_BYTES} bytes)",
+                st.st_size
+            )));
+        }
+        let mut text = String::new();
+        std::fs::File::from(fd)
+            .take(MAX_PIDFILE_BYTES + 1)
+            .read_to_string(&mut text)
+            .map_err(|e| bad(e.to_string()))?;
         let pid = text
             .trim()
             .parse::<i32>()
             .ok()
             .filter(|p| *p > 0)
             .ok_or_else(|| bad(format!("{:?} is not a pid", text.trim())))?;
+        if pid == 1 {
+            return Err(bad(
+                "names pid 1 (init); refused: init and the whole host are never a checkpoint target".into(),
+            ));
+        }
         let proc = snap
             .get(&pid)
             .ok_or_else(|| bad(format!("process {pid} is not running")))?;
+        let uid = self
+            .proc
+            .status(pid)
+            .map_err(|e| bad(format!("process {pid}: {e}")))?
+            .uid;
+        let owner = st.st_uid;
+        if owner != 0 && owner != uid {
+            return Err(bad(format!(
+                "is owned by uid {owner} but process {pid} runs as uid {uid}; refused (only root or the process's own user may name it)"
+            )));
+        }
         // A process writes its pidfile after it starts: a process that started well after the
         // file was written has a recycled PID.
-        if let (Ok(written), Ok(boot)) = (meta.modified(), self.proc.boot_time()) {
-            let written = written
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_secs())
-                .unwrap_or(0);
+        if let Ok(boot) = self.proc.boot_time() {
+            let written = u64::try_from(st.st_mtime).unwrap_or(0);
             let started =
                 u64::try_from(boot).unwrap_or(0) + proc.start_time / clock_ticks_per_second();
             if started > written + 2 {
@@ -224,8 +299,39 @@ impl HostDiscovery {
                 )));
             }
         }
-        Ok(pid)
+        Ok((pid, uid))
     }
+}
+
+/// Largest pidfile read.
+const MAX_PIDFILE_BYTES: u64 = 64;
+
+fn file_type_name(t: rustix::fs::FileType) -> &'static str {
+    use rustix::fs::FileType;
+    match t {
+        FileType::Fifo => "FIFO",
+        FileType::CharacterDevice => "character device",
+        FileType::BlockDevice => "block device",
+        FileType::Directory => "directory",
+        FileType::Socket => "socket",
+        FileType::Symlink => "symlink",
+        _ => "special file",
+    }
+}
+
+/// Whether a cgroup path is the unit's own cgroup or below it: `unit` must come right after
+/// slices only (where systemd places units), so a same-named cgroup nested in another unit, a
+/// scope or a container does not count.
+fn in_unit(path: &str, unit: &str) -> bool {
+    for s in segments(path) {
+        if s == unit {
+            return true;
+        }
+        if !s.ends_with(".slice") {
+            return false;
+        }
+    }
+    false
 }
 
 /// `NAME` → `NAME.service` when it has no unit suffix.
@@ -262,14 +368,18 @@ fn descendants(snap: &HashMap<i32, Snap>, root: i32) -> Vec<i32> {
 
 #[async_trait]
 impl TargetDiscovery for HostDiscovery {
+    /// Runs [`HostDiscovery::discover_blocking`] on a thread of its own (not tokio's blocking
+    /// pool, which prefetch I/O can fill).
     async fn discover(&self) -> Result<Vec<TargetGroup>, Error> {
         let this = self.clone();
-        tokio::task::spawn_blocking(move || this.discover_blocking())
+        super::run_on_thread("sg-ckpt-discover", move || this.discover_blocking())
             .await
-            .map_err(|e| Error::Proc {
-                path: "host discovery".to_string(),
-                source: std::io::Error::other(e.to_string()),
-            })?
+            .unwrap_or_else(|e| {
+                Err(Error::Proc {
+                    path: "host discovery".to_string(),
+                    source: e,
+                })
+            })
     }
 }
 
@@ -283,6 +393,22 @@ mod tests {
         assert_eq!(unit_name("train.service"), "train.service");
         assert_eq!(unit_name("train@3.service"), "train@3.service");
         assert_eq!(unit_name("job.scope"), "job.scope");
+    }
+
+    #[test]
+    fn unit_is_anchored_below_slices() {
+        let u = "train.service";
+        assert!(in_unit("/system.slice/train.service", u));
+        assert!(in_unit("/system.slice/train.service/worker", u));
+        assert!(in_unit("/user.slice/user-1000.slice/train.service", u));
+        assert!(in_unit("/../../system.slice/train.service", u));
+        assert!(!in_unit("/system.slice/other.service/train.service", u));
+        assert!(!in_unit(
+            "/kubepods.slice/kubepods-pod1.slice/cri-containerd-ab.scope/system.slice/train.service",
+            u
+        ));
+        assert!(!in_unit("/system.slice/docker-ab.scope/train.service", u));
+        assert!(!in_unit("/system.slice/train.service.d", u));
     }
 
     #[test]

@@ -10,6 +10,7 @@ pub mod ack;
 pub mod cgroup;
 pub mod discover;
 pub mod pods;
+pub mod probe;
 pub mod procfs;
 pub mod run;
 pub mod signal;
@@ -80,6 +81,11 @@ impl std::str::FromStr for Signal {
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         let t = s.trim().to_ascii_uppercase();
         if let Ok(n) = t.parse::<i32>() {
+            if n == 32 || n == 33 {
+                return Err(format!(
+                    "signal number {n} is reserved by the C library (NPTL) and cannot be sent; real-time signals start at 34"
+                ));
+            }
             if (1..=64).contains(&n) && n != libc::SIGKILL && n != libc::SIGSTOP {
                 return Ok(Signal(n));
             }
@@ -147,6 +153,9 @@ pub struct TargetGroup {
     pub dir: PathBuf,
     /// Per-group bound on waiting (annotation `spotguard.io/checkpoint-timeout` or the default).
     pub timeout: Duration,
+    /// The proc mount the PIDs above belong to (`--proc-root`, `/proc` by default): delivery and
+    /// the wait read it, and resolve container roots through `<proc_root>/<pid>/root`.
+    pub proc_root: PathBuf,
 }
 
 /// Outcome of checkpointing one group.
@@ -197,6 +206,21 @@ impl<T: TargetDiscovery + ?Sized> TargetDiscovery for std::sync::Arc<T> {
     async fn discover(&self) -> Result<Vec<TargetGroup>, Error> {
         (**self).discover().await
     }
+}
+
+/// Run blocking checkpoint work on a thread of its own and await it (never tokio's blocking pool,
+/// which prefetch I/O can fill). `Err` when no thread could be started or it panicked.
+pub async fn run_on_thread<T, F>(name: &str, f: F) -> std::io::Result<T>
+where
+    T: Send + 'static,
+    F: FnOnce() -> T + Send + 'static,
+{
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    std::thread::Builder::new().name(name.into()).spawn(move || {
+        let _ = tx.send(f());
+    })?;
+    rx.await
+        .map_err(|_| std::io::Error::other(format!("thread {name} panicked")))
 }
 
 /// Errors of the checkpoint module.
@@ -254,5 +278,23 @@ impl Error {
             Error::Signal { .. } => "signal",
             Error::ReadAck { .. } => "read_ack",
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn signals_parse_and_nptl_signals_are_refused() {
+        assert_eq!("usr1".parse::<Signal>(), Ok(Signal::USR1));
+        assert_eq!("SIGTERM".parse::<Signal>(), Ok(Signal::TERM));
+        assert_eq!("34".parse::<Signal>(), Ok(Signal(34)));
+        for n in ["32", "33"] {
+            let e = n.parse::<Signal>().unwrap_err();
+            assert!(e.contains("reserved by the C library"), "{e}");
+        }
+        assert!("9".parse::<Signal>().is_err());
+        assert!("65".parse::<Signal>().is_err());
     }
 }

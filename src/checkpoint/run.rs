@@ -3,43 +3,135 @@
 //! group is finished or its budget ran out. After an agent restart, [`plan_without_signal`]
 //! rebuilds what to wait for from fresh discovery without signalling anyone again.
 //!
-//! `deliver` and `plan_without_signal` block (procfs reads, fsync): call them from
-//! `spawn_blocking`. `wait` is async and does its file reads on blocking threads.
+//! **Hang isolation.** All checkpoint work runs on threads of its own (never tokio's blocking pool,
+//! which prefetch I/O fills): one delivery thread per group, one file thread per container for the
+//! checkpoint dir (`notice.json`), and one watcher thread per group while waiting. Every wait on
+//! such a thread has a wall-clock deadline enforced by the caller, outside the blocking call: a
+//! checkpoint dir on a hung mount (NFS server gone, FUSE daemon stuck: the thread sits in D state)
+//! costs its own container at most [`NOTICE_BUDGET`] before the signal goes out without
+//! `notice.json`, and its own group a `timeout` outcome; the stuck thread is abandoned (counted in
+//! `spotguard_errors_total{module="checkpoint",error="stuck_thread"}`), never joined, so no other
+//! group, the drain or the Azure approval waits for it. [`deliver`] blocks for at most
+//! [`DELIVER_BUDGET`]; [`deliver_async`] and [`plan_without_signal_async`] run it on a thread of
+//! their own.
 //!
 //! Per group, the budget is `min(signalled_at + group.timeout, req.checkpoint_deadline)`. A group
 //! is finished when every signalled process has a terminal ack (`done`, `skipped`, `failed`)
 //! written after the signal, or has exited (after `done`: success; without: `exited`), or the
-//! plain `ack` file appeared in its container. "Written after the signal" is judged by the file's
-//! modification time (same kernel clock as the agent), with [`ACK_CLOCK_SLACK`] for the coarse
-//! filesystem clock. Group outcome: `failed` if any process failed, else `exited` if any exited
-//! without `done`, else `skipped` if any skipped, else `acked`.
+//! plain `ack` file appeared in its container. "Written after the signal" never compares a file's
+//! mtime with the agent's clock: the ack files' stamps are taken just before the signal and an ack
+//! counts once its stamp changed; on the restart path an ack counts when it changed no earlier
+//! than `notice.json` carrying this notice's id (see [`super::ack::FileStamp`]). Ack latency is
+//! measured on the agent's clock, from the signal to when the ack was seen. Group outcome:
+//! `failed` if any process failed, else `exited` if any exited without `done`, else `skipped` if
+//! any skipped, else `acked`.
 //!
 //! Dry-run: the processes are checked as for real, nothing is written or signalled, and the result
 //! says what would have happened (`no_handler` when nothing catches the signal, else `skipped`
 //! with a detail starting `dry-run:`); dry-run outcomes are not counted in the metrics.
 
+use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::path::PathBuf;
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{self, RecvTimeoutError};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use jiff::{SignedDuration, Timestamp};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
 use tokio_util::sync::CancellationToken;
 
-use super::ack::{AckState, CheckpointDir, NoticeFile};
+use super::ack::{ack_file_name, AckState, CheckpointDir, FileStamp, NoticeFile, PLAIN_ACK_FILE};
 use super::procfs::{clock_ticks_per_second, ProcFs};
 use super::signal::{self, NotSignalled, Prepared};
 use super::{Outcome, PodRef, Signal, TargetContainer, TargetGroup, TargetMode};
-use crate::metrics::{Metrics, OutcomeLabels};
+use crate::metrics::{Metrics, ModuleErrorLabels, OutcomeLabels};
 
-/// How much earlier than the signal an ack's mtime may be and still count (the filesystem
-/// timestamps files with a clock that lags by up to one tick).
-pub const ACK_CLOCK_SLACK: Duration = Duration::from_millis(50);
 /// How often acks and exits are polled.
 pub const POLL_INTERVAL: Duration = Duration::from_millis(50);
+/// How long a container's checkpoint dir may take to open and take `notice.json` before its
+/// processes are signalled without it.
+pub const NOTICE_BUDGET: Duration = Duration::from_secs(1);
+/// How long [`deliver`] waits for a group's delivery thread (procfs checks, pidfds, signals)
+/// before reporting the group as `error` and abandoning the thread.
+pub const DELIVER_BUDGET: Duration = Duration::from_secs(3);
+/// How long past its budget a group's watcher may take to report before it is abandoned.
+pub const WATCH_GRACE: Duration = Duration::from_millis(500);
 /// Restart path: a process that started this long after the signal was not signalled.
 const START_SLACK: Duration = Duration::from_secs(2);
 
 const MODULE: &str = "checkpoint";
+
+/// Spawn a named checkpoint thread; `None` (logged, counted) when the system has no thread left.
+fn spawn_thread<F>(name: &str, counters: &Counters, f: F) -> bool
+where
+    F: FnOnce() + Send + 'static,
+{
+    match std::thread::Builder::new().name(name.into()).spawn(f) {
+        Ok(_) => true,
+        Err(e) => {
+            tracing::error!(thread = name, error = %e, "cannot start a checkpoint thread");
+            counters.error("thread_spawn");
+            false
+        }
+    }
+}
+
+/// Metric handles a detached thread can own (the registry's counters are shared handles).
+#[derive(Clone)]
+struct Counters {
+    signals_sent: Counter,
+    errors: Family<ModuleErrorLabels, Counter>,
+    enabled: bool,
+}
+
+impl Counters {
+    fn of(m: &Metrics) -> Self {
+        Counters {
+            signals_sent: m.signals_sent.clone(),
+            errors: m.errors.clone(),
+            enabled: true,
+        }
+    }
+
+    /// The restart path counts nothing (nothing is sent).
+    fn none() -> Self {
+        Counters {
+            signals_sent: Counter::default(),
+            errors: Family::default(),
+            enabled: false,
+        }
+    }
+
+    fn signal_sent(&self) {
+        if self.enabled {
+            self.signals_sent.inc();
+        }
+    }
+
+    fn error(&self, label: &str) {
+        if self.enabled {
+            self.errors
+                .get_or_create(&ModuleErrorLabels {
+                    module: MODULE.to_string(),
+                    error: label.to_string(),
+                })
+                .inc();
+        }
+    }
+}
+
+/// Count a thread left behind in a blocking call.
+fn count_stuck(errors: &Family<ModuleErrorLabels, Counter>) {
+    errors
+        .get_or_create(&ModuleErrorLabels {
+            module: MODULE.to_string(),
+            error: "stuck_thread".to_string(),
+        })
+        .inc();
+}
 
 /// What to checkpoint for (one notice).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -111,7 +203,39 @@ pub struct ContainerDelivery {
     pub notice: NoticeStatus,
     /// A container-level problem (no init process for `pid1`, root not openable).
     pub error: Option<String>,
-    dir: Option<CheckpointDir>,
+    dir: DirSlot,
+}
+
+/// The checkpoint dir of a container as delivery left it.
+#[derive(Debug)]
+enum DirSlot {
+    /// Open, with the stamps taken before the signal (or the restart path's anchor).
+    Ready(CheckpointDir, Freshness),
+    /// Its file thread did not answer within [`NOTICE_BUDGET`]; picked up by the watcher if it
+    /// ever does.
+    Late(mpsc::Receiver<FileJob>),
+    None,
+}
+
+/// What a container's file thread produced.
+type FileJob = (Result<CheckpointDir, super::Error>, Freshness, NoticeStatus);
+
+/// How an ack is judged "written after the signal" (see [`super::ack::FileStamp`]).
+#[derive(Clone, Debug, Default)]
+struct Freshness {
+    /// Stamps of the ack files just before the signal (absent: did not exist).
+    baseline: HashMap<String, FileStamp>,
+    /// Restart path: `notice.json` of this notice; acks count when they changed no earlier.
+    anchor: Option<FileStamp>,
+}
+
+impl Freshness {
+    fn fresh(&self, name: &str, stamp: &FileStamp) -> bool {
+        match &self.anchor {
+            Some(a) => stamp.ctime >= a.ctime,
+            None => self.baseline.get(name) != Some(stamp),
+        }
+    }
 }
 
 /// Where a group stands after [`deliver`] / [`plan_without_signal`].
@@ -128,6 +252,19 @@ pub enum DeliveryState {
     DryRun,
 }
 
+impl DeliveryState {
+    /// For logs.
+    pub fn label(&self) -> &'static str {
+        match self {
+            DeliveryState::Signalled => "signalled",
+            DeliveryState::NoHandler => "no_handler",
+            DeliveryState::Gone => "gone",
+            DeliveryState::Error(_) => "error",
+            DeliveryState::DryRun => "dry_run",
+        }
+    }
+}
+
 /// Delivery to one group.
 #[derive(Debug)]
 pub struct Delivery {
@@ -141,6 +278,7 @@ pub struct Delivery {
     /// When the first process of the group was signalled.
     pub signalled_at: Option<Timestamp>,
     pub containers: Vec<ContainerDelivery>,
+    proc: ProcFs,
 }
 
 impl Delivery {
@@ -173,89 +311,135 @@ pub struct GroupResult {
 }
 
 /// Write `notice.json` into every target container and signal every target of every group. Groups
-/// run concurrently, one thread each: a group is signalled as soon as its own notices are written,
-/// so a slow or hung checkpoint filesystem in one pod never delays another pod's signal. Blocking.
-pub fn deliver(
-    groups: &[TargetGroup],
-    req: &CheckpointRequest,
+/// run concurrently, one thread each: a group is signalled as soon as its own notices are written
+/// (or [`NOTICE_BUDGET`] ran out on a dir that does not answer), so a slow or hung checkpoint
+/// filesystem in one pod never delays another pod's signal. Blocks for at most
+/// [`DELIVER_BUDGET`]; a group whose thread has not finished by then is reported as an error and
+/// its thread abandoned.
+pub fn deliver(groups: &[TargetGroup], req: &CheckpointRequest, metrics: &Metrics) -> Vec<Delivery> {
+    run_groups(groups, req, Counters::of(metrics), Mode::Deliver)
+}
+
+/// [`deliver`] on a thread of its own: for async callers (the responder), which must not queue
+/// the signal behind tokio's blocking pool.
+pub async fn deliver_async(
+    groups: Vec<TargetGroup>,
+    req: CheckpointRequest,
     metrics: &Metrics,
 ) -> Vec<Delivery> {
-    let proc = ProcFs::default();
-    per_group(groups, |g| {
-        let staged = stage_group(&proc, g, req, metrics, Mode::Deliver);
-        signal_group(staged, req, metrics, Mode::Deliver)
+    let counters = Counters::of(metrics);
+    off_pool(groups.clone(), move |g| {
+        run_groups(&g, &req, counters, Mode::Deliver)
     })
+    .await
+    .unwrap_or_else(|| failed_all(&groups, "no thread for checkpoint delivery"))
 }
 
 /// After an agent restart: rebuild the deliveries from fresh discovery as if the processes had been
 /// signalled at `signalled_at` (same target filter; processes started after it are left out).
-/// Never writes and never signals. Blocking.
+/// Never writes and never signals. Blocks for at most [`DELIVER_BUDGET`].
 pub fn plan_without_signal(
     groups: &[TargetGroup],
     req: &CheckpointRequest,
     signalled_at: Timestamp,
 ) -> Vec<Delivery> {
-    let proc = ProcFs::default();
-    let mode = Mode::Replan {
-        signalled_at,
-        boot: proc.boot_time().ok(),
-    };
-    groups
-        .iter()
-        .map(|g| {
-            signal_group(
-                stage_group(&proc, g, req, &NoMetrics, mode),
-                req,
-                &NoMetrics,
-                mode,
-            )
-        })
-        .collect()
+    run_groups(groups, req, Counters::none(), Mode::Replan { signalled_at })
 }
 
-/// Run `f` for each group, on a scoped thread per group when there are several.
-fn per_group<F>(groups: &[TargetGroup], f: F) -> Vec<Delivery>
-where
-    F: Fn(&TargetGroup) -> Delivery + Sync,
-{
-    if groups.len() <= 1 {
-        return groups.iter().map(&f).collect();
-    }
-    std::thread::scope(|s| {
-        let handles: Vec<_> = groups
-            .iter()
-            .map(|g| {
-                let f = &f;
-                let handle = std::thread::Builder::new()
-                    .name("sg-deliver".into())
-                    .spawn_scoped(s, move || f(g));
-                (g, handle)
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|(g, h)| match h {
-                Ok(handle) => handle.join().unwrap_or_else(|_| {
-                    tracing::error!(group = %g.name, "checkpoint delivery thread panicked");
-                    Delivery {
-                        group: g.name.clone(),
-                        pod: g.pod.clone(),
-                        dir: g.dir.clone(),
-                        signal: g.signal,
-                        timeout: g.timeout,
-                        state: DeliveryState::Error("delivery thread panicked".into()),
-                        signalled_at: None,
-                        containers: Vec::new(),
-                    }
-                }),
-                // No thread available: deliver on this one.
-                Err(e) => {
-                    tracing::debug!(error = %e, "no thread for delivery, delivering inline");
-                    f(g)
-                }
-            })
-            .collect()
+/// [`plan_without_signal`] on a thread of its own.
+pub async fn plan_without_signal_async(
+    groups: Vec<TargetGroup>,
+    req: CheckpointRequest,
+    signalled_at: Timestamp,
+) -> Vec<Delivery> {
+    off_pool(groups.clone(), move |g| {
+        plan_without_signal(&g, &req, signalled_at)
     })
+    .await
+    .unwrap_or_else(|| failed_all(&groups, "no thread for checkpoint planning"))
+}
+
+/// Run `f(groups)` on a dedicated thread and await it (`None`: no thread could be started).
+async fn off_pool<F>(groups: Vec<TargetGroup>, f: F) -> Option<Vec<Delivery>>
+where
+    F: FnOnce(Vec<TargetGroup>) -> Vec<Delivery> + Send + 'static,
+{
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    std::thread::Builder::new()
+        .name("sg-ckpt".into())
+        .spawn(move || {
+            let _ = tx.send(f(groups));
+        })
+        .ok()?;
+    rx.await.ok()
+}
+
+fn failed_all(groups: &[TargetGroup], why: &str) -> Vec<Delivery> {
+    tracing::error!(reason = why, "checkpoint delivery could not run");
+    groups.iter().map(|g| failed_delivery(g, why.to_string())).collect()
+}
+
+fn failed_delivery(g: &TargetGroup, why: String) -> Delivery {
+    Delivery {
+        group: g.name.clone(),
+        pod: g.pod.clone(),
+        dir: g.dir.clone(),
+        signal: g.signal,
+        timeout: g.timeout,
+        state: DeliveryState::Error(why),
+        signalled_at: None,
+        containers: Vec::new(),
+        proc: ProcFs::new(g.proc_root.clone()),
+    }
+}
+
+/// One thread per group; wait for each until a shared wall-clock deadline, abandoning the late.
+fn run_groups(
+    groups: &[TargetGroup],
+    req: &CheckpointRequest,
+    counters: Counters,
+    mode: Mode,
+) -> Vec<Delivery> {
+    let deadline = Instant::now() + DELIVER_BUDGET;
+    let pending: Vec<Option<mpsc::Receiver<Delivery>>> = groups
+        .iter()
+        .map(|g| {
+            let (tx, rx) = mpsc::channel();
+            let (g2, req2, c2) = (g.clone(), req.clone(), counters.clone());
+            let started = spawn_thread("sg-ckpt-deliver", &counters, move || {
+                let proc = ProcFs::new(g2.proc_root.clone());
+                let staged = stage_group(&proc, &g2, &req2, &c2, mode);
+                let _ = tx.send(signal_group(staged, &req2, &c2, mode, proc));
+            });
+            started.then_some(rx)
+        })
+        .collect();
+    groups
+        .iter()
+        .zip(pending)
+        .map(|(g, rx)| {
+            let Some(rx) = rx else {
+                return failed_delivery(g, "no thread for this group's delivery".into());
+            };
+            match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+                Ok(d) => d,
+                Err(RecvTimeoutError::Timeout) => {
+                    let budget_ms = DELIVER_BUDGET.as_millis() as u64;
+                    tracing::error!(group = %g.name, budget_ms, "checkpoint delivery thread stuck; abandoned");
+                    count_stuck(&counters.errors);
+                    failed_delivery(
+                        g,
+                        format!("delivery did not finish within {budget_ms} ms (stuck in /proc or a filesystem); abandoned"),
+                    )
+                }
+                Err(RecvTimeoutError::Disconnected) => {
+                    tracing::error!(group = %g.name, "checkpoint delivery thread panicked");
+                    counters.error("panic");
+                    failed_delivery(g, "delivery thread panicked".into())
+                }
+            }
+        })
+        .collect()
 }
 
 /// A group whose targets are checked and pinned and whose notices are written.
@@ -264,35 +448,10 @@ struct Staged<'g> {
     containers: Vec<(ContainerDelivery, Vec<Prepared>)>,
 }
 
-/// Metric sink: the restart path counts nothing (nothing is sent).
-trait Counting: Sync {
-    fn signal_sent(&self);
-    fn error(&self, label: &str);
-}
-
-impl Counting for Metrics {
-    fn signal_sent(&self) {
-        self.signals_sent.inc();
-    }
-    fn error(&self, label: &str) {
-        Metrics::error(self, MODULE, label);
-    }
-}
-
-struct NoMetrics;
-
-impl Counting for NoMetrics {
-    fn signal_sent(&self) {}
-    fn error(&self, _: &str) {}
-}
-
 #[derive(Clone, Copy)]
 enum Mode {
     Deliver,
-    Replan {
-        signalled_at: Timestamp,
-        boot: Option<i64>,
-    },
+    Replan { signalled_at: Timestamp },
 }
 
 /// The processes of a container to consider, by target mode.
@@ -320,29 +479,22 @@ fn candidates(c: &TargetContainer, mode: TargetMode) -> Result<Vec<&super::Targe
 /// is gone, of another verified process of the container), or on the host.
 fn open_dir(
     proc: &ProcFs,
-    group: &TargetGroup,
-    c: &TargetContainer,
-    prepared: &[Prepared],
+    dir: &std::path::Path,
+    c_root: Option<i32>,
+    tries: &[(i32, u64)],
 ) -> Result<CheckpointDir, super::Error> {
-    let Some(root_pid) = c.root_pid else {
-        return CheckpointDir::host(&group.dir);
+    let Some(root_pid) = c_root else {
+        return CheckpointDir::host(dir);
     };
-    let mut tries: Vec<(i32, u64)> = c
-        .processes
-        .iter()
-        .filter(|p| p.pid == root_pid)
-        .map(|p| (p.pid, p.start_time))
-        .collect();
-    tries.extend(prepared.iter().map(|p| (p.pid, p.start_time)));
     let mut last = None;
     for (pid, start) in tries {
-        match CheckpointDir::in_root_of(proc, pid, start, &group.dir) {
+        match CheckpointDir::in_root_of(proc, *pid, *start, dir) {
             Ok(d) => return Ok(d),
             Err(e) => last = Some(e),
         }
     }
     Err(last.unwrap_or_else(|| super::Error::ReadAck {
-        target: format!("{} in /proc/{root_pid}/root", group.dir.display()),
+        target: format!("{} in /proc/{root_pid}/root", dir.display()),
         source: std::io::Error::other("root process is not among the container's processes"),
     }))
 }
@@ -356,20 +508,72 @@ fn group_span(req: &CheckpointRequest, group: &str) -> tracing::Span {
     )
 }
 
-/// Phase 1 for one group: check and pin the targets, write the notices.
+/// The file side of one container, on a thread of its own: open the dir, stamp the acks that
+/// already exist, write `notice.json` (deliver) or find the anchor (restart path).
+fn file_job(
+    proc: ProcFs,
+    dir: PathBuf,
+    root: Option<i32>,
+    tries: Vec<(i32, u64)>,
+    names: Vec<String>,
+    notice: NoticeFile,
+    mode: Mode,
+    dry_run: bool,
+    counters: Counters,
+) -> FileJob {
+    let opened = open_dir(&proc, &dir, root, &tries);
+    let mut fresh = Freshness::default();
+    let status = match &opened {
+        Err(e) => {
+            counters.error(e.metric_label());
+            NoticeStatus::Failed(e.to_string())
+        }
+        Ok(d) => match mode {
+            Mode::Replan { .. } => {
+                match d.read_notice_stamped() {
+                    Ok(Some((n, stamp))) if n.notice_id == notice.notice_id => {
+                        fresh.anchor = Some(stamp)
+                    }
+                    _ => fresh.baseline = d.stamps(&names),
+                }
+                NoticeStatus::AlreadyWritten
+            }
+            Mode::Deliver if dry_run => NoticeStatus::DryRun,
+            Mode::Deliver => {
+                fresh.baseline = d.stamps(&names);
+                match d.write_notice(&notice) {
+                    Ok(()) => NoticeStatus::Written,
+                    Err(e) => {
+                        counters.error(e.metric_label());
+                        NoticeStatus::Failed(e.to_string())
+                    }
+                }
+            }
+        },
+    };
+    (opened, fresh, status)
+}
+
+/// Phase 1 for one group: check and pin the targets, write the notices (each container's on its
+/// own file thread, waited for at most [`NOTICE_BUDGET`] in all).
 fn stage_group<'g>(
     proc: &ProcFs,
     group: &'g TargetGroup,
     req: &CheckpointRequest,
-    metrics: &dyn Counting,
+    counters: &Counters,
     mode: Mode,
 ) -> Staged<'g> {
     let span = group_span(req, &group.name);
     let _enter = span.enter();
     let notice = req.notice(group.signal);
     let require_handler = group.mode == TargetMode::Handlers;
+    let boot = match mode {
+        Mode::Replan { .. } => proc.boot_time().ok(),
+        Mode::Deliver => None,
+    };
 
     let mut staged: Vec<(ContainerDelivery, Vec<Prepared>)> = Vec::new();
+    let mut jobs: Vec<Option<mpsc::Receiver<FileJob>>> = Vec::new();
     for c in &group.containers {
         let mut cd = ContainerDelivery {
             name: c.name.clone(),
@@ -379,7 +583,7 @@ fn stage_group<'g>(
             skipped: Vec::new(),
             notice: NoticeStatus::NotNeeded,
             error: None,
-            dir: None,
+            dir: DirSlot::None,
         };
         let mut prepared = Vec::new();
         match candidates(c, group.mode) {
@@ -390,7 +594,7 @@ fn stage_group<'g>(
                         Err(reason) => {
                             if let NotSignalled::Failed(e) = &reason {
                                 tracing::warn!(pid = t.pid, error = %e, "cannot check checkpoint target");
-                                metrics.error("prepare");
+                                counters.error("prepare");
                             }
                             cd.skipped.push(SkippedProcess { pid: t.pid, reason });
                         }
@@ -402,7 +606,7 @@ fn stage_group<'g>(
                 cd.error = Some(e);
             }
         }
-        if let Mode::Replan { signalled_at, boot } = mode {
+        if let Mode::Replan { signalled_at } = mode {
             prepared.retain(|p| {
                 let late = started_after(p, signalled_at, boot);
                 if late {
@@ -414,37 +618,79 @@ fn stage_group<'g>(
                 !late
             });
         }
-        if !prepared.is_empty() {
-            match open_dir(proc, group, c, &prepared) {
-                Ok(dir) => {
-                    cd.notice = match mode {
-                        Mode::Replan { .. } => NoticeStatus::AlreadyWritten,
-                        Mode::Deliver if req.dry_run => {
-                            tracing::info!(dir = %dir.display(), notice = ?notice, "dry-run: would write notice.json");
-                            NoticeStatus::DryRun
-                        }
-                        Mode::Deliver => {
-                            let owner = prepared.first().map(|p| (p.uid, p.gid));
-                            match dir.write_notice(&notice, owner) {
-                                Ok(()) => NoticeStatus::Written,
-                                Err(e) => {
-                                    tracing::warn!(error = %e, "cannot write notice.json; signalling anyway");
-                                    metrics.error(e.metric_label());
-                                    NoticeStatus::Failed(e.to_string())
-                                }
-                            }
-                        }
-                    };
-                    cd.dir = Some(dir);
+        let job = if prepared.is_empty() {
+            None
+        } else {
+            let mut tries: Vec<(i32, u64)> = c
+                .processes
+                .iter()
+                .filter(|p| Some(p.pid) == c.root_pid)
+                .map(|p| (p.pid, p.start_time))
+                .collect();
+            tries.extend(prepared.iter().map(|p| (p.pid, p.start_time)));
+            let mut names: Vec<String> = prepared.iter().map(|p| ack_file_name(p.ns_pid)).collect();
+            names.push(PLAIN_ACK_FILE.to_string());
+            let (tx, rx) = mpsc::channel();
+            let (p2, dir, root, n2, c2) = (
+                proc.clone(),
+                group.dir.clone(),
+                c.root_pid,
+                notice.clone(),
+                counters.clone(),
+            );
+            let dry = req.dry_run;
+            let started = spawn_thread("sg-ckpt-file", counters, move || {
+                let _ = tx.send(file_job(p2, dir, root, tries, names, n2, mode, dry, c2));
+            });
+            if started {
+                Some(rx)
+            } else {
+                cd.notice = NoticeStatus::Failed("no thread for the checkpoint dir".into());
+                None
+            }
+        };
+        jobs.push(job);
+        staged.push((cd, prepared));
+    }
+
+    // Collect the file threads against one deadline; a dir that does not answer in time is left
+    // to the watcher, and its processes are signalled without notice.json.
+    let deadline = Instant::now() + NOTICE_BUDGET;
+    for ((cd, _), job) in staged.iter_mut().zip(jobs) {
+        let Some(rx) = job else { continue };
+        match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+            Ok((Ok(dir), fresh, status)) => {
+                match &status {
+                    NoticeStatus::DryRun => {
+                        tracing::info!(dir = %dir.display(), notice_id = %notice.notice_id, "dry-run: would write notice.json")
+                    }
+                    NoticeStatus::Failed(e) => {
+                        tracing::warn!(container = %cd.name, error = %e, "cannot write notice.json; signalling anyway")
+                    }
+                    _ => {}
                 }
-                Err(e) => {
-                    tracing::warn!(error = %e, "cannot open the checkpoint dir; signalling anyway");
-                    metrics.error(e.metric_label());
-                    cd.notice = NoticeStatus::Failed(e.to_string());
-                }
+                cd.notice = status;
+                cd.dir = DirSlot::Ready(dir, fresh);
+            }
+            Ok((Err(e), _, status)) => {
+                tracing::warn!(container = %cd.name, error = %e, "cannot open the checkpoint dir; signalling anyway");
+                cd.notice = status;
+            }
+            Err(RecvTimeoutError::Timeout) => {
+                let budget_ms = NOTICE_BUDGET.as_millis() as u64;
+                tracing::warn!(container = %cd.name, dir = %group.dir.display(), budget_ms, "checkpoint dir does not answer (hung filesystem?); signalling without notice.json");
+                counters.error("dir_timeout");
+                count_stuck(&counters.errors);
+                cd.notice = NoticeStatus::Failed(format!(
+                    "checkpoint dir did not answer within {budget_ms} ms (hung filesystem?)"
+                ));
+                cd.dir = DirSlot::Late(rx);
+            }
+            Err(RecvTimeoutError::Disconnected) => {
+                counters.error("panic");
+                cd.notice = NoticeStatus::Failed("checkpoint dir thread panicked".into());
             }
         }
-        staged.push((cd, prepared));
     }
     Staged {
         group,
@@ -456,8 +702,9 @@ fn stage_group<'g>(
 fn signal_group(
     staged: Staged<'_>,
     req: &CheckpointRequest,
-    metrics: &dyn Counting,
+    counters: &Counters,
     mode: Mode,
+    proc: ProcFs,
 ) -> Delivery {
     let group = staged.group;
     let span = group_span(req, &group.name);
@@ -467,7 +714,7 @@ fn signal_group(
     for (mut cd, prepared) in staged.containers {
         for p in prepared {
             match mode {
-                Mode::Replan { signalled_at, .. } => {
+                Mode::Replan { signalled_at } => {
                     first_signal.get_or_insert(signalled_at);
                     cd.signalled.push(signalled(&p, signalled_at));
                 }
@@ -476,7 +723,7 @@ fn signal_group(
                     let at = Timestamp::now();
                     match signal::send(&p, group.signal) {
                         Ok(()) => {
-                            metrics.signal_sent();
+                            counters.signal_sent();
                             first_signal.get_or_insert(at);
                             cd.signalled.push(signalled(&p, at));
                         }
@@ -484,7 +731,7 @@ fn signal_group(
                             let reason = signal::send_failure(&e);
                             if matches!(reason, NotSignalled::Failed(_)) {
                                 tracing::warn!(pid = p.pid, error = %e, "checkpoint signal failed");
-                                metrics.error(e.metric_label());
+                                counters.error(e.metric_label());
                             }
                             cd.skipped.push(SkippedProcess { pid: p.pid, reason });
                         }
@@ -496,22 +743,28 @@ fn signal_group(
     }
 
     let state = delivery_state(req.dry_run && matches!(mode, Mode::Deliver), &containers);
+    let pids = |c: &[ContainerDelivery]| {
+        c.iter()
+            .flat_map(|c| c.signalled.iter().map(|p| p.pid.to_string()))
+            .collect::<Vec<_>>()
+            .join(",")
+    };
     match &state {
         DeliveryState::Signalled if matches!(mode, Mode::Deliver) => tracing::info!(
             signal = %group.signal,
-            pids = ?containers.iter().flat_map(|c| c.signalled.iter().map(|p| p.pid)).collect::<Vec<_>>(),
+            pids = %pids(&containers),
             "checkpoint signal sent"
         ),
         DeliveryState::Signalled => tracing::info!(
-            pids = ?containers.iter().flat_map(|c| c.signalled.iter().map(|p| p.pid)).collect::<Vec<_>>(),
+            pids = %pids(&containers),
             "resuming the wait for acks of processes signalled before the restart"
         ),
         DeliveryState::DryRun => tracing::info!(
             signal = %group.signal,
-            pids = ?containers.iter().flat_map(|c| c.would_signal.iter().copied()).collect::<Vec<_>>(),
+            pids = %containers.iter().flat_map(|c| c.would_signal.iter().map(|p| p.to_string())).collect::<Vec<_>>().join(","),
             "dry-run: would send the checkpoint signal"
         ),
-        other => tracing::info!(state = ?other, "no checkpoint signal sent"),
+        other => tracing::info!(state = other.label(), "no checkpoint signal sent"),
     }
     Delivery {
         group: group.name.clone(),
@@ -522,6 +775,7 @@ fn signal_group(
         state,
         signalled_at: first_signal,
         containers,
+        proc,
     }
 }
 
@@ -589,10 +843,12 @@ fn delivery_state(dry_run: bool, containers: &[ContainerDelivery]) -> DeliverySt
 #[derive(Clone, Debug, PartialEq)]
 enum ProcState {
     Pending {
+        /// When a `received` ack was first seen (agent clock).
         received: Option<Timestamp>,
     },
     Acked {
         state: AckState,
+        /// When the terminal ack was first seen (agent clock).
         at: Timestamp,
         note: String,
     },
@@ -612,7 +868,8 @@ struct ProcWatch {
 #[derive(Debug)]
 struct ContainerWatch {
     name: String,
-    dir: Option<CheckpointDir>,
+    dir: DirSlot,
+    /// When the plain `ack` was first seen (agent clock).
     plain_ack: Option<Timestamp>,
     procs: Vec<ProcWatch>,
 }
@@ -636,80 +893,133 @@ struct GroupWatch {
     containers: Vec<ContainerWatch>,
     notice_problems: Vec<String>,
     result: Option<GroupResult>,
-    /// The result has been counted and logged.
-    recorded: bool,
+    proc: ProcFs,
 }
 
 /// Wait for every delivery to finish (acks, exits, plain ack) or run out of budget; one result per
-/// delivery, in order. Counts `spotguard_checkpoint_total{outcome}` and the ack-latency histogram.
-/// On `cancel` (agent shutting down) unfinished groups end with `error` ("cancelled"), uncounted.
+/// delivery, in order. Each group is watched by a thread of its own; its budget is enforced here,
+/// so a watcher stuck in a hung filesystem ends its group with `timeout` (the thread is abandoned
+/// and counted) while every other group goes on. Counts `spotguard_checkpoint_total{outcome}` and
+/// the ack-latency histogram as each group finishes. On `cancel` (agent shutting down, or the
+/// deadline moved earlier) unfinished groups end with `error` ("cancelled"), uncounted.
 pub async fn wait(
     deliveries: Vec<Delivery>,
     req: &CheckpointRequest,
     metrics: &Metrics,
     cancel: &CancellationToken,
 ) -> Vec<GroupResult> {
-    let mut watches: Vec<GroupWatch> = deliveries.into_iter().map(|d| watch(d, req)).collect();
-    let proc = ProcFs::default();
-    let mut first = true;
-    loop {
-        for w in watches.iter_mut().filter(|w| !w.recorded) {
-            if let Some(r) = &w.result {
-                record(r, req, metrics);
-                w.recorded = true;
+    use futures::stream::{FuturesUnordered, StreamExt};
+    let mut results: Vec<Option<GroupResult>> = Vec::with_capacity(deliveries.len());
+    let mut running = FuturesUnordered::new();
+    for (i, d) in deliveries.into_iter().enumerate() {
+        let mut w = watch(d, req);
+        match w.result.take() {
+            Some(r) => {
+                record(&r, req, metrics);
+                results.push(Some(r));
+            }
+            None => {
+                results.push(None);
+                running.push(watch_group(i, w, cancel.clone(), metrics.errors.clone()));
             }
         }
-        if watches.iter().all(|w| w.result.is_some()) {
-            break;
-        }
-        let cancelled = if first {
-            cancel.is_cancelled()
-        } else {
-            tokio::select! {
-                _ = tokio::time::sleep(POLL_INTERVAL) => false,
-                _ = cancel.cancelled() => true,
-            }
-        };
-        first = false;
-        if cancelled {
-            for w in watches.iter_mut().filter(|w| w.result.is_none()) {
-                let detail = format!(
-                    "cancelled (agent shutting down) while waiting: {}",
-                    pending_detail(w)
-                );
-                w.result = Some(GroupResult {
-                    group: w.group.clone(),
-                    pod: w.pod.clone(),
-                    outcome: Outcome::Error,
-                    signalled: w.containers.iter().map(|c| c.procs.len()).sum(),
-                    signalled_at: Some(w.signalled_at),
-                    ack_latency: None,
-                    detail,
-                });
-                w.recorded = true;
-            }
-            break;
-        }
-        let p = proc.clone();
-        let polled = tokio::task::spawn_blocking(move || {
-            let now = Timestamp::now();
-            for w in watches.iter_mut().filter(|w| w.result.is_none()) {
-                poll_group(&p, w, now);
-            }
-            watches
-        })
-        .await;
-        watches = match polled {
-            Ok(w) => w,
-            Err(e) => {
-                // The poll closure does not panic; a failed join leaves nothing to report on.
-                tracing::error!(error = %e, "checkpoint ack poll failed");
-                metrics.error(MODULE, "poll");
-                return Vec::new();
-            }
-        };
     }
-    watches.into_iter().filter_map(|w| w.result).collect()
+    while let Some((i, r, count)) = running.next().await {
+        if count {
+            record(&r, req, metrics);
+        }
+        if let Some(slot) = results.get_mut(i) {
+            *slot = Some(r);
+        }
+    }
+    results.into_iter().flatten().collect()
+}
+
+/// Watch one group on its own thread; the budget (plus [`WATCH_GRACE`]) and `cancel` are enforced
+/// here. Returns the group's index, its result and whether to count it.
+async fn watch_group(
+    i: usize,
+    mut w: GroupWatch,
+    cancel: CancellationToken,
+    errors: Family<ModuleErrorLabels, Counter>,
+) -> (usize, GroupResult, bool) {
+    let until_deadline = Duration::try_from(
+        w.deadline
+            .duration_since(Timestamp::now())
+            .max(SignedDuration::ZERO),
+    )
+    .unwrap_or_default();
+    let give_up = tokio::time::Instant::now() + until_deadline + WATCH_GRACE;
+    let budget_s = w.deadline.duration_since(w.signalled_at).as_secs_f64();
+    let detail = Arc::new(Mutex::new(pending_detail(&w)));
+    let stop = Arc::new(AtomicBool::new(false));
+    let base = GroupResult {
+        group: w.group.clone(),
+        pod: w.pod.clone(),
+        outcome: Outcome::Error,
+        signalled: w.containers.iter().map(|c| c.procs.len()).sum(),
+        signalled_at: Some(w.signalled_at),
+        ack_latency: None,
+        detail: String::new(),
+    };
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let (d2, s2) = (detail.clone(), stop.clone());
+    let spawned = std::thread::Builder::new()
+        .name("sg-ckpt-watch".into())
+        .spawn(move || loop {
+            poll_group(&mut w, Timestamp::now());
+            if let Some(r) = w.result.take() {
+                let _ = tx.send(r);
+                return;
+            }
+            let text = pending_detail(&w);
+            if let Ok(mut g) = d2.lock() {
+                *g = text;
+            }
+            if s2.load(Ordering::Relaxed) {
+                return;
+            }
+            std::thread::sleep(POLL_INTERVAL);
+        });
+    if let Err(e) = spawned {
+        tracing::error!(group = %base.group, error = %e, "cannot start a checkpoint watcher thread");
+        return (
+            i,
+            GroupResult {
+                detail: format!("no thread to watch this group: {e}"),
+                ..base
+            },
+            true,
+        );
+    }
+    let last = |detail: &Arc<Mutex<String>>| detail.lock().map(|g| g.clone()).unwrap_or_default();
+    tokio::select! {
+        r = rx => match r {
+            Ok(r) => (i, r, true),
+            Err(_) => {
+                tracing::error!(group = %base.group, "checkpoint watcher thread panicked");
+                (i, GroupResult { detail: "watcher thread panicked".into(), ..base }, true)
+            }
+        },
+        _ = tokio::time::sleep_until(give_up) => {
+            stop.store(true, Ordering::Relaxed);
+            count_stuck(&errors);
+            tracing::error!(group = %base.group, budget_s, "checkpoint watcher stuck past the budget (hung filesystem?); abandoned");
+            let detail = format!(
+                "no terminal ack within {budget_s:.1}s, and the watcher is stuck in a filesystem or /proc call (hung mount?): {}",
+                last(&detail)
+            );
+            (i, GroupResult { outcome: Outcome::Timeout, detail, ..base }, true)
+        }
+        _ = cancel.cancelled() => {
+            stop.store(true, Ordering::Relaxed);
+            let detail = format!(
+                "cancelled (agent shutting down) while waiting: {}",
+                last(&detail)
+            );
+            (i, GroupResult { detail, ..base }, false)
+        }
+    }
 }
 
 fn record(r: &GroupResult, req: &CheckpointRequest, metrics: &Metrics) {
@@ -735,7 +1045,7 @@ fn record(r: &GroupResult, req: &CheckpointRequest, metrics: &Metrics) {
     }
     match r.outcome {
         Outcome::Acked => {
-            tracing::info!(outcome = "acked", latency = ?r.ack_latency, detail = %r.detail, "checkpoint finished")
+            tracing::info!(outcome = "acked", ack_ms = r.ack_latency.map(|d| d.as_millis() as u64).unwrap_or(0), detail = %r.detail, "checkpoint finished")
         }
         o => tracing::warn!(outcome = o.as_str(), detail = %r.detail, "checkpoint finished"),
     }
@@ -841,7 +1151,7 @@ fn watch(d: Delivery, req: &CheckpointRequest) -> GroupWatch {
             .collect(),
         notice_problems,
         result,
-        recorded: false,
+        proc: d.proc,
     }
 }
 
@@ -858,13 +1168,6 @@ fn skipped_detail(containers: &[ContainerDelivery]) -> Option<String> {
     (!parts.is_empty()).then(|| parts.join(", "))
 }
 
-fn fresh(mtime: Timestamp, signalled_at: Timestamp) -> bool {
-    mtime
-        >= signalled_at
-            .checked_sub(ACK_CLOCK_SLACK)
-            .unwrap_or(signalled_at)
-}
-
 fn ack_note(ack: &super::ack::AckFile) -> String {
     let mut note = String::new();
     if let Some(step) = &ack.step {
@@ -877,27 +1180,29 @@ fn ack_note(ack: &super::ack::AckFile) -> String {
 }
 
 /// One poll of one group: read acks, check exits, decide.
-fn poll_group(proc: &ProcFs, w: &mut GroupWatch, now: Timestamp) {
+fn poll_group(w: &mut GroupWatch, now: Timestamp) {
+    let proc = w.proc.clone();
     for c in &mut w.containers {
         if c.plain_ack.is_some() {
             continue;
         }
-        let Some(dir) = &c.dir else {
-            // No dir: only exits can finish these processes.
+        if let DirSlot::Late(rx) = &c.dir {
+            c.dir = match rx.try_recv() {
+                Ok((Ok(dir), fresh, _)) => DirSlot::Ready(dir, fresh),
+                Ok((Err(_), _, _)) | Err(mpsc::TryRecvError::Disconnected) => DirSlot::None,
+                Err(mpsc::TryRecvError::Empty) => std::mem::replace(&mut c.dir, DirSlot::None),
+            };
+        }
+        let DirSlot::Ready(dir, fresh) = &c.dir else {
+            // No dir (yet): only exits can finish these processes.
             for p in &mut c.procs {
-                check_exit(proc, None, p, now);
+                check_exit(&proc, None, p, now);
             }
             continue;
         };
-        let first_signal = c
-            .procs
-            .iter()
-            .map(|p| p.process.signalled_at)
-            .min()
-            .unwrap_or(w.signalled_at);
         match dir.plain_ack() {
-            Ok(Some(mtime)) if fresh(mtime, first_signal) => {
-                c.plain_ack = Some(mtime);
+            Ok(Some(stamp)) if fresh.fresh(PLAIN_ACK_FILE, &stamp) => {
+                c.plain_ack = Some(now);
                 continue;
             }
             Ok(_) => {}
@@ -905,8 +1210,8 @@ fn poll_group(proc: &ProcFs, w: &mut GroupWatch, now: Timestamp) {
         }
         for p in &mut c.procs {
             if matches!(p.state, ProcState::Pending { .. }) {
-                read_ack(dir, p);
-                check_exit(proc, Some(dir), p, now);
+                read_ack(dir, fresh, p, now);
+                check_exit(&proc, Some((dir, fresh)), p, now);
             }
         }
     }
@@ -930,18 +1235,18 @@ fn poll_group(proc: &ProcFs, w: &mut GroupWatch, now: Timestamp) {
     }
 }
 
-fn read_ack(dir: &CheckpointDir, p: &mut ProcWatch) {
+fn read_ack(dir: &CheckpointDir, fresh: &Freshness, p: &mut ProcWatch, now: Timestamp) {
     match dir.read_ack(p.process.ns_pid) {
-        Ok(Some(ack)) if fresh(ack.mtime, p.process.signalled_at) => {
+        Ok(Some(ack)) if fresh.fresh(&ack_file_name(p.process.ns_pid), &ack.stamp) => {
             p.problem = None;
             if ack.file.state.is_terminal() {
                 p.state = ProcState::Acked {
                     state: ack.file.state,
-                    at: ack.mtime,
+                    at: now,
                     note: ack_note(&ack.file),
                 };
             } else if let ProcState::Pending { received } = &mut p.state {
-                received.get_or_insert(ack.mtime);
+                received.get_or_insert(now);
             }
         }
         Ok(_) => {}
@@ -949,7 +1254,12 @@ fn read_ack(dir: &CheckpointDir, p: &mut ProcWatch) {
     }
 }
 
-fn check_exit(proc: &ProcFs, dir: Option<&CheckpointDir>, p: &mut ProcWatch, now: Timestamp) {
+fn check_exit(
+    proc: &ProcFs,
+    dir: Option<(&CheckpointDir, &Freshness)>,
+    p: &mut ProcWatch,
+    now: Timestamp,
+) {
     if !matches!(p.state, ProcState::Pending { .. }) {
         return;
     }
@@ -957,8 +1267,8 @@ fn check_exit(proc: &ProcFs, dir: Option<&CheckpointDir>, p: &mut ProcWatch, now
         Ok(true) => {}
         Ok(false) => {
             // It may have written `done` between the read above and its exit.
-            if let Some(dir) = dir {
-                read_ack(dir, p);
+            if let Some((dir, fresh)) = dir {
+                read_ack(dir, fresh, p, now);
             }
             if matches!(p.state, ProcState::Pending { .. }) {
                 p.state = ProcState::Exited { at: now };
@@ -1093,7 +1403,7 @@ mod tests {
             containers,
             notice_problems: Vec::new(),
             result: None,
-            recorded: false,
+            proc: ProcFs::default(),
         }
     }
 
@@ -1134,7 +1444,7 @@ mod tests {
                 .collect();
             let c = ContainerWatch {
                 name: "c".into(),
-                dir: None,
+                dir: DirSlot::None,
                 plain_ack: None,
                 procs,
             };
@@ -1149,7 +1459,7 @@ mod tests {
         // latency is to the last terminal ack
         let c = ContainerWatch {
             name: "c".into(),
-            dir: None,
+            dir: DirSlot::None,
             plain_ack: None,
             procs: vec![
                 proc_in(acked(AckState::Done, t1), 1, t0),
@@ -1167,7 +1477,7 @@ mod tests {
         let t0 = Timestamp::from_second(1_700_000_000).unwrap();
         let c = ContainerWatch {
             name: "trainer".into(),
-            dir: None,
+            dir: DirSlot::None,
             plain_ack: Some(t0 + Duration::from_secs(2)),
             procs: vec![proc_in(ProcState::Pending { received: None }, 1, t0)],
         };
@@ -1179,11 +1489,27 @@ mod tests {
     }
 
     #[test]
-    fn acks_within_the_clock_slack_count() {
-        let t0 = Timestamp::from_second(1_700_000_000).unwrap();
-        assert!(fresh(t0, t0));
-        assert!(fresh(t0 - Duration::from_millis(20), t0));
-        assert!(!fresh(t0 - Duration::from_millis(200), t0));
-        assert!(fresh(Timestamp::MIN, Timestamp::MIN));
+    fn freshness_compares_stamps_not_clocks() {
+        let stamp = |ino: u64, ctime: i64| FileStamp {
+            dev: 1,
+            ino,
+            size: 10,
+            ctime: (ctime, 0),
+            mtime: (0, 0),
+        };
+        let mut f = Freshness::default();
+        // absent before the signal: any ack counts, whatever its times say
+        assert!(f.fresh("ack-1.json", &stamp(5, 0)));
+        f.baseline.insert("ack-1.json".into(), stamp(5, 100));
+        assert!(!f.fresh("ack-1.json", &stamp(5, 100)));
+        assert!(f.fresh("ack-1.json", &stamp(6, 100)));
+        assert!(f.fresh("ack-1.json", &stamp(5, 101)));
+        // restart path: no earlier than notice.json of this notice, same filesystem clock
+        let anchor = Freshness {
+            baseline: HashMap::new(),
+            anchor: Some(stamp(9, 200)),
+        };
+        assert!(!anchor.fresh("ack-1.json", &stamp(6, 199)));
+        assert!(anchor.fresh("ack-1.json", &stamp(6, 200)));
     }
 }

@@ -17,9 +17,15 @@
 //! - Events: create / patch in `events.k8s.io/v1` and core `v1`, validated like the real server.
 //! - Discovery documents (`/api`, `/apis`, `/api/v1`, …) so that kubectl can talk to it.
 //!
-//! Knobs for tests and benches: per-request latency, injected 500 / 409 on the next node writes,
-//! the kubelet deletion delay, stuck pods. Inspection: objects, events, the request log and the
-//! number of mutating requests.
+//! - Pod watches (`watch=true` on the pod collections): `resourceVersion` (empty or `0`: the
+//!   current pods as ADDED first; otherwise every change after it, `410 Gone` as an ERROR event
+//!   when it is older than the kept history), `fieldSelector` / `labelSelector` applied to each
+//!   event's object, `timeoutSeconds` (the server ends the watch). No bookmarks.
+//!
+//! Knobs for tests and benches: per-request latency, faults per request kind ([`Fault::Delay`]:
+//! answer after a delay; [`Fault::Blackhole`]: accept the request and never answer), injected
+//! 500 / 409 on the next node writes, the kubelet deletion delay, stuck pods. Inspection: objects,
+//! events, the request log and the number of mutating requests.
 
 use std::collections::{BTreeMap, HashSet, VecDeque};
 use std::net::SocketAddr;
@@ -121,6 +127,8 @@ impl Drop for FakeApiServer {
 
 struct Shared {
     store: Mutex<Store>,
+    /// Woken on every pod change (watches).
+    pods_changed: tokio::sync::Notify,
 }
 
 impl Shared {
@@ -142,9 +150,74 @@ struct StoredEvent {
     obj: Value,
 }
 
+/// Which kind of request a [`Fault`] applies to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum RequestKind {
+    /// `GET` of a pod collection (not a watch).
+    PodList,
+    /// `GET` of a pod collection with `watch=true`.
+    PodWatch,
+    /// `GET` of one pod.
+    PodGet,
+    /// `DELETE` of a pod.
+    PodDelete,
+    /// `POST …/eviction`.
+    Eviction,
+    /// `GET` of nodes.
+    NodeGet,
+    /// `PATCH` / `PUT` of a node or its status.
+    NodeWrite,
+    /// Events (either API).
+    Event,
+    /// Anything else (discovery, PDBs, …).
+    Other,
+}
+
+/// What to do to the requests of one [`RequestKind`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fault {
+    /// Answer after this delay.
+    Delay(Duration),
+    /// Accept the request and never answer (a silently dropping API server or proxy).
+    Blackhole,
+}
+
+fn request_kind(method: &Method, segs: &[&str], q: &Query) -> RequestKind {
+    let watch = matches!(qget(q, "watch"), Some("true" | "1"));
+    match (method.as_str(), segs) {
+        ("GET", ["api", "v1", "pods"]) | ("GET", ["api", "v1", "namespaces", _, "pods"]) => {
+            if watch {
+                RequestKind::PodWatch
+            } else {
+                RequestKind::PodList
+            }
+        }
+        ("GET", ["api", "v1", "namespaces", _, "pods", _]) => RequestKind::PodGet,
+        ("DELETE", ["api", "v1", "namespaces", _, "pods", _]) => RequestKind::PodDelete,
+        ("POST", ["api", "v1", "namespaces", _, "pods", _, "eviction"]) => RequestKind::Eviction,
+        ("GET", ["api", "v1", "nodes", ..]) => RequestKind::NodeGet,
+        ("PATCH" | "PUT", ["api", "v1", "nodes", ..]) => RequestKind::NodeWrite,
+        (_, ["api", "v1", "namespaces", _, "events", ..])
+        | (_, ["apis", "events.k8s.io", "v1", "namespaces", _, "events", ..]) => RequestKind::Event,
+        _ => RequestKind::Other,
+    }
+}
+
+/// How many pod changes the watch history keeps (older resourceVersions get `410 Gone`).
+const POD_HISTORY: usize = 4096;
+
+/// One pod change, for watches.
+struct PodChange {
+    rv: u64,
+    kind: &'static str,
+    obj: Value,
+}
+
 #[derive(Default)]
 struct Knobs {
     latency: Duration,
+    /// Per-kind faults; `None` key: every kind without its own.
+    faults: std::collections::HashMap<Option<RequestKind>, Fault>,
     node_write_faults: VecDeque<u16>,
     deletion_delay: Duration,
     stuck: HashSet<(String, String)>,
@@ -165,6 +238,7 @@ struct Store {
     served: Duration,
     knobs: Knobs,
     port: u16,
+    pod_history: VecDeque<PodChange>,
 }
 
 impl FakeApiServer {
@@ -177,6 +251,7 @@ impl FakeApiServer {
                 port: addr.port(),
                 ..Store::default()
             }),
+            pods_changed: tokio::sync::Notify::new(),
         });
         let app = axum::Router::new()
             .fallback(handle)
@@ -246,7 +321,27 @@ impl FakeApiServer {
         obj["metadata"]["namespace"] = json!(ns);
         let name = str_at(&obj, "/metadata/name").to_string();
         s.stamp_new(&mut obj);
+        let kind = if s.pods.contains_key(&(ns.clone(), name.clone())) {
+            "MODIFIED"
+        } else {
+            "ADDED"
+        };
+        s.pod_changed(kind, &obj);
         s.pods.insert((ns, name), StoredPod { obj, gone_at: None });
+        drop(s);
+        self.shared.pods_changed.notify_waiters();
+    }
+
+    /// Remove a pod at once (the kubelet and the registry are done with it).
+    pub fn remove_pod(&self, namespace: &str, name: &str) {
+        let mut s = self.shared.lock();
+        if let Some(p) = s.pods.remove(&(namespace.to_string(), name.to_string())) {
+            let mut obj = p.obj;
+            obj["metadata"]["resourceVersion"] = json!(s.bump());
+            s.pod_changed("DELETED", &obj);
+        }
+        drop(s);
+        self.shared.pods_changed.notify_waiters();
     }
 
     /// A policy/v1 PodDisruptionBudget selecting pods by `matchLabels`.
@@ -276,10 +371,17 @@ impl FakeApiServer {
     pub fn set_pod_phase(&self, namespace: &str, name: &str, phase: &str) {
         let mut s = self.shared.lock();
         let rv = s.bump();
+        let mut changed = None;
         if let Some(p) = s.pods.get_mut(&(namespace.to_string(), name.to_string())) {
             p.obj["status"]["phase"] = json!(phase);
             p.obj["metadata"]["resourceVersion"] = json!(rv);
+            changed = Some(p.obj.clone());
         }
+        if let Some(obj) = changed {
+            s.pod_changed("MODIFIED", &obj);
+        }
+        drop(s);
+        self.shared.pods_changed.notify_waiters();
     }
 
     // === knobs ===
@@ -287,6 +389,25 @@ impl FakeApiServer {
     /// Delay every request by this much before it is handled.
     pub fn set_latency(&self, latency: Duration) {
         self.shared.lock().knobs.latency = latency;
+    }
+
+    /// Apply `fault` to every new request of `kind` (`None`: of every kind that has no fault of
+    /// its own); `fault: None` removes it. Requests already being answered are not affected.
+    pub fn set_fault(&self, kind: Option<RequestKind>, fault: Option<Fault>) {
+        let mut s = self.shared.lock();
+        match fault {
+            Some(f) => {
+                s.knobs.faults.insert(kind, f);
+            }
+            None => {
+                s.knobs.faults.remove(&kind);
+            }
+        }
+    }
+
+    /// Remove every fault.
+    pub fn clear_faults(&self) {
+        self.shared.lock().knobs.faults.clear();
     }
 
     /// Answer the next `n` node writes (PATCH / PUT, object or status) with `code` (500 or 409),
@@ -505,7 +626,10 @@ async fn handle(State(shared): State<Arc<Shared>>, req: Request) -> Response {
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
         .map(|s| s.split(';').next().unwrap_or("").trim().to_string());
-    let latency = {
+    let segs: Vec<&str> = path.split('/').filter(|s| !s.is_empty()).collect();
+    let q = parse_query(&query);
+    let kind = request_kind(&method, &segs, &q);
+    let (latency, fault) = {
         let mut s = shared.lock();
         let rec = RecordedRequest {
             method: method.to_string(),
@@ -520,13 +644,32 @@ async fn handle(State(shared): State<Arc<Shared>>, req: Request) -> Response {
         s.requests.push(rec);
         let latency = s.knobs.latency;
         s.served += latency;
-        latency
+        let fault = s
+            .knobs
+            .faults
+            .get(&Some(kind))
+            .or_else(|| s.knobs.faults.get(&None))
+            .copied();
+        (latency, fault)
     };
     if !latency.is_zero() {
         tokio::time::sleep(latency).await;
     }
-    let result = {
+    match fault {
+        Some(Fault::Delay(d)) => tokio::time::sleep(d).await,
+        Some(Fault::Blackhole) => std::future::pending::<()>().await,
+        None => {}
+    }
+    if kind == RequestKind::PodWatch {
+        let ns = match segs.as_slice() {
+            ["api", "v1", "namespaces", ns, "pods"] => Some(ns.to_string()),
+            _ => None,
+        };
+        return watch_pods(shared, ns, &q);
+    }
+    let (result, changed) = {
         let mut s = shared.lock();
+        let before = s.rv;
         s.purge();
         let refused = s
             .knobs
@@ -534,7 +677,7 @@ async fn handle(State(shared): State<Arc<Shared>>, req: Request) -> Response {
             .iter()
             .find(|(m, p, _)| *m == method.as_str() && *p == path)
             .map(|(_, _, code)| *code);
-        match refused {
+        let r = match refused {
             Some(code) => Err(ApiErr::new(
                 code,
                 if code == 403 {
@@ -544,13 +687,133 @@ async fn handle(State(shared): State<Arc<Shared>>, req: Request) -> Response {
                 },
                 format!("{method} {path} refused by the test"),
             )),
-            None => {
-                let q = parse_query(&query);
-                s.route(&method, &path, &q, content_type.as_deref(), &bytes)
+            None => s.route(&method, &path, &q, content_type.as_deref(), &bytes),
+        };
+        (r, before != s.rv)
+    };
+    if changed {
+        shared.pods_changed.notify_waiters();
+    }
+    respond(result)
+}
+
+/// A pod watch: stream `{"type", "object"}` lines, one per change after the requested
+/// resourceVersion, filtered by the selectors, until `timeoutSeconds`.
+fn watch_pods(shared: Arc<Shared>, ns: Option<String>, q: &Query) -> Response {
+    let pod_fields = [
+        "metadata.name",
+        "metadata.namespace",
+        "spec.nodeName",
+        "spec.restartPolicy",
+        "spec.schedulerName",
+        "spec.serviceAccountName",
+        "spec.hostNetwork",
+        "status.phase",
+        "status.podIP",
+        "status.nominatedNodeName",
+    ];
+    let fs = match parse_field_selector(qget(q, "fieldSelector").unwrap_or(""), &pod_fields) {
+        Ok(f) => f,
+        Err(e) => return respond(Err(e)),
+    };
+    let ls = match parse_label_selector(qget(q, "labelSelector").unwrap_or("")) {
+        Ok(l) => l,
+        Err(e) => return respond(Err(e)),
+    };
+    let timeout = qget(q, "timeoutSeconds")
+        .and_then(|t| t.parse::<u64>().ok())
+        .map(Duration::from_secs)
+        .unwrap_or(Duration::from_secs(1800));
+    let matches = Arc::new(move |obj: &Value| {
+        ns.as_deref()
+            .is_none_or(|n| str_at(obj, "/metadata/namespace") == n)
+            && fields_match(obj, &fs)
+            && labels_match(obj, &ls)
+    });
+    let line = |kind: &str, obj: &Value| {
+        let mut l = json!({ "type": kind, "object": obj }).to_string();
+        l.push('\n');
+        bytes::Bytes::from(l)
+    };
+    // The starting point and the initial lines.
+    let mut first: Vec<bytes::Bytes> = Vec::new();
+    let start_rv = {
+        let mut s = shared.lock();
+        s.purge();
+        match qget(q, "resourceVersion").unwrap_or("") {
+            "" | "0" => {
+                for p in s.pods.values().filter(|p| matches(&p.obj)) {
+                    first.push(line("ADDED", &p.obj));
+                }
+                s.rv
             }
+            v => match v.parse::<u64>() {
+                Ok(rv) if s.pod_history.front().is_some_and(|c| c.rv > rv + 1) => {
+                    let status = ApiErr::new(
+                        410,
+                        "Expired",
+                        format!("too old resource version: {rv} ({})", s.rv),
+                    )
+                    .status();
+                    first.push(line("ERROR", &status));
+                    u64::MAX
+                }
+                Ok(rv) => rv,
+                Err(_) => {
+                    return respond(Err(ApiErr::bad_request(format!(
+                        "invalid resourceVersion {v:?}"
+                    ))))
+                }
+            },
         }
     };
-    respond(result)
+    let end = Instant::now() + timeout;
+    let initial = futures::stream::iter(first.into_iter().map(Ok::<_, std::io::Error>));
+    let follow = futures::stream::unfold(
+        (shared, start_rv, end),
+        move |(shared, mut rv, end)| {
+            let matches = matches.clone();
+            async move {
+                if rv == u64::MAX {
+                    return None;
+                }
+                loop {
+                    let batch: Vec<bytes::Bytes> = {
+                        let mut s = shared.lock();
+                        s.purge();
+                        let from = rv;
+                        let mut out = Vec::new();
+                        for c in s.pod_history.iter().filter(|c| c.rv > from) {
+                            rv = c.rv;
+                            if matches(&c.obj) {
+                                out.push(line(c.kind, &c.obj));
+                            }
+                        }
+                        out
+                    };
+                    if !batch.is_empty() {
+                        return Some((
+                            Ok(bytes::Bytes::from(batch.concat())),
+                            (shared, rv, end),
+                        ));
+                    }
+                    if Instant::now() >= end {
+                        return None;
+                    }
+                    // The simulated kubelet changes pods on its own schedule: look again soon.
+                    let notified = shared.pods_changed.notified();
+                    let _ = tokio::time::timeout(Duration::from_millis(50), notified).await;
+                }
+            }
+        },
+    );
+    let body = axum::body::Body::from_stream(futures::StreamExt::chain(initial, follow));
+    let mut resp = (StatusCode::OK, body).into_response();
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    resp
 }
 
 fn respond(result: ApiResult) -> Response {
@@ -592,6 +855,21 @@ enum NodePart {
 }
 
 impl Store {
+    /// Record a pod change for watches (`obj` carries its new resourceVersion).
+    fn pod_changed(&mut self, kind: &'static str, obj: &Value) {
+        let rv = str_at(obj, "/metadata/resourceVersion")
+            .parse()
+            .unwrap_or(self.rv);
+        self.pod_history.push_back(PodChange {
+            rv,
+            kind,
+            obj: obj.clone(),
+        });
+        while self.pod_history.len() > POD_HISTORY {
+            self.pod_history.pop_front();
+        }
+    }
+
     fn bump(&mut self) -> String {
         self.rv += 1;
         self.rv.to_string()
@@ -626,8 +904,11 @@ impl Store {
             .map(|(k, _)| k.clone())
             .collect();
         for k in done {
-            self.pods.remove(&k);
-            self.bump();
+            if let Some(p) = self.pods.remove(&k) {
+                let mut obj = p.obj;
+                obj["metadata"]["resourceVersion"] = json!(self.bump());
+                self.pod_changed("DELETED", &obj);
+            }
         }
     }
 
@@ -970,9 +1251,10 @@ impl Store {
             return Ok(pod.obj.clone());
         }
         if grace == 0 && !stuck {
-            let obj = pod.obj.clone();
+            let mut obj = pod.obj.clone();
             self.pods.remove(key);
-            self.bump();
+            obj["metadata"]["resourceVersion"] = json!(self.bump());
+            self.pod_changed("DELETED", &obj);
             return Ok(obj);
         }
         let existing = pod.obj["metadata"]["deletionGracePeriodSeconds"].as_i64();
@@ -993,7 +1275,9 @@ impl Store {
             let at = Instant::now() + after;
             pod.gone_at = Some(pod.gone_at.map_or(at, |t| t.min(at)));
         }
-        Ok(pod.obj.clone())
+        let obj = pod.obj.clone();
+        self.pod_changed("MODIFIED", &obj);
+        Ok(obj)
     }
 
     fn evict(&mut self, ns: &str, name: &str, q: &Query, body: &[u8]) -> ApiResult {

@@ -1,0 +1,310 @@
+//! Hang isolation: a checkpoint dir on a mount that never answers must not delay another group's
+//! signal or the end of the wait. The stand-in for a stopped NFS server / stuck FUSE daemon is a
+//! real FUSE mount whose `/dev/fuse` descriptor nobody serves: the kernel never gets an answer to
+//! FUSE_INIT, so every lookup below the mount blocks in the kernel (exactly what a D-state open on
+//! a dead network filesystem does to the agent's thread). Closing the descriptor aborts the
+//! connection, which releases the stuck threads; the mount is then detached.
+//!
+//! Needs root and /dev/fuse.
+
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use jiff::Timestamp;
+use prometheus_client::registry::Registry;
+use spotguard::checkpoint::procfs::ProcFs;
+use spotguard::checkpoint::run::{
+    deliver, wait, CheckpointRequest, DeliveryState, NoticeStatus, NOTICE_BUDGET,
+};
+use spotguard::checkpoint::{
+    Outcome, Signal, TargetContainer, TargetGroup, TargetMode, TargetProcess,
+};
+use spotguard::metrics::{encode, Metrics};
+use tokio_util::sync::CancellationToken;
+
+/// A FUSE mount nobody answers.
+struct HungMount {
+    path: PathBuf,
+    fuse: Option<OwnedFd>,
+}
+
+impl HungMount {
+    fn new(path: &Path) -> HungMount {
+        std::fs::create_dir_all(path).unwrap();
+        let fuse = rustix::fs::open(
+            "/dev/fuse",
+            rustix::fs::OFlags::RDWR | rustix::fs::OFlags::CLOEXEC,
+            rustix::fs::Mode::empty(),
+        )
+        .expect("these tests need root and /dev/fuse");
+        let opts = std::ffi::CString::new(format!(
+            "fd={},rootmode=40000,user_id=0,group_id=0,allow_other",
+            fuse.as_raw_fd()
+        ))
+        .unwrap();
+        let target = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: plain mount(2) with NUL-terminated strings that outlive the call.
+        let rc = unsafe {
+            libc::mount(
+                c"spotguard-hung".as_ptr(),
+                target.as_ptr(),
+                c"fuse".as_ptr(),
+                libc::MS_NOSUID | libc::MS_NODEV,
+                opts.as_ptr().cast(),
+            )
+        };
+        assert_eq!(rc, 0, "mount fuse: {}", std::io::Error::last_os_error());
+        HungMount {
+            path: path.to_path_buf(),
+            fuse: Some(fuse),
+        }
+    }
+}
+
+impl Drop for HungMount {
+    fn drop(&mut self) {
+        // Closing the device aborts the connection: stuck threads get ENOTCONN and go on.
+        drop(self.fuse.take());
+        let target = std::ffi::CString::new(self.path.as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: umount2(2) with a NUL-terminated path.
+        unsafe { libc::umount2(target.as_ptr(), libc::MNT_DETACH) };
+    }
+}
+
+/// A shell that handles SIGUSR1: writes `marker-$$` into `$MARKS` and `done` into `$DIR`.
+const HANDLER: &str = r#"
+trap 'echo got > "$MARKS/marker-$$"
+  printf "{\"state\":\"done\"}" > "$DIR/.t$$" && mv "$DIR/.t$$" "$DIR/ack-$$.json"' USR1
+sleep 1000 & S=$!
+while :; do wait $S; done
+"#;
+
+struct Kid(Child);
+
+impl Kid {
+    fn handler(dir: &Path, marks: &Path) -> Kid {
+        let child = Command::new("sh")
+            .arg("-c")
+            .arg(HANDLER)
+            .env("DIR", dir)
+            .env("MARKS", marks)
+            .stdin(Stdio::null())
+            .stderr(Stdio::null())
+            .process_group(0)
+            .spawn()
+            .unwrap();
+        let kid = Kid(child);
+        let start = Instant::now();
+        while !ProcFs::default()
+            .status(kid.pid())
+            .is_ok_and(|s| s.catches(Signal::USR1))
+        {
+            assert!(start.elapsed() < Duration::from_secs(10), "no trap");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        kid
+    }
+
+    fn pid(&self) -> i32 {
+        self.0.id() as i32
+    }
+
+    fn target(&self) -> TargetProcess {
+        TargetProcess {
+            pid: self.pid(),
+            start_time: ProcFs::default().start_time(self.pid()).unwrap(),
+        }
+    }
+}
+
+impl Drop for Kid {
+    fn drop(&mut self) {
+        if let (Ok(None), Some(pg)) = (
+            self.0.try_wait(),
+            rustix::process::Pid::from_raw(self.pid()),
+        ) {
+            let _ = rustix::process::kill_process_group(pg, rustix::process::Signal::KILL);
+        }
+        let _ = self.0.wait();
+    }
+}
+
+fn group(name: &str, dir: &Path, kid: &Kid, timeout: Duration) -> TargetGroup {
+    TargetGroup {
+        name: name.to_string(),
+        pod: None,
+        containers: vec![TargetContainer {
+            name: name.to_string(),
+            root_pid: None,
+            init_pid: Some(kid.pid()),
+            processes: vec![kid.target()],
+        }],
+        mode: TargetMode::Handlers,
+        signal: Signal::USR1,
+        dir: dir.to_path_buf(),
+        timeout,
+        proc_root: "/proc".into(),
+    }
+}
+
+fn request() -> CheckpointRequest {
+    let now = Timestamp::now();
+    CheckpointRequest {
+        notice_id: "notice-hang".into(),
+        source: "gce".into(),
+        kind: "interruption".into(),
+        deadline: Some(now + Duration::from_secs(30)),
+        checkpoint_deadline: now + Duration::from_secs(20),
+        dry_run: false,
+    }
+}
+
+fn stuck_threads(r: &Registry) -> u64 {
+    encode(r)
+        .lines()
+        .find(|l| l.contains("errors_total") && l.contains("stuck_thread"))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hung_checkpoint_dir_delays_neither_another_groups_signal_nor_the_wait() {
+    let tmp = tempfile::tempdir().unwrap();
+    let marks = tmp.path().join("marks");
+    let good_dir = tmp.path().join("good");
+    std::fs::create_dir_all(&marks).unwrap();
+    std::fs::create_dir_all(&good_dir).unwrap();
+    let mount = HungMount::new(&tmp.path().join("nfs"));
+    let hung_dir = mount.path.join("ckpt");
+
+    let hung = Kid::handler(&hung_dir, &marks);
+    let good = Kid::handler(&good_dir, &marks);
+    let budget = Duration::from_secs(3);
+    // The hung group first: a sequential implementation would block on it before the good one.
+    let groups = vec![
+        group("hung", &hung_dir, &hung, budget),
+        group("good", &good_dir, &good, Duration::from_secs(20)),
+    ];
+    let req = request();
+    let mut registry = Registry::default();
+    let m = Metrics::register(&mut registry);
+
+    let started = Instant::now();
+    let watcher = {
+        let mark = marks.join(format!("marker-{}", good.pid()));
+        std::thread::spawn(move || {
+            while !mark.exists() {
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            Instant::now()
+        })
+    };
+    let deliveries = deliver(&groups, &req, &m);
+    let delivered_in = started.elapsed();
+    let good_signalled = watcher.join().unwrap().duration_since(started);
+    assert!(
+        good_signalled < Duration::from_millis(500),
+        "the good group's signal waited {good_signalled:?} for the hung dir"
+    );
+    // delivery returns after at most the notice budget (the hung dir's container), not never
+    assert!(
+        delivered_in < NOTICE_BUDGET + Duration::from_secs(1),
+        "{delivered_in:?}"
+    );
+    assert_eq!(deliveries[0].state, DeliveryState::Signalled);
+    assert!(
+        matches!(&deliveries[0].containers[0].notice, NoticeStatus::Failed(e) if e.contains("did not answer")),
+        "{:?}",
+        deliveries[0].containers[0].notice
+    );
+    assert_eq!(deliveries[1].containers[0].notice, NoticeStatus::Written);
+    // the hung group's process was signalled too, without notice.json
+    let mark = marks.join(format!("marker-{}", hung.pid()));
+    let t = Instant::now();
+    while !mark.exists() {
+        assert!(t.elapsed() < Duration::from_secs(5), "hung group never signalled");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+
+    let waited = Instant::now();
+    let results = wait(deliveries, &req, &m, &CancellationToken::new()).await;
+    let waited = waited.elapsed();
+    assert_eq!(results[1].outcome, Outcome::Acked, "{}", results[1].detail);
+    assert_eq!(results[0].outcome, Outcome::Timeout, "{}", results[0].detail);
+    assert!(
+        waited < budget + Duration::from_secs(2),
+        "the wait outlived the hung group's budget: {waited:?}"
+    );
+    drop(mount);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn watcher_stuck_in_a_mount_that_hangs_later_is_abandoned_and_counted() {
+    let tmp = tempfile::tempdir().unwrap();
+    let marks = tmp.path().join("marks");
+    let later = tmp.path().join("later");
+    let good_dir = tmp.path().join("good");
+    for d in [&marks, &later, &good_dir] {
+        std::fs::create_dir_all(d).unwrap();
+    }
+    // The hung group's handler acks into a dir of its own, so only the watcher reads `later`.
+    let hung = Kid::handler(&tmp.path().join("nowhere"), &marks);
+    let good = Kid::slow_handler(&good_dir, &marks);
+    let budget = Duration::from_secs(2);
+    let groups = vec![
+        group("hangs-later", &later, &hung, budget),
+        group("good", &good_dir, &good, Duration::from_secs(20)),
+    ];
+    let req = request();
+    let mut registry = Registry::default();
+    let m = Metrics::register(&mut registry);
+    let deliveries = deliver(&groups, &req, &m);
+    assert!(deliveries.iter().all(|d| d.state == DeliveryState::Signalled));
+    // Now the dir's filesystem stops answering: the watcher's next read blocks in the kernel.
+    let mount = HungMount::new(&later);
+    let started = Instant::now();
+    let results = wait(deliveries, &req, &m, &CancellationToken::new()).await;
+    let waited = started.elapsed();
+    assert_eq!(results[1].outcome, Outcome::Acked, "{}", results[1].detail);
+    assert_eq!(results[0].outcome, Outcome::Timeout, "{}", results[0].detail);
+    assert!(
+        results[0].detail.contains("stuck"),
+        "{}",
+        results[0].detail
+    );
+    assert!(waited < budget + Duration::from_secs(2), "{waited:?}");
+    assert_eq!(stuck_threads(&registry), 1);
+    drop(mount);
+}
+
+impl Kid {
+    /// Acks `done` 300 ms after the signal (so the wait is still running when the other group
+    /// hangs).
+    fn slow_handler(dir: &Path, marks: &Path) -> Kid {
+        let script = HANDLER.replace("trap 'echo got", "trap 'sleep 0.3; echo got");
+        let child = Command::new("sh")
+            .arg("-c")
+            .arg(script)
+            .env("DIR", dir)
+            .env("MARKS", marks)
+            .stdin(Stdio::null())
+            .stderr(Stdio::null())
+            .process_group(0)
+            .spawn()
+            .unwrap();
+        let kid = Kid(child);
+        let start = Instant::now();
+        while !ProcFs::default()
+            .status(kid.pid())
+            .is_ok_and(|s| s.catches(Signal::USR1))
+        {
+            assert!(start.elapsed() < Duration::from_secs(10), "no trap");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        kid
+    }
+}
