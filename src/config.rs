@@ -41,8 +41,10 @@ pub enum Command {
     Drill(crate::drill::DrillArgs),
     /// Serve an emulated instance-metadata service (EC2, GCE or Azure) for your own tests.
     Emulate(crate::emulator::EmulateArgs),
-    /// Prefetch a dataset (s3://, gs://, file:///) into the shared cache.
+    /// Prefetch a dataset (s3://, gs://, file:///) into the shared cache, or wait for one.
     Prefetch(crate::prefetch::PrefetchArgs),
+    /// The prefetcher as its own process: configured datasets and pods' annotations.
+    PrefetchServe(crate::prefetch::serve::ServeArgs),
     /// One-shot GPU health report (exit 0 healthy, 1 unhealthy, 2 NVML unavailable).
     Gpu(crate::gpu::GpuArgs),
     /// Print the configuration reference (Markdown) generated from these definitions.

@@ -1,9 +1,9 @@
 //! Kubernetes-mode checkpoint discovery: list the pods on this node (`spec.nodeName` field
 //! selector), parse their `spotguard.io/checkpoint*` annotations, and map each opted-in
 //! container to host processes through `/proc/*/cgroup`. A bad annotation skips that pod with a
-//! Warning Event on it; the rest proceed. Also watches `spotguard.io/prefetch` annotations.
+//! Warning Event on it; the rest proceed. (Pods' `spotguard.io/prefetch` annotations are read
+//! by the prefetcher's own process: `crate::prefetch::annotations`.)
 
-use std::collections::HashSet;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -11,7 +11,6 @@ use std::time::Duration;
 use async_trait::async_trait;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, ListParams};
-use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use crate::checkpoint::cgroup::ProcIndex;
@@ -19,10 +18,6 @@ use crate::checkpoint::pods::{is_candidate, pod_checkpoint_spec, PodDefaults};
 use crate::checkpoint::{Error, PodRef, Signal, TargetDiscovery, TargetGroup};
 use crate::metrics::Metrics;
 use crate::node::{reason, EventType, NodeOps};
-use crate::prefetch::Prefetcher;
-
-/// Annotation asking spotguard to warm a dataset on the pod's node.
-pub const PREFETCH_ANNOTATION: &str = "spotguard.io/prefetch";
 
 /// Node-wide defaults for pods that do not override them.
 #[derive(Clone, Debug)]
@@ -150,57 +145,4 @@ fn pod_ref(pod: &Pod) -> Option<PodRef> {
         name: pod.metadata.name.clone()?,
         uid: pod.metadata.uid.clone().unwrap_or_default(),
     })
-}
-
-/// Every 30 s, list this node's pods and `ensure()` the datasets their `spotguard.io/prefetch`
-/// annotations name. Errors are logged and counted; the loop goes on.
-pub async fn watch_prefetch_annotations(
-    client: kube::Client,
-    node_name: String,
-    prefetcher: Arc<Prefetcher>,
-    metrics: Arc<Metrics>,
-    cancel: CancellationToken,
-) {
-    let pods: Api<Pod> = Api::all(client);
-    let mut seen: HashSet<String> = HashSet::new();
-    loop {
-        match pods.list(&on_node(&node_name)).await {
-            Ok(list) => {
-                for pod in &list.items {
-                    let Some(url) = pod
-                        .metadata
-                        .annotations
-                        .as_ref()
-                        .and_then(|a| a.get(PREFETCH_ANNOTATION))
-                    else {
-                        continue;
-                    };
-                    for u in url.split(',').map(str::trim).filter(|u| !u.is_empty()) {
-                        if !seen.insert(u.to_string()) {
-                            continue;
-                        }
-                        match prefetcher.ensure_url(u) {
-                            Ok((name, how)) => {
-                                info!(dataset = %name, url = %u, ?how, "prefetch requested by pod annotation");
-                            }
-                            Err(e) => {
-                                metrics.error("prefetch", e.metric_label());
-                                warn!(url = %u, error = %e, "cannot prefetch the dataset a spotguard.io/prefetch annotation names");
-                                // Not marked seen: a transient error is retried on the next round.
-                                seen.remove(u);
-                            }
-                        }
-                    }
-                }
-            }
-            Err(e) => {
-                metrics.error("prefetch", "list_pods");
-                warn!(error = %e, "listing pods for prefetch annotations failed");
-            }
-        }
-        tokio::select! {
-            _ = cancel.cancelled() => return,
-            _ = tokio::time::sleep(Duration::from_secs(30)) => {}
-        }
-    }
 }

@@ -68,6 +68,10 @@ fn main() -> ExitCode {
             telemetry::init(config::LogFormat::Text, &one_shot_log_level());
             with_runtime(|cancel| prefetch::run_cli(args, cancel))
         }
+        Command::PrefetchServe(args) => {
+            telemetry::init(config::LogFormat::Json, "info");
+            with_runtime(|cancel| prefetch::serve::run_serve(args, cancel))
+        }
     }
 }
 

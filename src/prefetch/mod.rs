@@ -8,14 +8,18 @@
 //!
 //! The user guide is `docs/prefetch.md`.
 
+pub mod annotations;
 pub mod cache;
 pub mod claim;
 pub mod cli;
 pub mod download;
 pub mod manifest;
 pub mod metrics;
+pub mod policy;
 pub mod progress;
+pub mod serve;
 pub mod source;
+pub mod verify;
 
 use std::collections::BTreeMap;
 use std::io;
@@ -76,9 +80,12 @@ pub enum Error {
         got: u64,
     },
 
-    #[error("{key}: checksum mismatch: the etag's MD5 is {expected}, the data's is {got}")]
+    #[error(
+        "{key}: {algorithm:?} checksum mismatch: the store's is {expected}, the data's is {got}"
+    )]
     ChecksumMismatch {
         key: String,
+        algorithm: verify::VerifiedBy,
         expected: String,
         got: String,
     },
@@ -356,6 +363,16 @@ pub enum Ensure {
     AlreadyComplete,
 }
 
+impl Ensure {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Ensure::Started => "started",
+            Ensure::InProgress => "in_progress",
+            Ensure::AlreadyComplete => "complete",
+        }
+    }
+}
+
 /// State of a dataset known to the [`Prefetcher`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -445,9 +462,10 @@ impl Prefetcher {
         if self.inner.cancel.is_cancelled() {
             return Err(Error::Cancelled);
         }
+        let paths = cache::DatasetPaths::new(&self.inner.cache_root, name);
         let mut datasets = lock(&self.inner.datasets);
         if let Some(t) = datasets.get(name) {
-            if t.url != url {
+            if !cache::same_source(&t.url, url) {
                 return Err(Error::NameInUse {
                     name: name.to_string(),
                     existing: t.url.clone(),
@@ -456,13 +474,28 @@ impl Prefetcher {
             }
             match t.state {
                 DatasetState::Running => return Ok(Ensure::InProgress),
-                DatasetState::Complete => return Ok(Ensure::AlreadyComplete),
-                DatasetState::Incomplete | DatasetState::Failed | DatasetState::Cancelled => {}
+                // Still on disk? (It may have been evicted since: then fetch it again.)
+                DatasetState::Complete if paths.complete.exists() => {
+                    return Ok(Ensure::AlreadyComplete)
+                }
+                DatasetState::Complete
+                | DatasetState::Incomplete
+                | DatasetState::Failed
+                | DatasetState::Cancelled => {}
             }
         }
-        let paths = cache::DatasetPaths::new(&self.inner.cache_root, name);
+        // A directory holding another source is never overwritten.
+        if let Some(existing) = cache::existing_source(&paths) {
+            if !cache::same_source(&existing, url) {
+                return Err(Error::NameInUse {
+                    name: name.to_string(),
+                    existing,
+                    requested: url.to_string(),
+                });
+            }
+        }
         if let Some(marker) = cache::CompleteMarker::read(&paths.complete) {
-            if marker.source == url {
+            if cache::same_source(&marker.source, url) {
                 let progress = Arc::new(Progress::default());
                 Progress::add(&progress.files_total, marker.objects);
                 Progress::add(&progress.files_done, marker.objects);
@@ -557,8 +590,8 @@ impl Prefetcher {
         Ok(Ensure::Started)
     }
 
-    /// [`Prefetcher::ensure`] under the name derived from the URL (pod annotations
-    /// `spotguard.io/prefetch: s3://bucket/prefix`): `bucket-prefix`. Returns the name.
+    /// [`Prefetcher::ensure`] under the name derived from the URL ([`SourceUrl::default_name`]).
+    /// Returns the name.
     pub fn ensure_url(&self, url: &str) -> Result<(String, Ensure), Error> {
         let name = SourceUrl::parse(url)?.default_name();
         let outcome = self.ensure(&name, url)?;
@@ -571,6 +604,11 @@ impl Prefetcher {
     pub fn cancel_all(&self) {
         tracing::info!("cancelling all prefetches");
         self.inner.cancel.cancel();
+    }
+
+    /// The cache root.
+    pub fn cache_root(&self) -> &std::path::Path {
+        &self.inner.cache_root
     }
 
     /// Every dataset this prefetcher knows, by name.
@@ -639,9 +677,11 @@ mod tests {
                 "s3://bkt/imagenet/train".to_string()
             )
         );
-        assert_eq!(
-            parse_spec("gs://b/p").unwrap(),
-            ("b-p".to_string(), "gs://b/p".to_string())
+        let (name, url) = parse_spec("gs://b/p").unwrap();
+        assert_eq!(url, "gs://b/p");
+        assert!(
+            name.starts_with("gs-b-p-") && name.len() == "gs-b-p-".len() + 8,
+            "{name}"
         );
         assert!(matches!(
             parse_spec("../x=s3://b/p"),
