@@ -42,9 +42,9 @@ pub enum Command {
     /// Serve an emulated instance-metadata service (EC2, GCE or Azure) for your own tests.
     Emulate(crate::emulator::EmulateArgs),
     /// Prefetch a dataset (s3://, gs://, file:///) into the shared cache, or wait for one.
-    Prefetch(crate::prefetch::PrefetchArgs),
+    Prefetch(Box<crate::prefetch::PrefetchArgs>),
     /// The prefetcher as its own process: configured datasets and pods' annotations.
-    PrefetchServe(crate::prefetch::serve::ServeArgs),
+    PrefetchServe(Box<crate::prefetch::serve::ServeArgs>),
     /// One-shot GPU health report (exit 0 healthy, 1 unhealthy, 2 NVML unavailable).
     Gpu(crate::gpu::GpuArgs),
     /// Print the configuration reference (Markdown) generated from these definitions.
