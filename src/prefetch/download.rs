@@ -1334,7 +1334,9 @@ async fn download(
         None
     };
 
-    // Resume a previous owner's part file when it is for the same version of the object.
+    // Resume a previous owner's part file when it is for the same version of the object; a
+    // part file that cannot be resumed is removed.
+    let stale_part = previous.as_ref().map(|p| dir.join(&p.part));
     let resumable = previous.filter(|p| {
         p.size == size
             && !p.done.is_empty()
@@ -1355,8 +1357,12 @@ async fn download(
             let fin = final_path.clone();
             let run2 = run.clone();
             let k = key.clone();
+            let stale = stale_part.filter(|_| resume.is_none());
             let opened =
                 blocking(move || -> Result<(File, Vec<[u64; 2]>), Error> {
+                    if let Some(old) = stale.filter(|old| *old != part) {
+                        let _ = fs::remove_file(old);
+                    }
                     run2.make_parent(&fin)
                         .map_err(|e| Error::io_for(&k, "create directory", fin.clone(), e))?;
                     if let Some(prev) = &resume {
