@@ -868,6 +868,135 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn publishing_syncs_then_renames_then_syncs_the_directory_before_recording() {
+        let root = tempfile::tempdir().unwrap();
+        let store = store_with(&[
+            ("ds/a/big", pattern(300 << 10, 1)),
+            ("ds/a/small", pattern(1000, 2)),
+            ("ds/top", pattern(5000, 3)),
+        ])
+        .await;
+        type Journal = Vec<(download::PublishStep, PathBuf, bool, bool)>;
+        let journal: Arc<Mutex<Journal>> = Arc::default();
+        let (j, manifest_path) = (
+            journal.clone(),
+            root.path().join("ds/.spotguard/manifest.json"),
+        );
+        let mut job = job(store, root.path(), CancellationToken::new());
+        job.options.failpoint = Some(download::Failpoint(Arc::new(move |step, path| {
+            // At each step: does the final name exist yet, and does the manifest record it?
+            let recorded = std::fs::read_to_string(&manifest_path)
+                .map(|t| t.contains("\"done\":true"))
+                .unwrap_or(false);
+            let text = path.to_string_lossy();
+            let final_name = text.split(cache::PART_INFIX).next().unwrap_or_default();
+            let final_exists = std::path::Path::new(final_name).exists();
+            lock(&j).push((step, path.to_path_buf(), final_exists, recorded));
+        })));
+        let report = download::fetch_dataset(job).await;
+        assert_eq!(
+            report.summary.outcome,
+            Outcome::Complete,
+            "{:?}",
+            report.summary
+        );
+        let journal = lock(&journal).clone();
+        let ds = root.path().join("ds");
+        for key in ["a/big", "a/small", "top"] {
+            let fin = ds.join(key);
+            let synced = journal
+                .iter()
+                .position(|(s, p, _, _)| {
+                    *s == download::PublishStep::PartSynced
+                        && p.to_string_lossy()
+                            .starts_with(&format!("{}.spotguard-part-", fin.display()))
+                })
+                .unwrap_or_else(|| panic!("{key}: no sync in {journal:?}"));
+            let renamed = journal
+                .iter()
+                .position(|(s, p, _, _)| *s == download::PublishStep::Renamed && *p == fin)
+                .unwrap_or_else(|| panic!("{key}: no rename in {journal:?}"));
+            let dir_synced = journal
+                .iter()
+                .position(|(s, p, _, _)| {
+                    *s == download::PublishStep::DirSynced && Some(p.as_path()) == fin.parent()
+                })
+                .unwrap_or_else(|| panic!("{key}: no directory sync in {journal:?}"));
+            assert!(
+                synced < renamed && renamed < dir_synced,
+                "{key}: {journal:?}"
+            );
+            // When the part was synced, the final name did not exist yet; after the rename it
+            // did.
+            assert!(
+                !journal[synced].2 && journal[renamed].2,
+                "{key}: {journal:?}"
+            );
+        }
+        // The manifest recorded nothing before the first directory sync.
+        let first_dir_sync = journal
+            .iter()
+            .position(|(s, _, _, _)| *s == download::PublishStep::DirSynced)
+            .unwrap();
+        assert!(journal[..=first_dir_sync]
+            .iter()
+            .all(|(_, _, _, recorded)| !recorded));
+        // The in-memory store keeps no checksums and its etags are not MD5s: sizes only.
+        assert_eq!(
+            report.summary.counts.verified_size, 3,
+            "{:?}",
+            report.summary
+        );
+    }
+
+    #[tokio::test]
+    async fn a_dataset_directory_holding_another_source_is_never_overwritten() {
+        let root = tempfile::tempdir().unwrap();
+        let a = tempfile::tempdir().unwrap();
+        let b = tempfile::tempdir().unwrap();
+        std::fs::write(a.path().join("x"), b"from a").unwrap();
+        std::fs::write(b.path().join("y"), b"from b").unwrap();
+        let p = Prefetcher::new(
+            root.path().to_path_buf(),
+            None,
+            PrefetchDefaults::default(),
+            Arc::new(PrefetchMetrics::register(
+                &mut prometheus_client::registry::Registry::default(),
+            )),
+            CancellationToken::new(),
+        );
+        let url_a = format!("file://{}", a.path().display());
+        let url_b = format!("file://{}", b.path().display());
+        p.ensure("ds", &url_a).unwrap();
+        assert_eq!(p.wait("ds").await.unwrap().state, DatasetState::Complete);
+        // Same name, other source: refused, in this process and in a fresh one (from disk).
+        assert!(matches!(
+            p.ensure("ds", &url_b),
+            Err(Error::NameInUse { .. })
+        ));
+        let fresh = Prefetcher::new(
+            root.path().to_path_buf(),
+            None,
+            PrefetchDefaults::default(),
+            Arc::new(PrefetchMetrics::register(
+                &mut prometheus_client::registry::Registry::default(),
+            )),
+            CancellationToken::new(),
+        );
+        match fresh.ensure("ds", &url_b) {
+            Err(Error::NameInUse { existing, .. }) => assert_eq!(existing, url_a),
+            other => panic!("{other:?}"),
+        }
+        // A trailing slash is the same source.
+        assert_eq!(
+            fresh.ensure("ds", &format!("{url_a}/")).unwrap(),
+            Ensure::AlreadyComplete
+        );
+        assert_eq!(std::fs::read(root.path().join("ds/x")).unwrap(), b"from a");
+        assert!(!root.path().join("ds/y").exists());
+    }
+
+    #[tokio::test]
     async fn resumes_from_a_dead_owners_claim() {
         let root = tempfile::tempdir().unwrap();
         let data = pattern(200 << 10, 5);
