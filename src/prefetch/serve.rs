@@ -233,47 +233,48 @@ pub async fn run_serve(args: ServeArgs, cancel: CancellationToken) -> i32 {
         }
     }
 
-    if args.annotations || !args.allow.is_empty() {
-        let Some(node_name) = args.node_name.clone() else {
-            error!("--annotations needs --node-name (NODE_NAME)");
-            return crate::config::EXIT_USAGE;
-        };
+    // Kubernetes (NODE_NAME set): read pods' annotations, also when pod requests are off, so
+    // that a pod asking for one learns from an Event why nothing happens.
+    if let Some(node_name) = args.node_name.clone().filter(|n| !n.is_empty()) {
         if args.annotations && args.allow.is_empty() {
             warn!("--annotations is on but --allow is empty: every pod request is refused");
         }
         let client = match kube::Config::infer().await {
-            Ok(config) => match kube::Client::try_from(config) {
-                Ok(c) => c,
-                Err(e) => {
-                    error!(error = %e, "cannot build the Kubernetes client");
-                    return 2;
-                }
-            },
-            Err(e) => {
-                error!(error = %e, "no Kubernetes configuration (in-cluster or KUBECONFIG)");
+            Ok(config) => kube::Client::try_from(config).map_err(|e| e.to_string()),
+            Err(e) => Err(e.to_string()),
+        };
+        match client {
+            Ok(client) => {
+                let events = Arc::new(crate::node::kube::KubeNodeOps::new(
+                    client.clone(),
+                    node_name.clone(),
+                    None,
+                    false,
+                    agent_metrics,
+                ));
+                let watcher = AnnotationWatcher {
+                    pods: kube::Api::all(client),
+                    node_name,
+                    prefetcher: prefetcher.clone(),
+                    policy: AnnotationPolicy {
+                        enabled: args.annotations,
+                        allow: args.allow.clone(),
+                    },
+                    events,
+                    metrics: metrics.clone(),
+                    interval: args.annotation_interval,
+                };
+                tasks.spawn(watcher.run(cancel.child_token()));
+            }
+            Err(e) if args.annotations => {
+                error!(error = %e, "--annotations needs a Kubernetes client (in-cluster or KUBECONFIG)");
                 return 2;
             }
-        };
-        let events = Arc::new(crate::node::kube::KubeNodeOps::new(
-            client.clone(),
-            node_name.clone(),
-            None,
-            false,
-            agent_metrics,
-        ));
-        let watcher = AnnotationWatcher {
-            pods: kube::Api::all(client),
-            node_name,
-            prefetcher: prefetcher.clone(),
-            policy: AnnotationPolicy {
-                enabled: args.annotations,
-                allow: args.allow.clone(),
-            },
-            events,
-            metrics: metrics.clone(),
-            interval: args.annotation_interval,
-        };
-        tasks.spawn(watcher.run(cancel.child_token()));
+            Err(e) => info!(error = %e, "no Kubernetes client: pods' annotations are not read"),
+        }
+    } else if args.annotations {
+        error!("--annotations needs --node-name (NODE_NAME)");
+        return crate::config::EXIT_USAGE;
     }
 
     if let Some(addr) = args.metrics_addr {
@@ -333,6 +334,7 @@ pub async fn run_child(
             .arg("--prefetch")
             .arg(datasets.join(","))
             .env_remove("SPOTGUARD_PREFETCH_ANNOTATIONS")
+            .env_remove("NODE_NAME")
             .env_remove("SPOTGUARD_PREFETCH_ALLOW")
             .kill_on_drop(true);
         if let Some(m) = cache_max_bytes {
