@@ -258,7 +258,7 @@ pub struct RunArgs {
     #[arg(long, env = "SPOTGUARD_WEBHOOK_TEMPLATE", value_name = "TEMPLATE")]
     pub webhook_template: Option<String>,
 
-    /// Dataset to warm at start, NAME=URL or a bare URL (repeatable).
+    /// Dataset to warm at start, NAME=URL or a bare URL (repeatable), by a child `spotguard prefetch-serve` process.
     #[arg(long, env = "SPOTGUARD_PREFETCH", value_name = "NAME=URL", value_delimiter = ',', value_parser = parse_dataset)]
     pub prefetch: Vec<Dataset>,
 
@@ -266,7 +266,7 @@ pub struct RunArgs {
     #[arg(long, env = "SPOTGUARD_CACHE_DIR", value_name = "DIR", default_value = "/var/cache/spotguard", value_parser = parse_abs_path)]
     pub cache_dir: PathBuf,
 
-    /// Evict least-recently-used datasets above this size (e.g. 500GiB).
+    /// Evict least-recently-used datasets above this size (e.g. 500GiB) [default: half the cache's filesystem].
     #[arg(long, env = "SPOTGUARD_CACHE_MAX_BYTES", value_name = "BYTES", value_parser = parse_bytes)]
     pub cache_max_bytes: Option<u64>,
 
