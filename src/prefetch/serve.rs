@@ -133,8 +133,12 @@ fn boot_id() -> String {
         .unwrap_or_default()
 }
 
-/// The agent's side: ask the prefetcher to stop (an interruption notice). Blocking; small.
+/// The agent's side: ask the prefetcher to stop (an interruption notice). Blocking; small. No
+/// cache directory: no prefetcher to stop.
 pub fn request_stop(cache_dir: &Path) -> std::io::Result<()> {
+    if !cache_dir.is_dir() {
+        return Ok(());
+    }
     let body = serde_json::json!({
         "boot_id": boot_id(),
         "at": jiff::Timestamp::now().to_string(),
@@ -386,5 +390,39 @@ pub async fn run_child(
             _ = tokio::time::sleep(delay) => {}
         }
         delay = (delay * 2).min(Duration::from_secs(60));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stop_requests_belong_to_this_boot() {
+        let dir = tempfile::tempdir().unwrap();
+        assert!(!stop_requested(dir.path()));
+        request_stop(dir.path()).unwrap();
+        assert!(stop_requested(dir.path()));
+        // A request from another boot is stale.
+        std::fs::write(
+            dir.path().join(STOP_FILE),
+            br#"{"boot_id":"another-boot","at":"x"}"#,
+        )
+        .unwrap();
+        assert!(!stop_requested(dir.path()));
+        clear_stop(dir.path());
+        assert!(!dir.path().join(STOP_FILE).exists());
+        // No cache directory: nothing to stop, no error.
+        request_stop(&dir.path().join("absent")).unwrap();
+    }
+
+    #[test]
+    fn the_cache_limit_defaults_to_a_share_of_the_filesystem() {
+        let dir = tempfile::tempdir().unwrap();
+        assert_eq!(cache_limit(dir.path(), Some(123), 0.5), Some(123));
+        let st = rustix::fs::statvfs(dir.path()).unwrap();
+        let total = st.f_blocks * st.f_frsize;
+        let half = cache_limit(dir.path(), None, 0.5).unwrap();
+        assert!(half > 0 && half <= total / 2 + 1, "{half} of {total}");
     }
 }
