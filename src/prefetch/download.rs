@@ -1453,6 +1453,16 @@ async fn download(
         // One request: the checksum comes with the response headers, the hash with the body.
         let seg = segments[0].clone();
         let single_stream = seg.start == 0 && seg.end == size;
+        if want && !single_stream {
+            // The rest of a resumed object: the checksum from a HEAD, the hash by reading back.
+            let (c, head_etag) = head_checksum(run, listed, active, slot.is_some()).await?;
+            if let (Some(want_tag), Some(got)) = (&expected_etag, &head_etag) {
+                if normalize_etag(want_tag) != normalize_etag(got) {
+                    return Err(Stop::Err(Error::Changed { key: key.clone() }));
+                }
+            }
+            checksum = c;
+        }
         let fetch = fetch_segment(
             run,
             listed,
@@ -1469,12 +1479,12 @@ async fn download(
             with_request(run, active, fetch).await?
         };
         inline = out.hasher;
-        checksum = out.checksum;
+        checksum = out.checksum.or(checksum);
         etag_seen = out.etag.or(etag_seen);
     } else {
         // Ranged parts: ask for the checksum first (one HEAD), then hash each part and combine.
         if want {
-            let (c, head_etag) = head_checksum(run, listed, active).await?;
+            let (c, head_etag) = head_checksum(run, listed, active, false).await?;
             if let (Some(want_tag), Some(got)) = (&expected_etag, &head_etag) {
                 if normalize_etag(want_tag) != normalize_etag(got) {
                     return Err(Stop::Err(Error::Changed { key: key.clone() }));
@@ -1663,6 +1673,7 @@ async fn head_checksum(
     run: &Arc<Run>,
     listed: &Listed,
     active: &Arc<Active>,
+    holding_slot: bool,
 ) -> Result<(Option<StoreChecksum>, Option<String>), Stop> {
     let slot = ChecksumSlot::default();
     let opts = GetOptions {
@@ -1672,14 +1683,19 @@ async fn head_checksum(
     };
     let key = &listed.entry.key;
     Progress::add(&run.progress.requests, 1);
-    let res = with_request(run, active, async {
+    let head = async {
         tokio::select! {
             _ = run.abort.cancelled() => Err(run.stopped().unwrap_or(Stop::Aborted)),
             _ = active.lost.cancelled() => Err(Stop::Lost),
             r = run.store.get_opts(&listed.location, opts) => Ok(r),
         }
-    })
-    .await?;
+    };
+    // A caller holding its request slot already must not wait for a second one.
+    let res = if holding_slot {
+        head.await?
+    } else {
+        with_request(run, active, head).await?
+    };
     match res {
         Ok(r) => {
             if r.meta.size != listed.entry.size {
