@@ -188,6 +188,8 @@ struct ProxyState {
     slowdowns_sent: AtomicU32,
     /// Answer GETs of paths ending in this key with this status.
     deny: Mutex<Option<(String, u16)>>,
+    /// Flip a bit in every body chunk of GETs of paths ending in this key.
+    corrupt: Mutex<Option<String>>,
     /// Response body rate limit per request, bytes/s (0 = none).
     rate_bps: AtomicU64,
     gets: AtomicU64,
@@ -299,6 +301,13 @@ async fn proxy_one(
         st.gets.fetch_add(1, Ordering::SeqCst);
     }
     let rate = st.rate_bps.load(Ordering::SeqCst);
+    let corrupt = is_get
+        && st
+            .corrupt
+            .lock()
+            .unwrap()
+            .as_ref()
+            .is_some_and(|k| path.ends_with(k.as_str()));
     let (parts, body) = resp.into_parts();
     let st2 = st.clone();
     let started = Instant::now();
@@ -326,7 +335,19 @@ async fn proxy_one(
             if let Some(due) = due {
                 tokio::time::sleep_until(due.into()).await;
             }
-            frame.map_err(|e| Box::new(e) as Box<dyn std::error::Error + Send + Sync>)
+            frame
+                .map(|f| {
+                    f.map_data(|d| {
+                        if corrupt && !d.is_empty() {
+                            let mut v = d.to_vec();
+                            v[0] ^= 0x01;
+                            Bytes::from(v)
+                        } else {
+                            d
+                        }
+                    })
+                })
+                .map_err(|e| Box::new(e) as Box<dyn std::error::Error + Send + Sync>)
         }
     });
     let body: ProxyBody =
@@ -1415,4 +1436,44 @@ async fn wait_returns_when_the_dataset_completes() {
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(3));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn corrupted_bytes_fail_the_store_checksum_and_are_never_published() {
+    let server = start_s3s_fs();
+    create_bucket(&server.endpoint(), "bad").await;
+    let big = data(300 << 10, 5);
+    let small = data(30_000, 6);
+    put_with_checksum(&server.endpoint(), "bad", "ds/big", &big, "crc64nvme").await;
+    put_with_checksum(&server.endpoint(), "bad", "ds/small", &small, "crc32c").await;
+    let proxy = Proxy::start(&server).await;
+    let cache = tempfile::tempdir().unwrap();
+    for key in ["ds/big", "ds/small"] {
+        *proxy.state.corrupt.lock().unwrap() = Some(key.to_string());
+        let r = run(spotguard(
+            "s3://bad/ds",
+            cache.path(),
+            &proxy.endpoint(),
+            &["--name", "ds", "--part-size", "64KiB"],
+        ))
+        .await;
+        assert_eq!(r.code, 1, "{key}: {}", r.stderr);
+        let failed = key.trim_start_matches("ds/");
+        let errors = r.summary["errors"].as_array().unwrap();
+        assert_eq!(errors.len(), 1, "{}", r.summary);
+        assert_eq!(errors[0]["key"], failed);
+        assert_eq!(errors[0]["kind"], "checksum_mismatch");
+        assert!(!cache.path().join("ds").join(failed).exists());
+        assert!(part_files(&cache.path().join("ds")).is_empty());
+        *proxy.state.corrupt.lock().unwrap() = None;
+        let r = run(spotguard(
+            "s3://bad/ds",
+            cache.path(),
+            &proxy.endpoint(),
+            &["--name", "ds", "--part-size", "64KiB"],
+        ))
+        .await;
+        assert_eq!(r.code, 0, "{}", r.stderr);
+        std::fs::remove_dir_all(cache.path().join("ds")).unwrap();
+    }
 }
