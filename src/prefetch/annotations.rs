@@ -66,7 +66,11 @@ impl AnnotationWatcher {
     /// One round: list, evaluate new or changed annotations, re-ensure and lease what is
     /// referenced. Returns the referenced dataset names.
     pub async fn round(&self, state: &mut HashMap<String, PodState>) -> BTreeSet<String> {
-        let lp = ListParams::default().fields(&format!("spec.nodeName={}", self.node_name));
+        // This node's pods only, served from the API server's watch cache (resourceVersion=0):
+        // cheap enough to repeat every round.
+        let lp = ListParams::default()
+            .fields(&format!("spec.nodeName={}", self.node_name))
+            .match_any();
         let list = match self.pods.list(&lp).await {
             Ok(l) => l,
             Err(e) => {

@@ -146,6 +146,17 @@ pub enum Outcome {
     Cancelled,
 }
 
+impl Outcome {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Complete => "complete",
+            Outcome::Incomplete => "incomplete",
+            Outcome::Failed => "failed",
+            Outcome::Cancelled => "cancelled",
+        }
+    }
+}
+
 /// One failed object in the summary.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct ObjectError {

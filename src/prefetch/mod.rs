@@ -572,7 +572,7 @@ impl Prefetcher {
                 .or_else(|| s.errors.first().map(|e| e.error.clone()));
             tracing::info!(
                 dataset = %name,
-                outcome = ?s.outcome,
+                outcome = s.outcome.as_str(),
                 files_done = s.counts.files_done,
                 files_total = s.counts.files_total,
                 bytes_fetched = s.counts.bytes_fetched,
