@@ -8,6 +8,11 @@
 #
 #   bench/prefetch.sh [ROUNDS]        (default 3; needs bench/deps.sh once)
 #
+# The objects are uploaded with a CRC32 additional checksum each (BENCH_UPLOAD=checksums, what
+# current AWS SDKs and CLIs send by default) or by s5cmd without checksums (BENCH_UPLOAD=legacy:
+# MD5 etags for the 1 MiB objects, multipart etags for the large ones). BENCH_CLIENTS limits the
+# clients (comma-separated names as printed; s5cmd is always needed).
+#
 # Environment: BENCH_DIR (work directory, default a fresh one under /tmp; needs ~2.5 GiB for the
 # server's copy), BENCH_DEST (destination, default <BENCH_DIR>/dest; 2 GiB), BENCH_SMALL (count of
 # 1 MiB objects, default 1000), BENCH_LARGE (count of 256 MiB objects, default 4), SPOTGUARD (a
@@ -37,4 +42,5 @@ if [ -z "${SPOTGUARD:-}" ]; then
     SPOTGUARD="$work/spotguard"
 fi
 exec python3 "$here/prefetch_bench.py" --spotguard "$SPOTGUARD" --work "$work" --rounds "$rounds" \
-    --small "${BENCH_SMALL:-1000}" --large "${BENCH_LARGE:-4}" --dest "${BENCH_DEST:-$work/dest}"
+    --small "${BENCH_SMALL:-1000}" --large "${BENCH_LARGE:-4}" --dest "${BENCH_DEST:-$work/dest}" \
+    --upload "${BENCH_UPLOAD:-checksums}" ${BENCH_CLIENTS:+--clients "$BENCH_CLIENTS"}

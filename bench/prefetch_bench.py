@@ -7,6 +7,7 @@ after each run and reported separately.
 """
 
 import argparse
+import json
 import os
 import re
 import shutil
@@ -80,7 +81,20 @@ def tool_env(endpoint):
     return env
 
 
-def generate_and_upload(work, endpoint, s5, small, large):
+def upload_with_checksums(gen, endpoint):
+    """PUT every object with a CRC32 additional checksum (what current AWS SDKs and CLIs send by
+    default), one request per object, so that the server keeps a full-object checksum."""
+    import boto3
+    s3 = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=ACCESS_KEY,
+                      aws_secret_access_key=SECRET_KEY, region_name="us-east-1")
+    for sub in ("small", "large"):
+        for name in sorted(os.listdir(os.path.join(gen, sub))):
+            with open(os.path.join(gen, sub, name), "rb") as f:
+                s3.put_object(Bucket=BUCKET, Key=f"{PREFIX}/{sub}/{name}", Body=f,
+                              ChecksumAlgorithm="CRC32")
+
+
+def generate_and_upload(work, endpoint, s5, small, large, upload):
     gen = os.path.join(work, "gen")
     shutil.rmtree(gen, ignore_errors=True)
     os.makedirs(os.path.join(gen, "small"))
@@ -96,10 +110,14 @@ def generate_and_upload(work, endpoint, s5, small, large):
     env = tool_env(endpoint)
     subprocess.run([s5, "--endpoint-url", endpoint, "mb", f"s3://{BUCKET}"], env=env, check=True,
                    stdout=subprocess.DEVNULL)
-    # s5cmd uploads the 256 MiB files in parts (multipart etags), the 1 MiB ones whole (MD5
-    # etags), as typical dataset uploads do.
-    subprocess.run([s5, "--endpoint-url", endpoint, "cp", gen + "/*", f"s3://{BUCKET}/{PREFIX}/"],
-                   env=env, check=True, stdout=subprocess.DEVNULL)
+    if upload == "checksums":
+        upload_with_checksums(gen, endpoint)
+    else:
+        # "legacy": s5cmd uploads the 256 MiB files in parts (multipart etags, no checksum),
+        # the 1 MiB ones whole (MD5 etags), as older dataset uploads did.
+        subprocess.run([s5, "--endpoint-url", endpoint, "cp", gen + "/*",
+                        f"s3://{BUCKET}/{PREFIX}/"],
+                       env=env, check=True, stdout=subprocess.DEVNULL)
     shutil.rmtree(gen)
     return small * MIB + large * 256 * MIB, small + large
 
@@ -108,9 +126,9 @@ def commands(spotguard, s5, endpoint, dest):
     src = f"s3://{BUCKET}/{PREFIX}"
     return {
         "spotguard": [spotguard, "prefetch", src, dest, "--name", "ds", "--endpoint", endpoint,
-                      "--progress", "none"],
+                      "--progress", "json"],
         "spotguard --verify size": [spotguard, "prefetch", src, dest, "--name", "ds", "--endpoint",
-                                    endpoint, "--progress", "none", "--verify", "size"],
+                                    endpoint, "--progress", "json", "--verify", "size"],
         "s5cmd": [s5, "--endpoint-url", endpoint, "cp", src + "/*", dest + "/"],
         "rclone (tuned)": ["rclone", "copy", f"src:{BUCKET}/{PREFIX}/", dest + "/",
                            "--s3-no-head-object", "--transfers", "32", "--checkers", "32",
@@ -137,7 +155,7 @@ def run_one(name, cmd, env, dest, data_dir, server_pid, want_bytes, want_files):
     tfile = os.path.join(os.path.dirname(dest), "time.out")
     before = cpu_ticks(server_pid)
     p = subprocess.run(["/usr/bin/time", "-f", "%e %U %S %M", "-o", tfile] + cmd, env=env,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     server_cpu = (cpu_ticks(server_pid) - before) / os.sysconf("SC_CLK_TCK")
     if p.returncode != 0:
         sys.exit(f"{name} failed ({p.returncode}): {p.stderr[-2000:]}")
@@ -146,8 +164,18 @@ def run_one(name, cmd, env, dest, data_dir, server_pid, want_bytes, want_files):
     files, total = tree_size(data_dir)
     if (files, total) != (want_files, want_bytes):
         sys.exit(f"{name}: got {files} files / {total} bytes, want {want_files} / {want_bytes}")
+    # spotguard's summary says what verified each object.
+    verified = ""
+    for line in p.stdout.splitlines():
+        try:
+            v = json.loads(line)
+        except ValueError:
+            continue
+        if v.get("event") == "summary":
+            verified = " ".join(f"{k[len('verified_'):]}={v[k]}" for k in sorted(v)
+                                if k.startswith("verified_") and v[k])
     return {"wall": float(wall), "cpu": float(user) + float(system),
-            "rss_mib": int(rss_kb) / 1024, "server_cpu": server_cpu}
+            "rss_mib": int(rss_kb) / 1024, "server_cpu": server_cpu, "verified": verified}
 
 
 def main():
@@ -158,6 +186,10 @@ def main():
     ap.add_argument("--small", type=int, default=1000)
     ap.add_argument("--large", type=int, default=4)
     ap.add_argument("--dest", help="destination directory (cleared before every run)")
+    ap.add_argument("--upload", choices=["checksums", "legacy"], default="checksums",
+                    help="checksums: every object PUT with a CRC32 checksum (current SDK "
+                         "default); legacy: s5cmd upload, multipart etags and no checksums")
+    ap.add_argument("--clients", help="comma-separated subset of the clients (default: all)")
     args = ap.parse_args()
 
     root = os.path.join(args.work, "s3root")
@@ -167,15 +199,20 @@ def main():
     try:
         s5 = s5cmd_binary()
         want_bytes, want_files = generate_and_upload(args.work, endpoint, s5, args.small,
-                                                     args.large)
+                                                     args.large, args.upload)
         gib = want_bytes / GIB
         env = tool_env(endpoint)
         dest = args.dest or os.path.join(args.work, "dest")
         cmds = commands(args.spotguard, s5, endpoint, dest)
+        if args.clients:
+            keep = [c.strip() for c in args.clients.split(",")]
+            cmds = {n: c for n, c in cmds.items() if n in keep}
+            if "s5cmd" not in cmds:
+                sys.exit("--clients must include s5cmd (the reference)")
         names = list(cmds)
         results = {n: [] for n in names}
-        print(f"dataset: {want_files} objects, {gib:.2f} GiB; s3s-fs at {endpoint}; "
-              f"destination {dest}; {args.rounds} rounds, interleaved", flush=True)
+        print(f"dataset: {want_files} objects, {gib:.2f} GiB ({args.upload} upload); s3s-fs at "
+              f"{endpoint}; destination {dest}; {args.rounds} rounds, interleaved", flush=True)
         for r in range(args.rounds):
             order = names[r % len(names):] + names[:r % len(names)]
             for n in order:
@@ -185,7 +222,7 @@ def main():
                 results[n].append(res)
                 print(f"  round {r + 1} {n:26s} wall {res['wall']:6.2f}s  "
                       f"cpu {res['cpu']:6.2f}s  rss {res['rss_mib']:7.1f} MiB  "
-                      f"server cpu {res['server_cpu']:5.2f}s", flush=True)
+                      f"server cpu {res['server_cpu']:5.2f}s  {res['verified']}", flush=True)
         shutil.rmtree(dest, ignore_errors=True)
 
         def med(n, k):
@@ -203,6 +240,9 @@ def main():
             rss = max(x["rss_mib"] for x in results[n])
             print(f"| {n} | {wall:.2f} | {cpu:.2f} | {rss:.0f} | {wall / base_wall:.2f} "
                   f"| {cpu / base_cpu:.2f} | {med(n, 'server_cpu'):.2f} |")
+        for n in names:
+            if results[n][0]["verified"]:
+                print(f"{n}: verified {results[n][0]['verified']}")
     finally:
         server.kill()
         server.wait()

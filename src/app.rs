@@ -103,7 +103,6 @@ pub async fn start_with_client(
     let metrics = Arc::new(Metrics::register(&mut registry));
     let gce_metrics = notice::monitor::GceMetrics::register(&mut registry);
     let gpu_metrics = Arc::new(gpu::GpuMetrics::register(&mut registry));
-    let prefetch_metrics = Arc::new(prefetch::PrefetchMetrics::register(&mut registry));
     let boot_id = match gpu::read_boot_id_from(&cfg.args.boot_id_file) {
         Ok(id) => Some(id),
         Err(e) => {
@@ -243,26 +242,19 @@ pub async fn start_with_client(
     }
     drop(notice_tx);
 
-    // Hooks run when handling starts: cancel prefetches, send the webhook.
+    // Hooks run when handling starts: stop the prefetcher (its own process or container; asked
+    // through a file in the cache, written off this thread), send the webhook.
     let mut on_start: Vec<StartHook> = Vec::new();
-    let prefetcher = Arc::new(prefetch::Prefetcher::new(
-        cfg.args.cache_dir.clone(),
-        cfg.args.cache_max_bytes,
-        prefetch::PrefetchDefaults {
-            store: prefetch::StoreOptions {
-                endpoint: cfg.args.prefetch_endpoint.clone(),
-                ..Default::default()
-            },
-            ..Default::default()
-        },
-        prefetch_metrics,
-        cancel.child_token(),
-    ));
     {
-        let p = prefetcher.clone();
+        let dir = cfg.args.cache_dir.clone();
         on_start.push(Box::new(move |n| {
             if n.kind == notice::NoticeKind::Interruption {
-                p.cancel_all();
+                let dir = dir.clone();
+                tokio::task::spawn_blocking(move || {
+                    if let Err(e) = prefetch::serve::request_stop(&dir) {
+                        warn!(error = %e, "could not ask the prefetcher to stop");
+                    }
+                });
             }
         }));
     }
@@ -332,25 +324,34 @@ pub async fn start_with_client(
         Err(e) => info!(reason = %e, "GPU monitoring off"),
     }
 
-    // Prefetch: datasets from config at start, pod annotations in Kubernetes mode.
-    for d in &cfg.datasets {
-        match prefetcher.ensure(&d.name, &d.url) {
-            Ok(how) => info!(dataset = %d.name, url = %d.url, ?how, "prefetch at start"),
-            Err(e) => {
-                metrics.error("prefetch", e.metric_label());
-                error!(dataset = %d.name, error = %e, "cannot prefetch dataset");
-            }
-        }
+    // Prefetch never runs in this process: datasets from the config go to a child
+    // `spotguard prefetch-serve` (own threads and heap); in Kubernetes the DaemonSet's prefetch
+    // container reads pods' annotations.
+    {
+        let dir = cfg.args.cache_dir.clone();
+        let _ = tokio::task::spawn_blocking(move || prefetch::serve::clear_stop(&dir)).await;
     }
-    if let (Some(client), Some(node_name)) = (kube_client, cfg.node_name.clone()) {
-        let h = tasks.spawn(kube_discovery::watch_prefetch_annotations(
-            client,
-            node_name,
-            prefetcher.clone(),
+    drop(kube_client);
+    if !cfg.datasets.is_empty() {
+        let child = prefetch::serve::run_child(
+            cfg.datasets
+                .iter()
+                .map(|d| format!("{}={}", d.name, d.url))
+                .collect(),
+            cfg.args.cache_dir.clone(),
+            cfg.args.cache_max_bytes,
+            cfg.args.prefetch_endpoint.clone(),
             metrics.clone(),
             cancel.child_token(),
-        ));
-        names.insert(h.id(), "prefetch annotation watch");
+        );
+        // The prefetcher finishing (or failing to start) is no reason to stop the agent: the
+        // task then waits for shutdown like every other.
+        let c = cancel.child_token();
+        let h = tasks.spawn(async move {
+            child.await;
+            c.cancelled().await;
+        });
+        names.insert(h.id(), "prefetcher process");
     }
 
     // Admin server.

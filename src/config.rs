@@ -41,8 +41,10 @@ pub enum Command {
     Drill(crate::drill::DrillArgs),
     /// Serve an emulated instance-metadata service (EC2, GCE or Azure) for your own tests.
     Emulate(crate::emulator::EmulateArgs),
-    /// Prefetch a dataset (s3://, gs://, file:///) into the shared cache.
-    Prefetch(crate::prefetch::PrefetchArgs),
+    /// Prefetch a dataset (s3://, gs://, file:///) into the shared cache, or wait for one.
+    Prefetch(Box<crate::prefetch::PrefetchArgs>),
+    /// The prefetcher as its own process: configured datasets and pods' annotations.
+    PrefetchServe(Box<crate::prefetch::serve::ServeArgs>),
     /// One-shot GPU health report (exit 0 healthy, 1 unhealthy, 2 NVML unavailable).
     Gpu(crate::gpu::GpuArgs),
     /// Print the configuration reference (Markdown) generated from these definitions.
@@ -265,7 +267,7 @@ pub struct RunArgs {
     #[arg(long, env = "SPOTGUARD_WEBHOOK_TEMPLATE", value_name = "TEMPLATE")]
     pub webhook_template: Option<String>,
 
-    /// Dataset to warm at start, NAME=URL or a bare URL (repeatable).
+    /// Dataset to warm at start, NAME=URL or a bare URL (repeatable), by a child `spotguard prefetch-serve` process.
     #[arg(long, env = "SPOTGUARD_PREFETCH", value_name = "NAME=URL", value_delimiter = ',', value_parser = parse_dataset)]
     pub prefetch: Vec<Dataset>,
 
@@ -273,7 +275,7 @@ pub struct RunArgs {
     #[arg(long, env = "SPOTGUARD_CACHE_DIR", value_name = "DIR", default_value = "/var/cache/spotguard", value_parser = parse_abs_path)]
     pub cache_dir: PathBuf,
 
-    /// Evict least-recently-used datasets above this size (e.g. 500GiB).
+    /// Evict least-recently-used datasets above this size (e.g. 500GiB) [default: half the cache's filesystem].
     #[arg(long, env = "SPOTGUARD_CACHE_MAX_BYTES", value_name = "BYTES", value_parser = parse_bytes)]
     pub cache_max_bytes: Option<u64>,
 

@@ -8,7 +8,8 @@
 //! The cache keeps only what checkpointing needs (the parsed `spotguard.io/checkpoint*` settings
 //! of opted-in running pods), not the pod objects. A bad annotation is reported when the pod is
 //! seen (a Warning Event on it, once per pod and problem), never on the notice's path.
-//! Also watches `spotguard.io/prefetch` annotations.
+//! (Pods' `spotguard.io/prefetch` annotations are read by the prefetcher's own process:
+//! `crate::prefetch::annotations`.)
 
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
@@ -28,10 +29,7 @@ use crate::checkpoint::{Error, PodRef, Signal, TargetDiscovery, TargetGroup};
 use crate::metrics::Metrics;
 use crate::node::{reason, EventType, NodeOps};
 use crate::notice::monitor::Backoff;
-use crate::prefetch::Prefetcher;
 
-/// Annotation asking spotguard to warm a dataset on the pod's node.
-pub const PREFETCH_ANNOTATION: &str = "spotguard.io/prefetch";
 
 /// Bound on the one list discovery makes when the cache never synced.
 pub const FALLBACK_LIST_TIMEOUT: Duration = Duration::from_secs(1);
@@ -354,57 +352,4 @@ fn pod_ref(pod: &Pod) -> Option<PodRef> {
         name: pod.metadata.name.clone()?,
         uid: pod.metadata.uid.clone().unwrap_or_default(),
     })
-}
-
-/// Every 30 s, list this node's pods and `ensure()` the datasets their `spotguard.io/prefetch`
-/// annotations name. Errors are logged and counted; the loop goes on.
-pub async fn watch_prefetch_annotations(
-    client: kube::Client,
-    node_name: String,
-    prefetcher: Arc<Prefetcher>,
-    metrics: Arc<Metrics>,
-    cancel: CancellationToken,
-) {
-    let pods: Api<Pod> = Api::all(client);
-    let mut seen: HashSet<String> = HashSet::new();
-    loop {
-        match pods.list(&on_node(&node_name)).await {
-            Ok(list) => {
-                for pod in &list.items {
-                    let Some(url) = pod
-                        .metadata
-                        .annotations
-                        .as_ref()
-                        .and_then(|a| a.get(PREFETCH_ANNOTATION))
-                    else {
-                        continue;
-                    };
-                    for u in url.split(',').map(str::trim).filter(|u| !u.is_empty()) {
-                        if !seen.insert(u.to_string()) {
-                            continue;
-                        }
-                        match prefetcher.ensure_url(u) {
-                            Ok((name, how)) => {
-                                info!(dataset = %name, url = %u, ?how, "prefetch requested by pod annotation");
-                            }
-                            Err(e) => {
-                                metrics.error("prefetch", e.metric_label());
-                                warn!(url = %u, error = %e, "cannot prefetch the dataset a spotguard.io/prefetch annotation names");
-                                // Not marked seen: a transient error is retried on the next round.
-                                seen.remove(u);
-                            }
-                        }
-                    }
-                }
-            }
-            Err(e) => {
-                metrics.error("prefetch", "list_pods");
-                warn!(error = %e, "listing pods for prefetch annotations failed");
-            }
-        }
-        tokio::select! {
-            _ = cancel.cancelled() => return,
-            _ = tokio::time::sleep(Duration::from_secs(30)) => {}
-        }
-    }
 }

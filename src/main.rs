@@ -66,7 +66,11 @@ fn main() -> ExitCode {
         }
         Command::Prefetch(args) => {
             telemetry::init(config::LogFormat::Text, &one_shot_log_level());
-            with_runtime(|cancel| prefetch::run_cli(args, cancel))
+            with_runtime(|cancel| prefetch::run_cli(*args, cancel))
+        }
+        Command::PrefetchServe(args) => {
+            telemetry::init(config::LogFormat::Json, "info");
+            with_runtime(|cancel| prefetch::serve::run_serve(*args, cancel))
         }
     }
 }

@@ -738,8 +738,11 @@ async fn load<K: DeserializeOwned + Serialize>(k: &Kubectl, file: &str, kind: &s
 
 fn agent(ds: &DaemonSet) -> &Container {
     let pod = ds.spec.as_ref().unwrap().template.spec.as_ref().unwrap();
-    assert_eq!(pod.containers.len(), 1);
-    &pod.containers[0]
+    // The agent; the prefetcher runs in its own container (tests/prefetch_manifests.rs).
+    pod.containers
+        .iter()
+        .find(|c| c.name == "spotguard")
+        .expect("the agent container")
 }
 
 #[tokio::test]
@@ -1032,9 +1035,10 @@ async fn example_job_speaks_the_checkpoint_protocol() {
         .annotations
         .as_ref()
         .unwrap();
-    assert!(annotations
-        .get("spotguard.io/prefetch")
-        .is_some_and(|u| u.starts_with("s3://")));
+    assert!(annotations.get("spotguard.io/prefetch").is_some_and(|u| u
+        .split_once('=')
+        .map_or(u.as_str(), |(_, url)| url)
+        .starts_with("s3://")));
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -188,6 +188,8 @@ struct ProxyState {
     slowdowns_sent: AtomicU32,
     /// Answer GETs of paths ending in this key with this status.
     deny: Mutex<Option<(String, u16)>>,
+    /// Flip a bit in every body chunk of GETs of paths ending in this key.
+    corrupt: Mutex<Option<String>>,
     /// Response body rate limit per request, bytes/s (0 = none).
     rate_bps: AtomicU64,
     gets: AtomicU64,
@@ -299,6 +301,13 @@ async fn proxy_one(
         st.gets.fetch_add(1, Ordering::SeqCst);
     }
     let rate = st.rate_bps.load(Ordering::SeqCst);
+    let corrupt = is_get
+        && st
+            .corrupt
+            .lock()
+            .unwrap()
+            .as_ref()
+            .is_some_and(|k| path.ends_with(k.as_str()));
     let (parts, body) = resp.into_parts();
     let st2 = st.clone();
     let started = Instant::now();
@@ -326,7 +335,19 @@ async fn proxy_one(
             if let Some(due) = due {
                 tokio::time::sleep_until(due.into()).await;
             }
-            frame.map_err(|e| Box::new(e) as Box<dyn std::error::Error + Send + Sync>)
+            frame
+                .map(|f| {
+                    f.map_data(|d| {
+                        if corrupt && !d.is_empty() {
+                            let mut v = d.to_vec();
+                            v[0] ^= 0x01;
+                            Bytes::from(v)
+                        } else {
+                            d
+                        }
+                    })
+                })
+                .map_err(|e| Box::new(e) as Box<dyn std::error::Error + Send + Sync>)
         }
     });
     let body: ProxyBody =
@@ -1113,4 +1134,346 @@ async fn eviction_removes_the_least_recently_used_dataset_not_in_use() {
     .await;
     assert_eq!(r.code, 2, "{}", r.stderr);
     assert!(r.stderr.contains("cache full"), "{}", r.stderr);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Verification with the stores' checksums, publish order, pod requests, --wait.
+
+/// Upload `data` with an additional checksum header (`x-amz-checksum-<alg>`), signed like any
+/// default header; the server checks it and keeps it.
+async fn put_with_checksum(endpoint: &str, bucket: &str, key: &str, data: &[u8], alg: &str) {
+    use base64::Engine;
+    let b64 = |b: &[u8]| base64::engine::general_purpose::STANDARD.encode(b);
+    let value = match alg {
+        "crc64nvme" => {
+            b64(&crc_fast::checksum(crc_fast::CrcAlgorithm::Crc64Nvme, data).to_be_bytes())
+        }
+        "crc32c" => b64(
+            &(crc_fast::checksum(crc_fast::CrcAlgorithm::Crc32Iscsi, data) as u32).to_be_bytes(),
+        ),
+        "crc32" => b64(
+            &(crc_fast::checksum(crc_fast::CrcAlgorithm::Crc32IsoHdlc, data) as u32).to_be_bytes(),
+        ),
+        "sha256" => {
+            use sha2::Digest;
+            b64(&sha2::Sha256::digest(data))
+        }
+        other => panic!("{other}"),
+    };
+    let mut headers = http::HeaderMap::new();
+    headers.insert(
+        http::HeaderName::from_bytes(format!("x-amz-checksum-{alg}").as_bytes()).unwrap(),
+        value.parse().unwrap(),
+    );
+    let s: Arc<dyn ObjectStore> = Arc::new(
+        AmazonS3Builder::new()
+            .with_endpoint(endpoint)
+            .with_bucket_name(bucket)
+            .with_access_key_id(ACCESS_KEY)
+            .with_secret_access_key(SECRET_KEY)
+            .with_region(REGION)
+            .with_client_options(
+                ClientOptions::new()
+                    .with_allow_http(true)
+                    .with_default_headers(headers),
+            )
+            .build()
+            .unwrap(),
+    );
+    put(&s, key, data).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn store_checksums_verify_whole_and_ranged_objects_and_the_summary_says_how() {
+    // s3s-fs keeps a checksum sent with the upload and returns it with
+    // x-amz-checksum-mode: ENABLED, on GET and HEAD.
+    let server = start_s3s_fs();
+    create_bucket(&server.endpoint(), "sums").await;
+    let mut want = HashMap::new();
+    for (i, alg) in ["crc64nvme", "crc32c", "crc32", "sha256"]
+        .iter()
+        .enumerate()
+    {
+        // One object fetched with one GET, one in ranged parts (--part-size 64KiB).
+        let small = data(20_000 + i, 10 + i as u64);
+        let big = data((300 << 10) + i, 20 + i as u64);
+        put_with_checksum(
+            &server.endpoint(),
+            "sums",
+            &format!("ds/{alg}-small"),
+            &small,
+            alg,
+        )
+        .await;
+        put_with_checksum(
+            &server.endpoint(),
+            "sums",
+            &format!("ds/{alg}-big"),
+            &big,
+            alg,
+        )
+        .await;
+        want.insert(format!("{alg}-small"), small);
+        want.insert(format!("{alg}-big"), big);
+    }
+    // Without a checksum: the plain-MD5 etag.
+    let plain = data(5000, 99);
+    put(&store(&server.endpoint(), "sums"), "ds/plain", &plain).await;
+    want.insert("plain".to_string(), plain);
+
+    let cache = tempfile::tempdir().unwrap();
+    let r = run(spotguard(
+        "s3://sums/ds",
+        cache.path(),
+        &server.endpoint(),
+        &["--name", "ds", "--part-size", "64KiB"],
+    ))
+    .await;
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let s = &r.summary;
+    assert_eq!(
+        (
+            n(s, "verified_crc64nvme"),
+            n(s, "verified_crc32c"),
+            n(s, "verified_crc32"),
+            n(s, "verified_sha256"),
+            n(s, "verified_md5"),
+            n(s, "verified_size"),
+        ),
+        (2, 2, 2, 2, 1, 0),
+        "{s}"
+    );
+    for (key, bytes) in &want {
+        assert_eq!(
+            &std::fs::read(cache.path().join("ds").join(key)).unwrap(),
+            bytes,
+            "{key}"
+        );
+    }
+
+    // --verify size checks sizes only, and says so.
+    let again = tempfile::tempdir().unwrap();
+    let r = run(spotguard(
+        "s3://sums/ds",
+        again.path(),
+        &server.endpoint(),
+        &["--name", "ds", "--verify", "size"],
+    ))
+    .await;
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert_eq!(n(&r.summary, "verified_size"), 9, "{}", r.summary);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_right_after_a_rename_leaves_only_whole_synced_files_and_resumes() {
+    let server = start_s3s_fs();
+    create_bucket(&server.endpoint(), "order").await;
+    let s = store(&server.endpoint(), "order");
+    let mut want = HashMap::new();
+    for i in 0..4u64 {
+        let d = data(200_000 + i as usize, i);
+        put(&s, &format!("ds/f{i}"), &d).await;
+        want.insert(format!("f{i}"), d);
+    }
+    let cache = tempfile::tempdir().unwrap();
+    let mut cmd = spotguard(
+        "s3://order/ds",
+        cache.path(),
+        &server.endpoint(),
+        &["--name", "ds", "--part-size", "64KiB", "--concurrency", "2"],
+    );
+    // Debug builds: SIGKILL right after the first rename, before the directory sync and the
+    // manifest update.
+    cmd.env("SPOTGUARD_PREFETCH_FAILPOINT", "kill-after-rename");
+    let out = tokio::task::spawn_blocking(move || cmd.output().unwrap())
+        .await
+        .unwrap();
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(out.status.signal(), Some(9), "{out:?}");
+    let ds = cache.path().join("ds");
+    // What is under a final name is whole (its data was synced before the rename).
+    let published: Vec<String> = want
+        .keys()
+        .filter(|k| ds.join(k).exists())
+        .cloned()
+        .collect();
+    assert!(!published.is_empty(), "the failpoint fires after a rename");
+    for k in &published {
+        assert_eq!(&std::fs::read(ds.join(k)).unwrap(), &want[k], "{k}");
+    }
+    // Not recorded as done, and the dataset is not complete.
+    let recorded_done = std::fs::read_to_string(ds.join(".spotguard/manifest.json"))
+        .map(|t| t.contains("\"done\":true"))
+        .unwrap_or(false);
+    assert!(!recorded_done);
+    assert!(!ds.join(".spotguard/complete").exists());
+
+    let r = run(spotguard(
+        "s3://order/ds",
+        cache.path(),
+        &server.endpoint(),
+        &["--name", "ds", "--part-size", "64KiB"],
+    ))
+    .await;
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    for (k, d) in &want {
+        assert_eq!(&std::fs::read(ds.join(k)).unwrap(), d, "{k}");
+    }
+    assert!(part_files(&ds).is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn urls_that_used_to_collide_get_their_own_directories_and_a_name_is_never_reused_for_another_source(
+) {
+    let server = start_s3s_fs();
+    // Both named "aaa-b-c" before.
+    for b in ["aaa", "aaa-b"] {
+        create_bucket(&server.endpoint(), b).await;
+    }
+    put(&store(&server.endpoint(), "aaa"), "b/c/x", &data(100, 1)).await;
+    put(&store(&server.endpoint(), "aaa-b"), "c/x", &data(100, 2)).await;
+    let cache = tempfile::tempdir().unwrap();
+    let mut dirs = Vec::new();
+    for url in ["s3://aaa/b/c", "s3://aaa-b/c"] {
+        let r = run(spotguard(url, cache.path(), &server.endpoint(), &[])).await;
+        assert_eq!(r.code, 0, "{}", r.stderr);
+        dirs.push(r.summary["dir"].as_str().unwrap().to_string());
+    }
+    assert_ne!(dirs[0], dirs[1]);
+    assert_eq!(
+        std::fs::read(Path::new(&dirs[0]).join("x")).unwrap(),
+        data(100, 1)
+    );
+    assert_eq!(
+        std::fs::read(Path::new(&dirs[1]).join("x")).unwrap(),
+        data(100, 2)
+    );
+
+    // The same name for another source: refused, the existing dataset untouched.
+    let r = run(spotguard(
+        "s3://aaa/b/c",
+        cache.path(),
+        &server.endpoint(),
+        &["--name", "shared"],
+    ))
+    .await;
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let r = run(spotguard(
+        "s3://aaa-b/c",
+        cache.path(),
+        &server.endpoint(),
+        &["--name", "shared"],
+    ))
+    .await;
+    assert_eq!(r.code, 2, "{}", r.stderr);
+    assert!(
+        r.stderr.contains("already prefetched from s3://aaa/b/c"),
+        "{}",
+        r.stderr
+    );
+    assert_eq!(
+        std::fs::read(cache.path().join("shared/x")).unwrap(),
+        data(100, 1)
+    );
+    assert!(cache.path().join("shared/.spotguard/complete").exists());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wait_returns_when_the_dataset_completes() {
+    let server = start_s3s_fs();
+    create_bucket(&server.endpoint(), "waitb").await;
+    put(
+        &store(&server.endpoint(), "waitb"),
+        "ds/x",
+        &data(50_000, 3),
+    )
+    .await;
+    let cache = tempfile::tempdir().unwrap();
+    let mut waiter = Command::new(binary())
+        .args([
+            "prefetch",
+            "--wait",
+            "c4",
+            "--source",
+            "s3://waitb/ds/",
+            "--timeout",
+            "60s",
+        ])
+        .arg(cache.path())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(
+        waiter.try_wait().unwrap().is_none(),
+        "returned before the dataset exists"
+    );
+    let r = run(spotguard(
+        "s3://waitb/ds",
+        cache.path(),
+        &server.endpoint(),
+        &["--name", "c4"],
+    ))
+    .await;
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let started = Instant::now();
+    let status = loop {
+        if let Some(s) = waiter.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "--wait did not return"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(status.code(), Some(0));
+    // A timeout on a dataset that never comes: exit 3.
+    let out = Command::new(binary())
+        .args(["prefetch", "--wait", "never", "--timeout", "1s"])
+        .arg(cache.path())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(3));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn corrupted_bytes_fail_the_store_checksum_and_are_never_published() {
+    let server = start_s3s_fs();
+    create_bucket(&server.endpoint(), "bad").await;
+    let big = data(300 << 10, 5);
+    let small = data(30_000, 6);
+    put_with_checksum(&server.endpoint(), "bad", "ds/big", &big, "crc64nvme").await;
+    put_with_checksum(&server.endpoint(), "bad", "ds/small", &small, "crc32c").await;
+    let proxy = Proxy::start(&server).await;
+    let cache = tempfile::tempdir().unwrap();
+    for key in ["ds/big", "ds/small"] {
+        *proxy.state.corrupt.lock().unwrap() = Some(key.to_string());
+        let r = run(spotguard(
+            "s3://bad/ds",
+            cache.path(),
+            &proxy.endpoint(),
+            &["--name", "ds", "--part-size", "64KiB"],
+        ))
+        .await;
+        assert_eq!(r.code, 1, "{key}: {}", r.stderr);
+        let failed = key.trim_start_matches("ds/");
+        let errors = r.summary["errors"].as_array().unwrap();
+        assert_eq!(errors.len(), 1, "{}", r.summary);
+        assert_eq!(errors[0]["key"], failed);
+        assert_eq!(errors[0]["kind"], "checksum_mismatch");
+        assert!(!cache.path().join("ds").join(failed).exists());
+        assert!(part_files(&cache.path().join("ds")).is_empty());
+        *proxy.state.corrupt.lock().unwrap() = None;
+        let r = run(spotguard(
+            "s3://bad/ds",
+            cache.path(),
+            &proxy.endpoint(),
+            &["--name", "ds", "--part-size", "64KiB"],
+        ))
+        .await;
+        assert_eq!(r.code, 0, "{}", r.stderr);
+        std::fs::remove_dir_all(cache.path().join("ds")).unwrap();
+    }
 }

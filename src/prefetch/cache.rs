@@ -140,6 +140,25 @@ impl CompleteMarker {
     }
 }
 
+/// The source a dataset directory holds, from its `complete` marker or its manifest.
+pub fn existing_source(paths: &DatasetPaths) -> Option<String> {
+    if let Some(m) = CompleteMarker::read(&paths.complete) {
+        return Some(m.source);
+    }
+    let bytes = fs::read(&paths.manifest).ok()?;
+    let m: Manifest = serde_json::from_slice(&bytes).ok()?;
+    (!m.source.is_empty()).then_some(m.source)
+}
+
+/// Whether two source URLs name the same scheme, bucket and prefix (a trailing `/` aside).
+pub fn same_source(a: &str, b: &str) -> bool {
+    use super::source::SourceUrl;
+    match (SourceUrl::parse(a), SourceUrl::parse(b)) {
+        (Ok(x), Ok(y)) => x.normalized() == y.normalized(),
+        _ => a == b,
+    }
+}
+
 /// Touch `lease`: what users of a dataset do (at start and at least every half in-use window
 /// while reading) so that it is not evicted under them. `touch <dir>/.spotguard/lease` works too.
 pub fn touch_lease(paths: &DatasetPaths) -> io::Result<()> {

@@ -1,4 +1,6 @@
-//! `spotguard prefetch SRC DEST`: one-shot prefetch (also an initContainer).
+//! `spotguard prefetch SRC DEST`: one-shot prefetch (also an initContainer), and
+//! `spotguard prefetch --wait NAME DIR`: wait until dataset NAME under cache root DIR is complete
+//! (the initContainer of a training pod whose dataset the node's prefetcher warms).
 //!
 //! Exit codes: 0 every object is in the cache; 1 some objects failed (named on stderr and in the
 //! summary); 2 the run failed (listing, credentials, disk full, cache full, I/O); 3 cancelled or
@@ -48,17 +50,27 @@ fn parse_concurrency(s: &str) -> Result<usize, String> {
 /// Arguments of `spotguard prefetch`.
 #[derive(clap::Args, Debug, Clone)]
 pub struct PrefetchArgs {
-    /// Source: s3://bucket/prefix, gs://bucket/prefix or file:///dir.
-    #[arg(value_name = "SRC")]
-    pub src: String,
+    /// Source: s3://bucket/prefix, gs://bucket/prefix or file:///dir (with --wait: the cache root).
+    #[arg(value_name = "SRC", required_unless_present = "wait")]
+    pub src: Option<String>,
 
     /// Cache root: the dataset goes to DEST/<name>.
-    #[arg(value_name = "DEST")]
-    pub dest: PathBuf,
+    #[arg(value_name = "DEST", required_unless_present = "wait")]
+    pub dest: Option<PathBuf>,
 
-    /// Dataset name (directory under DEST); default: bucket and prefix joined with '-'.
+    /// Dataset name (directory under DEST); default: scheme, bucket and prefix joined with '-',
+    /// plus a short hash of the source.
     #[arg(long)]
     pub name: Option<String>,
+
+    /// Fetch nothing: wait until dataset NAME is complete under the cache root given as the one
+    /// positional argument (`spotguard prefetch --wait c4-en /data`); exit 0 then, 3 at --timeout.
+    #[arg(long, value_name = "NAME", conflicts_with = "name")]
+    pub wait: Option<String>,
+
+    /// With --wait: also require the dataset to hold this source (s3://… or gs://…).
+    #[arg(long, value_name = "URL", requires = "wait")]
+    pub source: Option<String>,
 
     /// GET requests in flight.
     #[arg(long, default_value = "32", value_parser = parse_concurrency)]
@@ -80,8 +92,9 @@ pub struct PrefetchArgs {
     #[arg(long, value_enum, default_value = "auto")]
     pub progress: ProgressMode,
 
-    /// Verification before a file is published: `md5` checks plain-MD5 etags, `size` only sizes.
-    #[arg(long, value_enum, default_value = "md5")]
+    /// Verification before a file is published: `checksum` uses the store's CRC64NVME / CRC32C /
+    /// CRC32 / SHA-256 when it keeps one, else a plain-MD5 etag, else the size; `size` only sizes.
+    #[arg(long, value_enum, default_value = "checksum")]
     pub verify: Verify,
 
     /// Give up after this long (exit 3; a later run resumes), e.g. 30m.
@@ -103,7 +116,13 @@ pub async fn run_cli(args: PrefetchArgs, cancel: CancellationToken) -> i32 {
         eprintln!("spotguard prefetch: {msg}");
         EXIT_USAGE
     };
-    let src = match SourceUrl::parse(&args.src) {
+    if let Some(name) = args.wait.clone() {
+        return wait_for(args, name, cancel).await;
+    }
+    let (Some(src_text), Some(dest)) = (args.src.clone(), args.dest.clone()) else {
+        return usage("SRC and DEST are required".to_string());
+    };
+    let src = match SourceUrl::parse(&src_text) {
         Ok(s) => s,
         Err(e) => return usage(e.to_string()),
     };
@@ -154,8 +173,8 @@ pub async fn run_cli(args: PrefetchArgs, cancel: CancellationToken) -> i32 {
     ));
     let job = Job {
         store,
-        paths: DatasetPaths::new(&args.dest, &name),
-        cache_root: args.dest.clone(),
+        paths: DatasetPaths::new(&dest, &name),
+        cache_root: dest.clone(),
         source: src,
         options: FetchOptions {
             concurrency: args.concurrency,
@@ -166,6 +185,7 @@ pub async fn run_cli(args: PrefetchArgs, cancel: CancellationToken) -> i32 {
             max_bytes: args.cache_max_bytes,
             in_use_window: args.in_use_window,
             touch_lease_on_complete: true,
+            failpoint: test_failpoint(),
             ..FetchOptions::default()
         },
         progress,
@@ -204,6 +224,89 @@ pub async fn run_cli(args: PrefetchArgs, cancel: CancellationToken) -> i32 {
             EXIT_CANCELLED
         }
     }
+}
+
+/// `--wait NAME DIR`: poll for the dataset's `complete` marker.
+async fn wait_for(args: PrefetchArgs, name: String, cancel: CancellationToken) -> i32 {
+    let root = match (&args.src, &args.dest) {
+        (Some(one), None) => PathBuf::from(one),
+        (None, None) => PathBuf::from("/var/cache/spotguard"),
+        _ => {
+            eprintln!("spotguard prefetch: --wait takes one directory: the cache root");
+            return EXIT_USAGE;
+        }
+    };
+    if let Err(e) = source::validate_name(&name) {
+        eprintln!("spotguard prefetch: {e}");
+        return EXIT_USAGE;
+    }
+    let paths = DatasetPaths::new(&root, &name);
+    let started = std::time::Instant::now();
+    let mut last_log = started;
+    loop {
+        if let Some(marker) = super::cache::CompleteMarker::read(&paths.complete) {
+            match &args.source {
+                Some(want) if !super::cache::same_source(&marker.source, want) => {
+                    eprintln!(
+                        "spotguard prefetch: {} holds {}, not {want}",
+                        paths.dir.display(),
+                        marker.source
+                    );
+                    return EXIT_FAILED;
+                }
+                _ => {
+                    eprintln!(
+                        "spotguard prefetch: {name} is complete ({} files, {}) from {}",
+                        marker.objects,
+                        human_bytes(marker.bytes),
+                        marker.source
+                    );
+                    return EXIT_OK;
+                }
+            }
+        }
+        if args.timeout.is_some_and(|t| started.elapsed() >= t) {
+            eprintln!("spotguard prefetch: --timeout reached waiting for {name}");
+            return EXIT_CANCELLED;
+        }
+        if last_log.elapsed() >= Duration::from_secs(30) {
+            last_log = std::time::Instant::now();
+            eprintln!(
+                "spotguard prefetch: waiting for {} ({}s)",
+                paths.dir.display(),
+                started.elapsed().as_secs()
+            );
+        }
+        tokio::select! {
+            _ = cancel.cancelled() => return EXIT_CANCELLED,
+            _ = tokio::time::sleep(Duration::from_millis(500)) => {}
+        }
+    }
+}
+
+/// Debug builds only (tests): `SPOTGUARD_PREFETCH_FAILPOINT=kill-after-rename` kills this
+/// process with SIGKILL right after the first file is renamed into place.
+#[cfg(debug_assertions)]
+fn test_failpoint() -> Option<download::Failpoint> {
+    let spec = std::env::var("SPOTGUARD_PREFETCH_FAILPOINT").ok()?;
+    let step = match spec.as_str() {
+        "kill-after-rename" => download::PublishStep::Renamed,
+        "kill-after-sync" => download::PublishStep::PartSynced,
+        _ => return None,
+    };
+    Some(download::Failpoint(Arc::new(move |at, _path| {
+        if at == step {
+            let _ = rustix::process::kill_process(
+                rustix::process::getpid(),
+                rustix::process::Signal::KILL,
+            );
+        }
+    })))
+}
+
+#[cfg(not(debug_assertions))]
+fn test_failpoint() -> Option<download::Failpoint> {
+    None
 }
 
 fn print_summary(s: &Summary, mode: ProgressMode) {

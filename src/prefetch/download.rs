@@ -17,7 +17,6 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use futures::StreamExt;
-use md5::{Digest, Md5};
 use object_store::path::Path as ObjectPath;
 use object_store::{
     GetOptions, GetRange, GetResultPayload, ObjectMeta, ObjectStore, ObjectStoreExt,
@@ -33,6 +32,7 @@ use super::manifest::{etag_md5, normalize_etag, Entry, Manifest, Update};
 use super::metrics::PrefetchMetrics;
 use super::progress::{Progress, Snapshot};
 use super::source::SourceUrl;
+use super::verify::{ChecksumSlot, Finished, Hasher, StoreChecksum, VerifiedBy};
 use super::Error;
 
 /// Write batch: body chunks are gathered up to this many bytes and written with one `pwritev`.
@@ -48,11 +48,36 @@ const SYNCS_IN_FLIGHT: usize = 16;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Verify {
-    /// Size, plus the MD5 where the etag is a plain MD5 (single-part S3 uploads, non-composite
-    /// GCS objects): hashed while streaming, or re-read when the object came in several parts.
-    Md5,
+    /// Content: the store's full-object checksum (S3 CRC64NVME / CRC32C / CRC32 / SHA-256, GCS
+    /// CRC32C), CRCs computed while streaming and combined across ranged parts; else the MD5 of
+    /// a plain (single-part) etag; else the size. The summary counts which was used.
+    #[value(alias = "md5")]
+    Checksum,
     /// Size (and the etag of every response) only.
     Size,
+}
+
+/// Called at the steps of publishing a file (tests: the order of sync and rename, and a crash
+/// between them).
+#[derive(Clone)]
+pub struct Failpoint(pub Arc<FailpointFn>);
+
+/// The function behind a [`Failpoint`].
+pub type FailpointFn = dyn Fn(PublishStep, &Path) + Send + Sync;
+
+impl std::fmt::Debug for Failpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Failpoint")
+    }
+}
+
+/// A step of publishing: the part file's data is on stable storage; it has its final name;
+/// the directory holding the name is synced (the manifest may record it after this).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PublishStep {
+    PartSynced,
+    Renamed,
+    DirSynced,
 }
 
 /// Tunables of a dataset run.
@@ -74,6 +99,8 @@ pub struct FetchOptions {
     pub in_use_window: Duration,
     /// Touch the dataset's lease when the run completes (the CLI: a job is about to use it).
     pub touch_lease_on_complete: bool,
+    /// Test hook at each publish step.
+    pub failpoint: Option<Failpoint>,
 }
 
 impl Default for FetchOptions {
@@ -81,13 +108,14 @@ impl Default for FetchOptions {
         FetchOptions {
             concurrency: 32,
             part_size: 8 << 20,
-            verify: Verify::Md5,
+            verify: Verify::Checksum,
             lease: Duration::from_secs(30),
             renew_every: Duration::from_secs(5),
             flush_every: Duration::from_secs(1),
             max_bytes: None,
             in_use_window: Duration::from_secs(15 * 60),
             touch_lease_on_complete: false,
+            failpoint: None,
         }
     }
 }
@@ -116,6 +144,17 @@ pub enum Outcome {
     Failed,
     /// Cancelled (interruption notice, signal or deadline); safe to resume.
     Cancelled,
+}
+
+impl Outcome {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Complete => "complete",
+            Outcome::Incomplete => "incomplete",
+            Outcome::Failed => "failed",
+            Outcome::Cancelled => "cancelled",
+        }
+    }
 }
 
 /// One failed object in the summary.
@@ -309,7 +348,7 @@ struct Run {
     shared: Mutex<Option<(ManifestStamp, Arc<Manifest>)>>,
     /// The cache is on tmpfs (no block reservation: see [`preallocate`]).
     on_tmpfs: AtomicBool,
-    /// Bounds the files being synced at once (see [`make_durable`]).
+    /// Bounds the files being synced at once (see [`publish`]).
     syncs: Semaphore,
 }
 
@@ -562,6 +601,17 @@ async fn drive(run: &Arc<Run>, cache_root: &Path) -> Vec<String> {
             let tmpfs = rustix::fs::statfs(&paths.dir)
                 .is_ok_and(|st| st.f_type == libc::TMPFS_MAGIC);
             r.on_tmpfs.store(tmpfs, Ordering::Relaxed);
+            // A directory holding another source is never reused (its files would be
+            // overwritten or deleted as "gone from the source").
+            if let Some(existing) = cache::existing_source(&paths) {
+                if !cache::same_source(&existing, &source) {
+                    return Err(Error::NameInUse {
+                        name: paths.name.clone(),
+                        existing,
+                        requested: source.clone(),
+                    });
+                }
+            }
             match Manifest::load(&paths.manifest, &source) {
                 Ok(m) => Ok(m),
                 Err(e) if e.kind() == io::ErrorKind::InvalidData => {
@@ -975,7 +1025,7 @@ async fn fetch_object(run: &Arc<Run>, mut listed: Listed) -> Done {
     lock(&run.active).remove(&key);
     match result {
         Ok(published) => {
-            match make_durable(run, &key, published).await {
+            match publish(run, &key, published).await {
                 Ok(etag) => record_done(run, &listed, etag, Some(claim)),
                 Err(e) => {
                     release(run, &claim).await;
@@ -1087,7 +1137,7 @@ async fn fetch_group(run: &Arc<Run>, group: Group) -> Done {
             let part_rel = r.paths.part_rel(&key, &r.owner.tag());
             match fetch_attempts(&r, &mut listed, &active, &part_rel, None).await {
                 Ok(published) => {
-                    match make_durable(&r, &key, published).await {
+                    match publish(&r, &key, published).await {
                         Ok(etag) => record_done(&r, &listed, etag, None),
                         Err(e) => fail_or_fatal(&r, &key, e),
                     }
@@ -1143,7 +1193,7 @@ async fn fetch_attempts(
     active: &Arc<Active>,
     part_rel: &str,
     mut previous: Option<ClaimRecord>,
-) -> Result<Published, Stop> {
+) -> Result<Verified, Stop> {
     let key = listed.entry.key.clone();
     let mut attempt = 0;
     loop {
@@ -1280,7 +1330,7 @@ async fn download(
     active: &Arc<Active>,
     previous: Option<ClaimRecord>,
     part_rel: &str,
-) -> Result<Published, Stop> {
+) -> Result<Verified, Stop> {
     let key = listed.entry.key.clone();
     let size = listed.entry.size;
     let dir = run.paths.dir.clone();
@@ -1295,7 +1345,9 @@ async fn download(
         None
     };
 
-    // Resume a previous owner's part file when it is for the same version of the object.
+    // Resume a previous owner's part file when it is for the same version of the object; a
+    // part file that cannot be resumed is removed.
+    let stale_part = previous.as_ref().map(|p| dir.join(&p.part));
     let resumable = previous.filter(|p| {
         p.size == size
             && !p.done.is_empty()
@@ -1316,8 +1368,12 @@ async fn download(
             let fin = final_path.clone();
             let run2 = run.clone();
             let k = key.clone();
+            let stale = stale_part.filter(|_| resume.is_none());
             let opened =
                 blocking(move || -> Result<(File, Vec<[u64; 2]>), Error> {
+                    if let Some(old) = stale.filter(|old| *old != part) {
+                        let _ = fs::remove_file(old);
+                    }
                     run2.make_parent(&fin)
                         .map_err(|e| Error::io_for(&k, "create directory", fin.clone(), e))?;
                     if let Some(prev) = &resume {
@@ -1395,17 +1451,29 @@ async fn download(
     let segments: Vec<Arc<Segment>> = missing.iter().map(|&(a, b)| Segment::new(a, b)).collect();
     *lock(&active.segments) = segments.clone();
 
-    // Inline MD5 only when the whole object streams in order in one piece.
-    let want_md5 = run.opts.verify == Verify::Md5;
-    let single_stream = segments.len() == 1 && segments[0].start == 0 && segments[0].end == size;
+    let want = run.opts.verify == Verify::Checksum;
+    let fresh = done_before.is_empty();
     let mut etag_seen: Option<String> = expected_etag.clone();
-    let mut inline_md5: Option<Md5> = None;
+    // The store's full-object checksum, and the hash of what was written (inline).
+    let mut checksum: Option<StoreChecksum> = None;
+    let mut inline: Option<Hasher> = None;
 
     if size == 0 {
         // Nothing to fetch; the listing is the truth for an empty object.
     } else if segments.len() == 1 {
+        // One request: the checksum comes with the response headers, the hash with the body.
         let seg = segments[0].clone();
-        let hasher = (want_md5 && single_stream).then(Md5::new);
+        let single_stream = seg.start == 0 && seg.end == size;
+        if want && !single_stream {
+            // The rest of a resumed object: the checksum from a HEAD, the hash by reading back.
+            let (c, head_etag) = head_checksum(run, listed, active, slot.is_some()).await?;
+            if let (Some(want_tag), Some(got)) = (&expected_etag, &head_etag) {
+                if normalize_etag(want_tag) != normalize_etag(got) {
+                    return Err(Stop::Err(Error::Changed { key: key.clone() }));
+                }
+            }
+            checksum = c;
+        }
         let fetch = fetch_segment(
             run,
             listed,
@@ -1413,19 +1481,32 @@ async fn download(
             &seg,
             &file,
             expected_etag.clone(),
-            hasher,
+            SegmentHash::Choose(want && single_stream),
             None,
         );
-        let (h, seen) = if slot.is_some() {
+        let out = if slot.is_some() {
             fetch.await?
         } else {
             with_request(run, active, fetch).await?
         };
-        inline_md5 = h;
-        etag_seen = seen.or(etag_seen);
+        inline = out.hasher;
+        checksum = out.checksum.or(checksum);
+        etag_seen = out.etag.or(etag_seen);
     } else {
+        // Ranged parts: ask for the checksum first (one HEAD), then hash each part and combine.
+        if want {
+            let (c, head_etag) = head_checksum(run, listed, active, false).await?;
+            if let (Some(want_tag), Some(got)) = (&expected_etag, &head_etag) {
+                if normalize_etag(want_tag) != normalize_etag(got) {
+                    return Err(Stop::Err(Error::Changed { key: key.clone() }));
+                }
+            }
+            checksum = c;
+        }
+        let part_hasher = checksum.filter(|c| c.combinable() && fresh);
         let object_stop = active.lost.child_token();
-        let mut parts: JoinSet<Result<(), Stop>> = JoinSet::new();
+        let mut parts: JoinSet<Result<(u64, Option<Hasher>), Stop>> = JoinSet::new();
+        let mut hashes: Vec<(u64, Option<Hasher>)> = Vec::new();
         let mut iter = segments.iter().cloned();
         // Without a known etag, the first response fixes it for the other parts (If-Match).
         if expected_etag.is_none() {
@@ -1433,10 +1514,11 @@ async fn download(
                 let permit = acquire_request(run, active).await?;
                 let (tx, rx) = oneshot::channel();
                 let (r, l, a, f) = (run.clone(), listed.clone(), active.clone(), file.clone());
+                let h = SegmentHash::Given(part_hasher.map(|c| c.hasher()));
                 parts.spawn(async move {
-                    let res = fetch_segment(&r, &l, &a, &first, &f, None, None, Some(tx)).await;
+                    let res = fetch_segment(&r, &l, &a, &first, &f, None, h, Some(tx)).await;
                     drop(permit);
-                    res.map(|_| ())
+                    res.map(|o| (first.start, o.hasher))
                 });
                 // If the first part fails before its headers, its error is in the join set.
                 if let Ok(etag) = rx.await {
@@ -1449,9 +1531,13 @@ async fn download(
         for seg in iter {
             // Reap finished parts so that a failure stops the rest early.
             while let Some(res) = parts.try_join_next() {
-                if let Some(e) = part_error(res) {
-                    first_err.get_or_insert(e);
-                    object_stop.cancel();
+                match part_result(res) {
+                    Ok(Some(h)) => hashes.push(h),
+                    Ok(None) => {}
+                    Err(e) => {
+                        first_err.get_or_insert(e);
+                        object_stop.cancel();
+                    }
                 }
             }
             if first_err.is_some() {
@@ -1466,26 +1552,43 @@ async fn download(
             };
             let (r, l, a, f) = (run.clone(), listed.clone(), active.clone(), file.clone());
             let (tag, stop) = (expected_etag.clone(), object_stop.clone());
+            let h = SegmentHash::Given(part_hasher.map(|c| c.hasher()));
             parts.spawn(async move {
                 let res = tokio::select! {
                     _ = stop.cancelled() => Err(Stop::Aborted),
-                    res = fetch_segment(&r, &l, &a, &seg, &f, tag, None, None) => res.map(|_| ()),
+                    res = fetch_segment(&r, &l, &a, &seg, &f, tag, h, None) => res.map(|o| (seg.start, o.hasher)),
                 };
                 drop(permit);
                 res
             });
         }
         while let Some(res) = parts.join_next().await {
-            if let Some(e) = part_error(res) {
-                if first_err.is_none() {
-                    object_stop.cancel();
-                    first_err = Some(e);
+            match part_result(res) {
+                Ok(Some(h)) => hashes.push(h),
+                Ok(None) => {}
+                Err(e) => {
+                    if first_err.is_none() {
+                        object_stop.cancel();
+                        first_err = Some(e);
+                    }
                 }
             }
         }
         if let Some(e) = first_err {
             // A part stopped because a sibling failed: report the sibling's cause.
             return Err(e);
+        }
+        if part_hasher.is_some() && hashes.len() == segments.len() {
+            hashes.sort_by_key(|(start, _)| *start);
+            inline = hashes
+                .into_iter()
+                .map(|(_, h)| h)
+                .try_fold(None::<Hasher>, |acc, h| match (acc, h) {
+                    (None, Some(h)) => Some(Some(h)),
+                    (Some(a), Some(h)) => a.combine(h).map(Some),
+                    (_, None) => None,
+                })
+                .flatten();
         }
     }
     if let Some(stop) = run.stopped() {
@@ -1505,82 +1608,201 @@ async fn download(
         }));
     }
 
-    // Checksum, where the etag is a plain MD5.
+    // Content: the store's checksum, else a plain-MD5 etag, else the size alone. A hash not
+    // computed inline (resumed bytes, SHA-256 or MD5 over ranged parts) is computed by reading
+    // the part file back.
     let md5_expected = etag_seen.as_deref().and_then(etag_md5);
-    if want_md5 {
-        if let Some(expected) = md5_expected {
-            let digest: [u8; 16] = match inline_md5 {
-                Some(h) => h.finalize().into(),
-                None => {
-                    let f = file.clone();
-                    let k = key.clone();
-                    let p = part_path.clone();
-                    blocking(move || hash_file(&f, size))
-                        .await?
-                        .map_err(|e| Error::io_for(&k, "read back part file", p, e))?
-                }
-            };
-            if digest != expected {
-                return Err(Stop::Err(Error::ChecksumMismatch {
-                    key: key.clone(),
-                    expected: hex(&expected),
-                    got: hex(&digest),
-                }));
-            }
+    let verified_by = if !want || size == 0 {
+        VerifiedBy::Size
+    } else if let Some(c) = checksum {
+        let got = match inline.filter(|h| !matches!(h, Hasher::Md5(_))) {
+            Some(h) => h.finish(),
+            None => read_back(&file, size, c.hasher(), &key, &part_path).await?,
+        };
+        if !c.matches(&got) {
+            return Err(Stop::Err(Error::ChecksumMismatch {
+                key: key.clone(),
+                algorithm: c.kind(),
+                expected: c.hex(),
+                got: finished_hex(&got),
+            }));
         }
-    }
+        c.kind()
+    } else if let Some(expected) = md5_expected {
+        let got = match inline.filter(|h| matches!(h, Hasher::Md5(_))) {
+            Some(h) => h.finish(),
+            None => read_back(&file, size, Hasher::md5(), &key, &part_path).await?,
+        };
+        if got != Finished::Bytes(expected.to_vec()) {
+            return Err(Stop::Err(Error::ChecksumMismatch {
+                key: key.clone(),
+                algorithm: VerifiedBy::Md5,
+                expected: super::verify::hex(&expected),
+                got: finished_hex(&got),
+            }));
+        }
+        VerifiedBy::Md5
+    } else {
+        VerifiedBy::Size
+    };
 
-    // Publish: the file appears under its final name only now, whole and verified.
+    // Published by [`publish`]: synced, then renamed, off the request slot.
     *lock(&active.file) = None;
-    let k = key.clone();
-    let path = final_path.clone();
-    blocking(move || {
-        fs::rename(&part_path, &path)
-            .map_err(|e| Error::io_for(&k, "publish (rename)", path.clone(), e))
-    })
-    .await??;
-    Ok(Published {
+    drop(slot);
+    Ok(Verified {
         etag: etag_seen,
         file,
+        part: part_path,
         path: final_path,
+        verified_by,
     })
 }
 
-/// A file just renamed into place.
-struct Published {
+fn finished_hex(f: &Finished) -> String {
+    match f {
+        Finished::Crc(v) => format!("{v:x}"),
+        Finished::Bytes(b) => super::verify::hex(b),
+    }
+}
+
+async fn read_back(
+    file: &Arc<File>,
+    size: u64,
+    hasher: Hasher,
+    key: &str,
+    part: &Path,
+) -> Result<Finished, Stop> {
+    let (f, k, p) = (file.clone(), key.to_string(), part.to_path_buf());
+    Ok(blocking(move || hash_file(&f, size, hasher))
+        .await?
+        .map_err(|e| Error::io_for(&k, "read back part file", p, e))?)
+}
+
+/// HEAD with the checksum asked for: the object's full checksum (if the store keeps one) and
+/// its etag.
+async fn head_checksum(
+    run: &Arc<Run>,
+    listed: &Listed,
+    active: &Arc<Active>,
+    holding_slot: bool,
+) -> Result<(Option<StoreChecksum>, Option<String>), Stop> {
+    let slot = ChecksumSlot::default();
+    let opts = GetOptions {
+        head: true,
+        extensions: slot.extensions(),
+        ..GetOptions::default()
+    };
+    let key = &listed.entry.key;
+    Progress::add(&run.progress.requests, 1);
+    let head = async {
+        tokio::select! {
+            _ = run.abort.cancelled() => Err(run.stopped().unwrap_or(Stop::Aborted)),
+            _ = active.lost.cancelled() => Err(Stop::Lost),
+            r = run.store.get_opts(&listed.location, opts) => Ok(r),
+        }
+    };
+    // A caller holding its request slot already must not wait for a second one.
+    let res = if holding_slot {
+        head.await?
+    } else {
+        with_request(run, active, head).await?
+    };
+    match res {
+        Ok(r) => {
+            if r.meta.size != listed.entry.size {
+                return Err(Stop::Err(Error::Changed { key: key.clone() }));
+            }
+            Ok((slot.get(), r.meta.e_tag))
+        }
+        Err(object_store::Error::NotFound { .. }) => {
+            Err(Stop::Err(Error::Changed { key: key.clone() }))
+        }
+        Err(e) => Err(Stop::Err(Error::get(key, e))),
+    }
+}
+
+/// A downloaded, verified part file, not yet under its final name.
+struct Verified {
     /// The etag its bytes belong to.
     etag: Option<String>,
     file: Arc<File>,
+    part: PathBuf,
     path: PathBuf,
+    verified_by: VerifiedBy,
 }
 
-/// Make a published file durable before the manifest records it: synced off the request slots,
-/// so the device's flushes overlap the downloads (a no-op on tmpfs). A file that cannot be
-/// synced is withdrawn. Returns its etag.
-async fn make_durable(run: &Run, key: &str, p: Published) -> Result<Option<String>, Error> {
+/// Publish a verified file: its data is synced first, then it is renamed into place (so a file
+/// under its final name is never one whose data may still be missing after a crash: on a node
+/// crash an unsynced rename could leave a full-size, hole-filled file there); the directory is
+/// synced before the manifest records it ([`flush`]). Syncs run off the request slots, up to
+/// [`SYNCS_IN_FLIGHT`] at once, so the device's flushes overlap the downloads (no-ops on
+/// tmpfs). Returns the etag.
+async fn publish(run: &Run, key: &str, v: Verified) -> Result<Option<String>, Error> {
     let _permit = run
         .syncs
         .acquire()
         .await
         .map_err(|_| Error::Internal("sync semaphore closed"))?;
     let k = key.to_string();
-    let Published { etag, file, path } = p;
-    blocking(move || {
-        file.sync_data().map_err(|e| {
-            let _ = fs::remove_file(&path);
-            Error::io_for(&k, "sync", path.clone(), e)
-        })
+    let Verified {
+        etag,
+        file,
+        part,
+        path,
+        verified_by,
+    } = v;
+    let failpoint = run.opts.failpoint.clone();
+    blocking(move || -> Result<(), Error> {
+        if let Err(e) = file.sync_data() {
+            let _ = fs::remove_file(&part);
+            return Err(Error::io_for(&k, "sync", part.clone(), e));
+        }
+        drop(file);
+        if let Some(fp) = &failpoint {
+            (fp.0)(PublishStep::PartSynced, &part);
+        }
+        fs::rename(&part, &path)
+            .map_err(|e| Error::io_for(&k, "publish (rename)", path.clone(), e))?;
+        if let Some(fp) = &failpoint {
+            (fp.0)(PublishStep::Renamed, &path);
+        }
+        Ok(())
     })
     .await??;
+    let counter = match verified_by {
+        VerifiedBy::Crc64Nvme => &run.progress.verified_crc64nvme,
+        VerifiedBy::Crc32c => &run.progress.verified_crc32c,
+        VerifiedBy::Crc32 => &run.progress.verified_crc32,
+        VerifiedBy::Sha256 => &run.progress.verified_sha256,
+        VerifiedBy::Md5 => &run.progress.verified_md5,
+        VerifiedBy::Size => &run.progress.verified_size,
+    };
+    Progress::add(counter, 1);
     Ok(etag)
 }
 
-fn part_error(res: Result<Result<(), Stop>, tokio::task::JoinError>) -> Option<Stop> {
+/// How a segment is hashed: a given hasher (ranged parts), or chosen from the response (a
+/// whole-object GET: the store's checksum if it sent one, else MD5 for a plain-MD5 etag).
+enum SegmentHash {
+    Given(Option<Hasher>),
+    Choose(bool),
+}
+
+/// What [`fetch_segment`] learned.
+struct SegmentOut {
+    hasher: Option<Hasher>,
+    etag: Option<String>,
+    checksum: Option<StoreChecksum>,
+}
+
+fn part_result(
+    res: Result<Result<(u64, Option<Hasher>), Stop>, tokio::task::JoinError>,
+) -> Result<Option<(u64, Option<Hasher>)>, Stop> {
     match res {
-        Ok(Ok(())) => None,
-        Ok(Err(Stop::Aborted)) => None,
-        Ok(Err(e)) => Some(e),
-        Err(_) => Some(Stop::Err(Error::Internal("part task panicked"))),
+        Ok(Ok(h)) => Ok(Some(h)),
+        Ok(Err(Stop::Aborted)) => Ok(None),
+        Ok(Err(e)) => Err(e),
+        Err(_) => Err(Stop::Err(Error::Internal("part task panicked"))),
     }
 }
 
@@ -1607,7 +1829,8 @@ async fn with_request<T>(
 }
 
 /// Fetch `seg` (from where it stands) into `file`. Retries transient failures from the byte
-/// reached. Returns the MD5 state (when hashing) and the etag of the responses.
+/// reached. Returns the hash state, the etag of the responses and the store's checksum (from a
+/// whole-object response).
 #[allow(clippy::too_many_arguments)]
 async fn fetch_segment(
     run: &Arc<Run>,
@@ -1616,9 +1839,14 @@ async fn fetch_segment(
     seg: &Arc<Segment>,
     file: &Arc<File>,
     expected_etag: Option<String>,
-    mut hasher: Option<Md5>,
+    hash: SegmentHash,
     mut headers_tx: Option<oneshot::Sender<Option<String>>>,
-) -> Result<(Option<Md5>, Option<String>), Stop> {
+) -> Result<SegmentOut, Stop> {
+    let (mut hasher, mut choose) = match hash {
+        SegmentHash::Given(h) => (h, false),
+        SegmentHash::Choose(c) => (None, c),
+    };
+    let mut checksum: Option<StoreChecksum> = None;
     let key = &listed.entry.key;
     let size = listed.entry.size;
     let mut expected = expected_etag;
@@ -1626,13 +1854,19 @@ async fn fetch_segment(
     loop {
         let from = seg.start + seg.written.load(Ordering::Acquire);
         if from >= seg.end {
-            return Ok((hasher, expected));
+            return Ok(SegmentOut {
+                hasher,
+                etag: expected,
+                checksum,
+            });
         }
         attempt += 1;
         let whole = from == 0 && seg.end == size;
+        let slot = ChecksumSlot::default();
         let opts = GetOptions {
             if_match: expected.clone(),
             range: (!whole).then_some(GetRange::Bounded(from..seg.end)),
+            extensions: slot.extensions(),
             ..GetOptions::default()
         };
         Progress::add(&run.progress.requests, 1);
@@ -1679,6 +1913,22 @@ async fn fetch_segment(
         if let Some(tx) = headers_tx.take() {
             let _ = tx.send(expected.clone());
         }
+        if choose && whole {
+            // The first response of a whole-object GET picks the hash: the store's checksum,
+            // else MD5 when the etag is a plain MD5.
+            choose = false;
+            checksum = slot.get();
+            hasher = match checksum {
+                Some(c) => Some(c.hasher()),
+                None => expected
+                    .as_deref()
+                    .and_then(etag_md5)
+                    .map(|_| Hasher::md5()),
+            };
+        } else if choose {
+            // Resuming in the middle: no inline hash (the part file is read back).
+            choose = false;
+        }
         let write = match res.payload {
             GetResultPayload::File(src, _) => {
                 copy_local(run, active, seg, file, src, &listed.entry.key).await
@@ -1710,8 +1960,8 @@ async fn fetch_segment(
     }
 }
 
-/// A batch write on the blocking pool: its result, the MD5 state after it, its length.
-type WriteJob = tokio::task::JoinHandle<(io::Result<()>, Option<Md5>, u64)>;
+/// A batch write on the blocking pool: its result, the hash state after it, its length.
+type WriteJob = tokio::task::JoinHandle<(io::Result<()>, Option<Hasher>, u64)>;
 
 /// Stream a body into `file` at the segment's position, in batches written with `pwritev` on
 /// the blocking pool, one batch in flight while the next is received.
@@ -1721,7 +1971,7 @@ async fn stream_to_file(
     seg: &Arc<Segment>,
     file: &Arc<File>,
     mut stream: futures::stream::BoxStream<'static, object_store::Result<Bytes>>,
-    hasher: &mut Option<Md5>,
+    hasher: &mut Option<Hasher>,
     key: &str,
 ) -> Result<(), Stop> {
     let mut batch: Vec<Bytes> = Vec::new();
@@ -1805,7 +2055,7 @@ async fn finish_write(
     run: &Run,
     seg: &Segment,
     h: WriteJob,
-    hasher: &mut Option<Md5>,
+    hasher: &mut Option<Hasher>,
     key: &str,
 ) -> Result<(), Stop> {
     let (res, md5, len) = h
@@ -1950,9 +2200,8 @@ fn preallocate(f: &File, size: u64, reserve: bool) -> io::Result<()> {
     }
 }
 
-/// MD5 of the first `size` bytes of `f`.
-fn hash_file(f: &File, size: u64) -> io::Result<[u8; 16]> {
-    let mut h = Md5::new();
+/// `h` over the first `size` bytes of `f`.
+fn hash_file(f: &File, size: u64, mut h: Hasher) -> io::Result<Finished> {
     let mut buf = vec![0u8; 1 << 20];
     let mut at = 0u64;
     while at < size {
@@ -1967,11 +2216,7 @@ fn hash_file(f: &File, size: u64) -> io::Result<[u8; 16]> {
         h.update(&buf[..n]);
         at += n as u64;
     }
-    Ok(h.finalize().into())
-}
-
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
+    Ok(h.finish())
 }
 
 /// Merge pending manifest updates (after making the published files durable), then release the
@@ -1988,6 +2233,7 @@ async fn flush(run: &Arc<Run>) -> Result<(), Error> {
     let source = run.source.url.clone();
     let owner = run.owner.clone();
     let updates2 = updates.clone();
+    let failpoint = run.opts.failpoint.clone();
     let res = blocking(move || -> io::Result<()> {
         // The manifest only claims what is on stable storage: the files were synced after
         // their rename; sync the directories holding the renames (just those: never the whole
@@ -2004,6 +2250,9 @@ async fn flush(run: &Arc<Run>) -> Result<(), Error> {
             // refuse to sync a directory.
             if let Ok(d) = File::open(&dir) {
                 let _ = d.sync_all();
+            }
+            if let Some(fp) = &failpoint {
+                (fp.0)(PublishStep::DirSynced, &dir);
             }
         }
         Manifest::merge_into(&paths.manifest, &source, &updates2)?;

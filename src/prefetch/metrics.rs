@@ -18,6 +18,11 @@ pub struct PrefetchErrorLabels {
     pub error: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RefusedLabels {
+    pub reason: String,
+}
+
 /// Prefetch metric families.
 pub struct PrefetchMetrics {
     /// `spotguard_prefetch_bytes_total{dataset}`: bytes downloaded (written to the cache).
@@ -36,6 +41,9 @@ pub struct PrefetchMetrics {
     pub pending_files: Family<DatasetLabels, Gauge>,
     /// `spotguard_prefetch_evictions_total`: datasets evicted to make room.
     pub evictions: Counter,
+    /// `spotguard_prefetch_refused_total{reason}`: pod requests refused (disabled, scheme,
+    /// not_allowed, invalid, prefetch).
+    pub refused: Family<RefusedLabels, Counter>,
 }
 
 impl PrefetchMetrics {
@@ -52,6 +60,7 @@ impl PrefetchMetrics {
             pending_bytes: Family::default(),
             pending_files: Family::default(),
             evictions: Counter::default(),
+            refused: Family::default(),
         };
         registry.register(
             "spotguard_prefetch_bytes",
@@ -93,7 +102,21 @@ impl PrefetchMetrics {
             "Datasets evicted from the cache to make room",
             m.evictions.clone(),
         );
+        registry.register(
+            "spotguard_prefetch_refused",
+            "Pod-requested prefetches refused, by reason",
+            m.refused.clone(),
+        );
         m
+    }
+
+    /// Count a refused pod request.
+    pub fn refused(&self, reason: &str) {
+        self.refused
+            .get_or_create(&RefusedLabels {
+                reason: reason.to_string(),
+            })
+            .inc();
     }
 
     /// Count an error by its metric label.

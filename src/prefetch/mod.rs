@@ -8,14 +8,18 @@
 //!
 //! The user guide is `docs/prefetch.md`.
 
+pub mod annotations;
 pub mod cache;
 pub mod claim;
 pub mod cli;
 pub mod download;
 pub mod manifest;
 pub mod metrics;
+pub mod policy;
 pub mod progress;
+pub mod serve;
 pub mod source;
+pub mod verify;
 
 use std::collections::BTreeMap;
 use std::io;
@@ -76,9 +80,12 @@ pub enum Error {
         got: u64,
     },
 
-    #[error("{key}: checksum mismatch: the etag's MD5 is {expected}, the data's is {got}")]
+    #[error(
+        "{key}: {algorithm:?} checksum mismatch: the store's is {expected}, the data's is {got}"
+    )]
     ChecksumMismatch {
         key: String,
+        algorithm: verify::VerifiedBy,
         expected: String,
         got: String,
     },
@@ -356,6 +363,16 @@ pub enum Ensure {
     AlreadyComplete,
 }
 
+impl Ensure {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Ensure::Started => "started",
+            Ensure::InProgress => "in_progress",
+            Ensure::AlreadyComplete => "complete",
+        }
+    }
+}
+
 /// State of a dataset known to the [`Prefetcher`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -445,9 +462,10 @@ impl Prefetcher {
         if self.inner.cancel.is_cancelled() {
             return Err(Error::Cancelled);
         }
+        let paths = cache::DatasetPaths::new(&self.inner.cache_root, name);
         let mut datasets = lock(&self.inner.datasets);
         if let Some(t) = datasets.get(name) {
-            if t.url != url {
+            if !cache::same_source(&t.url, url) {
                 return Err(Error::NameInUse {
                     name: name.to_string(),
                     existing: t.url.clone(),
@@ -456,13 +474,28 @@ impl Prefetcher {
             }
             match t.state {
                 DatasetState::Running => return Ok(Ensure::InProgress),
-                DatasetState::Complete => return Ok(Ensure::AlreadyComplete),
-                DatasetState::Incomplete | DatasetState::Failed | DatasetState::Cancelled => {}
+                // Still on disk? (It may have been evicted since: then fetch it again.)
+                DatasetState::Complete if paths.complete.exists() => {
+                    return Ok(Ensure::AlreadyComplete)
+                }
+                DatasetState::Complete
+                | DatasetState::Incomplete
+                | DatasetState::Failed
+                | DatasetState::Cancelled => {}
             }
         }
-        let paths = cache::DatasetPaths::new(&self.inner.cache_root, name);
+        // A directory holding another source is never overwritten.
+        if let Some(existing) = cache::existing_source(&paths) {
+            if !cache::same_source(&existing, url) {
+                return Err(Error::NameInUse {
+                    name: name.to_string(),
+                    existing,
+                    requested: url.to_string(),
+                });
+            }
+        }
         if let Some(marker) = cache::CompleteMarker::read(&paths.complete) {
-            if marker.source == url {
+            if cache::same_source(&marker.source, url) {
                 let progress = Arc::new(Progress::default());
                 Progress::add(&progress.files_total, marker.objects);
                 Progress::add(&progress.files_done, marker.objects);
@@ -539,7 +572,7 @@ impl Prefetcher {
                 .or_else(|| s.errors.first().map(|e| e.error.clone()));
             tracing::info!(
                 dataset = %name,
-                outcome = ?s.outcome,
+                outcome = s.outcome.as_str(),
                 files_done = s.counts.files_done,
                 files_total = s.counts.files_total,
                 bytes_fetched = s.counts.bytes_fetched,
@@ -557,8 +590,8 @@ impl Prefetcher {
         Ok(Ensure::Started)
     }
 
-    /// [`Prefetcher::ensure`] under the name derived from the URL (pod annotations
-    /// `spotguard.io/prefetch: s3://bucket/prefix`): `bucket-prefix`. Returns the name.
+    /// [`Prefetcher::ensure`] under the name derived from the URL ([`SourceUrl::default_name`]).
+    /// Returns the name.
     pub fn ensure_url(&self, url: &str) -> Result<(String, Ensure), Error> {
         let name = SourceUrl::parse(url)?.default_name();
         let outcome = self.ensure(&name, url)?;
@@ -571,6 +604,11 @@ impl Prefetcher {
     pub fn cancel_all(&self) {
         tracing::info!("cancelling all prefetches");
         self.inner.cancel.cancel();
+    }
+
+    /// The cache root.
+    pub fn cache_root(&self) -> &std::path::Path {
+        &self.inner.cache_root
     }
 
     /// Every dataset this prefetcher knows, by name.
@@ -639,9 +677,11 @@ mod tests {
                 "s3://bkt/imagenet/train".to_string()
             )
         );
-        assert_eq!(
-            parse_spec("gs://b/p").unwrap(),
-            ("b-p".to_string(), "gs://b/p".to_string())
+        let (name, url) = parse_spec("gs://b/p").unwrap();
+        assert_eq!(url, "gs://b/p");
+        assert!(
+            name.starts_with("gs-b-p-") && name.len() == "gs-b-p-".len() + 8,
+            "{name}"
         );
         assert!(matches!(
             parse_spec("../x=s3://b/p"),
@@ -825,6 +865,135 @@ mod tests {
             }
         }
         out
+    }
+
+    #[tokio::test]
+    async fn publishing_syncs_then_renames_then_syncs_the_directory_before_recording() {
+        let root = tempfile::tempdir().unwrap();
+        let store = store_with(&[
+            ("ds/a/big", pattern(300 << 10, 1)),
+            ("ds/a/small", pattern(1000, 2)),
+            ("ds/top", pattern(5000, 3)),
+        ])
+        .await;
+        type Journal = Vec<(download::PublishStep, PathBuf, bool, bool)>;
+        let journal: Arc<Mutex<Journal>> = Arc::default();
+        let (j, manifest_path) = (
+            journal.clone(),
+            root.path().join("ds/.spotguard/manifest.json"),
+        );
+        let mut job = job(store, root.path(), CancellationToken::new());
+        job.options.failpoint = Some(download::Failpoint(Arc::new(move |step, path| {
+            // At each step: does the final name exist yet, and does the manifest record it?
+            let recorded = std::fs::read_to_string(&manifest_path)
+                .map(|t| t.contains("\"done\":true"))
+                .unwrap_or(false);
+            let text = path.to_string_lossy();
+            let final_name = text.split(cache::PART_INFIX).next().unwrap_or_default();
+            let final_exists = std::path::Path::new(final_name).exists();
+            lock(&j).push((step, path.to_path_buf(), final_exists, recorded));
+        })));
+        let report = download::fetch_dataset(job).await;
+        assert_eq!(
+            report.summary.outcome,
+            Outcome::Complete,
+            "{:?}",
+            report.summary
+        );
+        let journal = lock(&journal).clone();
+        let ds = root.path().join("ds");
+        for key in ["a/big", "a/small", "top"] {
+            let fin = ds.join(key);
+            let synced = journal
+                .iter()
+                .position(|(s, p, _, _)| {
+                    *s == download::PublishStep::PartSynced
+                        && p.to_string_lossy()
+                            .starts_with(&format!("{}.spotguard-part-", fin.display()))
+                })
+                .unwrap_or_else(|| panic!("{key}: no sync in {journal:?}"));
+            let renamed = journal
+                .iter()
+                .position(|(s, p, _, _)| *s == download::PublishStep::Renamed && *p == fin)
+                .unwrap_or_else(|| panic!("{key}: no rename in {journal:?}"));
+            let dir_synced = journal
+                .iter()
+                .position(|(s, p, _, _)| {
+                    *s == download::PublishStep::DirSynced && Some(p.as_path()) == fin.parent()
+                })
+                .unwrap_or_else(|| panic!("{key}: no directory sync in {journal:?}"));
+            assert!(
+                synced < renamed && renamed < dir_synced,
+                "{key}: {journal:?}"
+            );
+            // When the part was synced, the final name did not exist yet; after the rename it
+            // did.
+            assert!(
+                !journal[synced].2 && journal[renamed].2,
+                "{key}: {journal:?}"
+            );
+        }
+        // The manifest recorded nothing before the first directory sync.
+        let first_dir_sync = journal
+            .iter()
+            .position(|(s, _, _, _)| *s == download::PublishStep::DirSynced)
+            .unwrap();
+        assert!(journal[..=first_dir_sync]
+            .iter()
+            .all(|(_, _, _, recorded)| !recorded));
+        // The in-memory store keeps no checksums and its etags are not MD5s: sizes only.
+        assert_eq!(
+            report.summary.counts.verified_size, 3,
+            "{:?}",
+            report.summary
+        );
+    }
+
+    #[tokio::test]
+    async fn a_dataset_directory_holding_another_source_is_never_overwritten() {
+        let root = tempfile::tempdir().unwrap();
+        let a = tempfile::tempdir().unwrap();
+        let b = tempfile::tempdir().unwrap();
+        std::fs::write(a.path().join("x"), b"from a").unwrap();
+        std::fs::write(b.path().join("y"), b"from b").unwrap();
+        let p = Prefetcher::new(
+            root.path().to_path_buf(),
+            None,
+            PrefetchDefaults::default(),
+            Arc::new(PrefetchMetrics::register(
+                &mut prometheus_client::registry::Registry::default(),
+            )),
+            CancellationToken::new(),
+        );
+        let url_a = format!("file://{}", a.path().display());
+        let url_b = format!("file://{}", b.path().display());
+        p.ensure("ds", &url_a).unwrap();
+        assert_eq!(p.wait("ds").await.unwrap().state, DatasetState::Complete);
+        // Same name, other source: refused, in this process and in a fresh one (from disk).
+        assert!(matches!(
+            p.ensure("ds", &url_b),
+            Err(Error::NameInUse { .. })
+        ));
+        let fresh = Prefetcher::new(
+            root.path().to_path_buf(),
+            None,
+            PrefetchDefaults::default(),
+            Arc::new(PrefetchMetrics::register(
+                &mut prometheus_client::registry::Registry::default(),
+            )),
+            CancellationToken::new(),
+        );
+        match fresh.ensure("ds", &url_b) {
+            Err(Error::NameInUse { existing, .. }) => assert_eq!(existing, url_a),
+            other => panic!("{other:?}"),
+        }
+        // A trailing slash is the same source.
+        assert_eq!(
+            fresh.ensure("ds", &format!("{url_a}/")).unwrap(),
+            Ensure::AlreadyComplete
+        );
+        assert_eq!(std::fs::read(root.path().join("ds/x")).unwrap(), b"from a");
+        assert!(!root.path().join("ds/y").exists());
     }
 
     #[tokio::test]

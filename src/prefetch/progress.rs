@@ -31,6 +31,13 @@ pub struct Progress {
     pub bytes_resumed: AtomicU64,
     /// GET requests sent.
     pub requests: AtomicU64,
+    /// Files this process published, by what verified their content.
+    pub verified_crc64nvme: AtomicU64,
+    pub verified_crc32c: AtomicU64,
+    pub verified_crc32: AtomicU64,
+    pub verified_sha256: AtomicU64,
+    pub verified_md5: AtomicU64,
+    pub verified_size: AtomicU64,
     /// The listing has finished (totals are final).
     pub listed: AtomicBool,
 }
@@ -49,6 +56,12 @@ pub struct Snapshot {
     pub bytes_fetched: u64,
     pub bytes_resumed: u64,
     pub requests: u64,
+    pub verified_crc64nvme: u64,
+    pub verified_crc32c: u64,
+    pub verified_crc32: u64,
+    pub verified_sha256: u64,
+    pub verified_md5: u64,
+    pub verified_size: u64,
     pub listed: bool,
 }
 
@@ -67,6 +80,12 @@ impl Progress {
             bytes_fetched: r(&self.bytes_fetched),
             bytes_resumed: r(&self.bytes_resumed),
             requests: r(&self.requests),
+            verified_crc64nvme: r(&self.verified_crc64nvme),
+            verified_crc32c: r(&self.verified_crc32c),
+            verified_crc32: r(&self.verified_crc32),
+            verified_sha256: r(&self.verified_sha256),
+            verified_md5: r(&self.verified_md5),
+            verified_size: r(&self.verified_size),
             listed: self.listed.load(Ordering::Relaxed),
         }
     }

@@ -24,6 +24,24 @@ pub enum Scheme {
     File,
 }
 
+impl Scheme {
+    /// The URL scheme.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Scheme::S3 => "s3",
+            Scheme::Gcs => "gs",
+            Scheme::File => "file",
+        }
+    }
+}
+
+/// 8 hex digits of the SHA-256 of `s`.
+fn short_digest(s: &str) -> String {
+    let mut h = super::claim::short_hash(s);
+    h.truncate(8);
+    h
+}
+
 /// A parsed source URL: `s3://bucket/prefix`, `gs://bucket/prefix` or `file:///abs/dir`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SourceUrl {
@@ -103,10 +121,14 @@ impl SourceUrl {
         })
     }
 
-    /// The dataset name used when none is given: bucket and prefix joined with `-`
-    /// (`s3://bkt/imagenet/train` → `bkt-imagenet-train`); for `file://`, the directory's path.
+    /// The dataset name used when none is given: readable (scheme, bucket and prefix joined with
+    /// `-`) plus a short hash of the normalized source (scheme, bucket, prefix), so that no two
+    /// sources share a directory: `s3://bkt/imagenet/train` → `s3-bkt-imagenet-train-1a2b3c4d`,
+    /// while `s3://bkt-imagenet/train` and `gs://bkt/imagenet/train` get other hashes. A trailing
+    /// `/` does not change the name.
     pub fn default_name(&self) -> String {
-        let mut parts: Vec<&str> = Vec::new();
+        let scheme = self.scheme.as_str();
+        let mut parts: Vec<&str> = vec![scheme];
         if !self.bucket.is_empty() {
             parts.push(&self.bucket);
         }
@@ -122,20 +144,23 @@ impl SourceUrl {
                 }
             })
             .collect();
-        while name.starts_with('.') {
-            name.remove(0);
+        let digest = short_digest(&self.normalized());
+        // Room for "-" and the digest.
+        let room = MAX_NAME_LEN - digest.len() - 1;
+        if name.len() > room {
+            name.truncate(room);
         }
-        if name.is_empty() {
-            name = "root".to_string();
-        }
-        if name.len() > MAX_NAME_LEN {
-            // Keep it unique: a prefix of the name plus a hash of the whole URL.
-            let digest = super::claim::short_hash(&self.url);
-            name.truncate(MAX_NAME_LEN - digest.len() - 1);
-            name.push('-');
-            name.push_str(&digest);
-        }
+        name.push('-');
+        name.push_str(&digest);
         name
+    }
+
+    /// `scheme://bucket/prefix` without a trailing `/`: what identifies the source.
+    pub fn normalized(&self) -> String {
+        match self.scheme {
+            Scheme::File => format!("file:///{}", self.prefix),
+            _ => format!("{}://{}/{}", self.scheme.as_str(), self.bucket, self.prefix),
+        }
     }
 
     /// The listing prefix inside the store (`None` = everything).
@@ -237,6 +262,15 @@ pub fn build_store(src: &SourceUrl, opts: &StoreOptions) -> Result<Arc<dyn Objec
             {
                 b = b.with_region("us-east-1");
             }
+            // Ask for the objects' additional checksums (signed: object_store adds default
+            // headers to GET and HEAD before signing); the connector reads them back.
+            let mut headers = http::HeaderMap::new();
+            headers.insert(
+                super::verify::CHECKSUM_MODE,
+                http::HeaderValue::from_static("ENABLED"),
+            );
+            client = client.with_default_headers(headers);
+            b = b.with_http_connector(super::verify::ChecksumConnector);
             if let Some(endpoint) = &opts.endpoint {
                 let endpoint = endpoint.trim_end_matches('/');
                 if !(endpoint.starts_with("http://") || endpoint.starts_with("https://")) {
@@ -256,6 +290,7 @@ pub fn build_store(src: &SourceUrl, opts: &StoreOptions) -> Result<Arc<dyn Objec
         }
         Scheme::Gcs => {
             let b = GoogleCloudStorageBuilder::from_env()
+                .with_http_connector(super::verify::ChecksumConnector)
                 .with_bucket_name(&src.bucket)
                 .with_retry(retry)
                 .with_client_options(client);
@@ -286,20 +321,20 @@ mod tests {
         assert_eq!(s.scheme, Scheme::S3);
         assert_eq!(s.bucket, "bkt");
         assert_eq!(s.prefix, "imagenet/train");
-        assert_eq!(s.default_name(), "bkt-imagenet-train");
+        assert!(s.default_name().starts_with("s3-bkt-imagenet-train-"));
         assert_eq!(s.relative_key("imagenet/train/a/b.bin"), Some("a/b.bin"));
         assert_eq!(s.relative_key("imagenet/training/x"), None);
 
         let g = SourceUrl::parse("gs://b/p").unwrap();
         assert_eq!(g.scheme, Scheme::Gcs);
-        assert_eq!(g.default_name(), "b-p");
+        assert!(g.default_name().starts_with("gs-b-p-"));
 
         let f = SourceUrl::parse("file:///data/sets/x").unwrap();
         assert_eq!(f.scheme, Scheme::File);
         assert_eq!(f.prefix, "data/sets/x");
         assert_eq!(f.list_prefix(), None);
         assert_eq!(f.relative_key("a/b"), Some("a/b"));
-        assert_eq!(f.default_name(), "data-sets-x");
+        assert!(f.default_name().starts_with("file-data-sets-x-"));
 
         let root = SourceUrl::parse("s3://bkt").unwrap();
         assert_eq!(root.prefix, "");
@@ -335,7 +370,25 @@ mod tests {
         assert!(validate_name(&a.default_name()).is_ok());
         assert_ne!(a.default_name(), b.default_name());
         let odd = SourceUrl::parse("s3://b/.x/ü").unwrap();
-        assert_eq!(odd.default_name(), "b-.x-_");
+        assert!(odd.default_name().starts_with("s3-b-.x-_-"));
         assert!(validate_name(&odd.default_name()).is_ok());
+    }
+
+    #[test]
+    fn derived_names_are_injective_and_ignore_a_trailing_slash() {
+        // These all joined to "a-b-c" before.
+        let names: Vec<String> = ["s3://a/b/c", "s3://a-b/c", "gs://a/b/c", "s3://a/b-c"]
+            .iter()
+            .map(|u| SourceUrl::parse(u).unwrap().default_name())
+            .collect();
+        let distinct: std::collections::BTreeSet<&String> = names.iter().collect();
+        assert_eq!(distinct.len(), names.len(), "{names:?}");
+        for n in &names {
+            assert!(validate_name(n).is_ok(), "{n}");
+        }
+        assert_eq!(
+            SourceUrl::parse("s3://a/b/c/").unwrap().default_name(),
+            names[0]
+        );
     }
 }

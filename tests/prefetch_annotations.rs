@@ -1,0 +1,266 @@
+//! Pod-requested prefetch (`spotguard.io/prefetch`) against the in-process API server and a real
+//! S3-compatible server (s3s-fs, from `scripts/deps/prefetch.sh`): the operator's opt-in and
+//! allow-list, refusals as Events and metrics, and agent-side leases that keep a dataset a pod
+//! references from being evicted. One test per binary: it sets the AWS_* environment the
+//! prefetcher's store reads.
+
+use std::collections::{BTreeMap, HashMap};
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use object_store::aws::AmazonS3Builder;
+use object_store::path::Path as ObjectPath;
+use object_store::{ClientOptions, ObjectStore, ObjectStoreExt, PutPayload};
+use prometheus_client::registry::Registry;
+use spotguard::metrics::Metrics;
+use spotguard::node::kube::KubeNodeOps;
+use spotguard::prefetch::annotations::{AnnotationWatcher, PREFETCH_ANNOTATION, REFUSED_REASON};
+use spotguard::prefetch::cache;
+use spotguard::prefetch::policy::{AllowPattern, AnnotationPolicy};
+use spotguard::prefetch::{
+    DatasetState, PrefetchDefaults, PrefetchMetrics, Prefetcher, StoreOptions,
+};
+use spotguard::testing::apiserver::{FakeApiServer, TestPod};
+use tokio_util::sync::CancellationToken;
+
+const ACCESS_KEY: &str = "spotguardtest";
+const SECRET_KEY: &str = "spotguardtestsecret";
+const NODE: &str = "gpu-node-1";
+
+struct S3sFs {
+    child: Child,
+    addr: SocketAddr,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for S3sFs {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn start_s3s_fs() -> S3sFs {
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = Command::new("s3s-fs")
+        .args(["--host", "127.0.0.1", "--port", "0"])
+        .args(["--access-key", ACCESS_KEY, "--secret-key", SECRET_KEY])
+        .arg(dir.path())
+        .env("RUST_LOG", "s3s_fs=info")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("cannot run s3s-fs: install it with scripts/deps/prefetch.sh");
+    let out = child.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut sent = false;
+        for line in BufReader::new(out).lines().map_while(Result::ok) {
+            if let (false, Some(rest)) = (sent, line.split("server is running at http://").nth(1)) {
+                let a: String = rest
+                    .chars()
+                    .take_while(|c| c.is_ascii_digit() || *c == '.' || *c == ':')
+                    .collect();
+                if let Ok(a) = a.parse::<SocketAddr>() {
+                    let _ = tx.send(a);
+                    sent = true;
+                }
+            }
+        }
+    });
+    let addr = rx.recv_timeout(Duration::from_secs(60)).unwrap();
+    // The bucket: s3s-fs maps buckets to directories.
+    std::fs::create_dir(dir.path().join("datasets")).unwrap();
+    std::fs::create_dir(dir.path().join("private")).unwrap();
+    S3sFs {
+        child,
+        addr,
+        _dir: dir,
+    }
+}
+
+fn store(endpoint: &str, bucket: &str) -> Arc<dyn ObjectStore> {
+    Arc::new(
+        AmazonS3Builder::new()
+            .with_endpoint(endpoint)
+            .with_bucket_name(bucket)
+            .with_access_key_id(ACCESS_KEY)
+            .with_secret_access_key(SECRET_KEY)
+            .with_region("us-east-1")
+            .with_client_options(ClientOptions::new().with_allow_http(true))
+            .build()
+            .unwrap(),
+    )
+}
+
+fn pod(name: &str, uid: &str, annotation: &str) -> k8s_openapi::api::core::v1::Pod {
+    let mut p = TestPod::new("ml", name, NODE).build();
+    p.metadata.uid = Some(uid.to_string());
+    p.metadata.annotations = Some(BTreeMap::from([(
+        PREFETCH_ANNOTATION.to_string(),
+        annotation.to_string(),
+    )]));
+    p
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pod_requests_are_opt_in_allow_listed_evented_and_keep_their_dataset_leased() {
+    let s3 = start_s3s_fs();
+    let endpoint = format!("http://{}", s3.addr);
+    std::env::set_var("AWS_ACCESS_KEY_ID", ACCESS_KEY);
+    std::env::set_var("AWS_SECRET_ACCESS_KEY", SECRET_KEY);
+    std::env::set_var("AWS_REGION", "us-east-1");
+    std::env::set_var("AWS_EC2_METADATA_DISABLED", "true");
+    let ds = store(&endpoint, "datasets");
+    ds.put(
+        &ObjectPath::from("tokenized/c4/shard-0"),
+        PutPayload::from(vec![7u8; 100_000]),
+    )
+    .await
+    .unwrap();
+
+    let api = FakeApiServer::start().await.unwrap();
+    api.add_pod(pod("train", "uid-train", "c4=s3://datasets/tokenized/c4/"));
+    api.add_pod(pod(
+        "thief",
+        "uid-thief",
+        "tok=file:///var/run/secrets/kubernetes.io/serviceaccount",
+    ));
+    api.add_pod(pod("other", "uid-other", "s3://private/weights"));
+
+    let cache_dir = tempfile::tempdir().unwrap();
+    let mut registry = Registry::default();
+    let metrics = Arc::new(PrefetchMetrics::register(&mut registry));
+    let prefetcher = Prefetcher::new(
+        cache_dir.path().to_path_buf(),
+        None,
+        PrefetchDefaults {
+            store: StoreOptions {
+                endpoint: Some(endpoint.clone()),
+                ..Default::default()
+            },
+            ..Default::default()
+        },
+        metrics.clone(),
+        CancellationToken::new(),
+    );
+    let events = Arc::new(KubeNodeOps::new(
+        api.client(),
+        NODE.to_string(),
+        None,
+        false,
+        Arc::new(Metrics::register(&mut Registry::default())),
+    ));
+    let watcher = |enabled: bool| AnnotationWatcher {
+        pods: kube::Api::all(api.client()),
+        node_name: NODE.to_string(),
+        prefetcher: prefetcher.clone(),
+        policy: AnnotationPolicy {
+            enabled,
+            allow: vec![AllowPattern::parse("s3://datasets/tokenized").unwrap()],
+        },
+        events: events.clone(),
+        metrics: metrics.clone(),
+        interval: Duration::from_secs(3600),
+    };
+    let refusals = |pod: &str| -> Vec<String> {
+        api.events()
+            .into_iter()
+            .filter(|e| e.reason == REFUSED_REASON && e.regarding_name == pod)
+            .map(|e| e.message)
+            .collect()
+    };
+
+    // Off (the default): every request is refused, with an Event on the pod.
+    let off = watcher(false);
+    let mut state = HashMap::new();
+    assert!(off.round(&mut state).await.is_empty());
+    for p in ["train", "thief", "other"] {
+        let msgs = refusals(p);
+        assert_eq!(msgs.len(), 1, "{p}: {msgs:?}");
+        assert!(msgs[0].contains("off on this node"), "{msgs:?}");
+    }
+    assert!(!cache_dir.path().join("c4").exists());
+
+    // On, with an allow-list: file:// and buckets outside the list refused, once per pod.
+    let on = watcher(true);
+    let mut state = HashMap::new();
+    for _ in 0..2 {
+        let referenced = on.round(&mut state).await;
+        assert_eq!(referenced.into_iter().collect::<Vec<_>>(), vec!["c4"]);
+    }
+    let thief = refusals("thief");
+    assert_eq!(thief.len(), 2, "{thief:?}");
+    assert!(thief[1].contains("only s3:// and gs://"), "{thief:?}");
+    let other = refusals("other");
+    assert_eq!(other.len(), 2, "{other:?}");
+    assert!(
+        other[1].contains("not under any allowed prefix"),
+        "{other:?}"
+    );
+    assert!(
+        refusals("train").len() == 1,
+        "the accepted request got no new refusal"
+    );
+    let text = spotguard::metrics::encode(&registry);
+    for line in [
+        "spotguard_prefetch_refused_total{reason=\"disabled\"} 3",
+        "spotguard_prefetch_refused_total{reason=\"scheme\"} 1",
+        "spotguard_prefetch_refused_total{reason=\"not_allowed\"} 1",
+    ] {
+        assert!(text.contains(line), "missing {line} in\n{text}");
+    }
+    // Nothing of the node leaked into the cache.
+    assert!(!cache_dir.path().join("tok").exists());
+
+    let st = tokio::time::timeout(Duration::from_secs(30), prefetcher.wait("c4"))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(st.state, DatasetState::Complete, "{st:?}");
+    assert_eq!(
+        std::fs::read(cache_dir.path().join("c4/shard-0")).unwrap(),
+        vec![7u8; 100_000]
+    );
+
+    // A dataset in use by a pod on the node is not evicted: the prefetcher touches its lease
+    // (the pod mounts the cache read-only and cannot).
+    let window = Duration::from_secs(60);
+    let lease = cache_dir.path().join("c4/.spotguard/lease");
+    let old = std::time::SystemTime::now() - Duration::from_secs(3600);
+    std::fs::File::options()
+        .write(true)
+        .open(&lease)
+        .or_else(|_| std::fs::File::create(&lease))
+        .unwrap()
+        .set_modified(old)
+        .unwrap();
+    let complete = cache_dir.path().join("c4/.spotguard/complete");
+    std::fs::File::options()
+        .write(true)
+        .open(&complete)
+        .unwrap()
+        .set_modified(old)
+        .unwrap();
+    on.round(&mut state).await;
+    let err = cache::make_room(cache_dir.path(), "new", 1 << 20, 1 << 20, window).unwrap_err();
+    assert!(err.to_string().contains("cache full"), "{err}");
+    assert!(cache_dir.path().join("c4/shard-0").exists());
+
+    // The pod finishes: its request is forgotten, the lease ages, the dataset may go.
+    api.set_pod_phase("ml", "train", "Succeeded");
+    let referenced = on.round(&mut state).await;
+    assert!(referenced.is_empty());
+    assert_eq!(state.len(), 2, "finished pods leave the state");
+    std::fs::File::options()
+        .write(true)
+        .open(&lease)
+        .unwrap()
+        .set_modified(old)
+        .unwrap();
+    let report = cache::make_room(cache_dir.path(), "new", 1 << 20, 1 << 20, window).unwrap();
+    assert_eq!(report.evicted, vec!["c4"]);
+}
