@@ -193,6 +193,29 @@ pub struct RunArgs {
     #[arg(long, env = "SPOTGUARD_GPU", value_enum, default_value = "auto")]
     pub gpu: GpuMode,
 
+    /// Node condition type set True while the node's GPUs are unhealthy (see docs/gpu-health.md).
+    #[arg(
+        long,
+        env = "SPOTGUARD_GPU_UNHEALTHY_CONDITION",
+        value_name = "TYPE",
+        default_value = crate::gpu::DEFAULT_UNHEALTHY_CONDITION
+    )]
+    pub gpu_unhealthy_condition: String,
+
+    /// Node condition type set True while the node's GPUs are degraded.
+    #[arg(
+        long,
+        env = "SPOTGUARD_GPU_DEGRADED_CONDITION",
+        value_name = "TYPE",
+        default_value = crate::gpu::DEFAULT_DEGRADED_CONDITION
+    )]
+    pub gpu_degraded_condition: String,
+
+    /// Also set this Ready-polarity condition False while the GPUs are unhealthy (and True again
+    /// on recovery), e.g. `AcceleratedHardwareReady` for EKS node auto-repair.
+    #[arg(long, env = "SPOTGUARD_GPU_READY_CONDITION", value_name = "TYPE")]
+    pub gpu_ready_condition: Option<String>,
+
     /// Log format [default: json in-cluster, text on a TTY, else json].
     #[arg(long, env = "SPOTGUARD_LOG_FORMAT", value_enum)]
     pub log_format: Option<LogFormat>,
@@ -698,6 +721,11 @@ impl Config {
             None => crate::gpu::GpuConfig::default(),
         };
         gpu.mode = args.gpu;
+        gpu.conditions = crate::gpu::ConditionTypes {
+            unhealthy: args.gpu_unhealthy_condition.clone(),
+            degraded: args.gpu_degraded_condition.clone(),
+            ready: args.gpu_ready_condition.clone(),
+        };
         gpu.validate().map_err(|e| Error::Invalid {
             key: "gpu",
             reason: e.to_string(),

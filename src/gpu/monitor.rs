@@ -5,9 +5,16 @@
 //! NVML that cannot be initialised is not an error of the agent: `spotguard_gpu_probe_up 0`,
 //! state unknown, one log line (another only when the reason changes), retries with a doubling
 //! backoff; sticky conditions already on the node are left as they are.
+//!
+//! Each sample runs on a thread of its own, not on the runtime's blocking pool: a driver call
+//! that never returns (a wedged GPU can hang NVML) then holds only that thread. The monitor
+//! waits for it at most one interval, reports the probe down (`sample_timeout`), starts no
+//! second sample while the first is stuck, and neither shutdown nor anything else waits for it.
 
 use std::sync::Arc;
 use std::time::Duration;
+
+use tokio::sync::oneshot;
 
 use jiff::Timestamp;
 use tokio_util::sync::CancellationToken;
@@ -46,7 +53,11 @@ struct Monitor {
     /// Last NVML init error reported (to log it once).
     down_reason: Option<String>,
     backoff: Duration,
+    /// A sample still running on its thread (a hung driver call), and since when.
+    in_flight: Option<(oneshot::Receiver<SampleResult>, tokio::time::Instant)>,
 }
+
+type SampleResult = (Result<Vec<GpuSample>, Error>, Vec<GpuEvent>);
 
 impl Monitor {
     fn new(
@@ -76,13 +87,17 @@ impl Monitor {
             shown: None,
             down_reason: None,
             backoff,
+            in_flight: None,
         }
     }
 
     async fn run(mut self, cancel: CancellationToken) {
         tracing::info!(interval = ?self.cfg.interval, boot_id = %self.boot_id, "GPU monitor started");
         loop {
-            let delay = self.tick().await;
+            let delay = tokio::select! {
+                _ = cancel.cancelled() => break,
+                delay = self.tick() => delay,
+            };
             tokio::select! {
                 _ = cancel.cancelled() => break,
                 _ = tokio::time::sleep(delay) => {}
@@ -94,21 +109,20 @@ impl Monitor {
     /// One round; returns how long to wait before the next.
     async fn tick(&mut self) -> Duration {
         self.sync_with_node().await;
-        let probe = Arc::clone(&self.probe);
-        let result = tokio::task::spawn_blocking(move || {
-            let samples = probe.sample();
-            let events = probe.drain_events();
-            (samples, events)
-        })
-        .await;
-        let (samples, events) = match result {
-            Ok(r) => r,
-            Err(e) => (
-                Err(Error::SampleTask {
-                    detail: e.to_string(),
-                }),
-                Vec::new(),
-            ),
+        let (samples, events) = match self.sample().await {
+            Some(r) => r,
+            None => {
+                let e = Error::SampleTimeout {
+                    waited: self.in_flight_for(),
+                };
+                if self.down_reason.as_deref() != Some("sample_timeout") {
+                    tracing::warn!(error = %e, "GPU sampling is stuck in the driver; GPU health is unknown until it returns (nothing else waits for it)");
+                    self.down_reason = Some("sample_timeout".into());
+                }
+                self.metrics.error(e.metric_label());
+                self.metrics.probe_down(&self.state);
+                return self.cfg.interval;
+            }
         };
         match samples {
             Ok(samples) => {
@@ -123,6 +137,54 @@ impl Monitor {
                 self.cfg.interval
             }
         }
+    }
+
+    /// Run one sample on a thread of its own (or keep waiting for the one still running) for at
+    /// most one interval. `None`: it has not returned.
+    async fn sample(&mut self) -> Option<SampleResult> {
+        let (mut rx, since) = match self.in_flight.take() {
+            Some(pending) => pending,
+            None => {
+                let (tx, rx) = oneshot::channel();
+                let probe = Arc::clone(&self.probe);
+                let spawned = std::thread::Builder::new()
+                    .name("spotguard-gpu-sample".into())
+                    .spawn(move || {
+                        let samples = probe.sample();
+                        let events = probe.drain_events();
+                        let _ = tx.send((samples, events));
+                    });
+                if let Err(e) = spawned {
+                    return Some((
+                        Err(Error::SampleTask {
+                            detail: format!("starting the sampling thread: {e}"),
+                        }),
+                        Vec::new(),
+                    ));
+                }
+                (rx, tokio::time::Instant::now())
+            }
+        };
+        match tokio::time::timeout(self.cfg.interval, &mut rx).await {
+            Ok(Ok(result)) => Some(result),
+            Ok(Err(_)) => Some((
+                Err(Error::SampleTask {
+                    detail: "the sampling thread ended without a result (panicked)".into(),
+                }),
+                Vec::new(),
+            )),
+            Err(_) => {
+                self.in_flight = Some((rx, since));
+                None
+            }
+        }
+    }
+
+    fn in_flight_for(&self) -> Duration {
+        self.in_flight
+            .as_ref()
+            .map(|(_, since)| since.elapsed())
+            .unwrap_or_default()
     }
 
     /// Resume findings from the node once, then notice an operator removing a condition.
