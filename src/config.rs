@@ -216,6 +216,16 @@ pub struct RunArgs {
     #[arg(long, env = "SPOTGUARD_GPU_READY_CONDITION", value_name = "TYPE")]
     pub gpu_ready_condition: Option<String>,
 
+    /// Kubelet pod-resources socket: GPU metrics get pod / namespace / container labels of the
+    /// container holding the GPU (empty = off; a socket that is not there is retried each sample).
+    #[arg(
+        long,
+        env = "SPOTGUARD_GPU_POD_RESOURCES_SOCKET",
+        value_name = "PATH",
+        default_value = crate::gpu::podresources::DEFAULT_SOCKET
+    )]
+    pub gpu_pod_resources_socket: PathBuf,
+
     /// Log format [default: json in-cluster, text on a TTY, else json].
     #[arg(long, env = "SPOTGUARD_LOG_FORMAT", value_enum)]
     pub log_format: Option<LogFormat>,
@@ -726,6 +736,8 @@ impl Config {
             degraded: args.gpu_degraded_condition.clone(),
             ready: args.gpu_ready_condition.clone(),
         };
+        gpu.pod_resources_socket =
+            Some(args.gpu_pod_resources_socket.clone()).filter(|p| !p.as_os_str().is_empty());
         gpu.validate().map_err(|e| Error::Invalid {
             key: "gpu",
             reason: e.to_string(),

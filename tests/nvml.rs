@@ -839,3 +839,140 @@ fn scenario_errors_are_reported_by_the_stub() {
     let why = r["unavailable"].as_str().expect("unavailable");
     assert!(why.contains("driver is not loaded"), "{why}");
 }
+
+// === which pod holds which GPU ===
+
+const H100_0: &str = "GPU-5c1e8f2a-4b7d-9c3e-2f8d-0c4b00001000";
+const H100_1: &str = "GPU-5c1e8f2a-4b7d-9c3e-2f8d-0c4b00001001";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pod_resources_client_speaks_grpc_to_a_loopback_kubelet() {
+    use spotguard::gpu::podresources;
+    use spotguard::testing::gpu::PodResourcesServer;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let socket = dir.path().join("kubelet.sock");
+    let timeout = Duration::from_secs(5);
+    let err = podresources::list(&socket, timeout)
+        .await
+        .expect_err("no socket yet");
+    assert!(matches!(err, podresources::Error::Connect { .. }), "{err}");
+
+    let server = PodResourcesServer::start(&socket).expect("server");
+    server.set_pods(&[
+        ("ml", "trainer-0", "pytorch", "nvidia.com/gpu", &[H100_0]),
+        ("ml", "sidecar", "exporter", "example.com/fpga", &["fpga-0"]),
+    ]);
+    let holders = podresources::list(&socket, timeout).await.expect("list");
+    assert_eq!(holders.len(), 1, "{holders:?}");
+    let h = &holders[H100_0][0];
+    assert_eq!(
+        (h.namespace.as_str(), h.pod.as_str(), h.container.as_str()),
+        ("ml", "trainer-0", "pytorch")
+    );
+    assert_eq!(server.calls(), 1);
+
+    server.set_status(14, "kubelet restarting");
+    let err = podresources::list(&socket, timeout)
+        .await
+        .expect_err("grpc error");
+    assert!(
+        err.to_string()
+            .contains("gRPC status 14 kubelet restarting"),
+        "{err}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gpu_metrics_carry_the_pod_holding_the_gpu() {
+    use spotguard::testing::gpu::PodResourcesServer;
+    let emu = emulator::start(EmulatorConfig::new(Cloud::Aws))
+        .await
+        .expect("emulator");
+    let work = tempfile::tempdir().expect("tempdir");
+    let socket = work.path().join("kubelet.sock");
+    let server = PodResourcesServer::start(&socket).expect("server");
+    server.set_pods(&[
+        ("ml", "trainer-0", "pytorch", "nvidia.com/gpu", &[H100_0]),
+        // GPU 1 time-sliced between two pods: no pod labels on its readings.
+        (
+            "ml",
+            "notebook",
+            "jupyter",
+            "nvidia.com/gpu",
+            &[&format!("{H100_1}::0")],
+        ),
+        (
+            "dev",
+            "shell",
+            "sh",
+            "nvidia.com/gpu",
+            &[&format!("{H100_1}::1")],
+        ),
+    ]);
+    let s = Scenario::new(&format!(
+        "driver 570.124.06\n{}{}",
+        h100(0, ""),
+        h100(1, "")
+    ));
+    let mut args = host_args(&emu, work.path());
+    args.push(format!("--gpu-pod-resources-socket={}", socket.display()));
+    let agent = Agent::start(&args, &s.env(stub_dir()), GPU_TABLE);
+    let text = agent
+        .wait_metrics("pod labels", Duration::from_secs(30), |t| {
+            !series(
+                t,
+                "spotguard_gpu_temperature_celsius",
+                &["pod=\"trainer-0\""],
+            )
+            .is_empty()
+        })
+        .await;
+    let t0 = series(&text, "spotguard_gpu_temperature_celsius", &["gpu=\"0\""]);
+    assert_eq!(t0.len(), 1);
+    assert!(
+        t0[0].contains("pod=\"trainer-0\"")
+            && t0[0].contains("namespace=\"ml\"")
+            && t0[0].contains("container=\"pytorch\""),
+        "{}",
+        t0[0]
+    );
+    assert!(series(
+        &text,
+        "spotguard_gpu_health",
+        &["gpu=\"0\"", "state=\"healthy\""]
+    )[0]
+    .contains("pod=\"trainer-0\""));
+    let t1 = series(&text, "spotguard_gpu_temperature_celsius", &["gpu=\"1\""]);
+    assert!(!t1[0].contains("pod="), "{}", t1[0]);
+    let shared = series(&text, "spotguard_gpu_allocation", &["gpu=\"1\""]);
+    assert_eq!(shared.len(), 2, "{text}");
+    assert!(shared
+        .iter()
+        .any(|l| l.contains("pod=\"shell\"") && l.contains("namespace=\"dev\"")));
+    assert_eq!(
+        series(&text, "spotguard_gpu_allocation", &["gpu=\"0\""]).len(),
+        1
+    );
+
+    // The pod ends: its labels go with it.
+    server.set_pods(&[]);
+    let text = agent
+        .wait_metrics("labels gone", Duration::from_secs(10), |t| {
+            series(t, "spotguard_gpu_allocation", &[]).is_empty()
+        })
+        .await;
+    assert!(!text.contains("pod=\"trainer-0\""), "{text}");
+    // The kubelet answers with an error: counted, no labels.
+    server.set_status(14, "unavailable");
+    agent
+        .wait_metrics("pod-resources error", Duration::from_secs(10), |t| {
+            !series(
+                t,
+                "spotguard_gpu_monitor_errors_total",
+                &["error=\"pod_resources\""],
+            )
+            .is_empty()
+        })
+        .await;
+    agent.stop(Duration::from_secs(10));
+}

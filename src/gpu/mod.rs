@@ -22,6 +22,7 @@ pub mod health;
 pub mod metrics;
 pub mod monitor;
 pub mod nvml;
+pub mod podresources;
 pub mod report;
 
 pub use health::{evaluate, node_conditions, previous_from_conditions, HealthState, Thresholds};
@@ -262,6 +263,10 @@ pub struct GpuConfig {
     /// Node condition types the verdict is shown under (flags, not the `[gpu]` table).
     #[serde(skip)]
     pub conditions: ConditionTypes,
+    /// The kubelet's pod-resources socket (`--gpu-pod-resources-socket`; empty = off): GPU
+    /// metrics are labelled with the pod holding the GPU while the socket answers.
+    #[serde(skip)]
+    pub pod_resources_socket: Option<PathBuf>,
 }
 
 /// Node condition types of the GPU verdict: `--gpu-unhealthy-condition`,
@@ -374,6 +379,7 @@ impl Default for GpuConfig {
             thresholds: Thresholds::default(),
             boot_id_path: PathBuf::from(BOOT_ID_PATH),
             conditions: ConditionTypes::default(),
+            pod_resources_socket: None,
         }
     }
 }

@@ -23,6 +23,7 @@ use tracing::Instrument;
 use super::health::{
     evaluate, node_conditions, previous_from_conditions, Health, HealthState, Severity,
 };
+use super::podresources;
 use super::{read_boot_id_from, Error, GpuConfig, GpuEvent, GpuMetrics, GpuProbe, GpuSample};
 use crate::node::{GpuConditions, NodeOps};
 
@@ -53,9 +54,14 @@ struct Monitor {
     /// Last NVML init error reported (to log it once).
     down_reason: Option<String>,
     backoff: Duration,
+    /// Last pod-resources error reported (to log it once).
+    holders_error: Option<String>,
     /// A sample still running on its thread (a hung driver call), and since when.
     in_flight: Option<(oneshot::Receiver<SampleResult>, tokio::time::Instant)>,
 }
+
+/// Longest wait for the kubelet's pod-resources answer.
+const POD_RESOURCES_TIMEOUT: Duration = Duration::from_secs(2);
 
 type SampleResult = (Result<Vec<GpuSample>, Error>, Vec<GpuEvent>);
 
@@ -88,6 +94,7 @@ impl Monitor {
             down_reason: None,
             backoff,
             in_flight: None,
+            holders_error: None,
         }
     }
 
@@ -126,6 +133,7 @@ impl Monitor {
         };
         match samples {
             Ok(samples) => {
+                self.refresh_holders().await;
                 self.on_sample(&samples, &events).await;
                 self.cfg.interval
             }
@@ -135,6 +143,36 @@ impl Monitor {
                 self.metrics.error(e.metric_label());
                 self.metrics.probe_down(&self.state);
                 self.cfg.interval
+            }
+        }
+    }
+
+    /// Ask the kubelet which container holds which GPU (bounded; an error clears the labels
+    /// rather than keep a stale owner).
+    async fn refresh_holders(&mut self) {
+        let Some(socket) = &self.cfg.pod_resources_socket else {
+            return;
+        };
+        let timeout = self.cfg.interval.min(POD_RESOURCES_TIMEOUT);
+        match podresources::list(socket, timeout).await {
+            Ok(holders) => {
+                if self.holders_error.take().is_some() {
+                    tracing::info!(socket = %socket.display(), gpus = holders.len(), "kubelet pod-resources answering; GPU metrics labelled with their pods");
+                }
+                self.metrics.set_holders(holders);
+            }
+            Err(e) => {
+                let text = e.to_string();
+                if self.holders_error.as_deref() != Some(text.as_str()) {
+                    tracing::info!(error = %text, "GPU metrics without pod labels (kubelet pod-resources API not answering)");
+                    self.holders_error = Some(text);
+                }
+                // A missing socket is normal off Kubernetes: not counted as an error.
+                if !matches!(&e, podresources::Error::Connect { source, .. } if source.kind() == std::io::ErrorKind::NotFound)
+                {
+                    self.metrics.error("pod_resources");
+                }
+                self.metrics.set_holders(Default::default());
             }
         }
     }
