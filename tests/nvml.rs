@@ -288,6 +288,28 @@ fn cli_unhealthy_a100_with_a_pending_row_remap() {
 }
 
 #[test]
+fn cli_gpu_that_fell_off_the_bus_is_lost_and_unhealthy() {
+    // Every call on GPU 1 answers NVML_ERROR_GPU_IS_LOST from the start.
+    let s = Scenario::new(&format!(
+        "driver 570.124.06\n{}{}",
+        h100(0, ""),
+        h100(1, "lost_after 0")
+    ));
+    let (code, r) = gpu_json(&s, stub_dir());
+    assert_eq!(code, 1, "{r:#}");
+    assert_eq!(r["node"], "unhealthy");
+    let g = &r["gpus"][1];
+    assert_eq!(g["lost"], true, "{g:#}");
+    assert_eq!(
+        g["temperature_celsius"],
+        Value::Null,
+        "no readings of a lost GPU"
+    );
+    assert!(rules(&r).contains(&"gpu_lost".to_string()), "{r:#}");
+    assert_eq!(r["gpus"][0]["health"], "healthy");
+}
+
+#[test]
 fn cli_without_the_library_or_the_driver_is_unavailable() {
     let s = Scenario::new(&h100(0, ""));
     let empty = tempfile::tempdir().expect("tempdir");
