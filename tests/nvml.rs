@@ -998,3 +998,80 @@ async fn gpu_metrics_carry_the_pod_holding_the_gpu() {
         .await;
     agent.stop(Duration::from_secs(10));
 }
+
+// === condition types ===
+
+/// The Ready-polarity condition (EKS `AcceleratedHardwareReady`) goes False with the unhealthy
+/// verdict and True again on recovery; renamed problem conditions are read back under their
+/// configured names (sticky findings survive a restart with custom types).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn configured_condition_types_round_trip_through_the_api_server() {
+    use spotguard::gpu::ConditionTypes;
+    use spotguard::node::kube::KubeNodeOps;
+    use spotguard::node::{ConditionState, GpuConditions, NodeOps};
+    let server = FakeApiServer::start().await.expect("api server");
+    server.add_node(test_node(NODE));
+    let mut registry = prometheus_client::registry::Registry::default();
+    let metrics = Arc::new(spotguard::metrics::Metrics::register(&mut registry));
+    let types = ConditionTypes {
+        unhealthy: "example.com/GPUBroken".into(),
+        degraded: "example.com/GPUSlow".into(),
+        ready: Some("AcceleratedHardwareReady".into()),
+    };
+    let ops = KubeNodeOps::new(server.client(), NODE.to_string(), None, false, metrics)
+        .with_gpu_condition_types(types);
+    let healthy = GpuConditions {
+        unhealthy: ConditionState {
+            active: false,
+            reason: "NoGpuFault".into(),
+            message: "no unhealthy GPU findings".into(),
+        },
+        degraded: ConditionState {
+            active: false,
+            reason: "NoGpuFault".into(),
+            message: "no degraded GPU findings".into(),
+        },
+    };
+    ops.set_gpu_conditions(&healthy).await.expect("healthy");
+    assert!(
+        condition(&server, "AcceleratedHardwareReady").is_none(),
+        "nothing written while a never-unhealthy node stays healthy"
+    );
+    let unhealthy = GpuConditions {
+        unhealthy: ConditionState {
+            active: true,
+            reason: "XidError".into(),
+            message: "[XidError] GPU-x (gpu 0, since 2026-01-01T00:00:00Z): XID 79; boot_id=b"
+                .into(),
+        },
+        ..healthy.clone()
+    };
+    ops.set_gpu_conditions(&unhealthy).await.expect("unhealthy");
+    let ready = condition(&server, "AcceleratedHardwareReady").expect("ready condition");
+    assert_eq!(ready["status"], "False");
+    assert_eq!(ready["reason"], "XidError");
+    assert_eq!(
+        condition(&server, "example.com/GPUBroken").expect("broken")["status"],
+        "True"
+    );
+    assert!(has_gpu_taint(&server));
+    assert_eq!(
+        condition(&server, "Ready").expect("kubelet's")["status"],
+        "True"
+    );
+    let back = ops.gpu_conditions().await.expect("read back");
+    assert_eq!(
+        back.unhealthy, unhealthy.unhealthy,
+        "read under the configured type"
+    );
+
+    ops.set_gpu_conditions(&healthy).await.expect("recovered");
+    let ready = condition(&server, "AcceleratedHardwareReady").expect("ready condition");
+    assert_eq!(ready["status"], "True");
+    assert_eq!(
+        condition(&server, "example.com/GPUBroken").expect("broken")["status"],
+        "False"
+    );
+    assert!(!has_gpu_taint(&server));
+    assert!(condition(&server, "GPUUnhealthy").is_none());
+}
