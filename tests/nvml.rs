@@ -352,7 +352,15 @@ impl Agent {
         let config = dir.path().join("spotguard.toml");
         std::fs::write(&config, gpu_table).expect("config");
         let port = free_port();
-        let mut child = Command::new(BIN)
+        // The privileges the DaemonSet ships: root without any capability but KILL and
+        // SYS_PTRACE.
+        let mut child = Command::new("setpriv")
+            .args([
+                "--bounding-set=-all,+kill,+sys_ptrace",
+                "--inh-caps=-all",
+                "--",
+                BIN,
+            ])
             .arg("run")
             .arg(format!("--config={}", config.display()))
             .arg(format!("--metrics-addr=127.0.0.1:{port}"))
@@ -785,8 +793,20 @@ async fn nvml_hanging_in_get_temperature_leaves_notice_handling_alone() {
     let work = tempfile::tempdir().expect("tempdir");
     let ckpt = work.path().join("ckpt");
     std::fs::create_dir_all(&ckpt).expect("ckpt dir");
-    let mut trainer = Command::new("bash")
-        .arg("-c")
+    // The trainer runs as another user (nobody), as trainers do.
+    for d in [work.path(), ckpt.as_path()] {
+        std::fs::set_permissions(d, std::os::unix::fs::PermissionsExt::from_mode(0o777))
+            .expect("chmod");
+    }
+    let mut trainer = Command::new("setpriv")
+        .args([
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            "--",
+            "bash",
+            "-c",
+        ])
         .arg(TRAINER)
         .env("SPOTGUARD_DIR", &ckpt)
         .env("MARKS", work.path().join("marks"))
