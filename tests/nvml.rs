@@ -654,7 +654,8 @@ fn has_gpu_taint(server: &FakeApiServer) -> bool {
     })
 }
 
-/// The XID arrives through `nvmlEventSetWait_v2` 6 s after NVML was initialised; within one
+/// The XID arrives through `nvmlEventSetWait_v2` 5 s after NVML was initialised (between two
+/// samples, which run at 0, 2, 4, 6 s); within one
 /// probe interval the node shows it: the unhealthy condition (under a custom type), the EKS
 /// auto-repair condition `AcceleratedHardwareReady=False`, the taint, the XID counter.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -670,7 +671,7 @@ async fn xid_79_mid_run_makes_the_node_unhealthy_within_one_probe_interval() {
     let s = Scenario::new(&format!(
         "driver 570.124.06\n{}{}",
         h100(0, ""),
-        h100(1, "event 6000 xid 79")
+        h100(1, "event 5000 xid 79")
     ));
     let interval = Duration::from_secs(2);
     let mut env = s.env(stub_dir());
