@@ -99,7 +99,7 @@ impl Monitor {
     }
 
     async fn run(mut self, cancel: CancellationToken) {
-        tracing::info!(interval = ?self.cfg.interval, boot_id = %self.boot_id, "GPU monitor started");
+        tracing::info!(interval = %humantime::format_duration(self.cfg.interval), boot_id = %self.boot_id, "GPU monitor started");
         loop {
             let delay = tokio::select! {
                 _ = cancel.cancelled() => break,
@@ -287,7 +287,7 @@ impl Monitor {
         self.metrics.record_events(events, &self.state);
         self.metrics.observe(samples, &self.state);
         for e in events {
-            tracing::info!(uuid = %e.uuid, gpu = ?e.index, kind = ?e.kind, "GPU event");
+            tracing::info!(uuid = %e.uuid, gpu = e.index, kind = ?e.kind, "GPU event");
         }
         if self.state.node != before {
             let findings: Vec<String> = self
@@ -297,7 +297,7 @@ impl Monitor {
                 .map(|f| format!("{} {}: {}", f.uuid, f.rule.reason(), f.evidence))
                 .collect();
             if self.state.node >= Health::Degraded {
-                tracing::warn!(from = before.as_str(), to = self.state.node.as_str(), findings = ?findings, "GPU health changed");
+                tracing::warn!(from = before.as_str(), to = self.state.node.as_str(), findings = %findings.join("; "), "GPU health changed");
             } else {
                 tracing::info!(
                     from = before.as_str(),
@@ -336,7 +336,7 @@ impl Monitor {
             );
             self.down_reason = Some(reason);
         } else {
-            tracing::debug!(error = %reason, retry_in = ?delay, "NVML still unavailable");
+            tracing::debug!(error = %reason, retry_in = %humantime::format_duration(delay), "NVML still unavailable");
         }
         self.backoff = (self.backoff * 2).min(self.cfg.init_backoff_max);
         delay
