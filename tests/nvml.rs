@@ -23,14 +23,15 @@ const BIN: &str = env!("CARGO_BIN_EXE_spotguard");
 
 // === the stand-in library ===
 
-/// Directory holding the compiled `libnvidia-ml.so.1` (built once per test binary).
+/// Directory holding the compiled `libnvidia-ml.so.1` (built once per test binary, compiled to
+/// a temporary name and renamed into place so a concurrent reader never sees half a file).
 fn stub_dir() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
         let source = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/nvml-stub/nvml_stub.c");
-        let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
-            .join(format!("nvml-stub-{}", std::process::id()));
+        let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("nvml-stub");
         std::fs::create_dir_all(&dir).expect("stub dir");
+        let tmp = dir.join(format!(".libnvidia-ml.so.1.{}", std::process::id()));
         let out = Command::new("gcc")
             .args([
                 "-shared",
@@ -42,7 +43,7 @@ fn stub_dir() -> &'static Path {
                 "-Werror",
                 "-o",
             ])
-            .arg(dir.join("libnvidia-ml.so.1"))
+            .arg(&tmp)
             .arg(&source)
             .arg("-lpthread")
             .output()
@@ -52,6 +53,7 @@ fn stub_dir() -> &'static Path {
             "compiling the NVML stand-in failed:\n{}",
             String::from_utf8_lossy(&out.stderr)
         );
+        std::fs::rename(&tmp, dir.join("libnvidia-ml.so.1")).expect("install stub");
         dir
     })
 }
