@@ -224,7 +224,7 @@ pub struct RunArgs {
         value_name = "PATH",
         default_value = crate::gpu::podresources::DEFAULT_SOCKET
     )]
-    pub gpu_pod_resources_socket: PathBuf,
+    pub gpu_pod_resources_socket: String,
 
     /// Log format [default: json in-cluster, text on a TTY, else json].
     #[arg(long, env = "SPOTGUARD_LOG_FORMAT", value_enum)]
@@ -736,8 +736,8 @@ impl Config {
             degraded: args.gpu_degraded_condition.clone(),
             ready: args.gpu_ready_condition.clone(),
         };
-        gpu.pod_resources_socket =
-            Some(args.gpu_pod_resources_socket.clone()).filter(|p| !p.as_os_str().is_empty());
+        gpu.pod_resources_socket = Some(PathBuf::from(&args.gpu_pod_resources_socket))
+            .filter(|p| !p.as_os_str().is_empty());
         gpu.validate().map_err(|e| Error::Invalid {
             key: "gpu",
             reason: e.to_string(),
@@ -1096,6 +1096,41 @@ mod tests {
         std::fs::write(&path, "this is not toml").unwrap();
         let e = run_args(&["--config", path.to_str().unwrap()]).unwrap_err();
         assert!(e.contains("config file"), "{e}");
+    }
+
+    #[test]
+    fn gpu_condition_types_and_pod_resources_socket() {
+        let env = TestEnv(vec![]);
+        let c = Config::resolve(run_args(&["--mode", "host"]).unwrap(), &env).unwrap();
+        assert_eq!(c.gpu.conditions, crate::gpu::ConditionTypes::default());
+        assert_eq!(
+            c.gpu.pod_resources_socket.as_deref(),
+            Some(Path::new(crate::gpu::podresources::DEFAULT_SOCKET))
+        );
+        let c = Config::resolve(
+            run_args(&[
+                "--mode",
+                "host",
+                "--gpu-ready-condition",
+                "AcceleratedHardwareReady",
+                "--gpu-pod-resources-socket",
+                "",
+            ])
+            .unwrap(),
+            &env,
+        )
+        .unwrap();
+        assert_eq!(
+            c.gpu.conditions.ready.as_deref(),
+            Some("AcceleratedHardwareReady")
+        );
+        assert_eq!(c.gpu.pod_resources_socket, None, "empty = off");
+        let err = Config::resolve(
+            run_args(&["--mode", "host", "--gpu-unhealthy-condition", "Ready"]).unwrap(),
+            &env,
+        )
+        .expect_err("kubelet's condition");
+        assert!(err.to_string().contains("gpu-unhealthy-condition"), "{err}");
     }
 
     #[test]
