@@ -133,8 +133,9 @@ impl Monitor {
         };
         match samples {
             Ok(samples) => {
-                self.refresh_holders().await;
                 self.on_sample(&samples, &events).await;
+                // After the node has been told: a slow kubelet never delays a condition.
+                self.refresh_holders().await;
                 self.cfg.interval
             }
             Err(e) if e.is_init() => self.on_probe_down(&e),
