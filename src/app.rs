@@ -158,13 +158,16 @@ pub async fn start_with_client(
                 (Some(ns), Some(n)) => Some((ns.clone(), n.clone())),
                 _ => None,
             };
-            let ops = Arc::new(KubeNodeOps::new(
-                client.clone(),
-                node_name.clone(),
-                own_pod,
-                cfg.args.dry_run,
-                metrics.clone(),
-            ));
+            let ops = Arc::new(
+                KubeNodeOps::new(
+                    client.clone(),
+                    node_name.clone(),
+                    own_pod,
+                    cfg.args.dry_run,
+                    metrics.clone(),
+                )
+                .with_gpu_condition_types(cfg.gpu.conditions.clone()),
+            );
             let discovery = Arc::new(kube_discovery::KubeDiscovery::new(
                 client.clone(),
                 node_name,

@@ -204,6 +204,39 @@ pub struct RunArgs {
     #[arg(long, env = "SPOTGUARD_GPU", value_enum, default_value = "auto")]
     pub gpu: GpuMode,
 
+    /// Node condition type set True while the node's GPUs are unhealthy (see docs/gpu-health.md).
+    #[arg(
+        long,
+        env = "SPOTGUARD_GPU_UNHEALTHY_CONDITION",
+        value_name = "TYPE",
+        default_value = crate::gpu::DEFAULT_UNHEALTHY_CONDITION
+    )]
+    pub gpu_unhealthy_condition: String,
+
+    /// Node condition type set True while the node's GPUs are degraded.
+    #[arg(
+        long,
+        env = "SPOTGUARD_GPU_DEGRADED_CONDITION",
+        value_name = "TYPE",
+        default_value = crate::gpu::DEFAULT_DEGRADED_CONDITION
+    )]
+    pub gpu_degraded_condition: String,
+
+    /// Also set this Ready-polarity condition False while the GPUs are unhealthy (and True again
+    /// on recovery), e.g. `AcceleratedHardwareReady` for EKS node auto-repair.
+    #[arg(long, env = "SPOTGUARD_GPU_READY_CONDITION", value_name = "TYPE")]
+    pub gpu_ready_condition: Option<String>,
+
+    /// Kubelet pod-resources socket: GPU metrics get pod / namespace / container labels of the
+    /// container holding the GPU (empty = off; a socket that is not there is retried each sample).
+    #[arg(
+        long,
+        env = "SPOTGUARD_GPU_POD_RESOURCES_SOCKET",
+        value_name = "PATH",
+        default_value = crate::gpu::podresources::DEFAULT_SOCKET
+    )]
+    pub gpu_pod_resources_socket: String,
+
     /// Log format [default: json in-cluster, text on a TTY, else json].
     #[arg(long, env = "SPOTGUARD_LOG_FORMAT", value_enum)]
     pub log_format: Option<LogFormat>,
@@ -721,6 +754,13 @@ impl Config {
         };
         gpu.mode = args.gpu;
         gpu.boot_id_path.clone_from(&args.boot_id_file);
+        gpu.conditions = crate::gpu::ConditionTypes {
+            unhealthy: args.gpu_unhealthy_condition.clone(),
+            degraded: args.gpu_degraded_condition.clone(),
+            ready: args.gpu_ready_condition.clone(),
+        };
+        gpu.pod_resources_socket = Some(PathBuf::from(&args.gpu_pod_resources_socket))
+            .filter(|p| !p.as_os_str().is_empty());
         gpu.validate().map_err(|e| Error::Invalid {
             key: "gpu",
             reason: e.to_string(),
@@ -1079,6 +1119,41 @@ mod tests {
         std::fs::write(&path, "this is not toml").unwrap();
         let e = run_args(&["--config", path.to_str().unwrap()]).unwrap_err();
         assert!(e.contains("config file"), "{e}");
+    }
+
+    #[test]
+    fn gpu_condition_types_and_pod_resources_socket() {
+        let env = TestEnv(vec![]);
+        let c = Config::resolve(run_args(&["--mode", "host"]).unwrap(), &env).unwrap();
+        assert_eq!(c.gpu.conditions, crate::gpu::ConditionTypes::default());
+        assert_eq!(
+            c.gpu.pod_resources_socket.as_deref(),
+            Some(Path::new(crate::gpu::podresources::DEFAULT_SOCKET))
+        );
+        let c = Config::resolve(
+            run_args(&[
+                "--mode",
+                "host",
+                "--gpu-ready-condition",
+                "AcceleratedHardwareReady",
+                "--gpu-pod-resources-socket",
+                "",
+            ])
+            .unwrap(),
+            &env,
+        )
+        .unwrap();
+        assert_eq!(
+            c.gpu.conditions.ready.as_deref(),
+            Some("AcceleratedHardwareReady")
+        );
+        assert_eq!(c.gpu.pod_resources_socket, None, "empty = off");
+        let err = Config::resolve(
+            run_args(&["--mode", "host", "--gpu-unhealthy-condition", "Ready"]).unwrap(),
+            &env,
+        )
+        .expect_err("kubelet's condition");
+        assert!(err.to_string().contains("gpu-unhealthy-condition"), "{err}");
     }
 
     #[test]

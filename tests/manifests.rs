@@ -885,6 +885,11 @@ async fn daemonset_has_the_required_security_shape() {
                 "/sys/class/dmi/id".to_string(),
                 false
             ),
+            (
+                "/var/lib/kubelet/pod-resources".to_string(),
+                "/var/lib/kubelet/pod-resources".to_string(),
+                false
+            ),
         ])
     );
 

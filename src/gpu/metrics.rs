@@ -20,6 +20,7 @@ use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 
 use super::health::{Health, HealthState, Rule, Severity};
+use super::podresources::Allocations;
 use super::{GpuEvent, GpuEventKind, GpuSample, CLOCK_EVENT_REASONS};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -56,6 +57,8 @@ struct Published {
     gpus: Vec<(Option<u32>, String, String, Health)>,
     node: Health,
     findings: BTreeMap<(Rule, Severity), u64>,
+    /// GPU UUID → containers holding it (kubelet pod-resources), empty when unknown.
+    holders: Allocations,
 }
 
 /// GPU metric families. Create with [`GpuMetrics::register`], share behind an `Arc`.
@@ -193,6 +196,13 @@ impl GpuMetrics {
         }
     }
 
+    /// Which container holds which GPU (empty: unknown or none). A GPU held by exactly one
+    /// container gets `pod`, `namespace` and `container` labels on its readings;
+    /// `spotguard_gpu_allocation` lists every holder.
+    pub fn set_holders(&self, holders: Allocations) {
+        self.write().holders = holders;
+    }
+
     /// Count a monitor error by its label.
     pub fn error(&self, label: &str) {
         self.errors
@@ -273,6 +283,18 @@ fn int(n: u64) -> Value {
 }
 
 impl Published {
+    /// Labels of one GPU's series: `gpu`, `uuid`, `model`, plus `pod`, `namespace`,
+    /// `container` when exactly one container holds it.
+    fn labels(&self, index: Option<u32>, uuid: &str, model: &str) -> Labels {
+        let mut l = gpu_labels(index, uuid, model);
+        if let Some([holder]) = self.holders.get(uuid).map(Vec::as_slice) {
+            l.push(("pod", holder.pod.clone()));
+            l.push(("namespace", holder.namespace.clone()));
+            l.push(("container", holder.container.clone()));
+        }
+        l
+    }
+
     fn series(&self) -> Vec<Series> {
         let mut temp = Series::gauge("spotguard_gpu_temperature_celsius", "GPU die temperature");
         let mut power = Series::gauge("spotguard_gpu_power_watts", "GPU power draw");
@@ -346,7 +368,7 @@ impl Published {
         let mut lost = Series::gauge("spotguard_gpu_lost", "1 when NVML reports the GPU lost");
 
         for s in &self.samples {
-            let l = gpu_labels(Some(s.index), &s.uuid, &s.model);
+            let l = self.labels(Some(s.index), &s.uuid, &s.model);
             lost.push(l.clone(), flag(s.lost));
             if let Some(v) = s.temperature_celsius {
                 temp.push(l.clone(), Value::Int(i64::from(v)));
@@ -453,10 +475,29 @@ impl Published {
             for state in Health::ALL {
                 health.push(
                     with(
-                        gpu_labels(*index, uuid, model),
+                        self.labels(*index, uuid, model),
                         &[("state", state.as_str())],
                     ),
                     flag(*h == state),
+                );
+            }
+        }
+        let mut allocation = Series::gauge(
+            "spotguard_gpu_allocation",
+            "1 for each container holding the GPU (kubelet pod-resources API)",
+        );
+        for (index, uuid, model, _) in &self.gpus {
+            for h in self.holders.get(uuid).into_iter().flatten() {
+                allocation.push(
+                    with(
+                        gpu_labels(*index, uuid, model),
+                        &[
+                            ("pod", &h.pod),
+                            ("namespace", &h.namespace),
+                            ("container", &h.container),
+                        ],
+                    ),
+                    Value::Int(1),
                 );
             }
         }
@@ -507,6 +548,7 @@ impl Published {
             nvlink_up,
             lost,
             health,
+            allocation,
             node,
             findings,
         ]

@@ -22,6 +22,7 @@ pub mod health;
 pub mod metrics;
 pub mod monitor;
 pub mod nvml;
+pub mod podresources;
 pub mod report;
 
 pub use health::{evaluate, node_conditions, previous_from_conditions, HealthState, Thresholds};
@@ -259,6 +260,113 @@ pub struct GpuConfig {
     pub thresholds: Thresholds,
     /// Boot id source (tests point it at a file of their own).
     pub boot_id_path: PathBuf,
+    /// Node condition types the verdict is shown under (flags, not the `[gpu]` table).
+    #[serde(skip)]
+    pub conditions: ConditionTypes,
+    /// The kubelet's pod-resources socket (`--gpu-pod-resources-socket`; empty = off): GPU
+    /// metrics are labelled with the pod holding the GPU while the socket answers.
+    #[serde(skip)]
+    pub pod_resources_socket: Option<PathBuf>,
+}
+
+/// Node condition types of the GPU verdict: `--gpu-unhealthy-condition`,
+/// `--gpu-degraded-condition` (problem polarity: status True = problem present) and the optional
+/// `--gpu-ready-condition` (Ready polarity: status False while unhealthy), so that a platform's
+/// node auto-repair can act on the condition it already reads (EKS: `AcceleratedHardwareReady`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ConditionTypes {
+    pub unhealthy: String,
+    pub degraded: String,
+    pub ready: Option<String>,
+}
+
+/// Default `GPUUnhealthy` condition type.
+pub const DEFAULT_UNHEALTHY_CONDITION: &str = "GPUUnhealthy";
+/// Default `GPUDegraded` condition type.
+pub const DEFAULT_DEGRADED_CONDITION: &str = "GPUDegraded";
+/// Conditions the kubelet owns: spotguard never writes them.
+const KUBELET_CONDITIONS: &[&str] = &[
+    "Ready",
+    "MemoryPressure",
+    "DiskPressure",
+    "PIDPressure",
+    "NetworkUnavailable",
+];
+
+impl Default for ConditionTypes {
+    fn default() -> Self {
+        ConditionTypes {
+            unhealthy: DEFAULT_UNHEALTHY_CONDITION.into(),
+            degraded: DEFAULT_DEGRADED_CONDITION.into(),
+            ready: None,
+        }
+    }
+}
+
+impl ConditionTypes {
+    /// Each type a valid condition type (a Kubernetes qualified name), none owned by the
+    /// kubelet, all different.
+    pub fn validate(&self) -> Result<(), Error> {
+        let named = [
+            ("gpu-unhealthy-condition", Some(&self.unhealthy)),
+            ("gpu-degraded-condition", Some(&self.degraded)),
+            ("gpu-ready-condition", self.ready.as_ref()),
+        ];
+        let mut seen: Vec<&str> = Vec::new();
+        for (key, value) in named {
+            let Some(value) = value else { continue };
+            if let Err(reason) = valid_condition_type(value) {
+                return Err(Error::InvalidSetting { key, reason });
+            }
+            if seen.contains(&value.as_str()) {
+                return Err(Error::InvalidSetting {
+                    key,
+                    reason: format!("{value:?} is already used by another GPU condition"),
+                });
+            }
+            seen.push(value);
+        }
+        Ok(())
+    }
+}
+
+/// A condition type: a qualified name (`[prefix/]name`, name ≤ 63 characters of
+/// `[A-Za-z0-9_.-]` starting and ending alphanumeric) that the kubelet does not own.
+fn valid_condition_type(t: &str) -> Result<(), String> {
+    if KUBELET_CONDITIONS.contains(&t) {
+        return Err(format!("{t:?} is owned by the kubelet"));
+    }
+    let name = match t.split_once('/') {
+        Some((prefix, name)) => {
+            let ok = !prefix.is_empty()
+                && prefix.len() <= 253
+                && prefix.split('.').all(|l| {
+                    !l.is_empty()
+                        && l.bytes()
+                            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+                });
+            if !ok {
+                return Err(format!("{t:?}: invalid prefix (a DNS subdomain)"));
+            }
+            name
+        }
+        None => t,
+    };
+    let bytes = name.as_bytes();
+    let ok = !bytes.is_empty()
+        && bytes.len() <= 63
+        && bytes[0].is_ascii_alphanumeric()
+        && bytes[bytes.len() - 1].is_ascii_alphanumeric()
+        && bytes
+            .iter()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
+    if ok {
+        Ok(())
+    } else {
+        Err(format!(
+            "{t:?}: a condition type is a name of letters, digits, '-', '_' and '.' (≤ 63, alphanumeric at both ends)"
+        ))
+    }
 }
 
 impl Default for GpuConfig {
@@ -270,6 +378,8 @@ impl Default for GpuConfig {
             init_backoff_max: Duration::from_secs(600),
             thresholds: Thresholds::default(),
             boot_id_path: PathBuf::from(BOOT_ID_PATH),
+            conditions: ConditionTypes::default(),
+            pod_resources_socket: None,
         }
     }
 }
@@ -289,6 +399,7 @@ impl GpuConfig {
                 reason: "must be greater than zero and not above gpu.init_backoff_max".into(),
             });
         }
+        self.conditions.validate()?;
         self.thresholds.validate()
     }
 }
@@ -349,6 +460,8 @@ pub enum Error {
     },
     #[error("sampling GPUs on a blocking thread: {detail}")]
     SampleTask { detail: String },
+    #[error("an NVML call has not returned for {}", humantime::format_duration(Duration::from_secs(waited.as_secs())))]
+    SampleTimeout { waited: Duration },
     #[error("reading boot id from {path}: {source}")]
     ReadBootId {
         path: String,
@@ -381,7 +494,8 @@ impl Error {
             | Error::NoPermission
             | Error::InitNvml { .. }
             | Error::CountDevices { .. }
-            | Error::SampleTask { .. } => true,
+            | Error::SampleTask { .. }
+            | Error::SampleTimeout { .. } => true,
         }
     }
 
@@ -395,6 +509,7 @@ impl Error {
             Error::InitNvml { .. } => "init_nvml",
             Error::CountDevices { .. } => "count_devices",
             Error::SampleTask { .. } => "sample_task",
+            Error::SampleTimeout { .. } => "sample_timeout",
             Error::ReadBootId { .. } => "read_boot_id",
             Error::InvalidSetting { .. } => "invalid_setting",
         }
@@ -486,6 +601,54 @@ mod tests {
             Err(Error::Disabled)
         ));
         assert!(probe_from_config(GpuMode::Auto).is_ok());
+    }
+
+    #[test]
+    fn condition_types_are_validated() {
+        ConditionTypes::default().validate().expect("defaults");
+        let eks = ConditionTypes {
+            ready: Some("AcceleratedHardwareReady".into()),
+            ..ConditionTypes::default()
+        };
+        eks.validate().expect("EKS");
+        let prefixed = ConditionTypes {
+            unhealthy: "example.com/GPUBroken".into(),
+            ..ConditionTypes::default()
+        };
+        prefixed.validate().expect("prefixed");
+        for (bad, key) in [
+            (
+                ConditionTypes {
+                    ready: Some("Ready".into()),
+                    ..ConditionTypes::default()
+                },
+                "gpu-ready-condition",
+            ),
+            (
+                ConditionTypes {
+                    degraded: "GPUUnhealthy".into(),
+                    ..ConditionTypes::default()
+                },
+                "gpu-degraded-condition",
+            ),
+            (
+                ConditionTypes {
+                    unhealthy: "GPU Unhealthy".into(),
+                    ..ConditionTypes::default()
+                },
+                "gpu-unhealthy-condition",
+            ),
+            (
+                ConditionTypes {
+                    unhealthy: "Bad_Prefix/GPU".into(),
+                    ..ConditionTypes::default()
+                },
+                "gpu-unhealthy-condition",
+            ),
+        ] {
+            let err = bad.validate().expect_err("invalid");
+            assert!(err.to_string().contains(key), "{err}");
+        }
     }
 
     #[test]

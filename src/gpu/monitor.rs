@@ -5,9 +5,16 @@
 //! NVML that cannot be initialised is not an error of the agent: `spotguard_gpu_probe_up 0`,
 //! state unknown, one log line (another only when the reason changes), retries with a doubling
 //! backoff; sticky conditions already on the node are left as they are.
+//!
+//! Each sample runs on a thread of its own, not on the runtime's blocking pool: a driver call
+//! that never returns (a wedged GPU can hang NVML) then holds only that thread. The monitor
+//! waits for it at most one interval, reports the probe down (`sample_timeout`), starts no
+//! second sample while the first is stuck, and neither shutdown nor anything else waits for it.
 
 use std::sync::Arc;
 use std::time::Duration;
+
+use tokio::sync::oneshot;
 
 use jiff::Timestamp;
 use tokio_util::sync::CancellationToken;
@@ -16,6 +23,7 @@ use tracing::Instrument;
 use super::health::{
     evaluate, node_conditions, previous_from_conditions, Health, HealthState, Severity,
 };
+use super::podresources;
 use super::{read_boot_id_from, Error, GpuConfig, GpuEvent, GpuMetrics, GpuProbe, GpuSample};
 use crate::node::{GpuConditions, NodeOps};
 
@@ -46,7 +54,16 @@ struct Monitor {
     /// Last NVML init error reported (to log it once).
     down_reason: Option<String>,
     backoff: Duration,
+    /// Last pod-resources error reported (to log it once).
+    holders_error: Option<String>,
+    /// A sample still running on its thread (a hung driver call), and since when.
+    in_flight: Option<(oneshot::Receiver<SampleResult>, tokio::time::Instant)>,
 }
+
+/// Longest wait for the kubelet's pod-resources answer.
+const POD_RESOURCES_TIMEOUT: Duration = Duration::from_secs(2);
+
+type SampleResult = (Result<Vec<GpuSample>, Error>, Vec<GpuEvent>);
 
 impl Monitor {
     fn new(
@@ -76,13 +93,18 @@ impl Monitor {
             shown: None,
             down_reason: None,
             backoff,
+            in_flight: None,
+            holders_error: None,
         }
     }
 
     async fn run(mut self, cancel: CancellationToken) {
-        tracing::info!(interval = ?self.cfg.interval, boot_id = %self.boot_id, "GPU monitor started");
+        tracing::info!(interval = %humantime::format_duration(self.cfg.interval), boot_id = %self.boot_id, "GPU monitor started");
         loop {
-            let delay = self.tick().await;
+            let delay = tokio::select! {
+                _ = cancel.cancelled() => break,
+                delay = self.tick() => delay,
+            };
             tokio::select! {
                 _ = cancel.cancelled() => break,
                 _ = tokio::time::sleep(delay) => {}
@@ -94,25 +116,26 @@ impl Monitor {
     /// One round; returns how long to wait before the next.
     async fn tick(&mut self) -> Duration {
         self.sync_with_node().await;
-        let probe = Arc::clone(&self.probe);
-        let result = tokio::task::spawn_blocking(move || {
-            let samples = probe.sample();
-            let events = probe.drain_events();
-            (samples, events)
-        })
-        .await;
-        let (samples, events) = match result {
-            Ok(r) => r,
-            Err(e) => (
-                Err(Error::SampleTask {
-                    detail: e.to_string(),
-                }),
-                Vec::new(),
-            ),
+        let (samples, events) = match self.sample().await {
+            Some(r) => r,
+            None => {
+                let e = Error::SampleTimeout {
+                    waited: self.in_flight_for(),
+                };
+                if self.down_reason.as_deref() != Some("sample_timeout") {
+                    tracing::warn!(error = %e, "GPU sampling is stuck in the driver; GPU health is unknown until it returns (nothing else waits for it)");
+                    self.down_reason = Some("sample_timeout".into());
+                }
+                self.metrics.error(e.metric_label());
+                self.metrics.probe_down(&self.state);
+                return self.cfg.interval;
+            }
         };
         match samples {
             Ok(samples) => {
                 self.on_sample(&samples, &events).await;
+                // After the node has been told: a slow kubelet never delays a condition.
+                self.refresh_holders().await;
                 self.cfg.interval
             }
             Err(e) if e.is_init() => self.on_probe_down(&e),
@@ -123,6 +146,84 @@ impl Monitor {
                 self.cfg.interval
             }
         }
+    }
+
+    /// Ask the kubelet which container holds which GPU (bounded; an error clears the labels
+    /// rather than keep a stale owner).
+    async fn refresh_holders(&mut self) {
+        let Some(socket) = &self.cfg.pod_resources_socket else {
+            return;
+        };
+        let timeout = self.cfg.interval.min(POD_RESOURCES_TIMEOUT);
+        match podresources::list(socket, timeout).await {
+            Ok(holders) => {
+                if self.holders_error.take().is_some() {
+                    tracing::info!(socket = %socket.display(), gpus = holders.len(), "kubelet pod-resources answering; GPU metrics labelled with their pods");
+                }
+                self.metrics.set_holders(holders);
+            }
+            Err(e) => {
+                let text = e.to_string();
+                if self.holders_error.as_deref() != Some(text.as_str()) {
+                    tracing::info!(error = %text, "GPU metrics without pod labels (kubelet pod-resources API not answering)");
+                    self.holders_error = Some(text);
+                }
+                // A missing socket is normal off Kubernetes: not counted as an error.
+                if !matches!(&e, podresources::Error::Connect { source, .. } if source.kind() == std::io::ErrorKind::NotFound)
+                {
+                    self.metrics.error("pod_resources");
+                }
+                self.metrics.set_holders(Default::default());
+            }
+        }
+    }
+
+    /// Run one sample on a thread of its own (or keep waiting for the one still running) for at
+    /// most one interval. `None`: it has not returned.
+    async fn sample(&mut self) -> Option<SampleResult> {
+        let (mut rx, since) = match self.in_flight.take() {
+            Some(pending) => pending,
+            None => {
+                let (tx, rx) = oneshot::channel();
+                let probe = Arc::clone(&self.probe);
+                let spawned = std::thread::Builder::new()
+                    .name("spotguard-gpu-sample".into())
+                    .spawn(move || {
+                        let samples = probe.sample();
+                        let events = probe.drain_events();
+                        let _ = tx.send((samples, events));
+                    });
+                if let Err(e) = spawned {
+                    return Some((
+                        Err(Error::SampleTask {
+                            detail: format!("starting the sampling thread: {e}"),
+                        }),
+                        Vec::new(),
+                    ));
+                }
+                (rx, tokio::time::Instant::now())
+            }
+        };
+        match tokio::time::timeout(self.cfg.interval, &mut rx).await {
+            Ok(Ok(result)) => Some(result),
+            Ok(Err(_)) => Some((
+                Err(Error::SampleTask {
+                    detail: "the sampling thread ended without a result (panicked)".into(),
+                }),
+                Vec::new(),
+            )),
+            Err(_) => {
+                self.in_flight = Some((rx, since));
+                None
+            }
+        }
+    }
+
+    fn in_flight_for(&self) -> Duration {
+        self.in_flight
+            .as_ref()
+            .map(|(_, since)| since.elapsed())
+            .unwrap_or_default()
     }
 
     /// Resume findings from the node once, then notice an operator removing a condition.
@@ -187,7 +288,7 @@ impl Monitor {
         self.metrics.record_events(events, &self.state);
         self.metrics.observe(samples, &self.state);
         for e in events {
-            tracing::info!(uuid = %e.uuid, gpu = ?e.index, kind = ?e.kind, "GPU event");
+            tracing::info!(uuid = %e.uuid, gpu = e.index, kind = ?e.kind, "GPU event");
         }
         if self.state.node != before {
             let findings: Vec<String> = self
@@ -197,7 +298,7 @@ impl Monitor {
                 .map(|f| format!("{} {}: {}", f.uuid, f.rule.reason(), f.evidence))
                 .collect();
             if self.state.node >= Health::Degraded {
-                tracing::warn!(from = before.as_str(), to = self.state.node.as_str(), findings = ?findings, "GPU health changed");
+                tracing::warn!(from = before.as_str(), to = self.state.node.as_str(), findings = %findings.join("; "), "GPU health changed");
             } else {
                 tracing::info!(
                     from = before.as_str(),
@@ -236,7 +337,7 @@ impl Monitor {
             );
             self.down_reason = Some(reason);
         } else {
-            tracing::debug!(error = %reason, retry_in = ?delay, "NVML still unavailable");
+            tracing::debug!(error = %reason, retry_in = %humantime::format_duration(delay), "NVML still unavailable");
         }
         self.backoff = (self.backoff * 2).min(self.cfg.init_backoff_max);
         delay

@@ -40,9 +40,10 @@ use crate::metrics::Metrics;
 pub const REPORTING_CONTROLLER: &str = "spotguard.io/agent";
 /// Field manager named on every write.
 pub const FIELD_MANAGER: &str = "spotguard";
-/// Node condition types (problem polarity: status True = problem present).
-pub const CONDITION_GPU_UNHEALTHY: &str = "GPUUnhealthy";
-pub const CONDITION_GPU_DEGRADED: &str = "GPUDegraded";
+/// Default node condition types (problem polarity: status True = problem present); the types
+/// in use are configurable ([`KubeNodeOps::with_gpu_condition_types`]).
+pub const CONDITION_GPU_UNHEALTHY: &str = crate::gpu::DEFAULT_UNHEALTHY_CONDITION;
+pub const CONDITION_GPU_DEGRADED: &str = crate::gpu::DEFAULT_DEGRADED_CONDITION;
 
 /// Attempts of one node read-modify-write (conflicts and transient errors together).
 const NODE_WRITE_ATTEMPTS: u32 = 8;
@@ -74,6 +75,7 @@ pub struct KubeNodeOps {
     metrics: Arc<Metrics>,
     node_uid: Mutex<Option<String>>,
     series: Mutex<HashMap<EventKey, SeriesEntry>>,
+    gpu_types: crate::gpu::ConditionTypes,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -122,7 +124,15 @@ impl KubeNodeOps {
             metrics,
             node_uid: Mutex::new(None),
             series: Mutex::new(HashMap::new()),
+            gpu_types: crate::gpu::ConditionTypes::default(),
         }
+    }
+
+    /// Show the GPU verdict under these condition types (default `GPUUnhealthy` /
+    /// `GPUDegraded`, no Ready-polarity condition).
+    pub fn with_gpu_condition_types(mut self, types: crate::gpu::ConditionTypes) -> Self {
+        self.gpu_types = types;
+        self
     }
 
     pub fn node_name(&self) -> &str {
@@ -790,8 +800,8 @@ impl NodeOps for KubeNodeOps {
                 .unwrap_or_default()
         };
         Ok(GpuConditions {
-            unhealthy: get(CONDITION_GPU_UNHEALTHY),
-            degraded: get(CONDITION_GPU_DEGRADED),
+            unhealthy: get(&self.gpu_types.unhealthy),
+            degraded: get(&self.gpu_types.degraded),
         })
     }
 
@@ -801,12 +811,23 @@ impl NodeOps for KubeNodeOps {
         let mut patches = Vec::new();
         let mut transitions: Vec<(EventType, &str, String)> = Vec::new();
         let mut recovered: Vec<&str> = Vec::new();
-        for (type_, want) in [
-            (CONDITION_GPU_UNHEALTHY, &desired.unhealthy),
-            (CONDITION_GPU_DEGRADED, &desired.degraded),
-        ] {
+        // (type, wanted state, Ready polarity?, Events on change?)
+        let mut wanted: Vec<(&str, &ConditionState, bool, bool)> = vec![
+            (&self.gpu_types.unhealthy, &desired.unhealthy, false, true),
+            (&self.gpu_types.degraded, &desired.degraded, false, true),
+        ];
+        if let Some(ready) = &self.gpu_types.ready {
+            wanted.push((ready, &desired.unhealthy, true, false));
+        }
+        for (type_, want, ready_polarity, with_events) in wanted {
             let current = find_condition(&node, type_);
-            let current_state = current.map(condition_state);
+            let current_state = current.map(|c| {
+                let mut state = condition_state(c);
+                if ready_polarity {
+                    state.active = c.status == "False";
+                }
+                state
+            });
             let unchanged = match &current_state {
                 Some(c) => c == want,
                 // Never shown: nothing to say while healthy.
@@ -822,16 +843,24 @@ impl NodeOps for KubeNodeOps {
                 }
                 _ => now,
             };
+            let status = if want.active != ready_polarity {
+                "True"
+            } else {
+                "False"
+            };
             patches.push(json!({
                 "type": type_,
-                "status": if want.active { "True" } else { "False" },
+                "status": status,
                 "reason": if want.reason.is_empty() { Value::Null } else { json!(want.reason) },
                 "message": if want.message.is_empty() { Value::Null } else { json!(want.message) },
                 "lastTransitionTime": transition_time.to_string(),
                 "lastHeartbeatTime": now.to_string(),
             }));
+            if !with_events {
+                continue;
+            }
             if want.active && !was_active {
-                let r = if type_ == CONDITION_GPU_UNHEALTHY {
+                let r = if type_ == self.gpu_types.unhealthy {
                     reason::GPU_UNHEALTHY
                 } else {
                     reason::GPU_DEGRADED

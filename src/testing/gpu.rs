@@ -380,3 +380,153 @@ impl NodeOps for RecordingNodeOps {
         Ok(())
     }
 }
+
+/// A kubelet pod-resources API v1 server for tests: real gRPC (HTTP/2, length-prefixed protobuf,
+/// `grpc-status` trailers) on a unix socket, answering `List` with whatever was set last.
+pub struct PodResourcesServer {
+    answer: std::sync::Arc<Mutex<PodResourcesAnswer>>,
+    calls: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+#[derive(Clone)]
+enum PodResourcesAnswer {
+    List(crate::gpu::podresources::ListPodResourcesResponse),
+    Status(u32, String),
+}
+
+impl PodResourcesServer {
+    /// Listen on `socket` (created; an old file is removed first).
+    pub fn start(socket: &std::path::Path) -> std::io::Result<PodResourcesServer> {
+        let _ = std::fs::remove_file(socket);
+        let listener = tokio::net::UnixListener::bind(socket)?;
+        let answer = std::sync::Arc::new(Mutex::new(PodResourcesAnswer::List(
+            crate::gpu::podresources::ListPodResourcesResponse::default(),
+        )));
+        let calls = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let (a, c) = (answer.clone(), calls.clone());
+        let task = tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                let (a, c) = (a.clone(), c.clone());
+                tokio::spawn(async move {
+                    let service = hyper::service::service_fn(move |req| {
+                        let (a, c) = (a.clone(), c.clone());
+                        async move {
+                            Ok::<_, std::convert::Infallible>(
+                                serve_pod_resources(req, &a, &c).await,
+                            )
+                        }
+                    });
+                    let _ = hyper::server::conn::http2::Builder::new(
+                        hyper_util::rt::TokioExecutor::new(),
+                    )
+                    .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+                    .await;
+                });
+            }
+        });
+        Ok(PodResourcesServer {
+            answer,
+            calls,
+            task,
+        })
+    }
+
+    /// Answer `List` with these pods (namespace, pod, container, resource, device ids).
+    pub fn set_pods(&self, pods: &[(&str, &str, &str, &str, &[&str])]) {
+        use crate::gpu::podresources::{
+            ContainerDevices, ContainerResources, ListPodResourcesResponse, PodResources,
+        };
+        let pod_resources = pods
+            .iter()
+            .map(|(ns, pod, container, resource, ids)| PodResources {
+                name: pod.to_string(),
+                namespace: ns.to_string(),
+                containers: vec![ContainerResources {
+                    name: container.to_string(),
+                    devices: vec![ContainerDevices {
+                        resource_name: resource.to_string(),
+                        device_ids: ids.iter().map(|s| s.to_string()).collect(),
+                    }],
+                }],
+            })
+            .collect();
+        *self.answer.lock().unwrap_or_else(|p| p.into_inner()) =
+            PodResourcesAnswer::List(ListPodResourcesResponse { pod_resources });
+    }
+
+    /// Answer `List` with a gRPC error status.
+    pub fn set_status(&self, code: u32, message: &str) {
+        *self.answer.lock().unwrap_or_else(|p| p.into_inner()) =
+            PodResourcesAnswer::Status(code, message.to_string());
+    }
+
+    /// `List` calls answered so far.
+    pub fn calls(&self) -> u64 {
+        self.calls.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
+impl Drop for PodResourcesServer {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+type GrpcBody = http_body_util::StreamBody<
+    futures::stream::Iter<
+        std::vec::IntoIter<Result<hyper::body::Frame<bytes::Bytes>, std::convert::Infallible>>,
+    >,
+>;
+
+async fn serve_pod_resources(
+    req: http::Request<hyper::body::Incoming>,
+    answer: &Mutex<PodResourcesAnswer>,
+    calls: &std::sync::atomic::AtomicU64,
+) -> http::Response<GrpcBody> {
+    use http_body_util::BodyExt;
+    use hyper::body::Frame;
+    let path_ok = req.method() == http::Method::POST
+        && req.uri().path() == crate::gpu::podresources::LIST_PATH
+        && req
+            .headers()
+            .get(http::header::CONTENT_TYPE)
+            .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc"));
+    let body = req.into_body().collect().await.map(|b| b.to_bytes());
+    let request_ok = body
+        .ok()
+        .and_then(|b| crate::gpu::podresources::unframe(b).ok())
+        .is_some_and(|m| {
+            <crate::gpu::podresources::ListPodResourcesRequest as prost::Message>::decode(m).is_ok()
+        });
+    let answer = if path_ok && request_ok {
+        calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        answer.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    } else {
+        PodResourcesAnswer::Status(12, "unknown method or malformed request".into())
+    };
+    let mut trailers = http::HeaderMap::new();
+    let mut frames = Vec::new();
+    match answer {
+        PodResourcesAnswer::List(resp) => {
+            let msg = prost::Message::encode_to_vec(&resp);
+            frames.push(Ok(Frame::data(crate::gpu::podresources::frame(&msg))));
+            trailers.insert("grpc-status", http::HeaderValue::from_static("0"));
+        }
+        PodResourcesAnswer::Status(code, message) => {
+            trailers.insert("grpc-status", http::HeaderValue::from(code));
+            if let Ok(v) = http::HeaderValue::from_str(&message) {
+                trailers.insert("grpc-message", v);
+            }
+        }
+    }
+    frames.push(Ok(Frame::trailers(trailers)));
+    let mut resp = http::Response::new(http_body_util::StreamBody::new(futures::stream::iter(
+        frames,
+    )));
+    resp.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static("application/grpc"),
+    );
+    resp
+}
