@@ -20,11 +20,19 @@ use crate::notice::Source;
 /// Exit code for a usage or configuration error (`EX_USAGE`).
 pub const EXIT_USAGE: i32 = 64;
 
+/// `--version`: the crate version and the git commit it was built from.
+pub const VERSION: &str = concat!(
+    env!("CARGO_PKG_VERSION"),
+    " (commit ",
+    env!("SPOTGUARD_GIT_COMMIT"),
+    ")"
+);
+
 /// Command line of the `spotguard` binary.
 #[derive(Debug, Parser)]
 #[command(
     name = "spotguard",
-    version,
+    version = VERSION,
     about = "Node agent for GPU training on spot / preemptible capacity: interruption notice → checkpoint hand-shake → drain"
 )]
 pub struct Cli {
@@ -256,6 +264,45 @@ pub struct RunArgs {
     #[arg(long, env = "SPOTGUARD_WEBHOOK_TEMPLATE", value_name = "TEMPLATE")]
     pub webhook_template: Option<String>,
 
+    /// Template of the webhook sent when a plan ends; placeholders like {{outcome}}, {{summary}}, {{step}}.
+    #[arg(
+        long,
+        env = "SPOTGUARD_WEBHOOK_OUTCOME_TEMPLATE",
+        value_name = "TEMPLATE"
+    )]
+    pub webhook_outcome_template: Option<String>,
+
+    /// Ready-made webhook bodies (replaced by --webhook-template / --webhook-outcome-template).
+    #[arg(
+        long,
+        env = "SPOTGUARD_WEBHOOK_PRESET",
+        value_enum,
+        default_value = "slack"
+    )]
+    pub webhook_preset: crate::webhook::Preset,
+
+    /// Extra webhook request header, "Name: value" (repeatable), e.g. an Authorization token.
+    #[arg(long, env = "SPOTGUARD_WEBHOOK_HEADER", value_name = "HEADER", value_parser = parse_webhook_header)]
+    pub webhook_header: Vec<WebhookHeader>,
+
+    /// In --dry-run: send webhooks marked ({{dry_run}}, X-Spotguard-Dry-Run) or suppress them.
+    #[arg(
+        long,
+        env = "SPOTGUARD_WEBHOOK_DRY_RUN",
+        value_enum,
+        default_value = "mark"
+    )]
+    pub webhook_dry_run: crate::webhook::DryRunWebhook,
+
+    /// PagerDuty Events v2 integration key ({{routing_key}}; needed by --webhook-preset pagerduty).
+    #[arg(
+        long,
+        env = "SPOTGUARD_WEBHOOK_ROUTING_KEY",
+        value_name = "KEY",
+        hide_env_values = true
+    )]
+    pub webhook_routing_key: Option<String>,
+
     /// Dataset to warm at start, NAME=URL or a bare URL (repeatable).
     #[arg(long, env = "SPOTGUARD_PREFETCH", value_name = "NAME=URL", value_delimiter = ',', value_parser = parse_dataset)]
     pub prefetch: Vec<Dataset>,
@@ -299,6 +346,14 @@ pub struct RunArgs {
         hide = true
     )]
     pub proc_root: PathBuf,
+}
+
+/// A validated `--webhook-header`.
+#[derive(Clone, Debug)]
+pub struct WebhookHeader(pub http::HeaderName, pub http::HeaderValue);
+
+fn parse_webhook_header(s: &str) -> Result<WebhookHeader, String> {
+    crate::webhook::parse_header(s).map(|(n, v)| WebhookHeader(n, v))
 }
 
 /// A dataset to prefetch: `NAME=URL`.
@@ -656,6 +711,34 @@ impl Config {
             return Err(Error::Invalid {
                 key: "webhook-template",
                 reason: "set --webhook-url too".into(),
+            });
+        }
+        for (key, template, kind) in [
+            (
+                "webhook-template",
+                &args.webhook_template,
+                crate::webhook::MessageKind::Start,
+            ),
+            (
+                "webhook-outcome-template",
+                &args.webhook_outcome_template,
+                crate::webhook::MessageKind::Outcome,
+            ),
+        ] {
+            if let Some(t) = template {
+                crate::webhook::check_template(t, kind).map_err(|e| Error::Invalid {
+                    key,
+                    reason: e.to_string(),
+                })?;
+            }
+        }
+        if args.webhook_url.is_some()
+            && args.webhook_preset == crate::webhook::Preset::Pagerduty
+            && args.webhook_routing_key.is_none()
+        {
+            return Err(Error::Invalid {
+                key: "webhook-routing-key",
+                reason: "required by --webhook-preset pagerduty".into(),
             });
         }
         let (datasets, gpu_table) = match &args.config {

@@ -16,6 +16,7 @@ pub mod kube_discovery;
 pub mod metrics;
 pub mod node;
 pub mod notice;
+pub mod outcome;
 pub mod prefetch;
 pub mod responder;
 pub mod shutdown;

@@ -98,6 +98,12 @@ pub enum PlanEvent {
         at: Timestamp,
         report: DrainReport,
     },
+    /// The drain failed (sent before the plan's `Done`).
+    DrainFailed {
+        id: String,
+        at: Timestamp,
+        reason: String,
+    },
     /// Plan complete.
     Done { id: String, at: Timestamp },
     /// A notice was cancelled or expired and spotguard's changes undone.
