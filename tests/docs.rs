@@ -62,7 +62,11 @@ struct Documented {
 
 /// Backticked words in `s`.
 fn ticked(s: &str) -> Vec<String> {
-    s.split('`').skip(1).step_by(2).map(str::to_string).collect()
+    s.split('`')
+        .skip(1)
+        .step_by(2)
+        .map(str::to_string)
+        .collect()
 }
 
 /// Rows of the reference tables, except the per-GPU section (its series exist per GPU found).
@@ -155,7 +159,11 @@ async fn a_fresh_agent_exports_every_documented_series_at_zero() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let docs = std::fs::read_to_string(root.join("docs/metrics.md")).unwrap();
     let families = documented_families(&docs);
-    assert!(families.len() > 25, "found only {} documented families", families.len());
+    assert!(
+        families.len() > 25,
+        "found only {} documented families",
+        families.len()
+    );
 
     // Host mode, cloud auto-detection that cannot succeed (no DMI, metadata endpoint refused): no
     // metadata poll ever happens, so every documented series must still be at its initial 0.
