@@ -203,7 +203,7 @@ pub async fn start_with_client(
                     Ok(s) => break s,
                     Err(e) => {
                         m.error("detect", e.metric_label());
-                        warn!(error = %e, retry_in = ?delay, "cloud auto-detection failed; set --cloud to skip it");
+                        warn!(error = %e, retry_in_ms = delay.as_millis() as u64, "cloud auto-detection failed; set --cloud to skip it");
                     }
                 }
                 tokio::select! {
@@ -340,7 +340,9 @@ pub async fn start_with_client(
     // Prefetch: datasets from config at start, pod annotations in Kubernetes mode.
     for d in &cfg.datasets {
         match prefetcher.ensure(&d.name, &d.url) {
-            Ok(how) => info!(dataset = %d.name, url = %d.url, ?how, "prefetch at start"),
+            Ok(how) => {
+                info!(dataset = %d.name, url = %d.url, how = ensure_label(&how), "prefetch at start")
+            }
             Err(e) => {
                 metrics.error("prefetch", e.metric_label());
                 error!(dataset = %d.name, error = %e, "cannot prefetch dataset");
@@ -372,7 +374,7 @@ pub async fn start_with_client(
     })?;
     tasks.spawn(serve);
     info!(
-        mode = ?cfg.mode,
+        mode = cfg.mode.as_str(),
         node = cfg.node_name.as_deref().unwrap_or("-"),
         metrics = %admin_addr,
         dry_run = cfg.args.dry_run,
@@ -435,6 +437,15 @@ fn build_source(
         .map(|s| Arc::new(s) as Arc<dyn NoticeSource>),
     };
     built.map_err(|e| Error::Source(e.to_string()))
+}
+
+/// How a prefetch request was taken, for logs.
+pub(crate) fn ensure_label(how: &prefetch::Ensure) -> &'static str {
+    match how {
+        prefetch::Ensure::Started => "started",
+        prefetch::Ensure::InProgress => "in_progress",
+        prefetch::Ensure::AlreadyComplete => "already_complete",
+    }
 }
 
 fn hostname() -> String {

@@ -181,7 +181,7 @@ pub async fn watch_prefetch_annotations(
                         }
                         match prefetcher.ensure_url(u) {
                             Ok((name, how)) => {
-                                info!(dataset = %name, url = %u, ?how, "prefetch requested by pod annotation");
+                                info!(dataset = %name, url = %u, how = crate::app::ensure_label(&how), "prefetch requested by pod annotation");
                             }
                             Err(e) => {
                                 metrics.error("prefetch", e.metric_label());

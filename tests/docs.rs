@@ -111,8 +111,11 @@ fn documented_families(docs: &str) -> Vec<Documented> {
     out
 }
 
+/// Sorted label pairs of one series.
+type Labels = Vec<(String, String)>;
+
 /// `name{a="x",b="y"} value` → (name, sorted labels, value).
-fn parse_sample(line: &str) -> Option<(String, Vec<(String, String)>, f64)> {
+fn parse_sample(line: &str) -> Option<(String, Labels, f64)> {
     if line.starts_with('#') || line.is_empty() {
         return None;
     }
