@@ -655,3 +655,118 @@ async fn outcome_template_errors_are_reported_as_such() {
         "{text}"
     );
 }
+
+/// A trainer that acknowledges SIGUSR1 with `step` = 4242 (bash: its own process, in the host's
+/// PID namespace, found through its pidfile).
+const TRAINER: &str = r#"
+trap 'printf '"'"'{"state":"done","step":4242,"checkpoint":"ckpt-4242","ts":%s}'"'"' $(date +%s.%N) > "$SPOTGUARD_DIR/.ack.tmp"; mv "$SPOTGUARD_DIR/.ack.tmp" "$SPOTGUARD_DIR/ack-$$.json"' USR1
+echo ready > "$READY"
+while :; do sleep 0.05; done
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_sends_start_and_outcome_and_records_headroom() {
+    use spotguard::emulator::{self, Cloud, EmulatedNotice, EmulatorConfig};
+    use spotguard::responder::PlanEvent;
+
+    let (addr, rx) = receiver(&[], None).await;
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    std::fs::create_dir_all(dir.join("ckpt")).unwrap();
+    let mut trainer = tokio::process::Command::new("bash")
+        .arg("-c")
+        .arg(TRAINER)
+        .env("SPOTGUARD_DIR", dir.join("ckpt"))
+        .env("READY", dir.join("ready"))
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    std::fs::write(dir.join("trainer.pid"), trainer.id().unwrap().to_string()).unwrap();
+    for _ in 0..200 {
+        if dir.join("ready").exists() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+
+    let emu = emulator::start(EmulatorConfig::new(Cloud::Aws))
+        .await
+        .unwrap();
+    let argv: Vec<String> = vec![
+        "spotguard".into(),
+        "run".into(),
+        "--mode=host".into(),
+        "--cloud=aws".into(),
+        format!("--metadata-endpoint={}", emu.base_url()),
+        "--poll-interval=200ms".into(),
+        "--checkpoint-timeout=20s".into(),
+        format!("--checkpoint-dir={}", dir.join("ckpt").display()),
+        format!("--state-dir={}", dir.join("state").display()),
+        format!("--checkpoint-pidfile={}", dir.join("trainer.pid").display()),
+        "--metrics-addr=127.0.0.1:0".into(),
+        "--gpu=off".into(),
+        "--log-level=warn".into(),
+        "--shutdown-grace=2s".into(),
+        format!("--webhook-url=http://{addr}/hook/agent"),
+        "--webhook-header=Authorization: Bearer agent-token".into(),
+    ];
+    let args = match spotguard::config::parse_cli(argv) {
+        spotguard::config::Parsed::Command(spotguard::config::Command::Run(r)) => *r,
+        spotguard::config::Parsed::Exit { text, .. } => panic!("{text}"),
+        _ => unreachable!(),
+    };
+    let cfg = spotguard::config::Config::resolve(args, &spotguard::config::ProcessEnv).unwrap();
+    let cancel = tokio_util::sync::CancellationToken::new();
+    let app = spotguard::app::start(cfg, cancel.clone()).await.unwrap();
+    let mut events = app.events;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    emu.raise(EmulatedNotice::interruption()).unwrap();
+    spotguard::testing::wait_for_event(&mut events, Duration::from_secs(30), |e| {
+        matches!(e, PlanEvent::Done { .. }).then_some(())
+    })
+    .await;
+
+    // Both messages arrive (the outcome is sent after Done, asynchronously).
+    let mut seen = rx.seen();
+    for _ in 0..100 {
+        if seen.len() >= 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        seen = rx.seen();
+    }
+    assert_eq!(seen.len(), 2, "{seen:?}");
+    assert!(seen.iter().all(|m| m.authorization == "Bearer agent-token"));
+    let start: serde_json::Value = serde_json::from_str(&seen[0].body).unwrap();
+    assert!(
+        start["text"]
+            .as_str()
+            .unwrap()
+            .contains("interruption notice"),
+        "{start}"
+    );
+    let end: serde_json::Value = serde_json::from_str(&seen[1].body).unwrap();
+    let text = end["text"].as_str().unwrap();
+    for part in ["handled after", "checkpoint 1 acked", "step 4242", "budget"] {
+        assert!(text.contains(part), "{text:?} lacks {part:?}");
+    }
+
+    let m = reqwest::get(format!("http://{}/metrics", app.admin_addr))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    for line in [
+        "spotguard_checkpoint_headroom_seconds_count 1",
+        "spotguard_checkpoint_last_acked_step 4242",
+        "spotguard_plans_total{outcome=\"completed\"} 1",
+        "spotguard_webhook_total{outcome=\"sent\"} 2",
+    ] {
+        assert!(m.contains(line), "{line} not in\n{m}");
+    }
+    cancel.cancel();
+    let _ = tokio::time::timeout(Duration::from_secs(5), app.join).await;
+    emu.shutdown().await;
+    let _ = trainer.kill().await;
+}
