@@ -226,7 +226,7 @@ pub async fn start_with_client(
                     Ok(s) => break s,
                     Err(e) => {
                         m.error("detect", e.metric_label());
-                        warn!(error = %e, retry_in = ?delay, "cloud auto-detection failed; set --cloud to skip it");
+                        warn!(error = %e, retry_in_ms = delay.as_millis() as u64, "cloud auto-detection failed; set --cloud to skip it");
                     }
                 }
                 tokio::select! {
@@ -261,21 +261,39 @@ pub async fn start_with_client(
             }
         }));
     }
-    if let Some(url) = &cfg.args.webhook_url {
-        let hook = Arc::new(
-            webhook::Webhook::new(
+    let hook = match &cfg.args.webhook_url {
+        Some(url) => Some(
+            webhook::Webhook::with_options(
                 url.clone(),
-                cfg.args.webhook_template.clone(),
+                webhook::Options {
+                    preset: cfg.args.webhook_preset,
+                    template: cfg.args.webhook_template.clone(),
+                    outcome_template: cfg.args.webhook_outcome_template.clone(),
+                    headers: cfg
+                        .args
+                        .webhook_header
+                        .iter()
+                        .map(|h| (h.0.clone(), h.1.clone()))
+                        .collect(),
+                    dry_run: cfg.args.dry_run,
+                    on_dry_run: cfg.args.webhook_dry_run,
+                    routing_key: cfg.args.webhook_routing_key.clone(),
+                    policy: webhook::RetryPolicy::default(),
+                },
                 metrics.clone(),
             )
             .map_err(|e| Error::Webhook(e.to_string()))?,
-        );
-        let node_name = cfg.node_name.clone().unwrap_or_else(hostname);
-        let instance = hostname();
-        let action = match cfg.mode {
-            Mode::Kubernetes => "checkpoint, cordon and drain",
-            Mode::Host => "checkpoint",
-        };
+        ),
+        None => None,
+    };
+    let node_name = cfg.node_name.clone().unwrap_or_else(hostname);
+    let instance = hostname();
+    let action = match cfg.mode {
+        Mode::Kubernetes => "checkpoint, cordon and drain",
+        Mode::Host => "checkpoint",
+    };
+    if let Some(hook) = hook.clone() {
+        let (node_name, instance) = (node_name.clone(), instance.clone());
         on_start.push(Box::new(move |n| {
             let _ = hook.notify(&webhook::NotifyFields::from_notice(
                 n, &node_name, &instance, action,
@@ -309,6 +327,20 @@ pub async fn start_with_client(
         },
     );
     let events = responder.subscribe();
+    // Outcome of every plan: headroom metrics, a Node Event, the outcome webhook.
+    let h = tasks.spawn(crate::outcome::follow(
+        responder.subscribe(),
+        crate::outcome::Sinks {
+            metrics: metrics.clone(),
+            node: Some(node.clone()),
+            webhook: hook,
+            node_name,
+            instance,
+            action: action.to_string(),
+        },
+        cancel.child_token(),
+    ));
+    names.insert(h.id(), "plan outcome follower");
     let h = tasks.spawn(responder.run(notice_rx, cancel.clone()));
     names.insert(h.id(), "responder");
 
@@ -373,7 +405,7 @@ pub async fn start_with_client(
     let h = tasks.spawn(serve);
     names.insert(h.id(), "admin server");
     info!(
-        mode = ?cfg.mode,
+        mode = cfg.mode.as_str(),
         node = cfg.node_name.as_deref().unwrap_or("-"),
         metrics = %admin_addr,
         dry_run = cfg.args.dry_run,

@@ -20,11 +20,19 @@ use crate::notice::Source;
 /// Exit code for a usage or configuration error (`EX_USAGE`).
 pub const EXIT_USAGE: i32 = 64;
 
+/// `--version`: the crate version and the git commit it was built from.
+pub const VERSION: &str = concat!(
+    env!("CARGO_PKG_VERSION"),
+    " (commit ",
+    env!("SPOTGUARD_GIT_COMMIT"),
+    ")"
+);
+
 /// Command line of the `spotguard` binary.
 #[derive(Debug, Parser)]
 #[command(
     name = "spotguard",
-    version,
+    version = VERSION,
     about = "Node agent for GPU training on spot / preemptible capacity: interruption notice → checkpoint hand-shake → drain"
 )]
 pub struct Cli {
@@ -47,6 +55,14 @@ pub enum Command {
     PrefetchServe(Box<crate::prefetch::serve::ServeArgs>),
     /// One-shot GPU health report (exit 0 healthy, 1 unhealthy, 2 NVML unavailable).
     Gpu(crate::gpu::GpuArgs),
+    /// Check a configuration without starting the agent.
+    #[command(subcommand)]
+    Config(ConfigCommand),
+    /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
+    Completions {
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
     /// Print the configuration reference (Markdown) generated from these definitions.
     #[command(hide = true)]
     ConfigReference,
@@ -54,6 +70,48 @@ pub enum Command {
     #[command(hide = true)]
     ExampleTrainer(crate::drill::ExampleTrainerArgs),
 }
+
+/// `spotguard config …`.
+#[derive(Debug, Subcommand)]
+pub enum ConfigCommand {
+    /// Validate `run`'s flags, environment and config file as `run` would, print the effective
+    /// settings and where each came from, and exit (0 valid, 64 invalid). Starts nothing.
+    #[command(args_override_self = true)]
+    Check(Box<RunArgs>),
+}
+
+/// Where a setting came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Origin {
+    Flag,
+    Env,
+    File,
+    Default,
+}
+
+impl Origin {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Origin::Flag => "flag",
+            Origin::Env => "env",
+            Origin::File => "file",
+            Origin::Default => "default",
+        }
+    }
+}
+
+/// One effective setting of `run`, for the start-up log line and `config check`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Setting {
+    /// The flag's name without dashes, e.g. `poll-interval`.
+    pub key: String,
+    /// The value as given (secrets redacted), lists joined with `,`.
+    pub value: String,
+    pub origin: Origin,
+}
+
+/// Flags whose values are secrets: shown as `<redacted>`.
+const SECRET_KEYS: &[&str] = &["webhook-url", "webhook-header", "webhook-routing-key"];
 
 /// Mode of operation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -184,11 +242,11 @@ pub struct RunArgs {
     pub drain_reserve: Option<Duration>,
 
     /// Delete pods still blocked by a PDB 5 s before the deadline (opt-in; needs pods delete RBAC).
-    #[arg(long, env = "SPOTGUARD_FORCE_DELETE_AT_DEADLINE", action = ArgAction::Set, num_args = 0..=1, default_value_t = false, default_missing_value = "true", value_parser = parse_bool)]
+    #[arg(long, env = "SPOTGUARD_FORCE_DELETE_AT_DEADLINE", action = ArgAction::SetTrue, value_parser = parse_bool)]
     pub force_delete_at_deadline: bool,
 
     /// Log every action it would take; mutate nothing, signal nothing.
-    #[arg(long, env = "SPOTGUARD_DRY_RUN", action = ArgAction::Set, num_args = 0..=1, default_value_t = false, default_missing_value = "true", value_parser = parse_bool)]
+    #[arg(long, env = "SPOTGUARD_DRY_RUN", action = ArgAction::SetTrue, value_parser = parse_bool)]
     pub dry_run: bool,
 
     /// Address of /metrics, /healthz, /readyz.
@@ -241,7 +299,7 @@ pub struct RunArgs {
     #[arg(long, env = "SPOTGUARD_LOG_FORMAT", value_enum)]
     pub log_format: Option<LogFormat>,
 
-    /// Log filter (tracing EnvFilter syntax), e.g. `info` or `spotguard=debug`.
+    /// Log level of spotguard (dependencies stay at warn), or EnvFilter directives, e.g. `debug,kube=info`.
     #[arg(
         long,
         env = "SPOTGUARD_LOG_LEVEL",
@@ -281,7 +339,7 @@ pub struct RunArgs {
     pub state_dir: PathBuf,
 
     /// EC2: allow IMDSv1 when the IMDSv2 token PUT fails.
-    #[arg(long, env = "SPOTGUARD_IMDS_V1_FALLBACK", action = ArgAction::Set, num_args = 0..=1, default_value_t = false, default_missing_value = "true", value_parser = parse_bool)]
+    #[arg(long, env = "SPOTGUARD_IMDS_V1_FALLBACK", action = ArgAction::SetTrue, value_parser = parse_bool)]
     pub imds_v1_fallback: bool,
 
     /// GCE: time from preempted=TRUE to power-off (120s with extended preemption notice).
@@ -299,6 +357,45 @@ pub struct RunArgs {
     /// Template of the webhook body; placeholders like {{node}}, {{kind}}, {{deadline}}.
     #[arg(long, env = "SPOTGUARD_WEBHOOK_TEMPLATE", value_name = "TEMPLATE")]
     pub webhook_template: Option<String>,
+
+    /// Template of the webhook sent when a plan ends; placeholders like {{outcome}}, {{summary}}, {{step}}.
+    #[arg(
+        long,
+        env = "SPOTGUARD_WEBHOOK_OUTCOME_TEMPLATE",
+        value_name = "TEMPLATE"
+    )]
+    pub webhook_outcome_template: Option<String>,
+
+    /// Ready-made webhook bodies (replaced by --webhook-template / --webhook-outcome-template).
+    #[arg(
+        long,
+        env = "SPOTGUARD_WEBHOOK_PRESET",
+        value_enum,
+        default_value = "slack"
+    )]
+    pub webhook_preset: crate::webhook::Preset,
+
+    /// Extra webhook request header, "Name: value" (repeatable), e.g. an Authorization token.
+    #[arg(long, env = "SPOTGUARD_WEBHOOK_HEADER", value_name = "HEADER", value_parser = parse_webhook_header)]
+    pub webhook_header: Vec<WebhookHeader>,
+
+    /// In --dry-run: send webhooks marked ({{dry_run}}, X-Spotguard-Dry-Run) or suppress them.
+    #[arg(
+        long,
+        env = "SPOTGUARD_WEBHOOK_DRY_RUN",
+        value_enum,
+        default_value = "mark"
+    )]
+    pub webhook_dry_run: crate::webhook::DryRunWebhook,
+
+    /// PagerDuty Events v2 integration key ({{routing_key}}; needed by --webhook-preset pagerduty).
+    #[arg(
+        long,
+        env = "SPOTGUARD_WEBHOOK_ROUTING_KEY",
+        value_name = "KEY",
+        hide_env_values = true
+    )]
+    pub webhook_routing_key: Option<String>,
 
     /// Dataset to warm at start, NAME=URL or a bare URL (repeatable), by a child `spotguard prefetch-serve` process.
     #[arg(long, env = "SPOTGUARD_PREFETCH", value_name = "NAME=URL", value_delimiter = ',', value_parser = parse_dataset)]
@@ -354,6 +451,18 @@ pub struct RunArgs {
         hide = true
     )]
     pub boot_id_file: PathBuf,
+
+    /// Where each setting came from (filled by [`parse_cli`]).
+    #[arg(skip)]
+    pub settings: Vec<Setting>,
+}
+
+/// A validated `--webhook-header`.
+#[derive(Clone, Debug)]
+pub struct WebhookHeader(pub http::HeaderName, pub http::HeaderValue);
+
+fn parse_webhook_header(s: &str) -> Result<WebhookHeader, String> {
+    crate::webhook::parse_header(s).map(|(n, v)| WebhookHeader(n, v))
 }
 
 /// A dataset to prefetch: `NAME=URL`.
@@ -381,6 +490,15 @@ const STRUCTURED_KEYS: &[&str] = &["datasets", "gpu"];
 pub enum Mode {
     Kubernetes,
     Host,
+}
+
+impl Mode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Mode::Kubernetes => "kubernetes",
+            Mode::Host => "host",
+        }
+    }
 }
 
 /// The validated configuration of `spotguard run`.
@@ -460,19 +578,84 @@ where
     let argv: Vec<OsString> = argv.into_iter().map(Into::into).collect();
     let cli = match Cli::try_parse_from(&argv) {
         Ok(c) => c,
-        Err(e) => return clap_exit(e),
+        Err(e) => return clap_exit_env(e, &argv),
+    };
+    let usage_error = |e: Error| Parsed::Exit {
+        code: EXIT_USAGE,
+        text: format!("spotguard: {e}\n"),
+        stderr: true,
     };
     match cli.command {
-        Command::Run(run) => match merge_config_file(&argv, *run) {
+        Command::Run(run) => match merge_config_file(&argv, *run, &["run"]) {
             Ok(run) => Parsed::Command(Command::Run(Box::new(run))),
-            Err(e) => Parsed::Exit {
-                code: EXIT_USAGE,
-                text: format!("spotguard: {e}\n"),
-                stderr: true,
-            },
+            Err(e) => usage_error(e),
         },
+        Command::Config(ConfigCommand::Check(run)) => {
+            match merge_config_file(&argv, *run, &["config", "check"]) {
+                Ok(run) => Parsed::Command(Command::Config(ConfigCommand::Check(Box::new(run)))),
+                Err(e) => usage_error(e),
+            }
+        }
         other => Parsed::Command(other),
     }
+}
+
+/// A value error in a setting that came from the environment names the `SPOTGUARD_*` variable
+/// (clap's own message names the flag, which the user never typed).
+fn clap_exit_env(e: clap::Error, argv: &[OsString]) -> Parsed {
+    use clap::error::{ContextKind, ContextValue, ErrorKind};
+    let rewrite = || -> Option<String> {
+        if !matches!(
+            e.kind(),
+            ErrorKind::ValueValidation | ErrorKind::InvalidValue
+        ) {
+            return None;
+        }
+        let ContextValue::String(arg) = e.get(ContextKind::InvalidArg)? else {
+            return None;
+        };
+        let long = arg
+            .strip_prefix("--")?
+            .split([' ', '='])
+            .next()?
+            .to_string();
+        let cmd = Cli::command();
+        let run = cmd.find_subcommand("run")?;
+        let a = run.get_arguments().find(|a| a.get_long() == Some(&long))?;
+        let env = a.get_env()?.to_string_lossy().into_owned();
+        if flag_given(argv, &long) || std::env::var_os(&env).is_none() {
+            return None;
+        }
+        let value = match e.get(ContextKind::InvalidValue) {
+            Some(ContextValue::String(v)) => v.clone(),
+            _ => String::new(),
+        };
+        let rendered = e.render().to_string();
+        let first = rendered.lines().next().unwrap_or_default();
+        let reason = first
+            .split_once(&format!("'{arg}': "))
+            .map(|(_, r)| r.to_string())
+            .unwrap_or_else(|| "not a valid value".into());
+        Some(format!(
+            "error: invalid value '{value}' in environment variable {env} (sets --{long}): {reason}\n"
+        ))
+    };
+    match rewrite() {
+        Some(text) => Parsed::Exit {
+            code: EXIT_USAGE,
+            text,
+            stderr: true,
+        },
+        None => clap_exit(e),
+    }
+}
+
+fn flag_given(argv: &[OsString], long: &str) -> bool {
+    let flag = format!("--{long}");
+    argv.iter().any(|a| {
+        let s = a.to_string_lossy();
+        s == flag || s.starts_with(&format!("{flag}="))
+    })
 }
 
 fn clap_exit(e: clap::Error) -> Parsed {
@@ -500,34 +683,125 @@ fn clap_exit(e: clap::Error) -> Parsed {
 
 /// Re-parse `run` with the config file's keys inserted where neither a flag nor an env var set
 /// them, so that flag > env > file > default holds and clap validates file values like any other.
-fn merge_config_file(argv: &[OsString], run: RunArgs) -> Result<RunArgs, Error> {
-    let Some(path) = run.config.clone() else {
-        return Ok(run);
+/// `path` is the subcommand path (`run`, or `config check`). Records where each setting came from.
+fn merge_config_file(argv: &[OsString], run: RunArgs, path: &[&str]) -> Result<RunArgs, Error> {
+    let file_args = match &run.config {
+        Some(file) => config_file_args(file, argv)?,
+        None => Vec::new(),
     };
-    let file_args = config_file_args(&path, argv)?;
-    if file_args.is_empty() {
-        return Ok(run);
+    // argv = [bin, path…, user args…] → [bin, path…, file args…, user args…]
+    let mut pos = 0;
+    for word in path {
+        pos += argv[pos + 1..]
+            .iter()
+            .position(|a| a == *word)
+            .ok_or_else(|| Error::Cli(format!("internal: `{word}` not found in arguments")))?
+            + 1;
     }
-    // argv = [bin, "run", user args…] → [bin, "run", file args…, user args…]
-    let run_pos = argv
+    let mut merged: Vec<OsString> = argv[..=pos].to_vec();
+    merged.extend(file_args.iter().map(OsString::from));
+    merged.extend(argv[pos + 1..].iter().cloned());
+    let mut run = if file_args.is_empty() {
+        run
+    } else {
+        match Cli::try_parse_from(&merged) {
+            Ok(Cli {
+                command: Command::Run(run),
+            })
+            | Ok(Cli {
+                command: Command::Config(ConfigCommand::Check(run)),
+            }) => *run,
+            Ok(_) => {
+                return Err(Error::Cli(
+                    "internal: config merge changed the command".into(),
+                ))
+            }
+            Err(e) => {
+                return Err(Error::File {
+                    path: run
+                        .config
+                        .as_ref()
+                        .map(|p| p.display().to_string())
+                        .unwrap_or_default(),
+                    reason: e.render().to_string().trim().to_string(),
+                })
+            }
+        }
+    };
+    let from_file: Vec<String> = file_args
         .iter()
-        .position(|a| a == "run")
-        .ok_or_else(|| Error::Cli("internal: `run` not found in arguments".into()))?;
-    let mut merged: Vec<OsString> = argv[..=run_pos].to_vec();
-    merged.extend(file_args.into_iter().map(OsString::from));
-    merged.extend(argv[run_pos + 1..].iter().cloned());
-    match Cli::try_parse_from(&merged) {
-        Ok(Cli {
-            command: Command::Run(run),
-        }) => Ok(*run),
-        Ok(_) => Err(Error::Cli(
-            "internal: config merge changed the command".into(),
-        )),
-        Err(e) => Err(Error::File {
-            path: path.display().to_string(),
-            reason: e.render().to_string().trim().to_string(),
-        }),
+        .filter_map(|a| a.strip_prefix("--"))
+        .map(|a| a.split('=').next().unwrap_or(a).to_string())
+        .collect();
+    run.settings = settings_of(&merged, path, &from_file);
+    Ok(run)
+}
+
+/// Every `run` setting with a value, with its origin.
+fn settings_of(merged: &[OsString], path: &[&str], from_file: &[String]) -> Vec<Setting> {
+    use clap::parser::ValueSource;
+    let Ok(mut matches) = Cli::command().try_get_matches_from(merged) else {
+        return Vec::new();
+    };
+    for word in path {
+        match matches.remove_subcommand() {
+            Some((name, sub)) if name == *word => matches = sub,
+            _ => return Vec::new(),
+        }
     }
+    let cmd = Cli::command();
+    let Some(run) = cmd.find_subcommand("run") else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for a in run.get_arguments() {
+        let Some(long) = a.get_long() else { continue };
+        if a.is_hide_set() || long == "help" {
+            continue;
+        }
+        let id = a.get_id().as_str();
+        let Some(source) = matches.value_source(id) else {
+            continue;
+        };
+        let origin = match source {
+            ValueSource::CommandLine if from_file.iter().any(|k| k == long) => Origin::File,
+            ValueSource::CommandLine => Origin::Flag,
+            ValueSource::EnvVariable => Origin::Env,
+            _ => Origin::Default,
+        };
+        let value = if SECRET_KEYS.contains(&long) {
+            "<redacted>".to_string()
+        } else {
+            matches
+                .get_raw(id)
+                .map(|vals| {
+                    vals.map(|v| v.to_string_lossy().into_owned())
+                        .collect::<Vec<_>>()
+                        .join(",")
+                })
+                .unwrap_or_default()
+        };
+        let value = if value.is_empty() && matches!(a.get_action(), ArgAction::SetTrue) {
+            "true".to_string()
+        } else {
+            value
+        };
+        out.push(Setting {
+            key: long.to_string(),
+            value,
+            origin,
+        });
+    }
+    out
+}
+
+/// `key=value (origin)` for every setting, space-separated: the effective-configuration line.
+pub fn settings_line(settings: &[Setting]) -> String {
+    settings
+        .iter()
+        .map(|s| format!("{}={} ({})", s.key, s.value, s.origin.as_str()))
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 /// Read the config file and turn its flag keys into `--key=value` arguments, validating each key on
@@ -596,8 +870,24 @@ fn config_file_args(path: &Path, argv: &[OsString]) -> Result<Vec<String>, Error
                 reason: "expected a string, number or boolean".into(),
             })?],
         };
+        let is_switch = matches!(arg.get_action(), ArgAction::SetTrue);
         for v in values {
-            let one = format!("--{key}={v}");
+            // Switches take no value: `true` gives the bare flag, `false` the default.
+            let one = if is_switch {
+                match parse_bool(&v) {
+                    Ok(true) => format!("--{key}"),
+                    Ok(false) => continue,
+                    Err(reason) => {
+                        return Err(Error::FileKey {
+                            path: file.clone(),
+                            key: raw_key.clone(),
+                            reason,
+                        })
+                    }
+                }
+            } else {
+                format!("--{key}={v}")
+            };
             // Validate this key alone so the error names the file and key.
             if let Err(e) = Cli::try_parse_from(["spotguard", "run", one.as_str()]) {
                 let msg = e.render().to_string();
@@ -711,6 +1001,34 @@ impl Config {
             return Err(Error::Invalid {
                 key: "webhook-template",
                 reason: "set --webhook-url too".into(),
+            });
+        }
+        for (key, template, kind) in [
+            (
+                "webhook-template",
+                &args.webhook_template,
+                crate::webhook::MessageKind::Start,
+            ),
+            (
+                "webhook-outcome-template",
+                &args.webhook_outcome_template,
+                crate::webhook::MessageKind::Outcome,
+            ),
+        ] {
+            if let Some(t) = template {
+                crate::webhook::check_template(t, kind).map_err(|e| Error::Invalid {
+                    key,
+                    reason: e.to_string(),
+                })?;
+            }
+        }
+        if args.webhook_url.is_some()
+            && args.webhook_preset == crate::webhook::Preset::Pagerduty
+            && args.webhook_routing_key.is_none()
+        {
+            return Err(Error::Invalid {
+                key: "webhook-routing-key",
+                reason: "required by --webhook-preset pagerduty".into(),
             });
         }
         let (datasets, gpu_table) = match &args.config {

@@ -1,6 +1,6 @@
 //! spotguard: node agent for GPU training on spot / preemptible capacity.
 //!
-//! Architecture and module map: `docs/architecture.md` (design §2). Seams (traits):
+//! Architecture and module map: `docs/architecture.md`. Seams (traits):
 //! [`notice::NoticeSource`], [`node::NodeOps`], [`gpu::GpuProbe`],
 //! [`checkpoint::TargetDiscovery`]; the object store seam is `object_store::ObjectStore`.
 
@@ -16,6 +16,7 @@ pub mod kube_discovery;
 pub mod metrics;
 pub mod node;
 pub mod notice;
+pub mod outcome;
 pub mod prefetch;
 pub mod responder;
 pub mod shutdown;

@@ -1,5 +1,6 @@
 //! spotguard binary: parse the command line, then hand over to the library. `anyhow` stays here.
 
+use std::io::Write;
 use std::process::ExitCode;
 
 use anyhow::Context;
@@ -16,19 +17,28 @@ fn main() -> ExitCode {
     let command = match config::parse_cli(std::env::args_os()) {
         Parsed::Command(c) => c,
         Parsed::Exit { code, text, stderr } => {
+            // A closed pipe (`spotguard --help | head -1`) is not an error worth a panic.
             if stderr {
-                eprint!("{text}");
+                let _ = std::io::stderr().write_all(text.as_bytes());
             } else {
-                print!("{text}");
+                let _ = std::io::stdout().write_all(text.as_bytes());
             }
             return exit(code);
         }
     };
     match command {
         Command::ConfigReference => {
-            print!("{}", config::reference_markdown());
+            let _ = std::io::stdout().write_all(config::reference_markdown().as_bytes());
             exit(0)
         }
+        Command::Completions { shell } => {
+            let mut cmd = <config::Cli as clap::CommandFactory>::command();
+            let mut out = Vec::new();
+            clap_complete::generate(shell, &mut cmd, "spotguard", &mut out);
+            let _ = std::io::stdout().write_all(&out);
+            exit(0)
+        }
+        Command::Config(config::ConfigCommand::Check(args)) => exit(config_check(*args)),
         Command::ExampleTrainer(args) => exit(drill::example_trainer(args)),
         Command::Gpu(args) => exit(gpu::run_cli(args)),
         Command::Run(args) => {
@@ -40,13 +50,18 @@ fn main() -> ExitCode {
                 }
             };
             telemetry::init(cfg.log_format, &cfg.args.log_level);
+            tracing::info!(
+                version = config::VERSION,
+                settings = %config::settings_line(&cfg.args.settings),
+                "effective configuration"
+            );
             match runtime().and_then(|rt| rt.block_on(run(cfg))) {
                 Ok(()) => exit(0),
                 Err(e) => {
+                    // Once, through the log (which goes to stderr in either format).
                     let msg = format!("{e:#}");
                     tracing::error!(error = %msg, "spotguard stopped");
                     telemetry::write_termination_message(&msg);
-                    eprintln!("spotguard: {msg}");
                     exit(1)
                 }
             }
@@ -73,6 +88,51 @@ fn main() -> ExitCode {
             with_runtime(|cancel| prefetch::serve::run_serve(*args, cancel))
         }
     }
+}
+
+/// `spotguard config check`: everything `run` validates before starting, then the effective
+/// settings. 0 when valid, 64 when not.
+fn config_check(args: config::RunArgs) -> i32 {
+    let cfg = match Config::resolve(args, &config::ProcessEnv) {
+        Ok(c) => c,
+        Err(e) => {
+            let _ = writeln!(std::io::stderr(), "spotguard: {e}");
+            return config::EXIT_USAGE;
+        }
+    };
+    if let Some(url) = &cfg.args.webhook_url {
+        let mut registry = prometheus_client::registry::Registry::default();
+        let metrics = std::sync::Arc::new(spotguard::metrics::Metrics::register(&mut registry));
+        let opts = spotguard::webhook::Options {
+            preset: cfg.args.webhook_preset,
+            template: cfg.args.webhook_template.clone(),
+            outcome_template: cfg.args.webhook_outcome_template.clone(),
+            ..Default::default()
+        };
+        if let Err(e) = spotguard::webhook::Webhook::with_options(url.clone(), opts, metrics) {
+            let _ = writeln!(std::io::stderr(), "spotguard: webhook-url: {e}");
+            return config::EXIT_USAGE;
+        }
+    }
+    let mut out = String::new();
+    for s in &cfg.args.settings {
+        out.push_str(&format!(
+            "{:<28} {:<8} {}\n",
+            s.key,
+            s.origin.as_str(),
+            s.value
+        ));
+    }
+    out.push_str(&format!(
+        "configuration OK (mode {}, log format {})\n",
+        cfg.mode.as_str(),
+        match cfg.log_format {
+            config::LogFormat::Json => "json",
+            config::LogFormat::Text => "text",
+        }
+    ));
+    let _ = std::io::stdout().write_all(out.as_bytes());
+    0
 }
 
 async fn run(cfg: Config) -> anyhow::Result<()> {
@@ -104,7 +164,7 @@ where
     let rt = match runtime() {
         Ok(rt) => rt,
         Err(e) => {
-            eprintln!("spotguard: {e:#}");
+            let _ = writeln!(std::io::stderr(), "spotguard: {e:#}");
             return exit(1);
         }
     };

@@ -33,6 +33,11 @@ pub struct OutcomeLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct KindLabels {
+    pub kind: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ActionLabels {
     pub action: String,
     pub outcome: String,
@@ -55,6 +60,80 @@ fn latency_buckets() -> impl Iterator<Item = f64> {
 
 fn histogram() -> Histogram {
     Histogram::new(latency_buckets())
+}
+
+/// Headroom buckets (budget − duration of a checkpoint), 0 s to 5 min.
+fn headroom_buckets() -> impl Iterator<Item = f64> {
+    [
+        0.0, 1.0, 2.0, 5.0, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 90.0, 120.0, 180.0, 300.0,
+    ]
+    .into_iter()
+}
+
+/// Label values known in advance: every combination is exported at 0 from start-up, so that the
+/// first event on a fresh node is an increase from 0 (a series born at 1 has `increase()` = 0 and
+/// an alert on it never fires). docs/metrics.md lists the same values; tests/docs.rs checks both.
+pub mod known {
+    /// `source` of the notice and metadata families.
+    pub const SOURCES: &[&str] = &["aws", "gce", "azure"];
+    /// `error` of `spotguard_metadata_errors_total`.
+    pub const METADATA_ERRORS: &[&str] = &[
+        "request",
+        "timeout",
+        "status",
+        "token",
+        "parse",
+        "acknowledge",
+    ];
+    /// `kind` of `spotguard_notices_total`.
+    pub const NOTICE_KINDS: &[&str] = &["interruption", "rebalance", "maintenance", "cancelled"];
+    /// `kind` of `spotguard_notice_active` (a cancellation has no plan of its own).
+    pub const ACTIVE_KINDS: &[&str] = &["interruption", "rebalance", "maintenance"];
+    /// `outcome` of `spotguard_checkpoint_total`.
+    pub const CHECKPOINT_OUTCOMES: &[&str] = &[
+        "acked",
+        "skipped",
+        "failed",
+        "exited",
+        "timeout",
+        "no_handler",
+        "error",
+    ];
+    /// `action` of `spotguard_node_actions_total`.
+    pub const NODE_ACTIONS: &[&str] = &[
+        "protect",
+        "unprotect",
+        "taint",
+        "untaint",
+        "cordon",
+        "uncordon",
+        "annotate",
+        "condition",
+        "event",
+        "acknowledge",
+    ];
+    /// `outcome` of `spotguard_node_actions_total`.
+    pub const ACTION_OUTCOMES: &[&str] = &["ok", "error"];
+    /// `outcome` of `spotguard_drain_pods_total`.
+    pub const DRAIN_OUTCOMES: &[&str] = &["evicted", "blocked", "force_deleted", "skipped", "gone"];
+    /// `outcome` of `spotguard_webhook_total`.
+    pub const WEBHOOK_OUTCOMES: &[&str] = &["sent", "failed", "retry", "suppressed"];
+    /// `outcome` of `spotguard_plans_total`.
+    pub const PLAN_OUTCOMES: &[&str] = &["completed", "drain_failed", "undone"];
+    /// `module` of `spotguard_errors_total` (its `error` label is the module's error class; the
+    /// zero series carries `error="none"`).
+    pub const ERROR_MODULES: &[&str] = &[
+        "checkpoint",
+        "detect",
+        "drain",
+        "gpu",
+        "node",
+        "notice",
+        "outcome",
+        "prefetch",
+        "responder",
+        "webhook",
+    ];
 }
 
 /// Core metric families.
@@ -87,11 +166,49 @@ pub struct Metrics {
     /// `spotguard_errors_total{module,error}`: every error the agent logged and carried on from.
     pub errors: Family<ModuleErrorLabels, Counter>,
     /// `spotguard_notice_active{kind}`: 1 while a plan for this kind is in progress.
-    pub notice_active: Family<OutcomeLabels, Gauge>,
+    pub notice_active: NoticeActive,
     /// `spotguard_notice_deadline_timestamp_seconds`: deadline of the active interruption (0 = none).
     pub deadline: Gauge<f64, std::sync::atomic::AtomicU64>,
     /// `spotguard_webhook_total{outcome}`.
     pub webhook: Family<OutcomeLabels, Counter>,
+    /// `spotguard_checkpoint_headroom_seconds`: the plan's checkpoint budget (signal → checkpoint
+    /// deadline) minus how long the group took to acknowledge; 0 for a group that never acked.
+    pub checkpoint_headroom: Histogram,
+    /// `spotguard_checkpoint_last_acked_step`: training step of the last acknowledged checkpoint
+    /// (the highest `step` of the plan's acks; unchanged when an ack gives none).
+    pub last_acked_step: Gauge,
+    /// `spotguard_checkpoint_last_duration_seconds` / `..._budget_seconds`: the last plan's
+    /// slowest acknowledgement and its budget.
+    pub last_duration: Gauge<f64, std::sync::atomic::AtomicU64>,
+    pub last_budget: Gauge<f64, std::sync::atomic::AtomicU64>,
+    /// `spotguard_plans_total{outcome}`: plans ended (`completed`, `drain_failed`, `undone`).
+    pub plans: Family<OutcomeLabels, Counter>,
+}
+
+/// `spotguard_notice_active{kind}`. The responder names the kind in an [`OutcomeLabels`]; it is
+/// exported as `kind`.
+#[derive(Clone, Debug, Default)]
+pub struct NoticeActive(Family<KindLabels, Gauge>);
+
+impl NoticeActive {
+    /// The gauge of the notice kind in `labels.outcome`.
+    pub fn get_or_create(
+        &self,
+        labels: &OutcomeLabels,
+    ) -> impl std::ops::Deref<Target = Gauge> + '_ {
+        self.0.get_or_create(&KindLabels {
+            kind: labels.outcome.clone(),
+        })
+    }
+
+    /// Set the gauge of `kind` to 1 (`active`) or 0.
+    pub fn set(&self, kind: &str, active: bool) {
+        self.0
+            .get_or_create(&KindLabels {
+                kind: kind.to_string(),
+            })
+            .set(i64::from(active));
+    }
 }
 
 impl Metrics {
@@ -111,9 +228,14 @@ impl Metrics {
             drain_pods: Family::default(),
             drain_blocked: Gauge::default(),
             errors: Family::default(),
-            notice_active: Family::default(),
+            notice_active: NoticeActive::default(),
             deadline: Gauge::default(),
             webhook: Family::default(),
+            checkpoint_headroom: Histogram::new(headroom_buckets()),
+            last_acked_step: Gauge::default(),
+            last_duration: Gauge::default(),
+            last_budget: Gauge::default(),
+            plans: Family::default(),
         };
         let r = registry;
         r.register(
@@ -184,7 +306,7 @@ impl Metrics {
         r.register(
             "spotguard_notice_active",
             "1 while a plan for a notice of this kind is in progress",
-            m.notice_active.clone(),
+            m.notice_active.0.clone(),
         );
         r.register(
             "spotguard_notice_deadline_timestamp_seconds",
@@ -197,11 +319,106 @@ impl Metrics {
             m.webhook.clone(),
         );
         r.register(
+            "spotguard_checkpoint_headroom_seconds",
+            "Checkpoint budget minus the time a target group took to acknowledge (0 when it never did)",
+            m.checkpoint_headroom.clone(),
+        );
+        r.register(
+            "spotguard_checkpoint_last_acked_step",
+            "Training step of the last acknowledged checkpoint",
+            m.last_acked_step.clone(),
+        );
+        r.register(
+            "spotguard_checkpoint_last_duration_seconds",
+            "Slowest acknowledgement of the last plan's checkpoint",
+            m.last_duration.clone(),
+        );
+        r.register(
+            "spotguard_checkpoint_last_budget_seconds",
+            "Checkpoint budget (signal to checkpoint deadline) of the last plan",
+            m.last_budget.clone(),
+        );
+        r.register(
+            "spotguard_plans",
+            "Plans ended, by outcome",
+            m.plans.clone(),
+        );
+        r.register(
             "spotguard_build",
             "Build information",
-            Info::new(vec![("version", env!("CARGO_PKG_VERSION").to_string())]),
+            Info::new(vec![
+                ("version", env!("CARGO_PKG_VERSION").to_string()),
+                ("commit", env!("SPOTGUARD_GIT_COMMIT").to_string()),
+            ]),
         );
+        m.zero_known_series();
         m
+    }
+
+    /// Create every series whose label values are known in advance, at 0.
+    fn zero_known_series(&self) {
+        use known::*;
+        let s = |v: &str| v.to_string();
+        for source in SOURCES {
+            let _ = self
+                .metadata_polls
+                .get_or_create(&SourceLabels { source: s(source) });
+            let _ = self
+                .detection_latency
+                .get_or_create(&SourceLabels { source: s(source) });
+            let _ = self
+                .notice_to_signal
+                .get_or_create(&SourceLabels { source: s(source) });
+            for error in METADATA_ERRORS {
+                let _ = self.metadata_errors.get_or_create(&ErrorLabels {
+                    source: s(source),
+                    error: s(error),
+                });
+            }
+            for kind in NOTICE_KINDS {
+                let _ = self.notices.get_or_create(&NoticeLabels {
+                    source: s(source),
+                    kind: s(kind),
+                });
+            }
+        }
+        for kind in ACTIVE_KINDS {
+            self.notice_active.set(kind, false);
+        }
+        for outcome in CHECKPOINT_OUTCOMES {
+            let _ = self.checkpoint.get_or_create(&OutcomeLabels {
+                outcome: s(outcome),
+            });
+        }
+        for action in NODE_ACTIONS {
+            for outcome in ACTION_OUTCOMES {
+                let _ = self.node_actions.get_or_create(&ActionLabels {
+                    action: s(action),
+                    outcome: s(outcome),
+                });
+            }
+        }
+        for outcome in DRAIN_OUTCOMES {
+            let _ = self.drain_pods.get_or_create(&OutcomeLabels {
+                outcome: s(outcome),
+            });
+        }
+        for outcome in WEBHOOK_OUTCOMES {
+            let _ = self.webhook.get_or_create(&OutcomeLabels {
+                outcome: s(outcome),
+            });
+        }
+        for outcome in PLAN_OUTCOMES {
+            let _ = self.plans.get_or_create(&OutcomeLabels {
+                outcome: s(outcome),
+            });
+        }
+        for module in ERROR_MODULES {
+            let _ = self.errors.get_or_create(&ModuleErrorLabels {
+                module: s(module),
+                error: s("none"),
+            });
+        }
     }
 
     /// Count an error that was logged and recovered from.

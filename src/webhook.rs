@@ -15,6 +15,7 @@
 //!
 //! Webhook URLs usually embed a secret (Slack's do): logs and errors show only scheme and host.
 
+use std::fmt::Write as _;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -24,7 +25,7 @@ use tracing::{debug, info, warn};
 use crate::metrics::{Metrics, OutcomeLabels};
 use crate::notice::{time_until, Notice};
 
-/// Placeholders a template may use.
+/// Placeholders a template may use. Outcome placeholders render empty in start messages.
 pub const PLACEHOLDERS: &[&str] = &[
     "node",
     "instance",
@@ -36,14 +37,91 @@ pub const PLACEHOLDERS: &[&str] = &[
     "notice_id",
     "detail",
     "action",
+    "message",
+    "summary",
+    "severity",
+    "event_action",
+    "dry_run",
+    "dry_run_tag",
+    "routing_key",
+    "outcome",
+    "ok",
+    "checkpoint",
+    "step",
+    "checkpoint_seconds",
+    "budget_seconds",
+    "headroom_seconds",
+    "evicted",
+    "blocked",
+    "blocked_pods",
+    "blocking_pdbs",
+    "drain_error",
+    "plan_seconds",
 ];
 
-/// The default body: Slack-compatible, and readable in Teams/Mattermost/Discord-style receivers
-/// that accept `{"text": ...}` as well.
-pub const DEFAULT_TEMPLATE: &str = r#"{"text": "spotguard: {{kind}} notice on node {{node}} (instance {{instance}}, {{source}}), deadline {{deadline}} ({{time_left}} left): {{action}}. Notice {{notice_id}}: {{detail}}"}"#;
+/// The default start body (the Slack preset): Slack-compatible, and readable in
+/// Teams/Mattermost/Discord-style receivers that accept `{"text": ...}` as well.
+pub const DEFAULT_TEMPLATE: &str = r#"{"text": "{{dry_run_tag}}spotguard: {{kind}} notice on node {{node}} (instance {{instance}}, {{source}}), deadline {{deadline}} ({{time_left}} left): {{action}}. Notice {{notice_id}}: {{detail}}"}"#;
+
+/// Ready-made bodies for common receivers (`--webhook-preset`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Preset {
+    /// `{"text": …}`: Slack incoming webhooks, Mattermost, Rocket.Chat.
+    Slack,
+    /// A Microsoft Teams MessageCard (incoming webhook / Workflows).
+    Teams,
+    /// PagerDuty Events API v2 (needs `--webhook-routing-key`): the start triggers an incident
+    /// keyed by node and notice, a clean outcome resolves it, a problem re-triggers it as `error`.
+    Pagerduty,
+}
+
+impl Preset {
+    /// (start, outcome) templates.
+    pub fn templates(self) -> (&'static str, &'static str) {
+        match self {
+            Preset::Slack => (
+                DEFAULT_TEMPLATE,
+                r#"{"text": "{{dry_run_tag}}spotguard: {{summary}}"}"#,
+            ),
+            Preset::Teams => (
+                r#"{"@type": "MessageCard", "@context": "https://schema.org/extensions", "themeColor": "E8A317", "summary": "{{dry_run_tag}}spotguard: {{kind}} on {{node}}", "title": "{{dry_run_tag}}spotguard: {{kind}} notice on {{node}}", "text": "{{summary}}"}"#,
+                r#"{"@type": "MessageCard", "@context": "https://schema.org/extensions", "themeColor": "0078D7", "summary": "{{dry_run_tag}}spotguard: {{kind}} on {{node}} {{outcome}}", "title": "{{dry_run_tag}}spotguard: {{kind}} on {{node}}: {{outcome}}", "text": "{{summary}}"}"#,
+            ),
+            Preset::Pagerduty => (PAGERDUTY, PAGERDUTY),
+        }
+    }
+}
+
+const PAGERDUTY: &str = r#"{"routing_key": "{{routing_key}}", "event_action": "{{event_action}}", "dedup_key": "spotguard/{{node}}/{{notice_id}}", "payload": {"summary": "{{dry_run_tag}}{{summary}}", "source": "{{node}}", "severity": "{{severity}}", "component": "spotguard", "group": "{{source}}", "class": "{{kind}}", "custom_details": {"instance": "{{instance}}", "deadline": "{{deadline}}", "outcome": "{{outcome}}", "checkpoint": "{{checkpoint}}", "step": "{{step}}", "checkpoint_seconds": "{{checkpoint_seconds}}", "budget_seconds": "{{budget_seconds}}", "evicted": "{{evicted}}", "blocked_pods": "{{blocked_pods}}", "blocking_pdbs": "{{blocking_pdbs}}", "drain_error": "{{drain_error}}", "dry_run": "{{dry_run}}"}}}"#;
+
+/// How a plan ended, for the outcome message.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct PlanOutcome {
+    /// `completed`, `drain_failed` or `undone`.
+    pub outcome: String,
+    /// Every group acked (or exited), the drain (if any) left nothing blocked and did not fail.
+    pub ok: bool,
+    /// Checkpoint outcomes, e.g. `2 acked, 1 timeout`; `not run` when the plan had no checkpoint.
+    pub checkpoint: String,
+    /// Highest training step the acks reported.
+    pub step: Option<u64>,
+    /// Slowest acknowledgement (signal → ack).
+    pub checkpoint_seconds: Option<f64>,
+    /// The checkpoint budget: signal → checkpoint deadline.
+    pub budget_seconds: Option<f64>,
+    pub evicted: usize,
+    /// `namespace/name` of pods still on the node at the deadline.
+    pub blocked_pods: Vec<String>,
+    /// PodDisruptionBudgets that refused evictions.
+    pub blocking_pdbs: Vec<String>,
+    /// Why the drain failed, empty when it did not.
+    pub drain_error: String,
+    /// Notice seen → plan done.
+    pub plan_seconds: f64,
+}
 
 /// Values substituted into the template. Build one with [`NotifyFields::from_notice`].
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct NotifyFields {
     /// Kubernetes node name, or the host name in host mode.
     pub node: String,
@@ -53,13 +131,15 @@ pub struct NotifyFields {
     pub kind: String,
     /// `aws`, `gce`, `azure`.
     pub source: String,
-    /// `None` means "now" (design §3).
+    /// `None` means "now": the notice gives no time, so it is treated as due at once.
     pub deadline: Option<Timestamp>,
     pub notice_id: String,
     /// The cloud's own words (action, event type, description).
     pub detail: String,
     /// What spotguard is doing about it, e.g. `checkpoint and drain`.
     pub action: String,
+    /// Set for the message sent when the plan ends.
+    pub outcome: Option<PlanOutcome>,
 }
 
 impl NotifyFields {
@@ -73,10 +153,71 @@ impl NotifyFields {
             notice_id: notice.id.clone(),
             detail: notice.detail.clone(),
             action: action.to_string(),
+            outcome: None,
         }
     }
 
-    fn value(&self, field: Field, now: Timestamp) -> String {
+    /// One line for humans: what happened and what spotguard did (or is doing).
+    pub fn summary(&self, now: Timestamp) -> String {
+        match &self.outcome {
+            None => format!(
+                "{} notice on node {} ({}), deadline {} ({} left): {}",
+                self.kind,
+                self.node,
+                self.source,
+                self.value(Field::Deadline, now, Ctx::default()),
+                self.value(Field::TimeLeft, now, Ctx::default()),
+                self.action
+            ),
+            Some(o) => {
+                let mut s = format!(
+                    "{} on node {} {} after {}: checkpoint {}",
+                    self.kind,
+                    self.node,
+                    if o.ok {
+                        "handled"
+                    } else {
+                        "handled with problems"
+                    },
+                    secs(o.plan_seconds),
+                    o.checkpoint
+                );
+                let mut inner = Vec::new();
+                if let Some(step) = o.step {
+                    inner.push(format!("step {step}"));
+                }
+                match (o.checkpoint_seconds, o.budget_seconds) {
+                    (Some(d), Some(b)) => inner.push(format!("{} of {} budget", secs(d), secs(b))),
+                    (Some(d), None) => inner.push(secs(d)),
+                    _ => {}
+                }
+                if !inner.is_empty() {
+                    let _ = write!(s, " ({})", inner.join(", "));
+                }
+                if o.outcome == "undone" {
+                    s.push_str("; notice cancelled, changes undone");
+                } else {
+                    let _ = write!(
+                        s,
+                        "; drain: {} evicted, {} blocked",
+                        o.evicted,
+                        o.blocked_pods.len()
+                    );
+                    if !o.blocking_pdbs.is_empty() {
+                        let _ = write!(s, " (PDB {})", o.blocking_pdbs.join(", "));
+                    }
+                    if !o.drain_error.is_empty() {
+                        let _ = write!(s, "; drain failed: {}", o.drain_error);
+                    }
+                }
+                s
+            }
+        }
+    }
+
+    fn value(&self, field: Field, now: Timestamp, ctx: Ctx<'_>) -> String {
+        let o = self.outcome.as_ref();
+        let num = |v: Option<f64>| v.map(|v| format!("{v:.1}")).unwrap_or_default();
         match field {
             Field::Node => self.node.clone(),
             Field::Instance => self.instance.clone(),
@@ -97,40 +238,100 @@ impl NotifyFields {
             Field::NoticeId => self.notice_id.clone(),
             Field::Detail => self.detail.clone(),
             Field::Action => self.action.clone(),
+            Field::Message => if o.is_some() { "outcome" } else { "start" }.to_string(),
+            Field::Summary => self.summary(now),
+            Field::Severity => match o {
+                None => "warning",
+                Some(o) if o.ok => "info",
+                Some(_) => "error",
+            }
+            .to_string(),
+            Field::EventAction => match o {
+                Some(o) if o.ok => "resolve",
+                _ => "trigger",
+            }
+            .to_string(),
+            Field::DryRun => ctx.dry_run.to_string(),
+            Field::DryRunTag => if ctx.dry_run { "[DRY RUN] " } else { "" }.to_string(),
+            Field::RoutingKey => ctx.routing_key.to_string(),
+            Field::Outcome => o.map(|o| o.outcome.clone()).unwrap_or_default(),
+            Field::Ok => o.map(|o| o.ok.to_string()).unwrap_or_default(),
+            Field::Checkpoint => o.map(|o| o.checkpoint.clone()).unwrap_or_default(),
+            Field::Step => o
+                .and_then(|o| o.step)
+                .map(|s| s.to_string())
+                .unwrap_or_default(),
+            Field::CheckpointSeconds => num(o.and_then(|o| o.checkpoint_seconds)),
+            Field::BudgetSeconds => num(o.and_then(|o| o.budget_seconds)),
+            Field::HeadroomSeconds => {
+                num(o.and_then(|o| Some((o.budget_seconds? - o.checkpoint_seconds?).max(0.0))))
+            }
+            Field::Evicted => o.map(|o| o.evicted.to_string()).unwrap_or_default(),
+            Field::Blocked => o
+                .map(|o| o.blocked_pods.len().to_string())
+                .unwrap_or_default(),
+            Field::BlockedPods => o.map(|o| o.blocked_pods.join(", ")).unwrap_or_default(),
+            Field::BlockingPdbs => o.map(|o| o.blocking_pdbs.join(", ")).unwrap_or_default(),
+            Field::DrainError => o.map(|o| o.drain_error.clone()).unwrap_or_default(),
+            Field::PlanSeconds => num(o.map(|o| o.plan_seconds)),
         }
     }
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Field {
-    Node,
-    Instance,
-    Kind,
-    Source,
-    Deadline,
-    DeadlineUnix,
-    TimeLeft,
-    NoticeId,
-    Detail,
-    Action,
+fn secs(s: f64) -> String {
+    format!("{s:.1}s")
 }
 
-impl Field {
-    fn parse(name: &str) -> Option<Field> {
-        Some(match name {
-            "node" => Field::Node,
-            "instance" => Field::Instance,
-            "kind" => Field::Kind,
-            "source" => Field::Source,
-            "deadline" => Field::Deadline,
-            "deadline_unix" => Field::DeadlineUnix,
-            "time_left" => Field::TimeLeft,
-            "notice_id" => Field::NoticeId,
-            "detail" => Field::Detail,
-            "action" => Field::Action,
-            _ => return None,
-        })
-    }
+/// Per-webhook values (not per message).
+#[derive(Clone, Copy, Debug, Default)]
+struct Ctx<'a> {
+    dry_run: bool,
+    routing_key: &'a str,
+}
+
+macro_rules! fields {
+    ($($name:literal => $variant:ident),* $(,)?) => {
+        #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+        enum Field { $($variant),* }
+        impl Field {
+            fn parse(name: &str) -> Option<Field> {
+                Some(match name { $($name => Field::$variant,)* _ => return None })
+            }
+        }
+    };
+}
+
+fields! {
+    "node" => Node,
+    "instance" => Instance,
+    "kind" => Kind,
+    "source" => Source,
+    "deadline" => Deadline,
+    "deadline_unix" => DeadlineUnix,
+    "time_left" => TimeLeft,
+    "notice_id" => NoticeId,
+    "detail" => Detail,
+    "action" => Action,
+    "message" => Message,
+    "summary" => Summary,
+    "severity" => Severity,
+    "event_action" => EventAction,
+    "dry_run" => DryRun,
+    "dry_run_tag" => DryRunTag,
+    "routing_key" => RoutingKey,
+    "outcome" => Outcome,
+    "ok" => Ok,
+    "checkpoint" => Checkpoint,
+    "step" => Step,
+    "checkpoint_seconds" => CheckpointSeconds,
+    "budget_seconds" => BudgetSeconds,
+    "headroom_seconds" => HeadroomSeconds,
+    "evicted" => Evicted,
+    "blocked" => Blocked,
+    "blocked_pods" => BlockedPods,
+    "blocking_pdbs" => BlockingPdbs,
+    "drain_error" => DrainError,
+    "plan_seconds" => PlanSeconds,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -145,8 +346,20 @@ struct Template {
     segments: Vec<Segment>,
 }
 
+/// Which message a template is for (decides the values it is checked with).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MessageKind {
+    Start,
+    Outcome,
+}
+
 impl Template {
+    #[cfg(test)]
     fn parse(text: &str) -> Result<Template, Error> {
+        Self::parse_for(text, MessageKind::Start)
+    }
+
+    fn parse_for(text: &str, kind: MessageKind) -> Result<Template, Error> {
         let mut segments = Vec::new();
         let mut rest = text;
         while let Some(start) = rest.find("{{") {
@@ -174,7 +387,8 @@ impl Template {
             segments.push(Segment::Literal(rest.to_string()));
         }
         let template = Template { segments };
-        // The body must be JSON whatever the values are: render with values that need escaping.
+        // The body must be JSON whatever the values are: render with values that need escaping,
+        // and (for outcome messages) with every optional value both present and absent.
         let probe = NotifyFields {
             node: "n\"o\\de\n".into(),
             instance: "i-0{}".into(),
@@ -184,28 +398,125 @@ impl Template {
             notice_id: "id\t1".into(),
             detail: "\u{1}<>&'".into(),
             action: "checkpoint and drain".into(),
+            outcome: None,
         };
-        let rendered = template.render(&probe, Timestamp::UNIX_EPOCH);
-        serde_json::from_str::<serde_json::Value>(&rendered).map_err(|e| Error::Template {
-            reason: format!(
-                "does not render to valid JSON ({e}); placeholders are substituted as escaped \
-                 string contents, so put them inside quotes"
-            ),
-        })?;
+        let mut probes = vec![probe.clone()];
+        if kind == MessageKind::Outcome {
+            probes = vec![
+                NotifyFields {
+                    outcome: Some(PlanOutcome::default()),
+                    ..probe.clone()
+                },
+                NotifyFields {
+                    outcome: Some(PlanOutcome {
+                        outcome: "drain_failed".into(),
+                        ok: false,
+                        checkpoint: "1 acked, 1 \"timeout\"".into(),
+                        step: Some(1200),
+                        checkpoint_seconds: Some(31.5),
+                        budget_seconds: Some(90.0),
+                        evicted: 3,
+                        blocked_pods: vec!["ns/p\"o".into()],
+                        blocking_pdbs: vec!["pdb\\1".into()],
+                        drain_error: "api\nserver".into(),
+                        plan_seconds: 48.0,
+                    }),
+                    ..probe
+                },
+            ];
+        }
+        for (i, p) in probes.iter().enumerate() {
+            let ctx = Ctx {
+                dry_run: i % 2 == 0,
+                routing_key: "k\"ey",
+            };
+            let rendered = template.render(p, Timestamp::UNIX_EPOCH, ctx);
+            serde_json::from_str::<serde_json::Value>(&rendered).map_err(|e| Error::Template {
+                reason: format!(
+                    "does not render to valid JSON ({e}); placeholders are substituted as \
+                         escaped string contents, so put them inside quotes"
+                ),
+            })?;
+        }
         Ok(template)
     }
 
-    fn render(&self, fields: &NotifyFields, now: Timestamp) -> String {
+    fn render(&self, fields: &NotifyFields, now: Timestamp, ctx: Ctx<'_>) -> String {
         let mut out = String::new();
         for segment in &self.segments {
             match segment {
                 Segment::Literal(s) => out.push_str(s),
                 Segment::Placeholder(field) => {
-                    out.push_str(&json_escape(&fields.value(*field, now)))
+                    out.push_str(&json_escape(&fields.value(*field, now, ctx)))
                 }
             }
         }
         out
+    }
+}
+
+/// Check a template at start-up: `Err` names the problem.
+pub fn check_template(text: &str, kind: MessageKind) -> Result<(), Error> {
+    Template::parse_for(text, kind).map(|_| ())
+}
+
+/// `--webhook-header "Name: value"` → a validated header pair.
+pub fn parse_header(text: &str) -> Result<(http::HeaderName, http::HeaderValue), String> {
+    let (name, value) = text
+        .split_once(':')
+        .ok_or_else(|| "expected \"Name: value\"".to_string())?;
+    let name = http::HeaderName::from_bytes(name.trim().as_bytes())
+        .map_err(|_| format!("{:?} is not a header name", name.trim()))?;
+    if name == http::header::CONTENT_TYPE || name == http::header::CONTENT_LENGTH {
+        return Err(format!("{name} is set by spotguard"));
+    }
+    let mut value = http::HeaderValue::from_str(value.trim())
+        .map_err(|_| format!("the value of {name} has characters a header cannot carry"))?;
+    value.set_sensitive(true);
+    Ok((name, value))
+}
+
+/// What a webhook does in `--dry-run`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum DryRunWebhook {
+    /// Send, marked: `{{dry_run}}` is `true`, `{{dry_run_tag}}` is `[DRY RUN] ` and the request
+    /// carries `X-Spotguard-Dry-Run: true`.
+    #[default]
+    Mark,
+    /// Do not send (logged and counted as `suppressed`).
+    Suppress,
+}
+
+/// Everything about a webhook besides its URL.
+#[derive(Clone, Debug)]
+pub struct Options {
+    pub preset: Preset,
+    /// Start message body; `None`: the preset's.
+    pub template: Option<String>,
+    /// Outcome message body; `None`: the preset's.
+    pub outcome_template: Option<String>,
+    /// Extra request headers (e.g. `Authorization`).
+    pub headers: Vec<(http::HeaderName, http::HeaderValue)>,
+    /// The agent runs with `--dry-run`.
+    pub dry_run: bool,
+    pub on_dry_run: DryRunWebhook,
+    /// `{{routing_key}}` (PagerDuty).
+    pub routing_key: Option<String>,
+    pub policy: RetryPolicy,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            preset: Preset::Slack,
+            template: None,
+            outcome_template: None,
+            headers: Vec::new(),
+            dry_run: false,
+            on_dry_run: DryRunWebhook::Mark,
+            routing_key: None,
+            policy: RetryPolicy::default(),
+        }
     }
 }
 
@@ -340,6 +651,11 @@ struct Inner {
     url: reqwest::Url,
     shown: String,
     template: Template,
+    outcome_template: Template,
+    headers: reqwest::header::HeaderMap,
+    dry_run: bool,
+    on_dry_run: DryRunWebhook,
+    routing_key: String,
     client: reqwest::Client,
     policy: RetryPolicy,
     metrics: Arc<Metrics>,
@@ -376,6 +692,19 @@ impl Webhook {
         metrics: Arc<Metrics>,
         policy: RetryPolicy,
     ) -> Result<Self, Error> {
+        Self::with_options(
+            url,
+            Options {
+                template,
+                policy,
+                ..Options::default()
+            },
+            metrics,
+        )
+    }
+
+    /// The full constructor: preset, both templates, headers, dry-run handling.
+    pub fn with_options(url: String, opts: Options, metrics: Arc<Metrics>) -> Result<Self, Error> {
         let parsed = reqwest::Url::parse(url.trim()).map_err(|e| Error::Url {
             url: url.clone(),
             reason: e.to_string(),
@@ -392,12 +721,37 @@ impl Webhook {
                 reason: "no host".into(),
             });
         }
+        let policy = opts.policy;
         // At least the first try.
         let policy = RetryPolicy {
             attempts: policy.attempts.max(1),
             ..policy
         };
-        let template = Template::parse(template.as_deref().unwrap_or(DEFAULT_TEMPLATE))?;
+        let (start_default, outcome_default) = opts.preset.templates();
+        let template = Template::parse_for(
+            opts.template.as_deref().unwrap_or(start_default),
+            MessageKind::Start,
+        )?;
+        let outcome_template = Template::parse_for(
+            opts.outcome_template.as_deref().unwrap_or(outcome_default),
+            MessageKind::Outcome,
+        )
+        .map_err(|e| match e {
+            Error::Template { reason } => Error::Template {
+                reason: format!("(outcome) {reason}"),
+            },
+            other => other,
+        })?;
+        let mut headers = reqwest::header::HeaderMap::new();
+        for (name, value) in &opts.headers {
+            headers.append(name.clone(), value.clone());
+        }
+        if opts.dry_run {
+            headers.insert(
+                "x-spotguard-dry-run",
+                reqwest::header::HeaderValue::from_static("true"),
+            );
+        }
         let client = reqwest::Client::builder()
             .timeout(policy.per_try_timeout)
             .connect_timeout(policy.per_try_timeout.min(Duration::from_secs(3)))
@@ -411,6 +765,11 @@ impl Webhook {
                 shown: redact(&parsed),
                 url: parsed,
                 template,
+                outcome_template,
+                headers,
+                dry_run: opts.dry_run,
+                on_dry_run: opts.on_dry_run,
+                routing_key: opts.routing_key.unwrap_or_default(),
                 client,
                 policy,
                 metrics,
@@ -418,9 +777,22 @@ impl Webhook {
         })
     }
 
-    /// The body that would be sent for `fields` at time `now`.
+    fn ctx(&self) -> Ctx<'_> {
+        Ctx {
+            dry_run: self.inner.dry_run,
+            routing_key: &self.inner.routing_key,
+        }
+    }
+
+    /// The body that would be sent for `fields` at time `now` (the outcome template when
+    /// `fields.outcome` is set).
     pub fn render(&self, fields: &NotifyFields, now: Timestamp) -> String {
-        self.inner.template.render(fields, now)
+        let template = if fields.outcome.is_some() {
+            &self.inner.outcome_template
+        } else {
+            &self.inner.template
+        };
+        template.render(fields, now, self.ctx())
     }
 
     /// Send in a spawned task and return at once; the outcome is logged and counted. Returns the
@@ -442,18 +814,29 @@ impl Webhook {
         }))
     }
 
-    /// POST the rendered body, retrying within the policy. Logs and counts the outcome.
+    /// POST the rendered body, retrying within the policy. Logs and counts the outcome. In
+    /// dry-run with [`DryRunWebhook::Suppress`], nothing is sent (counted as `suppressed`).
     pub async fn send(&self, fields: &NotifyFields) -> Result<(), Error> {
-        let body = self.render(fields, Timestamp::now());
         let inner = &self.inner;
+        let message = if fields.outcome.is_some() {
+            "outcome"
+        } else {
+            "start"
+        };
+        if inner.dry_run && inner.on_dry_run == DryRunWebhook::Suppress {
+            info!(url = %inner.shown, notice_id = %fields.notice_id, message, "webhook suppressed (dry run)");
+            self.count("suppressed");
+            return Ok(());
+        }
+        let body = self.render(fields, Timestamp::now());
         let result = self.send_with_retries(body).await;
         match &result {
             Ok(()) => {
-                info!(url = %inner.shown, notice_id = %fields.notice_id, "webhook sent");
+                info!(url = %inner.shown, notice_id = %fields.notice_id, message, "webhook sent");
                 self.count("sent");
             }
             Err(e) => {
-                warn!(url = %inner.shown, notice_id = %fields.notice_id, error = %e, "webhook failed");
+                warn!(url = %inner.shown, notice_id = %fields.notice_id, message, error = %e, "webhook failed");
                 self.count("failed");
                 inner.metrics.error("webhook", e.metric_label());
             }
@@ -490,7 +873,7 @@ impl Webhook {
                     last: Box::new(err),
                 });
             }
-            debug!(url = %inner.shown, error = %err, tries, ?delay, "webhook retry");
+            debug!(url = %inner.shown, error = %err, tries, delay_ms = delay.as_millis() as u64, "webhook retry");
             self.count("retry");
             tokio::time::sleep(delay).await;
         }
@@ -501,6 +884,7 @@ impl Webhook {
         let response = inner
             .client
             .post(inner.url.clone())
+            .headers(inner.headers.clone())
             .header(reqwest::header::CONTENT_TYPE, "application/json")
             .body(body)
             .send()
@@ -545,6 +929,7 @@ mod tests {
             notice_id: "9f8e7d6c".into(),
             detail: "terminate".into(),
             action: "checkpoint and drain".into(),
+            outcome: None,
         }
     }
 
@@ -560,7 +945,8 @@ mod tests {
             .collect::<Vec<_>>()
             .join(", ");
         let t = Template::parse(&format!("{{{text}}}")).unwrap();
-        let v: serde_json::Value = serde_json::from_str(&t.render(&fields(), now())).unwrap();
+        let v: serde_json::Value =
+            serde_json::from_str(&t.render(&fields(), now(), Ctx::default())).unwrap();
         let want = serde_json::json!({
             "node": "gpu-node-1",
             "instance": "i-0abc",
@@ -572,8 +958,66 @@ mod tests {
             "notice_id": "9f8e7d6c",
             "detail": "terminate",
             "action": "checkpoint and drain",
+            "message": "start",
+            "summary": "interruption notice on node gpu-node-1 (aws), deadline 2023-11-14T22:15:20Z (2m left): checkpoint and drain",
+            "severity": "warning",
+            "event_action": "trigger",
+            "dry_run": "false",
+            "dry_run_tag": "",
+            "routing_key": "",
+            "outcome": "",
+            "ok": "",
+            "checkpoint": "",
+            "step": "",
+            "checkpoint_seconds": "",
+            "budget_seconds": "",
+            "headroom_seconds": "",
+            "evicted": "",
+            "blocked": "",
+            "blocked_pods": "",
+            "blocking_pdbs": "",
+            "drain_error": "",
+            "plan_seconds": "",
         });
         assert_eq!(v, want);
+        // The outcome message fills the outcome placeholders.
+        let mut f = fields();
+        f.outcome = Some(PlanOutcome {
+            outcome: "completed".into(),
+            ok: true,
+            checkpoint: "1 acked".into(),
+            step: Some(7),
+            checkpoint_seconds: Some(30.0),
+            budget_seconds: Some(90.0),
+            evicted: 2,
+            plan_seconds: 41.25,
+            ..PlanOutcome::default()
+        });
+        let v: serde_json::Value = serde_json::from_str(&t.render(
+            &f,
+            now(),
+            Ctx {
+                dry_run: true,
+                routing_key: "k",
+            },
+        ))
+        .unwrap();
+        for (k, want) in [
+            ("message", "outcome"),
+            ("severity", "info"),
+            ("event_action", "resolve"),
+            ("dry_run", "true"),
+            ("dry_run_tag", "[DRY RUN] "),
+            ("routing_key", "k"),
+            ("ok", "true"),
+            ("step", "7"),
+            ("headroom_seconds", "60.0"),
+            ("evicted", "2"),
+            ("blocked", "0"),
+            ("plan_seconds", "41.2"),
+        ] {
+            assert_eq!(v[k], want, "{k}");
+        }
     }
 
     #[test]
@@ -582,17 +1026,17 @@ mod tests {
             Template::parse(r#"{"a": "{{deadline}}|{{deadline_unix}}|{{time_left}}"}"#).unwrap();
         let mut f = fields();
         f.deadline = None;
-        assert_eq!(t.render(&f, now()), r#"{"a": "now||0s"}"#);
+        assert_eq!(t.render(&f, now(), Ctx::default()), r#"{"a": "now||0s"}"#);
         // A deadline in the past: zero time left.
         f.deadline = Some(Timestamp::from_second(1_600_000_000).unwrap());
-        assert!(t.render(&f, now()).ends_with("|0s\"}"));
+        assert!(t.render(&f, now(), Ctx::default()).ends_with("|0s\"}"));
     }
 
     #[test]
     fn placeholders_tolerate_inner_spaces_and_repeat() {
         let t = Template::parse(r#"{"t": "{{ node }}/{{node}}"}"#).unwrap();
         assert_eq!(
-            t.render(&fields(), now()),
+            t.render(&fields(), now(), Ctx::default()),
             r#"{"t": "gpu-node-1/gpu-node-1"}"#
         );
     }
@@ -611,7 +1055,7 @@ mod tests {
         ] {
             let mut f = fields();
             f.node = hostile.into();
-            let rendered = t.render(&f, now());
+            let rendered = t.render(&f, now(), Ctx::default());
             let v: serde_json::Value = serde_json::from_str(&rendered)
                 .unwrap_or_else(|e| panic!("{hostile:?} broke the JSON: {e}: {rendered}"));
             assert_eq!(v, serde_json::json!({ "t": hostile }), "{hostile:?}");
@@ -644,7 +1088,8 @@ mod tests {
     #[test]
     fn default_template_is_slack_shaped() {
         let t = Template::parse(DEFAULT_TEMPLATE).unwrap();
-        let v: serde_json::Value = serde_json::from_str(&t.render(&fields(), now())).unwrap();
+        let v: serde_json::Value =
+            serde_json::from_str(&t.render(&fields(), now(), Ctx::default())).unwrap();
         let obj = v.as_object().unwrap();
         assert_eq!(obj.len(), 1);
         let text = obj["text"].as_str().unwrap();
@@ -705,6 +1150,7 @@ mod tests {
                 notice_id: "abc".into(),
                 detail: "Reboot".into(),
                 action: "drain".into(),
+                outcome: None,
             }
         );
     }

@@ -148,3 +148,191 @@ fn env_file_names_only_real_variables() {
         );
     }
 }
+
+#[test]
+fn version_names_the_commit() {
+    let o = spotguard(&["--version"], &[]);
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    // `spotguard 0.1.0 (commit 0123456789ab)`; `unknown` only when built without git.
+    let commit = out
+        .split("(commit ")
+        .nth(1)
+        .and_then(|r| r.split(')').next())
+        .unwrap_or_else(|| panic!("no commit in {out:?}"));
+    assert!(
+        commit == "unknown" || (commit.len() >= 7 && commit.chars().all(|c| c.is_ascii_hexdigit())),
+        "{out:?}"
+    );
+}
+
+#[test]
+fn help_into_a_closed_pipe_exits_0() {
+    use std::process::Stdio;
+    for args in [
+        vec!["--help"],
+        vec!["run", "--help"],
+        vec!["completions", "bash"],
+    ] {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_spotguard"))
+            .args(&args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        // Close the pipe (like `| head -1` exiting) before the process gets to write.
+        drop(child.stdout.take());
+        let o = child.wait_with_output().unwrap();
+        assert_eq!(o.status.code(), Some(0), "{args:?}: {}", stderr(&o));
+        assert!(!stderr(&o).contains("panicked"), "{args:?}: {}", stderr(&o));
+    }
+}
+
+#[test]
+fn booleans_are_shown_as_switches() {
+    let o = spotguard(&["run", "--help"], &[]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    for flag in [
+        "--dry-run",
+        "--force-delete-at-deadline",
+        "--imds-v1-fallback",
+    ] {
+        let line = out
+            .lines()
+            .find(|l| l.trim_start().starts_with(flag))
+            .unwrap_or_else(|| panic!("{flag} not in run --help"));
+        assert!(!line.contains('<'), "{line}");
+    }
+    // Still settable from the environment and a config file.
+    let o = spotguard(
+        &["config", "check", "--mode", "host"],
+        &[("SPOTGUARD_DRY_RUN", "true")],
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("dry-run"));
+}
+
+#[test]
+fn completions_are_generated_for_every_shell() {
+    for shell in ["bash", "zsh", "fish", "elvish", "powershell"] {
+        let o = spotguard(&["completions", shell], &[]);
+        assert_eq!(o.status.code(), Some(0), "{shell}: {}", stderr(&o));
+        let out = String::from_utf8_lossy(&o.stdout);
+        assert!(
+            out.contains("checkpoint-timeout") && out.contains("drill"),
+            "{shell}: completion lacks flags or subcommands"
+        );
+    }
+    let o = spotguard(&["completions", "tcsh"], &[]);
+    assert_eq!(o.status.code(), Some(64));
+}
+
+#[test]
+fn config_check_validates_without_starting() {
+    let dir = tempfile::tempdir().unwrap();
+    let f = dir.path().join("spotguard.toml");
+    std::fs::write(&f, "poll-interval = \"2s\"\ndry-run = true\n").unwrap();
+    let o = spotguard(
+        &[
+            "config",
+            "check",
+            "--config",
+            f.to_str().unwrap(),
+            "--mode",
+            "host",
+            "--webhook-url",
+            "https://hooks.example.com/services/SECRET",
+        ],
+        &[("SPOTGUARD_CHECKPOINT_TIMEOUT", "45s")],
+    );
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let origin = |key: &str| -> String {
+        out.lines()
+            .find(|l| l.split_whitespace().next() == Some(key))
+            .unwrap_or_else(|| panic!("{key} not in {out}"))
+            .split_whitespace()
+            .nth(1)
+            .unwrap()
+            .to_string()
+    };
+    assert_eq!(origin("mode"), "flag");
+    assert_eq!(origin("checkpoint-timeout"), "env");
+    assert_eq!(origin("poll-interval"), "file");
+    assert_eq!(origin("dry-run"), "file");
+    assert_eq!(origin("drain-concurrency"), "default");
+    assert!(!out.contains("SECRET"), "a secret was printed: {out}");
+    assert!(out.contains("configuration OK (mode host"), "{out}");
+
+    // Invalid: exit 64 naming the key; nothing is bound or started.
+    let o = spotguard(
+        &["config", "check", "--mode", "kubernetes"],
+        &[("SPOTGUARD_METRICS_ADDR", "127.0.0.1:1")],
+    );
+    assert_eq!(o.status.code(), Some(64));
+    assert!(stderr(&o).contains("node-name"), "{}", stderr(&o));
+}
+
+#[test]
+fn webhook_template_errors_exit_64_naming_the_key() {
+    for (key, env, template) in [
+        (
+            "webhook-template",
+            "SPOTGUARD_WEBHOOK_TEMPLATE",
+            r#"{"text": "{{nodes}}"}"#,
+        ),
+        (
+            "webhook-outcome-template",
+            "SPOTGUARD_WEBHOOK_OUTCOME_TEMPLATE",
+            r#"{"step": {{step}}}"#,
+        ),
+    ] {
+        let o = spotguard(
+            &[
+                "run",
+                "--mode",
+                "host",
+                "--webhook-url",
+                "http://127.0.0.1:9/hook",
+            ],
+            &[(env, template)],
+        );
+        assert_eq!(o.status.code(), Some(64), "{key}: {}", stderr(&o));
+        assert!(stderr(&o).contains(key), "{key}: {}", stderr(&o));
+    }
+    let o = spotguard(
+        &[
+            "run",
+            "--mode",
+            "host",
+            "--webhook-url",
+            "http://127.0.0.1:9/hook",
+            "--webhook-preset",
+            "pagerduty",
+        ],
+        &[],
+    );
+    assert_eq!(o.status.code(), Some(64));
+    assert!(stderr(&o).contains("webhook-routing-key"), "{}", stderr(&o));
+}
+
+#[test]
+fn env_value_errors_name_the_variable() {
+    let o = spotguard(&["run"], &[("SPOTGUARD_POLL_INTERVAL", "often")]);
+    assert_eq!(o.status.code(), Some(64));
+    let e = stderr(&o);
+    assert!(
+        e.contains("SPOTGUARD_POLL_INTERVAL") && e.contains("'often'"),
+        "{e}"
+    );
+    // Given as a flag, the flag is named.
+    let o = spotguard(
+        &["run", "--poll-interval", "often"],
+        &[("SPOTGUARD_POLL_INTERVAL", "1s")],
+    );
+    assert_eq!(o.status.code(), Some(64));
+    assert!(
+        !stderr(&o).contains("SPOTGUARD_POLL_INTERVAL"),
+        "{}",
+        stderr(&o)
+    );
+}

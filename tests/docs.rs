@@ -51,3 +51,199 @@ fn every_registered_metric_is_documented() {
         );
     }
 }
+
+/// One documented family: a row of a table in docs/metrics.md.
+struct Documented {
+    name: String,
+    kind: String,
+    /// Label → documented values (empty: values found at run time).
+    labels: Vec<(String, Vec<String>)>,
+}
+
+/// Backticked words in `s`.
+fn ticked(s: &str) -> Vec<String> {
+    s.split('`')
+        .skip(1)
+        .step_by(2)
+        .map(str::to_string)
+        .collect()
+}
+
+/// Rows of the reference tables, except the per-GPU section (its series exist per GPU found).
+fn documented_families(docs: &str) -> Vec<Documented> {
+    let mut out = Vec::new();
+    let mut section = "";
+    for line in docs.lines() {
+        if let Some(h) = line.strip_prefix("## ") {
+            section = h.trim();
+            continue;
+        }
+        if section == "GPU health" || !line.starts_with("| `spotguard_") {
+            continue;
+        }
+        let cols: Vec<&str> = line.split(" | ").collect();
+        let (names, kind, labels) = (cols[0], cols[1].trim(), cols[2]);
+        // `a` (`x`, `y`), `b` → [(a, [x, y]), (b, [])]
+        let mut parsed: Vec<(String, Vec<String>)> = Vec::new();
+        let mut rest = labels.trim();
+        while let Some(start) = rest.find('`') {
+            let after = &rest[start + 1..];
+            let end = after.find('`').unwrap();
+            let label = after[..end].to_string();
+            rest = after[end + 1..].trim_start();
+            let mut values = Vec::new();
+            if let Some(inner) = rest.strip_prefix('(') {
+                let close = inner.find(')').unwrap();
+                values = ticked(&inner[..close]);
+                rest = &inner[close + 1..];
+            }
+            parsed.push((label, values));
+            rest = rest.trim_start_matches([',', ' ']);
+        }
+        for name in ticked(names.trim_start_matches('|')) {
+            out.push(Documented {
+                name,
+                kind: kind.to_string(),
+                labels: parsed.clone(),
+            });
+        }
+    }
+    out
+}
+
+/// Sorted label pairs of one series.
+type Labels = Vec<(String, String)>;
+
+/// `name{a="x",b="y"} value` → (name, sorted labels, value).
+fn parse_sample(line: &str) -> Option<(String, Labels, f64)> {
+    if line.starts_with('#') || line.is_empty() {
+        return None;
+    }
+    let (series, value) = line.rsplit_once(' ')?;
+    let (name, labels) = match series.split_once('{') {
+        Some((n, l)) => (n, l.trim_end_matches('}')),
+        None => (series, ""),
+    };
+    let mut pairs: Vec<(String, String)> = labels
+        .split("\",")
+        .filter(|p| !p.is_empty())
+        .filter_map(|p| {
+            let (k, v) = p.split_once('=')?;
+            Some((k.to_string(), v.trim_matches('"').to_string()))
+        })
+        .collect();
+    pairs.sort();
+    Some((name.to_string(), pairs, value.parse().ok()?))
+}
+
+/// Every combination of the documented label values.
+fn combinations(labels: &[(String, Vec<String>)]) -> Vec<Vec<(String, String)>> {
+    let mut out: Vec<Vec<(String, String)>> = vec![Vec::new()];
+    for (label, values) in labels {
+        out = out
+            .into_iter()
+            .flat_map(|prefix| {
+                values.iter().map(move |v| {
+                    let mut next = prefix.clone();
+                    next.push((label.clone(), v.clone()));
+                    next
+                })
+            })
+            .collect();
+    }
+    for combo in &mut out {
+        combo.sort();
+    }
+    out
+}
+
+#[tokio::test]
+async fn a_fresh_agent_exports_every_documented_series_at_zero() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let docs = std::fs::read_to_string(root.join("docs/metrics.md")).unwrap();
+    let families = documented_families(&docs);
+    assert!(
+        families.len() > 25,
+        "found only {} documented families",
+        families.len()
+    );
+
+    // Host mode, cloud auto-detection that cannot succeed (no DMI, metadata endpoint refused): no
+    // metadata poll ever happens, so every documented series must still be at its initial 0.
+    let dir = tempfile::tempdir().unwrap();
+    let d = |p: &str| {
+        let path = dir.path().join(p);
+        std::fs::create_dir_all(&path).unwrap();
+        path.display().to_string()
+    };
+    let argv = [
+        "spotguard".to_string(),
+        "run".into(),
+        "--mode=host".into(),
+        "--cloud=auto".into(),
+        format!("--dmi-dir={}", d("dmi")),
+        "--metadata-endpoint=http://127.0.0.1:1".into(),
+        format!("--checkpoint-dir={}", d("ckpt")),
+        format!("--state-dir={}", d("state")),
+        format!("--cache-dir={}", d("cache")),
+        "--metrics-addr=127.0.0.1:0".into(),
+        "--gpu=off".into(),
+        "--log-level=error".into(),
+    ];
+    let args = match spotguard::config::parse_cli(argv) {
+        spotguard::config::Parsed::Command(spotguard::config::Command::Run(r)) => *r,
+        spotguard::config::Parsed::Exit { text, .. } => panic!("{text}"),
+        _ => unreachable!(),
+    };
+    let cfg = spotguard::config::Config::resolve(args, &spotguard::config::ProcessEnv).unwrap();
+    let cancel = tokio_util::sync::CancellationToken::new();
+    let app = spotguard::app::start(cfg, cancel.clone()).await.unwrap();
+    let text = reqwest::get(format!("http://{}/metrics", app.admin_addr))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    cancel.cancel();
+    let samples: Vec<_> = text.lines().filter_map(parse_sample).collect();
+
+    let mut checked = 0;
+    for f in &families {
+        if f.kind == "info" || f.labels.iter().any(|(_, values)| values.is_empty()) {
+            continue;
+        }
+        let series = if f.kind == "histogram" {
+            format!("{}_count", f.name)
+        } else {
+            f.name.clone()
+        };
+        for combo in combinations(&f.labels) {
+            let found = samples
+                .iter()
+                .find(|(n, l, _)| *n == series && *l == combo)
+                .unwrap_or_else(|| {
+                    panic!("{series}{combo:?} is documented but not exported by a fresh agent")
+                });
+            assert_eq!(found.2, 0.0, "{series}{combo:?} starts at {}", found.2);
+            checked += 1;
+        }
+    }
+    assert!(checked >= 100, "checked only {checked} series");
+    // The reverse: no label value created at start-up that the docs do not list (series counted
+    // since, like a detection error, carry run-time values).
+    for (name, labels, _) in samples.iter().filter(|s| s.2 == 0.0) {
+        let Some(f) = families.iter().find(|f| {
+            *name == f.name || *name == format!("{}_count", f.name) && f.kind == "histogram"
+        }) else {
+            continue;
+        };
+        for (k, v) in labels {
+            if let Some((_, values)) = f.labels.iter().find(|(l, _)| l == k) {
+                assert!(
+                    values.is_empty() || values.contains(v),
+                    "{name} exports {k}={v:?}, which docs/metrics.md does not list"
+                );
+            }
+        }
+    }
+}

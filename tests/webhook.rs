@@ -15,7 +15,9 @@ use axum::Router;
 use jiff::Timestamp;
 use prometheus_client::registry::Registry;
 use spotguard::metrics::{encode, Metrics};
-use spotguard::webhook::{Error, NotifyFields, RetryPolicy, Webhook};
+use spotguard::webhook::{
+    DryRunWebhook, Error, NotifyFields, Options, PlanOutcome, Preset, RetryPolicy, Webhook,
+};
 
 /// What the receiver does with the next request.
 #[derive(Clone, Copy, Debug)]
@@ -34,6 +36,8 @@ struct Seen {
     path: String,
     content_type: String,
     user_agent: String,
+    authorization: String,
+    dry_run_header: String,
     body: String,
 }
 
@@ -68,6 +72,8 @@ async fn hook(
         path: uri.path().to_string(),
         content_type: header("content-type"),
         user_agent: header("user-agent"),
+        authorization: header("authorization"),
+        dry_run_header: header("x-spotguard-dry-run"),
         body,
     });
     let next = rx.script.lock().unwrap().pop_front();
@@ -115,6 +121,7 @@ fn fields() -> NotifyFields {
         notice_id: "5e0c2a91d4b7f310".into(),
         detail: "terminate".into(),
         action: "checkpoint and drain".into(),
+        outcome: None,
     }
 }
 
@@ -461,4 +468,305 @@ async fn https_urls_are_supported_by_this_build() {
     }
     // The receiver got a TLS ClientHello, not an HTTP request it could route.
     assert!(rx.seen().is_empty());
+}
+
+fn outcome() -> PlanOutcome {
+    PlanOutcome {
+        outcome: "completed".into(),
+        ok: false,
+        checkpoint: "1 acked, 1 timeout".into(),
+        step: Some(1200),
+        checkpoint_seconds: Some(31.0),
+        budget_seconds: Some(90.0),
+        evicted: 12,
+        blocked_pods: vec!["web/frontend-0".into()],
+        blocking_pdbs: vec!["frontend-pdb".into()],
+        drain_error: String::new(),
+        plan_seconds: 48.0,
+    }
+}
+
+fn options(preset: Preset) -> Options {
+    Options {
+        preset,
+        policy: fast_policy(),
+        routing_key: Some("R0UTING".into()),
+        ..Options::default()
+    }
+}
+
+#[tokio::test]
+async fn start_and_outcome_messages_carry_what_on_call_needs() {
+    let (addr, rx) = receiver(&[], None).await;
+    let s = Setup::new();
+    let hook = Webhook::with_options(
+        format!("http://{addr}/hook/x"),
+        Options {
+            headers: vec![
+                spotguard::webhook::parse_header("Authorization: Bearer s3cret").unwrap(),
+            ],
+            ..options(Preset::Slack)
+        },
+        s.metrics.clone(),
+    )
+    .unwrap();
+    hook.send(&fields()).await.unwrap();
+    let mut f = fields();
+    f.outcome = Some(outcome());
+    hook.send(&f).await.unwrap();
+
+    let seen = rx.seen();
+    assert_eq!(seen.len(), 2);
+    for m in &seen {
+        assert_eq!(m.authorization, "Bearer s3cret");
+        assert_eq!(m.dry_run_header, "");
+    }
+    let start: serde_json::Value = serde_json::from_str(&seen[0].body).unwrap();
+    let text = start["text"].as_str().unwrap();
+    assert!(
+        text.contains("interruption notice on node gpu-node-7"),
+        "{text}"
+    );
+    assert!(!text.contains("DRY RUN"), "{text}");
+    let end: serde_json::Value = serde_json::from_str(&seen[1].body).unwrap();
+    let text = end["text"].as_str().unwrap();
+    for part in [
+        "gpu-node-7",
+        "handled with problems",
+        "1 acked, 1 timeout",
+        "step 1200",
+        "31.0s of 90.0s budget",
+        "12 evicted, 1 blocked",
+        "PDB frontend-pdb",
+    ] {
+        assert!(text.contains(part), "{text:?} lacks {part:?}");
+    }
+    assert_eq!(s.count("sent"), 2);
+}
+
+#[tokio::test]
+async fn dry_run_is_marked_or_suppressed() {
+    let (addr, rx) = receiver(&[], None).await;
+    let s = Setup::new();
+    let marked = Webhook::with_options(
+        format!("http://{addr}/hook/x"),
+        Options {
+            dry_run: true,
+            template: Some(r#"{"dry": "{{dry_run}}", "t": "{{dry_run_tag}}{{kind}}"}"#.into()),
+            ..options(Preset::Slack)
+        },
+        s.metrics.clone(),
+    )
+    .unwrap();
+    marked.send(&fields()).await.unwrap();
+    let seen = rx.seen();
+    assert_eq!(seen.len(), 1);
+    assert_eq!(seen[0].dry_run_header, "true");
+    let body: serde_json::Value = serde_json::from_str(&seen[0].body).unwrap();
+    assert_eq!(
+        body,
+        serde_json::json!({"dry": "true", "t": "[DRY RUN] interruption"})
+    );
+
+    let suppressed = Webhook::with_options(
+        format!("http://{addr}/hook/x"),
+        Options {
+            dry_run: true,
+            on_dry_run: DryRunWebhook::Suppress,
+            ..options(Preset::Slack)
+        },
+        s.metrics.clone(),
+    )
+    .unwrap();
+    suppressed.send(&fields()).await.unwrap();
+    assert_eq!(rx.seen().len(), 1, "a suppressed webhook was sent");
+    assert_eq!((s.count("sent"), s.count("suppressed")), (1, 1));
+}
+
+#[tokio::test]
+async fn presets_render_what_their_receivers_expect() {
+    let (addr, rx) = receiver(&[], None).await;
+    let s = Setup::new();
+    for preset in [Preset::Teams, Preset::Pagerduty] {
+        let hook = Webhook::with_options(
+            format!("http://{addr}/hook/x"),
+            options(preset),
+            s.metrics.clone(),
+        )
+        .unwrap();
+        hook.send(&fields()).await.unwrap();
+        let mut f = fields();
+        f.outcome = Some(PlanOutcome {
+            ok: true,
+            blocked_pods: Vec::new(),
+            blocking_pdbs: Vec::new(),
+            ..outcome()
+        });
+        hook.send(&f).await.unwrap();
+    }
+    let seen = rx.seen();
+    assert_eq!(seen.len(), 4);
+    let v: Vec<serde_json::Value> = seen
+        .iter()
+        .map(|m| serde_json::from_str(&m.body).unwrap())
+        .collect();
+    // Teams MessageCard.
+    assert_eq!(v[0]["@type"], "MessageCard");
+    assert!(v[0]["title"]
+        .as_str()
+        .unwrap()
+        .contains("interruption notice on gpu-node-7"));
+    assert!(
+        v[1]["text"].as_str().unwrap().contains("step 1200"),
+        "{}",
+        v[1]
+    );
+    // PagerDuty Events v2: trigger on start, resolve on a clean outcome, same dedup key.
+    assert_eq!(v[2]["routing_key"], "R0UTING");
+    assert_eq!(v[2]["event_action"], "trigger");
+    assert_eq!(v[2]["payload"]["severity"], "warning");
+    assert_eq!(v[2]["payload"]["source"], "gpu-node-7");
+    assert_eq!(v[3]["event_action"], "resolve");
+    assert_eq!(v[3]["payload"]["severity"], "info");
+    assert_eq!(v[3]["payload"]["custom_details"]["step"], "1200");
+    assert_eq!(v[2]["dedup_key"], v[3]["dedup_key"]);
+    for p in &v[2..] {
+        let summary = p["payload"]["summary"].as_str().unwrap();
+        assert!(!summary.is_empty() && summary.len() <= 1024, "{summary}");
+    }
+}
+
+#[tokio::test]
+async fn outcome_template_errors_are_reported_as_such() {
+    let s = Setup::new();
+    let err = Webhook::with_options(
+        "http://127.0.0.1:9/hook".into(),
+        Options {
+            // `step` is empty when no ack gave one: unquoted, that is not JSON.
+            outcome_template: Some(r#"{"evicted": {{evicted}}, "step": {{step}}}"#.into()),
+            ..options(Preset::Slack)
+        },
+        s.metrics.clone(),
+    )
+    .unwrap_err();
+    let text = err.to_string();
+    assert!(
+        text.contains("(outcome)") && text.contains("valid JSON"),
+        "{text}"
+    );
+}
+
+/// A trainer that acknowledges SIGUSR1 with `step` = 4242 (bash: its own process, in the host's
+/// PID namespace, found through its pidfile).
+const TRAINER: &str = r#"
+trap 'printf '"'"'{"state":"done","step":4242,"checkpoint":"ckpt-4242","ts":%s}'"'"' $(date +%s.%N) > "$SPOTGUARD_DIR/.ack.tmp"; mv "$SPOTGUARD_DIR/.ack.tmp" "$SPOTGUARD_DIR/ack-$$.json"' USR1
+echo ready > "$READY"
+while :; do sleep 0.05; done
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_sends_start_and_outcome_and_records_headroom() {
+    use spotguard::emulator::{self, Cloud, EmulatedNotice, EmulatorConfig};
+    use spotguard::responder::PlanEvent;
+
+    let (addr, rx) = receiver(&[], None).await;
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    std::fs::create_dir_all(dir.join("ckpt")).unwrap();
+    let mut trainer = tokio::process::Command::new("bash")
+        .arg("-c")
+        .arg(TRAINER)
+        .env("SPOTGUARD_DIR", dir.join("ckpt"))
+        .env("READY", dir.join("ready"))
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    std::fs::write(dir.join("trainer.pid"), trainer.id().unwrap().to_string()).unwrap();
+    for _ in 0..200 {
+        if dir.join("ready").exists() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+
+    let emu = emulator::start(EmulatorConfig::new(Cloud::Aws))
+        .await
+        .unwrap();
+    let argv: Vec<String> = vec![
+        "spotguard".into(),
+        "run".into(),
+        "--mode=host".into(),
+        "--cloud=aws".into(),
+        format!("--metadata-endpoint={}", emu.base_url()),
+        "--poll-interval=200ms".into(),
+        "--checkpoint-timeout=20s".into(),
+        format!("--checkpoint-dir={}", dir.join("ckpt").display()),
+        format!("--state-dir={}", dir.join("state").display()),
+        format!("--checkpoint-pidfile={}", dir.join("trainer.pid").display()),
+        "--metrics-addr=127.0.0.1:0".into(),
+        "--gpu=off".into(),
+        "--log-level=warn".into(),
+        "--shutdown-grace=2s".into(),
+        format!("--webhook-url=http://{addr}/hook/agent"),
+        "--webhook-header=Authorization: Bearer agent-token".into(),
+    ];
+    let args = match spotguard::config::parse_cli(argv) {
+        spotguard::config::Parsed::Command(spotguard::config::Command::Run(r)) => *r,
+        spotguard::config::Parsed::Exit { text, .. } => panic!("{text}"),
+        _ => unreachable!(),
+    };
+    let cfg = spotguard::config::Config::resolve(args, &spotguard::config::ProcessEnv).unwrap();
+    let cancel = tokio_util::sync::CancellationToken::new();
+    let app = spotguard::app::start(cfg, cancel.clone()).await.unwrap();
+    let mut events = app.events;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    emu.raise(EmulatedNotice::interruption()).unwrap();
+    spotguard::testing::wait_for_event(&mut events, Duration::from_secs(30), |e| {
+        matches!(e, PlanEvent::Done { .. }).then_some(())
+    })
+    .await;
+
+    // Both messages arrive (the outcome is sent after Done, asynchronously).
+    let mut seen = rx.seen();
+    for _ in 0..100 {
+        if seen.len() >= 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        seen = rx.seen();
+    }
+    assert_eq!(seen.len(), 2, "{seen:?}");
+    assert!(seen.iter().all(|m| m.authorization == "Bearer agent-token"));
+    let start: serde_json::Value = serde_json::from_str(&seen[0].body).unwrap();
+    assert!(
+        start["text"]
+            .as_str()
+            .unwrap()
+            .contains("interruption notice"),
+        "{start}"
+    );
+    let end: serde_json::Value = serde_json::from_str(&seen[1].body).unwrap();
+    let text = end["text"].as_str().unwrap();
+    for part in ["handled after", "checkpoint 1 acked", "step 4242", "budget"] {
+        assert!(text.contains(part), "{text:?} lacks {part:?}");
+    }
+
+    let m = reqwest::get(format!("http://{}/metrics", app.admin_addr))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    for line in [
+        "spotguard_checkpoint_headroom_seconds_count 1",
+        "spotguard_checkpoint_last_acked_step 4242",
+        "spotguard_plans_total{outcome=\"completed\"} 1",
+        "spotguard_webhook_total{outcome=\"sent\"} 2",
+    ] {
+        assert!(m.contains(line), "{line} not in\n{m}");
+    }
+    cancel.cancel();
+    let _ = tokio::time::timeout(Duration::from_secs(5), app.join).await;
+    emu.shutdown().await;
+    let _ = trainer.kill().await;
 }

@@ -329,7 +329,7 @@ impl Shared {
             }
             Ok(ended)
         })?;
-        info!(cloud = %cloud, ended = ?ended, state = ?how, "emulator: events ended");
+        info!(cloud = %cloud, ended = %ended.join(","), state = %serde_json::to_value(how).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default(), "emulator: events ended");
         Ok(ended)
     }
 
@@ -340,7 +340,7 @@ impl Shared {
 
     pub(super) fn apply_fault(self: &Arc<Self>, fault: Fault, origin: Origin) -> Result<(), Error> {
         fault.validate(origin)?;
-        info!(cloud = %self.cfg.cloud, fault = ?fault, "emulator: fault applied");
+        info!(cloud = %self.cfg.cloud, fault = %serde_json::to_string(&fault).unwrap_or_default(), "emulator: fault applied");
         match fault.kind {
             FaultKind::Clear => {
                 self.lock_faults().clear();
