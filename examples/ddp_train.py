@@ -135,7 +135,7 @@ def main() -> int:
     ddp = DistributedDataParallel(model, device_ids=[local_rank] if backend == "nccl" else None)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
 
-    ckpt_dir: Path = args.ckpt_dir or Path(os.environ.get("CHECKPOINT_DIR") or "checkpoints")
+    ckpt_dir = (args.ckpt_dir or Path(os.environ.get("CHECKPOINT_DIR") or "checkpoints")).resolve()
     start = 0
     latest = latest_checkpoint(ckpt_dir)
     if latest is not None:

@@ -94,7 +94,7 @@ def loss_at(step: int) -> float:
 def main(argv: Optional[list] = None) -> int:
     args = parse_args(argv)
     guard_dir = spotguard.install()  # SIGUSR1 + SIGTERM; main thread, before the loop
-    ckpt_dir: Path = args.ckpt_dir or Path(os.environ.get("CHECKPOINT_DIR") or "checkpoints")
+    ckpt_dir = (args.ckpt_dir or Path(os.environ.get("CHECKPOINT_DIR") or "checkpoints")).resolve()
 
     start = 0
     found = latest_checkpoint(ckpt_dir)
