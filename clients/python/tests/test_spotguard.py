@@ -534,6 +534,7 @@ import torch.distributed as dist
 import spotguard
 
 every = int(sys.argv[1])
+via = sys.argv[2]
 d = pathlib.Path(os.environ["SPOTGUARD_DIR"])
 spotguard.install()
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=90))
@@ -543,9 +544,11 @@ step = 0
 while step < 20000:
     step += 1
     time.sleep(0.005)
-    if spotguard.should_checkpoint(every=every):
+    if spotguard.should_checkpoint(every=every, via=via):
         spotguard.ack("done", step=step)
-        print(json.dumps({"rank": rank, "step": step, "signalled": spotguard.requested()}))
+        side = spotguard._side_group is not None
+        print(json.dumps({"rank": rank, "step": step, "signalled": spotguard.requested(),
+                          "side_group": side}))
         dist.destroy_process_group()
         spotguard.exit_after_checkpoint()
 sys.exit(3)
@@ -558,8 +561,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("every", [1, 3])
-def test_should_checkpoint_all_ranks_agree_with_torch(guard_dir: Path, spawn, every: int) -> None:
+@pytest.mark.parametrize("every, via", [(1, "auto"), (3, "auto"), (1, "gloo"), (2, "default")])
+def test_should_checkpoint_all_ranks_agree_with_torch(guard_dir: Path, spawn, every: int,
+                                                      via: str) -> None:
     if importlib.util.find_spec("torch") is None:
         pytest.skip("torch is not installed (only this torch.distributed test needs it)")
     guard_dir.mkdir()
@@ -568,7 +572,7 @@ def test_should_checkpoint_all_ranks_agree_with_torch(guard_dir: Path, spawn, ev
     for rank in range(2):
         env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": "2",
                "RANK": str(rank), "LOCAL_RANK": str(rank)}
-        ranks.append(spawn(DDP, guard_dir, env=env, args=(str(every),), name=f"rank{rank}.py"))
+        ranks.append(spawn(DDP, guard_dir, env=env, args=(str(every), via), name=f"rank{rank}.py"))
     wait_for("both ranks to join", lambda: all((guard_dir / f"ready-{r}").exists() for r in range(2)),
              timeout=120)
     time.sleep(0.2)
@@ -583,6 +587,8 @@ def test_should_checkpoint_all_ranks_agree_with_torch(guard_dir: Path, spawn, ev
     assert [r["signalled"] for r in results] == [False, True]
     assert results[0]["step"] == results[1]["step"]
     assert results[0]["step"] % every == 0
+    # Under gloo, "auto" and "default" reduce through the default group; "gloo" made a side group.
+    assert [r["side_group"] for r in results] == [via == "gloo"] * 2
     for child, result in zip(ranks, results):
         body = read_json(guard_dir / f"ack-{child.pid}.json")
         assert body is not None and body["state"] == "done" and body["step"] == result["step"]
