@@ -33,7 +33,7 @@ fi
 echo "==> the wheel (target/wheels)"
 if ! ls target/wheels/spotguard-*.whl >/dev/null 2>&1; then
   bash scripts/deps/python.sh
-  maturin build --locked --profile wheel --out target/wheels
+  python3 -m maturin build --locked --profile wheel --out target/wheels
 fi
 "$PY" -m pip install --quiet --disable-pip-version-check --force-reinstall --no-deps target/wheels/spotguard-*.whl
 export PATH="$PWD/$VENV/bin:$PATH"

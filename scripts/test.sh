@@ -35,7 +35,7 @@ cargo test --locked --no-fail-fast
 echo "==> wheel: maturin build --profile wheel"
 wheel_start=$SECONDS
 rm -rf target/wheels
-maturin build --locked --profile wheel --out target/wheels
+python3 -m maturin build --locked --profile wheel --out target/wheels
 echo "wheel built in $((SECONDS - wheel_start))s: $(ls target/wheels)"
 
 echo "==> fresh venv with the wheel installed"

@@ -15,11 +15,11 @@ else
     "${PIP[@]}" 'pytest>=7,<9'
 fi
 
-if command -v maturin >/dev/null 2>&1; then
-    echo "python deps: $(maturin --version) already installed"
+if "$PYTHON" -m maturin --version >/dev/null 2>&1; then
+    echo "python deps: $("$PYTHON" -m maturin --version) already installed"
 else
     echo "python deps: installing maturin"
     "${PIP[@]}" 'maturin>=1.9,<2'
-    maturin --version
+    "$PYTHON" -m maturin --version
 fi
 "$PYTHON" -c 'import venv' || { echo "python deps: the venv module is missing (apt-get install python3-venv)" >&2; exit 1; }
