@@ -27,7 +27,10 @@ torchrun itself exits 1 when a worker exits non-zero, so the pod would report 1,
 the helper's launcher, which forwards SIGTERM/SIGINT/SIGHUP from the kubelet and turns "failed
 after a `done` ack" back into 143:
 
-    python3 clients/python/spotguard.py launch -- torchrun --nproc-per-node 8 examples/ddp_train.py
+    python3 -m spotguard launch -- torchrun --nproc-per-node 8 examples/ddp_train.py
+
+torchrun also prints a `ChildFailedError ... exitcode: 143` traceback on every such preemption:
+that is expected (its workers exited non-zero on purpose); the launcher's exit code is what counts.
 
 Multi-node: --ckpt-dir must be shared storage (EFS, Filestore, NFS) so every node resumes from it.
 """
@@ -42,10 +45,11 @@ import time
 from pathlib import Path
 from typing import Optional, Tuple
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "clients" / "python"))
-sys.path.insert(1, str(HERE))
-import spotguard  # noqa: E402
+try:
+    import spotguard  # pip install spotguard
+except ImportError:  # running from a checkout: the package lives in clients/python
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "clients" / "python"))
+    import spotguard
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -65,8 +69,11 @@ def parse_args() -> argparse.Namespace:
                    help="default: nccl when CUDA is available, else gloo")
     p.add_argument("--check-every", type=int, default=1,
                    help="run should_checkpoint()'s all-reduce every N steps")
+    p.add_argument("--via", choices=spotguard.AGREEMENT_PATHS, default="auto",
+                   help="where should_checkpoint()'s all-reduce runs (auto: CPU, no GPU sync)")
     p.add_argument("--ckpt-dir", type=Path, default=None,
-                   help="default: $SPOTGUARD_DIR/checkpoints (shared storage for multi-node)")
+                   help="default: $CHECKPOINT_DIR, else ./checkpoints (never SPOTGUARD_DIR, a "
+                        "small emptyDir in Kubernetes; shared storage for multi-node)")
     p.add_argument("--min-save-seconds", type=float, default=5.0,
                    help="ack skipped instead of saving when less time than this is left")
     p.add_argument("--log-every", type=int, default=100)
@@ -128,7 +135,7 @@ def main() -> int:
     ddp = DistributedDataParallel(model, device_ids=[local_rank] if backend == "nccl" else None)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
 
-    ckpt_dir: Path = args.ckpt_dir or spotguard.checkpoint_dir() / "checkpoints"
+    ckpt_dir = (args.ckpt_dir or Path(os.environ.get("CHECKPOINT_DIR") or "checkpoints")).resolve()
     start = 0
     latest = latest_checkpoint(ckpt_dir)
     if latest is not None:
@@ -154,7 +161,7 @@ def main() -> int:
             print(f"step {step}  loss {loss.item():.4f}", flush=True)
 
         # Collective: every rank calls it at this same point of every step.
-        if not spotguard.should_checkpoint(every=args.check_every):
+        if not spotguard.should_checkpoint(every=args.check_every, via=args.via):
             continue
         path = ckpt_dir / f"step-{step:08d}.pt"
         state, detail = checkpoint(rank, device, path, model, opt, step, args.min_save_seconds)

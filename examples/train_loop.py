@@ -8,7 +8,8 @@ your model, optimizer and torch.save; the control flow stays the same.
     SPOTGUARD_DIR=$(mktemp -d) python3 examples/train_loop.py & sleep 2; kill -USR1 $!; wait
 
 What happens:
-  start   resume from the newest checkpoint in --ckpt-dir (default $SPOTGUARD_DIR/checkpoints)
+  start   resume from the newest checkpoint in --ckpt-dir (default $CHECKPOINT_DIR, else
+          ./checkpoints: storage that outlives the node, never SPOTGUARD_DIR's small emptyDir)
   signal  SIGUSR1 (spotguard) or SIGTERM (kubelet): the helper sets a flag and acks "received"
   step    the current step finishes; the loop sees the flag at the step boundary
   save    write the checkpoint atomically, ack "done" with the step and path (or "skipped" when
@@ -27,11 +28,11 @@ import time
 from pathlib import Path
 from typing import Optional, Tuple
 
-HERE = Path(__file__).resolve().parent
-# The helper lives in clients/python of the repository; a copy next to this file works too.
-sys.path.insert(0, str(HERE.parent / "clients" / "python"))
-sys.path.insert(1, str(HERE))
-import spotguard  # noqa: E402
+try:
+    import spotguard  # pip install spotguard
+except ImportError:  # running from a checkout: the package lives in clients/python
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "clients" / "python"))
+    import spotguard
 
 CKPT_PREFIX = "step-"
 CKPT_SUFFIX = ".ckpt.json"
@@ -46,7 +47,9 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
         "--ckpt-dir",
         type=Path,
         default=None,
-        help="where checkpoints go (default: $SPOTGUARD_DIR/checkpoints)",
+        help="where checkpoints go (default: $CHECKPOINT_DIR, else ./checkpoints). Not "
+        "SPOTGUARD_DIR: in Kubernetes that is a small emptyDir that dies with the pod; use a PVC "
+        "on network storage or an object-store mount",
     )
     p.add_argument("--log-every", type=int, default=50, help="print progress every N steps")
     return p.parse_args(argv)
@@ -91,7 +94,7 @@ def loss_at(step: int) -> float:
 def main(argv: Optional[list] = None) -> int:
     args = parse_args(argv)
     guard_dir = spotguard.install()  # SIGUSR1 + SIGTERM; main thread, before the loop
-    ckpt_dir: Path = args.ckpt_dir or guard_dir / "checkpoints"
+    ckpt_dir = (args.ckpt_dir or Path(os.environ.get("CHECKPOINT_DIR") or "checkpoints")).resolve()
 
     start = 0
     found = latest_checkpoint(ckpt_dir)

@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import read_json, sig_caught, wait_for
+from conftest import CLIENT_DIR, FROM_SOURCE, read_json, sig_caught, wait_for
 
 import spotguard
 
@@ -533,6 +534,7 @@ import torch.distributed as dist
 import spotguard
 
 every = int(sys.argv[1])
+via = sys.argv[2]
 d = pathlib.Path(os.environ["SPOTGUARD_DIR"])
 spotguard.install()
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=90))
@@ -542,9 +544,11 @@ step = 0
 while step < 20000:
     step += 1
     time.sleep(0.005)
-    if spotguard.should_checkpoint(every=every):
+    if spotguard.should_checkpoint(every=every, via=via):
         spotguard.ack("done", step=step)
-        print(json.dumps({"rank": rank, "step": step, "signalled": spotguard.requested()}))
+        side = spotguard._side_group is not None
+        print(json.dumps({"rank": rank, "step": step, "signalled": spotguard.requested(),
+                          "side_group": side}))
         dist.destroy_process_group()
         spotguard.exit_after_checkpoint()
 sys.exit(3)
@@ -557,8 +561,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("every", [1, 3])
-def test_should_checkpoint_all_ranks_agree_with_torch(guard_dir: Path, spawn, every: int) -> None:
+@pytest.mark.parametrize("every, via", [(1, "auto"), (3, "auto"), (1, "gloo"), (2, "default")])
+def test_should_checkpoint_all_ranks_agree_with_torch(guard_dir: Path, spawn, every: int,
+                                                      via: str) -> None:
     if importlib.util.find_spec("torch") is None:
         pytest.skip("torch is not installed (only this torch.distributed test needs it)")
     guard_dir.mkdir()
@@ -567,7 +572,7 @@ def test_should_checkpoint_all_ranks_agree_with_torch(guard_dir: Path, spawn, ev
     for rank in range(2):
         env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": "2",
                "RANK": str(rank), "LOCAL_RANK": str(rank)}
-        ranks.append(spawn(DDP, guard_dir, env=env, args=(str(every),), name=f"rank{rank}.py"))
+        ranks.append(spawn(DDP, guard_dir, env=env, args=(str(every), via), name=f"rank{rank}.py"))
     wait_for("both ranks to join", lambda: all((guard_dir / f"ready-{r}").exists() for r in range(2)),
              timeout=120)
     time.sleep(0.2)
@@ -582,6 +587,8 @@ def test_should_checkpoint_all_ranks_agree_with_torch(guard_dir: Path, spawn, ev
     assert [r["signalled"] for r in results] == [False, True]
     assert results[0]["step"] == results[1]["step"]
     assert results[0]["step"] % every == 0
+    # Under gloo, "auto" and "default" reduce through the default group; "gloo" made a side group.
+    assert [r["side_group"] for r in results] == [via == "gloo"] * 2
     for child, result in zip(ranks, results):
         body = read_json(guard_dir / f"ack-{child.pid}.json")
         assert body is not None and body["state"] == "done" and body["step"] == result["step"]
@@ -616,6 +623,10 @@ if mode == "wait-signal":
     spotguard.ack("done", step=5, checkpoint="/ckpt/5")
     spotguard.exit_after_checkpoint()
 if mode == "done-then-fail":
+    spotguard.ack("done", step=1)
+    sys.exit(143)
+if mode == "slow-done-then-fail":  # a worker that lives long enough to be seen
+    time.sleep(1.5)
     spotguard.ack("done", step=1)
     sys.exit(143)
 if mode == "fail":
@@ -681,7 +692,7 @@ def test_launch_usage_errors(guard_dir: Path, spawn) -> None:
     for args in ((), ("launch",), ("launch", "--"), ("other",)):
         rc, out, err = spawn("import sys, spotguard; sys.exit(spotguard.main())", guard_dir,
                              name="usage.py", args=args).wait()
-        assert rc == 64 and "usage: spotguard.py launch" in err
+        assert rc == 64 and "usage: python3 -m spotguard launch" in err
     rc, out, err = spawn("import sys, spotguard; sys.exit(spotguard.main())", guard_dir,
                          name="missing.py", args=("launch", "/nonexistent/torchrun")).wait()
     assert rc == 127 and "cannot run" in err
@@ -712,3 +723,200 @@ def test_notice_written_before_install_is_a_leftover(guard_dir: Path, spawn) -> 
     rc, out, err = child.wait()
     assert rc == 0, err
     assert json.loads(out) == {"before": True, "after_install": False, "fresh": "new"}
+
+
+# ---------------------------------------------------------------------------------------------
+# install(): the checkpoint directory and the default-directory warning
+# ---------------------------------------------------------------------------------------------
+
+MKDIR = """
+import json, os, stat, sys, warnings
+import spotguard
+warnings.simplefilter("always")
+with warnings.catch_warnings(record=True) as caught:
+    d = spotguard.install()
+print(json.dumps({"dir": str(d), "mode": stat.S_IMODE(os.stat(d).st_mode),
+                  "warnings": [str(w.message) for w in caught]}))
+"""
+
+
+def test_install_creates_a_missing_dir_with_parents_as_1777(guard_dir: Path, spawn) -> None:
+    nested = guard_dir / "a" / "b"
+    rc, out, err = spawn(MKDIR, nested).wait()
+    assert rc == 0, err
+    result = json.loads(out)
+    assert result == {"dir": str(nested), "mode": 0o1777, "warnings": []}
+
+
+def test_install_leaves_an_existing_dir_alone(guard_dir: Path, spawn) -> None:
+    guard_dir.mkdir(mode=0o750)
+    os.chmod(guard_dir, 0o750)
+    rc, out, err = spawn(MKDIR, guard_dir).wait()
+    assert rc == 0, err
+    assert json.loads(out)["mode"] == 0o750
+
+
+def test_install_warns_when_it_cannot_create_the_dir(guard_dir: Path, spawn) -> None:
+    guard_dir.parent.joinpath("file").write_text("x")
+    script = MKDIR.replace('"mode": stat.S_IMODE(os.stat(d).st_mode),', "")
+    rc, out, err = spawn(script, guard_dir.parent / "file" / "sub").wait()
+    assert rc == 0, err
+    (warning,) = json.loads(out)["warnings"]
+    assert "cannot create the checkpoint directory" in warning and "timeout" in warning
+
+
+DEFAULT_DIR_WARNING = """
+import json, os, sys, warnings
+import spotguard
+spotguard.DEFAULT_DIR = sys.argv[1]          # keep the test out of the real /tmp/spotguard
+spotguard.HOST_AGENT_DIR = sys.argv[2]
+warnings.simplefilter("always")
+with warnings.catch_warnings(record=True) as caught:
+    d = spotguard.install()
+print(json.dumps({"dir": str(d), "warnings": [str(w.message) for w in caught],
+                  "category": [w.category.__name__ for w in caught]}))
+"""
+
+
+@pytest.mark.parametrize("host_agent", [False, True], ids=["no-host-agent", "host-agent-dir"])
+def test_install_without_spotguard_dir_warns(tmp_path: Path, spawn, host_agent: bool) -> None:
+    default = tmp_path / "default"
+    run_dir = tmp_path / "run-spotguard"
+    if host_agent:
+        run_dir.mkdir()
+    child = spawn(DEFAULT_DIR_WARNING, tmp_path, env={"SPOTGUARD_DIR": ""},
+                  args=(str(default), str(run_dir)))
+    rc, out, err = child.wait()
+    assert rc == 0, err
+    result = json.loads(out)
+    assert result["dir"] == str(default) and default.is_dir()
+    (warning,) = result["warnings"]
+    assert result["category"] == ["RuntimeWarning"]
+    assert "SPOTGUARD_DIR is not set" in warning and "timeout" in warning
+    assert (f"set SPOTGUARD_DIR={run_dir}" in warning) == host_agent
+
+
+@pytest.fixture
+def shared_tmp():
+    """A directory other uids can write in, like /tmp (pytest's tmp_path is under a root-only
+    0700 dir)."""
+    import shutil
+    import tempfile
+
+    d = Path(tempfile.mkdtemp(prefix="spotguard-uid-test-", dir="/tmp"))
+    os.chmod(d, 0o1777)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run the trainer and agent as other uids")
+def test_a_trainer_created_dir_is_writable_by_root_without_dac_override(shared_tmp: Path) -> None:
+    """The privileges we ship: the trainer runs as uid 1000 and creates SPOTGUARD_DIR; the agent is
+    uid 0 without CAP_DAC_OVERRIDE (the DaemonSet drops it) and must write notice.json there; a
+    trainer of a third uid must write its ack."""
+    import shutil
+
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("setpriv (util-linux) is not installed")
+    guard = shared_tmp / "a" / "guard"
+    env = dict(os.environ, SPOTGUARD_DIR=str(guard))
+    if FROM_SOURCE:
+        env["PYTHONPATH"] = str(CLIENT_DIR)
+    as_user = [setpriv, "--reuid=1000", "--regid=1000", "--clear-groups", sys.executable, "-c"]
+    subprocess.run(as_user + ["import spotguard; spotguard.install()"], env=env, check=True,
+                   timeout=60)
+    assert guard.stat().st_uid == 1000 and (guard.stat().st_mode & 0o7777) == 0o1777
+    no_dac = [setpriv, "--bounding-set=-dac_override,-dac_read_search", "--inh-caps=-all",
+              sys.executable, "-c"]
+    agent = subprocess.run(
+        no_dac + [f"open({str(guard / 'notice.json')!r}, 'w').write('{{}}')\n"
+                  "import os; print(os.geteuid())"],
+        capture_output=True, text=True, timeout=60)
+    assert agent.returncode == 0 and agent.stdout.strip() == "0", agent.stderr
+    other = [setpriv, "--reuid=1001", "--regid=1001", "--clear-groups", sys.executable, "-c"]
+    subprocess.run(other + ["import spotguard; spotguard.ack('done', step=1)"], env=env,
+                   check=True, timeout=60)
+    assert len(list(guard.glob("ack-*.json"))) == 1
+
+
+def test_should_checkpoint_rejects_an_unknown_agreement_path(guard_dir: Path, spawn) -> None:
+    script = ("import spotguard\n"
+              "try:\n    spotguard.should_checkpoint(via='nccl')\nexcept ValueError as e:\n"
+              "    print(e)\n")
+    rc, out, err = spawn(script, guard_dir).wait()
+    assert rc == 0 and "via must be one of auto, gloo, default" in out, err
+
+
+# ---------------------------------------------------------------------------------------------
+# launch: which acks belong to this run
+# ---------------------------------------------------------------------------------------------
+
+
+def test_launch_ignores_a_done_ack_written_just_before_it_started(guard_dir: Path, spawn,
+                                                                   tmp_path: Path) -> None:
+    """Back-to-back runs in one directory: the previous run's `done`, a moment old, must not turn
+    this run's plain failure into 143 (v0.1 looked back 0.5 s)."""
+    guard_dir.mkdir()
+    (guard_dir / "ack-4242.json").write_text(json.dumps(
+        {"state": "done", "step": 9, "checkpoint": None, "ts": time.time()}))
+    (guard_dir / "ack").write_text(json.dumps({"state": "done", "ts": time.time()}))
+    rc, out, err = _launch(spawn, guard_dir, tmp_path, "fail").wait()
+    assert rc == 1, err
+
+
+NOTICE_WORKER = """
+import json, os, sys, time, pathlib
+import spotguard
+
+d = pathlib.Path(os.environ["SPOTGUARD_DIR"])
+spotguard.install()
+notice = {"notice_id": sys.argv[1], "source": "aws", "kind": "interruption",
+          "deadline_unix": time.time() + 120, "checkpoint_deadline_unix": time.time() + 90,
+          "signal": "SIGUSR1"}
+(d / "notice.json").write_text(json.dumps(notice))     # as the agent does, during this run
+if sys.argv[2] == "stale-id":
+    # A `done` naming another notice (an earlier one), written now.
+    body = {"state": "done", "step": 3, "checkpoint": None, "ts": time.time(), "notice_id": "old"}
+    (d / f"ack-{os.getpid()}.json").write_text(json.dumps(body))
+else:
+    spotguard.ack("done", step=3)
+    print(json.loads((d / f"ack-{os.getpid()}.json").read_text())["notice_id"])
+sys.exit(143)
+"""
+
+
+@pytest.mark.parametrize("mode, expected", [("this-notice", 143), ("stale-id", 1)])
+def test_launch_matches_acks_by_notice_id(guard_dir: Path, spawn, tmp_path: Path, mode: str,
+                                          expected: int) -> None:
+    guard_dir.mkdir()
+    (tmp_path / "fake_torchrun.py").write_text(FAKE_LAUNCHER)
+    (tmp_path / "worker.py").write_text(NOTICE_WORKER)
+    launcher = spawn("import sys, spotguard; sys.exit(spotguard.main())", guard_dir,
+                     name="launcher.py",
+                     args=("launch", "--", sys.executable, str(tmp_path / "fake_torchrun.py"),
+                           str(tmp_path / "worker.py"), "n-123", mode))
+    rc, out, err = launcher.wait()
+    assert rc == expected, err
+    if mode == "this-notice":
+        assert out.strip() == "n-123"
+        assert "exiting 143" in err and "notice n-123" in err
+
+
+def test_launch_finds_spotguard_dir_in_the_workers_environment(guard_dir: Path, spawn,
+                                                                tmp_path: Path) -> None:
+    """`launch -- env SPOTGUARD_DIR=… torchrun …`: the launcher's own environment has no
+    SPOTGUARD_DIR; it finds the directory where the workers do."""
+    guard_dir.mkdir()
+    (tmp_path / "fake_torchrun.py").write_text(FAKE_LAUNCHER)
+    (tmp_path / "worker.py").write_text(WORKER)
+    default = tmp_path / "elsewhere"
+    script = ("import sys, spotguard\nspotguard.DEFAULT_DIR = sys.argv[1]\n"
+              "sys.exit(spotguard.main(sys.argv[2:]))")
+    launcher = spawn(script, guard_dir, name="launcher.py", env={"SPOTGUARD_DIR": ""},
+                     args=(str(default), "launch", "--", "env", f"SPOTGUARD_DIR={guard_dir}",
+                           sys.executable, str(tmp_path / "fake_torchrun.py"),
+                           str(tmp_path / "worker.py"), "slow-done-then-fail"))
+    rc, out, err = launcher.wait()
+    assert rc == 143, err
+    assert str(guard_dir) in err

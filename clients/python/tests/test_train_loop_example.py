@@ -18,7 +18,11 @@ EXAMPLE = REPO_ROOT / "examples" / "train_loop.py"
 
 
 def start(guard_dir: Path, *args: str) -> subprocess.Popen:
-    env = {"SPOTGUARD_DIR": str(guard_dir), "PATH": "/usr/bin:/bin"}
+    # Checkpoints go to CHECKPOINT_DIR (storage that outlives the node), never into SPOTGUARD_DIR.
+    env = {"SPOTGUARD_DIR": str(guard_dir), "CHECKPOINT_DIR": str(guard_dir.parent / "ckpt"),
+           "PATH": "/usr/bin:/bin"}
+    if os.environ.get("PYTHONPATH"):
+        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
     return subprocess.Popen(
         [sys.executable, "-u", str(EXAMPLE), "--step-time", "0.02", "--save-time", "0.05", *args],
         env=env,
@@ -68,7 +72,8 @@ def test_checkpoints_on_sigusr1_acks_done_and_resumes(tmp_path: Path) -> None:
     ack = read_json(guard / f"ack-{proc.pid}.json")
     assert ack is not None and ack["state"] == "done"
     ckpt = Path(ack["checkpoint"])
-    assert ckpt.parent == guard / "checkpoints"
+    assert ckpt.parent == guard.parent / "ckpt"
+    assert not (guard / "checkpoints").exists()
     assert json.loads(ckpt.read_text())["step"] == ack["step"]
     assert "SIGUSR1 received; checkpointing after step" in out
     assert "s left)" in out

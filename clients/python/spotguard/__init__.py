@@ -1,7 +1,10 @@
 """Training-side helper for spotguard's checkpoint protocol v1.
 
-One file, standard library only, importable without torch. Copy it next to your training script
-or put ``clients/python`` on ``PYTHONPATH``.
+Standard library only, importable without torch. ``pip install spotguard`` installs it together
+with the ``spotguard`` binary (the agent and ``spotguard drill``); from a checkout, put
+``clients/python`` on ``PYTHONPATH``. Framework glue lives in optional modules that import their
+framework only when imported themselves: :mod:`spotguard.lightning` (a Lightning callback) and
+:mod:`spotguard.hf` (a Hugging Face ``TrainerCallback``).
 
 spotguard (the node agent) writes ``<SPOTGUARD_DIR>/notice.json`` and then sends a signal
 (``SIGUSR1`` by default) to every process that *catches* it. This module:
@@ -34,12 +37,14 @@ Files (all written atomically: temp file in the same directory, fsync, rename, f
 * ``<dir>/ack``: a container-wide acknowledgement (:func:`ack_container`).
 
 ``<dir>`` is the ``dir`` given to :func:`install`, else ``$SPOTGUARD_DIR``, else
-``/tmp/spotguard``. Protocol reference: ``docs/checkpoint-protocol.md``.
+``/tmp/spotguard`` (the default of the pod annotation ``spotguard.io/checkpoint-dir``; the host
+agent's ``--checkpoint-dir`` defaults to ``/run/spotguard``, so on a VM set ``SPOTGUARD_DIR``:
+:func:`install` warns when it is unset). Protocol reference: ``docs/checkpoint-protocol.md``.
 
 Launchers: ``torchrun`` exits 1 when a worker exits 143, which Kubeflow and a Job
 ``podFailurePolicy`` read as a permanent failure. Run it through :func:`launch` to get 143 back::
 
-    python3 spotguard.py launch -- torchrun --nproc-per-node 8 train.py
+    python3 -m spotguard launch -- torchrun --nproc-per-node 8 train.py
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -60,6 +66,9 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 
 __all__ = [
     "ACK_STATES",
+    "AGREEMENT_PATHS",
+    "PROTOCOL_VERSION",
+    "__version__",
     "DEFAULT_DIR",
     "EXIT_CODE",
     "MAX_ACK_BYTES",
@@ -68,6 +77,7 @@ __all__ = [
     "ack_container",
     "ack_path",
     "clear",
+    "prepare_dir",
     "checkpoint_dir",
     "exit_after_checkpoint",
     "handler_error",
@@ -82,6 +92,15 @@ __all__ = [
     "time_left",
     "uninstall",
 ]
+
+#: The checkpoint protocol this helper speaks (docs/checkpoint-protocol.md, "v1"). The package
+#: version is the spotguard release (the crate's version, shared with the bundled binary); a
+#: release that changes the protocol bumps its minor version while < 1.0 (its major version after)
+#: and this number, so ``pip install 'spotguard>=0.1,<0.2'`` pins protocol 1.
+PROTOCOL_VERSION = 1
+
+#: The spotguard release this helper belongs to (the same as ``spotguard --version``).
+__version__ = "0.1.0"
 
 #: Where acks and the notice live when neither ``install(dir=…)`` nor ``$SPOTGUARD_DIR`` is set.
 DEFAULT_DIR = "/tmp/spotguard"
@@ -218,9 +237,20 @@ def _write_atomic(path: Path, data: bytes) -> None:
         os.close(dfd)
 
 
-def _ack_bytes(state: str, step: Optional[int], checkpoint: Optional[str]) -> bytes:
-    body = {"state": state, "step": step, "checkpoint": checkpoint, "ts": time.time()}
+def _ack_bytes(
+    state: str, step: Optional[int], checkpoint: Optional[str], notice_id: Optional[str] = None
+) -> bytes:
+    body: Dict[str, Any] = {"state": state, "step": step, "checkpoint": checkpoint, "ts": time.time()}
+    if notice_id:
+        # Optional and informational for the agent (it reads state/step/checkpoint/ts); it lets
+        # :func:`launch` tell this notice's acks from an earlier run's in the same directory.
+        body["notice_id"] = notice_id
     return json.dumps(body, separators=(",", ":")).encode()
+
+
+def _current_notice_id() -> Optional[str]:
+    n = notice()
+    return n.notice_id or None if n is not None else None
 
 
 def ack(
@@ -229,6 +259,9 @@ def ack(
     checkpoint: Union[str, "os.PathLike[str]", None] = None,
 ) -> Path:
     """Write this process's acknowledgement ``<dir>/ack-<pid>.json`` atomically.
+
+    A terminal ack also carries ``notice_id`` when a ``notice.json`` newer than :func:`install`
+    is present (the agent ignores it; :func:`launch` uses it to match acks to its own run).
 
     ``state`` is one of ``received``, ``done`` (checkpoint saved), ``skipped`` (the save could not
     fit the deadline) or ``failed``. ``step`` and ``checkpoint`` (a path, as the process sees it)
@@ -244,7 +277,8 @@ def ack(
             step = operator.index(step)  # accepts numpy / 0-d integer tensor steps too
         except TypeError:
             raise ValueError(f"step must be an int or None, got {step!r}") from None
-    data = _ack_bytes(state, step, None if checkpoint is None else os.fspath(checkpoint))
+    where = None if checkpoint is None else os.fspath(checkpoint)
+    data = _ack_bytes(state, step, where, _current_notice_id() if state != "received" else None)
     if len(data) > MAX_ACK_BYTES:
         raise ValueError(f"ack is {len(data)} bytes; the agent reads at most {MAX_ACK_BYTES}")
     path = ack_path()
@@ -260,7 +294,7 @@ def ack_container(
     launchers where one process saves on behalf of all). Content is informational JSON."""
     path = checkpoint_dir() / "ack"
     where = None if checkpoint is None else os.fspath(checkpoint)
-    _write_atomic(path, _ack_bytes("done", step, where))
+    _write_atomic(path, _ack_bytes("done", step, where, _current_notice_id()))
     return path
 
 
@@ -393,6 +427,10 @@ def install(
 
     Idempotent: calling it again (with the same or other signals) does not wrap itself. ``dir``
     overrides ``$SPOTGUARD_DIR``. Forked children get their previous dispositions back.
+
+    It creates the checkpoint directory when missing (:func:`prepare_dir`: mode ``0o1777``), and
+    warns (``RuntimeWarning``) when neither ``dir`` nor ``$SPOTGUARD_DIR`` is set or when the
+    directory cannot be created: a directory the agent does not write to ends in its timeout.
     Returns the checkpoint directory. Raises ``RuntimeError`` outside the main thread.
     """
     global _dir, _chain, _owner_pid, _fork_hook_registered, _installed_at
@@ -422,7 +460,58 @@ def install(
     if not _fork_hook_registered:
         os.register_at_fork(after_in_child=_reset_in_child)
         _fork_hook_registered = True
-    return checkpoint_dir()
+    if dir is None and not os.environ.get("SPOTGUARD_DIR") and _dir is None:
+        _warn_default_dir()
+    directory = checkpoint_dir()
+    try:
+        prepare_dir(directory)
+    except OSError as err:
+        warnings.warn(
+            f"spotguard: cannot create the checkpoint directory {directory}: {err}; the agent "
+            "cannot write notice.json there and this process cannot ack (the agent's wait for "
+            "it would end in a timeout)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    return directory
+
+
+#: The host agent's default ``--checkpoint-dir`` (the systemd unit's RuntimeDirectory).
+HOST_AGENT_DIR = "/run/spotguard"
+
+
+def _warn_default_dir() -> None:
+    hint = ""
+    if os.path.isdir(HOST_AGENT_DIR):
+        hint = (
+            f" {HOST_AGENT_DIR} exists: a host agent (systemd unit) writes there, and its "
+            f"private /tmp never sees {DEFAULT_DIR}; set SPOTGUARD_DIR={HOST_AGENT_DIR}."
+        )
+    warnings.warn(
+        f"spotguard: SPOTGUARD_DIR is not set; using {DEFAULT_DIR}. The agent writes notice.json "
+        "to the pod annotation spotguard.io/checkpoint-dir (default /tmp/spotguard) in "
+        f"Kubernetes and to --checkpoint-dir (default {HOST_AGENT_DIR}) on a host: set "
+        "SPOTGUARD_DIR to that path, or a preemption ends in the agent's timeout." + hint,
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+def prepare_dir(path: Union[str, "os.PathLike[str]"]) -> bool:
+    """Create the checkpoint directory (with its parents) when it is missing. A directory this
+    call created gets mode ``0o1777`` (sticky, world-writable, like ``/tmp``): the agent writes
+    ``notice.json`` into it as root *without* ``CAP_DAC_OVERRIDE`` (the DaemonSet drops it), and
+    trainers of any uid write their acks. An existing directory is left as it is (an emptyDir is
+    already 0777). Returns whether it created the directory. Called by :func:`install`."""
+    target = os.fspath(path)
+    try:
+        os.makedirs(target)
+    except FileExistsError:
+        if not os.path.isdir(target):
+            raise NotADirectoryError(f"{target} exists and is not a directory") from None
+        return False
+    os.chmod(target, 0o1777)  # makedirs applies the umask; set the mode explicitly
+    return True
 
 
 def uninstall() -> None:
@@ -453,21 +542,46 @@ def _distributed() -> Any:
     return None
 
 
-def _all_reduce_max(dist: Any, local: bool) -> bool:
+_side_group: Any = None
+
+#: The ways :func:`should_checkpoint` can agree across ranks (its ``via`` argument).
+AGREEMENT_PATHS = ("auto", "gloo", "default")
+
+
+def _agreement_group(dist: Any, via: str) -> Tuple[Any, Any]:
+    """(process group, device) for the agreement all-reduce. ``None`` as the group means the
+    default group."""
+    global _side_group
     torch = sys.modules["torch"]
     backend = str(dist.get_backend()).lower()
-    # A tensor must live where the backend can reduce it: NCCL only reduces CUDA tensors, gloo
-    # reduces CPU tensors (a mixed "cpu:gloo,cuda:nccl" backend takes CPU tensors through gloo).
-    if "nccl" in backend and "gloo" not in backend:
-        device = torch.device("cuda", torch.cuda.current_device())
-    else:
-        device = torch.device("cpu")
+    cpu_capable = "gloo" in backend or "nccl" not in backend
+    if via == "default":
+        # A tensor must live where the backend can reduce it: NCCL only reduces CUDA tensors, gloo
+        # reduces CPU tensors (a mixed "cpu:gloo,cuda:nccl" backend takes CPU tensors via gloo).
+        if cpu_capable:
+            return None, torch.device("cpu")
+        return None, torch.device("cuda", torch.cuda.current_device())
+    if via == "auto" and cpu_capable:
+        return None, torch.device("cpu")
+    # A gloo group over the same ranks, made once: a CPU tensor, no CUDA stream sync. new_group
+    # is itself a collective, and every rank reaches it here at the same call.
+    if _side_group is None:
+        _side_group = dist.new_group(backend="gloo")
+    return _side_group, torch.device("cpu")
+
+
+def _all_reduce_max(dist: Any, local: bool, via: str) -> bool:
+    torch = sys.modules["torch"]
+    group, device = _agreement_group(dist, via)
     flag = torch.tensor([1 if local else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if group is None:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    else:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     return bool(flag.item())
 
 
-def should_checkpoint(every: int = 1) -> bool:
+def should_checkpoint(every: int = 1, *, via: str = "auto") -> bool:
     """Whether to checkpoint now. Call it at the same point of every step (after the optimizer
     step) in *every* rank.
 
@@ -475,13 +589,28 @@ def should_checkpoint(every: int = 1) -> bool:
     on every call). With one, it is a collective: an all-reduce (MAX) of the local flag, so that
     a signal seen by any rank — ranks get it at slightly different times — makes all ranks
     checkpoint at the same step. Every rank must call it the same number of times, or the
-    collective hangs. ``every=N`` runs the all-reduce on every N-th call only (returning False in
-    between) to amortise its cost; the answer arrives at most N-1 steps later. Once the ranks agreed
-    on True it stays True without further collectives until :func:`clear`.
+    collective hangs. Once the ranks agreed on True it stays True without further collectives
+    until :func:`clear`.
+
+    ``via`` chooses where the all-reduce runs:
+
+    * ``"auto"`` (default): on the CPU. Under gloo (or a mixed ``cpu:gloo,cuda:nccl`` backend)
+      through the default group; under NCCL through a gloo side group over the same ranks, made
+      once on the first call. No CUDA tensor, so no per-step GPU synchronisation (``.item()`` on
+      a CUDA tensor waits for every kernel queued before it).
+    * ``"gloo"``: always the gloo side group.
+    * ``"default"``: the default group, on a CUDA tensor under NCCL (v0.1's behaviour: a GPU sync
+      per call).
+
+    ``every=N`` runs the all-reduce on every N-th call only (returning False in between) to
+    amortise its cost: the answer arrives at most N-1 steps later, so a checkpoint starts up to
+    (N-1) x step time after the signal. Keep that well under the budget (about 20 s on GCE).
     """
     global _agreed, _calls
     if every < 1:
         raise ValueError(f"every must be >= 1, got {every}")
+    if via not in AGREEMENT_PATHS:
+        raise ValueError(f"via must be one of {', '.join(AGREEMENT_PATHS)}; got {via!r}")
     if _agreed:
         return True
     dist = _distributed()
@@ -492,7 +621,7 @@ def should_checkpoint(every: int = 1) -> bool:
     _calls += 1
     if _calls % every != 0:
         return False
-    if _all_reduce_max(dist, _requested):
+    if _all_reduce_max(dist, _requested, via):
         _agreed = True
     return _agreed
 
@@ -525,31 +654,153 @@ def exit_after_checkpoint(code: int = EXIT_CODE, *, hard: bool = True) -> None:
 LAUNCH_FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
-def _done_acked_since(since: float) -> bool:
-    """Whether any process acked ``done`` (or the plain ``ack`` appeared) at or after ``since``."""
-    directory = checkpoint_dir()
-    plain = directory / "ack"
+def _read_json_file(path: Path) -> Optional[Dict[str, Any]]:
     try:
-        if plain.stat().st_mtime >= since:
-            return True
+        with open(path, "rb") as f:
+            data = f.read(MAX_ACK_BYTES + 1)
     except OSError:
-        pass
-    for path in directory.glob("ack-*.json"):
-        try:
-            if path.stat().st_mtime < since:
+        return None
+    if len(data) > MAX_ACK_BYTES:
+        return None
+    try:
+        body = json.loads(data.decode("utf-8"))
+    except ValueError:
+        return None
+    return body if isinstance(body, dict) else None
+
+
+def _launch_notice(directory: Path, started: float, before: Optional[str]) -> Optional[str]:
+    """The id of the ``notice.json`` the agent wrote into ``directory`` during this launch: its
+    id differs from the one there at the start (``before``) or the file is newer than the start."""
+    path = directory / "notice.json"
+    body = _read_json_file(path)
+    if body is None or not body.get("notice_id"):
+        return None
+    nid = str(body["notice_id"])
+    try:
+        newer = path.stat().st_mtime >= started
+    except OSError:
+        return None
+    return nid if (nid != before or newer) else None
+
+
+def _done_acks(directory: Path, started: float, before: Optional[str]) -> List[str]:
+    """Descriptions of the ``done`` acks in ``directory`` that belong to this launch: written
+    after it started (by the ack's own ``ts``, the writer's clock, which is this host's clock: no
+    look-back), and, when the ack names a notice, naming the notice written during this launch.
+    A ``done`` left by an earlier run (same directory, back-to-back runs) never counts."""
+    this_notice = _launch_notice(directory, started, before)
+    found = []
+    candidates = [directory / "ack"] + sorted(directory.glob("ack-*.json"))
+    for path in candidates:
+        body = _read_json_file(path)
+        if path.name == "ack":
+            if body is None:  # the plain ack may hold anything: go by its time
+                try:
+                    if path.exists() and path.stat().st_mtime >= started:
+                        found.append(f"{path.name}")
+                except OSError:
+                    pass
                 continue
-            body = json.loads(path.read_bytes().decode("utf-8"))
-        except (OSError, ValueError):
+        elif body is None or body.get("state") != "done":
             continue
-        if isinstance(body, dict) and body.get("state") == "done":
-            return True
-    return False
+        ts = body.get("ts")
+        if isinstance(ts, bool) or not isinstance(ts, (int, float)) or ts < started:
+            continue
+        nid = body.get("notice_id")
+        if nid is not None and str(nid) != this_notice:
+            continue
+        found.append(f"{path.name} (step {body.get('step')}, notice {nid or '-'})")
+    return found
+
+
+def _environ_dir(pid: int) -> Optional[str]:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = f.read()
+    except OSError:
+        return None
+    for item in env.split(b"\0"):
+        if item.startswith(b"SPOTGUARD_DIR="):
+            value = item[len(b"SPOTGUARD_DIR=") :].decode("utf-8", "replace")
+            return value or None
+    return None
+
+
+def _descendants(root: int) -> List[int]:
+    children: Dict[int, List[int]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for name in entries:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat.rpartition(b")")[2].split()
+        if len(fields) > 1:
+            children.setdefault(int(fields[1]), []).append(int(name))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(children.get(pid, ()))
+    return out
+
+
+class _DirWatch:
+    """Finds the checkpoint directories of a launch the way its workers do: from the
+    ``SPOTGUARD_DIR`` in each process's environment (``launch -- env SPOTGUARD_DIR=… torchrun``
+    sets it for the workers only). Polls the child's process tree from a thread until stopped."""
+
+    def __init__(self, root: int, interval: float = 0.5) -> None:
+        self.root = root
+        self.interval = interval
+        self.dirs: Dict[str, Optional[str]] = {}  # dir -> notice id present when first seen
+        self._seen: set = set()
+        self._stop = threading.Event()
+        self.add(str(checkpoint_dir()))
+        self._thread = threading.Thread(target=self._run, name="spotguard-launch-dirs", daemon=True)
+        self._thread.start()
+
+    def add(self, directory: str) -> None:
+        if directory not in self.dirs:
+            body = _read_json_file(Path(directory) / "notice.json")
+            self.dirs[directory] = str(body.get("notice_id")) if body else None
+
+    def scan(self) -> None:
+        for pid in _descendants(self.root):
+            if pid in self._seen:
+                continue
+            self._seen.add(pid)
+            found = _environ_dir(pid)
+            if found:
+                self.add(found)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.scan()
+            self._stop.wait(self.interval)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def launch(argv: Sequence[str], forward: Iterable[int] = LAUNCH_FORWARDED) -> int:
     """Run a launcher such as ``torchrun`` as a child and return the exit code the pod should
     report: 143 when it failed after a checkpoint was acked ``done`` during this run (torchrun
     turns its workers' 143 into 1), else the child's own code (128 + N when killed by signal N).
+
+    Which acks count: ``done`` acks written after the launch started (by the ack's ``ts``) and,
+    when they name a notice, naming the ``notice.json`` the agent wrote during this launch. The
+    directories searched are this process's :func:`checkpoint_dir` and every ``SPOTGUARD_DIR``
+    found in the environment of the child's process tree (polled while it runs), so
+    ``launch -- env SPOTGUARD_DIR=/ckpt torchrun …`` works too.
 
     ``SIGTERM``, ``SIGINT`` and ``SIGHUP`` received by this process (the container's PID 1, which
     is what the kubelet signals) are forwarded to the child. ``SIGUSR1`` is deliberately not
@@ -560,9 +811,9 @@ def launch(argv: Sequence[str], forward: Iterable[int] = LAUNCH_FORWARDED) -> in
         raise ValueError("launch: no command given")
     if threading.current_thread() is not threading.main_thread():
         raise RuntimeError("spotguard.launch() must be called from the main thread")
-    # File times come from the kernel's coarse clock, a few ms behind time.time(): allow for it.
-    started = time.time() - 0.5
+    started = time.time()
     child = subprocess.Popen(list(argv))
+    watch = _DirWatch(child.pid)
 
     def relay(signum: int, frame: Optional[FrameType]) -> None:
         try:
@@ -578,17 +829,28 @@ def launch(argv: Sequence[str], forward: Iterable[int] = LAUNCH_FORWARDED) -> in
     finally:
         for s, previous in saved.items():
             signal.signal(s, previous if previous is not None else signal.SIG_DFL)
+        watch.stop()
     if rc < 0:
         rc = 128 - rc
-    if rc != 0 and _done_acked_since(started):
-        return EXIT_CODE
+    if rc == 0 or rc == EXIT_CODE:
+        return rc
+    for directory, before in watch.dirs.items():
+        acks = _done_acks(Path(directory), started, before)
+        if acks:
+            print(
+                f"spotguard launch: {argv[0]} exited {rc} after this run's checkpoint "
+                f"({', '.join(acks)} in {directory}): exiting {EXIT_CODE} (retryable)",
+                file=sys.stderr,
+                flush=True,
+            )
+            return EXIT_CODE
     return rc
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """``python3 spotguard.py launch [--] CMD ARGS…`` (see :func:`launch`)."""
+    """``python3 -m spotguard launch [--] CMD ARGS…`` (see :func:`launch`)."""
     args = list(sys.argv[1:] if argv is None else argv)
-    usage = "usage: spotguard.py launch [--] CMD [ARGS...]"
+    usage = "usage: python3 -m spotguard launch [--] CMD [ARGS...]"
     if not args or args[0] != "launch":
         print(usage, file=sys.stderr)
         return 64
@@ -601,7 +863,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         return launch(cmd)
     except OSError as err:
-        print(f"spotguard.py launch: cannot run {cmd[0]!r}: {err}", file=sys.stderr)
+        print(f"spotguard launch: cannot run {cmd[0]!r}: {err}", file=sys.stderr)
         return 127
 
 

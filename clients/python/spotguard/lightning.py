@@ -1,10 +1,9 @@
-#!/usr/bin/env python3
-"""A PyTorch Lightning callback that checkpoints when spotguard asks, and a tiny runnable demo.
+"""A PyTorch Lightning callback that checkpoints when spotguard asks.
 
-Needs `lightning` (or the older `pytorch_lightning`) and torch; importing this file where neither
-is installed raises ImportError. The spotguard helper itself needs neither.
+Needs ``lightning`` (or the older ``pytorch_lightning``) and torch: importing this module where
+neither is installed raises ImportError. ``import spotguard`` itself needs neither.
 
-    from lightning_callback import SpotguardCheckpoint, latest_checkpoint
+    from spotguard.lightning import SpotguardCheckpoint, latest_checkpoint
 
     guard = SpotguardCheckpoint(dirpath="/ckpt/run-1")
     trainer = Trainer(callbacks=[guard], ...)
@@ -21,22 +20,19 @@ one installed before it (ours). On SIGTERM it raises SIGTERMException (a SystemE
 at the next batch; this callback has saved by then and turns the code into 143, so a preempted
 job is never reported as succeeded. Do not enable SLURM auto-requeue on the same SIGUSR1.
 
-Demo (CPU, a few seconds):
-    SPOTGUARD_DIR=$(mktemp -d) python3 examples/lightning_callback.py & sleep 8; kill -USR1 $!; wait
+Mid-epoch resume: the checkpoint records the batch position, but a plain DataLoader is not
+resumable (Lightning warns so): after the restart the epoch's batches are drawn again from the
+start of a fresh iterator, so some samples of that epoch are seen twice. A runnable demo is
+``examples/lightning_train.py``.
 """
 
 from __future__ import annotations
 
-import os
 import signal
-import sys
 from pathlib import Path
 from typing import Any, Iterable, Optional, Union
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "clients" / "python"))
-sys.path.insert(1, str(HERE))
-import spotguard  # noqa: E402
+import spotguard
 
 try:
     import lightning.pytorch as pl
@@ -44,6 +40,8 @@ try:
 except ImportError:  # the pre-2.0 package name
     import pytorch_lightning as pl  # type: ignore[no-redef]
     from pytorch_lightning.callbacks import Callback  # type: ignore[no-redef]
+
+__all__ = ["SpotguardCheckpoint", "latest_checkpoint"]
 
 PREFIX = "spotguard-step"
 SUFFIX = ".ckpt"
@@ -60,9 +58,13 @@ class SpotguardCheckpoint(Callback):
     """Save a checkpoint, ack it and stop when spotguard signals (see the module docstring).
 
     Args:
-        dirpath: where checkpoints go (default ``$SPOTGUARD_DIR/checkpoints``); shared storage
-            when ranks run on several nodes.
-        every: run ``should_checkpoint``'s all-reduce every N batches (amortises its cost).
+        dirpath: where checkpoints go (default ``<trainer.default_root_dir>/checkpoints``):
+            storage that outlives the node (a PVC on network storage, not the small emptyDir of
+            ``SPOTGUARD_DIR``), shared when ranks run on several nodes.
+        every: run ``should_checkpoint``'s all-reduce every N batches (amortises its cost; the
+            save starts up to N-1 batches after the signal).
+        via: where that all-reduce runs (see :func:`spotguard.should_checkpoint`; the default
+            ``"auto"`` keeps it on the CPU, no per-batch GPU sync).
         exit_code: the process exit code after a spotguard checkpoint (``None``: leave it to
             your script; check :attr:`checkpointed` after ``fit``).
         signals: what :func:`spotguard.install` catches.
@@ -72,12 +74,14 @@ class SpotguardCheckpoint(Callback):
         self,
         dirpath: Union[str, Path, None] = None,
         every: int = 1,
+        via: str = "auto",
         exit_code: Optional[int] = spotguard.EXIT_CODE,
         signals: Iterable[int] = (signal.SIGUSR1, signal.SIGTERM),
     ) -> None:
         super().__init__()
         self.dirpath = Path(dirpath) if dirpath is not None else None
         self.every = every
+        self.via = via
         self.exit_code = exit_code
         self.signals = tuple(signals)
         #: The checkpoint path once saved (also set on ranks that did not write it).
@@ -85,9 +89,9 @@ class SpotguardCheckpoint(Callback):
 
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if stage == "fit":
-            guard_dir = spotguard.install(self.signals)
+            spotguard.install(self.signals)
             if self.dirpath is None:
-                self.dirpath = guard_dir / "checkpoints"
+                self.dirpath = Path(trainer.default_root_dir) / "checkpoints"
 
     def on_train_batch_end(
         self,
@@ -98,7 +102,9 @@ class SpotguardCheckpoint(Callback):
         batch_idx: int,
     ) -> None:
         # Every rank reaches this hook at the same batch: the collective inside is safe here.
-        if self.checkpointed is not None or not spotguard.should_checkpoint(every=self.every):
+        if self.checkpointed is not None or not spotguard.should_checkpoint(
+            every=self.every, via=self.via
+        ):
             return
         assert self.dirpath is not None
         step = trainer.global_step
@@ -131,46 +137,3 @@ class SpotguardCheckpoint(Callback):
             and not exception.code
         ):
             exception.code = self.exit_code
-
-
-def _demo() -> None:
-    import torch
-    from torch import nn
-    from torch.utils.data import DataLoader, TensorDataset
-
-    class Tiny(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = nn.Linear(16, 1)
-
-        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            x, y = batch
-            return nn.functional.mse_loss(self.net(x), y)
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.SGD(self.parameters(), lr=0.05)
-
-    torch.manual_seed(0)
-    x = torch.randn(20_000, 16)
-    data = DataLoader(TensorDataset(x, x.sum(dim=1, keepdim=True) * 0.1), batch_size=8)
-    guard = SpotguardCheckpoint()
-    ckpt_dir = spotguard.checkpoint_dir() / "checkpoints"
-    resume = latest_checkpoint(ckpt_dir)
-    if resume:
-        print(f"resuming from {resume}", flush=True)
-    trainer = pl.Trainer(
-        max_epochs=3,
-        accelerator="cpu",
-        callbacks=[guard],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    print(f"training (pid {os.getpid()}); send SIGUSR1 or SIGTERM to checkpoint", flush=True)
-    trainer.fit(Tiny(), data, ckpt_path=resume)
-    print("training finished", flush=True)
-
-
-if __name__ == "__main__":
-    _demo()

@@ -1,0 +1,531 @@
+//! The drill's verdict: what happened (one `Verdict` per run), the judgement (PASS/FAIL and why),
+//! and its three renderings: the table on stdout, `--json` and `--junit FILE`.
+
+use std::fmt::Write as _;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use jiff::Timestamp;
+use serde_json::{json, Value};
+
+use super::wait::HandlerWait;
+use super::DrillCloud;
+use crate::checkpoint::run::GroupResult;
+use crate::checkpoint::Outcome;
+use crate::notice::store;
+
+/// How the command ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExitInfo {
+    /// The shell-style code: the exit code, or 128 + N when killed by signal N.
+    pub code: i32,
+    /// The signal that killed it, if it was killed.
+    pub signal: Option<i32>,
+    /// The drill stopped it (SIGTERM, then SIGKILL) because it was still running after its
+    /// checkpoint result.
+    pub killed_by_drill: bool,
+}
+
+/// One `ack-<pid>.json` (or the plain `ack`) found in the checkpoint dir after the run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AckRow {
+    /// `ack-<pid>.json`, or `ack`.
+    pub file: String,
+    pub state: String,
+    pub step: Option<i64>,
+    pub checkpoint: Option<String>,
+    /// The ack's own `ts` (the writer's clock).
+    pub written: Option<Timestamp>,
+}
+
+/// Everything one drill run observed.
+#[derive(Debug, Clone)]
+pub struct Verdict {
+    pub pass: bool,
+    pub reason: String,
+    pub cloud: DrillCloud,
+    pub command: String,
+    pub checkpoint_dir: PathBuf,
+    pub handler: HandlerWait,
+    pub started_at: Timestamp,
+    pub raised_at: Option<Timestamp>,
+    pub seen_at: Option<Timestamp>,
+    pub signalled_at: Option<Timestamp>,
+    pub processes: usize,
+    pub checkpoint_deadline: Option<Timestamp>,
+    pub deadline: Option<Timestamp>,
+    pub result_at: Option<Timestamp>,
+    pub results: Vec<GroupResult>,
+    pub acks: Vec<AckRow>,
+    pub exit: Option<ExitInfo>,
+    /// When the drill sent its clean-up SIGTERM (the command outlived its result).
+    pub drill_terminated_at: Option<Timestamp>,
+    /// Set when the run could not reach a result (the command exited first, the pipeline stalled).
+    pub error: Option<String>,
+}
+
+/// How an ack relates to the run's timeline.
+fn ack_note(v: &Verdict, a: &AckRow) -> Option<String> {
+    let t = a.written?;
+    if let Some(s) = v.signalled_at {
+        if t < s {
+            return Some("before the signal: an earlier run's".into());
+        }
+    }
+    let mut notes = Vec::new();
+    if v.checkpoint_deadline.is_some_and(|cd| t > cd) {
+        notes.push("late: after the budget");
+    }
+    if v.drill_terminated_at.is_some_and(|k| t >= k) {
+        notes.push("after the drill's clean-up SIGTERM");
+    }
+    (!notes.is_empty()).then(|| notes.join("; "))
+}
+
+fn signal_name(sig: i32) -> String {
+    match sig {
+        libc::SIGTERM => "SIGTERM".into(),
+        libc::SIGKILL => "SIGKILL".into(),
+        libc::SIGUSR1 => "SIGUSR1".into(),
+        libc::SIGUSR2 => "SIGUSR2".into(),
+        libc::SIGINT => "SIGINT".into(),
+        libc::SIGSEGV => "SIGSEGV".into(),
+        libc::SIGABRT => "SIGABRT".into(),
+        n => format!("signal {n}"),
+    }
+}
+
+/// The command-exit row's label.
+pub fn exit_label(e: &ExitInfo) -> String {
+    if e.killed_by_drill {
+        return match e.signal {
+            Some(s) => format!(
+                "killed by the drill ({}): still running when the drill ended",
+                signal_name(s)
+            ),
+            None => format!(
+                "exited {} on the drill's SIGTERM: still running when the drill ended",
+                e.code
+            ),
+        };
+    }
+    if let Some(s) = e.signal {
+        return format!("killed by {}", signal_name(s));
+    }
+    match e.code {
+        143 => "143 = 128 + SIGTERM: retryable (Kubeflow ExitCode policy, Job podFailurePolicy rule)".into(),
+        0 => "0 = success: a Job counts the preempted run as complete and never resumes it".into(),
+        1..=127 => format!("{} = permanent failure for Kubeflow's ExitCode policy and a podFailurePolicy FailJob rule", e.code),
+        c => format!("{c}: retryable for Kubeflow's ExitCode policy; a podFailurePolicy must list it (the documented rule lists 143)"),
+    }
+}
+
+fn waited(d: Duration) -> String {
+    format!("{:.1}s", d.as_secs_f64())
+}
+
+/// Decide PASS/FAIL and say why.
+pub fn judge(v: &mut Verdict, signal: &str, timeout: Duration) {
+    if let Some(e) = &v.error {
+        v.pass = false;
+        v.reason = e.clone();
+        return;
+    }
+    let outcome = v
+        .results
+        .iter()
+        .map(|r| r.outcome)
+        .find(|o| !matches!(o, Outcome::Acked | Outcome::Exited))
+        .or_else(|| v.results.first().map(|r| r.outcome));
+    let launcher = if v.command.contains("torchrun") || v.command.contains("torch.distributed.run")
+    {
+        "torchrun exits 1 when its workers exit 143: start it as `python3 -m spotguard launch -- torchrun …`, which exits 143 after this run's checkpoint"
+    } else {
+        "exit 143 after the checkpoint (spotguard.exit_after_checkpoint()); a launcher that turns its workers' 143 into 1 (torchrun) goes under `python3 -m spotguard launch -- …`"
+    };
+    let (pass, reason) = match outcome {
+        None => (false, "no checkpoint target found (did the command start?)".to_string()),
+        Some(Outcome::NoHandler) => (
+            false,
+            match &v.handler {
+                HandlerWait::NotFound { waited: w } => format!(
+                    "no process of the command ever caught {signal} (waited {} for a handler after start): install one (import spotguard; spotguard.install())",
+                    waited(*w)
+                ),
+                HandlerWait::Found { handler, .. } => format!(
+                    "pid {} caught {signal} before the notice but no process caught it when the agent signalled (handler removed, or the process exited)",
+                    handler.pid
+                ),
+                HandlerWait::NotWaited => format!(
+                    "no process of the command caught {signal} when the agent signalled: install a handler (spotguard.install()), or drop --after-start so the drill waits for it"
+                ),
+            },
+        ),
+        Some(Outcome::Timeout) => (
+            false,
+            format!(
+                "no terminal ack within the checkpoint budget (min(--timeout {}, deadline − drain reserve)) — the save does not fit this cloud's window",
+                humantime::format_duration(timeout)
+            ),
+        ),
+        Some(Outcome::Skipped) => (false, "the process acked `skipped`: it judged the save would not fit".into()),
+        Some(Outcome::Failed) => (false, "a process acked `failed`, or exited without acking `done`".into()),
+        Some(Outcome::Error) => (false, "spotguard could not signal or read acks (rerun with --log-level info)".into()),
+        Some(Outcome::Acked | Outcome::Exited) => match &v.exit {
+            None => (false, "the command did not exit, even after the drill's SIGTERM and SIGKILL".into()),
+            Some(e) if e.killed_by_drill => (
+                false,
+                "checkpointed, but kept running after its result until the drill stopped it: exit after the checkpoint (spotguard.exit_after_checkpoint())".into(),
+            ),
+            Some(e) if e.signal.is_some() => (false, format!("checkpointed, then {}", exit_label(e))),
+            Some(e) if e.code == 143 => (true, "acknowledged `done` within the budget and exited 143".into()),
+            Some(e) if e.code == 0 => (
+                false,
+                "checkpointed, but exit 0 marks a Job (and a Kubeflow job) succeeded, so it would never resume: exit 143 (spotguard.exit_after_checkpoint())".into(),
+            ),
+            Some(e) if e.code < 128 => (
+                false,
+                format!(
+                    "checkpointed, but exit {} after the acks fails the Job: a podFailurePolicy FailJob rule (and Kubeflow's ExitCode policy) treat 1–127 as permanent. {launcher}",
+                    e.code
+                ),
+            ),
+            Some(e) => (true, format!("acknowledged `done` within the budget; exit {} is retryable for Kubeflow, list it in your podFailurePolicy", e.code)),
+        },
+    };
+    v.pass = pass;
+    v.reason = reason;
+}
+
+fn rel(t: Option<Timestamp>, t0: Option<Timestamp>) -> String {
+    match (t, t0) {
+        (Some(t), Some(t0)) => {
+            // Clock rounding can put a point a hair before the notice; never print "+-0.000s".
+            let s = t.duration_since(t0).as_secs_f64();
+            if s < 0.0 {
+                format!("-{:.3}s", -s).replace("-0.000s", "+0.000s")
+            } else {
+                format!("+{s:.3}s")
+            }
+        }
+        _ => "—".into(),
+    }
+}
+
+fn rel_secs(t: Option<Timestamp>, t0: Option<Timestamp>) -> Value {
+    match (t, t0) {
+        (Some(t), Some(t0)) => json!(t.duration_since(t0).as_secs_f64()),
+        _ => Value::Null,
+    }
+}
+
+fn budget(v: &Verdict) -> Option<Duration> {
+    match (v.checkpoint_deadline, v.signalled_at) {
+        (Some(cd), Some(s)) => Some(store::until(cd, s)),
+        _ => None,
+    }
+}
+
+/// The verdict table.
+pub fn table(v: &Verdict, timeout: Duration, signal: &str) -> String {
+    let t0 = v.raised_at;
+    let mut out = String::new();
+    out.push_str("\n  step                 time       detail\n");
+    let row = |out: &mut String, step: &str, time: &str, detail: &str| {
+        let _ = writeln!(out, "  {step:<20} {time:<10} {detail}");
+    };
+    match &v.handler {
+        HandlerWait::NotWaited => row(
+            &mut out,
+            "handler wait",
+            "—",
+            "--after-start: notice timed from the command's start",
+        ),
+        HandlerWait::Found { handler, waited: w } => row(
+            &mut out,
+            "handler seen",
+            &waited(*w),
+            &format!(
+                "pid {} catches {signal}: {} (after the command started)",
+                handler.pid, handler.command
+            ),
+        ),
+        HandlerWait::NotFound { waited: w } => row(
+            &mut out,
+            "handler seen",
+            "never",
+            &format!(
+                "no process of the command caught {signal} within {}",
+                waited(*w)
+            ),
+        ),
+    }
+    if let Some(raised) = v.raised_at {
+        let _ = raised;
+        row(
+            &mut out,
+            "notice raised",
+            "+0.000s",
+            &format!(
+                "{} interruption, deadline {}",
+                super::cloud_name(v.cloud),
+                v.deadline
+                    .map(|d| format!("+{:.0}s", d.duration_since(raised).as_secs_f64()))
+                    .unwrap_or_else(|| "now".into())
+            ),
+        );
+    }
+    let how = match v.cloud {
+        DrillCloud::Gce => "by the agent's hanging GET on the emulated GCE metadata server",
+        DrillCloud::Aws => "by the agent polling the emulated EC2 metadata service (1s)",
+        DrillCloud::Azure => "by the agent polling the emulated Azure Scheduled Events (1s)",
+    };
+    row(&mut out, "notice seen", &rel(v.seen_at, t0), how);
+    row(
+        &mut out,
+        "signal sent",
+        &rel(v.signalled_at, t0),
+        &format!("{signal} to {} process(es) catching it", v.processes),
+    );
+    if let Some(b) = budget(v) {
+        row(
+            &mut out,
+            "budget",
+            &format!("{:.1}s", b.as_secs_f64()),
+            &format!(
+                "until {}: min(--timeout {}, deadline − drain reserve)",
+                rel(v.checkpoint_deadline, t0),
+                humantime::format_duration(timeout)
+            ),
+        );
+    }
+    for a in &v.acks {
+        let mut detail = format!(
+            "{} state={} step={} checkpoint={}",
+            a.file,
+            a.state,
+            a.step
+                .map(|s| s.to_string())
+                .unwrap_or_else(|| "null".into()),
+            a.checkpoint.as_deref().unwrap_or("-")
+        );
+        if let Some(n) = ack_note(v, a) {
+            let _ = write!(detail, " ({n})");
+        }
+        row(&mut out, "ack written", &rel(a.written, t0), &detail);
+    }
+    if v.acks.is_empty() && v.signalled_at.is_some() {
+        row(
+            &mut out,
+            "ack written",
+            "—",
+            "no ack file in the checkpoint dir",
+        );
+    }
+    for r in &v.results {
+        row(
+            &mut out,
+            "result",
+            &rel(v.result_at, t0),
+            &format!("{} — {} ({})", r.outcome.as_str(), r.group, r.detail),
+        );
+    }
+    if let Some(e) = &v.exit {
+        row(
+            &mut out,
+            "command exit",
+            &e.code.to_string(),
+            &exit_label(e),
+        );
+    }
+    let _ = writeln!(
+        out,
+        "\n  verdict: {} — {}",
+        if v.pass { "PASS" } else { "FAIL" },
+        v.reason
+    );
+    out
+}
+
+/// One run as JSON (`--json`).
+pub fn to_json(v: &Verdict, timeout: Duration, signal: &str) -> Value {
+    let t0 = v.raised_at;
+    let handler = match &v.handler {
+        HandlerWait::NotWaited => json!({"waited": false}),
+        HandlerWait::Found { handler, waited } => json!({
+            "waited": true, "found": true, "pid": handler.pid, "command": handler.command,
+            "after_start_s": waited.as_secs_f64(),
+        }),
+        HandlerWait::NotFound { waited } => {
+            json!({"waited": true, "found": false, "waited_s": waited.as_secs_f64()})
+        }
+    };
+    json!({
+        "pass": v.pass,
+        "reason": v.reason,
+        "cloud": super::cloud_name(v.cloud),
+        "command": v.command,
+        "checkpoint_dir": v.checkpoint_dir.display().to_string(),
+        "signal": signal,
+        "timeout_s": timeout.as_secs_f64(),
+        "handler": handler,
+        "notice_raised_unix": v.raised_at.map(|t| t.as_millisecond() as f64 / 1000.0),
+        "notice_seen_s": rel_secs(v.seen_at, t0),
+        "signal_sent_s": rel_secs(v.signalled_at, t0),
+        "processes_signalled": v.processes,
+        "budget_s": budget(v).map(|b| b.as_secs_f64()),
+        "deadline_s": rel_secs(v.deadline, t0),
+        "result_s": rel_secs(v.result_at, t0),
+        "results": v.results.iter().map(|r| json!({
+            "group": r.group, "outcome": r.outcome.as_str(), "signalled": r.signalled, "detail": r.detail,
+        })).collect::<Vec<_>>(),
+        "acks": v.acks.iter().map(|a| json!({
+            "file": a.file, "state": a.state, "step": a.step, "checkpoint": a.checkpoint,
+            "written_s": rel_secs(a.written, t0), "note": ack_note(v, a),
+        })).collect::<Vec<_>>(),
+        "exit": v.exit.as_ref().map(|e| json!({
+            "code": e.code, "signal": e.signal, "killed_by_drill": e.killed_by_drill, "label": exit_label(e),
+        })),
+    })
+}
+
+fn xml_escape(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        match c {
+            '&' => out.push_str("&amp;"),
+            '<' => out.push_str("&lt;"),
+            '>' => out.push_str("&gt;"),
+            '"' => out.push_str("&quot;"),
+            '\'' => out.push_str("&apos;"),
+            // XML 1.0 forbids most control characters, even escaped.
+            c if (c as u32) < 0x20 && !matches!(c, '\n' | '\t' | '\r') => out.push('?'),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+/// A JUnit XML report (`--junit FILE`): one test case per run.
+pub fn junit(runs: &[(Verdict, String, Duration)]) -> String {
+    let failures = runs.iter().filter(|(v, _, _)| !v.pass).count();
+    let total: f64 = runs.iter().map(|(_, _, d)| d.as_secs_f64()).sum();
+    let mut out = String::from("<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n");
+    let _ = writeln!(
+        out,
+        "<testsuite name=\"spotguard drill\" tests=\"{}\" failures=\"{failures}\" errors=\"0\" time=\"{total:.3}\">",
+        runs.len()
+    );
+    for (i, (v, text, took)) in runs.iter().enumerate() {
+        let name = format!(
+            "{} interruption #{}: {}",
+            super::cloud_name(v.cloud),
+            i + 1,
+            v.command
+        );
+        let _ = write!(
+            out,
+            "  <testcase classname=\"spotguard.drill\" name=\"{}\" time=\"{:.3}\">",
+            xml_escape(&name),
+            took.as_secs_f64()
+        );
+        if !v.pass {
+            let _ = write!(
+                out,
+                "\n    <failure message=\"{}\">{}</failure>\n  ",
+                xml_escape(&v.reason),
+                xml_escape(text)
+            );
+        } else {
+            let _ = write!(out, "<system-out>{}</system-out>", xml_escape(text));
+        }
+        out.push_str("</testcase>\n");
+    }
+    out.push_str("</testsuite>\n");
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exit_labels_say_what_the_code_means() {
+        let e = |code, signal, killed| ExitInfo {
+            code,
+            signal,
+            killed_by_drill: killed,
+        };
+        assert!(exit_label(&e(143, None, false)).contains("retryable"));
+        assert!(exit_label(&e(0, None, false)).contains("never resumes"));
+        assert!(exit_label(&e(1, None, false)).contains("permanent"));
+        assert!(exit_label(&e(143, Some(libc::SIGTERM), true))
+            .starts_with("killed by the drill (SIGTERM)"));
+        assert_eq!(
+            exit_label(&e(138, Some(libc::SIGUSR1), false)),
+            "killed by SIGUSR1"
+        );
+    }
+
+    #[test]
+    fn relative_times_never_print_minus_zero() {
+        let t0 = Timestamp::from_millisecond(1_000_000).unwrap();
+        let before = Timestamp::from_microsecond(999_999_900).unwrap();
+        assert_eq!(rel(Some(before), Some(t0)), "+0.000s");
+        assert_eq!(
+            rel(
+                Some(Timestamp::from_millisecond(1_001_500).unwrap()),
+                Some(t0)
+            ),
+            "+1.500s"
+        );
+        assert_eq!(
+            rel(
+                Some(Timestamp::from_millisecond(998_000).unwrap()),
+                Some(t0)
+            ),
+            "-2.000s"
+        );
+        assert_eq!(rel(None, Some(t0)), "—");
+    }
+
+    #[test]
+    fn junit_escapes_and_counts_failures() {
+        let v = |pass| Verdict {
+            pass,
+            reason: "a <b> & \"c\"".into(),
+            cloud: DrillCloud::Gce,
+            command: "python3 train.py --x=<1>".into(),
+            checkpoint_dir: PathBuf::from("/tmp/x"),
+            handler: HandlerWait::NotWaited,
+            started_at: Timestamp::now(),
+            raised_at: None,
+            seen_at: None,
+            signalled_at: None,
+            processes: 0,
+            checkpoint_deadline: None,
+            deadline: None,
+            result_at: None,
+            results: Vec::new(),
+            acks: Vec::new(),
+            exit: None,
+            drill_terminated_at: None,
+            error: None,
+        };
+        let xml = junit(&[
+            (v(true), "ok\u{1}".into(), Duration::from_millis(1500)),
+            (v(false), "table".into(), Duration::from_secs(2)),
+        ]);
+        assert!(xml.contains("tests=\"2\" failures=\"1\""), "{xml}");
+        assert!(
+            xml.contains("name=\"gce interruption #1: python3 train.py --x=&lt;1&gt;\""),
+            "{xml}"
+        );
+        assert!(
+            xml.contains("<failure message=\"a &lt;b&gt; &amp; &quot;c&quot;\">table</failure>"),
+            "{xml}"
+        );
+        assert!(xml.contains("<system-out>ok?</system-out>"), "{xml}");
+        assert_eq!(xml.matches("<testcase").count(), 2);
+    }
+}

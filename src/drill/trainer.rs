@@ -1,0 +1,118 @@
+//! The bundled example trainer (`spotguard example-trainer`, hidden): what `spotguard drill` runs
+//! when no command is given. Simulated steps; on SIGUSR1/SIGTERM it finishes the step, saves a
+//! checkpoint into `$SPOTGUARD_DIR`, acks `done` and exits 143.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
+
+use jiff::Timestamp;
+
+use super::ExampleTrainerArgs;
+
+static SIGNALLED: AtomicI32 = AtomicI32::new(0);
+static INSTALLED: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_signal(sig: libc::c_int) {
+    // Only an atomic store: async-signal-safe.
+    SIGNALLED.store(sig, Ordering::SeqCst);
+}
+
+fn install_handlers() -> std::io::Result<()> {
+    if INSTALLED.swap(true, Ordering::SeqCst) {
+        return Ok(());
+    }
+    for sig in [libc::SIGUSR1, libc::SIGTERM] {
+        // SAFETY: installing a handler that only stores to an atomic.
+        let r = unsafe {
+            let mut sa: libc::sigaction = std::mem::zeroed();
+            sa.sa_sigaction = on_signal as *const () as usize;
+            sa.sa_flags = libc::SA_RESTART;
+            libc::sigemptyset(&mut sa.sa_mask);
+            libc::sigaction(sig, &sa, std::ptr::null_mut())
+        };
+        if r != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
+fn write_ack(dir: &Path, state: &str, step: u64, checkpoint: Option<&Path>) -> std::io::Result<()> {
+    let body = serde_json::json!({
+        "state": state,
+        "step": step,
+        "checkpoint": checkpoint.map(|p| p.display().to_string()),
+        "ts": Timestamp::now().as_millisecond() as f64 / 1000.0,
+    });
+    crate::fsutil::write_atomic(
+        &dir.join(format!("ack-{}.json", std::process::id())),
+        body.to_string().as_bytes(),
+        0o644,
+    )
+}
+
+/// The bundled trainer: simulated steps; on SIGUSR1/SIGTERM it finishes the step, saves a
+/// checkpoint into `$SPOTGUARD_DIR`, acks `done` and exits 143. Resumes from the newest checkpoint.
+pub fn example_trainer(args: ExampleTrainerArgs) -> i32 {
+    let dir =
+        PathBuf::from(std::env::var("SPOTGUARD_DIR").unwrap_or_else(|_| "/tmp/spotguard".into()));
+    if let Err(e) = std::fs::create_dir_all(&dir).and_then(|_| install_handlers()) {
+        eprintln!("example-trainer: {e}");
+        return 1;
+    }
+    let mut step = latest_checkpoint(&dir).unwrap_or(0);
+    if step > 0 {
+        println!("example-trainer: resumed from step {step}");
+    } else {
+        println!(
+            "example-trainer: starting from scratch (pid {})",
+            std::process::id()
+        );
+    }
+    let _ = std::io::stdout().flush();
+    loop {
+        std::thread::sleep(args.step_time);
+        step += 1;
+        let sig = SIGNALLED.load(Ordering::SeqCst);
+        if sig != 0 {
+            let _ = write_ack(&dir, "received", step, None);
+            println!("example-trainer: signal {sig} at step {step}: saving a checkpoint");
+            std::thread::sleep(args.save_time);
+            let path = dir.join(format!("checkpoint-{step:08}.json"));
+            let payload = serde_json::json!({"step": step, "weights": "simulated"}).to_string();
+            if let Err(e) = crate::fsutil::write_atomic(&path, payload.as_bytes(), 0o644) {
+                eprintln!("example-trainer: saving {}: {e}", path.display());
+                let _ = write_ack(&dir, "failed", step, None);
+                return 1;
+            }
+            if let Err(e) = write_ack(&dir, "done", step, Some(&path)) {
+                eprintln!("example-trainer: writing ack: {e}");
+                return 1;
+            }
+            println!(
+                "example-trainer: checkpoint {} saved; exiting 143",
+                path.display()
+            );
+            let _ = std::io::stdout().flush();
+            return 143;
+        }
+        if args.max_steps > 0 && step >= args.max_steps {
+            return 0;
+        }
+    }
+}
+
+fn latest_checkpoint(dir: &Path) -> Option<u64> {
+    std::fs::read_dir(dir)
+        .ok()?
+        .flatten()
+        .filter_map(|e| {
+            let n = e.file_name().to_string_lossy().into_owned();
+            n.strip_prefix("checkpoint-")?
+                .strip_suffix(".json")?
+                .parse::<u64>()
+                .ok()
+        })
+        .max()
+}
