@@ -215,7 +215,7 @@ pub async fn start_with_client(
                     Ok(s) => break s,
                     Err(e) => {
                         m.error("detect", e.metric_label());
-                        warn!(error = %e, retry_in = ?delay, "cloud auto-detection failed; set --cloud to skip it");
+                        warn!(error = %e, retry_in_ms = delay.as_millis() as u64, "cloud auto-detection failed; set --cloud to skip it");
                     }
                 }
                 tokio::select! {
