@@ -859,11 +859,11 @@ impl Undoer {
         info!(notice_id = %state.id, phase = state.phase.as_str(), "the machine has rebooted since this plan: undoing what spotguard applied and arming again");
         // The record and the node's own marks together: a crash between a protect patch and
         // the record loses nothing.
-        let marks =
-            match tokio::time::timeout(SIDE_BUDGET_MAX, self.deps.node.applied_marks()).await {
-                Ok(Ok(m)) => m,
-                _ => Default::default(),
-            };
+        // Bounded: an API outage at start-up must not keep the agent from arming.
+        let marks = match tokio::time::timeout(LOAD_BUDGET, self.deps.node.applied_marks()).await {
+            Ok(Ok(m)) => m,
+            _ => Default::default(),
+        };
         let mut state = state;
         state.applied.cordoned |= marks.cordoned;
         let mut effects: Vec<TaintEffect> = state.applied.taint_effect.into_iter().collect();
@@ -873,23 +873,30 @@ impl Undoer {
             }
         }
         let why = "belongs to a previous life of the machine (it rebooted since)";
-        let mut undone = true;
-        let mut first = true;
-        for effect in effects.iter().copied().map(Some).chain(
-            // Nothing tainted: still undo a cordon.
-            effects.is_empty().then_some(None),
-        ) {
-            let mut one = state.clone();
-            one.applied = Applied {
-                cordoned: first && state.applied.cordoned,
-                taint_effect: effect,
-            };
-            first = false;
-            undone &= self.unprotect(&one, why, reason::PREVIOUS_LIFE).await;
-        }
+        let undo_all = async {
+            let mut undone = true;
+            let mut first = true;
+            for effect in effects.iter().copied().map(Some).chain(
+                // Nothing tainted: still undo a cordon.
+                effects.is_empty().then_some(None),
+            ) {
+                let mut one = state.clone();
+                one.applied = Applied {
+                    cordoned: first && state.applied.cordoned,
+                    taint_effect: effect,
+                };
+                first = false;
+                undone &= self.unprotect(&one, why, reason::PREVIOUS_LIFE).await;
+            }
+            undone
+        };
+        let undone = tokio::time::timeout(SIDE_BUDGET_MAX, undo_all)
+            .await
+            .unwrap_or(false);
         if !undone {
             // Keep the record so that the next start tries again; the agent is armed anyway
             // (nothing of it is restored into the store).
+            warn!(notice_id = %state.id, "could not undo the previous life's cordon/taint now; the next start tries again");
             self.deps.metrics.error("responder", "previous_life_undo");
             return;
         }
