@@ -847,3 +847,31 @@ async fn a_protect_that_was_never_recorded_is_still_undone_in_the_next_life() {
     assert_eq!(c.trainer.signals(), 0);
     stop(app.join, cancel).await;
 }
+
+/// Issue 10 item 1 (responder side): the checkpoint signal goes first. With the API server
+/// refusing the first node writes (protect retries them), the trainer is signalled while the
+/// node is still uncordoned; the cordon lands after.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_signal_does_not_wait_for_the_cordon() {
+    let c = Cluster::new(Cloud::Aws).await;
+    let (app, cancel) = c.agent(&[]).await;
+    let mut events = app.events;
+    c.api.fail_node_writes(500, 5);
+    c.emu.raise(EmulatedNotice::interruption()).unwrap();
+    let limit = std::time::Instant::now() + Duration::from_secs(20);
+    while c.trainer.signals() == 0 {
+        assert!(std::time::Instant::now() < limit, "no signal");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(
+        !c.cordoned(),
+        "signalled before the cordon (protect is still retrying)"
+    );
+    wait_for(&mut events, Duration::from_secs(60), |e| {
+        matches!(e, PlanEvent::Done { .. }).then_some(())
+    })
+    .await;
+    assert!(c.cordoned(), "the cordon landed after the signal");
+    assert_eq!(c.trainer.signals(), 1);
+    stop(app.join, cancel).await;
+}

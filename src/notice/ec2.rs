@@ -221,7 +221,7 @@ impl Ec2Imds {
                 if self.config.imds_v1_fallback {
                     self.reporter.report(&err);
                     cache.v1_until = Some(now + V1_RETRY);
-                    tracing::info!(error = %err, retry_in = ?V1_RETRY, "IMDSv2 token unavailable; using IMDSv1 (--imds-v1-fallback)");
+                    tracing::info!(error = %err, retry_in_ms = V1_RETRY.as_millis() as u64, "IMDSv2 token unavailable; using IMDSv1 (--imds-v1-fallback)");
                     Ok(None)
                 } else {
                     Err(err)

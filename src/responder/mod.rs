@@ -1,0 +1,720 @@
+//! The responder: turns accepted notices into the plan of design §4 and carries it out.
+//!
+//! Interruption (and maintenance with `--on-maintenance drain`):
+//!
+//! 1. signal first: the local record (`<state-dir>/notice.json`, fsync'd, no API call) and the
+//!    checkpoint signal to every known target;
+//! 2. beside it / after it, each within a small budget tied to the deadline: taint + cordon, the
+//!    Event, prefetch cancel and webhook, the Node annotation;
+//! 3. wait for acks until `min(now + checkpoint-timeout, deadline − drain-reserve)`;
+//! 4. drain until the deadline;
+//! 5. only a complete drain is `drained` (Azure: acknowledged); a failed or blocked one is reported
+//!    (`DrainFailed` Event, `spotguard_errors_total{module="drain"}`, [`PlanEvent::DrainFailed`]);
+//!    every plan that runs ends with one [`PlanEvent::Done`].
+//!
+//! A restarted agent resumes from the persisted phase (local record and Node annotation, the
+//! furthest wins): past `signalled` it never signals again (a target group whose `notice.json`
+//! lacks the notice id did not get the signal and gets it now), past `drained` it never drains
+//! again. A record from another boot belongs to a previous life of the machine: what spotguard
+//! applied is undone, the record cleared, the agent armed again. Rebalance (default
+//! `checkpoint`): soft taint, early checkpoint, undone after `--rebalance-expiry` unless an
+//! interruption follows; the same recommendation never acts twice. Cancelled maintenance: undo
+//! exactly what spotguard did, never an operator's cordon.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use jiff::Timestamp;
+use tokio::sync::{broadcast, mpsc, watch};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use tracing::{error, info, warn, Instrument};
+
+use crate::checkpoint::run::GroupResult;
+use crate::checkpoint::TargetDiscovery;
+use crate::config::{MaintenanceAction, RebalanceAction};
+use crate::metrics::{Metrics, NoticeLabels, OutcomeLabels, SourceLabels};
+use crate::node::host::StateFile;
+use crate::node::{
+    reason, Applied, DrainReport, DrainRequest, EventType, NodeOps, Phase, PlanState, Protection,
+    TaintEffect,
+};
+use crate::notice::store::{self, Decision, NoticeStore, Resume};
+use crate::notice::{Notice, NoticeKind, NoticeSource, Source};
+
+mod plan;
+mod records;
+mod undo;
+
+use plan::*;
+use records::*;
+use undo::*;
+
+/// Settings of the responder (from `run` flags).
+#[derive(Clone, Debug)]
+pub struct ResponderConfig {
+    pub on_rebalance: RebalanceAction,
+    pub rebalance_expiry: Duration,
+    pub on_maintenance: MaintenanceAction,
+    /// Azure `Freeze` (a pause of seconds): `ignore` by default.
+    pub on_azure_freeze: MaintenanceAction,
+    pub maintenance_lead: Duration,
+    pub checkpoint_timeout: Duration,
+    /// `--drain-reserve`; `None` = per cloud (25 s aws, 8 s gce/azure).
+    pub drain_reserve: Option<Duration>,
+    pub force_delete_at_deadline: bool,
+    pub drain_concurrency: usize,
+    pub dry_run: bool,
+    /// On shutdown, how long an in-flight plan may go on.
+    pub shutdown_grace: Duration,
+    /// Boot id of this machine, written into every persisted record: a record from another boot
+    /// belongs to a previous life of the machine.
+    pub boot_id: Option<String>,
+}
+
+impl ResponderConfig {
+    fn reserve(&self, source: Source) -> Duration {
+        crate::config::drain_reserve(self.drain_reserve, source)
+    }
+}
+
+/// Something to call when handling of a notice starts (cancel prefetches, send the webhook).
+pub type StartHook = Box<dyn Fn(&Notice) + Send + Sync>;
+
+/// What the responder needs.
+pub struct Deps {
+    pub node: Arc<dyn NodeOps>,
+    /// The local record (`<state-dir>/notice.json`), kept in every mode.
+    pub local: StateFile,
+    pub discovery: Arc<dyn TargetDiscovery>,
+    pub sources: Vec<Arc<dyn NoticeSource>>,
+    pub metrics: Arc<Metrics>,
+    pub on_start: Vec<StartHook>,
+}
+
+/// Progress of a plan, broadcast for `spotguard drill` and tests.
+#[derive(Clone, Debug)]
+pub enum PlanEvent {
+    /// A notice was accepted and a plan (or schedule) created.
+    NoticeSeen { notice: Notice, at: Timestamp },
+    /// Tainted / cordoned.
+    Protected { id: String, at: Timestamp },
+    /// Checkpoint signals delivered to `processes` processes.
+    Signalled {
+        id: String,
+        at: Timestamp,
+        processes: usize,
+        checkpoint_deadline: Timestamp,
+    },
+    /// Checkpoint wait finished.
+    Checkpointed {
+        id: String,
+        at: Timestamp,
+        results: Vec<GroupResult>,
+    },
+    /// Drain finished (complete, or stopped at the deadline: the report says which).
+    Drained {
+        id: String,
+        at: Timestamp,
+        report: DrainReport,
+    },
+    /// The drain failed or did not complete: the node is not reported drained, Azure's event is
+    /// not approved. Sent before the plan's `Done`.
+    DrainFailed {
+        id: String,
+        at: Timestamp,
+        reason: String,
+    },
+    /// Plan complete.
+    Done { id: String, at: Timestamp },
+    /// A notice was cancelled or expired and spotguard's changes undone.
+    Undone { id: String, at: Timestamp },
+}
+
+/// The steps a plan takes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Steps {
+    taint: Option<TaintEffect>,
+    cordon: bool,
+    checkpoint: bool,
+    drain: bool,
+}
+
+fn steps_for(notice: &Notice, cfg: &ResponderConfig) -> Option<Steps> {
+    let full = Steps {
+        taint: Some(TaintEffect::NoSchedule),
+        cordon: true,
+        checkpoint: true,
+        drain: true,
+    };
+    let maintenance = if crate::notice::azure::is_freeze(notice) {
+        cfg.on_azure_freeze
+    } else {
+        cfg.on_maintenance
+    };
+    match &notice.kind {
+        NoticeKind::Interruption => Some(full),
+        NoticeKind::Maintenance => match maintenance {
+            MaintenanceAction::Ignore => None,
+            MaintenanceAction::Cordon => Some(Steps {
+                checkpoint: false,
+                drain: false,
+                ..full
+            }),
+            MaintenanceAction::Drain => Some(full),
+        },
+        NoticeKind::Rebalance => match cfg.on_rebalance {
+            RebalanceAction::Ignore => None,
+            RebalanceAction::Cordon => Some(Steps {
+                taint: Some(TaintEffect::PreferNoSchedule),
+                cordon: true,
+                checkpoint: false,
+                drain: false,
+            }),
+            RebalanceAction::Checkpoint => Some(Steps {
+                taint: Some(TaintEffect::PreferNoSchedule),
+                cordon: false,
+                checkpoint: true,
+                drain: false,
+            }),
+            RebalanceAction::Drain => Some(full),
+        },
+        NoticeKind::Cancelled(_) => None,
+    }
+}
+
+/// Nominal deadline for plans whose notice carries none (rebalance with `drain`): EC2's
+/// two-minute interruption warning.
+const NOMINAL_DEADLINE: Duration = Duration::from_secs(120);
+
+fn event_reason(kind: &NoticeKind) -> &'static str {
+    match kind {
+        NoticeKind::Interruption => reason::SPOT_INTERRUPTION,
+        NoticeKind::Rebalance => reason::REBALANCE,
+        NoticeKind::Maintenance => reason::MAINTENANCE,
+        NoticeKind::Cancelled(_) => reason::NOTICE_CANCELLED,
+    }
+}
+
+/// A running plan.
+struct Running {
+    /// Which plan this is (plans of the same notice id can follow each other).
+    seq: u64,
+    id: String,
+    kind: NoticeKind,
+    cancel: CancellationToken,
+    task: JoinHandle<()>,
+    deadline_tx: watch::Sender<Timestamp>,
+}
+
+impl Running {
+    fn active(&self) -> bool {
+        !self.task.is_finished()
+    }
+}
+
+#[derive(Clone, Copy)]
+enum DecisionKind {
+    Updated,
+    Other,
+}
+
+/// A maintenance notice waiting for `not_before − lead`.
+struct Scheduled {
+    timer: JoinHandle<()>,
+}
+
+/// The responder task.
+pub struct Responder {
+    cfg: ResponderConfig,
+    deps: Arc<Deps>,
+    events: broadcast::Sender<PlanEvent>,
+    next_seq: std::sync::atomic::AtomicU64,
+    /// Plans report here when they end, so that the responder is free at once.
+    finished_tx: mpsc::UnboundedSender<u64>,
+    finished_rx: Option<mpsc::UnboundedReceiver<u64>>,
+}
+
+impl Responder {
+    pub fn new(cfg: ResponderConfig, deps: Deps) -> Self {
+        let (events, _) = broadcast::channel(256);
+        let (tx, rx) = mpsc::unbounded_channel();
+        Responder {
+            cfg,
+            deps: Arc::new(deps),
+            events,
+            next_seq: std::sync::atomic::AtomicU64::new(0),
+            finished_tx: tx,
+            finished_rx: Some(rx),
+        }
+    }
+
+    /// Subscribe to plan progress.
+    pub fn subscribe(&self) -> broadcast::Receiver<PlanEvent> {
+        self.events.subscribe()
+    }
+
+    /// Run until `cancel`; then give an in-flight plan up to the shutdown grace period.
+    pub async fn run(mut self, mut rx: mpsc::Receiver<Notice>, cancel: CancellationToken) {
+        let mut store = NoticeStore::new();
+        let mut running: Option<Running> = None;
+        let mut scheduled: HashMap<String, Scheduled> = HashMap::new();
+        let mut rebalance_expiry: Option<(String, JoinHandle<()>)> = None;
+        // Plans cancelled by shutdown stop at the grace period, not at once.
+        let plan_cancel = CancellationToken::new();
+        let (due_tx, mut due_rx) = mpsc::channel::<Notice>(16);
+        let (expired_tx, mut expired_rx) = mpsc::channel::<String>(4);
+        let (expiry_due_tx, mut expiry_due_rx) = mpsc::channel::<String>(4);
+        // `run` consumes the responder: the receiver is always there.
+        let mut finished_rx = self
+            .finished_rx
+            .take()
+            .unwrap_or_else(|| mpsc::unbounded_channel().1);
+
+        self.resume(
+            &mut store,
+            &mut running,
+            &mut rebalance_expiry,
+            &plan_cancel,
+            &expired_tx,
+            &expiry_due_tx,
+        )
+        .await;
+
+        loop {
+            // A finished plan frees the responder for the next notice.
+            if running.as_ref().is_some_and(|r| !r.active()) {
+                running = None;
+            }
+            tokio::select! {
+                _ = cancel.cancelled() => break,
+                Some(seq) = finished_rx.recv() => {
+                    if running.as_ref().is_some_and(|r| r.seq == seq) {
+                        running = None;
+                    }
+                }
+                maybe = rx.recv() => {
+                    let Some(notice) = maybe else { break };
+                    let now = Timestamp::now();
+                    let decision = store.accept(&notice, now);
+                    self.count_notice(&notice, &decision, now);
+                    let decision_kind = match &decision {
+                        Decision::Updated(_) => DecisionKind::Updated,
+                        _ => DecisionKind::Other,
+                    };
+                    match decision {
+                        Decision::Duplicate => {}
+                        Decision::StartInterruption(n) => {
+                            for (_, s) in scheduled.drain() {
+                                s.timer.abort();
+                            }
+                            if let Some((_, t)) = rebalance_expiry.take() {
+                                t.abort();
+                            }
+                            if let Some(r) = running.take() {
+                                info!(notice_id = %r.id, "interruption supersedes the plan in progress");
+                                r.cancel.cancel();
+                                let _ = r.task.await;
+                            }
+                            running = Some(self.start_plan(n, None, &plan_cancel, &expired_tx));
+                        }
+                        Decision::DeadlineMoved(d) => {
+                            if let Some(r) = &running {
+                                info!(notice_id = %r.id, deadline = %d, "interruption deadline moved earlier");
+                                let _ = r.deadline_tx.send(d);
+                            }
+                            self.deps.metrics.deadline.set(d.as_second() as f64);
+                        }
+                        Decision::New(n) | Decision::Updated(n) => {
+                            if store.interruption().is_some() {
+                                info!(notice_id = %n.id, kind = n.kind.label(), "interruption in progress: notice noted, no separate plan");
+                                continue;
+                            }
+                            match n.kind {
+                                NoticeKind::Maintenance => {
+                                    if let Some(r) = running.as_ref().filter(|r| r.id == n.id && r.active()) {
+                                        // The window moved (or became known) while its plan runs.
+                                        let d = store::effective_deadline(n.not_before.or(n.deadline), now);
+                                        info!(notice_id = %n.id, deadline = %d, "maintenance window changed: plan deadline updated");
+                                        let _ = r.deadline_tx.send(d);
+                                        continue;
+                                    }
+                                    if matches!(decision_kind, DecisionKind::Updated) && self.plan_finished(&n.id).await {
+                                        info!(notice_id = %n.id, "maintenance window changed after its plan completed: nothing to redo");
+                                        continue;
+                                    }
+                                    let start = store::maintenance_start(
+                                        n.not_before.or(n.deadline).unwrap_or(now),
+                                        self.cfg.maintenance_lead,
+                                        now,
+                                    );
+                                    if let Some(old) = scheduled.remove(&n.id) {
+                                        old.timer.abort();
+                                    }
+                                    let _ = self.events.send(PlanEvent::NoticeSeen { notice: n.clone(), at: now });
+                                    info!(notice_id = %n.id, start = %start, "maintenance scheduled");
+                                    let tx = due_tx.clone();
+                                    let wait = store::until(start, now);
+                                    let due = n.clone();
+                                    let timer = tokio::spawn(async move {
+                                        tokio::time::sleep(wait).await;
+                                        let _ = tx.send(due).await;
+                                    });
+                                    scheduled.insert(n.id.clone(), Scheduled { timer });
+                                }
+                                NoticeKind::Rebalance => {
+                                    if running.as_ref().is_some_and(|r| r.active()) {
+                                        info!(notice_id = %n.id, "a plan is in progress: rebalance recommendation noted");
+                                        continue;
+                                    }
+                                    running = Some(self.start_plan(n, None, &plan_cancel, &expired_tx));
+                                }
+                                _ => {}
+                            }
+                        }
+                        Decision::Cancel(id) => {
+                            if let Some(s) = scheduled.remove(&id) {
+                                s.timer.abort();
+                                info!(notice_id = %id, "scheduled maintenance cancelled before it started");
+                                let _ = self.events.send(PlanEvent::Undone { id: id.clone(), at: Timestamp::now() });
+                            }
+                            let cancels_plan = running.as_ref().is_some_and(|r| r.id == id && r.kind != NoticeKind::Interruption);
+                            let last_plan = self.deps.local.load().await.ok().flatten().is_some_and(|s| s.id == id && s.phase != Phase::Undone);
+                            if cancels_plan {
+                                if let Some(r) = running.take() {
+                                    r.cancel.cancel();
+                                    let _ = r.task.await;
+                                }
+                                self.undo(&id, "cancelled by the cloud").await;
+                            } else if rebalance_expiry.as_ref().is_some_and(|(rid, _)| *rid == id) {
+                                if let Some((_, t)) = rebalance_expiry.take() { t.abort(); }
+                                self.undo(&id, "cancelled by the cloud").await;
+                            } else if last_plan {
+                                // A finished maintenance plan (cordon-only, or drained) cancelled.
+                                self.undo(&id, "cancelled by the cloud").await;
+                            }
+                        }
+                    }
+                }
+                Some(n) = due_rx.recv() => {
+                    scheduled.remove(&n.id);
+                    if store.interruption().is_some() {
+                        continue;
+                    }
+                    if let Some(r) = running.take() {
+                        if r.kind == NoticeKind::Rebalance || !r.active() {
+                            r.cancel.cancel();
+                            let _ = r.task.await;
+                        } else {
+                            info!(notice_id = %n.id, "another plan in progress: maintenance handled after it");
+                            running = Some(r);
+                            continue;
+                        }
+                    }
+                    running = Some(self.start_plan(n, None, &plan_cancel, &expired_tx));
+                }
+                Some(id) = expired_rx.recv() => {
+                    // A rebalance plan finished its early checkpoint: undo after the expiry.
+                    let tx = expiry_due_tx.clone();
+                    let wait = self.cfg.rebalance_expiry;
+                    let due = id.clone();
+                    let t = tokio::spawn(async move {
+                        tokio::time::sleep(wait).await;
+                        let _ = tx.send(due).await;
+                    });
+                    if let Some((_, old)) = rebalance_expiry.replace((id, t)) {
+                        old.abort();
+                    }
+                }
+                Some(id) = expiry_due_rx.recv() => {
+                    rebalance_expiry = None;
+                    if store.interruption().is_none() {
+                        if let Some(r) = running.take_if(|r| r.id == id) {
+                            r.cancel.cancel();
+                            let _ = r.task.await;
+                        }
+                        // The store keeps the recommendation: the same `noticeTime`, served until
+                        // the instance dies, never starts a second plan.
+                        self.undo(&id, "rebalance recommendation expired without an interruption").await;
+                    }
+                }
+            }
+        }
+
+        // Shutdown: monitors have stopped; an in-flight plan gets the grace period.
+        for (_, s) in scheduled.drain() {
+            s.timer.abort();
+        }
+        if let Some((_, t)) = rebalance_expiry.take() {
+            t.abort();
+        }
+        if let Some(r) = running.take() {
+            if r.active() {
+                info!(notice_id = %r.id, grace_ms = self.cfg.shutdown_grace.as_millis() as u64, "waiting for the plan in progress before exiting");
+                let mut task = r.task;
+                match tokio::time::timeout(self.cfg.shutdown_grace, &mut task).await {
+                    Ok(_) => info!(notice_id = %r.id, "plan finished; exiting"),
+                    Err(_) => {
+                        warn!(notice_id = %r.id, "shutdown grace period over: stopping the plan; a restarted agent resumes it from the persisted phase");
+                        plan_cancel.cancel();
+                        let _ = task.await;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Whether the last plan persisted is `id`'s and it completed (this life of the machine).
+    async fn plan_finished(&self, id: &str) -> bool {
+        self.deps
+            .local
+            .load()
+            .await
+            .ok()
+            .flatten()
+            .is_some_and(|s| {
+                s.id == id && s.phase == Phase::Done && s.same_life(self.cfg.boot_id.as_deref())
+            })
+    }
+
+    fn undoer(&self) -> Undoer {
+        Undoer {
+            deps: self.deps.clone(),
+            records: Records::new(&self.deps),
+            events: self.events.clone(),
+            boot_id: self.cfg.boot_id.clone(),
+        }
+    }
+
+    async fn undo(&self, id: &str, why: &str) {
+        self.undoer().undo(id, why).await
+    }
+
+    fn count_notice(&self, notice: &Notice, decision: &Decision, now: Timestamp) {
+        let fresh = matches!(
+            decision,
+            Decision::StartInterruption(_)
+                | Decision::New(_)
+                | Decision::Updated(_)
+                | Decision::Cancel(_)
+        );
+        if !fresh {
+            return;
+        }
+        let m = &self.deps.metrics;
+        m.notices
+            .get_or_create(&NoticeLabels {
+                source: notice.source.as_str().into(),
+                kind: notice.kind.label().into(),
+            })
+            .inc();
+        if let Some(p) = notice.published_at {
+            let secs = notice.observed_at.duration_since(p).as_secs_f64();
+            if secs >= 0.0 {
+                m.detection_latency
+                    .get_or_create(&SourceLabels {
+                        source: notice.source.as_str().into(),
+                    })
+                    .observe(secs);
+            }
+        }
+        let seen_after_ms = now.duration_since(notice.observed_at).as_millis() as i64;
+        match notice.deadline {
+            Some(deadline) => info!(
+                notice_id = %notice.id,
+                source = notice.source.as_str(),
+                kind = notice.kind.label(),
+                deadline = %deadline,
+                detail = %notice.detail,
+                seen_after_ms,
+                "notice accepted"
+            ),
+            None => info!(
+                notice_id = %notice.id,
+                source = notice.source.as_str(),
+                kind = notice.kind.label(),
+                detail = %notice.detail,
+                seen_after_ms,
+                "notice accepted"
+            ),
+        }
+    }
+
+    /// Resume a plan persisted by an earlier run of the agent.
+    async fn resume(
+        &self,
+        store: &mut NoticeStore,
+        running: &mut Option<Running>,
+        rebalance_expiry: &mut Option<(String, JoinHandle<()>)>,
+        plan_cancel: &CancellationToken,
+        expired_tx: &mpsc::Sender<String>,
+        expiry_due_tx: &mpsc::Sender<String>,
+    ) {
+        let Some(state) = Records::new(&self.deps).load().await else {
+            return;
+        };
+        let now = Timestamp::now();
+        let decision = store::resume(&state, self.cfg.boot_id.as_deref());
+        info!(notice_id = %state.id, phase = state.phase.as_str(), kind = state.kind.label(), previous_life = decision == Resume::PreviousLife, "found persisted plan state");
+        match decision {
+            Resume::PreviousLife => self.undoer().previous_life(state).await,
+            Resume::Remember => store.restore_state(&state, now),
+            Resume::AwaitExpiry => {
+                store.restore_state(&state, now);
+                let left = state
+                    .deadline
+                    .map(|d| store::until(d, now))
+                    .unwrap_or(Duration::ZERO);
+                let tx = expiry_due_tx.clone();
+                let id = state.id.clone();
+                let t = tokio::spawn(async move {
+                    tokio::time::sleep(left).await;
+                    let _ = tx.send(id).await;
+                });
+                *rebalance_expiry = Some((state.id.clone(), t));
+            }
+            Resume::Continue => {
+                store.restore_state(&state, now);
+                let notice = notice_from_state(&state);
+                *running = Some(self.start_plan(notice, Some(state), plan_cancel, expired_tx));
+            }
+        }
+    }
+
+    fn start_plan(
+        &self,
+        notice: Notice,
+        resume: Option<PlanState>,
+        plan_cancel: &CancellationToken,
+        expired_tx: &mpsc::Sender<String>,
+    ) -> Running {
+        let now = Timestamp::now();
+        let deadline = match notice.kind {
+            NoticeKind::Rebalance => match (&resume, self.cfg.on_rebalance) {
+                // A resumed rebalance keeps its expiry.
+                (Some(s), _) if s.deadline.is_some() => store::effective_deadline(s.deadline, now),
+                (_, RebalanceAction::Drain) => store::add(now, NOMINAL_DEADLINE),
+                _ => store::add(now, self.cfg.rebalance_expiry),
+            },
+            _ => store::effective_deadline(notice.deadline, now),
+        };
+        let (deadline_tx, deadline_rx) = watch::channel(deadline);
+        let cancel = plan_cancel.child_token();
+        let seq = self
+            .next_seq
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let plan = Plan {
+            seq,
+            finished_tx: self.finished_tx.clone(),
+            cfg: self.cfg.clone(),
+            deps: self.deps.clone(),
+            records: Records::new(&self.deps),
+            events: self.events.clone(),
+            notice: notice.clone(),
+            deadline: deadline_rx,
+            cancel: cancel.clone(),
+            expired_tx: expired_tx.clone(),
+        };
+        if resume.is_none() {
+            let _ = self.events.send(PlanEvent::NoticeSeen {
+                notice: notice.clone(),
+                at: now,
+            });
+        }
+        let span = tracing::info_span!("plan", notice_id = %notice.id, source = notice.source.as_str(), kind = notice.kind.label());
+        let task = tokio::spawn(plan.run(resume).instrument(span));
+        Running {
+            seq,
+            id: notice.id,
+            kind: notice.kind,
+            cancel,
+            task,
+            deadline_tx,
+        }
+    }
+}
+
+fn notice_from_state(state: &PlanState) -> Notice {
+    Notice {
+        id: state.id.clone(),
+        kind: state.kind.clone(),
+        source: state.source,
+        deadline: state.deadline,
+        not_before: state.deadline,
+        detail: if state.detail.is_empty() {
+            "resumed from persisted state".into()
+        } else {
+            state.detail.clone()
+        },
+        restart: state.restart,
+        published_at: None,
+        observed_at: state.updated_at,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg() -> ResponderConfig {
+        ResponderConfig {
+            on_rebalance: RebalanceAction::Checkpoint,
+            rebalance_expiry: Duration::from_secs(1800),
+            on_maintenance: MaintenanceAction::Drain,
+            on_azure_freeze: MaintenanceAction::Ignore,
+            maintenance_lead: Duration::from_secs(600),
+            checkpoint_timeout: Duration::from_secs(90),
+            drain_reserve: None,
+            force_delete_at_deadline: false,
+            drain_concurrency: 8,
+            dry_run: false,
+            shutdown_grace: Duration::from_secs(5),
+            boot_id: None,
+        }
+    }
+
+    #[test]
+    fn steps_follow_the_policies() {
+        let c = cfg();
+        let n = |kind: NoticeKind, detail: &str| Notice {
+            id: "n".into(),
+            kind,
+            source: Source::Azure,
+            deadline: None,
+            not_before: None,
+            detail: detail.into(),
+            restart: false,
+            published_at: None,
+            observed_at: Timestamp::now(),
+        };
+        let s = steps_for(&n(NoticeKind::Interruption, ""), &c).unwrap();
+        assert!(s.cordon && s.checkpoint && s.drain);
+        assert_eq!(s.taint, Some(TaintEffect::NoSchedule));
+        let r = steps_for(&n(NoticeKind::Rebalance, ""), &c).unwrap();
+        assert_eq!(r.taint, Some(TaintEffect::PreferNoSchedule));
+        assert!(r.checkpoint && !r.drain && !r.cordon);
+        let mut c2 = c.clone();
+        c2.on_rebalance = RebalanceAction::Ignore;
+        assert!(steps_for(&n(NoticeKind::Rebalance, ""), &c2).is_none());
+        c2.on_maintenance = MaintenanceAction::Cordon;
+        let m = steps_for(
+            &n(NoticeKind::Maintenance, "Reboot (Scheduled, Platform): x"),
+            &c2,
+        )
+        .unwrap();
+        assert!(m.cordon && !m.checkpoint && !m.drain);
+        // Azure Freeze follows its own policy (default ignore), not --on-maintenance.
+        let freeze = n(
+            NoticeKind::Maintenance,
+            "Freeze (Scheduled, Platform): pause",
+        );
+        assert!(steps_for(&freeze, &c).is_none());
+        let mut c3 = c.clone();
+        c3.on_azure_freeze = MaintenanceAction::Cordon;
+        let f = steps_for(&freeze, &c3).unwrap();
+        assert!(f.cordon && !f.checkpoint && !f.drain);
+        assert_eq!(c.reserve(Source::Aws), Duration::from_secs(25));
+        assert_eq!(c.reserve(Source::Gce), Duration::from_secs(8));
+    }
+}
