@@ -336,3 +336,41 @@ fn env_value_errors_name_the_variable() {
         stderr(&o)
     );
 }
+
+#[test]
+fn run_flags_are_grouped_under_headings() {
+    let o = spotguard(&["run", "--help"], &[]);
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    let headings: Vec<&str> = out
+        .lines()
+        .filter(|l| !l.starts_with(' ') && l.ends_with(':'))
+        .collect();
+    for h in [
+        "Notices:",
+        "Checkpoint:",
+        "Drain:",
+        "Observability:",
+        "Prefetch:",
+        "Host mode:",
+    ] {
+        assert!(headings.contains(&h), "{h} missing from {headings:?}");
+    }
+    // A flag appears under its heading.
+    let under = |flag: &str| -> String {
+        let mut current = "";
+        for l in out.lines() {
+            if !l.starts_with(' ') && l.ends_with(':') {
+                current = l;
+            } else if l.trim_start().starts_with(flag) {
+                return current.to_string();
+            }
+        }
+        panic!("{flag} not in run --help");
+    };
+    assert_eq!(under("--poll-interval"), "Notices:");
+    assert_eq!(under("--checkpoint-timeout"), "Checkpoint:");
+    assert_eq!(under("--drain-reserve"), "Drain:");
+    assert_eq!(under("--webhook-url"), "Observability:");
+    assert_eq!(under("--cache-dir"), "Prefetch:");
+    assert_eq!(under("--checkpoint-pidfile"), "Host mode:");
+}

@@ -97,7 +97,7 @@ where
 }
 
 /// The kinds the fake server knows: the built-ins the manifests may use, plus the Prometheus
-/// Operator's PodMonitor as a cluster with that operator installed serves it.
+/// Operator's PodMonitor and PrometheusRule as a cluster with that operator installed serves them.
 fn known_kinds() -> Vec<Kind> {
     vec![
         kind_of::<Namespace>(),
@@ -118,11 +118,18 @@ fn known_kinds() -> Vec<Kind> {
             plural: "podmonitors",
             namespaced: true,
         },
+        Kind {
+            group: "monitoring.coreos.com",
+            version: "v1",
+            kind: "PrometheusRule",
+            plural: "prometheusrules",
+            namespaced: true,
+        },
     ]
 }
 
 /// Kinds that have no k8s-openapi type (CRDs): kubectl-checked only.
-const CRD_KINDS: &[&str] = &["PodMonitor"];
+const CRD_KINDS: &[&str] = &["PodMonitor", "PrometheusRule"];
 
 fn gv_path(group: &str, version: &str) -> String {
     if group.is_empty() {
