@@ -1,4 +1,4 @@
-"""Tests of clients/python/spotguard.py: file formats, atomic writes, and real signals delivered to
+"""Tests of the spotguard package (clients/python/spotguard): file formats, atomic writes, and real signals delivered to
 real Python children (the same way the agent delivers them)."""
 
 from __future__ import annotations
