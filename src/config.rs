@@ -3,7 +3,6 @@
 //! default. Everything is parsed and validated before anything starts; a bad value is reported
 //! with the key that holds it and the process exits 64 (`EX_USAGE`).
 
-use std::collections::BTreeMap;
 use std::ffi::OsString;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -1254,6 +1253,59 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
 
 // === configuration reference ===
 
+/// One Markdown table row per visible flag of `cmd`, in definition order.
+fn flag_rows(cmd: &clap::Command) -> String {
+    let mut out = String::new();
+    for a in cmd.get_arguments() {
+        if a.is_hide_set() {
+            continue;
+        }
+        let Some(long) = a.get_long() else { continue };
+        if long == "help" || long == "version" {
+            continue;
+        }
+        let env = a
+            .get_env()
+            .map(|e| format!("`{}`", e.to_string_lossy()))
+            .unwrap_or_default();
+        let default = a
+            .get_default_values()
+            .iter()
+            .map(|v| v.to_string_lossy().into_owned())
+            .collect::<Vec<_>>()
+            .join(",");
+        let possible = a
+            .get_possible_values()
+            .iter()
+            .map(|p| p.get_name().to_string())
+            .collect::<Vec<_>>();
+        let mut help = a.get_help().map(|h| h.to_string()).unwrap_or_default();
+        if !help.is_empty() && !help.ends_with('.') && !help.ends_with(']') {
+            help.push('.');
+        }
+        if !possible.is_empty()
+            && !matches!(possible.as_slice(), [a, b] if a == "true" && b == "false")
+        {
+            help.push_str(&format!(" One of: `{}`.", possible.join("`, `")));
+        }
+        if a.get_num_args().is_some_and(|n| n.max_values() > 1)
+            || matches!(a.get_action(), ArgAction::Append)
+        {
+            help.push_str(" Repeatable; the environment variable takes a comma-separated list.");
+        }
+        let default = if default.is_empty() {
+            "—".to_string()
+        } else {
+            format!("`{default}`")
+        };
+        out.push_str(&format!(
+            "| `--{long}` | {env} | {default} | {} |\n",
+            help.replace('|', "\\|")
+        ));
+    }
+    out
+}
+
 /// The configuration reference in Markdown, generated from the clap definitions of `run`.
 pub fn reference_markdown() -> String {
     let cmd = Cli::command();
@@ -1263,66 +1315,17 @@ pub fn reference_markdown() -> String {
     out.push_str("Every `spotguard run` flag also reads the environment variable shown. Precedence: flag > environment > config file (`--config`, TOML, same keys) > default. A bad value exits with code 64 and names the key.\n\n");
     out.push_str("| flag | environment | default | meaning |\n|---|---|---|---|\n");
     if let Some(run) = cmd.find_subcommand("run") {
-        let mut rows: BTreeMap<usize, String> = BTreeMap::new();
-        for (i, a) in run.get_arguments().enumerate() {
-            if a.is_hide_set() {
-                continue;
-            }
-            let Some(long) = a.get_long() else { continue };
-            if long == "help" || long == "version" {
-                continue;
-            }
-            let env = a
-                .get_env()
-                .map(|e| format!("`{}`", e.to_string_lossy()))
-                .unwrap_or_default();
-            let default = a
-                .get_default_values()
-                .iter()
-                .map(|v| v.to_string_lossy().into_owned())
-                .collect::<Vec<_>>()
-                .join(",");
-            let possible = a
-                .get_possible_values()
-                .iter()
-                .map(|p| p.get_name().to_string())
-                .collect::<Vec<_>>();
-            let mut help = a.get_help().map(|h| h.to_string()).unwrap_or_default();
-            if !help.is_empty() && !help.ends_with('.') && !help.ends_with(']') {
-                help.push('.');
-            }
-            if !possible.is_empty()
-                && !matches!(possible.as_slice(), [a, b] if a == "true" && b == "false")
-            {
-                help.push_str(&format!(" One of: `{}`.", possible.join("`, `")));
-            }
-            if a.get_num_args().is_some_and(|n| n.max_values() > 1)
-                || matches!(a.get_action(), ArgAction::Append)
-            {
-                help.push_str(
-                    " Repeatable; the environment variable takes a comma-separated list.",
-                );
-            }
-            let default = if default.is_empty() {
-                "—".to_string()
-            } else {
-                format!("`{default}`")
-            };
-            rows.insert(
-                i,
-                format!(
-                    "| `--{long}` | {env} | {default} | {} |\n",
-                    help.replace('|', "\\|")
-                ),
-            );
-        }
-        for r in rows.values() {
-            out.push_str(r);
-        }
+        out.push_str(&flag_rows(run));
     }
     out.push_str("\n## Config file\n\n");
     out.push_str("`--config FILE` reads TOML with the same keys as the flags (kebab-case or snake_case) plus structured parts:\n\n");
     out.push_str("```toml\ncloud = \"aws\"\npoll-interval = \"1s\"\ncheckpoint-timeout = \"90s\"\ncheckpoint-cmdline = [\"python.*train\\\\.py\"]\n\n[[datasets]]\nname = \"imagenet\"\nurl = \"s3://my-bucket/imagenet/\"\n\n[gpu.thresholds]\n# see docs/gpu-health.md\n```\n");
+    if let Some(serve) = cmd.find_subcommand("prefetch-serve") {
+        out.push_str("\n## `spotguard prefetch-serve`\n\n");
+        out.push_str("The prefetcher as its own process (the DaemonSet's `prefetch` container; on a host, started by `run` for its `--prefetch` datasets). See docs/prefetch.md.\n\n");
+        out.push_str("| flag | environment | default | meaning |\n|---|---|---|---|\n");
+        out.push_str(&flag_rows(serve));
+    }
     out
 }
 

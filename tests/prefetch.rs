@@ -1409,12 +1409,13 @@ async fn wait_returns_when_the_dataset_completes() {
         waiter.try_wait().unwrap().is_none(),
         "returned before the dataset exists"
     );
-    let r = run(spotguard(
+    // Fetched with the privileges the prefetch container ships with: root, no capabilities.
+    let r = run(without_capabilities(spotguard(
         "s3://waitb/ds",
         cache.path(),
         &server.endpoint(),
         &["--name", "c4"],
-    ))
+    )))
     .await;
     assert_eq!(r.code, 0, "{}", r.stderr);
     let started = Instant::now();
@@ -1476,4 +1477,27 @@ async fn corrupted_bytes_fail_the_store_checksum_and_are_never_published() {
         assert_eq!(r.code, 0, "{}", r.stderr);
         std::fs::remove_dir_all(cache.path().join("ds")).unwrap();
     }
+}
+
+/// `cmd` under `setpriv` with every capability dropped (bounding and inheritable sets) and no
+/// new privileges: how the DaemonSet's prefetch container runs.
+fn without_capabilities(cmd: Command) -> Command {
+    let mut c = Command::new("setpriv");
+    c.args([
+        "--inh-caps=-all",
+        "--bounding-set=-all",
+        "--no-new-privs",
+        "--",
+    ])
+    .arg(cmd.get_program())
+    .args(cmd.get_args())
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped());
+    for (k, v) in cmd.get_envs() {
+        match v {
+            Some(v) => c.env(k, v),
+            None => c.env_remove(k),
+        };
+    }
+    c
 }
