@@ -24,7 +24,7 @@ use k8s_openapi::api::core::v1::{ContainerState, ContainerStateRunning, Containe
 use spotguard::app;
 use spotguard::config::{self, Config};
 use spotguard::emulator::{self, Cloud, EmulatedNotice, EmulatorConfig};
-use spotguard::testing::apiserver::{test_node, Fault, FakeApiServer, TestPod};
+use spotguard::testing::apiserver::{test_node, FakeApiServer, Fault, TestPod};
 use tokio_util::sync::CancellationToken;
 
 const NODE: &str = "gpu-node-1";
@@ -132,7 +132,6 @@ async fn trial(cloud: Cloud, emu: &emulator::EmulatorHandle) -> f64 {
     (received_ns - visible.as_nanosecond()) as f64 / 1e9
 }
 
-
 fn hex(n: usize) -> String {
     (0..n)
         .map(|_| char::from_digit(fastrand::u32(0..16), 16).unwrap_or('0'))
@@ -178,7 +177,10 @@ async fn kube_trial(
     let cid = hex(64);
     let cgroup = Path::new(CGROUP_ROOT)
         .join("kubepods.slice/kubepods-burstable.slice")
-        .join(format!("kubepods-burstable-pod{}.slice", uid.replace('-', "_")))
+        .join(format!(
+            "kubepods-burstable-pod{}.slice",
+            uid.replace('-', "_")
+        ))
         .join(format!("cri-containerd-{cid}.scope"));
     std::fs::create_dir_all(&cgroup).expect("cgroup (needs root and cgroup v1 name=systemd)");
     std::fs::write(
@@ -197,7 +199,10 @@ async fn kube_trial(
             "spotguard.io/checkpoint-dir".to_string(),
             dir.path().join("ckpt").display().to_string(),
         ),
-        ("spotguard.io/checkpoint-timeout".to_string(), "3s".to_string()),
+        (
+            "spotguard.io/checkpoint-timeout".to_string(),
+            "3s".to_string(),
+        ),
     ]));
     if let Some(status) = pod.status.as_mut() {
         status.container_statuses = Some(vec![ContainerStatus {
@@ -390,7 +395,10 @@ async fn idle_footprint(secs: u64, kube_pods: Option<usize>) {
     let api = match kube_pods {
         None => {
             args.push("--mode=host".into());
-            args.push(format!("--checkpoint-dir={}", dir.path().join("ckpt").display()));
+            args.push(format!(
+                "--checkpoint-dir={}",
+                dir.path().join("ckpt").display()
+            ));
             args.push("--checkpoint-cmdline=^no-such-trainer$".into());
             None
         }
@@ -404,7 +412,10 @@ async fn idle_footprint(secs: u64, kube_pods: Option<usize>) {
                 if i % 2 == 0 {
                     pod.metadata.annotations = Some(BTreeMap::from([
                         ("spotguard.io/checkpoint".to_string(), "true".to_string()),
-                        ("spotguard.io/checkpoint-dir".to_string(), "/ckpt".to_string()),
+                        (
+                            "spotguard.io/checkpoint-dir".to_string(),
+                            "/ckpt".to_string(),
+                        ),
                     ]));
                 }
                 api.add_pod(pod);

@@ -226,7 +226,10 @@ async fn hung_checkpoint_dir_delays_neither_another_groups_signal_nor_the_wait()
     let mark = marks.join(format!("marker-{}", hung.pid()));
     let t = Instant::now();
     while !mark.exists() {
-        assert!(t.elapsed() < Duration::from_secs(5), "hung group never signalled");
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "hung group never signalled"
+        );
         std::thread::sleep(Duration::from_millis(5));
     }
 
@@ -234,7 +237,12 @@ async fn hung_checkpoint_dir_delays_neither_another_groups_signal_nor_the_wait()
     let results = wait(deliveries, &req, &m, &CancellationToken::new()).await;
     let waited = waited.elapsed();
     assert_eq!(results[1].outcome, Outcome::Acked, "{}", results[1].detail);
-    assert_eq!(results[0].outcome, Outcome::Timeout, "{}", results[0].detail);
+    assert_eq!(
+        results[0].outcome,
+        Outcome::Timeout,
+        "{}",
+        results[0].detail
+    );
     assert!(
         waited < budget + Duration::from_secs(2),
         "the wait outlived the hung group's budget: {waited:?}"
@@ -263,19 +271,22 @@ async fn watcher_stuck_in_a_mount_that_hangs_later_is_abandoned_and_counted() {
     let mut registry = Registry::default();
     let m = Metrics::register(&mut registry);
     let deliveries = deliver(&groups, &req, &m);
-    assert!(deliveries.iter().all(|d| d.state == DeliveryState::Signalled));
+    assert!(deliveries
+        .iter()
+        .all(|d| d.state == DeliveryState::Signalled));
     // Now the dir's filesystem stops answering: the watcher's next read blocks in the kernel.
     let mount = HungMount::new(&later);
     let started = Instant::now();
     let results = wait(deliveries, &req, &m, &CancellationToken::new()).await;
     let waited = started.elapsed();
     assert_eq!(results[1].outcome, Outcome::Acked, "{}", results[1].detail);
-    assert_eq!(results[0].outcome, Outcome::Timeout, "{}", results[0].detail);
-    assert!(
-        results[0].detail.contains("stuck"),
+    assert_eq!(
+        results[0].outcome,
+        Outcome::Timeout,
         "{}",
         results[0].detail
     );
+    assert!(results[0].detail.contains("stuck"), "{}", results[0].detail);
     assert!(waited < budget + Duration::from_secs(2), "{waited:?}");
     assert_eq!(stuck_threads(&registry), 1);
     drop(mount);
