@@ -1,19 +1,36 @@
 //! Benchmark: notice visible in the metadata emulator → checkpoint signal received by a real
-//! process, per cloud, through the real host-mode pipeline (`app::start`); and the idle footprint
-//! (RSS, CPU) of a `spotguard run` process over a minute.
+//! process, per cloud, through the real host-mode pipeline (`app::start`); the same in
+//! Kubernetes mode (GCE hanging GET, `app::start_with_client` against the in-process API server,
+//! the receiving process in a kubelet-shaped cgroup as an opted-in pod) with the API server
+//! answering in 0 ms, 100 ms, 1 s, and not at all (accepts, never answers) from just before the
+//! notice on — plus notice → node cordoned with a 0 ms API server; and the idle footprint (RSS,
+//! CPU) of a `spotguard run` process over a minute in host mode and in Kubernetes mode with 110
+//! pods on the node (the kubelet's default maximum).
 //!
-//! `cargo bench --bench latency` (env: SPOTGUARD_BENCH_TRIALS=50, SPOTGUARD_BENCH_IDLE_SECS=60).
+//! `cargo bench --bench latency` (env: SPOTGUARD_BENCH_TRIALS=50, SPOTGUARD_BENCH_IDLE_SECS=60,
+//! SPOTGUARD_BENCH_MODE=all|host|kubernetes, SPOTGUARD_BENCH_SLOW_TRIALS: trials for the 1 s and
+//! never-answering API conditions, default SPOTGUARD_BENCH_TRIALS). A Kubernetes trial whose
+//! process is not signalled within SIGNAL_WAIT is counted as "never" and shown as such; the
+//! percentiles then include it as +∞.
 //! The receiving process stamps CLOCK_REALTIME inside its signal handler (clock_gettime is
 //! async-signal-safe); "visible" is the instant the emulator started answering with the notice.
 
-use std::path::Path;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::Duration;
 
+use k8s_openapi::api::core::v1::{ContainerState, ContainerStateRunning, ContainerStatus};
 use spotguard::app;
 use spotguard::config::{self, Config};
 use spotguard::emulator::{self, Cloud, EmulatedNotice, EmulatorConfig};
+use spotguard::testing::apiserver::{test_node, FakeApiServer, Fault, TestPod};
 use tokio_util::sync::CancellationToken;
+
+const NODE: &str = "gpu-node-1";
+const CGROUP_ROOT: &str = "/sys/fs/cgroup/systemd";
+/// How long a Kubernetes trial waits for the signal before counting it as never delivered.
+const SIGNAL_WAIT: Duration = Duration::from_secs(10);
 
 static RECEIVED_NS: AtomicI64 = AtomicI64::new(0);
 
@@ -115,6 +132,230 @@ async fn trial(cloud: Cloud, emu: &emulator::EmulatorHandle) -> f64 {
     (received_ns - visible.as_nanosecond()) as f64 / 1e9
 }
 
+fn hex(n: usize) -> String {
+    (0..n)
+        .map(|_| char::from_digit(fastrand::u32(0..16), 16).unwrap_or('0'))
+        .collect()
+}
+
+/// How the API server answers from just before the notice on (the pod cache synced before).
+#[derive(Clone, Copy)]
+enum ApiCondition {
+    Answers(Duration),
+    Never,
+}
+
+impl ApiCondition {
+    fn label(self) -> String {
+        match self {
+            ApiCondition::Answers(d) => format!("{} ms", d.as_millis()),
+            ApiCondition::Never => "never".into(),
+        }
+    }
+}
+
+/// One Kubernetes-mode trial: (notice visible → signal received, notice visible → node cordoned
+/// as seen by polling the API server's store every 2 ms); `None` = not within [`SIGNAL_WAIT`].
+async fn kube_trial(
+    emu: &emulator::EmulatorHandle,
+    condition: ApiCondition,
+    measure_cordon: bool,
+) -> (Option<f64>, Option<f64>) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = dir.path().join("received");
+    std::fs::create_dir_all(dir.path().join("ckpt")).expect("ckpt dir");
+    let api = FakeApiServer::start().await.expect("api server");
+    api.add_node(test_node(NODE));
+    let me = std::env::current_exe().expect("exe");
+    let mut target = tokio::process::Command::new(me)
+        .arg("--child")
+        .arg(&out)
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawn child");
+    let uid = format!("{}-{}-{}-{}-{}", hex(8), hex(4), hex(4), hex(4), hex(12));
+    let cid = hex(64);
+    let cgroup = Path::new(CGROUP_ROOT)
+        .join("kubepods.slice/kubepods-burstable.slice")
+        .join(format!(
+            "kubepods-burstable-pod{}.slice",
+            uid.replace('-', "_")
+        ))
+        .join(format!("cri-containerd-{cid}.scope"));
+    std::fs::create_dir_all(&cgroup).expect("cgroup (needs root and cgroup v1 name=systemd)");
+    std::fs::write(
+        cgroup.join("cgroup.procs"),
+        target.id().expect("pid").to_string(),
+    )
+    .expect("join cgroup");
+    while !out.with_extension("ready").exists() {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let mut pod = TestPod::new("ml", "trainer-0", NODE).build();
+    pod.metadata.uid = Some(uid);
+    pod.metadata.annotations = Some(BTreeMap::from([
+        ("spotguard.io/checkpoint".to_string(), "true".to_string()),
+        (
+            "spotguard.io/checkpoint-dir".to_string(),
+            dir.path().join("ckpt").display().to_string(),
+        ),
+        (
+            "spotguard.io/checkpoint-timeout".to_string(),
+            "3s".to_string(),
+        ),
+    ]));
+    if let Some(status) = pod.status.as_mut() {
+        status.container_statuses = Some(vec![ContainerStatus {
+            name: "main".into(),
+            container_id: Some(format!("containerd://{cid}")),
+            ready: true,
+            image: "trainer".into(),
+            state: Some(ContainerState {
+                running: Some(ContainerStateRunning::default()),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }]);
+    }
+    api.add_pod(pod);
+    for i in 0..5 {
+        api.add_pod(TestPod::new("web", &format!("web-{i}"), NODE).build());
+    }
+    let argv: Vec<String> = vec![
+        "spotguard".into(),
+        "run".into(),
+        "--mode=kubernetes".into(),
+        format!("--node-name={NODE}"),
+        format!("--cloud={}", emu.cloud().as_str()),
+        format!("--metadata-endpoint={}", emu.base_url()),
+        format!("--state-dir={}", dir.path().join("state").display()),
+        "--metrics-addr=127.0.0.1:0".into(),
+        "--gpu=off".into(),
+        "--log-level=error".into(),
+        "--shutdown-grace=0s".into(),
+    ];
+    let args = match config::parse_cli(argv) {
+        config::Parsed::Command(config::Command::Run(r)) => *r,
+        config::Parsed::Exit { text, .. } => panic!("{text}"),
+        _ => unreachable!(),
+    };
+    let cfg = Config::resolve(args, &config::ProcessEnv).expect("config");
+    let cancel = CancellationToken::new();
+    let app = app::start_with_client(cfg, cancel.clone(), Some(api.client()))
+        .await
+        .expect("start");
+    // The pod cache syncs and the GCE hanging GET is parked, at a random phase.
+    tokio::time::sleep(Duration::from_millis(1000 + fastrand::u64(0..500))).await;
+    match condition {
+        ApiCondition::Answers(d) if d.is_zero() => {}
+        ApiCondition::Answers(d) => api.set_fault(None, Some(Fault::Delay(d))),
+        ApiCondition::Never => api.set_fault(None, Some(Fault::Blackhole)),
+    }
+    let visible = emu
+        .raise(EmulatedNotice::interruption())
+        .expect("raise")
+        .visible_at;
+    let mut cordoned_at = None;
+    if measure_cordon {
+        let start = std::time::Instant::now();
+        while start.elapsed() < SIGNAL_WAIT {
+            let unschedulable = api
+                .node(NODE)
+                .and_then(|n| n.spec?.unschedulable)
+                .unwrap_or(false);
+            if unschedulable {
+                cordoned_at = Some(jiff::Timestamp::now());
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    }
+    let _ = tokio::time::timeout(SIGNAL_WAIT, target.wait()).await;
+    let received = std::fs::read_to_string(&out)
+        .ok()
+        .and_then(|s| s.trim().parse::<i128>().ok())
+        .map(|ns| (ns - visible.as_nanosecond()) as f64 / 1e9);
+    let cordon = cordoned_at.map(|t| t.duration_since(visible).as_secs_f64());
+    cancel.cancel();
+    api.clear_faults();
+    let _ = tokio::time::timeout(Duration::from_secs(3), app.join).await;
+    drop(api);
+    emu.clear();
+    let _ = target.start_kill();
+    let _ = target.wait().await;
+    for _ in 0..100 {
+        if std::fs::remove_dir(&cgroup).is_ok() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    if let Some(parent) = cgroup.parent() {
+        let _ = std::fs::remove_dir(parent);
+    }
+    (received, cordon)
+}
+
+/// `p50 p90 p99 max` of trials where `None` (never) sorts last as +∞.
+fn summary(v: &[Option<f64>]) -> String {
+    let mut s: Vec<f64> = v.iter().map(|x| x.unwrap_or(f64::INFINITY)).collect();
+    s.sort_by(|a, b| a.total_cmp(b));
+    let f = |x: f64| {
+        if x.is_finite() {
+            format!("{:.1}ms", x * 1e3)
+        } else {
+            "never".to_string()
+        }
+    };
+    let never = v.iter().filter(|x| x.is_none()).count();
+    format!(
+        "{:>10} {:>10} {:>10} {:>10}   n={} never={never}",
+        f(percentile(&s, 50.0)),
+        f(percentile(&s, 90.0)),
+        f(percentile(&s, 99.0)),
+        f(s.last().copied().unwrap_or(f64::NAN)),
+        v.len()
+    )
+}
+
+async fn kube_latency(trials: usize, slow_trials: usize) {
+    let emu = emulator::start(EmulatorConfig::new(Cloud::Gce))
+        .await
+        .expect("emulator");
+    println!(
+        "Kubernetes mode, GCE hanging GET: notice visible → SIGUSR1 received, by API-server answer time (never = not within {} s)",
+        SIGNAL_WAIT.as_secs()
+    );
+    println!(
+        "{:<10} {:>10} {:>10} {:>10} {:>10}",
+        "API", "p50", "p90", "p99", "max"
+    );
+    let mut cordon = Vec::new();
+    for condition in [
+        ApiCondition::Answers(Duration::ZERO),
+        ApiCondition::Answers(Duration::from_millis(100)),
+        ApiCondition::Answers(Duration::from_secs(1)),
+        ApiCondition::Never,
+    ] {
+        let n = match condition {
+            ApiCondition::Answers(d) if d < Duration::from_secs(1) => trials,
+            _ => slow_trials,
+        };
+        let zero = matches!(condition, ApiCondition::Answers(d) if d.is_zero());
+        let mut v = Vec::with_capacity(n);
+        for _ in 0..n {
+            let (signal, cordoned) = kube_trial(&emu, condition, zero).await;
+            v.push(signal);
+            if zero {
+                cordon.push(cordoned);
+            }
+        }
+        println!("{:<10} {}", condition.label(), summary(&v));
+    }
+    println!("notice visible → node cordoned (API answering in 0 ms):");
+    println!("{:<10} {}", "0 ms", summary(&cordon));
+    emu.shutdown().await;
+}
+
 fn proc_rss_kib(pid: u32, key: &str) -> u64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
         .unwrap_or_default()
@@ -134,26 +375,61 @@ fn proc_cpu_ticks(pid: u32) -> u64 {
     u + s
 }
 
-async fn idle_footprint(secs: u64) {
+async fn idle_footprint(secs: u64, kube_pods: Option<usize>) {
     let emu = emulator::start(EmulatorConfig::new(Cloud::Aws))
         .await
         .expect("emulator");
     let dir = tempfile::tempdir().expect("tempdir");
     let bin = env!("CARGO_BIN_EXE_spotguard");
-    let mut agent = tokio::process::Command::new(bin)
-        .args([
-            "run",
-            "--mode=host",
-            "--cloud=aws",
-            &format!("--metadata-endpoint={}", emu.base_url()),
-            "--poll-interval=1s",
-            &format!("--checkpoint-dir={}", dir.path().join("ckpt").display()),
-            &format!("--state-dir={}", dir.path().join("state").display()),
-            "--checkpoint-cmdline=^no-such-trainer$",
-            "--metrics-addr=127.0.0.1:0",
-            "--gpu=off",
-            "--log-format=json",
-        ])
+    let mut args: Vec<String> = vec![
+        "run".into(),
+        "--cloud=aws".into(),
+        format!("--metadata-endpoint={}", emu.base_url()),
+        "--poll-interval=1s".into(),
+        format!("--state-dir={}", dir.path().join("state").display()),
+        "--metrics-addr=127.0.0.1:0".into(),
+        "--gpu=off".into(),
+        "--log-format=json".into(),
+    ];
+    let mut cmd = tokio::process::Command::new(bin);
+    let api = match kube_pods {
+        None => {
+            args.push("--mode=host".into());
+            args.push(format!(
+                "--checkpoint-dir={}",
+                dir.path().join("ckpt").display()
+            ));
+            args.push("--checkpoint-cmdline=^no-such-trainer$".into());
+            None
+        }
+        Some(n) => {
+            let api = FakeApiServer::start().await.expect("api server");
+            api.add_node(test_node(NODE));
+            for i in 0..n {
+                let mut pod = TestPod::new("ml", &format!("pod-{i}"), NODE)
+                    .label("app", "trainer")
+                    .build();
+                if i % 2 == 0 {
+                    pod.metadata.annotations = Some(BTreeMap::from([
+                        ("spotguard.io/checkpoint".to_string(), "true".to_string()),
+                        (
+                            "spotguard.io/checkpoint-dir".to_string(),
+                            "/ckpt".to_string(),
+                        ),
+                    ]));
+                }
+                api.add_pod(pod);
+            }
+            let kubeconfig: PathBuf = dir.path().join("kubeconfig");
+            std::fs::write(&kubeconfig, api.kubeconfig()).expect("kubeconfig");
+            cmd.env("KUBECONFIG", &kubeconfig);
+            args.push("--mode=kubernetes".into());
+            args.push(format!("--node-name={NODE}"));
+            Some(api)
+        }
+    };
+    let mut agent = cmd
+        .args(&args)
         .stderr(std::process::Stdio::null())
         .kill_on_drop(true)
         .spawn()
@@ -173,8 +449,21 @@ async fn idle_footprint(secs: u64) {
     let hwm = proc_rss_kib(pid, "VmHWM:");
     rss.sort_unstable();
     let polls = emu.requests("/latest/meta-data/spot/instance-action");
+    let mode = match kube_pods {
+        None => "host mode".to_string(),
+        Some(n) => format!(
+            "Kubernetes mode, {n} pods on the node, {} pod watches",
+            api.as_ref()
+                .map(|a| a
+                    .requests()
+                    .iter()
+                    .filter(|r| r.query_param("watch").as_deref() == Some("true"))
+                    .count())
+                .unwrap_or(0)
+        ),
+    };
     println!(
-        "idle agent over {wall:.0} s (EC2, 1 s polling, {polls} instance-action polls): RSS median {:.1} MiB, max {:.1} MiB, peak (VmHWM) {:.1} MiB; CPU {:.3} s = {:.3} % of a core",
+        "idle agent, {mode}, over {wall:.0} s (EC2, 1 s polling, {polls} instance-action polls): RSS median {:.1} MiB, max {:.1} MiB, peak (VmHWM) {:.1} MiB; CPU {:.3} s = {:.3} % of a core",
         rss[rss.len() / 2] as f64 / 1024.0,
         rss[rss.len() - 1] as f64 / 1024.0,
         hwm as f64 / 1024.0,
@@ -196,6 +485,12 @@ fn main() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(50);
+    let slow_trials: usize = std::env::var("SPOTGUARD_BENCH_SLOW_TRIALS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(trials);
+    let mode = std::env::var("SPOTGUARD_BENCH_MODE").unwrap_or_else(|_| "all".into());
+    let (host, kube) = (mode != "kubernetes", mode != "host");
     let idle_secs: u64 = std::env::var("SPOTGUARD_BENCH_IDLE_SECS")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -206,6 +501,16 @@ fn main() {
         .build()
         .expect("runtime");
     rt.block_on(async {
+        if kube {
+            kube_latency(trials, slow_trials).await;
+        }
+        if !host {
+            if idle_secs > 0 {
+                idle_footprint(idle_secs, None).await;
+                idle_footprint(idle_secs, Some(110)).await;
+            }
+            return;
+        }
         println!("notice visible → SIGUSR1 received, {trials} trials per cloud (EC2 and Azure poll every 1 s; GCE hanging GETs)");
         println!("{:<8} {:>9} {:>9} {:>9} {:>9}", "cloud", "p50", "p90", "p99", "max");
         for cloud in [Cloud::Aws, Cloud::Gce, Cloud::Azure] {
@@ -228,7 +533,10 @@ fn main() {
             );
         }
         if idle_secs > 0 {
-            idle_footprint(idle_secs).await;
+            idle_footprint(idle_secs, None).await;
+            if kube {
+                idle_footprint(idle_secs, Some(110)).await;
+            }
         }
     });
 }

@@ -323,7 +323,7 @@ pub struct RunArgs {
     )]
     pub log_level: String,
 
-    /// Host mode target: a systemd unit whose cgroup's processes are checkpointed (repeatable).
+    /// Host mode target: a systemd unit whose own cgroup's processes are checkpointed (repeatable).
     #[arg(
         long,
         env = "SPOTGUARD_CHECKPOINT_UNIT",
@@ -333,7 +333,8 @@ pub struct RunArgs {
     )]
     pub checkpoint_unit: Vec<String>,
 
-    /// Host mode target: a pidfile; that process and its descendants (repeatable).
+    /// Host mode target: a pidfile (a regular file owned by root or by the process's user, never
+    /// naming PID 1); that process and its descendants running as the same user (repeatable).
     #[arg(
         long,
         env = "SPOTGUARD_CHECKPOINT_PIDFILE",

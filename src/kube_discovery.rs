@@ -30,7 +30,6 @@ use crate::metrics::Metrics;
 use crate::node::{reason, EventType, NodeOps};
 use crate::notice::monitor::Backoff;
 
-
 /// Bound on the one list discovery makes when the cache never synced.
 pub const FALLBACK_LIST_TIMEOUT: Duration = Duration::from_secs(1);
 /// Bound on the cache's own (re)lists.
@@ -118,10 +117,7 @@ impl KubeDiscovery {
             Ok(Some(spec)) => Cached::Target(spec),
             Ok(None) => Cached::Other,
             Err(e) => {
-                let key = (
-                    pod.metadata.uid.clone().unwrap_or_default(),
-                    e.to_string(),
-                );
+                let key = (pod.metadata.uid.clone().unwrap_or_default(), e.to_string());
                 if self.state().reported.insert(key) {
                     self.metrics.error("checkpoint", e.metric_label());
                     warn!(error = %e, "pod with a bad checkpoint annotation will not be checkpointed");
@@ -271,7 +267,10 @@ impl KubeDiscovery {
                     .collect());
             }
         }
-        warn!(timeout_ms = FALLBACK_LIST_TIMEOUT.as_millis() as u64, "pod cache never synced; listing this node's pods");
+        warn!(
+            timeout_ms = FALLBACK_LIST_TIMEOUT.as_millis() as u64,
+            "pod cache never synced; listing this node's pods"
+        );
         let list = tokio::time::timeout(
             FALLBACK_LIST_TIMEOUT,
             self.pods.list(&on_node(&self.node_name)),
@@ -306,14 +305,15 @@ impl TargetDiscovery for KubeDiscovery {
         if specs.is_empty() {
             return Ok(Vec::new());
         }
-        specs.sort_by(|a, b| a.name().cmp(&b.name()));
+        specs.sort_by_key(|s| s.name());
         let root = self.proc_root.clone();
-        let index = crate::checkpoint::run_on_thread("sg-ckpt-scan", move || ProcIndex::scan(&root))
-            .await
-            .map_err(|e| Error::Proc {
-                path: self.proc_root.display().to_string(),
-                source: e,
-            })??;
+        let index =
+            crate::checkpoint::run_on_thread("sg-ckpt-scan", move || ProcIndex::scan(&root))
+                .await
+                .map_err(|e| Error::Proc {
+                    path: self.proc_root.display().to_string(),
+                    source: e,
+                })??;
         let mut groups = Vec::new();
         for spec in specs {
             if spec.containers.is_empty() {

@@ -856,7 +856,7 @@ async fn pidfile_rules_each_refuse_with_a_clear_reason() {
     // a FIFO nobody writes: refused at once, not waited on
     rustix::fs::mknodat(
         rustix::fs::CWD,
-        &tmp.path().join("fifo.pid"),
+        tmp.path().join("fifo.pid"),
         rustix::fs::FileType::Fifo,
         rustix::fs::Mode::from_raw_mode(0o644),
         0,
@@ -917,7 +917,11 @@ async fn pidfile_descendants_are_only_those_of_the_same_user() {
     let groups = HostDiscovery::new(t).discover().await.unwrap();
     let pids = pids_of(&groups[0]);
     for (pid, uid) in kids {
-        assert_eq!(pids.contains(&pid), uid == 0, "pid {pid} uid {uid}: {pids:?}");
+        assert_eq!(
+            pids.contains(&pid),
+            uid == 0,
+            "pid {pid} uid {uid}: {pids:?}"
+        );
     }
     assert!(pids.contains(&launcher.pid()));
 }

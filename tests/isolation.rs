@@ -226,7 +226,10 @@ async fn hung_checkpoint_dir_delays_neither_another_groups_signal_nor_the_wait()
     let mark = marks.join(format!("marker-{}", hung.pid()));
     let t = Instant::now();
     while !mark.exists() {
-        assert!(t.elapsed() < Duration::from_secs(5), "hung group never signalled");
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "hung group never signalled"
+        );
         std::thread::sleep(Duration::from_millis(5));
     }
 
@@ -234,7 +237,12 @@ async fn hung_checkpoint_dir_delays_neither_another_groups_signal_nor_the_wait()
     let results = wait(deliveries, &req, &m, &CancellationToken::new()).await;
     let waited = waited.elapsed();
     assert_eq!(results[1].outcome, Outcome::Acked, "{}", results[1].detail);
-    assert_eq!(results[0].outcome, Outcome::Timeout, "{}", results[0].detail);
+    assert_eq!(
+        results[0].outcome,
+        Outcome::Timeout,
+        "{}",
+        results[0].detail
+    );
     assert!(
         waited < budget + Duration::from_secs(2),
         "the wait outlived the hung group's budget: {waited:?}"
@@ -263,19 +271,22 @@ async fn watcher_stuck_in_a_mount_that_hangs_later_is_abandoned_and_counted() {
     let mut registry = Registry::default();
     let m = Metrics::register(&mut registry);
     let deliveries = deliver(&groups, &req, &m);
-    assert!(deliveries.iter().all(|d| d.state == DeliveryState::Signalled));
+    assert!(deliveries
+        .iter()
+        .all(|d| d.state == DeliveryState::Signalled));
     // Now the dir's filesystem stops answering: the watcher's next read blocks in the kernel.
     let mount = HungMount::new(&later);
     let started = Instant::now();
     let results = wait(deliveries, &req, &m, &CancellationToken::new()).await;
     let waited = started.elapsed();
     assert_eq!(results[1].outcome, Outcome::Acked, "{}", results[1].detail);
-    assert_eq!(results[0].outcome, Outcome::Timeout, "{}", results[0].detail);
-    assert!(
-        results[0].detail.contains("stuck"),
+    assert_eq!(
+        results[0].outcome,
+        Outcome::Timeout,
         "{}",
         results[0].detail
     );
+    assert!(results[0].detail.contains("stuck"), "{}", results[0].detail);
     assert!(waited < budget + Duration::from_secs(2), "{waited:?}");
     assert_eq!(stuck_threads(&registry), 1);
     drop(mount);
@@ -306,5 +317,193 @@ impl Kid {
             std::thread::sleep(Duration::from_millis(10));
         }
         kid
+    }
+}
+
+// === Kubernetes mode, whole agent ===
+
+mod kube {
+    use std::collections::BTreeMap;
+    use std::path::{Path, PathBuf};
+    use std::time::{Duration, Instant};
+
+    use k8s_openapi::api::core::v1::{ContainerState, ContainerStateRunning, ContainerStatus, Pod};
+    use spotguard::app;
+    use spotguard::config::{self, Config};
+    use spotguard::emulator::{self, Cloud, EmulatedNotice, EmulatorConfig};
+    use spotguard::responder::PlanEvent;
+    use spotguard::testing::apiserver::{test_node, FakeApiServer, TestPod};
+    use spotguard::testing::wait_for_event as wait_for;
+    use tokio_util::sync::CancellationToken;
+
+    use super::{HungMount, Kid};
+
+    const NODE: &str = "gpu-node-1";
+    const CGROUP_ROOT: &str = "/sys/fs/cgroup/systemd";
+
+    fn hex(n: usize) -> String {
+        (0..n)
+            .map(|_| char::from_digit(fastrand::u32(0..16), 16).unwrap())
+            .collect()
+    }
+
+    /// A handler process in a kubelet-shaped cgroup, and the opted-in pod describing it.
+    struct PodKid {
+        kid: Kid,
+        cgroup: PathBuf,
+        uid: String,
+        cid: String,
+    }
+
+    impl PodKid {
+        fn start(dir: &Path, marks: &Path) -> PodKid {
+            assert!(
+                Path::new(CGROUP_ROOT).join("cgroup.procs").exists(),
+                "needs the cgroup v1 name=systemd hierarchy at {CGROUP_ROOT}"
+            );
+            let uid = format!("{}-{}-{}-{}-{}", hex(8), hex(4), hex(4), hex(4), hex(12));
+            let cid = hex(64);
+            let cgroup = Path::new(CGROUP_ROOT)
+                .join("kubepods.slice/kubepods-burstable.slice")
+                .join(format!(
+                    "kubepods-burstable-pod{}.slice",
+                    uid.replace('-', "_")
+                ))
+                .join(format!("cri-containerd-{cid}.scope"));
+            std::fs::create_dir_all(&cgroup).unwrap();
+            let kid = Kid::handler(dir, marks);
+            std::fs::write(cgroup.join("cgroup.procs"), kid.pid().to_string()).unwrap();
+            PodKid {
+                kid,
+                cgroup,
+                uid,
+                cid,
+            }
+        }
+
+        fn pod(&self, name: &str, dir: &Path) -> Pod {
+            let mut pod = TestPod::new("ml", name, NODE).build();
+            pod.metadata.uid = Some(self.uid.clone());
+            pod.metadata.annotations = Some(BTreeMap::from([
+                ("spotguard.io/checkpoint".to_string(), "true".to_string()),
+                (
+                    "spotguard.io/checkpoint-dir".to_string(),
+                    dir.display().to_string(),
+                ),
+                (
+                    "spotguard.io/checkpoint-timeout".to_string(),
+                    "3s".to_string(),
+                ),
+            ]));
+            if let Some(status) = pod.status.as_mut() {
+                status.container_statuses = Some(vec![ContainerStatus {
+                    name: "main".into(),
+                    container_id: Some(format!("containerd://{}", self.cid)),
+                    ready: true,
+                    image: "trainer".into(),
+                    state: Some(ContainerState {
+                        running: Some(ContainerStateRunning::default()),
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                }]);
+            }
+            pod
+        }
+    }
+
+    impl Drop for PodKid {
+        fn drop(&mut self) {
+            let _ = std::fs::write(
+                Path::new(CGROUP_ROOT).join("cgroup.procs"),
+                self.kid.pid().to_string(),
+            );
+            for _ in 0..100 {
+                if std::fs::remove_dir(&self.cgroup).is_ok() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            if let Some(p) = self.cgroup.parent() {
+                let _ = std::fs::remove_dir(p);
+            }
+        }
+    }
+
+    fn marked_at(marks: &Path, pid: i32) -> Option<std::time::SystemTime> {
+        std::fs::metadata(marks.join(format!("marker-{pid}")))
+            .and_then(|m| m.modified())
+            .ok()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn pod_on_a_hung_mount_delays_neither_another_pods_signal_nor_the_drain() {
+        let tmp = tempfile::tempdir().unwrap();
+        let marks = tmp.path().join("marks");
+        let good_dir = tmp.path().join("good");
+        std::fs::create_dir_all(&marks).unwrap();
+        std::fs::create_dir_all(&good_dir).unwrap();
+        let mount = HungMount::new(&tmp.path().join("nfs"));
+        let hung_dir = mount.path.join("ckpt");
+        let hung = PodKid::start(&hung_dir, &marks);
+        let good = PodKid::start(&good_dir, &marks);
+
+        let api = FakeApiServer::start().await.unwrap();
+        api.add_node(test_node(NODE));
+        // Named so the hung pod sorts first.
+        api.add_pod(hung.pod("a-hung", &hung_dir));
+        api.add_pod(good.pod("b-good", &good_dir));
+        api.add_pod(TestPod::new("web", "web-0", NODE).build());
+        let emu = emulator::start(EmulatorConfig::new(Cloud::Gce))
+            .await
+            .unwrap();
+        let argv: Vec<String> = vec![
+            "spotguard".into(),
+            "run".into(),
+            "--mode=kubernetes".into(),
+            format!("--node-name={NODE}"),
+            "--cloud=gce".into(),
+            format!("--metadata-endpoint={}", emu.base_url()),
+            format!("--state-dir={}", tmp.path().join("state").display()),
+            "--metrics-addr=127.0.0.1:0".into(),
+            "--gpu=off".into(),
+            "--log-level=warn".into(),
+            "--shutdown-grace=0s".into(),
+        ];
+        let args = match config::parse_cli(argv) {
+            config::Parsed::Command(config::Command::Run(r)) => *r,
+            _ => panic!("bad args"),
+        };
+        let cfg = Config::resolve(args, &config::ProcessEnv).unwrap();
+        let cancel = CancellationToken::new();
+        let app = app::start_with_client(cfg, cancel.clone(), Some(api.client()))
+            .await
+            .unwrap();
+        let mut events = app.events;
+        tokio::time::sleep(Duration::from_millis(800)).await;
+        let raised = Instant::now();
+        emu.raise(EmulatedNotice::interruption()).unwrap();
+
+        wait_for(&mut events, Duration::from_secs(20), |e| {
+            matches!(e, PlanEvent::Drained { .. }).then_some(())
+        })
+        .await;
+        let drained_in = raised.elapsed();
+        // The hung pod's budget (3 s from its signal, which waited ≤ 1 s for its dir) bounds the
+        // checkpoint step; then the drain runs. Nothing waits for the hung filesystem itself.
+        assert!(
+            drained_in < Duration::from_secs(12),
+            "drain finished {drained_in:?} after the notice"
+        );
+        let good_at = marked_at(&marks, good.kid.pid()).expect("good pod signalled");
+        let hung_at = marked_at(&marks, hung.kid.pid()).expect("hung pod signalled too");
+        assert!(
+            good_at + Duration::from_millis(500) < hung_at,
+            "the good pod's signal waited for the hung pod's dir: good {good_at:?}, hung {hung_at:?}"
+        );
+        assert!(api.pod("web", "web-0").is_none(), "web-0 evicted");
+        cancel.cancel();
+        let _ = tokio::time::timeout(Duration::from_secs(5), app.join).await;
+        drop(mount);
     }
 }

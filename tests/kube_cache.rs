@@ -13,7 +13,7 @@ use spotguard::checkpoint::{Error, TargetDiscovery};
 use spotguard::kube_discovery::{Defaults, KubeDiscovery, FALLBACK_LIST_TIMEOUT};
 use spotguard::metrics::Metrics;
 use spotguard::node::kube::KubeNodeOps;
-use spotguard::testing::apiserver::{test_node, Fault, FakeApiServer, RequestKind, TestPod};
+use spotguard::testing::apiserver::{test_node, FakeApiServer, Fault, RequestKind, TestPod};
 use tokio_util::sync::CancellationToken;
 
 const NODE: &str = "gpu-node-1";
@@ -71,7 +71,10 @@ where
 {
     let start = Instant::now();
     while !f().await {
-        assert!(start.elapsed() < Duration::from_secs(10), "timed out: {what}");
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "timed out: {what}"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
@@ -124,7 +127,10 @@ async fn synced_cache_needs_no_api_round_trip_and_follows_the_watch() {
     })
     .await;
     api.remove_pod("ml", "trainer-b");
-    eventually("deleted pod dropped", || async { names(&d).await.is_empty() }).await;
+    eventually("deleted pod dropped", || async {
+        names(&d).await.is_empty()
+    })
+    .await;
 
     // A bad annotation is reported when the pod is seen, with an Event on the pod.
     api.add_pod(pod(
@@ -166,7 +172,10 @@ async fn never_synced_cache_falls_back_to_one_bounded_list() {
     // A slow (not silent) API server still answers the fallback list in time.
     api.clear_faults();
     api.set_fault(Some(RequestKind::PodWatch), Some(Fault::Blackhole));
-    api.set_fault(Some(RequestKind::PodList), Some(Fault::Delay(Duration::from_millis(100))));
+    api.set_fault(
+        Some(RequestKind::PodList),
+        Some(Fault::Delay(Duration::from_millis(100))),
+    );
     let d2 = discovery(&api);
     assert_eq!(names(&d2).await, vec!["ml/trainer-a".to_string()]);
     cancel.cancel();

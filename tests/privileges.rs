@@ -79,7 +79,10 @@ fn agent_args(emu: &str, base: &Path, port: u16) -> Vec<String> {
         "--checkpoint-timeout=20s".into(),
         format!("--checkpoint-dir={}", base.join("ckpt").display()),
         format!("--state-dir={}", base.join("state").display()),
-        format!("--checkpoint-pidfile={}", base.join("trainer.pid").display()),
+        format!(
+            "--checkpoint-pidfile={}",
+            base.join("trainer.pid").display()
+        ),
         format!("--metrics-addr=127.0.0.1:{port}"),
         "--gpu=off".into(),
         "--log-level=warn".into(),
@@ -90,8 +93,11 @@ fn agent_args(emu: &str, base: &Path, port: u16) -> Vec<String> {
 async fn uid_1000_trainer_acks_into_a_dir_the_agent_creates_without_cap_chown() {
     let tmp = tempfile::tempdir().unwrap();
     // The trainer must be able to reach its dir: the test's temp dir is 0700.
-    std::fs::set_permissions(tmp.path(), std::os::unix::fs::PermissionsExt::from_mode(0o755))
-        .unwrap();
+    std::fs::set_permissions(
+        tmp.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
     let base = tmp.path();
     let dir = base.join("ckpt");
     let trainer = Command::new("sh")
@@ -148,7 +154,11 @@ async fn uid_1000_trainer_acks_into_a_dir_the_agent_creates_without_cap_chown() 
     const CAP_KILL: u32 = 5;
     const CAP_SYS_PTRACE: u32 = 19;
     let want = (1u64 << CAP_KILL) | (1u64 << CAP_SYS_PTRACE);
-    assert_eq!(cap_eff(agent.0.id()), want, "agent runs with KILL and SYS_PTRACE only");
+    assert_eq!(
+        cap_eff(agent.0.id()),
+        want,
+        "agent runs with KILL and SYS_PTRACE only"
+    );
 
     emu.raise(EmulatedNotice::interruption()).unwrap();
     let t = Instant::now();
@@ -248,7 +258,10 @@ async fn kernel_without_openat2_and_pidfd_open_is_not_ready_and_says_why() {
     // The healthy agent becomes ready once a metadata poll succeeded.
     let t = Instant::now();
     loop {
-        assert!(t.elapsed() < Duration::from_secs(20), "healthy agent never ready");
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "healthy agent never ready"
+        );
         if let Some((200, _)) = get(&format!("http://127.0.0.1:{new_port}/readyz")).await {
             break;
         }
@@ -257,7 +270,10 @@ async fn kernel_without_openat2_and_pidfd_open_is_not_ready_and_says_why() {
     // The other one polls just as well, but is not ready, and says why.
     let t = Instant::now();
     loop {
-        assert!(t.elapsed() < Duration::from_secs(20), "old-kernel agent never polled");
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "old-kernel agent never polled"
+        );
         if let Some((200, text)) = get(&format!("http://127.0.0.1:{old_port}/metrics")).await {
             if text
                 .lines()

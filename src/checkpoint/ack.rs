@@ -381,8 +381,11 @@ impl CheckpointDir {
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
             Err(e) => return Err(err(e)),
         };
-        let fd = match Self::open_entry(&dir, name, OFlags::RDONLY | OFlags::NONBLOCK | OFlags::NOCTTY)
-        {
+        let fd = match Self::open_entry(
+            &dir,
+            name,
+            OFlags::RDONLY | OFlags::NONBLOCK | OFlags::NOCTTY,
+        ) {
             Ok(fd) => fd,
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
             Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
@@ -521,7 +524,12 @@ mod tests {
         let ack = cd.read_ack(7).unwrap().unwrap();
         assert_eq!(ack.file.state, AckState::Done);
         assert_eq!(ack.file.step, Some(serde_json::json!(1200)));
-        assert_eq!(ack.stamp.size, std::fs::metadata(tmp.path().join("ack-7.json")).unwrap().len());
+        assert_eq!(
+            ack.stamp.size,
+            std::fs::metadata(tmp.path().join("ack-7.json"))
+                .unwrap()
+                .len()
+        );
         std::fs::write(tmp.path().join("ack-8.json"), r#"{"state":"recei"#).unwrap();
         let err = cd.read_ack(8).unwrap_err();
         assert!(err.to_string().contains("ack-8.json"), "{err}");
@@ -570,7 +578,8 @@ mod tests {
         let file = std::fs::metadata(dir.join(NOTICE_FILE)).unwrap();
         assert_eq!(file.mode() & 0o777, 0o644);
         // an existing dir keeps its mode
-        std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
+        std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o700))
+            .unwrap();
         cd.write_notice(&notice()).unwrap();
         assert_eq!(std::fs::metadata(&dir).unwrap().mode() & 0o7777, 0o700);
     }

@@ -115,11 +115,10 @@ impl HostDiscovery {
     }
 
     fn groups(&self, snap: &HashMap<i32, Snap>) -> Result<Vec<TargetGroup>, Error> {
-        let snap = snap;
         let mut groups = Vec::new();
         for unit in &self.targets.units {
             let unit = unit_name(unit);
-            let pids = self.unit_pids(&snap, &unit);
+            let pids = self.unit_pids(snap, &unit);
             if pids.is_empty() {
                 tracing::warn!(unit = %unit, "checkpoint unit has no running process");
             }
@@ -128,13 +127,13 @@ impl HostDiscovery {
                 .filter(|p| snap.get(p).is_some_and(|s| !pids.contains(&s.ppid)))
                 .min_by_key(|p| snap.get(p).map(|s| (s.start_time, **p)))
                 .copied();
-            groups.push(self.group(format!("unit:{unit}"), &snap, pids, init));
+            groups.push(self.group(format!("unit:{unit}"), snap, pids, init));
         }
         for pidfile in &self.targets.pidfiles {
             let name = format!("pidfile:{}", pidfile.display());
-            match self.pidfile_root(pidfile, &snap) {
+            match self.pidfile_root(pidfile, snap) {
                 Ok((root, uid)) => {
-                    let pids: Vec<i32> = descendants(&snap, root)
+                    let pids: Vec<i32> = descendants(snap, root)
                         .into_iter()
                         .filter(|pid| {
                             let same = *pid == root
@@ -145,20 +144,20 @@ impl HostDiscovery {
                             same
                         })
                         .collect();
-                    groups.push(self.group(name, &snap, pids, Some(root)));
+                    groups.push(self.group(name, snap, pids, Some(root)));
                 }
                 Err(e) => {
                     tracing::warn!(pidfile = %pidfile.display(), error = %e, "checkpoint pidfile selects no process");
-                    groups.push(self.group(name, &snap, Vec::new(), None));
+                    groups.push(self.group(name, snap, Vec::new(), None));
                 }
             }
         }
         for re in &self.targets.cmdlines {
-            let pids = self.cmdline_pids(&snap, re);
+            let pids = self.cmdline_pids(snap, re);
             if pids.is_empty() {
                 tracing::warn!(regex = %re, "checkpoint cmdline matches no process");
             }
-            groups.push(self.group(format!("cmdline:{re}"), &snap, pids, None));
+            groups.push(self.group(format!("cmdline:{re}"), snap, pids, None));
         }
         Ok(groups)
     }
@@ -240,7 +239,9 @@ impl HostDiscovery {
             Mode::empty(),
         )
         .map_err(|e| match e {
-            rustix::io::Errno::LOOP => bad("is a symlink; refused (pidfiles are never followed)".into()),
+            rustix::io::Errno::LOOP => {
+                bad("is a symlink; refused (pidfiles are never followed)".into())
+            }
             e => bad(std::io::Error::from(e).to_string()),
         })?;
         let st = rustix::fs::fstat(&fd).map_err(|e| bad(std::io::Error::from(e).to_string()))?;

@@ -216,9 +216,11 @@ where
     F: FnOnce() -> T + Send + 'static,
 {
     let (tx, rx) = tokio::sync::oneshot::channel();
-    std::thread::Builder::new().name(name.into()).spawn(move || {
-        let _ = tx.send(f());
-    })?;
+    std::thread::Builder::new()
+        .name(name.into())
+        .spawn(move || {
+            let _ = tx.send(f());
+        })?;
     rx.await
         .map_err(|_| std::io::Error::other(format!("thread {name} panicked")))
 }

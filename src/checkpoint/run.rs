@@ -316,7 +316,11 @@ pub struct GroupResult {
 /// filesystem in one pod never delays another pod's signal. Blocks for at most
 /// [`DELIVER_BUDGET`]; a group whose thread has not finished by then is reported as an error and
 /// its thread abandoned.
-pub fn deliver(groups: &[TargetGroup], req: &CheckpointRequest, metrics: &Metrics) -> Vec<Delivery> {
+pub fn deliver(
+    groups: &[TargetGroup],
+    req: &CheckpointRequest,
+    metrics: &Metrics,
+) -> Vec<Delivery> {
     run_groups(groups, req, Counters::of(metrics), Mode::Deliver)
 }
 
@@ -376,7 +380,10 @@ where
 
 fn failed_all(groups: &[TargetGroup], why: &str) -> Vec<Delivery> {
     tracing::error!(reason = why, "checkpoint delivery could not run");
-    groups.iter().map(|g| failed_delivery(g, why.to_string())).collect()
+    groups
+        .iter()
+        .map(|g| failed_delivery(g, why.to_string()))
+        .collect()
 }
 
 fn failed_delivery(g: &TargetGroup, why: String) -> Delivery {
@@ -510,17 +517,32 @@ fn group_span(req: &CheckpointRequest, group: &str) -> tracing::Span {
 
 /// The file side of one container, on a thread of its own: open the dir, stamp the acks that
 /// already exist, write `notice.json` (deliver) or find the anchor (restart path).
-fn file_job(
+struct FileTask {
     proc: ProcFs,
     dir: PathBuf,
     root: Option<i32>,
+    /// `(pid, start time)` whose root may be used, in order.
     tries: Vec<(i32, u64)>,
+    /// Ack file names to stamp.
     names: Vec<String>,
     notice: NoticeFile,
     mode: Mode,
     dry_run: bool,
     counters: Counters,
-) -> FileJob {
+}
+
+fn file_job(t: FileTask) -> FileJob {
+    let FileTask {
+        proc,
+        dir,
+        root,
+        tries,
+        names,
+        notice,
+        mode,
+        dry_run,
+        counters,
+    } = t;
     let opened = open_dir(&proc, &dir, root, &tries);
     let mut fresh = Freshness::default();
     let status = match &opened {
@@ -631,16 +653,19 @@ fn stage_group<'g>(
             let mut names: Vec<String> = prepared.iter().map(|p| ack_file_name(p.ns_pid)).collect();
             names.push(PLAIN_ACK_FILE.to_string());
             let (tx, rx) = mpsc::channel();
-            let (p2, dir, root, n2, c2) = (
-                proc.clone(),
-                group.dir.clone(),
-                c.root_pid,
-                notice.clone(),
-                counters.clone(),
-            );
-            let dry = req.dry_run;
+            let task = FileTask {
+                proc: proc.clone(),
+                dir: group.dir.clone(),
+                root: c.root_pid,
+                tries,
+                names,
+                notice: notice.clone(),
+                mode,
+                dry_run: req.dry_run,
+                counters: counters.clone(),
+            };
             let started = spawn_thread("sg-ckpt-file", counters, move || {
-                let _ = tx.send(file_job(p2, dir, root, tries, names, n2, mode, dry, c2));
+                let _ = tx.send(file_job(task));
             });
             if started {
                 Some(rx)

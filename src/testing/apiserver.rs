@@ -769,44 +769,38 @@ fn watch_pods(shared: Arc<Shared>, ns: Option<String>, q: &Query) -> Response {
     };
     let end = Instant::now() + timeout;
     let initial = futures::stream::iter(first.into_iter().map(Ok::<_, std::io::Error>));
-    let follow = futures::stream::unfold(
-        (shared, start_rv, end),
-        move |(shared, mut rv, end)| {
-            let matches = matches.clone();
-            async move {
-                if rv == u64::MAX {
+    let follow = futures::stream::unfold((shared, start_rv, end), move |(shared, mut rv, end)| {
+        let matches = matches.clone();
+        async move {
+            if rv == u64::MAX {
+                return None;
+            }
+            loop {
+                let batch: Vec<bytes::Bytes> = {
+                    let mut s = shared.lock();
+                    s.purge();
+                    let from = rv;
+                    let mut out = Vec::new();
+                    for c in s.pod_history.iter().filter(|c| c.rv > from) {
+                        rv = c.rv;
+                        if matches(&c.obj) {
+                            out.push(line(c.kind, &c.obj));
+                        }
+                    }
+                    out
+                };
+                if !batch.is_empty() {
+                    return Some((Ok(bytes::Bytes::from(batch.concat())), (shared, rv, end)));
+                }
+                if Instant::now() >= end {
                     return None;
                 }
-                loop {
-                    let batch: Vec<bytes::Bytes> = {
-                        let mut s = shared.lock();
-                        s.purge();
-                        let from = rv;
-                        let mut out = Vec::new();
-                        for c in s.pod_history.iter().filter(|c| c.rv > from) {
-                            rv = c.rv;
-                            if matches(&c.obj) {
-                                out.push(line(c.kind, &c.obj));
-                            }
-                        }
-                        out
-                    };
-                    if !batch.is_empty() {
-                        return Some((
-                            Ok(bytes::Bytes::from(batch.concat())),
-                            (shared, rv, end),
-                        ));
-                    }
-                    if Instant::now() >= end {
-                        return None;
-                    }
-                    // The simulated kubelet changes pods on its own schedule: look again soon.
-                    let notified = shared.pods_changed.notified();
-                    let _ = tokio::time::timeout(Duration::from_millis(50), notified).await;
-                }
+                // The simulated kubelet changes pods on its own schedule: look again soon.
+                let notified = shared.pods_changed.notified();
+                let _ = tokio::time::timeout(Duration::from_millis(50), notified).await;
             }
-        },
-    );
+        }
+    });
     let body = axum::body::Body::from_stream(futures::StreamExt::chain(initial, follow));
     let mut resp = (StatusCode::OK, body).into_response();
     resp.headers_mut().insert(
