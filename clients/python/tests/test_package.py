@@ -49,7 +49,10 @@ def test_versions_agree_wheel_helper_binary() -> None:
     assert version("spotguard") == spotguard.__version__
     assert requires("spotguard") is None  # zero dependencies
     out = subprocess.run([binary(), "--version"], capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["spotguard", spotguard.__version__]
+    # `spotguard 0.1.0 (commit abc123…)`: the version, then the commit it was built from.
+    words = out.stdout.split()
+    assert words[:2] == ["spotguard", spotguard.__version__]
+    assert words[2:3] == ["(commit"], out.stdout
 
 
 def test_protocol_version_is_the_documented_one() -> None:
