@@ -1,4 +1,4 @@
-//! The file side of checkpoint protocol v1 (design §5): `notice.json` in, `ack-<pid>.json` and
+//! The file side of checkpoint protocol v1 (docs/checkpoint-protocol.md): `notice.json` in, `ack-<pid>.json` and
 //! `ack` out, inside the checkpoint dir.
 //!
 //! A [`CheckpointDir`] holds a directory file descriptor for the filesystem root the processes see:

@@ -1,4 +1,4 @@
-//! Map Kubernetes containers to host PIDs through `/proc/*/cgroup` (design §5, Discovery).
+//! Map Kubernetes containers to host PIDs through `/proc/*/cgroup` (docs/checkpoint-protocol.md, discovery).
 //!
 //! One scan of every process's cgroup file builds a [`ProcIndex`] keyed by (pod UID, container ID).
 //! Both cgroup versions are read (`N:controllers:/path` for v1, `0::/path` for v2) and both kubelet

@@ -1,4 +1,4 @@
-//! Checkpoint protocol v1 (design §5): find the training processes that asked to be told, write
+//! Checkpoint protocol v1 (docs/checkpoint-protocol.md): find the training processes that asked to be told, write
 //! `notice.json` into their checkpoint dir, signal the ones that catch the signal (through a pidfd,
 //! after re-checking the start time), and wait for their acks within the budget.
 //!

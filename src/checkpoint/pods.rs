@@ -1,4 +1,4 @@
-//! Pod opt-in annotations of checkpoint protocol v1 (design §5), parsed from a k8s-openapi
+//! Pod opt-in annotations of checkpoint protocol v1 (docs/checkpoint-protocol.md), parsed from a k8s-openapi
 //! [`Pod`]. Pure: listing the pods (field selector `spec.nodeName`) and mapping container ids to
 //! host PIDs happen elsewhere.
 //!

@@ -1,4 +1,4 @@
-//! The checkpoint step of the responder (design §4 step 3, §5): [`deliver`] writes `notice.json`
+//! The checkpoint step of the responder (docs/architecture.md, docs/checkpoint-protocol.md): [`deliver`] writes `notice.json`
 //! and signals the targets of all groups concurrently; [`wait`] watches acks and exits until each
 //! group is finished or its budget ran out. After an agent restart, [`plan_without_signal`]
 //! rebuilds what to wait for from fresh discovery without signalling anyone again.

@@ -1,4 +1,4 @@
-//! Signal delivery through a pidfd (design §5): `pidfd_open`, then re-read the start time from
+//! Signal delivery through a pidfd (docs/checkpoint-protocol.md): `pidfd_open`, then re-read the start time from
 //! `/proc` and compare with the discovered one (a recycled PID is skipped: the pidfd pins the
 //! process we checked), then check the handler masks, then `pidfd_send_signal`.
 //!

@@ -1,4 +1,4 @@
-//! GPU health (design §6): read every GPU through NVML on a blocking thread, turn the readings into
+//! GPU health (docs/gpu-health.md): read every GPU through NVML on a blocking thread, turn the readings into
 //! a per-GPU and node verdict with one pure function ([`health::evaluate`]), export them as
 //! metrics ([`metrics::GpuMetrics`]) and show them on the node through [`crate::node::NodeOps`]
 //! (conditions `GPUUnhealthy` / `GPUDegraded`, taint `spotguard.io/gpu-unhealthy`).

@@ -1,4 +1,4 @@
-//! Dataset prefetch (design §7): copy an object-store prefix into a local (or shared NFS/EFS)
+//! Dataset prefetch (docs/prefetch.md): copy an object-store prefix into a local (or shared NFS/EFS)
 //! cache, fast, resumable, and never publishing a partial file.
 //!
 //! - [`cli`]: `spotguard prefetch SRC DEST` ([`PrefetchArgs`], [`run_cli`]).

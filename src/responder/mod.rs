@@ -1,4 +1,4 @@
-//! The responder: turns accepted notices into the plan of design §4 and carries it out.
+//! The responder: turns accepted notices into the plan described in docs/architecture.md and carries it out.
 //!
 //! Interruption (and maintenance with `--on-maintenance drain`):
 //!
