@@ -290,6 +290,79 @@ async fn ec2_scheduled_events_move_to_history_when_canceled() {
     em.shutdown().await;
 }
 
+/// A malformed `NotBefore` beside a well-formed event, raised through the control endpoint (for
+/// clients that must skip one bad event and keep the others).
+#[tokio::test]
+async fn ec2_scheduled_event_serves_a_raw_not_before_beside_normal_ones() {
+    let em = start(Cloud::Aws).await;
+    let c = client();
+    let tok = token(&c, &em).await;
+    let scheduled = "/latest/meta-data/events/maintenance/scheduled";
+    let notice = format!("{}/spotguard/notice", em.base_url());
+    let resp = c
+        .post(&notice)
+        .json(&json!({"kind": "maintenance", "event_id": "instance-event-bad", "not_before_raw": "sometime"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        resp.status(),
+        StatusCode::OK,
+        "{}",
+        resp.text().await.unwrap()
+    );
+    let good = em
+        .raise(EmulatedNotice::maintenance().due_in(Duration::from_secs(600)))
+        .unwrap();
+    let (_, body) = ec2_get(&c, &em, &tok, scheduled).await;
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v.as_array().unwrap().len(), 2, "{body}");
+    assert_eq!(v[0]["EventId"], "instance-event-bad");
+    assert_eq!(v[0]["NotBefore"], "sometime");
+    assert_eq!(v[0]["State"], "active");
+    assert_eq!(v[0]["Code"], "system-reboot");
+    assert!(v[0]["NotAfter"].is_string(), "NotAfter stays well-formed");
+    assert_eq!(v[1]["EventId"], good.id.as_str());
+    let re = regex::Regex::new(r"^\d{2} [A-Z][a-z]{2} \d{4} \d{2}:\d{2}:\d{2} GMT$").unwrap();
+    assert!(re.is_match(v[1]["NotBefore"].as_str().unwrap()), "{body}");
+
+    let state = em.state();
+    assert_eq!(state["notices"][0]["not_before_raw"], "sometime");
+    assert!(state["notices"][0]["deadline"].is_string());
+    assert_eq!(state["notices"][1]["not_before_raw"], Value::Null);
+
+    // The raw string follows the event into history.
+    em.cancel(Some("instance-event-bad")).unwrap();
+    let (_, body) = ec2_get(
+        &c,
+        &em,
+        &tok,
+        "/latest/meta-data/events/maintenance/history",
+    )
+    .await;
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v[0]["NotBefore"], "sometime", "{body}");
+    assert_eq!(v[0]["State"], "canceled");
+
+    // Only EC2 maintenance events have a NotBefore string to corrupt.
+    let resp = c
+        .post(&notice)
+        .json(&json!({"kind": "interruption", "not_before_raw": "sometime"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), StatusCode::BAD_REQUEST);
+    em.shutdown().await;
+    for cloud in [Cloud::Gce, Cloud::Azure] {
+        let em = start(cloud).await;
+        let err = em
+            .raise(EmulatedNotice::maintenance().not_before_raw("sometime"))
+            .unwrap_err();
+        assert_eq!(err.metric_label(), "unsupported_field", "{cloud}: {err}");
+        em.shutdown().await;
+    }
+}
+
 // === GCE ===
 
 async fn gce_get(c: &Client, em: &EmulatorHandle, path_and_query: &str) -> reqwest::Response {

@@ -2,8 +2,10 @@
 //! loopback HTTP, with a real training process that counts the signals it receives: new lives of
 //! the machine (stop/start ⇒ a new boot id), one rebalance recommendation served for a long time,
 //! a GCE maintenance window learned after the event, maintenance after maintenance, a crash between
-//! the local record and the signal, skewed cloud times, Azure Freeze.
+//! the local record and the signal, skewed cloud times, an unparsable EC2 scheduled event beside a
+//! valid one, Azure Freeze.
 
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::Stdio;
 use std::time::Duration;
@@ -121,6 +123,7 @@ impl Machine {
         let app = app::start(cfg, cancel.clone()).await.unwrap();
         Agent {
             events: app.events,
+            admin_addr: app.admin_addr,
             join: app.join,
             cancel,
         }
@@ -135,6 +138,7 @@ impl Drop for Machine {
 
 struct Agent {
     events: broadcast::Receiver<PlanEvent>,
+    admin_addr: SocketAddr,
     join: tokio::task::JoinHandle<Result<(), app::Error>>,
     cancel: CancellationToken,
 }
@@ -147,6 +151,28 @@ impl Agent {
             .expect("agent stops")
             .expect("agent task");
         assert!(r.is_ok(), "{r:?}");
+    }
+
+    /// The value of one series on `/metrics` (`0` when absent).
+    async fn metric(&self, series: &str) -> f64 {
+        let text = reqwest::get(format!("http://{}/metrics", self.admin_addr))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        text.lines()
+            .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
+            .map(|v| v.trim().parse().unwrap())
+            .unwrap_or(0.0)
+    }
+
+    async fn ready(&self) -> bool {
+        reqwest::get(format!("http://{}/readyz", self.admin_addr))
+            .await
+            .unwrap()
+            .status()
+            .is_success()
     }
 
     async fn done(&mut self, limit: Duration) {
@@ -407,6 +433,66 @@ async fn a_skewed_ec2_deadline_is_clamped() {
         .unwrap();
     assert!(deadline <= latest, "{deadline} clamped to ≤ {latest}");
     a.done(Duration::from_secs(30)).await;
+    a.stop().await;
+}
+
+const EC2_PARSE_ERRORS: &str = r#"spotguard_metadata_errors_total{source="aws",error="parse"}"#;
+
+/// Item 7: one EC2 scheduled event whose `NotBefore` cannot be parsed does not hide the others: it
+/// is skipped and counted as a parse error on every poll, the valid event beside it is handled,
+/// and the agent keeps running (and ready).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unparsable_ec2_scheduled_event_does_not_hide_the_valid_one() {
+    let m = Machine::start(true).await;
+    let emu = emulator::start(EmulatorConfig::new(Cloud::Aws))
+        .await
+        .unwrap();
+    let mut a = m.agent(&emu, &["--maintenance-lead=1h"]).await;
+    emu.raise(
+        EmulatedNotice::maintenance()
+            .event_id("instance-event-0badbadbadbadbad0")
+            .due_in(Duration::from_secs(600))
+            .not_before_raw("sometime"),
+    )
+    .unwrap();
+    // Alone, the bad event is counted and never acted on.
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while a.metric(EC2_PARSE_ERRORS).await < 2.0 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+    .await
+    .expect("the unparsable NotBefore is counted as a parse error");
+    assert_eq!(m.signals(), 0, "an unparsable event is not acted on");
+    assert!(m.record().is_none(), "no plan for an unparsable event");
+
+    let good = emu
+        .raise(EmulatedNotice::maintenance().due_in(Duration::from_secs(600)))
+        .unwrap();
+    let seen = wait_for(&mut a.events, Duration::from_secs(20), |e| match e {
+        PlanEvent::NoticeSeen { notice, .. } => Some(notice.id.clone()),
+        _ => None,
+    })
+    .await;
+    assert_eq!(seen, good.id, "the valid event beside the bad one is seen");
+    a.done(Duration::from_secs(30)).await;
+    assert_eq!(m.signals(), 1, "the valid event is handled");
+    assert_eq!(m.record().unwrap()["id"], good.id.as_str());
+
+    // The bad event is still served: still counted, still not a cancellation of anything, and
+    // the agent keeps serving.
+    let before = a.metric(EC2_PARSE_ERRORS).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(
+        a.metric(EC2_PARSE_ERRORS).await > before,
+        "every poll counts the skipped event"
+    );
+    assert_eq!(m.signals(), 1, "no second signal");
+    assert!(
+        a.ready().await,
+        "one bad event does not make the agent unready"
+    );
+    assert!(!a.join.is_finished(), "the agent keeps running");
     a.stop().await;
 }
 

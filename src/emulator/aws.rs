@@ -83,6 +83,7 @@ pub(super) fn build(
             if event.description.is_empty() {
                 event.description = default_description(code).to_owned();
             }
+            event.raw_not_before = notice.not_before_raw.clone();
         }
     }
     Ok(event)
@@ -238,7 +239,10 @@ fn events_json(model: &Model, include: impl Fn(Status) -> bool) -> String {
         .filter(|e| e.kind == NoticeKind::Maintenance && include(e.status))
         .map(|e| {
             json!({
-                "NotBefore": wire::ec2_event_time(e.start),
+                "NotBefore": e
+                    .raw_not_before
+                    .clone()
+                    .unwrap_or_else(|| wire::ec2_event_time(e.start)),
                 "NotAfter": e.end.map(wire::ec2_event_time),
                 "Code": e.code,
                 "Description": e.description,

@@ -180,6 +180,12 @@ impl EmulateArgs {
 pub enum Error {
     #[error("{kind} notices are not part of the {cloud} metadata protocol")]
     UnsupportedNotice { cloud: Cloud, kind: NoticeKind },
+    #[error("{field} does not apply to {kind} notices on {cloud}")]
+    UnsupportedField {
+        cloud: Cloud,
+        kind: NoticeKind,
+        field: &'static str,
+    },
     #[error("invalid {field} {value:?} for {cloud}: expected one of {expected}")]
     InvalidValue {
         cloud: Cloud,
@@ -212,6 +218,7 @@ impl Error {
     pub fn metric_label(&self) -> &'static str {
         match self {
             Error::UnsupportedNotice { .. } => "unsupported_notice",
+            Error::UnsupportedField { .. } => "unsupported_field",
             Error::InvalidValue { .. } => "invalid_value",
             Error::UnknownEvent { .. } => "unknown_event",
             Error::NotCancellable { .. } => "not_cancellable",

@@ -105,6 +105,11 @@ pub struct EmulatedNotice {
         with = "opt_duration"
     )]
     pub window_after: Option<Duration>,
+    /// EC2 maintenance: serve this exact string as the event's `NotBefore` (e.g. `"sometime"`, a
+    /// malformed document) instead of the computed time; the event's deadline in the emulator's
+    /// state is still computed from `in`. Rejected by the other clouds and kinds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub not_before_raw: Option<String>,
 }
 
 impl EmulatedNotice {
@@ -120,6 +125,7 @@ impl EmulatedNotice {
             duration: None,
             reasons: Vec::new(),
             window_after: None,
+            not_before_raw: None,
         }
     }
 
@@ -180,6 +186,12 @@ impl EmulatedNotice {
         self
     }
 
+    /// EC2 maintenance: serve `raw` verbatim as `NotBefore` (see [`EmulatedNotice::not_before_raw`]).
+    pub fn not_before_raw(mut self, raw: impl Into<String>) -> Self {
+        self.not_before_raw = Some(raw.into());
+        self
+    }
+
     /// `now + due_in` (or `now + default`), rejecting offsets jiff cannot represent.
     pub(super) fn deadline(&self, now: Timestamp, default: Duration) -> Result<Timestamp, Error> {
         add(now, self.due_in.unwrap_or(default))
@@ -236,6 +248,8 @@ pub(super) struct Event {
     pub reasons: Vec<String>,
     /// GCE: the window is not yet published in `upcoming-maintenance`.
     pub window_hidden: bool,
+    /// EC2: the `NotBefore` string served instead of `start` (a malformed document).
+    pub raw_not_before: Option<String>,
 }
 
 impl Event {
@@ -256,6 +270,7 @@ impl Event {
             duration_secs: -1,
             reasons: Vec::new(),
             window_hidden: false,
+            raw_not_before: None,
         }
     }
 }

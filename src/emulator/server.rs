@@ -263,6 +263,17 @@ impl Shared {
 
     pub(super) fn raise(self: &Arc<Self>, notice: EmulatedNotice) -> Result<Raised, Error> {
         let now = Timestamp::now();
+        if notice.not_before_raw.is_some()
+            && (self.cfg.cloud, notice.kind) != (Cloud::Aws, NoticeKind::Maintenance)
+        {
+            // Only EC2 scheduled events carry a NotBefore string to corrupt; silently ignoring
+            // it elsewhere would make a malformed-document test pass without a malformed document.
+            return Err(Error::UnsupportedField {
+                cloud: self.cfg.cloud,
+                kind: notice.kind,
+                field: "not_before_raw",
+            });
+        }
         let event = match self.cfg.cloud {
             Cloud::Aws => aws::build(&self.cfg, &notice, now)?,
             Cloud::Gce => gce::build(&self.cfg, &notice, now)?,
@@ -437,6 +448,7 @@ impl Shared {
                 "description": e.description,
                 "raised_at": wire::rfc3339(e.raised_at),
                 "deadline": wire::rfc3339(e.start),
+                "not_before_raw": e.raw_not_before,
                 "end": e.end.map(wire::rfc3339),
             })).collect::<Vec<_>>(),
             "azure": {
