@@ -147,6 +147,9 @@ pub struct Ec2Imds {
     /// AWS moves canceled and completed events to `events/maintenance/history`, so an event that
     /// vanishes from `scheduled` is reported as `Cancelled`.
     active_events: Mutex<Option<HashSet<String>>>,
+    /// Scheduled events already named in a "skipped" warning: a bad event that stays in the
+    /// schedule is counted on every poll but named in the log once.
+    skipped_logged: Mutex<HashSet<String>>,
 }
 
 impl Ec2Imds {
@@ -176,6 +179,7 @@ impl Ec2Imds {
             reporter: ErrorReporter::new(Source::Aws.as_str(), metrics),
             first_seen: Mutex::new(HashMap::new()),
             active_events: Mutex::new(None),
+            skipped_logged: Mutex::new(HashSet::new()),
         })
     }
 
@@ -328,7 +332,14 @@ impl Ec2Imds {
         // "active" so that it is not mistaken for a cancelled one.
         for (id, e) in &skipped {
             self.reporter.report(e);
-            tracing::warn!(event_id = %id, error = %e, "scheduled event skipped");
+            let first = self
+                .skipped_logged
+                .lock()
+                .map(|mut logged| logged.insert(id.clone()))
+                .unwrap_or(true);
+            if first {
+                tracing::warn!(event_id = %id, error = %e, "scheduled event skipped (counted on every poll, logged once)");
+            }
         }
         let active: HashSet<String> = notices
             .iter()
