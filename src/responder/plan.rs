@@ -338,15 +338,8 @@ impl Plan {
         if let Some(at) = state.signalled_at {
             if !before.is_empty() {
                 info!(signalled_at = %at, groups = before.len(), "signals were sent before a restart: waiting for acks without signalling again");
-                let r = req.clone();
-                match tokio::task::spawn_blocking(move || {
-                    ckpt::plan_without_signal(&before, &r, at)
-                })
-                .await
-                {
-                    Ok(d) => deliveries.extend(d),
-                    Err(e) => error!(error = %e, "rebuilding the checkpoint wait failed"),
-                }
+                // On threads of the checkpoint module's own, never tokio's blocking pool.
+                deliveries.extend(ckpt::plan_without_signal_async(before, req.clone(), at).await);
             }
             if !to_signal.is_empty() {
                 info!(
@@ -371,14 +364,9 @@ impl Plan {
             self.budget(),
         ));
         if signalled_before.is_none() || !to_signal.is_empty() {
-            let (g, r, m) = (to_signal.clone(), req.clone(), self.deps.metrics.clone());
-            let sent = match tokio::task::spawn_blocking(move || ckpt::deliver(&g, &r, &m)).await {
-                Ok(d) => d,
-                Err(e) => {
-                    error!(error = %e, "delivering checkpoint signals failed");
-                    Vec::new()
-                }
-            };
+            // On threads of the checkpoint module's own, never tokio's blocking pool.
+            let sent =
+                ckpt::deliver_async(to_signal.clone(), req.clone(), &self.deps.metrics).await;
             let sent_at = Timestamp::now();
             let processes: usize = sent.iter().map(|d| d.signalled()).sum();
             let latency = sent_at
