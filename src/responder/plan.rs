@@ -558,19 +558,8 @@ impl Plan {
                 return Ok(Ok(report));
             }
             Ok(report) => {
-                let blockers: Vec<String> = report
-                    .blocked
-                    .iter()
-                    .map(|b| {
-                        if b.pdbs.is_empty() {
-                            format!("{} ({})", b.pod, b.reason)
-                        } else {
-                            format!("{} (PDB {})", b.pod, b.pdbs.join(","))
-                        }
-                    })
-                    .collect();
-                let reason = format!("still on the node at the deadline: {}", blockers.join("; "));
-                error!(blocked = %blockers.join("; "), "drain did not complete before the deadline");
+                let reason = crate::node::drain::blocked_summary(&report);
+                error!(blocked = %reason, "drain did not complete before the deadline");
                 self.deps.metrics.error("drain", "blocked");
                 let _ = tokio::time::timeout(
                     budget,
