@@ -21,6 +21,7 @@ use super::annotations::AnnotationWatcher;
 use super::policy::{AllowPattern, AnnotationPolicy};
 use super::progress::parse_size;
 use super::{PrefetchDefaults, PrefetchMetrics, Prefetcher, StoreOptions};
+use crate::notice::monitor::Backoff;
 
 /// Name of the stop file in the cache root.
 pub const STOP_FILE: &str = ".spotguard-stop";
@@ -329,7 +330,8 @@ pub async fn run_child(
             return;
         }
     };
-    let mut delay = Duration::from_secs(1);
+    // The project's one backoff (jittered exponential), 1 s doubling to 60 s between restarts.
+    let mut backoff = Backoff::new(Duration::from_secs(1), Duration::from_secs(60));
     loop {
         let mut cmd = tokio::process::Command::new(&exe);
         cmd.arg("prefetch-serve")
@@ -356,6 +358,7 @@ pub async fn run_child(
             }
         };
         info!(pid = child.id().unwrap_or(0), "prefetcher process started");
+        let delay = backoff.next_delay();
         tokio::select! {
             status = child.wait() => {
                 match status {
@@ -389,7 +392,6 @@ pub async fn run_child(
             _ = cancel.cancelled() => return,
             _ = tokio::time::sleep(delay) => {}
         }
-        delay = (delay * 2).min(Duration::from_secs(60));
     }
 }
 
