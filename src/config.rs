@@ -1006,7 +1006,7 @@ impl Config {
                     key: "drain-reserve",
                     reason: format!(
                         "{} leaves no time to checkpoint before any cloud's deadline",
-                        humantime::format_duration(reserve)
+                        crate::duration::display(reserve)
                     ),
                 });
             }
@@ -1163,8 +1163,7 @@ fn validate_dns_subdomain(name: &str) -> Result<(), String> {
 // === value parsers (used by clap; their messages end up after the flag name) ===
 
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
-    humantime::parse_duration(s.trim())
-        .map_err(|e| format!("{e} (expected a duration like 500ms, 30s, 10m)"))
+    crate::duration::parse(s).map_err(|e| format!("{e} (expected a duration like 500ms, 30s, 10m)"))
 }
 
 pub fn parse_positive_duration(s: &str) -> Result<Duration, String> {

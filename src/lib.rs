@@ -9,6 +9,7 @@ pub mod app;
 pub mod checkpoint;
 pub mod config;
 pub mod drill;
+pub mod duration;
 pub mod emulator;
 pub mod fsutil;
 pub mod gpu;

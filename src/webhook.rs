@@ -233,7 +233,7 @@ impl NotifyFields {
                 .unwrap_or_default(),
             Field::TimeLeft => {
                 let left = time_until(self.deadline, now);
-                humantime::format_duration(Duration::from_secs(left.as_secs())).to_string()
+                crate::duration::display(Duration::from_secs(left.as_secs())).to_string()
             }
             Field::NoticeId => self.notice_id.clone(),
             Field::Detail => self.detail.clone(),

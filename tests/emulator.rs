@@ -759,11 +759,19 @@ async fn azure_events_carry_the_documented_fields_and_bump_the_incarnation() {
     assert_eq!(ev["EventSource"], "Platform");
     assert_eq!(ev["DurationInSeconds"], -1);
     assert!(ev["Description"].as_str().is_some());
-    let not_before = httpdate::parse_http_date(ev["NotBefore"].as_str().unwrap()).unwrap();
+    // RFC 1123 / IMF-fixdate, as Azure writes it: "Mon, 19 Sep 2016 18:29:47 GMT".
+    let raw = ev["NotBefore"].as_str().unwrap();
+    let imf =
+        regex::Regex::new(r"^[A-Z][a-z]{2}, \d{2} [A-Z][a-z]{2} \d{4} \d{2}:\d{2}:\d{2} GMT$")
+            .unwrap();
+    assert!(imf.is_match(raw), "{raw}");
+    let not_before = jiff::fmt::rfc2822::DateTimeParser::new()
+        .parse_timestamp(raw)
+        .unwrap();
     let left = not_before
-        .duration_since(std::time::SystemTime::now())
-        .map(|d| d.as_secs_f64())
-        .unwrap_or(0.0);
+        .duration_since(jiff::Timestamp::now())
+        .as_secs_f64()
+        .max(0.0);
     assert!((20.0..=31.0).contains(&left), "NotBefore in {left}s");
     let guid = regex::Regex::new(r"^[0-9A-F]{8}-[0-9A-F]{4}-[0-9A-F]{4}-[0-9A-F]{4}-[0-9A-F]{12}$")
         .unwrap();

@@ -266,7 +266,7 @@ fn parse_dir(value: &str) -> Result<PathBuf, String> {
 
 fn parse_timeout(value: &str) -> Result<Duration, String> {
     let v = value.trim();
-    let d = humantime::parse_duration(v)
+    let d = crate::duration::parse(v)
         .map_err(|e| format!("{} is not a duration like 90s or 2m: {e}", shorten(v)))?;
     if d.is_zero() {
         return Err("must be greater than zero".into());
@@ -275,7 +275,7 @@ fn parse_timeout(value: &str) -> Result<Duration, String> {
         return Err(format!(
             "{} is longer than {}",
             shorten(v),
-            humantime::format_duration(MAX_TIMEOUT)
+            crate::duration::display(MAX_TIMEOUT)
         ));
     }
     Ok(d)

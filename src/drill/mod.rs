@@ -233,12 +233,12 @@ async fn drill(args: &DrillArgs, cancel: CancellationToken) -> Result<Verdict, S
         args.command.join(" ")
     };
     let when = if args.after_start {
-        format!("{} after start", humantime::format_duration(args.after))
+        format!("{} after start", crate::duration::display(args.after))
     } else {
         format!(
             "{} after a process catches {SIGNAL_NAME} (waiting up to {})",
-            humantime::format_duration(args.after),
-            humantime::format_duration(args.startup_timeout)
+            crate::duration::display(args.after),
+            crate::duration::display(args.startup_timeout)
         )
     };
     let say = |line: String| {
@@ -308,7 +308,7 @@ async fn drill(args: &DrillArgs, cancel: CancellationToken) -> Result<Verdict, S
                 handler.pid,
                 handler.command,
                 waited.as_secs_f64(),
-                humantime::format_duration(args.after)
+                crate::duration::display(args.after)
             ));
         }
         tokio::time::sleep(args.after).await;
@@ -397,7 +397,7 @@ async fn drill(args: &DrillArgs, cancel: CancellationToken) -> Result<Verdict, S
     if tokio::time::timeout(limit, follow).await.is_err() {
         v.error = Some(format!(
             "the agent pipeline did not reach a checkpoint result within {}",
-            humantime::format_duration(limit)
+            crate::duration::display(limit)
         ));
     }
 
@@ -458,7 +458,7 @@ fn drill_run_args(
     pidfile: &Path,
 ) -> Result<config::RunArgs, String> {
     let cloud = cloud_name(args.cloud);
-    let timeout = humantime::format_duration(args.timeout).to_string();
+    let timeout = crate::duration::display(args.timeout).to_string();
     let argv: Vec<String> = vec![
         "spotguard".into(),
         "run".into(),

@@ -165,7 +165,7 @@ pub fn judge(v: &mut Verdict, signal: &str, timeout: Duration) {
             false,
             format!(
                 "no terminal ack within the checkpoint budget (min(--timeout {}, deadline − drain reserve)) — the save does not fit this cloud's window",
-                humantime::format_duration(timeout)
+                crate::duration::display(timeout)
             ),
         ),
         Some(Outcome::Skipped) => (false, "the process acked `skipped`: it judged the save would not fit".into()),
@@ -295,7 +295,7 @@ pub fn table(v: &Verdict, timeout: Duration, signal: &str) -> String {
             &format!(
                 "until {}: min(--timeout {}, deadline − drain reserve)",
                 rel(v.checkpoint_deadline, t0),
-                humantime::format_duration(timeout)
+                crate::duration::display(timeout)
             ),
         );
     }

@@ -8,7 +8,6 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 
-use super::model::opt_duration;
 use super::Error;
 
 /// What a fault does to a matching request.
@@ -22,7 +21,7 @@ pub enum FaultKind {
     },
     /// Hold the request for `delay`, then answer normally.
     Stall {
-        #[serde(with = "duration")]
+        #[serde(with = "crate::duration::serde_str")]
         delay: Duration,
     },
     /// Close the connection without answering.
@@ -58,7 +57,7 @@ pub struct Fault {
         rename = "for",
         default,
         skip_serializing_if = "Option::is_none",
-        with = "opt_duration"
+        with = "crate::duration::serde_opt"
     )]
     pub duration: Option<Duration>,
     /// Only requests whose path starts with this prefix.
@@ -246,22 +245,6 @@ impl Faults {
                 ..a.spec.clone()
             })
             .collect()
-    }
-}
-
-/// Serde for a required humantime `Duration` (numbers of seconds accepted on input).
-mod duration {
-    use std::time::Duration;
-
-    use serde::{Deserialize, Deserializer, Serializer};
-
-    pub fn serialize<S: Serializer>(value: &Duration, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_str(&humantime::format_duration(*value).to_string())
-    }
-
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
-        let value = serde_json::Value::deserialize(d)?;
-        super::super::model::parse_offset(&value).map_err(serde::de::Error::custom)
     }
 }
 

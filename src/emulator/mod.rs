@@ -146,7 +146,7 @@ pub struct EmulateArgs {
     #[arg(long, default_value = "127.0.0.1:1338")]
     pub listen: SocketAddr,
     /// Raise an interruption automatically after this long (e.g. `30s`).
-    #[arg(long, value_parser = humantime::parse_duration)]
+    #[arg(long, value_parser = crate::duration::parse)]
     pub notice_after: Option<Duration>,
     /// The VM name (GCE `instance/name`, Azure `compute/name` and event `Resources`).
     #[arg(long, default_value = DEFAULT_VM_NAME)]

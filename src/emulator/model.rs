@@ -69,7 +69,7 @@ pub struct EmulatedNotice {
         rename = "in",
         default,
         skip_serializing_if = "Option::is_none",
-        with = "opt_duration"
+        with = "crate::duration::serde_opt"
     )]
     pub due_in: Option<Duration>,
     /// EC2 interruption action.
@@ -91,7 +91,7 @@ pub struct EmulatedNotice {
     #[serde(
         default,
         skip_serializing_if = "Option::is_none",
-        with = "opt_duration"
+        with = "crate::duration::serde_opt"
     )]
     pub duration: Option<Duration>,
     /// GCE `maintenance_reasons` (e.g. `FAILURE_GPU_XID`).
@@ -102,7 +102,7 @@ pub struct EmulatedNotice {
     #[serde(
         default,
         skip_serializing_if = "Option::is_none",
-        with = "opt_duration"
+        with = "crate::duration::serde_opt"
     )]
     pub window_after: Option<Duration>,
     /// EC2 maintenance: serve this exact string as the event's `NotBefore` (e.g. `"sometime"`, a
@@ -304,49 +304,6 @@ impl Model {
             .iter()
             .rev()
             .find(|e| e.kind == kind && e.status.is_live())
-    }
-}
-
-/// Parse a control-surface offset: a humantime string (`"120s"`, `"2m"`) or whole seconds.
-pub(super) fn parse_offset(value: &serde_json::Value) -> Result<Duration, String> {
-    match value {
-        serde_json::Value::String(s) => humantime::parse_duration(s.trim())
-            .map_err(|e| format!("{s:?} is not a duration ({e})")),
-        serde_json::Value::Number(n) => match n.as_u64() {
-            Some(secs) => Ok(Duration::from_secs(secs)),
-            None => n
-                .as_f64()
-                .filter(|f| f.is_finite() && *f >= 0.0)
-                .and_then(|f| Duration::try_from_secs_f64(f).ok())
-                .ok_or_else(|| format!("{n} is not a non-negative number of seconds")),
-        },
-        other => Err(format!(
-            "{other} is not a duration (use \"30s\" or seconds)"
-        )),
-    }
-}
-
-/// Serde for `Option<Duration>` as humantime strings (numbers of seconds accepted on input).
-pub(super) mod opt_duration {
-    use std::time::Duration;
-
-    use serde::{Deserialize, Deserializer, Serializer};
-
-    pub fn serialize<S: Serializer>(value: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {
-        match value {
-            Some(d) => s.serialize_str(&humantime::format_duration(*d).to_string()),
-            None => s.serialize_none(),
-        }
-    }
-
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
-        let value = Option::<serde_json::Value>::deserialize(d)?;
-        match value {
-            None | Some(serde_json::Value::Null) => Ok(None),
-            Some(v) => super::parse_offset(&v)
-                .map(Some)
-                .map_err(serde::de::Error::custom),
-        }
     }
 }
 

@@ -16,10 +16,7 @@ use std::time::Duration;
 use jiff::Timestamp;
 use serde::{Deserialize, Serialize};
 
-use super::{
-    clock_event_reason_bit, duration_serde, Error, GpuEvent, GpuEventKind, GpuSample,
-    RecoveryAction,
-};
+use super::{clock_event_reason_bit, Error, GpuEvent, GpuEventKind, GpuSample, RecoveryAction};
 use crate::node::{ConditionState, GpuConditions};
 
 /// Health of one GPU or of the node. Ordered by severity (node = worst GPU).
@@ -217,18 +214,18 @@ pub struct Thresholds {
     pub app_xids: Vec<u64>,
     /// Degraded when this many `app_xids` happen on one GPU within `app_xid_window`.
     pub app_xid_count: u32,
-    #[serde(with = "duration_serde")]
+    #[serde(with = "crate::duration::serde_str")]
     pub app_xid_window: Duration,
     /// Unhealthy when the volatile uncorrectable ECC count is above this (0 = any).
     pub ecc_uncorrectable_max: u64,
     /// Degraded when at least this many corrected ECC errors happen within the window.
     pub ecc_correctable_max: u64,
-    #[serde(with = "duration_serde")]
+    #[serde(with = "crate::duration::serde_str")]
     pub ecc_correctable_window: Duration,
     /// Degraded when NVLink CRC + replay + recovery errors grow by at least this within the
     /// window (all links of one GPU).
     pub nvlink_errors_max: u64,
-    #[serde(with = "duration_serde")]
+    #[serde(with = "crate::duration::serde_str")]
     pub nvlink_window: Duration,
     /// Clocks-event reasons that count as throttling (names as in the metric labels).
     pub throttle_reasons: Vec<String>,
@@ -717,7 +714,7 @@ fn sample_rules(
             Severity::Degraded,
             format!(
                 "{corrected_in_window} corrected ECC errors within {} (threshold {})",
-                humantime::format_duration(t.ecc_correctable_window),
+                crate::duration::display(t.ecc_correctable_window),
                 t.ecc_correctable_max
             ),
         );
@@ -787,7 +784,7 @@ fn sample_rules(
             Severity::Degraded,
             format!(
                 "{nvlink_in_window} NVLink CRC/replay/recovery errors within {} (threshold {})",
-                humantime::format_duration(t.nvlink_window),
+                crate::duration::display(t.nvlink_window),
                 t.nvlink_errors_max
             ),
         );
@@ -858,7 +855,7 @@ fn event_rules(
                 evidence: format!(
                     "{} application XIDs within {} (threshold {})",
                     track.app_xids.len(),
-                    humantime::format_duration(t.app_xid_window),
+                    crate::duration::display(t.app_xid_window),
                     t.app_xid_count
                 ),
                 codes: track.app_xids.iter().map(|(_, c)| *c).collect(),

@@ -250,12 +250,12 @@ pub enum GpuMode {
 pub struct GpuConfig {
     pub mode: GpuMode,
     /// Sampling cadence.
-    #[serde(with = "duration_serde")]
+    #[serde(with = "crate::duration::serde_str")]
     pub interval: Duration,
     /// First retry delay after NVML failed to initialise (doubles up to `init_backoff_max`).
-    #[serde(with = "duration_serde")]
+    #[serde(with = "crate::duration::serde_str")]
     pub init_backoff_min: Duration,
-    #[serde(with = "duration_serde")]
+    #[serde(with = "crate::duration::serde_str")]
     pub init_backoff_max: Duration,
     pub thresholds: Thresholds,
     /// Boot id source (tests point it at a file of their own).
@@ -460,7 +460,7 @@ pub enum Error {
     },
     #[error("sampling GPUs on a blocking thread: {detail}")]
     SampleTask { detail: String },
-    #[error("an NVML call has not returned for {}", humantime::format_duration(Duration::from_secs(waited.as_secs())))]
+    #[error("an NVML call has not returned for {}", crate::duration::display(Duration::from_secs(waited.as_secs())))]
     SampleTimeout { waited: Duration },
     #[error("reading boot id from {path}: {source}")]
     ReadBootId {
@@ -513,26 +513,6 @@ impl Error {
             Error::ReadBootId { .. } => "read_boot_id",
             Error::InvalidSetting { .. } => "invalid_setting",
         }
-    }
-}
-
-/// Durations in the config file as humantime strings (`"10s"`, `"1h"`).
-pub(crate) mod duration_serde {
-    use std::time::Duration;
-
-    use serde::{Deserialize, Deserializer, Serializer};
-
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
-        let text = String::deserialize(d)?;
-        humantime::parse_duration(&text).map_err(|e| {
-            serde::de::Error::custom(format!(
-                "invalid duration {text:?}: {e} (e.g. \"10s\", \"1h\")"
-            ))
-        })
-    }
-
-    pub fn serialize<S: Serializer>(value: &Duration, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_str(&humantime::format_duration(*value).to_string())
     }
 }
 

@@ -99,7 +99,7 @@ impl Monitor {
     }
 
     async fn run(mut self, cancel: CancellationToken) {
-        tracing::info!(interval = %humantime::format_duration(self.cfg.interval), boot_id = %self.boot_id, "GPU monitor started");
+        tracing::info!(interval = %crate::duration::display(self.cfg.interval), boot_id = %self.boot_id, "GPU monitor started");
         loop {
             let delay = tokio::select! {
                 _ = cancel.cancelled() => break,
@@ -332,12 +332,12 @@ impl Monitor {
         if self.down_reason.as_deref() != Some(reason.as_str()) {
             tracing::warn!(
                 error = %reason,
-                retry_in = %humantime::format_duration(delay),
+                retry_in = %crate::duration::display(delay),
                 "GPU monitoring unavailable: GPU health is unknown; retrying with backoff (everything else keeps running)"
             );
             self.down_reason = Some(reason);
         } else {
-            tracing::debug!(error = %reason, retry_in = %humantime::format_duration(delay), "NVML still unavailable");
+            tracing::debug!(error = %reason, retry_in = %crate::duration::display(delay), "NVML still unavailable");
         }
         self.backoff = (self.backoff * 2).min(self.cfg.init_backoff_max);
         delay

@@ -98,15 +98,15 @@ pub struct PrefetchArgs {
     pub verify: Verify,
 
     /// Give up after this long (exit 3; a later run resumes), e.g. 30m.
-    #[arg(long, value_parser = humantime::parse_duration)]
+    #[arg(long, value_parser = crate::duration::parse)]
     pub timeout: Option<Duration>,
 
     /// A dataset whose .spotguard/lease was touched within this window is in use (never evicted).
-    #[arg(long, default_value = "15m", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = "15m", value_parser = crate::duration::parse)]
     pub in_use_window: Duration,
 
     /// Lease of per-object claims in a shared cache (renewed every lease/6).
-    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = "30s", value_parser = crate::duration::parse)]
     pub claim_lease: Duration,
 }
 

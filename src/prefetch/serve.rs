@@ -106,7 +106,7 @@ pub struct ServeArgs {
     pub metrics_addr: Option<SocketAddr>,
 
     /// How often pods' annotations are read and the leases of their datasets touched.
-    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = "30s", value_parser = crate::duration::parse)]
     pub annotation_interval: Duration,
 }
 
