@@ -94,39 +94,138 @@ pub async fn start(cfg: Config, cancel: CancellationToken) -> Result<App, Error>
 
 /// [`start`] with a Kubernetes client given instead of inferred from the environment (tests
 /// point it at an in-process API server). Used only in Kubernetes mode.
+///
+/// Start-up, in order: metrics, boot id and kernel probe; node operations and checkpoint
+/// discovery for the mode; notice sources; the hooks run when handling starts (prefetch stop,
+/// webhook); the responder and the outcome follower; the GPU monitor; the prefetcher process;
+/// the admin server. Then one supervisor waits for all of them.
 pub async fn start_with_client(
     cfg: Config,
     cancel: CancellationToken,
     client: Option<kube::Client>,
 ) -> Result<App, Error> {
-    let mut registry = Registry::default();
-    let metrics = Arc::new(Metrics::register(&mut registry));
-    let gce_metrics = notice::monitor::GceMetrics::register(&mut registry);
-    let gpu_metrics = Arc::new(gpu::GpuMetrics::register(&mut registry));
-    let boot_id = match gpu::read_boot_id_from(&cfg.args.boot_id_file) {
+    let mut telemetry = Telemetry::register();
+    let metrics = telemetry.metrics.clone();
+    let boot_id = read_boot_id(&cfg, &metrics);
+    let kernel = probe_kernel();
+    let mut tasks = Tasks::default();
+
+    let (node, discovery) = node_and_discovery(&cfg, client, &metrics, &mut tasks, &cancel).await?;
+    let (sources, notices, health) = spawn_notice_sources(&cfg, &telemetry, &mut tasks, &cancel)?;
+    let hook = build_webhook(&cfg, &metrics)?;
+    let who = Who::of(&cfg);
+    let on_start = start_hooks(&cfg, hook.clone(), &who);
+    let responder = Responder::new(
+        responder_config(&cfg, boot_id),
+        crate::responder::Deps {
+            node: node.clone(),
+            local: StateFile::new(&cfg.args.state_dir, cfg.args.dry_run),
+            discovery,
+            sources,
+            metrics: metrics.clone(),
+            on_start,
+        },
+    );
+    let events = responder.subscribe();
+    spawn_outcome_follower(&responder, &node, hook, who, &metrics, &mut tasks, &cancel);
+    tasks.spawn("responder", responder.run(notices, cancel.clone()));
+    spawn_gpu_monitor(&cfg, &node, telemetry.gpu.clone(), &mut tasks, &cancel);
+    spawn_prefetcher(&cfg, &metrics, &mut tasks, &cancel).await;
+
+    let registry = Arc::new(std::mem::take(&mut telemetry.registry));
+    let admin_addr =
+        spawn_admin_server(&cfg, registry.clone(), health, kernel, &mut tasks, &cancel).await?;
+    info!(
+        mode = cfg.mode.as_str(),
+        node = cfg.node_name.as_deref().unwrap_or("-"),
+        metrics = %admin_addr,
+        dry_run = cfg.args.dry_run,
+        "spotguard started"
+    );
+
+    let join = tokio::spawn(supervise(tasks.set, tasks.names, cancel));
+    Ok(App {
+        events,
+        admin_addr,
+        registry,
+        join,
+    })
+}
+
+/// Every task the agent runs, each with the name the supervisor reports it by.
+#[derive(Default)]
+struct Tasks {
+    set: JoinSet<()>,
+    names: HashMap<tokio::task::Id, &'static str>,
+}
+
+impl Tasks {
+    fn spawn(
+        &mut self,
+        name: &'static str,
+        task: impl std::future::Future<Output = ()> + Send + 'static,
+    ) {
+        let h = self.set.spawn(task);
+        self.names.insert(h.id(), name);
+    }
+}
+
+/// The metrics registry and the metric families the tasks share.
+struct Telemetry {
+    registry: Registry,
+    metrics: Arc<Metrics>,
+    gce: notice::monitor::GceMetrics,
+    gpu: Arc<gpu::GpuMetrics>,
+}
+
+impl Telemetry {
+    fn register() -> Self {
+        let mut registry = Registry::default();
+        let metrics = Arc::new(Metrics::register(&mut registry));
+        let gce = notice::monitor::GceMetrics::register(&mut registry);
+        let gpu = Arc::new(gpu::GpuMetrics::register(&mut registry));
+        Telemetry {
+            registry,
+            metrics,
+            gce,
+            gpu,
+        }
+    }
+}
+
+/// This boot's id: persisted plan state is stamped with it to tell the machine's lives apart.
+fn read_boot_id(cfg: &Config, metrics: &Metrics) -> Option<String> {
+    match gpu::read_boot_id_from(&cfg.args.boot_id_file) {
         Ok(id) => Some(id),
         Err(e) => {
             metrics.error("responder", e.metric_label());
             warn!(error = %e, "no boot id: persisted plan state cannot tell a previous life of the machine");
             None
         }
-    };
+    }
+}
 
+/// pidfd_open and openat2 are needed to deliver checkpoints safely; without them /readyz fails.
+fn probe_kernel() -> Result<(), String> {
     let kernel = crate::checkpoint::probe::kernel_features();
     if let Err(e) = &kernel {
         tracing::error!(error = %e, "checkpoint delivery is impossible on this kernel");
     }
-    let mut tasks = JoinSet::new();
+    kernel
+}
 
-    // Node operations and checkpoint discovery, per mode.
-    let (node, discovery, kube_client): (
-        Arc<dyn NodeOps>,
-        Arc<dyn TargetDiscovery>,
-        Option<kube::Client>,
-    ) = match cfg.mode {
+/// Node operations and checkpoint discovery for the mode. In Kubernetes mode the pod cache's
+/// watch starts here, before any notice: no API round trip stands before the signal.
+async fn node_and_discovery(
+    cfg: &Config,
+    client: Option<kube::Client>,
+    metrics: &Arc<Metrics>,
+    tasks: &mut Tasks,
+    cancel: &CancellationToken,
+) -> Result<(Arc<dyn NodeOps>, Arc<dyn TargetDiscovery>), Error> {
+    match cfg.mode {
         Mode::Host => {
-            let node: Arc<dyn NodeOps> =
-                Arc::new(HostNodeOps::new(&cfg.args.state_dir, cfg.args.dry_run));
+            let node = Arc::new(HostNodeOps::new(&cfg.args.state_dir, cfg.args.dry_run));
             let discovery = Arc::new(
                 HostDiscovery::new(HostTargets {
                     units: cfg.args.checkpoint_unit.clone(),
@@ -138,20 +237,12 @@ pub async fn start_with_client(
                 })
                 .with_proc(ProcFs::new(cfg.args.proc_root.clone())),
             );
-            (node, discovery, None)
+            Ok((node, discovery))
         }
         Mode::Kubernetes => {
             let client = match client {
                 Some(c) => c,
-                None => {
-                    // kube's default client retries 429s for minutes: the drain must see PDB
-                    // refusals, so build it without that retry.
-                    let config = kube::Config::infer()
-                        .await
-                        .map_err(|e| Error::KubeClient(e.to_string()))?;
-                    crate::node::kube::client_from_config(config)
-                        .map_err(|e| Error::KubeClient(e.to_string()))?
-                }
+                None => kube_client().await?,
             };
             let node_name = cfg.node_name.clone().unwrap_or_default();
             let own_pod = match (&cfg.pod_namespace, &cfg.pod_name) {
@@ -169,7 +260,7 @@ pub async fn start_with_client(
                 .with_gpu_condition_types(cfg.gpu.conditions.clone()),
             );
             let discovery = Arc::new(kube_discovery::KubeDiscovery::new(
-                client.clone(),
+                client,
                 node_name,
                 ops.clone(),
                 kube_discovery::Defaults {
@@ -179,221 +270,298 @@ pub async fn start_with_client(
                 cfg.args.proc_root.clone(),
                 metrics.clone(),
             ));
-            // The pod cache is filled before any notice: no API round trip before the signal.
-            tasks.spawn(discovery.clone().keep_warm(cancel.clone()));
-            (ops, discovery, Some(client))
+            tasks.spawn("pod cache", discovery.clone().keep_warm(cancel.clone()));
+            Ok((ops, discovery))
         }
-    };
+    }
+}
 
-    // Notice sources.
+/// The in-cluster (or KUBECONFIG) client. kube's default client retries 429s for minutes: the
+/// drain must see PDB refusals, so it is built without that retry.
+async fn kube_client() -> Result<kube::Client, Error> {
+    let config = kube::Config::infer()
+        .await
+        .map_err(|e| Error::KubeClient(e.to_string()))?;
+    crate::node::kube::client_from_config(config).map_err(|e| Error::KubeClient(e.to_string()))
+}
+
+/// One monitor per configured cloud, or auto-detection in the background. Returns the sources
+/// (the responder acknowledges through them), the notice stream and the poll health /readyz reads.
+#[allow(clippy::type_complexity)]
+fn spawn_notice_sources(
+    cfg: &Config,
+    telemetry: &Telemetry,
+    tasks: &mut Tasks,
+    cancel: &CancellationToken,
+) -> Result<
+    (
+        Vec<Arc<dyn NoticeSource>>,
+        mpsc::Receiver<notice::Notice>,
+        Arc<PollHealth>,
+    ),
+    Error,
+> {
     let health = Arc::new(PollHealth::new());
-    let (notice_tx, notice_rx) = mpsc::channel(64);
+    let (tx, rx) = mpsc::channel(64);
     let sources = match cfg.args.cloud.source() {
-        Some(src) => vec![build_source(&cfg, src, &metrics, &gce_metrics)?],
+        Some(src) => vec![build_source(cfg, src, &telemetry.metrics, &telemetry.gce)?],
         None => Vec::new(),
     };
-    let mut names: HashMap<tokio::task::Id, &'static str> = HashMap::new();
     for s in &sources {
-        let h = tasks.spawn(run_monitor(
-            s.clone(),
-            notice_tx.clone(),
-            metrics.clone(),
-            health.clone(),
-            cancel.child_token(),
-        ));
-        names.insert(h.id(), "notice monitor");
+        tasks.spawn(
+            "notice monitor",
+            run_monitor(
+                s.clone(),
+                tx.clone(),
+                telemetry.metrics.clone(),
+                health.clone(),
+                cancel.child_token(),
+            ),
+        );
     }
     if sources.is_empty() {
-        // Auto-detect in the background: never fatal, keep serving everything else.
-        let cfg2 = cfg.clone();
-        let (tx, m, h, gm, c) = (
-            notice_tx.clone(),
-            metrics.clone(),
-            health.clone(),
-            gce_metrics.clone(),
-            cancel.child_token(),
+        tasks.spawn(
+            "cloud detection and notice monitor",
+            detect_and_monitor(
+                cfg.clone(),
+                tx,
+                telemetry.metrics.clone(),
+                health.clone(),
+                telemetry.gce.clone(),
+                cancel.child_token(),
+            ),
         );
-        let h = tasks.spawn(async move {
-            let mut delay = Duration::from_secs(2);
-            let source = loop {
-                let probe = match &cfg2.args.metadata_endpoint {
-                    Some(u) => notice::detect::ProbeEndpoints::all(u.clone()),
-                    None => notice::detect::ProbeEndpoints::default(),
-                };
-                match notice::detect::detect(&cfg2.args.dmi_dir, &probe, Duration::from_secs(2))
-                    .await
-                {
-                    Ok(s) => break s,
-                    Err(e) => {
-                        m.error("detect", e.metric_label());
-                        warn!(error = %e, retry_in_ms = delay.as_millis() as u64, "cloud auto-detection failed; set --cloud to skip it");
-                    }
-                }
-                tokio::select! {
-                    _ = c.cancelled() => return,
-                    _ = tokio::time::sleep(delay) => {}
-                }
-                delay = (delay * 2).min(Duration::from_secs(60));
-            };
-            info!(cloud = source.as_str(), "cloud detected");
-            match build_source(&cfg2, source, &m, &gm) {
-                Ok(s) => run_monitor(s, tx, m, h, c).await,
-                Err(e) => error!(error = %e, "cannot watch the detected cloud"),
-            }
-        });
-        names.insert(h.id(), "cloud detection and notice monitor");
     }
-    drop(notice_tx);
+    Ok((sources, rx, health))
+}
 
-    // Hooks run when handling starts: stop the prefetcher (its own process or container; asked
-    // through a file in the cache, written off this thread), send the webhook.
-    let mut on_start: Vec<StartHook> = Vec::new();
-    {
-        let dir = cfg.args.cache_dir.clone();
-        on_start.push(Box::new(move |n| {
-            if n.kind == notice::NoticeKind::Interruption {
-                let dir = dir.clone();
-                tokio::task::spawn_blocking(move || {
-                    if let Err(e) = prefetch::serve::request_stop(&dir) {
-                        warn!(error = %e, "could not ask the prefetcher to stop");
-                    }
-                });
+/// Auto-detect the cloud, retrying until it answers (never fatal: everything else keeps
+/// serving), then watch it.
+async fn detect_and_monitor(
+    cfg: Config,
+    tx: mpsc::Sender<notice::Notice>,
+    metrics: Arc<Metrics>,
+    health: Arc<PollHealth>,
+    gce_metrics: notice::monitor::GceMetrics,
+    cancel: CancellationToken,
+) {
+    let mut delay = Duration::from_secs(2);
+    let source = loop {
+        let probe = match &cfg.args.metadata_endpoint {
+            Some(u) => notice::detect::ProbeEndpoints::all(u.clone()),
+            None => notice::detect::ProbeEndpoints::default(),
+        };
+        match notice::detect::detect(&cfg.args.dmi_dir, &probe, Duration::from_secs(2)).await {
+            Ok(s) => break s,
+            Err(e) => {
+                metrics.error("detect", e.metric_label());
+                warn!(error = %e, retry_in_ms = delay.as_millis() as u64, "cloud auto-detection failed; set --cloud to skip it");
             }
-        }));
+        }
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = tokio::time::sleep(delay) => {}
+        }
+        delay = (delay * 2).min(Duration::from_secs(60));
+    };
+    info!(cloud = source.as_str(), "cloud detected");
+    match build_source(&cfg, source, &metrics, &gce_metrics) {
+        Ok(s) => run_monitor(s, tx, metrics, health, cancel).await,
+        Err(e) => error!(error = %e, "cannot watch the detected cloud"),
     }
-    let hook = match &cfg.args.webhook_url {
-        Some(url) => Some(
-            webhook::Webhook::with_options(
-                url.clone(),
-                webhook::Options {
-                    preset: cfg.args.webhook_preset,
-                    template: cfg.args.webhook_template.clone(),
-                    outcome_template: cfg.args.webhook_outcome_template.clone(),
-                    headers: cfg
-                        .args
-                        .webhook_header
-                        .iter()
-                        .map(|h| (h.0.clone(), h.1.clone()))
-                        .collect(),
-                    dry_run: cfg.args.dry_run,
-                    on_dry_run: cfg.args.webhook_dry_run,
-                    routing_key: cfg.args.webhook_routing_key.clone(),
-                    policy: webhook::RetryPolicy::default(),
-                },
-                metrics.clone(),
-            )
-            .map_err(|e| Error::Webhook(e.to_string()))?,
-        ),
-        None => None,
+}
+
+/// The notice and outcome webhook, when one is configured.
+fn build_webhook(cfg: &Config, metrics: &Arc<Metrics>) -> Result<Option<webhook::Webhook>, Error> {
+    let Some(url) = &cfg.args.webhook_url else {
+        return Ok(None);
     };
-    let node_name = cfg.node_name.clone().unwrap_or_else(hostname);
-    let instance = hostname();
-    let action = match cfg.mode {
-        Mode::Kubernetes => "checkpoint, cordon and drain",
-        Mode::Host => "checkpoint",
-    };
-    if let Some(hook) = hook.clone() {
-        let (node_name, instance) = (node_name.clone(), instance.clone());
+    webhook::Webhook::with_options(
+        url.clone(),
+        webhook::Options {
+            preset: cfg.args.webhook_preset,
+            template: cfg.args.webhook_template.clone(),
+            outcome_template: cfg.args.webhook_outcome_template.clone(),
+            headers: cfg
+                .args
+                .webhook_header
+                .iter()
+                .map(|h| (h.0.clone(), h.1.clone()))
+                .collect(),
+            dry_run: cfg.args.dry_run,
+            on_dry_run: cfg.args.webhook_dry_run,
+            routing_key: cfg.args.webhook_routing_key.clone(),
+            policy: webhook::RetryPolicy::default(),
+        },
+        metrics.clone(),
+    )
+    .map(Some)
+    .map_err(|e| Error::Webhook(e.to_string()))
+}
+
+/// How this machine is named in webhooks and Events, and what the agent does about a notice.
+#[derive(Clone)]
+struct Who {
+    node_name: String,
+    instance: String,
+    action: &'static str,
+}
+
+impl Who {
+    fn of(cfg: &Config) -> Self {
+        Who {
+            node_name: cfg.node_name.clone().unwrap_or_else(hostname),
+            instance: hostname(),
+            action: match cfg.mode {
+                Mode::Kubernetes => "checkpoint, cordon and drain",
+                Mode::Host => "checkpoint",
+            },
+        }
+    }
+}
+
+/// Hooks run when handling starts, beside the signal: stop the prefetcher (its own process or
+/// container; asked through a file in the cache, written off this thread), send the webhook.
+fn start_hooks(cfg: &Config, hook: Option<webhook::Webhook>, who: &Who) -> Vec<StartHook> {
+    let mut on_start: Vec<StartHook> = Vec::new();
+    let dir = cfg.args.cache_dir.clone();
+    on_start.push(Box::new(move |n| {
+        if n.kind == notice::NoticeKind::Interruption {
+            let dir = dir.clone();
+            tokio::task::spawn_blocking(move || {
+                if let Err(e) = prefetch::serve::request_stop(&dir) {
+                    warn!(error = %e, "could not ask the prefetcher to stop");
+                }
+            });
+        }
+    }));
+    if let Some(hook) = hook {
+        let who = who.clone();
         on_start.push(Box::new(move |n| {
             let _ = hook.notify(&webhook::NotifyFields::from_notice(
-                n, &node_name, &instance, action,
+                n,
+                &who.node_name,
+                &who.instance,
+                who.action,
             ));
         }));
     }
+    on_start
+}
 
-    // The responder.
-    let responder = Responder::new(
-        ResponderConfig {
-            on_rebalance: cfg.args.on_rebalance,
-            rebalance_expiry: cfg.args.rebalance_expiry,
-            on_maintenance: cfg.args.on_maintenance,
-            on_azure_freeze: cfg.args.on_azure_freeze,
-            maintenance_lead: cfg.args.maintenance_lead,
-            checkpoint_timeout: cfg.args.checkpoint_timeout,
-            drain_reserve: cfg.args.drain_reserve,
-            force_delete_at_deadline: cfg.args.force_delete_at_deadline,
-            drain_concurrency: usize::from(cfg.args.drain_concurrency),
-            dry_run: cfg.args.dry_run,
-            shutdown_grace: cfg.args.shutdown_grace,
-            boot_id: boot_id.clone(),
-        },
-        crate::responder::Deps {
-            node: node.clone(),
-            local: StateFile::new(&cfg.args.state_dir, cfg.args.dry_run),
-            discovery,
-            sources: sources.clone(),
-            metrics: metrics.clone(),
-            on_start,
-        },
+fn responder_config(cfg: &Config, boot_id: Option<String>) -> ResponderConfig {
+    ResponderConfig {
+        on_rebalance: cfg.args.on_rebalance,
+        rebalance_expiry: cfg.args.rebalance_expiry,
+        on_maintenance: cfg.args.on_maintenance,
+        on_azure_freeze: cfg.args.on_azure_freeze,
+        maintenance_lead: cfg.args.maintenance_lead,
+        checkpoint_timeout: cfg.args.checkpoint_timeout,
+        drain_reserve: cfg.args.drain_reserve,
+        force_delete_at_deadline: cfg.args.force_delete_at_deadline,
+        drain_concurrency: usize::from(cfg.args.drain_concurrency),
+        dry_run: cfg.args.dry_run,
+        shutdown_grace: cfg.args.shutdown_grace,
+        boot_id,
+    }
+}
+
+/// The outcome of every plan: headroom metrics, a Node Event, the outcome webhook.
+fn spawn_outcome_follower(
+    responder: &Responder,
+    node: &Arc<dyn NodeOps>,
+    webhook: Option<webhook::Webhook>,
+    who: Who,
+    metrics: &Arc<Metrics>,
+    tasks: &mut Tasks,
+    cancel: &CancellationToken,
+) {
+    tasks.spawn(
+        "plan outcome follower",
+        crate::outcome::follow(
+            responder.subscribe(),
+            crate::outcome::Sinks {
+                metrics: metrics.clone(),
+                node: Some(node.clone()),
+                webhook,
+                node_name: who.node_name,
+                instance: who.instance,
+                action: who.action.to_string(),
+            },
+            cancel.child_token(),
+        ),
     );
-    let events = responder.subscribe();
-    // Outcome of every plan: headroom metrics, a Node Event, the outcome webhook.
-    let h = tasks.spawn(crate::outcome::follow(
-        responder.subscribe(),
-        crate::outcome::Sinks {
-            metrics: metrics.clone(),
-            node: Some(node.clone()),
-            webhook: hook,
-            node_name,
-            instance,
-            action: action.to_string(),
-        },
-        cancel.child_token(),
-    ));
-    names.insert(h.id(), "plan outcome follower");
-    let h = tasks.spawn(responder.run(notice_rx, cancel.clone()));
-    names.insert(h.id(), "responder");
+}
 
-    // GPU health: NVML is loaded (and retried) by the probe itself; `off` starts nothing.
+/// GPU health: NVML is loaded (and retried) by the probe itself; `off` starts nothing.
+fn spawn_gpu_monitor(
+    cfg: &Config,
+    node: &Arc<dyn NodeOps>,
+    gpu_metrics: Arc<gpu::GpuMetrics>,
+    tasks: &mut Tasks,
+    cancel: &CancellationToken,
+) {
     match gpu::probe_from_config(cfg.gpu.mode) {
-        Ok(probe) => {
-            let h = tasks.spawn(gpu::run_monitor(
+        Ok(probe) => tasks.spawn(
+            "GPU monitor",
+            gpu::run_monitor(
                 probe,
                 node.clone(),
                 gpu_metrics,
                 cfg.gpu.clone(),
                 cancel.child_token(),
-            ));
-            names.insert(h.id(), "GPU monitor");
-        }
+            ),
+        ),
         Err(e) => info!(reason = %e, "GPU monitoring off"),
     }
+}
 
-    // Prefetch never runs in this process: datasets from the config go to a child
-    // `spotguard prefetch-serve` (own threads and heap); in Kubernetes the DaemonSet's prefetch
-    // container reads pods' annotations.
-    {
-        let dir = cfg.args.cache_dir.clone();
-        let _ = tokio::task::spawn_blocking(move || prefetch::serve::clear_stop(&dir)).await;
+/// Prefetch never runs in this process: datasets from the config go to a child
+/// `spotguard prefetch-serve` (own threads and heap); in Kubernetes the DaemonSet's prefetch
+/// container reads pods' annotations. A stop request left by a previous life is cleared first.
+async fn spawn_prefetcher(
+    cfg: &Config,
+    metrics: &Arc<Metrics>,
+    tasks: &mut Tasks,
+    cancel: &CancellationToken,
+) {
+    let dir = cfg.args.cache_dir.clone();
+    let _ = tokio::task::spawn_blocking(move || prefetch::serve::clear_stop(&dir)).await;
+    if cfg.datasets.is_empty() {
+        return;
     }
-    drop(kube_client);
-    if !cfg.datasets.is_empty() {
-        let child = prefetch::serve::run_child(
-            cfg.datasets
-                .iter()
-                .map(|d| format!("{}={}", d.name, d.url))
-                .collect(),
-            cfg.args.cache_dir.clone(),
-            cfg.args.cache_max_bytes,
-            cfg.args.prefetch_endpoint.clone(),
-            metrics.clone(),
-            cancel.child_token(),
-        );
-        // The prefetcher finishing (or failing to start) is no reason to stop the agent: the
-        // task then waits for shutdown like every other.
-        let c = cancel.child_token();
-        let h = tasks.spawn(async move {
-            child.await;
-            c.cancelled().await;
-        });
-        names.insert(h.id(), "prefetcher process");
-    }
+    let child = prefetch::serve::run_child(
+        cfg.datasets
+            .iter()
+            .map(|d| format!("{}={}", d.name, d.url))
+            .collect(),
+        cfg.args.cache_dir.clone(),
+        cfg.args.cache_max_bytes,
+        cfg.args.prefetch_endpoint.clone(),
+        metrics.clone(),
+        cancel.child_token(),
+    );
+    // The prefetcher finishing (or failing to start) is no reason to stop the agent: the task
+    // then waits for shutdown like every other.
+    let c = cancel.child_token();
+    tasks.spawn("prefetcher process", async move {
+        child.await;
+        c.cancelled().await;
+    });
+}
 
-    // Admin server.
-    let registry = Arc::new(registry);
-    let (admin_addr, serve) = admin::bind(
+/// /metrics, /healthz and /readyz; returns the bound address.
+async fn spawn_admin_server(
+    cfg: &Config,
+    registry: Arc<Registry>,
+    health: Arc<PollHealth>,
+    kernel: Result<(), String>,
+    tasks: &mut Tasks,
+    cancel: &CancellationToken,
+) -> Result<SocketAddr, Error> {
+    let (addr, serve) = admin::bind(
         cfg.args.metrics_addr,
-        registry.clone(),
+        registry,
         Arc::new(PollReadiness(health, kernel)),
         cancel.child_token(),
     )
@@ -402,23 +570,8 @@ pub async fn start_with_client(
         addr: cfg.args.metrics_addr,
         source,
     })?;
-    let h = tasks.spawn(serve);
-    names.insert(h.id(), "admin server");
-    info!(
-        mode = cfg.mode.as_str(),
-        node = cfg.node_name.as_deref().unwrap_or("-"),
-        metrics = %admin_addr,
-        dry_run = cfg.args.dry_run,
-        "spotguard started"
-    );
-
-    let join = tokio::spawn(supervise(tasks, names, cancel));
-    Ok(App {
-        events,
-        admin_addr,
-        registry,
-        join,
-    })
+    tasks.spawn("admin server", serve);
+    Ok(addr)
 }
 
 /// Wait for every task. Each runs until cancellation; one that ends (or panics) before is a bug:

@@ -214,10 +214,27 @@ impl Running {
     }
 }
 
-#[derive(Clone, Copy)]
-enum DecisionKind {
-    Updated,
-    Other,
+/// What the responder's loop holds between inputs.
+struct Loop {
+    store: NoticeStore,
+    running: Option<Running>,
+    /// Maintenance notices waiting for `not_before − lead`, by notice id.
+    scheduled: HashMap<String, Scheduled>,
+    /// A rebalance recommendation checkpointed for, waiting for its expiry.
+    rebalance_expiry: Option<(String, JoinHandle<()>)>,
+    /// Plans cancelled by shutdown stop at the grace period, not at once.
+    plan_cancel: CancellationToken,
+    due_tx: mpsc::Sender<Notice>,
+    expired_tx: mpsc::Sender<String>,
+    expiry_due_tx: mpsc::Sender<String>,
+}
+
+/// Send `value` on `tx` after `wait` (a timer the loop can abort).
+fn send_after<T: Send + 'static>(tx: mpsc::Sender<T>, wait: Duration, value: T) -> JoinHandle<()> {
+    tokio::spawn(async move {
+        tokio::time::sleep(wait).await;
+        let _ = tx.send(value).await;
+    })
 }
 
 /// A maintenance notice waiting for `not_before − lead`.
@@ -256,211 +273,260 @@ impl Responder {
     }
 
     /// Run until `cancel`; then give an in-flight plan up to the shutdown grace period.
+    ///
+    /// One loop, one handler per input: a notice from a monitor (dispatched per store
+    /// decision), a plan that ended, a maintenance window that came due, a rebalance plan that
+    /// checkpointed, a rebalance recommendation that expired.
     pub async fn run(mut self, mut rx: mpsc::Receiver<Notice>, cancel: CancellationToken) {
-        let mut store = NoticeStore::new();
-        let mut running: Option<Running> = None;
-        let mut scheduled: HashMap<String, Scheduled> = HashMap::new();
-        let mut rebalance_expiry: Option<(String, JoinHandle<()>)> = None;
-        // Plans cancelled by shutdown stop at the grace period, not at once.
-        let plan_cancel = CancellationToken::new();
-        let (due_tx, mut due_rx) = mpsc::channel::<Notice>(16);
-        let (expired_tx, mut expired_rx) = mpsc::channel::<String>(4);
-        let (expiry_due_tx, mut expiry_due_rx) = mpsc::channel::<String>(4);
         // `run` consumes the responder: the receiver is always there.
         let mut finished_rx = self
             .finished_rx
             .take()
             .unwrap_or_else(|| mpsc::unbounded_channel().1);
+        let (due_tx, mut due_rx) = mpsc::channel::<Notice>(16);
+        let (expired_tx, mut expired_rx) = mpsc::channel::<String>(4);
+        let (expiry_due_tx, mut expiry_due_rx) = mpsc::channel::<String>(4);
+        let mut st = Loop {
+            store: NoticeStore::new(),
+            running: None,
+            scheduled: HashMap::new(),
+            rebalance_expiry: None,
+            plan_cancel: CancellationToken::new(),
+            due_tx,
+            expired_tx,
+            expiry_due_tx,
+        };
 
-        self.resume(
-            &mut store,
-            &mut running,
-            &mut rebalance_expiry,
-            &plan_cancel,
-            &expired_tx,
-            &expiry_due_tx,
-        )
-        .await;
+        self.resume(&mut st).await;
 
         loop {
             // A finished plan frees the responder for the next notice.
-            if running.as_ref().is_some_and(|r| !r.active()) {
-                running = None;
+            if st.running.as_ref().is_some_and(|r| !r.active()) {
+                st.running = None;
             }
             tokio::select! {
                 _ = cancel.cancelled() => break,
                 Some(seq) = finished_rx.recv() => {
-                    if running.as_ref().is_some_and(|r| r.seq == seq) {
-                        running = None;
+                    if st.running.as_ref().is_some_and(|r| r.seq == seq) {
+                        st.running = None;
                     }
                 }
                 maybe = rx.recv() => {
                     let Some(notice) = maybe else { break };
-                    let now = Timestamp::now();
-                    let decision = store.accept(&notice, now);
-                    self.count_notice(&notice, &decision, now);
-                    let decision_kind = match &decision {
-                        Decision::Updated(_) => DecisionKind::Updated,
-                        _ => DecisionKind::Other,
-                    };
-                    match decision {
-                        Decision::Duplicate => {}
-                        Decision::StartInterruption(n) => {
-                            for (_, s) in scheduled.drain() {
-                                s.timer.abort();
-                            }
-                            if let Some((_, t)) = rebalance_expiry.take() {
-                                t.abort();
-                            }
-                            if let Some(r) = running.take() {
-                                info!(notice_id = %r.id, "interruption supersedes the plan in progress");
-                                r.cancel.cancel();
-                                let _ = r.task.await;
-                            }
-                            running = Some(self.start_plan(n, None, &plan_cancel, &expired_tx));
-                        }
-                        Decision::DeadlineMoved(d) => {
-                            if let Some(r) = &running {
-                                info!(notice_id = %r.id, deadline = %d, "interruption deadline moved earlier");
-                                let _ = r.deadline_tx.send(d);
-                            }
-                            self.deps.metrics.deadline.set(d.as_second() as f64);
-                        }
-                        Decision::New(n) | Decision::Updated(n) => {
-                            if store.interruption().is_some() {
-                                info!(notice_id = %n.id, kind = n.kind.label(), "interruption in progress: notice noted, no separate plan");
-                                continue;
-                            }
-                            match n.kind {
-                                NoticeKind::Maintenance => {
-                                    if let Some(r) = running.as_ref().filter(|r| r.id == n.id && r.active()) {
-                                        // The window moved (or became known) while its plan runs.
-                                        let d = store::effective_deadline(n.not_before.or(n.deadline), now);
-                                        info!(notice_id = %n.id, deadline = %d, "maintenance window changed: plan deadline updated");
-                                        let _ = r.deadline_tx.send(d);
-                                        continue;
-                                    }
-                                    if matches!(decision_kind, DecisionKind::Updated) && self.plan_finished(&n.id).await {
-                                        info!(notice_id = %n.id, "maintenance window changed after its plan completed: nothing to redo");
-                                        continue;
-                                    }
-                                    let start = store::maintenance_start(
-                                        n.not_before.or(n.deadline).unwrap_or(now),
-                                        self.cfg.maintenance_lead,
-                                        now,
-                                    );
-                                    if let Some(old) = scheduled.remove(&n.id) {
-                                        old.timer.abort();
-                                    }
-                                    let _ = self.events.send(PlanEvent::NoticeSeen { notice: n.clone(), at: now });
-                                    info!(notice_id = %n.id, start = %start, "maintenance scheduled");
-                                    let tx = due_tx.clone();
-                                    let wait = store::until(start, now);
-                                    let due = n.clone();
-                                    let timer = tokio::spawn(async move {
-                                        tokio::time::sleep(wait).await;
-                                        let _ = tx.send(due).await;
-                                    });
-                                    scheduled.insert(n.id.clone(), Scheduled { timer });
-                                }
-                                NoticeKind::Rebalance => {
-                                    if running.as_ref().is_some_and(|r| r.active()) {
-                                        info!(notice_id = %n.id, "a plan is in progress: rebalance recommendation noted");
-                                        continue;
-                                    }
-                                    running = Some(self.start_plan(n, None, &plan_cancel, &expired_tx));
-                                }
-                                _ => {}
-                            }
-                        }
-                        Decision::Cancel(id) => {
-                            if let Some(s) = scheduled.remove(&id) {
-                                s.timer.abort();
-                                info!(notice_id = %id, "scheduled maintenance cancelled before it started");
-                                let _ = self.events.send(PlanEvent::Undone { id: id.clone(), at: Timestamp::now() });
-                            }
-                            let cancels_plan = running.as_ref().is_some_and(|r| r.id == id && r.kind != NoticeKind::Interruption);
-                            let last_plan = self.deps.local.load().await.ok().flatten().is_some_and(|s| s.id == id && s.phase != Phase::Undone);
-                            if cancels_plan {
-                                if let Some(r) = running.take() {
-                                    r.cancel.cancel();
-                                    let _ = r.task.await;
-                                }
-                                self.undo(&id, "cancelled by the cloud").await;
-                            } else if rebalance_expiry.as_ref().is_some_and(|(rid, _)| *rid == id) {
-                                if let Some((_, t)) = rebalance_expiry.take() { t.abort(); }
-                                self.undo(&id, "cancelled by the cloud").await;
-                            } else if last_plan {
-                                // A finished maintenance plan (cordon-only, or drained) cancelled.
-                                self.undo(&id, "cancelled by the cloud").await;
-                            }
-                        }
-                    }
+                    self.on_notice(&mut st, notice).await;
                 }
-                Some(n) = due_rx.recv() => {
-                    scheduled.remove(&n.id);
-                    if store.interruption().is_some() {
-                        continue;
-                    }
-                    if let Some(r) = running.take() {
-                        if r.kind == NoticeKind::Rebalance || !r.active() {
-                            r.cancel.cancel();
-                            let _ = r.task.await;
-                        } else {
-                            info!(notice_id = %n.id, "another plan in progress: maintenance handled after it");
-                            running = Some(r);
-                            continue;
-                        }
-                    }
-                    running = Some(self.start_plan(n, None, &plan_cancel, &expired_tx));
-                }
-                Some(id) = expired_rx.recv() => {
-                    // A rebalance plan finished its early checkpoint: undo after the expiry.
-                    let tx = expiry_due_tx.clone();
-                    let wait = self.cfg.rebalance_expiry;
-                    let due = id.clone();
-                    let t = tokio::spawn(async move {
-                        tokio::time::sleep(wait).await;
-                        let _ = tx.send(due).await;
-                    });
-                    if let Some((_, old)) = rebalance_expiry.replace((id, t)) {
-                        old.abort();
-                    }
-                }
-                Some(id) = expiry_due_rx.recv() => {
-                    rebalance_expiry = None;
-                    if store.interruption().is_none() {
-                        if let Some(r) = running.take_if(|r| r.id == id) {
-                            r.cancel.cancel();
-                            let _ = r.task.await;
-                        }
-                        // The store keeps the recommendation: the same `noticeTime`, served until
-                        // the instance dies, never starts a second plan.
-                        self.undo(&id, "rebalance recommendation expired without an interruption").await;
-                    }
-                }
+                Some(n) = due_rx.recv() => self.on_maintenance_due(&mut st, n).await,
+                Some(id) = expired_rx.recv() => self.on_rebalance_checkpointed(&mut st, id),
+                Some(id) = expiry_due_rx.recv() => self.on_rebalance_expired(&mut st, id).await,
             }
         }
+        self.shut_down(st).await;
+    }
 
-        // Shutdown: monitors have stopped; an in-flight plan gets the grace period.
-        for (_, s) in scheduled.drain() {
+    /// A notice from a monitor: the store decides what it is, one handler per decision.
+    async fn on_notice(&self, st: &mut Loop, notice: Notice) {
+        let now = Timestamp::now();
+        let decision = st.store.accept(&notice, now);
+        self.count_notice(&notice, &decision, now);
+        match decision {
+            Decision::Duplicate => {}
+            Decision::StartInterruption(n) => self.on_interruption(st, n).await,
+            Decision::DeadlineMoved(d) => self.on_deadline_moved(st, d),
+            Decision::New(n) => self.on_new_notice(st, n, false, now).await,
+            Decision::Updated(n) => self.on_new_notice(st, n, true, now).await,
+            Decision::Cancel(id) => self.on_cancel(st, id).await,
+        }
+    }
+
+    /// An interruption supersedes everything: scheduled maintenance, a rebalance's expiry, the
+    /// plan in progress.
+    async fn on_interruption(&self, st: &mut Loop, n: Notice) {
+        for (_, s) in st.scheduled.drain() {
             s.timer.abort();
         }
-        if let Some((_, t)) = rebalance_expiry.take() {
+        if let Some((_, t)) = st.rebalance_expiry.take() {
             t.abort();
         }
-        if let Some(r) = running.take() {
-            if r.active() {
-                info!(notice_id = %r.id, grace_ms = self.cfg.shutdown_grace.as_millis() as u64, "waiting for the plan in progress before exiting");
-                let mut task = r.task;
-                match tokio::time::timeout(self.cfg.shutdown_grace, &mut task).await {
-                    Ok(_) => info!(notice_id = %r.id, "plan finished; exiting"),
-                    Err(_) => {
-                        warn!(notice_id = %r.id, "shutdown grace period over: stopping the plan; a restarted agent resumes it from the persisted phase");
-                        plan_cancel.cancel();
-                        let _ = task.await;
-                    }
+        if let Some(r) = st.running.take() {
+            info!(notice_id = %r.id, "interruption supersedes the plan in progress");
+            r.cancel.cancel();
+            let _ = r.task.await;
+        }
+        st.running = Some(self.start_plan(n, None, &st.plan_cancel, &st.expired_tx));
+    }
+
+    fn on_deadline_moved(&self, st: &mut Loop, d: Timestamp) {
+        if let Some(r) = &st.running {
+            info!(notice_id = %r.id, deadline = %d, "interruption deadline moved earlier");
+            let _ = r.deadline_tx.send(d);
+        }
+        self.deps.metrics.deadline.set(d.as_second() as f64);
+    }
+
+    /// A new (or changed) maintenance or rebalance notice; noted only while an interruption runs.
+    async fn on_new_notice(&self, st: &mut Loop, n: Notice, updated: bool, now: Timestamp) {
+        if st.store.interruption().is_some() {
+            info!(notice_id = %n.id, kind = n.kind.label(), "interruption in progress: notice noted, no separate plan");
+            return;
+        }
+        match n.kind {
+            NoticeKind::Maintenance => self.on_maintenance(st, n, updated, now).await,
+            NoticeKind::Rebalance => {
+                if st.running.as_ref().is_some_and(|r| r.active()) {
+                    info!(notice_id = %n.id, "a plan is in progress: rebalance recommendation noted");
+                    return;
                 }
+                st.running = Some(self.start_plan(n, None, &st.plan_cancel, &st.expired_tx));
+            }
+            _ => {}
+        }
+    }
+
+    /// Scheduled maintenance: act `maintenance_lead` before its window; a window that moves
+    /// while its plan runs moves the plan's deadline.
+    async fn on_maintenance(&self, st: &mut Loop, n: Notice, updated: bool, now: Timestamp) {
+        if let Some(r) = st.running.as_ref().filter(|r| r.id == n.id && r.active()) {
+            // The window moved (or became known) while its plan runs.
+            let d = store::effective_deadline(n.not_before.or(n.deadline), now);
+            info!(notice_id = %n.id, deadline = %d, "maintenance window changed: plan deadline updated");
+            let _ = r.deadline_tx.send(d);
+            return;
+        }
+        if updated && self.plan_finished(&n.id).await {
+            info!(notice_id = %n.id, "maintenance window changed after its plan completed: nothing to redo");
+            return;
+        }
+        let start = store::maintenance_start(
+            n.not_before.or(n.deadline).unwrap_or(now),
+            self.cfg.maintenance_lead,
+            now,
+        );
+        if let Some(old) = st.scheduled.remove(&n.id) {
+            old.timer.abort();
+        }
+        let _ = self.events.send(PlanEvent::NoticeSeen {
+            notice: n.clone(),
+            at: now,
+        });
+        info!(notice_id = %n.id, start = %start, "maintenance scheduled");
+        let id = n.id.clone();
+        let timer = send_after(st.due_tx.clone(), store::until(start, now), n);
+        st.scheduled.insert(id, Scheduled { timer });
+    }
+
+    /// The cloud withdrew a notice: stop what it started and undo what was applied for it.
+    async fn on_cancel(&self, st: &mut Loop, id: String) {
+        if let Some(s) = st.scheduled.remove(&id) {
+            s.timer.abort();
+            info!(notice_id = %id, "scheduled maintenance cancelled before it started");
+            let _ = self.events.send(PlanEvent::Undone {
+                id: id.clone(),
+                at: Timestamp::now(),
+            });
+        }
+        let cancels_plan = st
+            .running
+            .as_ref()
+            .is_some_and(|r| r.id == id && r.kind != NoticeKind::Interruption);
+        let last_plan = self
+            .deps
+            .local
+            .load()
+            .await
+            .ok()
+            .flatten()
+            .is_some_and(|s| s.id == id && s.phase != Phase::Undone);
+        if cancels_plan {
+            if let Some(r) = st.running.take() {
+                r.cancel.cancel();
+                let _ = r.task.await;
+            }
+            self.undo(&id, "cancelled by the cloud").await;
+        } else if st
+            .rebalance_expiry
+            .as_ref()
+            .is_some_and(|(rid, _)| *rid == id)
+        {
+            if let Some((_, t)) = st.rebalance_expiry.take() {
+                t.abort();
+            }
+            self.undo(&id, "cancelled by the cloud").await;
+        } else if last_plan {
+            // A finished maintenance plan (cordon-only, or drained) cancelled.
+            self.undo(&id, "cancelled by the cloud").await;
+        }
+    }
+
+    /// A scheduled maintenance window came due: start its plan unless another plan must finish
+    /// first (a rebalance plan gives way).
+    async fn on_maintenance_due(&self, st: &mut Loop, n: Notice) {
+        st.scheduled.remove(&n.id);
+        if st.store.interruption().is_some() {
+            return;
+        }
+        if let Some(r) = st.running.take() {
+            if r.kind == NoticeKind::Rebalance || !r.active() {
+                r.cancel.cancel();
+                let _ = r.task.await;
+            } else {
+                info!(notice_id = %n.id, "another plan in progress: maintenance handled after it");
+                st.running = Some(r);
+                return;
+            }
+        }
+        st.running = Some(self.start_plan(n, None, &st.plan_cancel, &st.expired_tx));
+    }
+
+    /// A rebalance plan finished its early checkpoint: undo after the expiry.
+    fn on_rebalance_checkpointed(&self, st: &mut Loop, id: String) {
+        let t = send_after(
+            st.expiry_due_tx.clone(),
+            self.cfg.rebalance_expiry,
+            id.clone(),
+        );
+        if let Some((_, old)) = st.rebalance_expiry.replace((id, t)) {
+            old.abort();
+        }
+    }
+
+    /// A rebalance recommendation expired without an interruption: undo what it applied.
+    async fn on_rebalance_expired(&self, st: &mut Loop, id: String) {
+        st.rebalance_expiry = None;
+        if st.store.interruption().is_some() {
+            return;
+        }
+        if let Some(r) = st.running.take_if(|r| r.id == id) {
+            r.cancel.cancel();
+            let _ = r.task.await;
+        }
+        // The store keeps the recommendation: the same `noticeTime`, served until the instance
+        // dies, never starts a second plan.
+        self.undo(
+            &id,
+            "rebalance recommendation expired without an interruption",
+        )
+        .await;
+    }
+
+    /// Shutdown: monitors have stopped; an in-flight plan gets the grace period.
+    async fn shut_down(&self, mut st: Loop) {
+        for (_, s) in st.scheduled.drain() {
+            s.timer.abort();
+        }
+        if let Some((_, t)) = st.rebalance_expiry.take() {
+            t.abort();
+        }
+        let Some(r) = st.running.take().filter(|r| r.active()) else {
+            return;
+        };
+        info!(notice_id = %r.id, grace_ms = self.cfg.shutdown_grace.as_millis() as u64, "waiting for the plan in progress before exiting");
+        let mut task = r.task;
+        match tokio::time::timeout(self.cfg.shutdown_grace, &mut task).await {
+            Ok(_) => info!(notice_id = %r.id, "plan finished; exiting"),
+            Err(_) => {
+                warn!(notice_id = %r.id, "shutdown grace period over: stopping the plan; a restarted agent resumes it from the persisted phase");
+                st.plan_cancel.cancel();
+                let _ = task.await;
             }
         }
     }
@@ -542,15 +608,7 @@ impl Responder {
     }
 
     /// Resume a plan persisted by an earlier run of the agent.
-    async fn resume(
-        &self,
-        store: &mut NoticeStore,
-        running: &mut Option<Running>,
-        rebalance_expiry: &mut Option<(String, JoinHandle<()>)>,
-        plan_cancel: &CancellationToken,
-        expired_tx: &mpsc::Sender<String>,
-        expiry_due_tx: &mpsc::Sender<String>,
-    ) {
+    async fn resume(&self, st: &mut Loop) {
         let Some(state) = Records::new(&self.deps).load().await else {
             return;
         };
@@ -559,25 +617,21 @@ impl Responder {
         info!(notice_id = %state.id, phase = state.phase.as_str(), kind = state.kind.label(), previous_life = decision == Resume::PreviousLife, "found persisted plan state");
         match decision {
             Resume::PreviousLife => self.undoer().previous_life(state).await,
-            Resume::Remember => store.restore_state(&state, now),
+            Resume::Remember => st.store.restore_state(&state, now),
             Resume::AwaitExpiry => {
-                store.restore_state(&state, now);
+                st.store.restore_state(&state, now);
                 let left = state
                     .deadline
                     .map(|d| store::until(d, now))
                     .unwrap_or(Duration::ZERO);
-                let tx = expiry_due_tx.clone();
-                let id = state.id.clone();
-                let t = tokio::spawn(async move {
-                    tokio::time::sleep(left).await;
-                    let _ = tx.send(id).await;
-                });
-                *rebalance_expiry = Some((state.id.clone(), t));
+                let t = send_after(st.expiry_due_tx.clone(), left, state.id.clone());
+                st.rebalance_expiry = Some((state.id.clone(), t));
             }
             Resume::Continue => {
-                store.restore_state(&state, now);
+                st.store.restore_state(&state, now);
                 let notice = notice_from_state(&state);
-                *running = Some(self.start_plan(notice, Some(state), plan_cancel, expired_tx));
+                st.running =
+                    Some(self.start_plan(notice, Some(state), &st.plan_cancel, &st.expired_tx));
             }
         }
     }
