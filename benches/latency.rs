@@ -24,7 +24,7 @@ use k8s_openapi::api::core::v1::{ContainerState, ContainerStateRunning, Containe
 use spotguard::app;
 use spotguard::config::{self, Config};
 use spotguard::emulator::{self, Cloud, EmulatedNotice, EmulatorConfig};
-use spotguard::testing::apiserver::{test_node, FakeApiServer, Fault, TestPod};
+use spotguard_testkit::apiserver::{test_node, FakeApiServer, Fault, TestPod};
 use tokio_util::sync::CancellationToken;
 
 const NODE: &str = "gpu-node-1";

@@ -332,8 +332,8 @@ mod kube {
     use spotguard::config::{self, Config};
     use spotguard::emulator::{self, Cloud, EmulatedNotice, EmulatorConfig};
     use spotguard::responder::PlanEvent;
-    use spotguard::testing::apiserver::{test_node, FakeApiServer, TestPod};
-    use spotguard::testing::wait_for_event as wait_for;
+    use spotguard_testkit::apiserver::{test_node, FakeApiServer, TestPod};
+    use spotguard_testkit::wait_for_event as wait_for;
     use tokio_util::sync::CancellationToken;
 
     use super::{HungMount, Kid};

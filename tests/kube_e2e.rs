@@ -16,8 +16,8 @@ use spotguard::app;
 use spotguard::config::{self, Config};
 use spotguard::emulator::{self, Cloud, EmulatedNotice, EmulatorConfig};
 use spotguard::responder::PlanEvent;
-use spotguard::testing::apiserver::{test_node, FakeApiServer, PdbLimit, TestPod};
-use spotguard::testing::wait_for_event as wait_for;
+use spotguard_testkit::apiserver::{test_node, FakeApiServer, PdbLimit, TestPod};
+use spotguard_testkit::wait_for_event as wait_for;
 use tokio_util::sync::CancellationToken;
 
 const NODE: &str = "gpu-node-1";

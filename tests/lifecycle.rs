@@ -15,7 +15,7 @@ use spotguard::app;
 use spotguard::config::{self, Config};
 use spotguard::emulator::{self, Cloud, EmulatedNotice, EmulatorConfig};
 use spotguard::responder::PlanEvent;
-use spotguard::testing::wait_for_event as wait_for;
+use spotguard_testkit::wait_for_event as wait_for;
 use tokio::sync::broadcast;
 use tokio_util::sync::CancellationToken;
 

@@ -11,7 +11,7 @@ use spotguard::app;
 use spotguard::config::{self, Config};
 use spotguard::emulator::{self, Cloud, EmulatedNotice, EmulatorConfig, Fault};
 use spotguard::responder::PlanEvent;
-use spotguard::testing::wait_for_event as wait_for;
+use spotguard_testkit::wait_for_event as wait_for;
 use tokio_util::sync::CancellationToken;
 
 /// A training-like process tree under one parent: the parent `bash` and a `sleep` do not catch

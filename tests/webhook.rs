@@ -721,7 +721,7 @@ async fn an_agent_sends_start_and_outcome_and_records_headroom() {
     let mut events = app.events;
     tokio::time::sleep(Duration::from_millis(300)).await;
     emu.raise(EmulatedNotice::interruption()).unwrap();
-    spotguard::testing::wait_for_event(&mut events, Duration::from_secs(30), |e| {
+    spotguard_testkit::wait_for_event(&mut events, Duration::from_secs(30), |e| {
         matches!(e, PlanEvent::Done { .. }).then_some(())
     })
     .await;

@@ -1,5 +1,12 @@
-//! Test support shared by unit and integration tests: fakes for the seams and in-process servers.
-//! Compiled into the library (integration tests need it) but used by no production path.
+//! spotguard's test support, shared by its integration tests and benches: fakes for the seams and
+//! in-process servers. A workspace member and a dev-dependency of `spotguard`, never part of the
+//! shipped library or binary.
+//!
+//! - [`apiserver`]: an in-process fake Kubernetes API server (nodes, pods, evictions with PDBs,
+//!   Events, watches) and a kube client for it.
+//! - [`gpu`]: recorded readings of real boards (fixtures), a scripted `GpuProbe`, a recording
+//!   `NodeOps`, and a fake kubelet pod-resources gRPC server.
+//! - [`wait_for_event`]: wait for a responder plan event.
 pub mod apiserver;
 pub mod gpu;
 
@@ -7,7 +14,7 @@ use std::time::Duration;
 
 use tokio::sync::broadcast;
 
-use crate::responder::PlanEvent;
+use spotguard::responder::PlanEvent;
 
 /// Wait up to `limit` for a plan event for which `f` returns `Some`; panics on timeout or when
 /// the channel closes (test helper).
