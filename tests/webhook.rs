@@ -751,12 +751,7 @@ async fn an_agent_sends_start_and_outcome_and_records_headroom() {
         assert!(text.contains(part), "{text:?} lacks {part:?}");
     }
 
-    let m = reqwest::get(format!("http://{}/metrics", app.admin_addr))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let m = spotguard_testkit::metrics_text(app.admin_addr).await;
     for line in [
         "spotguard_checkpoint_headroom_seconds_count 1",
         "spotguard_checkpoint_last_acked_step 4242",

@@ -6,10 +6,16 @@
 //!   Events, watches) and a kube client for it.
 //! - [`gpu`]: recorded readings of real boards (fixtures), a scripted `GpuProbe`, a recording
 //!   `NodeOps`, and a fake kubelet pod-resources gRPC server.
-//! - [`wait_for_event`]: wait for a responder plan event.
+//! - [`kubelet`]: random pod uids and container ids, the cgroup the kubelet makes for a container.
+//! - [`process`]: whether a real process has installed its SIGUSR1 handler yet.
+//! - [`wait_for_event`]: wait for a responder plan event; [`metrics_text`]: a running agent's
+//!   `/metrics`.
 pub mod apiserver;
 pub mod gpu;
+pub mod kubelet;
+pub mod process;
 
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use tokio::sync::broadcast;
@@ -42,4 +48,15 @@ pub async fn wait_for_event<T>(
         Ok(None) => panic!("plan event channel closed"),
         Err(_) => panic!("timed out after {limit:?} waiting for a plan event"),
     }
+}
+
+/// The text of `/metrics` on the agent's admin server at `addr`; panics when it does not answer
+/// (test helper).
+pub async fn metrics_text(addr: SocketAddr) -> String {
+    reqwest::get(format!("http://{addr}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
 }
