@@ -19,7 +19,7 @@ use prometheus_client::registry::Registry;
 use spotguard::metrics::Metrics;
 use spotguard::node::kube::KubeNodeOps;
 use spotguard::node::{DrainRequest, NodeOps, DEFAULT_DRAIN_CONCURRENCY};
-use spotguard::testing::apiserver::{test_node, FakeApiServer, TestPod};
+use spotguard_testkit::apiserver::{test_node, FakeApiServer, TestPod};
 
 const PODS: usize = 100;
 const LATENCY: Duration = Duration::from_millis(5);

@@ -24,7 +24,8 @@ use k8s_openapi::api::core::v1::{ContainerState, ContainerStateRunning, Containe
 use spotguard::app;
 use spotguard::config::{self, Config};
 use spotguard::emulator::{self, Cloud, EmulatedNotice, EmulatorConfig};
-use spotguard::testing::apiserver::{test_node, FakeApiServer, Fault, TestPod};
+use spotguard_testkit::apiserver::{test_node, FakeApiServer, Fault, TestPod};
+use spotguard_testkit::kubelet;
 use tokio_util::sync::CancellationToken;
 
 const NODE: &str = "gpu-node-1";
@@ -132,12 +133,6 @@ async fn trial(cloud: Cloud, emu: &emulator::EmulatorHandle) -> f64 {
     (received_ns - visible.as_nanosecond()) as f64 / 1e9
 }
 
-fn hex(n: usize) -> String {
-    (0..n)
-        .map(|_| char::from_digit(fastrand::u32(0..16), 16).unwrap_or('0'))
-        .collect()
-}
-
 /// How the API server answers from just before the notice on (the pod cache synced before).
 #[derive(Clone, Copy)]
 enum ApiCondition {
@@ -173,15 +168,9 @@ async fn kube_trial(
         .kill_on_drop(true)
         .spawn()
         .expect("spawn child");
-    let uid = format!("{}-{}-{}-{}-{}", hex(8), hex(4), hex(4), hex(4), hex(12));
-    let cid = hex(64);
-    let cgroup = Path::new(CGROUP_ROOT)
-        .join("kubepods.slice/kubepods-burstable.slice")
-        .join(format!(
-            "kubepods-burstable-pod{}.slice",
-            uid.replace('-', "_")
-        ))
-        .join(format!("cri-containerd-{cid}.scope"));
+    let uid = kubelet::pod_uid();
+    let cid = kubelet::container_id();
+    let cgroup = kubelet::burstable_cgroup(Path::new(CGROUP_ROOT), &uid, &cid);
     std::fs::create_dir_all(&cgroup).expect("cgroup (needs root and cgroup v1 name=systemd)");
     std::fs::write(
         cgroup.join("cgroup.procs"),

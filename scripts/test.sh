@@ -16,8 +16,8 @@ done
 echo "==> cargo fmt --check"
 cargo fmt --all -- --check
 
-echo "==> cargo clippy --all-targets -- -D warnings"
-cargo clippy --all-targets --locked -- -D warnings
+echo "==> cargo clippy --workspace --all-targets -- -D warnings"
+cargo clippy --workspace --all-targets --locked -- -D warnings
 
 echo "==> config reference is up to date"
 cargo run --quiet --locked -- config-reference > target/configuration.md
@@ -26,8 +26,9 @@ if ! diff -u docs/configuration.md target/configuration.md; then
   exit 1
 fi
 
-echo "==> cargo test"
-cargo test --locked --no-fail-fast
+# --workspace: spotguard's suites and the testkit's own (the fake API server's faithfulness).
+echo "==> cargo test --workspace"
+cargo test --workspace --locked --no-fail-fast
 
 # `pip install spotguard`: one wheel with the Python package and the binary (maturin, profile
 # `wheel`: release without fat LTO, opt-level 1, 16 codegen units; it adds about 7 CPU-minutes of

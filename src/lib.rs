@@ -22,5 +22,4 @@ pub mod prefetch;
 pub mod responder;
 pub mod shutdown;
 pub mod telemetry;
-pub mod testing;
 pub mod webhook;

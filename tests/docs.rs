@@ -203,12 +203,7 @@ async fn a_fresh_agent_exports_every_documented_series_at_zero() {
     let cfg = spotguard::config::Config::resolve(args, &spotguard::config::ProcessEnv).unwrap();
     let cancel = tokio_util::sync::CancellationToken::new();
     let app = spotguard::app::start(cfg, cancel.clone()).await.unwrap();
-    let text = reqwest::get(format!("http://{}/metrics", app.admin_addr))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = spotguard_testkit::metrics_text(app.admin_addr).await;
     cancel.cancel();
     let samples: Vec<_> = text.lines().filter_map(parse_sample).collect();
 

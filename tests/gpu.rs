@@ -16,7 +16,7 @@ use spotguard::gpu::{
 };
 use spotguard::metrics::encode;
 use spotguard::node::{ConditionState, GpuConditions};
-use spotguard::testing::gpu::{
+use spotguard_testkit::gpu::{
     a100, h100, hgx_h100, not_supported, v100, xid, FakeFailure, FakeGpuProbe, RecordingNodeOps,
 };
 use tokio_util::sync::CancellationToken;

@@ -332,20 +332,15 @@ mod kube {
     use spotguard::config::{self, Config};
     use spotguard::emulator::{self, Cloud, EmulatedNotice, EmulatorConfig};
     use spotguard::responder::PlanEvent;
-    use spotguard::testing::apiserver::{test_node, FakeApiServer, TestPod};
-    use spotguard::testing::wait_for_event as wait_for;
+    use spotguard_testkit::apiserver::{test_node, FakeApiServer, TestPod};
+    use spotguard_testkit::kubelet;
+    use spotguard_testkit::wait_for_event as wait_for;
     use tokio_util::sync::CancellationToken;
 
     use super::{HungMount, Kid};
 
     const NODE: &str = "gpu-node-1";
     const CGROUP_ROOT: &str = "/sys/fs/cgroup/systemd";
-
-    fn hex(n: usize) -> String {
-        (0..n)
-            .map(|_| char::from_digit(fastrand::u32(0..16), 16).unwrap())
-            .collect()
-    }
 
     /// A handler process in a kubelet-shaped cgroup, and the opted-in pod describing it.
     struct PodKid {
@@ -361,15 +356,9 @@ mod kube {
                 Path::new(CGROUP_ROOT).join("cgroup.procs").exists(),
                 "needs the cgroup v1 name=systemd hierarchy at {CGROUP_ROOT}"
             );
-            let uid = format!("{}-{}-{}-{}-{}", hex(8), hex(4), hex(4), hex(4), hex(12));
-            let cid = hex(64);
-            let cgroup = Path::new(CGROUP_ROOT)
-                .join("kubepods.slice/kubepods-burstable.slice")
-                .join(format!(
-                    "kubepods-burstable-pod{}.slice",
-                    uid.replace('-', "_")
-                ))
-                .join(format!("cri-containerd-{cid}.scope"));
+            let uid = kubelet::pod_uid();
+            let cid = kubelet::container_id();
+            let cgroup = kubelet::burstable_cgroup(Path::new(CGROUP_ROOT), &uid, &cid);
             std::fs::create_dir_all(&cgroup).unwrap();
             let kid = Kid::handler(dir, marks);
             std::fs::write(cgroup.join("cgroup.procs"), kid.pid().to_string()).unwrap();

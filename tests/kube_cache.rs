@@ -13,7 +13,7 @@ use spotguard::checkpoint::{Error, TargetDiscovery};
 use spotguard::kube_discovery::{Defaults, KubeDiscovery, FALLBACK_LIST_TIMEOUT};
 use spotguard::metrics::Metrics;
 use spotguard::node::kube::KubeNodeOps;
-use spotguard::testing::apiserver::{test_node, FakeApiServer, Fault, RequestKind, TestPod};
+use spotguard_testkit::apiserver::{test_node, FakeApiServer, Fault, RequestKind, TestPod};
 use tokio_util::sync::CancellationToken;
 
 const NODE: &str = "gpu-node-1";

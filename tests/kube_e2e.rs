@@ -16,18 +16,13 @@ use spotguard::app;
 use spotguard::config::{self, Config};
 use spotguard::emulator::{self, Cloud, EmulatedNotice, EmulatorConfig};
 use spotguard::responder::PlanEvent;
-use spotguard::testing::apiserver::{test_node, FakeApiServer, PdbLimit, TestPod};
-use spotguard::testing::wait_for_event as wait_for;
+use spotguard_testkit::apiserver::{test_node, FakeApiServer, PdbLimit, TestPod};
+use spotguard_testkit::wait_for_event as wait_for;
+use spotguard_testkit::{kubelet, metrics_text, process};
 use tokio_util::sync::CancellationToken;
 
 const NODE: &str = "gpu-node-1";
 const CGROUP_ROOT: &str = "/sys/fs/cgroup/systemd";
-
-fn hex(n: usize) -> String {
-    (0..n)
-        .map(|_| char::from_digit(fastrand::u32(0..16), 16).unwrap())
-        .collect()
-}
 
 /// A training process in a kubelet-shaped cgroup (systemd driver, Burstable QoS, containerd),
 /// and the fake pod that describes it.
@@ -50,15 +45,9 @@ impl PodProcess {
             Path::new(CGROUP_ROOT).join("cgroup.procs").exists(),
             "these tests need root and the cgroup v1 name=systemd hierarchy at {CGROUP_ROOT}"
         );
-        let uid = format!("{}-{}-{}-{}-{}", hex(8), hex(4), hex(4), hex(4), hex(12));
-        let container_id = hex(64);
-        let cgroup = Path::new(CGROUP_ROOT)
-            .join("kubepods.slice/kubepods-burstable.slice")
-            .join(format!(
-                "kubepods-burstable-pod{}.slice",
-                uid.replace('-', "_")
-            ))
-            .join(format!("cri-containerd-{container_id}.scope"));
+        let uid = kubelet::pod_uid();
+        let container_id = kubelet::container_id();
+        let cgroup = kubelet::burstable_cgroup(Path::new(CGROUP_ROOT), &uid, &container_id);
         std::fs::create_dir_all(&cgroup).expect("create cgroup");
         let dir = tempfile::tempdir().unwrap();
         std::fs::create_dir_all(dir.path().join("ckpt")).unwrap();
@@ -80,19 +69,11 @@ impl PodProcess {
             uid,
             container_id,
         };
-        for _ in 0..200 {
-            let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-            let caught = status
-                .lines()
-                .find_map(|l| l.strip_prefix("SigCgt:"))
-                .and_then(|h| u64::from_str_radix(h.trim(), 16).ok())
-                .is_some_and(|m| m & (1 << (libc::SIGUSR1 - 1)) != 0);
-            if caught {
-                return p;
-            }
-            tokio::time::sleep(Duration::from_millis(25)).await;
-        }
-        panic!("trainer did not install its handler");
+        assert!(
+            process::wait_catches_usr1(pid).await,
+            "trainer did not install its handler"
+        );
+        p
     }
 
     fn signals(&self) -> usize {
@@ -427,12 +408,7 @@ async fn pdb_blocked_pod_is_named_at_the_deadline() {
         "{}",
         blocked.message
     );
-    let m = reqwest::get(format!("http://{}/metrics", app.admin_addr))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let m = metrics_text(app.admin_addr).await;
     assert!(m.contains("spotguard_drain_blocked_pods 3"), "{m}");
     cancel.cancel();
     let _ = tokio::time::timeout(Duration::from_secs(5), app.join).await;
@@ -574,15 +550,6 @@ async fn cancelled_maintenance_keeps_the_operators_cordon() {
     assert!(c.api.events().iter().any(|e| e.reason == "NoticeCancelled"));
     cancel.cancel();
     let _ = tokio::time::timeout(Duration::from_secs(5), app.join).await;
-}
-
-async fn metrics_of(addr: std::net::SocketAddr) -> String {
-    reqwest::get(format!("http://{addr}/metrics"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap()
 }
 
 async fn stop(join: tokio::task::JoinHandle<Result<(), app::Error>>, cancel: CancellationToken) {
@@ -742,7 +709,7 @@ async fn a_failed_drain_is_not_complete_and_the_azure_event_is_not_approved() {
     let rec: serde_json::Value = serde_json::from_str(&raw).unwrap();
     assert_eq!(rec["phase"], "done", "never `drained`");
     assert!(rec["failure"].as_str().unwrap().contains("listing pods"));
-    let m = metrics_of(app.admin_addr).await;
+    let m = metrics_text(app.admin_addr).await;
     assert!(
         m.contains(r#"spotguard_errors_total{module="drain",error="list_pods"} 1"#),
         "{m}"

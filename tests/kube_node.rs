@@ -16,7 +16,7 @@ use spotguard::node::{
     NOTICE_ANNOTATION,
 };
 use spotguard::notice::{NoticeKind, Source};
-use spotguard::testing::apiserver::{
+use spotguard_testkit::apiserver::{
     test_node, EventApi, FakeApiServer, PdbLimit, RecordedRequest, TestPod,
 };
 

@@ -15,7 +15,8 @@ use spotguard::app;
 use spotguard::config::{self, Config};
 use spotguard::emulator::{self, Cloud, EmulatedNotice, EmulatorConfig};
 use spotguard::responder::PlanEvent;
-use spotguard::testing::wait_for_event as wait_for;
+use spotguard_testkit::wait_for_event as wait_for;
+use spotguard_testkit::{metrics_text, process};
 use tokio::sync::broadcast;
 use tokio_util::sync::CancellationToken;
 
@@ -49,19 +50,12 @@ impl Machine {
             .unwrap();
         let pid = trainer.id().unwrap() as i32;
         std::fs::write(dir.path().join("trainer.pid"), pid.to_string()).unwrap();
-        for _ in 0..200 {
-            let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-            let caught = status
-                .lines()
-                .find_map(|l| l.strip_prefix("SigCgt:"))
-                .and_then(|h| u64::from_str_radix(h.trim(), 16).ok())
-                .is_some_and(|m| m & (1 << (libc::SIGUSR1 - 1)) != 0);
-            if caught {
-                return Machine { dir, trainer };
-            }
-            tokio::time::sleep(Duration::from_millis(25)).await;
-        }
-        panic!("trainer did not install its handler");
+        let machine = Machine { dir, trainer };
+        assert!(
+            process::wait_catches_usr1(pid).await,
+            "trainer did not install its handler"
+        );
+        machine
     }
 
     fn path(&self, rel: &str) -> PathBuf {
@@ -155,12 +149,7 @@ impl Agent {
 
     /// The value of one series on `/metrics` (`0` when absent).
     async fn metric(&self, series: &str) -> f64 {
-        let text = reqwest::get(format!("http://{}/metrics", self.admin_addr))
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
+        let text = metrics_text(self.admin_addr).await;
         text.lines()
             .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
             .map(|v| v.trim().parse().unwrap())

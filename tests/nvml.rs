@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use spotguard::emulator::{self, Cloud, EmulatedNotice, EmulatorConfig};
-use spotguard::testing::apiserver::{test_node, FakeApiServer};
+use spotguard_testkit::apiserver::{test_node, FakeApiServer};
 
 const BIN: &str = env!("CARGO_BIN_EXE_spotguard");
 
@@ -893,7 +893,7 @@ const H100_1: &str = "GPU-5c1e8f2a-4b7d-9c3e-2f8d-0c4b00001001";
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pod_resources_client_speaks_grpc_to_a_loopback_kubelet() {
     use spotguard::gpu::podresources;
-    use spotguard::testing::gpu::PodResourcesServer;
+    use spotguard_testkit::gpu::PodResourcesServer;
     let dir = tempfile::tempdir().expect("tempdir");
     let socket = dir.path().join("kubelet.sock");
     let timeout = Duration::from_secs(5);
@@ -929,7 +929,7 @@ async fn pod_resources_client_speaks_grpc_to_a_loopback_kubelet() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gpu_metrics_carry_the_pod_holding_the_gpu() {
-    use spotguard::testing::gpu::PodResourcesServer;
+    use spotguard_testkit::gpu::PodResourcesServer;
     let emu = emulator::start(EmulatorConfig::new(Cloud::Aws))
         .await
         .expect("emulator");

@@ -11,7 +11,9 @@ use spotguard::app;
 use spotguard::config::{self, Config};
 use spotguard::emulator::{self, Cloud, EmulatedNotice, EmulatorConfig, Fault};
 use spotguard::responder::PlanEvent;
-use spotguard::testing::wait_for_event as wait_for;
+use spotguard_testkit::metrics_text;
+use spotguard_testkit::process::catches_usr1;
+use spotguard_testkit::wait_for_event as wait_for;
 use tokio_util::sync::CancellationToken;
 
 /// A training-like process tree under one parent: the parent `bash` and a `sleep` do not catch
@@ -105,15 +107,6 @@ fn alive(pid: i32) -> bool {
     exists && state != Some("Z")
 }
 
-fn catches_usr1(pid: i32) -> bool {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("SigCgt:"))
-        .and_then(|h| u64::from_str_radix(h.trim(), 16).ok())
-        .is_some_and(|m| m & (1 << (libc::SIGUSR1 - 1)) != 0)
-}
-
 fn run_args(cloud: &str, endpoint: &str, t: &Trainer, extra: &[&str]) -> config::RunArgs {
     let mut argv: Vec<String> = vec![
         "spotguard".into(),
@@ -154,15 +147,6 @@ fn persisted_phase(t: &Trainer) -> Option<String> {
     let s = std::fs::read_to_string(t.dir.join("state/notice.json")).ok()?;
     let v: serde_json::Value = serde_json::from_str(&s).ok()?;
     v.get("phase")?.as_str().map(str::to_string)
-}
-
-async fn metrics_text(addr: std::net::SocketAddr) -> String {
-    reqwest::get(format!("http://{addr}/metrics"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap()
 }
 
 async fn interruption_round_trip(cloud: Cloud) {

@@ -23,7 +23,7 @@ use spotguard::prefetch::policy::{AllowPattern, AnnotationPolicy};
 use spotguard::prefetch::{
     DatasetState, PrefetchDefaults, PrefetchMetrics, Prefetcher, StoreOptions,
 };
-use spotguard::testing::apiserver::{FakeApiServer, TestPod};
+use spotguard_testkit::apiserver::{FakeApiServer, TestPod};
 use tokio_util::sync::CancellationToken;
 
 const ACCESS_KEY: &str = "spotguardtest";

@@ -12,6 +12,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use spotguard::emulator::{self, Cloud, EmulatedNotice, EmulatorConfig};
+use spotguard_testkit::process::catches_usr1;
 
 const TRAINER_UID: u32 = 1000;
 
@@ -41,17 +42,6 @@ fn free_port() -> u16 {
         .local_addr()
         .unwrap()
         .port()
-}
-
-fn catches_usr1(pid: u32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("SigCgt:"))
-                .and_then(|h| u64::from_str_radix(h.trim(), 16).ok())
-        })
-        .is_some_and(|m| m & (1 << (libc::SIGUSR1 - 1)) != 0)
 }
 
 fn cap_eff(pid: u32) -> u64 {

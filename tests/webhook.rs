@@ -721,7 +721,7 @@ async fn an_agent_sends_start_and_outcome_and_records_headroom() {
     let mut events = app.events;
     tokio::time::sleep(Duration::from_millis(300)).await;
     emu.raise(EmulatedNotice::interruption()).unwrap();
-    spotguard::testing::wait_for_event(&mut events, Duration::from_secs(30), |e| {
+    spotguard_testkit::wait_for_event(&mut events, Duration::from_secs(30), |e| {
         matches!(e, PlanEvent::Done { .. }).then_some(())
     })
     .await;
@@ -751,12 +751,7 @@ async fn an_agent_sends_start_and_outcome_and_records_headroom() {
         assert!(text.contains(part), "{text:?} lacks {part:?}");
     }
 
-    let m = reqwest::get(format!("http://{}/metrics", app.admin_addr))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let m = spotguard_testkit::metrics_text(app.admin_addr).await;
     for line in [
         "spotguard_checkpoint_headroom_seconds_count 1",
         "spotguard_checkpoint_last_acked_step 4242",

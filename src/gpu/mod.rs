@@ -3,7 +3,7 @@
 //! metrics ([`metrics::GpuMetrics`]) and show them on the node through [`crate::node::NodeOps`]
 //! (conditions `GPUUnhealthy` / `GPUDegraded`, taint `spotguard.io/gpu-unhealthy`).
 //!
-//! - [`GpuProbe`]: the seam. [`nvml::NvmlProbe`] in production, `testing::gpu::FakeGpuProbe` in
+//! - [`GpuProbe`]: the seam. [`nvml::NvmlProbe`] in production, `testkit::gpu::FakeGpuProbe` in
 //!   tests. Synchronous: the monitor calls it through `spawn_blocking`.
 //! - [`health`]: rules, thresholds, sticky findings, node conditions (pure).
 //! - [`monitor::run_monitor`]: the daemon task.

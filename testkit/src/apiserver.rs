@@ -2484,7 +2484,7 @@ impl TestPod {
             .annotations
             .get_or_insert_with(BTreeMap::new)
             .insert(
-                crate::node::filter::MIRROR_ANNOTATION.to_string(),
+                spotguard::node::filter::MIRROR_ANNOTATION.to_string(),
                 "hash".to_string(),
             );
         self.pod.metadata.owner_references = Some(vec![OwnerReference {

@@ -14,10 +14,10 @@ use std::time::Duration;
 use async_trait::async_trait;
 use jiff::Timestamp;
 
-use crate::gpu::{
+use spotguard::gpu::{
     Error, GpuEvent, GpuEventKind, GpuProbe, GpuSample, NvLinkSample, RecoveryAction,
 };
-use crate::node::{
+use spotguard::node::{
     Applied, DrainReport, DrainRequest, Error as NodeError, EventType, GpuConditions, NodeOps,
     PlanState, Protection,
 };
@@ -357,7 +357,7 @@ impl NodeOps for RecordingNodeOps {
     }
     async fn pod_event(
         &self,
-        _pod: &crate::checkpoint::PodRef,
+        _pod: &spotguard::checkpoint::PodRef,
         _kind: EventType,
         _reason: &str,
         _message: &str,
@@ -391,7 +391,7 @@ pub struct PodResourcesServer {
 
 #[derive(Clone)]
 enum PodResourcesAnswer {
-    List(crate::gpu::podresources::ListPodResourcesResponse),
+    List(spotguard::gpu::podresources::ListPodResourcesResponse),
     Status(u32, String),
 }
 
@@ -401,7 +401,7 @@ impl PodResourcesServer {
         let _ = std::fs::remove_file(socket);
         let listener = tokio::net::UnixListener::bind(socket)?;
         let answer = std::sync::Arc::new(Mutex::new(PodResourcesAnswer::List(
-            crate::gpu::podresources::ListPodResourcesResponse::default(),
+            spotguard::gpu::podresources::ListPodResourcesResponse::default(),
         )));
         let calls = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
         let (a, c) = (answer.clone(), calls.clone());
@@ -434,7 +434,7 @@ impl PodResourcesServer {
 
     /// Answer `List` with these pods (namespace, pod, container, resource, device ids).
     pub fn set_pods(&self, pods: &[(&str, &str, &str, &str, &[&str])]) {
-        use crate::gpu::podresources::{
+        use spotguard::gpu::podresources::{
             ContainerDevices, ContainerResources, ListPodResourcesResponse, PodResources,
         };
         let pod_resources = pods
@@ -487,7 +487,7 @@ async fn serve_pod_resources(
     use http_body_util::BodyExt;
     use hyper::body::Frame;
     let path_ok = req.method() == http::Method::POST
-        && req.uri().path() == crate::gpu::podresources::LIST_PATH
+        && req.uri().path() == spotguard::gpu::podresources::LIST_PATH
         && req
             .headers()
             .get(http::header::CONTENT_TYPE)
@@ -495,9 +495,10 @@ async fn serve_pod_resources(
     let body = req.into_body().collect().await.map(|b| b.to_bytes());
     let request_ok = body
         .ok()
-        .and_then(|b| crate::gpu::podresources::unframe(b).ok())
+        .and_then(|b| spotguard::gpu::podresources::unframe(b).ok())
         .is_some_and(|m| {
-            <crate::gpu::podresources::ListPodResourcesRequest as prost::Message>::decode(m).is_ok()
+            <spotguard::gpu::podresources::ListPodResourcesRequest as prost::Message>::decode(m)
+                .is_ok()
         });
     let answer = if path_ok && request_ok {
         calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -510,7 +511,7 @@ async fn serve_pod_resources(
     match answer {
         PodResourcesAnswer::List(resp) => {
             let msg = prost::Message::encode_to_vec(&resp);
-            frames.push(Ok(Frame::data(crate::gpu::podresources::frame(&msg))));
+            frames.push(Ok(Frame::data(spotguard::gpu::podresources::frame(&msg))));
             trailers.insert("grpc-status", http::HeaderValue::from_static("0"));
         }
         PodResourcesAnswer::Status(code, message) => {

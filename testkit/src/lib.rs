@@ -1,0 +1,62 @@
+//! spotguard's test support, shared by its integration tests and benches: fakes for the seams and
+//! in-process servers. A workspace member and a dev-dependency of `spotguard`, never part of the
+//! shipped library or binary.
+//!
+//! - [`apiserver`]: an in-process fake Kubernetes API server (nodes, pods, evictions with PDBs,
+//!   Events, watches) and a kube client for it.
+//! - [`gpu`]: recorded readings of real boards (fixtures), a scripted `GpuProbe`, a recording
+//!   `NodeOps`, and a fake kubelet pod-resources gRPC server.
+//! - [`kubelet`]: random pod uids and container ids, the cgroup the kubelet makes for a container.
+//! - [`process`]: whether a real process has installed its SIGUSR1 handler yet.
+//! - [`wait_for_event`]: wait for a responder plan event; [`metrics_text`]: a running agent's
+//!   `/metrics`.
+pub mod apiserver;
+pub mod gpu;
+pub mod kubelet;
+pub mod process;
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use tokio::sync::broadcast;
+
+use spotguard::responder::PlanEvent;
+
+/// Wait up to `limit` for a plan event for which `f` returns `Some`; panics on timeout or when
+/// the channel closes (test helper).
+pub async fn wait_for_event<T>(
+    events: &mut broadcast::Receiver<PlanEvent>,
+    limit: Duration,
+    mut f: impl FnMut(&PlanEvent) -> Option<T>,
+) -> T {
+    let found = tokio::time::timeout(limit, async {
+        loop {
+            match events.recv().await {
+                Ok(e) => {
+                    if let Some(v) = f(&e) {
+                        return Some(v);
+                    }
+                }
+                Err(broadcast::error::RecvError::Lagged(_)) => {}
+                Err(broadcast::error::RecvError::Closed) => return None,
+            }
+        }
+    })
+    .await;
+    match found {
+        Ok(Some(v)) => v,
+        Ok(None) => panic!("plan event channel closed"),
+        Err(_) => panic!("timed out after {limit:?} waiting for a plan event"),
+    }
+}
+
+/// The text of `/metrics` on the agent's admin server at `addr`; panics when it does not answer
+/// (test helper).
+pub async fn metrics_text(addr: SocketAddr) -> String {
+    reqwest::get(format!("http://{addr}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
