@@ -457,17 +457,9 @@ impl CheckpointDir {
             })
     }
 
-    /// Read `notice.json` back (restart path, tests).
+    /// Read `notice.json` back (the responder's restart path: was this notice delivered here?).
     pub fn read_notice(&self) -> Result<Option<NoticeFile>, Error> {
-        let Some((data, _)) = self.read_file(NOTICE_FILE)? else {
-            return Ok(None);
-        };
-        serde_json::from_slice(&data)
-            .map(Some)
-            .map_err(|e| Error::ReadAck {
-                target: format!("{} ({NOTICE_FILE})", self.display),
-                source: io::Error::new(io::ErrorKind::InvalidData, e),
-            })
+        Ok(self.read_notice_stamped()?.map(|(notice, _)| notice))
     }
 }
 
