@@ -229,6 +229,21 @@ fn window_start(now: Timestamp, window: Duration) -> Timestamp {
     now.saturating_sub(window).unwrap_or(Timestamp::MIN)
 }
 
+/// Count `delta` (when positive) at `now` in the window `q`, drop what fell out of the window,
+/// and return the sum within it.
+fn add_to_window(
+    q: &mut VecDeque<(Timestamp, u64)>,
+    now: Timestamp,
+    window: Duration,
+    delta: u64,
+) -> u64 {
+    if delta > 0 {
+        q.push_back((now, delta));
+    }
+    prune(q, window_start(now, window));
+    q.iter().map(|(_, n)| *n).sum()
+}
+
 fn prune<T>(q: &mut VecDeque<(Timestamp, T)>, start: Timestamp) {
     while q.front().is_some_and(|(t, _)| *t < start) {
         q.pop_front();
@@ -244,13 +259,12 @@ pub(super) fn sample_rules(
     t: &Thresholds,
     throttle_mask: u64,
 ) {
-    let uuid = s.uuid.as_str();
-    let gpu = Some(s.index);
+    let (uuid, gpu) = (s.uuid.as_str(), Some(s.index));
+    let mut see = |rule: Rule, severity: Severity, evidence: String| {
+        observe(obs, uuid, gpu, rule, severity, evidence)
+    };
     if s.lost {
-        observe(
-            obs,
-            uuid,
-            gpu,
+        see(
             Rule::GpuLost,
             Severity::Unhealthy,
             "NVML reports the GPU lost (fell off the bus or inaccessible)".into(),
@@ -265,10 +279,7 @@ pub(super) fn sample_rules(
         .ecc_uncorrected_volatile
         .filter(|n| *n > t.ecc_uncorrectable_max)
     {
-        observe(
-            obs,
-            uuid,
-            gpu,
+        see(
             Rule::EccUncorrectable,
             Severity::Unhealthy,
             format!("{n} uncorrectable ECC errors since the driver loaded"),
@@ -279,10 +290,7 @@ pub(super) fn sample_rules(
             s.ecc_uncorrected_aggregate,
         );
         if grew > 0 {
-            observe(
-                obs,
-                uuid,
-                gpu,
+            see(
                 Rule::EccUncorrectable,
                 Severity::Unhealthy,
                 format!("aggregate uncorrectable ECC errors grew by {grew}"),
@@ -291,20 +299,14 @@ pub(super) fn sample_rules(
     }
 
     if s.remap_failure == Some(true) {
-        observe(
-            obs,
-            uuid,
-            gpu,
+        see(
             Rule::RowRemapFailure,
             Severity::Unhealthy,
             "row remapping failed: the GPU needs service".into(),
         );
     }
     if s.remap_pending == Some(true) {
-        observe(
-            obs,
-            uuid,
-            gpu,
+        see(
             Rule::RowRemapPending,
             Severity::Unhealthy,
             format!(
@@ -315,10 +317,7 @@ pub(super) fn sample_rules(
         );
     }
     if s.retired_pages_pending == Some(true) {
-        observe(
-            obs,
-            uuid,
-            gpu,
+        see(
             Rule::RetiredPagesPending,
             Severity::Unhealthy,
             "pages pending retirement: reboot required".into(),
@@ -328,10 +327,7 @@ pub(super) fn sample_rules(
         let sbe = s.retired_pages_single_bit.unwrap_or(0);
         let dbe = s.retired_pages_double_bit.unwrap_or(0);
         if sbe.saturating_add(dbe) >= t.retired_pages_max {
-            observe(
-                obs,
-                uuid,
-                gpu,
+            see(
                 Rule::RetiredPagesLimit,
                 Severity::Unhealthy,
                 format!(
@@ -343,18 +339,12 @@ pub(super) fn sample_rules(
         }
     }
     match s.recovery_action {
-        Some(a) if a.needs_reset() => observe(
-            obs,
-            uuid,
-            gpu,
+        Some(a) if a.needs_reset() => see(
             Rule::RecoveryAction,
             Severity::Unhealthy,
             format!("driver recovery action {}", a.as_str()),
         ),
-        Some(RecoveryAction::DrainP2p) => observe(
-            obs,
-            uuid,
-            gpu,
+        Some(RecoveryAction::DrainP2p) => see(
             Rule::RecoveryAction,
             Severity::Degraded,
             "driver recovery action drain_p2p".into(),
@@ -374,19 +364,14 @@ pub(super) fn sample_rules(
             s.ecc_corrected_aggregate,
         )
     };
-    if corrected > 0 {
-        track.corrected.push_back((now, corrected));
-    }
-    prune(
+    let corrected_in_window = add_to_window(
         &mut track.corrected,
-        window_start(now, t.ecc_correctable_window),
+        now,
+        t.ecc_correctable_window,
+        corrected,
     );
-    let corrected_in_window: u64 = track.corrected.iter().map(|(_, n)| *n).sum();
     if t.ecc_correctable_max > 0 && corrected_in_window >= t.ecc_correctable_max {
-        observe(
-            obs,
-            uuid,
-            gpu,
+        see(
             Rule::EccCorrectableRate,
             Severity::Degraded,
             format!(
@@ -411,10 +396,7 @@ pub(super) fn sample_rules(
             .filter(|(bit, _)| bits & bit != 0)
             .map(|(_, n)| *n)
             .collect();
-        observe(
-            obs,
-            uuid,
-            gpu,
+        see(
             Rule::ClocksThrottled,
             Severity::Degraded,
             format!(
@@ -447,16 +429,9 @@ pub(super) fn sample_rules(
             _ => {}
         }
     }
-    if nvlink_growth > 0 {
-        track.nvlink.push_back((now, nvlink_growth));
-    }
-    prune(&mut track.nvlink, window_start(now, t.nvlink_window));
-    let nvlink_in_window: u64 = track.nvlink.iter().map(|(_, n)| *n).sum();
+    let nvlink_in_window = add_to_window(&mut track.nvlink, now, t.nvlink_window, nvlink_growth);
     if t.nvlink_errors_max > 0 && nvlink_in_window >= t.nvlink_errors_max {
-        observe(
-            obs,
-            uuid,
-            gpu,
+        see(
             Rule::NvlinkErrors,
             Severity::Degraded,
             format!(
@@ -468,10 +443,7 @@ pub(super) fn sample_rules(
     }
     if !down.is_empty() {
         let links: Vec<String> = down.iter().map(u32::to_string).collect();
-        observe(
-            obs,
-            uuid,
-            gpu,
+        see(
             Rule::NvlinkDown,
             Severity::Degraded,
             format!("NVLink link(s) {} down after being up", links.join(",")),
