@@ -102,15 +102,7 @@ pub(super) fn finish(w: &GroupWatch) -> GroupResult {
         }),
         _ => None,
     };
-    GroupResult {
-        group: w.group.clone(),
-        pod: w.pod.clone(),
-        outcome: worst,
-        signalled: w.containers.iter().map(|c| c.procs.len()).sum(),
-        signalled_at: Some(w.signalled_at),
-        ack_latency,
-        detail: parts.join("; "),
-    }
+    w.group_result(worst, ack_latency, parts.join("; "))
 }
 
 /// Where every process of an unfinished group stands (for timeouts and abandoned watchers).

@@ -79,6 +79,26 @@ pub(super) struct GroupWatch {
     pub(super) proc: ProcFs,
 }
 
+impl GroupWatch {
+    /// This group's result with `outcome`.
+    pub(super) fn group_result(
+        &self,
+        outcome: Outcome,
+        ack_latency: Option<Duration>,
+        detail: String,
+    ) -> GroupResult {
+        GroupResult {
+            group: self.group.clone(),
+            pod: self.pod.clone(),
+            outcome,
+            signalled: self.containers.iter().map(|c| c.procs.len()).sum(),
+            signalled_at: Some(self.signalled_at),
+            ack_latency,
+            detail,
+        }
+    }
+}
+
 /// Wait for every delivery to finish (acks, exits, plain ack) or run out of budget; one result per
 /// delivery, in order. Each group is watched by a thread of its own; its budget is enforced here,
 /// so a watcher stuck in a hung filesystem ends its group with `timeout` (the thread is abandoned
@@ -136,15 +156,7 @@ async fn watch_group(
     let budget_s = w.deadline.duration_since(w.signalled_at).as_secs_f64();
     let detail = Arc::new(Mutex::new(pending_detail(&w)));
     let stop = Arc::new(AtomicBool::new(false));
-    let base = GroupResult {
-        group: w.group.clone(),
-        pod: w.pod.clone(),
-        outcome: Outcome::Error,
-        signalled: w.containers.iter().map(|c| c.procs.len()).sum(),
-        signalled_at: Some(w.signalled_at),
-        ack_latency: None,
-        detail: String::new(),
-    };
+    let base = w.group_result(Outcome::Error, None, String::new());
     let (tx, rx) = tokio::sync::oneshot::channel();
     let (d2, s2) = (detail.clone(), stop.clone());
     let spawned = std::thread::Builder::new()
@@ -349,19 +361,12 @@ fn poll_group(w: &mut GroupWatch, now: Timestamp) {
         w.result = Some(finish(w));
     } else if now >= w.deadline {
         let budget = w.deadline.duration_since(w.signalled_at);
-        w.result = Some(GroupResult {
-            group: w.group.clone(),
-            pod: w.pod.clone(),
-            outcome: Outcome::Timeout,
-            signalled: w.containers.iter().map(|c| c.procs.len()).sum(),
-            signalled_at: Some(w.signalled_at),
-            ack_latency: None,
-            detail: format!(
-                "no terminal ack within {:.1}s: {}",
-                budget.as_secs_f64(),
-                pending_detail(w)
-            ),
-        });
+        let detail = format!(
+            "no terminal ack within {:.1}s: {}",
+            budget.as_secs_f64(),
+            pending_detail(w)
+        );
+        w.result = Some(w.group_result(Outcome::Timeout, None, detail));
     }
 }
 
