@@ -58,22 +58,22 @@ impl Counters {
 
     pub(super) fn error(&self, label: &str) {
         if self.enabled {
-            self.errors
-                .get_or_create(&ModuleErrorLabels {
-                    module: MODULE.to_string(),
-                    error: label.to_string(),
-                })
-                .inc();
+            count_error(&self.errors, label);
         }
     }
 }
 
 /// Count a thread left behind in a blocking call.
 pub(super) fn count_stuck(errors: &Family<ModuleErrorLabels, Counter>) {
+    count_error(errors, "stuck_thread");
+}
+
+/// `spotguard_errors_total{module="checkpoint",error=label}` + 1.
+fn count_error(errors: &Family<ModuleErrorLabels, Counter>, label: &str) {
     errors
         .get_or_create(&ModuleErrorLabels {
             module: MODULE.to_string(),
-            error: "stuck_thread".to_string(),
+            error: label.to_string(),
         })
         .inc();
 }
