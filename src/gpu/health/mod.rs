@@ -32,9 +32,10 @@ pub use conditions::{node_conditions, previous_from_conditions};
 pub use rules::{xid_description, Thresholds};
 pub use state::{GpuTrack, HealthState};
 
-// Names the `tests` block below reaches through `use super::*` (that block is moving to
-// tests/gpu_health.rs; these go with it).
+// Names the `tests` block below reaches through `use super::*`. That block is moving to
+// tests/gpu_health.rs: delete this import with it (the allow keeps the build clean meanwhile).
 #[cfg(test)]
+#[allow(unused_imports)]
 use {
     super::{GpuEventKind, RecoveryAction},
     crate::node::{ConditionState, GpuConditions},
