@@ -115,6 +115,21 @@ pub struct Delivery {
 }
 
 impl Delivery {
+    /// A delivery to `g` in `state`, with no container delivered yet.
+    fn of(g: &TargetGroup, state: DeliveryState, proc: ProcFs) -> Self {
+        Delivery {
+            group: g.name.clone(),
+            pod: g.pod.clone(),
+            dir: g.dir.clone(),
+            signal: g.signal,
+            timeout: g.timeout,
+            state,
+            signalled_at: None,
+            containers: Vec::new(),
+            proc,
+        }
+    }
+
     /// Number of processes signalled.
     pub fn signalled(&self) -> usize {
         self.containers.iter().map(|c| c.signalled.len()).sum()
@@ -193,17 +208,11 @@ fn failed_all(groups: &[TargetGroup], why: &str) -> Vec<Delivery> {
 }
 
 fn failed_delivery(g: &TargetGroup, why: String) -> Delivery {
-    Delivery {
-        group: g.name.clone(),
-        pod: g.pod.clone(),
-        dir: g.dir.clone(),
-        signal: g.signal,
-        timeout: g.timeout,
-        state: DeliveryState::Error(why),
-        signalled_at: None,
-        containers: Vec::new(),
-        proc: ProcFs::new(g.proc_root.clone()),
-    }
+    Delivery::of(
+        g,
+        DeliveryState::Error(why),
+        ProcFs::new(g.proc_root.clone()),
+    )
 }
 
 /// One thread per group; wait for each until a shared wall-clock deadline, abandoning the late.
@@ -504,15 +513,9 @@ fn signal_group(
         other => tracing::info!(state = other.label(), "no checkpoint signal sent"),
     }
     Delivery {
-        group: group.name.clone(),
-        pod: group.pod.clone(),
-        dir: group.dir.clone(),
-        signal: group.signal,
-        timeout: group.timeout,
-        state,
         signalled_at: first_signal,
         containers,
-        proc,
+        ..Delivery::of(group, state, proc)
     }
 }
 
