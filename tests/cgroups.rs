@@ -18,7 +18,8 @@ use std::time::{Duration, Instant};
 
 use jiff::Timestamp;
 use prometheus_client::registry::Registry;
-use spotguard::checkpoint::cgroup::{container_id_from_status, ProcIndex};
+use spotguard::checkpoint::cgroup::ProcIndex;
+use spotguard::checkpoint::pods;
 use spotguard::checkpoint::procfs::ProcFs;
 use spotguard::checkpoint::run::{deliver, wait, CheckpointRequest, DeliveryState, NoticeStatus};
 use spotguard::checkpoint::{
@@ -278,7 +279,9 @@ async fn systemd_driver_burstable_containerd_in_v1_systemd_and_v2() {
     let c = index
         .container(
             &uid,
-            container_id_from_status(&format!("containerd://{app}")).unwrap(),
+            pods::container_id(&format!("containerd://{app}"))
+                .unwrap()
+                .1,
         )
         .expect("container found");
     let mut want = vec![trainer.pid(), worker];
@@ -352,7 +355,7 @@ async fn systemd_driver_guaranteed_crio_and_docker_scopes_skip_conmon() {
     let ca = index
         .container(
             &uid,
-            container_id_from_status(&format!("cri-o://{crio}")).unwrap(),
+            pods::container_id(&format!("cri-o://{crio}")).unwrap().1,
         )
         .expect("cri-o container");
     assert_eq!(
@@ -363,7 +366,7 @@ async fn systemd_driver_guaranteed_crio_and_docker_scopes_skip_conmon() {
     let cb = index
         .container(
             &uid,
-            container_id_from_status(&format!("docker://{docker}")).unwrap(),
+            pods::container_id(&format!("docker://{docker}")).unwrap().1,
         )
         .expect("docker container");
     assert_eq!(pids(&cb), vec![b.pid()]);

@@ -425,18 +425,28 @@ impl CheckpointDir {
         Ok(Some((data, stamp)))
     }
 
+    /// A JSON file of this dir with its stamp. `Ok(None)` when absent; malformed JSON is an
+    /// `InvalidData` error.
+    fn read_json<T: serde::de::DeserializeOwned>(
+        &self,
+        name: &str,
+    ) -> Result<Option<(T, FileStamp)>, Error> {
+        let Some((data, stamp)) = self.read_file(name)? else {
+            return Ok(None);
+        };
+        serde_json::from_slice(&data)
+            .map(|value| Some((value, stamp)))
+            .map_err(|e| Error::ReadAck {
+                target: format!("{} ({name})", self.display),
+                source: io::Error::new(io::ErrorKind::InvalidData, e),
+            })
+    }
+
     /// Read `ack-<ns_pid>.json`. `Ok(None)` when absent; malformed JSON (perhaps a writer that is
     /// not atomic, caught mid-write) is an `InvalidData` error.
     pub fn read_ack(&self, ns_pid: i32) -> Result<Option<Ack>, Error> {
-        let name = ack_file_name(ns_pid);
-        let Some((data, stamp)) = self.read_file(&name)? else {
-            return Ok(None);
-        };
-        let file: AckFile = serde_json::from_slice(&data).map_err(|e| Error::ReadAck {
-            target: format!("{} ({name})", self.display),
-            source: io::Error::new(io::ErrorKind::InvalidData, e),
-        })?;
-        Ok(Some(Ack { file, stamp }))
+        let read = self.read_json::<AckFile>(&ack_file_name(ns_pid))?;
+        Ok(read.map(|(file, stamp)| Ack { file, stamp }))
     }
 
     /// Stamp of the plain `ack` file, if present (any content).
@@ -446,28 +456,12 @@ impl CheckpointDir {
 
     /// `notice.json` read back with its stamp (restart path: the anchor acks are compared with).
     pub fn read_notice_stamped(&self) -> Result<Option<(NoticeFile, FileStamp)>, Error> {
-        let Some((data, stamp)) = self.read_file(NOTICE_FILE)? else {
-            return Ok(None);
-        };
-        serde_json::from_slice(&data)
-            .map(|n| Some((n, stamp)))
-            .map_err(|e| Error::ReadAck {
-                target: format!("{} ({NOTICE_FILE})", self.display),
-                source: io::Error::new(io::ErrorKind::InvalidData, e),
-            })
+        self.read_json(NOTICE_FILE)
     }
 
-    /// Read `notice.json` back (restart path, tests).
+    /// Read `notice.json` back (the responder's restart path: was this notice delivered here?).
     pub fn read_notice(&self) -> Result<Option<NoticeFile>, Error> {
-        let Some((data, _)) = self.read_file(NOTICE_FILE)? else {
-            return Ok(None);
-        };
-        serde_json::from_slice(&data)
-            .map(Some)
-            .map_err(|e| Error::ReadAck {
-                target: format!("{} ({NOTICE_FILE})", self.display),
-                source: io::Error::new(io::ErrorKind::InvalidData, e),
-            })
+        Ok(self.read_notice_stamped()?.map(|(notice, _)| notice))
     }
 }
 

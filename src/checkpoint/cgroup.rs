@@ -164,16 +164,6 @@ fn container_segment(seg: &str, systemd: bool) -> ContainerSeg {
     }
 }
 
-/// `containerd://<id>`, `cri-o://<id>`, `docker://<id>` (from `status.containerStatuses[].containerID`)
-/// → `<id>`. `None` for an empty or malformed value (a container not started yet has none).
-pub fn container_id_from_status(value: &str) -> Option<&str> {
-    let (runtime, id) = value.trim().split_once("://")?;
-    if runtime.is_empty() || id.is_empty() || !id.bytes().all(|b| b.is_ascii_alphanumeric()) {
-        return None;
-    }
-    Some(id)
-}
-
 /// What the index keeps per process.
 #[derive(Clone, Debug, PartialEq, Eq)]
 struct Indexed {
@@ -224,7 +214,7 @@ impl ProcIndex {
     }
 
     /// The processes of one container, by pod UID (with dashes) and container ID (bare, see
-    /// [`container_id_from_status`]). The returned container is named after the container ID
+    /// [`crate::checkpoint::pods::container_id`]). The returned container is named after the container ID
     /// (callers set the container name); `init_pid` is the PID-namespace init when the container
     /// has its own PID namespace, else the earliest process whose parent is outside the container;
     /// `root_pid` is the same process (its `/proc/<pid>/root` is the container's filesystem).
@@ -362,14 +352,18 @@ mod tests {
         }
     }
 
+    /// The status IDs the index is looked up with come from the production parser
+    /// ([`crate::checkpoint::pods::container_id`]): the ID it returns is the bare ID the cgroup
+    /// paths carry.
     #[test]
     fn container_ids_from_status() {
+        use crate::checkpoint::pods::container_id;
         assert_eq!(
-            container_id_from_status(&format!("containerd://{ID}")),
-            Some(ID)
+            container_id(&format!("containerd://{ID}")),
+            Some(("containerd", ID))
         );
-        assert_eq!(container_id_from_status(&format!("cri-o://{ID}")), Some(ID));
-        assert_eq!(container_id_from_status("docker://abc123"), Some("abc123"));
+        assert_eq!(container_id(&format!("cri-o://{ID}")), Some(("cri-o", ID)));
+        assert_eq!(container_id("docker://abc123"), Some(("docker", "abc123")));
         for bad in [
             "",
             "abc",
@@ -378,7 +372,7 @@ mod tests {
             "containerd://a/b",
             "docker://../x",
         ] {
-            assert_eq!(container_id_from_status(bad), None, "{bad:?}");
+            assert_eq!(container_id(bad), None, "{bad:?}");
         }
     }
 

@@ -274,33 +274,21 @@ impl Loaded {
                     }
                     out.push(sample);
                 }
-                Err(NvmlError::GpuLost) => {
-                    let (uuid, model) = self.identity(index);
-                    out.push(GpuSample {
-                        uuid,
-                        index,
-                        model,
-                        lost: true,
-                        ..GpuSample::default()
-                    });
-                }
+                Err(NvmlError::GpuLost) => out.push(GpuSample {
+                    lost: true,
+                    ..self.unread(index)
+                }),
                 // Counted by NVML but not ours to read (e.g. not visible in this container).
                 Err(NvmlError::NoPermission) => {
                     tracing::debug!(index, "no permission to open GPU; skipped");
                 }
-                Err(e) => {
-                    let (uuid, model) = self.identity(index);
-                    out.push(GpuSample {
-                        uuid,
-                        index,
-                        model,
-                        read_errors: vec![ReadError {
-                            field: "device",
-                            error: e.to_string(),
-                        }],
-                        ..GpuSample::default()
-                    });
-                }
+                Err(e) => out.push(GpuSample {
+                    read_errors: vec![ReadError {
+                        field: "device",
+                        error: e.to_string(),
+                    }],
+                    ..self.unread(index)
+                }),
             }
         }
         Ok(out)
@@ -312,6 +300,17 @@ impl Loaded {
             .get(&index)
             .cloned()
             .unwrap_or_else(|| (format!("unknown-gpu-{index}"), String::new()))
+    }
+
+    /// The sample of a GPU whose device cannot be opened: its identity only.
+    fn unread(&self, index: u32) -> GpuSample {
+        let (uuid, model) = self.identity(index);
+        GpuSample {
+            uuid,
+            index,
+            model,
+            ..GpuSample::default()
+        }
     }
 
     fn read_device(&mut self, index: u32, d: &Device<'_>) -> GpuSample {

@@ -1,0 +1,416 @@
+//! Watching the signalled processes: each group on a watcher thread of its own polls the acks in
+//! its checkpoint dirs and the processes' exits until the group is finished or its budget
+//! (enforced by the caller, outside the blocking calls) ran out.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use jiff::{SignedDuration, Timestamp};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use tokio_util::sync::CancellationToken;
+
+use super::delivery::{Delivery, DeliveryState, NoticeStatus, SignalledProcess};
+use super::dir::{DirSlot, Freshness};
+use super::outcome::{ack_note, finish, pending_detail, record, skipped_detail, GroupResult};
+use super::threads::count_stuck;
+use super::{CheckpointRequest, POLL_INTERVAL, WATCH_GRACE};
+use crate::checkpoint::ack::{ack_file_name, AckState, CheckpointDir, NOTICE_FILE, PLAIN_ACK_FILE};
+use crate::checkpoint::procfs::ProcFs;
+use crate::checkpoint::{Outcome, PodRef};
+use crate::metrics::{Metrics, ModuleErrorLabels};
+
+/// What is known about one signalled process.
+#[derive(Clone, Debug, PartialEq)]
+pub(super) enum ProcState {
+    Pending {
+        /// When a `received` ack was first seen (agent clock).
+        received: Option<Timestamp>,
+    },
+    Acked {
+        state: AckState,
+        /// When the terminal ack was first seen (agent clock).
+        at: Timestamp,
+        note: String,
+    },
+    Exited {
+        at: Timestamp,
+    },
+}
+
+#[derive(Debug)]
+pub(super) struct ProcWatch {
+    pub(super) process: SignalledProcess,
+    pub(super) state: ProcState,
+    /// Last unreadable-ack problem, for the detail.
+    pub(super) problem: Option<String>,
+}
+
+#[derive(Debug)]
+pub(super) struct ContainerWatch {
+    pub(super) name: String,
+    pub(super) dir: DirSlot,
+    /// When the plain `ack` was first seen (agent clock).
+    pub(super) plain_ack: Option<Timestamp>,
+    pub(super) procs: Vec<ProcWatch>,
+}
+
+impl ContainerWatch {
+    pub(super) fn finished(&self) -> bool {
+        self.plain_ack.is_some()
+            || self
+                .procs
+                .iter()
+                .all(|p| !matches!(p.state, ProcState::Pending { .. }))
+    }
+}
+
+#[derive(Debug)]
+pub(super) struct GroupWatch {
+    pub(super) group: String,
+    pub(super) pod: Option<PodRef>,
+    pub(super) signalled_at: Timestamp,
+    pub(super) deadline: Timestamp,
+    pub(super) containers: Vec<ContainerWatch>,
+    pub(super) notice_problems: Vec<String>,
+    pub(super) result: Option<GroupResult>,
+    pub(super) proc: ProcFs,
+}
+
+impl GroupWatch {
+    /// This group's result with `outcome`.
+    pub(super) fn group_result(
+        &self,
+        outcome: Outcome,
+        ack_latency: Option<Duration>,
+        detail: String,
+    ) -> GroupResult {
+        GroupResult {
+            group: self.group.clone(),
+            pod: self.pod.clone(),
+            outcome,
+            signalled: self.containers.iter().map(|c| c.procs.len()).sum(),
+            signalled_at: Some(self.signalled_at),
+            ack_latency,
+            detail,
+        }
+    }
+}
+
+/// Wait for every delivery to finish (acks, exits, plain ack) or run out of budget; one result per
+/// delivery, in order. Each group is watched by a thread of its own; its budget is enforced here,
+/// so a watcher stuck in a hung filesystem ends its group with `timeout` (the thread is abandoned
+/// and counted) while every other group goes on. Counts `spotguard_checkpoint_total{outcome}` and
+/// the ack-latency histogram as each group finishes. On `cancel` (agent shutting down, or the
+/// deadline moved earlier) unfinished groups end with `error` ("cancelled"), uncounted.
+pub async fn wait(
+    deliveries: Vec<Delivery>,
+    req: &CheckpointRequest,
+    metrics: &Metrics,
+    cancel: &CancellationToken,
+) -> Vec<GroupResult> {
+    use futures::stream::{FuturesUnordered, StreamExt};
+    let mut results: Vec<Option<GroupResult>> = Vec::with_capacity(deliveries.len());
+    let mut running = FuturesUnordered::new();
+    for (i, d) in deliveries.into_iter().enumerate() {
+        let mut w = watch(d, req);
+        match w.result.take() {
+            Some(r) => {
+                record(&r, req, metrics);
+                results.push(Some(r));
+            }
+            None => {
+                results.push(None);
+                running.push(watch_group(i, w, cancel.clone(), metrics.errors.clone()));
+            }
+        }
+    }
+    while let Some((i, r, count)) = running.next().await {
+        if count {
+            record(&r, req, metrics);
+        }
+        if let Some(slot) = results.get_mut(i) {
+            *slot = Some(r);
+        }
+    }
+    results.into_iter().flatten().collect()
+}
+
+/// Watch one group on its own thread; the budget (plus [`WATCH_GRACE`]) and `cancel` are enforced
+/// here. Returns the group's index, its result and whether to count it.
+async fn watch_group(
+    i: usize,
+    mut w: GroupWatch,
+    cancel: CancellationToken,
+    errors: Family<ModuleErrorLabels, Counter>,
+) -> (usize, GroupResult, bool) {
+    let until_deadline = Duration::try_from(
+        w.deadline
+            .duration_since(Timestamp::now())
+            .max(SignedDuration::ZERO),
+    )
+    .unwrap_or_default();
+    let give_up = tokio::time::Instant::now() + until_deadline + WATCH_GRACE;
+    let budget_s = w.deadline.duration_since(w.signalled_at).as_secs_f64();
+    let detail = Arc::new(Mutex::new(pending_detail(&w)));
+    let stop = Arc::new(AtomicBool::new(false));
+    let base = w.group_result(Outcome::Error, None, String::new());
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let (d2, s2) = (detail.clone(), stop.clone());
+    let spawned = std::thread::Builder::new()
+        .name("sg-ckpt-watch".into())
+        .spawn(move || loop {
+            poll_group(&mut w, Timestamp::now());
+            if let Some(r) = w.result.take() {
+                let _ = tx.send(r);
+                return;
+            }
+            let text = pending_detail(&w);
+            if let Ok(mut g) = d2.lock() {
+                *g = text;
+            }
+            if s2.load(Ordering::Relaxed) {
+                return;
+            }
+            std::thread::sleep(POLL_INTERVAL);
+        });
+    if let Err(e) = spawned {
+        tracing::error!(group = %base.group, error = %e, "cannot start a checkpoint watcher thread");
+        return (
+            i,
+            GroupResult {
+                detail: format!("no thread to watch this group: {e}"),
+                ..base
+            },
+            true,
+        );
+    }
+    let last = |detail: &Arc<Mutex<String>>| detail.lock().map(|g| g.clone()).unwrap_or_default();
+    tokio::select! {
+        r = rx => match r {
+            Ok(r) => (i, r, true),
+            Err(_) => {
+                tracing::error!(group = %base.group, "checkpoint watcher thread panicked");
+                (i, GroupResult { detail: "watcher thread panicked".into(), ..base }, true)
+            }
+        },
+        _ = tokio::time::sleep_until(give_up) => {
+            stop.store(true, Ordering::Relaxed);
+            count_stuck(&errors);
+            tracing::error!(group = %base.group, budget_s, "checkpoint watcher stuck past the budget (hung filesystem?); abandoned");
+            let detail = format!(
+                "no terminal ack within {budget_s:.1}s, and the watcher is stuck in a filesystem or /proc call (hung mount?): {}",
+                last(&detail)
+            );
+            (i, GroupResult { outcome: Outcome::Timeout, detail, ..base }, true)
+        }
+        _ = cancel.cancelled() => {
+            stop.store(true, Ordering::Relaxed);
+            let detail = format!(
+                "cancelled (agent shutting down) while waiting: {}",
+                last(&detail)
+            );
+            (i, GroupResult { detail, ..base }, false)
+        }
+    }
+}
+
+/// Turn a delivery into a watch; deliveries with nothing to wait for get their result at once.
+fn watch(d: Delivery, req: &CheckpointRequest) -> GroupWatch {
+    let signalled = d.signalled();
+    let signalled_at = d.signalled_at.unwrap_or_else(Timestamp::now);
+    let budget_end = signalled_at
+        .checked_add(d.timeout)
+        .unwrap_or(Timestamp::MAX)
+        .min(req.checkpoint_deadline);
+    let notice_problems: Vec<String> = d
+        .containers
+        .iter()
+        .filter_map(|c| match &c.notice {
+            NoticeStatus::Failed(e) => Some(format!("{}: notice.json not written: {e}", c.name)),
+            _ => None,
+        })
+        .collect();
+    let immediate = |outcome: Outcome, detail: String| GroupResult {
+        group: d.group.clone(),
+        pod: d.pod.clone(),
+        outcome,
+        signalled,
+        signalled_at: d.signalled_at,
+        ack_latency: None,
+        detail,
+    };
+    let result = match &d.state {
+        DeliveryState::Signalled => None,
+        DeliveryState::NoHandler => Some(immediate(
+            Outcome::NoHandler,
+            format!(
+                "no process catches {}{}",
+                d.signal,
+                skipped_detail(&d.containers)
+                    .map(|s| format!(": {s}"))
+                    .unwrap_or_else(|| ": no process matched".into())
+            ),
+        )),
+        DeliveryState::Gone => Some(immediate(
+            Outcome::Exited,
+            format!(
+                "every target exited before the signal: {}",
+                skipped_detail(&d.containers).unwrap_or_default()
+            ),
+        )),
+        DeliveryState::Error(e) => Some(immediate(Outcome::Error, e.clone())),
+        DeliveryState::DryRun => {
+            let pids: Vec<i32> = d
+                .containers
+                .iter()
+                .flat_map(|c| c.would_signal.iter().copied())
+                .collect();
+            if pids.is_empty() {
+                Some(immediate(
+                    Outcome::NoHandler,
+                    format!(
+                        "dry-run: no process catches {}{}",
+                        d.signal,
+                        skipped_detail(&d.containers)
+                            .map(|s| format!(": {s}"))
+                            .unwrap_or_default()
+                    ),
+                ))
+            } else {
+                Some(immediate(
+                    Outcome::Skipped,
+                    format!(
+                        "dry-run: would write {} and send {} to pids {pids:?}",
+                        d.dir.join(NOTICE_FILE).display(),
+                        d.signal
+                    ),
+                ))
+            }
+        }
+    };
+    GroupWatch {
+        group: d.group,
+        pod: d.pod,
+        signalled_at,
+        deadline: budget_end,
+        containers: d
+            .containers
+            .into_iter()
+            .filter(|c| !c.signalled.is_empty())
+            .map(|c| ContainerWatch {
+                name: c.name,
+                dir: c.dir,
+                plain_ack: None,
+                procs: c
+                    .signalled
+                    .into_iter()
+                    .map(|process| ProcWatch {
+                        process,
+                        state: ProcState::Pending { received: None },
+                        problem: None,
+                    })
+                    .collect(),
+            })
+            .collect(),
+        notice_problems,
+        result,
+        proc: d.proc,
+    }
+}
+
+/// One poll of one group: read acks, check exits, decide.
+fn poll_group(w: &mut GroupWatch, now: Timestamp) {
+    let proc = w.proc.clone();
+    for c in &mut w.containers {
+        if c.plain_ack.is_some() {
+            continue;
+        }
+        if let DirSlot::Late(rx) = &c.dir {
+            c.dir = match rx.try_recv() {
+                Ok((Ok(dir), fresh, _)) => DirSlot::Ready(dir, fresh),
+                Ok((Err(_), _, _)) | Err(mpsc::TryRecvError::Disconnected) => DirSlot::None,
+                Err(mpsc::TryRecvError::Empty) => std::mem::replace(&mut c.dir, DirSlot::None),
+            };
+        }
+        let DirSlot::Ready(dir, fresh) = &c.dir else {
+            // No dir (yet): only exits can finish these processes.
+            for p in &mut c.procs {
+                check_exit(&proc, None, p, now);
+            }
+            continue;
+        };
+        match dir.plain_ack() {
+            Ok(Some(stamp)) if fresh.fresh(PLAIN_ACK_FILE, &stamp) => {
+                c.plain_ack = Some(now);
+                continue;
+            }
+            Ok(_) => {}
+            Err(e) => tracing::debug!(error = %e, "unreadable plain ack"),
+        }
+        for p in &mut c.procs {
+            if matches!(p.state, ProcState::Pending { .. }) {
+                read_ack(dir, fresh, p, now);
+                check_exit(&proc, Some((dir, fresh)), p, now);
+            }
+        }
+    }
+    if w.containers.iter().all(ContainerWatch::finished) {
+        w.result = Some(finish(w));
+    } else if now >= w.deadline {
+        let budget = w.deadline.duration_since(w.signalled_at);
+        let detail = format!(
+            "no terminal ack within {:.1}s: {}",
+            budget.as_secs_f64(),
+            pending_detail(w)
+        );
+        w.result = Some(w.group_result(Outcome::Timeout, None, detail));
+    }
+}
+
+fn read_ack(dir: &CheckpointDir, fresh: &Freshness, p: &mut ProcWatch, now: Timestamp) {
+    match dir.read_ack(p.process.ns_pid) {
+        Ok(Some(ack)) if fresh.fresh(&ack_file_name(p.process.ns_pid), &ack.stamp) => {
+            p.problem = None;
+            if ack.file.state.is_terminal() {
+                p.state = ProcState::Acked {
+                    state: ack.file.state,
+                    at: now,
+                    note: ack_note(&ack.file),
+                };
+            } else if let ProcState::Pending { received } = &mut p.state {
+                received.get_or_insert(now);
+            }
+        }
+        Ok(_) => {}
+        Err(e) => p.problem = Some(e.to_string()),
+    }
+}
+
+fn check_exit(
+    proc: &ProcFs,
+    dir: Option<(&CheckpointDir, &Freshness)>,
+    p: &mut ProcWatch,
+    now: Timestamp,
+) {
+    if !matches!(p.state, ProcState::Pending { .. }) {
+        return;
+    }
+    match proc.alive(p.process.pid, p.process.start_time) {
+        Ok(true) => {}
+        Ok(false) => {
+            // It may have written `done` between the read above and its exit.
+            if let Some((dir, fresh)) = dir {
+                read_ack(dir, fresh, p, now);
+            }
+            if matches!(p.state, ProcState::Pending { .. }) {
+                p.state = ProcState::Exited { at: now };
+            }
+        }
+        Err(e) => {
+            tracing::debug!(pid = p.process.pid, error = %e, "cannot check whether a target exited")
+        }
+    }
+}
