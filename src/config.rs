@@ -8,7 +8,8 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use clap::{ArgAction, Args, CommandFactory, Parser, Subcommand, ValueEnum};
+use clap::parser::ValueSource;
+use clap::{ArgAction, ArgMatches, Args, FromArgMatches, ValueEnum};
 use regex::Regex;
 use serde::Deserialize;
 
@@ -19,65 +20,10 @@ use crate::notice::Source;
 /// Exit code for a usage or configuration error (`EX_USAGE`).
 pub const EXIT_USAGE: i32 = 64;
 
-/// `--version`: the crate version and the git commit it was built from.
-pub const VERSION: &str = concat!(
-    env!("CARGO_PKG_VERSION"),
-    " (commit ",
-    env!("SPOTGUARD_GIT_COMMIT"),
-    ")"
-);
-
-/// Command line of the `spotguard` binary.
-#[derive(Debug, Parser)]
-#[command(
-    name = "spotguard",
-    version = VERSION,
-    about = "Node agent for GPU training on spot / preemptible capacity: interruption notice → checkpoint hand-shake → drain"
-)]
-pub struct Cli {
-    #[command(subcommand)]
-    pub command: Command,
-}
-
-#[derive(Debug, Subcommand)]
-pub enum Command {
-    /// Run the agent (DaemonSet or systemd unit).
-    #[command(args_override_self = true)]
-    Run(Box<RunArgs>),
-    /// Rehearse a preemption against a training command on this machine (no cloud needed).
-    Drill(crate::drill::DrillArgs),
-    /// Serve an emulated instance-metadata service (EC2, GCE or Azure) for your own tests.
-    Emulate(crate::emulator::EmulateArgs),
-    /// Prefetch a dataset (s3://, gs://, file:///) into the shared cache, or wait for one.
-    Prefetch(Box<crate::prefetch::PrefetchArgs>),
-    /// The prefetcher as its own process: configured datasets and pods' annotations.
-    PrefetchServe(Box<crate::prefetch::serve::ServeArgs>),
-    /// One-shot GPU health report (exit 0 healthy, 1 unhealthy, 2 NVML unavailable).
-    Gpu(crate::gpu::GpuArgs),
-    /// Check a configuration without starting the agent.
-    #[command(subcommand)]
-    Config(ConfigCommand),
-    /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
-    Completions {
-        #[arg(value_enum)]
-        shell: clap_complete::Shell,
-    },
-    /// Print the configuration reference (Markdown) generated from these definitions.
-    #[command(hide = true)]
-    ConfigReference,
-    /// The bundled example trainer used by `spotguard drill` when no command is given.
-    #[command(hide = true)]
-    ExampleTrainer(crate::drill::ExampleTrainerArgs),
-}
-
-/// `spotguard config …`.
-#[derive(Debug, Subcommand)]
-pub enum ConfigCommand {
-    /// Validate `run`'s flags, environment and config file as `run` would, print the effective
-    /// settings and where each came from, and exit (0 valid, 64 invalid). Starts nothing.
-    #[command(args_override_self = true)]
-    Check(Box<RunArgs>),
-}
+// The command table moved to `crate::cli`; these keep `spotguard::config::{parse_cli, Parsed,
+// Command}` working for the integration tests and benches that build `run` arguments with them.
+#[doc(hidden)]
+pub use crate::cli::{parse_cli, Command, Parsed};
 
 /// Where a setting came from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -89,6 +35,17 @@ pub enum Origin {
 }
 
 impl Origin {
+    /// The origin of a value clap took from `source`; `from_file`: the config file's value was
+    /// passed as a command-line argument.
+    pub fn of(source: ValueSource, from_file: bool) -> Origin {
+        match source {
+            ValueSource::CommandLine if from_file => Origin::File,
+            ValueSource::CommandLine => Origin::Flag,
+            ValueSource::EnvVariable => Origin::Env,
+            _ => Origin::Default,
+        }
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             Origin::Flag => "flag",
@@ -176,6 +133,7 @@ const HOST_MODE: &str = "Host mode";
 
 /// `spotguard run` flags. Every flag also reads `SPOTGUARD_<FLAG_IN_CAPS>`.
 #[derive(Debug, Clone, Args)]
+#[command(args_override_self = true)]
 pub struct RunArgs {
     /// TOML file with the same keys as these flags plus `[[datasets]]` and `[gpu.thresholds]`.
     #[arg(long, env = "SPOTGUARD_CONFIG", value_name = "FILE")]
@@ -474,7 +432,7 @@ pub struct RunArgs {
     )]
     pub boot_id_file: PathBuf,
 
-    /// Where each setting came from (filled by [`parse_cli`]).
+    /// Where each setting came from (filled when the arguments are parsed).
     #[arg(skip)]
     pub settings: Vec<Setting>,
 }
@@ -580,203 +538,135 @@ impl Error {
     }
 }
 
-/// Result of parsing the command line: either a command to run, or text to print and an exit code
-/// (help, version, usage errors).
-pub enum Parsed {
-    Command(Command),
-    Exit {
-        code: i32,
-        text: String,
-        stderr: bool,
-    },
+/// `run`'s arguments as a command of their own (`spotguard run`), for parsing them without the
+/// rest of the command table.
+pub(crate) fn run_command() -> clap::Command {
+    RunArgs::augment_args(clap::Command::new("run").bin_name("spotguard run"))
 }
 
-/// Parse the process's command line (with env and config file) into a [`Command`].
-pub fn parse_cli<I, T>(argv: I) -> Parsed
+/// Parse `run`'s arguments `args` as `spotguard run ARGS…` does (environment and config file
+/// included), or the text the binary would print instead.
+pub fn parse_run_args<I, T>(args: I) -> Result<RunArgs, String>
 where
     I: IntoIterator<Item = T>,
-    T: Into<OsString> + Clone,
+    T: Into<OsString>,
 {
-    let argv: Vec<OsString> = argv.into_iter().map(Into::into).collect();
-    let cli = match Cli::try_parse_from(&argv) {
-        Ok(c) => c,
-        Err(e) => return clap_exit_env(e, &argv),
-    };
-    let usage_error = |e: Error| Parsed::Exit {
-        code: EXIT_USAGE,
-        text: format!("spotguard: {e}\n"),
-        stderr: true,
-    };
-    match cli.command {
-        Command::Run(run) => match merge_config_file(&argv, *run, &["run"]) {
-            Ok(run) => Parsed::Command(Command::Run(Box::new(run))),
-            Err(e) => usage_error(e),
-        },
-        Command::Config(ConfigCommand::Check(run)) => {
-            match merge_config_file(&argv, *run, &["config", "check"]) {
-                Ok(run) => Parsed::Command(Command::Config(ConfigCommand::Check(Box::new(run)))),
-                Err(e) => usage_error(e),
-            }
+    let args: Vec<OsString> = args.into_iter().map(Into::into).collect();
+    let argv: Vec<OsString> = std::iter::once(OsString::from("spotguard"))
+        .chain(args.iter().cloned())
+        .collect();
+    let cmd = run_command();
+    let matches = match cmd.clone().try_get_matches_from(&argv) {
+        Ok(m) => m,
+        Err(e) => {
+            return Err(env_value_error(&e, &cmd, &argv).unwrap_or_else(|| e.render().to_string()))
         }
-        other => Parsed::Command(other),
-    }
+    };
+    merge_config_file(&cmd, &matches, &args).map_err(|e| format!("spotguard: {e}\n"))
 }
 
 /// A value error in a setting that came from the environment names the `SPOTGUARD_*` variable
-/// (clap's own message names the flag, which the user never typed).
-fn clap_exit_env(e: clap::Error, argv: &[OsString]) -> Parsed {
+/// (clap's own message names the flag, which the user never typed). `cmd` is the command `argv`
+/// was parsed with.
+pub(crate) fn env_value_error(
+    e: &clap::Error,
+    cmd: &clap::Command,
+    argv: &[OsString],
+) -> Option<String> {
     use clap::error::{ContextKind, ContextValue, ErrorKind};
-    let rewrite = || -> Option<String> {
-        if !matches!(
-            e.kind(),
-            ErrorKind::ValueValidation | ErrorKind::InvalidValue
-        ) {
-            return None;
-        }
-        let ContextValue::String(arg) = e.get(ContextKind::InvalidArg)? else {
-            return None;
-        };
-        let long = arg
-            .strip_prefix("--")?
-            .split([' ', '='])
-            .next()?
-            .to_string();
-        let cmd = Cli::command();
-        let run = cmd.find_subcommand("run")?;
-        let a = run.get_arguments().find(|a| a.get_long() == Some(&long))?;
-        let env = a.get_env()?.to_string_lossy().into_owned();
-        if flag_given(argv, &long) || std::env::var_os(&env).is_none() {
-            return None;
-        }
-        let value = match e.get(ContextKind::InvalidValue) {
-            Some(ContextValue::String(v)) => v.clone(),
-            _ => String::new(),
-        };
-        let rendered = e.render().to_string();
-        let first = rendered.lines().next().unwrap_or_default();
-        let reason = first
-            .split_once(&format!("'{arg}': "))
-            .map(|(_, r)| r.to_string())
-            .unwrap_or_else(|| "not a valid value".into());
-        Some(format!(
-            "error: invalid value '{value}' in environment variable {env} (sets --{long}): {reason}\n"
-        ))
+    if !matches!(
+        e.kind(),
+        ErrorKind::ValueValidation | ErrorKind::InvalidValue
+    ) {
+        return None;
+    }
+    let ContextValue::String(arg) = e.get(ContextKind::InvalidArg)? else {
+        return None;
     };
-    match rewrite() {
-        Some(text) => Parsed::Exit {
-            code: EXIT_USAGE,
-            text,
-            stderr: true,
-        },
-        None => clap_exit(e),
+    let long = arg.strip_prefix("--")?.split([' ', '=']).next()?;
+    let run = run_command();
+    let a = run.get_arguments().find(|a| a.get_long() == Some(long))?;
+    let env = a.get_env()?.to_string_lossy().into_owned();
+    if std::env::var_os(&env).is_none() || given_on_command_line(e, cmd, argv) {
+        return None;
+    }
+    let value = match e.get(ContextKind::InvalidValue) {
+        Some(ContextValue::String(v)) => v.clone(),
+        _ => String::new(),
+    };
+    let rendered = e.render().to_string();
+    let first = rendered.lines().next().unwrap_or_default();
+    let reason = first
+        .split_once(&format!("'{arg}': "))
+        .map(|(_, r)| r.to_string())
+        .unwrap_or_else(|| "not a valid value".into());
+    Some(format!(
+        "error: invalid value '{value}' in environment variable {env} (sets --{long}): {reason}\n"
+    ))
+}
+
+/// Whether the value `e` is about was given on the command line (in any form: `--flag value`,
+/// `--flag=value`, a short flag or an alias): parsing `argv` again without the environment fails
+/// the same way.
+fn given_on_command_line(e: &clap::Error, cmd: &clap::Command, argv: &[OsString]) -> bool {
+    use clap::error::ContextKind;
+    fn without_env(cmd: clap::Command) -> clap::Command {
+        cmd.mut_args(|a| a.env(None)).mut_subcommands(without_env)
+    }
+    match without_env(cmd.clone()).try_get_matches_from(argv) {
+        Ok(_) => false,
+        Err(again) => {
+            again.kind() == e.kind()
+                && again.get(ContextKind::InvalidArg) == e.get(ContextKind::InvalidArg)
+        }
     }
 }
 
-fn flag_given(argv: &[OsString], long: &str) -> bool {
-    let flag = format!("--{long}");
-    argv.iter().any(|a| {
-        let s = a.to_string_lossy();
-        s == flag || s.starts_with(&format!("{flag}="))
-    })
-}
-
-fn clap_exit(e: clap::Error) -> Parsed {
-    use clap::error::ErrorKind;
-    let text = e.render().to_string();
-    match e.kind() {
-        ErrorKind::DisplayHelp
-        | ErrorKind::DisplayVersion
-        | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => Parsed::Exit {
-            code: if e.kind() == ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand {
-                EXIT_USAGE
-            } else {
-                0
-            },
-            text,
-            stderr: e.kind() == ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand,
-        },
-        _ => Parsed::Exit {
-            code: EXIT_USAGE,
-            text,
-            stderr: true,
-        },
-    }
-}
-
-/// Re-parse `run` with the config file's keys inserted where neither a flag nor an env var set
-/// them, so that flag > env > file > default holds and clap validates file values like any other.
-/// `path` is the subcommand path (`run`, or `config check`). Records where each setting came from.
-fn merge_config_file(argv: &[OsString], run: RunArgs, path: &[&str]) -> Result<RunArgs, Error> {
+/// Complete `run`'s settings with the config file (`--config`) below the command line and the
+/// environment: `matches` are what `cmd` parsed from `args`; each file key that clap's value source
+/// says was neither given on the command line nor set in the environment is parsed again as
+/// `--key=value` ahead of `args`, so that flag > env > file > default holds and clap validates file
+/// values like any other. Records where each setting came from.
+pub(crate) fn merge_config_file(
+    cmd: &clap::Command,
+    matches: &ArgMatches,
+    args: &[OsString],
+) -> Result<RunArgs, Error> {
+    let mut run = RunArgs::from_arg_matches(matches).map_err(|e| Error::Cli(e.to_string()))?;
     let file_args = match &run.config {
-        Some(file) => config_file_args(file, argv)?,
+        Some(file) => config_file_args(file, cmd, matches)?,
         None => Vec::new(),
     };
-    // argv = [bin, path…, user args…] → [bin, path…, file args…, user args…]
-    let mut pos = 0;
-    for word in path {
-        pos += argv[pos + 1..]
-            .iter()
-            .position(|a| a == *word)
-            .ok_or_else(|| Error::Cli(format!("internal: `{word}` not found in arguments")))?
-            + 1;
+    if file_args.is_empty() {
+        run.settings = settings_of(cmd, matches, &[]);
+        return Ok(run);
     }
-    let mut merged: Vec<OsString> = argv[..=pos].to_vec();
-    merged.extend(file_args.iter().map(OsString::from));
-    merged.extend(argv[pos + 1..].iter().cloned());
-    let mut run = if file_args.is_empty() {
-        run
-    } else {
-        match Cli::try_parse_from(&merged) {
-            Ok(Cli {
-                command: Command::Run(run),
-            })
-            | Ok(Cli {
-                command: Command::Config(ConfigCommand::Check(run)),
-            }) => *run,
-            Ok(_) => {
-                return Err(Error::Cli(
-                    "internal: config merge changed the command".into(),
-                ))
-            }
-            Err(e) => {
-                return Err(Error::File {
-                    path: run
-                        .config
-                        .as_ref()
-                        .map(|p| p.display().to_string())
-                        .unwrap_or_default(),
-                    reason: e.render().to_string().trim().to_string(),
-                })
-            }
-        }
-    };
-    let from_file: Vec<String> = file_args
-        .iter()
-        .filter_map(|a| a.strip_prefix("--"))
-        .map(|a| a.split('=').next().unwrap_or(a).to_string())
+    let merged: Vec<OsString> = std::iter::once(OsString::from("spotguard"))
+        .chain(file_args.iter().map(|(_, arg)| OsString::from(arg)))
+        .chain(args.iter().cloned())
         .collect();
-    run.settings = settings_of(&merged, path, &from_file);
+    let file_error = |reason: String| Error::File {
+        path: run
+            .config
+            .as_ref()
+            .map(|p| p.display().to_string())
+            .unwrap_or_default(),
+        reason,
+    };
+    let merged = cmd
+        .clone()
+        .try_get_matches_from(&merged)
+        .map_err(|e| file_error(e.render().to_string().trim().to_string()))?;
+    let mut run = RunArgs::from_arg_matches(&merged).map_err(|e| Error::Cli(e.to_string()))?;
+    let from_file: Vec<&str> = file_args.iter().map(|(key, _)| key.as_str()).collect();
+    run.settings = settings_of(cmd, &merged, &from_file);
     Ok(run)
 }
 
-/// Every `run` setting with a value, with its origin.
-fn settings_of(merged: &[OsString], path: &[&str], from_file: &[String]) -> Vec<Setting> {
-    use clap::parser::ValueSource;
-    let Ok(mut matches) = Cli::command().try_get_matches_from(merged) else {
-        return Vec::new();
-    };
-    for word in path {
-        match matches.remove_subcommand() {
-            Some((name, sub)) if name == *word => matches = sub,
-            _ => return Vec::new(),
-        }
-    }
-    let cmd = Cli::command();
-    let Some(run) = cmd.find_subcommand("run") else {
-        return Vec::new();
-    };
+/// Every `run` setting with a value, with its origin (`from_file`: the keys the config file set).
+fn settings_of(cmd: &clap::Command, matches: &ArgMatches, from_file: &[&str]) -> Vec<Setting> {
     let mut out = Vec::new();
-    for a in run.get_arguments() {
+    for a in cmd.get_arguments() {
         let Some(long) = a.get_long() else { continue };
         if a.is_hide_set() || long == "help" {
             continue;
@@ -785,12 +675,7 @@ fn settings_of(merged: &[OsString], path: &[&str], from_file: &[String]) -> Vec<
         let Some(source) = matches.value_source(id) else {
             continue;
         };
-        let origin = match source {
-            ValueSource::CommandLine if from_file.iter().any(|k| k == long) => Origin::File,
-            ValueSource::CommandLine => Origin::Flag,
-            ValueSource::EnvVariable => Origin::Env,
-            _ => Origin::Default,
-        };
+        let origin = Origin::of(source, from_file.contains(&long));
         let value = if SECRET_KEYS.contains(&long) {
             "<redacted>".to_string()
         } else {
@@ -826,9 +711,14 @@ pub fn settings_line(settings: &[Setting]) -> String {
         .join(" ")
 }
 
-/// Read the config file and turn its flag keys into `--key=value` arguments, validating each key on
-/// its own so that an error names the file and the key.
-fn config_file_args(path: &Path, argv: &[OsString]) -> Result<Vec<String>, Error> {
+/// Read the config file and turn its keys into `--key=value` arguments of `cmd` (with their key),
+/// leaving out keys that `matches` took from the command line or the environment; each key is
+/// validated on its own so that an error names the file and the key.
+fn config_file_args(
+    path: &Path,
+    cmd: &clap::Command,
+    matches: &ArgMatches,
+) -> Result<Vec<(String, String)>, Error> {
     let file = path.display().to_string();
     let text = std::fs::read_to_string(path).map_err(|e| Error::File {
         path: file.clone(),
@@ -838,19 +728,17 @@ fn config_file_args(path: &Path, argv: &[OsString]) -> Result<Vec<String>, Error
         path: file.clone(),
         reason: e.to_string().trim().to_string(),
     })?;
-    let cmd = Cli::command();
-    let run_cmd = cmd
-        .find_subcommand("run")
-        .ok_or_else(|| Error::Cli("internal: no run subcommand".into()))?;
     let mut out = Vec::new();
     for (raw_key, value) in &table {
         if STRUCTURED_KEYS.contains(&raw_key.as_str()) {
             continue;
         }
         let key = raw_key.replace('_', "-");
-        let arg = run_cmd
+        let arg = cmd
             .get_arguments()
-            .find(|a| a.get_long() == Some(key.as_str()) && !a.is_hide_set())
+            .find(|a| {
+                a.get_long() == Some(key.as_str()) && !a.is_hide_set() && !is_help_or_version(a)
+            })
             .ok_or_else(|| Error::FileKey {
                 path: file.clone(),
                 key: raw_key.clone(),
@@ -863,17 +751,11 @@ fn config_file_args(path: &Path, argv: &[OsString]) -> Result<Vec<String>, Error
                 reason: "a config file cannot name another config file".into(),
             });
         }
-        // Flag or env given: they win over the file.
-        let flag = format!("--{key}");
-        let on_cli = argv.iter().any(|a| {
-            let s = a.to_string_lossy();
-            s == flag || s.starts_with(&format!("{flag}="))
-        });
-        let in_env = arg
-            .get_env()
-            .map(|name| std::env::var_os(name).is_some())
-            .unwrap_or(false);
-        if on_cli || in_env {
+        // Given as a flag (in any form) or in the environment: they win over the file.
+        if matches!(
+            matches.value_source(arg.get_id().as_str()),
+            Some(ValueSource::CommandLine | ValueSource::EnvVariable)
+        ) {
             continue;
         }
         let values: Vec<String> = match value {
@@ -911,7 +793,10 @@ fn config_file_args(path: &Path, argv: &[OsString]) -> Result<Vec<String>, Error
                 format!("--{key}={v}")
             };
             // Validate this key alone so the error names the file and key.
-            if let Err(e) = Cli::try_parse_from(["spotguard", "run", one.as_str()]) {
+            if let Err(e) = cmd
+                .clone()
+                .try_get_matches_from(["spotguard", one.as_str()])
+            {
                 let msg = e.render().to_string();
                 let reason = msg
                     .lines()
@@ -925,10 +810,18 @@ fn config_file_args(path: &Path, argv: &[OsString]) -> Result<Vec<String>, Error
                     reason,
                 });
             }
-            out.push(one);
+            out.push((key.clone(), one));
         }
     }
     Ok(out)
+}
+
+/// clap's own `--help` / `--version`: not settings.
+fn is_help_or_version(a: &clap::Arg) -> bool {
+    matches!(
+        a.get_action(),
+        ArgAction::Help | ArgAction::HelpShort | ArgAction::HelpLong | ArgAction::Version
+    )
 }
 
 fn toml_scalar(v: &toml::Value) -> Option<String> {
@@ -1306,25 +1199,25 @@ fn flag_rows(cmd: &clap::Command) -> String {
     out
 }
 
-/// The configuration reference in Markdown, generated from the clap definitions of `run`.
+/// The configuration reference in Markdown, generated from the clap definitions of `run` and
+/// `prefetch-serve`.
 pub fn reference_markdown() -> String {
-    let cmd = Cli::command();
     let mut out = String::new();
     out.push_str("# Configuration reference\n\n");
     out.push_str("<!-- Generated by `spotguard config-reference` from the CLI definitions; a test fails when it drifts. Do not edit by hand. -->\n\n");
     out.push_str("Every `spotguard run` flag also reads the environment variable shown. Precedence: flag > environment > config file (`--config`, TOML, same keys) > default. A bad value exits with code 64 and names the key.\n\n");
     out.push_str("| flag | environment | default | meaning |\n|---|---|---|---|\n");
-    if let Some(run) = cmd.find_subcommand("run") {
-        out.push_str(&flag_rows(run));
-    }
+    out.push_str(&flag_rows(&run_command()));
     out.push_str("\n## Config file\n\n");
     out.push_str("`--config FILE` reads TOML with the same keys as the flags (kebab-case or snake_case) plus structured parts:\n\n");
     out.push_str("```toml\ncloud = \"aws\"\npoll-interval = \"1s\"\ncheckpoint-timeout = \"90s\"\ncheckpoint-cmdline = [\"python.*train\\\\.py\"]\n\n[[datasets]]\nname = \"imagenet\"\nurl = \"s3://my-bucket/imagenet/\"\n\n[gpu.thresholds]\n# see docs/gpu-health.md\n```\n");
-    if let Some(serve) = cmd.find_subcommand("prefetch-serve") {
+    {
+        let serve =
+            crate::prefetch::serve::ServeArgs::augment_args(clap::Command::new("prefetch-serve"));
         out.push_str("\n## `spotguard prefetch-serve`\n\n");
         out.push_str("The prefetcher as its own process (the DaemonSet's `prefetch` container; on a host, started by `run` for its `--prefetch` datasets). See docs/prefetch.md.\n\n");
         out.push_str("| flag | environment | default | meaning |\n|---|---|---|---|\n");
-        out.push_str(&flag_rows(serve));
+        out.push_str(&flag_rows(&serve));
     }
     out
 }
@@ -1350,13 +1243,7 @@ mod tests {
     }
 
     fn run_args(args: &[&str]) -> Result<RunArgs, String> {
-        let mut argv = vec!["spotguard", "run"];
-        argv.extend_from_slice(args);
-        match parse_cli(argv) {
-            Parsed::Command(Command::Run(r)) => Ok(*r),
-            Parsed::Command(_) => Err("other command".into()),
-            Parsed::Exit { code, text, .. } => Err(format!("{code}: {text}")),
-        }
+        parse_run_args(args)
     }
 
     #[test]
@@ -1379,32 +1266,6 @@ mod tests {
         assert_eq!(c.drain_reserve(Source::Aws), Duration::from_secs(25));
         assert_eq!(c.drain_reserve(Source::Gce), Duration::from_secs(8));
         assert_eq!(c.drain_reserve(Source::Azure), Duration::from_secs(8));
-    }
-
-    #[test]
-    fn bad_values_exit_64_naming_the_flag() {
-        for (args, needle) in [
-            (vec!["--poll-interval", "soon"], "--poll-interval"),
-            (vec!["--poll-interval", "0s"], "--poll-interval"),
-            (
-                vec!["--checkpoint-signal", "SIGKILL"],
-                "--checkpoint-signal",
-            ),
-            (vec!["--on-rebalance", "panic"], "--on-rebalance"),
-            (vec!["--metrics-addr", "nowhere"], "--metrics-addr"),
-            (
-                vec!["--checkpoint-cmdline", "(unclosed"],
-                "--checkpoint-cmdline",
-            ),
-            (vec!["--checkpoint-dir", "relative/dir"], "--checkpoint-dir"),
-            (vec!["--cache-max-bytes", "lots"], "--cache-max-bytes"),
-            (vec!["--prefetch", "noequals"], "--prefetch"),
-            (vec!["--dry-run=maybe"], "--dry-run"),
-        ] {
-            let e = run_args(&args).unwrap_err();
-            assert!(e.starts_with("64:"), "{args:?} → {e}");
-            assert!(e.contains(needle), "{args:?} → {e}");
-        }
     }
 
     #[test]
@@ -1444,24 +1305,6 @@ mod tests {
                 url: "s3://b/p/".into()
             }]
         );
-    }
-
-    #[test]
-    fn config_file_errors_name_file_and_key() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("c.toml");
-        std::fs::write(&path, "poll-interval = \"fast\"\n").unwrap();
-        let e = run_args(&["--config", path.to_str().unwrap()]).unwrap_err();
-        assert!(e.starts_with("64:") && e.contains("poll-interval"), "{e}");
-        std::fs::write(&path, "no-such-key = 1\n").unwrap();
-        let e = run_args(&["--config", path.to_str().unwrap()]).unwrap_err();
-        assert!(
-            e.contains("no-such-key") && e.contains("unknown key"),
-            "{e}"
-        );
-        std::fs::write(&path, "this is not toml").unwrap();
-        let e = run_args(&["--config", path.to_str().unwrap()]).unwrap_err();
-        assert!(e.contains("config file"), "{e}");
     }
 
     #[test]
@@ -1548,6 +1391,98 @@ mod tests {
             assert!(md.contains(&format!("`{flag}`")), "{flag} missing");
             let env = format!("SPOTGUARD_{}", flag[2..].replace('-', "_").to_uppercase());
             assert!(md.contains(&env), "{env} missing");
+        }
+    }
+
+    /// `run` with test-only short flags and an alias (the real `run` has none yet): what clap
+    /// matched decides what was given, whatever form it was given in.
+    fn run_command_with_shorts() -> clap::Command {
+        run_command()
+            .mut_arg("poll_interval", |a| a.short('p').alias("poll"))
+            .mut_arg("checkpoint_cmdline", |a| a.short('c'))
+    }
+
+    #[test]
+    fn a_flag_in_any_form_beats_the_config_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.toml");
+        std::fs::write(
+            &path,
+            "poll-interval = \"3s\"\ncheckpoint-cmdline = [\"train\"]\n",
+        )
+        .unwrap();
+        let p = path.to_str().unwrap();
+        let cmd = run_command_with_shorts();
+        let merge = |given: &[&str]| {
+            let argv: Vec<OsString> = ["spotguard", "--config", p]
+                .iter()
+                .chain(given)
+                .map(OsString::from)
+                .collect();
+            let matches = cmd.clone().try_get_matches_from(&argv).unwrap();
+            merge_config_file(&cmd, &matches, &argv[1..]).unwrap()
+        };
+        let origin = |run: &RunArgs, key: &str| {
+            run.settings
+                .iter()
+                .find(|s| s.key == key)
+                .map(|s| s.origin)
+                .unwrap()
+        };
+        for given in [
+            &["--poll-interval", "2s", "--checkpoint-cmdline", "torchrun"][..],
+            &["--poll-interval=2s", "--checkpoint-cmdline=torchrun"],
+            &["-p", "2s", "-c", "torchrun"],
+            &["-p2s", "-ctorchrun"],
+            &["--poll", "2s", "-c=torchrun"],
+            &["--poll=2s", "-c", "torchrun"],
+        ] {
+            let run = merge(given);
+            assert_eq!(run.poll_interval, Duration::from_secs(2), "{given:?}");
+            let cmdline: Vec<&str> = run.checkpoint_cmdline.iter().map(|r| r.as_str()).collect();
+            assert_eq!(
+                cmdline,
+                ["torchrun"],
+                "{given:?}: the file's list not added"
+            );
+            assert_eq!(origin(&run, "poll-interval"), Origin::Flag, "{given:?}");
+            assert_eq!(
+                origin(&run, "checkpoint-cmdline"),
+                Origin::Flag,
+                "{given:?}"
+            );
+        }
+        let run = merge(&[]);
+        assert_eq!(run.poll_interval, Duration::from_secs(3));
+        assert_eq!(origin(&run, "poll-interval"), Origin::File);
+        assert_eq!(origin(&run, "checkpoint-cmdline"), Origin::File);
+        assert_eq!(origin(&run, "checkpoint-timeout"), Origin::Default);
+    }
+
+    #[test]
+    fn a_bad_value_is_blamed_on_the_command_line_only_when_given_there() {
+        // PATH is set in every test process and is not a duration: a bad value from the environment.
+        let cmd = run_command_with_shorts().mut_arg("poll_interval", |a| a.env("PATH"));
+        let argv = |given: &[&str]| -> Vec<OsString> {
+            std::iter::once("spotguard")
+                .chain(given.iter().copied())
+                .map(OsString::from)
+                .collect()
+        };
+        let e = cmd.clone().try_get_matches_from(argv(&[])).unwrap_err();
+        assert!(!given_on_command_line(&e, &cmd, &argv(&[])), "{e}");
+        for given in [
+            &["--poll-interval", "soon"][..],
+            &["--poll-interval=soon"],
+            &["-p", "soon"],
+            &["--poll=soon"],
+        ] {
+            let e = cmd.clone().try_get_matches_from(argv(given)).unwrap_err();
+            assert!(e.to_string().contains("--poll-interval"), "{e}");
+            assert!(
+                given_on_command_line(&e, &cmd, &argv(given)),
+                "{given:?}: {e}"
+            );
         }
     }
 }
