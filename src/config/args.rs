@@ -389,18 +389,3 @@ pub struct WebhookHeader(pub http::HeaderName, pub http::HeaderValue);
 pub(crate) fn run_command() -> clap::Command {
     RunArgs::augment_args(clap::Command::new("run").bin_name("spotguard run"))
 }
-
-/// `spotguard run ARGS…` as [`super::parse_run_args`] parses it (tests).
-#[cfg(test)]
-pub(super) fn run_args(args: &[&str]) -> Result<RunArgs, String> {
-    super::parse_run_args(args)
-}
-
-/// `run` with test-only short flags and an alias (the real `run` has none yet): what clap
-/// matched decides what was given, whatever form it was given in.
-#[cfg(test)]
-pub(super) fn run_command_with_shorts() -> clap::Command {
-    run_command()
-        .mut_arg("poll_interval", |a| a.short('p').alias("poll"))
-        .mut_arg("checkpoint_cmdline", |a| a.short('c'))
-}

@@ -227,19 +227,14 @@ pub(super) fn validate_dataset(d: &Dataset) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::args::run_command_with_shorts;
+    use crate::config::test_support::{config_file, run_command_with_shorts};
     use crate::config::Origin;
     use std::time::Duration;
 
     #[test]
     fn a_flag_in_any_form_beats_the_config_file() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("c.toml");
-        std::fs::write(
-            &path,
-            "poll-interval = \"3s\"\ncheckpoint-cmdline = [\"train\"]\n",
-        )
-        .unwrap();
+        let (_dir, path) =
+            config_file("poll-interval = \"3s\"\ncheckpoint-cmdline = [\"train\"]\n");
         let p = path.to_str().unwrap();
         let cmd = run_command_with_shorts();
         let merge = |given: &[&str]| {

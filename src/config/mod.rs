@@ -333,11 +333,40 @@ fn validate_dns_subdomain(name: &str) -> Result<(), String> {
     }
 }
 
+/// Helpers of config's unit tests.
+#[cfg(test)]
+mod test_support {
+    use std::path::PathBuf;
+
+    use super::{args::run_command, parse_run_args, RunArgs};
+
+    /// `spotguard run ARGS…` as [`parse_run_args`] parses it.
+    pub(super) fn run_args(args: &[&str]) -> Result<RunArgs, String> {
+        parse_run_args(args)
+    }
+
+    /// `run` with test-only short flags and an alias (the real `run` has none yet): what clap
+    /// matched decides what was given, whatever form it was given in.
+    pub(super) fn run_command_with_shorts() -> clap::Command {
+        run_command()
+            .mut_arg("poll_interval", |a| a.short('p').alias("poll"))
+            .mut_arg("checkpoint_cmdline", |a| a.short('c'))
+    }
+
+    /// A config file holding `toml` (removed with the returned directory).
+    pub(super) fn config_file(toml: &str) -> (tempfile::TempDir, PathBuf) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.toml");
+        std::fs::write(&path, toml).unwrap();
+        (dir, path)
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    use super::test_support::{config_file, run_args};
     use super::*;
     use crate::checkpoint::Signal;
-    use crate::config::args::run_args;
 
     struct TestEnv(Vec<(&'static str, &'static str)>);
 
@@ -393,13 +422,9 @@ mod tests {
 
     #[test]
     fn config_file_fills_in_below_flags() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("c.toml");
-        std::fs::write(
-            &path,
+        let (_dir, path) = config_file(
             "cloud = \"gce\"\npoll_interval = \"3s\"\ncheckpoint-timeout = \"45s\"\ndry-run = true\ncheckpoint-cmdline = [\"train\", \"torchrun\"]\n[[datasets]]\nname = \"ds\"\nurl = \"s3://b/p/\"\n",
-        )
-        .unwrap();
+        );
         let p = path.to_str().unwrap();
         let a = run_args(&["--config", p, "--poll-interval", "2s"]).unwrap();
         assert_eq!(a.cloud, CloudChoice::Gce);

@@ -165,7 +165,7 @@ pub fn settings_line(settings: &[Setting]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::args::run_command_with_shorts;
+    use crate::config::test_support::run_command_with_shorts;
 
     #[test]
     fn a_bad_value_is_blamed_on_the_command_line_only_when_given_there() {
