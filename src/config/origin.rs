@@ -21,7 +21,7 @@ pub enum Origin {
 impl Origin {
     /// The origin of a value clap took from `source`; `from_file`: the config file's value was
     /// passed as a command-line argument.
-    pub fn of(source: ValueSource, from_file: bool) -> Origin {
+    pub(crate) fn of(source: ValueSource, from_file: bool) -> Origin {
         match source {
             ValueSource::CommandLine if from_file => Origin::File,
             ValueSource::CommandLine => Origin::Flag,
