@@ -7,6 +7,7 @@
 pub mod admin;
 pub mod app;
 pub mod checkpoint;
+pub mod cli;
 pub mod config;
 pub mod drill;
 pub mod duration;

@@ -4,7 +4,8 @@ use std::io::Write;
 use std::process::ExitCode;
 
 use anyhow::Context;
-use spotguard::config::{self, Command, Config, Parsed};
+use spotguard::cli::{self, Command, ConfigCommand, Parsed};
+use spotguard::config::{self, Config};
 use spotguard::{app, drill, emulator, gpu, prefetch, shutdown, telemetry};
 
 fn main() -> ExitCode {
@@ -14,7 +15,7 @@ fn main() -> ExitCode {
     unsafe {
         libc::mallopt(libc::M_ARENA_MAX, 2);
     }
-    let command = match config::parse_cli(std::env::args_os()) {
+    let command = match cli::parse_cli(std::env::args_os()) {
         Parsed::Command(c) => c,
         Parsed::Exit { code, text, stderr } => {
             // A closed pipe (`spotguard --help | head -1`) is not an error worth a panic.
@@ -32,13 +33,10 @@ fn main() -> ExitCode {
             exit(0)
         }
         Command::Completions { shell } => {
-            let mut cmd = <config::Cli as clap::CommandFactory>::command();
-            let mut out = Vec::new();
-            clap_complete::generate(shell, &mut cmd, "spotguard", &mut out);
-            let _ = std::io::stdout().write_all(&out);
+            let _ = std::io::stdout().write_all(&cli::completions(shell));
             exit(0)
         }
-        Command::Config(config::ConfigCommand::Check(args)) => exit(config_check(*args)),
+        Command::Config(ConfigCommand::Check(args)) => exit(config_check(*args)),
         Command::ExampleTrainer(args) => exit(drill::example_trainer(args)),
         Command::Gpu(args) => exit(gpu::run_cli(args)),
         Command::Run(args) => {
@@ -51,7 +49,7 @@ fn main() -> ExitCode {
             };
             telemetry::init(cfg.log_format, &cfg.args.log_level);
             tracing::info!(
-                version = config::VERSION,
+                version = cli::VERSION,
                 settings = %config::settings_line(&cfg.args.settings),
                 "effective configuration"
             );

@@ -459,9 +459,7 @@ fn drill_run_args(
 ) -> Result<config::RunArgs, String> {
     let cloud = cloud_name(args.cloud);
     let timeout = crate::duration::display(args.timeout).to_string();
-    let argv: Vec<String> = vec![
-        "spotguard".into(),
-        "run".into(),
+    let flags: Vec<String> = vec![
         "--mode=host".into(),
         format!("--cloud={cloud}"),
         format!("--metadata-endpoint={endpoint}"),
@@ -475,16 +473,10 @@ fn drill_run_args(
         format!("--log-level={}", args.log_level),
         "--shutdown-grace=5s".into(),
     ];
-    match config::parse_cli(argv) {
-        config::Parsed::Command(config::Command::Run(r)) => {
-            let mut r = *r;
-            r.mode = ModeChoice::Host;
-            r.config = None;
-            Ok(r)
-        }
-        config::Parsed::Exit { text, .. } => Err(text),
-        config::Parsed::Command(_) => Err("internal: drill built a non-run command".into()),
-    }
+    let mut r = config::parse_run_args(flags)?;
+    r.mode = ModeChoice::Host;
+    r.config = None;
+    Ok(r)
 }
 
 pub(crate) fn cloud_name(c: DrillCloud) -> &'static str {

@@ -1,0 +1,391 @@
+//! `spotguard run`'s arguments: every flag, its environment variable, default and help heading.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{ArgAction, Args, ValueEnum};
+use regex::Regex;
+
+use super::parse::*;
+use super::{Dataset, GpuMode, Setting};
+use crate::checkpoint::Signal;
+use crate::notice::Source;
+
+/// Mode of operation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum ModeChoice {
+    /// Kubernetes when in-cluster config or `KUBECONFIG` is present, else host.
+    Auto,
+    Kubernetes,
+    Host,
+}
+
+/// Which cloud's metadata service to watch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum CloudChoice {
+    /// DMI (`/sys/class/dmi/id/*`), then probing the metadata endpoints.
+    Auto,
+    Aws,
+    Gce,
+    Azure,
+}
+
+impl CloudChoice {
+    pub fn source(self) -> Option<Source> {
+        match self {
+            CloudChoice::Auto => None,
+            CloudChoice::Aws => Some(Source::Aws),
+            CloudChoice::Gce => Some(Source::Gce),
+            CloudChoice::Azure => Some(Source::Azure),
+        }
+    }
+}
+
+/// What to do on an EC2 rebalance recommendation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum RebalanceAction {
+    Ignore,
+    Cordon,
+    Checkpoint,
+    Drain,
+}
+
+/// What to do on scheduled maintenance.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum MaintenanceAction {
+    Ignore,
+    Cordon,
+    Drain,
+}
+
+/// Log output format.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    Json,
+    Text,
+}
+
+/// Help headings of `run`'s flags (flags without one are under "Options").
+const NOTICES: &str = "Notices";
+const CHECKPOINT: &str = "Checkpoint";
+const DRAIN: &str = "Drain";
+const OBSERVABILITY: &str = "Observability";
+const PREFETCH: &str = "Prefetch";
+const HOST_MODE: &str = "Host mode";
+
+/// `spotguard run` flags. Every flag also reads `SPOTGUARD_<FLAG_IN_CAPS>`.
+#[derive(Debug, Clone, Args)]
+#[command(args_override_self = true)]
+pub struct RunArgs {
+    /// TOML file with the same keys as these flags plus `[[datasets]]` and `[gpu.thresholds]`.
+    #[arg(long, env = "SPOTGUARD_CONFIG", value_name = "FILE")]
+    pub config: Option<PathBuf>,
+
+    /// `auto`: kubernetes when in-cluster config or KUBECONFIG is present, else host.
+    #[arg(long, env = "SPOTGUARD_MODE", value_enum, default_value = "auto")]
+    pub mode: ModeChoice,
+
+    /// Cloud to watch; auto = DMI then probing.
+    #[arg(long, env = "SPOTGUARD_CLOUD", value_enum, default_value = "auto", help_heading = NOTICES)]
+    pub cloud: CloudChoice,
+
+    /// Metadata service base URL override, e.g. http://127.0.0.1:1338 or http://[fd00:ec2::254].
+    #[arg(long, env = "SPOTGUARD_METADATA_ENDPOINT", value_name = "URL", value_parser = parse_endpoint, help_heading = NOTICES)]
+    pub metadata_endpoint: Option<reqwest::Url>,
+
+    /// EC2 and Azure polling cadence (GCE uses hanging GETs).
+    #[arg(long, env = "SPOTGUARD_POLL_INTERVAL", value_name = "DURATION", default_value = "1s", value_parser = parse_positive_duration, help_heading = NOTICES)]
+    pub poll_interval: Duration,
+
+    /// Kubernetes node to act on (default: env NODE_NAME).
+    #[arg(long, env = "SPOTGUARD_NODE_NAME", value_name = "NAME")]
+    pub node_name: Option<String>,
+
+    /// Action on an EC2 rebalance recommendation.
+    #[arg(
+        long,
+        env = "SPOTGUARD_ON_REBALANCE",
+        value_enum,
+        default_value = "checkpoint",
+        help_heading = NOTICES,
+    )]
+    pub on_rebalance: RebalanceAction,
+
+    /// Undo a rebalance cordon/taint if no interruption follows within this time.
+    #[arg(long, env = "SPOTGUARD_REBALANCE_EXPIRY", value_name = "DURATION", default_value = "30m", value_parser = parse_positive_duration, help_heading = NOTICES)]
+    pub rebalance_expiry: Duration,
+
+    /// Action on scheduled maintenance / GCE TERMINATE_ON_HOST_MAINTENANCE.
+    #[arg(
+        long,
+        env = "SPOTGUARD_ON_MAINTENANCE",
+        value_enum,
+        default_value = "drain",
+        help_heading = NOTICES,
+    )]
+    pub on_maintenance: MaintenanceAction,
+
+    /// Action on an Azure `Freeze` event (the VM is paused for a few seconds, not restarted or moved).
+    #[arg(
+        long,
+        env = "SPOTGUARD_ON_AZURE_FREEZE",
+        value_enum,
+        default_value = "ignore",
+        help_heading = NOTICES
+    )]
+    pub on_azure_freeze: MaintenanceAction,
+
+    /// Start handling a scheduled event this long before its NotBefore.
+    #[arg(long, env = "SPOTGUARD_MAINTENANCE_LEAD", value_name = "DURATION", default_value = "10m", value_parser = parse_duration, help_heading = NOTICES)]
+    pub maintenance_lead: Duration,
+
+    /// Signal sent to checkpoint targets.
+    #[arg(long, env = "SPOTGUARD_CHECKPOINT_SIGNAL", value_name = "SIGNAL", default_value = "SIGUSR1", value_parser = parse_signal, help_heading = CHECKPOINT)]
+    pub checkpoint_signal: Signal,
+
+    /// Upper bound on waiting for checkpoint acks.
+    #[arg(long, env = "SPOTGUARD_CHECKPOINT_TIMEOUT", value_name = "DURATION", default_value = "90s", value_parser = parse_positive_duration, help_heading = CHECKPOINT)]
+    pub checkpoint_timeout: Duration,
+
+    /// Time kept before the deadline for evictions [default: 25s on aws, 8s on gce and azure].
+    #[arg(long, env = "SPOTGUARD_DRAIN_RESERVE", value_name = "DURATION", value_parser = parse_duration, help_heading = DRAIN)]
+    pub drain_reserve: Option<Duration>,
+
+    /// Delete pods still blocked by a PDB 5 s before the deadline (opt-in; needs pods delete RBAC).
+    #[arg(long, env = "SPOTGUARD_FORCE_DELETE_AT_DEADLINE", action = ArgAction::SetTrue, value_parser = parse_bool, help_heading = DRAIN)]
+    pub force_delete_at_deadline: bool,
+
+    /// Log every action it would take; mutate nothing, signal nothing.
+    #[arg(long, env = "SPOTGUARD_DRY_RUN", action = ArgAction::SetTrue, value_parser = parse_bool)]
+    pub dry_run: bool,
+
+    /// Address of /metrics, /healthz, /readyz.
+    #[arg(
+        long,
+        env = "SPOTGUARD_METRICS_ADDR",
+        value_name = "ADDR",
+        default_value = "0.0.0.0:9464",
+        help_heading = OBSERVABILITY,
+    )]
+    pub metrics_addr: SocketAddr,
+
+    /// GPU health monitoring: auto = NVML if it loads.
+    #[arg(long, env = "SPOTGUARD_GPU", value_enum, default_value = "auto", help_heading = OBSERVABILITY)]
+    pub gpu: GpuMode,
+
+    /// Node condition type set True while the node's GPUs are unhealthy (see docs/gpu-health.md).
+    #[arg(
+        long,
+        env = "SPOTGUARD_GPU_UNHEALTHY_CONDITION",
+        value_name = "TYPE",
+        default_value = crate::gpu::DEFAULT_UNHEALTHY_CONDITION,
+        help_heading = OBSERVABILITY
+    )]
+    pub gpu_unhealthy_condition: String,
+
+    /// Node condition type set True while the node's GPUs are degraded.
+    #[arg(
+        long,
+        env = "SPOTGUARD_GPU_DEGRADED_CONDITION",
+        value_name = "TYPE",
+        default_value = crate::gpu::DEFAULT_DEGRADED_CONDITION,
+        help_heading = OBSERVABILITY
+    )]
+    pub gpu_degraded_condition: String,
+
+    /// Also set this Ready-polarity condition False while the GPUs are unhealthy (and True again
+    /// on recovery), e.g. `AcceleratedHardwareReady` for EKS node auto-repair.
+    #[arg(long, env = "SPOTGUARD_GPU_READY_CONDITION", value_name = "TYPE", help_heading = OBSERVABILITY)]
+    pub gpu_ready_condition: Option<String>,
+
+    /// Kubelet pod-resources socket: GPU metrics get pod / namespace / container labels of the
+    /// container holding the GPU (empty = off; a socket that is not there is retried each sample).
+    #[arg(
+        long,
+        env = "SPOTGUARD_GPU_POD_RESOURCES_SOCKET",
+        value_name = "PATH",
+        default_value = crate::gpu::podresources::DEFAULT_SOCKET,
+        help_heading = OBSERVABILITY
+    )]
+    pub gpu_pod_resources_socket: String,
+
+    /// Log format [default: json in-cluster, text on a TTY, else json].
+    #[arg(long, env = "SPOTGUARD_LOG_FORMAT", value_enum, help_heading = OBSERVABILITY)]
+    pub log_format: Option<LogFormat>,
+
+    /// Log level of spotguard (dependencies stay at warn), or EnvFilter directives, e.g. `debug,kube=info`.
+    #[arg(
+        long,
+        env = "SPOTGUARD_LOG_LEVEL",
+        value_name = "FILTER",
+        default_value = "info",
+        help_heading = OBSERVABILITY,
+    )]
+    pub log_level: String,
+
+    /// Host mode target: a systemd unit whose own cgroup's processes are checkpointed (repeatable).
+    #[arg(
+        long,
+        env = "SPOTGUARD_CHECKPOINT_UNIT",
+        value_name = "NAME",
+        value_delimiter = ',',
+        help_heading = HOST_MODE,
+    )]
+    pub checkpoint_unit: Vec<String>,
+
+    /// Host mode target: a pidfile (a regular file owned by root or by the process's user, never
+    /// naming PID 1); that process and its descendants running as the same user (repeatable).
+    #[arg(
+        long,
+        env = "SPOTGUARD_CHECKPOINT_PIDFILE",
+        value_name = "PATH",
+        value_delimiter = ',',
+        help_heading = HOST_MODE,
+    )]
+    pub checkpoint_pidfile: Vec<PathBuf>,
+
+    /// Host mode target: processes whose command line matches (repeatable).
+    #[arg(long, env = "SPOTGUARD_CHECKPOINT_CMDLINE", value_name = "REGEX", value_parser = parse_regex, help_heading = HOST_MODE)]
+    pub checkpoint_cmdline: Vec<Regex>,
+
+    /// Host mode: where notice.json is written and acks are read.
+    #[arg(long, env = "SPOTGUARD_CHECKPOINT_DIR", value_name = "DIR", default_value = "/run/spotguard", value_parser = parse_abs_path, help_heading = HOST_MODE)]
+    pub checkpoint_dir: PathBuf,
+
+    /// Host mode: persisted state (notice id, phase).
+    #[arg(long, env = "SPOTGUARD_STATE_DIR", value_name = "DIR", default_value = "/var/lib/spotguard", value_parser = parse_abs_path, help_heading = HOST_MODE)]
+    pub state_dir: PathBuf,
+
+    /// EC2: allow IMDSv1 when the IMDSv2 token PUT fails.
+    #[arg(long, env = "SPOTGUARD_IMDS_V1_FALLBACK", action = ArgAction::SetTrue, value_parser = parse_bool, help_heading = NOTICES)]
+    pub imds_v1_fallback: bool,
+
+    /// GCE: time from preempted=TRUE to power-off (120s with extended preemption notice).
+    #[arg(long, env = "SPOTGUARD_GCE_PREEMPTION_NOTICE", value_name = "DURATION", default_value = "30s", value_parser = parse_positive_duration, help_heading = NOTICES)]
+    pub gce_preemption_notice: Duration,
+
+    /// Azure: this VM's name for filtering scheduled events [default: IMDS compute/name].
+    #[arg(long, env = "SPOTGUARD_AZURE_VM_NAME", value_name = "NAME", help_heading = NOTICES)]
+    pub azure_vm_name: Option<String>,
+
+    /// Notification URL called when handling starts (Slack-compatible JSON by default).
+    #[arg(long, env = "SPOTGUARD_WEBHOOK_URL", value_name = "URL", value_parser = parse_url, help_heading = OBSERVABILITY)]
+    pub webhook_url: Option<String>,
+
+    /// Template of the webhook body; placeholders like {{node}}, {{kind}}, {{deadline}}.
+    #[arg(long, env = "SPOTGUARD_WEBHOOK_TEMPLATE", value_name = "TEMPLATE", help_heading = OBSERVABILITY)]
+    pub webhook_template: Option<String>,
+
+    /// Template of the webhook sent when a plan ends; placeholders like {{outcome}}, {{summary}}, {{step}}.
+    #[arg(
+        long,
+        env = "SPOTGUARD_WEBHOOK_OUTCOME_TEMPLATE",
+        value_name = "TEMPLATE",
+        help_heading = OBSERVABILITY,
+    )]
+    pub webhook_outcome_template: Option<String>,
+
+    /// Ready-made webhook bodies (replaced by --webhook-template / --webhook-outcome-template).
+    #[arg(
+        long,
+        env = "SPOTGUARD_WEBHOOK_PRESET",
+        value_enum,
+        default_value = "slack",
+        help_heading = OBSERVABILITY,
+    )]
+    pub webhook_preset: crate::webhook::Preset,
+
+    /// Extra webhook request header, "Name: value" (repeatable), e.g. an Authorization token.
+    #[arg(long, env = "SPOTGUARD_WEBHOOK_HEADER", value_name = "HEADER", value_parser = parse_webhook_header, help_heading = OBSERVABILITY)]
+    pub webhook_header: Vec<WebhookHeader>,
+
+    /// In --dry-run: send webhooks marked ({{dry_run}}, X-Spotguard-Dry-Run) or suppress them.
+    #[arg(
+        long,
+        env = "SPOTGUARD_WEBHOOK_DRY_RUN",
+        value_enum,
+        default_value = "mark",
+        help_heading = OBSERVABILITY,
+    )]
+    pub webhook_dry_run: crate::webhook::DryRunWebhook,
+
+    /// PagerDuty Events v2 integration key ({{routing_key}}; needed by --webhook-preset pagerduty).
+    #[arg(
+        long,
+        env = "SPOTGUARD_WEBHOOK_ROUTING_KEY",
+        value_name = "KEY",
+        hide_env_values = true,
+        help_heading = OBSERVABILITY,
+    )]
+    pub webhook_routing_key: Option<String>,
+
+    /// Dataset to warm at start, NAME=URL or a bare URL (repeatable), by a child `spotguard prefetch-serve` process.
+    #[arg(long, env = "SPOTGUARD_PREFETCH", value_name = "NAME=URL", value_delimiter = ',', value_parser = parse_dataset, help_heading = PREFETCH)]
+    pub prefetch: Vec<Dataset>,
+
+    /// Shared dataset cache root.
+    #[arg(long, env = "SPOTGUARD_CACHE_DIR", value_name = "DIR", default_value = "/var/cache/spotguard", value_parser = parse_abs_path, help_heading = PREFETCH)]
+    pub cache_dir: PathBuf,
+
+    /// Evict least-recently-used datasets above this size (e.g. 500GiB) [default: half the cache's filesystem].
+    #[arg(long, env = "SPOTGUARD_CACHE_MAX_BYTES", value_name = "BYTES", value_parser = parse_bytes, help_heading = PREFETCH)]
+    pub cache_max_bytes: Option<u64>,
+
+    /// S3-compatible endpoint for prefetch sources (e.g. http://127.0.0.1:9000).
+    #[arg(long, env = "SPOTGUARD_PREFETCH_ENDPOINT", value_name = "URL", value_parser = parse_url, help_heading = PREFETCH)]
+    pub prefetch_endpoint: Option<String>,
+
+    /// Maximum evictions in flight during a drain.
+    #[arg(long, env = "SPOTGUARD_DRAIN_CONCURRENCY", value_name = "N", default_value_t = 32, value_parser = clap::value_parser!(u16).range(1..=1024), help_heading = DRAIN)]
+    pub drain_concurrency: u16,
+
+    /// On SIGTERM, time an in-flight plan gets to finish (still bounded by its deadline).
+    #[arg(long, env = "SPOTGUARD_SHUTDOWN_GRACE", value_name = "DURATION", default_value = "120s", value_parser = parse_duration)]
+    pub shutdown_grace: Duration,
+
+    /// Directory of DMI identifiers used by cloud auto-detection.
+    #[arg(
+        long,
+        env = "SPOTGUARD_DMI_DIR",
+        value_name = "DIR",
+        default_value = "/sys/class/dmi/id",
+        hide = true
+    )]
+    pub dmi_dir: PathBuf,
+
+    /// Root of the proc filesystem (process discovery).
+    #[arg(
+        long,
+        env = "SPOTGUARD_PROC_ROOT",
+        value_name = "DIR",
+        default_value = "/proc",
+        hide = true
+    )]
+    pub proc_root: PathBuf,
+
+    /// File holding this machine's boot id: persisted plan state from another boot belongs to a
+    /// previous life of the machine (stop/start, hibernation, reboot).
+    #[arg(
+        long,
+        env = "SPOTGUARD_BOOT_ID_FILE",
+        value_name = "FILE",
+        default_value = "/proc/sys/kernel/random/boot_id",
+        hide = true
+    )]
+    pub boot_id_file: PathBuf,
+
+    /// Where each setting came from (filled when the arguments are parsed).
+    #[arg(skip)]
+    pub settings: Vec<Setting>,
+}
+
+/// A validated `--webhook-header`.
+#[derive(Clone, Debug)]
+pub struct WebhookHeader(pub http::HeaderName, pub http::HeaderValue);
+
+/// `run`'s arguments as a command of their own (`spotguard run`), for parsing them without the
+/// rest of the command table.
+pub(crate) fn run_command() -> clap::Command {
+    RunArgs::augment_args(clap::Command::new("run").bin_name("spotguard run"))
+}

@@ -1,0 +1,285 @@
+//! The config file (`--config FILE`, TOML): keys named like `run`'s flags are merged below the
+//! command line and the environment; `[[datasets]]` and the `[gpu]` table are read as structures.
+
+use std::ffi::OsString;
+use std::path::Path;
+
+use clap::parser::ValueSource;
+use clap::{ArgAction, ArgMatches, FromArgMatches};
+use serde::Deserialize;
+
+use super::origin::settings_of;
+use super::parse::parse_bool;
+use super::{Error, RunArgs};
+
+/// A dataset to prefetch: `NAME=URL`.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+pub struct Dataset {
+    pub name: String,
+    pub url: String,
+}
+
+/// The structured parts of the config file (everything else maps onto the flags).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileExtras {
+    #[serde(default)]
+    datasets: Vec<Dataset>,
+    #[serde(default)]
+    gpu: Option<toml::Table>,
+}
+
+/// Keys of the config file that are not flags.
+const STRUCTURED_KEYS: &[&str] = &["datasets", "gpu"];
+
+/// Complete `run`'s settings with the config file (`--config`) below the command line and the
+/// environment: `matches` are what `cmd` parsed from `args`; each file key that clap's value source
+/// says was neither given on the command line nor set in the environment is parsed again as
+/// `--key=value` ahead of `args`, so that flag > env > file > default holds and clap validates file
+/// values like any other. Records where each setting came from.
+pub(crate) fn merge_config_file(
+    cmd: &clap::Command,
+    matches: &ArgMatches,
+    args: &[OsString],
+) -> Result<RunArgs, Error> {
+    let mut run = RunArgs::from_arg_matches(matches).map_err(|e| Error::Cli(e.to_string()))?;
+    let file_args = match &run.config {
+        Some(file) => config_file_args(file, cmd, matches)?,
+        None => Vec::new(),
+    };
+    if file_args.is_empty() {
+        run.settings = settings_of(cmd, matches, &[]);
+        return Ok(run);
+    }
+    let merged: Vec<OsString> = std::iter::once(OsString::from("spotguard"))
+        .chain(file_args.iter().map(|(_, arg)| OsString::from(arg)))
+        .chain(args.iter().cloned())
+        .collect();
+    let file_error = |reason: String| Error::File {
+        path: run
+            .config
+            .as_ref()
+            .map(|p| p.display().to_string())
+            .unwrap_or_default(),
+        reason,
+    };
+    let merged = cmd
+        .clone()
+        .try_get_matches_from(&merged)
+        .map_err(|e| file_error(e.render().to_string().trim().to_string()))?;
+    let mut run = RunArgs::from_arg_matches(&merged).map_err(|e| Error::Cli(e.to_string()))?;
+    let from_file: Vec<&str> = file_args.iter().map(|(key, _)| key.as_str()).collect();
+    run.settings = settings_of(cmd, &merged, &from_file);
+    Ok(run)
+}
+
+/// Read the config file and turn its keys into `--key=value` arguments of `cmd` (with their key),
+/// leaving out keys that `matches` took from the command line or the environment; each key is
+/// validated on its own so that an error names the file and the key.
+fn config_file_args(
+    path: &Path,
+    cmd: &clap::Command,
+    matches: &ArgMatches,
+) -> Result<Vec<(String, String)>, Error> {
+    let file = path.display().to_string();
+    let text = std::fs::read_to_string(path).map_err(|e| Error::File {
+        path: file.clone(),
+        reason: e.to_string(),
+    })?;
+    let table: toml::Table = text.parse().map_err(|e: toml::de::Error| Error::File {
+        path: file.clone(),
+        reason: e.to_string().trim().to_string(),
+    })?;
+    let mut out = Vec::new();
+    for (raw_key, value) in &table {
+        if STRUCTURED_KEYS.contains(&raw_key.as_str()) {
+            continue;
+        }
+        let key = raw_key.replace('_', "-");
+        let arg = cmd
+            .get_arguments()
+            .find(|a| {
+                a.get_long() == Some(key.as_str()) && !a.is_hide_set() && !is_help_or_version(a)
+            })
+            .ok_or_else(|| Error::FileKey {
+                path: file.clone(),
+                key: raw_key.clone(),
+                reason: "unknown key".into(),
+            })?;
+        if key == "config" {
+            return Err(Error::FileKey {
+                path: file.clone(),
+                key: raw_key.clone(),
+                reason: "a config file cannot name another config file".into(),
+            });
+        }
+        // Given as a flag (in any form) or in the environment: they win over the file.
+        if matches!(
+            matches.value_source(arg.get_id().as_str()),
+            Some(ValueSource::CommandLine | ValueSource::EnvVariable)
+        ) {
+            continue;
+        }
+        let values: Vec<String> = match value {
+            toml::Value::Array(items) => items
+                .iter()
+                .map(toml_scalar)
+                .collect::<Option<Vec<_>>>()
+                .ok_or_else(|| Error::FileKey {
+                    path: file.clone(),
+                    key: raw_key.clone(),
+                    reason: "expected a list of strings, numbers or booleans".into(),
+                })?,
+            v => vec![toml_scalar(v).ok_or_else(|| Error::FileKey {
+                path: file.clone(),
+                key: raw_key.clone(),
+                reason: "expected a string, number or boolean".into(),
+            })?],
+        };
+        let is_switch = matches!(arg.get_action(), ArgAction::SetTrue);
+        for v in values {
+            // Switches take no value: `true` gives the bare flag, `false` the default.
+            let one = if is_switch {
+                match parse_bool(&v) {
+                    Ok(true) => format!("--{key}"),
+                    Ok(false) => continue,
+                    Err(reason) => {
+                        return Err(Error::FileKey {
+                            path: file.clone(),
+                            key: raw_key.clone(),
+                            reason,
+                        })
+                    }
+                }
+            } else {
+                format!("--{key}={v}")
+            };
+            // Validate this key alone so the error names the file and key.
+            if let Err(e) = cmd
+                .clone()
+                .try_get_matches_from(["spotguard", one.as_str()])
+            {
+                let msg = e.render().to_string();
+                let reason = msg
+                    .lines()
+                    .next()
+                    .unwrap_or("invalid value")
+                    .trim_start_matches("error: ")
+                    .to_string();
+                return Err(Error::FileKey {
+                    path: file.clone(),
+                    key: raw_key.clone(),
+                    reason,
+                });
+            }
+            out.push((key.clone(), one));
+        }
+    }
+    Ok(out)
+}
+
+/// clap's own `--help` / `--version`: not settings.
+fn is_help_or_version(a: &clap::Arg) -> bool {
+    matches!(
+        a.get_action(),
+        ArgAction::Help | ArgAction::HelpShort | ArgAction::HelpLong | ArgAction::Version
+    )
+}
+
+fn toml_scalar(v: &toml::Value) -> Option<String> {
+    match v {
+        toml::Value::String(s) => Some(s.clone()),
+        toml::Value::Integer(i) => Some(i.to_string()),
+        toml::Value::Float(f) => Some(f.to_string()),
+        toml::Value::Boolean(b) => Some(b.to_string()),
+        _ => None,
+    }
+}
+
+pub(super) fn read_extras(path: &Path) -> Result<(Vec<Dataset>, Option<toml::Table>), Error> {
+    let file = path.display().to_string();
+    let text = std::fs::read_to_string(path).map_err(|e| Error::File {
+        path: file.clone(),
+        reason: e.to_string(),
+    })?;
+    let mut table: toml::Table = text.parse().map_err(|e: toml::de::Error| Error::File {
+        path: file.clone(),
+        reason: e.to_string().trim().to_string(),
+    })?;
+    table.retain(|k, _| STRUCTURED_KEYS.contains(&k));
+    let extras: FileExtras =
+        toml::Value::Table(table)
+            .try_into()
+            .map_err(|e: toml::de::Error| Error::File {
+                path: file.clone(),
+                reason: e.to_string().trim().to_string(),
+            })?;
+    Ok((extras.datasets, extras.gpu))
+}
+
+pub(super) fn validate_dataset(d: &Dataset) -> Result<(), String> {
+    let spec = format!("{}={}", d.name, d.url);
+    crate::prefetch::parse_spec(&spec)
+        .map(|_| ())
+        .map_err(|e| format!("dataset {:?}: {e}", d.name))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::test_support::{config_file, run_command_with_shorts};
+    use crate::config::Origin;
+    use std::time::Duration;
+
+    #[test]
+    fn a_flag_in_any_form_beats_the_config_file() {
+        let (_dir, path) =
+            config_file("poll-interval = \"3s\"\ncheckpoint-cmdline = [\"train\"]\n");
+        let p = path.to_str().unwrap();
+        let cmd = run_command_with_shorts();
+        let merge = |given: &[&str]| {
+            let argv: Vec<OsString> = ["spotguard", "--config", p]
+                .iter()
+                .chain(given)
+                .map(OsString::from)
+                .collect();
+            let matches = cmd.clone().try_get_matches_from(&argv).unwrap();
+            merge_config_file(&cmd, &matches, &argv[1..]).unwrap()
+        };
+        let origin = |run: &RunArgs, key: &str| {
+            run.settings
+                .iter()
+                .find(|s| s.key == key)
+                .map(|s| s.origin)
+                .unwrap()
+        };
+        for given in [
+            &["--poll-interval", "2s", "--checkpoint-cmdline", "torchrun"][..],
+            &["--poll-interval=2s", "--checkpoint-cmdline=torchrun"],
+            &["-p", "2s", "-c", "torchrun"],
+            &["-p2s", "-ctorchrun"],
+            &["--poll", "2s", "-c=torchrun"],
+            &["--poll=2s", "-c", "torchrun"],
+        ] {
+            let run = merge(given);
+            assert_eq!(run.poll_interval, Duration::from_secs(2), "{given:?}");
+            let cmdline: Vec<&str> = run.checkpoint_cmdline.iter().map(|r| r.as_str()).collect();
+            assert_eq!(
+                cmdline,
+                ["torchrun"],
+                "{given:?}: the file's list not added"
+            );
+            assert_eq!(origin(&run, "poll-interval"), Origin::Flag, "{given:?}");
+            assert_eq!(
+                origin(&run, "checkpoint-cmdline"),
+                Origin::Flag,
+                "{given:?}"
+            );
+        }
+        let run = merge(&[]);
+        assert_eq!(run.poll_interval, Duration::from_secs(3));
+        assert_eq!(origin(&run, "poll-interval"), Origin::File);
+        assert_eq!(origin(&run, "checkpoint-cmdline"), Origin::File);
+        assert_eq!(origin(&run, "checkpoint-timeout"), Origin::Default);
+    }
+}

@@ -1,0 +1,479 @@
+//! The agent's settings: `run`'s arguments ([`RunArgs`], each also read from `SPOTGUARD_<FLAG>`), an
+//! optional TOML file with the same keys plus structured parts, and validation into a [`Config`].
+//! Precedence: flag > env > file > default. Everything is parsed and validated before anything
+//! starts; a bad value is reported with the key that holds it and the process exits 64
+//! (`EX_USAGE`).
+//!
+//! - `args`: [`RunArgs`], its value enums and help headings;
+//! - `file`: the config file (flag keys merged below the command line and the environment,
+//!   `[[datasets]]`, the `[gpu]` table);
+//! - `origin`: where each setting came from, the effective-configuration line, secret redaction,
+//!   and naming the `SPOTGUARD_*` variable that holds a bad value;
+//! - `parse`: value parsers of the flags;
+//! - `reference`: the configuration reference (Markdown) generated from the definitions.
+//!
+//! The command table that names every subcommand is `crate::cli`'s; config knows only `run` (it
+//! re-exports `cli::{parse_cli, Parsed, Command}` for the integration tests, nothing more).
+
+mod args;
+mod file;
+mod origin;
+mod parse;
+mod reference;
+
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use crate::notice::Source;
+use args::run_command;
+use file::{read_extras, validate_dataset};
+
+pub use crate::gpu::GpuMode;
+pub use args::{
+    CloudChoice, LogFormat, MaintenanceAction, ModeChoice, RebalanceAction, RunArgs, WebhookHeader,
+};
+pub(crate) use file::merge_config_file;
+pub use file::Dataset;
+pub(crate) use origin::env_value_error;
+pub use origin::{settings_line, Origin, Setting};
+pub use parse::{parse_bytes, parse_duration, parse_positive_duration};
+pub use reference::reference_markdown;
+
+/// Exit code for a usage or configuration error (`EX_USAGE`).
+pub const EXIT_USAGE: i32 = 64;
+
+// The command table moved to `crate::cli`; these keep `spotguard::config::{parse_cli, Parsed,
+// Command}` working for the integration tests and benches that build `run` arguments with them.
+#[doc(hidden)]
+pub use crate::cli::{parse_cli, Command, Parsed};
+
+/// Resolved operating mode.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    Kubernetes,
+    Host,
+}
+
+impl Mode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Mode::Kubernetes => "kubernetes",
+            Mode::Host => "host",
+        }
+    }
+}
+
+/// The validated configuration of `spotguard run`.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub args: RunArgs,
+    pub mode: Mode,
+    pub node_name: Option<String>,
+    pub pod_name: Option<String>,
+    pub pod_namespace: Option<String>,
+    pub datasets: Vec<Dataset>,
+    /// GPU monitoring settings: `--gpu` plus the config file's `[gpu]` table (interval, thresholds).
+    pub gpu: crate::gpu::GpuConfig,
+    pub log_format: LogFormat,
+}
+
+impl Config {
+    /// Drain reserve: the flag, else 25 s on AWS and 8 s on GCE and Azure.
+    pub fn drain_reserve(&self, source: Source) -> Duration {
+        drain_reserve(self.args.drain_reserve, source)
+    }
+}
+
+/// `--drain-reserve` if given, else the per-cloud default: 25 s on AWS (about 120 s of notice),
+/// 8 s on GCE and Azure (30 s).
+pub fn drain_reserve(flag: Option<Duration>, source: Source) -> Duration {
+    flag.unwrap_or(match source {
+        Source::Aws => Duration::from_secs(25),
+        Source::Gce | Source::Azure => Duration::from_secs(8),
+    })
+}
+
+/// A configuration error: names the key and what is wrong.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// clap's own rendering (names the flag / env var).
+    #[error("{0}")]
+    Cli(String),
+    #[error("config file {path}: {reason}")]
+    File { path: String, reason: String },
+    #[error("config file {path}: key `{key}`: {reason}")]
+    FileKey {
+        path: String,
+        key: String,
+        reason: String,
+    },
+    #[error("{key}: {reason}")]
+    Invalid { key: &'static str, reason: String },
+}
+
+impl Error {
+    pub fn is_retryable(&self) -> bool {
+        false
+    }
+    pub fn metric_label(&self) -> &'static str {
+        "config"
+    }
+}
+
+/// Parse `run`'s arguments `args` as `spotguard run ARGS…` does (environment and config file
+/// included), or the text the binary would print instead.
+pub fn parse_run_args<I, T>(args: I) -> Result<RunArgs, String>
+where
+    I: IntoIterator<Item = T>,
+    T: Into<OsString>,
+{
+    let args: Vec<OsString> = args.into_iter().map(Into::into).collect();
+    let argv: Vec<OsString> = std::iter::once(OsString::from("spotguard"))
+        .chain(args.iter().cloned())
+        .collect();
+    let cmd = run_command();
+    let matches = match cmd.clone().try_get_matches_from(&argv) {
+        Ok(m) => m,
+        Err(e) => {
+            return Err(env_value_error(&e, &cmd, &argv).unwrap_or_else(|| e.render().to_string()))
+        }
+    };
+    merge_config_file(&cmd, &matches, &args).map_err(|e| format!("spotguard: {e}\n"))
+}
+
+/// Environment lookups used by [`Config::resolve`] (injectable for tests).
+pub trait Env {
+    fn var(&self, name: &str) -> Option<String>;
+    fn exists(&self, path: &Path) -> bool;
+    fn stdout_is_tty(&self) -> bool;
+}
+
+/// The process environment.
+pub struct ProcessEnv;
+
+impl Env for ProcessEnv {
+    fn var(&self, name: &str) -> Option<String> {
+        std::env::var(name).ok().filter(|v| !v.is_empty())
+    }
+    fn exists(&self, path: &Path) -> bool {
+        path.exists()
+    }
+    fn stdout_is_tty(&self) -> bool {
+        use std::io::IsTerminal;
+        std::io::stderr().is_terminal()
+    }
+}
+
+const SA_TOKEN: &str = "/var/run/secrets/kubernetes.io/serviceaccount/token";
+
+impl Config {
+    /// Validate `run` arguments and resolve the derived settings (mode, node name, log format,
+    /// structured file parts).
+    pub fn resolve(args: RunArgs, env: &dyn Env) -> Result<Config, Error> {
+        let in_cluster =
+            env.var("KUBERNETES_SERVICE_HOST").is_some() && env.exists(Path::new(SA_TOKEN));
+        let mode = match args.mode {
+            ModeChoice::Kubernetes => Mode::Kubernetes,
+            ModeChoice::Host => Mode::Host,
+            ModeChoice::Auto => {
+                if in_cluster || env.var("KUBECONFIG").is_some() {
+                    Mode::Kubernetes
+                } else {
+                    Mode::Host
+                }
+            }
+        };
+        let node_name = args
+            .node_name
+            .clone()
+            .or_else(|| env.var("NODE_NAME"))
+            .filter(|n| !n.trim().is_empty());
+        if mode == Mode::Kubernetes && node_name.is_none() {
+            return Err(Error::Invalid {
+                key: "node-name",
+                reason: "required in kubernetes mode (set --node-name, SPOTGUARD_NODE_NAME or NODE_NAME from the downward API)".into(),
+            });
+        }
+        if let Some(n) = &node_name {
+            validate_dns_subdomain(n).map_err(|reason| Error::Invalid {
+                key: "node-name",
+                reason,
+            })?;
+        }
+        if let Some(reserve) = args.drain_reserve {
+            if reserve >= Duration::from_secs(600) {
+                return Err(Error::Invalid {
+                    key: "drain-reserve",
+                    reason: format!(
+                        "{} leaves no time to checkpoint before any cloud's deadline",
+                        crate::duration::display(reserve)
+                    ),
+                });
+            }
+        }
+        for unit in &args.checkpoint_unit {
+            if unit.is_empty() || unit.contains('/') {
+                return Err(Error::Invalid {
+                    key: "checkpoint-unit",
+                    reason: format!("{unit:?} is not a systemd unit name"),
+                });
+            }
+        }
+        if args.webhook_template.is_some() && args.webhook_url.is_none() {
+            return Err(Error::Invalid {
+                key: "webhook-template",
+                reason: "set --webhook-url too".into(),
+            });
+        }
+        for (key, template, kind) in [
+            (
+                "webhook-template",
+                &args.webhook_template,
+                crate::webhook::MessageKind::Start,
+            ),
+            (
+                "webhook-outcome-template",
+                &args.webhook_outcome_template,
+                crate::webhook::MessageKind::Outcome,
+            ),
+        ] {
+            if let Some(t) = template {
+                crate::webhook::check_template(t, kind).map_err(|e| Error::Invalid {
+                    key,
+                    reason: e.to_string(),
+                })?;
+            }
+        }
+        if args.webhook_url.is_some()
+            && args.webhook_preset == crate::webhook::Preset::Pagerduty
+            && args.webhook_routing_key.is_none()
+        {
+            return Err(Error::Invalid {
+                key: "webhook-routing-key",
+                reason: "required by --webhook-preset pagerduty".into(),
+            });
+        }
+        let (datasets, gpu_table) = match &args.config {
+            Some(path) => read_extras(path)?,
+            None => (Vec::new(), None),
+        };
+        let mut all = datasets;
+        all.extend(args.prefetch.iter().cloned());
+        let mut seen = std::collections::HashSet::new();
+        for d in &all {
+            validate_dataset(d).map_err(|reason| Error::Invalid {
+                key: "prefetch",
+                reason,
+            })?;
+            if !seen.insert(d.name.clone()) {
+                return Err(Error::Invalid {
+                    key: "prefetch",
+                    reason: format!("dataset name {:?} given twice", d.name),
+                });
+            }
+        }
+        let log_format = args.log_format.unwrap_or(if in_cluster {
+            LogFormat::Json
+        } else if env.stdout_is_tty() {
+            LogFormat::Text
+        } else {
+            LogFormat::Json
+        });
+        tracing_subscriber::EnvFilter::try_new(&args.log_level).map_err(|e| Error::Invalid {
+            key: "log-level",
+            reason: e.to_string(),
+        })?;
+        let mut gpu: crate::gpu::GpuConfig = match gpu_table {
+            Some(t) => toml::Value::Table(t)
+                .try_into()
+                .map_err(|e: toml::de::Error| Error::Invalid {
+                    key: "gpu",
+                    reason: e.to_string().trim().to_string(),
+                })?,
+            None => crate::gpu::GpuConfig::default(),
+        };
+        gpu.mode = args.gpu;
+        gpu.boot_id_path.clone_from(&args.boot_id_file);
+        gpu.conditions = crate::gpu::ConditionTypes {
+            unhealthy: args.gpu_unhealthy_condition.clone(),
+            degraded: args.gpu_degraded_condition.clone(),
+            ready: args.gpu_ready_condition.clone(),
+        };
+        gpu.pod_resources_socket = Some(PathBuf::from(&args.gpu_pod_resources_socket))
+            .filter(|p| !p.as_os_str().is_empty());
+        gpu.validate().map_err(|e| Error::Invalid {
+            key: "gpu",
+            reason: e.to_string(),
+        })?;
+        Ok(Config {
+            gpu,
+            mode,
+            node_name,
+            pod_name: env.var("POD_NAME"),
+            pod_namespace: env.var("POD_NAMESPACE"),
+            datasets: all,
+            log_format,
+            args,
+        })
+    }
+}
+
+fn validate_dns_subdomain(name: &str) -> Result<(), String> {
+    let ok = name.len() <= 253
+        && name
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || c == '.')
+        && !name.starts_with(['-', '.'])
+        && !name.ends_with(['-', '.']);
+    if ok {
+        Ok(())
+    } else {
+        Err(format!("{name:?} is not a valid Kubernetes node name"))
+    }
+}
+
+/// Helpers of config's unit tests.
+#[cfg(test)]
+mod test_support {
+    use std::path::PathBuf;
+
+    use super::{args::run_command, parse_run_args, RunArgs};
+
+    /// `spotguard run ARGS…` as [`parse_run_args`] parses it.
+    pub(super) fn run_args(args: &[&str]) -> Result<RunArgs, String> {
+        parse_run_args(args)
+    }
+
+    /// `run` with test-only short flags and an alias (the real `run` has none yet): what clap
+    /// matched decides what was given, whatever form it was given in.
+    pub(super) fn run_command_with_shorts() -> clap::Command {
+        run_command()
+            .mut_arg("poll_interval", |a| a.short('p').alias("poll"))
+            .mut_arg("checkpoint_cmdline", |a| a.short('c'))
+    }
+
+    /// A config file holding `toml` (removed with the returned directory).
+    pub(super) fn config_file(toml: &str) -> (tempfile::TempDir, PathBuf) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.toml");
+        std::fs::write(&path, toml).unwrap();
+        (dir, path)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::test_support::{config_file, run_args};
+    use super::*;
+    use crate::checkpoint::Signal;
+
+    struct TestEnv(Vec<(&'static str, &'static str)>);
+
+    impl Env for TestEnv {
+        fn var(&self, name: &str) -> Option<String> {
+            self.0
+                .iter()
+                .find(|(k, _)| *k == name)
+                .map(|(_, v)| v.to_string())
+        }
+        fn exists(&self, _path: &Path) -> bool {
+            false
+        }
+        fn stdout_is_tty(&self) -> bool {
+            true
+        }
+    }
+
+    #[test]
+    fn defaults_match_the_design() {
+        let a = run_args(&[]).unwrap();
+        assert_eq!(a.poll_interval, Duration::from_secs(1));
+        assert_eq!(a.on_rebalance, RebalanceAction::Checkpoint);
+        assert_eq!(a.rebalance_expiry, Duration::from_secs(1800));
+        assert_eq!(a.on_maintenance, MaintenanceAction::Drain);
+        assert_eq!(a.maintenance_lead, Duration::from_secs(600));
+        assert_eq!(a.checkpoint_signal, Signal::USR1);
+        assert_eq!(a.checkpoint_timeout, Duration::from_secs(90));
+        assert_eq!(a.metrics_addr.to_string(), "0.0.0.0:9464");
+        assert_eq!(a.checkpoint_dir, PathBuf::from("/run/spotguard"));
+        assert_eq!(a.state_dir, PathBuf::from("/var/lib/spotguard"));
+        assert_eq!(a.gce_preemption_notice, Duration::from_secs(30));
+        assert!(!a.dry_run && !a.force_delete_at_deadline && !a.imds_v1_fallback);
+        let c = Config::resolve(a, &TestEnv(vec![])).unwrap();
+        assert_eq!(c.mode, Mode::Host);
+        assert_eq!(c.drain_reserve(Source::Aws), Duration::from_secs(25));
+        assert_eq!(c.drain_reserve(Source::Gce), Duration::from_secs(8));
+        assert_eq!(c.drain_reserve(Source::Azure), Duration::from_secs(8));
+    }
+
+    #[test]
+    fn kubernetes_mode_needs_a_node_name() {
+        let a = run_args(&["--mode", "kubernetes"]).unwrap();
+        let e = Config::resolve(a.clone(), &TestEnv(vec![])).unwrap_err();
+        assert!(e.to_string().starts_with("node-name:"), "{e}");
+        let c = Config::resolve(a, &TestEnv(vec![("NODE_NAME", "gpu-node-1")])).unwrap();
+        assert_eq!(c.node_name.as_deref(), Some("gpu-node-1"));
+        let a = run_args(&[]).unwrap();
+        let c =
+            Config::resolve(a, &TestEnv(vec![("KUBECONFIG", "/k"), ("NODE_NAME", "n1")])).unwrap();
+        assert_eq!(c.mode, Mode::Kubernetes);
+    }
+
+    #[test]
+    fn config_file_fills_in_below_flags() {
+        let (_dir, path) = config_file(
+            "cloud = \"gce\"\npoll_interval = \"3s\"\ncheckpoint-timeout = \"45s\"\ndry-run = true\ncheckpoint-cmdline = [\"train\", \"torchrun\"]\n[[datasets]]\nname = \"ds\"\nurl = \"s3://b/p/\"\n",
+        );
+        let p = path.to_str().unwrap();
+        let a = run_args(&["--config", p, "--poll-interval", "2s"]).unwrap();
+        assert_eq!(a.cloud, CloudChoice::Gce);
+        assert_eq!(a.poll_interval, Duration::from_secs(2), "flag beats file");
+        assert_eq!(a.checkpoint_timeout, Duration::from_secs(45));
+        assert!(a.dry_run);
+        assert_eq!(a.checkpoint_cmdline.len(), 2);
+        let c = Config::resolve(a, &TestEnv(vec![])).unwrap();
+        assert_eq!(
+            c.datasets,
+            vec![Dataset {
+                name: "ds".into(),
+                url: "s3://b/p/".into()
+            }]
+        );
+    }
+
+    #[test]
+    fn gpu_condition_types_and_pod_resources_socket() {
+        let env = TestEnv(vec![]);
+        let c = Config::resolve(run_args(&["--mode", "host"]).unwrap(), &env).unwrap();
+        assert_eq!(c.gpu.conditions, crate::gpu::ConditionTypes::default());
+        assert_eq!(
+            c.gpu.pod_resources_socket.as_deref(),
+            Some(Path::new(crate::gpu::podresources::DEFAULT_SOCKET))
+        );
+        let c = Config::resolve(
+            run_args(&[
+                "--mode",
+                "host",
+                "--gpu-ready-condition",
+                "AcceleratedHardwareReady",
+                "--gpu-pod-resources-socket",
+                "",
+            ])
+            .unwrap(),
+            &env,
+        )
+        .unwrap();
+        assert_eq!(
+            c.gpu.conditions.ready.as_deref(),
+            Some("AcceleratedHardwareReady")
+        );
+        assert_eq!(c.gpu.pod_resources_socket, None, "empty = off");
+        let err = Config::resolve(
+            run_args(&["--mode", "host", "--gpu-unhealthy-condition", "Ready"]).unwrap(),
+            &env,
+        )
+        .expect_err("kubelet's condition");
+        assert!(err.to_string().contains("gpu-unhealthy-condition"), "{err}");
+    }
+}

@@ -1,0 +1,120 @@
+//! Value parsers of `run`'s flags (used by clap: their messages end up after the flag's name).
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use regex::Regex;
+
+use super::{Dataset, WebhookHeader};
+use crate::checkpoint::Signal;
+
+pub(super) fn parse_webhook_header(s: &str) -> Result<WebhookHeader, String> {
+    crate::webhook::parse_header(s).map(|(n, v)| WebhookHeader(n, v))
+}
+
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    crate::duration::parse(s).map_err(|e| format!("{e} (expected a duration like 500ms, 30s, 10m)"))
+}
+
+pub fn parse_positive_duration(s: &str) -> Result<Duration, String> {
+    let d = parse_duration(s)?;
+    if d.is_zero() {
+        return Err("must be greater than zero".into());
+    }
+    Ok(d)
+}
+
+pub(super) fn parse_signal(s: &str) -> Result<Signal, String> {
+    s.parse()
+}
+
+pub(super) fn parse_regex(s: &str) -> Result<Regex, String> {
+    Regex::new(s).map_err(|e| e.to_string())
+}
+
+pub(super) fn parse_bool(s: &str) -> Result<bool, String> {
+    match s.trim().to_ascii_lowercase().as_str() {
+        "true" | "1" | "yes" | "on" => Ok(true),
+        "false" | "0" | "no" | "off" | "" => Ok(false),
+        other => Err(format!("{other:?} is not a boolean (true/false)")),
+    }
+}
+
+pub(super) fn parse_abs_path(s: &str) -> Result<PathBuf, String> {
+    let p = PathBuf::from(s);
+    if p.is_absolute() {
+        Ok(p)
+    } else {
+        Err(format!("{s:?} must be an absolute path"))
+    }
+}
+
+pub(super) fn parse_url(s: &str) -> Result<String, String> {
+    let t = s.trim().trim_end_matches('/');
+    let rest = t
+        .strip_prefix("http://")
+        .or_else(|| t.strip_prefix("https://"))
+        .ok_or_else(|| format!("{s:?} must start with http:// or https://"))?;
+    if rest.is_empty() || rest.contains(char::is_whitespace) {
+        return Err(format!("{s:?} has no host"));
+    }
+    Ok(t.to_string())
+}
+
+pub(super) fn parse_endpoint(s: &str) -> Result<reqwest::Url, String> {
+    let t = parse_url(s)?;
+    reqwest::Url::parse(&t).map_err(|e| format!("{s:?}: {e}"))
+}
+
+/// `NAME=URL` or a bare URL (the name derived from it), validated by the prefetch module.
+pub(super) fn parse_dataset(s: &str) -> Result<Dataset, String> {
+    let (name, url) = crate::prefetch::parse_spec(s).map_err(|e| e.to_string())?;
+    Ok(Dataset { name, url })
+}
+
+/// Parse a byte size: `1024`, `64KiB`, `10MB`, `1.5GiB`, `2TiB`.
+pub fn parse_bytes(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: f64 = num
+        .parse()
+        .map_err(|_| format!("{s:?} is not a size (expected e.g. 500GiB)"))?;
+    let mult: f64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "k" | "kb" => 1e3,
+        "m" | "mb" => 1e6,
+        "g" | "gb" => 1e9,
+        "t" | "tb" => 1e12,
+        "ki" | "kib" => 1024.0,
+        "mi" | "mib" => 1024.0 * 1024.0,
+        "gi" | "gib" => 1024.0 * 1024.0 * 1024.0,
+        "ti" | "tib" => 1024.0_f64.powi(4),
+        other => return Err(format!("unknown size unit {other:?}")),
+    };
+    let v = n * mult;
+    if !v.is_finite() || v < 1.0 || v > u64::MAX as f64 {
+        return Err(format!("{s:?} is out of range"));
+    }
+    Ok(v as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_and_datasets_parse() {
+        assert_eq!(parse_bytes("1024").unwrap(), 1024);
+        assert_eq!(parse_bytes("64KiB").unwrap(), 65536);
+        assert_eq!(parse_bytes("2GiB").unwrap(), 2 << 30);
+        assert_eq!(parse_bytes("1.5GB").unwrap(), 1_500_000_000);
+        assert!(parse_bytes("-1").is_err());
+        assert_eq!(parse_dataset("n=s3://b/p").unwrap().name, "n");
+        assert!(parse_dataset("s3://b/p").is_ok(), "bare URL: name derived");
+        assert!(parse_dataset("../x=s3://b/p").is_err());
+        assert!(parse_dataset("n=http://b/p").is_err());
+    }
+}
