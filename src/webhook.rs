@@ -22,6 +22,7 @@ use std::time::Duration;
 use jiff::Timestamp;
 use tracing::{debug, info, warn};
 
+use crate::backoff::Backoff;
 use crate::metrics::{Metrics, OutcomeLabels};
 use crate::notice::{time_until, Notice};
 
@@ -546,7 +547,8 @@ fn redact(url: &reqwest::Url) -> String {
 pub struct RetryPolicy {
     /// Tries in all, including the first (0 is taken as 1).
     pub attempts: u32,
-    /// Backoff before the first retry; doubled each time, with full jitter.
+    /// Backoff step before the first retry; doubled each time ([`crate::backoff`]: each wait is
+    /// uniformly 50–100 % of the step).
     pub base_delay: Duration,
     /// Cap of one backoff.
     pub max_delay: Duration,
@@ -569,17 +571,9 @@ impl Default for RetryPolicy {
 }
 
 impl RetryPolicy {
-    /// Jittered delay before retry number `retry` (1-based): uniform in [d/2, d] where
-    /// d = min(base · 2^(retry−1), max).
-    fn backoff(&self, retry: u32) -> Duration {
-        let exp = retry.saturating_sub(1).min(16);
-        let d = self
-            .base_delay
-            .saturating_mul(1u32 << exp)
-            .min(self.max_delay);
-        let half = d / 2;
-        let jitter_ms = u64::try_from(half.as_millis()).unwrap_or(u64::MAX);
-        half + Duration::from_millis(fastrand::u64(0..=jitter_ms))
+    /// The backoff between tries: `base_delay` doubling up to `max_delay`.
+    fn backoff(&self) -> Backoff {
+        Backoff::new(self.base_delay, self.max_delay)
     }
 }
 
@@ -848,6 +842,7 @@ impl Webhook {
         let inner = &self.inner;
         let policy = &inner.policy;
         let deadline = tokio::time::Instant::now() + policy.total;
+        let mut backoff = policy.backoff();
         let mut tries = 0;
         loop {
             tries += 1;
@@ -865,14 +860,17 @@ impl Webhook {
             if !err.is_retryable() {
                 return Err(err);
             }
-            let delay = policy.backoff(tries);
-            if tries >= policy.attempts || tokio::time::Instant::now() + delay >= deadline {
-                return Err(Error::GaveUp {
-                    url: inner.shown.clone(),
-                    tries,
-                    last: Box::new(err),
-                });
-            }
+            // Give up after the last try, or when the wait would reach the total bound.
+            let delay = match backoff.next_delay_before(deadline) {
+                Some(delay) if tries < policy.attempts => delay,
+                _ => {
+                    return Err(Error::GaveUp {
+                        url: inner.shown.clone(),
+                        tries,
+                        last: Box::new(err),
+                    })
+                }
+            };
             debug!(url = %inner.shown, error = %err, tries, delay_ms = delay.as_millis() as u64, "webhook retry");
             self.count("retry");
             tokio::time::sleep(delay).await;
@@ -1115,13 +1113,13 @@ mod tests {
             total: Duration::from_secs(30),
         };
         for _ in 0..200 {
-            let d1 = p.backoff(1);
+            let d1 = p.backoff().delay(1);
             assert!(d1 >= Duration::from_millis(200) && d1 <= Duration::from_millis(400));
-            let d3 = p.backoff(3);
+            let d3 = p.backoff().delay(3);
             assert!(d3 >= Duration::from_millis(800) && d3 <= Duration::from_millis(1600));
-            let d9 = p.backoff(9);
+            let d9 = p.backoff().delay(9);
             assert!(d9 >= Duration::from_secs(1) && d9 <= Duration::from_secs(2));
-            assert!(p.backoff(u32::MAX) <= Duration::from_secs(2));
+            assert!(p.backoff().delay(u32::MAX) <= Duration::from_secs(2));
         }
     }
 

@@ -33,6 +33,7 @@ use super::{
     GpuConditions, NodeOps, PlanState, Protection, APPLIED_ANNOTATION, GPU_UNHEALTHY_TAINT,
     INTERRUPTION_TAINT, NOTICE_ANNOTATION,
 };
+use crate::backoff::{jittered, Backoff};
 use crate::checkpoint::PodRef;
 use crate::metrics::Metrics;
 
@@ -47,6 +48,12 @@ pub const CONDITION_GPU_DEGRADED: &str = crate::gpu::DEFAULT_DEGRADED_CONDITION;
 
 /// Attempts of one node read-modify-write (conflicts and transient errors together).
 const NODE_WRITE_ATTEMPTS: u32 = 8;
+/// Retries of API requests after 429 / 5xx / transport errors: 50 ms doubling to 1 s.
+pub(crate) const API_BACKOFF: Backoff =
+    Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
+/// Pause before re-reading the node after a 409 conflict: 10–20 ms, just enough to spread
+/// writers that collided.
+const CONFLICT_PAUSE: Duration = Duration::from_millis(20);
 /// Bound on any single API request.
 pub(crate) const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 /// Namespace of Events about the (cluster-scoped) Node, as the kubelet does.
@@ -182,14 +189,16 @@ impl KubeNodeOps {
 
     /// GET the node, retrying transient errors.
     async fn get_node(&self) -> Result<Node, Error> {
-        let mut attempt = 0;
+        let mut backoff = API_BACKOFF;
         loop {
             match self.get_node_once().await {
                 Ok(node) => return Ok(node),
-                Err(e) if super::kube_retryable(&e) && attempt + 1 < NODE_WRITE_ATTEMPTS => {
+                Err(e)
+                    if super::kube_retryable(&e)
+                        && backoff.failures() + 1 < NODE_WRITE_ATTEMPTS =>
+                {
                     tracing::debug!(node = %self.node_name, error = %e, "reading node failed, retrying");
-                    tokio::time::sleep(backoff(attempt)).await;
-                    attempt += 1;
+                    tokio::time::sleep(backoff.next_delay()).await;
                 }
                 Err(source) => {
                     return Err(Error::GetNode {
@@ -215,9 +224,9 @@ impl KubeNodeOps {
                 // A conflict re-reads at once (tiny jitter); anything else backs off.
                 let conflict = matches!(&last_error, Some(::kube::Error::Api(s)) if s.code == 409);
                 let pause = if conflict {
-                    Duration::from_millis(fastrand::u64(0..20))
+                    jittered(CONFLICT_PAUSE)
                 } else {
-                    backoff(attempt - 1)
+                    API_BACKOFF.delay(attempt)
                 };
                 tokio::time::sleep(pause).await;
             }
@@ -314,7 +323,7 @@ impl KubeNodeOps {
             field_manager: Some(FIELD_MANAGER.to_string()),
             ..Default::default()
         };
-        let mut attempt = 0;
+        let mut backoff = API_BACKOFF;
         loop {
             let result = if status {
                 with_timeout(self.nodes.patch_status(&self.node_name, &params, &patch)).await
@@ -323,10 +332,12 @@ impl KubeNodeOps {
             };
             match result {
                 Ok(_) => return Ok(()),
-                Err(e) if super::kube_retryable(&e) && attempt + 1 < NODE_WRITE_ATTEMPTS => {
+                Err(e)
+                    if super::kube_retryable(&e)
+                        && backoff.failures() + 1 < NODE_WRITE_ATTEMPTS =>
+                {
                     tracing::debug!(node = %self.node_name, what, error = %e, "node patch failed, retrying");
-                    tokio::time::sleep(backoff(attempt)).await;
-                    attempt += 1;
+                    tokio::time::sleep(backoff.next_delay()).await;
                 }
                 Err(source) => {
                     return Err(Error::PatchNode {
@@ -506,13 +517,12 @@ impl KubeNodeOps {
             regarding: Some(regarding),
             ..Default::default()
         };
-        let mut attempt = 0;
+        let mut backoff = API_BACKOFF;
         loop {
             match with_timeout(api.create(&PostParams::default(), &event)).await {
                 Ok(_) => break,
-                Err(e) if super::kube_retryable(&e) && attempt < 2 => {
-                    tokio::time::sleep(backoff(attempt)).await;
-                    attempt += 1;
+                Err(e) if super::kube_retryable(&e) && backoff.failures() < 2 => {
+                    tokio::time::sleep(backoff.next_delay()).await;
                 }
                 Err(source) => {
                     return Err(Error::Event {
@@ -925,12 +935,6 @@ pub(crate) async fn with_timeout<T>(
     }
 }
 
-/// Short jittered exponential backoff: 50 ms · 2^attempt, capped at 1 s, ±50 %.
-pub(crate) fn backoff(attempt: u32) -> Duration {
-    let base = 50u64.saturating_mul(1u64 << attempt.min(5)).min(1000);
-    Duration::from_millis(base / 2 + fastrand::u64(0..=base))
-}
-
 fn node_taints(node: &Node) -> Vec<Taint> {
     node.spec
         .as_ref()
@@ -1031,8 +1035,9 @@ mod tests {
 
     #[test]
     fn backoff_is_bounded_and_jittered() {
-        for attempt in 0..20 {
-            let d = backoff(attempt);
+        let mut backoff = API_BACKOFF;
+        for _ in 0..20 {
+            let d = backoff.next_delay();
             assert!(d >= Duration::from_millis(25), "{d:?}");
             assert!(d <= Duration::from_millis(1500), "{d:?}");
         }

@@ -25,8 +25,9 @@ use serde::Deserialize;
 use tokio::time::Instant;
 
 use super::ec2::{constant_url, endpoint_url, parse_error, request_error};
-use super::monitor::{Backoff, ErrorReporter, GceMetrics, ReasonLabels};
+use super::monitor::{ErrorReporter, GceMetrics, ReasonLabels};
 use super::{content_id, Error, Notice, NoticeKind, NoticeSource, Source};
+use crate::backoff::Backoff;
 use crate::metrics::Metrics;
 
 const PREEMPTED_PATH: &str = "/computeMetadata/v1/instance/preempted";
