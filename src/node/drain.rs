@@ -546,6 +546,11 @@ mod tests {
     fn grace_is_capped_by_time_left_minus_margin() {
         assert_eq!(grace_seconds(30, Duration::from_secs(120)), 30);
         assert_eq!(grace_seconds(30, Duration::from_secs(20)), 18);
+        assert_eq!(grace_seconds(300, Duration::from_secs(20)), 18);
+        assert_eq!(
+            grace_seconds(DEFAULT_GRACE_SECONDS, Duration::from_secs(10)),
+            8
+        );
         assert_eq!(grace_seconds(30, Duration::from_millis(12_900)), 10);
         // Never below 1 s (0 would bypass the kubelet)…
         assert_eq!(grace_seconds(30, Duration::from_secs(2)), 1);
