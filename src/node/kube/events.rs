@@ -40,27 +40,19 @@ pub(super) struct SeriesEntry {
     last: Instant,
 }
 
-impl KubeNodeOps {
-    /// Emit an Event on a pod (checkpoint outcomes).
-    pub(super) async fn emit_pod_event(
-        &self,
-        pod: &PodRef,
-        kind: EventType,
-        reason: &str,
-        message: &str,
-    ) -> Result<(), Error> {
-        let regarding = ObjectReference {
-            api_version: Some("v1".to_string()),
-            kind: Some("Pod".to_string()),
-            name: Some(pod.name.clone()),
-            namespace: Some(pod.namespace.clone()),
-            uid: (!pod.uid.is_empty()).then(|| pod.uid.clone()),
-            ..Default::default()
-        };
-        self.emit(&pod.namespace, regarding, kind, reason, message)
-            .await
+/// What an Event on `pod` refers to (checkpoint outcomes).
+pub(super) fn pod_reference(pod: &PodRef) -> ObjectReference {
+    ObjectReference {
+        api_version: Some("v1".to_string()),
+        kind: Some("Pod".to_string()),
+        name: Some(pod.name.clone()),
+        namespace: Some(pod.namespace.clone()),
+        uid: (!pod.uid.is_empty()).then(|| pod.uid.clone()),
+        ..Default::default()
     }
+}
 
+impl KubeNodeOps {
     /// Emit an Event on this node.
     pub(super) async fn emit_node_event(
         &self,
@@ -88,7 +80,8 @@ impl KubeNodeOps {
         }
     }
 
-    async fn emit(
+    /// Emit an Event in `namespace` about `regarding` (dry-run: logged), counted as `event`.
+    pub(super) async fn emit(
         &self,
         namespace: &str,
         regarding: ObjectReference,

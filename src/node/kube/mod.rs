@@ -116,6 +116,16 @@ impl KubeNodeOps {
         self.dry_run
     }
 
+    /// Set the plan state annotation to `value` (`null` removes it), counted as `annotate`.
+    async fn annotate_state(&self, value: Value) -> Result<(), Error> {
+        let patch = json!({ "metadata": { "annotations": { NOTICE_ANNOTATION: value } } });
+        let result = self
+            .patch_blind("annotate", false, Patch::Merge(patch))
+            .await;
+        self.count("annotate", &result);
+        result
+    }
+
     fn count(&self, action: &str, result: &Result<impl Sized, Error>) {
         if !self.dry_run {
             self.metrics.action(action, result.is_ok());
@@ -135,7 +145,9 @@ impl NodeOps for KubeNodeOps {
         reason: &str,
         message: &str,
     ) -> Result<(), Error> {
-        self.emit_pod_event(pod, kind, reason, message).await
+        let regarding = events::pod_reference(pod);
+        self.emit(&pod.namespace, regarding, kind, reason, message)
+            .await
     }
 
     async fn load_state(&self) -> Result<Option<PlanState>, Error> {
@@ -165,12 +177,7 @@ impl NodeOps for KubeNodeOps {
             tracing::info!(node = %self.node_name, notice_id = %state.id, phase = state.phase.as_str(), "dry-run: would persist plan state in the node annotation");
             return Ok(());
         }
-        let patch = json!({ "metadata": { "annotations": { NOTICE_ANNOTATION: json } } });
-        let result = self
-            .patch_blind("annotate", false, Patch::Merge(patch))
-            .await;
-        self.count("annotate", &result);
-        result
+        self.annotate_state(json!(json)).await
     }
 
     async fn clear_state(&self) -> Result<(), Error> {
@@ -178,12 +185,7 @@ impl NodeOps for KubeNodeOps {
             tracing::info!(node = %self.node_name, "dry-run: would remove the plan state annotation");
             return Ok(());
         }
-        let patch = json!({ "metadata": { "annotations": { NOTICE_ANNOTATION: null } } });
-        let result = self
-            .patch_blind("annotate", false, Patch::Merge(patch))
-            .await;
-        self.count("annotate", &result);
-        result
+        self.annotate_state(Value::Null).await
     }
 
     async fn protect(&self, protection: &Protection) -> Result<Applied, Error> {
