@@ -21,7 +21,6 @@ use prometheus_client::registry::Registry;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use tracing::Instrument;
 
 use super::{Error, Notice, NoticeSource};
 use crate::backoff::Backoff;
@@ -283,22 +282,8 @@ pub async fn run_monitor(
 
 /// [`run_monitor`] with explicit backoff and log-limiting settings. Returns when `cancel` fires
 /// (also in the middle of a hanging poll) or when the notice receiver is gone.
+#[tracing::instrument(name = "monitor", skip_all, fields(source = source.name()))]
 pub async fn run_monitor_with(
-    source: Arc<dyn NoticeSource>,
-    tx: mpsc::Sender<Notice>,
-    metrics: Arc<Metrics>,
-    health: Arc<PollHealth>,
-    cancel: CancellationToken,
-    policy: MonitorPolicy,
-) {
-    let name = source.name();
-    let span = tracing::info_span!("monitor", source = name);
-    monitor_loop(source, tx, metrics, health, cancel, policy)
-        .instrument(span)
-        .await
-}
-
-async fn monitor_loop(
     source: Arc<dyn NoticeSource>,
     tx: mpsc::Sender<Notice>,
     metrics: Arc<Metrics>,
