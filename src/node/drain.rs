@@ -363,21 +363,8 @@ fn status_reason(s: &Status) -> String {
 
 /// Drain `node` before `request.deadline`. Errors only when the pods cannot be listed; every
 /// per-pod problem ends in the report.
+#[tracing::instrument(name = "drain", skip_all, fields(node = %node))]
 pub async fn drain_node(
-    client: &Client,
-    node: &str,
-    own_pod: Option<(&str, &str)>,
-    dry_run: bool,
-    metrics: &Metrics,
-    request: &DrainRequest,
-) -> Result<DrainReport, Error> {
-    let span = tracing::info_span!("drain", node = %node);
-    drain_inner(client, node, own_pod, dry_run, metrics, request)
-        .instrument(span)
-        .await
-}
-
-async fn drain_inner(
     client: &Client,
     node: &str,
     own_pod: Option<(&str, &str)>,
