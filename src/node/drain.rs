@@ -384,8 +384,8 @@ pub async fn drain_node(
             Ok(Ok(list)) => break list.items,
             Ok(Err(e)) if super::kube_retryable(&e) && Instant::now() < deadline => {
                 tracing::debug!(error = %e, "listing pods failed; retrying");
-                // Never past the deadline: a wait that would reach it ends there (the next list is
-                // then bounded by the deadline).
+                // Never past the deadline: a wait that would reach it ends there, where listing
+                // stops.
                 let pause = backoff
                     .next_delay_before(deadline)
                     .unwrap_or_else(|| deadline.saturating_duration_since(Instant::now()));
