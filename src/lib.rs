@@ -6,6 +6,7 @@
 
 pub mod admin;
 pub mod app;
+pub mod backoff;
 pub mod checkpoint;
 pub mod cli;
 pub mod config;

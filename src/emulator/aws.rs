@@ -16,9 +16,7 @@ use hyper::body::Incoming;
 use jiff::Timestamp;
 use serde_json::json;
 
-use super::model::{
-    self, check_code, random_hex, EmulatedNotice, Event, Model, NoticeKind, Status,
-};
+use super::model::{self, check_code, EmulatedNotice, Event, Model, NoticeKind, Status};
 use super::server::Shared;
 use super::wire::{self, Body};
 use super::{Cloud, EmulatorConfig, Error};
@@ -53,33 +51,21 @@ pub(super) fn build(
     };
     match notice.kind {
         NoticeKind::Interruption => {
-            event.id = notice
-                .event_id
-                .clone()
-                .unwrap_or_else(|| format!("spot-itn-{}", random_hex(12)));
+            event.id = notice.id_or_fresh("spot-itn", 12);
             event.start = notice.deadline(now, INTERRUPTION_NOTICE)?;
             event.code = event.action.as_str().to_owned();
         }
         NoticeKind::Rebalance => {
-            event.id = notice
-                .event_id
-                .clone()
-                .unwrap_or_else(|| format!("rebalance-{}", random_hex(12)));
+            event.id = notice.id_or_fresh("rebalance", 12);
             event.code = "rebalance".to_owned();
         }
         NoticeKind::Maintenance => {
             let code = notice.code.as_deref().unwrap_or("system-reboot");
             check_code(Cloud::Aws, "code", code, CODES, "system-reboot, instance-reboot, instance-stop, instance-retirement, system-maintenance")?;
             event.code = code.to_owned();
-            event.id = notice
-                .event_id
-                .clone()
-                .unwrap_or_else(|| format!("instance-event-{}", random_hex(17)));
-            event.start = notice.deadline(now, MAINTENANCE_NOTICE)?;
-            event.end = Some(model::add(
-                event.start,
-                notice.duration.unwrap_or(MAINTENANCE_WINDOW),
-            )?);
+            event.id = notice.id_or_fresh("instance-event", 17);
+            let (start, end) = notice.window(now, MAINTENANCE_NOTICE, MAINTENANCE_WINDOW)?;
+            (event.start, event.end) = (start, Some(end));
             if event.description.is_empty() {
                 event.description = default_description(code).to_owned();
             }

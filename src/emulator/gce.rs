@@ -24,7 +24,7 @@ use serde_json::json;
 use sha2::{Digest, Sha256};
 use tokio::sync::watch;
 
-use super::model::{self, check_code, random_hex, EmulatedNotice, Event, Model, NoticeKind};
+use super::model::{check_code, EmulatedNotice, Event, Model, NoticeKind};
 use super::server::{self, Shared};
 use super::wire::{self, Body};
 use super::{Cloud, EmulatorConfig, Error, GceNoMaintenance};
@@ -187,10 +187,7 @@ pub(super) fn build(
         // `preempted` flips to TRUE now; the server carries no deadline (the client adds its
         // own 30 s or 120 s), so `in` does not apply.
         NoticeKind::Interruption => {
-            event.id = notice
-                .event_id
-                .clone()
-                .unwrap_or_else(|| format!("gce-preemption-{}", random_hex(12)));
+            event.id = notice.id_or_fresh("gce-preemption", 12);
             event.code = "TRUE".to_owned();
         }
         NoticeKind::Rebalance => {
@@ -212,15 +209,9 @@ pub(super) fn build(
                 "TERMINATE_ON_HOST_MAINTENANCE, MIGRATE_ON_HOST_MAINTENANCE, NONE",
             )?;
             event.code = code.to_owned();
-            event.id = notice
-                .event_id
-                .clone()
-                .unwrap_or_else(|| format!("gce-maintenance-{}", random_hex(12)));
-            event.start = notice.deadline(now, MAINTENANCE_NOTICE)?;
-            event.end = Some(model::add(
-                event.start,
-                notice.duration.unwrap_or(MAINTENANCE_WINDOW),
-            )?);
+            event.id = notice.id_or_fresh("gce-maintenance", 12);
+            let (start, end) = notice.window(now, MAINTENANCE_NOTICE, MAINTENANCE_WINDOW)?;
+            (event.start, event.end) = (start, Some(end));
             event.window_hidden = notice.window_after.is_some();
         }
     }

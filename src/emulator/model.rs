@@ -196,6 +196,26 @@ impl EmulatedNotice {
     pub(super) fn deadline(&self, now: Timestamp, default: Duration) -> Result<Timestamp, Error> {
         add(now, self.due_in.unwrap_or(default))
     }
+
+    /// The requested `event_id`, or a fresh one in the cloud's format: `prefix-` and `digits`
+    /// random hex digits.
+    pub(super) fn id_or_fresh(&self, prefix: &str, digits: usize) -> String {
+        self.event_id
+            .clone()
+            .unwrap_or_else(|| format!("{prefix}-{}", random_hex(digits)))
+    }
+
+    /// A maintenance window: from [`deadline`](Self::deadline) (default `lead`), lasting
+    /// `duration` (default `length`).
+    pub(super) fn window(
+        &self,
+        now: Timestamp,
+        lead: Duration,
+        length: Duration,
+    ) -> Result<(Timestamp, Timestamp), Error> {
+        let start = self.deadline(now, lead)?;
+        Ok((start, add(start, self.duration.unwrap_or(length))?))
+    }
 }
 
 pub(super) fn add(ts: Timestamp, offset: Duration) -> Result<Timestamp, Error> {

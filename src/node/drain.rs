@@ -38,18 +38,19 @@ use tracing::Instrument;
 
 use super::filter::{self, pod_key};
 use super::{BlockedPod, DrainReport, DrainRequest, Error, FORCE_DELETE_LEAD};
+use crate::backoff::{jittered, Backoff};
 use crate::metrics::{Metrics, OutcomeLabels};
 
 /// Kept between the eviction's grace period and the deadline.
 pub const GRACE_MARGIN: Duration = Duration::from_secs(2);
 /// Default grace period of a pod that does not set one.
 pub const DEFAULT_GRACE_SECONDS: i64 = 30;
-/// Retry cadence for refused evictions (429, 5xx): uniformly 1–2 s.
-const RETRY_MIN: Duration = Duration::from_secs(1);
-const RETRY_MAX: Duration = Duration::from_secs(2);
-/// Deletion polling: from this, doubling up to the cap.
-const POLL_FIRST: Duration = Duration::from_millis(25);
-const POLL_MAX: Duration = Duration::from_secs(1);
+/// Retry cadence for refused evictions (429, 5xx): [`jittered`], uniformly 1–2 s.
+const RETRY_STEP: Duration = Duration::from_secs(2);
+/// Retry after a 409 on the eviction (pod not replaced): [`jittered`], 125–250 ms.
+const CONFLICT_STEP: Duration = Duration::from_millis(250);
+/// Deletion polling: 25 ms doubling up to 1 s.
+const POLL_BACKOFF: Backoff = Backoff::new(Duration::from_millis(25), Duration::from_secs(1));
 
 /// `gracePeriodSeconds` for an eviction or deletion with `left` before the deadline:
 /// `min(own, left − 2 s)`, at least 1 s (0 would remove the pod object before its containers
@@ -206,7 +207,7 @@ impl Drainer<'_> {
                         }
                         pdbs.extend(names);
                         refused = Some(status_reason(&s));
-                        self.pause(jitter(RETRY_MIN, RETRY_MAX), true).await;
+                        self.pause(jittered(RETRY_STEP), true).await;
                     }
                     409 => {
                         // Precondition (UID) failed or a concurrent PDB update: replaced ⇒ gone.
@@ -216,16 +217,12 @@ impl Drainer<'_> {
                             _ => {}
                         }
                         refused = Some(status_reason(&s));
-                        self.pause(
-                            jitter(Duration::from_millis(50), Duration::from_millis(250)),
-                            true,
-                        )
-                        .await;
+                        self.pause(jittered(CONFLICT_STEP), true).await;
                     }
                     code if code >= 500 => {
                         tracing::debug!(code, message = %s.message, "eviction failed on the server; retrying");
                         refused = Some(status_reason(&s));
-                        self.pause(jitter(RETRY_MIN, RETRY_MAX), true).await;
+                        self.pause(jittered(RETRY_STEP), true).await;
                     }
                     _ => {
                         tracing::warn!(code = s.code, message = %s.message, "eviction refused");
@@ -238,7 +235,7 @@ impl Drainer<'_> {
                 Err(CallError::Kube(e)) if super::kube_retryable(&e) => {
                     tracing::debug!(error = %e, "eviction request failed; retrying");
                     refused = Some(format!("eviction request failed: {e}"));
-                    self.pause(jitter(RETRY_MIN, RETRY_MAX), true).await;
+                    self.pause(jittered(RETRY_STEP), true).await;
                 }
                 Err(CallError::Kube(e)) => {
                     tracing::warn!(error = %e, "eviction request failed");
@@ -308,10 +305,9 @@ impl Drainer<'_> {
 
     /// Poll until the pod is gone (404 or a new UID); false at the deadline.
     async fn wait_gone(&self, pods: &Api<Pod>, name: &str, uid: Option<&str>) -> bool {
-        let mut delay = POLL_FIRST;
+        let mut backoff = POLL_BACKOFF;
         loop {
-            self.pause(jitter(delay.mul_f32(0.8), delay.mul_f32(1.2)), false)
-                .await;
+            self.pause(backoff.next_delay(), false).await;
             if Instant::now() >= self.deadline {
                 return false;
             }
@@ -322,7 +318,6 @@ impl Drainer<'_> {
                 Err(CallError::Deadline) => return false,
                 Err(CallError::Kube(e)) => tracing::debug!(error = %e, "checking deletion failed"),
             }
-            delay = (delay * 2).min(POLL_MAX);
         }
     }
 }
@@ -366,28 +361,10 @@ fn status_reason(s: &Status) -> String {
     out
 }
 
-fn jitter(min: Duration, max: Duration) -> Duration {
-    let span = max.saturating_sub(min).as_millis() as u64;
-    min + Duration::from_millis(fastrand::u64(0..=span))
-}
-
 /// Drain `node` before `request.deadline`. Errors only when the pods cannot be listed; every
 /// per-pod problem ends in the report.
+#[tracing::instrument(name = "drain", skip_all, fields(node = %node))]
 pub async fn drain_node(
-    client: &Client,
-    node: &str,
-    own_pod: Option<(&str, &str)>,
-    dry_run: bool,
-    metrics: &Metrics,
-    request: &DrainRequest,
-) -> Result<DrainReport, Error> {
-    let span = tracing::info_span!("drain", node = %node);
-    drain_inner(client, node, own_pod, dry_run, metrics, request)
-        .instrument(span)
-        .await
-}
-
-async fn drain_inner(
     client: &Client,
     node: &str,
     own_pod: Option<(&str, &str)>,
@@ -400,18 +377,19 @@ async fn drain_inner(
     let deadline = started + left;
     let all: Api<Pod> = Api::all(client.clone());
     let params = ListParams::default().fields(&format!("spec.nodeName={node}"));
-    let mut attempt = 0;
+    let mut backoff = super::kube::API_BACKOFF;
     let pods = loop {
         match tokio::time::timeout_at(deadline, super::kube::with_timeout(all.list(&params))).await
         {
             Ok(Ok(list)) => break list.items,
             Ok(Err(e)) if super::kube_retryable(&e) && Instant::now() < deadline => {
                 tracing::debug!(error = %e, "listing pods failed; retrying");
-                tokio::time::sleep_until(
-                    (Instant::now() + super::kube::backoff(attempt)).min(deadline),
-                )
-                .await;
-                attempt += 1;
+                // Never past the deadline: a wait that would reach it ends there, where listing
+                // stops.
+                let pause = backoff
+                    .next_delay_before(deadline)
+                    .unwrap_or_else(|| deadline.saturating_duration_since(Instant::now()));
+                tokio::time::sleep(pause).await;
             }
             Ok(Err(source)) => {
                 metrics.error("node", "list_pods");
@@ -555,6 +533,11 @@ mod tests {
     fn grace_is_capped_by_time_left_minus_margin() {
         assert_eq!(grace_seconds(30, Duration::from_secs(120)), 30);
         assert_eq!(grace_seconds(30, Duration::from_secs(20)), 18);
+        assert_eq!(grace_seconds(300, Duration::from_secs(20)), 18);
+        assert_eq!(
+            grace_seconds(DEFAULT_GRACE_SECONDS, Duration::from_secs(10)),
+            8
+        );
         assert_eq!(grace_seconds(30, Duration::from_millis(12_900)), 10);
         // Never below 1 s (0 would bypass the kubelet)…
         assert_eq!(grace_seconds(30, Duration::from_secs(2)), 1);

@@ -452,15 +452,6 @@ pub fn kube_retryable(e: &::kube::Error) -> bool {
     }
 }
 
-/// Clamp helper shared by drain and checkpoint: `min(a, b)` for optional deadlines.
-pub fn earlier(a: Timestamp, b: Timestamp) -> Timestamp {
-    if a < b {
-        a
-    } else {
-        b
-    }
-}
-
 /// Default bound on evictions in flight.
 pub const DEFAULT_DRAIN_CONCURRENCY: usize = 32;
 /// Pods still blocked this long before the deadline are force-deleted when enabled.

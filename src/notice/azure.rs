@@ -21,7 +21,8 @@ use jiff::Timestamp;
 use reqwest::Url;
 use serde::{Deserialize, Serialize};
 
-use super::ec2::{constant_url, endpoint_url, parse_error, parse_rfc2822, request_error};
+use super::ec2::parse_rfc2822;
+use super::http::{constant_url, endpoint_url, metadata_client, parse_error, request_error};
 use super::monitor::ErrorReporter;
 use super::{content_id, Error, Notice, NoticeKind, NoticeSource, Source};
 use crate::metrics::Metrics;
@@ -137,11 +138,7 @@ impl AzureScheduledEvents {
             .query_pairs_mut()
             .append_pair("api-version", NAME_API_VERSION)
             .append_pair("format", "text");
-        let client = reqwest::Client::builder()
-            .no_proxy()
-            // Link-local plain HTTP: load no CA store (saves memory) unless the override is https.
-            .tls_built_in_root_certs(config.endpoint.scheme() == "https")
-            .connect_timeout(config.connect_timeout)
+        let client = metadata_client(&config.endpoint, config.connect_timeout)
             .build()
             .map_err(|e| request_error(base, e))?;
         let vm_name = config
@@ -168,21 +165,7 @@ impl AzureScheduledEvents {
             return Ok(name.clone());
         }
         let url = &self.name_url;
-        let resp = self
-            .client
-            .get(url.clone())
-            .header(METADATA_HEADER, "true")
-            .timeout(self.config.request_timeout)
-            .send()
-            .await
-            .map_err(|e| request_error(url, e))?;
-        if !resp.status().is_success() {
-            return Err(Error::Status {
-                url: url.to_string(),
-                status: resp.status().as_u16(),
-            });
-        }
-        let body = resp.text().await.map_err(|e| request_error(url, e))?;
+        let body = self.get_text(url, self.config.request_timeout).await?;
         let name = body.trim();
         if !valid_vm_name(name) {
             // A garbled answer must never become the filter: it would hide this VM's events.
@@ -196,13 +179,8 @@ impl AzureScheduledEvents {
         Ok(name.to_string())
     }
 
-    async fn fetch_events(&self) -> Result<Document, Error> {
-        let url = &self.events_url;
-        let timeout = if self.answered_once.load(Ordering::Relaxed) {
-            self.config.request_timeout
-        } else {
-            self.config.first_request_timeout
-        };
+    /// GET `url` with the `Metadata: true` header: the body of a 2xx answer.
+    async fn get_text(&self, url: &Url, timeout: Duration) -> Result<String, Error> {
         let resp = self
             .client
             .get(url.clone())
@@ -217,7 +195,17 @@ impl AzureScheduledEvents {
                 status: resp.status().as_u16(),
             });
         }
-        let body = resp.text().await.map_err(|e| request_error(url, e))?;
+        resp.text().await.map_err(|e| request_error(url, e))
+    }
+
+    async fn fetch_events(&self) -> Result<Document, Error> {
+        let url = &self.events_url;
+        let timeout = if self.answered_once.load(Ordering::Relaxed) {
+            self.config.request_timeout
+        } else {
+            self.config.first_request_timeout
+        };
+        let body = self.get_text(url, timeout).await?;
         self.answered_once.store(true, Ordering::Relaxed);
         serde_json::from_str(&body)
             .map_err(|e| parse_error(url, format!("scheduled events JSON: {e}")))

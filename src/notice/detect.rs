@@ -15,7 +15,7 @@ use std::time::Duration;
 use futures::stream::{FuturesUnordered, StreamExt};
 use reqwest::{Method, Url};
 
-use super::ec2::{constant_url, endpoint_url};
+use super::http::{constant_url, endpoint_url};
 use super::{Error, Source};
 
 /// Where DMI identity files live on Linux.

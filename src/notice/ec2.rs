@@ -17,6 +17,7 @@ use reqwest::{StatusCode, Url};
 use serde::Deserialize;
 use tokio::time::Instant;
 
+use super::http::{constant_url, endpoint_url, metadata_client, parse_error, request_error};
 use super::monitor::ErrorReporter;
 use super::{content_id, Error, Notice, NoticeKind, NoticeSource, Source};
 use crate::metrics::Metrics;
@@ -64,35 +65,6 @@ impl Ec2Config {
             connect_timeout: Duration::from_secs(1),
             token_ttl: Duration::from_secs(21600),
         }
-    }
-}
-
-/// Parse one of this crate's constant default endpoints.
-pub(crate) fn constant_url(s: &'static str) -> Url {
-    // The argument is a compile-time constant checked by unit tests, never outside data.
-    Url::parse(s).expect("constant default endpoint is a valid URL")
-}
-
-/// `base` + `path`, keeping any path prefix of `base` (an emulator mounted under a prefix).
-pub(crate) fn endpoint_url(base: &Url, path: &str) -> Result<Url, Error> {
-    let joined = format!("{}{}", base.as_str().trim_end_matches('/'), path);
-    Url::parse(&joined).map_err(|e| Error::Parse {
-        url: joined.clone(),
-        reason: format!("invalid metadata endpoint URL: {e}"),
-    })
-}
-
-pub(crate) fn request_error(url: &Url, source: reqwest::Error) -> Error {
-    Error::Request {
-        url: url.to_string(),
-        source,
-    }
-}
-
-pub(crate) fn parse_error(url: &Url, reason: impl std::fmt::Display) -> Error {
-    Error::Parse {
-        url: url.to_string(),
-        reason: reason.to_string(),
     }
 }
 
@@ -163,12 +135,8 @@ impl Ec2Imds {
             rebalance: endpoint_url(base, REBALANCE_PATH)?,
             scheduled: endpoint_url(base, SCHEDULED_PATH)?,
         };
-        let client = reqwest::Client::builder()
-            .no_proxy()
-            // Link-local plain HTTP: load no CA store (saves memory) unless the override is https.
-            .tls_built_in_root_certs(config.endpoint.scheme() == "https")
+        let client = metadata_client(&config.endpoint, config.connect_timeout)
             .timeout(config.request_timeout)
-            .connect_timeout(config.connect_timeout)
             .build()
             .map_err(|e| request_error(base, e))?;
         Ok(Ec2Imds {

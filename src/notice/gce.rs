@@ -24,9 +24,10 @@ use reqwest::{StatusCode, Url};
 use serde::Deserialize;
 use tokio::time::Instant;
 
-use super::ec2::{constant_url, endpoint_url, parse_error, request_error};
-use super::monitor::{Backoff, ErrorReporter, GceMetrics, ReasonLabels};
+use super::http::{constant_url, endpoint_url, metadata_client, parse_error, request_error};
+use super::monitor::{ErrorReporter, GceMetrics, ReasonLabels};
 use super::{content_id, Error, Notice, NoticeKind, NoticeSource, Source};
+use crate::backoff::Backoff;
 use crate::metrics::Metrics;
 
 const PREEMPTED_PATH: &str = "/computeMetadata/v1/instance/preempted";
@@ -152,11 +153,7 @@ impl GceMetadata {
         gce_metrics: GceMetrics,
     ) -> Result<Self, Error> {
         let base = &config.endpoint;
-        let client = reqwest::Client::builder()
-            .no_proxy()
-            // Link-local plain HTTP: load no CA store (saves memory) unless the override is https.
-            .tls_built_in_root_certs(config.endpoint.scheme() == "https")
-            .connect_timeout(config.connect_timeout)
+        let client = metadata_client(&config.endpoint, config.connect_timeout)
             .build()
             .map_err(|e| request_error(base, e))?;
         let mut keys = Vec::with_capacity(KEYS.len());

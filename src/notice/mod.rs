@@ -8,6 +8,7 @@ pub mod azure;
 pub mod detect;
 pub mod ec2;
 pub mod gce;
+mod http;
 pub mod monitor;
 
 use std::fmt;

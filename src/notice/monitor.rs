@@ -21,16 +21,16 @@ use prometheus_client::registry::Registry;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use tracing::Instrument;
 
 use super::{Error, Notice, NoticeSource};
+use crate::backoff::Backoff;
 use crate::metrics::{ErrorLabels, Metrics, SourceLabels};
 
 /// Readiness window: a source is healthy while it polled successfully within this many intervals.
 const READY_INTERVALS: u32 = 5;
 
 /// Backoff and log-limiting knobs of [`run_monitor_with`]. [`MonitorPolicy::default`] is what
-/// [`run_monitor`] uses: backoff 1 s doubling to 5 s (jittered to 50–100 % of the step), an error
+/// [`run_monitor`] uses: backoff 1 s doubling to 5 s ([`crate::backoff`]: each wait 50–100 % of the step), an error
 /// logged first, then every 10th consecutive one or at least every 30 s. The cap is short on
 /// purpose: a notice gives 30–120 s, so a 5xx storm must not hide it for long; the metadata
 /// service is link-local and a 1 Hz poll is what the clouds document.
@@ -50,43 +50,6 @@ impl Default for MonitorPolicy {
             log_every_n: 10,
             log_every: Duration::from_secs(30),
         }
-    }
-}
-
-/// Jittered exponential backoff: step `n` (1-based) waits a uniformly random time in
-/// `[d/2, d]` with `d = min(base · 2^(n−1), cap)`.
-#[derive(Debug)]
-pub(crate) struct Backoff {
-    base: Duration,
-    cap: Duration,
-    failures: u32,
-}
-
-impl Backoff {
-    pub(crate) fn new(base: Duration, cap: Duration) -> Self {
-        Backoff {
-            base,
-            cap: cap.max(base),
-            failures: 0,
-        }
-    }
-
-    /// The delay before the next attempt after one more failure.
-    pub(crate) fn next_delay(&mut self) -> Duration {
-        self.failures = self.failures.saturating_add(1);
-        let exp = self.failures.saturating_sub(1).min(20);
-        let step = self
-            .base
-            .checked_mul(1u32 << exp)
-            .unwrap_or(self.cap)
-            .min(self.cap);
-        let half = step / 2;
-        let jitter_nanos = u64::try_from(half.as_nanos()).unwrap_or(u64::MAX);
-        half + Duration::from_nanos(fastrand::u64(0..=jitter_nanos))
-    }
-
-    pub(crate) fn reset(&mut self) {
-        self.failures = 0;
     }
 }
 
@@ -319,22 +282,8 @@ pub async fn run_monitor(
 
 /// [`run_monitor`] with explicit backoff and log-limiting settings. Returns when `cancel` fires
 /// (also in the middle of a hanging poll) or when the notice receiver is gone.
+#[tracing::instrument(name = "monitor", skip_all, fields(source = source.name()))]
 pub async fn run_monitor_with(
-    source: Arc<dyn NoticeSource>,
-    tx: mpsc::Sender<Notice>,
-    metrics: Arc<Metrics>,
-    health: Arc<PollHealth>,
-    cancel: CancellationToken,
-    policy: MonitorPolicy,
-) {
-    let name = source.name();
-    let span = tracing::info_span!("monitor", source = name);
-    monitor_loop(source, tx, metrics, health, cancel, policy)
-        .instrument(span)
-        .await
-}
-
-async fn monitor_loop(
     source: Arc<dyn NoticeSource>,
     tx: mpsc::Sender<Notice>,
     metrics: Arc<Metrics>,
@@ -420,27 +369,6 @@ async fn monitor_loop(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn backoff_doubles_with_jitter_up_to_cap_and_resets() {
-        let mut b = Backoff::new(Duration::from_secs(1), Duration::from_secs(30));
-        let expected_steps = [1u64, 2, 4, 8, 16, 30, 30, 30];
-        for step in expected_steps {
-            let d = b.next_delay();
-            let full = Duration::from_secs(step);
-            assert!(d >= full / 2 && d <= full, "step {step}: {d:?}");
-        }
-        b.reset();
-        assert!(b.next_delay() <= Duration::from_secs(1));
-    }
-
-    #[test]
-    fn backoff_survives_many_failures() {
-        let mut b = Backoff::new(Duration::from_millis(500), Duration::from_secs(30));
-        for _ in 0..200 {
-            assert!(b.next_delay() <= Duration::from_secs(30));
-        }
-    }
 
     #[test]
     fn log_limiter_logs_first_every_nth_and_after_interval() {

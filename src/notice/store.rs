@@ -276,13 +276,6 @@ pub fn maintenance_start(not_before: Timestamp, lead: Duration, now: Timestamp) 
     }
 }
 
-/// Grace period to give an evicted pod: `min(pod's own, time left − 2 s)`, at least 0.
-pub fn eviction_grace(pod_grace: Option<i64>, deadline: Timestamp, now: Timestamp) -> i64 {
-    let own = pod_grace.unwrap_or(30).max(0);
-    let left = super::time_until(Some(deadline), now).as_secs() as i64 - 2;
-    own.min(left.max(0))
-}
-
 /// A `std::time::Duration` until `t` (zero when past).
 pub fn until(t: Timestamp, now: Timestamp) -> Duration {
     super::time_until(Some(t), now)
@@ -452,7 +445,7 @@ mod tests {
     }
 
     #[test]
-    fn maintenance_start_and_grace() {
+    fn maintenance_start_is_lead_before_not_before_never_before_now() {
         let now = ts(0);
         assert_eq!(
             maintenance_start(ts(3600), Duration::from_secs(600), now),
@@ -462,11 +455,6 @@ mod tests {
             maintenance_start(ts(300), Duration::from_secs(600), now),
             now
         );
-        assert_eq!(eviction_grace(Some(30), ts(100), now), 30);
-        assert_eq!(eviction_grace(Some(300), ts(20), now), 18);
-        assert_eq!(eviction_grace(None, ts(10), now), 8);
-        assert_eq!(eviction_grace(Some(30), ts(1), now), 0);
-        assert_eq!(eviction_grace(Some(-5), ts(100), now), 0);
     }
 
     mod lives {

@@ -21,7 +21,7 @@ use super::annotations::AnnotationWatcher;
 use super::policy::{AllowPattern, AnnotationPolicy};
 use super::progress::parse_size;
 use super::{PrefetchDefaults, PrefetchMetrics, Prefetcher, StoreOptions};
-use crate::notice::monitor::Backoff;
+use crate::backoff::Backoff;
 
 /// Name of the stop file in the cache root.
 pub const STOP_FILE: &str = ".spotguard-stop";

@@ -1,0 +1,282 @@
+//! `events.k8s.io/v1` Events on the Node (namespace `default`) or on a Pod, reported by
+//! `spotguard.io/agent`; a repeat of the same event within a few minutes bumps its `series`.
+
+use std::time::Duration;
+
+use jiff::Timestamp;
+use k8s_openapi::api::core::v1::ObjectReference;
+use k8s_openapi::api::events::v1::{Event, EventSeries};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
+use kube::api::{Api, Patch, PatchParams, PostParams};
+use serde_json::json;
+use tokio::time::Instant;
+
+use super::api::{with_timeout, API_BACKOFF};
+use super::{KubeNodeOps, FIELD_MANAGER, REPORTING_CONTROLLER};
+use crate::checkpoint::PodRef;
+use crate::node::{reason, Error, EventType};
+
+/// Namespace of Events about the (cluster-scoped) Node, as the kubelet does.
+const NODE_EVENT_NAMESPACE: &str = "default";
+/// Identical events within this window are counted in one Event's `series`.
+const EVENT_SERIES_WINDOW: Duration = Duration::from_secs(6 * 60);
+const EVENT_CACHE_MAX: usize = 256;
+/// events.k8s.io/v1 limits.
+const EVENT_NOTE_MAX_BYTES: usize = 1024;
+const EVENT_FIELD_MAX_BYTES: usize = 128;
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub(super) struct EventKey {
+    namespace: String,
+    regarding: String,
+    type_: &'static str,
+    reason: String,
+    note: String,
+}
+
+pub(super) struct SeriesEntry {
+    name: String,
+    count: i32,
+    last: Instant,
+}
+
+/// What an Event on `pod` refers to (checkpoint outcomes).
+pub(super) fn pod_reference(pod: &PodRef) -> ObjectReference {
+    ObjectReference {
+        api_version: Some("v1".to_string()),
+        kind: Some("Pod".to_string()),
+        name: Some(pod.name.clone()),
+        namespace: Some(pod.namespace.clone()),
+        uid: (!pod.uid.is_empty()).then(|| pod.uid.clone()),
+        ..Default::default()
+    }
+}
+
+impl KubeNodeOps {
+    /// Emit an Event on this node.
+    pub(super) async fn emit_node_event(
+        &self,
+        kind: EventType,
+        reason: &str,
+        message: &str,
+    ) -> Result<(), Error> {
+        let regarding = self.node_reference().await;
+        self.emit(NODE_EVENT_NAMESPACE, regarding, kind, reason, message)
+            .await
+    }
+
+    async fn node_reference(&self) -> ObjectReference {
+        let cached = self.node_uid.lock().ok().and_then(|g| g.clone());
+        let uid = match cached {
+            Some(uid) => Some(uid),
+            None => self.get_node().await.ok().and_then(|n| n.metadata.uid),
+        };
+        ObjectReference {
+            api_version: Some("v1".to_string()),
+            kind: Some("Node".to_string()),
+            name: Some(self.node_name.clone()),
+            uid,
+            ..Default::default()
+        }
+    }
+
+    /// Emit an Event in `namespace` about `regarding` (dry-run: logged), counted as `event`.
+    pub(super) async fn emit(
+        &self,
+        namespace: &str,
+        regarding: ObjectReference,
+        kind: EventType,
+        reason: &str,
+        message: &str,
+    ) -> Result<(), Error> {
+        let type_ = match kind {
+            EventType::Normal => "Normal",
+            EventType::Warning => "Warning",
+        };
+        let note = truncate(message, EVENT_NOTE_MAX_BYTES);
+        let target = format!(
+            "{}/{}/{}",
+            regarding.kind.as_deref().unwrap_or(""),
+            regarding.namespace.as_deref().unwrap_or(""),
+            regarding.name.as_deref().unwrap_or("")
+        );
+        if self.dry_run {
+            tracing::info!(node = %self.node_name, target = %target, reason, event_type = type_, "dry-run: would emit event: {note}");
+            return Ok(());
+        }
+        let key = EventKey {
+            namespace: namespace.to_string(),
+            regarding: target,
+            type_,
+            reason: reason.to_string(),
+            note: note.to_string(),
+        };
+        let result = self
+            .emit_inner(namespace, regarding, key, reason, note)
+            .await;
+        self.count("event", &result);
+        result
+    }
+
+    async fn emit_inner(
+        &self,
+        namespace: &str,
+        regarding: ObjectReference,
+        key: EventKey,
+        reason: &str,
+        note: &str,
+    ) -> Result<(), Error> {
+        let api: Api<Event> = Api::namespaced(self.client.clone(), namespace);
+        let now = Timestamp::now();
+        let repeat = self.series.lock().ok().and_then(|mut cache| {
+            let entry = cache.get_mut(&key)?;
+            if entry.last.elapsed() > EVENT_SERIES_WINDOW {
+                return None;
+            }
+            entry.count += 1;
+            entry.last = Instant::now();
+            Some((entry.name.clone(), entry.count))
+        });
+        if let Some((name, count)) = repeat {
+            let series = EventSeries {
+                count,
+                last_observed_time: MicroTime(now),
+            };
+            let patch = json!({ "series": series });
+            let params = PatchParams {
+                field_manager: Some(FIELD_MANAGER.to_string()),
+                ..Default::default()
+            };
+            match with_timeout(api.patch(&name, &params, &Patch::Merge(&patch))).await {
+                Ok(_) => return Ok(()),
+                Err(e) => {
+                    // Gone (TTL) or refused: start a new Event.
+                    tracing::debug!(event = %name, error = %e, "updating event series failed, creating a new event");
+                }
+            }
+        }
+        let regarding_name = regarding.name.clone().unwrap_or_default();
+        let name = format!(
+            "{}.{:x}{:04x}",
+            regarding_name,
+            now.as_nanosecond(),
+            fastrand::u16(..)
+        );
+        let instance = truncate(
+            &format!("{REPORTING_CONTROLLER}-{}", self.node_name),
+            EVENT_FIELD_MAX_BYTES,
+        )
+        .to_string();
+        let event = Event {
+            metadata: ObjectMeta {
+                name: Some(name.clone()),
+                namespace: Some(namespace.to_string()),
+                ..Default::default()
+            },
+            event_time: Some(MicroTime(now)),
+            reporting_controller: Some(REPORTING_CONTROLLER.to_string()),
+            reporting_instance: Some(instance),
+            action: Some(action_for(reason).to_string()),
+            reason: Some(truncate(reason, EVENT_FIELD_MAX_BYTES).to_string()),
+            note: Some(note.to_string()),
+            type_: Some(key.type_.to_string()),
+            regarding: Some(regarding),
+            ..Default::default()
+        };
+        let mut backoff = API_BACKOFF;
+        loop {
+            match with_timeout(api.create(&PostParams::default(), &event)).await {
+                Ok(_) => break,
+                Err(e) if crate::node::kube_retryable(&e) && backoff.failures() < 2 => {
+                    tokio::time::sleep(backoff.next_delay()).await;
+                }
+                Err(source) => {
+                    return Err(Error::Event {
+                        reason: reason.to_string(),
+                        source,
+                    })
+                }
+            }
+        }
+        if let Ok(mut cache) = self.series.lock() {
+            if cache.len() >= EVENT_CACHE_MAX {
+                cache.retain(|_, e| e.last.elapsed() <= EVENT_SERIES_WINDOW);
+                if cache.len() >= EVENT_CACHE_MAX {
+                    cache.clear();
+                }
+            }
+            cache.insert(
+                key,
+                SeriesEntry {
+                    name,
+                    count: 1,
+                    last: Instant::now(),
+                },
+            );
+        }
+        Ok(())
+    }
+}
+
+/// events.k8s.io/v1 requires an `action`: what spotguard did or is doing.
+fn action_for(r: &str) -> &'static str {
+    match r {
+        reason::SPOT_INTERRUPTION | reason::REBALANCE | reason::MAINTENANCE => "Protect",
+        reason::CORDON_FAILED => "Cordon",
+        reason::UNCORDONED | reason::NOTICE_CANCELLED | reason::PREVIOUS_LIFE => "Undo",
+        reason::DRAIN_STARTED
+        | reason::DRAIN_COMPLETE
+        | reason::DRAIN_BLOCKED
+        | reason::DRAIN_FAILED => "Drain",
+        reason::CHECKPOINT_SIGNALLED
+        | reason::CHECKPOINT_ACKED
+        | reason::CHECKPOINT_TIMEOUT
+        | reason::CHECKPOINT_FAILED
+        | reason::CHECKPOINT_NO_HANDLER => "Checkpoint",
+        reason::GPU_UNHEALTHY | reason::GPU_DEGRADED | reason::GPU_RECOVERED => "GPUHealthCheck",
+        _ => "Notify",
+    }
+}
+
+/// At most `max` bytes, cut on a character boundary.
+fn truncate(s: &str, max: usize) -> &str {
+    if s.len() <= max {
+        return s;
+    }
+    let mut end = max;
+    while end > 0 && !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn truncate_respects_char_boundaries() {
+        assert_eq!(truncate("abc", 10), "abc");
+        assert_eq!(truncate("abcdef", 3), "abc");
+        // 'é' is two bytes: cutting inside it backs off.
+        assert_eq!(truncate("aé", 2), "a");
+        assert_eq!(
+            truncate(&"x".repeat(2000), EVENT_NOTE_MAX_BYTES).len(),
+            1024
+        );
+    }
+
+    #[test]
+    fn every_reason_has_an_action() {
+        for r in [
+            reason::SPOT_INTERRUPTION,
+            reason::DRAIN_BLOCKED,
+            reason::CHECKPOINT_ACKED,
+            reason::GPU_RECOVERED,
+            reason::UNCORDONED,
+        ] {
+            assert_ne!(action_for(r), "Notify", "{r}");
+        }
+        assert_eq!(action_for(reason::BAD_ANNOTATION), "Notify");
+    }
+}
