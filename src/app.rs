@@ -14,6 +14,7 @@ use tracing::{error, info, warn};
 
 use crate::admin::{self, Readiness};
 use crate::checkpoint::discover::{HostDiscovery, HostTargets};
+use crate::checkpoint::kube_discovery;
 use crate::checkpoint::procfs::ProcFs;
 use crate::checkpoint::TargetDiscovery;
 use crate::config::{Config, Mode};
@@ -24,7 +25,7 @@ use crate::node::NodeOps;
 use crate::notice::monitor::{run_monitor, PollHealth};
 use crate::notice::{self, NoticeSource, Source};
 use crate::responder::{PlanEvent, Responder, ResponderConfig, StartHook};
-use crate::{gpu, kube_discovery, prefetch, webhook};
+use crate::{gpu, prefetch, webhook};
 
 /// Errors that stop the agent at start-up (everything after start-up is logged and retried).
 #[derive(Debug, thiserror::Error)]

@@ -15,7 +15,6 @@ pub mod duration;
 pub mod emulator;
 pub mod fsutil;
 pub mod gpu;
-pub mod kube_discovery;
 pub mod metrics;
 pub mod node;
 pub mod notice;

@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Pod;
 use prometheus_client::registry::Registry;
+use spotguard::checkpoint::kube_discovery::{Defaults, KubeDiscovery, FALLBACK_LIST_TIMEOUT};
 use spotguard::checkpoint::{Error, TargetDiscovery};
-use spotguard::kube_discovery::{Defaults, KubeDiscovery, FALLBACK_LIST_TIMEOUT};
 use spotguard::metrics::Metrics;
 use spotguard::node::kube::KubeNodeOps;
 use spotguard_testkit::apiserver::{test_node, FakeApiServer, Fault, RequestKind, TestPod};

@@ -3,12 +3,15 @@
 //! after re-checking the start time), and wait for their acks within the budget.
 //!
 //! Discovery is a seam ([`TargetDiscovery`]): host mode selects by systemd unit, pidfile or
-//! cmdline; Kubernetes mode lists the opted-in pods on this node and maps their containers to host
-//! PIDs through `/proc/*/cgroup`.
+//! cmdline ([`discover`]); Kubernetes mode ([`kube_discovery`]) keeps a watch-fed cache of the
+//! opted-in pods on this node and maps their containers to host PIDs through `/proc/*/cgroup`.
+//! Dependencies point one way: checkpoint uses `node` (the pod reference, Events on pods), never
+//! the reverse.
 
 pub mod ack;
 pub mod cgroup;
 pub mod discover;
+pub mod kube_discovery;
 pub mod pods;
 pub mod probe;
 pub mod procfs;
@@ -19,6 +22,8 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use async_trait::async_trait;
+
+pub use crate::node::PodRef;
 
 /// Which processes of a target get the signal.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -130,14 +135,6 @@ pub struct TargetContainer {
     /// The container's init process (host PID), for `TargetMode::Pid1`.
     pub init_pid: Option<i32>,
     pub processes: Vec<TargetProcess>,
-}
-
-/// The Kubernetes pod a target group belongs to (for Events and logs).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct PodRef {
-    pub namespace: String,
-    pub name: String,
-    pub uid: String,
 }
 
 /// Everything that is checkpointed together and gets one outcome: a pod, or a host selector.

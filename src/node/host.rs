@@ -9,8 +9,8 @@ use super::{
     Applied, DrainReport, DrainRequest, Error, EventType, GpuConditions, NodeOps, PlanState,
     Protection,
 };
-use crate::checkpoint::PodRef;
 use crate::fsutil::write_atomic;
+use crate::node::PodRef;
 
 /// File name of the persisted plan state inside `--state-dir`.
 pub const STATE_FILE: &str = "notice.json";

@@ -9,7 +9,6 @@ use async_trait::async_trait;
 use jiff::Timestamp;
 use serde::{Deserialize, Serialize};
 
-use crate::checkpoint::PodRef;
 use crate::notice::{NoticeKind, Source};
 
 pub mod drain;
@@ -256,6 +255,14 @@ pub struct ConditionState {
     pub active: bool,
     pub reason: String,
     pub message: String,
+}
+
+/// The Kubernetes pod a target group belongs to (for Events and logs).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PodRef {
+    pub namespace: String,
+    pub name: String,
+    pub uid: String,
 }
 
 /// The node seam. Every mutation of the node (or its host-mode equivalent) goes through here.

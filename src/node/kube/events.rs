@@ -13,7 +13,7 @@ use tokio::time::Instant;
 
 use super::api::{with_timeout, API_BACKOFF};
 use super::{KubeNodeOps, FIELD_MANAGER, REPORTING_CONTROLLER};
-use crate::checkpoint::PodRef;
+use crate::node::PodRef;
 use crate::node::{reason, Error, EventType};
 
 /// Namespace of Events about the (cluster-scoped) Node, as the kubelet does.

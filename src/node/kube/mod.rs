@@ -36,8 +36,8 @@ use super::{
     Applied, AppliedMarks, DrainReport, DrainRequest, Error, EventType, GpuConditions, NodeOps,
     PlanState, Protection, APPLIED_ANNOTATION, INTERRUPTION_TAINT, NOTICE_ANNOTATION,
 };
-use crate::checkpoint::PodRef;
 use crate::metrics::Metrics;
+use crate::node::PodRef;
 pub(crate) use api::{with_timeout, API_BACKOFF};
 use events::{EventKey, SeriesEntry};
 

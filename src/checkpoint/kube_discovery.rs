@@ -26,9 +26,9 @@ use tracing::{debug, info, warn};
 use crate::backoff::Backoff;
 use crate::checkpoint::cgroup::ProcIndex;
 use crate::checkpoint::pods::{is_candidate, pod_checkpoint_spec, PodCheckpointSpec, PodDefaults};
-use crate::checkpoint::{Error, PodRef, Signal, TargetDiscovery, TargetGroup};
+use crate::checkpoint::{Error, Signal, TargetDiscovery, TargetGroup};
 use crate::metrics::Metrics;
-use crate::node::{reason, EventType, NodeOps};
+use crate::node::{reason, EventType, NodeOps, PodRef};
 
 /// Bound on the one list discovery makes when the cache never synced.
 pub const FALLBACK_LIST_TIMEOUT: Duration = Duration::from_secs(1);
