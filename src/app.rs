@@ -13,6 +13,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
 use crate::admin::{self, Readiness};
+use crate::backoff::Backoff;
 use crate::checkpoint::discover::{HostDiscovery, HostTargets};
 use crate::checkpoint::kube_discovery;
 use crate::checkpoint::procfs::ProcFs;
@@ -346,7 +347,7 @@ async fn detect_and_monitor(
     gce_metrics: notice::monitor::GceMetrics,
     cancel: CancellationToken,
 ) {
-    let mut delay = Duration::from_secs(2);
+    let mut backoff = Backoff::new(Duration::from_secs(2), Duration::from_secs(60));
     let source = loop {
         let probe = match &cfg.args.metadata_endpoint {
             Some(u) => notice::detect::ProbeEndpoints::all(u.clone()),
@@ -356,14 +357,14 @@ async fn detect_and_monitor(
             Ok(s) => break s,
             Err(e) => {
                 metrics.error("detect", e.metric_label());
+                let delay = backoff.next_delay();
                 warn!(error = %e, retry_in_ms = delay.as_millis() as u64, "cloud auto-detection failed; set --cloud to skip it");
+                tokio::select! {
+                    _ = cancel.cancelled() => return,
+                    _ = tokio::time::sleep(delay) => {}
+                }
             }
         }
-        tokio::select! {
-            _ = cancel.cancelled() => return,
-            _ = tokio::time::sleep(delay) => {}
-        }
-        delay = (delay * 2).min(Duration::from_secs(60));
     };
     info!(cloud = source.as_str(), "cloud detected");
     match build_source(&cfg, source, &metrics, &gce_metrics) {
