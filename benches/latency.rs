@@ -86,9 +86,9 @@ fn run_args(cloud: &str, endpoint: &str, dir: &Path, pidfile: &Path) -> config::
         "--log-level=error".into(),
         "--shutdown-grace=1s".into(),
     ];
-    match config::parse_cli(argv) {
-        config::Parsed::Command(config::Command::Run(r)) => *r,
-        config::Parsed::Exit { text, .. } => panic!("{text}"),
+    match spotguard::cli::parse_cli(argv) {
+        spotguard::cli::Parsed::Command(spotguard::cli::Command::Run(r)) => *r,
+        spotguard::cli::Parsed::Exit { text, .. } => panic!("{text}"),
         _ => unreachable!(),
     }
 }
@@ -223,9 +223,9 @@ async fn kube_trial(
         "--log-level=error".into(),
         "--shutdown-grace=0s".into(),
     ];
-    let args = match config::parse_cli(argv) {
-        config::Parsed::Command(config::Command::Run(r)) => *r,
-        config::Parsed::Exit { text, .. } => panic!("{text}"),
+    let args = match spotguard::cli::parse_cli(argv) {
+        spotguard::cli::Parsed::Command(spotguard::cli::Command::Run(r)) => *r,
+        spotguard::cli::Parsed::Exit { text, .. } => panic!("{text}"),
         _ => unreachable!(),
     };
     let cfg = Config::resolve(args, &config::ProcessEnv).expect("config");

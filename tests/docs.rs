@@ -195,9 +195,9 @@ async fn a_fresh_agent_exports_every_documented_series_at_zero() {
         "--gpu=off".into(),
         "--log-level=error".into(),
     ];
-    let args = match spotguard::config::parse_cli(argv) {
-        spotguard::config::Parsed::Command(spotguard::config::Command::Run(r)) => *r,
-        spotguard::config::Parsed::Exit { text, .. } => panic!("{text}"),
+    let args = match spotguard::cli::parse_cli(argv) {
+        spotguard::cli::Parsed::Command(spotguard::cli::Command::Run(r)) => *r,
+        spotguard::cli::Parsed::Exit { text, .. } => panic!("{text}"),
         _ => unreachable!(),
     };
     let cfg = spotguard::config::Config::resolve(args, &spotguard::config::ProcessEnv).unwrap();

@@ -459,8 +459,8 @@ mod kube {
             "--log-level=warn".into(),
             "--shutdown-grace=0s".into(),
         ];
-        let args = match config::parse_cli(argv) {
-            config::Parsed::Command(config::Command::Run(r)) => *r,
+        let args = match spotguard::cli::parse_cli(argv) {
+            spotguard::cli::Parsed::Command(spotguard::cli::Command::Run(r)) => *r,
             _ => panic!("bad args"),
         };
         let cfg = Config::resolve(args, &config::ProcessEnv).unwrap();

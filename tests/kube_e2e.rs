@@ -207,9 +207,9 @@ impl Cluster {
             "--shutdown-grace=0s".into(),
         ];
         argv.extend(extra.iter().map(|s| s.to_string()));
-        let args = match config::parse_cli(argv) {
-            config::Parsed::Command(config::Command::Run(r)) => *r,
-            config::Parsed::Exit { text, .. } => panic!("{text}"),
+        let args = match spotguard::cli::parse_cli(argv) {
+            spotguard::cli::Parsed::Command(spotguard::cli::Command::Run(r)) => *r,
+            spotguard::cli::Parsed::Exit { text, .. } => panic!("{text}"),
             _ => unreachable!(),
         };
         let mut cfg = Config::resolve(args, &config::ProcessEnv).unwrap();

@@ -128,9 +128,9 @@ fn run_args(cloud: &str, endpoint: &str, t: &Trainer, extra: &[&str]) -> config:
         "--shutdown-grace=2s".into(),
     ];
     argv.extend(extra.iter().map(|s| s.to_string()));
-    match config::parse_cli(argv) {
-        config::Parsed::Command(config::Command::Run(r)) => *r,
-        config::Parsed::Exit { text, .. } => panic!("{text}"),
+    match spotguard::cli::parse_cli(argv) {
+        spotguard::cli::Parsed::Command(spotguard::cli::Command::Run(r)) => *r,
+        spotguard::cli::Parsed::Exit { text, .. } => panic!("{text}"),
         _ => unreachable!(),
     }
 }

@@ -710,9 +710,9 @@ async fn an_agent_sends_start_and_outcome_and_records_headroom() {
         format!("--webhook-url=http://{addr}/hook/agent"),
         "--webhook-header=Authorization: Bearer agent-token".into(),
     ];
-    let args = match spotguard::config::parse_cli(argv) {
-        spotguard::config::Parsed::Command(spotguard::config::Command::Run(r)) => *r,
-        spotguard::config::Parsed::Exit { text, .. } => panic!("{text}"),
+    let args = match spotguard::cli::parse_cli(argv) {
+        spotguard::cli::Parsed::Command(spotguard::cli::Command::Run(r)) => *r,
+        spotguard::cli::Parsed::Exit { text, .. } => panic!("{text}"),
         _ => unreachable!(),
     };
     let cfg = spotguard::config::Config::resolve(args, &spotguard::config::ProcessEnv).unwrap();

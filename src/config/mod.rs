@@ -12,8 +12,8 @@
 //! - `parse`: value parsers of the flags;
 //! - `reference`: the configuration reference (Markdown) generated from the definitions.
 //!
-//! The command table that names every subcommand is `crate::cli`'s; config knows only `run` (it
-//! re-exports `cli::{parse_cli, Parsed, Command}` for the integration tests, nothing more).
+//! The command table that names every subcommand is `crate::cli`'s; config knows only `run` and
+//! never refers to cli or to any command's module (the arrows point from them to config).
 
 mod args;
 mod file;
@@ -42,11 +42,6 @@ pub use reference::reference_markdown;
 
 /// Exit code for a usage or configuration error (`EX_USAGE`).
 pub const EXIT_USAGE: i32 = 64;
-
-// The command table moved to `crate::cli`; these keep `spotguard::config::{parse_cli, Parsed,
-// Command}` working for the integration tests and benches that build `run` arguments with them.
-#[doc(hidden)]
-pub use crate::cli::{parse_cli, Command, Parsed};
 
 /// Resolved operating mode.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -252,7 +252,8 @@ pub struct GpuConfig {
     /// Sampling cadence.
     #[serde(with = "crate::duration::serde_str")]
     pub interval: Duration,
-    /// First retry delay after NVML failed to initialise (doubles up to `init_backoff_max`).
+    /// First retry step after NVML failed to initialise (doubles up to `init_backoff_max`; each
+    /// wait is jittered in [step/2, step] by `crate::backoff`).
     #[serde(with = "crate::duration::serde_str")]
     pub init_backoff_min: Duration,
     #[serde(with = "crate::duration::serde_str")]

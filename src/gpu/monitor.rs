@@ -11,6 +11,7 @@
 //! waits for it at most one interval, reports the probe down (`sample_timeout`), starts no
 //! second sample while the first is stuck, and neither shutdown nor anything else waits for it.
 
+use crate::backoff::Backoff;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -53,7 +54,8 @@ struct Monitor {
     shown: Option<GpuConditions>,
     /// Last NVML init error reported (to log it once).
     down_reason: Option<String>,
-    backoff: Duration,
+    /// Retries of NVML start-up: `init_backoff_min` doubling to `init_backoff_max`.
+    backoff: Backoff,
     /// Last pod-resources error reported (to log it once).
     holders_error: Option<String>,
     /// A sample still running on its thread (a hung driver call), and since when.
@@ -82,7 +84,7 @@ impl Monitor {
                 String::from("unknown")
             }
         };
-        let backoff = cfg.init_backoff_min;
+        let backoff = Backoff::new(cfg.init_backoff_min, cfg.init_backoff_max);
         Monitor {
             probe,
             node,
@@ -275,7 +277,7 @@ impl Monitor {
         if let Some(reason) = self.down_reason.take() {
             tracing::info!(previous_error = %reason, gpus = samples.len(), "NVML available again; GPU monitoring resumed");
         }
-        self.backoff = self.cfg.init_backoff_min;
+        self.backoff.reset();
         let before = self.state.node;
         self.state = evaluate(
             &self.state,
@@ -328,7 +330,7 @@ impl Monitor {
         self.metrics.probe_down(&self.state);
         self.metrics.error(e.metric_label());
         let reason = e.to_string();
-        let delay = self.backoff;
+        let delay = self.backoff.next_delay();
         if self.down_reason.as_deref() != Some(reason.as_str()) {
             tracing::warn!(
                 error = %reason,
@@ -339,7 +341,6 @@ impl Monitor {
         } else {
             tracing::debug!(error = %reason, retry_in = %crate::duration::display(delay), "NVML still unavailable");
         }
-        self.backoff = (self.backoff * 2).min(self.cfg.init_backoff_max);
         delay
     }
 }
