@@ -7,6 +7,10 @@ use crate::checkpoint::procfs::ProcFs;
 use crate::checkpoint::run::{self as ckpt, CheckpointRequest};
 use crate::checkpoint::{Outcome, TargetGroup};
 
+/// A retryable drain failure (API server unreachable, 5xx) is retried after this step, jittered
+/// by `crate::backoff`, while the deadline allows.
+const DRAIN_RETRY_PAUSE: Duration = Duration::from_secs(1);
+
 /// One plan in progress.
 pub(super) struct Plan {
     pub(super) seq: u64,
@@ -530,7 +534,7 @@ impl Plan {
                     if e.is_retryable() && Timestamp::now() < self.deadline() {
                         self.deps.metrics.error("drain", e.metric_label());
                         warn!(error = %e, "drain failed; retrying");
-                        tokio::time::sleep(Duration::from_secs(1)).await;
+                        tokio::time::sleep(crate::backoff::jittered(DRAIN_RETRY_PAUSE)).await;
                         continue;
                     }
                     break Err(e);
