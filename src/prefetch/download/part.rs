@@ -5,7 +5,7 @@
 use std::fs::{self, File};
 use std::io::{self, IoSlice};
 use std::os::unix::fs::FileExt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -13,8 +13,11 @@ use bytes::Bytes;
 use futures::StreamExt;
 
 use super::lease::Active;
+use super::plan::Listed;
 use super::run::{blocking, Run, Stop};
+use crate::prefetch::claim::ClaimRecord;
 use crate::prefetch::lock;
+use crate::prefetch::manifest::normalize_etag;
 use crate::prefetch::metrics::PrefetchMetrics;
 use crate::prefetch::progress::Progress;
 use crate::prefetch::verify::Hasher;
@@ -86,6 +89,121 @@ pub(super) fn missing_segments(done: &[[u64; 2]], size: u64, part: u64) -> Vec<(
         push(at, size);
     }
     out
+}
+
+/// The part file to write `listed` into, with the etag its bytes must belong to: this
+/// process's own from an earlier attempt; a previous owner's when it holds the same version of
+/// the object (its written ranges count as done, and the claim records them); else a new one,
+/// preallocated when the object is fetched in ranged parts. A part file that cannot be resumed
+/// is removed.
+pub(super) async fn open_part(
+    run: &Arc<Run>,
+    listed: &Listed,
+    active: &Arc<Active>,
+    previous: Option<ClaimRecord>,
+    part_path: &Path,
+    final_path: &Path,
+) -> Result<(Arc<File>, Option<String>), Stop> {
+    let key = listed.entry.key.clone();
+    let size = listed.entry.size;
+    let dir = run.paths.dir.clone();
+    let listed_etag = listed.entry.etag.clone();
+    let stale_part = previous.as_ref().map(|p| dir.join(&p.part));
+    let resumable = previous.filter(|p| {
+        p.size == size
+            && !p.done.is_empty()
+            && match (&p.etag, &listed_etag) {
+                (Some(a), Some(b)) => normalize_etag(a) == normalize_etag(b),
+                (Some(_), None) => true,
+                (None, _) => false,
+            }
+    });
+    let mut expected_etag = listed_etag.clone();
+    let existing_file = lock(&active.file).clone();
+    let file: Arc<File> = match existing_file {
+        // A retry within this process: same part file, same progress.
+        Some(f) => f,
+        None => {
+            let resume = resumable.clone();
+            let part = part_path.to_path_buf();
+            let fin = final_path.to_path_buf();
+            let run2 = run.clone();
+            let k = key.clone();
+            let stale = stale_part.filter(|_| resume.is_none());
+            let opened =
+                blocking(move || -> Result<(File, Vec<[u64; 2]>), Error> {
+                    if let Some(old) = stale.filter(|old| *old != part) {
+                        let _ = fs::remove_file(old);
+                    }
+                    run2.make_parent(&fin)
+                        .map_err(|e| Error::io_for(&k, "create directory", fin.clone(), e))?;
+                    if let Some(prev) = &resume {
+                        let old = dir.join(&prev.part);
+                        let ok = fs::metadata(&old).is_ok_and(|m| m.len() == size);
+                        if ok && (old == part || fs::rename(&old, &part).is_ok()) {
+                            let f = File::options().write(true).read(true).open(&part).map_err(
+                                |e| Error::io_for(&k, "open part file", part.clone(), e),
+                            )?;
+                            return Ok((f, prev.done.clone()));
+                        }
+                        let _ = fs::remove_file(&old);
+                    }
+                    let f = File::options()
+                        .write(true)
+                        .read(true)
+                        .create(true)
+                        .truncate(true)
+                        .open(&part)
+                        .map_err(|e| Error::io_for(&k, "create part file", part.clone(), e))?;
+                    let ranged = size > run2.opts.part_size;
+                    if ranged {
+                        preallocate(&f, size, !run2.on_tmpfs.load(Ordering::Relaxed))
+                            .map_err(|e| Error::io_for(&k, "preallocate", part.clone(), e))?;
+                    }
+                    Ok((f, Vec::new()))
+                })
+                .await
+                .and_then(|r| r)?;
+            let (f, done) = opened;
+            if !done.is_empty() {
+                let reused: u64 = merge_ranges(done.clone()).iter().map(|r| r[1] - r[0]).sum();
+                tracing::info!(dataset = %run.paths.name, key, bytes = reused, "resuming a partial download");
+                Progress::add(&run.progress.bytes_resumed, reused);
+                Progress::add(&run.progress.bytes_done, reused);
+                if expected_etag.is_none() {
+                    expected_etag = resumable.as_ref().and_then(|p| p.etag.clone());
+                }
+                *lock(&active.base_done) = done;
+            }
+            let f = Arc::new(f);
+            *lock(&active.file) = Some(f.clone());
+            // Record the progress we start from (a takeover) or the etag we now expect. A
+            // fresh claim already says all there is: no write.
+            let rec = {
+                let mut rec = lock(&active.record);
+                let done = active.done_ranges();
+                let changed = rec.done != done || rec.etag != expected_etag;
+                rec.done = done;
+                rec.etag = expected_etag.clone();
+                rec.lease_until_ms = run.lease_until();
+                changed.then(|| rec.clone())
+            };
+            // (Objects of a group have no claim of their own.)
+            if let (Some(rec), Some(claim)) = (rec, active.claim.clone()) {
+                let path = claim.path.clone();
+                match blocking(move || claim.renew(&rec)).await {
+                    Ok(Ok(true)) => {}
+                    Ok(Ok(false)) => return Err(Stop::Lost),
+                    Ok(Err(e)) => {
+                        return Err(Stop::Err(Error::io_for(&key, "write claim", path, e)))
+                    }
+                    Err(e) => return Err(Stop::Err(e)),
+                }
+            }
+            f
+        }
+    };
+    Ok((file, expected_etag))
 }
 
 /// Remove our part file and forget its progress.

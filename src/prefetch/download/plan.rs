@@ -18,7 +18,7 @@ use tokio::task::JoinSet;
 
 use super::object::{fetch_group, fetch_object};
 use super::run::{blocking, Run};
-use crate::prefetch::cache::{self};
+use crate::prefetch::cache;
 use crate::prefetch::manifest::{Entry, Manifest, Update};
 use crate::prefetch::metrics::PrefetchMetrics;
 use crate::prefetch::progress::Progress;

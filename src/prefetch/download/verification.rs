@@ -8,25 +8,66 @@ use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::sync::Arc;
 
-use object_store::{GetOptions, ObjectStore};
-
-use super::fetch::with_request;
-use super::lease::Active;
-use super::plan::Listed;
-use super::run::{blocking, Run, Stop};
-use crate::prefetch::progress::Progress;
-use crate::prefetch::verify;
-use crate::prefetch::verify::{ChecksumSlot, Finished, Hasher, StoreChecksum};
+use super::run::{blocking, Stop};
+use crate::prefetch::manifest::etag_md5;
+use crate::prefetch::verify::{self, Finished, Hasher, StoreChecksum, VerifiedBy};
 use crate::prefetch::Error;
 
-pub(super) fn finished_hex(f: &Finished) -> String {
+/// Verify the part file of an object of `size` (> 0) bytes before it is published. Content: the
+/// store's checksum, else a plain-MD5 etag, else the size alone. A hash not computed inline
+/// (resumed bytes, SHA-256 or MD5 over ranged parts) is computed by reading the part file back.
+pub(super) async fn verify_part(
+    key: &str,
+    size: u64,
+    file: &Arc<File>,
+    part_path: &Path,
+    checksum: Option<StoreChecksum>,
+    inline: Option<Hasher>,
+    etag: Option<&str>,
+) -> Result<VerifiedBy, Stop> {
+    let md5_expected = etag.and_then(etag_md5);
+    let verified_by = if let Some(c) = checksum {
+        let got = match inline.filter(|h| !matches!(h, Hasher::Md5(_))) {
+            Some(h) => h.finish(),
+            None => read_back(file, size, c.hasher(), key, part_path).await?,
+        };
+        if !c.matches(&got) {
+            return Err(Stop::Err(Error::ChecksumMismatch {
+                key: key.to_string(),
+                algorithm: c.kind(),
+                expected: c.hex(),
+                got: finished_hex(&got),
+            }));
+        }
+        c.kind()
+    } else if let Some(expected) = md5_expected {
+        let got = match inline.filter(|h| matches!(h, Hasher::Md5(_))) {
+            Some(h) => h.finish(),
+            None => read_back(file, size, Hasher::md5(), key, part_path).await?,
+        };
+        if got != Finished::Bytes(expected.to_vec()) {
+            return Err(Stop::Err(Error::ChecksumMismatch {
+                key: key.to_string(),
+                algorithm: VerifiedBy::Md5,
+                expected: verify::hex(&expected),
+                got: finished_hex(&got),
+            }));
+        }
+        VerifiedBy::Md5
+    } else {
+        VerifiedBy::Size
+    };
+    Ok(verified_by)
+}
+
+fn finished_hex(f: &Finished) -> String {
     match f {
         Finished::Crc(v) => format!("{v:x}"),
         Finished::Bytes(b) => verify::hex(b),
     }
 }
 
-pub(super) async fn read_back(
+async fn read_back(
     file: &Arc<File>,
     size: u64,
     hasher: Hasher,
@@ -37,49 +78,6 @@ pub(super) async fn read_back(
     Ok(blocking(move || hash_file(&f, size, hasher))
         .await?
         .map_err(|e| Error::io_for(&k, "read back part file", p, e))?)
-}
-
-/// HEAD with the checksum asked for: the object's full checksum (if the store keeps one) and
-/// its etag.
-pub(super) async fn head_checksum(
-    run: &Arc<Run>,
-    listed: &Listed,
-    active: &Arc<Active>,
-    holding_slot: bool,
-) -> Result<(Option<StoreChecksum>, Option<String>), Stop> {
-    let slot = ChecksumSlot::default();
-    let opts = GetOptions {
-        head: true,
-        extensions: slot.extensions(),
-        ..GetOptions::default()
-    };
-    let key = &listed.entry.key;
-    Progress::add(&run.progress.requests, 1);
-    let head = async {
-        tokio::select! {
-            _ = run.abort.cancelled() => Err(run.stopped().unwrap_or(Stop::Aborted)),
-            _ = active.lost.cancelled() => Err(Stop::Lost),
-            r = run.store.get_opts(&listed.location, opts) => Ok(r),
-        }
-    };
-    // A caller holding its request slot already must not wait for a second one.
-    let res = if holding_slot {
-        head.await?
-    } else {
-        with_request(run, active, head).await?
-    };
-    match res {
-        Ok(r) => {
-            if r.meta.size != listed.entry.size {
-                return Err(Stop::Err(Error::Changed { key: key.clone() }));
-            }
-            Ok((slot.get(), r.meta.e_tag))
-        }
-        Err(object_store::Error::NotFound { .. }) => {
-            Err(Stop::Err(Error::Changed { key: key.clone() }))
-        }
-        Err(e) => Err(Stop::Err(Error::get(key, e))),
-    }
 }
 
 /// `h` over the first `size` bytes of `f`.
