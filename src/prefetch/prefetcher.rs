@@ -333,6 +333,19 @@ mod tests {
     use super::*;
     use crate::prefetch::download::tests::pattern;
 
+    /// A prefetcher of the cache at `root` with the defaults and its own metrics.
+    fn prefetcher(root: &std::path::Path) -> Prefetcher {
+        Prefetcher::new(
+            root.to_path_buf(),
+            None,
+            PrefetchDefaults::default(),
+            Arc::new(PrefetchMetrics::register(
+                &mut prometheus_client::registry::Registry::default(),
+            )),
+            CancellationToken::new(),
+        )
+    }
+
     #[tokio::test]
     async fn a_dataset_directory_holding_another_source_is_never_overwritten() {
         let root = tempfile::tempdir().unwrap();
@@ -340,15 +353,7 @@ mod tests {
         let b = tempfile::tempdir().unwrap();
         std::fs::write(a.path().join("x"), b"from a").unwrap();
         std::fs::write(b.path().join("y"), b"from b").unwrap();
-        let p = Prefetcher::new(
-            root.path().to_path_buf(),
-            None,
-            PrefetchDefaults::default(),
-            Arc::new(PrefetchMetrics::register(
-                &mut prometheus_client::registry::Registry::default(),
-            )),
-            CancellationToken::new(),
-        );
+        let p = prefetcher(root.path());
         let url_a = format!("file://{}", a.path().display());
         let url_b = format!("file://{}", b.path().display());
         p.ensure("ds", &url_a).unwrap();
@@ -358,15 +363,7 @@ mod tests {
             p.ensure("ds", &url_b),
             Err(Error::NameInUse { .. })
         ));
-        let fresh = Prefetcher::new(
-            root.path().to_path_buf(),
-            None,
-            PrefetchDefaults::default(),
-            Arc::new(PrefetchMetrics::register(
-                &mut prometheus_client::registry::Registry::default(),
-            )),
-            CancellationToken::new(),
-        );
+        let fresh = prefetcher(root.path());
         match fresh.ensure("ds", &url_b) {
             Err(Error::NameInUse { existing, .. }) => assert_eq!(existing, url_a),
             other => panic!("{other:?}"),
@@ -427,15 +424,7 @@ mod tests {
         );
 
         // A fresh prefetcher finds the complete marker on disk.
-        let p2 = Prefetcher::new(
-            root.path().to_path_buf(),
-            None,
-            PrefetchDefaults::default(),
-            Arc::new(PrefetchMetrics::register(
-                &mut prometheus_client::registry::Registry::default(),
-            )),
-            CancellationToken::new(),
-        );
+        let p2 = prefetcher(root.path());
         assert_eq!(p2.ensure("local", &url).unwrap(), Ensure::AlreadyComplete);
         p2.cancel_all();
         assert!(matches!(p2.ensure("other", &url), Err(Error::Cancelled)));

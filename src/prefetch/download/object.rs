@@ -45,49 +45,30 @@ pub(super) async fn fetch_object(run: &Arc<Run>, mut listed: Listed) -> Done {
         done: Vec::new(),
         keys: Vec::new(),
     };
-    let acquired = {
-        let claim = claim.clone();
-        let record = record.clone();
-        let r = run.clone();
-        let entry = listed.entry.clone();
-        blocking(move || -> io::Result<(Acquire, bool)> {
-            let got = claim.acquire(&record, now_ms())?;
-            // Published by someone else since our listing? (Checked under the claim, so a
-            // finished owner's manifest update is visible: claims are released after it.)
-            let elsewhere = match &got {
-                Acquire::Acquired { previous } if r.done_elsewhere(&entry) => {
-                    if let Some(p) = previous {
-                        let _ = fs::remove_file(r.paths.dir.join(&p.part));
-                    }
-                    claim.release(&r.owner)?;
-                    true
+    let (r, entry) = (run.clone(), listed.entry.clone());
+    let acquired = acquire_claim(run, &key, &claim, &record, move |claim, got| {
+        // Published by someone else since our listing? (Checked under the claim, so a
+        // finished owner's manifest update is visible: claims are released after it.)
+        Ok(match got {
+            Acquire::Acquired { previous } if r.done_elsewhere(&entry) => {
+                if let Some(p) = previous {
+                    let _ = fs::remove_file(r.paths.dir.join(&p.part));
                 }
-                _ => false,
-            };
-            Ok((got, elsewhere))
+                claim.release(&r.owner)?;
+                true
+            }
+            _ => false,
         })
-        .await
-    };
+    })
+    .await;
     let previous = match acquired {
-        Ok(Ok((_, true))) => {
+        None => return Done::Finished,
+        Some((_, true)) => {
             run.count_by_other(&listed.entry);
             return Done::Finished;
         }
-        Ok(Ok((Acquire::Acquired { previous }, false))) => previous,
-        Ok(Ok((Acquire::Held(_), false))) => return Done::Deferred(Work::Object(listed)),
-        Ok(Err(source)) => {
-            run.set_fatal(Error::io_for(
-                &key,
-                "create claim",
-                claim.path.clone(),
-                source,
-            ));
-            return Done::Finished;
-        }
-        Err(e) => {
-            run.set_fatal(e);
-            return Done::Finished;
-        }
+        Some((Acquire::Acquired { previous }, false)) => previous,
+        Some((Acquire::Held(_), false)) => return Done::Deferred(Work::Object(listed)),
     };
     if previous.is_some() {
         tracing::info!(dataset = %run.paths.name, key, "took over a stale claim");
@@ -147,44 +128,27 @@ pub(super) async fn fetch_group(run: &Arc<Run>, group: Group) -> Done {
         done: Vec::new(),
         keys: group.objects.iter().map(|l| l.entry.key.clone()).collect(),
     };
-    let acquired = {
-        let claim = claim.clone();
-        let record = record.clone();
-        let r = run.clone();
-        let entries: Vec<Entry> = group.objects.iter().map(|l| l.entry.clone()).collect();
-        blocking(move || -> io::Result<(Acquire, Vec<bool>)> {
-            let got = claim.acquire(&record, now_ms())?;
-            let mut elsewhere = Vec::new();
-            if let Acquire::Acquired { previous } = &got {
-                if let Some(p) = previous {
-                    // A dead owner's partial small files: they start over.
-                    let tag = p.owner.tag();
-                    for k in &p.keys {
-                        let _ = fs::remove_file(r.paths.dir.join(r.paths.part_rel(k, &tag)));
-                    }
+    let r = run.clone();
+    let entries: Vec<Entry> = group.objects.iter().map(|l| l.entry.clone()).collect();
+    let acquired = acquire_claim(run, &group.first, &claim, &record, move |_, got| {
+        let mut elsewhere = Vec::new();
+        if let Acquire::Acquired { previous } = got {
+            if let Some(p) = previous {
+                // A dead owner's partial small files: they start over.
+                let tag = p.owner.tag();
+                for k in &p.keys {
+                    let _ = fs::remove_file(r.paths.dir.join(r.paths.part_rel(k, &tag)));
                 }
-                elsewhere = entries.iter().map(|e| r.done_elsewhere(e)).collect();
             }
-            Ok((got, elsewhere))
-        })
-        .await
-    };
+            elsewhere = entries.iter().map(|e| r.done_elsewhere(e)).collect();
+        }
+        Ok(elsewhere)
+    })
+    .await;
     let (previous, elsewhere) = match acquired {
-        Ok(Ok((Acquire::Acquired { previous }, elsewhere))) => (previous, elsewhere),
-        Ok(Ok((Acquire::Held(_), _))) => return Done::Deferred(Work::Group(group)),
-        Ok(Err(source)) => {
-            run.set_fatal(Error::io_for(
-                &group.first,
-                "create claim",
-                claim.path.clone(),
-                source,
-            ));
-            return Done::Finished;
-        }
-        Err(e) => {
-            run.set_fatal(e);
-            return Done::Finished;
-        }
+        None => return Done::Finished,
+        Some((Acquire::Acquired { previous }, elsewhere)) => (previous, elsewhere),
+        Some((Acquire::Held(_), _)) => return Done::Deferred(Work::Group(group)),
     };
     if previous.is_some() {
         tracing::info!(dataset = %run.paths.name, first = %group.first, "took over a stale group claim");
@@ -256,6 +220,40 @@ pub(super) async fn fetch_group(run: &Arc<Run>, group: Group) -> Done {
         run.push_update_release(claim);
     }
     Done::Finished
+}
+
+/// Acquire `claim` (of `key`) with `record` on the blocking pool, then run `then` under it (what
+/// another process published meanwhile). A claim that cannot be written ends the run: `None`.
+async fn acquire_claim<T: Send + 'static>(
+    run: &Run,
+    key: &str,
+    claim: &Claim,
+    record: &ClaimRecord,
+    then: impl FnOnce(&Claim, &Acquire) -> io::Result<T> + Send + 'static,
+) -> Option<(Acquire, T)> {
+    let (c, record) = (claim.clone(), record.clone());
+    let acquired = blocking(move || -> io::Result<(Acquire, T)> {
+        let got = c.acquire(&record, now_ms())?;
+        let seen = then(&c, &got)?;
+        Ok((got, seen))
+    })
+    .await;
+    match acquired {
+        Ok(Ok(v)) => Some(v),
+        Ok(Err(source)) => {
+            run.set_fatal(Error::io_for(
+                key,
+                "create claim",
+                claim.path.clone(),
+                source,
+            ));
+            None
+        }
+        Err(e) => {
+            run.set_fatal(e);
+            None
+        }
+    }
 }
 
 /// Download and publish one object, retrying transient failures (resuming from the bytes

@@ -335,24 +335,32 @@ async fn finish_write(
     *hasher = md5;
     match res {
         Ok(()) => {
-            seg.written.fetch_add(len, Ordering::AcqRel);
-            Progress::add(&run.progress.bytes_done, len);
-            Progress::add(&run.progress.bytes_fetched, len);
-            if let Some(m) = &run.metrics {
-                m.bytes
-                    .get_or_create(&PrefetchMetrics::dataset(&run.paths.name))
-                    .inc_by(len);
-            }
+            count_written(run, seg, len);
             Ok(())
         }
-        Err(e) => {
-            let part = run
-                .paths
-                .dir
-                .join(run.paths.part_rel(key, &run.owner.tag()));
-            Err(Stop::Err(Error::io_for(key, "write", part, e)))
-        }
+        Err(e) => Err(part_error(run, key, "write", e)),
     }
+}
+
+/// `n` more bytes of `seg` are in the part file.
+fn count_written(run: &Run, seg: &Segment, n: u64) {
+    seg.written.fetch_add(n, Ordering::AcqRel);
+    Progress::add(&run.progress.bytes_done, n);
+    Progress::add(&run.progress.bytes_fetched, n);
+    if let Some(m) = &run.metrics {
+        m.bytes
+            .get_or_create(&PrefetchMetrics::dataset(&run.paths.name))
+            .inc_by(n);
+    }
+}
+
+/// `op` failed on this process's part file of `key`.
+fn part_error(run: &Run, key: &str, op: &'static str, e: io::Error) -> Stop {
+    let part = run
+        .paths
+        .dir
+        .join(run.paths.part_rel(key, &run.owner.tag()));
+    Stop::Err(Error::io_for(key, op, part, e))
 }
 
 /// `pwritev` all of `chunks` at `offset`.
@@ -410,22 +418,9 @@ pub(super) async fn copy_local(
                 }))
             }
             Ok(n) => n,
-            Err(e) => {
-                let part = run
-                    .paths
-                    .dir
-                    .join(run.paths.part_rel(key, &run.owner.tag()));
-                return Err(Stop::Err(Error::io_for(key, "copy", part, e)));
-            }
+            Err(e) => return Err(part_error(run, key, "copy", e)),
         };
-        seg.written.fetch_add(n, Ordering::AcqRel);
-        Progress::add(&run.progress.bytes_done, n);
-        Progress::add(&run.progress.bytes_fetched, n);
-        if let Some(m) = &run.metrics {
-            m.bytes
-                .get_or_create(&PrefetchMetrics::dataset(&run.paths.name))
-                .inc_by(n);
-        }
+        count_written(run, seg, n);
     }
 }
 

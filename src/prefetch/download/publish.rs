@@ -118,13 +118,11 @@ pub(super) fn record_done(
     }
     entry.done = true;
     if let Some(m) = &run.metrics {
-        let labels = PrefetchMetrics::dataset(&run.paths.name);
-        m.files.get_or_create(&labels).inc();
-        m.pending_bytes
-            .get_or_create(&labels)
-            .dec_by(i64::try_from(entry.size).unwrap_or(i64::MAX));
-        m.pending_files.get_or_create(&labels).dec();
+        m.files
+            .get_or_create(&PrefetchMetrics::dataset(&run.paths.name))
+            .inc();
     }
+    run.no_longer_pending(entry.size);
     Progress::add(&run.progress.files_done, 1);
     Progress::add(&run.progress.files_fetched, 1);
     run.push_update(Update::Done(entry), release);

@@ -173,11 +173,16 @@ impl Run {
         Progress::add(&self.progress.bytes_done, entry.size);
         Progress::add(&self.progress.files_done, 1);
         Progress::add(&self.progress.files_by_others, 1);
+        self.no_longer_pending(entry.size);
+    }
+
+    /// An object of `size` bytes is no longer pending: published, here or by another process.
+    pub(super) fn no_longer_pending(&self, size: u64) {
         if let Some(m) = &self.metrics {
             let labels = PrefetchMetrics::dataset(&self.paths.name);
             m.pending_bytes
                 .get_or_create(&labels)
-                .dec_by(i64::try_from(entry.size).unwrap_or(i64::MAX));
+                .dec_by(i64::try_from(size).unwrap_or(i64::MAX));
             m.pending_files.get_or_create(&labels).dec();
         }
     }
