@@ -5,6 +5,17 @@
 //! Memory is bounded by the number of requests in flight (`concurrency`) times the write batch
 //! (at most two batches per request), whatever the dataset or object size: bodies are streamed,
 //! never collected.
+//!
+//! Here: the options, the run's lifecycle (set up, list and fetch, drop what the source deleted,
+//! the `complete` marker) and its summary. Its parts:
+//! - `run`: the state the tasks of a run share (errors, cancellation, pending updates);
+//! - `plan`: from the listing to work (present objects skipped, room made, small objects grouped);
+//! - `object`: one object or group under its claim: download, retry, checkpoint or discard;
+//! - `lease`: the claims held (progress recorded, renewed, checkpointed, released);
+//! - `part`: the part file (ranges, opening or resuming it, writing bodies at their offsets);
+//! - `fetch`: requests (slots, ranged GETs of the version being assembled, the checksum HEAD);
+//! - `verification`: checksum, MD5 etag or size before publishing;
+//! - `publish`: sync, rename, directory sync, then the manifest and the claims' release.
 
 mod fetch;
 mod lease;
@@ -20,25 +31,22 @@ pub(crate) mod tests;
 
 pub use publish::{Failpoint, FailpointFn, PublishStep};
 
-use std::collections::{HashMap, HashSet};
 use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use object_store::ObjectStore;
 use serde::Serialize;
-use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
 use self::lease::renew_all;
 use self::plan::produce;
-use self::publish::{flush, SYNCS_IN_FLIGHT};
+use self::publish::flush;
 use self::run::{blocking, Run};
 use crate::prefetch::cache::{self, CompleteMarker, DatasetPaths};
-use crate::prefetch::claim::Owner;
 use crate::prefetch::manifest::{Manifest, Update};
 use crate::prefetch::metrics::PrefetchMetrics;
 use crate::prefetch::progress::{Progress, Snapshot};
@@ -172,32 +180,12 @@ pub struct Report {
 /// Run one dataset to completion, failure or cancellation.
 pub async fn fetch_dataset(job: Job) -> Report {
     let started = Instant::now();
-    let abort = job.cancel.child_token();
-    let run = Arc::new(Run {
-        requests: Arc::new(Semaphore::new(job.options.concurrency.max(1))),
-        store: job.store,
-        source: job.source,
-        paths: job.paths,
-        owner: Owner::current(),
-        progress: job.progress,
-        metrics: job.metrics,
-        cancel: job.cancel,
-        abort,
-        opts: job.options,
-        active: Mutex::new(HashMap::new()),
-        pending: Mutex::new((Vec::new(), Vec::new())),
-        fatal: Mutex::new(None),
-        failures: Mutex::new(Vec::new()),
-        made_dirs: Mutex::new(HashSet::new()),
-        complete_removed: AtomicBool::new(false),
-        shared: Mutex::new(None),
-        on_tmpfs: AtomicBool::new(false),
-        syncs: Semaphore::new(SYNCS_IN_FLIGHT),
-    });
+    let cache_root = job.cache_root.clone();
+    let run = Arc::new(Run::new(job));
     if let Some(m) = &run.metrics {
         m.active.inc();
     }
-    let evicted = drive(&run, &job.cache_root).await;
+    let evicted = drive(&run, &cache_root).await;
     if let Some(m) = &run.metrics {
         m.active.dec();
         m.duration.observe(started.elapsed().as_secs_f64());

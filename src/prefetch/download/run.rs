@@ -15,7 +15,8 @@ use tokio_util::sync::CancellationToken;
 
 use super::lease::Active;
 use super::plan::file_has_size;
-use super::FetchOptions;
+use super::publish::SYNCS_IN_FLIGHT;
+use super::{FetchOptions, Job};
 use crate::prefetch::cache::DatasetPaths;
 use crate::prefetch::claim::{now_ms, Claim, Owner};
 use crate::prefetch::lock;
@@ -44,10 +45,10 @@ pub(super) struct Run {
     pub(super) pending: Mutex<(Vec<Update>, Vec<Claim>)>,
     pub(super) fatal: Mutex<Option<Error>>,
     pub(super) failures: Mutex<Vec<(String, Error)>>,
-    pub(super) made_dirs: Mutex<HashSet<PathBuf>>,
-    pub(super) complete_removed: AtomicBool,
+    made_dirs: Mutex<HashSet<PathBuf>>,
+    complete_removed: AtomicBool,
     /// The shared manifest as last read, keyed by (inode, mtime) of the file.
-    pub(super) shared: Mutex<Option<(ManifestStamp, Arc<Manifest>)>>,
+    shared: Mutex<Option<(ManifestStamp, Arc<Manifest>)>>,
     /// The cache is on tmpfs (no block reservation: see [`preallocate`]).
     pub(super) on_tmpfs: AtomicBool,
     /// Bounds the files being synced at once (see [`publish`]).
@@ -74,6 +75,30 @@ impl From<Error> for Stop {
 }
 
 impl Run {
+    pub(super) fn new(job: Job) -> Run {
+        Run {
+            requests: Arc::new(Semaphore::new(job.options.concurrency.max(1))),
+            store: job.store,
+            source: job.source,
+            paths: job.paths,
+            owner: Owner::current(),
+            progress: job.progress,
+            metrics: job.metrics,
+            abort: job.cancel.child_token(),
+            cancel: job.cancel,
+            opts: job.options,
+            active: Mutex::new(HashMap::new()),
+            pending: Mutex::new((Vec::new(), Vec::new())),
+            fatal: Mutex::new(None),
+            failures: Mutex::new(Vec::new()),
+            made_dirs: Mutex::new(HashSet::new()),
+            complete_removed: AtomicBool::new(false),
+            shared: Mutex::new(None),
+            on_tmpfs: AtomicBool::new(false),
+            syncs: Semaphore::new(SYNCS_IN_FLIGHT),
+        }
+    }
+
     pub(super) fn metrics_error(&self, e: &Error) {
         if let Some(m) = &self.metrics {
             m.error(e.metric_label());
