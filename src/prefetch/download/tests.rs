@@ -1,8 +1,14 @@
-use super::*;
-use crate::prefetch::{cache, claim, download, lock, manifest};
+//! The engine end to end over an in-memory store: fetch, publish, record, resume, wait for
+//! another owner, cancel.
+
+use std::sync::Mutex;
+
 use object_store::memory::InMemory;
 use object_store::path::Path as ObjectPath;
 use object_store::ObjectStoreExt;
+
+use super::*;
+use crate::prefetch::{cache, claim, download, lock, manifest};
 
 async fn store_with(objects: &[(&str, Vec<u8>)]) -> Arc<dyn ObjectStore> {
     let store = InMemory::new();
