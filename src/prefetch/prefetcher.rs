@@ -152,32 +152,15 @@ impl Prefetcher {
             }
         }
         // A directory holding another source is never overwritten.
-        if let Some(existing) = cache::existing_source(&paths) {
-            if !cache::same_source(&existing, url) {
-                return Err(Error::NameInUse {
-                    name: name.to_string(),
-                    existing,
-                    requested: url.to_string(),
-                });
-            }
-        }
+        cache::check_source(&paths, url)?;
         if let Some(marker) = cache::CompleteMarker::read(&paths.complete) {
             if cache::same_source(&marker.source, url) {
-                let progress = Arc::new(Progress::default());
-                Progress::add(&progress.files_total, marker.objects);
-                Progress::add(&progress.files_done, marker.objects);
-                Progress::add(&progress.files_present, marker.objects);
-                Progress::add(&progress.bytes_total, marker.bytes);
-                Progress::add(&progress.bytes_done, marker.bytes);
-                progress
-                    .listed
-                    .store(true, std::sync::atomic::Ordering::Relaxed);
                 datasets.insert(
                     name.to_string(),
                     Tracked {
                         url: url.to_string(),
                         state: DatasetState::Complete,
-                        progress,
+                        progress: complete_progress(&marker),
                         started_at: None,
                         finished_at: None,
                         error: None,
@@ -213,47 +196,12 @@ impl Prefetcher {
             metrics: Some(self.inner.metrics.clone()),
             cancel: self.inner.cancel.child_token(),
         };
-        let inner = self.inner.clone();
-        let name = name.to_string();
-        tokio::spawn(async move {
-            tracing::info!(dataset = %name, url = %job.source.url, "prefetch started");
-            let stop_log = CancellationToken::new();
-            let logger = tokio::spawn(log_progress(
-                progress.clone(),
-                name.clone(),
-                stop_log.clone(),
-            ));
-            let report = download::fetch_dataset(job).await;
-            stop_log.cancel();
-            let _ = logger.await;
-            let s = &report.summary;
-            let state = match s.outcome {
-                Outcome::Complete => DatasetState::Complete,
-                Outcome::Incomplete => DatasetState::Incomplete,
-                Outcome::Failed => DatasetState::Failed,
-                Outcome::Cancelled => DatasetState::Cancelled,
-            };
-            let error = s
-                .error
-                .clone()
-                .or_else(|| s.errors.first().map(|e| e.error.clone()));
-            tracing::info!(
-                dataset = %name,
-                outcome = s.outcome.as_str(),
-                files_done = s.counts.files_done,
-                files_total = s.counts.files_total,
-                bytes_fetched = s.counts.bytes_fetched,
-                duration_s = s.duration_s,
-                error = error.as_deref().unwrap_or(""),
-                "prefetch finished"
-            );
-            if let Some(t) = lock(&inner.datasets).get_mut(&name) {
-                t.state = state;
-                t.finished_at = Some(jiff::Timestamp::now());
-                t.error = error;
-            }
-            inner.changed.notify_waiters();
-        });
+        tokio::spawn(run_dataset(
+            self.inner.clone(),
+            name.to_string(),
+            job,
+            progress,
+        ));
         Ok(Ensure::Started)
     }
 
@@ -305,6 +253,57 @@ impl Prefetcher {
             notified.await;
         }
     }
+}
+
+/// The progress of a dataset found complete on disk.
+fn complete_progress(marker: &cache::CompleteMarker) -> Arc<Progress> {
+    let progress = Arc::new(Progress::default());
+    Progress::add(&progress.files_total, marker.objects);
+    Progress::add(&progress.files_done, marker.objects);
+    Progress::add(&progress.files_present, marker.objects);
+    Progress::add(&progress.bytes_total, marker.bytes);
+    Progress::add(&progress.bytes_done, marker.bytes);
+    progress
+        .listed
+        .store(true, std::sync::atomic::Ordering::Relaxed);
+    progress
+}
+
+/// Run `job` for dataset `name`, logging its progress, then record how it ended.
+async fn run_dataset(inner: Arc<Inner>, name: String, job: download::Job, progress: Arc<Progress>) {
+    tracing::info!(dataset = %name, url = %job.source.url, "prefetch started");
+    let stop_log = CancellationToken::new();
+    let logger = tokio::spawn(log_progress(progress, name.clone(), stop_log.clone()));
+    let report = download::fetch_dataset(job).await;
+    stop_log.cancel();
+    let _ = logger.await;
+    let s = &report.summary;
+    let state = match s.outcome {
+        Outcome::Complete => DatasetState::Complete,
+        Outcome::Incomplete => DatasetState::Incomplete,
+        Outcome::Failed => DatasetState::Failed,
+        Outcome::Cancelled => DatasetState::Cancelled,
+    };
+    let error = s
+        .error
+        .clone()
+        .or_else(|| s.errors.first().map(|e| e.error.clone()));
+    tracing::info!(
+        dataset = %name,
+        outcome = s.outcome.as_str(),
+        files_done = s.counts.files_done,
+        files_total = s.counts.files_total,
+        bytes_fetched = s.counts.bytes_fetched,
+        duration_s = s.duration_s,
+        error = error.as_deref().unwrap_or(""),
+        "prefetch finished"
+    );
+    if let Some(t) = lock(&inner.datasets).get_mut(&name) {
+        t.state = state;
+        t.finished_at = Some(jiff::Timestamp::now());
+        t.error = error;
+    }
+    inner.changed.notify_waiters();
 }
 
 async fn log_progress(progress: Arc<Progress>, name: String, stop: CancellationToken) {

@@ -236,50 +236,7 @@ fn summarize(run: &Run, evicted: Vec<String>, started: Instant) -> Report {
 
 /// The body of a run; returns the datasets evicted to make room.
 async fn drive(run: &Arc<Run>, cache_root: &Path) -> Vec<String> {
-    let paths = run.paths.clone();
-    let setup = {
-        let paths = paths.clone();
-        let source = run.source.url.clone();
-        let root = cache_root.to_path_buf();
-        let r = run.clone();
-        blocking(move || -> Result<Manifest, Error> {
-            cache::remove_eviction_leftovers(&root);
-            paths.create().map_err(|source| Error::Io {
-                op: "create dataset directory",
-                path: paths.claims.clone(),
-                source,
-            })?;
-            let tmpfs = rustix::fs::statfs(&paths.dir)
-                .is_ok_and(|st| st.f_type == libc::TMPFS_MAGIC);
-            r.on_tmpfs.store(tmpfs, Ordering::Relaxed);
-            // A directory holding another source is never reused (its files would be
-            // overwritten or deleted as "gone from the source").
-            if let Some(existing) = cache::existing_source(&paths) {
-                if !cache::same_source(&existing, &source) {
-                    return Err(Error::NameInUse {
-                        name: paths.name.clone(),
-                        existing,
-                        requested: source.clone(),
-                    });
-                }
-            }
-            match Manifest::load(&paths.manifest, &source) {
-                Ok(m) => Ok(m),
-                Err(e) if e.kind() == io::ErrorKind::InvalidData => {
-                    tracing::warn!(error = %e, "ignoring an unreadable manifest: every file is re-verified against the source");
-                    Ok(Manifest::new(&source))
-                }
-                Err(e) => Err(Error::Io {
-                    op: "read manifest",
-                    path: paths.manifest.clone(),
-                    source: e,
-                }),
-            }
-        })
-        .await
-        .and_then(|r| r)
-    };
-    let manifest = match setup {
+    let manifest = match set_up(run, cache_root).await {
         Ok(m) => m,
         Err(e) => {
             run.set_fatal(e);
@@ -315,20 +272,7 @@ async fn drive(run: &Arc<Run>, cache_root: &Path) -> Vec<String> {
         run.set_fatal(e);
     }
     if !removed.is_empty() {
-        let p = paths.clone();
-        let removed_count = removed.len();
-        let _ = blocking(move || {
-            for key in removed {
-                let f = p.file(&key);
-                if let Err(e) = fs::remove_file(&f) {
-                    if e.kind() != io::ErrorKind::NotFound {
-                        tracing::warn!(path = %f.display(), error = %e, "could not remove a file deleted at the source");
-                    }
-                }
-            }
-        })
-        .await;
-        tracing::info!(dataset = %paths.name, files = removed_count, "removed files deleted at the source");
+        remove_files(run, removed).await;
     }
 
     let s = run.progress.snapshot();
@@ -337,34 +281,92 @@ async fn drive(run: &Arc<Run>, cache_root: &Path) -> Vec<String> {
         && lock(&run.failures).is_empty()
         && s.files_done == s.files_total;
     if complete {
-        let marker = CompleteMarker {
-            source: run.source.url.clone(),
-            finished_at: jiff::Timestamp::now().to_string(),
-            objects: s.files_total,
-            bytes: s.bytes_total,
-        };
-        let touch = run.opts.touch_lease_on_complete;
-        let p = paths.clone();
-        let written = blocking(move || -> io::Result<()> {
-            let json = serde_json::to_vec(&marker).map_err(io::Error::other)?;
-            crate::fsutil::write_atomic(&p.complete, &json, 0o644)?;
-            if touch {
-                cache::touch_lease(&p)?;
-            }
-            Ok(())
-        })
-        .await;
-        match written {
-            Ok(Ok(())) => {}
-            Ok(Err(source)) => run.set_fatal(Error::Io {
-                op: "write complete marker",
-                path: paths.complete.clone(),
-                source,
-            }),
-            Err(e) => run.set_fatal(e),
-        }
+        mark_complete(run, &s).await;
     }
     evicted
+}
+
+/// Create the dataset directory (after cleaning up interrupted evictions in the cache) and
+/// read its manifest; a directory holding another source is refused.
+async fn set_up(run: &Arc<Run>, cache_root: &Path) -> Result<Manifest, Error> {
+    let paths = run.paths.clone();
+    let source = run.source.url.clone();
+    let root = cache_root.to_path_buf();
+    let r = run.clone();
+    blocking(move || -> Result<Manifest, Error> {
+        cache::remove_eviction_leftovers(&root);
+        paths.create().map_err(|source| Error::Io {
+            op: "create dataset directory",
+            path: paths.claims.clone(),
+            source,
+        })?;
+        let tmpfs =
+            rustix::fs::statfs(&paths.dir).is_ok_and(|st| st.f_type == libc::TMPFS_MAGIC);
+        r.on_tmpfs.store(tmpfs, Ordering::Relaxed);
+        cache::check_source(&paths, &source)?;
+        match Manifest::load(&paths.manifest, &source) {
+            Ok(m) => Ok(m),
+            Err(e) if e.kind() == io::ErrorKind::InvalidData => {
+                tracing::warn!(error = %e, "ignoring an unreadable manifest: every file is re-verified against the source");
+                Ok(Manifest::new(&source))
+            }
+            Err(e) => Err(Error::Io {
+                op: "read manifest",
+                path: paths.manifest.clone(),
+                source: e,
+            }),
+        }
+    })
+    .await
+    .and_then(|r| r)
+}
+
+/// Remove the files of objects deleted at the source (their manifest entries are gone).
+async fn remove_files(run: &Run, removed: Vec<String>) {
+    let p = run.paths.clone();
+    let removed_count = removed.len();
+    let _ = blocking(move || {
+        for key in removed {
+            let f = p.file(&key);
+            if let Err(e) = fs::remove_file(&f) {
+                if e.kind() != io::ErrorKind::NotFound {
+                    tracing::warn!(path = %f.display(), error = %e, "could not remove a file deleted at the source");
+                }
+            }
+        }
+    })
+    .await;
+    tracing::info!(dataset = %run.paths.name, files = removed_count, "removed files deleted at the source");
+}
+
+/// Write the `complete` marker (and touch the lease when asked to); a failure ends the run.
+async fn mark_complete(run: &Run, s: &Snapshot) {
+    let marker = CompleteMarker {
+        source: run.source.url.clone(),
+        finished_at: jiff::Timestamp::now().to_string(),
+        objects: s.files_total,
+        bytes: s.bytes_total,
+    };
+    let touch = run.opts.touch_lease_on_complete;
+    let p = run.paths.clone();
+    let written = blocking(move || -> io::Result<()> {
+        let json = serde_json::to_vec(&marker).map_err(io::Error::other)?;
+        crate::fsutil::write_atomic(&p.complete, &json, 0o644)?;
+        if touch {
+            cache::touch_lease(&p)?;
+        }
+        Ok(())
+    })
+    .await;
+    match written {
+        Ok(Ok(())) => {}
+        Ok(Err(source)) => run.set_fatal(Error::Io {
+            op: "write complete marker",
+            path: run.paths.complete.clone(),
+            source,
+        }),
+        Err(e) => run.set_fatal(e),
+    }
 }
 
 /// Periodic work while a run is going: merge manifest updates, renew claims (syncing the part
