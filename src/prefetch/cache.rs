@@ -150,6 +150,19 @@ pub fn existing_source(paths: &DatasetPaths) -> Option<String> {
     (!m.source.is_empty()).then_some(m.source)
 }
 
+/// A dataset directory holding another source than `url` is never reused (its files would be
+/// overwritten, or deleted as "gone from the source"): [`Error::NameInUse`].
+pub fn check_source(paths: &DatasetPaths, url: &str) -> Result<(), Error> {
+    match existing_source(paths) {
+        Some(existing) if !same_source(&existing, url) => Err(Error::NameInUse {
+            name: paths.name.clone(),
+            existing,
+            requested: url.to_string(),
+        }),
+        _ => Ok(()),
+    }
+}
+
 /// Whether two source URLs name the same scheme, bucket and prefix (a trailing `/` aside).
 pub fn same_source(a: &str, b: &str) -> bool {
     use super::source::SourceUrl;

@@ -207,6 +207,25 @@ pub fn validate_name(name: &str) -> Result<(), Error> {
     Ok(())
 }
 
+/// Parse a dataset spec as given to `--prefetch`: `NAME=URL`, or a bare URL (the name is then
+/// derived from it). Both parts are validated. Returns `(name, url)`.
+pub fn parse_spec(spec: &str) -> Result<(String, String), Error> {
+    let spec = spec.trim();
+    let (name, url) = match spec.split_once('=') {
+        // `=` inside a URL (after "://") is not a separator.
+        Some((name, url)) if !name.contains("://") => (name.trim().to_string(), url.trim()),
+        _ => (String::new(), spec),
+    };
+    let src = SourceUrl::parse(url)?;
+    let name = if name.is_empty() {
+        src.default_name()
+    } else {
+        name
+    };
+    validate_name(&name)?;
+    Ok((name, url.to_string()))
+}
+
 /// How to reach the store.
 #[derive(Clone, Debug)]
 pub struct StoreOptions {
@@ -314,6 +333,32 @@ pub fn build_store(src: &SourceUrl, opts: &StoreOptions) -> Result<Arc<dyn Objec
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn specs_parse_with_or_without_a_name() {
+        assert_eq!(
+            parse_spec("imagenet=s3://bkt/imagenet/train").unwrap(),
+            (
+                "imagenet".to_string(),
+                "s3://bkt/imagenet/train".to_string()
+            )
+        );
+        let (name, url) = parse_spec("gs://b/p").unwrap();
+        assert_eq!(url, "gs://b/p");
+        assert!(
+            name.starts_with("gs-b-p-") && name.len() == "gs-b-p-".len() + 8,
+            "{name}"
+        );
+        assert!(matches!(
+            parse_spec("../x=s3://b/p"),
+            Err(Error::InvalidName { .. })
+        ));
+        assert!(matches!(
+            parse_spec("x=http://b/p"),
+            Err(Error::InvalidUrl { .. })
+        ));
+        assert!(matches!(parse_spec("x="), Err(Error::InvalidUrl { .. })));
+    }
 
     #[test]
     fn parses_the_three_schemes() {

@@ -1,0 +1,189 @@
+//! Publishing: the part file's data is synced, then renamed into place; the directories are
+//! synced before the manifest records the files, and their claims are released after it
+//! (failpoints at each step for the tests).
+
+use std::collections::HashSet;
+use std::fs::{self, File};
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use super::plan::Listed;
+use super::run::{blocking, Run};
+use crate::prefetch::claim::Claim;
+use crate::prefetch::lock;
+use crate::prefetch::manifest::{Manifest, Update};
+use crate::prefetch::metrics::PrefetchMetrics;
+use crate::prefetch::progress::Progress;
+use crate::prefetch::verify::VerifiedBy;
+use crate::prefetch::Error;
+
+/// Published files being synced at once.
+pub(super) const SYNCS_IN_FLIGHT: usize = 16;
+
+/// Called at the steps of publishing a file (tests: the order of sync and rename, and a crash
+/// between them).
+#[derive(Clone)]
+pub struct Failpoint(pub Arc<FailpointFn>);
+
+/// The function behind a [`Failpoint`].
+pub type FailpointFn = dyn Fn(PublishStep, &Path) + Send + Sync;
+
+impl std::fmt::Debug for Failpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Failpoint")
+    }
+}
+
+/// A step of publishing: the part file's data is on stable storage; it has its final name;
+/// the directory holding the name is synced (the manifest may record it after this).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PublishStep {
+    PartSynced,
+    Renamed,
+    DirSynced,
+}
+
+/// A downloaded, verified part file, not yet under its final name.
+pub(super) struct Verified {
+    /// The etag its bytes belong to.
+    pub(super) etag: Option<String>,
+    pub(super) file: Arc<File>,
+    pub(super) part: PathBuf,
+    pub(super) path: PathBuf,
+    pub(super) verified_by: VerifiedBy,
+}
+
+/// Publish a verified file: its data is synced first, then it is renamed into place (so a file
+/// under its final name is never one whose data may still be missing after a crash: on a node
+/// crash an unsynced rename could leave a full-size, hole-filled file there); the directory is
+/// synced before the manifest records it ([`flush`]). Syncs run off the request slots, up to
+/// [`SYNCS_IN_FLIGHT`] at once, so the device's flushes overlap the downloads (no-ops on
+/// tmpfs). Returns the etag.
+pub(super) async fn publish(run: &Run, key: &str, v: Verified) -> Result<Option<String>, Error> {
+    let _permit = run
+        .syncs
+        .acquire()
+        .await
+        .map_err(|_| Error::Internal("sync semaphore closed"))?;
+    let k = key.to_string();
+    let Verified {
+        etag,
+        file,
+        part,
+        path,
+        verified_by,
+    } = v;
+    let failpoint = run.opts.failpoint.clone();
+    blocking(move || -> Result<(), Error> {
+        if let Err(e) = file.sync_data() {
+            let _ = fs::remove_file(&part);
+            return Err(Error::io_for(&k, "sync", part.clone(), e));
+        }
+        drop(file);
+        if let Some(fp) = &failpoint {
+            (fp.0)(PublishStep::PartSynced, &part);
+        }
+        fs::rename(&part, &path)
+            .map_err(|e| Error::io_for(&k, "publish (rename)", path.clone(), e))?;
+        if let Some(fp) = &failpoint {
+            (fp.0)(PublishStep::Renamed, &path);
+        }
+        Ok(())
+    })
+    .await??;
+    let counter = match verified_by {
+        VerifiedBy::Crc64Nvme => &run.progress.verified_crc64nvme,
+        VerifiedBy::Crc32c => &run.progress.verified_crc32c,
+        VerifiedBy::Crc32 => &run.progress.verified_crc32,
+        VerifiedBy::Sha256 => &run.progress.verified_sha256,
+        VerifiedBy::Md5 => &run.progress.verified_md5,
+        VerifiedBy::Size => &run.progress.verified_size,
+    };
+    Progress::add(counter, 1);
+    Ok(etag)
+}
+
+/// A published object: count it and queue its manifest update (and the claim to release once
+/// the manifest records it).
+pub(super) fn record_done(
+    run: &Run,
+    listed: &Listed,
+    etag: Option<String>,
+    release: Option<Claim>,
+) {
+    let mut entry = listed.entry.clone();
+    if entry.etag.is_none() {
+        entry.etag = etag;
+    }
+    entry.done = true;
+    if let Some(m) = &run.metrics {
+        m.files
+            .get_or_create(&PrefetchMetrics::dataset(&run.paths.name))
+            .inc();
+    }
+    run.no_longer_pending(entry.size);
+    Progress::add(&run.progress.files_done, 1);
+    Progress::add(&run.progress.files_fetched, 1);
+    run.push_update(Update::Done(entry), release);
+}
+
+/// Merge pending manifest updates (after making the published files durable), then release the
+/// claims of the objects they cover.
+pub(super) async fn flush(run: &Arc<Run>) -> Result<(), Error> {
+    let (updates, claims) = {
+        let mut p = lock(&run.pending);
+        (std::mem::take(&mut p.0), std::mem::take(&mut p.1))
+    };
+    if updates.is_empty() && claims.is_empty() {
+        return Ok(());
+    }
+    let paths = run.paths.clone();
+    let source = run.source.url.clone();
+    let owner = run.owner.clone();
+    let updates2 = updates.clone();
+    let failpoint = run.opts.failpoint.clone();
+    let res = blocking(move || -> io::Result<()> {
+        // The manifest only claims what is on stable storage: the files were synced after
+        // their rename; sync the directories holding the renames (just those: never the whole
+        // filesystem, which may hold a training job's checkpoints).
+        let dirs: HashSet<PathBuf> = updates2
+            .iter()
+            .filter_map(|u| match u {
+                Update::Done(e) => paths.file(&e.key).parent().map(Path::to_path_buf),
+                _ => None,
+            })
+            .collect();
+        for dir in dirs {
+            // The renames themselves (directory entries); best effort on filesystems that
+            // refuse to sync a directory.
+            if let Ok(d) = File::open(&dir) {
+                let _ = d.sync_all();
+            }
+            if let Some(fp) = &failpoint {
+                (fp.0)(PublishStep::DirSynced, &dir);
+            }
+        }
+        Manifest::merge_into(&paths.manifest, &source, &updates2)?;
+        for c in &claims {
+            if let Err(e) = c.release(&owner) {
+                tracing::warn!(claim = %c.path.display(), error = %e, "could not release claim");
+            }
+        }
+        Ok(())
+    })
+    .await?;
+    if let Err(source) = res {
+        // Put the updates back for the next try; the claims stay held meanwhile.
+        let mut p = lock(&run.pending);
+        let mut back = updates;
+        back.append(&mut p.0);
+        p.0 = back;
+        return Err(Error::Io {
+            op: "update manifest",
+            path: run.paths.manifest.clone(),
+            source,
+        });
+    }
+    Ok(())
+}
