@@ -11,6 +11,7 @@
 //! object. In the worst case (two takeovers racing) two processes fetch the same object; both
 //! publish identical verified bytes by rename, so the result is still correct.
 
+use crate::backoff::Backoff;
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write};
 use std::os::unix::fs::OpenOptionsExt;
@@ -327,7 +328,7 @@ impl LockFile {
     pub fn acquire(path: &Path, lease: Duration, wait: Duration) -> io::Result<LockFile> {
         let owner = Owner::current();
         let deadline = std::time::Instant::now() + wait;
-        let mut pause = Duration::from_millis(5);
+        let mut backoff = Backoff::new(Duration::from_millis(5), Duration::from_millis(200));
         loop {
             let record = ClaimRecord {
                 owner: owner.clone(),
@@ -350,8 +351,7 @@ impl LockFile {
                     })
                 }
                 Acquire::Held(_) if std::time::Instant::now() < deadline => {
-                    std::thread::sleep(pause);
-                    pause = (pause * 2).min(Duration::from_millis(200));
+                    std::thread::sleep(backoff.next_delay());
                 }
                 Acquire::Held(holder) => {
                     return Err(io::Error::new(

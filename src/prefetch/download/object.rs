@@ -3,6 +3,7 @@
 //! start over when it changed at the source, and checkpoint or discard the part file when it
 //! stops early.
 
+use crate::backoff::Backoff;
 use std::fs;
 use std::io;
 use std::sync::Arc;
@@ -28,6 +29,8 @@ use crate::prefetch::Error;
 
 /// Attempts per object for transient failures, on top of object_store's own retries.
 pub(super) const OBJECT_ATTEMPTS: u32 = 3;
+/// Pause after a retryable failure of attempt n: 200 ms, 400 ms (equal jitter, `crate::backoff`).
+const RETRY_BACKOFF: Backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(2));
 
 /// Claim, download, verify and publish one (large) object under its own claim, which records
 /// its progress for resuming.
@@ -292,7 +295,7 @@ async fn fetch_attempts(
                 let done = active.done_ranges();
                 *lock(&active.base_done) = done;
                 lock(&active.segments).clear();
-                let pause = Duration::from_millis(200 * u64::from(attempt));
+                let pause = RETRY_BACKOFF.delay(attempt);
                 tokio::select! {
                     _ = run.abort.cancelled() => {}
                     _ = tokio::time::sleep(pause) => {}

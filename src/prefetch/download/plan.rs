@@ -3,6 +3,7 @@
 //! of objects in flight; work another process holds is looked at again until it is published
 //! or its claim expires.
 
+use crate::backoff::Backoff;
 use std::collections::HashSet;
 use std::fs;
 use std::path::Path;
@@ -248,13 +249,12 @@ pub(super) async fn produce(
 
     // Work claimed by other processes: wait until it is published, or take it over when its
     // owner's lease runs out.
-    let mut pause = Duration::from_millis(200);
+    let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(2));
     while !deferred.is_empty() && run.stopped().is_none() {
         tokio::select! {
             _ = run.abort.cancelled() => break,
-            _ = tokio::time::sleep(pause) => {}
+            _ = tokio::time::sleep(backoff.next_delay()) => {}
         }
-        pause = (pause * 2).min(Duration::from_secs(2));
         for work in std::mem::take(&mut deferred) {
             if !spawn_work(run, &mut tasks, &permits, work).await {
                 break;
