@@ -1,44 +1,142 @@
-//! Small filesystem helpers shared by every module that publishes files.
+//! Small filesystem helpers shared by every module that publishes files: the project's one
+//! atomic write (temp file in the same directory → write → sync → rename).
 
-use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write};
-use std::os::unix::fs::OpenOptionsExt;
+use std::os::fd::{AsFd, BorrowedFd};
 use std::path::Path;
 
-/// Write `data` to `path` atomically: a temp file in the same directory, fsync, rename, fsync of
-/// the directory. Readers see the old content or the new, never a partial file. Creates the parent
-/// directory if needed.
+use rustix::fs::{AtFlags, Mode, OFlags};
+
+/// What an atomic write makes durable before it returns. Readers always see the old content or
+/// the new, never a partial file; this only says what survives a crash of the machine.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Durability {
+    /// Nothing: for records rewritten often whose loss is harmless (a prefetch claim's renewal).
+    None,
+    /// The file's content (fsync before the rename); the rename itself may be lost. For files
+    /// that are meaningless after a crash and sit on the signal path (`notice.json`).
+    File,
+    /// The content and the rename (fsync of the file, then of the directory).
+    FileAndDir,
+}
+
+/// Write `data` to `path` atomically and durably ([`Durability::FileAndDir`]), creating the
+/// parent directory if needed.
 pub fn write_atomic(path: &Path, data: &[u8], mode: u32) -> io::Result<()> {
+    write_atomic_with(path, data, mode, Durability::FileAndDir)
+}
+
+/// [`write_atomic`] with the durability chosen by the caller.
+pub fn write_atomic_with(
+    path: &Path,
+    data: &[u8],
+    mode: u32,
+    durability: Durability,
+) -> io::Result<()> {
     let dir = path
         .parent()
         .filter(|p| !p.as_os_str().is_empty())
         .unwrap_or(Path::new("."));
-    fs::create_dir_all(dir)?;
-    let name = path
-        .file_name()
-        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "path has no file name"))?;
-    let tmp = dir.join(format!(
-        ".{}.tmp-{}-{}",
-        name.to_string_lossy(),
+    std::fs::create_dir_all(dir)?;
+    let name = path.file_name().and_then(|n| n.to_str()).ok_or_else(|| {
+        io::Error::new(io::ErrorKind::InvalidInput, "path has no UTF-8 file name")
+    })?;
+    let dir = rustix::fs::open(
+        dir,
+        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
+        Mode::empty(),
+    )?;
+    write_atomic_at(dir.as_fd(), name, data, mode, durability)
+}
+
+/// Write `name` inside the open directory `dir` atomically: a temp file created exclusively
+/// (`O_EXCL | O_NOFOLLOW`, so neither a planted file nor a symlink is written through), given
+/// exactly `mode` (no umask), synced as `durability` says, then renamed over `name`. The temp
+/// name starts with a dot; a failed write removes it. `name` must be one path component.
+pub fn write_atomic_at(
+    dir: BorrowedFd<'_>,
+    name: &str,
+    data: &[u8],
+    mode: u32,
+    durability: Durability,
+) -> io::Result<()> {
+    if name.is_empty() || name.contains('/') || name == "." || name == ".." {
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, "bad file name"));
+    }
+    let tmp = format!(
+        ".{name}.tmp-{}-{:08x}",
         std::process::id(),
         fastrand::u32(..)
-    ));
-    let result = (|| {
-        let mut f = OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(mode)
-            .open(&tmp)?;
-        f.write_all(data)?;
-        f.sync_all()?;
-        fs::rename(&tmp, path)?;
-        if let Ok(d) = File::open(dir) {
-            let _ = d.sync_all();
+    );
+    let result = (|| -> io::Result<()> {
+        let fd = rustix::fs::openat(
+            dir,
+            tmp.as_str(),
+            OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+            Mode::from_raw_mode(mode),
+        )?;
+        rustix::fs::fchmod(&fd, Mode::from_raw_mode(mode))?;
+        let mut file = std::fs::File::from(fd);
+        file.write_all(data)?;
+        if durability != Durability::None {
+            file.sync_all()?;
+        }
+        rustix::fs::renameat(dir, tmp.as_str(), dir, name)?;
+        if durability == Durability::FileAndDir {
+            let _ = rustix::fs::fsync(dir);
         }
         Ok(())
     })();
     if result.is_err() {
-        let _ = fs::remove_file(&tmp);
+        let _ = rustix::fs::unlinkat(dir, tmp.as_str(), AtFlags::empty());
     }
     result
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::{symlink, PermissionsExt};
+
+    use super::*;
+
+    #[test]
+    fn writes_replace_atomically_with_the_exact_mode_and_leave_no_temp() {
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("sub/state.json");
+        write_atomic(&path, b"one", 0o600).unwrap();
+        write_atomic_with(&path, b"two", 0o640, Durability::None).unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), b"two");
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o640);
+        let names: Vec<_> = std::fs::read_dir(path.parent().unwrap())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names, vec![std::ffi::OsString::from("state.json")]);
+    }
+
+    #[test]
+    fn a_symlink_at_the_name_is_replaced_not_followed() {
+        let tmp = tempfile::tempdir().unwrap();
+        let outside = tmp.path().join("outside");
+        std::fs::write(&outside, b"keep").unwrap();
+        let path = tmp.path().join("notice.json");
+        symlink(&outside, &path).unwrap();
+        write_atomic_with(&path, b"new", 0o644, Durability::File).unwrap();
+        assert_eq!(std::fs::read(&outside).unwrap(), b"keep");
+        assert!(!std::fs::symlink_metadata(&path)
+            .unwrap()
+            .file_type()
+            .is_symlink());
+    }
+
+    #[test]
+    fn names_with_a_slash_are_refused() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = std::fs::File::open(tmp.path()).unwrap();
+        for name in ["", ".", "..", "a/b"] {
+            let e = write_atomic_at(dir.as_fd(), name, b"x", 0o644, Durability::None).unwrap_err();
+            assert_eq!(e.kind(), io::ErrorKind::InvalidInput, "{name:?}");
+        }
+    }
 }

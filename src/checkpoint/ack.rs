@@ -20,8 +20,8 @@
 //! Whether an ack is newer than the signal is decided without comparing the file's mtime with the
 //! agent's clock (a network filesystem stamps files with its server's clock): see [`FileStamp`].
 
-use std::io::{self, Read, Write};
-use std::os::fd::OwnedFd;
+use std::io::{self, Read};
+use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Component, Path, PathBuf};
 
 use rustix::fs::{Mode, OFlags, ResolveFlags};
@@ -29,6 +29,7 @@ use serde::{Deserialize, Serialize};
 
 use super::procfs::ProcFs;
 use super::Error;
+use crate::fsutil::Durability;
 
 /// Name of the notice file inside the checkpoint dir.
 pub const NOTICE_FILE: &str = "notice.json";
@@ -323,38 +324,11 @@ impl CheckpointDir {
             file: name.to_string(),
             source,
         };
-        if name.is_empty() || name.contains('/') || name == "." || name == ".." {
-            return Err(err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                "bad file name",
-            )));
-        }
         let dir = self.ensure_dir().map_err(err)?;
-        let tmp = format!(
-            ".{name}.tmp-{}-{:08x}",
-            std::process::id(),
-            fastrand::u32(..)
-        );
-        let result = (|| -> io::Result<()> {
-            let fd = rustix::fs::openat(
-                &dir,
-                tmp.as_str(),
-                OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-                Mode::from_raw_mode(0o644),
-            )?;
-            rustix::fs::fchmod(&fd, Mode::from_raw_mode(0o644))?;
-            let mut file = std::fs::File::from(fd);
-            file.write_all(data)?;
-            file.sync_all()?;
-            rustix::fs::renameat(&dir, tmp.as_str(), &dir, name)?;
-            // The rename is atomic for readers. The directory itself is not fsynced: a notice is
-            // meaningless after a crash, and every fsync is milliseconds before the signal.
-            Ok(())
-        })();
-        if result.is_err() {
-            let _ = rustix::fs::unlinkat(&dir, tmp.as_str(), rustix::fs::AtFlags::empty());
-        }
-        result.map_err(err)
+        // The directory itself is not fsynced: a notice is meaningless after a crash, and every
+        // fsync is milliseconds before the signal.
+        crate::fsutil::write_atomic_at(dir.as_fd(), name, data, 0o644, Durability::File)
+            .map_err(err)
     }
 
     /// Write `notice.json`.

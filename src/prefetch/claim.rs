@@ -12,7 +12,8 @@
 //! publish identical verified bytes by rename, so the result is still correct.
 
 use crate::backoff::Backoff;
-use std::fs::{self, File, OpenOptions};
+use crate::fsutil::{write_atomic_with, Durability};
+use std::fs::{self, OpenOptions};
 use std::io::{self, Write};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
@@ -266,26 +267,7 @@ impl Claim {
     /// a lost renewal only makes the claim look stale sooner).
     pub fn write(&self, record: &ClaimRecord) -> io::Result<()> {
         let json = serde_json::to_vec(record).map_err(io::Error::other)?;
-        let dir = self.path.parent().unwrap_or(Path::new("."));
-        let tmp = dir.join(format!(
-            ".tmp-{}-{}-{}",
-            std::process::id(),
-            fastrand::u32(..),
-            self.path
-                .file_name()
-                .map(|n| n.to_string_lossy().into_owned())
-                .unwrap_or_default()
-        ));
-        let result = (|| {
-            let mut f = File::create(&tmp)?;
-            f.write_all(&json)?;
-            drop(f);
-            fs::rename(&tmp, &self.path)
-        })();
-        if result.is_err() {
-            let _ = fs::remove_file(&tmp);
-        }
-        result
+        write_atomic_with(&self.path, &json, 0o644, Durability::None)
     }
 
     /// Renew (or update) our record. `Ok(false)` when someone else owns the claim now.
