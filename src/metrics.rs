@@ -1,6 +1,7 @@
 //! One Prometheus registry for the whole agent. Core families live here; modules with many series
-//! of their own (gpu, prefetch) define a struct with `register(&mut Registry)` and are added in
-//! [`Metrics::new`]. Labels are low-cardinality only: no pod names, no notice ids.
+//! of their own (gpu, prefetch) define a struct with `register(&mut Registry)`, registered next to
+//! [`Metrics::register`] by the process that runs them (the agent's `app`, the prefetcher's own
+//! process). Labels are low-cardinality only: no pod names, no notice ids.
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;

@@ -7,7 +7,7 @@
 //!   tests. Synchronous: the monitor calls it through `spawn_blocking`.
 //! - [`health`]: rules, thresholds, sticky findings, node conditions (pure).
 //! - [`monitor::run_monitor`]: the daemon task.
-//! - [`report`]: `spotguard gpu [--json]`.
+//! - [`report`](mod@report): `spotguard gpu [--json]`.
 //!
 //! Rules, metrics and condition semantics are documented in `docs/gpu-health.md`.
 

@@ -1,6 +1,6 @@
 //! Deadline-bounded drain of this node through the Eviction API (policy/v1).
 //!
-//! 1. List the pods with `fieldSelector=spec.nodeName=<node>`; [`filter`](super::filter) decides
+//! 1. List the pods with `fieldSelector=spec.nodeName=<node>`; [`super::filter`] decides
 //!    which to evict.
 //! 2. Evict all of them concurrently (at most `concurrency` API requests in flight; waiting for a
 //!    deletion holds no slot), each with `gracePeriodSeconds = min(pod's own, time left − 2 s)`

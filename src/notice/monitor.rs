@@ -4,7 +4,7 @@
 //! Error accounting (shared with the sources): `spotguard_metadata_errors_total{source,error}`
 //! counts every failed *endpoint request*. A source whose poll covers several endpoints (EC2's
 //! three paths, GCE's watched keys) returns `Ok` with the notices it found as long as at least one
-//! endpoint answered, and counts and logs the failed ones itself through [`ErrorReporter`]; only
+//! endpoint answered, and counts and logs the failed ones itself through its `ErrorReporter`; only
 //! when every endpoint failed does `poll` return `Err`, which this loop counts and backs off on.
 //! So a partial outage never hides the notices of the endpoints that still answer, and readiness
 //! ("a poll succeeded recently") means "at least one endpoint of this source answered".
