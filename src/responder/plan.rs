@@ -547,7 +547,8 @@ impl Plan {
             .drain_duration
             .observe(started.elapsed().as_secs_f64());
         let budget = self.budget().max(SIDE_BUDGET_MIN);
-        let failure = match outcome {
+        // A failure: what it was, its error label, its Event reason, the report if any.
+        let (reason, label, event_reason, report) = match outcome {
             Ok(report) if report.complete() => {
                 self.deps.metrics.action("drain", true);
                 let _ = tokio::time::timeout(
@@ -564,34 +565,26 @@ impl Plan {
             Ok(report) => {
                 let reason = crate::node::drain::blocked_summary(&report);
                 error!(blocked = %reason, "drain did not complete before the deadline");
-                self.deps.metrics.error("drain", "blocked");
-                let _ = tokio::time::timeout(
-                    budget,
-                    node.event(EventType::Warning, reason::DRAIN_BLOCKED, &reason),
-                )
-                .await;
-                DrainFailure {
-                    reason,
-                    report: Some(report),
-                }
+                (reason, "blocked", reason::DRAIN_BLOCKED, Some(report))
             }
             Err(e) => {
-                let reason = format!("drain failed: {e}");
                 error!(error = %e, "drain failed; the node is not reported drained");
-                self.deps.metrics.error("drain", e.metric_label());
-                let _ = tokio::time::timeout(
-                    budget,
-                    node.event(EventType::Warning, reason::DRAIN_FAILED, &reason),
+                (
+                    format!("drain failed: {e}"),
+                    e.metric_label(),
+                    reason::DRAIN_FAILED,
+                    None,
                 )
-                .await;
-                DrainFailure {
-                    reason,
-                    report: None,
-                }
             }
         };
+        self.deps.metrics.error("drain", label);
+        let _ = tokio::time::timeout(
+            budget,
+            node.event(EventType::Warning, event_reason, &reason),
+        )
+        .await;
         self.deps.metrics.action("drain", false);
-        Ok(Err(failure))
+        Ok(Err(DrainFailure { reason, report }))
     }
 
     pub(super) async fn acknowledge(&self) {
