@@ -343,25 +343,8 @@ async fn drill(args: &DrillArgs, cancel: CancellationToken) -> Result<Verdict, S
         .map_err(|e| format!("raising the notice in the emulator: {e}"))?
         .visible_at;
     let mut v = Verdict {
-        pass: false,
-        reason: String::new(),
-        cloud: args.cloud,
-        command: shown,
-        checkpoint_dir: ckpt_dir.clone(),
-        handler,
-        started_at,
         raised_at: Some(raised_at),
-        seen_at: None,
-        signalled_at: None,
-        processes: 0,
-        checkpoint_deadline: None,
-        deadline: None,
-        result_at: None,
-        results: Vec::new(),
-        acks: Vec::new(),
-        exit: None,
-        drill_terminated_at: None,
-        error: None,
+        ..Verdict::started(args.cloud, shown, ckpt_dir.clone(), handler, started_at)
     };
 
     // 5. Follow the plan until the checkpoint step is over.

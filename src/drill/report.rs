@@ -64,6 +64,39 @@ pub struct Verdict {
     pub error: Option<String>,
 }
 
+impl Verdict {
+    /// A run that has started its command and observed nothing else yet (not passed).
+    pub fn started(
+        cloud: DrillCloud,
+        command: String,
+        checkpoint_dir: PathBuf,
+        handler: HandlerWait,
+        started_at: Timestamp,
+    ) -> Self {
+        Verdict {
+            pass: false,
+            reason: String::new(),
+            cloud,
+            command,
+            checkpoint_dir,
+            handler,
+            started_at,
+            raised_at: None,
+            seen_at: None,
+            signalled_at: None,
+            processes: 0,
+            checkpoint_deadline: None,
+            deadline: None,
+            result_at: None,
+            results: Vec::new(),
+            acks: Vec::new(),
+            exit: None,
+            drill_terminated_at: None,
+            error: None,
+        }
+    }
+}
+
 /// How an ack relates to the run's timeline.
 fn ack_note(v: &Verdict, a: &AckRow) -> Option<String> {
     let t = a.written?;
@@ -494,23 +527,13 @@ mod tests {
         let v = |pass| Verdict {
             pass,
             reason: "a <b> & \"c\"".into(),
-            cloud: DrillCloud::Gce,
-            command: "python3 train.py --x=<1>".into(),
-            checkpoint_dir: PathBuf::from("/tmp/x"),
-            handler: HandlerWait::NotWaited,
-            started_at: Timestamp::now(),
-            raised_at: None,
-            seen_at: None,
-            signalled_at: None,
-            processes: 0,
-            checkpoint_deadline: None,
-            deadline: None,
-            result_at: None,
-            results: Vec::new(),
-            acks: Vec::new(),
-            exit: None,
-            drill_terminated_at: None,
-            error: None,
+            ..Verdict::started(
+                DrillCloud::Gce,
+                "python3 train.py --x=<1>".into(),
+                PathBuf::from("/tmp/x"),
+                HandlerWait::NotWaited,
+                Timestamp::now(),
+            )
         };
         let xml = junit(&[
             (v(true), "ok\u{1}".into(), Duration::from_millis(1500)),
