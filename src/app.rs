@@ -113,7 +113,7 @@ pub async fn start_with_client(
     let mut tasks = Tasks::default();
 
     let (node, discovery) = node_and_discovery(&cfg, client, &metrics, &mut tasks, &cancel).await?;
-    let (sources, notices, health) = spawn_notice_sources(&cfg, &telemetry, &mut tasks, &cancel)?;
+    let inputs = spawn_notice_sources(&cfg, &telemetry, &mut tasks, &cancel)?;
     let hook = build_webhook(&cfg, &metrics)?;
     let who = Who::of(&cfg);
     let on_start = start_hooks(&cfg, hook.clone(), &who);
@@ -123,20 +123,27 @@ pub async fn start_with_client(
             node: node.clone(),
             local: StateFile::new(&cfg.args.state_dir, cfg.args.dry_run),
             discovery,
-            sources,
+            sources: inputs.sources,
             metrics: metrics.clone(),
             on_start,
         },
     );
     let events = responder.subscribe();
     spawn_outcome_follower(&responder, &node, hook, who, &metrics, &mut tasks, &cancel);
-    tasks.spawn("responder", responder.run(notices, cancel.clone()));
+    tasks.spawn("responder", responder.run(inputs.notices, cancel.clone()));
     spawn_gpu_monitor(&cfg, &node, telemetry.gpu.clone(), &mut tasks, &cancel);
     spawn_prefetcher(&cfg, &metrics, &mut tasks, &cancel).await;
 
     let registry = Arc::new(std::mem::take(&mut telemetry.registry));
-    let admin_addr =
-        spawn_admin_server(&cfg, registry.clone(), health, kernel, &mut tasks, &cancel).await?;
+    let admin_addr = spawn_admin_server(
+        &cfg,
+        registry.clone(),
+        inputs.health,
+        kernel,
+        &mut tasks,
+        &cancel,
+    )
+    .await?;
     info!(
         mode = cfg.mode.as_str(),
         node = cfg.node_name.as_deref().unwrap_or("-"),
@@ -287,42 +294,45 @@ async fn kube_client() -> Result<kube::Client, Error> {
     crate::node::kube::client_from_config(config).map_err(|e| Error::KubeClient(e.to_string()))
 }
 
-/// One monitor per configured cloud, or auto-detection in the background. Returns the sources
-/// (the responder acknowledges through them), the notice stream and the poll health /readyz reads.
-#[allow(clippy::type_complexity)]
+/// What the notice monitors give the rest of the agent.
+struct NoticeInputs {
+    /// The configured cloud's source (empty while auto-detecting): the responder acknowledges
+    /// through it.
+    sources: Vec<Arc<dyn NoticeSource>>,
+    /// Every visible notice, from whichever monitor runs.
+    notices: mpsc::Receiver<notice::Notice>,
+    /// Recent poll success, read by /readyz.
+    health: Arc<PollHealth>,
+}
+
+/// The monitor of the configured cloud, or auto-detection followed by its monitor in the
+/// background.
 fn spawn_notice_sources(
     cfg: &Config,
     telemetry: &Telemetry,
     tasks: &mut Tasks,
     cancel: &CancellationToken,
-) -> Result<
-    (
-        Vec<Arc<dyn NoticeSource>>,
-        mpsc::Receiver<notice::Notice>,
-        Arc<PollHealth>,
-    ),
-    Error,
-> {
+) -> Result<NoticeInputs, Error> {
     let health = Arc::new(PollHealth::new());
-    let (tx, rx) = mpsc::channel(64);
-    let sources = match cfg.args.cloud.source() {
-        Some(src) => vec![build_source(cfg, src, &telemetry.metrics, &telemetry.gce)?],
-        None => Vec::new(),
-    };
-    for s in &sources {
-        tasks.spawn(
+    let (tx, notices) = mpsc::channel(64);
+    let source = cfg
+        .args
+        .cloud
+        .source()
+        .map(|src| build_source(cfg, src, &telemetry.metrics, &telemetry.gce))
+        .transpose()?;
+    match &source {
+        Some(s) => tasks.spawn(
             "notice monitor",
             run_monitor(
                 s.clone(),
-                tx.clone(),
+                tx,
                 telemetry.metrics.clone(),
                 health.clone(),
                 cancel.child_token(),
             ),
-        );
-    }
-    if sources.is_empty() {
-        tasks.spawn(
+        ),
+        None => tasks.spawn(
             "cloud detection and notice monitor",
             detect_and_monitor(
                 cfg.clone(),
@@ -332,9 +342,13 @@ fn spawn_notice_sources(
                 telemetry.gce.clone(),
                 cancel.child_token(),
             ),
-        );
+        ),
     }
-    Ok((sources, rx, health))
+    Ok(NoticeInputs {
+        sources: source.into_iter().collect(),
+        notices,
+        health,
+    })
 }
 
 /// Auto-detect the cloud, retrying until it answers (never fatal: everything else keeps
