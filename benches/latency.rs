@@ -71,8 +71,6 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
 
 fn run_args(cloud: &str, endpoint: &str, dir: &Path, pidfile: &Path) -> config::RunArgs {
     let argv: Vec<String> = vec![
-        "spotguard".into(),
-        "run".into(),
         "--mode=host".into(),
         format!("--cloud={cloud}"),
         format!("--metadata-endpoint={endpoint}"),
@@ -86,11 +84,7 @@ fn run_args(cloud: &str, endpoint: &str, dir: &Path, pidfile: &Path) -> config::
         "--log-level=error".into(),
         "--shutdown-grace=1s".into(),
     ];
-    match spotguard::cli::parse_cli(argv) {
-        spotguard::cli::Parsed::Command(spotguard::cli::Command::Run(r)) => *r,
-        spotguard::cli::Parsed::Exit { text, .. } => panic!("{text}"),
-        _ => unreachable!(),
-    }
+    spotguard::config::parse_run_args(argv).unwrap_or_else(|text| panic!("{text}"))
 }
 
 async fn trial(cloud: Cloud, emu: &emulator::EmulatorHandle) -> f64 {
@@ -211,8 +205,6 @@ async fn kube_trial(
         api.add_pod(TestPod::new("web", &format!("web-{i}"), NODE).build());
     }
     let argv: Vec<String> = vec![
-        "spotguard".into(),
-        "run".into(),
         "--mode=kubernetes".into(),
         format!("--node-name={NODE}"),
         format!("--cloud={}", emu.cloud().as_str()),
@@ -223,11 +215,7 @@ async fn kube_trial(
         "--log-level=error".into(),
         "--shutdown-grace=0s".into(),
     ];
-    let args = match spotguard::cli::parse_cli(argv) {
-        spotguard::cli::Parsed::Command(spotguard::cli::Command::Run(r)) => *r,
-        spotguard::cli::Parsed::Exit { text, .. } => panic!("{text}"),
-        _ => unreachable!(),
-    };
+    let args = spotguard::config::parse_run_args(argv).unwrap_or_else(|text| panic!("{text}"));
     let cfg = Config::resolve(args, &config::ProcessEnv).expect("config");
     let cancel = CancellationToken::new();
     let app = app::start_with_client(cfg, cancel.clone(), Some(api.client()))

@@ -182,9 +182,7 @@ async fn a_fresh_agent_exports_every_documented_series_at_zero() {
         path.display().to_string()
     };
     let argv = [
-        "spotguard".to_string(),
-        "run".into(),
-        "--mode=host".into(),
+        "--mode=host".to_string(),
         "--cloud=auto".into(),
         format!("--dmi-dir={}", d("dmi")),
         "--metadata-endpoint=http://127.0.0.1:1".into(),
@@ -195,11 +193,7 @@ async fn a_fresh_agent_exports_every_documented_series_at_zero() {
         "--gpu=off".into(),
         "--log-level=error".into(),
     ];
-    let args = match spotguard::cli::parse_cli(argv) {
-        spotguard::cli::Parsed::Command(spotguard::cli::Command::Run(r)) => *r,
-        spotguard::cli::Parsed::Exit { text, .. } => panic!("{text}"),
-        _ => unreachable!(),
-    };
+    let args = spotguard::config::parse_run_args(argv).unwrap_or_else(|text| panic!("{text}"));
     let cfg = spotguard::config::Config::resolve(args, &spotguard::config::ProcessEnv).unwrap();
     let cancel = tokio_util::sync::CancellationToken::new();
     let app = spotguard::app::start(cfg, cancel.clone()).await.unwrap();

@@ -86,9 +86,14 @@ struct Kid(Child);
 
 impl Kid {
     fn handler(dir: &Path, marks: &Path) -> Kid {
+        Kid::spawn(HANDLER, dir, marks)
+    }
+
+    /// `script` under `sh -c` in a process group of its own, once its SIGUSR1 trap is installed.
+    fn spawn(script: &str, dir: &Path, marks: &Path) -> Kid {
         let child = Command::new("sh")
             .arg("-c")
-            .arg(HANDLER)
+            .arg(script)
             .env("DIR", dir)
             .env("MARKS", marks)
             .stdin(Stdio::null())
@@ -297,26 +302,7 @@ impl Kid {
     /// hangs).
     fn slow_handler(dir: &Path, marks: &Path) -> Kid {
         let script = HANDLER.replace("trap 'echo got", "trap 'sleep 0.3; echo got");
-        let child = Command::new("sh")
-            .arg("-c")
-            .arg(script)
-            .env("DIR", dir)
-            .env("MARKS", marks)
-            .stdin(Stdio::null())
-            .stderr(Stdio::null())
-            .process_group(0)
-            .spawn()
-            .unwrap();
-        let kid = Kid(child);
-        let start = Instant::now();
-        while !ProcFs::default()
-            .status(kid.pid())
-            .is_ok_and(|s| s.catches(Signal::USR1))
-        {
-            assert!(start.elapsed() < Duration::from_secs(10), "no trap");
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        kid
+        Kid::spawn(&script, dir, marks)
     }
 }
 
@@ -447,8 +433,6 @@ mod kube {
             .await
             .unwrap();
         let argv: Vec<String> = vec![
-            "spotguard".into(),
-            "run".into(),
             "--mode=kubernetes".into(),
             format!("--node-name={NODE}"),
             "--cloud=gce".into(),
@@ -459,10 +443,7 @@ mod kube {
             "--log-level=warn".into(),
             "--shutdown-grace=0s".into(),
         ];
-        let args = match spotguard::cli::parse_cli(argv) {
-            spotguard::cli::Parsed::Command(spotguard::cli::Command::Run(r)) => *r,
-            _ => panic!("bad args"),
-        };
+        let args = spotguard::config::parse_run_args(argv).unwrap_or_else(|text| panic!("{text}"));
         let cfg = Config::resolve(args, &config::ProcessEnv).unwrap();
         let cancel = CancellationToken::new();
         let app = app::start_with_client(cfg, cancel.clone(), Some(api.client()))

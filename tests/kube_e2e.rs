@@ -186,8 +186,6 @@ impl Cluster {
 
     async fn agent(&self, extra: &[&str]) -> (app::App, CancellationToken) {
         let mut argv: Vec<String> = vec![
-            "spotguard".into(),
-            "run".into(),
             "--mode=kubernetes".into(),
             format!("--node-name={NODE}"),
             format!("--cloud={}", self.emu.cloud().as_str()),
@@ -207,11 +205,7 @@ impl Cluster {
             "--shutdown-grace=0s".into(),
         ];
         argv.extend(extra.iter().map(|s| s.to_string()));
-        let args = match spotguard::cli::parse_cli(argv) {
-            spotguard::cli::Parsed::Command(spotguard::cli::Command::Run(r)) => *r,
-            spotguard::cli::Parsed::Exit { text, .. } => panic!("{text}"),
-            _ => unreachable!(),
-        };
+        let args = spotguard::config::parse_run_args(argv).unwrap_or_else(|text| panic!("{text}"));
         let mut cfg = Config::resolve(args, &config::ProcessEnv).unwrap();
         cfg.pod_namespace = Some("spotguard".into());
         cfg.pod_name = Some("spotguard-abcde".into());

@@ -80,8 +80,6 @@ impl Machine {
 
     fn args(&self, emu: &emulator::EmulatorHandle, extra: &[&str]) -> config::RunArgs {
         let mut argv: Vec<String> = vec![
-            "spotguard".into(),
-            "run".into(),
             "--mode=host".into(),
             format!("--cloud={}", emu.cloud().as_str()),
             format!("--metadata-endpoint={}", emu.base_url()),
@@ -103,11 +101,7 @@ impl Machine {
             "--shutdown-grace=2s".into(),
         ];
         argv.extend(extra.iter().map(|s| s.to_string()));
-        match spotguard::cli::parse_cli(argv) {
-            spotguard::cli::Parsed::Command(spotguard::cli::Command::Run(r)) => *r,
-            spotguard::cli::Parsed::Exit { text, .. } => panic!("{text}"),
-            _ => unreachable!(),
-        }
+        spotguard::config::parse_run_args(argv).unwrap_or_else(|text| panic!("{text}"))
     }
 
     async fn agent(&self, emu: &emulator::EmulatorHandle, extra: &[&str]) -> Agent {

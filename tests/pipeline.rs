@@ -109,8 +109,6 @@ fn alive(pid: i32) -> bool {
 
 fn run_args(cloud: &str, endpoint: &str, t: &Trainer, extra: &[&str]) -> config::RunArgs {
     let mut argv: Vec<String> = vec![
-        "spotguard".into(),
-        "run".into(),
         "--mode=host".into(),
         format!("--cloud={cloud}"),
         format!("--metadata-endpoint={endpoint}"),
@@ -128,11 +126,7 @@ fn run_args(cloud: &str, endpoint: &str, t: &Trainer, extra: &[&str]) -> config:
         "--shutdown-grace=2s".into(),
     ];
     argv.extend(extra.iter().map(|s| s.to_string()));
-    match spotguard::cli::parse_cli(argv) {
-        spotguard::cli::Parsed::Command(spotguard::cli::Command::Run(r)) => *r,
-        spotguard::cli::Parsed::Exit { text, .. } => panic!("{text}"),
-        _ => unreachable!(),
-    }
+    spotguard::config::parse_run_args(argv).unwrap_or_else(|text| panic!("{text}"))
 }
 
 async fn start_agent(args: config::RunArgs) -> (app::App, CancellationToken) {

@@ -693,8 +693,6 @@ async fn an_agent_sends_start_and_outcome_and_records_headroom() {
         .await
         .unwrap();
     let argv: Vec<String> = vec![
-        "spotguard".into(),
-        "run".into(),
         "--mode=host".into(),
         "--cloud=aws".into(),
         format!("--metadata-endpoint={}", emu.base_url()),
@@ -710,11 +708,7 @@ async fn an_agent_sends_start_and_outcome_and_records_headroom() {
         format!("--webhook-url=http://{addr}/hook/agent"),
         "--webhook-header=Authorization: Bearer agent-token".into(),
     ];
-    let args = match spotguard::cli::parse_cli(argv) {
-        spotguard::cli::Parsed::Command(spotguard::cli::Command::Run(r)) => *r,
-        spotguard::cli::Parsed::Exit { text, .. } => panic!("{text}"),
-        _ => unreachable!(),
-    };
+    let args = spotguard::config::parse_run_args(argv).unwrap_or_else(|text| panic!("{text}"));
     let cfg = spotguard::config::Config::resolve(args, &spotguard::config::ProcessEnv).unwrap();
     let cancel = tokio_util::sync::CancellationToken::new();
     let app = spotguard::app::start(cfg, cancel.clone()).await.unwrap();
