@@ -6,6 +6,9 @@
 //! (host mode) against the child. Prints a verdict table (`report`); exit 0 on PASS. With no
 //! command it runs the bundled example trainer (`trainer`).
 
+mod elastic;
+mod elastic_report;
+mod records;
 mod report;
 mod trainer;
 pub mod wait;
@@ -75,9 +78,11 @@ pub struct DrillArgs {
     /// does, the notice is raised anyway and the verdict says no handler was installed.
     #[arg(long, default_value = "120s", value_parser = config::parse_positive_duration)]
     pub startup_timeout: Duration,
-    /// Checkpoint directory given to the command as SPOTGUARD_DIR [default: a fresh temp dir per run].
-    #[arg(long, value_name = "DIR")]
-    pub checkpoint_dir: Option<PathBuf>,
+    /// The notice/ack directory given to the command as SPOTGUARD_DIR: where the agent writes
+    /// notice.json and reads acks (not where checkpoints go) [default: a fresh temp dir per run].
+    /// With --elastic, node N uses DIR/node-N. `--checkpoint-dir` is the old name.
+    #[arg(long, value_name = "DIR", alias = "checkpoint-dir")]
+    pub notice_dir: Option<PathBuf>,
     /// Upper bound on waiting for the acknowledgement (--checkpoint-timeout of `run`).
     #[arg(long, default_value = "90s", value_parser = config::parse_positive_duration)]
     pub timeout: Duration,
@@ -85,8 +90,7 @@ pub struct DrillArgs {
     /// stops it (SIGTERM, SIGKILL 5s later) and the verdict says so.
     #[arg(long, default_value = "30s", value_parser = config::parse_positive_duration)]
     pub exit_timeout: Duration,
-    /// Run the drill N times in a row (each with a fresh temp dir unless --checkpoint-dir is
-    /// given, in which case each run resumes from the previous one's checkpoint).
+    /// Run the drill N times in a row (each with a fresh temp dir unless --notice-dir is given).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
     pub repeat: u32,
     /// Print the verdict as JSON on stdout (the command's own stdout goes to stderr).
@@ -101,6 +105,26 @@ pub struct DrillArgs {
     /// Log level of the agent pipeline while the drill runs (e.g. `info` to watch every step).
     #[arg(long, default_value = "error")]
     pub log_level: String,
+    /// Elastic training: run the command as --nodes local nodes of one elastic job (torchrun
+    /// --nnodes MIN:MAX, Horovod elastic), raise the notice on one (--interrupt-node), kill that
+    /// node's whole process tree at its deadline (--kill-after), and check that the other nodes
+    /// resumed from the saved step, losing none, before that deadline.
+    #[arg(long)]
+    pub elastic: bool,
+    /// With --elastic: how many nodes to run (node 1 is started first and hosts the rendezvous).
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(2..=16))]
+    pub nodes: u32,
+    /// With --elastic: the node that gets the notice [default: the last one].
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=16))]
+    pub interrupt_node: Option<u32>,
+    /// With --elastic: kill the interrupted node's process tree this long after the notice (the
+    /// power-off) [default: the cloud's notice lead: aws 120s, gce 30s, azure 30s].
+    #[arg(long, value_parser = config::parse_positive_duration)]
+    pub kill_after: Option<Duration>,
+    /// With --elastic: keep watching the other nodes this long after the kill (a restart caused
+    /// by the power-off loses steps).
+    #[arg(long, default_value = "5s", value_parser = config::parse_duration)]
+    pub settle: Duration,
     /// The training command and its arguments (after `--`). Default: the bundled example trainer.
     #[arg(last = true, value_name = "CMD")]
     pub command: Vec<String>,
@@ -127,6 +151,9 @@ const SIGNAL_NAME: &str = "SIGUSR1";
 /// Run the drill (`--repeat` times); returns the process exit code.
 pub async fn run(args: DrillArgs, cancel: CancellationToken) -> i32 {
     crate::telemetry::init(config::LogFormat::Text, &args.log_level);
+    if args.elastic {
+        return elastic::run(&args, cancel).await;
+    }
     let mut runs: Vec<(Verdict, String, Duration)> = Vec::new();
     let mut code = EXIT_PASS;
     for i in 0..args.repeat {
@@ -201,7 +228,7 @@ async fn drill(args: &DrillArgs, cancel: CancellationToken) -> Result<Verdict, S
         .prefix("spotguard-drill-")
         .tempdir()
         .map_err(|e| format!("creating a temp dir: {e}"))?;
-    let ckpt_dir = match &args.checkpoint_dir {
+    let ckpt_dir = match &args.notice_dir {
         Some(d) => std::path::absolute(d).map_err(|e| format!("{}: {e}", d.display()))?,
         None => work.path().join("checkpoint"),
     };
@@ -332,7 +359,7 @@ async fn drill(args: &DrillArgs, cancel: CancellationToken) -> Result<Verdict, S
             };
             keep(work, args.keep);
             return Err(format!(
-                "the command exited before the interruption ({what}, {:.1}s after start)",
+                "the command ended before the notice ({what}, {:.1}s after start): nothing was left to interrupt. Give it more steps, or a shorter --after",
                 started.elapsed().as_secs_f64()
             ));
         }
@@ -342,8 +369,13 @@ async fn drill(args: &DrillArgs, cancel: CancellationToken) -> Result<Verdict, S
         .raise(emulator::EmulatedNotice::interruption())
         .map_err(|e| format!("raising the notice in the emulator: {e}"))?
         .visible_at;
+    let handler_gone = match &handler {
+        HandlerWait::Found { handler, .. } => !wait::alive(&proc, handler.pid),
+        _ => false,
+    };
     let mut v = Verdict {
         raised_at: Some(raised_at),
+        handler_gone,
         ..Verdict::started(args.cloud, shown, ckpt_dir.clone(), handler, started_at)
     };
 
@@ -416,7 +448,7 @@ async fn drill(args: &DrillArgs, cancel: CancellationToken) -> Result<Verdict, S
             status.map(|s| exit_info(s, true))
         }
     };
-    v.acks = read_acks(&ckpt_dir);
+    v.acks = records::read_acks(&ckpt_dir);
     pipeline_cancel.cancel();
     let _ = tokio::time::timeout(Duration::from_secs(5), app.join).await;
     emu.shutdown().await;
@@ -486,51 +518,4 @@ fn terminate(pid: u32, sig: libc::c_int) {
             libc::kill(p, sig);
         }
     }
-}
-
-/// Every ack in the checkpoint dir (`ack-<pid>.json` and the plain `ack`), for the verdict.
-fn read_acks(dir: &Path) -> Vec<AckRow> {
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return Vec::new();
-    };
-    let mut out = Vec::new();
-    for entry in entries.flatten() {
-        let name = entry.file_name().to_string_lossy().into_owned();
-        let plain = name == "ack";
-        let per_process = name.starts_with("ack-") && name.ends_with(".json");
-        if !(plain || per_process) {
-            continue;
-        }
-        // Bounded read: the drill reads what the command wrote, like the agent does.
-        let Ok(meta) = entry.metadata() else { continue };
-        if !meta.is_file() || meta.len() > 64 * 1024 {
-            continue;
-        }
-        let body = std::fs::read(entry.path())
-            .ok()
-            .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok());
-        let mtime = meta
-            .modified()
-            .ok()
-            .and_then(|m| Timestamp::try_from(m).ok());
-        let get = |k: &str| body.as_ref().and_then(|b| b.get(k));
-        let written = get("ts")
-            .and_then(|t| t.as_f64())
-            .and_then(|t| Timestamp::from_microsecond((t * 1e6) as i64).ok())
-            .or(mtime);
-        out.push(AckRow {
-            file: name,
-            state: get("state")
-                .and_then(|s| s.as_str())
-                .map(str::to_string)
-                .unwrap_or_else(|| if plain { "done".into() } else { "?".into() }),
-            step: get("step").and_then(|s| s.as_i64()),
-            checkpoint: get("checkpoint")
-                .and_then(|s| s.as_str())
-                .map(str::to_string),
-            written,
-        });
-    }
-    out.sort_by(|a, b| a.written.cmp(&b.written).then(a.file.cmp(&b.file)));
-    out
 }

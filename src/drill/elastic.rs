@@ -1,0 +1,472 @@
+//! `spotguard drill --elastic`: rehearse a preemption of one node of an elastic job.
+//!
+//! Runs the command `--nodes` times on this machine, each copy a node of one job (torchrun
+//! `--nnodes MIN:MAX` through the launcher, Horovod elastic…) with its own notice dir
+//! (`SPOTGUARD_DIR=<dir>/node-N`) and its own process group. Node 1 starts first and the others
+//! once it hosts the rendezvous (holds a listening socket) or runs a worker, so that node 1 is
+//! the rendezvous host, which the default `--interrupt-node` (the last) is not. When every node
+//! trains (a handler and a resume record each, and no new resume record for `--after`), the
+//! real pipeline (host mode) raises the notice against the interrupted node only; at its
+//! deadline (`--kill-after`) the drill kills that node's whole process group (the power-off) and
+//! watches the others `--settle` longer.
+//!
+//! The drill learns steps from the helper's files: the `done` acks carry the step saved, and
+//! `spotguard.resumed(step)` writes `resume-<pid>.json` with the step a process resumed from and
+//! when (`SPOTGUARD_PROGRESS`, set here, makes it also report the last step reached), which
+//! tells the surviving nodes' resumed step, the steps lost and when they trained again
+//! (`elastic_report`).
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use jiff::Timestamp;
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+use tokio_util::sync::CancellationToken;
+
+use super::elastic_report::{self as er, ElasticVerdict, NodeRun};
+use super::records;
+use super::wait;
+use super::{
+    default_lead, drill_run_args, exit_info, DrillArgs, DrillCloud, EXIT_ERROR, EXIT_FAIL,
+    EXIT_PASS, SIGNAL, SIGNAL_NAME,
+};
+use crate::app;
+use crate::checkpoint::procfs::ProcFs;
+use crate::config::{self, Config};
+use crate::emulator;
+use crate::responder::PlanEvent;
+
+/// How often the drill's helper reports progress (`SPOTGUARD_PROGRESS`, seconds).
+const PROGRESS_S: &str = "0.5";
+
+/// Run the elastic drill (`--repeat` times); returns the process exit code.
+pub async fn run(args: &DrillArgs, cancel: CancellationToken) -> i32 {
+    if args.command.is_empty() {
+        eprintln!(
+            "spotguard drill: --elastic needs the job's command after `--`, e.g. \
+             -- python3 -m spotguard launch -- torchrun --nnodes=1:2 --rdzv-backend=c10d \
+             --rdzv-endpoint=localhost:29400 --nproc-per-node=2 train.py"
+        );
+        return EXIT_ERROR;
+    }
+    let doomed = args.interrupt_node.unwrap_or(args.nodes);
+    if doomed > args.nodes {
+        eprintln!(
+            "spotguard drill: --interrupt-node {doomed} but only --nodes {}",
+            args.nodes
+        );
+        return EXIT_ERROR;
+    }
+    let mut runs: Vec<(ElasticVerdict, String, Duration)> = Vec::new();
+    let mut code = EXIT_PASS;
+    for i in 0..args.repeat {
+        if args.repeat > 1 && !args.json {
+            println!("spotguard drill: run {} of {}", i + 1, args.repeat);
+        }
+        let began = Instant::now();
+        let v = match drill(args, doomed, cancel.clone()).await {
+            Ok(v) => v,
+            Err(e) => {
+                eprintln!("spotguard drill: {e}");
+                return EXIT_ERROR;
+            }
+        };
+        let text = er::table(&v);
+        if !args.json {
+            println!("{text}");
+        }
+        if !v.pass {
+            code = EXIT_FAIL;
+        }
+        runs.push((v, text, began.elapsed()));
+        if cancel.is_cancelled() {
+            break;
+        }
+    }
+    if args.repeat > 1 && !args.json {
+        let passed = runs.iter().filter(|(v, _, _)| v.pass).count();
+        println!("spotguard drill: {passed} of {} runs passed", runs.len());
+    }
+    if args.json {
+        let doc = serde_json::json!({
+            "pass": code == EXIT_PASS,
+            "runs": runs.iter().map(|(v, _, _)| er::to_json(v)).collect::<Vec<_>>(),
+        });
+        println!("{doc:#}");
+    }
+    if let Some(path) = &args.junit {
+        if let Err(e) = std::fs::write(path, er::junit(&runs)) {
+            eprintln!("spotguard drill: writing {}: {e}", path.display());
+            return EXIT_ERROR;
+        }
+    }
+    code
+}
+
+/// One node: a copy of the command in its own process group.
+struct Node {
+    index: u32,
+    dir: PathBuf,
+    child: Child,
+    pid: i32,
+    run: NodeRun,
+}
+
+impl Node {
+    fn spawn(index: u32, program: &str, rest: &[String], dir: &Path) -> Result<Node, String> {
+        let mut cmd = Command::new(program);
+        cmd.args(rest)
+            .env("SPOTGUARD_DIR", dir)
+            .env("SPOTGUARD_PROGRESS", PROGRESS_S)
+            .env("SPOTGUARD_DRILL_NODE", index.to_string())
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true)
+            .process_group(0);
+        let mut child = cmd
+            .spawn()
+            .map_err(|e| format!("starting node {index} ({program}): {e}"))?;
+        let pid = child
+            .id()
+            .and_then(|p| i32::try_from(p).ok())
+            .ok_or_else(|| format!("node {index} exited at once"))?;
+        // Each line of the node's output, prefixed with its node, on our stderr (stdout is the
+        // table, or the JSON).
+        if let Some(out) = child.stdout.take() {
+            tokio::spawn(prefix_lines(index, out));
+        }
+        if let Some(err) = child.stderr.take() {
+            tokio::spawn(prefix_lines(index, err));
+        }
+        Ok(Node {
+            index,
+            dir: dir.to_path_buf(),
+            child,
+            pid,
+            run: NodeRun::new(index, pid, dir.to_path_buf()),
+        })
+    }
+
+    /// Record the node's exit if it has exited.
+    fn poll_exit(&mut self) {
+        if self.run.exit.is_some() {
+            return;
+        }
+        if let Ok(Some(status)) = self.child.try_wait() {
+            self.run.exit = Some(exit_info(status, false));
+            self.run.exited_at = Some(Timestamp::now());
+        }
+    }
+
+    /// Kill the node's whole process group with `sig`; returns how many processes it held.
+    fn kill_group(&self, proc: &ProcFs, sig: libc::c_int) -> usize {
+        let members = group_members(proc, self.pid);
+        if !members.is_empty() {
+            // SAFETY: kill(2) of the process group this drill created for the node.
+            unsafe {
+                libc::kill(-self.pid, sig);
+            }
+        }
+        members.len()
+    }
+}
+
+async fn prefix_lines(index: u32, stream: impl tokio::io::AsyncRead + Unpin) {
+    let mut lines = BufReader::new(stream).lines();
+    while let Ok(Some(line)) = lines.next_line().await {
+        eprintln!("  [node {index}] {line}");
+    }
+}
+
+/// The live processes of process group `pgid`.
+fn group_members(proc: &ProcFs, pgid: i32) -> Vec<i32> {
+    let Ok(pids) = proc.pids() else {
+        return Vec::new();
+    };
+    pids.into_iter()
+        .filter(|&p| {
+            // SAFETY: getpgid(2) only reads.
+            let g = unsafe { libc::getpgid(p) };
+            g == pgid && wait::alive(proc, p)
+        })
+        .collect()
+}
+
+async fn drill(
+    args: &DrillArgs,
+    doomed: u32,
+    cancel: CancellationToken,
+) -> Result<ElasticVerdict, String> {
+    let work = tempfile::Builder::new()
+        .prefix("spotguard-drill-")
+        .tempdir()
+        .map_err(|e| format!("creating a temp dir: {e}"))?;
+    let base = match &args.notice_dir {
+        Some(d) => std::path::absolute(d).map_err(|e| format!("{}: {e}", d.display()))?,
+        None => work.path().join("notice"),
+    };
+    let state_dir = work.path().join("state");
+    let pidfile = work.path().join("doomed.pid");
+    let proc = ProcFs::new("/proc");
+    let say = |line: String| {
+        if args.json {
+            eprintln!("{line}");
+        } else {
+            println!("{line}");
+        }
+    };
+    let cloud = match args.cloud {
+        DrillCloud::Aws => emulator::Cloud::Aws,
+        DrillCloud::Gce => emulator::Cloud::Gce,
+        DrillCloud::Azure => emulator::Cloud::Azure,
+    };
+    let kill_after = args.kill_after.unwrap_or_else(|| default_lead(args.cloud));
+    let shown = args.command.join(" ");
+    say(format!(
+        "spotguard drill --elastic: {} nodes of `{shown}`; {} interruption of node {doomed} {} after every node trains, its process tree killed {} after the notice",
+        args.nodes,
+        super::cloud_name(args.cloud),
+        crate::duration::display(args.after),
+        crate::duration::display(kill_after),
+    ));
+    let emu = emulator::start(emulator::EmulatorConfig::new(cloud))
+        .await
+        .map_err(|e| format!("starting the metadata emulator: {e}"))?;
+    let started_at = Timestamp::now();
+    let started = Instant::now();
+
+    // 1. The nodes: node 1 first (the rendezvous host), the others once it listens or trains.
+    let (program, rest) = (&args.command[0], &args.command[1..]);
+    let mut nodes: Vec<Node> = Vec::new();
+    for index in 1..=args.nodes {
+        let dir = base.join(format!("node-{index}"));
+        std::fs::create_dir_all(&dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
+        records::clear(&dir);
+        say(format!("  node {index}: SPOTGUARD_DIR={}", dir.display()));
+        if index == 2 {
+            let first = &mut nodes[0];
+            loop {
+                let tree = wait::tree(&proc, first.pid);
+                if wait::listens(Path::new("/proc"), &tree)
+                    || wait::find_handler(&proc, first.pid, SIGNAL).is_some()
+                {
+                    break;
+                }
+                first.poll_exit();
+                if let Some(e) = &first.run.exit {
+                    return Err(format!(
+                        "node 1 ended before the notice ({}, {:.1}s after start)",
+                        super::report::exit_label(e),
+                        started.elapsed().as_secs_f64()
+                    ));
+                }
+                if started.elapsed() >= args.startup_timeout {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+        nodes.push(Node::spawn(index, program, rest, &dir)?);
+    }
+
+    // 2. Every node trains: a handler each, a resume record each, then --after without a new one.
+    let mut all_handlers_at: Option<Instant> = None;
+    loop {
+        if cancel.is_cancelled() {
+            stop_all(&mut nodes, &proc).await;
+            return Err("interrupted".into());
+        }
+        nodes.iter_mut().for_each(Node::poll_exit);
+        if let Some(n) = nodes.iter().find(|n| n.run.exit.is_some()) {
+            let what = n
+                .run
+                .exit
+                .as_ref()
+                .map(super::report::exit_label)
+                .unwrap_or_default();
+            let index = n.index;
+            stop_all(&mut nodes, &proc).await;
+            return Err(format!(
+                "node {index} ended before the notice ({what}, {:.1}s after start)",
+                started.elapsed().as_secs_f64()
+            ));
+        }
+        for n in nodes.iter_mut() {
+            if n.run.handler.is_none() {
+                if let Some(h) = wait::find_handler(&proc, n.pid, SIGNAL) {
+                    n.run.handler = Some((h, started.elapsed()));
+                }
+            }
+        }
+        if all_handlers_at.is_none() && nodes.iter().all(|n| n.run.handler.is_some()) {
+            all_handlers_at = Some(Instant::now());
+        }
+        let resumes: Vec<_> = nodes
+            .iter()
+            .map(|n| records::read_resumes(&n.dir))
+            .collect();
+        let last = resumes.iter().flatten().map(|r| r.at).max();
+        let quiet = last.is_some_and(|t| {
+            Timestamp::now().duration_since(t).as_secs_f64() >= args.after.as_secs_f64()
+        });
+        if let Some(t) = all_handlers_at {
+            if (resumes.iter().all(|r| !r.is_empty()) && quiet)
+                || t.elapsed() >= args.after + Duration::from_secs(20)
+            {
+                break;
+            }
+        }
+        if started.elapsed() >= args.startup_timeout {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let d = (doomed - 1) as usize;
+    for n in &nodes {
+        match &n.run.handler {
+            Some((h, w)) => say(format!(
+                "  node {}: pid {} ({}) catches {SIGNAL_NAME}, {:.1}s after start",
+                n.index,
+                h.pid,
+                h.command,
+                w.as_secs_f64()
+            )),
+            None => say(format!(
+                "  node {}: no process catches {SIGNAL_NAME} (waited {:.1}s)",
+                n.index,
+                started.elapsed().as_secs_f64()
+            )),
+        }
+    }
+
+    // 3. The real pipeline against the interrupted node only.
+    std::fs::write(&pidfile, format!("{}\n", nodes[d].pid))
+        .map_err(|e| format!("writing pidfile: {e}"))?;
+    let run_args = drill_run_args(args, &emu.base_url(), &nodes[d].dir, &state_dir, &pidfile)?;
+    let cfg = Config::resolve(run_args, &config::ProcessEnv).map_err(|e| e.to_string())?;
+    let pipeline_cancel = cancel.child_token();
+    let app = app::start(cfg, pipeline_cancel.clone())
+        .await
+        .map_err(|e| format!("starting the pipeline: {e}"))?;
+    let mut events = app.events;
+    let raised_at = emu
+        .raise(emulator::EmulatedNotice::interruption())
+        .map_err(|e| format!("raising the notice in the emulator: {e}"))?
+        .visible_at;
+    let power_off = Instant::now() + kill_after;
+    let mut v = ElasticVerdict::started(args.cloud, shown, doomed, started_at, raised_at);
+    let limit = args.timeout + default_lead(args.cloud) + Duration::from_secs(30);
+    let follow = async {
+        loop {
+            match events.recv().await {
+                Ok(PlanEvent::NoticeSeen { notice, at }) => {
+                    v.seen_at = Some(at);
+                    v.deadline = notice.deadline;
+                }
+                Ok(PlanEvent::Signalled {
+                    at,
+                    processes,
+                    checkpoint_deadline,
+                    ..
+                }) => {
+                    v.signalled_at = Some(at);
+                    v.processes = processes;
+                    v.checkpoint_deadline = Some(checkpoint_deadline);
+                }
+                Ok(PlanEvent::Checkpointed { at, results, .. }) => {
+                    v.result_at = Some(at);
+                    v.results = results;
+                    break;
+                }
+                Ok(_) => {}
+                Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {}
+                Err(_) => break,
+            }
+        }
+    };
+    // The nodes' exits are watched while the pipeline runs, too.
+    let mut timed_out = false;
+    {
+        tokio::pin!(follow);
+        let follow_deadline = tokio::time::sleep(limit);
+        tokio::pin!(follow_deadline);
+        loop {
+            tokio::select! {
+                _ = &mut follow => break,
+                _ = &mut follow_deadline => {
+                    timed_out = true;
+                    break;
+                }
+                _ = tokio::time::sleep(Duration::from_millis(100)) => {
+                    nodes.iter_mut().for_each(Node::poll_exit);
+                }
+            }
+        }
+    }
+    if timed_out {
+        v.error = Some(format!(
+            "the agent pipeline did not reach a checkpoint result within {}",
+            crate::duration::display(limit)
+        ));
+    }
+    pipeline_cancel.cancel();
+    let _ = tokio::time::timeout(Duration::from_secs(5), app.join).await;
+    emu.shutdown().await;
+
+    // 4. Until the power-off, then --settle: watch the nodes.
+    while Instant::now() < power_off && !cancel.is_cancelled() {
+        nodes.iter_mut().for_each(Node::poll_exit);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    nodes[d].poll_exit();
+    v.power_off_at = Some(Timestamp::now());
+    nodes[d].run.killed_at_power_off = nodes[d].kill_group(&proc, libc::SIGKILL);
+    let settle_end = Instant::now() + args.settle;
+    while Instant::now() < settle_end && !cancel.is_cancelled() {
+        nodes.iter_mut().for_each(Node::poll_exit);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    // 5. Stop the others, read what the nodes wrote, judge.
+    stop_all(&mut nodes, &proc).await;
+    v.acks = records::read_acks(&nodes[d].dir);
+    for n in nodes.iter_mut() {
+        n.run.resumes = records::read_resumes(&n.dir);
+    }
+    v.nodes = nodes.into_iter().map(|n| n.run).collect();
+    er::judge(&mut v, args.timeout, kill_after);
+    if args.keep {
+        say(format!("  drill dir (kept): {}", work.path().display()));
+        let _ = work.keep();
+    }
+    Ok(v)
+}
+
+/// Stop every node still running: SIGTERM to its process group, SIGKILL 5 s later. Exits seen
+/// here are the drill's doing (`stopped_by_drill`), not the node's.
+async fn stop_all(nodes: &mut [Node], proc: &ProcFs) {
+    for n in nodes.iter_mut() {
+        n.poll_exit();
+        if n.run.exit.is_none() {
+            n.run.stopped_by_drill = true;
+        }
+        n.kill_group(proc, libc::SIGTERM);
+    }
+    let end = Instant::now() + Duration::from_secs(5);
+    while Instant::now() < end && nodes.iter().any(|n| !group_members(proc, n.pid).is_empty()) {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    for n in nodes.iter_mut() {
+        n.kill_group(proc, libc::SIGKILL);
+        if n.run.exit.is_none() {
+            if let Ok(Ok(status)) =
+                tokio::time::timeout(Duration::from_secs(5), n.child.wait()).await
+            {
+                n.run.exit = Some(exit_info(status, true));
+            }
+        }
+    }
+}
