@@ -18,13 +18,16 @@ What happens at a preemption (docs/training-integration.md, "Elastic training", 
    rendezvous** (``launch_agent`` only closes it when the agent ends for another reason).
 3. The agent leaves its entry in the c10d rendezvous state behind (it is removed only when its
    heartbeats expire, 10-15 s later, and until then the surviving nodes cannot form a new round).
-   So once torchrun has exited the launcher removes that entry itself, with torch's own rendezvous
-   operations against the same store (:func:`leave_rendezvous`).
+   So half a second after its SIGTERM (the agent is then in its shutdown and never joins again)
+   the launcher removes that entry itself, with torch's own rendezvous operations against the
+   same store (:func:`leave_rendezvous`), and tries again once torchrun has exited if that failed.
 4. The surviving nodes' agents see their workers exit 143 and restart them: a new rendezvous round
    without the preempted node, and the workers resume from the checkpoint just saved.
    ``last_call_timeout`` decides how long a round with enough nodes waits for more; the launcher
    sets it to :data:`LAST_CALL_S` seconds when the command does not (torchrun's default, 30 s,
-   would keep the survivors idle that long).
+   would keep the survivors idle that long). It also sets ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
+   (:func:`elastic_environ`): with torch's shared store a node joining a later round never gets
+   that round's master address.
 5. A replacement node (the operator's new pod, a new VM) joins later: it waits in the rendezvous,
    the running agents see a waiting node and restart their workers for it (torchrun does not
    count that restart); the helper turns the agents' SIGTERM into one more checkpoint, so that
@@ -61,6 +64,10 @@ LAST_CALL_S = 2
 
 #: How often the launcher looks for a notice (seconds).
 POLL_S = 0.05
+
+#: How long after its SIGTERM to torchrun the launcher removes the agent's rendezvous entry: time
+#: for the agent to take the signal (it then never joins again).
+LEAVE_AFTER_S = 0.5
 
 # torchrun's options that take no value (torch/distributed/run.py: the `check_env` ones).
 _BOOLEAN = {
@@ -205,9 +212,21 @@ def elastic_command(tr: Torchrun, environ: Optional[Dict[str, str]] = None) -> T
         conf["last_call_timeout"] = env.get("SPOTGUARD_LAST_CALL_TIMEOUT", str(LAST_CALL_S))
         notes.append(f"rdzv last_call_timeout={conf['last_call_timeout']}s (torchrun's default 30s "
                      "would keep the surviving nodes waiting that long)")
-    if not tr.options.get("--rdzv-conf") and not conf:
-        conf = {}
     return tr.rewritten(restarts, conf), notes
+
+
+def elastic_environ(environ: Optional[Dict[str, str]] = None) -> Tuple[Dict[str, str], List[str]]:
+    """(torchrun's environment, what was changed): ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
+    unless set. With the store shared (torch's default since 2.5) a node that was rank 0 before
+    keeps publishing its first round's address, so a node joining a later round (a replacement,
+    a scale-up) waits for it until the store times out (pytorch/pytorch#135712)."""
+    env = dict(os.environ if environ is None else environ)
+    notes = []
+    if "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in env:
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        notes.append("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (a node joining a later round "
+                     "must get that round's master address)")
+    return env, notes
 
 
 def _local_addr(tr: Torchrun) -> str:
@@ -224,15 +243,16 @@ def _rendezvous_modules() -> Any:
     return RendezvousParameters, c10d, dr
 
 
-def leave_rendezvous(tr: Torchrun, agent_pids: Iterable[int], timeout: float = 10.0) -> str:
+def leave_rendezvous(tr: Torchrun, agent_pids: Iterable[int],
+                     timeout: float = 10.0) -> Tuple[bool, str]:
     """Remove this node's (stopped) torchrun agents from the c10d rendezvous state: the entries
     whose address is this node's and whose pid is one of ``agent_pids``, from the participants,
     the wait list and the redundancy list, with torch's own rendezvous operations (the same
-    removal an agent does for itself before it joins a new round). Returns what it did, for the
-    log; never raises (a failure leaves the entry to its heartbeat expiry)."""
+    removal an agent does for itself before it joins a new round). Returns (done, what it did)
+    for the log; never raises (a failure leaves the entry to its heartbeat expiry)."""
     if tr.backend != "c10d":
-        return (f"rendezvous backend {tr.backend!r}: the node's entry is left to its heartbeat "
-                "expiry (the launcher removes it only from a c10d rendezvous)")
+        return True, (f"rendezvous backend {tr.backend!r}: the node's entry is left to its "
+                      "heartbeat expiry (the launcher removes it only from a c10d rendezvous)")
     pids = set(agent_pids)
     addr = _local_addr(tr)
     try:
@@ -251,7 +271,7 @@ def leave_rendezvous(tr: Torchrun, agent_pids: Iterable[int], timeout: float = 1
         everyone = set(state.participants) | set(state.wait_list) | set(state.redundancy_list)
         mine = sorted((n for n in everyone if n.pid in pids and n.addr == addr), key=repr)
         if not mine:
-            return f"no entry of this node's agent in rendezvous {tr.run_id!r} (it left already)"
+            return False, f"no entry of this node's agent in rendezvous {tr.run_id!r} yet"
         Action = dr._Action
 
         def leave(ctx: Any, deadline: float) -> Any:
@@ -268,11 +288,13 @@ def leave_rendezvous(tr: Torchrun, agent_pids: Iterable[int], timeout: float = 1
         for node in mine:
             dr._DistributedRendezvousOpExecutor(node, holder, settings).run(
                 leave, time.monotonic() + timeout)
-        return (f"removed {', '.join(map(repr, mine))} from rendezvous {tr.run_id!r} at "
-                f"{tr.endpoint}: the other nodes re-form without waiting for its heartbeats to expire")
+        return True, (f"removed {', '.join(map(repr, mine))} from rendezvous {tr.run_id!r} at "
+                      f"{tr.endpoint}: the other nodes re-form without waiting for its "
+                      "heartbeats to expire")
     except Exception as err:  # torch missing or changed, store unreachable: the expiry still works
-        return (f"could not remove this node from rendezvous {tr.run_id!r} ({type(err).__name__}: "
-                f"{err}); the other nodes drop it when its heartbeats expire (10-15 s)")
+        return False, (f"could not remove this node from rendezvous {tr.run_id!r} "
+                       f"({type(err).__name__}: {err}); the other nodes drop it when its "
+                       "heartbeats expire (10-15 s)")
 
 
 def _say(message: str) -> None:
@@ -287,43 +309,58 @@ def run(argv: Sequence[str], tr: Torchrun, forward: Iterable[int]) -> int:
     import spotguard as sg
 
     cmd, notes = elastic_command(tr)
-    _say("elastic torchrun: " + "; ".join(notes))
+    env, more = elastic_environ()
+    _say("elastic torchrun: " + "; ".join(notes + more))
     started = time.time()
     preload = threading.Thread(target=_try_preload, name="spotguard-launch-torch", daemon=True)
     if tr.backend == "c10d":
         preload.start()
-    child = subprocess.Popen(cmd)
+    child = subprocess.Popen(cmd, env=env)
     watch = sg._DirWatch(child.pid, interval=POLL_S)
-    leaving: List[str] = []
+    # When torchrun was told to stop (monotonic), and whether its entry left the rendezvous.
+    stopping: List[float] = []
+    left: List[bool] = []
 
-    def stop_agent(why: str) -> None:
-        if leaving:
+    def stop_agent() -> None:
+        if stopping:
             return
-        leaving.append(why)
+        stopping.append(time.monotonic())
         try:
             child.send_signal(_signal.SIGTERM)
         except ProcessLookupError:
             pass
 
     def relay(signum: int, frame: Optional[FrameType]) -> None:
-        if signum == _signal.SIGTERM:
-            leaving.append("SIGTERM (the pod or the VM is going away)")
+        if signum == _signal.SIGTERM and not stopping:
+            stopping.append(time.monotonic())
         try:
             child.send_signal(signum)
         except ProcessLookupError:
             pass
 
+    def leave() -> None:
+        ok, what = leave_rendezvous(tr, watch.seen_pids())
+        if ok:
+            left.append(True)
+        _say(what)
+
     saved = {s: _signal.signal(s, relay) for s in forward}
     try:
         while child.poll() is None:
-            if not leaving:
+            if not stopping:
                 for directory, before in list(watch.dirs.items()):
                     nid = sg._launch_notice(Path(directory), started, before)
                     if nid:
                         _say(f"notice {nid} in {directory}: stopping torchrun so that this node "
                              "leaves the job after its checkpoint instead of restarting its workers")
-                        stop_agent(f"notice {nid}")
+                        stop_agent()
                         break
+            elif not left and time.monotonic() - stopping[0] >= LEAVE_AFTER_S:
+                # The agent is in its shutdown (it handled the SIGTERM): it will not join again,
+                # so its entry can go now, while it waits for its workers to finish their save.
+                leave()
+                if not left:
+                    left.append(False)  # retried once torchrun has exited
             time.sleep(POLL_S)
         rc = child.wait()
     finally:
@@ -331,8 +368,8 @@ def run(argv: Sequence[str], tr: Torchrun, forward: Iterable[int]) -> int:
             _signal.signal(s, previous if previous is not None else _signal.SIG_DFL)
         watch.scan()
         watch.stop()
-    if leaving and tr.elastic:
-        _say(leave_rendezvous(tr, watch.seen_pids()))
+    if stopping and not any(left):
+        leave()
     return sg._launch_exit_code(list(argv), rc, watch, started)
 
 
