@@ -136,7 +136,7 @@ _handler_error: Optional[BaseException] = None
 _tmp_counter = itertools.count()
 _fork_hook_registered = False
 _installed_at: Optional[float] = None
-# Training has started: should_checkpoint() or requested() was called since install(). Until then a
+# Training has started: resumed(), should_checkpoint() or requested() was called. Until then a
 # SIGTERM ends the process at once (there is nothing to save yet, and a process still in rendezvous
 # or in a gloo connect must not stall its launcher's restart).
 _training = False
@@ -360,20 +360,22 @@ def resumed(step: int) -> Path:
     """Say where training (re)starts: call it once the checkpoint is loaded (``step`` = the step
     it holds, 0 on a fresh start) and the process group is up, right before the loop.
 
-    Writes ``<dir>/resume-<pid>.json`` (``{"step", "ts", "rank", "world_size", "last_step",
-    "last_ts"}``, atomically). The agent ignores it; ``spotguard drill --elastic`` reads it to
+    It marks training as started (a SIGTERM from now on is a checkpoint request, see
+    :func:`install`). Writes ``<dir>/resume-<pid>.json`` (``{"step", "ts", "rank",
+    "world_size", "last_step", "last_ts"}``, atomically). The agent ignores it; ``spotguard drill --elastic`` reads it to
     tell which step each node resumed from after a preemption and when it trained again, so that
     it can count the steps lost. Under ``spotguard drill --elastic`` (``$SPOTGUARD_PROGRESS``
     set) :func:`should_checkpoint` also refreshes ``last_step`` (``step`` + its calls since) at
     most that often, which lets the drill count steps trained and then thrown away. Returns the
     path written; raises ``ValueError`` for a bad step and ``OSError`` when it cannot write."""
-    global _resume, _polls, _progress_written
+    global _resume, _polls, _progress_written, _training
     if isinstance(step, bool):
         raise ValueError(f"step must be an int, got {step!r}")
     try:
         step = operator.index(step)
     except TypeError:
         raise ValueError(f"step must be an int, got {step!r}") from None
+    _training = True
     rank, world = _world()
     _polls = 0
     _resume = {"step": step, "ts": time.time(), "rank": rank, "world_size": world}
@@ -494,8 +496,8 @@ def _handle(signum: int, frame: Optional[FrameType]) -> None:
 
 
 def _exit_before_training(where: str) -> None:
-    """SIGTERM before training started (no :func:`should_checkpoint` / :func:`requested` call
-    yet): there is no step to save, so leave now with 143 instead of turning it into a request.
+    """SIGTERM before training started (no :func:`resumed`, :func:`should_checkpoint` or
+    :func:`requested` call yet): there is no step to save, so leave now with 143 instead of turning it into a request.
     A launcher stopping its workers (torchrun restarting them, a membership change) must not wait
     for a process still in rendezvous or in a gloo connect. Acks ``skipped`` (no checkpoint) so
     that an agent waiting on this process learns it at once. Only ``os`` calls: this runs in the
@@ -605,8 +607,8 @@ def install(
     Idempotent: calling it again (with the same or other signals) does not wrap itself. ``dir``
     overrides ``$SPOTGUARD_DIR``. Forked children get their previous dispositions back.
 
-    SIGTERM *before training started* (before the first :func:`should_checkpoint` or
-    :func:`requested` call) is not a checkpoint request: there is nothing to save yet, so the
+    SIGTERM *before training started* (before :func:`resumed` or the first
+    :func:`should_checkpoint` / :func:`requested` call) is not a checkpoint request: there is nothing to save yet, so the
     process acks ``skipped`` and exits 143 at once, even while its main thread is blocked in C
     code (a rendezvous, a gloo connect: a watchdog thread reads Python's signal wakeup fd, unless
     something else already owns it). A launcher's restart (torchrun stopping its workers) never
