@@ -15,6 +15,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${1:-${SPOTGUARD_FRAMEWORKS_VENV:-target/frameworks-venv}}"
+VENV="$(cd "$VENV" 2>/dev/null && pwd || echo "$VENV")"
 PY="$VENV/bin/python"
 VERSION="${HOROVOD_VERSION:-0.28.1}"
 [ -x "$PY" ] || { echo "no venv at $VENV (run scripts/test-frameworks.sh first: it installs torch)" >&2; exit 2; }
@@ -33,7 +34,7 @@ src="$work/horovod-$VERSION"
 sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 20)/' "$src/horovod/torch/CMakeLists.txt"
 grep -q 'CMAKE_CXX_STANDARD 20' "$src/horovod/torch/CMakeLists.txt"
 echo "horovod: building $VERSION (CPU, gloo, PyTorch) in $VENV"
-PATH="$PWD/$VENV/bin:$PATH" \
+PATH="$VENV/bin:$PATH" \
 HOROVOD_WITH_PYTORCH=1 HOROVOD_WITHOUT_MPI=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_TENSORFLOW=1 \
 HOROVOD_WITHOUT_MXNET=1 HOROVOD_CPU_OPERATIONS=gloo MAKEFLAGS="-j${JOBS:-2}" \
   "$PY" -m pip install --no-build-isolation --no-cache-dir --disable-pip-version-check "$src"

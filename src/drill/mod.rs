@@ -230,7 +230,7 @@ async fn drill(args: &DrillArgs, cancel: CancellationToken) -> Result<Verdict, S
         .map_err(|e| format!("creating a temp dir: {e}"))?;
     let ckpt_dir = match &args.notice_dir {
         Some(d) => std::path::absolute(d).map_err(|e| format!("{}: {e}", d.display()))?,
-        None => work.path().join("checkpoint"),
+        None => work.path().join("notice"),
     };
     std::fs::create_dir_all(&ckpt_dir)
         .map_err(|e| format!("creating {}: {e}", ckpt_dir.display()))?;
