@@ -194,7 +194,7 @@ pub fn warnings(v: &Verdict) -> Vec<String> {
     if let Some(n) = expected_processes(&v.command) {
         if v.signalled_at.is_some() && v.processes < n {
             out.push(format!(
-                "the launcher was asked for {n} processes but only {} caught the signal: the others never started (e.g. `accelerate launch --cpu` runs one process: use --multi_cpu for CPU processes) or never called spotguard.install()",
+                "the launcher was asked for {n} processes but only {} caught the signal: the others never started or never called spotguard.install() (`accelerate launch --cpu` runs one process whatever --num_processes says; on CPU use `accelerate launch --multi_gpu --num_processes N` with Accelerator(cpu=True))",
                 v.processes
             ));
         }
