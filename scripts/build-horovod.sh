@@ -10,7 +10,10 @@
 #   cmake < 4 (installed here into the venv from PyPI);
 # - its torch extension is compiled as C++14, and torch >= 2.8 headers require C++20
 #   ("#error C++20 or later compatible compiler is required to use PyTorch"): the sdist's
-#   horovod/torch/CMakeLists.txt is patched to C++20.
+#   horovod/torch/CMakeLists.txt is patched to C++20, and the top-level CMakeLists.txt (which
+#   gloo inherits) to C++17: gloo built as C++14 defines Store::kDefaultTimeout out of line,
+#   which the C++20 objects also define inline ("multiple definition of
+#   gloo::rendezvous::Store::kDefaultTimeout" at the link).
 # Exit 0 when `import horovod.torch` works in the venv afterwards.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -33,6 +36,8 @@ tar xzf "$work/horovod-$VERSION.tar.gz" -C "$work"
 src="$work/horovod-$VERSION"
 sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 20)/' "$src/horovod/torch/CMakeLists.txt"
 grep -q 'CMAKE_CXX_STANDARD 20' "$src/horovod/torch/CMakeLists.txt"
+sed -i 's/^set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/' "$src/CMakeLists.txt"
+grep -q '^set(CMAKE_CXX_STANDARD 17)' "$src/CMakeLists.txt"
 echo "horovod: building $VERSION (CPU, gloo, PyTorch) in $VENV"
 PATH="$VENV/bin:$PATH" \
 HOROVOD_WITH_PYTORCH=1 HOROVOD_WITHOUT_MPI=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_TENSORFLOW=1 \

@@ -316,7 +316,7 @@ def run(argv: Sequence[str], tr: Torchrun, forward: Iterable[int]) -> int:
     if tr.backend == "c10d":
         preload.start()
     child = subprocess.Popen(cmd, env=env)
-    watch = sg._DirWatch(child.pid, interval=POLL_S)
+    watch = sg._DirWatch(child.pid)  # the process tree every 0.5 s; notice.json every POLL_S
     # When torchrun was told to stop (monotonic), and whether its entry left the rendezvous.
     stopping: List[float] = []
     left: List[bool] = []
