@@ -66,7 +66,11 @@ pub async fn run(args: &DrillArgs, cancel: CancellationToken) -> i32 {
             println!("spotguard drill: run {} of {}", i + 1, args.repeat);
         }
         let began = Instant::now();
-        let v = match drill(args, doomed, cancel.clone()).await {
+        let run = match &args.node_env {
+            Some(var) => drill_one_launcher(args, var, doomed, cancel.clone()).await,
+            None => drill(args, doomed, cancel.clone()).await,
+        };
+        let v = match run {
             Ok(v) => v,
             Err(e) => {
                 eprintln!("spotguard drill: {e}");
@@ -115,9 +119,16 @@ struct Node {
 }
 
 impl Node {
-    fn spawn(index: u32, program: &str, rest: &[String], dir: &Path) -> Result<Node, String> {
+    fn spawn(
+        index: u32,
+        program: &str,
+        rest: &[String],
+        dir: &Path,
+        extra_env: &[(&str, &str)],
+    ) -> Result<Node, String> {
         let mut cmd = Command::new(program);
         cmd.args(rest)
+            .envs(extra_env.iter().copied())
             .env("SPOTGUARD_DIR", dir)
             .env("SPOTGUARD_PROGRESS", PROGRESS_S)
             .env("SPOTGUARD_DRILL_NODE", index.to_string())
@@ -269,7 +280,7 @@ async fn drill(
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
         }
-        nodes.push(Node::spawn(index, program, rest, &dir)?);
+        nodes.push(Node::spawn(index, program, rest, &dir, &[])?);
     }
 
     // 2. Every node trains: a handler each, a resume record each, then --after without a new one.
@@ -345,76 +356,22 @@ async fn drill(
     // 3. The real pipeline against the interrupted node only.
     std::fs::write(&pidfile, format!("{}\n", nodes[d].pid))
         .map_err(|e| format!("writing pidfile: {e}"))?;
-    let run_args = drill_run_args(args, &emu.base_url(), &nodes[d].dir, &state_dir, &pidfile)?;
-    let cfg = Config::resolve(run_args, &config::ProcessEnv).map_err(|e| e.to_string())?;
-    let pipeline_cancel = cancel.child_token();
-    let app = app::start(cfg, pipeline_cancel.clone())
-        .await
-        .map_err(|e| format!("starting the pipeline: {e}"))?;
-    let mut events = app.events;
-    let raised_at = emu
-        .raise(emulator::EmulatedNotice::interruption())
-        .map_err(|e| format!("raising the notice in the emulator: {e}"))?
-        .visible_at;
-    let power_off = Instant::now() + kill_after;
-    let mut v = ElasticVerdict::started(args.cloud, shown, doomed, started_at, raised_at);
-    let limit = args.timeout + default_lead(args.cloud) + Duration::from_secs(30);
-    let follow = async {
-        loop {
-            match events.recv().await {
-                Ok(PlanEvent::NoticeSeen { notice, at }) => {
-                    v.seen_at = Some(at);
-                    v.deadline = notice.deadline;
-                }
-                Ok(PlanEvent::Signalled {
-                    at,
-                    processes,
-                    checkpoint_deadline,
-                    ..
-                }) => {
-                    v.signalled_at = Some(at);
-                    v.processes = processes;
-                    v.checkpoint_deadline = Some(checkpoint_deadline);
-                }
-                Ok(PlanEvent::Checkpointed { at, results, .. }) => {
-                    v.result_at = Some(at);
-                    v.results = results;
-                    break;
-                }
-                Ok(_) => {}
-                Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {}
-                Err(_) => break,
-            }
-        }
+    let dir = nodes[d].dir.clone();
+    let mut v = {
+        let mut poll = || nodes.iter_mut().for_each(Node::poll_exit);
+        notice_phase(
+            args,
+            emu,
+            &dir,
+            &state_dir,
+            &[pidfile],
+            (doomed, shown, started_at),
+            &cancel,
+            &mut poll,
+        )
+        .await?
     };
-    // The nodes' exits are watched while the pipeline runs, too.
-    let mut timed_out = false;
-    {
-        tokio::pin!(follow);
-        let follow_deadline = tokio::time::sleep(limit);
-        tokio::pin!(follow_deadline);
-        loop {
-            tokio::select! {
-                _ = &mut follow => break,
-                _ = &mut follow_deadline => {
-                    timed_out = true;
-                    break;
-                }
-                _ = tokio::time::sleep(Duration::from_millis(100)) => {
-                    nodes.iter_mut().for_each(Node::poll_exit);
-                }
-            }
-        }
-    }
-    if timed_out {
-        v.error = Some(format!(
-            "the agent pipeline did not reach a checkpoint result within {}",
-            crate::duration::display(limit)
-        ));
-    }
-    pipeline_cancel.cancel();
-    let _ = tokio::time::timeout(Duration::from_secs(5), app.join).await;
-    emu.shutdown().await;
+    let power_off = power_off_instant(&v, kill_after);
 
     // 4. Until the power-off, then --settle: watch the nodes.
     while Instant::now() < power_off && !cancel.is_cancelled() {
@@ -445,6 +402,353 @@ async fn drill(
     Ok(v)
 }
 
+/// `--node-env VAR`: one launcher runs every node (horovodrun). A node is the set of the
+/// command's processes that catch the signal with the same value of `VAR` in their environment;
+/// the notice goes to the `doomed`-th of them in name order, and the power-off kills every
+/// process of the command's tree whose environment has that value.
+async fn drill_one_launcher(
+    args: &DrillArgs,
+    var: &str,
+    doomed: u32,
+    cancel: CancellationToken,
+) -> Result<ElasticVerdict, String> {
+    let work = tempfile::Builder::new()
+        .prefix("spotguard-drill-")
+        .tempdir()
+        .map_err(|e| format!("creating a temp dir: {e}"))?;
+    let dir = match &args.notice_dir {
+        Some(d) => std::path::absolute(d).map_err(|e| format!("{}: {e}", d.display()))?,
+        None => work.path().join("notice"),
+    };
+    std::fs::create_dir_all(&dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
+    records::clear(&dir);
+    let state_dir = work.path().join("state");
+    let proc = ProcFs::new("/proc");
+    let say = |line: String| {
+        if args.json {
+            eprintln!("{line}");
+        } else {
+            println!("{line}");
+        }
+    };
+    let kill_after = args.kill_after.unwrap_or_else(|| default_lead(args.cloud));
+    let shown = args.command.join(" ");
+    say(format!(
+        "spotguard drill --elastic: `{shown}` as {} nodes told apart by ${var}; {} interruption of the {}th node (in name order) {} after every node trains, its processes killed {} after the notice",
+        args.nodes,
+        super::cloud_name(args.cloud),
+        doomed,
+        crate::duration::display(args.after),
+        crate::duration::display(kill_after),
+    ));
+    say(format!("  SPOTGUARD_DIR={}", dir.display()));
+    let cloud = match args.cloud {
+        DrillCloud::Aws => emulator::Cloud::Aws,
+        DrillCloud::Gce => emulator::Cloud::Gce,
+        DrillCloud::Azure => emulator::Cloud::Azure,
+    };
+    let emu = emulator::start(emulator::EmulatorConfig::new(cloud))
+        .await
+        .map_err(|e| format!("starting the metadata emulator: {e}"))?;
+    let started_at = Timestamp::now();
+    let started = Instant::now();
+    let (program, rest) = (&args.command[0], &args.command[1..]);
+    let mut job = Node::spawn(1, program, rest, &dir, &[("SPOTGUARD_NODE_ENV", var)])?;
+
+    // 1. Every node trains: its workers catch the signal and wrote resume records, then quiet.
+    let mut first_seen: std::collections::BTreeMap<String, (wait::Handler, Duration)> =
+        Default::default();
+    loop {
+        if cancel.is_cancelled() {
+            stop_all(std::slice::from_mut(&mut job), &proc).await;
+            return Err("interrupted".into());
+        }
+        job.poll_exit();
+        if let Some(e) = &job.run.exit {
+            let what = super::report::exit_label(e);
+            return Err(format!(
+                "the command ended before the notice ({what}, {:.1}s after start)",
+                started.elapsed().as_secs_f64()
+            ));
+        }
+        for (name, pids) in node_workers(&proc, job.pid, var) {
+            if let Some(&pid) = pids.first() {
+                first_seen.entry(name).or_insert_with(|| {
+                    let command = proc
+                        .cmdline(pid)
+                        .map(|a| wait::shorten(&a.join(" "), 80))
+                        .unwrap_or_default();
+                    (wait::Handler { pid, command }, started.elapsed())
+                });
+            }
+        }
+        let resumes = records::read_resumes(&dir);
+        let trained = first_seen
+            .keys()
+            .filter(|n| {
+                resumes
+                    .iter()
+                    .any(|r| r.node.as_deref() == Some(n.as_str()))
+            })
+            .count();
+        let quiet = resumes.iter().map(|r| r.at).max().is_some_and(|t| {
+            Timestamp::now().duration_since(t).as_secs_f64() >= args.after.as_secs_f64()
+        });
+        if trained >= args.nodes as usize && quiet {
+            break;
+        }
+        if started.elapsed() >= args.startup_timeout {
+            stop_all(std::slice::from_mut(&mut job), &proc).await;
+            return Err(format!(
+                "only {} of {} nodes trained within --startup-timeout {} (nodes seen: {:?}; each needs a process catching {SIGNAL_NAME} with ${var} set, and a resume record: spotguard.resumed())",
+                trained,
+                args.nodes,
+                crate::duration::display(args.startup_timeout),
+                first_seen.keys().collect::<Vec<_>>()
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let names: Vec<String> = first_seen.keys().cloned().collect();
+    let Some(doomed_name) = names.get(doomed as usize - 1).cloned() else {
+        stop_all(std::slice::from_mut(&mut job), &proc).await;
+        return Err(format!(
+            "--interrupt-node {doomed}, but only {} nodes: {names:?}",
+            names.len()
+        ));
+    };
+    for (name, (h, w)) in &first_seen {
+        say(format!(
+            "  {var}={name}: pid {} ({}) catches {SIGNAL_NAME}, {:.1}s after start",
+            h.pid,
+            h.command,
+            w.as_secs_f64()
+        ));
+    }
+
+    // 2. The notice, against the interrupted node's workers only (one pidfile each).
+    let workers = node_workers(&proc, job.pid, var)
+        .remove(&doomed_name)
+        .unwrap_or_default();
+    let mut pidfiles = Vec::new();
+    for pid in &workers {
+        let f = work.path().join(format!("doomed-{pid}.pid"));
+        std::fs::write(&f, format!("{pid}\n")).map_err(|e| format!("writing pidfile: {e}"))?;
+        pidfiles.push(f);
+    }
+    let mut gone_at: Option<Timestamp> = None;
+    let watch = |job: &mut Node, gone_at: &mut Option<Timestamp>| {
+        job.poll_exit();
+        if gone_at.is_none() && node_processes(&proc, job.pid, var, &doomed_name).is_empty() {
+            *gone_at = Some(Timestamp::now());
+        }
+    };
+    let mut v = {
+        let mut poll = || watch(&mut job, &mut gone_at);
+        notice_phase(
+            args,
+            emu,
+            &dir,
+            &state_dir,
+            &pidfiles,
+            (doomed, shown, started_at),
+            &cancel,
+            &mut poll,
+        )
+        .await?
+    };
+
+    // 3. The power-off, then --settle.
+    let power_off = power_off_instant(&v, kill_after);
+    while Instant::now() < power_off && !cancel.is_cancelled() {
+        watch(&mut job, &mut gone_at);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    watch(&mut job, &mut gone_at);
+    v.power_off_at = Some(Timestamp::now());
+    let left = node_processes(&proc, job.pid, var, &doomed_name);
+    for pid in &left {
+        // SAFETY: kill(2) of a process of the command's tree (the interrupted node's).
+        unsafe {
+            libc::kill(*pid, libc::SIGKILL);
+        }
+    }
+    let settle_end = Instant::now() + args.settle;
+    while Instant::now() < settle_end && !cancel.is_cancelled() {
+        job.poll_exit();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let command_exit = job.run.exit.clone();
+    stop_all(std::slice::from_mut(&mut job), &proc).await;
+
+    // 4. One NodeRun per name.
+    v.acks = records::read_acks(&dir)
+        .into_iter()
+        .filter(|a| {
+            a.file
+                .strip_prefix("ack-")
+                .and_then(|r| r.strip_suffix(".json"))
+                .and_then(|p| p.parse::<i32>().ok())
+                .is_some_and(|p| workers.contains(&p))
+        })
+        .collect();
+    let resumes = records::read_resumes(&dir);
+    v.nodes = names
+        .iter()
+        .enumerate()
+        .map(|(i, name)| {
+            let mut n = NodeRun::new(i as u32 + 1, job.pid, dir.clone());
+            n.label = format!("{var}={name}");
+            n.handler = first_seen.get(name).cloned();
+            n.resumes = resumes
+                .iter()
+                .filter(|r| r.node.as_deref() == Some(name.as_str()))
+                .cloned()
+                .collect();
+            if *name == doomed_name {
+                n.exited_at = gone_at;
+                n.killed_at_power_off = left.len();
+            } else {
+                n.exit = command_exit.clone();
+                n.stopped_by_drill = command_exit.is_none();
+            }
+            n
+        })
+        .collect();
+    er::judge(&mut v, args.timeout, kill_after);
+    if args.keep {
+        say(format!("  drill dir (kept): {}", work.path().display()));
+        let _ = work.keep();
+    }
+    Ok(v)
+}
+
+/// The value of `var` in `pid`'s environment.
+fn environ_value(pid: i32, var: &str) -> Option<String> {
+    let env = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+    let key = format!("{var}=");
+    env.split(|b| *b == 0)
+        .find_map(|kv| kv.strip_prefix(key.as_bytes()))
+        .map(|v| String::from_utf8_lossy(v).into_owned())
+}
+
+/// The processes of `root`'s tree that catch the signal, by the value of `var` in their
+/// environment.
+fn node_workers(
+    proc: &ProcFs,
+    root: i32,
+    var: &str,
+) -> std::collections::BTreeMap<String, Vec<i32>> {
+    let mut out: std::collections::BTreeMap<String, Vec<i32>> = Default::default();
+    for pid in wait::tree(proc, root) {
+        if !proc.status(pid).is_ok_and(|s| s.catches(SIGNAL)) {
+            continue;
+        }
+        if let Some(name) = environ_value(pid, var) {
+            out.entry(name).or_default().push(pid);
+        }
+    }
+    out
+}
+
+/// Every live process of `root`'s tree whose environment has `var=name`.
+fn node_processes(proc: &ProcFs, root: i32, var: &str, name: &str) -> Vec<i32> {
+    wait::tree(proc, root)
+        .into_iter()
+        .filter(|&p| wait::alive(proc, p) && environ_value(p, var).as_deref() == Some(name))
+        .collect()
+}
+
+/// When the power-off comes: `kill_after` after the notice was raised.
+fn power_off_instant(v: &ElasticVerdict, kill_after: Duration) -> Instant {
+    let since = Timestamp::now().duration_since(v.raised_at).unsigned_abs();
+    Instant::now() + kill_after.saturating_sub(since)
+}
+
+/// Raise the notice against the processes of `pidfiles` (the interrupted node; its notice dir
+/// `dir`) through the real pipeline and follow the plan to its checkpoint result, calling `poll`
+/// every 100 ms meanwhile. Shuts the emulator down.
+#[allow(clippy::too_many_arguments)]
+async fn notice_phase(
+    args: &DrillArgs,
+    emu: emulator::EmulatorHandle,
+    dir: &Path,
+    state_dir: &Path,
+    pidfiles: &[PathBuf],
+    (doomed, shown, started_at): (u32, String, Timestamp),
+    cancel: &CancellationToken,
+    poll: &mut dyn FnMut(),
+) -> Result<ElasticVerdict, String> {
+    let run_args = drill_run_args(args, &emu.base_url(), dir, state_dir, pidfiles)?;
+    let cfg = Config::resolve(run_args, &config::ProcessEnv).map_err(|e| e.to_string())?;
+    let pipeline_cancel = cancel.child_token();
+    let app = app::start(cfg, pipeline_cancel.clone())
+        .await
+        .map_err(|e| format!("starting the pipeline: {e}"))?;
+    let mut events = app.events;
+    let raised_at = emu
+        .raise(emulator::EmulatedNotice::interruption())
+        .map_err(|e| format!("raising the notice in the emulator: {e}"))?
+        .visible_at;
+    let mut v = ElasticVerdict::started(args.cloud, shown, doomed, started_at, raised_at);
+    let limit = args.timeout + default_lead(args.cloud) + Duration::from_secs(30);
+    let follow = async {
+        loop {
+            match events.recv().await {
+                Ok(PlanEvent::NoticeSeen { notice, at }) => {
+                    v.seen_at = Some(at);
+                    v.deadline = notice.deadline;
+                }
+                Ok(PlanEvent::Signalled {
+                    at,
+                    processes,
+                    checkpoint_deadline,
+                    ..
+                }) => {
+                    v.signalled_at = Some(at);
+                    v.processes = processes;
+                    v.checkpoint_deadline = Some(checkpoint_deadline);
+                }
+                Ok(PlanEvent::Checkpointed { at, results, .. }) => {
+                    v.result_at = Some(at);
+                    v.results = results;
+                    break;
+                }
+                Ok(_) => {}
+                Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {}
+                Err(_) => break,
+            }
+        }
+    };
+    // The nodes are watched while the pipeline runs, too.
+    let mut timed_out = false;
+    {
+        tokio::pin!(follow);
+        let follow_deadline = tokio::time::sleep(limit);
+        tokio::pin!(follow_deadline);
+        loop {
+            tokio::select! {
+                _ = &mut follow => break,
+                _ = &mut follow_deadline => {
+                    timed_out = true;
+                    break;
+                }
+                _ = tokio::time::sleep(Duration::from_millis(100)) => poll(),
+            }
+        }
+    }
+    if timed_out {
+        v.error = Some(format!(
+            "the agent pipeline did not reach a checkpoint result within {}",
+            crate::duration::display(limit)
+        ));
+    }
+    pipeline_cancel.cancel();
+    let _ = tokio::time::timeout(Duration::from_secs(5), app.join).await;
+    emu.shutdown().await;
+    Ok(v)
+}
+
 /// Stop every node still running: SIGTERM to its process group, SIGKILL 5 s later. Exits seen
 /// here are the drill's doing (`stopped_by_drill`), not the node's.
 async fn stop_all(nodes: &mut [Node], proc: &ProcFs) {
@@ -468,5 +772,50 @@ async fn stop_all(nodes: &mut [Node], proc: &ProcFs) {
                 n.run.exit = Some(exit_info(status, true));
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nodes_are_told_apart_by_an_environment_variable() {
+        // Two "hosts" under one launcher (sh), like horovodrun's workers with HOROVOD_HOSTNAME.
+        let worker =
+            "import signal, time; signal.signal(signal.SIGUSR1, lambda *a: None); time.sleep(30)";
+        let script = format!(
+            "SG_TEST_HOST=a python3 -c '{worker}' & SG_TEST_HOST=b python3 -c '{worker}' & SG_TEST_HOST=b sleep 30 & wait"
+        );
+        let mut child = std::process::Command::new("sh")
+            .args(["-c", &script])
+            .spawn()
+            .unwrap();
+        let root = child.id() as i32;
+        let proc = ProcFs::new("/proc");
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let found = loop {
+            let found = node_workers(&proc, root, "SG_TEST_HOST");
+            if found.values().map(Vec::len).sum::<usize>() == 2 {
+                break found;
+            }
+            assert!(Instant::now() < deadline, "workers not found: {found:?}");
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        assert_eq!(found.keys().collect::<Vec<_>>(), ["a", "b"]);
+        assert_eq!(
+            environ_value(found["a"][0], "SG_TEST_HOST").as_deref(),
+            Some("a")
+        );
+        // The power-off takes every process of host b (the worker and the plain sleep), not a's.
+        let b = node_processes(&proc, root, "SG_TEST_HOST", "b");
+        assert_eq!(b.len(), 2, "{b:?}");
+        assert!(!b.contains(&found["a"][0]));
+        for pid in wait::tree(&proc, root).into_iter().filter(|p| *p != root) {
+            // SAFETY: kill(2) of this test's own grandchildren.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+        let _ = child.kill();
+        let _ = child.wait();
     }
 }

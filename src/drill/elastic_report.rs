@@ -26,6 +26,8 @@ use crate::checkpoint::Outcome;
 #[derive(Debug, Clone)]
 pub struct NodeRun {
     pub index: u32,
+    /// How the verdict names it: `node N`, or `host NAME` (`--node-env`).
+    pub label: String,
     /// Its root process (and process group).
     pub pid: i32,
     pub dir: PathBuf,
@@ -45,6 +47,7 @@ impl NodeRun {
     pub fn new(index: u32, pid: i32, dir: PathBuf) -> Self {
         NodeRun {
             index,
+            label: format!("node {index}"),
             pid,
             dir,
             handler: None,
@@ -61,6 +64,7 @@ impl NodeRun {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Survivor {
     pub index: u32,
+    pub label: String,
     /// Its first resume after the notice: (step, when, world size).
     pub first: Option<(i64, Timestamp, Option<i64>)>,
     /// How many times its workers (re)started after the notice (generations of resume records).
@@ -140,6 +144,13 @@ impl ElasticVerdict {
         self.nodes.iter().find(|n| n.index == self.doomed)
     }
 
+    /// The interrupted node's name in the verdict.
+    pub fn doomed_label(&self) -> String {
+        self.doomed_node()
+            .map(|n| n.label.clone())
+            .unwrap_or_else(|| format!("node {}", self.doomed))
+    }
+
     /// The deadline the survivors must beat: the notice's, else the power-off.
     fn must_train_by(&self) -> Option<Timestamp> {
         self.deadline.or(self.power_off_at)
@@ -196,8 +207,8 @@ pub fn judge(v: &mut ElasticVerdict, timeout: Duration, kill_after: Duration) {
     if let Some(n) = super::report::expected_processes(&v.command) {
         if v.signalled_at.is_some() && v.processes < n {
             v.warnings.push(format!(
-                "the launcher was asked for {n} processes per node but only {} caught the signal on node {}",
-                v.processes, v.doomed
+                "the launcher was asked for {n} processes per node but only {} caught the signal on {}",
+                v.processes, v.doomed_label()
             ));
         }
     }
@@ -210,6 +221,7 @@ pub fn judge(v: &mut ElasticVerdict, timeout: Duration, kill_after: Duration) {
             let after: Vec<&ResumeRow> = n.resumes.iter().filter(|r| r.at > t0).collect();
             Survivor {
                 index: n.index,
+                label: n.label.clone(),
                 first: after.first().map(|r| (r.step, r.at, r.world_size)),
                 resumes_after_notice: generations(&after),
                 last_step: after.last().map(|r| r.step),
@@ -282,7 +294,7 @@ fn last_generation_start(rows: &[&ResumeRow]) -> Option<Timestamp> {
 
 fn verdict(v: &ElasticVerdict, timeout: Duration, kill_after: Duration) -> (bool, String) {
     let t0 = v.raised_at;
-    let doomed = v.doomed;
+    let doomed = v.doomed_label();
     if let Some(e) = &v.error {
         return (false, e.clone());
     }
@@ -299,25 +311,25 @@ fn verdict(v: &ElasticVerdict, timeout: Duration, kill_after: Duration) -> (bool
     if v.results.is_empty() {
         return (
             false,
-            format!("no process of node {doomed} was found to signal (did it start?)"),
+            format!("no process of {doomed} was found to signal (did it start?)"),
         );
     }
     if let Some(r) = bad {
         let why = match r.outcome {
-            Outcome::NoHandler => format!("no process of node {doomed} caught the signal: install a handler (spotguard.install()) in every worker"),
+            Outcome::NoHandler => format!("no process of {doomed} caught the signal: install a handler (spotguard.install()) in every worker"),
             Outcome::Timeout => format!(
-                "node {doomed} did not ack within the checkpoint budget (min(--timeout {}, deadline − drain reserve))",
+                "{doomed} did not ack within the checkpoint budget (min(--timeout {}, deadline − drain reserve))",
                 crate::duration::display(timeout)
             ),
-            Outcome::Skipped => format!("node {doomed} acked `skipped`: it judged the save would not fit"),
-            _ => format!("node {doomed}'s checkpoint step ended in `{}` ({})", r.outcome.as_str(), r.detail),
+            Outcome::Skipped => format!("{doomed} acked `skipped`: it judged the save would not fit"),
+            _ => format!("{doomed}'s checkpoint step ended in `{}` ({})", r.outcome.as_str(), r.detail),
         };
         return (false, why);
     }
     let Some(saved) = v.saved_step else {
         return (
             false,
-            format!("node {doomed} acked without a step: pass step= to spotguard.ack(\"done\", step=…) so that the drill can count steps"),
+            format!("{doomed} acked without a step: pass step= to spotguard.ack(\"done\", step=…) so that the drill can count steps"),
         );
     };
     // The interrupted node must leave: no worker of it may start again after the notice.
@@ -326,7 +338,7 @@ fn verdict(v: &ElasticVerdict, timeout: Duration, kill_after: Duration) -> (bool
             return (
                 false,
                 format!(
-                    "torchrun restarted the workers on the preempted node: node {doomed} saved step {saved} and then resumed from step {} {} after the notice, rejoining the job it should have left (each such restart also uses one of its --max-restarts).{launcher}",
+                    "torchrun restarted the workers on the preempted node: {doomed} saved step {saved} and then resumed from step {} {} after the notice, rejoining the job it should have left (each such restart also uses one of its --max-restarts).{launcher}",
                     r.step,
                     rel(Some(r.at), t0)
                 ),
@@ -336,7 +348,7 @@ fn verdict(v: &ElasticVerdict, timeout: Duration, kill_after: Duration) -> (bool
             return (
                 false,
                 format!(
-                    "node {doomed} was still running at its power-off ({} process(es) killed {} after the notice): its agent did not leave the job after the checkpoint.{launcher}",
+                    "{doomed} was still running at its power-off ({} process(es) killed {} after the notice): its agent did not leave the job after the checkpoint.{launcher}",
                     node.killed_at_power_off,
                     crate::duration::display(kill_after)
                 ),
@@ -370,8 +382,8 @@ fn verdict(v: &ElasticVerdict, timeout: Duration, kill_after: Duration) -> (bool
         return (
             false,
             format!(
-                "a survivor did not resume: node {} never resumed after the notice — {cause}",
-                s.index
+                "a survivor did not resume: {} never resumed after the notice — {cause}",
+                s.label
             ),
         );
     }
@@ -393,7 +405,7 @@ fn verdict(v: &ElasticVerdict, timeout: Duration, kill_after: Duration) -> (bool
         };
         return (
             false,
-            format!("{lost} step(s) lost: node {doomed} saved step {saved}, the other nodes last resumed from step {resumed}{why}"),
+            format!("{lost} step(s) lost: {doomed} saved step {saved}, the other nodes last resumed from step {resumed}{why}"),
         );
     }
     let again = v.training_again.unwrap_or_default();
@@ -408,7 +420,7 @@ fn verdict(v: &ElasticVerdict, timeout: Duration, kill_after: Duration) -> (bool
                 return (
                     false,
                     format!(
-                        "the other nodes trained again only {:.1}s after the notice, after node {doomed}'s deadline ({}): the rendezvous kept them waiting (torchrun's last_call_timeout, 30 s by default; or the preempted node's entry until its heartbeats expired)",
+                        "the other nodes trained again only {:.1}s after the notice, after {doomed}'s deadline ({}): the rendezvous kept them waiting (torchrun's last_call_timeout, 30 s by default; or the preempted node's entry until its heartbeats expired)",
                         again.as_secs_f64(),
                         rel(Some(by), t0)
                     ),
@@ -419,10 +431,10 @@ fn verdict(v: &ElasticVerdict, timeout: Duration, kill_after: Duration) -> (bool
     (
         true,
         format!(
-            "0 steps lost: node {doomed} saved step {saved} and left; node(s) {} resumed from step {saved} and trained again {:.1}s after the notice, before its deadline",
+            "0 steps lost: {doomed} saved step {saved} and left; {} resumed from step {saved} and trained again {:.1}s after the notice, before its deadline",
             v.survivors
                 .iter()
-                .map(|s| s.index.to_string())
+                .map(|s| s.label.clone())
                 .collect::<Vec<_>>()
                 .join(", "),
             again.as_secs_f64()
@@ -452,16 +464,16 @@ pub fn table(v: &ElasticVerdict) -> String {
             (None, Some((h, _))) => format!("pid {}: pid {} catches the signal", n.pid, h.pid),
             (None, None) => format!("pid {}: no process caught the signal", n.pid),
         };
-        row(&mut out, &format!("node {}", n.index), "", &detail);
+        row(&mut out, &n.label, "", &detail);
     }
     row(
         &mut out,
         "notice raised",
         "+0.0s",
         &format!(
-            "{} interruption of node {}, deadline {}",
+            "{} interruption of {}, deadline {}",
             super::cloud_name(v.cloud),
-            v.doomed,
+            v.doomed_label(),
             rel(v.deadline, t0)
         ),
     );
@@ -470,8 +482,9 @@ pub fn table(v: &ElasticVerdict) -> String {
         "signal sent",
         &rel(v.signalled_at, t0),
         &format!(
-            "SIGUSR1 to {} process(es) of node {}",
-            v.processes, v.doomed
+            "SIGUSR1 to {} process(es) of {}",
+            v.processes,
+            v.doomed_label()
         ),
     );
     let done: Vec<&AckRow> = v.acks.iter().filter(|a| a.state == "done").collect();
@@ -481,27 +494,28 @@ pub fn table(v: &ElasticVerdict) -> String {
         &rel(done.iter().filter_map(|a| a.written).max(), t0),
         &match v.saved_step {
             Some(s) => format!(
-                "step {s}: {} `done` ack(s) on node {} ({})",
+                "step {s}: {} `done` ack(s) on {} ({})",
                 done.len(),
-                v.doomed,
+                v.doomed_label(),
                 done.iter()
                     .map(|a| a.file.as_str())
                     .collect::<Vec<_>>()
                     .join(", ")
             ),
-            None => format!("no `done` ack with a step on node {}", v.doomed),
+            None => format!("no `done` ack with a step on {}", v.doomed_label()),
         },
     );
     if let Some(n) = v.doomed_node() {
         let detail = match (&n.exit, n.killed_at_power_off) {
             (_, k) if k > 0 => format!(
-                "node {}: still running at the power-off, {k} process(es) killed",
-                n.index
+                "{}: still running at the power-off, {k} process(es) killed",
+                n.label
             ),
             (Some(e), _) if !n.stopped_by_drill => {
-                format!("node {}: exited {} ({})", n.index, e.code, exit_label(e))
+                format!("{}: exited {} ({})", n.label, e.code, exit_label(e))
             }
-            _ => format!("node {}: did not exit", n.index),
+            _ if n.exited_at.is_some() => format!("{}: its processes exited", n.label),
+            _ => format!("{}: did not exit", n.label),
         };
         let when = if n.killed_at_power_off > 0 {
             rel(v.power_off_at, t0)
@@ -515,8 +529,8 @@ pub fn table(v: &ElasticVerdict) -> String {
             Some((step, at, world)) => (
                 rel(Some(at), t0),
                 format!(
-                    "node {}: resumed from step {step} (world size {}){}",
-                    s.index,
+                    "{}: resumed from step {step} (world size {}){}",
+                    s.label,
                     world.map(|w| w.to_string()).unwrap_or_else(|| "?".into()),
                     if s.resumes_after_notice > 1 {
                         format!(
@@ -529,7 +543,7 @@ pub fn table(v: &ElasticVerdict) -> String {
                     }
                 ),
             ),
-            None => ("—".into(), format!("node {}: did not resume", s.index)),
+            None => ("—".into(), format!("{}: did not resume", s.label)),
         };
         row(&mut out, "survivors resumed", &time, &detail);
     }
@@ -557,7 +571,7 @@ pub fn table(v: &ElasticVerdict) -> String {
             &mut out,
             "power-off",
             &rel(Some(p), t0),
-            &format!("node {}'s process group killed (SIGKILL)", v.doomed),
+            &format!("{}'s processes killed (SIGKILL)", v.doomed_label()),
         );
     }
     for w in &v.warnings {
@@ -596,6 +610,7 @@ pub fn to_json(v: &ElasticVerdict) -> Value {
         "warnings": v.warnings,
         "survivors": v.survivors.iter().map(|x| json!({
             "node": x.index,
+            "label": x.label,
             "resumed_step": x.first.map(|f| f.0),
             "resumed_s": x.first.map(|f| secs(f.1, t0)),
             "world_size": x.first.and_then(|f| f.2),
@@ -604,6 +619,7 @@ pub fn to_json(v: &ElasticVerdict) -> Value {
         })).collect::<Vec<_>>(),
         "nodes": v.nodes.iter().map(|n| json!({
             "node": n.index,
+            "label": n.label,
             "pid": n.pid,
             "notice_dir": n.dir.display().to_string(),
             "exit": n.exit.as_ref().map(|e| json!({"code": e.code, "signal": e.signal, "label": exit_label(e)})),
@@ -629,9 +645,9 @@ pub fn junit(runs: &[(ElasticVerdict, String, Duration)]) -> String {
         .enumerate()
         .map(|(i, (v, text, took))| super::report::JunitCase {
             name: format!(
-                "{} interruption of node {} (elastic) #{}: {}",
+                "{} interruption of {} (elastic) #{}: {}",
                 super::cloud_name(v.cloud),
-                v.doomed,
+                v.doomed_label(),
                 i + 1,
                 v.command
             ),
@@ -660,6 +676,7 @@ mod tests {
             rank: Some(0),
             world_size: Some(2),
             last_step: last,
+            node: None,
         }
     }
 

@@ -121,6 +121,11 @@ pub struct DrillArgs {
     /// power-off) [default: the cloud's notice lead: aws 120s, gce 30s, azure 30s].
     #[arg(long, value_parser = config::parse_positive_duration)]
     pub kill_after: Option<Duration>,
+    /// With --elastic: the command is ONE launcher for every node (horovodrun): a node is the
+    /// set of its processes that catch the signal with the same value of VAR in their
+    /// environment (e.g. HOROVOD_HOSTNAME); --interrupt-node counts them in name order.
+    #[arg(long, value_name = "VAR")]
+    pub node_env: Option<String>,
     /// With --elastic: keep watching the other nodes this long after the kill (a restart caused
     /// by the power-off loses steps).
     #[arg(long, default_value = "5s", value_parser = config::parse_duration)]
@@ -299,7 +304,13 @@ async fn drill(args: &DrillArgs, cancel: CancellationToken) -> Result<Verdict, S
     std::fs::write(&pidfile, format!("{pid}\n")).map_err(|e| format!("writing pidfile: {e}"))?;
 
     // 3. The real pipeline, host mode, against the emulator.
-    let run_args = drill_run_args(args, &emu.base_url(), &ckpt_dir, &state_dir, &pidfile)?;
+    let run_args = drill_run_args(
+        args,
+        &emu.base_url(),
+        &ckpt_dir,
+        &state_dir,
+        std::slice::from_ref(&pidfile),
+    )?;
     let cfg = Config::resolve(run_args, &config::ProcessEnv).map_err(|e| e.to_string())?;
     let pipeline_cancel = cancel.child_token();
     let app = app::start(cfg, pipeline_cancel.clone())
@@ -470,11 +481,11 @@ fn drill_run_args(
     endpoint: &str,
     ckpt_dir: &Path,
     state_dir: &Path,
-    pidfile: &Path,
+    pidfiles: &[PathBuf],
 ) -> Result<config::RunArgs, String> {
     let cloud = cloud_name(args.cloud);
     let timeout = crate::duration::display(args.timeout).to_string();
-    let flags: Vec<String> = vec![
+    let mut flags: Vec<String> = vec![
         "--mode=host".into(),
         format!("--cloud={cloud}"),
         format!("--metadata-endpoint={endpoint}"),
@@ -482,12 +493,16 @@ fn drill_run_args(
         format!("--checkpoint-timeout={timeout}"),
         format!("--checkpoint-dir={}", ckpt_dir.display()),
         format!("--state-dir={}", state_dir.display()),
-        format!("--checkpoint-pidfile={}", pidfile.display()),
         "--metrics-addr=127.0.0.1:0".into(),
         "--gpu=off".into(),
         format!("--log-level={}", args.log_level),
         "--shutdown-grace=5s".into(),
     ];
+    flags.extend(
+        pidfiles
+            .iter()
+            .map(|p| format!("--checkpoint-pidfile={}", p.display())),
+    );
     let mut r = config::parse_run_args(flags)?;
     r.mode = ModeChoice::Host;
     r.config = None;

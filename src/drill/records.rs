@@ -38,6 +38,8 @@ pub struct ResumeRow {
     pub world_size: Option<i64>,
     /// The last step it reported reaching (`step` when it never reported progress).
     pub last_step: i64,
+    /// The node it belongs to, when one launcher runs every node (`--node-env`).
+    pub node: Option<String>,
 }
 
 /// Every resume record in `dir`, oldest first.
@@ -70,6 +72,10 @@ pub fn read_resumes(dir: &Path) -> Vec<ResumeRow> {
             rank: int("rank"),
             world_size: int("world_size"),
             last_step: int("last_step").unwrap_or(step).max(step),
+            node: body
+                .get("node")
+                .and_then(|n| n.as_str())
+                .map(str::to_string),
         });
     }
     out.sort_by(|a, b| a.at.cmp(&b.at).then(a.pid.cmp(&b.pid)));

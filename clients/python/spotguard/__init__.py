@@ -364,7 +364,9 @@ def resumed(step: int) -> Path:
     :func:`install`). Writes ``<dir>/resume-<pid>.json`` (``{"step", "ts", "rank",
     "world_size", "last_step", "last_ts"}``, atomically). The agent ignores it; ``spotguard drill --elastic`` reads it to
     tell which step each node resumed from after a preemption and when it trained again, so that
-    it can count the steps lost. Under ``spotguard drill --elastic`` (``$SPOTGUARD_PROGRESS``
+    it can count the steps lost (with ``--node-env VAR`` the record also carries ``"node"``, the
+    value of ``$VAR``: one launcher for every node, e.g. ``HOROVOD_HOSTNAME``). Under
+    ``spotguard drill --elastic`` (``$SPOTGUARD_PROGRESS``
     set) :func:`should_checkpoint` also refreshes ``last_step`` (``step`` + its calls since) at
     most that often, which lets the drill count steps trained and then thrown away. Returns the
     path written; raises ``ValueError`` for a bad step and ``OSError`` when it cannot write."""
@@ -379,6 +381,9 @@ def resumed(step: int) -> Path:
     rank, world = _world()
     _polls = 0
     _resume = {"step": step, "ts": time.time(), "rank": rank, "world_size": world}
+    node_env = os.environ.get("SPOTGUARD_NODE_ENV")  # `drill --elastic --node-env VAR` sets it
+    if node_env:
+        _resume["node"] = os.environ.get(node_env)
     path = resume_path()
     _write_atomic(path, _resume_bytes())
     _progress_written = time.monotonic()
