@@ -12,8 +12,11 @@
 
 At the notice every rank agrees on one step (spotguard.horovod.should_checkpoint: an
 hvd.allreduce MAX of the flag), commits the elastic state, rank 0 saves a durable copy, every
-rank acks; the preempted host's ranks mark it leaving (the discovery script drops it) and exit
-143; the others roll back to that commit (the same step) and train on without it.
+rank acks; the preempted host's ranks mark it leaving and every rank trains on. The discovery
+script drops the host, the driver tells the workers, every rank raises HostsUpdatedInterrupt at
+the same step (should_checkpoint(state) checks each step after a checkpoint): the survivors keep
+their state and re-form without the host, whose workers leave. If the host dies first, the
+survivors roll back to the commit made at the notice.
 `state.batch` counts batches done, so the step saved, committed and resumed from are one number.
 """
 
@@ -81,7 +84,7 @@ def main() -> int:
             opt.step()
             time.sleep(args.step_time)
             s.batch = batch + 1
-            if sgh.should_checkpoint():
+            if sgh.should_checkpoint(s):
                 sgh.checkpoint(s, args.leaving, save=save, step=s.batch)
                 print(f"rank {hvd.rank()}: committed batch {s.batch} at the notice", flush=True)
             elif s.batch % args.commit_every == 0:

@@ -43,4 +43,4 @@ PATH="$VENV/bin:$PATH" \
 HOROVOD_WITH_PYTORCH=1 HOROVOD_WITHOUT_MPI=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_TENSORFLOW=1 \
 HOROVOD_WITHOUT_MXNET=1 HOROVOD_CPU_OPERATIONS=gloo MAKEFLAGS="-j${JOBS:-2}" \
   "$PY" -m pip install --no-build-isolation --no-cache-dir --disable-pip-version-check "$src"
-"$PY" -c 'import horovod.torch as hvd; print("horovod", hvd.__version__, "gloo built:", hvd.gloo_built())'
+"$PY" -c 'import horovod, horovod.torch as hvd; print("horovod", horovod.__version__, "gloo built:", hvd.gloo_built())'

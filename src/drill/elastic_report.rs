@@ -428,10 +428,21 @@ fn verdict(v: &ElasticVerdict, timeout: Duration, kill_after: Duration) -> (bool
             }
         }
     }
+    let resumed = v
+        .survivors
+        .iter()
+        .filter_map(|s| s.first.map(|f| f.0))
+        .min()
+        .unwrap_or(saved);
+    let kept = if resumed > saved {
+        " (they trained on past it and kept their state: a graceful removal needs no rollback)"
+    } else {
+        ""
+    };
     (
         true,
         format!(
-            "0 steps lost: {doomed} saved step {saved} and left; {} resumed from step {saved} and trained again {:.1}s after the notice, before its deadline",
+            "0 steps lost: {doomed} saved step {saved} and left; {} resumed from step {resumed}{kept} and trained again {:.1}s after the notice, before its deadline",
             v.survivors
                 .iter()
                 .map(|s| s.label.clone())

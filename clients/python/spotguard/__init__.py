@@ -327,8 +327,15 @@ def _progress_interval() -> Optional[float]:
 
 
 def _world() -> Tuple[Optional[int], Optional[int]]:
-    """(rank, world size): from an initialised ``torch.distributed``, else torchrun's / Horovod's
-    environment, else ``(None, None)``."""
+    """(rank, world size): from an initialised ``torch.distributed`` or Horovod, else torchrun's
+    / Horovod's environment, else ``(None, None)``."""
+    hvd = sys.modules.get("horovod.torch")
+    if hvd is not None:
+        try:
+            if hvd.is_initialized():
+                return int(hvd.rank()), int(hvd.size())
+        except Exception:  # not initialised, or torn down by a reset: the other sources
+            pass
     dist = _distributed()
     if dist is not None:
         try:

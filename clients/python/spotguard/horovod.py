@@ -11,9 +11,15 @@ back to the last ``state.commit()``. So a preemption loses nothing when, at the 
 2. the preempted host's ranks (the ones the agent signalled) mark their host as leaving
    (:func:`leave`: a file ``<leaving dir>/<host>`` on storage the driver sees), so that the
    discovery script (:func:`hosts_main`: ``python3 -m spotguard horovod-hosts``) stops listing it,
-   and exit 143. The others roll back to the commit just made — the same step — and go on
-   without that host; a replacement host appears in the discovery output and joins at the next
-   reset.
+   and every rank trains on;
+3. the driver sees the host gone (its discovery runs every second) and tells the workers; from the
+   checkpoint on, :func:`should_checkpoint` (given the state) checks for that every step, so every
+   rank raises ``HostsUpdatedInterrupt`` at the same step: the survivors keep their state (a
+   removal needs no rollback) and re-form without the host, whose workers leave
+   (``hvd.init`` tells them they were removed). Nothing is lost, and the survivors barely stop.
+   If the host dies first (power-off before the driver acted), the survivors fail over the
+   ordinary way: they roll back to the commit made at the notice.
+   A replacement host appears in the discovery output and joins at the next reset.
 
 Discovery script (give its path to ``horovodrun --host-discovery-script``)::
 
@@ -32,9 +38,10 @@ Training loop::
     @hvd.elastic.run
     def train(state):
         spotguard.resumed(state.batch)
-        for state.batch in range(state.batch, total):
-            step()
-            if sgh.should_checkpoint():
+        for batch in range(state.batch, total):
+            step(batch)
+            state.batch = batch + 1             # batches done
+            if sgh.should_checkpoint(state):
                 sgh.checkpoint(state, LEAVING, save=save_to_disk, step=state.batch)
             elif state.batch % 100 == 0:
                 state.commit()
@@ -58,6 +65,10 @@ import spotguard
 #: Markers older than this (seconds) are ignored: a host of the same name came back.
 FORGET_AFTER_S = 600.0
 
+# Set on every rank by checkpoint(): a host may be leaving, so should_checkpoint(state) checks for
+# the driver's host update every step until the reset.
+_watching = False
+
 
 def hostname() -> str:
     """This worker's host as horovodrun names it (``HOROVOD_HOSTNAME``), else the hostname."""
@@ -72,11 +83,23 @@ def _hvd() -> Any:
     return None
 
 
-def should_checkpoint() -> bool:
+def should_checkpoint(state: Any = None) -> bool:
     """Whether to checkpoint now, agreed by every Horovod rank: an ``hvd.allreduce`` (MAX) of
     this process's flag (:func:`spotguard.requested`), so that a notice seen by one host makes
     every rank checkpoint at the same step. Call it at the same point of every step in every rank.
-    Without an initialised Horovod it is :func:`spotguard.should_checkpoint`."""
+    Without an initialised Horovod it is :func:`spotguard.should_checkpoint`.
+
+    With ``state`` (the elastic state), after a :func:`checkpoint` it also calls
+    ``state.check_host_updates()`` every step (a collective too) until the reset, so that every
+    rank raises ``HostsUpdatedInterrupt`` at the same step once the driver dropped the leaving
+    host."""
+    global _watching
+    if state is not None and _watching:
+        try:
+            state.check_host_updates()
+        except BaseException:  # the interrupt (or a failure): hvd.elastic.run resets
+            _watching = False
+            raise
     hvd = _hvd()
     try:
         initialised = hvd is not None and hvd.is_initialized()
@@ -122,11 +145,13 @@ def checkpoint(
     step: Optional[int] = None,
     rank: Optional[int] = None,
 ) -> None:
-    """At the agreed step (:func:`should_checkpoint`), on every rank: ``state.commit()`` (the
-    state every rank rolls back to when the preempted host goes), ``save(state)`` on rank 0 (a
-    durable copy; returns its path), ack ``done``; on the preempted host's ranks (signalled by the
-    agent) then :func:`leave` and exit 143. The other ranks return and train on; Horovod resets
-    them once the host is gone."""
+    """At the agreed step (:func:`should_checkpoint`), on every rank: ``state.commit()`` (what
+    every rank rolls back to if the preempted host dies before the driver drops it),
+    ``save(state)`` on rank 0 (a durable copy; returns its path), ack ``done``; on the preempted
+    host's ranks (signalled by the agent) then :func:`leave`. Every rank returns and trains on;
+    :func:`should_checkpoint` with the state then raises ``HostsUpdatedInterrupt`` on every rank
+    once the driver dropped the host."""
+    global _watching
     state.commit()
     hvd = _hvd()
     if rank is None:
@@ -135,8 +160,8 @@ def checkpoint(
     spotguard.ack("done", step=step, checkpoint=path)
     if spotguard.requested():
         leave(leaving_dir)
-        spotguard.exit_after_checkpoint()
     spotguard.clear()
+    _watching = True
 
 
 def read_hosts(path: "os.PathLike[str] | str") -> List[Tuple[str, int]]:

@@ -323,19 +323,36 @@ hvd.allreduce = lambda t, op, name: T([max(t.v[0], peer)])
 sys.modules["torch"], sys.modules["horovod.torch"] = torch, hvd
 import spotguard.horovod as sgh
 
+class HostsUpdatedInterrupt(Exception):
+    pass
+
 class State:
     commits = 0
+    checks = 0
     def commit(self): State.commits += 1
+    def check_host_updates(self):
+        State.checks += 1
+        if State.checks == 2:          # the driver dropped the host: every rank, same step
+            raise HostsUpdatedInterrupt()
 
 spotguard.install()
 d = pathlib.Path(os.environ["SPOTGUARD_DIR"])
 if sys.argv[3] == "signalled":
     os.kill(os.getpid(), signal.SIGUSR1)
-agreed = sgh.should_checkpoint()
-print(json.dumps({"agreed": agreed}), flush=True)
+state = State()
+agreed = sgh.should_checkpoint(state)
+out = {"agreed": agreed}
 if agreed:
-    sgh.checkpoint(State(), d / "leaving", save=lambda s: "/ckpt/12", step=12)
-print(json.dumps({"commits": State.commits, "requested": spotguard.requested()}), flush=True)
+    sgh.checkpoint(state, d / "leaving", save=lambda s: "/ckpt/12", step=12)
+    peer = 0
+    out["after"] = sgh.should_checkpoint(state)   # trains on; checks for the host update
+    try:
+        sgh.should_checkpoint(state)
+    except HostsUpdatedInterrupt:
+        out["interrupted"] = True
+    sgh.should_checkpoint(state)                  # after the reset: no more checks
+out.update(commits=State.commits, checks=State.checks, requested=spotguard.requested())
+print(json.dumps(out), flush=True)
 """
 
 
@@ -347,19 +364,17 @@ def test_horovod_agreement_commits_everywhere_and_only_the_signalled_host_leaves
     child = spawn(FAKE_HOROVOD, guard_dir, args=(peer, "0", case),
                   env={"HOROVOD_HOSTNAME": "node-x"})
     rc, out, err = child.wait()
-    lines = [json.loads(x) for x in out.splitlines()]
+    assert rc == 0, err
+    got = json.loads(out)
     ack = read_json(guard_dir / f"ack-{child.pid}.json")
     if case == "nobody":
-        assert rc == 0 and lines[0] == {"agreed": False} and lines[1]["commits"] == 0, err
+        assert got == {"agreed": False, "commits": 0, "checks": 0, "requested": False}
         return
-    assert lines[0] == {"agreed": True}
+    # Every rank: committed at the agreed step, acked done (rank 0 saved), trains on, and raises
+    # the driver's HostsUpdatedInterrupt when it comes, then stops checking.
+    assert got == {"agreed": True, "after": False, "interrupted": True, "commits": 1,
+                   "checks": 2, "requested": False}
     assert ack is not None and ack["state"] == "done" and ack["step"] == 12
-    assert ack["checkpoint"] == "/ckpt/12"  # rank 0 saved
-    if case == "signalled":
-        # The preempted host: committed, marked leaving, exited 143.
-        assert rc == 143 and len(lines) == 1, err
-        assert (guard_dir / "leaving" / "node-x").exists()
-    else:
-        # A surviving host: committed and trains on (Horovod resets it when the host is gone).
-        assert rc == 0 and lines[1] == {"commits": 1, "requested": False}, err
-        assert not (guard_dir / "leaving").exists()
+    assert ack["checkpoint"] == "/ckpt/12"
+    # Only the preempted host (its ranks were signalled) is marked leaving.
+    assert (guard_dir / "leaving" / "node-x").exists() == (case == "signalled")
