@@ -27,6 +27,8 @@ PY="$VENV/bin/python"
 
 echo "==> venv $VENV with torch, lightning, transformers, accelerate (PyPI)"
 [ -x "$PY" ] || python3 -m venv "$VENV"
+VENV="$(cd "$VENV" && pwd)"   # absolute from here on
+PY="$VENV/bin/python"
 if ! "$PY" -c 'import torch, lightning, transformers, accelerate, pytest' >/dev/null 2>&1; then
   "$PY" -m pip install --quiet --disable-pip-version-check \
     'torch>=2.4' 'lightning>=2.2' 'transformers>=4.40' 'accelerate>=0.30' 'pytest>=7,<9'
@@ -39,7 +41,7 @@ if ! ls target/wheels/spotguard-*.whl >/dev/null 2>&1; then
   python3 -m maturin build --locked --profile wheel --out target/wheels
 fi
 "$PY" -m pip install --quiet --disable-pip-version-check --force-reinstall --no-deps target/wheels/spotguard-*.whl
-export PATH="$PWD/$VENV/bin:$PATH"
+export PATH="$VENV/bin:$PATH"
 command -v spotguard
 
 rm -rf "$OUT"
@@ -72,7 +74,7 @@ PY
 ck() { rm -rf "$OUT/ck-$1"; mkdir -p "$OUT/ck-$1"; echo "$PWD/$OUT/ck-$1"; }
 
 echo "==> helper tests with torch (two gloo ranks agree on one step; the gloo side group)"
-PATH="$PWD/$VENV/bin:$PATH" "$PY" -m pytest -q clients/python/tests
+PATH="$VENV/bin:$PATH" "$PY" -m pytest -q clients/python/tests
 
 echo "==> recipe drills"
 drill torch-single -- "$PY" examples/torch_train.py --ckpt-dir "$(ck torch)"
@@ -109,9 +111,10 @@ import json, sys
 doc = json.load(open(sys.argv[1]))
 r = doc["runs"][0]
 again = r["training_again_s"]
-print(f"  {'PASS' if r['pass'] else 'FAIL'}: step saved {r['step_saved']}, node left: node "
-      f"{r['interrupted_node']} exit {r['nodes'][r['interrupted_node'] - 1]['exit']}, survivors "
-      + ", ".join(f"node {s['node']} resumed step {s['resumed_step']} at +{s['resumed_s'] or 0:.1f}s"
+left = r["nodes"][r["interrupted_node"] - 1]
+print(f"  {'PASS' if r['pass'] else 'FAIL'}: step saved {r['step_saved']}, node left: "
+      f"{left['label']} at +{left['exited_s'] or 0:.1f}s (exit {left['exit'] and left['exit']['code']}), "
+      + ", ".join(f"{s['label']} resumed step {s['resumed_step']} at +{s['resumed_s'] or 0:.1f}s"
                   for s in r["survivors"])
       + f", steps lost {r['steps_lost']}, training again {again if again is None else round(again, 1)}s")
 print(f"  verdict: {r['reason']}")
@@ -136,6 +139,26 @@ elastic elastic-torchrun-bare 15 fail -- env TORCH_DISABLE_SHARE_RDZV_TCP_STORE=
   torchrun --nnodes=1:2 --nproc-per-node=2 \
   --rdzv-backend=c10d --rdzv-endpoint=localhost:29401 --rdzv-id=fw-elastic-bare --max-restarts=3 \
   --rdzv-conf=last_call_timeout=2 examples/ddp_train.py --ckpt-dir "$(ck elastic-bare)"
+
+if [ "${HOROVOD:-0}" = 1 ]; then
+  bash scripts/build-horovod.sh "$VENV"
+fi
+if "$PY" -c 'import horovod.torch' >/dev/null 2>&1; then
+  echo "==> Horovod elastic: hosts localhost and $(hostname) (both local), 2 slots each, a notice on one"
+  hvd="$PWD/$OUT/horovod"
+  rm -rf "$hvd"; mkdir -p "$hvd"
+  printf 'localhost:2\n%s:2\n' "$(hostname)" > "$hvd/hosts"
+  printf '#!/bin/sh\nexec "%s" -m spotguard horovod-hosts --hosts "%s/hosts" --leaving "%s/leaving"\n' \
+    "$PY" "$hvd" "$hvd" > "$hvd/discover.sh"
+  chmod +x "$hvd/discover.sh"
+  # Nodes are told apart by HOROVOD_HOSTNAME; the notice goes to the second in name order.
+  elastic horovod-elastic 15 pass --node-env HOROVOD_HOSTNAME --interrupt-node 2 -- \
+    "$VENV/bin/horovodrun" -np 4 --min-np 2 --max-np 4 --host-discovery-script "$hvd/discover.sh" \
+    "$PY" examples/horovod_elastic.py --ckpt-dir "$hvd/ckpt" --leaving "$hvd/leaving"
+else
+  echo "==> Horovod elastic: skipped (horovod not built in $VENV: HOROVOD=1 builds it, ~20 min)"
+  summary+=("SKIP  horovod-elastic  (HOROVOD=1 builds Horovod first)")
+fi
 
 echo "==> Kubeflow Pipelines recipe compiles (examples/kfp_pipeline.py, kfp v2 SDK)"
 "$PY" -c 'import kfp, kfp.kubernetes' >/dev/null 2>&1 || \
