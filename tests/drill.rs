@@ -419,6 +419,15 @@ fn elastic_without_the_launcher_names_torchrun_restarting_the_workers() {
         .and_then(|n| n.parse().ok())
         .expect("steps lost row");
     assert!(lost > 0, "{out}");
+    // The power-off killed the node's whole tree: its agent and both workers, which run in
+    // sessions of their own (like torch's) and so are not in the node's process group.
+    let killed: usize = out
+        .lines()
+        .find_map(|l| l.split("still running at the power-off, ").nth(1))
+        .and_then(|l| l.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .expect("node left row");
+    assert!(killed >= 3, "{out}");
 }
 
 #[test]

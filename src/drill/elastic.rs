@@ -116,6 +116,51 @@ struct Node {
     child: Child,
     pid: i32,
     run: NodeRun,
+    /// Every process seen in the node's tree or process group (pid → start time): torchrun starts
+    /// its workers in sessions of their own, and they outlive their agent as orphans, so neither
+    /// the process group nor the tree at the time of the kill holds all of them.
+    members: Members,
+}
+
+/// Processes that belonged to a node (pid → start time, so that a reused pid is never killed).
+#[derive(Default)]
+struct Members(std::collections::HashMap<i32, u64>);
+
+impl Members {
+    fn add(&mut self, proc: &ProcFs, pids: impl IntoIterator<Item = i32>) {
+        for pid in pids {
+            if let Ok(st) = proc.stat(pid) {
+                self.0.entry(pid).or_insert(st.start_time);
+            }
+        }
+    }
+
+    /// The members still running (same pid, same start time).
+    fn alive(&self, proc: &ProcFs) -> Vec<i32> {
+        let mut out: Vec<i32> = self
+            .0
+            .iter()
+            .filter(|(pid, start)| {
+                proc.stat(**pid)
+                    .is_ok_and(|st| st.start_time == **start && st.state != 'Z' && st.state != 'X')
+            })
+            .map(|(pid, _)| *pid)
+            .collect();
+        out.sort_unstable();
+        out
+    }
+
+    /// Send `sig` to every member still running; returns how many.
+    fn kill(&self, proc: &ProcFs, sig: libc::c_int) -> usize {
+        let alive = self.alive(proc);
+        for pid in &alive {
+            // SAFETY: kill(2) of a process this drill's node started (pid and start time match).
+            unsafe {
+                libc::kill(*pid, sig);
+            }
+        }
+        alive.len()
+    }
 }
 
 impl Node {
@@ -158,6 +203,7 @@ impl Node {
             child,
             pid,
             run: NodeRun::new(index, pid, dir.to_path_buf()),
+            members: Members::default(),
         })
     }
 
@@ -172,16 +218,24 @@ impl Node {
         }
     }
 
-    /// Kill the node's whole process group with `sig`; returns how many processes it held.
-    fn kill_group(&self, proc: &ProcFs, sig: libc::c_int) -> usize {
-        let members = group_members(proc, self.pid);
-        if !members.is_empty() {
-            // SAFETY: kill(2) of the process group this drill created for the node.
-            unsafe {
-                libc::kill(-self.pid, sig);
-            }
-        }
-        members.len()
+    /// Note the processes of the node's tree and process group (see `members`).
+    fn track(&mut self, proc: &ProcFs) {
+        self.members.add(proc, wait::tree(proc, self.pid));
+        self.members.add(proc, group_members(proc, self.pid));
+    }
+
+    /// Record the node's exit, and its processes.
+    fn poll(&mut self, proc: &ProcFs) {
+        self.track(proc);
+        self.poll_exit();
+    }
+
+    /// Kill the node's whole process tree with `sig`: every process it ever had that still runs
+    /// (its workers in their own sessions, orphans included) and its process group; returns how
+    /// many processes that was.
+    fn kill_tree(&mut self, proc: &ProcFs, sig: libc::c_int) -> usize {
+        self.track(proc);
+        self.members.kill(proc, sig)
     }
 }
 
@@ -266,7 +320,7 @@ async fn drill(
                 {
                     break;
                 }
-                first.poll_exit();
+                first.poll(&proc);
                 if let Some(e) = &first.run.exit {
                     return Err(format!(
                         "node 1 ended before the notice ({}, {:.1}s after start)",
@@ -290,7 +344,7 @@ async fn drill(
             stop_all(&mut nodes, &proc).await;
             return Err("interrupted".into());
         }
-        nodes.iter_mut().for_each(Node::poll_exit);
+        nodes.iter_mut().for_each(|n| n.poll(&proc));
         if let Some(n) = nodes.iter().find(|n| n.run.exit.is_some()) {
             let what = n
                 .run
@@ -358,7 +412,7 @@ async fn drill(
         .map_err(|e| format!("writing pidfile: {e}"))?;
     let dir = nodes[d].dir.clone();
     let mut v = {
-        let mut poll = || nodes.iter_mut().for_each(Node::poll_exit);
+        let mut poll = || nodes.iter_mut().for_each(|n| n.poll(&proc));
         notice_phase(
             args,
             emu,
@@ -375,15 +429,15 @@ async fn drill(
 
     // 4. Until the power-off, then --settle: watch the nodes.
     while Instant::now() < power_off && !cancel.is_cancelled() {
-        nodes.iter_mut().for_each(Node::poll_exit);
+        nodes.iter_mut().for_each(|n| n.poll(&proc));
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    nodes[d].poll_exit();
+    nodes[d].poll(&proc);
     v.power_off_at = Some(Timestamp::now());
-    nodes[d].run.killed_at_power_off = nodes[d].kill_group(&proc, libc::SIGKILL);
+    nodes[d].run.killed_at_power_off = nodes[d].kill_tree(&proc, libc::SIGKILL);
     let settle_end = Instant::now() + args.settle;
     while Instant::now() < settle_end && !cancel.is_cancelled() {
-        nodes.iter_mut().for_each(Node::poll_exit);
+        nodes.iter_mut().for_each(|n| n.poll(&proc));
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 
@@ -463,7 +517,7 @@ async fn drill_one_launcher(
             stop_all(std::slice::from_mut(&mut job), &proc).await;
             return Err("interrupted".into());
         }
-        job.poll_exit();
+        job.poll(&proc);
         if let Some(e) = &job.run.exit {
             let what = super::report::exit_label(e);
             return Err(format!(
@@ -537,14 +591,18 @@ async fn drill_one_launcher(
         pidfiles.push(f);
     }
     let mut gone_at: Option<Timestamp> = None;
-    let watch = |job: &mut Node, gone_at: &mut Option<Timestamp>| {
-        job.poll_exit();
-        if gone_at.is_none() && node_processes(&proc, job.pid, var, &doomed_name).is_empty() {
+    // The interrupted node's processes, as seen (they may be orphaned before the power-off).
+    let mut doomed_members = Members::default();
+    let watch = |job: &mut Node, gone_at: &mut Option<Timestamp>, members: &mut Members| {
+        job.poll(&proc);
+        let now = node_processes(&proc, job.pid, var, &doomed_name);
+        members.add(&proc, now.iter().copied());
+        if gone_at.is_none() && now.is_empty() && members.alive(&proc).is_empty() {
             *gone_at = Some(Timestamp::now());
         }
     };
     let mut v = {
-        let mut poll = || watch(&mut job, &mut gone_at);
+        let mut poll = || watch(&mut job, &mut gone_at, &mut doomed_members);
         notice_phase(
             args,
             emu,
@@ -561,21 +619,15 @@ async fn drill_one_launcher(
     // 3. The power-off, then --settle.
     let power_off = power_off_instant(&v, kill_after);
     while Instant::now() < power_off && !cancel.is_cancelled() {
-        watch(&mut job, &mut gone_at);
+        watch(&mut job, &mut gone_at, &mut doomed_members);
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    watch(&mut job, &mut gone_at);
+    watch(&mut job, &mut gone_at, &mut doomed_members);
     v.power_off_at = Some(Timestamp::now());
-    let left = node_processes(&proc, job.pid, var, &doomed_name);
-    for pid in &left {
-        // SAFETY: kill(2) of a process of the command's tree (the interrupted node's).
-        unsafe {
-            libc::kill(*pid, libc::SIGKILL);
-        }
-    }
+    let killed = doomed_members.kill(&proc, libc::SIGKILL);
     let settle_end = Instant::now() + args.settle;
     while Instant::now() < settle_end && !cancel.is_cancelled() {
-        job.poll_exit();
+        job.poll(&proc);
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let command_exit = job.run.exit.clone();
@@ -607,7 +659,7 @@ async fn drill_one_launcher(
                 .collect();
             if *name == doomed_name {
                 n.exited_at = gone_at;
-                n.killed_at_power_off = left.len();
+                n.killed_at_power_off = killed;
             } else {
                 n.exit = command_exit.clone();
                 n.stopped_by_drill = command_exit.is_none();
@@ -749,22 +801,22 @@ async fn notice_phase(
     Ok(v)
 }
 
-/// Stop every node still running: SIGTERM to its process group, SIGKILL 5 s later. Exits seen
-/// here are the drill's doing (`stopped_by_drill`), not the node's.
+/// Stop every node still running: SIGTERM to its whole process tree (see `Node::members`),
+/// SIGKILL 5 s later. Exits seen here are the drill's doing (`stopped_by_drill`), not the node's.
 async fn stop_all(nodes: &mut [Node], proc: &ProcFs) {
     for n in nodes.iter_mut() {
-        n.poll_exit();
+        n.poll(proc);
         if n.run.exit.is_none() {
             n.run.stopped_by_drill = true;
         }
-        n.kill_group(proc, libc::SIGTERM);
+        n.kill_tree(proc, libc::SIGTERM);
     }
     let end = Instant::now() + Duration::from_secs(5);
-    while Instant::now() < end && nodes.iter().any(|n| !group_members(proc, n.pid).is_empty()) {
+    while Instant::now() < end && nodes.iter().any(|n| !n.members.alive(proc).is_empty()) {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     for n in nodes.iter_mut() {
-        n.kill_group(proc, libc::SIGKILL);
+        n.kill_tree(proc, libc::SIGKILL);
         if n.run.exit.is_none() {
             if let Ok(Ok(status)) =
                 tokio::time::timeout(Duration::from_secs(5), n.child.wait()).await

@@ -161,16 +161,17 @@ def test_the_pure_python_wheel_carries_the_same_helper_as_the_binary_wheel() -> 
     byte, the same version; only the binary wheel has the binary."""
     import zipfile
 
+    def package(z: zipfile.ZipFile) -> dict:
+        return {n: z.read(n) for n in z.namelist()
+                if n.startswith("spotguard/") and "__pycache__" not in n}
+
     pure, full = _wheel("wheels-pure"), _wheel("wheels")
     assert pure.name == f"spotguard-{spotguard.__version__}-py3-none-any.whl"
     with zipfile.ZipFile(pure) as p, zipfile.ZipFile(full) as f:
-        def package(z: zipfile.ZipFile) -> dict:
-            return {n: z.read(n) for n in z.namelist() if n.startswith("spotguard/")}
-
         assert package(p) == package(f)
         assert not [n for n in p.namelist() if n.endswith("/spotguard") or ".data/" in n]
         assert [n for n in f.namelist() if n.endswith(".data/scripts/spotguard")]
     sources = {f"spotguard/{x.name}": x.read_bytes()
                for x in (CLIENT_DIR / "spotguard").iterdir() if x.is_file()}
     with zipfile.ZipFile(pure) as p:
-        assert {n: p.read(n) for n in p.namelist() if n.startswith("spotguard/")} == sources
+        assert package(p) == sources
