@@ -283,11 +283,7 @@ async fn drill(
             println!("{line}");
         }
     };
-    let cloud = match args.cloud {
-        DrillCloud::Aws => emulator::Cloud::Aws,
-        DrillCloud::Gce => emulator::Cloud::Gce,
-        DrillCloud::Azure => emulator::Cloud::Azure,
-    };
+    let cloud = super::emulator_cloud(args.cloud);
     let kill_after = args.kill_after.unwrap_or_else(|| default_lead(args.cloud));
     let shown = args.command.join(" ");
     say(format!(
@@ -496,11 +492,7 @@ async fn drill_one_launcher(
         crate::duration::display(kill_after),
     ));
     say(format!("  SPOTGUARD_DIR={}", dir.display()));
-    let cloud = match args.cloud {
-        DrillCloud::Aws => emulator::Cloud::Aws,
-        DrillCloud::Gce => emulator::Cloud::Gce,
-        DrillCloud::Azure => emulator::Cloud::Azure,
-    };
+    let cloud = super::emulator_cloud(args.cloud);
     let emu = emulator::start(emulator::EmulatorConfig::new(cloud))
         .await
         .map_err(|e| format!("starting the metadata emulator: {e}"))?;

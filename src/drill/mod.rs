@@ -243,11 +243,7 @@ async fn drill(args: &DrillArgs, cancel: CancellationToken) -> Result<Verdict, S
     let pidfile = work.path().join("trainer.pid");
 
     // 1. The emulator.
-    let cloud = match args.cloud {
-        DrillCloud::Aws => emulator::Cloud::Aws,
-        DrillCloud::Gce => emulator::Cloud::Gce,
-        DrillCloud::Azure => emulator::Cloud::Azure,
-    };
+    let cloud = emulator_cloud(args.cloud);
     let emu = emulator::start(emulator::EmulatorConfig::new(cloud))
         .await
         .map_err(|e| format!("starting the metadata emulator: {e}"))?;
@@ -507,6 +503,15 @@ fn drill_run_args(
     r.mode = ModeChoice::Host;
     r.config = None;
     Ok(r)
+}
+
+/// The emulator's cloud for `c`.
+fn emulator_cloud(c: DrillCloud) -> emulator::Cloud {
+    match c {
+        DrillCloud::Aws => emulator::Cloud::Aws,
+        DrillCloud::Gce => emulator::Cloud::Gce,
+        DrillCloud::Azure => emulator::Cloud::Azure,
+    }
 }
 
 pub(crate) fn cloud_name(c: DrillCloud) -> &'static str {
