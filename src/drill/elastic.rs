@@ -29,8 +29,8 @@ use super::elastic_report::{self as er, ElasticVerdict, NodeRun};
 use super::records;
 use super::wait;
 use super::{
-    default_lead, drill_run_args, exit_info, DrillArgs, DrillCloud, EXIT_ERROR, EXIT_FAIL,
-    EXIT_PASS, SIGNAL, SIGNAL_NAME,
+    default_lead, drill_run_args, exit_info, DrillArgs, EXIT_ERROR, EXIT_FAIL, EXIT_PASS, SIGNAL,
+    SIGNAL_NAME,
 };
 use crate::app;
 use crate::checkpoint::procfs::ProcFs;
