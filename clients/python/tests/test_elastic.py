@@ -126,11 +126,18 @@ def _notice(guard: Path) -> None:
 
 
 def _stop(*procs: subprocess.Popen) -> str:
+    """SIGTERM each node (the stand-in agent stops its workers, which run in sessions of their
+    own, as torch's do: the node's process group does not hold them), SIGKILL what is left."""
     out = []
     for p in procs:
         if p.poll() is None:
+            os.killpg(p.pid, signal.SIGTERM)
+    for p in procs:
+        try:
+            out.append(p.communicate(timeout=20)[0])
+        except subprocess.TimeoutExpired:
             os.killpg(p.pid, signal.SIGKILL)
-        out.append(p.communicate()[0])
+            out.append(p.communicate()[0])
     return "\n".join(out)
 
 
