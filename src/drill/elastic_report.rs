@@ -204,7 +204,7 @@ pub fn judge(v: &mut ElasticVerdict, timeout: Duration, kill_after: Duration) {
             "the interrupted node's ranks acked different steps ({done:?}): should_checkpoint() did not agree"
         ));
     }
-    if let Some(n) = super::report::expected_processes(&v.command) {
+    if let Some(n) = super::report::expected_per_node(&v.command) {
         if v.signalled_at.is_some() && v.processes < n {
             v.warnings.push(format!(
                 "the launcher was asked for {n} processes per node but only {} caught the signal on {}",
@@ -457,9 +457,17 @@ fn verdict(v: &ElasticVerdict, timeout: Duration, kill_after: Duration) -> (bool
 pub fn table(v: &ElasticVerdict) -> String {
     let t0 = v.raised_at;
     let mut out = String::new();
-    out.push_str("\n  step                 time       detail\n");
+    // Node labels (`HOROVOD_HOSTNAME=localhost`) may be longer than the step names.
+    let w = v
+        .nodes
+        .iter()
+        .map(|n| n.label.chars().count())
+        .max()
+        .unwrap_or(0)
+        .max(20);
+    let _ = writeln!(out, "\n  {:<w$} time       detail", "step");
     let row = |out: &mut String, step: &str, time: &str, detail: &str| {
-        let _ = writeln!(out, "  {step:<20} {time:<10} {detail}");
+        let _ = writeln!(out, "  {step:<w$} {time:<10} {detail}");
     };
     for n in &v.nodes {
         let first = n.resumes.iter().rfind(|r| r.at <= t0);

@@ -50,9 +50,11 @@ pub fn read_resumes(dir: &Path) -> Vec<ResumeRow> {
     let mut out = Vec::new();
     for entry in entries.flatten() {
         let name = entry.file_name().to_string_lossy().into_owned();
+        // resume-<pid>.json, or resume-<pid>-<n>.json for a process's n-th resume.
         let Some(pid) = name
             .strip_prefix("resume-")
             .and_then(|r| r.strip_suffix(".json"))
+            .and_then(|r| r.split('-').next())
             .and_then(|p| p.parse::<i64>().ok())
         else {
             continue;
@@ -145,4 +147,31 @@ pub fn read_acks(dir: &Path) -> Vec<AckRow> {
     }
     out.sort_by(|a, b| a.written.cmp(&b.written).then(a.file.cmp(&b.file)));
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn resume_records_of_every_resume_of_a_process_are_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let w = |name: &str, body: &str| std::fs::write(dir.path().join(name), body).unwrap();
+        w(
+            "resume-42.json",
+            r#"{"step":0,"ts":1000.0,"rank":0,"world_size":4,"last_step":90}"#,
+        );
+        w(
+            "resume-42-2.json",
+            r#"{"step":90,"ts":1010.0,"rank":0,"world_size":2,"node":"a"}"#,
+        );
+        w("resume-x.json", r#"{"step":1,"ts":1.0}"#);
+        w("resume-43.json", "not json");
+        let rows = read_resumes(dir.path());
+        assert_eq!(rows.len(), 2, "{rows:?}");
+        assert_eq!((rows[0].pid, rows[0].step, rows[0].last_step), (42, 0, 90));
+        assert_eq!((rows[1].pid, rows[1].step, rows[1].last_step), (42, 90, 90));
+        assert_eq!(rows[1].node.as_deref(), Some("a"));
+        assert_eq!(rows[1].world_size, Some(2));
+    }
 }

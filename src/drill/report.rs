@@ -165,21 +165,32 @@ fn waited(d: Duration) -> String {
 /// How many processes the command's launcher says it starts (`torchrun --nproc-per-node N`,
 /// `accelerate launch --num_processes N`, `horovodrun -np N`), if it says.
 pub fn expected_processes(command: &str) -> Option<usize> {
+    flag_count(
+        command,
+        &[
+            "--nproc-per-node",
+            "--nproc_per_node",
+            "--num_processes",
+            "--num-processes",
+            "-np",
+            "--num-proc",
+        ],
+    )
+}
+
+/// How many processes per node the command's launcher starts (`torchrun --nproc-per-node N`).
+pub fn expected_per_node(command: &str) -> Option<usize> {
+    flag_count(command, &["--nproc-per-node", "--nproc_per_node"])
+}
+
+fn flag_count(command: &str, flags: &[&str]) -> Option<usize> {
     let words: Vec<&str> = command.split_whitespace().collect();
-    const FLAGS: [&str; 6] = [
-        "--nproc-per-node",
-        "--nproc_per_node",
-        "--num_processes",
-        "--num-processes",
-        "-np",
-        "--num-proc",
-    ];
     for (i, w) in words.iter().enumerate() {
         let (name, value) = match w.split_once('=') {
             Some((n, v)) => (n, Some(v)),
             None => (*w, words.get(i + 1).copied()),
         };
-        if FLAGS.contains(&name) {
+        if flags.contains(&name) {
             if let Some(n) = value.and_then(|v| v.parse::<usize>().ok()) {
                 return Some(n);
             }

@@ -144,6 +144,7 @@ _watchdog: Optional["_SigtermWatchdog"] = None
 # The resume record (resumed()): the step training resumed from and the polls since.
 _resume: Optional[Dict[str, Any]] = None
 _polls = 0
+_resumes = 0
 _progress_every: Optional[float] = None
 _progress_written = 0.0
 
@@ -351,7 +352,11 @@ def _world() -> Tuple[Optional[int], Optional[int]]:
 
 
 def resume_path(pid: Optional[int] = None) -> Path:
-    """``<dir>/resume-<pid>.json``: the resume record of this process (or ``pid``)."""
+    """``<dir>/resume-<pid>.json``: the resume record of this process (or ``pid``). A process
+    that resumes again without restarting (Horovod elastic's reset) writes
+    ``resume-<pid>-<n>.json`` for its n-th resume, so that every resume keeps its record."""
+    if pid is None and _resumes > 1:
+        return checkpoint_dir() / f"resume-{os.getpid()}-{_resumes}.json"
     return checkpoint_dir() / f"resume-{os.getpid() if pid is None else pid}.json"
 
 
@@ -377,7 +382,7 @@ def resumed(step: int) -> Path:
     set) :func:`should_checkpoint` also refreshes ``last_step`` (``step`` + its calls since) at
     most that often, which lets the drill count steps trained and then thrown away. Returns the
     path written; raises ``ValueError`` for a bad step and ``OSError`` when it cannot write."""
-    global _resume, _polls, _progress_written, _training
+    global _resume, _polls, _progress_written, _training, _resumes
     if isinstance(step, bool):
         raise ValueError(f"step must be an int, got {step!r}")
     try:
@@ -387,6 +392,7 @@ def resumed(step: int) -> Path:
     _training = True
     rank, world = _world()
     _polls = 0
+    _resumes += 1
     _resume = {"step": step, "ts": time.time(), "rank": rank, "world_size": world}
     node_env = os.environ.get("SPOTGUARD_NODE_ENV")  # `drill --elastic --node-env VAR` sets it
     if node_env:

@@ -385,3 +385,21 @@ def test_horovod_agreement_commits_everywhere_and_only_the_signalled_host_leaves
     assert ack["checkpoint"] == "/ckpt/12"
     # Only the preempted host (its ranks were signalled) is marked leaving.
     assert (guard_dir / "leaving" / "node-x").exists() == (case == "signalled")
+
+
+def test_a_second_resume_in_the_same_process_keeps_the_first_record(guard_dir: Path, spawn) -> None:
+    """Horovod elastic resets in-process: each resume gets its own record, so the drill still
+    sees how far the process got before the reset."""
+    guard_dir.mkdir()
+    child = spawn("""
+import json, spotguard
+spotguard.install()
+a = spotguard.resumed(0)
+b = spotguard.resumed(25)
+print(json.dumps([a.name, b.name]))
+""", guard_dir)
+    rc, out, err = child.wait()
+    assert rc == 0, err
+    assert json.loads(out) == [f"resume-{child.pid}.json", f"resume-{child.pid}-2.json"]
+    assert read_json(guard_dir / f"resume-{child.pid}.json")["step"] == 0
+    assert read_json(guard_dir / f"resume-{child.pid}-2.json")["step"] == 25
