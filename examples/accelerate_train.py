@@ -3,8 +3,14 @@
 
     pip install spotguard accelerate torch
     spotguard drill -- python3 examples/accelerate_train.py --ckpt-dir /tmp/acc
-    spotguard drill -- python3 -m spotguard launch -- accelerate launch --num_processes 2 \\
+    spotguard drill -- python3 -m spotguard launch -- accelerate launch --multi_gpu \\
+        --num_processes 2 --num_machines 1 --mixed_precision no --dynamo_backend no \\
         examples/accelerate_train.py --ckpt-dir /tmp/acc
+
+Two processes on CPU: `--multi_gpu --num_processes 2` (accelerate runs them under torchrun; the
+script's Accelerator(cpu=True) makes them gloo CPU processes). `accelerate launch --cpu` runs ONE
+process whatever --num_processes says; the drill warns when fewer processes caught the signal
+than the launcher was asked for. On GPUs: `--multi_gpu --num_processes <GPUs>`.
 
 Every process calls `should_checkpoint()` at the same point (a collective when distributed),
 `save_state` writes model, optimizer, RNG and sampler state (main process writes, all wait), every
@@ -66,6 +72,7 @@ def main() -> int:
         _, step, epoch, skip = found
         acc.print(f"resumed from step {step} (epoch {epoch}, batch {skip}) {found[0]}")
     acc.print(f"training (pid {os.getpid()}, {acc.num_processes} process(es))")
+    spotguard.resumed(step)  # training starts here (SIGTERM now means "checkpoint")
     while epoch < args.epochs:
         batches = acc.skip_first_batches(loader, skip) if skip else loader
         for i, (xb, yb) in enumerate(batches, start=skip):

@@ -147,6 +147,7 @@ def main() -> int:
             print(f"resumed from step {start} ({latest})", flush=True)
     if rank == 0:
         print(f"{world} ranks, backend {backend}, steps {start + 1}..{args.steps}", flush=True)
+    spotguard.resumed(start)  # where training (re)starts; `spotguard drill --elastic` reads it
 
     data = torch.Generator().manual_seed(1000 * (start + 1) + rank)  # this rank's shard
     for step in range(start + 1, args.steps + 1):

@@ -105,6 +105,9 @@ def main(argv: Optional[list] = None) -> int:
         print(f"already trained {start} steps; nothing to do")
         return 0
     print(f"training steps {start + 1}..{args.steps} (pid {os.getpid()}, SPOTGUARD_DIR={guard_dir})")
+    # Training starts here: from now on SIGTERM means "checkpoint" (before, it ends the process at
+    # once: nothing to save yet); the resume record tells `spotguard drill --elastic` the step.
+    spotguard.resumed(start)
 
     for step in range(start + 1, args.steps + 1):
         time.sleep(args.step_time)  # forward, backward, optimizer.step()

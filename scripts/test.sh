@@ -39,6 +39,13 @@ rm -rf target/wheels
 python3 -m maturin build --locked --profile wheel --out target/wheels
 echo "wheel built in $((SECONDS - wheel_start))s: $(ls target/wheels)"
 
+# The helper alone (`pip install ./clients/python`): pure Python, setuptools, the same sources.
+echo "==> pure-Python helper wheel: pip wheel ./clients/python"
+rm -rf target/wheels-pure
+python3 -m pip wheel --quiet --disable-pip-version-check --no-deps -w target/wheels-pure ./clients/python
+rm -rf clients/python/build clients/python/spotguard.egg-info
+echo "pure-Python wheel: $(ls target/wheels-pure)"
+
 echo "==> fresh venv with the wheel installed"
 rm -rf target/wheel-venv
 python3 -m venv target/wheel-venv

@@ -35,7 +35,7 @@ pub enum Command {
     /// Run the agent (DaemonSet or systemd unit).
     Run(Box<RunArgs>),
     /// Rehearse a preemption against a training command on this machine (no cloud needed).
-    Drill(crate::drill::DrillArgs),
+    Drill(Box<crate::drill::DrillArgs>),
     /// Serve an emulated instance-metadata service (EC2, GCE or Azure) for your own tests.
     Emulate(crate::emulator::EmulateArgs),
     /// Prefetch a dataset (s3://, gs://, file:///) into the shared cache, or wait for one.

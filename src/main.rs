@@ -64,7 +64,7 @@ fn main() -> ExitCode {
                 }
             }
         }
-        Command::Drill(args) => with_runtime(|cancel| drill::run(args, cancel)),
+        Command::Drill(args) => with_runtime(|cancel| drill::run(*args, cancel)),
         Command::Emulate(args) => {
             telemetry::init(config::LogFormat::Text, &one_shot_log_level());
             with_runtime(|cancel| async move {

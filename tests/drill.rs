@@ -211,7 +211,7 @@ fn json_junit_keep_and_repeat() {
         .collect();
     assert_eq!(kept.len(), 2, "{stderr}");
     for k in kept {
-        assert!(std::path::Path::new(k).join("checkpoint").is_dir(), "{k}");
+        assert!(std::path::Path::new(k).join("notice").is_dir(), "{k}");
         std::fs::remove_dir_all(k).unwrap();
     }
     let xml = std::fs::read_to_string(&junit).unwrap();
@@ -230,4 +230,211 @@ fn help_lists_the_exit_codes() {
     for line in ["  0  PASS", "  1  FAIL", "  2  the drill could not run"] {
         assert!(text.contains(line), "{line}:\n{text}");
     }
+}
+
+#[test]
+fn the_old_checkpoint_dir_flag_still_names_the_notice_dir() {
+    for flag in ["--notice-dir", "--checkpoint-dir"] {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path().display().to_string();
+        let (code, out) = drill(&["--after", "1s", flag, &d]);
+        assert_eq!(code, 0, "{flag}:\n{out}");
+        assert!(out.contains(&format!("SPOTGUARD_DIR={d}")), "{out}");
+        assert!(
+            std::fs::read_dir(dir.path())
+                .unwrap()
+                .flatten()
+                .any(|e| e.file_name().to_string_lossy().starts_with("ack-")),
+            "{flag}: no ack in the notice dir"
+        );
+    }
+}
+
+/// A command that finished its work before the notice: say so, not "killed by the drill".
+#[test]
+fn a_command_that_ended_before_the_notice_says_so() {
+    let cmd = python(
+        "import signal, time\n\
+         signal.signal(signal.SIGUSR1, lambda *a: None)\n\
+         time.sleep(0.3)\n",
+    );
+    let (code, out) = drill(&with_cmd(&["--after", "2s"], &cmd));
+    assert_eq!(code, 2, "{out}");
+    assert!(out.contains("the command ended before the notice"), "{out}");
+    assert!(!out.contains("killed by the drill"), "{out}");
+
+    // Its launcher still runs (torchrun waiting for other nodes), its training process is gone.
+    let cmd = vec![
+        "sh".to_string(),
+        "-c".into(),
+        "python3 -c 'import signal, time; signal.signal(signal.SIGUSR1, lambda *a: None); time.sleep(0.3)'; sleep 30".into(),
+    ];
+    let (code, out) = drill(&with_cmd(&["--after", "2s", "--timeout", "3s"], &cmd));
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("the command ended before the notice"), "{out}");
+    assert!(
+        out.contains("its training had ended before the notice"),
+        "{out}"
+    );
+}
+
+/// `accelerate launch --cpu --num_processes 2` runs one process: the drill warns.
+#[test]
+fn fewer_processes_than_the_launcher_was_asked_for_is_a_warning() {
+    let mut cmd = python(
+        "import os, signal, sys, time\n\
+         hit = []\n\
+         signal.signal(signal.SIGUSR1, lambda *a: hit.append(1))\n\
+         while not hit: time.sleep(0.01)\n\
+         open(os.path.join(os.environ['SPOTGUARD_DIR'], 'ack'), 'w').write('')\n\
+         sys.exit(143)\n",
+    );
+    cmd.extend(["--num_processes".to_string(), "2".to_string()]);
+    let (code, out) = drill(&with_cmd(&["--after", "1s"], &cmd));
+    assert_eq!(code, 0, "{out}");
+    assert!(
+        out.contains("asked for 2 processes but only 1 caught the signal"),
+        "{out}"
+    );
+}
+
+// ---- --elastic, against the stand-in torchrun (clients/python/tests/standin) ----------------
+
+fn standin_job(dir: &std::path::Path, launcher: bool, max_restarts: &str) -> Vec<String> {
+    let standin = concat!(env!("CARGO_MANIFEST_DIR"), "/clients/python/tests/standin");
+    let mut cmd: Vec<String> = Vec::new();
+    if launcher {
+        cmd.extend(["python3", "-m", "spotguard", "launch", "--"].map(String::from));
+    }
+    cmd.extend([
+        "python3".to_string(),
+        format!("{standin}/torchrun"),
+        "--nnodes".into(),
+        "1:2".into(),
+        "--nproc-per-node".into(),
+        "2".into(),
+        "--max-restarts".into(),
+        max_restarts.into(),
+        "--rdzv-backend".into(),
+        "standin".into(),
+        "--rdzv-conf".into(),
+        "last_call_timeout=1".into(),
+        "--rdzv-endpoint".into(),
+        dir.join("rdzv").display().to_string(),
+        "--rdzv-id".into(),
+        "job".into(),
+        format!("{standin}/worker.py"),
+        "--ckpt-dir".into(),
+        dir.join("ck").display().to_string(),
+        "--step-time".into(),
+        "0.03".into(),
+        // A lost peer fails a step after 1 s (a gloo collective would fail on the closed socket).
+        "--peer-timeout".into(),
+        "1".into(),
+    ]);
+    cmd
+}
+
+fn elastic_drill(cmd: &[String], json: bool, settle: &str) -> (i32, String, String) {
+    let mut args = vec![
+        "drill",
+        "--elastic",
+        "--cloud",
+        "gce",
+        "--after",
+        "1s",
+        "--kill-after",
+        "5s",
+        "--settle",
+        settle,
+    ];
+    if json {
+        args.push("--json");
+    }
+    args.push("--");
+    let o = Command::new(env!("CARGO_BIN_EXE_spotguard"))
+        .args(&args)
+        .args(cmd)
+        .env(
+            "PYTHONPATH",
+            concat!(env!("CARGO_MANIFEST_DIR"), "/clients/python"),
+        )
+        .output()
+        .expect("run drill");
+    (
+        o.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn elastic_the_preempted_node_leaves_and_the_other_resumes_from_the_saved_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let (code, out, err) = elastic_drill(&standin_job(dir.path(), true, "1"), true, "1s");
+    assert_eq!(code, 0, "{out}\n{err}");
+    let doc: serde_json::Value = serde_json::from_str(&out).expect("one JSON document");
+    let r = &doc["runs"][0];
+    assert_eq!(r["pass"], true, "{r}");
+    assert_eq!(r["elastic"], true);
+    assert_eq!(r["interrupted_node"], 2);
+    let saved = r["step_saved"].as_i64().unwrap();
+    assert!(saved > 0, "{r}");
+    assert_eq!(r["steps_lost"], 0, "{r}");
+    assert_eq!(r["survivors"][0]["node"], 1);
+    assert_eq!(r["survivors"][0]["resumed_step"], saved, "{r}");
+    assert_eq!(r["survivors"][0]["world_size"], 2, "{r}");
+    let again = r["training_again_s"].as_f64().unwrap();
+    assert!(again > 0.0 && again < 30.0, "{r}");
+    // The preempted node left on its own (the launcher's 143), nothing was left to kill.
+    let n2 = &r["nodes"][1];
+    assert_eq!(n2["exit"]["code"], 143, "{r}");
+    assert_eq!(n2["killed_at_power_off"], 0, "{r}");
+    assert!(err.contains("[node 2] spotguard launch: notice"), "{err}");
+}
+
+#[test]
+fn elastic_without_the_launcher_names_torchrun_restarting_the_workers() {
+    let dir = tempfile::tempdir().unwrap();
+    let (code, out, err) = elastic_drill(&standin_job(dir.path(), false, "3"), false, "5s");
+    assert_eq!(code, 1, "{out}\n{err}");
+    assert!(
+        out.contains("verdict: FAIL — torchrun restarted the workers on the preempted node"),
+        "{out}"
+    );
+    assert!(out.contains("python3 -m spotguard launch"), "{out}");
+    for row in [
+        "step saved",
+        "node left",
+        "survivors resumed",
+        "steps lost",
+        "training again",
+    ] {
+        assert!(out.contains(row), "{row}:\n{out}");
+    }
+    let lost: i64 = out
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("steps lost"))
+        .and_then(|l| l.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .expect("steps lost row");
+    assert!(lost > 0, "{out}");
+    // The power-off killed the node's whole tree: its agent and both workers, which run in
+    // sessions of their own (like torch's) and so are not in the node's process group.
+    let killed: usize = out
+        .lines()
+        .find_map(|l| l.split("still running at the power-off, ").nth(1))
+        .and_then(|l| l.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .expect("node left row");
+    assert!(killed >= 3, "{out}");
+}
+
+#[test]
+fn elastic_without_restarts_names_max_restarts() {
+    let dir = tempfile::tempdir().unwrap();
+    let (code, out, err) = elastic_drill(&standin_job(dir.path(), false, "0"), false, "1s");
+    assert_eq!(code, 1, "{out}\n{err}");
+    assert!(out.contains("a survivor did not resume: node 1"), "{out}");
+    assert!(out.contains("--max-restarts 0"), "{out}");
 }

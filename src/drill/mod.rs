@@ -6,6 +6,9 @@
 //! (host mode) against the child. Prints a verdict table (`report`); exit 0 on PASS. With no
 //! command it runs the bundled example trainer (`trainer`).
 
+mod elastic;
+mod elastic_report;
+mod records;
 mod report;
 mod trainer;
 pub mod wait;
@@ -75,9 +78,11 @@ pub struct DrillArgs {
     /// does, the notice is raised anyway and the verdict says no handler was installed.
     #[arg(long, default_value = "120s", value_parser = config::parse_positive_duration)]
     pub startup_timeout: Duration,
-    /// Checkpoint directory given to the command as SPOTGUARD_DIR [default: a fresh temp dir per run].
-    #[arg(long, value_name = "DIR")]
-    pub checkpoint_dir: Option<PathBuf>,
+    /// The notice/ack directory given to the command as SPOTGUARD_DIR: where the agent writes
+    /// notice.json and reads acks (not where checkpoints go) [default: a fresh temp dir per run].
+    /// With --elastic, node N uses DIR/node-N. `--checkpoint-dir` is the old name.
+    #[arg(long, value_name = "DIR", alias = "checkpoint-dir")]
+    pub notice_dir: Option<PathBuf>,
     /// Upper bound on waiting for the acknowledgement (--checkpoint-timeout of `run`).
     #[arg(long, default_value = "90s", value_parser = config::parse_positive_duration)]
     pub timeout: Duration,
@@ -85,8 +90,7 @@ pub struct DrillArgs {
     /// stops it (SIGTERM, SIGKILL 5s later) and the verdict says so.
     #[arg(long, default_value = "30s", value_parser = config::parse_positive_duration)]
     pub exit_timeout: Duration,
-    /// Run the drill N times in a row (each with a fresh temp dir unless --checkpoint-dir is
-    /// given, in which case each run resumes from the previous one's checkpoint).
+    /// Run the drill N times in a row (each with a fresh temp dir unless --notice-dir is given).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
     pub repeat: u32,
     /// Print the verdict as JSON on stdout (the command's own stdout goes to stderr).
@@ -101,6 +105,31 @@ pub struct DrillArgs {
     /// Log level of the agent pipeline while the drill runs (e.g. `info` to watch every step).
     #[arg(long, default_value = "error")]
     pub log_level: String,
+    /// Elastic training: run the command as --nodes local nodes of one elastic job (torchrun
+    /// --nnodes MIN:MAX, Horovod elastic), raise the notice on one (--interrupt-node), kill that
+    /// node's whole process tree at its deadline (--kill-after), and check that the other nodes
+    /// resumed from the saved step, losing none, before that deadline.
+    #[arg(long)]
+    pub elastic: bool,
+    /// With --elastic: how many nodes to run (node 1 is started first and hosts the rendezvous).
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(2..=16))]
+    pub nodes: u32,
+    /// With --elastic: the node that gets the notice [default: the last one].
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=16))]
+    pub interrupt_node: Option<u32>,
+    /// With --elastic: kill the interrupted node's process tree this long after the notice (the
+    /// power-off) [default: the cloud's notice lead: aws 120s, gce 30s, azure 30s].
+    #[arg(long, value_parser = config::parse_positive_duration)]
+    pub kill_after: Option<Duration>,
+    /// With --elastic: the command is ONE launcher for every node (horovodrun): a node is the
+    /// set of its processes that catch the signal with the same value of VAR in their
+    /// environment (e.g. HOROVOD_HOSTNAME); --interrupt-node counts them in name order.
+    #[arg(long, value_name = "VAR")]
+    pub node_env: Option<String>,
+    /// With --elastic: keep watching the other nodes this long after the kill (a restart caused
+    /// by the power-off loses steps).
+    #[arg(long, default_value = "5s", value_parser = config::parse_duration)]
+    pub settle: Duration,
     /// The training command and its arguments (after `--`). Default: the bundled example trainer.
     #[arg(last = true, value_name = "CMD")]
     pub command: Vec<String>,
@@ -127,6 +156,9 @@ const SIGNAL_NAME: &str = "SIGUSR1";
 /// Run the drill (`--repeat` times); returns the process exit code.
 pub async fn run(args: DrillArgs, cancel: CancellationToken) -> i32 {
     crate::telemetry::init(config::LogFormat::Text, &args.log_level);
+    if args.elastic {
+        return elastic::run(&args, cancel).await;
+    }
     let mut runs: Vec<(Verdict, String, Duration)> = Vec::new();
     let mut code = EXIT_PASS;
     for i in 0..args.repeat {
@@ -201,9 +233,9 @@ async fn drill(args: &DrillArgs, cancel: CancellationToken) -> Result<Verdict, S
         .prefix("spotguard-drill-")
         .tempdir()
         .map_err(|e| format!("creating a temp dir: {e}"))?;
-    let ckpt_dir = match &args.checkpoint_dir {
+    let ckpt_dir = match &args.notice_dir {
         Some(d) => std::path::absolute(d).map_err(|e| format!("{}: {e}", d.display()))?,
-        None => work.path().join("checkpoint"),
+        None => work.path().join("notice"),
     };
     std::fs::create_dir_all(&ckpt_dir)
         .map_err(|e| format!("creating {}: {e}", ckpt_dir.display()))?;
@@ -211,11 +243,7 @@ async fn drill(args: &DrillArgs, cancel: CancellationToken) -> Result<Verdict, S
     let pidfile = work.path().join("trainer.pid");
 
     // 1. The emulator.
-    let cloud = match args.cloud {
-        DrillCloud::Aws => emulator::Cloud::Aws,
-        DrillCloud::Gce => emulator::Cloud::Gce,
-        DrillCloud::Azure => emulator::Cloud::Azure,
-    };
+    let cloud = emulator_cloud(args.cloud);
     let emu = emulator::start(emulator::EmulatorConfig::new(cloud))
         .await
         .map_err(|e| format!("starting the metadata emulator: {e}"))?;
@@ -272,7 +300,13 @@ async fn drill(args: &DrillArgs, cancel: CancellationToken) -> Result<Verdict, S
     std::fs::write(&pidfile, format!("{pid}\n")).map_err(|e| format!("writing pidfile: {e}"))?;
 
     // 3. The real pipeline, host mode, against the emulator.
-    let run_args = drill_run_args(args, &emu.base_url(), &ckpt_dir, &state_dir, &pidfile)?;
+    let run_args = drill_run_args(
+        args,
+        &emu.base_url(),
+        &ckpt_dir,
+        &state_dir,
+        std::slice::from_ref(&pidfile),
+    )?;
     let cfg = Config::resolve(run_args, &config::ProcessEnv).map_err(|e| e.to_string())?;
     let pipeline_cancel = cancel.child_token();
     let app = app::start(cfg, pipeline_cancel.clone())
@@ -332,7 +366,7 @@ async fn drill(args: &DrillArgs, cancel: CancellationToken) -> Result<Verdict, S
             };
             keep(work, args.keep);
             return Err(format!(
-                "the command exited before the interruption ({what}, {:.1}s after start)",
+                "the command ended before the notice ({what}, {:.1}s after start): nothing was left to interrupt. Give it more steps, or a shorter --after",
                 started.elapsed().as_secs_f64()
             ));
         }
@@ -342,8 +376,13 @@ async fn drill(args: &DrillArgs, cancel: CancellationToken) -> Result<Verdict, S
         .raise(emulator::EmulatedNotice::interruption())
         .map_err(|e| format!("raising the notice in the emulator: {e}"))?
         .visible_at;
+    let handler_gone = match &handler {
+        HandlerWait::Found { handler, .. } => !wait::alive(&proc, handler.pid),
+        _ => false,
+    };
     let mut v = Verdict {
         raised_at: Some(raised_at),
+        handler_gone,
         ..Verdict::started(args.cloud, shown, ckpt_dir.clone(), handler, started_at)
     };
 
@@ -416,7 +455,7 @@ async fn drill(args: &DrillArgs, cancel: CancellationToken) -> Result<Verdict, S
             status.map(|s| exit_info(s, true))
         }
     };
-    v.acks = read_acks(&ckpt_dir);
+    v.acks = records::read_acks(&ckpt_dir);
     pipeline_cancel.cancel();
     let _ = tokio::time::timeout(Duration::from_secs(5), app.join).await;
     emu.shutdown().await;
@@ -438,11 +477,11 @@ fn drill_run_args(
     endpoint: &str,
     ckpt_dir: &Path,
     state_dir: &Path,
-    pidfile: &Path,
+    pidfiles: &[PathBuf],
 ) -> Result<config::RunArgs, String> {
     let cloud = cloud_name(args.cloud);
     let timeout = crate::duration::display(args.timeout).to_string();
-    let flags: Vec<String> = vec![
+    let mut flags: Vec<String> = vec![
         "--mode=host".into(),
         format!("--cloud={cloud}"),
         format!("--metadata-endpoint={endpoint}"),
@@ -450,16 +489,29 @@ fn drill_run_args(
         format!("--checkpoint-timeout={timeout}"),
         format!("--checkpoint-dir={}", ckpt_dir.display()),
         format!("--state-dir={}", state_dir.display()),
-        format!("--checkpoint-pidfile={}", pidfile.display()),
         "--metrics-addr=127.0.0.1:0".into(),
         "--gpu=off".into(),
         format!("--log-level={}", args.log_level),
         "--shutdown-grace=5s".into(),
     ];
+    flags.extend(
+        pidfiles
+            .iter()
+            .map(|p| format!("--checkpoint-pidfile={}", p.display())),
+    );
     let mut r = config::parse_run_args(flags)?;
     r.mode = ModeChoice::Host;
     r.config = None;
     Ok(r)
+}
+
+/// The emulator's cloud for `c`.
+fn emulator_cloud(c: DrillCloud) -> emulator::Cloud {
+    match c {
+        DrillCloud::Aws => emulator::Cloud::Aws,
+        DrillCloud::Gce => emulator::Cloud::Gce,
+        DrillCloud::Azure => emulator::Cloud::Azure,
+    }
 }
 
 pub(crate) fn cloud_name(c: DrillCloud) -> &'static str {
@@ -486,51 +538,4 @@ fn terminate(pid: u32, sig: libc::c_int) {
             libc::kill(p, sig);
         }
     }
-}
-
-/// Every ack in the checkpoint dir (`ack-<pid>.json` and the plain `ack`), for the verdict.
-fn read_acks(dir: &Path) -> Vec<AckRow> {
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return Vec::new();
-    };
-    let mut out = Vec::new();
-    for entry in entries.flatten() {
-        let name = entry.file_name().to_string_lossy().into_owned();
-        let plain = name == "ack";
-        let per_process = name.starts_with("ack-") && name.ends_with(".json");
-        if !(plain || per_process) {
-            continue;
-        }
-        // Bounded read: the drill reads what the command wrote, like the agent does.
-        let Ok(meta) = entry.metadata() else { continue };
-        if !meta.is_file() || meta.len() > 64 * 1024 {
-            continue;
-        }
-        let body = std::fs::read(entry.path())
-            .ok()
-            .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok());
-        let mtime = meta
-            .modified()
-            .ok()
-            .and_then(|m| Timestamp::try_from(m).ok());
-        let get = |k: &str| body.as_ref().and_then(|b| b.get(k));
-        let written = get("ts")
-            .and_then(|t| t.as_f64())
-            .and_then(|t| Timestamp::from_microsecond((t * 1e6) as i64).ok())
-            .or(mtime);
-        out.push(AckRow {
-            file: name,
-            state: get("state")
-                .and_then(|s| s.as_str())
-                .map(str::to_string)
-                .unwrap_or_else(|| if plain { "done".into() } else { "?".into() }),
-            step: get("step").and_then(|s| s.as_i64()),
-            checkpoint: get("checkpoint")
-                .and_then(|s| s.as_str())
-                .map(str::to_string),
-            written,
-        });
-    }
-    out.sort_by(|a, b| a.written.cmp(&b.written).then(a.file.cmp(&b.file)));
-    out
 }

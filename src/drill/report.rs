@@ -45,8 +45,12 @@ pub struct Verdict {
     pub reason: String,
     pub cloud: DrillCloud,
     pub command: String,
-    pub checkpoint_dir: PathBuf,
+    /// The notice/ack directory (`SPOTGUARD_DIR`).
+    pub notice_dir: PathBuf,
     pub handler: HandlerWait,
+    /// The handler's process had exited when the notice was raised: the command's training ended
+    /// before the notice.
+    pub handler_gone: bool,
     pub started_at: Timestamp,
     pub raised_at: Option<Timestamp>,
     pub seen_at: Option<Timestamp>,
@@ -69,7 +73,7 @@ impl Verdict {
     pub fn started(
         cloud: DrillCloud,
         command: String,
-        checkpoint_dir: PathBuf,
+        notice_dir: PathBuf,
         handler: HandlerWait,
         started_at: Timestamp,
     ) -> Self {
@@ -78,8 +82,9 @@ impl Verdict {
             reason: String::new(),
             cloud,
             command,
-            checkpoint_dir,
+            notice_dir,
             handler,
+            handler_gone: false,
             started_at,
             raised_at: None,
             seen_at: None,
@@ -157,6 +162,57 @@ fn waited(d: Duration) -> String {
     format!("{:.1}s", d.as_secs_f64())
 }
 
+/// How many processes the command's launcher says it starts (`torchrun --nproc-per-node N`,
+/// `accelerate launch --num_processes N`, `horovodrun -np N`), if it says.
+pub fn expected_processes(command: &str) -> Option<usize> {
+    flag_count(
+        command,
+        &[
+            "--nproc-per-node",
+            "--nproc_per_node",
+            "--num_processes",
+            "--num-processes",
+            "-np",
+            "--num-proc",
+        ],
+    )
+}
+
+/// How many processes per node the command's launcher starts (`torchrun --nproc-per-node N`).
+pub fn expected_per_node(command: &str) -> Option<usize> {
+    flag_count(command, &["--nproc-per-node", "--nproc_per_node"])
+}
+
+fn flag_count(command: &str, flags: &[&str]) -> Option<usize> {
+    let words: Vec<&str> = command.split_whitespace().collect();
+    for (i, w) in words.iter().enumerate() {
+        let (name, value) = match w.split_once('=') {
+            Some((n, v)) => (n, Some(v)),
+            None => (*w, words.get(i + 1).copied()),
+        };
+        if flags.contains(&name) {
+            if let Some(n) = value.and_then(|v| v.parse::<usize>().ok()) {
+                return Some(n);
+            }
+        }
+    }
+    None
+}
+
+/// Warnings that do not fail the run by themselves.
+pub fn warnings(v: &Verdict) -> Vec<String> {
+    let mut out = Vec::new();
+    if let Some(n) = expected_processes(&v.command) {
+        if v.signalled_at.is_some() && v.processes < n {
+            out.push(format!(
+                "the launcher was asked for {n} processes but only {} caught the signal: the others never started or never called spotguard.install() (`accelerate launch --cpu` runs one process whatever --num_processes says; on CPU use `accelerate launch --multi_gpu --num_processes N` with Accelerator(cpu=True))",
+                v.processes
+            ));
+        }
+    }
+    out
+}
+
 /// Decide PASS/FAIL and say why.
 pub fn judge(v: &mut Verdict, signal: &str, timeout: Duration) {
     if let Some(e) = &v.error {
@@ -183,6 +239,11 @@ pub fn judge(v: &mut Verdict, signal: &str, timeout: Duration) {
             match &v.handler {
                 HandlerWait::NotFound { waited: w } => format!(
                     "no process of the command ever caught {signal} (waited {} for a handler after start): install one (import spotguard; spotguard.install())",
+                    waited(*w)
+                ),
+                HandlerWait::Found { handler, waited: w } if v.handler_gone => format!(
+                    "the command ended before the notice: pid {} (which caught {signal} {} after start) had exited when the notice was raised, and no process of the command caught {signal} after that (the training finished, or crashed; a launcher still waiting for other nodes was left). Give it more steps, or a shorter --after",
+                    handler.pid,
                     waited(*w)
                 ),
                 HandlerWait::Found { handler, .. } => format!(
@@ -352,7 +413,7 @@ pub fn table(v: &Verdict, timeout: Duration, signal: &str) -> String {
             &mut out,
             "ack written",
             "—",
-            "no ack file in the checkpoint dir",
+            "no ack file in the notice dir (SPOTGUARD_DIR)",
         );
     }
     for r in &v.results {
@@ -364,12 +425,14 @@ pub fn table(v: &Verdict, timeout: Duration, signal: &str) -> String {
         );
     }
     if let Some(e) = &v.exit {
-        row(
-            &mut out,
-            "command exit",
-            &e.code.to_string(),
-            &exit_label(e),
-        );
+        let mut label = exit_label(e);
+        if v.handler_gone {
+            label.push_str(" (its training had ended before the notice)");
+        }
+        row(&mut out, "command exit", &e.code.to_string(), &label);
+    }
+    for w in warnings(v) {
+        row(&mut out, "warning", "", &w);
     }
     let _ = writeln!(
         out,
@@ -398,7 +461,10 @@ pub fn to_json(v: &Verdict, timeout: Duration, signal: &str) -> Value {
         "reason": v.reason,
         "cloud": super::cloud_name(v.cloud),
         "command": v.command,
-        "checkpoint_dir": v.checkpoint_dir.display().to_string(),
+        "notice_dir": v.notice_dir.display().to_string(),
+        // The old name of the same directory (before --notice-dir), kept for existing readers.
+        "checkpoint_dir": v.notice_dir.display().to_string(),
+        "warnings": warnings(v),
         "signal": signal,
         "timeout_s": timeout.as_secs_f64(),
         "handler": handler,
@@ -439,38 +505,63 @@ fn xml_escape(s: &str) -> String {
     out
 }
 
+/// One test case of a JUnit report.
+pub struct JunitCase {
+    pub name: String,
+    pub pass: bool,
+    pub reason: String,
+    /// The verdict table.
+    pub text: String,
+    pub took: Duration,
+}
+
 /// A JUnit XML report (`--junit FILE`): one test case per run.
 pub fn junit(runs: &[(Verdict, String, Duration)]) -> String {
-    let failures = runs.iter().filter(|(v, _, _)| !v.pass).count();
-    let total: f64 = runs.iter().map(|(_, _, d)| d.as_secs_f64()).sum();
+    let cases: Vec<JunitCase> = runs
+        .iter()
+        .enumerate()
+        .map(|(i, (v, text, took))| JunitCase {
+            name: format!(
+                "{} interruption #{}: {}",
+                super::cloud_name(v.cloud),
+                i + 1,
+                v.command
+            ),
+            pass: v.pass,
+            reason: v.reason.clone(),
+            text: text.clone(),
+            took: *took,
+        })
+        .collect();
+    junit_cases(&cases)
+}
+
+/// The JUnit XML of `cases`.
+pub fn junit_cases(cases: &[JunitCase]) -> String {
+    let failures = cases.iter().filter(|c| !c.pass).count();
+    let total: f64 = cases.iter().map(|c| c.took.as_secs_f64()).sum();
     let mut out = String::from("<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n");
     let _ = writeln!(
         out,
         "<testsuite name=\"spotguard drill\" tests=\"{}\" failures=\"{failures}\" errors=\"0\" time=\"{total:.3}\">",
-        runs.len()
+        cases.len()
     );
-    for (i, (v, text, took)) in runs.iter().enumerate() {
-        let name = format!(
-            "{} interruption #{}: {}",
-            super::cloud_name(v.cloud),
-            i + 1,
-            v.command
-        );
+    for c in cases {
         let _ = write!(
             out,
             "  <testcase classname=\"spotguard.drill\" name=\"{}\" time=\"{:.3}\">",
-            xml_escape(&name),
-            took.as_secs_f64()
+            xml_escape(&c.name),
+            c.took.as_secs_f64()
         );
-        if !v.pass {
+        if !c.pass {
             let _ = write!(
                 out,
                 "\n    <failure message=\"{}\">{}</failure>\n  ",
-                xml_escape(&v.reason),
-                xml_escape(text)
+                xml_escape(&c.reason),
+                xml_escape(&c.text)
             );
         } else {
-            let _ = write!(out, "<system-out>{}</system-out>", xml_escape(text));
+            let _ = write!(out, "<system-out>{}</system-out>", xml_escape(&c.text));
         }
         out.push_str("</testcase>\n");
     }

@@ -4,6 +4,7 @@
 //! is never mistaken for a missing handler.
 
 use std::collections::{HashMap, HashSet};
+use std::path::Path;
 use std::time::Duration;
 
 use crate::checkpoint::procfs::ProcFs;
@@ -74,6 +75,46 @@ pub fn find_handler(proc: &ProcFs, root: i32, sig: Signal) -> Option<Handler> {
             shorten(&argv.join(" "), 80)
         };
         Some(Handler { pid, command })
+    })
+}
+
+/// Whether `pid` still runs (exists and is not a zombie).
+pub fn alive(proc: &ProcFs, pid: i32) -> bool {
+    proc.stat(pid)
+        .is_ok_and(|st| st.state != 'Z' && st.state != 'X')
+}
+
+/// Whether some process of `pids` holds a listening TCP socket (e.g. torchrun's agent hosting
+/// the c10d rendezvous store): its socket inodes, matched against /proc/net/tcp and tcp6.
+pub fn listens(proc_root: &Path, pids: &[i32]) -> bool {
+    let mut inodes = HashSet::new();
+    for pid in pids {
+        let Ok(fds) = std::fs::read_dir(proc_root.join(pid.to_string()).join("fd")) else {
+            continue;
+        };
+        for fd in fds.flatten() {
+            if let Ok(target) = std::fs::read_link(fd.path()) {
+                let t = target.to_string_lossy();
+                if let Some(n) = t.strip_prefix("socket:[").and_then(|r| r.strip_suffix(']')) {
+                    if let Ok(n) = n.parse::<u64>() {
+                        inodes.insert(n);
+                    }
+                }
+            }
+        }
+    }
+    if inodes.is_empty() {
+        return false;
+    }
+    ["net/tcp", "net/tcp6"].iter().any(|table| {
+        let Ok(text) = std::fs::read_to_string(proc_root.join(table)) else {
+            return false;
+        };
+        text.lines().skip(1).any(|line| {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            // sl local_address rem_address st tx:rx tr:when retrnsmt uid timeout inode
+            f.len() > 9 && f[3] == "0A" && f[9].parse::<u64>().is_ok_and(|i| inodes.contains(&i))
+        })
     })
 }
 

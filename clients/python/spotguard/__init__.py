@@ -88,6 +88,8 @@ __all__ = [
     "received_at",
     "received_signal",
     "requested",
+    "resume_path",
+    "resumed",
     "should_checkpoint",
     "time_left",
     "uninstall",
@@ -134,6 +136,17 @@ _handler_error: Optional[BaseException] = None
 _tmp_counter = itertools.count()
 _fork_hook_registered = False
 _installed_at: Optional[float] = None
+# Training has started: resumed(), should_checkpoint() or requested() was called. Until then a
+# SIGTERM ends the process at once (there is nothing to save yet, and a process still in rendezvous
+# or in a gloo connect must not stall its launcher's restart).
+_training = False
+_watchdog: Optional["_SigtermWatchdog"] = None
+# The resume record (resumed()): the step training resumed from and the polls since.
+_resume: Optional[Dict[str, Any]] = None
+_polls = 0
+_resumes = 0
+_progress_every: Optional[float] = None
+_progress_written = 0.0
 
 
 @dataclass(frozen=True)
@@ -298,6 +311,112 @@ def ack_container(
     return path
 
 
+#: How often (seconds) :func:`should_checkpoint` refreshes the resume record's ``last_step`` when
+#: ``$SPOTGUARD_PROGRESS`` is set (``spotguard drill --elastic`` sets it; unset, never).
+PROGRESS_ENV = "SPOTGUARD_PROGRESS"
+
+
+def _progress_interval() -> Optional[float]:
+    raw = os.environ.get(PROGRESS_ENV)
+    if not raw:
+        return None
+    try:
+        every = float(raw)
+    except ValueError:
+        return None
+    return every if every > 0 else None
+
+
+def _world() -> Tuple[Optional[int], Optional[int]]:
+    """(rank, world size): from an initialised ``torch.distributed`` or Horovod, else torchrun's
+    / Horovod's environment, else ``(None, None)``."""
+    hvd = sys.modules.get("horovod.torch")
+    if hvd is not None:
+        try:
+            if hvd.is_initialized():
+                return int(hvd.rank()), int(hvd.size())
+        except Exception:  # not initialised, or torn down by a reset: the other sources
+            pass
+    dist = _distributed()
+    if dist is not None:
+        try:
+            return int(dist.get_rank()), int(dist.get_world_size())
+        except Exception:  # a group torn down under us: fall back to the environment
+            pass
+    for rank_key, size_key in (("RANK", "WORLD_SIZE"), ("HOROVOD_RANK", "HOROVOD_SIZE")):
+        try:
+            return int(os.environ[rank_key]), int(os.environ[size_key])
+        except (KeyError, ValueError):
+            continue
+    return None, None
+
+
+def resume_path(pid: Optional[int] = None) -> Path:
+    """``<dir>/resume-<pid>.json``: the resume record of this process (or ``pid``). A process
+    that resumes again without restarting (Horovod elastic's reset) writes
+    ``resume-<pid>-<n>.json`` for its n-th resume, so that every resume keeps its record."""
+    if pid is None and _resumes > 1:
+        return checkpoint_dir() / f"resume-{os.getpid()}-{_resumes}.json"
+    return checkpoint_dir() / f"resume-{os.getpid() if pid is None else pid}.json"
+
+
+def _resume_bytes() -> bytes:
+    assert _resume is not None
+    body = dict(_resume)
+    body["last_step"] = _resume["step"] + _polls
+    body["last_ts"] = time.time()
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def resumed(step: int) -> Path:
+    """Say where training (re)starts: call it once the checkpoint is loaded (``step`` = the step
+    it holds, 0 on a fresh start) and the process group is up, right before the loop.
+
+    It marks training as started (a SIGTERM from now on is a checkpoint request, see
+    :func:`install`). Writes ``<dir>/resume-<pid>.json`` (``{"step", "ts", "rank",
+    "world_size", "last_step", "last_ts"}``, atomically). The agent ignores it; ``spotguard drill --elastic`` reads it to
+    tell which step each node resumed from after a preemption and when it trained again, so that
+    it can count the steps lost (with ``--node-env VAR`` the record also carries ``"node"``, the
+    value of ``$VAR``: one launcher for every node, e.g. ``HOROVOD_HOSTNAME``). Under
+    ``spotguard drill --elastic`` (``$SPOTGUARD_PROGRESS``
+    set) :func:`should_checkpoint` also refreshes ``last_step`` (``step`` + its calls since) at
+    most that often, which lets the drill count steps trained and then thrown away. Returns the
+    path written; raises ``ValueError`` for a bad step and ``OSError`` when it cannot write."""
+    global _resume, _polls, _progress_written, _training, _resumes
+    if isinstance(step, bool):
+        raise ValueError(f"step must be an int, got {step!r}")
+    try:
+        step = operator.index(step)
+    except TypeError:
+        raise ValueError(f"step must be an int, got {step!r}") from None
+    _training = True
+    rank, world = _world()
+    _polls = 0
+    _resumes += 1
+    _resume = {"step": step, "ts": time.time(), "rank": rank, "world_size": world}
+    node_env = os.environ.get("SPOTGUARD_NODE_ENV")  # `drill --elastic --node-env VAR` sets it
+    if node_env:
+        _resume["node"] = os.environ.get(node_env)
+    path = resume_path()
+    _write_atomic(path, _resume_bytes())
+    _progress_written = time.monotonic()
+    return path
+
+
+def _write_progress() -> None:
+    """Refresh the resume record's ``last_step`` (drill only), at most every ``_progress_every``
+    seconds; never raises into the training loop."""
+    global _progress_written
+    now = time.monotonic()
+    if _progress_every is None or now - _progress_written < _progress_every:
+        return
+    _progress_written = now
+    try:
+        _write_atomic(resume_path(), _resume_bytes())
+    except OSError:
+        pass
+
+
 def notice() -> Optional[Notice]:
     """The parsed ``<dir>/notice.json``, or ``None`` when there is none, when it cannot be read or
     parsed (the agent writes it atomically, so that only happens when something else wrote it),
@@ -332,7 +451,10 @@ def time_left(now: Optional[float] = None, *, until: str = "checkpoint") -> Opti
 
 def requested() -> bool:
     """Whether a checkpoint signal arrived in *this* process since :func:`install` or
-    :func:`clear`. Local only; use :func:`should_checkpoint` in a training loop."""
+    :func:`clear`. Local only; use :func:`should_checkpoint` in a training loop. Calling it
+    marks training as started, like :func:`should_checkpoint`."""
+    global _training
+    _training = True
     return _requested
 
 
@@ -375,6 +497,8 @@ def _handle(signum: int, frame: Optional[FrameType]) -> None:
     """The signal handler: set the flag, write ``received`` once per request, chain."""
     global _requested, _signum, _received_at, _handler_error
     if os.getpid() == _owner_pid:
+        if signum == signal.SIGTERM and not _training:
+            _exit_before_training("the signal handler")
         first = not _requested
         _requested = True
         if first:
@@ -389,22 +513,95 @@ def _handle(signum: int, frame: Optional[FrameType]) -> None:
         previous(signum, frame)
 
 
+def _exit_before_training(where: str) -> None:
+    """SIGTERM before training started (no :func:`resumed`, :func:`should_checkpoint` or
+    :func:`requested` call yet): there is no step to save, so leave now with 143 instead of turning it into a request.
+    A launcher stopping its workers (torchrun restarting them, a membership change) must not wait
+    for a process still in rendezvous or in a gloo connect. Acks ``skipped`` (no checkpoint) so
+    that an agent waiting on this process learns it at once. Only ``os`` calls: this runs in the
+    signal handler or in the watchdog thread."""
+    try:
+        _write_atomic(ack_path(), _ack_bytes("skipped", None, None))
+    except OSError:
+        pass
+    try:
+        os.write(2, f"spotguard: SIGTERM before training started (seen by {where}): nothing to "
+                    f"checkpoint yet, exiting {EXIT_CODE}\n".encode())
+    except OSError:
+        pass
+    os._exit(EXIT_CODE)
+
+
+class _SigtermWatchdog:
+    """Sees SIGTERM while the main thread is blocked in C code (a rendezvous, a gloo connect, a
+    store wait), where Python cannot run the signal handler until the call returns: Python's C
+    handler writes the signal number to the wakeup fd, and this thread reads it. Before training
+    started it ends the process (:func:`_exit_before_training`); after, it does nothing (the
+    handler sets the flag as soon as the main thread runs Python again)."""
+
+    def __init__(self) -> None:
+        self._r, self._w = os.pipe()
+        os.set_blocking(self._w, False)
+        os.set_inheritable(self._r, False)
+        os.set_inheritable(self._w, False)
+        self.previous = signal.set_wakeup_fd(self._w, warn_on_full_buffer=False)
+        if self.previous != -1:
+            # Someone else (asyncio, a framework) owns the wakeup fd: give it back, no watchdog.
+            signal.set_wakeup_fd(self.previous)
+            os.close(self._r)
+            os.close(self._w)
+            self.active = False
+            return
+        self.active = True
+        self._thread = threading.Thread(target=self._run, name="spotguard-sigterm", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                data = os.read(self._r, 64)
+            except OSError:
+                return
+            if not data:
+                return
+            if signal.SIGTERM in data and not _training and os.getpid() == _owner_pid:
+                _exit_before_training("the watchdog thread: the main thread was busy in C code")
+
+    def stop(self) -> None:
+        if not self.active:
+            return
+        self.active = False
+        try:
+            signal.set_wakeup_fd(-1)
+        except ValueError:  # not the main thread (a forked child): the fd dies with the pipe
+            pass
+        for fd in (self._w, self._r):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
 def _reset_in_child() -> None:
     """After ``os.fork`` (DataLoader workers, multiprocessing 'fork'): give the child the
     dispositions it had before :func:`install`, so that its ``SigCgt`` no longer shows the signal
     and spotguard's ``handlers`` mode never signals it (it would never ack)."""
-    global _owner_pid, _installed_at
+    global _owner_pid, _installed_at, _watchdog, _training
     if _owner_pid is None or os.getpid() == _owner_pid:
         return
     saved = dict(_previous)
     _previous.clear()
     _owner_pid = None
     _installed_at = None
+    if _watchdog is not None:
+        _watchdog.stop()  # its thread did not survive the fork
     for signum, previous in saved.items():
         try:
             signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
         except (ValueError, OSError, TypeError):
             pass
+    _watchdog = None
+    _training = False
     clear()
 
 
@@ -428,12 +625,21 @@ def install(
     Idempotent: calling it again (with the same or other signals) does not wrap itself. ``dir``
     overrides ``$SPOTGUARD_DIR``. Forked children get their previous dispositions back.
 
+    SIGTERM *before training started* (before :func:`resumed` or the first
+    :func:`should_checkpoint` / :func:`requested` call) is not a checkpoint request: there is nothing to save yet, so the
+    process acks ``skipped`` and exits 143 at once, even while its main thread is blocked in C
+    code (a rendezvous, a gloo connect: a watchdog thread reads Python's signal wakeup fd, unless
+    something else already owns it). A launcher's restart (torchrun stopping its workers) never
+    waits on a worker that is still starting. SIGUSR1 before training started is kept as a
+    request: the first step boundary checkpoints.
+
     It creates the checkpoint directory when missing (:func:`prepare_dir`: mode ``0o1777``), and
     warns (``RuntimeWarning``) when neither ``dir`` nor ``$SPOTGUARD_DIR`` is set or when the
     directory cannot be created: a directory the agent does not write to ends in its timeout.
     Returns the checkpoint directory. Raises ``RuntimeError`` outside the main thread.
     """
-    global _dir, _chain, _owner_pid, _fork_hook_registered, _installed_at
+    global _dir, _chain, _owner_pid, _fork_hook_registered, _installed_at, _watchdog
+    global _progress_every
     if threading.current_thread() is not threading.main_thread():
         raise RuntimeError(
             "spotguard.install() must be called from the main thread: Python runs signal handlers "
@@ -460,6 +666,9 @@ def install(
     if not _fork_hook_registered:
         os.register_at_fork(after_in_child=_reset_in_child)
         _fork_hook_registered = True
+    if signal.SIGTERM in _previous and _watchdog is None:
+        _watchdog = _SigtermWatchdog()
+    _progress_every = _progress_interval()
     if dir is None and not os.environ.get("SPOTGUARD_DIR") and _dir is None:
         _warn_default_dir()
     directory = checkpoint_dir()
@@ -517,14 +726,18 @@ def prepare_dir(path: Union[str, "os.PathLike[str]"]) -> bool:
 def uninstall() -> None:
     """Restore the dispositions that were in place before :func:`install` and clear the flag.
     Main thread only."""
-    global _owner_pid, _installed_at
+    global _owner_pid, _installed_at, _watchdog, _training
     if threading.current_thread() is not threading.main_thread():
         raise RuntimeError("spotguard.uninstall() must be called from the main thread")
     for signum, previous in list(_previous.items()):
         signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
         del _previous[signum]
+    if _watchdog is not None:
+        _watchdog.stop()
+        _watchdog = None
     _owner_pid = None
     _installed_at = None
+    _training = False
     clear()
 
 
@@ -606,11 +819,15 @@ def should_checkpoint(every: int = 1, *, via: str = "auto") -> bool:
     amortise its cost: the answer arrives at most N-1 steps later, so a checkpoint starts up to
     (N-1) x step time after the signal. Keep that well under the budget (about 20 s on GCE).
     """
-    global _agreed, _calls
+    global _agreed, _calls, _training, _polls
     if every < 1:
         raise ValueError(f"every must be >= 1, got {every}")
     if via not in AGREEMENT_PATHS:
         raise ValueError(f"via must be one of {', '.join(AGREEMENT_PATHS)}; got {via!r}")
+    _training = True
+    _polls += 1
+    if _progress_every is not None and _resume is not None:
+        _write_progress()
     if _agreed:
         return True
     dist = _distributed()
@@ -790,8 +1007,37 @@ class _DirWatch:
         self._stop.set()
         self._thread.join()
 
+    def seen_pids(self) -> List[int]:
+        """Every pid seen in the child's process tree while it ran."""
+        return sorted(self._seen)
 
-def launch(argv: Sequence[str], forward: Iterable[int] = LAUNCH_FORWARDED) -> int:
+
+def _launch_exit_code(argv: Sequence[str], rc: int, watch: _DirWatch, started: float) -> int:
+    """The launch's exit code: the child's (128 + N when killed by signal N), or 143 when it
+    failed after a ``done`` ack of this run (see :func:`launch`)."""
+    if rc < 0:
+        rc = 128 - rc
+    if rc == 0 or rc == EXIT_CODE:
+        return rc
+    for directory, before in watch.dirs.items():
+        acks = _done_acks(Path(directory), started, before)
+        if acks:
+            print(
+                f"spotguard launch: {argv[0]} exited {rc} after this run's checkpoint "
+                f"({', '.join(acks)} in {directory}): exiting {EXIT_CODE} (retryable)",
+                file=sys.stderr,
+                flush=True,
+            )
+            return EXIT_CODE
+    return rc
+
+
+def launch(
+    argv: Sequence[str],
+    forward: Iterable[int] = LAUNCH_FORWARDED,
+    *,
+    elastic: Optional[bool] = None,
+) -> int:
     """Run a launcher such as ``torchrun`` as a child and return the exit code the pod should
     report: 143 when it failed after a checkpoint was acked ``done`` during this run (torchrun
     turns its workers' 143 into 1), else the child's own code (128 + N when killed by signal N).
@@ -806,11 +1052,28 @@ def launch(argv: Sequence[str], forward: Iterable[int] = LAUNCH_FORWARDED) -> in
     is what the kubelet signals) are forwarded to the child. ``SIGUSR1`` is deliberately not
     caught: spotguard's ``handlers`` mode then skips this process and signals the workers, which
     called :func:`install`, directly. Main thread only.
+
+    Elastic torchrun (``--nnodes MIN:MAX`` with MIN < MAX, or ``elastic=True``): the node that
+    gets the notice leaves the job right after its checkpoint and the other nodes go on without
+    it; see :mod:`spotguard.elastic`. ``elastic=False`` turns that off.
     """
     if not argv:
         raise ValueError("launch: no command given")
     if threading.current_thread() is not threading.main_thread():
         raise RuntimeError("spotguard.launch() must be called from the main thread")
+    if elastic is not False:
+        from . import elastic as _elastic
+
+        tr = _elastic.parse_torchrun(argv)
+        if tr is not None and (elastic or tr.elastic):
+            return _elastic.run(argv, tr, forward)
+        if elastic:
+            print(
+                f"spotguard launch: --elastic: {argv[0]!r} is not torchrun (torchrun, or "
+                "python -m torch.distributed.run): running it as a plain launcher",
+                file=sys.stderr,
+                flush=True,
+            )
     started = time.time()
     child = subprocess.Popen(list(argv))
     watch = _DirWatch(child.pid)
@@ -830,38 +1093,33 @@ def launch(argv: Sequence[str], forward: Iterable[int] = LAUNCH_FORWARDED) -> in
         for s, previous in saved.items():
             signal.signal(s, previous if previous is not None else signal.SIG_DFL)
         watch.stop()
-    if rc < 0:
-        rc = 128 - rc
-    if rc == 0 or rc == EXIT_CODE:
-        return rc
-    for directory, before in watch.dirs.items():
-        acks = _done_acks(Path(directory), started, before)
-        if acks:
-            print(
-                f"spotguard launch: {argv[0]} exited {rc} after this run's checkpoint "
-                f"({', '.join(acks)} in {directory}): exiting {EXIT_CODE} (retryable)",
-                file=sys.stderr,
-                flush=True,
-            )
-            return EXIT_CODE
-    return rc
+    return _launch_exit_code(argv, rc, watch, started)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """``python3 -m spotguard launch [--] CMD ARGS…`` (see :func:`launch`)."""
+    """``python3 -m spotguard launch [--elastic|--no-elastic] [--] CMD ARGS…`` (see
+    :func:`launch`) and ``python3 -m spotguard horovod-hosts …`` (see :mod:`spotguard.horovod`)."""
     args = list(sys.argv[1:] if argv is None else argv)
-    usage = "usage: python3 -m spotguard launch [--] CMD [ARGS...]"
+    usage = "usage: python3 -m spotguard launch [--elastic|--no-elastic] [--] CMD [ARGS...]"
+    if args and args[0] == "horovod-hosts":
+        from . import horovod
+
+        return horovod.hosts_main(args[1:])
     if not args or args[0] != "launch":
         print(usage, file=sys.stderr)
         return 64
     cmd = args[1:]
+    elastic: Optional[bool] = None
+    while cmd and cmd[0] in ("--elastic", "--no-elastic"):
+        elastic = cmd[0] == "--elastic"
+        cmd = cmd[1:]
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
     if not cmd:
         print(usage, file=sys.stderr)
         return 64
     try:
-        return launch(cmd)
+        return launch(cmd, elastic=elastic)
     except OSError as err:
         print(f"spotguard launch: cannot run {cmd[0]!r}: {err}", file=sys.stderr)
         return 127

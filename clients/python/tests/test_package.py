@@ -145,3 +145,33 @@ def test_the_binary_is_on_path_in_the_venv() -> None:
     if FROM_SOURCE:
         pytest.skip("tests the installed wheel (scripts/test.sh)")
     assert shutil.which("spotguard") == binary()
+
+
+def _wheel(folder: str) -> Path:
+    found = sorted((REPO_ROOT / "target" / folder).glob("spotguard-*.whl"))
+    if not found:
+        pytest.skip(f"no wheel in target/{folder} (scripts/test.sh builds it)")
+    return found[-1]
+
+
+@installed_only
+def test_the_pure_python_wheel_carries_the_same_helper_as_the_binary_wheel() -> None:
+    """`pip install ./clients/python` (setuptools, any platform) and `pip install spotguard`
+    (maturin, with the binary) build from the same sources: the same package files, byte for
+    byte, the same version; only the binary wheel has the binary."""
+    import zipfile
+
+    def package(z: zipfile.ZipFile) -> dict:
+        return {n: z.read(n) for n in z.namelist()
+                if n.startswith("spotguard/") and "__pycache__" not in n}
+
+    pure, full = _wheel("wheels-pure"), _wheel("wheels")
+    assert pure.name == f"spotguard-{spotguard.__version__}-py3-none-any.whl"
+    with zipfile.ZipFile(pure) as p, zipfile.ZipFile(full) as f:
+        assert package(p) == package(f)
+        assert not [n for n in p.namelist() if n.endswith("/spotguard") or ".data/" in n]
+        assert [n for n in f.namelist() if n.endswith(".data/scripts/spotguard")]
+    sources = {f"spotguard/{x.name}": x.read_bytes()
+               for x in (CLIENT_DIR / "spotguard").iterdir() if x.is_file()}
+    with zipfile.ZipFile(pure) as p:
+        assert package(p) == sources

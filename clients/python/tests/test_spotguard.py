@@ -246,6 +246,7 @@ import spotguard
 
 d = pathlib.Path(os.environ["SPOTGUARD_DIR"])
 spotguard.install()
+spotguard.resumed(0)  # training starts: SIGTERM is a checkpoint request from here on
 (d / "ready").write_text(str(os.getpid()))
 step = 0
 give_up = time.monotonic() + 120
@@ -616,6 +617,7 @@ d = pathlib.Path(os.environ["SPOTGUARD_DIR"])
 mode = sys.argv[1]
 if mode == "wait-signal":
     spotguard.install()
+    spotguard.resumed(0)  # training starts: SIGTERM is a checkpoint request from here on
     (d / "ready").write_text(str(os.getpid()))
     end = time.monotonic() + 60
     while not spotguard.should_checkpoint() and time.monotonic() < end:

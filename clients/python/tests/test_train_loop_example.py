@@ -95,6 +95,8 @@ def test_sigterm_without_notice_checkpoints_too(tmp_path: Path) -> None:
     stale = time.time() - 600
     os.utime(guard / "notice.json", (stale, stale))
     proc = start(guard, "--steps", "100000", "--ckpt-dir", str(tmp_path / "ck"))
+    # During training (SIGTERM before it starts ends the process at once: nothing to save yet).
+    wait_for("training to start", lambda: (guard / f"resume-{proc.pid}.json").exists())
     signal_when_caught(proc, signal.SIGTERM)
     rc, out, err = finish(proc)
     assert rc == 143, (out, err)
