@@ -263,12 +263,12 @@ pub fn build_store(src: &SourceUrl, opts: &StoreOptions) -> Result<Arc<dyn Objec
                     reason: format!("{} is not a directory", dir.display()),
                 });
             }
-            Ok(Arc::new(
-                LocalFileSystem::new_with_prefix(&dir).map_err(|source| Error::BuildStore {
+            Ok(Arc::new(LocalFileSystem::new_with_prefix(&dir).map_err(
+                |source| Error::BuildStore {
                     url: src.url.clone(),
                     source,
-                })?,
-            ))
+                },
+            )?))
         }
     }
 }

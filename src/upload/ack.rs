@@ -96,13 +96,17 @@ pub fn resolve(
     default: Option<&str>,
     policy: &UploadPolicy,
 ) -> Result<Resolved, Error> {
-    let text = req.upload.as_deref().or(default).ok_or_else(|| Error::InvalidDestination {
-        dest: String::new(),
-        reason: format!(
+    let text = req
+        .upload
+        .as_deref()
+        .or(default)
+        .ok_or_else(|| Error::InvalidDestination {
+            dest: String::new(),
+            reason: format!(
             "no destination: the ack names none (`upload`) and the pod has no {UPLOAD_ANNOTATION} \
              annotation (host mode: --checkpoint-upload)"
         ),
-    })?;
+        })?;
     let name = req.name()?;
     let destination = Location::parse(text)?.join(&name);
     let granted = policy.check(&destination)?;
@@ -279,9 +283,7 @@ mod tests {
             "not_allowed"
         );
         assert!(resolve(&bare, None, &policy).is_err());
-        assert!(
-            StagedRequest::from_ack(&ack(r#"{"state":"failed","staged":"/x"}"#)).is_err()
-        );
+        assert!(StagedRequest::from_ack(&ack(r#"{"state":"failed","staged":"/x"}"#)).is_err());
         assert!(StagedRequest::from_ack(&ack(r#"{"state":"done","staged":"rel"}"#)).is_err());
         let hidden = StagedRequest::from_ack(&ack(r#"{"state":"done","staged":"/c/.x"}"#))
             .unwrap()
@@ -310,15 +312,15 @@ mod tests {
             step: Some(7),
         };
         let policy = UploadPolicy {
-            allow: vec![AllowUpload::parse(&tmp.path().join("dest").display().to_string())
-                .unwrap()],
+            allow: vec![
+                AllowUpload::parse(&tmp.path().join("dest").display().to_string()).unwrap(),
+            ],
         };
         let taken = take(&proc, acker, &dir, &req, None, &policy, &Limits::default()).unwrap();
         assert_eq!(taken.tree.files.len(), 1);
         assert!(matches!(taken.root, RootRecord::Host { .. }));
         let answer: Answer =
-            serde_json::from_slice(&std::fs::read(cdir.join("upload-4242.json")).unwrap())
-                .unwrap();
+            serde_json::from_slice(&std::fs::read(cdir.join("upload-4242.json")).unwrap()).unwrap();
         assert_eq!(answer.state, AnswerState::Taken);
         assert_eq!(answer.files, Some(1));
 
@@ -326,8 +328,7 @@ mod tests {
         let off = UploadPolicy::default();
         assert!(take(&proc, acker, &dir, &req, None, &off, &Limits::default()).is_err());
         let answer: Answer =
-            serde_json::from_slice(&std::fs::read(cdir.join("upload-4242.json")).unwrap())
-                .unwrap();
+            serde_json::from_slice(&std::fs::read(cdir.join("upload-4242.json")).unwrap()).unwrap();
         assert_eq!(answer.state, AnswerState::Refused);
         assert!(answer.error.unwrap().contains("off"));
     }

@@ -254,7 +254,9 @@ struct Large {
 }
 
 enum LargeSink {
-    Store { upload_id: String },
+    Store {
+        upload_id: String,
+    },
     Dir {
         tmp: Mutex<Option<Arc<AtomicFile<Arc<OwnedFd>>>>>,
     },
@@ -297,7 +299,13 @@ pub async fn run(job: Job) -> Report {
     let result = upload(job, started_at).await;
     let seconds = started.elapsed().as_secs_f64();
     let (outcome, manifest, error, sent, resumed) = match result {
-        Ok(done) => (done.outcome, Some(done.manifest), None, done.sent, done.resumed),
+        Ok(done) => (
+            done.outcome,
+            Some(done.manifest),
+            None,
+            done.sent,
+            done.resumed,
+        ),
         Err((e, sent, resumed)) => (e.outcome(), None, Some(e), sent, resumed),
     };
     if let Some(m) = &metrics {
@@ -445,7 +453,12 @@ async fn upload(job: Job, started_at: Timestamp) -> Result<Done, Failed> {
         })
     });
 
-    let work = send_files(shared.clone(), Arc::new(tree), options.clone(), resumed_from);
+    let work = send_files(
+        shared.clone(),
+        Arc::new(tree),
+        options.clone(),
+        resumed_from,
+    );
     let stopped: Result<Arc<StagedTree>, Error> = tokio::select! {
         r = work => r,
         _ = async {
@@ -876,8 +889,7 @@ async fn send_small(
                     return Ok(());
                 };
                 let tmp = d.create(&path)?;
-                (&*tmp)
-                    .write_all_at(lease.filled(), 0)
+                tmp.write_all_at(lease.filled(), 0)
                     .map_err(Error::io("write", d.path_of(&path)))?;
                 tmp.commit(Durability::File)
                     .map_err(Error::io("commit", d.path_of(&path)))
@@ -1025,10 +1037,12 @@ async fn send_part(
 async fn finish_large(shared: &Arc<Shared>, large: &Arc<Large>) -> Result<(), Error> {
     let parts: Vec<PartRecord> = crate::prefetch::lock(&large.parts)
         .iter()
-        .map(|p| p.clone().unwrap_or(PartRecord {
-            etag: String::new(),
-            crcs: Crcs::empty(),
-        }))
+        .map(|p| {
+            p.clone().unwrap_or(PartRecord {
+                etag: String::new(),
+                crcs: Crcs::empty(),
+            })
+        })
         .collect();
     let crcs = parts.iter().fold(Crcs::empty(), |acc, p| acc.then(p.crcs));
     if crcs.len != large.file.id.size {
@@ -1063,12 +1077,18 @@ async fn finish_large(shared: &Arc<Shared>, large: &Arc<Large>) -> Result<(), Er
                     .map_err(Error::io("commit", path))
             })
             .await
-            .map_err(|e| Error::io("commit", large.file.path.clone())(std::io::Error::other(e)))??;
+            .map_err(|e| {
+                Error::io("commit", large.file.path.clone())(std::io::Error::other(e))
+            })??;
             VerifiedBy::Written
         }
         _ => VerifiedBy::Written,
     };
-    shared.file_done(large.idx, &large.file.path, DoneRecord { crcs, verified_by });
+    shared.file_done(
+        large.idx,
+        &large.file.path,
+        DoneRecord { crcs, verified_by },
+    );
     Ok(())
 }
 

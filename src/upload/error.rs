@@ -44,7 +44,11 @@ pub enum Error {
     },
 
     #[error("{key}: the store holds {got} bytes, {expected} were sent")]
-    SizeMismatch { key: String, expected: u64, got: u64 },
+    SizeMismatch {
+        key: String,
+        expected: u64,
+        got: u64,
+    },
 
     #[error("{op} {path}: {source}")]
     Io {
@@ -128,9 +132,8 @@ fn is_disk_full(e: &io::Error) -> bool {
 fn request_label(e: &object_store::Error) -> &'static str {
     match e {
         object_store::Error::NotFound { .. } => "not_found",
-        object_store::Error::PermissionDenied { .. } | object_store::Error::Unauthenticated { .. } => {
-            "denied"
-        }
+        object_store::Error::PermissionDenied { .. }
+        | object_store::Error::Unauthenticated { .. } => "denied",
         _ => "request",
     }
 }

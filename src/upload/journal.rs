@@ -143,7 +143,10 @@ pub fn load(path: &Path) -> Result<Option<Record>, Error> {
     };
     let record: Record = serde_json::from_slice(&data).map_err(|e| err(e.to_string()))?;
     if record.version != VERSION {
-        return Err(err(format!("version {}, expected {VERSION}", record.version)));
+        return Err(err(format!(
+            "version {}, expected {VERSION}",
+            record.version
+        )));
     }
     Ok(Some(record))
 }
@@ -205,7 +208,9 @@ impl Journal {
         match std::fs::remove_file(&self.path) {
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => tracing::warn!(path = %self.path.display(), error = %e, "removing the upload journal failed"),
+            Err(e) => {
+                tracing::warn!(path = %self.path.display(), error = %e, "removing the upload journal failed")
+            }
         }
     }
 }
@@ -221,6 +226,7 @@ mod tests {
             size: 3,
             mtime_ns: 4,
             ctime_ns: 5,
+            nlink: 1,
         };
         let mut files = BTreeMap::new();
         files.insert(

@@ -104,7 +104,7 @@ async fn read_store_manifest(
         key: key.to_string(),
         source,
     })?;
-    Ok(parse_found(&data, &name, location, &key.to_string()))
+    Ok(parse_found(&data, &name, location, key.as_ref()))
 }
 
 fn parse_found(data: &[u8], name: &str, location: &Location, key: &str) -> Option<Found> {

@@ -131,6 +131,9 @@ pub struct FileId {
     pub mtime_ns: i128,
     /// Last status change (writers cannot set it), nanoseconds since the epoch.
     pub ctime_ns: i128,
+    /// Hard links: an unlink (the kubelet removing a pod's emptyDir) changes the ctime too.
+    #[serde(default)]
+    pub nlink: u64,
 }
 
 impl FileId {
@@ -144,16 +147,21 @@ impl FileId {
             mtime_ns: ns(st.st_mtime as i64, st.st_mtime_nsec as i64),
             #[allow(clippy::unnecessary_cast)]
             ctime_ns: ns(st.st_ctime as i64, st.st_ctime_nsec as i64),
+            #[allow(clippy::useless_conversion)]
+            nlink: u64::from(st.st_nlink),
         }
     }
 
-    /// `Ok` when `file` is still exactly what was captured; else [`Error::Changed`].
+    /// `Ok` when `file` is still what was captured (same size and mtime; same ctime unless its
+    /// link count changed: its name may be gone, its content is not); else [`Error::Changed`].
     pub fn check(&self, file: &File, path: &str) -> Result<(), Error> {
         let now = rustix::fs::fstat(file).map_err(|e| Error::io("fstat", path)(e.into()))?;
         let now = FileId::of(&now);
         let what = if now.size != self.size {
             format!("size {} → {} bytes", self.size, now.size)
-        } else if now.mtime_ns != self.mtime_ns || now.ctime_ns != self.ctime_ns {
+        } else if now.mtime_ns != self.mtime_ns
+            || (now.nlink == self.nlink && now.ctime_ns != self.ctime_ns)
+        {
             "rewritten".to_string()
         } else {
             return Ok(());
@@ -315,7 +323,10 @@ impl Walk<'_> {
             Some(uid) if st.st_uid != uid => Err(self.refuse(
                 rel,
                 Problem::Owner,
-                format!("owned by uid {}, the acking process runs as uid {uid}", st.st_uid),
+                format!(
+                    "owned by uid {}, the acking process runs as uid {uid}",
+                    st.st_uid
+                ),
             )),
             _ => Ok(()),
         }
@@ -349,8 +360,9 @@ impl Walk<'_> {
         let mut names = Vec::new();
         let mut reader = rustix::fs::Dir::read_from(&dir)
             .map_err(|e| self.refuse(prefix, Problem::Unreadable, e.to_string()))?;
-        while let Some(entry) = reader.next() {
-            let entry = entry.map_err(|e| self.refuse(prefix, Problem::Unreadable, e.to_string()))?;
+        for entry in reader.by_ref() {
+            let entry =
+                entry.map_err(|e| self.refuse(prefix, Problem::Unreadable, e.to_string()))?;
             let bytes = entry.file_name().to_bytes();
             if bytes == b"." || bytes == b".." {
                 continue;
@@ -593,27 +605,39 @@ mod tests {
         let t = tree(&[("ok.bin", b"1")]);
         symlink("/etc/passwd", t.path().join("passwd")).unwrap();
         assert_eq!(
-            problem(capture(&Root::host().unwrap(), t.path(), &Limits::default())),
+            problem(capture(
+                &Root::host().unwrap(),
+                t.path(),
+                &Limits::default()
+            )),
             Problem::Symlink
         );
 
         let t = tree(&[("ok.bin", b"1")]);
         rustix::fs::mknodat(
             rustix::fs::CWD,
-            &t.path().join("pipe"),
+            t.path().join("pipe"),
             FileType::Fifo,
             Mode::from_raw_mode(0o644),
             0,
         )
         .unwrap();
         assert_eq!(
-            problem(capture(&Root::host().unwrap(), t.path(), &Limits::default())),
+            problem(capture(
+                &Root::host().unwrap(),
+                t.path(),
+                &Limits::default()
+            )),
             Problem::Special
         );
 
         let t = tree(&[("manifest.json", b"{}")]);
         assert_eq!(
-            problem(capture(&Root::host().unwrap(), t.path(), &Limits::default())),
+            problem(capture(
+                &Root::host().unwrap(),
+                t.path(),
+                &Limits::default()
+            )),
             Problem::Name
         );
         // Below the top it is an ordinary name.
@@ -660,8 +684,10 @@ mod tests {
         assert_eq!(small(|l| l.max_files = 2), Problem::TooMany);
         assert_eq!(small(|l| l.max_bytes = 9), Problem::TooLarge);
         assert_eq!(small(|l| l.max_depth = 1), Problem::TooDeep);
-        let mut l = Limits::default();
-        l.max_depth = 2;
+        let l = Limits {
+            max_depth: 2,
+            ..Limits::default()
+        };
         assert!(capture(&Root::host().unwrap(), t.path(), &l).is_ok());
     }
 

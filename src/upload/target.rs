@@ -69,8 +69,7 @@ impl Target {
                             (s.clone(), s)
                         }
                         Scheme::Gcs => {
-                            let s =
-                                Arc::new(source::build_gcs(url, opts).map_err(store_err(url))?);
+                            let s = Arc::new(source::build_gcs(url, opts).map_err(store_err(url))?);
                             (s.clone(), s)
                         }
                         Scheme::File => {
@@ -115,7 +114,9 @@ pub struct StoreTarget {
 
 impl StoreTarget {
     /// `store` and `multipart` are two views of one store; `prefix` is the checkpoint's key
-    /// prefix (no leading or trailing `/`), `url` its display form.
+    /// prefix (no leading or trailing `/`), `url` its display form. The store's checksums are
+    /// read back through [`crate::prefetch::verify::ChecksumConnector`]: a store built without
+    /// it ([`Target::open`] builds it with it) verifies sizes only.
     pub fn new(
         store: Arc<dyn ObjectStore>,
         multipart: Arc<dyn MultipartStore>,
@@ -143,7 +144,10 @@ impl StoreTarget {
         })
     }
 
-    fn request_err(op: &'static str, key: &ObjectPath) -> impl FnOnce(object_store::Error) -> Error {
+    fn request_err(
+        op: &'static str,
+        key: &ObjectPath,
+    ) -> impl FnOnce(object_store::Error) -> Error {
         let key = key.to_string();
         move |source| Error::Request { op, key, source }
     }
@@ -317,12 +321,20 @@ impl DirTarget {
                     reason: "not a plain relative path below the allowed directory".into(),
                 });
             };
-            let next = open_or_make(&cur, name).map_err(|e| match e {
-                rustix::io::Errno::LOOP => Error::InvalidDestination {
-                    dest: display.clone(),
-                    reason: format!("{} is a symlink (refused)", name.to_string_lossy()),
-                },
-                e => io("open")(e.into()),
+            let next = open_or_make(&cur, name).map_err(|e| {
+                let symlink = rustix::fs::statat(&cur, name, rustix::fs::AtFlags::SYMLINK_NOFOLLOW)
+                    .is_ok_and(|st| {
+                        rustix::fs::FileType::from_raw_mode(st.st_mode)
+                            == rustix::fs::FileType::Symlink
+                    });
+                if symlink {
+                    Error::InvalidDestination {
+                        dest: display.clone(),
+                        reason: format!("{} is a symlink (refused)", name.to_string_lossy()),
+                    }
+                } else {
+                    io("open")(e.into())
+                }
             })?;
             parent = Some(std::mem::replace(&mut cur, next));
         }
@@ -391,7 +403,8 @@ impl DirTarget {
         for (k, fd) in subdirs {
             rustix::fs::fsync(&*fd).map_err(|e| Error::io("fsync", self.path_of(&k))(e.into()))?;
         }
-        rustix::fs::fsync(&*self.dir).map_err(|e| Error::io("fsync", self.display.clone())(e.into()))?;
+        rustix::fs::fsync(&*self.dir)
+            .map_err(|e| Error::io("fsync", self.display.clone())(e.into()))?;
         rustix::fs::fsync(&self.parent)
             .map_err(|e| Error::io("fsync", self.display.clone())(e.into()))?;
         Ok(())

@@ -185,7 +185,9 @@ async fn abandon(record: &Record, policy: Option<&UploadPolicy>, store: &StoreOp
             }
         }
         Ok(Target::Dir(_)) => {}
-        Err(e) => warn!(destination = %record.destination, error = %e, "cannot abort the uploads of an abandoned journal"),
+        Err(e) => {
+            warn!(destination = %record.destination, error = %e, "cannot abort the uploads of an abandoned journal")
+        }
     }
 }
 
