@@ -1315,3 +1315,218 @@ fn walk(dir: &Path) -> Vec<PathBuf> {
     }
     out
 }
+
+// ---------------------------------------------------------------------------------------------
+// The protocol end to end: the Python helper as a non-root trainer, the agent's take
+
+/// The helper package, copied where another uid can read it.
+fn helper_for_others() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let pkg = dir.path().join("spotguard");
+    std::fs::create_dir(&pkg).unwrap();
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("clients/python/spotguard");
+    for e in std::fs::read_dir(src).unwrap().flatten() {
+        if e.path().extension().is_some_and(|x| x == "py") {
+            std::fs::copy(e.path(), pkg.join(e.file_name())).unwrap();
+        }
+    }
+    std::fs::set_permissions(&pkg, std::fs::Permissions::from_mode(0o755)).unwrap();
+    dir
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_python_helper_and_the_agent_agree_and_the_trainer_exits_once_taken() {
+    use spotguard::checkpoint::ack::CheckpointDir;
+    use spotguard::upload::ack::{self, Acker, StagedRequest};
+    use spotguard::upload::dest::{AllowUpload, UploadPolicy};
+
+    let helper = helper_for_others();
+    let home = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(home.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let local = home.path().join("local");
+    let ckdir = home.path().join("sg");
+    for d in [&local, &ckdir] {
+        std::fs::create_dir(d).unwrap();
+        chown(d, 1000);
+    }
+    let dest = tempfile::tempdir().unwrap();
+    // A trainer as uid 1000 (umask 077: its files are its own) saves, acks staged, and exits as
+    // soon as the answer says taken.
+    let script = format!(
+        r#"
+import json, os, sys, time
+sys.path.insert(0, {helper:?})
+import spotguard
+os.umask(0o077)
+d = os.path.join({local:?}, "step-8")
+os.makedirs(os.path.join(d, "extra"))
+with open(os.path.join(d, "__0_0.distcp"), "wb") as f:
+    f.write(bytes(range(256)) * 40000)
+with open(os.path.join(d, "extra", "rng.pt"), "wb") as f:
+    f.write(b"rng")
+a = spotguard.ack_staged(d, step=8, upload={upload:?}, wait=60)
+print(json.dumps({{"state": a.state, "files": a.files, "error": a.error, "at": time.time()}}), flush=True)
+"#,
+        helper = helper.path().display().to_string(),
+        local = local.display().to_string(),
+        upload = dest.path().join("run1").display().to_string(),
+    );
+    let trainer = Command::new("setpriv")
+        .args([
+            "--reuid",
+            "1000",
+            "--regid",
+            "1000",
+            "--clear-groups",
+            "/usr/bin/python3",
+            "-c",
+        ])
+        .arg(&script)
+        .env("SPOTGUARD_DIR", &ckdir)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = trainer.id() as i32;
+    let proc = ProcFs::default();
+    wait_for_uid(&proc, pid, 1000);
+    let start_time = proc.start_time(pid).unwrap();
+
+    // The agent's side: read the ack as the responder does, take the checkpoint.
+    let cdir = CheckpointDir::host(&ckdir).unwrap();
+    let policy = UploadPolicy {
+        allow: vec![AllowUpload::parse(&dest.path().display().to_string()).unwrap()],
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let req = loop {
+        if let Ok(Some(a)) = cdir.read_ack(pid) {
+            if let Some(req) = StagedRequest::from_ack(&a.file).unwrap() {
+                break req;
+            }
+        }
+        assert!(Instant::now() < deadline, "no staged ack within 60 s");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let acker = Acker {
+        pid,
+        start_time,
+        ns_pid: pid,
+    };
+    let taken = ack::take(&proc, acker, &cdir, &req, None, &policy, &Limits::default()).unwrap();
+    let taken_at = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64();
+    let out = tokio::task::spawn_blocking(move || trainer.wait_with_output().unwrap())
+        .await
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let said: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(said["state"], "taken", "{said}");
+    assert_eq!(said["files"], 2);
+    assert!(
+        said["at"].as_f64().unwrap() - taken_at < 5.0,
+        "the trainer kept waiting after the answer: {said}"
+    );
+    assert_eq!(taken.tree.owner, Some(1000));
+
+    // The trainer is gone (and so would be its container); the files are still readable.
+    std::fs::remove_dir_all(local.join("step-8")).unwrap();
+    let target = Target::open(
+        &taken.resolved.destination,
+        &taken.resolved.granted,
+        &Default::default(),
+    )
+    .unwrap();
+    let report = engine::run(Job {
+        tree: taken.tree,
+        target,
+        meta: Meta {
+            name: taken.resolved.name.clone(),
+            step: req.step,
+            ..Meta::default()
+        },
+        root: taken.root,
+        options: small_parts(),
+        progress: Default::default(),
+        metrics: None,
+        cancel: CancellationToken::new(),
+    })
+    .await;
+    assert_eq!(report.outcome, Outcome::Published, "{report:?}");
+    let out = dest.path().join("run1/step-8");
+    assert_eq!(std::fs::read(out.join("extra/rng.pt")).unwrap(), b"rng");
+    assert_eq!(
+        std::fs::metadata(out.join("__0_0.distcp")).unwrap().len(),
+        256 * 40000
+    );
+    assert!(out.join("manifest.json").exists());
+}
+
+/// Run `f` on a thread holding only the DaemonSet agent's capabilities (KILL, SYS_PTRACE):
+/// capabilities are per thread, so the rest of the test process keeps its own.
+fn with_shipped_capabilities<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+    use rustix::thread::{set_capabilities, CapabilitySet, CapabilitySets};
+    std::thread::spawn(move || {
+        let keep = CapabilitySet::KILL | CapabilitySet::SYS_PTRACE;
+        set_capabilities(
+            None,
+            CapabilitySets {
+                effective: keep,
+                permitted: keep,
+                inheritable: CapabilitySet::empty(),
+            },
+        )
+        .unwrap();
+        f()
+    })
+    .join()
+    .unwrap()
+}
+
+#[test]
+fn with_the_shipped_capabilities_the_agent_reads_what_others_may_read_and_nothing_else() {
+    let proc = ProcFs::default();
+    let trainer = trainer_as_1000();
+    let pid = trainer.0.id() as i32;
+    wait_for_uid(&proc, pid, 1000);
+    let start = proc.start_time(pid).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(tmp.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let dir = tmp.path().join("step-3");
+    std::fs::create_dir(&dir).unwrap();
+    std::fs::write(dir.join("a.bin"), b"a").unwrap();
+    std::fs::write(dir.join("b.bin"), b"b").unwrap();
+    for p in [dir.clone(), dir.join("a.bin"), dir.join("b.bin")] {
+        chown(&p, 1000);
+    }
+    // The trainer's umask 077 left one file private: the agent without DAC_OVERRIDE cannot read
+    // it (and says which), as any other user could not.
+    std::fs::set_permissions(dir.join("a.bin"), std::fs::Permissions::from_mode(0o600)).unwrap();
+    std::fs::set_permissions(dir.join("b.bin"), std::fs::Permissions::from_mode(0o644)).unwrap();
+    let d = dir.clone();
+    let refused = with_shipped_capabilities(move || {
+        let root = Root::of_process(&ProcFs::default(), pid, start)?;
+        staged::capture(&root, &d, &Limits::default()).map(|t| t.files.len())
+    });
+    match refused {
+        Err(Error::Staged { problem, path, .. }) => {
+            assert_eq!(problem, Problem::Unreadable);
+            assert!(path.ends_with("a.bin"), "{path}");
+        }
+        other => panic!("{other:?}"),
+    }
+    // What spotguard.ack_staged(make_readable=True) does: o+r. Now it is taken.
+    std::fs::set_permissions(dir.join("a.bin"), std::fs::Permissions::from_mode(0o644)).unwrap();
+    let d = dir.clone();
+    let taken = with_shipped_capabilities(move || {
+        let root = Root::of_process(&ProcFs::default(), pid, start)?;
+        staged::capture(&root, &d, &Limits::default()).map(|t| t.files.len())
+    });
+    assert_eq!(taken.unwrap(), 2);
+}
