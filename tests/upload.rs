@@ -471,6 +471,7 @@ async fn happy_path_on(server: &Server) {
     let m = Manifest::parse(
         &get(&store, "run1/step-1200/manifest.json").await.unwrap(),
         "step-1200",
+        None,
     )
     .unwrap();
     assert_manifest_lists(&m, &files);
@@ -899,6 +900,7 @@ async fn a_restart_mid_upload_never_publishes_a_partial_and_the_next_run_resumes
     let m = Manifest::parse(
         &get(&store, "run1/step-50/manifest.json").await.unwrap(),
         "step-50",
+        None,
     )
     .unwrap();
     assert_manifest_lists(&m, &files);
@@ -1243,6 +1245,7 @@ async fn a_taken_checkpoint_uploads_after_the_trainer_and_its_files_are_gone() {
     let m = Manifest::parse(
         &std::fs::read(out.join("manifest.json")).unwrap(),
         "step-42",
+        None,
     )
     .unwrap();
     assert_manifest_lists(&m, &files);
@@ -1274,7 +1277,12 @@ async fn a_directory_destination_gets_synced_files_then_the_manifest_and_no_syml
     for (p, content) in &files {
         assert_eq!(std::fs::read(out.join(p)).unwrap(), *content, "{p}");
     }
-    let m = Manifest::parse(&std::fs::read(out.join("manifest.json")).unwrap(), "step-5").unwrap();
+    let m = Manifest::parse(
+        &std::fs::read(out.join("manifest.json")).unwrap(),
+        "step-5",
+        None,
+    )
+    .unwrap();
     assert_manifest_lists(&m, &files);
     assert!(m.files.iter().all(|f| f.verified_by.as_str() == "written"));
     // No temp file left anywhere.
@@ -1529,4 +1537,79 @@ fn with_the_shipped_capabilities_the_agent_reads_what_others_may_read_and_nothin
         staged::capture(&root, &d, &Limits::default()).map(|t| t.files.len())
     });
     assert_eq!(taken.unwrap(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_checkpoint_saved_by_several_nodes_is_complete_only_with_every_part() {
+    let server = start_s3s_fs();
+    create_bucket(&server.endpoint(), BUCKET).await;
+    let upload = |dir: &Path, step: &str, part: Option<&str>| {
+        let mut args = vec![
+            "upload".to_string(),
+            dir.display().to_string(),
+            "s3://ckpt/run1".into(),
+            "--step".into(),
+            step.into(),
+            "--progress".into(),
+            "json".into(),
+        ];
+        if let Some(p) = part {
+            args.extend(["--part".to_string(), p.to_string()]);
+        }
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        spotguard(&args, &server.endpoint())
+    };
+    let (_t0, single) = stage("step-100", &[("w", data(1000, 1))]);
+    assert_eq!(run(upload(&single, "100", None)).await.code, 0);
+    // Two nodes each stage their own ranks' shards of step 200 (rank 0 also writes .metadata).
+    let node0 = vec![
+        ("__0_0.distcp", data(6 * MIB, 2)),
+        (".metadata", data(300, 3)),
+    ];
+    let node1 = vec![("__1_0.distcp", data(6 * MIB, 4))];
+    let (_t1, d0) = stage("step-200", &node0);
+    let (_t2, d1) = stage("step-200", &node1);
+    let r = run(upload(&d0, "200", Some("0/2"))).await;
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert_eq!(
+        latest_via_cli(&server, "s3://ckpt/run1").await["name"],
+        "step-100"
+    );
+    let r = run(upload(&d1, "200", Some("1/2"))).await;
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let found = latest_via_cli(&server, "s3://ckpt/run1").await;
+    assert_eq!(
+        (found["name"].clone(), found["files"].clone()),
+        ("step-200".into(), 3.into())
+    );
+    let store = s3(&server.endpoint());
+    for key in ["manifest.part-0-of-2.json", "manifest.part-1-of-2.json"] {
+        assert!(
+            get(&store, &format!("run1/step-200/{key}")).await.is_some(),
+            "{key}"
+        );
+    }
+    assert_eq!(get(&store, "run1/step-200/manifest.json").await, None);
+
+    let local = tempfile::tempdir().unwrap();
+    let r = run(spotguard(
+        &[
+            "prefetch",
+            "--latest-checkpoint",
+            "s3://ckpt/run1",
+            &local.path().display().to_string(),
+            "--progress",
+            "none",
+        ],
+        &server.endpoint(),
+    ))
+    .await;
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    for (p, content) in node0.iter().chain(&node1) {
+        assert_eq!(
+            std::fs::read(local.path().join("step-200").join(p)).unwrap(),
+            *content,
+            "{p}"
+        );
+    }
 }

@@ -104,6 +104,10 @@ pub struct AckFile {
     /// `spotguard.io/checkpoint-upload` / the host's `--checkpoint-upload`).
     #[serde(default)]
     pub upload: Option<String>,
+    /// With `staged`: this node's share of a checkpoint several nodes save,
+    /// `{"index": i, "count": n}`.
+    #[serde(default)]
+    pub part: Option<serde_json::Value>,
 }
 
 /// Identity and change stamp of a file in the checkpoint dir, as the filesystem reports it. An

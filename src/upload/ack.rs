@@ -17,6 +17,7 @@ use serde::{Deserialize, Serialize};
 
 use super::dest::{validate_checkpoint_name, Granted, Location, UploadPolicy};
 use super::journal::RootRecord;
+use super::manifest::Part;
 use super::staged::{self, Limits, Root, StagedTree};
 use super::Error;
 use crate::checkpoint::ack::{AckFile, AckState, CheckpointDir};
@@ -39,6 +40,8 @@ pub struct StagedRequest {
     pub upload: Option<String>,
     /// The ack's step, when it is a non-negative integer.
     pub step: Option<u64>,
+    /// This node's share of a checkpoint several nodes save.
+    pub part: Option<Part>,
 }
 
 impl StagedRequest {
@@ -60,10 +63,20 @@ impl StagedRequest {
         if !path.is_absolute() {
             return Err(bad("the staged directory must be an absolute path"));
         }
+        let part = match &ack.part {
+            None | Some(serde_json::Value::Null) => None,
+            Some(v) => {
+                let p: Part = serde_json::from_value(v.clone())
+                    .map_err(|_| bad("`part` is {\"index\": i, \"count\": n}"))?;
+                p.check().map_err(|e| bad(&e))?;
+                Some(p)
+            }
+        };
         Ok(Some(StagedRequest {
             staged: path.to_path_buf(),
             upload: ack.upload.clone().filter(|u| !u.trim().is_empty()),
             step: ack.step.as_ref().and_then(|s| s.as_u64()),
+            part,
         }))
     }
 
@@ -260,6 +273,17 @@ mod tests {
         .unwrap()
         .unwrap();
         assert_eq!(req.step, Some(1200));
+        assert_eq!(req.part, None);
+        let parted = StagedRequest::from_ack(&ack(
+            r#"{"state":"done","staged":"/c/step-1","part":{"index":1,"count":4}}"#,
+        ))
+        .unwrap()
+        .unwrap();
+        assert_eq!(parted.part, Some(Part { index: 1, count: 4 }));
+        for bad in [r#"{"index":4,"count":4}"#, r#"[1,4]"#, r#""1/4""#] {
+            let text = format!(r#"{{"state":"done","staged":"/c/step-1","part":{bad}}}"#);
+            assert!(StagedRequest::from_ack(&ack(&text)).is_err(), "{bad}");
+        }
         assert_eq!(req.name().unwrap(), "step-1200");
         let policy = UploadPolicy {
             allow: vec![AllowUpload::parse("s3://ck").unwrap()],
@@ -310,6 +334,7 @@ mod tests {
             staged: staged.clone(),
             upload: Some(tmp.path().join("dest").display().to_string()),
             step: Some(7),
+            part: None,
         };
         let policy = UploadPolicy {
             allow: vec![

@@ -86,6 +86,12 @@ pub struct UploadArgs {
     #[arg(long)]
     pub step: Option<u64>,
 
+    /// This node's share of a checkpoint several nodes save into the same DEST/<name>, as
+    /// INDEX/COUNT (e.g. 0/4): the manifest is manifest.part-INDEX-of-COUNT.json, and the
+    /// checkpoint is complete once all COUNT parts are.
+    #[arg(long, value_name = "INDEX/COUNT", value_parser = super::manifest::Part::parse)]
+    pub part: Option<super::manifest::Part>,
+
     /// Requests in flight (each holds one part-sized buffer: memory is concurrency × part size).
     #[arg(long, default_value = "8", value_parser = parse_concurrency)]
     pub concurrency: usize,
@@ -240,6 +246,7 @@ pub async fn run_cli(args: UploadArgs, cancel: CancellationToken) -> i32 {
         meta: Meta {
             name: name.clone(),
             step: args.step,
+            part: args.part,
             notice: None,
             origin: Origin {
                 staged: args.staged.display().to_string(),

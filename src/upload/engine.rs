@@ -79,6 +79,9 @@ pub struct Meta {
     /// The checkpoint's name (its directory under the location).
     pub name: String,
     pub step: Option<u64>,
+    /// This node's share of a checkpoint several nodes save (its manifest is then
+    /// `manifest.part-<i>-of-<n>.json`).
+    pub part: Option<manifest::Part>,
     pub notice: Option<NoticeInfo>,
     pub origin: Origin,
     /// When the trainer's ack was seen.
@@ -383,10 +386,14 @@ async fn upload(job: Job, started_at: Timestamp) -> Result<Done, Failed> {
     let fail0 = |e: Error| (e, 0, 0);
 
     // A checkpoint is never overwritten: an existing manifest must describe this very content.
-    if let Some(existing) = read_manifest(&target).await.map_err(fail0)? {
-        let existing = Manifest::parse(&existing, &meta.name).map_err(|reason| {
+    let manifest_file = manifest::manifest_file(meta.part);
+    if let Some(existing) = read_manifest(&target, &manifest_file)
+        .await
+        .map_err(fail0)?
+    {
+        let existing = Manifest::parse(&existing, &meta.name, meta.part).map_err(|reason| {
             fail0(Error::Manifest {
-                key: format!("{}/{}", target.display(), super::staged::MANIFEST_NAME),
+                key: format!("{}/{manifest_file}", target.display()),
                 reason: format!("an unreadable manifest is already there: {reason}"),
             })
         })?;
@@ -399,7 +406,8 @@ async fn upload(job: Job, started_at: Timestamp) -> Result<Done, Failed> {
     let (journal, resumed_from) = match &options.state_dir {
         None => (None, None),
         Some(dir) => {
-            let (j, prev) = open_journal(dir, &tree, &target, &root, &options, started_at)
+            let key = format!("{}#{manifest_file}", target.display());
+            let (j, prev) = open_journal(dir, &key, &tree, &target, &root, &options, started_at)
                 .await
                 .map_err(fail0)?;
             (Some(j), prev)
@@ -505,6 +513,7 @@ async fn upload(job: Job, started_at: Timestamp) -> Result<Done, Failed> {
         format: manifest::FORMAT.to_string(),
         name: meta.name.clone(),
         step: meta.step,
+        part: meta.part,
         files: tree
             .files
             .iter()
@@ -542,11 +551,13 @@ async fn upload(job: Job, started_at: Timestamp) -> Result<Done, Failed> {
     }
     let data = manifest.to_bytes();
     let published = match &shared.target {
-        Target::Store(s) => s.write_manifest(data).await,
+        Target::Store(s) => s.write_manifest(&manifest_file, data).await,
         Target::Dir(_) => {
             let s2 = shared.clone();
             tokio::task::spawn_blocking(move || match &s2.target {
-                Target::Dir(d) => d.sync_dirs().and_then(|()| d.write_manifest(&data)),
+                Target::Dir(d) => d
+                    .sync_dirs()
+                    .and_then(|()| d.write_manifest(&manifest_file, &data)),
                 Target::Store(_) => Ok(()),
             })
             .await
@@ -579,10 +590,10 @@ async fn flush_journal(shared: &Arc<Shared>) -> Result<(), Error> {
         .map_err(|e| Error::io("journal", "flush")(std::io::Error::other(e)))?
 }
 
-async fn read_manifest(target: &Target) -> Result<Option<Vec<u8>>, Error> {
+async fn read_manifest(target: &Target, file: &str) -> Result<Option<Vec<u8>>, Error> {
     match target {
-        Target::Store(s) => s.read_manifest().await,
-        Target::Dir(d) => d.read_manifest(),
+        Target::Store(s) => s.read_manifest(file).await,
+        Target::Dir(d) => d.read_manifest(file),
     }
 }
 
@@ -648,13 +659,14 @@ async fn already_published(
 /// staged directory or another root is abandoned (its multipart uploads aborted).
 async fn open_journal(
     state_dir: &std::path::Path,
+    key: &str,
     tree: &StagedTree,
     target: &Target,
     root: &RootRecord,
     options: &Options,
     started_at: Timestamp,
 ) -> Result<(Journal, Option<Record>), Error> {
-    let path = journal::path_for(state_dir, target.display());
+    let path = journal::path_for(state_dir, key);
     let boot_id = crate::gpu::read_boot_id().unwrap_or_default();
     let previous = match journal::load(&path) {
         Ok(p) => p,

@@ -21,8 +21,7 @@ use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
 use super::dest::Location;
-use super::manifest::{newer, Manifest, MANIFEST_MAX_BYTES};
-use super::staged::MANIFEST_NAME;
+use super::manifest::{complete, manifest_name, newer, Manifest, MANIFEST_MAX_BYTES};
 use super::Error;
 use crate::prefetch::source::{self, StoreOptions};
 
@@ -75,6 +74,7 @@ pub async fn list_complete(location: &Location, opts: &StoreOptions) -> Result<V
     }
 }
 
+/// The manifests at the top of checkpoint directory `dir` in a store, made into one.
 async fn read_store_manifest(
     store: &dyn object_store::ObjectStore,
     dir: &ObjectPath,
@@ -83,38 +83,57 @@ async fn read_store_manifest(
     let Some(name) = dir.filename().map(str::to_string) else {
         return Ok(None);
     };
-    let key = dir.clone().join(MANIFEST_NAME);
-    let got = match store.get(&key).await {
-        Ok(g) => g,
-        Err(object_store::Error::NotFound { .. }) => return Ok(None),
-        Err(source) => {
-            return Err(Error::Request {
-                op: "GET",
-                key: key.to_string(),
-                source,
-            })
-        }
+    let request = |op: &'static str, key: &ObjectPath| {
+        let key = key.to_string();
+        move |source| Error::Request { op, key, source }
     };
-    if got.meta.size > MANIFEST_MAX_BYTES {
-        tracing::debug!(key = %key, "skipping an oversized manifest");
-        return Ok(None);
+    let top = store
+        .list_with_delimiter(Some(dir))
+        .await
+        .map_err(request("LIST", dir))?;
+    let mut manifests = Vec::new();
+    for object in top.objects {
+        let Some(file) = object.location.filename() else {
+            continue;
+        };
+        let Some(part) = manifest_name(file) else {
+            continue;
+        };
+        if object.size > MANIFEST_MAX_BYTES {
+            tracing::debug!(key = %object.location, "skipping an oversized manifest");
+            continue;
+        }
+        let got = match store.get(&object.location).await {
+            Ok(g) => g,
+            Err(object_store::Error::NotFound { .. }) => continue,
+            Err(e) => return Err(request("GET", &object.location)(e)),
+        };
+        let data = got
+            .bytes()
+            .await
+            .map_err(request("GET", &object.location))?;
+        match Manifest::parse(&data, &name, part) {
+            Ok(m) => manifests.push(m),
+            Err(reason) => {
+                tracing::debug!(manifest = %object.location, reason = %reason, "not a valid manifest")
+            }
+        }
     }
-    let data = got.bytes().await.map_err(|source| Error::Request {
-        op: "GET",
-        key: key.to_string(),
-        source,
-    })?;
-    Ok(parse_found(&data, &name, location, key.as_ref()))
+    Ok(found(manifests, &name, location))
 }
 
-fn parse_found(data: &[u8], name: &str, location: &Location, key: &str) -> Option<Found> {
-    match Manifest::parse(data, name) {
+/// The checkpoint the valid manifests of directory `name` make, if they make a complete one.
+fn found(manifests: Vec<Manifest>, name: &str, location: &Location) -> Option<Found> {
+    if manifests.is_empty() {
+        return None;
+    }
+    match complete(manifests) {
         Ok(manifest) => Some(Found {
             destination: location.join(name),
             manifest,
         }),
         Err(reason) => {
-            tracing::debug!(manifest = %key, reason = %reason, "not a complete checkpoint");
+            tracing::debug!(checkpoint = %name, reason = %reason, "not a complete checkpoint");
             None
         }
     }
@@ -135,13 +154,24 @@ fn list_dir(dir: &Path, location: &Location) -> Result<Vec<Found>, Error> {
         if !ft.is_dir() {
             continue;
         }
-        let path = entry.path().join(MANIFEST_NAME);
-        let Some(data) = read_small(&path) else {
+        let Ok(inner) = std::fs::read_dir(entry.path()) else {
             continue;
         };
-        if let Some(found) = parse_found(&data, &name, location, &path.display().to_string()) {
-            out.push(found);
+        let mut manifests = Vec::new();
+        for f in inner.filter_map(Result::ok) {
+            let Some(file) = f.file_name().to_str().map(str::to_string) else {
+                continue;
+            };
+            let Some(part) = manifest_name(&file) else {
+                continue;
+            };
+            if let Some(m) =
+                read_small(&f.path()).and_then(|d| Manifest::parse(&d, &name, part).ok())
+            {
+                manifests.push(m);
+            }
         }
+        out.extend(found(manifests, &name, location));
     }
     Ok(out)
 }
@@ -301,6 +331,7 @@ mod tests {
             format: crate::upload::manifest::FORMAT.into(),
             name: name.into(),
             step,
+            part: None,
             files: vec![ManifestFile {
                 path: "w".into(),
                 size: 1,
@@ -322,7 +353,7 @@ mod tests {
             spotguard_version: "0.1.0".into(),
         };
         std::fs::create_dir_all(dir.join(name)).unwrap();
-        std::fs::write(dir.join(name).join(MANIFEST_NAME), m.to_bytes()).unwrap();
+        std::fs::write(dir.join(name).join("manifest.json"), m.to_bytes()).unwrap();
     }
 
     #[tokio::test]
@@ -339,7 +370,7 @@ mod tests {
         write(tmp.path(), "step-400", Some(400), "2026-01-01T00:02:00Z");
         std::fs::rename(tmp.path().join("step-400"), tmp.path().join("step-401")).unwrap();
         std::fs::create_dir_all(tmp.path().join("step-500")).unwrap();
-        std::fs::write(tmp.path().join("step-500").join(MANIFEST_NAME), b"{").unwrap();
+        std::fs::write(tmp.path().join("step-500/manifest.json"), b"{").unwrap();
         let got = latest(&loc, &opts).await.unwrap().unwrap();
         assert_eq!(got.manifest.name, "step-200");
         assert_eq!(got.destination, loc.join("step-200"));

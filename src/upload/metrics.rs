@@ -93,6 +93,14 @@ impl UploadMetrics {
             "Staged checkpoint upload failures and refusals, by cause",
             m.errors.clone(),
         );
+        // Every outcome exists at 0 from start-up (an alert on increase() needs the series).
+        for outcome in super::Outcome::ALL {
+            let labels = OutcomeLabels {
+                outcome: outcome.as_str().to_string(),
+            };
+            drop(m.uploads.get_or_create(&labels));
+            drop(m.duration.get_or_create(&labels));
+        }
         m
     }
 

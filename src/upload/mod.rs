@@ -61,6 +61,17 @@ pub enum Outcome {
 }
 
 impl Outcome {
+    /// Every outcome, in the order the docs list them.
+    pub const ALL: [Outcome; 7] = [
+        Outcome::Published,
+        Outcome::AlreadyPublished,
+        Outcome::Deadline,
+        Outcome::Cancelled,
+        Outcome::Failed,
+        Outcome::Refused,
+        Outcome::Interrupted,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
             Outcome::Published => "published",

@@ -380,11 +380,11 @@ impl Walk<'_> {
             if let Err(why) = valid_name(&name) {
                 return Err(self.refuse(&rel, Problem::Name, why));
             }
-            if depth == 0 && name == MANIFEST_NAME {
+            if depth == 0 && super::manifest::is_reserved(&name) {
                 return Err(self.refuse(
                     &rel,
                     Problem::Name,
-                    "manifest.json at the top is the upload's commit marker",
+                    "manifest.json and manifest.part-* at the top are the upload's commit markers",
                 ));
             }
             let st = rustix::fs::statat(&dir, name.as_str(), AtFlags::SYMLINK_NOFOLLOW)

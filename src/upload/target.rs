@@ -31,7 +31,6 @@ use rustix::fs::{Mode, OFlags, ResolveFlags};
 
 use super::dest::{Granted, Location};
 use super::manifest::MANIFEST_MAX_BYTES;
-use super::staged::MANIFEST_NAME;
 use super::Error;
 use crate::fsutil::{AtomicFile, Durability};
 use crate::prefetch::source::{self, Scheme, StoreOptions};
@@ -231,9 +230,9 @@ impl StoreTarget {
         }
     }
 
-    /// The checkpoint's `manifest.json`, if there is one.
-    pub async fn read_manifest(&self) -> Result<Option<Vec<u8>>, Error> {
-        let key = self.key(MANIFEST_NAME)?;
+    /// The checkpoint's manifest `file` (`manifest.json` or a part's), if there is one.
+    pub async fn read_manifest(&self, file: &str) -> Result<Option<Vec<u8>>, Error> {
+        let key = self.key(file)?;
         match self.store.get(&key).await {
             Ok(r) => {
                 if r.meta.size > MANIFEST_MAX_BYTES {
@@ -250,9 +249,9 @@ impl StoreTarget {
         }
     }
 
-    /// Publish: `PUT manifest.json` (one object: atomic for readers).
-    pub async fn write_manifest(&self, data: Vec<u8>) -> Result<(), Error> {
-        let key = self.key(MANIFEST_NAME)?;
+    /// Publish: `PUT` the manifest `file` (one object: atomic for readers).
+    pub async fn write_manifest(&self, file: &str, data: Vec<u8>) -> Result<(), Error> {
+        let key = self.key(file)?;
         self.store
             .put(&key, PutPayload::from(data))
             .await
@@ -410,12 +409,12 @@ impl DirTarget {
         Ok(())
     }
 
-    /// The checkpoint's `manifest.json`, if there is one.
-    pub fn read_manifest(&self) -> Result<Option<Vec<u8>>, Error> {
-        let path = self.path_of(MANIFEST_NAME);
+    /// The checkpoint's manifest `file`, if there is one.
+    pub fn read_manifest(&self, file: &str) -> Result<Option<Vec<u8>>, Error> {
+        let path = self.path_of(file);
         let fd = match rustix::fs::openat2(
             &*self.dir,
-            MANIFEST_NAME,
+            file,
             OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC,
             Mode::empty(),
             BENEATH,
@@ -438,16 +437,16 @@ impl DirTarget {
         Ok(Some(data))
     }
 
-    /// Publish: `manifest.json` written atomically and durably (file and directory synced).
-    pub fn write_manifest(&self, data: &[u8]) -> Result<(), Error> {
+    /// Publish: the manifest `file` written atomically and durably (file and directory synced).
+    pub fn write_manifest(&self, file: &str, data: &[u8]) -> Result<(), Error> {
         crate::fsutil::write_atomic_at(
             self.dir.as_fd(),
-            MANIFEST_NAME,
+            file,
             data,
             FILE_MODE,
             Durability::FileAndDir,
         )
-        .map_err(Error::io("write", self.path_of(MANIFEST_NAME)))
+        .map_err(Error::io("write", self.path_of(file)))
     }
 
     /// Remove temporary files an interrupted earlier run left in the checkpoint directory (the

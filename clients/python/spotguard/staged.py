@@ -147,6 +147,7 @@ def ack_staged(
     upload: Optional[str] = None,
     wait: float = DEFAULT_WAIT,
     make_readable: bool = True,
+    part: Optional[Tuple[int, int]] = None,
 ) -> StagedAnswer:
     """Ack ``done`` for a checkpoint saved in the local directory ``staged`` and wait for the
     agent to take it.
@@ -158,6 +159,10 @@ def ack_staged(
     name the directory after the step (``step-1200``). The path is resolved
     (``os.path.realpath``: the agent follows no symlink) and, with ``make_readable``, the tree
     is made readable by others (the agent reads as a user without override rights).
+
+    ``part=(node_index, node_count)`` when several nodes save one checkpoint (each node stages
+    its own ranks' shards under the same directory name): each node's agent uploads its share
+    with a manifest of its own, and the checkpoint is complete once every part is.
 
     Waits at most ``wait`` seconds (never past the notice's checkpoint deadline) for the agent's
     answer and returns it; once it is ``taken`` the process may exit at once — the upload no
@@ -173,6 +178,10 @@ def ack_staged(
         if isinstance(step, bool):
             raise ValueError(f"step must be an int or None, got {step!r}")
         step = int(step)
+    if part is not None:
+        index, count = (int(x) for x in part)
+        if not 0 <= index < count <= 10_000:
+            raise ValueError(f"part must be (index, count) with 0 <= index < count; got {part!r}")
     if make_readable:
         _make_readable(real)
     answer = answer_path()
@@ -189,6 +198,8 @@ def ack_staged(
     }
     if upload:
         body["upload"] = upload
+    if part is not None:
+        body["part"] = {"index": index, "count": count}
     notice_id = _current_notice_id()
     if notice_id:
         body["notice_id"] = notice_id
@@ -221,11 +232,14 @@ def _parse_time(text: Any) -> Tuple[int, int]:
     return (secs, nanos)
 
 
-def _valid_manifest(data: Any, name: str) -> bool:
+def _valid_manifest(data: Any, name: str, part: Optional[Tuple[int, int]]) -> bool:
     if not isinstance(data, dict) or data.get("format") != MANIFEST_FORMAT:
         return False
     files = data.get("files")
     if data.get("name") != name or not isinstance(files, list):
+        return False
+    got = data.get("part")
+    if (None if got is None else (got.get("index"), got.get("count"))) != part:
         return False
     try:
         total = sum(int(f["size"]) for f in files)
@@ -234,11 +248,73 @@ def _valid_manifest(data: Any, name: str) -> bool:
     return data.get("file_count") == len(files) and data.get("bytes") == total
 
 
+def _manifest_part(name: str) -> Optional[Tuple[Optional[Tuple[int, int]]]]:
+    """``(None,)`` for ``manifest.json``, ``((i, n),)`` for a part's manifest, else ``None``."""
+    if name == MANIFEST_NAME:
+        return (None,)
+    if not (name.startswith("manifest.part-") and name.endswith(".json")):
+        return None
+    i, sep, n = name[len("manifest.part-"):-len(".json")].partition("-of-")
+    if not (sep and i.isdigit() and n.isdigit()):
+        return None
+    index, count = int(i), int(n)
+    if not 0 <= index < count <= 10_000 or name != f"manifest.part-{index}-of-{count}.json":
+        return None
+    return ((index, count),)
+
+
+def _complete(manifests: List[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+    """The single manifest, or every part merged (same name, step and count; all indices)."""
+    for m in manifests:
+        if m.get("part") is None:
+            return m
+    if not manifests:
+        return None
+    manifests = sorted(manifests, key=lambda m: m["part"]["index"])
+    count = manifests[0]["part"]["count"]
+    if [m["part"]["index"] for m in manifests] != list(range(count)):
+        return None
+    first = manifests[0]
+    files: Dict[str, Dict[str, Any]] = {}
+    for m in manifests:
+        if (m.get("name"), m.get("step"), m["part"]["count"]) != (first.get("name"),
+                                                                  first.get("step"), count):
+            return None
+        for f in m["files"]:
+            if f["path"] in files and files[f["path"]] != f:
+                return None
+            files[f["path"]] = f
+    merged = dict(first)
+    merged["part"] = None
+    merged["files"] = [files[p] for p in sorted(files)]
+    merged["file_count"] = len(files)
+    merged["bytes"] = sum(int(f["size"]) for f in files.values())
+    merged["timings"] = dict(max((m.get("timings") or {} for m in manifests),
+                                 key=lambda t: _parse_time(t.get("completed_at"))))
+    return merged
+
+
 def _order_key(m: Dict[str, Any]) -> Tuple[bool, int, Tuple[int, int], str]:
     step = m.get("step")
     completed = (m.get("timings") or {}).get("completed_at")
     return (isinstance(step, int), step if isinstance(step, int) else 0, _parse_time(completed),
             m.get("name", ""))
+
+
+def _read_manifest(path: str) -> Any:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return json.loads(f.read(16 << 20))
+    except ValueError:
+        return None
+    finally:
+        os.close(fd)
 
 
 def _latest_local(directory: str) -> Optional[LatestCheckpoint]:
@@ -251,23 +327,16 @@ def _latest_local(directory: str) -> Optional[LatestCheckpoint]:
     for entry in entries:
         if not entry.is_dir(follow_symlinks=False):
             continue
-        path = os.path.join(entry.path, MANIFEST_NAME)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-        except OSError:
-            continue
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
+        manifests = []
+        for inner in os.scandir(entry.path):
+            kind = _manifest_part(inner.name)
+            if kind is None:
                 continue
-            with os.fdopen(fd, "rb", closefd=False) as f:
-                data = json.loads(f.read(16 << 20))
-        except ValueError:
-            continue
-        finally:
-            os.close(fd)
-        if not _valid_manifest(data, entry.name):
-            continue
-        if best is None or _order_key(data) > _order_key(best):
+            data = _read_manifest(inner.path)
+            if _valid_manifest(data, entry.name, kind[0]):
+                manifests.append(data)
+        data = _complete(manifests)
+        if data is not None and (best is None or _order_key(data) > _order_key(best)):
             best, best_dir = data, entry.path
     if best is None:
         return None

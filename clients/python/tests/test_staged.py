@@ -78,21 +78,26 @@ def test_ack_staged_returns_the_agents_answer(guard_dir: Path, tmp_path: Path) -
     assert (got.destination, got.files, got.bytes) == ("s3://bucket/run1/step-12", 2, 12)
 
 
-def _manifest(directory: Path, name: str, step, completed: str, ok: bool = True) -> None:
+def _manifest(directory: Path, name: str, step, completed: str, ok: bool = True,
+              part=None, path: str = "w") -> None:
     d = directory / name
-    d.mkdir(parents=True)
-    (d / "w").write_bytes(b"x")
+    d.mkdir(parents=True, exist_ok=True)
+    (d / path).write_bytes(b"x")
     m = {
         "format": MANIFEST_FORMAT,
         "name": name,
         "step": step,
-        "files": [{"path": "w", "size": 1, "crc64nvme": "0" * 16, "crc32c": "0" * 8,
+        "files": [{"path": path, "size": 1, "crc64nvme": "0" * 16, "crc32c": "0" * 8,
                    "verified_by": "written"}],
         "file_count": 1,
         "bytes": 1 if ok else 2,
         "timings": {"completed_at": completed},
     }
-    (d / "manifest.json").write_text(json.dumps(m))
+    if part is None:
+        (d / "manifest.json").write_text(json.dumps(m))
+    else:
+        m["part"] = {"index": part[0], "count": part[1]}
+        (d / f"manifest.part-{part[0]}-of-{part[1]}.json").write_text(json.dumps(m))
 
 
 def test_latest_checkpoint_of_a_directory(tmp_path: Path) -> None:
@@ -110,3 +115,23 @@ def test_latest_checkpoint_of_a_directory(tmp_path: Path) -> None:
     # Equal steps: the later completion wins, to the nanosecond.
     _manifest(tmp_path, "step-100b", 100, "2026-01-01T00:00:00.000000001Z")
     assert spotguard.latest_checkpoint(f"file://{tmp_path}").name == "step-100b"
+
+
+def test_a_multi_node_checkpoint_counts_once_every_part_is_there(tmp_path: Path) -> None:
+    _manifest(tmp_path, "step-100", 100, "2026-01-01T00:00:00Z")
+    _manifest(tmp_path, "step-200", 200, "2026-01-02T00:00:00Z", part=(0, 2), path="a")
+    assert spotguard.latest_checkpoint(tmp_path).name == "step-100"
+    _manifest(tmp_path, "step-200", 200, "2026-01-02T00:00:05Z", part=(1, 2), path="b")
+    latest = spotguard.latest_checkpoint(tmp_path)
+    assert (latest.name, latest.step) == ("step-200", 200)
+    assert [f["path"] for f in latest.manifest["files"]] == ["a", "b"]
+    assert latest.manifest["timings"]["completed_at"] == "2026-01-02T00:00:05Z"
+
+
+def test_ack_staged_sends_the_part(guard_dir: Path, tmp_path: Path) -> None:
+    staged = _stage(tmp_path / "local")
+    spotguard.ack_staged(staged, step=1, part=(1, 4), wait=0)
+    body = json.loads((guard_dir / f"ack-{os.getpid()}.json").read_text())
+    assert body["part"] == {"index": 1, "count": 4}
+    with pytest.raises(ValueError):
+        spotguard.ack_staged(staged, part=(4, 4), wait=0)
