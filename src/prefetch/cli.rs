@@ -127,8 +127,10 @@ pub async fn run_cli(args: PrefetchArgs, cancel: CancellationToken) -> i32 {
     if let Some(name) = args.wait.clone() {
         return wait_for(args, name, cancel).await;
     }
-    if let Some(location) = args.latest_checkpoint.clone() {
-        return crate::upload::latest::run_cli(args, location, cancel).await;
+    if args.latest_checkpoint.is_some() {
+        // The binary sends it to `upload::latest::run_cli` (which comes back here to fetch):
+        // prefetch knows nothing of checkpoints.
+        return usage("--latest-checkpoint is run by upload::latest::run_cli".to_string());
     }
     let (Some(src_text), Some(dest)) = (args.src.clone(), args.dest.clone()) else {
         return usage("SRC and DEST are required".to_string());
