@@ -410,6 +410,11 @@ async fn upload(job: Job, started_at: Timestamp) -> Result<Done, Failed> {
             let (j, prev) = open_journal(dir, &key, &tree, &target, &root, &options, started_at)
                 .await
                 .map_err(fail0)?;
+            j.update(|r| {
+                r.name = meta.name.clone();
+                r.step = meta.step;
+                r.part = meta.part;
+            });
             (Some(j), prev)
         }
     };
@@ -739,6 +744,9 @@ async fn open_journal(
         root: root.clone(),
         started_at: started_at.to_string(),
         files,
+        name: String::new(),
+        step: None,
+        part: None,
     };
     let resumed_from = previous.map(|_| record.clone());
     Ok((Journal::new(path, record), resumed_from))

@@ -86,6 +86,13 @@ pub struct Record {
     pub root: RootRecord,
     pub started_at: String,
     pub files: BTreeMap<String, FileRecord>,
+    /// What the manifest will say (a restarted uploader rebuilds its job from these).
+    #[serde(default)]
+    pub name: String,
+    #[serde(default)]
+    pub step: Option<u64>,
+    #[serde(default)]
+    pub part: Option<super::manifest::Part>,
 }
 
 impl Record {
@@ -269,6 +276,9 @@ mod tests {
             },
             started_at: "2026-01-01T00:00:00Z".into(),
             files,
+            name: "step-1".into(),
+            step: Some(1),
+            part: None,
         }
     }
 

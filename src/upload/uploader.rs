@@ -196,3 +196,106 @@ impl std::fmt::Debug for Uploader {
         f.write_str("Uploader")
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use super::*;
+    use crate::upload::journal::{Journal, VERSION};
+
+    fn record(boot: &str, root: RootRecord, staged: &Path, dest: &Path) -> Record {
+        Record {
+            version: VERSION,
+            boot_id: boot.into(),
+            destination: dest.display().to_string(),
+            staged: staged.display().to_string(),
+            root,
+            started_at: "2026-01-01T00:00:00Z".into(),
+            files: BTreeMap::new(),
+            name: "step-1".into(),
+            step: Some(1),
+            part: None,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_restarted_uploader_resumes_what_it_can_reach_and_reports_the_rest() {
+        let tmp = tempfile::tempdir().unwrap();
+        let state = tmp.path().join("state");
+        let staged = tmp.path().join("step-1");
+        std::fs::create_dir_all(&staged).unwrap();
+        std::fs::write(staged.join("w"), b"w").unwrap();
+        let boot = crate::gpu::read_boot_id().unwrap();
+        let proc = ProcFs::default();
+        let mut gone = std::process::Command::new("true").spawn().unwrap();
+        let gone_pid = gone.id() as i32;
+        let gone_start = proc.start_time(gone_pid).unwrap();
+        gone.wait().unwrap();
+        let journals = [
+            (
+                "a",
+                record(
+                    "an-earlier-boot",
+                    RootRecord::Host { owner: None },
+                    &staged,
+                    &tmp.path().join("d/a"),
+                ),
+            ),
+            (
+                "b",
+                record(
+                    &boot,
+                    RootRecord::Process {
+                        pid: gone_pid,
+                        start_time: gone_start,
+                    },
+                    &staged,
+                    &tmp.path().join("d/b"),
+                ),
+            ),
+            (
+                "c",
+                record(
+                    &boot,
+                    RootRecord::Host { owner: None },
+                    &staged,
+                    &tmp.path().join("d/c"),
+                ),
+            ),
+        ];
+        for (key, r) in journals {
+            Journal::new(journal::path_for(&state, key), r)
+                .flush()
+                .unwrap();
+        }
+        let got = recover(
+            &state,
+            &proc,
+            None,
+            &Limits::default(),
+            &StoreOptions::default(),
+        )
+        .await;
+        let mut resumed = Vec::new();
+        let mut abandoned = Vec::new();
+        for r in got {
+            match r {
+                Recovery::Resume { record, tree, .. } => {
+                    assert_eq!(tree.files.len(), 1);
+                    resumed.push(record.destination);
+                }
+                Recovery::Abandoned { record, reason } => {
+                    abandoned.push((record.destination, reason))
+                }
+            }
+        }
+        assert_eq!(resumed, vec![tmp.path().join("d/c").display().to_string()]);
+        abandoned.sort();
+        assert_eq!(abandoned.len(), 2, "{abandoned:?}");
+        assert!(abandoned[0].1.contains("earlier boot"), "{abandoned:?}");
+        assert!(abandoned[1].1.contains("out of reach"), "{abandoned:?}");
+        // Abandoned journals are gone; the resumable one stays for the run that resumes it.
+        assert_eq!(journal::list(&state).len(), 1);
+    }
+}
