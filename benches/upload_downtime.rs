@@ -14,7 +14,9 @@
 //!
 //! `cargo bench --bench upload_downtime` (needs s3s-fs and s5cmd: bench/deps.sh; env:
 //! SPOTGUARD_BENCH_ROUNDS=5, SPOTGUARD_BENCH_LARGE=8, SPOTGUARD_BENCH_LARGE_MIB=256,
-//! SPOTGUARD_BENCH_SMALL=1000, SPOTGUARD_BENCH_SMALL_KIB=32). bench/downtime.sh runs it.
+//! SPOTGUARD_BENCH_SMALL=1000, SPOTGUARD_BENCH_SMALL_KIB=32). bench/downtime.sh runs it. The two
+//! modes alternate in order round by round, each after a sync(2), and the local save is buffered
+//! writes without fsync in both (what torch.save and DCP do).
 
 use std::io::{BufRead, BufReader};
 use std::path::Path;
@@ -196,7 +198,16 @@ fn main() {
     let mut staged = Vec::new();
     let mut direct = Vec::new();
     for round in 0..rounds {
-        for mode in ["staged", "direct"] {
+        let order = if round % 2 == 0 {
+            ["staged", "direct"]
+        } else {
+            ["direct", "staged"]
+        };
+        for mode in order {
+            // Start every trial with nothing dirty in the page cache (the previous trial's files
+            // and the server's copy written back), so that no trial pays for another's writeback.
+            // SAFETY: sync(2) takes no arguments and cannot fail.
+            unsafe { libc::sync() };
             let local = work.path().join(format!("local-{round}-{mode}"));
             let ckdir = work.path().join(format!("sg-{round}-{mode}"));
             std::fs::create_dir_all(&local).expect("local");
