@@ -70,6 +70,8 @@ pub struct App {
     pub admin_addr: SocketAddr,
     /// The metrics registry.
     pub registry: Arc<Registry>,
+    /// Staged checkpoint upload metrics (`spotguard_checkpoint_upload_*`), for the upload step.
+    pub upload_metrics: Arc<crate::upload::UploadMetrics>,
     /// Completes when every task has stopped after cancellation; an error when a task ended (or
     /// panicked) before it: the process must then exit non-zero.
     pub join: JoinHandle<Result<(), Error>>,
@@ -157,6 +159,7 @@ pub async fn start_with_client(
         events,
         admin_addr,
         registry,
+        upload_metrics: telemetry.upload.clone(),
         join,
     })
 }
@@ -185,6 +188,7 @@ struct Telemetry {
     metrics: Arc<Metrics>,
     gce: notice::monitor::GceMetrics,
     gpu: Arc<gpu::GpuMetrics>,
+    upload: Arc<crate::upload::UploadMetrics>,
 }
 
 impl Telemetry {
@@ -193,11 +197,13 @@ impl Telemetry {
         let metrics = Arc::new(Metrics::register(&mut registry));
         let gce = notice::monitor::GceMetrics::register(&mut registry);
         let gpu = Arc::new(gpu::GpuMetrics::register(&mut registry));
+        let upload = Arc::new(crate::upload::UploadMetrics::register(&mut registry));
         Telemetry {
             registry,
             metrics,
             gce,
             gpu,
+            upload,
         }
     }
 }

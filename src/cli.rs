@@ -42,6 +42,8 @@ pub enum Command {
     Prefetch(Box<crate::prefetch::PrefetchArgs>),
     /// The prefetcher as its own process: configured datasets and pods' annotations.
     PrefetchServe(Box<crate::prefetch::serve::ServeArgs>),
+    /// Upload a checkpoint saved to local disk to s3://, gs:// or a directory, manifest last.
+    Upload(Box<crate::upload::cli::UploadArgs>),
     /// One-shot GPU health report (exit 0 healthy, 1 unhealthy, 2 NVML unavailable).
     Gpu(crate::gpu::GpuArgs),
     /// Check a configuration without starting the agent.

@@ -60,37 +60,92 @@ pub fn write_atomic_at(
     mode: u32,
     durability: Durability,
 ) -> io::Result<()> {
-    if name.is_empty() || name.contains('/') || name == "." || name == ".." {
-        return Err(io::Error::new(io::ErrorKind::InvalidInput, "bad file name"));
-    }
-    let tmp = format!(
-        ".{name}.tmp-{}-{:08x}",
-        std::process::id(),
-        fastrand::u32(..)
-    );
-    let result = (|| -> io::Result<()> {
+    let file = AtomicFile::create(dir, name, mode)?;
+    (&*file).write_all(data)?;
+    file.commit(durability)
+}
+
+/// A file written under a temporary name in an open directory and renamed over its final name
+/// by [`AtomicFile::commit`]: the one atomic write, for content that is streamed (positioned
+/// writes of a large file) rather than held in one buffer ([`write_atomic_at`] is this with a
+/// single write). Dropped without a commit, the temporary file is removed.
+#[derive(Debug)]
+pub struct AtomicFile<D: AsFd> {
+    dir: D,
+    tmp: String,
+    name: String,
+    file: std::fs::File,
+}
+
+impl<D: AsFd> AtomicFile<D> {
+    /// Create the temp file for `name` in `dir` (see [`write_atomic_at`] for how).
+    pub fn create(dir: D, name: &str, mode: u32) -> io::Result<Self> {
+        if name.is_empty() || name.contains('/') || name == "." || name == ".." {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, "bad file name"));
+        }
+        let tmp = format!(
+            ".{name}.tmp-{}-{:08x}",
+            std::process::id(),
+            fastrand::u32(..)
+        );
         let fd = rustix::fs::openat(
-            dir,
+            dir.as_fd(),
             tmp.as_str(),
             OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
             Mode::from_raw_mode(mode),
         )?;
-        rustix::fs::fchmod(&fd, Mode::from_raw_mode(mode))?;
-        let mut file = std::fs::File::from(fd);
-        file.write_all(data)?;
-        if durability != Durability::None {
-            file.sync_all()?;
-        }
-        rustix::fs::renameat(dir, tmp.as_str(), dir, name)?;
-        if durability == Durability::FileAndDir {
-            let _ = rustix::fs::fsync(dir);
-        }
-        Ok(())
-    })();
-    if result.is_err() {
-        let _ = rustix::fs::unlinkat(dir, tmp.as_str(), AtFlags::empty());
+        let this = AtomicFile {
+            dir,
+            tmp,
+            name: name.to_string(),
+            file: std::fs::File::from(fd),
+        };
+        // On error `this` is dropped and the temp file removed.
+        rustix::fs::fchmod(&this.file, Mode::from_raw_mode(mode))?;
+        Ok(this)
     }
-    result
+
+    /// Sync as `durability` says, then rename over the final name.
+    pub fn commit(mut self, durability: Durability) -> io::Result<()> {
+        let result = (|| -> io::Result<()> {
+            if durability != Durability::None {
+                self.file.sync_all()?;
+            }
+            rustix::fs::renameat(
+                self.dir.as_fd(),
+                self.tmp.as_str(),
+                self.dir.as_fd(),
+                self.name.as_str(),
+            )?;
+            if durability == Durability::FileAndDir {
+                let _ = rustix::fs::fsync(self.dir.as_fd());
+            }
+            Ok(())
+        })();
+        if result.is_err() {
+            let _ = rustix::fs::unlinkat(self.dir.as_fd(), self.tmp.as_str(), AtFlags::empty());
+        }
+        // Renamed or removed: nothing left for Drop.
+        self.tmp.clear();
+        result
+    }
+}
+
+impl<D: AsFd> std::ops::Deref for AtomicFile<D> {
+    type Target = std::fs::File;
+
+    /// The temp file, for writes (`write_all_at`, `set_len`, …).
+    fn deref(&self) -> &std::fs::File {
+        &self.file
+    }
+}
+
+impl<D: AsFd> Drop for AtomicFile<D> {
+    fn drop(&mut self) {
+        if !self.tmp.is_empty() {
+            let _ = rustix::fs::unlinkat(self.dir.as_fd(), self.tmp.as_str(), AtFlags::empty());
+        }
+    }
 }
 
 #[cfg(test)]

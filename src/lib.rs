@@ -23,4 +23,5 @@ pub mod prefetch;
 pub mod responder;
 pub mod shutdown;
 pub mod telemetry;
+pub mod upload;
 pub mod webhook;

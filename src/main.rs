@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use anyhow::Context;
 use spotguard::cli::{self, Command, ConfigCommand, Parsed};
 use spotguard::config::{self, Config};
-use spotguard::{app, drill, emulator, gpu, prefetch, shutdown, telemetry};
+use spotguard::{app, drill, emulator, gpu, prefetch, shutdown, telemetry, upload};
 
 fn main() -> ExitCode {
     // A small agent needs no per-thread malloc arenas (glibc makes up to 8 per core): fewer arenas,
@@ -77,9 +77,18 @@ fn main() -> ExitCode {
                 }
             })
         }
+        Command::Prefetch(args) if args.latest_checkpoint.is_some() => {
+            telemetry::init(config::LogFormat::Text, &one_shot_log_level());
+            let location = args.latest_checkpoint.clone().unwrap_or_default();
+            with_runtime(|cancel| upload::latest::run_cli(*args, location, cancel))
+        }
         Command::Prefetch(args) => {
             telemetry::init(config::LogFormat::Text, &one_shot_log_level());
             with_runtime(|cancel| prefetch::run_cli(*args, cancel))
+        }
+        Command::Upload(args) => {
+            telemetry::init(config::LogFormat::Text, &one_shot_log_level());
+            with_runtime(|cancel| upload::cli::run_cli(*args, cancel))
         }
         Command::PrefetchServe(args) => {
             telemetry::init(config::LogFormat::Json, "info");

@@ -96,6 +96,18 @@ pub struct AckFile {
     pub checkpoint: Option<serde_json::Value>,
     #[serde(default)]
     pub ts: Option<serde_json::Value>,
+    /// With `done`: the checkpoint was saved to this local directory (as the process sees it)
+    /// for the agent to upload (docs/checkpoint-protocol.md, "Staged checkpoints").
+    #[serde(default)]
+    pub staged: Option<String>,
+    /// With `staged`: where the job's checkpoints go (overrides the pod's
+    /// `spotguard.io/checkpoint-upload` / the host's `--checkpoint-upload`).
+    #[serde(default)]
+    pub upload: Option<String>,
+    /// With `staged`: this node's share of a checkpoint several nodes save,
+    /// `{"index": i, "count": n}`.
+    #[serde(default)]
+    pub part: Option<serde_json::Value>,
 }
 
 /// Identity and change stamp of a file in the checkpoint dir, as the filesystem reports it. An

@@ -50,13 +50,21 @@ fn parse_concurrency(s: &str) -> Result<usize, String> {
 /// Arguments of `spotguard prefetch`.
 #[derive(clap::Args, Debug, Clone)]
 pub struct PrefetchArgs {
-    /// Source: s3://bucket/prefix, gs://bucket/prefix or file:///dir (with --wait: the cache root).
-    #[arg(value_name = "SRC", required_unless_present = "wait")]
+    /// Source: s3://bucket/prefix, gs://bucket/prefix or file:///dir (with --wait: the cache root;
+    /// with --latest-checkpoint: DEST).
+    #[arg(value_name = "SRC", required_unless_present_any = ["wait", "latest_checkpoint"])]
     pub src: Option<String>,
 
     /// Cache root: the dataset goes to DEST/<name>.
-    #[arg(value_name = "DEST", required_unless_present = "wait")]
+    #[arg(value_name = "DEST", required_unless_present_any = ["wait", "latest_checkpoint"])]
     pub dest: Option<PathBuf>,
+
+    /// Find the latest complete checkpoint (a directory with a manifest.json, as `spotguard
+    /// upload` and staged acks publish them) under this location (s3://, gs://, file:/// or a
+    /// directory) and fetch it into DEST/<name>, DEST given as the one positional argument;
+    /// without DEST print it. Prints one JSON line (null when there is none: exit 0).
+    #[arg(long, value_name = "LOCATION", conflicts_with_all = ["wait", "name", "source"])]
+    pub latest_checkpoint: Option<String>,
 
     /// Dataset name (directory under DEST); default: scheme, bucket and prefix joined with '-',
     /// plus a short hash of the source.
@@ -118,6 +126,11 @@ pub async fn run_cli(args: PrefetchArgs, cancel: CancellationToken) -> i32 {
     };
     if let Some(name) = args.wait.clone() {
         return wait_for(args, name, cancel).await;
+    }
+    if args.latest_checkpoint.is_some() {
+        // The binary sends it to `upload::latest::run_cli` (which comes back here to fetch):
+        // prefetch knows nothing of checkpoints.
+        return usage("--latest-checkpoint is run by upload::latest::run_cli".to_string());
     }
     let (Some(src_text), Some(dest)) = (args.src.clone(), args.dest.clone()) else {
         return usage("SRC and DEST are required".to_string());

@@ -37,6 +37,6 @@ pub use progress::{Progress, Snapshot};
 pub use source::{parse_spec, SourceUrl, StoreOptions};
 
 /// Lock `m`, also after a panic while it was held (the state it guards stays consistent).
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }

@@ -5,8 +5,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use object_store::aws::AmazonS3Builder;
-use object_store::gcp::GoogleCloudStorageBuilder;
+use object_store::aws::{AmazonS3, AmazonS3Builder};
+use object_store::gcp::{GoogleCloudStorage, GoogleCloudStorageBuilder};
 use object_store::local::LocalFileSystem;
 use object_store::path::Path as ObjectPath;
 use object_store::{BackoffConfig, ClientOptions, ObjectStore, RetryConfig};
@@ -252,69 +252,9 @@ impl Default for StoreOptions {
 /// `AWS_ENDPOINT_URL`, `AWS_WEB_IDENTITY_TOKEN_FILE` for IRSA) and falls back to the instance
 /// role through IMDS; GCS reads `GOOGLE_*` and falls back to the metadata server's token.
 pub fn build_store(src: &SourceUrl, opts: &StoreOptions) -> Result<Arc<dyn ObjectStore>, Error> {
-    let build_err = |source: object_store::Error| Error::BuildStore {
-        url: src.url.clone(),
-        source,
-    };
-    let client = ClientOptions::new()
-        .with_timeout(opts.request_timeout)
-        .with_connect_timeout(Duration::from_secs(10))
-        .with_pool_max_idle_per_host(opts.pool.max(1));
-    // 503 SlowDown and other 5xx answers are retried inside object_store with this backoff.
-    let retry = RetryConfig {
-        backoff: BackoffConfig {
-            init_backoff: Duration::from_millis(100),
-            max_backoff: Duration::from_secs(15),
-            base: 2.0,
-        },
-        max_retries: 10,
-        retry_timeout: Duration::from_secs(180),
-    };
     match src.scheme {
-        Scheme::S3 => {
-            let mut b = AmazonS3Builder::from_env()
-                .with_bucket_name(&src.bucket)
-                .with_retry(retry);
-            let mut client = client;
-            if std::env::var_os("AWS_REGION").is_none()
-                && std::env::var_os("AWS_DEFAULT_REGION").is_none()
-            {
-                b = b.with_region("us-east-1");
-            }
-            // Ask for the objects' additional checksums (signed: object_store adds default
-            // headers to GET and HEAD before signing); the connector reads them back.
-            let mut headers = http::HeaderMap::new();
-            headers.insert(
-                super::verify::CHECKSUM_MODE,
-                http::HeaderValue::from_static("ENABLED"),
-            );
-            client = client.with_default_headers(headers);
-            b = b.with_http_connector(super::verify::ChecksumConnector);
-            if let Some(endpoint) = &opts.endpoint {
-                let endpoint = endpoint.trim_end_matches('/');
-                if !(endpoint.starts_with("http://") || endpoint.starts_with("https://")) {
-                    return Err(Error::InvalidUrl {
-                        url: endpoint.to_string(),
-                        reason: "the endpoint must start with http:// or https://".to_string(),
-                    });
-                }
-                client = client.with_allow_http(endpoint.starts_with("http://"));
-                b = b
-                    .with_endpoint(endpoint)
-                    .with_virtual_hosted_style_request(false);
-            }
-            Ok(Arc::new(
-                b.with_client_options(client).build().map_err(build_err)?,
-            ))
-        }
-        Scheme::Gcs => {
-            let b = GoogleCloudStorageBuilder::from_env()
-                .with_http_connector(super::verify::ChecksumConnector)
-                .with_bucket_name(&src.bucket)
-                .with_retry(retry)
-                .with_client_options(client);
-            Ok(Arc::new(b.build().map_err(build_err)?))
-        }
+        Scheme::S3 => Ok(Arc::new(build_s3(src, opts)?)),
+        Scheme::Gcs => Ok(Arc::new(build_gcs(src, opts)?)),
         Scheme::File => {
             let dir = PathBuf::from(format!("/{}", src.prefix));
             if !dir.is_dir() {
@@ -323,11 +263,88 @@ pub fn build_store(src: &SourceUrl, opts: &StoreOptions) -> Result<Arc<dyn Objec
                     reason: format!("{} is not a directory", dir.display()),
                 });
             }
-            Ok(Arc::new(
-                LocalFileSystem::new_with_prefix(&dir).map_err(build_err)?,
-            ))
+            Ok(Arc::new(LocalFileSystem::new_with_prefix(&dir).map_err(
+                |source| Error::BuildStore {
+                    url: src.url.clone(),
+                    source,
+                },
+            )?))
         }
     }
+}
+
+fn client_options(opts: &StoreOptions) -> ClientOptions {
+    ClientOptions::new()
+        .with_timeout(opts.request_timeout)
+        .with_connect_timeout(Duration::from_secs(10))
+        .with_pool_max_idle_per_host(opts.pool.max(1))
+}
+
+/// 503 SlowDown and other 5xx answers are retried inside object_store with this backoff.
+fn retry_config() -> RetryConfig {
+    RetryConfig {
+        backoff: BackoffConfig {
+            init_backoff: Duration::from_millis(100),
+            max_backoff: Duration::from_secs(15),
+            base: 2.0,
+        },
+        max_retries: 10,
+        retry_timeout: Duration::from_secs(180),
+    }
+}
+
+/// The S3 store for an `s3://` URL as a concrete type (the checkpoint uploader also needs its
+/// [`object_store::multipart::MultipartStore`] side); [`build_store`] explains the credentials.
+pub fn build_s3(src: &SourceUrl, opts: &StoreOptions) -> Result<AmazonS3, Error> {
+    let build_err = |source: object_store::Error| Error::BuildStore {
+        url: src.url.clone(),
+        source,
+    };
+    let mut b = AmazonS3Builder::from_env()
+        .with_bucket_name(&src.bucket)
+        .with_retry(retry_config());
+    let mut client = client_options(opts);
+    if std::env::var_os("AWS_REGION").is_none() && std::env::var_os("AWS_DEFAULT_REGION").is_none()
+    {
+        b = b.with_region("us-east-1");
+    }
+    // Ask for the objects' additional checksums (signed: object_store adds default
+    // headers to GET and HEAD before signing); the connector reads them back.
+    let mut headers = http::HeaderMap::new();
+    headers.insert(
+        super::verify::CHECKSUM_MODE,
+        http::HeaderValue::from_static("ENABLED"),
+    );
+    client = client.with_default_headers(headers);
+    b = b.with_http_connector(super::verify::ChecksumConnector);
+    if let Some(endpoint) = &opts.endpoint {
+        let endpoint = endpoint.trim_end_matches('/');
+        if !(endpoint.starts_with("http://") || endpoint.starts_with("https://")) {
+            return Err(Error::InvalidUrl {
+                url: endpoint.to_string(),
+                reason: "the endpoint must start with http:// or https://".to_string(),
+            });
+        }
+        client = client.with_allow_http(endpoint.starts_with("http://"));
+        b = b
+            .with_endpoint(endpoint)
+            .with_virtual_hosted_style_request(false);
+    }
+    b.with_client_options(client).build().map_err(build_err)
+}
+
+/// The GCS store for a `gs://` URL as a concrete type (see [`build_s3`]).
+pub fn build_gcs(src: &SourceUrl, opts: &StoreOptions) -> Result<GoogleCloudStorage, Error> {
+    GoogleCloudStorageBuilder::from_env()
+        .with_http_connector(super::verify::ChecksumConnector)
+        .with_bucket_name(&src.bucket)
+        .with_retry(retry_config())
+        .with_client_options(client_options(opts))
+        .build()
+        .map_err(|source| Error::BuildStore {
+            url: src.url.clone(),
+            source,
+        })
 }
 
 #[cfg(test)]

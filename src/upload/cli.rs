@@ -1,0 +1,309 @@
+//! `spotguard upload STAGED DEST`: upload a checkpoint saved to local disk into `DEST/<name>`
+//! (an object store prefix or a directory) and publish it with `manifest.json` written last —
+//! the engine the agent runs after a staged ack, for operators, scripts and benchmarks.
+//!
+//! Exit codes: 0 published (or the destination already held this very checkpoint); 1 the staged
+//! tree or the destination was refused (symlinks, special files, limits, allow-list); 2 the
+//! upload failed (store, I/O, a file changed under it, checksum mismatch); 3 the deadline or
+//! `--timeout` arrived, or it was interrupted (with `--state-dir`, running it again resumes);
+//! 64 bad arguments. Nothing is published unless every file made it.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+
+use super::dest::{validate_checkpoint_name, AllowUpload, Granted, Location, UploadPolicy};
+use super::engine::{self, Job, Meta, Options, Report};
+use super::journal::RootRecord;
+use super::manifest::Origin;
+use super::staged::{self, Limits, Root};
+use super::target::Target;
+use super::Outcome;
+use crate::prefetch::progress::{self, human_bytes, parse_size, Progress, ProgressMode};
+use crate::prefetch::source::StoreOptions;
+
+/// Exit code: published.
+pub const EXIT_OK: i32 = 0;
+/// Exit code: the staged tree or the destination was refused.
+pub const EXIT_REFUSED: i32 = 1;
+/// Exit code: the upload failed.
+pub const EXIT_FAILED: i32 = 2;
+/// Exit code: deadline, timeout or interrupted.
+pub const EXIT_STOPPED: i32 = 3;
+/// Exit code: bad arguments.
+pub const EXIT_USAGE: i32 = 64;
+
+fn parse_part_size(s: &str) -> Result<u64, String> {
+    let v = parse_size(s)?;
+    if !(engine::MIN_PART_SIZE..=5 << 30).contains(&v) {
+        return Err(format!("part size {s} must be between 5MiB and 5GiB"));
+    }
+    Ok(v)
+}
+
+fn parse_concurrency(s: &str) -> Result<usize, String> {
+    let v: usize = s
+        .parse()
+        .map_err(|_| format!("invalid concurrency {s:?}"))?;
+    if !(1..=256).contains(&v) {
+        return Err(format!("concurrency {v} must be between 1 and 256"));
+    }
+    Ok(v)
+}
+
+/// `--deadline`: RFC 3339 or Unix seconds.
+fn parse_deadline(s: &str) -> Result<jiff::Timestamp, String> {
+    if let Ok(secs) = s.trim().parse::<f64>() {
+        return jiff::Timestamp::from_millisecond((secs * 1000.0) as i64)
+            .map_err(|e| format!("deadline {s:?}: {e}"));
+    }
+    s.trim()
+        .parse::<jiff::Timestamp>()
+        .map_err(|e| format!("deadline {s:?}: expected RFC 3339 or Unix seconds ({e})"))
+}
+
+/// Arguments of `spotguard upload`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct UploadArgs {
+    /// The staged checkpoint: a local directory (absolute path, no symlink in it) of regular
+    /// files and directories.
+    #[arg(value_name = "STAGED")]
+    pub staged: PathBuf,
+
+    /// Where the job's checkpoints go: s3://bucket/prefix, gs://bucket/prefix, file:///dir or
+    /// /dir. The checkpoint lands in DEST/<name>.
+    #[arg(value_name = "DEST")]
+    pub dest: String,
+
+    /// Checkpoint name (its directory under DEST) [default: STAGED's base name].
+    #[arg(long)]
+    pub name: Option<String>,
+
+    /// Training step recorded in the manifest (orders checkpoints: the greatest is the latest).
+    #[arg(long)]
+    pub step: Option<u64>,
+
+    /// This node's share of a checkpoint several nodes save into the same DEST/<name>, as
+    /// INDEX/COUNT (e.g. 0/4): the manifest is manifest.part-INDEX-of-COUNT.json, and the
+    /// checkpoint is complete once all COUNT parts are.
+    #[arg(long, value_name = "INDEX/COUNT", value_parser = super::manifest::Part::parse)]
+    pub part: Option<super::manifest::Part>,
+
+    /// Requests in flight (each holds one part-sized buffer: memory is concurrency × part size).
+    #[arg(long, default_value = "8", value_parser = parse_concurrency)]
+    pub concurrency: usize,
+
+    /// Files up to this size are one PUT; larger ones go as multipart uploads of this part size.
+    #[arg(long, default_value = "8MiB", value_parser = parse_part_size)]
+    pub part_size: u64,
+
+    /// S3-compatible endpoint (path-style; http:// allowed), e.g. http://127.0.0.1:9000.
+    #[arg(long, env = "SPOTGUARD_UPLOAD_ENDPOINT")]
+    pub endpoint: Option<String>,
+
+    /// Stop at this time (RFC 3339 or Unix seconds) and publish nothing if not done.
+    #[arg(long, value_parser = parse_deadline)]
+    pub deadline: Option<jiff::Timestamp>,
+
+    /// Stop after this long (e.g. 25s) and publish nothing if not done.
+    #[arg(long, value_parser = crate::duration::parse)]
+    pub timeout: Option<Duration>,
+
+    /// Keep the upload's journal under this directory (uploads/<hash>.json): run the same
+    /// command again after an interruption and it resumes instead of starting over.
+    #[arg(long, value_name = "DIR")]
+    pub state_dir: Option<PathBuf>,
+
+    /// Refuse destinations outside these locations (the agent's --upload-allow; comma-separated
+    /// s3://BUCKET[/PREFIX], gs://BUCKET[/PREFIX] or directories). None: any destination.
+    #[arg(long, value_name = "PATTERN", value_delimiter = ',', value_parser = AllowUpload::parse)]
+    pub allow: Vec<AllowUpload>,
+
+    /// Refuse a staged tree of more files than this.
+    #[arg(long, default_value = "10000")]
+    pub max_files: usize,
+
+    /// Refuse a staged tree of more bytes than this.
+    #[arg(long, default_value = "1TiB", value_parser = parse_size)]
+    pub max_bytes: u64,
+
+    /// Progress display: a bar on a TTY, JSON lines otherwise.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub progress: ProgressMode,
+}
+
+fn usage(msg: impl std::fmt::Display) -> i32 {
+    eprintln!("spotguard upload: {msg}");
+    EXIT_USAGE
+}
+
+/// Run `spotguard upload`; returns the exit code.
+pub async fn run_cli(args: UploadArgs, cancel: CancellationToken) -> i32 {
+    let location = match Location::parse(&args.dest) {
+        Ok(l) => l,
+        Err(e) => return usage(e),
+    };
+    let name = match args.name.clone().or_else(|| {
+        args.staged
+            .file_name()
+            .and_then(|n| n.to_str())
+            .map(str::to_string)
+    }) {
+        Some(n) => n,
+        None => return usage("STAGED has no base name: give --name"),
+    };
+    if let Err(e) = validate_checkpoint_name(&name) {
+        return usage(e);
+    }
+    if !args.staged.is_absolute() {
+        return usage("STAGED must be an absolute path");
+    }
+    let destination = location.join(&name);
+    let granted = if args.allow.is_empty() {
+        match &location {
+            Location::Store(_) => Granted::Store,
+            Location::Dir(base) => Granted::Dir {
+                base: base.clone(),
+                below: PathBuf::from(&name),
+            },
+        }
+    } else {
+        let policy = UploadPolicy {
+            allow: args.allow.clone(),
+        };
+        match policy.check(&destination) {
+            Ok(g) => g,
+            Err(e) => {
+                eprintln!("spotguard upload: {e}");
+                return EXIT_REFUSED;
+            }
+        }
+    };
+    let limits = Limits {
+        max_files: args.max_files,
+        max_bytes: args.max_bytes,
+        ..Limits::default()
+    };
+    staged::raise_open_file_limit();
+    let staged_dir = args.staged.clone();
+    let tree = match tokio::task::spawn_blocking(move || {
+        staged::capture(&Root::host()?, &staged_dir, &limits)
+    })
+    .await
+    {
+        Ok(Ok(t)) => t,
+        Ok(Err(e)) => {
+            eprintln!("spotguard upload: {e}");
+            return EXIT_REFUSED;
+        }
+        Err(e) => {
+            eprintln!("spotguard upload: {e}");
+            return EXIT_FAILED;
+        }
+    };
+    let store_opts = StoreOptions {
+        endpoint: args.endpoint.clone(),
+        pool: args.concurrency,
+        ..StoreOptions::default()
+    };
+    let target = match Target::open(&destination, &granted, &store_opts) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("spotguard upload: {e}");
+            return if e.outcome() == Outcome::Refused {
+                EXIT_REFUSED
+            } else {
+                EXIT_FAILED
+            };
+        }
+    };
+    let deadline = {
+        let now = jiff::Timestamp::now();
+        let from_flag = args.deadline.map(|d| {
+            let left = d.duration_since(now).as_secs_f64().max(0.0);
+            tokio::time::Instant::now() + Duration::from_secs_f64(left)
+        });
+        let from_timeout = args.timeout.map(|t| tokio::time::Instant::now() + t);
+        match (from_flag, from_timeout) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    };
+    let mode = args.progress.resolve();
+    let progress = Arc::new(Progress::default());
+    let stop_report = CancellationToken::new();
+    let reporter = tokio::spawn(progress::report(
+        progress.clone(),
+        name.clone(),
+        mode,
+        Duration::from_secs(1),
+        stop_report.clone(),
+    ));
+    let job = Job {
+        meta: Meta {
+            name: name.clone(),
+            step: args.step,
+            part: args.part,
+            notice: None,
+            origin: Origin {
+                staged: args.staged.display().to_string(),
+                node: None,
+                pod: None,
+            },
+            acked_at: None,
+        },
+        root: RootRecord::Host { owner: tree.owner },
+        tree,
+        target,
+        options: Options {
+            concurrency: args.concurrency,
+            part_size: args.part_size,
+            deadline,
+            state_dir: args.state_dir.clone(),
+            ..Options::default()
+        },
+        progress,
+        metrics: None,
+        cancel,
+    };
+    let report = engine::run(job).await;
+    stop_report.cancel();
+    let _ = reporter.await;
+    print_report(&report, mode);
+    if let Some(e) = &report.error {
+        eprintln!("spotguard upload: {e}");
+    }
+    match report.outcome {
+        Outcome::Published | Outcome::AlreadyPublished => EXIT_OK,
+        Outcome::Refused => EXIT_REFUSED,
+        Outcome::Failed => EXIT_FAILED,
+        Outcome::Deadline | Outcome::Cancelled | Outcome::Interrupted => EXIT_STOPPED,
+    }
+}
+
+fn print_report(r: &Report, mode: ProgressMode) {
+    match mode {
+        ProgressMode::None => {}
+        ProgressMode::Tty | ProgressMode::Auto => eprintln!(
+            "{}: {}: {} files, {} ({} sent, {} resumed) in {:.1}s ({}/s)",
+            r.destination,
+            r.outcome.as_str(),
+            r.files,
+            human_bytes(r.bytes),
+            human_bytes(r.bytes_sent),
+            human_bytes(r.bytes_resumed),
+            r.seconds,
+            human_bytes(r.rate_bps),
+        ),
+        ProgressMode::Json => {
+            if let Ok(json) = serde_json::to_string(r) {
+                let mut out = std::io::stdout().lock();
+                let _ = writeln!(out, "{json}");
+                let _ = out.flush();
+            }
+        }
+    }
+}

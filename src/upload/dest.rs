@@ -1,0 +1,289 @@
+//! Where checkpoints go: a *location* (a job's checkpoint root: `s3://bucket/run1`,
+//! `gs://bucket/run1`, `file:///mnt/efs/run1` or `/mnt/efs/run1`), each checkpoint in a
+//! directory of its own under it (`<location>/<name>/…`, `<name>/manifest.json` last), and the
+//! operator's `--upload-allow` list that says which locations the agent may write with its own
+//! identity.
+//!
+//! Object-store patterns are the prefetch allow-list's ([`crate::prefetch::policy::AllowPattern`]:
+//! `s3://BUCKET[/PREFIX]`, `*` in BUCKET, PREFIX on whole segments); filesystem patterns are
+//! absolute directories, matched on whole path components. A filesystem destination is opened
+//! *from* the allowed directory with `RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS`, so a symlink that
+//! someone with write access to a shared filesystem plants below it can never redirect the
+//! agent's writes.
+
+use std::path::{Component, Path, PathBuf};
+
+use super::Error;
+use crate::prefetch::policy::AllowPattern;
+use crate::prefetch::source::{Scheme, SourceUrl};
+
+/// A job's checkpoint root, or one checkpoint's directory ([`Location::join`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Location {
+    /// `s3://` or `gs://` (the parsed URL; its `prefix` has no leading or trailing `/`).
+    Store(SourceUrl),
+    /// An absolute directory (given as `/dir` or `file:///dir`), lexically normal.
+    Dir(PathBuf),
+}
+
+impl Location {
+    /// Parse `s3://bucket[/prefix]`, `gs://bucket[/prefix]`, `file:///dir` or `/dir`.
+    pub fn parse(text: &str) -> Result<Location, Error> {
+        let text = text.trim();
+        let invalid = |reason: &str| Error::InvalidDestination {
+            dest: text.to_string(),
+            reason: reason.to_string(),
+        };
+        let path = if let Some(rest) = text.strip_prefix("file://") {
+            rest
+        } else if text.starts_with('/') {
+            text
+        } else if text.starts_with("s3://") || text.starts_with("gs://") {
+            let url = SourceUrl::parse(text).map_err(|e| invalid(&e.to_string()))?;
+            return Ok(Location::Store(url));
+        } else {
+            return Err(invalid(
+                "expected s3://bucket/prefix, gs://bucket/prefix, file:///dir or an absolute path",
+            ));
+        };
+        if !path.starts_with('/') {
+            return Err(invalid("a filesystem destination must be an absolute path"));
+        }
+        if path.contains('\0') {
+            return Err(invalid("NUL byte"));
+        }
+        let mut out = PathBuf::from("/");
+        for c in Path::new(path).components() {
+            match c {
+                Component::RootDir | Component::CurDir => {}
+                Component::Normal(n) => out.push(n),
+                Component::ParentDir | Component::Prefix(_) => {
+                    return Err(invalid("`..` is not allowed"))
+                }
+            }
+        }
+        Ok(Location::Dir(out))
+    }
+
+    /// The directory of checkpoint `name` under this location. `name` must be a valid
+    /// checkpoint name ([`validate_checkpoint_name`]).
+    pub fn join(&self, name: &str) -> Location {
+        match self {
+            Location::Dir(p) => Location::Dir(p.join(name)),
+            Location::Store(url) => {
+                let prefix = if url.prefix.is_empty() {
+                    name.to_string()
+                } else {
+                    format!("{}/{name}", url.prefix)
+                };
+                let text = format!("{}://{}/{prefix}", url.scheme.as_str(), url.bucket);
+                // Joining a validated name to a parsed URL gives a parsable URL.
+                Location::Store(SourceUrl::parse(&text).unwrap_or_else(|_| url.clone()))
+            }
+        }
+    }
+
+    /// The location as a URL or path, for logs, manifests and Events.
+    pub fn display(&self) -> String {
+        match self {
+            Location::Dir(p) => p.display().to_string(),
+            Location::Store(url) => url.normalized(),
+        }
+    }
+}
+
+impl std::fmt::Display for Location {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.display())
+    }
+}
+
+/// A checkpoint's name (its directory under the location): the staged directory's base name,
+/// e.g. `step-1200`. Letters, digits, `-`, `_`, `.`, not starting with `.`, at most 100 bytes.
+pub fn validate_checkpoint_name(name: &str) -> Result<(), Error> {
+    crate::prefetch::source::validate_name(name).map_err(|e| Error::InvalidDestination {
+        dest: name.to_string(),
+        reason: format!("checkpoint name: {e}"),
+    })
+}
+
+/// One `--upload-allow` pattern.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum AllowUpload {
+    /// `s3://BUCKET[/PREFIX]` or `gs://BUCKET[/PREFIX]`.
+    Store(AllowPattern),
+    /// An absolute directory: it and everything below it.
+    Dir(PathBuf),
+}
+
+impl AllowUpload {
+    /// Parse a pattern: `s3://…`, `gs://…`, `file:///dir` or `/dir` (not `/` itself).
+    pub fn parse(text: &str) -> Result<AllowUpload, String> {
+        let text = text.trim();
+        if text.starts_with("s3://") || text.starts_with("gs://") {
+            return AllowPattern::parse(text).map(AllowUpload::Store);
+        }
+        match Location::parse(text) {
+            Ok(Location::Dir(p)) if p == Path::new("/") => Err(format!(
+                "upload allow pattern {text:?}: name a directory (allowing / would let a pod \
+                 make the agent write anywhere on the node)"
+            )),
+            Ok(Location::Dir(p)) => Ok(AllowUpload::Dir(p)),
+            Ok(Location::Store(_)) | Err(_) => Err(format!(
+                "upload allow pattern {text:?}: expected s3://BUCKET[/PREFIX], \
+                 gs://BUCKET[/PREFIX] or an absolute directory"
+            )),
+        }
+    }
+}
+
+impl std::fmt::Display for AllowUpload {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            AllowUpload::Store(p) => write!(f, "{p}"),
+            AllowUpload::Dir(p) => write!(f, "{}", p.display()),
+        }
+    }
+}
+
+/// What the allow-list granted: for a directory, the allowed directory the destination is opened
+/// from and the rest of the path below it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Granted {
+    Store,
+    Dir { base: PathBuf, below: PathBuf },
+}
+
+/// The operator's `--upload-allow` list. Empty: every destination is refused (uploads are off).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct UploadPolicy {
+    pub allow: Vec<AllowUpload>,
+}
+
+impl UploadPolicy {
+    /// Whether `dest` (a checkpoint's directory) may be written; [`Error::NotAllowed`] if not.
+    pub fn check(&self, dest: &Location) -> Result<Granted, Error> {
+        let refuse = |reason: String| Error::NotAllowed {
+            dest: dest.display(),
+            reason,
+        };
+        if self.allow.is_empty() {
+            return Err(refuse(
+                "checkpoint uploads are off on this node (the operator enables them with \
+                 --upload-allow)"
+                    .to_string(),
+            ));
+        }
+        for pattern in &self.allow {
+            match (pattern, dest) {
+                (AllowUpload::Store(p), Location::Store(url)) if p.allows(url) => {
+                    return Ok(Granted::Store)
+                }
+                (AllowUpload::Dir(base), Location::Dir(path)) => {
+                    if let Ok(below) = path.strip_prefix(base) {
+                        if below.as_os_str().is_empty() {
+                            continue;
+                        }
+                        return Ok(Granted::Dir {
+                            base: base.clone(),
+                            below: below.to_path_buf(),
+                        });
+                    }
+                }
+                _ => {}
+            }
+        }
+        let allowed: Vec<String> = self.allow.iter().map(|p| p.to_string()).collect();
+        Err(refuse(format!(
+            "not under any allowed location ({})",
+            allowed.join(", ")
+        )))
+    }
+}
+
+/// The scheme of a store location, for metrics and logs.
+pub fn scheme(dest: &Location) -> &'static str {
+    match dest {
+        Location::Dir(_) => "file",
+        Location::Store(u) if u.scheme == Scheme::Gcs => "gs",
+        Location::Store(_) => "s3",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn policy(p: &[&str]) -> UploadPolicy {
+        UploadPolicy {
+            allow: p.iter().map(|t| AllowUpload::parse(t).unwrap()).collect(),
+        }
+    }
+
+    #[test]
+    fn locations_parse_and_join() {
+        let s = Location::parse("s3://bkt/run1/").unwrap();
+        assert_eq!(s.join("step-10").display(), "s3://bkt/run1/step-10");
+        let root = Location::parse("gs://bkt").unwrap();
+        assert_eq!(root.join("step-1").display(), "gs://bkt/step-1");
+        let d = Location::parse("file:///mnt/efs//run1/./").unwrap();
+        assert_eq!(d, Location::Dir(PathBuf::from("/mnt/efs/run1")));
+        assert_eq!(
+            Location::parse("/mnt/efs/run1").unwrap().join("step-2"),
+            Location::Dir(PathBuf::from("/mnt/efs/run1/step-2"))
+        );
+        for bad in [
+            "relative/dir",
+            "http://x/y",
+            "/a/../b",
+            "file://rel",
+            "s3://",
+            "s3://b/x?y",
+        ] {
+            assert!(Location::parse(bad).is_err(), "{bad}");
+        }
+        assert!(validate_checkpoint_name("step-1200").is_ok());
+        for bad in ["", ".hidden", "a/b", "..", "a b"] {
+            assert!(validate_checkpoint_name(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn the_allow_list_grants_stores_and_directories_on_whole_segments() {
+        let p = policy(&["s3://ckpt-*/runs", "/mnt/efs/ckpt"]);
+        for ok in ["s3://ckpt-a/runs/r1/step-1", "s3://ckpt-b/runs/x"] {
+            assert_eq!(
+                p.check(&Location::parse(ok).unwrap()).unwrap(),
+                Granted::Store
+            );
+        }
+        assert_eq!(
+            p.check(&Location::parse("/mnt/efs/ckpt/r1/step-1").unwrap())
+                .unwrap(),
+            Granted::Dir {
+                base: PathBuf::from("/mnt/efs/ckpt"),
+                below: PathBuf::from("r1/step-1")
+            }
+        );
+        for bad in [
+            "s3://ckpt-a/runs-private/x",
+            "s3://other/runs/x",
+            "gs://ckpt-a/runs/x",
+            "/mnt/efs/ckpt-other/x",
+            "/mnt/efs/ckpt",
+            "/etc/cron.d",
+        ] {
+            let e = p.check(&Location::parse(bad).unwrap()).unwrap_err();
+            assert_eq!(e.metric_label(), "not_allowed", "{bad}");
+        }
+        let off = UploadPolicy::default();
+        assert!(off
+            .check(&Location::parse("s3://b/x").unwrap())
+            .unwrap_err()
+            .to_string()
+            .contains("off"));
+        for bad in ["/", "file:///", "s3://*", "relative", "http://x"] {
+            assert!(AllowUpload::parse(bad).is_err(), "{bad}");
+        }
+    }
+}

@@ -1,0 +1,91 @@
+//! Staged checkpoint upload (docs/checkpoint-upload.md): a trainer saves its checkpoint to
+//! local disk in seconds, acks `done` with the staged directory, and exits; spotguard ships the
+//! directory to an object store or a shared filesystem with the rest of the notice's time, and
+//! publishes it with a `manifest.json` written last.
+//!
+//! - [`staged`]: capturing the staged tree through the trainer's root (every file opened while
+//!   the trainer lives; symlinks, special files, other mounts, foreign owners refused);
+//! - [`dest`]: destinations and the operator's `--upload-allow` list;
+//! - [`target`]: the object store (single `PUT`s and multipart uploads through object_store,
+//!   the store's checksum compared after each file) and the filesystem (temp, fsync, rename);
+//! - [`engine`]: one upload — parallel parts from a bounded buffer [`pool`], CRCs while reading
+//!   ([`crc`]), the deadline, progress, then the [`manifest`]; [`journal`]: progress persisted
+//!   for resume after a restart;
+//! - [`latest`]: the latest complete checkpoint under a location (resume side);
+//! - [`ack`]: the protocol side (what a `done` ack asks for, the agent's answer);
+//! - [`uploader`]: where uploads run (own runtime, own low-priority threads);
+//! - [`cli`]: `spotguard upload STAGED DEST`; [`metrics`]: `spotguard_checkpoint_upload_*`.
+
+pub mod ack;
+pub mod cli;
+pub mod crc;
+pub mod dest;
+pub mod engine;
+mod error;
+pub mod journal;
+pub mod latest;
+pub mod manifest;
+pub mod metrics;
+pub mod pool;
+pub mod staged;
+pub mod target;
+pub mod uploader;
+
+pub use dest::{AllowUpload, Location, UploadPolicy};
+pub use engine::{Job, Meta, Options, Report};
+pub use error::Error;
+pub use metrics::UploadMetrics;
+pub use staged::{Limits, Root, StagedTree};
+pub use uploader::Uploader;
+
+/// How an upload ended (`spotguard_checkpoint_upload_total{outcome}`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Outcome {
+    /// Every file is at the destination and the manifest was written.
+    Published,
+    /// The destination already held this very checkpoint (same files and checksums).
+    AlreadyPublished,
+    /// The deadline arrived first: no manifest; the previous checkpoint stays the latest.
+    Deadline,
+    /// The uploader was stopped; a later run with the same journal resumes.
+    Cancelled,
+    /// An error (store, I/O, a file changed under the upload, checksum mismatch): no manifest.
+    Failed,
+    /// The destination or the staged tree was refused (allow-list, symlinks, special files,
+    /// owner, limits): nothing was sent.
+    Refused,
+    /// An uploader restarted mid-upload and could not resume it (the trainer's files are no
+    /// longer reachable, or an earlier boot): reported, nothing published.
+    Interrupted,
+}
+
+impl Outcome {
+    /// Every outcome, in the order the docs list them.
+    pub const ALL: [Outcome; 7] = [
+        Outcome::Published,
+        Outcome::AlreadyPublished,
+        Outcome::Deadline,
+        Outcome::Cancelled,
+        Outcome::Failed,
+        Outcome::Refused,
+        Outcome::Interrupted,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Published => "published",
+            Outcome::AlreadyPublished => "already_published",
+            Outcome::Deadline => "deadline",
+            Outcome::Cancelled => "cancelled",
+            Outcome::Failed => "failed",
+            Outcome::Refused => "refused",
+            Outcome::Interrupted => "interrupted",
+        }
+    }
+
+    /// The checkpoint is at the destination and complete.
+    pub fn is_published(self) -> bool {
+        matches!(self, Outcome::Published | Outcome::AlreadyPublished)
+    }
+}
