@@ -17,7 +17,9 @@ use reqwest::{StatusCode, Url};
 use serde::Deserialize;
 use tokio::time::Instant;
 
-use super::http::{constant_url, endpoint_url, metadata_client, parse_error, request_error};
+use super::http::{
+    constant_url, endpoint_url, metadata_client, parse_error, read_body, request_error,
+};
 use super::monitor::ErrorReporter;
 use super::{content_id, Error, Notice, NoticeKind, NoticeSource, Source};
 use crate::metrics::Metrics;
@@ -228,7 +230,7 @@ impl Ec2Imds {
             .and_then(|v| v.trim().parse::<u64>().ok())
             .map(Duration::from_secs)
             .unwrap_or(self.config.token_ttl);
-        let body = resp.text().await.map_err(|e| request_error(url, e))?;
+        let body = read_body(url, resp).await?;
         let value = body.trim();
         if value.is_empty() || value.contains(['\r', '\n']) {
             return Err(parse_error(
@@ -258,11 +260,7 @@ impl Ec2Imds {
         }
         match resp.status() {
             StatusCode::NOT_FOUND => Ok(None),
-            s if s.is_success() => resp
-                .text()
-                .await
-                .map(Some)
-                .map_err(|e| request_error(url, e)),
+            s if s.is_success() => read_body(url, resp).await.map(Some),
             s => Err(Error::Status {
                 url: url.to_string(),
                 status: s.as_u16(),
