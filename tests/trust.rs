@@ -929,3 +929,86 @@ async fn notice_accepted_logs_the_clamped_deadline() {
         "logged {deadline}, the plan uses at most {latest}: {accepted}"
     );
 }
+
+/// Issue 24 item 5: the restart path gives every group its own deadline. Two groups resume
+/// after a restart whose record lists nobody (an older record): one's checkpoint dir hangs, the
+/// other's `notice.json` names the notice. The healthy group is waited for (not signalled again)
+/// as soon as its own dir answered; the hung one is held (nobody can tell whether it was
+/// signalled), and delivery returns within the dir budget, not the plan's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_restart_path_gives_each_group_its_own_deadline() {
+    use prometheus_client::registry::Registry;
+    use spotguard::checkpoint::procfs::ProcFs;
+    use spotguard::checkpoint::run::{
+        deliver_with, CheckpointRequest, DeliveryState, Prior, Signalled, NOTICE_BUDGET,
+    };
+    use spotguard::checkpoint::{Signal, TargetContainer, TargetGroup, TargetMode, TargetProcess};
+
+    let healthy = Host::new();
+    let hung = Host::new();
+    let _mount = HungMount::new(&hung.ckpt());
+    std::fs::create_dir_all(healthy.ckpt()).unwrap();
+    let t1 = healthy.trainer(false, 0.0, 0.0);
+    let t2 = hung.trainer(false, 0.0, 0.0);
+    let req = CheckpointRequest {
+        notice_id: "i-resumed".into(),
+        source: "aws".into(),
+        kind: "interruption".into(),
+        deadline: Some(Timestamp::now() + SignedDuration::from_secs(100)),
+        checkpoint_deadline: Timestamp::now() + SignedDuration::from_secs(60),
+        dry_run: false,
+    };
+    let notice = serde_json::json!({
+        "notice_id": "i-resumed", "source": "aws", "kind": "interruption",
+        "deadline_unix": null, "checkpoint_deadline_unix": 0, "signal": "SIGUSR1",
+        "life": "boot-1",
+    });
+    std::fs::write(healthy.ckpt().join("notice.json"), notice.to_string()).unwrap();
+    let group = |name: &str, h: &Host, pid: i32| TargetGroup {
+        name: name.into(),
+        pod: None,
+        containers: vec![TargetContainer {
+            name: name.into(),
+            root_pid: None,
+            init_pid: None,
+            processes: vec![TargetProcess {
+                pid,
+                start_time: ProcFs::default().start_time(pid).unwrap(),
+            }],
+        }],
+        mode: TargetMode::Handlers,
+        signal: Signal::USR1,
+        dir: h.ckpt(),
+        timeout: Duration::from_secs(60),
+        proc_root: "/proc".into(),
+    };
+    let groups = vec![
+        group("hung", &hung, t2.pid()),
+        group("healthy", &healthy, t1.pid()),
+    ];
+    let prior = Prior {
+        life: Some("boot-1".into()),
+        signalled_at: Some(Timestamp::now() - SignedDuration::from_secs(1)),
+        signalled: Signalled::Unlisted,
+    };
+    let m = spotguard::metrics::Metrics::register(&mut Registry::default());
+    let started = Instant::now();
+    let d = tokio::task::spawn_blocking(move || deliver_with(&groups, &req, &prior, &m))
+        .await
+        .unwrap();
+    let took = started.elapsed();
+    assert!(
+        took < NOTICE_BUDGET + Duration::from_millis(700),
+        "delivery took {took:?}"
+    );
+    assert!(
+        matches!(&d[0].state, DeliveryState::Error(e) if e.contains("not signalled")),
+        "{:?}",
+        d[0].state
+    );
+    assert_eq!(d[1].state, DeliveryState::Signalled, "waited for");
+    assert_eq!(d[1].sent(), 0, "not signalled again");
+    assert_eq!(d[1].signalled(), 1);
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(healthy.signals() + hung.signals(), 0);
+}
