@@ -83,7 +83,13 @@ pub fn write_atomic_at(
         }
         rustix::fs::renameat(dir, tmp.as_str(), dir, name)?;
         if durability == Durability::FileAndDir {
-            let _ = rustix::fs::fsync(dir);
+            // The rename is durable only once the directory is: its error (EIO) is the
+            // write's. A filesystem that cannot sync a directory at all (EINVAL) has nothing to
+            // make durable this way.
+            match rustix::fs::fsync(dir) {
+                Err(e) if e != rustix::io::Errno::INVAL => return Err(e.into()),
+                _ => {}
+            }
         }
         Ok(())
     })();
