@@ -548,7 +548,6 @@ impl Responder {
             let _ = r.task.await;
         }
         st.store = NoticeStore::new();
-        self.deps.metrics.action("resumed", true);
         let loaded = Records::new(&self.deps).load_all().await;
         for state in loaded.latest.into_iter().chain(loaded.earlier) {
             self.undoer().previous_life(state).await;
