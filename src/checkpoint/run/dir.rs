@@ -146,10 +146,17 @@ pub(super) fn file_job(t: FileTask) -> FileJob {
         }
         Ok(d) => d,
     };
-    let told = match d.read_notice_stamped() {
-        Ok(Some((n, stamp))) if names(&n, &t.notice) => Told::Named(stamp),
-        Ok(_) => Told::NotNamed,
-        Err(e) => Told::Unknown(e.to_string()),
+    // What notice.json says matters unless everyone is told now (a first delivery): then the
+    // read is skipped, it would only cost the signal time.
+    let needed = !matches!(&t.tell, Tell::Known { before, .. } if before.is_empty());
+    let told = if !needed {
+        Told::NotNamed
+    } else {
+        match d.read_notice_stamped() {
+            Ok(Some((n, stamp))) if names(&n, &t.notice) => Told::Named(stamp),
+            Ok(_) => Told::NotNamed,
+            Err(e) => Told::Unknown(e.to_string()),
+        }
     };
     // Who is told now, who was before.
     let (now, before): (Vec<i32>, Vec<i32>) = match &t.tell {
