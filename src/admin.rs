@@ -2,14 +2,19 @@
 //! `/readyz` (at least one metadata poll succeeded recently).
 //!
 //! It listens on the node's network (hostNetwork), so every client is untrusted: request headers
-//! must arrive within [`Limits::header_read_timeout`] and fit in [`Limits::max_header_bytes`], and
-//! at most [`Limits::max_connections`] connections are open at once (further ones are closed on
-//! accept). A connection lives at most [`Limits::max_connection_age`], then is closed gracefully
-//! (Prometheus reconnects). So slow or idle clients cost bounded memory and never starve the
-//! kubelet's probes for long.
+//! must arrive within [`Limits::header_read_timeout`] and fit in [`Limits::max_header_bytes`], at
+//! most [`Limits::max_connections`] connections are open at once and at most
+//! [`Limits::max_connections_per_peer`] from one address. A connection over a limit takes the
+//! place of the connection (of that peer, for the per-peer limit) that has waited longest between
+//! requests, if one does; else it is closed on accept. A connection lives at most
+//! [`Limits::max_connection_age`], then is closed gracefully (Prometheus reconnects). So slow or
+//! idle clients cost bounded memory, and a client that holds every connection with a tiny request
+//! now and then (keep-alive) never keeps the kubelet's probes out: each probe takes the place of
+//! an idle connection.
 
-use std::net::SocketAddr;
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use axum::extract::State;
@@ -39,6 +44,9 @@ pub struct Limits {
     pub max_header_bytes: usize,
     /// Connections open at once.
     pub max_connections: usize,
+    /// Connections open at once from one IP address: one client (a pod) can never take every
+    /// connection, the rest stays for the others (the kubelet's probes come from the node).
+    pub max_connections_per_peer: usize,
     /// Oldest a connection gets before it is closed after its current request.
     pub max_connection_age: Duration,
 }
@@ -49,6 +57,7 @@ impl Default for Limits {
             header_read_timeout: Duration::from_secs(5),
             max_header_bytes: 16 * 1024,
             max_connections: 512,
+            max_connections_per_peer: 384,
             max_connection_age: Duration::from_secs(300),
         }
     }
@@ -93,8 +102,10 @@ pub async fn bind_with_limits(
         .max_buf_size(limits.max_header_bytes.max(8192))
         .keep_alive(true);
     let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
+    let table = Arc::new(Mutex::new(Table::default()));
     let fut = async move {
         let mut conns = JoinSet::new();
+        let mut next_id: u64 = 0;
         loop {
             let accepted = tokio::select! {
                 _ = cancel.cancelled() => break,
@@ -102,7 +113,7 @@ pub async fn bind_with_limits(
                 // Reap finished connections so the set stays small.
                 Some(_) = conns.join_next(), if !conns.is_empty() => continue,
             };
-            let (stream, _peer) = match accepted {
+            let (stream, peer) = match accepted {
                 Ok(a) => a,
                 Err(e) => {
                     // EMFILE and friends: wait a little instead of spinning.
@@ -111,18 +122,54 @@ pub async fn bind_with_limits(
                     continue;
                 }
             };
-            let Ok(permit) = slots.clone().try_acquire_owned() else {
-                // Over the limit: close at once (dropping the stream).
-                continue;
+            let peer = peer.ip();
+            next_id += 1;
+            let id = next_id;
+            // Over a limit: take the place of the connection waiting longest between requests
+            // (of this peer for the per-peer limit), else close at once (dropping the stream).
+            let permit = {
+                let mut t = table.lock().unwrap_or_else(|p| p.into_inner());
+                let mut evicted = false;
+                if t.from(peer) >= limits.max_connections_per_peer.max(1) {
+                    if !t.evict_idlest(Some(peer)) {
+                        continue;
+                    }
+                    evicted = true;
+                }
+                let permit = match slots.clone().try_acquire_owned() {
+                    Ok(p) => Some(p),
+                    Err(_) if evicted || t.evict_idlest(None) => None,
+                    Err(_) => continue,
+                };
+                t.insert(id, peer);
+                permit
             };
-            let service = hyper_util::service::TowerToHyperService::new(app.clone());
+            let kill = table
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .kill_token(id);
+            let service = Tracked {
+                inner: hyper_util::service::TowerToHyperService::new(app.clone()),
+                id,
+                table: table.clone(),
+            };
             let conn = http.serve_connection(TokioIo::new(stream), service);
             let age = limits.max_connection_age;
+            let (slots, table) = (slots.clone(), table.clone());
             conns.spawn(async move {
-                let _permit = permit;
+                let _entry = Entry { id, table };
+                // The slot of an evicted connection frees as soon as its task ends.
+                let _permit = match permit {
+                    Some(p) => p,
+                    None => match tokio::time::timeout(EVICT_WAIT, slots.acquire_owned()).await {
+                        Ok(Ok(p)) => p,
+                        _ => return,
+                    },
+                };
                 let mut conn = std::pin::pin!(conn);
                 tokio::select! {
                     _ = conn.as_mut() => return,
+                    _ = kill.cancelled() => return,
                     _ = tokio::time::sleep(age) => {}
                 }
                 conn.as_mut().graceful_shutdown();
@@ -133,6 +180,120 @@ pub async fn bind_with_limits(
         conns.shutdown().await;
     };
     Ok((local, fut))
+}
+
+/// How long a connection that evicted an idle one waits for that one's slot.
+const EVICT_WAIT: Duration = Duration::from_millis(500);
+
+/// The open connections: their peer, whether they wait between requests (and since when), and
+/// how to close them.
+#[derive(Default)]
+struct Table {
+    conns: HashMap<u64, Conn>,
+}
+
+struct Conn {
+    peer: IpAddr,
+    /// Waiting for its next request since then (a request was served, none is in progress).
+    idle_since: Option<std::time::Instant>,
+    kill: CancellationToken,
+}
+
+impl Table {
+    fn from(&self, peer: IpAddr) -> usize {
+        self.conns.values().filter(|c| c.peer == peer).count()
+    }
+
+    fn insert(&mut self, id: u64, peer: IpAddr) {
+        self.conns.insert(
+            id,
+            Conn {
+                peer,
+                idle_since: None,
+                kill: CancellationToken::new(),
+            },
+        );
+    }
+
+    fn kill_token(&self, id: u64) -> CancellationToken {
+        self.conns
+            .get(&id)
+            .map(|c| c.kill.clone())
+            .unwrap_or_default()
+    }
+
+    /// Close the connection (of `peer`, if given) that has waited longest between requests;
+    /// `false` when none waits.
+    fn evict_idlest(&mut self, peer: Option<IpAddr>) -> bool {
+        let idlest = self
+            .conns
+            .iter()
+            .filter(|(_, c)| peer.is_none_or(|p| c.peer == p))
+            .filter_map(|(id, c)| c.idle_since.map(|at| (at, *id)))
+            .min();
+        let Some((_, id)) = idlest else {
+            return false;
+        };
+        if let Some(c) = self.conns.remove(&id) {
+            c.kill.cancel();
+        }
+        true
+    }
+
+    fn busy(&mut self, id: u64, busy: bool) {
+        if let Some(c) = self.conns.get_mut(&id) {
+            c.idle_since = (!busy).then(std::time::Instant::now);
+        }
+    }
+}
+
+/// Removes a connection from the table when its task ends.
+struct Entry {
+    id: u64,
+    table: Arc<Mutex<Table>>,
+}
+
+impl Drop for Entry {
+    fn drop(&mut self) {
+        self.table
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .conns
+            .remove(&self.id);
+    }
+}
+
+/// The router, marking its connection busy while a request is served.
+struct Tracked {
+    inner: hyper_util::service::TowerToHyperService<Router>,
+    id: u64,
+    table: Arc<Mutex<Table>>,
+}
+
+impl hyper::service::Service<http::Request<hyper::body::Incoming>> for Tracked {
+    type Response = axum::response::Response;
+    type Error = std::convert::Infallible;
+    type Future = std::pin::Pin<
+        Box<dyn std::future::Future<Output = Result<Self::Response, Self::Error>> + Send>,
+    >;
+
+    fn call(&self, req: http::Request<hyper::body::Incoming>) -> Self::Future {
+        let table = self.table.clone();
+        let id = self.id;
+        table
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .busy(id, true);
+        let fut = self.inner.call(req);
+        Box::pin(async move {
+            let resp = fut.await;
+            table
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .busy(id, false);
+            resp
+        })
+    }
 }
 
 async fn metrics(State(s): State<Arc<AdminState>>) -> impl IntoResponse {

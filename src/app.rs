@@ -111,6 +111,7 @@ pub async fn start_with_client(
     let mut telemetry = Telemetry::register();
     let metrics = telemetry.metrics.clone();
     let boot_id = read_boot_id(&cfg, &metrics);
+    let life = life_of_the_machine(&cfg, boot_id).await;
     let kernel = probe_kernel();
     let mut tasks = Tasks::default();
 
@@ -120,7 +121,7 @@ pub async fn start_with_client(
     let who = Who::of(&cfg);
     let on_start = start_hooks(&cfg, hook.clone(), &who);
     let responder = Responder::new(
-        responder_config(&cfg, boot_id),
+        responder_config(&cfg),
         crate::responder::Deps {
             node: node.clone(),
             local: StateFile::new(&cfg.args.state_dir, cfg.args.dry_run),
@@ -128,6 +129,7 @@ pub async fn start_with_client(
             sources: inputs.sources,
             metrics: metrics.clone(),
             on_start,
+            life,
         },
     );
     let events = responder.subscribe();
@@ -216,6 +218,23 @@ fn read_boot_id(cfg: &Config, metrics: &Metrics) -> Option<String> {
             metrics.error("responder", e.metric_label());
             warn!(error = %e, "no boot id: persisted plan state cannot tell a previous life of the machine");
             None
+        }
+    }
+}
+
+/// The machine's current life (`crate::life`): this boot, and the resumes from hibernation seen
+/// in it (`<state-dir>/life.json`).
+async fn life_of_the_machine(cfg: &Config, boot_id: Option<String>) -> Arc<crate::life::Lives> {
+    let dir = cfg.args.state_dir.clone();
+    let dry_run = cfg.args.dry_run;
+    let fallback = (dir.clone(), boot_id.clone());
+    match tokio::task::spawn_blocking(move || crate::life::Lives::open(&dir, boot_id, dry_run))
+        .await
+    {
+        Ok(l) => Arc::new(l),
+        Err(e) => {
+            warn!(error = %e, "reading the life mark failed");
+            Arc::new(crate::life::Lives::open(&fallback.0, fallback.1, true))
         }
     }
 }
@@ -373,7 +392,14 @@ async fn detect_and_monitor(
             Some(u) => notice::detect::ProbeEndpoints::all(u.clone()),
             None => notice::detect::ProbeEndpoints::default(),
         };
-        match notice::detect::detect(&cfg.args.dmi_dir, &probe, Duration::from_secs(2)).await {
+        let detected = notice::detect::detect_counted(
+            &cfg.args.dmi_dir,
+            &probe,
+            Duration::from_secs(2),
+            Some(&metrics),
+        )
+        .await;
+        match detected {
             Ok(s) => break s,
             Err(e) => {
                 metrics.error("detect", e.metric_label());
@@ -471,7 +497,7 @@ fn start_hooks(cfg: &Config, hook: Option<webhook::Webhook>, who: &Who) -> Vec<S
     on_start
 }
 
-fn responder_config(cfg: &Config, boot_id: Option<String>) -> ResponderConfig {
+fn responder_config(cfg: &Config) -> ResponderConfig {
     ResponderConfig {
         on_rebalance: cfg.args.on_rebalance,
         rebalance_expiry: cfg.args.rebalance_expiry,
@@ -484,7 +510,6 @@ fn responder_config(cfg: &Config, boot_id: Option<String>) -> ResponderConfig {
         drain_concurrency: usize::from(cfg.args.drain_concurrency),
         dry_run: cfg.args.dry_run,
         shutdown_grace: cfg.args.shutdown_grace,
-        boot_id,
     }
 }
 

@@ -118,7 +118,13 @@ impl<D: AsFd> AtomicFile<D> {
                 self.name.as_str(),
             )?;
             if durability == Durability::FileAndDir {
-                let _ = rustix::fs::fsync(self.dir.as_fd());
+                // The rename is durable only once the directory is: its error (EIO) is the
+                // write's. A filesystem that cannot sync a directory at all (EINVAL) has nothing
+                // to make durable this way.
+                match rustix::fs::fsync(self.dir.as_fd()) {
+                    Err(e) if e != rustix::io::Errno::INVAL => return Err(e.into()),
+                    _ => {}
+                }
             }
             Ok(())
         })();

@@ -15,6 +15,7 @@ pub mod duration;
 pub mod emulator;
 pub mod fsutil;
 pub mod gpu;
+pub mod life;
 pub mod metrics;
 pub mod node;
 pub mod notice;

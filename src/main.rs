@@ -53,7 +53,14 @@ fn main() -> ExitCode {
                 settings = %config::settings_line(&cfg.args.settings),
                 "effective configuration"
             );
-            match runtime().and_then(|rt| rt.block_on(run(cfg))) {
+            let result = runtime().and_then(|rt| {
+                let result = rt.block_on(run(cfg));
+                // Never wait on a blocking-pool thread stuck in a filesystem call (a hung
+                // checkpoint dir or state dir) at exit: the agent's own work is done.
+                rt.shutdown_timeout(EXIT_GRACE);
+                result
+            });
+            match result {
                 Ok(()) => exit(0),
                 Err(e) => {
                     // Once, through the log (which goes to stderr in either format).
@@ -153,6 +160,10 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
 fn one_shot_log_level() -> String {
     std::env::var("SPOTGUARD_LOG_LEVEL").unwrap_or_else(|_| "info".to_string())
 }
+
+/// How long the runtime waits at exit for blocking-pool threads still running (never for one
+/// stuck in a hung filesystem).
+const EXIT_GRACE: std::time::Duration = std::time::Duration::from_millis(500);
 
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_multi_thread()

@@ -85,6 +85,7 @@ pub mod known {
         "token",
         "parse",
         "acknowledge",
+        "too_large",
     ];
     /// `kind` of `spotguard_notices_total`.
     pub const NOTICE_KINDS: &[&str] = &["interruption", "rebalance", "maintenance", "cancelled"];

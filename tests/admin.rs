@@ -207,3 +207,63 @@ async fn connections_beyond_the_limit_are_closed_on_accept() {
     assert_eq!(healthz(addr).await, Ok(200));
     cancel.cancel();
 }
+
+/// One request on a kept-alive connection; `None` when the server closed it.
+async fn keep_alive_request(s: &mut TcpStream) -> Option<()> {
+    s.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .ok()?;
+    let mut buf = [0u8; 512];
+    let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf))
+        .await
+        .ok()?
+        .ok()?;
+    (n > 0 && buf.starts_with(b"HTTP/1.1 200")).then_some(())
+}
+
+/// Issue 24 item 7: one client holds every admin connection, keeping each alive with a tiny
+/// request every 4 s. The kubelet's `/healthz` probe (a fresh connection each time) must still be
+/// answered: it takes the place of the connection waiting longest between requests.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_holding_every_connection_does_not_keep_probes_out() {
+    let limits = Limits::default();
+    let (addr, cancel) = server(limits).await;
+    let mut held = Vec::new();
+    for _ in 0..limits.max_connections {
+        let Ok(mut s) = TcpStream::connect(addr).await else {
+            break;
+        };
+        if keep_alive_request(&mut s).await.is_some() {
+            held.push(s);
+        }
+    }
+    let holder = tokio::spawn(async move {
+        // The tiny request every 4 s (within the 5 s keep-alive), on every connection still open.
+        let mut open = held;
+        loop {
+            tokio::time::sleep(Duration::from_secs(4)).await;
+            let mut still = Vec::with_capacity(open.len());
+            for mut s in open {
+                if keep_alive_request(&mut s).await.is_some() {
+                    still.push(s);
+                }
+            }
+            open = still;
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let started = Instant::now();
+    let mut answered = 0;
+    while started.elapsed() < Duration::from_secs(9) {
+        assert_eq!(
+            healthz(addr).await,
+            Ok(200),
+            "a probe was kept out by a client holding every connection"
+        );
+        answered += 1;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    assert!(answered >= 10);
+    holder.abort();
+    cancel.cancel();
+}

@@ -509,3 +509,84 @@ async fn azure_freeze_is_ignored_by_default() {
     assert_eq!(emu.azure_acks(), vec![reboot.id]);
     a.stop().await;
 }
+
+/// Issue 24 item 2c: a rebalance is checkpointed, then a scheduled maintenance that only cordons
+/// runs its plan, then the agent restarts: the record kept the rebalance beside the maintenance,
+/// so the same recommendation (still served) is not checkpointed again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rebalance_checkpointed_before_a_maintenance_plan_is_not_checkpointed_again() {
+    let m = Machine::start(true).await;
+    let emu = emulator::start(EmulatorConfig::new(Cloud::Aws))
+        .await
+        .unwrap();
+    let extra = ["--maintenance-lead=1h", "--on-maintenance=cordon"];
+    let mut a = m.agent(&emu, &extra).await;
+    emu.raise(EmulatedNotice::rebalance()).unwrap();
+    wait_for(&mut a.events, Duration::from_secs(20), |e| {
+        matches!(e, PlanEvent::Checkpointed { .. }).then_some(())
+    })
+    .await;
+    assert_eq!(m.signals(), 1);
+    let maintenance = emu
+        .raise(EmulatedNotice::maintenance().due_in(Duration::from_secs(600)))
+        .unwrap();
+    wait_for(&mut a.events, Duration::from_secs(20), |e| match e {
+        PlanEvent::Done { id, .. } if *id == maintenance.id => Some(()),
+        _ => None,
+    })
+    .await;
+    assert_eq!(m.record().unwrap()["kind"]["type"], "maintenance");
+    a.stop().await;
+    let a = m.agent(&emu, &extra).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(
+        m.signals(),
+        1,
+        "the rebalance of this life was checkpointed already"
+    );
+    a.stop().await;
+}
+
+/// Issue 24 item 7: an interruption's deadline moved earlier while the trainer (which never
+/// acks) is waited for: the wait ends at the new checkpoint deadline as `timeout`, counted,
+/// not as `error` ("cancelled").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wait_cut_short_by_an_earlier_deadline_is_a_timeout() {
+    let m = Machine::start(false).await;
+    let emu = emulator::start(EmulatorConfig::new(Cloud::Aws))
+        .await
+        .unwrap();
+    let mut a = m.agent(&emu, &["--checkpoint-timeout=60s"]).await;
+    emu.raise(EmulatedNotice::interruption().due_in(Duration::from_secs(110)))
+        .unwrap();
+    wait_for(&mut a.events, Duration::from_secs(20), |e| {
+        matches!(e, PlanEvent::Signalled { .. }).then_some(())
+    })
+    .await;
+    // The cloud now says 28 s: the checkpoint must end 25 s (the drain reserve) before it.
+    emu.clear();
+    emu.raise(EmulatedNotice::interruption().due_in(Duration::from_secs(28)))
+        .unwrap();
+    let results = wait_for(&mut a.events, Duration::from_secs(20), |e| match e {
+        PlanEvent::Checkpointed { results, .. } => Some(results.clone()),
+        _ => None,
+    })
+    .await;
+    assert_eq!(
+        results[0].outcome.as_str(),
+        "timeout",
+        "{}",
+        results[0].detail
+    );
+    assert!(
+        results[0].detail.contains("deadline moved earlier"),
+        "{}",
+        results[0].detail
+    );
+    assert_eq!(
+        a.metric(r#"spotguard_checkpoint_total{outcome="timeout"}"#)
+            .await,
+        1.0
+    );
+    a.stop().await;
+}

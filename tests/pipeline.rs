@@ -474,3 +474,168 @@ fn counted(metrics: &str, prefix: &str) -> bool {
                 .is_some_and(|v| v > 0.0)
     })
 }
+
+// === AWS's own ec2-metadata-mock beside the project's emulator (issue 20 item 5) ===
+
+/// Every plan event of kind `kind` until `quiet` passes without any event, or `limit` overall.
+async fn collect_events(
+    events: &mut tokio::sync::broadcast::Receiver<PlanEvent>,
+    limit: Duration,
+    quiet: Duration,
+) -> Vec<PlanEvent> {
+    let mut out = Vec::new();
+    let end = tokio::time::Instant::now() + limit;
+    loop {
+        let left = end.saturating_duration_since(tokio::time::Instant::now());
+        if left.is_zero() {
+            return out;
+        }
+        match tokio::time::timeout(left.min(quiet), events.recv()).await {
+            Ok(Ok(e)) => out.push(e),
+            Ok(Err(tokio::sync::broadcast::error::RecvError::Lagged(_))) => {}
+            Ok(Err(_)) | Err(_) => return out,
+        }
+    }
+}
+
+/// The kinds of the notices accepted (plans started or scheduled), once per notice id, in order.
+fn plans_started(events: &[PlanEvent]) -> Vec<&'static str> {
+    let mut ids = Vec::new();
+    let mut kinds = Vec::new();
+    for e in events {
+        if let PlanEvent::NoticeSeen { notice, .. } = e {
+            if !ids.contains(&notice.id) {
+                ids.push(notice.id.clone());
+                kinds.push(notice.kind.label());
+            }
+        }
+    }
+    kinds
+}
+
+fn checkpoints(events: &[PlanEvent]) -> usize {
+    events
+        .iter()
+        .filter(|e| matches!(e, PlanEvent::Checkpointed { .. }))
+        .count()
+}
+
+async fn mock(args: &[&str]) -> spotguard_testkit::ec2_mock::Ec2MetadataMock {
+    let m = spotguard_testkit::ec2_mock::Ec2MetadataMock::start(args)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    // IMDSv2 only: a request without a session token is refused.
+    let v1 = reqwest::get(format!("{}/latest/meta-data/instance-id", m.base_url()))
+        .await
+        .unwrap()
+        .status();
+    assert_eq!(v1.as_u16(), 401, "-I: IMDSv2 only");
+    m
+}
+
+/// One rebalance recommendation (served from start-up, its `noticeTime` re-stamped on every
+/// poll) and then a spot interruption (its `time` re-stamped too): exactly two checkpoints, one
+/// early for the rebalance and one for the interruption, and nothing new after the interruption.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn aws_metadata_mock_one_rebalance_and_an_interruption_checkpoint_twice() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = Trainer::start(tmp.path()).await;
+    let m = mock(&["spot", "-I", "-d", "4"]).await;
+    eprintln!("AWS ec2-metadata-mock {}", m.version());
+    let (app, cancel) = start_agent(run_args("aws", &m.base_url(), &t, &[])).await;
+    let mut events = app.events;
+    let seen = collect_events(&mut events, Duration::from_secs(25), Duration::from_secs(8)).await;
+    assert_eq!(
+        plans_started(&seen),
+        vec!["rebalance", "interruption"],
+        "one plan per notice: {seen:#?}"
+    );
+    assert_eq!(checkpoints(&seen), 2, "{seen:#?}");
+    assert_eq!(t.signals_seen(), 2, "one rebalance, one interruption");
+    cancel.cancel();
+    let _ = tokio::time::timeout(Duration::from_secs(5), app.join).await;
+}
+
+/// Spot interruption notices of every action, IMDSv2 only: each is one plan and one signal,
+/// however often the mock re-stamps its `time`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn aws_metadata_mock_spot_terminate_stop_hibernate_signal_once() {
+    for action in ["terminate", "stop", "hibernate"] {
+        let tmp = tempfile::tempdir().unwrap();
+        let t = Trainer::start(tmp.path()).await;
+        // No rebalance recommendation during the test.
+        let m = mock(&[
+            "spot",
+            "-I",
+            "-a",
+            action,
+            "--rebalance-delay-sec",
+            "100000",
+        ])
+        .await;
+        let (app, cancel) = start_agent(run_args("aws", &m.base_url(), &t, &[])).await;
+        let mut events = app.events;
+        let seen =
+            collect_events(&mut events, Duration::from_secs(15), Duration::from_secs(4)).await;
+        assert_eq!(plans_started(&seen), vec!["interruption"], "{action}");
+        assert!(
+            seen.iter().any(|e| matches!(e, PlanEvent::Done { .. })),
+            "{action}: the plan completes"
+        );
+        assert_eq!(t.signals_seen(), 1, "{action}: one signal");
+        cancel.cancel();
+        let _ = tokio::time::timeout(Duration::from_secs(5), app.join).await;
+    }
+}
+
+/// A scheduled event (system-reboot, NotBefore at the mock's start) with the drain policy:
+/// one maintenance plan, one signal, its id the mock's event id.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn aws_metadata_mock_scheduled_event_is_one_plan() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = Trainer::start(tmp.path()).await;
+    let m = mock(&["events", "-I", "-o", "system-reboot"]).await;
+    let (app, cancel) = start_agent(run_args(
+        "aws",
+        &m.base_url(),
+        &t,
+        &["--on-maintenance=drain"],
+    ))
+    .await;
+    let mut events = app.events;
+    let seen = collect_events(&mut events, Duration::from_secs(15), Duration::from_secs(4)).await;
+    assert_eq!(plans_started(&seen), vec!["maintenance"], "{seen:#?}");
+    let id = seen
+        .iter()
+        .find_map(|e| match e {
+            PlanEvent::NoticeSeen { notice, .. } => Some(notice.id.clone()),
+            _ => None,
+        })
+        .unwrap();
+    assert!(id.starts_with("instance-event-"), "{id}");
+    assert_eq!(t.signals_seen(), 1);
+    cancel.cancel();
+    let _ = tokio::time::timeout(Duration::from_secs(5), app.join).await;
+}
+
+/// The project's emulator re-stamping its answers as ec2-metadata-mock does: the same outcome.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn emulator_with_restamped_times_one_rebalance_and_an_interruption_checkpoint_twice() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = Trainer::start(tmp.path()).await;
+    let mut cfg = EmulatorConfig::new(Cloud::Aws);
+    cfg.ec2_restamp_times = true;
+    let emu = emulator::start(cfg).await.unwrap();
+    let (app, cancel) = start_agent(run_args("aws", &emu.base_url(), &t, &[])).await;
+    let mut events = app.events;
+    emu.raise(EmulatedNotice::rebalance()).unwrap();
+    let first = collect_events(&mut events, Duration::from_secs(6), Duration::from_secs(3)).await;
+    assert_eq!(plans_started(&first), vec!["rebalance"], "{first:#?}");
+    emu.raise(EmulatedNotice::interruption()).unwrap();
+    let then = collect_events(&mut events, Duration::from_secs(20), Duration::from_secs(5)).await;
+    assert_eq!(plans_started(&then), vec!["interruption"], "{then:#?}");
+    assert_eq!(checkpoints(&first) + checkpoints(&then), 2);
+    assert_eq!(t.signals_seen(), 2);
+    cancel.cancel();
+    let _ = tokio::time::timeout(Duration::from_secs(5), app.join).await;
+}

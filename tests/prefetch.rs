@@ -1501,3 +1501,140 @@ fn without_capabilities(cmd: Command) -> Command {
     }
     c
 }
+
+/// An ext4 filesystem in a file, mounted on a loop device at `at`; unmounted when dropped.
+struct Ext4Loop {
+    at: PathBuf,
+    _image: tempfile::TempDir,
+}
+
+impl Ext4Loop {
+    fn new(at: &Path) -> Ext4Loop {
+        let image = tempfile::tempdir().unwrap();
+        let file = image.path().join("fs.img");
+        std::fs::File::create(&file)
+            .unwrap()
+            .set_len(64 << 20)
+            .unwrap();
+        let ok = Command::new("mkfs.ext4")
+            .args(["-q", "-F"])
+            .arg(&file)
+            .status()
+            .expect("mkfs.ext4")
+            .success();
+        assert!(ok, "mkfs.ext4");
+        std::fs::create_dir_all(at).unwrap();
+        let ok = Command::new("mount")
+            .args(["-o", "loop"])
+            .arg(&file)
+            .arg(at)
+            .status()
+            .expect("mount -o loop (the tests run as root)")
+            .success();
+        assert!(ok, "mount -o loop");
+        Ext4Loop {
+            at: at.to_path_buf(),
+            _image: image,
+        }
+    }
+
+    /// Shut the filesystem down (`EXT4_IOC_SHUTDOWN`, no log flush): every later write and
+    /// sync fails with EIO, as on a disk that went away.
+    fn shut_down(at: &Path) {
+        const EXT4_IOC_SHUTDOWN: libc::c_ulong = 0x8004_587D;
+        const EXT4_GOING_FLAGS_NOLOGFLUSH: u32 = 2;
+        let dir = std::fs::File::open(at).unwrap();
+        let flags = EXT4_GOING_FLAGS_NOLOGFLUSH;
+        // SAFETY: the ioctl reads one u32 from a pointer that lives across the call.
+        let rc = unsafe {
+            libc::ioctl(
+                std::os::fd::AsRawFd::as_raw_fd(&dir),
+                EXT4_IOC_SHUTDOWN as _,
+                &flags,
+            )
+        };
+        assert_eq!(rc, 0, "shutdown: {}", std::io::Error::last_os_error());
+    }
+}
+
+impl Drop for Ext4Loop {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.at).status();
+    }
+}
+
+/// Issue 24 item 6: the directory sync after publishing a file fails (EIO: the dataset's disk
+/// goes away right after the rename, the manifest's filesystem stays): the error surfaces, and
+/// the manifest never names the file whose directory entry may be lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_directory_sync_surfaces_and_the_manifest_does_not_name_the_file() {
+    use spotguard::prefetch::cache::DatasetPaths;
+    use spotguard::prefetch::download::{self, Failpoint, Job, PublishStep};
+    use spotguard::prefetch::{FetchOptions, Outcome, Progress, SourceUrl};
+
+    let root = tempfile::tempdir().unwrap();
+    let ds = root.path().join("ds");
+    let _disk = Ext4Loop::new(&ds);
+    // The manifest, claims and lease live on a healthy filesystem.
+    let meta = ds.join(".spotguard");
+    std::fs::create_dir_all(&meta).unwrap();
+    let ok = Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=8m", "tmpfs"])
+        .arg(&meta)
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok, "mount tmpfs");
+    struct Unmount(PathBuf);
+    impl Drop for Unmount {
+        fn drop(&mut self) {
+            let _ = Command::new("umount").arg("-l").arg(&self.0).status();
+        }
+    }
+    let _meta = Unmount(meta.clone());
+
+    let store = Arc::new(object_store::memory::InMemory::new());
+    store
+        .put(
+            &ObjectPath::from("ds/d/file"),
+            PutPayload::from(data(5000, 9)),
+        )
+        .await
+        .unwrap();
+    let disk = ds.clone();
+    let failpoint = Failpoint(Arc::new(move |step, _path| {
+        if step == PublishStep::Renamed {
+            Ext4Loop::shut_down(&disk);
+        }
+    }));
+    let job = Job {
+        store,
+        source: SourceUrl::parse("s3://bucket/ds").unwrap(),
+        paths: DatasetPaths::new(root.path(), "ds"),
+        cache_root: root.path().to_path_buf(),
+        options: FetchOptions {
+            failpoint: Some(failpoint),
+            ..FetchOptions::default()
+        },
+        progress: Arc::new(Progress::default()),
+        metrics: None,
+        cancel: tokio_util::sync::CancellationToken::new(),
+    };
+    let report = download::fetch_dataset(job).await;
+    assert_ne!(
+        report.summary.outcome,
+        Outcome::Complete,
+        "{:?}",
+        report.summary
+    );
+    let said = format!("{:?}", report.summary);
+    assert!(said.contains("sync directory"), "{said}");
+    let names_it = std::fs::read_to_string(meta.join("manifest.json"))
+        .map(|t| t.contains("\"done\":true"))
+        .unwrap_or(false);
+    assert!(
+        !names_it,
+        "the manifest names a file whose directory sync failed"
+    );
+    assert!(!meta.join("complete").exists());
+}

@@ -43,6 +43,53 @@ pub fn ack_file_name(ns_pid: i32) -> String {
     format!("ack-{ns_pid}.json")
 }
 
+/// Longest suffix of a fallback ack name (`ack-<pid>.<suffix>.json`, `ack.<suffix>`).
+const MAX_SUFFIX: usize = 64;
+/// Directory entries looked at per listing: a directory stuffed with names costs bounded work.
+const MAX_ENTRIES: usize = 65_536;
+
+/// What an ack file's name says it acknowledges.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum AckName {
+    /// `ack-<pid>.json` or a fallback `ack-<pid>.<suffix>.json`: the process `<pid>` (as it sees
+    /// its PID).
+    Process(i32),
+    /// `ack` or a fallback `ack.<suffix>`: the whole container.
+    Plain,
+}
+
+fn valid_suffix(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= MAX_SUFFIX
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+}
+
+/// Parse an ack file name: the plain names and the fallback names a writer uses when another
+/// user's file holds its plain name (a file planted in a sticky directory cannot be replaced by
+/// anyone but its owner; the fallback name is the writer's own choice, so nobody can take it
+/// first). `None` for every other name.
+pub fn parse_ack_name(name: &str) -> Option<AckName> {
+    if name == PLAIN_ACK_FILE {
+        return Some(AckName::Plain);
+    }
+    if let Some(suffix) = name.strip_prefix("ack.") {
+        return valid_suffix(suffix).then_some(AckName::Plain);
+    }
+    let rest = name.strip_prefix("ack-")?.strip_suffix(".json")?;
+    let (pid, suffix) = match rest.split_once('.') {
+        Some((pid, suffix)) => (pid, Some(suffix)),
+        None => (rest, None),
+    };
+    if pid.is_empty() || pid.len() > 10 || !pid.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    if suffix.is_some_and(|s| !valid_suffix(s)) {
+        return None;
+    }
+    pid.parse().ok().map(AckName::Process)
+}
+
 /// `notice.json`: what the training code reads after the signal.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct NoticeFile {
@@ -57,6 +104,10 @@ pub struct NoticeFile {
     pub checkpoint_deadline_unix: i64,
     /// The signal that was sent, e.g. `SIGUSR1`.
     pub signal: String,
+    /// The machine's life the notice belongs to (the boot id, `+<n>` after the n-th resume from
+    /// hibernation): a `notice.json` of another life is a leftover.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub life: Option<String>,
 }
 
 /// `state` of an `ack-<pid>.json`.
@@ -120,6 +171,8 @@ pub struct AckFile {
 pub struct FileStamp {
     pub dev: u64,
     pub ino: u64,
+    /// The file's owner: an ack counts only when it is the acknowledging process's user.
+    pub uid: u32,
     pub size: u64,
     /// Last status change (seconds, nanoseconds): writers cannot set it.
     pub ctime: (i64, i64),
@@ -131,11 +184,21 @@ impl FileStamp {
         FileStamp {
             dev: st.st_dev,
             ino: st.st_ino,
+            uid: st.st_uid,
             size: u64::try_from(st.st_size).unwrap_or(0),
             ctime: (st.st_ctime, i64::try_from(st.st_ctime_nsec).unwrap_or(0)),
             mtime: (st.st_mtime, i64::try_from(st.st_mtime_nsec).unwrap_or(0)),
         }
     }
+}
+
+/// A file another user planted at an ack name, found before the signal.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ForeignAck {
+    pub name: String,
+    pub owner: u32,
+    /// `Err` with the reason when it could not be removed.
+    pub removed: Result<(), String>,
 }
 
 /// An ack file read back, with its stamp.
@@ -311,14 +374,15 @@ impl CheckpointDir {
         )?)
     }
 
-    /// Stamps of `names` as they are now (absent names are left out; a missing dir gives none).
-    /// Taken just before the signal; see [`FileStamp`].
+    /// Stamps of `names` and of every fallback ack name in the dir as they are now (absent names
+    /// are left out; a missing dir gives none). Taken just before the signal; see [`FileStamp`].
     pub fn stamps(&self, names: &[String]) -> std::collections::HashMap<String, FileStamp> {
         let mut out = std::collections::HashMap::new();
         let Ok(dir) = self.open_dir() else {
             return out;
         };
-        for name in names {
+        let listed = Self::list_fallbacks(&dir).unwrap_or_default();
+        for name in names.iter().chain(listed.iter().map(|(n, _)| n)) {
             if let Ok(st) =
                 rustix::fs::statat(&dir, name.as_str(), rustix::fs::AtFlags::SYMLINK_NOFOLLOW)
             {
@@ -326,6 +390,74 @@ impl CheckpointDir {
             }
         }
         out
+    }
+
+    /// The fallback ack names (`ack-<pid>.<suffix>.json`, `ack.<suffix>`) in the dir, with what
+    /// they acknowledge. At most [`MAX_ENTRIES`] entries are looked at.
+    pub fn fallback_acks(&self) -> Result<Vec<(String, AckName)>, Error> {
+        let dir = match self.open_dir() {
+            Ok(d) => d,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(source) => {
+                return Err(Error::ReadAck {
+                    target: self.display.clone(),
+                    source,
+                })
+            }
+        };
+        Self::list_fallbacks(&dir).map_err(|source| Error::ReadAck {
+            target: self.display.clone(),
+            source,
+        })
+    }
+
+    fn list_fallbacks(dir: &OwnedFd) -> io::Result<Vec<(String, AckName)>> {
+        let mut listing = rustix::fs::Dir::read_from(dir)?;
+        let mut out = Vec::new();
+        for entry in listing.by_ref().take(MAX_ENTRIES) {
+            let entry = entry?;
+            let Ok(name) = entry.file_name().to_str() else {
+                continue;
+            };
+            if name == PLAIN_ACK_FILE
+                || (name.starts_with("ack-") && name.matches('.').count() == 1)
+            {
+                continue;
+            }
+            if let Some(what) = parse_ack_name(name) {
+                out.push((name.to_string(), what));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Before the signal: remove the files at `names` that belong to none of `owners` (planted by
+    /// another user at a name the targets will write), so that they never stand in the targets'
+    /// way. Returns what was found and whether it could be removed (in a sticky directory only its
+    /// owner, the file's owner or CAP_FOWNER may; the agent has no CAP_FOWNER).
+    pub fn remove_foreign(&self, names: &[(String, Vec<u32>)]) -> Vec<ForeignAck> {
+        let Ok(dir) = self.open_dir() else {
+            return Vec::new();
+        };
+        let mut found = Vec::new();
+        for (name, owners) in names {
+            let Ok(st) =
+                rustix::fs::statat(&dir, name.as_str(), rustix::fs::AtFlags::SYMLINK_NOFOLLOW)
+            else {
+                continue;
+            };
+            if owners.contains(&st.st_uid) {
+                continue;
+            }
+            let removed = rustix::fs::unlinkat(&dir, name.as_str(), rustix::fs::AtFlags::empty())
+                .map_err(|e| io::Error::from(e).to_string());
+            found.push(ForeignAck {
+                name: name.clone(),
+                owner: st.st_uid,
+                removed,
+            });
+        }
+        found
     }
 
     /// Write `name` atomically inside the dir (temp + fsync + rename), creating the dir if
@@ -431,13 +563,23 @@ impl CheckpointDir {
     /// Read `ack-<ns_pid>.json`. `Ok(None)` when absent; malformed JSON (perhaps a writer that is
     /// not atomic, caught mid-write) is an `InvalidData` error.
     pub fn read_ack(&self, ns_pid: i32) -> Result<Option<Ack>, Error> {
-        let read = self.read_json::<AckFile>(&ack_file_name(ns_pid))?;
+        self.read_ack_named(&ack_file_name(ns_pid))
+    }
+
+    /// Read a per-process ack by its file name (plain or fallback).
+    pub fn read_ack_named(&self, name: &str) -> Result<Option<Ack>, Error> {
+        let read = self.read_json::<AckFile>(name)?;
         Ok(read.map(|(file, stamp)| Ack { file, stamp }))
     }
 
     /// Stamp of the plain `ack` file, if present (any content).
     pub fn plain_ack(&self) -> Result<Option<FileStamp>, Error> {
-        Ok(self.read_file(PLAIN_ACK_FILE)?.map(|(_, stamp)| stamp))
+        self.plain_ack_named(PLAIN_ACK_FILE)
+    }
+
+    /// Stamp of a plain ack by its file name (`ack` or a fallback `ack.<suffix>`).
+    pub fn plain_ack_named(&self, name: &str) -> Result<Option<FileStamp>, Error> {
+        Ok(self.read_file(name)?.map(|(_, stamp)| stamp))
     }
 
     /// `notice.json` read back with its stamp (restart path: the anchor acks are compared with).
@@ -463,7 +605,83 @@ mod tests {
             deadline_unix: Some(1_700_000_120),
             checkpoint_deadline_unix: 1_700_000_095,
             signal: "SIGUSR1".into(),
+            life: None,
         }
+    }
+
+    #[test]
+    fn ack_names_plain_and_fallback() {
+        assert_eq!(parse_ack_name("ack"), Some(AckName::Plain));
+        assert_eq!(parse_ack_name("ack.x7-Q_1"), Some(AckName::Plain));
+        assert_eq!(parse_ack_name("ack-42.json"), Some(AckName::Process(42)));
+        assert_eq!(
+            parse_ack_name("ack-42.k3v.json"),
+            Some(AckName::Process(42))
+        );
+        for bad in [
+            "ack.",
+            "ack-.json",
+            "ack-4x.json",
+            "ack-42..json",
+            "ack-42.a.b.json",
+            "ack-42.json.tmp",
+            ".ack-42.json",
+            "ack.a/b",
+            "ack-99999999999.json",
+            "notice.json",
+        ] {
+            assert_eq!(parse_ack_name(bad), None, "{bad}");
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        let cd = CheckpointDir::host(tmp.path()).unwrap();
+        for n in [
+            "ack-7.json",
+            "ack-7.r4nd.json",
+            "ack",
+            "ack.x1",
+            "other",
+            ".ack-7.json.tmp-1",
+        ] {
+            std::fs::write(tmp.path().join(n), b"{}").unwrap();
+        }
+        let mut listed = cd.fallback_acks().unwrap();
+        listed.sort_by(|a, b| a.0.cmp(&b.0));
+        assert_eq!(
+            listed,
+            vec![
+                ("ack-7.r4nd.json".to_string(), AckName::Process(7)),
+                ("ack.x1".to_string(), AckName::Plain)
+            ]
+        );
+        // stamps cover the named files and every fallback name
+        let stamps = cd.stamps(&["ack-7.json".to_string()]);
+        assert_eq!(stamps.len(), 3);
+    }
+
+    #[test]
+    fn foreign_files_at_ack_names_are_removed_before_the_signal() {
+        use std::os::unix::fs::MetadataExt;
+        let tmp = tempfile::tempdir().unwrap();
+        let cd = CheckpointDir::host(tmp.path()).unwrap();
+        std::fs::write(tmp.path().join("ack-7.json"), b"{}").unwrap();
+        std::fs::write(tmp.path().join("ack"), b"").unwrap();
+        let me = std::fs::metadata(tmp.path().join("ack")).unwrap().uid();
+        // Owned by an allowed uid: kept. Owned by someone else: removed.
+        let found = cd.remove_foreign(&[
+            ("ack-7.json".to_string(), vec![me + 1]),
+            ("ack".to_string(), vec![me]),
+            ("ack-8.json".to_string(), vec![me + 1]),
+        ]);
+        assert_eq!(
+            found,
+            vec![ForeignAck {
+                name: "ack-7.json".into(),
+                owner: me,
+                removed: Ok(())
+            }]
+        );
+        assert!(!tmp.path().join("ack-7.json").exists());
+        assert!(tmp.path().join("ack").exists());
     }
 
     #[test]

@@ -29,6 +29,9 @@ pub struct ProcStatus {
     pub nspid: Vec<i32>,
     /// Real user id (`Uid:` first field).
     pub uid: u32,
+    /// Every distinct user id of the process (`Uid:` real, effective, saved, filesystem): the
+    /// owner of a file it creates is its filesystem uid.
+    pub uids: Vec<u32>,
     /// Real group id (`Gid:` first field).
     pub gid: u32,
 }
@@ -91,6 +94,7 @@ pub fn parse_status(text: &str, path: &Path) -> Result<ProcStatus, Error> {
     let mut sig_ign = None;
     let mut nspid = Vec::new();
     let mut uid = None;
+    let mut uids = Vec::new();
     let mut gid = None;
     for line in text.lines() {
         let Some((key, value)) = line.split_once(':') else {
@@ -124,7 +128,15 @@ pub fn parse_status(text: &str, path: &Path) -> Result<ProcStatus, Error> {
                     .map_err(|e| invalid(path, format!("NSpid {value:?}: {e}")))?
             }
             "Uid" => {
-                uid = Some(first_id(value).ok_or_else(|| invalid(path, format!("Uid {value:?}")))?)
+                uid = Some(first_id(value).ok_or_else(|| invalid(path, format!("Uid {value:?}")))?);
+                for id in value
+                    .split_whitespace()
+                    .filter_map(|v| v.parse::<u32>().ok())
+                {
+                    if !uids.contains(&id) {
+                        uids.push(id);
+                    }
+                }
             }
             "Gid" => {
                 gid = Some(first_id(value).ok_or_else(|| invalid(path, format!("Gid {value:?}")))?)
@@ -140,6 +152,7 @@ pub fn parse_status(text: &str, path: &Path) -> Result<ProcStatus, Error> {
         sig_ign: sig_ign.ok_or_else(|| missing("SigIgn"))?,
         nspid,
         uid: uid.ok_or_else(|| missing("Uid"))?,
+        uids,
         gid: gid.ok_or_else(|| missing("Gid"))?,
     })
 }

@@ -27,6 +27,9 @@ pub enum NotSignalled {
     Spotguard,
     /// Restart path: the process started after the original signal, so it was never signalled.
     StartedAfterSignal,
+    /// Nothing tells whether it was signalled for this notice before (no record lists it, its
+    /// `notice.json` cannot be read): not signalled again.
+    MaybeSignalled,
     /// Opening, checking or signalling failed.
     Failed(String),
 }
@@ -40,6 +43,7 @@ impl NotSignalled {
             NotSignalled::Recycled { .. } => "recycled",
             NotSignalled::Spotguard => "self",
             NotSignalled::StartedAfterSignal => "started_after_signal",
+            NotSignalled::MaybeSignalled => "maybe_signalled",
             NotSignalled::Failed(_) => "error",
         }
     }
@@ -68,6 +72,8 @@ pub struct Prepared {
     /// Real uid/gid, for the ownership of a checkpoint dir the agent creates.
     pub uid: u32,
     pub gid: u32,
+    /// Every uid of the process: an ack counts only when one of them owns it.
+    pub uids: Vec<u32>,
     pidfd: OwnedFd,
 }
 
@@ -135,6 +141,7 @@ pub fn prepare(
         start_time: target.start_time,
         uid: status.uid,
         gid: status.gid,
+        uids: status.uids,
         pidfd,
     })
 }

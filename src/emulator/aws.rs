@@ -170,6 +170,13 @@ fn render(cfg: &EmulatorConfig, model: &Model, path: &str) -> Option<String> {
     let rest = rest.trim_end_matches('/');
     let interruption = model.latest(NoticeKind::Interruption);
     let rebalance = model.latest(NoticeKind::Rebalance);
+    // As ec2-metadata-mock: the times of the request, not of the notice.
+    let now = cfg.ec2_restamp_times.then(jiff::Timestamp::now);
+    let action_time = |e: &model::Event| match now {
+        Some(now) => model::add(now, RESTAMPED_ACTION_LEAD).unwrap_or(e.start),
+        None => e.start,
+    };
+    let notice_time = |e: &model::Event| now.unwrap_or(e.start);
     match rest {
         "" => {
             let mut entries = vec!["events/", "instance-id", "instance-type", "placement/"];
@@ -195,11 +202,11 @@ fn render(cfg: &EmulatorConfig, model: &Model, path: &str) -> Option<String> {
             }
         }),
         "/spot/instance-action" => interruption.map(|e| {
-            json!({"action": e.action.as_str(), "time": wire::rfc3339(e.start)}).to_string()
+            json!({"action": e.action.as_str(), "time": wire::rfc3339(action_time(e))}).to_string()
         }),
         "/spot/termination-time" => interruption
             .filter(|e| e.action == model::Ec2Action::Terminate)
-            .map(|e| wire::rfc3339(e.start)),
+            .map(|e| wire::rfc3339(action_time(e))),
         "/events" => Some(if rebalance.is_some() {
             "maintenance/\nrecommendations/".to_owned()
         } else {
@@ -212,11 +219,14 @@ fn render(cfg: &EmulatorConfig, model: &Model, path: &str) -> Option<String> {
         "/events/maintenance/history" => Some(events_json(model, |s| !s.is_live())),
         "/events/recommendations" => rebalance.map(|_| "rebalance".to_owned()),
         "/events/recommendations/rebalance" => {
-            rebalance.map(|e| json!({"noticeTime": wire::rfc3339(e.start)}).to_string())
+            rebalance.map(|e| json!({"noticeTime": wire::rfc3339(notice_time(e))}).to_string())
         }
         _ => None,
     }
 }
+
+/// With `ec2_restamp_times`, a spot instance-action's `time` is this long after the request.
+const RESTAMPED_ACTION_LEAD: std::time::Duration = std::time::Duration::from_secs(120);
 
 fn events_json(model: &Model, include: impl Fn(Status) -> bool) -> String {
     let events: Vec<_> = model

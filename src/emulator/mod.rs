@@ -99,6 +99,11 @@ pub struct EmulatorConfig {
     /// ec2-metadata-mock does) instead of moving them to `events/maintenance/history` (as AWS
     /// documents).
     pub ec2_ended_events_in_scheduled: bool,
+    /// EC2: stamp every answer with the request time, as AWS's `ec2-metadata-mock` does: the
+    /// rebalance `noticeTime` is the time of the request and a spot instance-action's `time` two
+    /// minutes after it, so the same notice looks different on every poll (instead of the times
+    /// the notice was raised with).
+    pub ec2_restamp_times: bool,
     /// GCE: the answer of `upcoming-maintenance` when nothing is scheduled.
     pub gce_no_maintenance: GceNoMaintenance,
     /// Azure: how long an event stays `Started` before it is removed (completed). Azure's
@@ -128,6 +133,7 @@ impl EmulatorConfig {
             instance_type: instance_type.to_owned(),
             zone: zone.to_owned(),
             ec2_ended_events_in_scheduled: false,
+            ec2_restamp_times: false,
             gce_no_maintenance: GceNoMaintenance::default(),
             azure_started_for: Duration::from_secs(600),
         }
@@ -157,6 +163,10 @@ pub struct EmulateArgs {
     /// EC2: keep canceled/completed events in `events/maintenance/scheduled`.
     #[arg(long)]
     pub ec2_ended_events_in_scheduled: bool,
+    /// EC2: stamp every answer with the request time (rebalance `noticeTime` = now, spot `time`
+    /// = now + 2 min), as AWS's ec2-metadata-mock does.
+    #[arg(long)]
+    pub ec2_restamp_times: bool,
     /// GCE: what `upcoming-maintenance` answers when nothing is scheduled.
     #[arg(long, value_enum, default_value_t = GceNoMaintenance::Empty)]
     pub gce_no_maintenance: GceNoMaintenance,
@@ -170,6 +180,7 @@ impl EmulateArgs {
         cfg.vm_name = self.vm_name.clone();
         cfg.allow_imds_v1 = self.allow_imds_v1;
         cfg.ec2_ended_events_in_scheduled = self.ec2_ended_events_in_scheduled;
+        cfg.ec2_restamp_times = self.ec2_restamp_times;
         cfg.gce_no_maintenance = self.gce_no_maintenance;
         cfg
     }

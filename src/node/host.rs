@@ -4,6 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use async_trait::async_trait;
+use serde::{Deserialize, Serialize};
 
 use super::{
     Applied, DrainReport, DrainRequest, Error, EventType, GpuConditions, NodeOps, PlanState,
@@ -15,15 +16,103 @@ use crate::node::PodRef;
 /// File name of the persisted plan state inside `--state-dir`.
 pub const STATE_FILE: &str = "notice.json";
 
-/// The local record of the plan state: `<state-dir>/notice.json`, written atomically and fsync'd.
-/// Host mode keeps only this record; Kubernetes mode keeps it beside the Node annotation (the
-/// DaemonSet mounts a hostPath there), so that an API-server outage at restart never makes the
-/// agent forget that it already signalled, and the record is written before the checkpoint signal
-/// without waiting for the API server.
+/// A process the record lists as signalled (or about to be) for its plan's notice: the host PID
+/// and its start time (clock ticks since boot), so that a recycled PID is never taken for it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct RecordedTarget {
+    pub pid: i32,
+    pub start: u64,
+}
+
+/// The local record file: the latest plan (its fields at the top level, so the file reads as a
+/// plan record), the processes that plan signals, and the last plan of every other notice kind
+/// in this life. One slot per kind: a maintenance plan never erases the rebalance checkpointed
+/// before it (nor the reverse), so a restarted agent remembers both.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LocalRecord {
+    #[serde(flatten)]
+    pub latest: PlanState,
+    /// Written before the signal: every process the latest plan is about to signal (a superset:
+    /// all discovered candidates). A restarted agent never signals them again for this notice.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub targets: Vec<RecordedTarget>,
+    /// The last plan of each other kind (at most one per kind).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub earlier: Vec<PlanState>,
+}
+
+impl LocalRecord {
+    /// Every plan in the record, the latest first.
+    pub fn plans(&self) -> impl Iterator<Item = &PlanState> {
+        std::iter::once(&self.latest).chain(self.earlier.iter())
+    }
+
+    /// Put `state` in its kind's slot as the latest plan; `targets` replace the listed targets
+    /// when given, are kept for the same notice otherwise, and are dropped for another notice.
+    fn put(
+        record: Option<LocalRecord>,
+        state: &PlanState,
+        targets: Option<&[RecordedTarget]>,
+    ) -> LocalRecord {
+        let Some(mut r) = record else {
+            return LocalRecord {
+                latest: state.clone(),
+                targets: targets.map(<[RecordedTarget]>::to_vec).unwrap_or_default(),
+                earlier: Vec::new(),
+            };
+        };
+        let same_notice = r.latest.id == state.id && r.latest.kind == state.kind;
+        let targets = match targets {
+            Some(t) => t.to_vec(),
+            None if same_notice => std::mem::take(&mut r.targets),
+            None => Vec::new(),
+        };
+        let previous = std::mem::replace(&mut r.latest, state.clone());
+        r.earlier.retain(|p| p.kind != state.kind);
+        if previous.kind != state.kind {
+            r.earlier.retain(|p| p.kind != previous.kind);
+            r.earlier.push(previous);
+        }
+        r.targets = targets;
+        r
+    }
+
+    /// The record without the plan `id` (the most recent earlier plan becomes the latest);
+    /// `None` when nothing is left.
+    fn without(mut self, id: &str) -> Option<LocalRecord> {
+        self.earlier.retain(|p| p.id != id);
+        if self.latest.id != id {
+            return Some(self);
+        }
+        let newest = self
+            .earlier
+            .iter()
+            .enumerate()
+            .max_by_key(|(_, p)| p.updated_at)
+            .map(|(i, _)| i)?;
+        let latest = self.earlier.remove(newest);
+        Some(LocalRecord {
+            latest,
+            targets: Vec::new(),
+            earlier: self.earlier,
+        })
+    }
+}
+
+/// The local record of the plan state: `<state-dir>/notice.json` ([`LocalRecord`]), written
+/// atomically and fsync'd. Host mode keeps only this record; Kubernetes mode keeps it beside the
+/// Node annotation (the DaemonSet mounts a hostPath there), so that an API-server outage at
+/// restart never makes the agent forget that it already signalled, and the record is written
+/// before the checkpoint signal without waiting for the API server.
 #[derive(Clone, Debug)]
 pub struct StateFile {
     path: PathBuf,
     dry_run: bool,
+    /// Serialises read-modify-write of the record.
+    lock: std::sync::Arc<std::sync::Mutex<()>>,
+    /// The record was found unreadable, and none was written since: nothing tells who was
+    /// signalled for a notice.
+    unreadable: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl StateFile {
@@ -31,15 +120,27 @@ impl StateFile {
         StateFile {
             path: state_dir.join(STATE_FILE),
             dry_run,
+            lock: Default::default(),
+            unreadable: Default::default(),
         }
+    }
+
+    /// Whether the record was found unreadable (corrupt, truncated, or not readable) and no
+    /// record was written since.
+    pub fn was_unreadable(&self) -> bool {
+        self.unreadable.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     pub fn path(&self) -> &Path {
         &self.path
     }
 
-    /// The record, if any. Blocking.
-    pub fn load_blocking(&self) -> Result<Option<PlanState>, Error> {
+    fn guard(&self) -> std::sync::MutexGuard<'_, ()> {
+        self.lock.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The whole record, if any. Blocking.
+    pub fn load_record_blocking(&self) -> Result<Option<LocalRecord>, Error> {
         let bytes = match std::fs::read(&self.path) {
             Ok(b) => b,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
@@ -58,13 +159,37 @@ impl StateFile {
             })
     }
 
-    /// Replace the record (atomic write, fsync of file and directory). Blocking.
-    pub fn save_blocking(&self, state: &PlanState) -> Result<(), Error> {
+    fn mark(&self, unreadable: bool) {
+        self.unreadable
+            .store(unreadable, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// The latest plan, if any. Blocking.
+    pub fn load_blocking(&self) -> Result<Option<PlanState>, Error> {
+        Ok(self.load_record_blocking()?.map(|r| r.latest))
+    }
+
+    /// Put `state` into its kind's slot (atomic write, fsync of file and directory); see
+    /// [`LocalRecord`]. `targets`: the processes about to be signalled for it. Blocking.
+    pub fn save_blocking(
+        &self,
+        state: &PlanState,
+        targets: Option<&[RecordedTarget]>,
+    ) -> Result<(), Error> {
         if self.dry_run {
             tracing::info!(phase = state.phase.as_str(), notice_id = %state.id, "dry-run: would persist plan state");
             return Ok(());
         }
-        let json = serde_json::to_vec_pretty(state).map_err(|e| Error::StateCorrupt {
+        let _g = self.guard();
+        // An unreadable record is replaced: it said nothing usable (reported by `load`).
+        let current = self.load_record_blocking().ok().flatten();
+        self.write(&LocalRecord::put(current, state, targets))?;
+        self.mark(false);
+        Ok(())
+    }
+
+    fn write(&self, record: &LocalRecord) -> Result<(), Error> {
+        let json = serde_json::to_vec_pretty(record).map_err(|e| Error::StateCorrupt {
             location: self.path.display().to_string(),
             reason: e.to_string(),
         })?;
@@ -74,11 +199,32 @@ impl StateFile {
         })
     }
 
-    /// Remove the record. Blocking.
+    /// Remove the plan `id` from the record (the file goes when nothing is left). Blocking.
+    pub fn clear_plan_blocking(&self, id: &str) -> Result<(), Error> {
+        if self.dry_run {
+            return Ok(());
+        }
+        let _g = self.guard();
+        match self.load_record_blocking() {
+            Ok(Some(r)) => match r.without(id) {
+                Some(rest) => self.write(&rest),
+                None => self.remove(),
+            },
+            Ok(None) => Ok(()),
+            Err(_) => self.remove(),
+        }
+    }
+
+    /// Remove the whole record. Blocking.
     pub fn clear_blocking(&self) -> Result<(), Error> {
         if self.dry_run {
             return Ok(());
         }
+        let _g = self.guard();
+        self.remove()
+    }
+
+    fn remove(&self) -> Result<(), Error> {
         match std::fs::remove_file(&self.path) {
             Ok(()) => Ok(()),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
@@ -89,6 +235,16 @@ impl StateFile {
         }
     }
 
+    /// The whole record; an unreadable one is remembered ([`StateFile::was_unreadable`]).
+    pub async fn load_record(&self) -> Result<Option<LocalRecord>, Error> {
+        let me = self.clone();
+        let r = blocking(move || me.load_record_blocking(), &self.path).await;
+        if matches!(r, Err(Error::StateCorrupt { .. } | Error::StateRead { .. })) {
+            self.mark(true);
+        }
+        r
+    }
+
     pub async fn load(&self) -> Result<Option<PlanState>, Error> {
         let me = self.clone();
         blocking(move || me.load_blocking(), &self.path).await
@@ -96,7 +252,22 @@ impl StateFile {
 
     pub async fn save(&self, state: &PlanState) -> Result<(), Error> {
         let (me, state) = (self.clone(), state.clone());
-        blocking(move || me.save_blocking(&state), &self.path).await
+        blocking(move || me.save_blocking(&state, None), &self.path).await
+    }
+
+    /// [`StateFile::save`] with the processes about to be signalled for `state`'s notice.
+    pub async fn save_with_targets(
+        &self,
+        state: &PlanState,
+        targets: Vec<RecordedTarget>,
+    ) -> Result<(), Error> {
+        let (me, state) = (self.clone(), state.clone());
+        blocking(move || me.save_blocking(&state, Some(&targets)), &self.path).await
+    }
+
+    pub async fn clear_plan(&self, id: &str) -> Result<(), Error> {
+        let (me, id) = (self.clone(), id.to_string());
+        blocking(move || me.clear_plan_blocking(&id), &self.path).await
     }
 
     pub async fn clear(&self) -> Result<(), Error> {

@@ -22,7 +22,9 @@ use reqwest::Url;
 use serde::{Deserialize, Serialize};
 
 use super::ec2::parse_rfc2822;
-use super::http::{constant_url, endpoint_url, metadata_client, parse_error, request_error};
+use super::http::{
+    constant_url, endpoint_url, metadata_client, parse_error, read_body, request_error,
+};
 use super::monitor::ErrorReporter;
 use super::{content_id, Error, Notice, NoticeKind, NoticeSource, Source};
 use crate::metrics::Metrics;
@@ -195,7 +197,7 @@ impl AzureScheduledEvents {
                 status: resp.status().as_u16(),
             });
         }
-        resp.text().await.map_err(|e| request_error(url, e))
+        read_body(url, resp).await
     }
 
     async fn fetch_events(&self) -> Result<Document, Error> {

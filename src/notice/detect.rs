@@ -15,7 +15,7 @@ use std::time::Duration;
 use futures::stream::{FuturesUnordered, StreamExt};
 use reqwest::{Method, Url};
 
-use super::http::{constant_url, endpoint_url};
+use super::http::{constant_url, endpoint_url, read_body};
 use super::{Error, Source};
 
 /// Where DMI identity files live on Linux.
@@ -100,6 +100,17 @@ pub async fn detect(
     probe: &ProbeEndpoints,
     timeout: Duration,
 ) -> Result<Source, Error> {
+    detect_counted(dmi_dir, probe, timeout, None).await
+}
+
+/// [`detect`], counting a probe answer larger than the metadata body cap in
+/// `spotguard_metadata_errors_total{source,error="too_large"}`.
+pub async fn detect_counted(
+    dmi_dir: &Path,
+    probe: &ProbeEndpoints,
+    timeout: Duration,
+    metrics: Option<&crate::metrics::Metrics>,
+) -> Result<Source, Error> {
     let dmi = Dmi::read(dmi_dir).await;
     if let Some(cloud) = dmi.cloud() {
         tracing::info!(cloud = %cloud, sys_vendor = %dmi.sys_vendor, "cloud detected from DMI");
@@ -146,12 +157,24 @@ pub async fn detect(
             tracing::debug!(cloud = %cloud, base = %base, "probe URL invalid; skipped");
             continue;
         };
-        let request = client.request(method, url).header(header, value);
+        let request = client.request(method, url.clone()).header(header, value);
         pending.push(async move {
             let ok = match request.send().await {
-                Ok(resp) if resp.status().is_success() => {
-                    resp.text().await.map(|b| !b.trim().is_empty()).unwrap_or(false)
-                }
+                Ok(resp) if resp.status().is_success() => match read_body(&url, resp).await {
+                    Ok(b) => !b.trim().is_empty(),
+                    Err(e) => {
+                        if let (Some(m), Error::TooLarge { .. }) = (metrics, &e) {
+                            m.metadata_errors
+                                .get_or_create(&crate::metrics::ErrorLabels {
+                                    source: cloud.as_str().to_string(),
+                                    error: e.metric_label().to_string(),
+                                })
+                                .inc();
+                        }
+                        tracing::warn!(cloud = %cloud, error = %e, "metadata probe answer refused");
+                        false
+                    }
+                },
                 Ok(resp) => {
                     tracing::debug!(cloud = %cloud, status = resp.status().as_u16(), "metadata probe negative");
                     false

@@ -17,7 +17,9 @@ use reqwest::{StatusCode, Url};
 use serde::Deserialize;
 use tokio::time::Instant;
 
-use super::http::{constant_url, endpoint_url, metadata_client, parse_error, request_error};
+use super::http::{
+    constant_url, endpoint_url, metadata_client, parse_error, read_body, request_error,
+};
 use super::monitor::ErrorReporter;
 use super::{content_id, Error, Notice, NoticeKind, NoticeSource, Source};
 use crate::metrics::Metrics;
@@ -122,6 +124,10 @@ pub struct Ec2Imds {
     /// Scheduled events already named in a "skipped" warning: a bad event that stays in the
     /// schedule is counted on every poll but named in the log once.
     skipped_logged: Mutex<HashSet<String>>,
+    /// The id under which `spot/instance-action` last served an interruption: when it answers
+    /// 404 again, the interruption left (after a hibernation, the machine resumed), reported as
+    /// `Cancelled` of that id.
+    served_interruption: Mutex<Option<String>>,
 }
 
 impl Ec2Imds {
@@ -148,6 +154,7 @@ impl Ec2Imds {
             first_seen: Mutex::new(HashMap::new()),
             active_events: Mutex::new(None),
             skipped_logged: Mutex::new(HashSet::new()),
+            served_interruption: Mutex::new(None),
         })
     }
 
@@ -228,7 +235,7 @@ impl Ec2Imds {
             .and_then(|v| v.trim().parse::<u64>().ok())
             .map(Duration::from_secs)
             .unwrap_or(self.config.token_ttl);
-        let body = resp.text().await.map_err(|e| request_error(url, e))?;
+        let body = read_body(url, resp).await?;
         let value = body.trim();
         if value.is_empty() || value.contains(['\r', '\n']) {
             return Err(parse_error(
@@ -258,11 +265,7 @@ impl Ec2Imds {
         }
         match resp.status() {
             StatusCode::NOT_FOUND => Ok(None),
-            s if s.is_success() => resp
-                .text()
-                .await
-                .map(Some)
-                .map_err(|e| request_error(url, e)),
+            s if s.is_success() => read_body(url, resp).await.map(Some),
             s => Err(Error::Status {
                 url: url.to_string(),
                 status: s.as_u16(),
@@ -276,9 +279,24 @@ impl Ec2Imds {
         now: Timestamp,
     ) -> Result<Vec<Notice>, Error> {
         let url = &self.urls.instance_action;
-        match self.get(url, token).await? {
-            None => Ok(Vec::new()),
-            Some(body) => parse_instance_action(url, &body, now).map(|n| vec![n]),
+        let found = match self.get(url, token).await? {
+            None => None,
+            Some(body) => Some(parse_instance_action(url, &body, now)?),
+        };
+        let mut served = self
+            .served_interruption
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        match found {
+            Some(n) => {
+                *served = Some(n.id.clone());
+                Ok(vec![n])
+            }
+            None => Ok(served
+                .take()
+                .map(|id| vanished_interruption(&id, now))
+                .into_iter()
+                .collect()),
         }
     }
 
@@ -499,6 +517,21 @@ fn vanished_event(event_id: &str, now: Timestamp) -> Notice {
         deadline: None,
         not_before: None,
         detail: format!("scheduled event {event_id} left the schedule (canceled or completed)"),
+        restart: false,
+        published_at: None,
+        observed_at: now,
+    }
+}
+
+/// The spot interruption `id` no longer served by `spot/instance-action` (404 again).
+fn vanished_interruption(id: &str, now: Timestamp) -> Notice {
+    Notice {
+        id: content_id(Source::Aws, "cancelled", &[id]),
+        kind: NoticeKind::Cancelled(id.to_string()),
+        source: Source::Aws,
+        deadline: None,
+        not_before: None,
+        detail: format!("spot instance-action {id} is no longer served"),
         restart: false,
         published_at: None,
         observed_at: now,

@@ -24,7 +24,9 @@ use reqwest::{StatusCode, Url};
 use serde::Deserialize;
 use tokio::time::Instant;
 
-use super::http::{constant_url, endpoint_url, metadata_client, parse_error, request_error};
+use super::http::{
+    constant_url, endpoint_url, metadata_client, parse_error, read_body, request_error,
+};
 use super::monitor::{ErrorReporter, GceMetrics, ReasonLabels};
 use super::{content_id, Error, Notice, NoticeKind, NoticeSource, Source};
 use crate::backoff::Backoff;
@@ -235,9 +237,9 @@ impl GceMetadata {
                 .get(reqwest::header::ETAG)
                 .and_then(|v| v.to_str().ok())
                 .map(str::to_string);
-            match resp.text().await {
+            match read_body(&url, resp).await {
                 Ok(body) => Item::Watched(key, Fetch::Value { body, etag }),
-                Err(e) => Item::Watched(key, Fetch::Failed(request_error(&url, e))),
+                Err(e) => Item::Watched(key, Fetch::Failed(e)),
             }
         })
     }
@@ -245,14 +247,15 @@ impl GceMetadata {
     /// `instance/scheduling/automatic-restart` (whether GCE restarts this VM after a
     /// terminating host maintenance), read once at start; unknown when it cannot be read.
     fn automatic_restart(&self) -> BoxFuture<'static, Item> {
+        let url = self.auto_restart_url.clone();
         let request = self
             .client
-            .get(self.auto_restart_url.clone())
+            .get(url.clone())
             .header(FLAVOR_HEADER, FLAVOR)
             .timeout(self.config.request_timeout);
         Box::pin(async move {
             let value = match request.send().await {
-                Ok(resp) if resp.status().is_success() => resp.text().await.ok(),
+                Ok(resp) if resp.status().is_success() => read_body(&url, resp).await.ok(),
                 _ => None,
             };
             let parsed = match value.as_deref().map(str::trim) {

@@ -36,6 +36,43 @@ pub(crate) fn parse_error(url: &Url, reason: impl std::fmt::Display) -> Error {
     }
 }
 
+/// Largest metadata answer read, from any cloud or probe. Real answers are a few hundred bytes
+/// (an Azure document with many events a few KiB); anything larger is refused, so that an
+/// endless or huge body (a broken or hostile endpoint) costs at most this much memory.
+pub(crate) const MAX_BODY: usize = 256 * 1024;
+
+/// The body of `resp` as text, read chunk by chunk and refused as soon as it passes
+/// [`MAX_BODY`] (a declared `Content-Length` above it is refused before reading): a
+/// [`Error::TooLarge`]. Invalid UTF-8 is replaced, as `reqwest::Response::text` does.
+pub(crate) async fn read_body(url: &Url, mut resp: reqwest::Response) -> Result<String, Error> {
+    read_body_capped(url, &mut resp, MAX_BODY).await
+}
+
+pub(crate) async fn read_body_capped(
+    url: &Url,
+    resp: &mut reqwest::Response,
+    limit: usize,
+) -> Result<String, Error> {
+    let too_large = || Error::TooLarge {
+        url: url.to_string(),
+        limit,
+    };
+    if resp.content_length().is_some_and(|n| n > limit as u64) {
+        return Err(too_large());
+    }
+    let mut body: Vec<u8> = Vec::new();
+    while let Some(chunk) = resp.chunk().await.map_err(|e| request_error(url, e))? {
+        if body.len() + chunk.len() > limit {
+            return Err(too_large());
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok(match String::from_utf8(body) {
+        Ok(s) => s,
+        Err(e) => String::from_utf8_lossy(e.as_bytes()).into_owned(),
+    })
+}
+
 /// A client builder for a metadata endpoint: no proxy (the service is link-local), and no CA
 /// store (saves memory) unless the endpoint is an https override.
 pub(crate) fn metadata_client(endpoint: &Url, connect_timeout: Duration) -> reqwest::ClientBuilder {

@@ -180,6 +180,8 @@ pub enum Error {
     Token { url: String, status: u16 },
     #[error("cannot parse answer from {url}: {reason}")]
     Parse { url: String, reason: String },
+    #[error("answer from {url} is larger than {limit} bytes: refused")]
+    TooLarge { url: String, limit: usize },
     #[error("acknowledging event {event_id} failed: {reason}")]
     Acknowledge { event_id: String, reason: String },
     #[error("could not detect the cloud: {0}")]
@@ -190,7 +192,7 @@ impl Error {
     pub fn is_retryable(&self) -> bool {
         match self {
             Error::Request { .. } | Error::Status { .. } | Error::Token { .. } => true,
-            Error::Parse { .. } | Error::Acknowledge { .. } => true,
+            Error::Parse { .. } | Error::Acknowledge { .. } | Error::TooLarge { .. } => true,
             Error::Detect(_) => false,
         }
     }
@@ -202,6 +204,7 @@ impl Error {
             Error::Status { .. } => "status",
             Error::Token { .. } => "token",
             Error::Parse { .. } => "parse",
+            Error::TooLarge { .. } => "too_large",
             Error::Acknowledge { .. } => "acknowledge",
             Error::Detect(_) => "detect",
         }

@@ -2,9 +2,15 @@
 //!
 //! - An interruption is terminal: the first one starts the one plan; every later interruption
 //!   notice, from any source and whatever its id (some servers return a fresh `time` on every
-//!   poll), only moves the deadline earlier.
-//! - Rebalance and maintenance notices dedupe by id; a maintenance notice whose window moved is an
-//!   update.
+//!   poll), only moves the deadline earlier. Once an interruption is accepted nothing else is
+//!   new: rebalance, maintenance and cancellations are duplicates.
+//! - The interruption that was handled disappearing from its source after its action time means
+//!   the machine went through the action and came back (an EC2 spot hibernation): a new life
+//!   ([`Decision::Resumed`]); before its action time it is still terminal.
+//! - One rebalance recommendation per life: the first starts its plan, every later rebalance
+//!   notice of the same life is a duplicate, whatever its `noticeTime` (AWS's own metadata mock
+//!   stamps it with the request time on every poll).
+//! - Maintenance notices dedupe by id; a maintenance notice whose window moved is an update.
 //! - `Cancelled(id)` cancels a known rebalance/maintenance notice once. The same id seen again
 //!   *after* the cancel (first observed later: GCE's maintenance notice has a fixed id) is a new
 //!   occurrence; a stale report observed before the cancel is not.
@@ -36,6 +42,9 @@ pub enum Decision {
     Updated(Notice),
     /// A known notice was cancelled.
     Cancel(String),
+    /// The interruption that was handled left its source after its action time: the machine
+    /// went through the action (hibernation) and resumed. A new life begins.
+    Resumed(String),
     /// Nothing new.
     Duplicate,
 }
@@ -47,12 +56,18 @@ struct Seen {
     not_before: Option<Timestamp>,
     /// When the cancel was accepted.
     cancelled: Option<Timestamp>,
+    /// Occurrences before this one (a fixed id seen again after its cancel).
+    earlier: u32,
 }
 
 /// Dedupe and deadline state. Owned by the responder task; not shared.
 #[derive(Debug, Default)]
 pub struct NoticeStore {
     interruption: Option<(String, Timestamp)>,
+    /// The id under which the source last served the interruption (it may change on every poll).
+    interruption_last_id: Option<String>,
+    /// The rebalance recommendation of this life, once one was accepted.
+    rebalance: Option<String>,
     seen: HashMap<String, Seen>,
 }
 
@@ -73,6 +88,9 @@ impl NoticeStore {
 
     /// Restore a rebalance/maintenance notice persisted by an earlier run (so re-polls dedupe).
     pub fn restore(&mut self, id: &str, kind: NoticeKind, deadline: Option<Timestamp>) {
+        if kind == NoticeKind::Rebalance {
+            self.rebalance.get_or_insert_with(|| id.to_string());
+        }
         self.seen.insert(
             id.to_string(),
             Seen {
@@ -80,8 +98,15 @@ impl NoticeStore {
                 deadline,
                 not_before: deadline,
                 cancelled: None,
+                earlier: 0,
             },
         );
+    }
+
+    /// Whether `id` is a notice seen again after its cancel (a new occurrence of a fixed id): a
+    /// `notice.json` naming it is from an earlier occurrence.
+    pub fn reoccurred(&self, id: &str) -> bool {
+        self.seen.get(id).is_some_and(|s| s.earlier > 0)
     }
 
     /// Restore what a persisted record of this life says: the interruption (never started
@@ -99,60 +124,25 @@ impl NoticeStore {
 
     /// Decide what `notice` means. `now` resolves absent or past deadlines ("now").
     pub fn accept(&mut self, notice: &Notice, now: Timestamp) -> Decision {
+        if notice.kind == NoticeKind::Interruption {
+            return self.accept_interruption(notice, now);
+        }
+        if let Some((active, deadline)) = &self.interruption {
+            // Only the interruption's own updates count now; its disappearance after its action
+            // time is a resume.
+            return match &notice.kind {
+                NoticeKind::Cancelled(id)
+                    if (id == active || Some(id) == self.interruption_last_id.as_ref())
+                        && now >= *deadline =>
+                {
+                    Decision::Resumed(id.clone())
+                }
+                _ => Decision::Duplicate,
+            };
+        }
         match &notice.kind {
-            NoticeKind::Interruption => {
-                let deadline = effective_deadline(checked_deadline(notice), now);
-                match &mut self.interruption {
-                    None => {
-                        self.interruption = Some((notice.id.clone(), deadline));
-                        let mut n = notice.clone();
-                        n.deadline = Some(deadline);
-                        Decision::StartInterruption(n)
-                    }
-                    Some((_, current)) if deadline < *current => {
-                        *current = deadline;
-                        Decision::DeadlineMoved(deadline)
-                    }
-                    Some(_) => Decision::Duplicate,
-                }
-            }
-            NoticeKind::Rebalance | NoticeKind::Maintenance => {
-                match self.seen.get_mut(&notice.id) {
-                    None => {
-                        self.seen.insert(
-                            notice.id.clone(),
-                            Seen {
-                                kind: notice.kind.clone(),
-                                deadline: notice.deadline,
-                                not_before: notice.not_before,
-                                cancelled: None,
-                            },
-                        );
-                        Decision::New(notice.clone())
-                    }
-                    // Seen again after the cancel, first observed after it: a new occurrence.
-                    Some(seen) if seen.cancelled.is_some_and(|at| notice.observed_at > at) => {
-                        *seen = Seen {
-                            kind: notice.kind.clone(),
-                            deadline: notice.deadline,
-                            not_before: notice.not_before,
-                            cancelled: None,
-                        };
-                        Decision::New(notice.clone())
-                    }
-                    Some(seen) if seen.cancelled.is_some() => Decision::Duplicate,
-                    Some(seen)
-                        if notice.kind == NoticeKind::Maintenance
-                            && (seen.deadline != notice.deadline
-                                || seen.not_before != notice.not_before) =>
-                    {
-                        seen.deadline = notice.deadline;
-                        seen.not_before = notice.not_before;
-                        Decision::Updated(notice.clone())
-                    }
-                    Some(_) => Decision::Duplicate,
-                }
-            }
+            NoticeKind::Interruption => Decision::Duplicate,
+            NoticeKind::Rebalance | NoticeKind::Maintenance => self.accept_other(notice),
             NoticeKind::Cancelled(id) => match self.seen.get_mut(id) {
                 Some(seen) if seen.cancelled.is_none() && seen.kind != NoticeKind::Interruption => {
                     seen.cancelled = Some(now);
@@ -168,11 +158,69 @@ impl NoticeStore {
                             deadline: None,
                             not_before: None,
                             cancelled: Some(now),
+                            earlier: 0,
                         },
                     );
                     Decision::Duplicate
                 }
             },
+        }
+    }
+
+    fn accept_interruption(&mut self, notice: &Notice, now: Timestamp) -> Decision {
+        let deadline = effective_deadline(checked_deadline(notice), now);
+        self.interruption_last_id = Some(notice.id.clone());
+        match &mut self.interruption {
+            None => {
+                self.interruption = Some((notice.id.clone(), deadline));
+                let mut n = notice.clone();
+                n.deadline = Some(deadline);
+                Decision::StartInterruption(n)
+            }
+            Some((_, current)) if deadline < *current => {
+                *current = deadline;
+                Decision::DeadlineMoved(deadline)
+            }
+            Some(_) => Decision::Duplicate,
+        }
+    }
+
+    fn accept_other(&mut self, notice: &Notice) -> Decision {
+        let fresh = |earlier| Seen {
+            kind: notice.kind.clone(),
+            deadline: notice.deadline,
+            not_before: notice.not_before,
+            cancelled: None,
+            earlier,
+        };
+        if notice.kind == NoticeKind::Rebalance {
+            // One recommendation per life, whatever its id: a moving `noticeTime` is the same one.
+            if self.rebalance.as_ref().is_some_and(|r| *r != notice.id) {
+                return Decision::Duplicate;
+            }
+            self.rebalance = Some(notice.id.clone());
+        }
+        match self.seen.get_mut(&notice.id) {
+            None => {
+                self.seen.insert(notice.id.clone(), fresh(0));
+                Decision::New(notice.clone())
+            }
+            // Seen again after the cancel, first observed after it: a new occurrence.
+            Some(seen) if seen.cancelled.is_some_and(|at| notice.observed_at > at) => {
+                *seen = fresh(seen.earlier + 1);
+                Decision::New(notice.clone())
+            }
+            Some(seen) if seen.cancelled.is_some() => Decision::Duplicate,
+            Some(seen)
+                if notice.kind == NoticeKind::Maintenance
+                    && (seen.deadline != notice.deadline
+                        || seen.not_before != notice.not_before) =>
+            {
+                seen.deadline = notice.deadline;
+                seen.not_before = notice.not_before;
+                Decision::Updated(notice.clone())
+            }
+            Some(_) => Decision::Duplicate,
         }
     }
 }
@@ -369,9 +417,55 @@ mod tests {
         assert_eq!(s.accept(&r, ts(1)), Decision::Duplicate);
         // Long after any expiry, the same noticeTime is still the same recommendation.
         assert_eq!(s.accept(&r, ts(100_000)), Decision::Duplicate);
-        // A new recommendation (another noticeTime) is new.
+        // Another noticeTime in the same life (a server that re-stamps it on every poll) is
+        // still the one recommendation of this life.
         let r2 = notice("r2", NoticeKind::Rebalance, None);
-        assert!(matches!(s.accept(&r2, ts(100_001)), Decision::New(_)));
+        assert_eq!(s.accept(&r2, ts(100_001)), Decision::Duplicate);
+        // Also after a restart that restored the recommendation from the record.
+        let mut restarted = NoticeStore::new();
+        restarted.restore("r1", NoticeKind::Rebalance, None);
+        assert_eq!(restarted.accept(&r2, ts(100_002)), Decision::Duplicate);
+    }
+
+    #[test]
+    fn after_an_interruption_nothing_else_is_new() {
+        let mut s = NoticeStore::new();
+        let m = notice("ev-1", NoticeKind::Maintenance, Some(3600));
+        assert!(matches!(s.accept(&m, ts(0)), Decision::New(_)));
+        assert!(matches!(
+            s.accept(&notice("i", NoticeKind::Interruption, Some(120)), ts(1)),
+            Decision::StartInterruption(_)
+        ));
+        for n in [
+            notice("r", NoticeKind::Rebalance, None),
+            notice("ev-2", NoticeKind::Maintenance, Some(7200)),
+            notice("ev-1", NoticeKind::Maintenance, Some(9000)),
+            notice("c", NoticeKind::Cancelled("ev-1".into()), None),
+        ] {
+            assert_eq!(s.accept(&n, ts(2)), Decision::Duplicate, "{n:?}");
+        }
+    }
+
+    #[test]
+    fn a_handled_interruption_gone_after_its_time_is_a_resume() {
+        let mut s = NoticeStore::new();
+        let mut first = notice("i-1", NoticeKind::Interruption, Some(30));
+        first.observed_at = ts(0);
+        assert!(matches!(
+            s.accept(&first, ts(0)),
+            Decision::StartInterruption(_)
+        ));
+        // Served again under another id (a re-stamped `time`): the source cancels that id.
+        let mut again = notice("i-2", NoticeKind::Interruption, Some(31));
+        again.observed_at = ts(1);
+        assert_eq!(s.accept(&again, ts(1)), Decision::Duplicate);
+        let gone = notice("x", NoticeKind::Cancelled("i-2".into()), None);
+        // Before its action time an interruption is terminal.
+        assert_eq!(s.accept(&gone, ts(10)), Decision::Duplicate);
+        assert_eq!(s.accept(&gone, ts(40)), Decision::Resumed("i-2".into()));
+        // An unrelated cancel is not a resume.
+        let other = notice("y", NoticeKind::Cancelled("ev-9".into()), None);
+        assert_eq!(s.accept(&other, ts(41)), Decision::Duplicate);
     }
 
     #[test]

@@ -13,13 +13,17 @@
 //!    every plan that runs ends with one [`PlanEvent::Done`].
 //!
 //! A restarted agent resumes from the persisted phase (local record and Node annotation, the
-//! furthest wins): past `signalled` it never signals again (a target group whose `notice.json`
-//! lacks the notice id did not get the signal and gets it now), past `drained` it never drains
-//! again. A record from another boot belongs to a previous life of the machine: what spotguard
-//! applied is undone, the record cleared, the agent armed again. Rebalance (default
-//! `checkpoint`): soft taint, early checkpoint, undone after `--rebalance-expiry` unless an
-//! interruption follows; the same recommendation never acts twice. Cancelled maintenance: undo
-//! exactly what spotguard did, never an operator's cordon.
+//! furthest wins): past `signalled` it never signals a process again that the record lists (the
+//! record names every process about to be signalled, written before the signal), nor one whose
+//! `notice.json` names the notice; past `drained` it never drains again. A record from another
+//! life of the machine (another boot, or before a resume from hibernation: `crate::life`) belongs
+//! to a previous life: what spotguard applied is undone, the record cleared, the agent armed
+//! again; a resume seen while running (the handled interruption gone after its action time, or a
+//! suspend jump of the clocks) does the same at once. Rebalance (default `checkpoint`): soft
+//! taint, early checkpoint, undone after `--rebalance-expiry` unless an interruption follows; one
+//! recommendation per life, however its `noticeTime` moves. Cancelled maintenance: undo exactly
+//! what spotguard did, never an operator's cordon. The local record keeps one plan per notice
+//! kind, so a later plan of one kind never erases what another kind did in this life.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -34,8 +38,9 @@ use tracing::{error, info, warn, Instrument};
 use crate::checkpoint::run::GroupResult;
 use crate::checkpoint::TargetDiscovery;
 use crate::config::{MaintenanceAction, RebalanceAction};
+use crate::life::Lives;
 use crate::metrics::{Metrics, NoticeLabels, OutcomeLabels, SourceLabels};
-use crate::node::host::StateFile;
+use crate::node::host::{RecordedTarget, StateFile};
 use crate::node::{
     reason, Applied, DrainReport, DrainRequest, EventType, NodeOps, Phase, PlanState, Protection,
     TaintEffect,
@@ -68,9 +73,6 @@ pub struct ResponderConfig {
     pub dry_run: bool,
     /// On shutdown, how long an in-flight plan may go on.
     pub shutdown_grace: Duration,
-    /// Boot id of this machine, written into every persisted record: a record from another boot
-    /// belongs to a previous life of the machine.
-    pub boot_id: Option<String>,
 }
 
 impl ResponderConfig {
@@ -91,6 +93,9 @@ pub struct Deps {
     pub sources: Vec<Arc<dyn NoticeSource>>,
     pub metrics: Arc<Metrics>,
     pub on_start: Vec<StartHook>,
+    /// The machine's current life, written into every persisted record and `notice.json`: a
+    /// record of another life belongs to a previous life of the machine.
+    pub life: Arc<Lives>,
 }
 
 /// Progress of a plan, broadcast for `spotguard drill` and tests.
@@ -298,6 +303,8 @@ impl Responder {
         };
 
         self.resume(&mut st).await;
+        let mut suspend_check = tokio::time::interval(crate::life::SUSPEND_CHECK_EVERY);
+        suspend_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
 
         loop {
             // A finished plan frees the responder for the next notice.
@@ -318,6 +325,12 @@ impl Responder {
                 Some(n) = due_rx.recv() => self.on_maintenance_due(&mut st, n).await,
                 Some(id) = expired_rx.recv() => self.on_rebalance_checkpointed(&mut st, id),
                 Some(id) = expiry_due_rx.recv() => self.on_rebalance_expired(&mut st, id).await,
+                _ = suspend_check.tick() => {
+                    if let Some(secs) = self.deps.life.check_suspend() {
+                        let why = format!("the machine was suspended for about {secs} s (a resume from hibernation)");
+                        self.on_resumed(&mut st, &why, false).await;
+                    }
+                }
             }
         }
         self.shut_down(st).await;
@@ -330,6 +343,12 @@ impl Responder {
         self.count_notice(&notice, &decision, now);
         match decision {
             Decision::Duplicate => {}
+            Decision::Resumed(id) => {
+                let why = format!(
+                    "the interruption it handled ({id}) left the metadata service after its action time: the machine went through it (hibernation) and resumed"
+                );
+                self.on_resumed(st, &why, true).await;
+            }
             Decision::StartInterruption(n) => self.on_interruption(st, n).await,
             Decision::DeadlineMoved(d) => self.on_deadline_moved(st, d),
             Decision::New(n) => self.on_new_notice(st, n, false, now).await,
@@ -352,7 +371,7 @@ impl Responder {
             r.cancel.cancel();
             let _ = r.task.await;
         }
-        st.running = Some(self.start_plan(n, None, &st.plan_cancel, &st.expired_tx));
+        st.running = Some(self.start_plan(n, None, st));
     }
 
     fn on_deadline_moved(&self, st: &mut Loop, d: Timestamp) {
@@ -363,12 +382,9 @@ impl Responder {
         self.deps.metrics.deadline.set(d.as_second() as f64);
     }
 
-    /// A new (or changed) maintenance or rebalance notice; noted only while an interruption runs.
+    /// A new (or changed) maintenance or rebalance notice (the store decides none while an
+    /// interruption is in progress).
     async fn on_new_notice(&self, st: &mut Loop, n: Notice, updated: bool, now: Timestamp) {
-        if st.store.interruption().is_some() {
-            info!(notice_id = %n.id, kind = n.kind.label(), "interruption in progress: notice noted, no separate plan");
-            return;
-        }
         match n.kind {
             NoticeKind::Maintenance => self.on_maintenance(st, n, updated, now).await,
             NoticeKind::Rebalance => {
@@ -376,7 +392,7 @@ impl Responder {
                     info!(notice_id = %n.id, "a plan is in progress: rebalance recommendation noted");
                     return;
                 }
-                st.running = Some(self.start_plan(n, None, &st.plan_cancel, &st.expired_tx));
+                st.running = Some(self.start_plan(n, None, st));
             }
             _ => {}
         }
@@ -431,11 +447,11 @@ impl Responder {
         let last_plan = self
             .deps
             .local
-            .load()
+            .load_record()
             .await
             .ok()
             .flatten()
-            .is_some_and(|s| s.id == id && s.phase != Phase::Undone);
+            .is_some_and(|r| r.plans().any(|s| s.id == id && s.phase != Phase::Undone));
         if cancels_plan {
             if let Some(r) = st.running.take() {
                 r.cancel.cancel();
@@ -474,7 +490,7 @@ impl Responder {
                 return;
             }
         }
-        st.running = Some(self.start_plan(n, None, &st.plan_cancel, &st.expired_tx));
+        st.running = Some(self.start_plan(n, None, st));
     }
 
     /// A rebalance plan finished its early checkpoint: undo after the expiry.
@@ -508,6 +524,36 @@ impl Responder {
         .await;
     }
 
+    /// A new life of the machine began while the agent ran (a resume from hibernation): what the
+    /// previous life's plans applied is undone, their records cleared, and the agent is armed
+    /// again for every kind of notice.
+    async fn on_resumed(&self, st: &mut Loop, why: &str, begin_life: bool) {
+        let life = if begin_life {
+            self.deps.life.begin_new_life()
+        } else {
+            self.deps.life.id()
+        };
+        warn!(
+            life = life.as_deref().unwrap_or("unknown"),
+            "{why}: a new life of the machine; arming again"
+        );
+        for (_, s) in st.scheduled.drain() {
+            s.timer.abort();
+        }
+        if let Some((_, t)) = st.rebalance_expiry.take() {
+            t.abort();
+        }
+        if let Some(r) = st.running.take() {
+            r.cancel.cancel();
+            let _ = r.task.await;
+        }
+        st.store = NoticeStore::new();
+        let loaded = Records::new(&self.deps).load_all().await;
+        for state in loaded.latest.into_iter().chain(loaded.earlier) {
+            self.undoer().previous_life(state).await;
+        }
+    }
+
     /// Shutdown: monitors have stopped; an in-flight plan gets the grace period.
     async fn shut_down(&self, mut st: Loop) {
         for (_, s) in st.scheduled.drain() {
@@ -531,16 +577,20 @@ impl Responder {
         }
     }
 
-    /// Whether the last plan persisted is `id`'s and it completed (this life of the machine).
+    /// Whether the plan of `id` persisted in the record completed (this life of the machine).
     async fn plan_finished(&self, id: &str) -> bool {
         self.deps
             .local
-            .load()
+            .load_record()
             .await
             .ok()
             .flatten()
-            .is_some_and(|s| {
-                s.id == id && s.phase == Phase::Done && s.same_life(self.cfg.boot_id.as_deref())
+            .is_some_and(|r| {
+                r.plans().any(|s| {
+                    s.id == id
+                        && s.phase == Phase::Done
+                        && self.deps.life.is_current(s.boot_id.as_deref())
+                })
             })
     }
 
@@ -549,7 +599,6 @@ impl Responder {
             deps: self.deps.clone(),
             records: Records::new(&self.deps),
             events: self.events.clone(),
-            boot_id: self.cfg.boot_id.clone(),
         }
     }
 
@@ -557,17 +606,14 @@ impl Responder {
         self.undoer().undo(id, why).await
     }
 
+    /// Count and log an accepted notice: as the plan uses it (an interruption's deadline
+    /// clamped into EC2's two minutes after first sight, or "now" when past).
     fn count_notice(&self, notice: &Notice, decision: &Decision, now: Timestamp) {
-        let fresh = matches!(
-            decision,
-            Decision::StartInterruption(_)
-                | Decision::New(_)
-                | Decision::Updated(_)
-                | Decision::Cancel(_)
-        );
-        if !fresh {
-            return;
-        }
+        let notice = match decision {
+            Decision::StartInterruption(n) | Decision::New(n) | Decision::Updated(n) => n,
+            Decision::Cancel(_) | Decision::Resumed(_) => notice,
+            Decision::DeadlineMoved(_) | Decision::Duplicate => return,
+        };
         let m = &self.deps.metrics;
         m.notices
             .get_or_create(&NoticeLabels {
@@ -607,13 +653,23 @@ impl Responder {
         }
     }
 
-    /// Resume a plan persisted by an earlier run of the agent.
+    /// Resume a plan persisted by an earlier run of the agent; remember the other kinds' plans of
+    /// this life; undo those of a previous life.
     async fn resume(&self, st: &mut Loop) {
-        let Some(state) = Records::new(&self.deps).load().await else {
+        let loaded = Records::new(&self.deps).load_all().await;
+        let now = Timestamp::now();
+        for state in loaded.earlier {
+            let decision = store::resume(&state, self.deps.life.id().as_deref());
+            info!(notice_id = %state.id, phase = state.phase.as_str(), kind = state.kind.label(), previous_life = decision == Resume::PreviousLife, "found an earlier plan of another kind");
+            match decision {
+                Resume::PreviousLife => self.undoer().previous_life(state).await,
+                _ => st.store.restore_state(&state, now),
+            }
+        }
+        let Some(state) = loaded.latest else {
             return;
         };
-        let now = Timestamp::now();
-        let decision = store::resume(&state, self.cfg.boot_id.as_deref());
+        let decision = store::resume(&state, self.deps.life.id().as_deref());
         info!(notice_id = %state.id, phase = state.phase.as_str(), kind = state.kind.label(), previous_life = decision == Resume::PreviousLife, "found persisted plan state");
         match decision {
             Resume::PreviousLife => self.undoer().previous_life(state).await,
@@ -630,8 +686,7 @@ impl Responder {
             Resume::Continue => {
                 st.store.restore_state(&state, now);
                 let notice = notice_from_state(&state);
-                st.running =
-                    Some(self.start_plan(notice, Some(state), &st.plan_cancel, &st.expired_tx));
+                st.running = Some(self.start_plan(notice, Some((state, loaded.targets)), st));
             }
         }
     }
@@ -639,22 +694,25 @@ impl Responder {
     fn start_plan(
         &self,
         notice: Notice,
-        resume: Option<PlanState>,
-        plan_cancel: &CancellationToken,
-        expired_tx: &mpsc::Sender<String>,
+        resume: Option<(PlanState, Vec<RecordedTarget>)>,
+        st: &Loop,
     ) -> Running {
         let now = Timestamp::now();
         let deadline = match notice.kind {
-            NoticeKind::Rebalance => match (&resume, self.cfg.on_rebalance) {
-                // A resumed rebalance keeps its expiry.
-                (Some(s), _) if s.deadline.is_some() => store::effective_deadline(s.deadline, now),
-                (_, RebalanceAction::Drain) => store::add(now, NOMINAL_DEADLINE),
-                _ => store::add(now, self.cfg.rebalance_expiry),
-            },
+            NoticeKind::Rebalance => {
+                match (&resume.as_ref().map(|r| &r.0), self.cfg.on_rebalance) {
+                    // A resumed rebalance keeps its expiry.
+                    (Some(s), _) if s.deadline.is_some() => {
+                        store::effective_deadline(s.deadline, now)
+                    }
+                    (_, RebalanceAction::Drain) => store::add(now, NOMINAL_DEADLINE),
+                    _ => store::add(now, self.cfg.rebalance_expiry),
+                }
+            }
             _ => store::effective_deadline(notice.deadline, now),
         };
         let (deadline_tx, deadline_rx) = watch::channel(deadline);
-        let cancel = plan_cancel.child_token();
+        let cancel = st.plan_cancel.child_token();
         let seq = self
             .next_seq
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -668,7 +726,8 @@ impl Responder {
             notice: notice.clone(),
             deadline: deadline_rx,
             cancel: cancel.clone(),
-            expired_tx: expired_tx.clone(),
+            expired_tx: st.expired_tx.clone(),
+            reoccurred: st.store.reoccurred(&notice.id),
         };
         if resume.is_none() {
             let _ = self.events.send(PlanEvent::NoticeSeen {
@@ -724,7 +783,6 @@ mod tests {
             drain_concurrency: 8,
             dry_run: false,
             shutdown_grace: Duration::from_secs(5),
-            boot_id: None,
         }
     }
 

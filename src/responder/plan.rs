@@ -2,10 +2,8 @@
 //! ack wait, the drain, and the acknowledgement after a complete drain only.
 
 use super::*;
-use crate::checkpoint::ack::CheckpointDir;
-use crate::checkpoint::procfs::ProcFs;
-use crate::checkpoint::run::{self as ckpt, CheckpointRequest};
-use crate::checkpoint::{Outcome, TargetGroup};
+use crate::checkpoint::run::{self as ckpt, CheckpointRequest, Prior, Signalled};
+use crate::checkpoint::Outcome;
 
 /// A retryable drain failure (API server unreachable, 5xx) is retried after this step, jittered
 /// by `crate::backoff`, while the deadline allows.
@@ -23,6 +21,9 @@ pub(super) struct Plan {
     pub(super) deadline: watch::Receiver<Timestamp>,
     pub(super) cancel: CancellationToken,
     pub(super) expired_tx: mpsc::Sender<String>,
+    /// The notice is a fixed id seen again after its cancel: nobody was signalled for this
+    /// occurrence yet, whatever `notice.json` says (it names the earlier one).
+    pub(super) reoccurred: bool,
 }
 
 /// What the steps beside the signal produced.
@@ -31,13 +32,13 @@ pub(super) struct SideResult {
 }
 
 impl Plan {
-    pub(super) async fn run(self, resume: Option<PlanState>) {
+    pub(super) async fn run(self, resume: Option<(PlanState, Vec<RecordedTarget>)>) {
         let (seq, finished) = (self.seq, self.finished_tx.clone());
         self.run_steps(resume).await;
         let _ = finished.send(seq);
     }
 
-    pub(super) async fn run_steps(mut self, resume: Option<PlanState>) {
+    pub(super) async fn run_steps(mut self, resume: Option<(PlanState, Vec<RecordedTarget>)>) {
         let Some(steps) = steps_for(&self.notice, &self.cfg) else {
             info!("policy says ignore: logged only");
             return;
@@ -56,7 +57,10 @@ impl Plan {
                 .deadline
                 .set(self.deadline().as_second() as f64);
         }
-        let resumed = resume.is_some();
+        let (resume, targets) = match resume {
+            Some((state, targets)) => (Some(state), Some(targets)),
+            None => (None, None),
+        };
         let mut state = resume.unwrap_or_else(|| PlanState {
             id: self.notice.id.clone(),
             kind: self.notice.kind.clone(),
@@ -65,7 +69,7 @@ impl Plan {
             phase: Phase::Detected,
             signalled_at: None,
             applied: Applied::default(),
-            boot_id: self.cfg.boot_id.clone(),
+            boot_id: self.deps.life.id(),
             restart: self.notice.restart,
             detail: self.notice.detail.clone(),
             failure: None,
@@ -73,7 +77,7 @@ impl Plan {
         });
         // No separate record of `detected`: the notice is still in the metadata service after a
         // crash, and every write before the signal costs time.
-        let result = self.steps(steps, &mut state, resumed).await;
+        let result = self.steps(steps, &mut state, targets).await;
         self.deps
             .metrics
             .notice_active
@@ -101,7 +105,7 @@ impl Plan {
     pub(super) fn stamp(&self, state: &mut PlanState, phase: Phase) {
         state.phase = phase;
         state.deadline = Some(self.deadline());
-        state.boot_id.clone_from(&self.cfg.boot_id);
+        state.boot_id = self.deps.life.id();
         state.updated_at = Timestamp::now();
     }
 
@@ -198,15 +202,17 @@ impl Plan {
         SideResult { applied }
     }
 
+    /// `targets`: a resumed plan's record, with the processes it lists as signalled.
     pub(super) async fn steps(
         &mut self,
         steps: Steps,
         state: &mut PlanState,
-        resumed: bool,
+        targets: Option<Vec<RecordedTarget>>,
     ) -> Result<(), String> {
+        let resumed = targets.is_some();
         // 1–2. Signal first; protect, Event and hooks beside it.
         if steps.checkpoint && state.phase < Phase::Checkpointed {
-            self.checkpoint(state, steps, resumed).await;
+            self.checkpoint(state, steps, targets).await;
             self.persist(state, Phase::Checkpointed).await;
         } else if state.phase < Phase::Protected {
             let side = Self::protect_side(
@@ -275,7 +281,35 @@ impl Plan {
         Ok(())
     }
 
-    pub(super) async fn checkpoint(&mut self, state: &mut PlanState, steps: Steps, resumed: bool) {
+    /// What is known about earlier deliveries of this notice (docs/checkpoint-protocol.md, "One
+    /// signal per notice"): a resumed plan's record lists who was signalled; without a list (an
+    /// older record) or with an unreadable record nothing lists them and `notice.json` decides,
+    /// holding the targets whose `notice.json` cannot be read; a fresh plan with a readable
+    /// record asks `notice.json` only.
+    fn prior(&self, state: &PlanState, targets: Option<Vec<RecordedTarget>>) -> Prior {
+        let signalled = match (state.signalled_at, targets) {
+            (Some(_), Some(t)) if !t.is_empty() => {
+                Signalled::Listed(t.iter().map(|t| (t.pid, t.start)).collect())
+            }
+            (Some(_), _) => Signalled::Unlisted,
+            (None, _) if self.reoccurred => Signalled::Nobody,
+            (None, _) if self.deps.local.was_unreadable() => Signalled::Unlisted,
+            (None, _) => Signalled::Unrecorded,
+        };
+        Prior {
+            life: self.deps.life.id(),
+            signalled_at: state.signalled_at,
+            signalled,
+        }
+    }
+
+    pub(super) async fn checkpoint(
+        &mut self,
+        state: &mut PlanState,
+        steps: Steps,
+        targets: Option<Vec<RecordedTarget>>,
+    ) {
+        let resumed = targets.is_some();
         let groups = match self.deps.discovery.discover().await {
             Ok(g) => g,
             Err(e) => {
@@ -305,58 +339,33 @@ impl Plan {
         if groups.is_empty() {
             info!("no checkpoint targets found");
         }
-        let signalled_before = state.signalled_at;
-        // Groups already signalled before a restart: those whose notice.json names this notice.
-        let (before, to_signal): (Vec<TargetGroup>, Vec<TargetGroup>) = match state.signalled_at {
-            Some(_) => {
-                let id = self.notice.id.clone();
-                let g = groups.clone();
-                let budget = self.budget();
-                let told = tokio::time::timeout(
-                    budget,
-                    tokio::task::spawn_blocking(move || {
-                        g.iter().map(|g| notice_names(g, &id)).collect::<Vec<_>>()
-                    }),
-                )
-                .await;
-                match told {
-                    Ok(Ok(flags)) => {
-                        let mut before = Vec::new();
-                        let mut rest = Vec::new();
-                        for (g, told) in groups.iter().zip(flags) {
-                            if told {
-                                before.push(g.clone());
-                            } else {
-                                rest.push(g.clone());
-                            }
-                        }
-                        (before, rest)
+        let prior = self.prior(state, targets.clone());
+        if let Some(at) = state.signalled_at {
+            info!(signalled_at = %at, "signals were sent before a restart: the processes the record lists (or whose notice.json names the notice) are only waited for");
+        }
+        // The local record first (a file, no API call), listing every process about to be
+        // signalled, so that a restart never signals one twice, even when notice.json cannot be
+        // written.
+        let mut listed: Vec<RecordedTarget> = targets.unwrap_or_default();
+        for g in &groups {
+            for c in &g.containers {
+                for p in &c.processes {
+                    let t = RecordedTarget {
+                        pid: p.pid,
+                        start: p.start_time,
+                    };
+                    if !listed.contains(&t) {
+                        listed.push(t);
                     }
-                    // Cannot tell: never signal twice.
-                    _ => (groups.clone(), Vec::new()),
                 }
             }
-            None => (Vec::new(), groups.clone()),
-        };
-        let mut deliveries = Vec::new();
-        if let Some(at) = state.signalled_at {
-            if !before.is_empty() {
-                info!(signalled_at = %at, groups = before.len(), "signals were sent before a restart: waiting for acks without signalling again");
-                // On threads of the checkpoint module's own, never tokio's blocking pool.
-                deliveries.extend(ckpt::plan_without_signal_async(before, req.clone(), at).await);
-            }
-            if !to_signal.is_empty() {
-                info!(
-                    groups = to_signal.len(),
-                    "the notice never reached these targets before the restart: signalling now"
-                );
-            }
         }
-        // The local record first (a file, no API call), so that a restart never signals twice.
         if state.signalled_at.is_none() {
             state.signalled_at = Some(Timestamp::now());
-            self.stamp(state, Phase::Signalled);
-            self.records.save_local(state).await;
+        }
+        self.stamp(state, Phase::Signalled);
+        if !self.cfg.dry_run {
+            self.records.save_local_with_targets(state, listed).await;
         }
         // Protect, the Event and the start hooks run beside the signal.
         let side = tokio::spawn(Self::protect_side(
@@ -367,12 +376,13 @@ impl Plan {
             !resumed,
             self.budget(),
         ));
-        if signalled_before.is_none() || !to_signal.is_empty() {
-            // On threads of the checkpoint module's own, never tokio's blocking pool.
-            let sent =
-                ckpt::deliver_async(to_signal.clone(), req.clone(), &self.deps.metrics).await;
-            let sent_at = Timestamp::now();
-            let processes: usize = sent.iter().map(|d| d.signalled()).sum();
+        // On threads of the checkpoint module's own, never tokio's blocking pool; every group
+        // and container under its own deadline.
+        let deliveries =
+            ckpt::deliver_with_async(groups.clone(), req.clone(), prior, &self.deps.metrics).await;
+        let sent_at = Timestamp::now();
+        let processes: usize = deliveries.iter().map(|d| d.sent()).sum();
+        if processes > 0 || !resumed {
             let latency = sent_at
                 .duration_since(self.notice.observed_at)
                 .as_secs_f64();
@@ -392,9 +402,9 @@ impl Plan {
                 processes,
                 checkpoint_deadline: ck_deadline,
             });
-            deliveries.extend(sent);
             let budget = self.budget();
-            for g in &to_signal {
+            let told: Vec<bool> = deliveries.iter().map(|d| d.sent() > 0).collect();
+            for (g, _) in groups.iter().zip(told).filter(|(_, sent)| *sent) {
                 if let Some(pod) = &g.pod {
                     let _ = tokio::time::timeout(
                         budget,
@@ -427,38 +437,25 @@ impl Plan {
             at: Timestamp::now(),
         });
 
-        // Wait; a deadline moved earlier cuts the wait at the new checkpoint deadline.
-        let wait_cancel = self.cancel.child_token();
+        // Wait; a deadline moved earlier moves the checkpoint deadline with it: the groups still
+        // waiting then end `timeout`, as if their budget had been that short.
+        let (ck_tx, ck_rx) = watch::channel(req.checkpoint_deadline);
         let results = {
-            let wait = ckpt::wait(deliveries, &req, &self.deps.metrics, &wait_cancel);
+            let wait = ckpt::wait_until(deliveries, &req, &self.deps.metrics, &self.cancel, ck_rx);
             tokio::pin!(wait);
-            let mut cut_at = req.checkpoint_deadline;
-            let mut cutter: Option<JoinHandle<()>> = None;
-            let results = loop {
+            loop {
                 tokio::select! {
                     r = &mut wait => break r,
                     changed = self.deadline.changed() => {
                         if changed.is_err() { continue; }
                         let new_ck = store::checkpoint_deadline(self.deadline(), Timestamp::now(), reserve, self.cfg.checkpoint_timeout);
-                        if new_ck < cut_at {
-                            cut_at = new_ck;
+                        if new_ck < *ck_tx.borrow() {
                             info!(checkpoint_deadline = %new_ck, "deadline moved earlier: checkpoint wait cut short");
-                            let cancel = wait_cancel.clone();
-                            let wait_for = store::until(new_ck, Timestamp::now());
-                            if let Some(old) = cutter.replace(tokio::spawn(async move {
-                                tokio::time::sleep(wait_for).await;
-                                cancel.cancel();
-                            })) {
-                                old.abort();
-                            }
+                            let _ = ck_tx.send(new_ck);
                         }
                     }
                 }
-            };
-            if let Some(c) = cutter {
-                c.abort();
             }
-            results
         };
         let budget = self.budget();
         for r in &results {
@@ -626,30 +623,4 @@ pub(super) fn merge_applied(into: &mut Applied, new: Option<Applied>) {
             into.taint_effect = a.taint_effect;
         }
     }
-}
-
-/// Whether the group's `notice.json` names notice `id` (the signal went out before a restart).
-/// Read inside the group's own filesystem root. Blocking.
-pub(super) fn notice_names(group: &TargetGroup, id: &str) -> bool {
-    let proc = ProcFs::default();
-    group.containers.iter().any(|c| {
-        let dir = match c.root_pid {
-            None => CheckpointDir::host(&group.dir),
-            Some(pid) => {
-                let start = c
-                    .processes
-                    .iter()
-                    .find(|p| p.pid == pid)
-                    .map(|p| p.start_time)
-                    .or_else(|| proc.start_time(pid).ok());
-                match start {
-                    Some(start) => CheckpointDir::in_root_of(&proc, pid, start, &group.dir),
-                    None => return false,
-                }
-            }
-        };
-        dir.ok()
-            .and_then(|d| d.read_notice().ok().flatten())
-            .is_some_and(|n| n.notice_id == id)
-    })
 }

@@ -43,6 +43,43 @@ impl Records {
         }
     }
 
+    /// The local record with the processes about to be signalled (before the signal).
+    pub(super) async fn save_local_with_targets(
+        &self,
+        state: &PlanState,
+        targets: Vec<RecordedTarget>,
+    ) {
+        if let Err(e) = self.local.save_with_targets(state, targets).await {
+            error!(phase = state.phase.as_str(), error = %e, "persisting the local plan record failed; a restarted agent tells who was signalled from notice.json");
+            self.metrics.error("responder", e.metric_label());
+        }
+    }
+
+    /// Remove one plan from the record (its notice was cancelled and undone); the other kinds'
+    /// plans stay. The Node annotation holds one plan: it is cleared when it is this one.
+    pub(super) async fn clear_plan(&self, id: &str, budget: Duration) {
+        if let Err(e) = self.local.clear_plan(id).await {
+            error!(error = %e, "clearing the plan from the local record failed");
+            self.metrics.error("responder", e.metric_label());
+        }
+        if self.remote() {
+            let remote = tokio::time::timeout(budget, self.node.load_state()).await;
+            if let Ok(Ok(Some(s))) = remote {
+                if s.id != id {
+                    return;
+                }
+            }
+            match tokio::time::timeout(budget, self.node.clear_state()).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    error!(error = %e, "clearing the plan state on the node failed");
+                    self.metrics.error("responder", e.metric_label());
+                }
+                Err(_) => self.metrics.error("responder", "state_timeout"),
+            }
+        }
+    }
+
     pub(super) async fn save_remote(&self, state: &PlanState, budget: Duration) {
         if !self.remote() {
             return;
@@ -69,31 +106,16 @@ impl Records {
         self.save_remote(state, budget).await;
     }
 
-    pub(super) async fn clear(&self, budget: Duration) {
-        if let Err(e) = self.local.clear().await {
-            error!(error = %e, "clearing the local plan record failed");
-            self.metrics.error("responder", e.metric_label());
-        }
-        if self.remote() {
-            match tokio::time::timeout(budget, self.node.clear_state()).await {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => {
-                    error!(error = %e, "clearing the plan state on the node failed");
-                    self.metrics.error("responder", e.metric_label());
-                }
-                Err(_) => self.metrics.error("responder", "state_timeout"),
-            }
-        }
-    }
-
-    /// The persisted record: the local file and the Node annotation, the one further along wins
-    /// (the same notice: the later phase; different notices: the newer record). An unreadable
-    /// copy is logged and counted; an API outage leaves the local record.
-    pub(super) async fn load(&self) -> Option<PlanState> {
-        let local = match self.local.load().await {
-            Ok(s) => s,
+    /// Everything the records say. The latest plan: of the local file and the Node annotation,
+    /// the one further along (the same notice: the later phase; different notices: the newer
+    /// record); an unreadable copy is logged and counted (and remembered by the local
+    /// [`StateFile`]); an API outage leaves the local record. With it the processes the local
+    /// record lists for it, and the other kinds' plans of the local record.
+    pub(super) async fn load_all(&self) -> Loaded {
+        let local = match self.local.load_record().await {
+            Ok(r) => r,
             Err(e) => {
-                error!(error = %e, "local plan record unreadable: ignoring it");
+                error!(error = %e, "local plan record unreadable: ignoring it; until a new record is written, a target whose notice.json cannot be read is not signalled (it may have been)");
                 self.metrics.error("responder", e.metric_label());
                 None
             }
@@ -118,8 +140,40 @@ impl Records {
         } else {
             None
         };
-        newest(local, remote)
+        let (local_latest, targets, earlier) = match local {
+            Some(r) => (Some(r.latest), r.targets, r.earlier),
+            None => (None, Vec::new(), Vec::new()),
+        };
+        let latest = newest(local_latest.clone(), remote);
+        // The target list belongs to the local copy's latest plan.
+        let targets = match (&latest, &local_latest) {
+            (Some(l), Some(ll)) if l.id == ll.id && l.kind == ll.kind => targets,
+            _ => Vec::new(),
+        };
+        let mut earlier = earlier;
+        if let (Some(l), Some(ll)) = (&latest, local_latest) {
+            // The annotation was newer and of another kind: the local latest is still a plan of
+            // this life worth remembering.
+            if ll.kind != l.kind {
+                earlier.retain(|p| p.kind != ll.kind);
+                earlier.push(ll);
+            }
+        }
+        earlier.retain(|p| latest.as_ref().is_none_or(|l| l.kind != p.kind));
+        Loaded {
+            latest,
+            targets,
+            earlier,
+        }
     }
+}
+
+/// What [`Records::load_all`] found.
+#[derive(Debug, Default)]
+pub(super) struct Loaded {
+    pub(super) latest: Option<PlanState>,
+    pub(super) targets: Vec<RecordedTarget>,
+    pub(super) earlier: Vec<PlanState>,
 }
 
 /// The record further along of two copies.

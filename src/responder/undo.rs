@@ -8,7 +8,6 @@ pub(super) struct Undoer {
     pub(super) deps: Arc<Deps>,
     pub(super) records: Records,
     pub(super) events: broadcast::Sender<PlanEvent>,
-    pub(super) boot_id: Option<String>,
 }
 
 impl Undoer {
@@ -44,13 +43,19 @@ impl Undoer {
         }
     }
 
-    /// A cancelled or expired notice: undo, then clear the record, except for a rebalance
+    /// A cancelled or expired notice: undo, then clear its plan from the record, except for a rebalance
     /// recommendation: the metadata service keeps serving it until the instance dies, so an
     /// `undone` record keeps a restarted agent from acting on it again.
     pub(super) async fn undo(&self, id: &str, why: &str) {
-        let state = match self.records.load().await {
-            Some(s) if s.id == id && s.phase != Phase::Undone => s,
-            _ => {
+        let loaded = self.records.load_all().await;
+        let found = loaded
+            .latest
+            .into_iter()
+            .chain(loaded.earlier)
+            .find(|s| s.id == id && s.phase != Phase::Undone);
+        let state = match found {
+            Some(s) => s,
+            None => {
                 info!(notice_id = %id, "nothing persisted to undo");
                 return;
             }
@@ -62,11 +67,12 @@ impl Undoer {
             let mut s = state;
             s.phase = Phase::Undone;
             s.applied = Applied::default();
-            s.boot_id.clone_from(&self.boot_id);
+            s.boot_id = self.deps.life.id();
             s.updated_at = Timestamp::now();
             self.records.save(&s, SIDE_BUDGET_MAX).await;
         } else {
-            self.records.clear(SIDE_BUDGET_MAX).await;
+            // Only this plan: what the other kinds did in this life stays recorded.
+            self.records.clear_plan(id, SIDE_BUDGET_MAX).await;
         }
         let _ = self.events.send(PlanEvent::Undone {
             id: id.to_string(),
@@ -121,7 +127,7 @@ impl Undoer {
             self.deps.metrics.error("responder", "previous_life_undo");
             return;
         }
-        self.records.clear(SIDE_BUDGET_MAX).await;
+        self.records.clear_plan(&state.id, SIDE_BUDGET_MAX).await;
         self.deps.metrics.action("previous_life_cleared", true);
         let _ = self.events.send(PlanEvent::Undone {
             id: state.id,

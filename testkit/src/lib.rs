@@ -4,6 +4,8 @@
 //!
 //! - [`apiserver`]: an in-process fake Kubernetes API server (nodes, pods, evictions with PDBs,
 //!   Events, watches) and a kube client for it.
+//! - [`ec2_mock`]: AWS's own `ec2-metadata-mock` on a free loopback port (version chosen by
+//!   `SPOTGUARD_EC2_METADATA_MOCK` or `../shared/k8s`).
 //! - [`gpu`]: recorded readings of real boards (fixtures), a scripted `GpuProbe`, a recording
 //!   `NodeOps`, and a fake kubelet pod-resources gRPC server.
 //! - [`kubelet`]: random pod uids and container ids, the cgroup the kubelet makes for a container.
@@ -11,6 +13,7 @@
 //! - [`wait_for_event`]: wait for a responder plan event; [`metrics_text`]: a running agent's
 //!   `/metrics`.
 pub mod apiserver;
+pub mod ec2_mock;
 pub mod gpu;
 pub mod kubelet;
 pub mod process;

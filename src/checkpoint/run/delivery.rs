@@ -1,18 +1,22 @@
-//! Delivery, the signal path: per group, check and pin the targets and write `notice.json`
-//! (phase 1, [`stage_group`]), then signal what was pinned (phase 2, [`signal_group`]); every
-//! group on a thread of its own under [`DELIVER_BUDGET`]. The restart path
-//! ([`plan_without_signal`]) runs the same phases without writing or signalling.
+//! Delivery, the signal path: per group, check and pin the targets, tell which were signalled
+//! for this notice before (the record's list, or `notice.json` naming the notice), and write
+//! `notice.json` (phase 1, [`stage_group`]); then signal what is to be signalled now (phase 2,
+//! [`signal_group`]); every group on a thread of its own under [`DELIVER_BUDGET`]. What is known
+//! before delivery comes in a [`Prior`]; the restart path of old ([`plan_without_signal`]) is the
+//! prior "everyone was signalled".
 
+use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, RecvTimeoutError};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use jiff::Timestamp;
 
-use super::dir::{file_job, DirSlot, FileJob, FileTask};
+use super::dir::{file_job, DirSlot, FileJob, FileTask, Tell, Told};
 use super::threads::{count_stuck, spawn_thread, Counters};
-use super::{group_span, CheckpointRequest, DELIVER_BUDGET, NOTICE_BUDGET};
-use crate::checkpoint::ack::{ack_file_name, PLAIN_ACK_FILE};
+use super::{group_span, CheckpointRequest, Prior, Signalled, DELIVER_BUDGET, NOTICE_BUDGET};
 use crate::checkpoint::procfs::{clock_ticks_per_second, ProcFs};
 use crate::checkpoint::signal::{self, NotSignalled, Prepared};
 use crate::checkpoint::{
@@ -35,6 +39,11 @@ pub struct SignalledProcess {
     pub ns_pid: i32,
     pub start_time: u64,
     pub signalled_at: Timestamp,
+    /// Every uid of the process: only a file one of them owns is its ack.
+    pub uids: Vec<u32>,
+    /// Signalled for this notice before this delivery (by an earlier run of the agent): only
+    /// waited for.
+    pub before: bool,
 }
 
 /// A discovered process that was not signalled, and why.
@@ -130,9 +139,18 @@ impl Delivery {
         }
     }
 
-    /// Number of processes signalled.
+    /// Number of processes signalled (by this delivery or, for this notice, before it).
     pub fn signalled(&self) -> usize {
         self.containers.iter().map(|c| c.signalled.len()).sum()
+    }
+
+    /// Number of processes this delivery sent the signal to.
+    pub fn sent(&self) -> usize {
+        self.containers
+            .iter()
+            .flat_map(|c| c.signalled.iter())
+            .filter(|p| !p.before)
+            .count()
     }
 
     /// Host PIDs signalled.
@@ -149,13 +167,27 @@ impl Delivery {
 /// (or [`NOTICE_BUDGET`] ran out on a dir that does not answer), so a slow or hung checkpoint
 /// filesystem in one pod never delays another pod's signal. Blocks for at most
 /// [`DELIVER_BUDGET`]; a group whose thread has not finished by then is reported as an error and
-/// its thread abandoned.
+/// its thread abandoned. Every target is signalled: the caller knows of no earlier delivery of
+/// this notice (see [`deliver_with`] for one that may have happened).
 pub fn deliver(
     groups: &[TargetGroup],
     req: &CheckpointRequest,
     metrics: &Metrics,
 ) -> Vec<Delivery> {
-    run_groups(groups, req, Counters::of(metrics), Mode::Deliver)
+    deliver_with(groups, req, &Prior::default(), metrics)
+}
+
+/// [`deliver`] knowing what `prior` says about earlier deliveries of this notice: a target the
+/// record lists, or (without a list) whose `notice.json` names this notice of this life, is
+/// waited for without a second signal; a target nobody can tell about is signalled or held as
+/// `prior` says.
+pub fn deliver_with(
+    groups: &[TargetGroup],
+    req: &CheckpointRequest,
+    prior: &Prior,
+    metrics: &Metrics,
+) -> Vec<Delivery> {
+    run_groups(groups, req, prior, Counters::of(metrics), false)
 }
 
 /// [`deliver`] on a thread of its own: for async callers (the responder), which must not queue
@@ -165,10 +197,20 @@ pub async fn deliver_async(
     req: CheckpointRequest,
     metrics: &Metrics,
 ) -> Vec<Delivery> {
+    deliver_with_async(groups, req, Prior::default(), metrics).await
+}
+
+/// [`deliver_with`] on a thread of its own.
+pub async fn deliver_with_async(
+    groups: Vec<TargetGroup>,
+    req: CheckpointRequest,
+    prior: Prior,
+    metrics: &Metrics,
+) -> Vec<Delivery> {
     let counters = Counters::of(metrics);
     let g = groups.clone();
     run_on_thread(OFF_POOL_THREAD, move || {
-        run_groups(&g, &req, counters, Mode::Deliver)
+        run_groups(&g, &req, &prior, counters, false)
     })
     .await
     .unwrap_or_else(|_| failed_all(&groups, "no thread for checkpoint delivery"))
@@ -182,7 +224,12 @@ pub fn plan_without_signal(
     req: &CheckpointRequest,
     signalled_at: Timestamp,
 ) -> Vec<Delivery> {
-    run_groups(groups, req, Counters::none(), Mode::Replan { signalled_at })
+    let prior = Prior {
+        signalled_at: Some(signalled_at),
+        signalled: Signalled::Everyone,
+        ..Prior::default()
+    };
+    run_groups(groups, req, &prior, Counters::none(), true)
 }
 
 /// [`plan_without_signal`] on a thread of its own.
@@ -219,19 +266,20 @@ fn failed_delivery(g: &TargetGroup, why: String) -> Delivery {
 fn run_groups(
     groups: &[TargetGroup],
     req: &CheckpointRequest,
+    prior: &Prior,
     counters: Counters,
-    mode: Mode,
+    replan: bool,
 ) -> Vec<Delivery> {
     let deadline = Instant::now() + DELIVER_BUDGET;
     let pending: Vec<Option<mpsc::Receiver<Delivery>>> = groups
         .iter()
         .map(|g| {
             let (tx, rx) = mpsc::channel();
-            let (g2, req2, c2) = (g.clone(), req.clone(), counters.clone());
+            let (g2, req2, c2, p2) = (g.clone(), req.clone(), counters.clone(), prior.clone());
             let started = spawn_thread("sg-ckpt-deliver", &counters, move || {
                 let proc = ProcFs::new(g2.proc_root.clone());
-                let staged = stage_group(&proc, &g2, &req2, &c2, mode);
-                let _ = tx.send(signal_group(staged, &req2, &c2, mode, proc));
+                let staged = stage_group(&proc, &g2, &req2, &p2, &c2);
+                let _ = tx.send(signal_group(staged, &req2, &c2, replan, proc));
             });
             started.then_some(rx)
         })
@@ -264,16 +312,25 @@ fn run_groups(
         .collect()
 }
 
-/// A group whose targets are checked and pinned and whose notices are written.
+/// A group whose targets are checked and pinned, sorted into "signal now" and "signalled before"
+/// (with when), and whose notices are written.
 struct Staged<'g> {
     group: &'g TargetGroup,
-    containers: Vec<(ContainerDelivery, Vec<Prepared>)>,
+    containers: Vec<StagedContainer>,
 }
 
-#[derive(Clone, Copy)]
-pub(super) enum Mode {
-    Deliver,
-    Replan { signalled_at: Timestamp },
+/// One container after phase 1: who to signal now, who was signalled before (and when).
+struct StagedContainer {
+    delivery: ContainerDelivery,
+    now: Vec<Prepared>,
+    before: Vec<(Prepared, Timestamp)>,
+}
+
+/// A container's file thread being waited for.
+struct PendingFile {
+    rx: mpsc::Receiver<FileJob>,
+    abandoned: Arc<AtomicBool>,
+    tell: Tell,
 }
 
 /// The processes of a container to consider, by target mode.
@@ -297,26 +354,24 @@ fn candidates(c: &TargetContainer, mode: TargetMode) -> Result<Vec<&TargetProces
     }
 }
 
-/// Phase 1 for one group: check and pin the targets, write the notices (each container's on its
-/// own file thread, waited for at most [`NOTICE_BUDGET`] in all).
+/// Phase 1 for one group: check and pin the targets, find out which were signalled for this
+/// notice before, write the notices (each container's on its own file thread, waited for at most
+/// [`NOTICE_BUDGET`] in all).
 fn stage_group<'g>(
     proc: &ProcFs,
     group: &'g TargetGroup,
     req: &CheckpointRequest,
+    prior: &Prior,
     counters: &Counters,
-    mode: Mode,
 ) -> Staged<'g> {
     let span = group_span(req, &group.name);
     let _enter = span.enter();
-    let notice = req.notice(group.signal);
+    let notice = req.notice(group.signal, prior.life.clone());
     let require_handler = group.mode == TargetMode::Handlers;
-    let boot = match mode {
-        Mode::Replan { .. } => proc.boot_time().ok(),
-        Mode::Deliver => None,
-    };
+    let boot = prior.signalled_at.and_then(|_| proc.boot_time().ok());
 
     let mut staged: Vec<(ContainerDelivery, Vec<Prepared>)> = Vec::new();
-    let mut jobs: Vec<Option<mpsc::Receiver<FileJob>>> = Vec::new();
+    let mut jobs: Vec<Option<PendingFile>> = Vec::new();
     for c in &group.containers {
         let mut cd = ContainerDelivery {
             name: c.name.clone(),
@@ -349,7 +404,8 @@ fn stage_group<'g>(
                 cd.error = Some(e);
             }
         }
-        if let Mode::Replan { signalled_at } = mode {
+        if let Some(signalled_at) = prior.signalled_at {
+            // Started after the notice's signal: never signalled for it, and not now either.
             prepared.retain(|p| {
                 let late = started_after(p, signalled_at, boot);
                 if late {
@@ -364,6 +420,31 @@ fn stage_group<'g>(
         let job = if prepared.is_empty() {
             None
         } else {
+            let ns: Vec<i32> = prepared.iter().map(|p| p.ns_pid).collect();
+            let tell = match &prior.signalled {
+                Signalled::Nobody => Tell::Known {
+                    now: ns,
+                    before: Vec::new(),
+                },
+                Signalled::Everyone => Tell::NoneNow { targets: ns },
+                Signalled::Listed(listed) => {
+                    let (before, now): (Vec<&Prepared>, Vec<&Prepared>) = prepared
+                        .iter()
+                        .partition(|p| listed.contains(&(p.pid, p.start_time)));
+                    Tell::Known {
+                        now: now.iter().map(|p| p.ns_pid).collect(),
+                        before: before.iter().map(|p| p.ns_pid).collect(),
+                    }
+                }
+                Signalled::Unrecorded => Tell::ByNotice {
+                    targets: ns,
+                    if_unknown: true,
+                },
+                Signalled::Unlisted => Tell::ByNotice {
+                    targets: ns,
+                    if_unknown: false,
+                },
+            };
             let mut tries: Vec<(i32, u64)> = c
                 .processes
                 .iter()
@@ -371,140 +452,242 @@ fn stage_group<'g>(
                 .map(|p| (p.pid, p.start_time))
                 .collect();
             tries.extend(prepared.iter().map(|p| (p.pid, p.start_time)));
-            let mut names: Vec<String> = prepared.iter().map(|p| ack_file_name(p.ns_pid)).collect();
-            names.push(PLAIN_ACK_FILE.to_string());
+            let owners: HashMap<i32, Vec<u32>> = prepared
+                .iter()
+                .map(|p| (p.ns_pid, p.uids.clone()))
+                .collect();
             let (tx, rx) = mpsc::channel();
+            let abandoned = Arc::new(AtomicBool::new(false));
             let task = FileTask {
                 proc: proc.clone(),
                 dir: group.dir.clone(),
                 root: c.root_pid,
                 tries,
-                names,
+                owners,
+                tell: tell.clone(),
                 notice: notice.clone(),
-                mode,
                 dry_run: req.dry_run,
                 counters: counters.clone(),
+                abandoned: abandoned.clone(),
             };
             let started = spawn_thread("sg-ckpt-file", counters, move || {
                 let _ = tx.send(file_job(task));
             });
-            if started {
-                Some(rx)
-            } else {
+            if !started {
                 cd.notice = NoticeStatus::Failed("no thread for the checkpoint dir".into());
-                None
             }
+            // Without a thread the sender is gone: the receiver reports it disconnected.
+            Some(PendingFile {
+                rx,
+                abandoned,
+                tell,
+            })
         };
         jobs.push(job);
         staged.push((cd, prepared));
     }
 
     // Collect the file threads against one deadline; a dir that does not answer in time is left
-    // to the watcher, and its processes are signalled without notice.json.
+    // to the watcher, and its targets are decided without it.
     let deadline = Instant::now() + NOTICE_BUDGET;
-    for ((cd, _), job) in staged.iter_mut().zip(jobs) {
-        let Some(rx) = job else { continue };
-        match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
-            Ok((Ok(dir), fresh, status)) => {
-                match &status {
-                    NoticeStatus::DryRun => {
-                        tracing::info!(dir = %dir.display(), notice_id = %notice.notice_id, "dry-run: would write notice.json")
-                    }
-                    NoticeStatus::Failed(e) => {
-                        tracing::warn!(container = %cd.name, error = %e, "cannot write notice.json; signalling anyway")
-                    }
-                    _ => {}
-                }
-                cd.notice = status;
-                cd.dir = DirSlot::Ready(dir, fresh);
-            }
-            Ok((Err(e), _, status)) => {
-                tracing::warn!(container = %cd.name, error = %e, "cannot open the checkpoint dir; signalling anyway");
-                cd.notice = status;
-            }
+    let mut out = Vec::with_capacity(staged.len());
+    for ((mut cd, prepared), job) in staged.into_iter().zip(jobs) {
+        let Some(PendingFile {
+            rx,
+            abandoned,
+            tell,
+        }) = job
+        else {
+            out.push(StagedContainer {
+                delivery: cd,
+                now: Vec::new(),
+                before: Vec::new(),
+            });
+            continue;
+        };
+        let answer = match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+            Ok(job) => Some(job),
             Err(RecvTimeoutError::Timeout) => {
+                abandoned.store(true, Ordering::SeqCst);
                 let budget_ms = NOTICE_BUDGET.as_millis() as u64;
-                tracing::warn!(container = %cd.name, dir = %group.dir.display(), budget_ms, "checkpoint dir does not answer (hung filesystem?); signalling without notice.json");
+                tracing::warn!(container = %cd.name, dir = %group.dir.display(), budget_ms, "checkpoint dir does not answer (hung filesystem?); going on without notice.json");
                 counters.error("dir_timeout");
                 count_stuck(&counters.errors);
                 cd.notice = NoticeStatus::Failed(format!(
                     "checkpoint dir did not answer within {budget_ms} ms (hung filesystem?)"
                 ));
                 cd.dir = DirSlot::Late(rx);
+                None
             }
             Err(RecvTimeoutError::Disconnected) => {
-                counters.error("panic");
-                cd.notice = NoticeStatus::Failed("checkpoint dir thread panicked".into());
+                abandoned.store(true, Ordering::SeqCst);
+                if !matches!(cd.notice, NoticeStatus::Failed(_)) {
+                    counters.error("panic");
+                    cd.notice = NoticeStatus::Failed("checkpoint dir thread panicked".into());
+                }
+                None
+            }
+        };
+        let (now, before, told_at) = match answer {
+            Some(job) => {
+                let told_at = match &job.told {
+                    Told::Named(stamp) => Some(stamp_time(stamp.mtime)),
+                    _ => None,
+                };
+                let decided = match &job.dir {
+                    Ok(_) => Some((job.now.clone(), job.before.clone())),
+                    Err(_) => None,
+                };
+                match &job.status {
+                    NoticeStatus::DryRun => {
+                        tracing::info!(dir = %group.dir.display(), notice_id = %notice.notice_id, "dry-run: would write notice.json")
+                    }
+                    NoticeStatus::Failed(e) if job.dir.is_ok() => {
+                        tracing::warn!(container = %cd.name, error = %e, "cannot write notice.json; signalling anyway")
+                    }
+                    _ => {}
+                }
+                match job.dir {
+                    Ok(dir) => cd.dir = DirSlot::Ready(dir, Box::new(job.fresh)),
+                    Err(e) => {
+                        tracing::warn!(container = %cd.name, error = %e, "cannot open the checkpoint dir; deciding without notice.json")
+                    }
+                }
+                cd.notice = job.status;
+                let (now, before) = decided.unwrap_or_else(|| undecided(&tell));
+                (now, before, told_at)
+            }
+            None => {
+                let (now, before) = undecided(&tell);
+                (now, before, None)
+            }
+        };
+        let before_at = prior
+            .signalled_at
+            .or(told_at)
+            .unwrap_or_else(Timestamp::now);
+        let now: HashSet<i32> = now.into_iter().collect();
+        let before: HashSet<i32> = before.into_iter().collect();
+        let mut to_signal = Vec::new();
+        let mut waited = Vec::new();
+        for p in prepared {
+            if now.contains(&p.ns_pid) {
+                to_signal.push(p);
+            } else if before.contains(&p.ns_pid) {
+                waited.push((p, before_at));
+            } else {
+                tracing::warn!(pid = p.pid, dir = %group.dir.display(), "cannot tell whether this process was signalled for this notice before (no record lists it, notice.json cannot be read): not signalling it again");
+                counters.error("signalled_unknown");
+                cd.skipped.push(SkippedProcess {
+                    pid: p.pid,
+                    reason: NotSignalled::MaybeSignalled,
+                });
             }
         }
+        out.push(StagedContainer {
+            delivery: cd,
+            now: to_signal,
+            before: waited,
+        });
     }
     Staged {
         group,
-        containers: staged,
+        containers: out,
     }
 }
 
-/// Phase 2 for one group: signal everything that was pinned.
+/// Who is told now and who was before when the container's file thread gave no answer.
+fn undecided(tell: &Tell) -> (Vec<i32>, Vec<i32>) {
+    match tell {
+        Tell::Known { now, before } => (now.clone(), before.clone()),
+        Tell::ByNotice {
+            targets,
+            if_unknown: true,
+        } => (targets.clone(), Vec::new()),
+        Tell::ByNotice { .. } => (Vec::new(), Vec::new()),
+        Tell::NoneNow { targets } => (Vec::new(), targets.clone()),
+    }
+}
+
+/// A file time (filesystem clock) as a timestamp; now when it is not plausible.
+fn stamp_time((secs, nanos): (i64, i64)) -> Timestamp {
+    let now = Timestamp::now();
+    match Timestamp::new(secs, i32::try_from(nanos).unwrap_or(0)) {
+        Ok(t) if t <= now && now.duration_since(t).as_secs() < 86_400 => t,
+        _ => now,
+    }
+}
+
+/// Phase 2 for one group: signal everything that is to be signalled now.
 fn signal_group(
     staged: Staged<'_>,
     req: &CheckpointRequest,
     counters: &Counters,
-    mode: Mode,
+    replan: bool,
     proc: ProcFs,
 ) -> Delivery {
     let group = staged.group;
     let span = group_span(req, &group.name);
     let _enter = span.enter();
-    let mut first_signal = None;
+    let mut first_signal: Option<Timestamp> = None;
     let mut containers = Vec::with_capacity(staged.containers.len());
-    for (mut cd, prepared) in staged.containers {
-        for p in prepared {
-            match mode {
-                Mode::Replan { signalled_at } => {
-                    first_signal.get_or_insert(signalled_at);
-                    cd.signalled.push(signalled(&p, signalled_at));
+    for StagedContainer {
+        delivery: mut cd,
+        now: to_signal,
+        before: waited,
+    } in staged.containers
+    {
+        for (p, at) in waited {
+            first_signal = Some(first_signal.map_or(at, |f| f.min(at)));
+            cd.signalled.push(signalled(&p, at, true));
+        }
+        for p in to_signal {
+            if req.dry_run {
+                cd.would_signal.push(p.pid);
+                continue;
+            }
+            let at = Timestamp::now();
+            match signal::send(&p, group.signal) {
+                Ok(()) => {
+                    counters.signal_sent();
+                    first_signal = Some(first_signal.map_or(at, |f| f.min(at)));
+                    cd.signalled.push(signalled(&p, at, false));
                 }
-                Mode::Deliver if req.dry_run => cd.would_signal.push(p.pid),
-                Mode::Deliver => {
-                    let at = Timestamp::now();
-                    match signal::send(&p, group.signal) {
-                        Ok(()) => {
-                            counters.signal_sent();
-                            first_signal.get_or_insert(at);
-                            cd.signalled.push(signalled(&p, at));
-                        }
-                        Err(e) => {
-                            let reason = signal::send_failure(&e);
-                            if matches!(reason, NotSignalled::Failed(_)) {
-                                tracing::warn!(pid = p.pid, error = %e, "checkpoint signal failed");
-                                counters.error(e.metric_label());
-                            }
-                            cd.skipped.push(SkippedProcess { pid: p.pid, reason });
-                        }
+                Err(e) => {
+                    let reason = signal::send_failure(&e);
+                    if matches!(reason, NotSignalled::Failed(_)) {
+                        tracing::warn!(pid = p.pid, error = %e, "checkpoint signal failed");
+                        counters.error(e.metric_label());
                     }
+                    cd.skipped.push(SkippedProcess { pid: p.pid, reason });
                 }
             }
         }
         containers.push(cd);
     }
 
-    let state = delivery_state(req.dry_run && matches!(mode, Mode::Deliver), &containers);
-    let pids = |c: &[ContainerDelivery]| {
+    let state = delivery_state(req.dry_run && !replan, &containers);
+    let pids = |c: &[ContainerDelivery], before: bool| {
         c.iter()
-            .flat_map(|c| c.signalled.iter().map(|p| p.pid.to_string()))
+            .flat_map(|c| c.signalled.iter().filter(|p| p.before == before))
+            .map(|p| p.pid.to_string())
             .collect::<Vec<_>>()
             .join(",")
     };
     match &state {
-        DeliveryState::Signalled if matches!(mode, Mode::Deliver) => tracing::info!(
-            signal = %group.signal,
-            pids = %pids(&containers),
-            "checkpoint signal sent"
-        ),
-        DeliveryState::Signalled => tracing::info!(
-            pids = %pids(&containers),
-            "resuming the wait for acks of processes signalled before the restart"
-        ),
+        DeliveryState::Signalled => {
+            let sent = pids(&containers, false);
+            let before = pids(&containers, true);
+            if !sent.is_empty() {
+                tracing::info!(signal = %group.signal, pids = %sent, "checkpoint signal sent");
+            }
+            if !before.is_empty() {
+                tracing::info!(
+                    pids = %before,
+                    "signalled for this notice before: waiting for their acks without a second signal"
+                );
+            }
+        }
         DeliveryState::DryRun => tracing::info!(
             signal = %group.signal,
             pids = %containers.iter().flat_map(|c| c.would_signal.iter().map(|p| p.to_string())).collect::<Vec<_>>().join(","),
@@ -519,12 +702,14 @@ fn signal_group(
     }
 }
 
-fn signalled(p: &Prepared, at: Timestamp) -> SignalledProcess {
+fn signalled(p: &Prepared, at: Timestamp, before: bool) -> SignalledProcess {
     SignalledProcess {
         pid: p.pid,
         ns_pid: p.ns_pid,
         start_time: p.start_time,
         signalled_at: at,
+        uids: p.uids.clone(),
+        before,
     }
 }
 
@@ -560,6 +745,16 @@ fn delivery_state(dry_run: bool, containers: &[ContainerDelivery]) -> DeliverySt
         .collect();
     if !errors.is_empty() {
         return DeliveryState::Error(errors.join("; "));
+    }
+    let held: Vec<String> = skipped()
+        .filter(|s| s.reason == NotSignalled::MaybeSignalled)
+        .map(|s| s.pid.to_string())
+        .collect();
+    if !held.is_empty() {
+        return DeliveryState::Error(format!(
+            "not signalled: nothing tells whether pids {} were signalled for this notice before (no record lists them, notice.json cannot be read), and a second signal is worse than none",
+            held.join(",")
+        ));
     }
     let all_gone = skipped().next().is_some()
         && skipped().all(|s| {

@@ -1,14 +1,16 @@
 //! The file side of a container's checkpoint dir: opened inside the container's root (or on the
-//! host) on a thread of its own, the ack files stamped before the signal, `notice.json` written
-//! (or, on the restart path, found as the anchor); and how an ack is judged fresh.
+//! host) on a thread of its own; `notice.json` read back (did this notice reach the container
+//! before?), the ack files stamped before the signal, files other users planted at the targets'
+//! ack names removed, `notice.json` written; and how an ack is judged fresh.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
-use std::sync::mpsc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc};
 
-use super::delivery::{Mode, NoticeStatus};
+use super::delivery::NoticeStatus;
 use super::threads::Counters;
-use crate::checkpoint::ack::{CheckpointDir, FileStamp, NoticeFile};
+use crate::checkpoint::ack::{AckName, CheckpointDir, FileStamp, NoticeFile, PLAIN_ACK_FILE};
 use crate::checkpoint::procfs::ProcFs;
 use crate::checkpoint::Error;
 
@@ -16,93 +18,238 @@ use crate::checkpoint::Error;
 #[derive(Debug)]
 pub(super) enum DirSlot {
     /// Open, with the stamps taken before the signal (or the restart path's anchor).
-    Ready(CheckpointDir, Freshness),
-    /// Its file thread did not answer within [`NOTICE_BUDGET`]; picked up by the watcher if it
-    /// ever does.
+    Ready(CheckpointDir, Box<Freshness>),
+    /// Its file thread did not answer within [`NOTICE_BUDGET`](super::NOTICE_BUDGET); picked up
+    /// by the watcher if it ever does.
     Late(mpsc::Receiver<FileJob>),
     None,
 }
 
+/// What `notice.json` said before delivery wrote anything.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) enum Told {
+    /// It names this notice (of this life): the container was told, and signalled, before.
+    Named(FileStamp),
+    /// Absent, or about another notice or another life.
+    NotNamed,
+    /// It could not be read (not a regular file, unreadable, the dir cannot be opened).
+    Unknown(String),
+}
+
 /// What a container's file thread produced.
-pub(super) type FileJob = (Result<CheckpointDir, Error>, Freshness, NoticeStatus);
+#[derive(Debug)]
+pub(super) struct FileJob {
+    pub(super) dir: Result<CheckpointDir, Error>,
+    pub(super) fresh: Freshness,
+    pub(super) told: Told,
+    pub(super) status: NoticeStatus,
+    /// Namespace PIDs told now, and told before (waited for without a signal); the targets in
+    /// neither are held (nobody can tell whether they were signalled).
+    pub(super) now: Vec<i32>,
+    pub(super) before: Vec<i32>,
+}
 
 /// How an ack is judged "written after the signal" (see [`FileStamp`]).
 #[derive(Clone, Debug, Default)]
 pub(super) struct Freshness {
     /// Stamps of the ack files just before the signal (absent: did not exist).
     baseline: HashMap<String, FileStamp>,
-    /// Restart path: `notice.json` of this notice; acks count when they changed no earlier.
+    /// Processes signalled before (a restart): their acks count when they changed no earlier
+    /// than `notice.json` of this notice (`anchor`), by the namespace PIDs their names carry.
     anchor: Option<FileStamp>,
+    anchored: HashSet<i32>,
+    /// The plain ack is judged by the anchor too (every target of the container was signalled
+    /// before).
+    plain_anchored: bool,
 }
 
 impl Freshness {
-    pub(super) fn fresh(&self, name: &str, stamp: &FileStamp) -> bool {
-        match &self.anchor {
-            Some(a) => stamp.ctime >= a.ctime,
-            None => self.baseline.get(name) != Some(stamp),
+    pub(super) fn fresh(&self, name: &str, what: &AckName, stamp: &FileStamp) -> bool {
+        let anchored = match what {
+            AckName::Process(pid) => self.anchored.contains(pid),
+            AckName::Plain => self.plain_anchored,
+        };
+        match (&self.anchor, anchored) {
+            (Some(a), true) => stamp.ctime >= a.ctime,
+            _ => self.baseline.get(name) != Some(stamp),
         }
     }
 }
 
-/// The file side of one container, on a thread of its own: open the dir, stamp the acks that
-/// already exist, write `notice.json` (deliver) or find the anchor (restart path).
+/// Which processes of the container the file thread is to tell now.
+#[derive(Clone, Debug)]
+pub(super) enum Tell {
+    /// Decided before (the record lists who was signalled): tell these namespace PIDs (write
+    /// `notice.json` only when there is one).
+    Known { now: Vec<i32>, before: Vec<i32> },
+    /// Decided by `notice.json`: every target is told now unless it names this notice (then
+    /// they were told before); when it cannot be read, `if_unknown` says.
+    ByNotice { targets: Vec<i32>, if_unknown: bool },
+    /// The restart path of old: never tell anyone (every target was signalled before).
+    NoneNow { targets: Vec<i32> },
+}
+
+/// The file side of one container, on a thread of its own: open the dir, read what
+/// `notice.json` says, stamp the acks that already exist, remove what other users planted at
+/// the targets' ack names, write `notice.json`.
 pub(super) struct FileTask {
     pub(super) proc: ProcFs,
     pub(super) dir: PathBuf,
     pub(super) root: Option<i32>,
     /// `(pid, start time)` whose root may be used, in order.
     pub(super) tries: Vec<(i32, u64)>,
-    /// Ack file names to stamp.
-    pub(super) names: Vec<String>,
+    /// The targets' uids, by namespace PID (an ack counts, and is left in place, only when one of
+    /// its process's uids owns it).
+    pub(super) owners: HashMap<i32, Vec<u32>>,
+    pub(super) tell: Tell,
     pub(super) notice: NoticeFile,
-    pub(super) mode: Mode,
     pub(super) dry_run: bool,
     pub(super) counters: Counters,
+    /// Set by delivery when it stopped waiting for this thread and decided without it: nothing
+    /// may be written any more (delivery may have held the targets).
+    pub(super) abandoned: Arc<AtomicBool>,
+}
+
+/// Whether `found` names the notice `want` of this life: the same id (a `notice.json` that says
+/// no life, written by an older agent, is judged by its id alone); or, for the kinds a life has
+/// one of (an interruption, a rebalance recommendation), the same kind and life (a server may
+/// serve the same notice under a new id on every poll).
+pub(super) fn names(found: &NoticeFile, want: &NoticeFile) -> bool {
+    if found.source != want.source {
+        return false;
+    }
+    match (&found.life, &want.life) {
+        (Some(f), Some(w)) if f != w => false,
+        (Some(_), Some(_)) => {
+            found.notice_id == want.notice_id
+                || (found.kind == want.kind
+                    && matches!(want.kind.as_str(), "interruption" | "rebalance"))
+        }
+        _ => found.notice_id == want.notice_id,
+    }
 }
 
 pub(super) fn file_job(t: FileTask) -> FileJob {
-    let FileTask {
-        proc,
-        dir,
-        root,
-        tries,
-        names,
-        notice,
-        mode,
-        dry_run,
-        counters,
-    } = t;
-    let opened = open_dir(&proc, &dir, root, &tries);
-    let mut fresh = Freshness::default();
-    let status = match &opened {
+    let opened = open_dir(&t.proc, &t.dir, t.root, &t.tries);
+    let d = match opened {
         Err(e) => {
-            counters.error(e.metric_label());
-            NoticeStatus::Failed(e.to_string())
+            t.counters.error(e.metric_label());
+            let why = e.to_string();
+            return FileJob {
+                dir: Err(e),
+                fresh: Freshness::default(),
+                told: Told::Unknown(why.clone()),
+                status: NoticeStatus::Failed(why),
+                now: Vec::new(),
+                before: Vec::new(),
+            };
         }
-        Ok(d) => match mode {
-            Mode::Replan { .. } => {
-                match d.read_notice_stamped() {
-                    Ok(Some((n, stamp))) if n.notice_id == notice.notice_id => {
-                        fresh.anchor = Some(stamp)
-                    }
-                    _ => fresh.baseline = d.stamps(&names),
-                }
-                NoticeStatus::AlreadyWritten
-            }
-            Mode::Deliver if dry_run => NoticeStatus::DryRun,
-            Mode::Deliver => {
-                fresh.baseline = d.stamps(&names);
-                match d.write_notice(&notice) {
-                    Ok(()) => NoticeStatus::Written,
-                    Err(e) => {
-                        counters.error(e.metric_label());
-                        NoticeStatus::Failed(e.to_string())
-                    }
-                }
-            }
-        },
+        Ok(d) => d,
     };
-    (opened, fresh, status)
+    // What notice.json says matters unless everyone is told now (a first delivery): then the
+    // read is skipped, it would only cost the signal time.
+    let needed = !matches!(&t.tell, Tell::Known { before, .. } if before.is_empty());
+    let told = if !needed {
+        Told::NotNamed
+    } else {
+        match d.read_notice_stamped() {
+            Ok(Some((n, stamp))) if names(&n, &t.notice) => Told::Named(stamp),
+            Ok(_) => Told::NotNamed,
+            Err(e) => Told::Unknown(e.to_string()),
+        }
+    };
+    // Who is told now, who was before.
+    let (now, before): (Vec<i32>, Vec<i32>) = match &t.tell {
+        Tell::Known { now, before } => (now.clone(), before.clone()),
+        Tell::ByNotice { targets, .. } if matches!(told, Told::Named(_)) => {
+            (Vec::new(), targets.clone())
+        }
+        Tell::ByNotice {
+            targets,
+            if_unknown,
+        } => match told {
+            Told::Unknown(_) if !if_unknown => (Vec::new(), Vec::new()),
+            _ => (targets.clone(), Vec::new()),
+        },
+        Tell::NoneNow { targets } => (Vec::new(), targets.clone()),
+    };
+    let mut names: Vec<String> = now
+        .iter()
+        .chain(&before)
+        .map(|p| crate::checkpoint::ack::ack_file_name(*p))
+        .collect();
+    names.push(PLAIN_ACK_FILE.to_string());
+    let mut fresh = Freshness {
+        baseline: d.stamps(&names),
+        anchor: match &told {
+            Told::Named(stamp) => Some(*stamp),
+            _ => None,
+        },
+        anchored: before.iter().copied().collect(),
+        plain_anchored: now.is_empty() && !before.is_empty(),
+    };
+    if fresh.anchor.is_none() {
+        fresh.anchored.clear();
+        fresh.plain_anchored = false;
+    }
+    let status = if now.is_empty() {
+        if before.is_empty() {
+            NoticeStatus::NotNeeded
+        } else {
+            NoticeStatus::AlreadyWritten
+        }
+    } else if t.dry_run {
+        NoticeStatus::DryRun
+    } else if t.abandoned.load(Ordering::SeqCst) {
+        NoticeStatus::Failed("checkpoint dir answered after delivery went on without it".into())
+    } else {
+        remove_planted(&d, &t, &now);
+        match d.write_notice(&t.notice) {
+            Ok(()) => NoticeStatus::Written,
+            Err(e) => {
+                t.counters.error(e.metric_label());
+                NoticeStatus::Failed(e.to_string())
+            }
+        }
+    };
+    FileJob {
+        dir: Ok(d),
+        fresh,
+        told,
+        status,
+        now,
+        before,
+    }
+}
+
+/// Before the signal: files other users planted at the names the targets told now will write
+/// (their `ack-<pid>.json`, the container's `ack`) are removed, so that they never stand in the
+/// way of the real ack (and would not count anyway). Logged and counted.
+fn remove_planted(d: &CheckpointDir, t: &FileTask, now: &[i32]) {
+    let mut all: Vec<u32> = t.owners.values().flatten().copied().collect();
+    all.sort_unstable();
+    all.dedup();
+    let mut names: Vec<(String, Vec<u32>)> = now
+        .iter()
+        .map(|p| {
+            (
+                crate::checkpoint::ack::ack_file_name(*p),
+                t.owners.get(p).cloned().unwrap_or_default(),
+            )
+        })
+        .collect();
+    names.push((PLAIN_ACK_FILE.to_string(), all));
+    for f in d.remove_foreign(&names) {
+        t.counters.error("foreign_ack");
+        match &f.removed {
+            Ok(()) => {
+                tracing::warn!(dir = %d.display(), file = %f.name, owner = f.owner, "removed a file another user put at a target's ack name before the signal")
+            }
+            Err(e) => {
+                tracing::warn!(dir = %d.display(), file = %f.name, owner = f.owner, error = %e, "a file another user put at a target's ack name cannot be removed; the target's own ack will use a fallback name")
+            }
+        }
+    }
 }
 
 /// Open the container's checkpoint dir: inside `/proc/<pid>/root` of the root process (or, if it
@@ -135,28 +282,69 @@ mod tests {
 
     use super::*;
 
-    #[test]
-    fn freshness_compares_stamps_not_clocks() {
-        let stamp = |ino: u64, ctime: i64| FileStamp {
+    fn stamp(ino: u64, ctime: i64) -> FileStamp {
+        FileStamp {
             dev: 1,
             ino,
+            uid: 1000,
             size: 10,
             ctime: (ctime, 0),
             mtime: (0, 0),
-        };
+        }
+    }
+
+    #[test]
+    fn freshness_compares_stamps_not_clocks() {
+        let p1 = AckName::Process(1);
         let mut f = Freshness::default();
         // absent before the signal: any ack counts, whatever its times say
-        assert!(f.fresh("ack-1.json", &stamp(5, 0)));
+        assert!(f.fresh("ack-1.json", &p1, &stamp(5, 0)));
         f.baseline.insert("ack-1.json".into(), stamp(5, 100));
-        assert!(!f.fresh("ack-1.json", &stamp(5, 100)));
-        assert!(f.fresh("ack-1.json", &stamp(6, 100)));
-        assert!(f.fresh("ack-1.json", &stamp(5, 101)));
+        assert!(!f.fresh("ack-1.json", &p1, &stamp(5, 100)));
+        assert!(f.fresh("ack-1.json", &p1, &stamp(6, 100)));
+        assert!(f.fresh("ack-1.json", &p1, &stamp(5, 101)));
         // restart path: no earlier than notice.json of this notice, same filesystem clock
         let anchor = Freshness {
             baseline: HashMap::new(),
             anchor: Some(stamp(9, 200)),
+            anchored: [1].into_iter().collect(),
+            plain_anchored: true,
         };
-        assert!(!anchor.fresh("ack-1.json", &stamp(6, 199)));
-        assert!(anchor.fresh("ack-1.json", &stamp(6, 200)));
+        assert!(!anchor.fresh("ack-1.json", &p1, &stamp(6, 199)));
+        assert!(anchor.fresh("ack-1.json", &p1, &stamp(6, 200)));
+        assert!(anchor.fresh("ack", &AckName::Plain, &stamp(7, 200)));
+    }
+
+    fn notice(id: &str, kind: &str, life: Option<&str>) -> NoticeFile {
+        NoticeFile {
+            notice_id: id.into(),
+            source: "aws".into(),
+            kind: kind.into(),
+            deadline_unix: None,
+            checkpoint_deadline_unix: 0,
+            signal: "SIGUSR1".into(),
+            life: life.map(str::to_string),
+        }
+    }
+
+    #[test]
+    fn a_notice_is_named_by_its_id_or_by_its_kind_in_the_same_life() {
+        let want = notice("i-2", "interruption", Some("b1"));
+        assert!(names(&notice("i-2", "interruption", Some("b1")), &want));
+        // a re-stamped interruption of the same life is the same interruption
+        assert!(names(&notice("i-1", "interruption", Some("b1")), &want));
+        // another life (a resume from hibernation) is not
+        assert!(!names(&notice("i-2", "interruption", Some("b1+1")), &want));
+        // an older agent's notice.json says no life: its id alone
+        assert!(names(&notice("i-2", "interruption", None), &want));
+        assert!(!names(&notice("i-1", "interruption", None), &want));
+        // maintenance events by id only
+        let m = notice("ev-1", "maintenance", Some("b1"));
+        assert!(names(&notice("ev-1", "maintenance", Some("b1")), &m));
+        assert!(!names(&notice("ev-2", "maintenance", Some("b1")), &m));
+        // without a life, ids only
+        let bare = notice("i-2", "interruption", None);
+        assert!(names(&notice("i-2", "interruption", None), &bare));
+        assert!(!names(&notice("i-1", "interruption", None), &bare));
     }
 }

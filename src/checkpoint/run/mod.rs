@@ -41,6 +41,7 @@ mod outcome;
 mod threads;
 mod watch;
 
+use std::collections::HashSet;
 use std::time::Duration;
 
 use jiff::Timestamp;
@@ -49,11 +50,12 @@ use super::ack::NoticeFile;
 use super::Signal;
 
 pub use delivery::{
-    deliver, deliver_async, plan_without_signal, plan_without_signal_async, ContainerDelivery,
-    Delivery, DeliveryState, NoticeStatus, SignalledProcess, SkippedProcess,
+    deliver, deliver_async, deliver_with, deliver_with_async, plan_without_signal,
+    plan_without_signal_async, ContainerDelivery, Delivery, DeliveryState, NoticeStatus,
+    SignalledProcess, SkippedProcess,
 };
 pub use outcome::GroupResult;
-pub use watch::wait;
+pub use watch::{wait, wait_until};
 
 /// How often acks and exits are polled.
 pub const POLL_INTERVAL: Duration = Duration::from_millis(50);
@@ -82,7 +84,7 @@ pub struct CheckpointRequest {
 }
 
 impl CheckpointRequest {
-    fn notice(&self, signal: Signal) -> NoticeFile {
+    fn notice(&self, signal: Signal, life: Option<String>) -> NoticeFile {
         NoticeFile {
             notice_id: self.notice_id.clone(),
             source: self.source.clone(),
@@ -90,8 +92,45 @@ impl CheckpointRequest {
             deadline_unix: self.deadline.map(|d| d.as_second()),
             checkpoint_deadline_unix: self.checkpoint_deadline.as_second(),
             signal: signal.name(),
+            life,
         }
     }
+}
+
+/// What is known before delivery about earlier deliveries of the same notice: "was this target
+/// signalled for this notice?" is answered from evidence that survives a lost record and an
+/// unwritable checkpoint dir (docs/checkpoint-protocol.md, "One signal per notice").
+#[derive(Clone, Debug, Default)]
+pub struct Prior {
+    /// The machine's life (`crate::life`), written into `notice.json`: a `notice.json` of another
+    /// life never counts as this notice.
+    pub life: Option<String>,
+    /// When the record says the notice was signalled: a process that started later was never
+    /// signalled for it and is left out.
+    pub signalled_at: Option<Timestamp>,
+    pub signalled: Signalled,
+}
+
+/// Who was signalled for this notice before, as far as the plan record knows.
+#[derive(Clone, Debug, Default)]
+pub enum Signalled {
+    /// Nobody was (the caller knows): every target is signalled, `notice.json` is not consulted.
+    #[default]
+    Nobody,
+    /// No record of this notice: a target whose `notice.json` names it was signalled before and
+    /// is only waited for; every other target is signalled, also when its `notice.json` cannot be
+    /// read (a first notice must reach trainers whose dir is unwritable or hung).
+    Unrecorded,
+    /// The record lists the processes (host PID, start time) signalled, written before the
+    /// signal: those are only waited for, the others are signalled.
+    Listed(HashSet<(i32, u64)>),
+    /// The record says the notice was signalled but lists nobody (a record of an older agent, or
+    /// one that could not be read): a target whose `notice.json` names the notice is waited for,
+    /// one whose `notice.json` says otherwise is signalled, and one whose `notice.json` cannot be
+    /// read is held (logged, counted): never a second signal.
+    Unlisted,
+    /// Every target was signalled before (the restart path of [`plan_without_signal`]).
+    Everyone,
 }
 
 fn group_span(req: &CheckpointRequest, group: &str) -> tracing::Span {

@@ -182,6 +182,8 @@ mod tests {
                 ns_pid: pid,
                 start_time: 1,
                 signalled_at: at,
+                uids: vec![1000],
+                before: false,
             },
             state,
             problem: None,
@@ -198,6 +200,8 @@ mod tests {
             notice_problems: Vec::new(),
             result: None,
             proc: ProcFs::default(),
+            cut: false,
+            counters: crate::checkpoint::run::threads::Counters::none(),
         }
     }
 
@@ -240,6 +244,7 @@ mod tests {
                 name: "c".into(),
                 dir: DirSlot::None,
                 plain_ack: None,
+                foreign: Default::default(),
                 procs,
             };
             let r = finish(&group(vec![c], t0));
@@ -255,6 +260,7 @@ mod tests {
             name: "c".into(),
             dir: DirSlot::None,
             plain_ack: None,
+            foreign: Default::default(),
             procs: vec![
                 proc_in(acked(AckState::Done, t1), 1, t0),
                 proc_in(acked(AckState::Done, t2), 2, t0),
@@ -273,6 +279,7 @@ mod tests {
             name: "trainer".into(),
             dir: DirSlot::None,
             plain_ack: Some(t0 + Duration::from_secs(2)),
+            foreign: Default::default(),
             procs: vec![proc_in(ProcState::Pending { received: None }, 1, t0)],
         };
         assert!(c.finished());

@@ -25,7 +25,7 @@ where
 }
 
 /// Metric handles a detached thread can own (the registry's counters are shared handles).
-#[derive(Clone)]
+#[derive(Clone, Debug)]
 pub(super) struct Counters {
     signals_sent: Counter,
     pub(super) errors: Family<ModuleErrorLabels, Counter>,

@@ -2,7 +2,8 @@
 //! its checkpoint dirs and the processes' exits until the group is finished or its budget
 //! (enforced by the caller, outside the blocking calls) ran out.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -10,14 +11,17 @@ use std::time::Duration;
 use jiff::{SignedDuration, Timestamp};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use tokio::sync::watch as tokio_watch;
 use tokio_util::sync::CancellationToken;
 
 use super::delivery::{Delivery, DeliveryState, NoticeStatus, SignalledProcess};
 use super::dir::{DirSlot, Freshness};
 use super::outcome::{ack_note, finish, pending_detail, record, skipped_detail, GroupResult};
-use super::threads::count_stuck;
+use super::threads::{count_stuck, Counters};
 use super::{CheckpointRequest, POLL_INTERVAL, WATCH_GRACE};
-use crate::checkpoint::ack::{ack_file_name, AckState, CheckpointDir, NOTICE_FILE, PLAIN_ACK_FILE};
+use crate::checkpoint::ack::{
+    ack_file_name, AckName, AckState, CheckpointDir, FileStamp, NOTICE_FILE, PLAIN_ACK_FILE,
+};
 use crate::checkpoint::procfs::ProcFs;
 use crate::checkpoint::{Outcome, PodRef};
 use crate::metrics::{Metrics, ModuleErrorLabels};
@@ -55,6 +59,8 @@ pub(super) struct ContainerWatch {
     /// When the plain `ack` was first seen (agent clock).
     pub(super) plain_ack: Option<Timestamp>,
     pub(super) procs: Vec<ProcWatch>,
+    /// Files at ack names owned by another user, already logged and counted (name, inode).
+    pub(super) foreign: HashSet<(String, u64)>,
 }
 
 impl ContainerWatch {
@@ -77,6 +83,9 @@ pub(super) struct GroupWatch {
     pub(super) notice_problems: Vec<String>,
     pub(super) result: Option<GroupResult>,
     pub(super) proc: ProcFs,
+    /// The plan's checkpoint deadline moved earlier than this group's own budget end.
+    pub(super) cut: bool,
+    pub(super) counters: Counters,
 }
 
 impl GroupWatch {
@@ -103,19 +112,34 @@ impl GroupWatch {
 /// delivery, in order. Each group is watched by a thread of its own; its budget is enforced here,
 /// so a watcher stuck in a hung filesystem ends its group with `timeout` (the thread is abandoned
 /// and counted) while every other group goes on. Counts `spotguard_checkpoint_total{outcome}` and
-/// the ack-latency histogram as each group finishes. On `cancel` (agent shutting down, or the
-/// deadline moved earlier) unfinished groups end with `error` ("cancelled"), uncounted.
+/// the ack-latency histogram as each group finishes. On `cancel` (agent shutting down)
+/// unfinished groups end with `error` ("cancelled"), uncounted.
 pub async fn wait(
     deliveries: Vec<Delivery>,
     req: &CheckpointRequest,
     metrics: &Metrics,
     cancel: &CancellationToken,
 ) -> Vec<GroupResult> {
+    let (_keep, deadline) = tokio_watch::channel(req.checkpoint_deadline);
+    wait_until(deliveries, req, metrics, cancel, deadline).await
+}
+
+/// [`wait`] with a checkpoint deadline that may move earlier while it waits (the notice's
+/// deadline moved): every group's budget ends no later than the deadline's latest value, and a
+/// group still waiting then ends `timeout` (counted, with a detail saying the deadline moved),
+/// exactly as if its budget had been that short from the start.
+pub async fn wait_until(
+    deliveries: Vec<Delivery>,
+    req: &CheckpointRequest,
+    metrics: &Metrics,
+    cancel: &CancellationToken,
+    deadline: tokio_watch::Receiver<Timestamp>,
+) -> Vec<GroupResult> {
     use futures::stream::{FuturesUnordered, StreamExt};
     let mut results: Vec<Option<GroupResult>> = Vec::with_capacity(deliveries.len());
     let mut running = FuturesUnordered::new();
     for (i, d) in deliveries.into_iter().enumerate() {
-        let mut w = watch(d, req);
+        let mut w = watch(d, req, Counters::of(metrics));
         match w.result.take() {
             Some(r) => {
                 record(&r, req, metrics);
@@ -123,7 +147,13 @@ pub async fn wait(
             }
             None => {
                 results.push(None);
-                running.push(watch_group(i, w, cancel.clone(), metrics.errors.clone()));
+                running.push(watch_group(
+                    i,
+                    w,
+                    cancel.clone(),
+                    deadline.clone(),
+                    metrics.errors.clone(),
+                ));
             }
         }
     }
@@ -138,30 +168,47 @@ pub async fn wait(
     results.into_iter().flatten().collect()
 }
 
-/// Watch one group on its own thread; the budget (plus [`WATCH_GRACE`]) and `cancel` are enforced
-/// here. Returns the group's index, its result and whether to count it.
+fn millis(t: Timestamp) -> i64 {
+    t.as_millisecond()
+}
+
+fn until(t: Timestamp) -> Duration {
+    Duration::try_from(t.duration_since(Timestamp::now()).max(SignedDuration::ZERO))
+        .unwrap_or_default()
+}
+
+/// Watch one group on its own thread; the budget (plus [`WATCH_GRACE`]), a deadline moved
+/// earlier and `cancel` are enforced here. Returns the group's index, its result and whether to
+/// count it.
 async fn watch_group(
     i: usize,
     mut w: GroupWatch,
     cancel: CancellationToken,
+    mut moved: tokio_watch::Receiver<Timestamp>,
     errors: Family<ModuleErrorLabels, Counter>,
 ) -> (usize, GroupResult, bool) {
-    let until_deadline = Duration::try_from(
-        w.deadline
-            .duration_since(Timestamp::now())
-            .max(SignedDuration::ZERO),
-    )
-    .unwrap_or_default();
-    let give_up = tokio::time::Instant::now() + until_deadline + WATCH_GRACE;
-    let budget_s = w.deadline.duration_since(w.signalled_at).as_secs_f64();
+    let own_end = w.deadline;
+    let first = *moved.borrow_and_update();
+    if first < w.deadline {
+        w.deadline = first;
+        w.cut = true;
+    }
+    let shared_end = Arc::new(AtomicI64::new(millis(w.deadline)));
+    let mut give_up = tokio::time::Instant::now() + until(w.deadline) + WATCH_GRACE;
     let detail = Arc::new(Mutex::new(pending_detail(&w)));
     let stop = Arc::new(AtomicBool::new(false));
     let base = w.group_result(Outcome::Error, None, String::new());
+    let signalled_at = w.signalled_at;
     let (tx, rx) = tokio::sync::oneshot::channel();
-    let (d2, s2) = (detail.clone(), stop.clone());
+    let (d2, s2, e2) = (detail.clone(), stop.clone(), shared_end.clone());
     let spawned = std::thread::Builder::new()
         .name("sg-ckpt-watch".into())
         .spawn(move || loop {
+            let end = Timestamp::from_millisecond(e2.load(Ordering::Relaxed)).unwrap_or(w.deadline);
+            if end < w.deadline {
+                w.deadline = end;
+                w.cut = true;
+            }
             poll_group(&mut w, Timestamp::now());
             if let Some(r) = w.result.take() {
                 let _ = tx.send(r);
@@ -188,37 +235,54 @@ async fn watch_group(
         );
     }
     let last = |detail: &Arc<Mutex<String>>| detail.lock().map(|g| g.clone()).unwrap_or_default();
-    tokio::select! {
-        r = rx => match r {
-            Ok(r) => (i, r, true),
-            Err(_) => {
-                tracing::error!(group = %base.group, "checkpoint watcher thread panicked");
-                (i, GroupResult { detail: "watcher thread panicked".into(), ..base }, true)
+    let mut rx = rx;
+    loop {
+        tokio::select! {
+            r = &mut rx => return match r {
+                Ok(r) => (i, r, true),
+                Err(_) => {
+                    tracing::error!(group = %base.group, "checkpoint watcher thread panicked");
+                    (i, GroupResult { detail: "watcher thread panicked".into(), ..base }, true)
+                }
+            },
+            changed = moved.changed() => {
+                if changed.is_err() {
+                    // The deadline can no longer move: wait on without it.
+                    moved = tokio_watch::channel(own_end).1;
+                    continue;
+                }
+                let end = (*moved.borrow_and_update()).min(own_end);
+                if millis(end) < shared_end.load(Ordering::Relaxed) {
+                    shared_end.store(millis(end), Ordering::Relaxed);
+                    give_up = tokio::time::Instant::now() + until(end) + WATCH_GRACE;
+                }
             }
-        },
-        _ = tokio::time::sleep_until(give_up) => {
-            stop.store(true, Ordering::Relaxed);
-            count_stuck(&errors);
-            tracing::error!(group = %base.group, budget_s, "checkpoint watcher stuck past the budget (hung filesystem?); abandoned");
-            let detail = format!(
-                "no terminal ack within {budget_s:.1}s, and the watcher is stuck in a filesystem or /proc call (hung mount?): {}",
-                last(&detail)
-            );
-            (i, GroupResult { outcome: Outcome::Timeout, detail, ..base }, true)
-        }
-        _ = cancel.cancelled() => {
-            stop.store(true, Ordering::Relaxed);
-            let detail = format!(
-                "cancelled (agent shutting down) while waiting: {}",
-                last(&detail)
-            );
-            (i, GroupResult { detail, ..base }, false)
+            _ = tokio::time::sleep_until(give_up) => {
+                stop.store(true, Ordering::Relaxed);
+                count_stuck(&errors);
+                let end = Timestamp::from_millisecond(shared_end.load(Ordering::Relaxed)).unwrap_or(own_end);
+                let budget_s = end.duration_since(signalled_at).as_secs_f64();
+                tracing::error!(group = %base.group, budget_s, "checkpoint watcher stuck past the budget (hung filesystem?); abandoned");
+                let detail = format!(
+                    "no terminal ack within {budget_s:.1}s, and the watcher is stuck in a filesystem or /proc call (hung mount?): {}",
+                    last(&detail)
+                );
+                return (i, GroupResult { outcome: Outcome::Timeout, detail, ..base }, true);
+            }
+            _ = cancel.cancelled() => {
+                stop.store(true, Ordering::Relaxed);
+                let detail = format!(
+                    "cancelled (agent shutting down) while waiting: {}",
+                    last(&detail)
+                );
+                return (i, GroupResult { detail, ..base }, false);
+            }
         }
     }
 }
 
 /// Turn a delivery into a watch; deliveries with nothing to wait for get their result at once.
-fn watch(d: Delivery, req: &CheckpointRequest) -> GroupWatch {
+fn watch(d: Delivery, req: &CheckpointRequest, counters: Counters) -> GroupWatch {
     let signalled = d.signalled();
     let signalled_at = d.signalled_at.unwrap_or_else(Timestamp::now);
     let budget_end = signalled_at
@@ -304,6 +368,7 @@ fn watch(d: Delivery, req: &CheckpointRequest) -> GroupWatch {
                 name: c.name,
                 dir: c.dir,
                 plain_ack: None,
+                foreign: HashSet::new(),
                 procs: c
                     .signalled
                     .into_iter()
@@ -318,20 +383,26 @@ fn watch(d: Delivery, req: &CheckpointRequest) -> GroupWatch {
         notice_problems,
         result,
         proc: d.proc,
+        cut: false,
+        counters,
     }
 }
 
 /// One poll of one group: read acks, check exits, decide.
 fn poll_group(w: &mut GroupWatch, now: Timestamp) {
     let proc = w.proc.clone();
+    let counters = w.counters.clone();
     for c in &mut w.containers {
         if c.plain_ack.is_some() {
             continue;
         }
         if let DirSlot::Late(rx) = &c.dir {
             c.dir = match rx.try_recv() {
-                Ok((Ok(dir), fresh, _)) => DirSlot::Ready(dir, fresh),
-                Ok((Err(_), _, _)) | Err(mpsc::TryRecvError::Disconnected) => DirSlot::None,
+                Ok(job) => match job.dir {
+                    Ok(dir) => DirSlot::Ready(dir, Box::new(job.fresh)),
+                    Err(_) => DirSlot::None,
+                },
+                Err(mpsc::TryRecvError::Disconnected) => DirSlot::None,
                 Err(mpsc::TryRecvError::Empty) => std::mem::replace(&mut c.dir, DirSlot::None),
             };
         }
@@ -342,18 +413,57 @@ fn poll_group(w: &mut GroupWatch, now: Timestamp) {
             }
             continue;
         };
-        match dir.plain_ack() {
-            Ok(Some(stamp)) if fresh.fresh(PLAIN_ACK_FILE, &stamp) => {
-                c.plain_ack = Some(now);
-                continue;
+        // Fallback names (`ack-<pid>.<suffix>.json`, `ack.<suffix>`): one listing per poll.
+        let fallbacks = match dir.fallback_acks() {
+            Ok(f) => f,
+            Err(e) => {
+                tracing::debug!(error = %e, "cannot list the checkpoint dir");
+                Vec::new()
             }
-            Ok(_) => {}
-            Err(e) => tracing::debug!(error = %e, "unreadable plain ack"),
+        };
+        let container_uids: Vec<u32> = c
+            .procs
+            .iter()
+            .flat_map(|p| p.process.uids.iter().copied())
+            .collect();
+        let plain_names = std::iter::once(PLAIN_ACK_FILE.to_string()).chain(
+            fallbacks
+                .iter()
+                .filter(|(_, what)| *what == AckName::Plain)
+                .map(|(n, _)| n.clone()),
+        );
+        for name in plain_names {
+            match dir.plain_ack_named(&name) {
+                Ok(Some(stamp)) if fresh.fresh(&name, &AckName::Plain, &stamp) => {
+                    if container_uids.contains(&stamp.uid) {
+                        c.plain_ack = Some(now);
+                        break;
+                    }
+                    foreign(
+                        &mut c.foreign,
+                        dir,
+                        &name,
+                        &stamp,
+                        &container_uids,
+                        &counters,
+                    );
+                }
+                Ok(_) => {}
+                Err(e) => tracing::debug!(error = %e, "unreadable plain ack"),
+            }
+        }
+        if c.plain_ack.is_some() {
+            continue;
         }
         for p in &mut c.procs {
             if matches!(p.state, ProcState::Pending { .. }) {
-                read_ack(dir, fresh, p, now);
-                check_exit(&proc, Some((dir, fresh)), p, now);
+                read_acks(dir, fresh, &fallbacks, p, now, &mut c.foreign, &counters);
+                check_exit(
+                    &proc,
+                    Some((dir, fresh, &fallbacks, &mut c.foreign, &counters)),
+                    p,
+                    now,
+                );
             }
         }
     }
@@ -361,8 +471,16 @@ fn poll_group(w: &mut GroupWatch, now: Timestamp) {
         w.result = Some(finish(w));
     } else if now >= w.deadline {
         let budget = w.deadline.duration_since(w.signalled_at);
+        let moved = if w.cut {
+            format!(
+                " (the notice's deadline moved earlier: checkpoint deadline {})",
+                w.deadline
+            )
+        } else {
+            String::new()
+        };
         let detail = format!(
-            "no terminal ack within {:.1}s: {}",
+            "no terminal ack within {:.1}s{moved}: {}",
             budget.as_secs_f64(),
             pending_detail(w)
         );
@@ -370,31 +488,84 @@ fn poll_group(w: &mut GroupWatch, now: Timestamp) {
     }
 }
 
-fn read_ack(dir: &CheckpointDir, fresh: &Freshness, p: &mut ProcWatch, now: Timestamp) {
-    match dir.read_ack(p.process.ns_pid) {
-        Ok(Some(ack)) if fresh.fresh(&ack_file_name(p.process.ns_pid), &ack.stamp) => {
-            p.problem = None;
-            if ack.file.state.is_terminal() {
-                p.state = ProcState::Acked {
-                    state: ack.file.state,
-                    at: now,
-                    note: ack_note(&ack.file),
-                };
-            } else if let ProcState::Pending { received } = &mut p.state {
-                received.get_or_insert(now);
-            }
-        }
-        Ok(_) => {}
-        Err(e) => p.problem = Some(e.to_string()),
+/// A file at an ack name whose owner is not the acknowledging process's user: never counted;
+/// logged and counted once per file.
+fn foreign(
+    seen: &mut HashSet<(String, u64)>,
+    dir: &CheckpointDir,
+    name: &str,
+    stamp: &FileStamp,
+    owners: &[u32],
+    counters: &Counters,
+) {
+    if seen.insert((name.to_string(), stamp.ino)) {
+        counters.error("foreign_ack");
+        tracing::warn!(
+            dir = %dir.display(),
+            file = name,
+            owner = stamp.uid,
+            expected = ?owners,
+            "ignoring an ack written by another user"
+        );
     }
 }
 
-fn check_exit(
-    proc: &ProcFs,
-    dir: Option<(&CheckpointDir, &Freshness)>,
+/// Read the process's acks (its plain name and its fallback names): a fresh one its own user
+/// wrote counts; a terminal state wins over `received`.
+fn read_acks(
+    dir: &CheckpointDir,
+    fresh: &Freshness,
+    fallbacks: &[(String, AckName)],
     p: &mut ProcWatch,
     now: Timestamp,
+    seen: &mut HashSet<(String, u64)>,
+    counters: &Counters,
 ) {
+    let me = AckName::Process(p.process.ns_pid);
+    let names = std::iter::once(ack_file_name(p.process.ns_pid)).chain(
+        fallbacks
+            .iter()
+            .filter(|(_, what)| *what == me)
+            .map(|(n, _)| n.clone()),
+    );
+    for name in names {
+        match dir.read_ack_named(&name) {
+            Ok(Some(ack)) if fresh.fresh(&name, &me, &ack.stamp) => {
+                if !p.process.uids.contains(&ack.stamp.uid) {
+                    foreign(seen, dir, &name, &ack.stamp, &p.process.uids, counters);
+                    p.problem = Some(format!(
+                        "{name} is owned by uid {}, not by the process: ignored",
+                        ack.stamp.uid
+                    ));
+                    continue;
+                }
+                p.problem = None;
+                if ack.file.state.is_terminal() {
+                    p.state = ProcState::Acked {
+                        state: ack.file.state,
+                        at: now,
+                        note: ack_note(&ack.file),
+                    };
+                    return;
+                } else if let ProcState::Pending { received } = &mut p.state {
+                    received.get_or_insert(now);
+                }
+            }
+            Ok(_) => {}
+            Err(e) => p.problem = Some(e.to_string()),
+        }
+    }
+}
+
+type DirContext<'a> = (
+    &'a CheckpointDir,
+    &'a Freshness,
+    &'a [(String, AckName)],
+    &'a mut HashSet<(String, u64)>,
+    &'a Counters,
+);
+
+fn check_exit(proc: &ProcFs, dir: Option<DirContext<'_>>, p: &mut ProcWatch, now: Timestamp) {
     if !matches!(p.state, ProcState::Pending { .. }) {
         return;
     }
@@ -402,8 +573,8 @@ fn check_exit(
         Ok(true) => {}
         Ok(false) => {
             // It may have written `done` between the read above and its exit.
-            if let Some((dir, fresh)) = dir {
-                read_ack(dir, fresh, p, now);
+            if let Some((dir, fresh, fallbacks, seen, counters)) = dir {
+                read_acks(dir, fresh, fallbacks, p, now, seen, counters);
             }
             if matches!(p.state, ProcState::Pending { .. }) {
                 p.state = ProcState::Exited { at: now };

@@ -143,28 +143,45 @@ pub(super) async fn flush(run: &Arc<Run>) -> Result<(), Error> {
     let owner = run.owner.clone();
     let updates2 = updates.clone();
     let failpoint = run.opts.failpoint.clone();
-    let res = blocking(move || -> io::Result<()> {
-        // The manifest only claims what is on stable storage: the files were synced after
-        // their rename; sync the directories holding the renames (just those: never the whole
-        // filesystem, which may hold a training job's checkpoints).
-        let dirs: HashSet<PathBuf> = updates2
-            .iter()
-            .filter_map(|u| match u {
-                Update::Done(e) => paths.file(&e.key).parent().map(Path::to_path_buf),
-                _ => None,
-            })
-            .collect();
-        for dir in dirs {
-            // The renames themselves (directory entries); best effort on filesystems that
-            // refuse to sync a directory.
-            if let Ok(d) = File::open(&dir) {
-                let _ = d.sync_all();
+    // The directories holding the renames, and the parents of directories this run created
+    // above them (their entries are new too).
+    let (dirs, created) = {
+        let new_dirs = lock(&run.new_dirs);
+        let mut dirs: HashSet<PathBuf> = HashSet::new();
+        let mut created: HashSet<PathBuf> = HashSet::new();
+        for u in &updates2 {
+            let Update::Done(e) = u else { continue };
+            let file = paths.file(&e.key);
+            let Some(leaf) = file.parent() else { continue };
+            dirs.insert(leaf.to_path_buf());
+            for dir in leaf.ancestors() {
+                if !new_dirs.contains(dir) {
+                    continue;
+                }
+                created.insert(dir.to_path_buf());
+                if let Some(parent) = dir.parent() {
+                    dirs.insert(parent.to_path_buf());
+                }
             }
+        }
+        (dirs, created)
+    };
+    let res = blocking(move || -> Result<(), (&'static str, PathBuf, io::Error)> {
+        // The manifest only claims what is on stable storage: the files were synced before
+        // their rename; sync the directories holding the renames and the new directories'
+        // entries, deepest first (just those: never the whole filesystem, which may hold a
+        // training job's checkpoints). A sync that fails (EIO) fails the flush: the manifest
+        // does not name files whose directory entries may be lost.
+        let mut dirs: Vec<PathBuf> = dirs.into_iter().collect();
+        dirs.sort_by_key(|d| std::cmp::Reverse(d.components().count()));
+        for dir in dirs {
+            sync_dir(&dir).map_err(|e| ("sync directory", dir.clone(), e))?;
             if let Some(fp) = &failpoint {
                 (fp.0)(PublishStep::DirSynced, &dir);
             }
         }
-        Manifest::merge_into(&paths.manifest, &source, &updates2)?;
+        Manifest::merge_into(&paths.manifest, &source, &updates2)
+            .map_err(|e| ("update manifest", paths.manifest.clone(), e))?;
         for c in &claims {
             if let Err(e) = c.release(&owner) {
                 tracing::warn!(claim = %c.path.display(), error = %e, "could not release claim");
@@ -173,17 +190,29 @@ pub(super) async fn flush(run: &Arc<Run>) -> Result<(), Error> {
         Ok(())
     })
     .await?;
-    if let Err(source) = res {
+    if res.is_ok() {
+        let mut new_dirs = lock(&run.new_dirs);
+        for d in &created {
+            new_dirs.remove(d);
+        }
+    }
+    if let Err((op, path, source)) = res {
         // Put the updates back for the next try; the claims stay held meanwhile.
         let mut p = lock(&run.pending);
         let mut back = updates;
         back.append(&mut p.0);
         p.0 = back;
-        return Err(Error::Io {
-            op: "update manifest",
-            path: run.paths.manifest.clone(),
-            source,
-        });
+        return Err(Error::Io { op, path, source });
     }
     Ok(())
+}
+
+/// fsync a directory. A filesystem that cannot sync directories at all (EINVAL) has nothing to
+/// make durable this way; every other error (EIO above all) is returned.
+fn sync_dir(dir: &Path) -> io::Result<()> {
+    let d = File::open(dir)?;
+    match d.sync_all() {
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok(()),
+        other => other,
+    }
 }

@@ -46,6 +46,9 @@ pub(super) struct Run {
     pub(super) fatal: Mutex<Option<Error>>,
     pub(super) failures: Mutex<Vec<(String, Error)>>,
     made_dirs: Mutex<HashSet<PathBuf>>,
+    /// Directories this run created whose entry in their parent is not synced yet: the parent
+    /// is synced before the manifest names a file below them.
+    pub(super) new_dirs: Mutex<HashSet<PathBuf>>,
     complete_removed: AtomicBool,
     /// The shared manifest as last read, keyed by (inode, mtime) of the file.
     shared: Mutex<Option<(ManifestStamp, Arc<Manifest>)>>,
@@ -92,6 +95,7 @@ impl Run {
             fatal: Mutex::new(None),
             failures: Mutex::new(Vec::new()),
             made_dirs: Mutex::new(HashSet::new()),
+            new_dirs: Mutex::new(HashSet::new()),
             complete_removed: AtomicBool::new(false),
             shared: Mutex::new(None),
             on_tmpfs: AtomicBool::new(false),
@@ -159,7 +163,25 @@ impl Run {
         if lock(&self.made_dirs).contains(dir) {
             return Ok(());
         }
-        fs::create_dir_all(dir)?;
+        // One component at a time, remembering the ones made here (see `new_dirs`).
+        let mut missing = Vec::new();
+        let mut at = dir;
+        while !at.is_dir() {
+            missing.push(at.to_path_buf());
+            match at.parent() {
+                Some(p) if !p.as_os_str().is_empty() => at = p,
+                _ => break,
+            }
+        }
+        for d in missing.into_iter().rev() {
+            match fs::create_dir(&d) {
+                Ok(()) => {
+                    lock(&self.new_dirs).insert(d);
+                }
+                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+                Err(e) => return Err(e),
+            }
+        }
         lock(&self.made_dirs).insert(dir.to_path_buf());
         Ok(())
     }

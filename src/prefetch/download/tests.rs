@@ -318,3 +318,51 @@ async fn cancellation_keeps_a_resumable_checkpoint() {
     assert!(!root.path().join("ds/f").exists());
     assert!(!root.path().join("ds/.spotguard/complete").exists());
 }
+
+/// Issue 24 item 6: a nested key whose directories this run creates: before the manifest names
+/// the file, the directory holding it and every directory holding a directory made for it are
+/// synced (a crash must never leave a manifest naming a file whose directory entry is lost).
+#[tokio::test]
+async fn new_parent_directories_are_synced_before_the_manifest_names_their_files() {
+    let root = tempfile::tempdir().unwrap();
+    let store = store_with(&[("ds/x/y/z/file", pattern(4000, 7))]).await;
+    let journal: Arc<Mutex<Vec<(PathBuf, bool)>>> = Arc::default();
+    let (j, manifest_path) = (
+        journal.clone(),
+        root.path().join("ds/.spotguard/manifest.json"),
+    );
+    let mut job = job(store, root.path(), CancellationToken::new());
+    job.options.failpoint = Some(download::Failpoint(Arc::new(move |step, path| {
+        if step == download::PublishStep::DirSynced {
+            let recorded = std::fs::read_to_string(&manifest_path)
+                .map(|t| t.contains("\"done\":true"))
+                .unwrap_or(false);
+            lock(&j).push((path.to_path_buf(), recorded));
+        }
+    })));
+    let report = download::fetch_dataset(job).await;
+    assert_eq!(
+        report.summary.outcome,
+        Outcome::Complete,
+        "{:?}",
+        report.summary
+    );
+    let journal = lock(&journal).clone();
+    let ds = root.path().join("ds");
+    for dir in ["x/y/z", "x/y", "x", ""] {
+        let want = if dir.is_empty() {
+            ds.clone()
+        } else {
+            ds.join(dir)
+        };
+        let (_, recorded) = journal
+            .iter()
+            .find(|(p, _)| *p == want)
+            .unwrap_or_else(|| panic!("{} not synced: {journal:?}", want.display()));
+        assert!(
+            !recorded,
+            "the manifest named the file before {} was synced",
+            want.display()
+        );
+    }
+}
