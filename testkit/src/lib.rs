@@ -2,8 +2,9 @@
 //! in-process servers. A workspace member and a dev-dependency of `spotguard`, never part of the
 //! shipped library or binary.
 //!
-//! - [`apiserver`]: an in-process fake Kubernetes API server (nodes, pods, evictions with PDBs,
-//!   Events, watches) and a kube client for it.
+//! - [`k8s`]: a real Kubernetes control plane (etcd, kube-apiserver, controller-manager,
+//!   scheduler) per test binary, a kubelet stand-in that runs pods as real processes, and a
+//!   fault proxy in front of the API server.
 //! - [`gpu`]: recorded readings of real boards (fixtures), a scripted `GpuProbe`, a recording
 //!   `NodeOps`, and a fake kubelet pod-resources gRPC server.
 //! - [`kubelet`]: random pod uids and container ids, the cgroup the kubelet makes for a container.
@@ -12,6 +13,7 @@
 //!   `/metrics`.
 pub mod apiserver;
 pub mod gpu;
+pub mod k8s;
 pub mod kubelet;
 pub mod process;
 
