@@ -3,7 +3,8 @@
 //!
 //! Controllers run: `nodelifecycle` (the not-ready taint comes off a Ready node; a node whose
 //! Lease stops is marked unreachable), `disruption` (PodDisruptionBudget status: without it
-//! every eviction of a covered pod answers 429), `job` (Jobs and their `podFailurePolicy`),
+//! every eviction of a covered pod answers 429), `replicaset` (an evicted replica is replaced,
+//! so a PDB lets the next one go), `job` (Jobs and their `podFailurePolicy`),
 //! `daemonset`, `root-ca-cert-publisher` (the `kube-root-ca.crt` ConfigMap every
 //! ServiceAccount token volume reads). No garbage collector: test pods may name owners that do
 //! not exist.
@@ -12,7 +13,8 @@ use std::path::Path;
 
 use super::child::Daemon;
 
-pub const CONTROLLERS: &str = "nodelifecycle,disruption,job,daemonset,root-ca-cert-publisher";
+pub const CONTROLLERS: &str =
+    "nodelifecycle,disruption,replicaset,job,daemonset,root-ca-cert-publisher";
 
 pub fn start_controller_manager(
     bin: &Path,

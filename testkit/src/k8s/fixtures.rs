@@ -138,9 +138,15 @@ impl TestPod {
         self
     }
 
-    /// Owned by `owner` (e.g. a real ReplicaSet from [`replica_set_owner`]).
+    /// Owned by `owner`.
     pub fn owned_by(mut self, owner: OwnerReference) -> TestPod {
         self.pod.metadata.owner_references = Some(vec![owner]);
+        self
+    }
+
+    /// Owned by nothing (a controller whose selector matches may adopt it).
+    pub fn orphan(mut self) -> TestPod {
+        self.pod.metadata.owner_references = None;
         self
     }
 
@@ -183,19 +189,6 @@ impl TestPod {
 /// The finalizer of [`TestPod::stuck`].
 pub const STUCK_FINALIZER: &str = "testkit.spotguard.io/stuck";
 
-/// A ReplicaSet reference for pods of a real ReplicaSet (the disruption controller reads its
-/// `spec.replicas` for `maxUnavailable` and percentages).
-pub fn replica_set_owner(rs: &k8s_openapi::api::apps::v1::ReplicaSet) -> OwnerReference {
-    OwnerReference {
-        api_version: "apps/v1".into(),
-        kind: "ReplicaSet".into(),
-        name: rs.metadata.name.clone().unwrap_or_default(),
-        uid: rs.metadata.uid.clone().unwrap_or_default(),
-        controller: Some(true),
-        block_owner_deletion: Some(true),
-    }
-}
-
 /// Which Events API an event was written through (from its managed fields).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum EventApi {
@@ -225,7 +218,34 @@ pub struct FlatEvent {
     pub raw: Value,
 }
 
+/// Components of the control plane (and the kubelet) as they sign their Events.
+const CONTROL_PLANE_REPORTERS: [&str; 12] = [
+    "kubelet",
+    "default-scheduler",
+    "node-controller",
+    "job-controller",
+    "replicaset-controller",
+    "daemonset-controller",
+    "disruption-controller",
+    "taint-eviction-controller",
+    "taint-controller",
+    "cloud-node-lifecycle-controller",
+    "controllermanager",
+    "kube-controller-manager",
+];
+
 impl FlatEvent {
+    /// Reported by Kubernetes' own components (by `reportingController`, or the core
+    /// `source.component` of older recorders).
+    pub fn from_control_plane(&self) -> bool {
+        let source = self.raw["deprecatedSource"]["component"]
+            .as_str()
+            .unwrap_or_default();
+        [self.reporting_controller.as_str(), source]
+            .iter()
+            .any(|r| CONTROL_PLANE_REPORTERS.contains(r) || r.starts_with("kubernetes.io/"))
+    }
+
     pub fn from_event(e: &Event) -> FlatEvent {
         let raw = serde_json::to_value(e).unwrap_or(Value::Null);
         let api = if e

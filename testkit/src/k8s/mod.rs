@@ -28,9 +28,7 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use k8s_openapi::api::apps::v1::{ReplicaSet, ReplicaSetSpec};
-use k8s_openapi::api::core::v1::{
-    Container, Namespace, Node, Pod, PodSpec, PodTemplateSpec, ServiceAccount,
-};
+use k8s_openapi::api::core::v1::{Namespace, Node, Pod, PodSpec, PodTemplateSpec, ServiceAccount};
 use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::api::policy::v1::{PodDisruptionBudget, PodDisruptionBudgetSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
@@ -42,6 +40,9 @@ pub use controlplane::{ControlPlane, Identity};
 pub use fixtures::{EventApi, FlatEvent, TestPod};
 pub use kubelet::{Image, Kubelet, NodeConfig};
 pub use proxy::{Fault, FaultProxy, RecordedRequest, RequestKind};
+
+/// The label every node of a [`TestCluster`] carries (value: the test's id).
+pub const TEST_LABEL: &str = "testkit.spotguard.io/test";
 
 /// How a PodDisruptionBudget limits disruptions.
 #[derive(Clone, Debug)]
@@ -167,9 +168,15 @@ impl TestCluster {
         name
     }
 
-    /// A node config named `base-<id>`.
+    /// A node config named `base-<id>`, labelled as this test's ([`TestCluster::node_selector`]).
     pub fn node_config(&self, base: &str) -> NodeConfig {
-        NodeConfig::new(&self.name(base))
+        NodeConfig::new(&self.name(base)).label(TEST_LABEL, &self.id)
+    }
+
+    /// A nodeSelector for pods the scheduler places: this test's nodes only (tests share the
+    /// control plane, and other tests' nodes are schedulable too).
+    pub fn node_selector(&self) -> BTreeMap<String, String> {
+        BTreeMap::from([(TEST_LABEL.to_string(), self.id.clone())])
     }
 
     /// Start a kubelet stand-in for `config`.
@@ -306,7 +313,8 @@ impl TestCluster {
     }
 
     /// This test's Events (in its namespaces, or about objects named with its id), oldest
-    /// first.
+    /// first, except those Kubernetes' own components report (`RegisteredNode` from the node
+    /// controller, `Scheduled` from the scheduler, …): what the software under test said.
     pub async fn events(&self) -> Vec<FlatEvent> {
         let api: Api<Event> = Api::all(self.admin());
         let list = match api.list(&ListParams::default()).await {
@@ -324,25 +332,31 @@ impl TestCluster {
             .iter()
             .map(FlatEvent::from_event)
             .filter(|e| mine.contains(&e.namespace) || e.regarding_name.ends_with(&suffix))
+            .filter(|e| !e.from_control_plane())
             .collect();
-        out.sort_by(|a, b| {
-            a.raw["metadata"]["creationTimestamp"]
+        // eventTime has microseconds; creationTimestamp only seconds.
+        let key = |e: &FlatEvent| {
+            e.raw["eventTime"]
                 .as_str()
-                .cmp(&b.raw["metadata"]["creationTimestamp"].as_str())
-                .then(a.name.cmp(&b.name))
-        });
+                .or(e.raw["metadata"]["creationTimestamp"].as_str())
+                .and_then(|t| t.parse::<jiff::Timestamp>().ok())
+        };
+        out.sort_by(|a, b| key(a).cmp(&key(b)).then(a.name.cmp(&b.name)));
         out
     }
 
-    /// A ReplicaSet with `replicas` that owns pods labelled `labels` (no controller creates
-    /// them: the test does). For PDBs with `maxUnavailable` or percentages, which the
-    /// disruption controller resolves through the pods' controller.
+    /// A ReplicaSet of `replicas` pods labelled `labels`, whose pods run `template` (the
+    /// replicaset controller runs: it creates what is missing and replaces what is evicted).
+    /// Running pods with those labels and no owner ([`TestPod::orphan`]) are adopted: create
+    /// them first to choose their names and nodes. For PDBs with `maxUnavailable` or
+    /// percentages, which the disruption controller resolves through the pods' controller.
     pub async fn replica_set(
         &self,
         namespace: &str,
         name: &str,
         replicas: i32,
         labels: &[(&str, &str)],
+        template: PodSpec,
     ) -> ReplicaSet {
         let labels: BTreeMap<String, String> = labels
             .iter()
@@ -365,14 +379,7 @@ impl TestCluster {
                         labels: Some(labels),
                         ..Default::default()
                     }),
-                    spec: Some(PodSpec {
-                        containers: vec![Container {
-                            name: "main".into(),
-                            image: Some("registry.example/trainer:1".into()),
-                            ..Default::default()
-                        }],
-                        ..Default::default()
-                    }),
+                    spec: Some(template),
                 }),
                 ..Default::default()
             }),

@@ -112,6 +112,9 @@ pub struct RecordedRequest {
     pub content_type: Option<String>,
     pub body: String,
     pub kind: RequestKind,
+    /// The status answered (the API server's or an injected one); `None` while pending or
+    /// for a blackholed request.
+    pub status: Option<u16>,
 }
 
 impl RecordedRequest {
@@ -364,7 +367,7 @@ async fn handle(State(shared): State<Arc<Shared>>, req: Request) -> Response {
         Err(e) => return status_body(400, &format!("reading the request body: {e}")),
     };
     let kind = RequestKind::of(method.as_str(), &path, &query);
-    {
+    let index = {
         let mut log = lock(&shared.log);
         if !matches!(method, Method::GET | Method::HEAD) {
             log.writes += 1;
@@ -380,8 +383,26 @@ async fn handle(State(shared): State<Arc<Shared>>, req: Request) -> Response {
                 .map(str::to_string),
             body: String::from_utf8_lossy(&body).into_owned(),
             kind,
+            status: None,
         });
+        log.requests.len() - 1
+    };
+    let resp = answer(&shared, parts, kind, path, query, body).await;
+    if let Some(r) = lock(&shared.log).requests.get_mut(index) {
+        r.status = Some(resp.status().as_u16());
     }
+    resp
+}
+
+async fn answer(
+    shared: &Shared,
+    parts: axum::http::request::Parts,
+    kind: RequestKind,
+    path: String,
+    query: String,
+    body: bytes::Bytes,
+) -> Response {
+    let method = parts.method.clone();
     let (latency, fault, fail) = {
         let mut k = lock(&shared.knobs);
         if let Some((_, _, code)) = k
@@ -415,7 +436,7 @@ async fn handle(State(shared): State<Arc<Shared>>, req: Request) -> Response {
     if let Some(code) = fail {
         return status_body(code, "injected by the test's fault proxy");
     }
-    forward(&shared, parts.method, &parts.headers, &path, &query, body).await
+    forward(shared, parts.method, &parts.headers, &path, &query, body).await
 }
 
 async fn forward(
@@ -500,6 +521,7 @@ mod tests {
             content_type: None,
             body: String::new(),
             kind: RequestKind::PodList,
+            status: None,
         };
         assert_eq!(
             r.query_param("fieldSelector").as_deref(),

@@ -194,8 +194,9 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// A running kubelet stand-in. Dropping it stops the node: its processes are killed and their
-/// cgroups removed (the Node object stays, as when a machine vanishes; see [`Kubelet::delete_node`]).
+/// A running kubelet stand-in. Dropping it stops the node: its processes are killed, their
+/// cgroups removed, and the Node object deleted (as a cloud's node controller does when the
+/// instance is gone), so that nothing is scheduled to a node that no longer runs anything.
 pub struct Kubelet {
     inner: Arc<Inner>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
@@ -294,16 +295,35 @@ impl Kubelet {
             .collect()
     }
 
-    /// Stop the node and delete its Node object and Lease (the instance is gone).
-    pub async fn delete_node(self) {
-        let client = self.inner.client.clone();
-        let name = self.inner.node.clone();
+    /// Stop the node and delete its Node object and Lease (the instance is gone). Dropping the
+    /// handle does the same.
+    pub fn delete_node(self) {
         drop(self);
-        let nodes: Api<Node> = Api::all(client.clone());
-        let _ = nodes.delete(&name, &DeleteParams::default()).await;
-        let leases: Api<Lease> = Api::namespaced(client, "kube-node-lease");
-        let _ = leases.delete(&name, &DeleteParams::default()).await;
     }
+}
+
+/// Delete Node `name` and its Lease, from a thread of its own (Drop may run while the test's
+/// runtime is shutting down).
+fn delete_node_object(cp: &'static ControlPlane, name: String) {
+    let config = cp.config(&cp.url(), super::controlplane::Identity::Admin);
+    let done = std::thread::spawn(move || {
+        let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+        else {
+            return;
+        };
+        rt.block_on(async move {
+            let Ok(client) = kube::Client::try_from(config) else {
+                return;
+            };
+            let nodes: Api<Node> = Api::all(client.clone());
+            let _ = nodes.delete(&name, &DeleteParams::default()).await;
+            let leases: Api<Lease> = Api::namespaced(client, "kube-node-lease");
+            let _ = leases.delete(&name, &DeleteParams::default()).await;
+        });
+    });
+    let _ = done.join();
 }
 
 impl Drop for Kubelet {
@@ -327,6 +347,7 @@ impl Drop for Kubelet {
         for p in mps.drain(..).rev() {
             let _ = std::fs::remove_dir(&p);
         }
+        delete_node_object(self.inner.cp, self.inner.node.clone());
     }
 }
 
