@@ -124,6 +124,20 @@ impl TestPod {
         self
     }
 
+    /// A pod that runs until `file` exists on this machine, then completes (exit 0, phase
+    /// `Succeeded`; restart policy Never).
+    pub fn completes_when_exists(mut self, file: &std::path::Path) -> TestPod {
+        self.spec().restart_policy = Some("Never".into());
+        self.main().command = Some(vec![
+            "sh".into(),
+            "-c".into(),
+            "while [ ! -e \"$1\" ]; do sleep 0.05; done".into(),
+            "sh".into(),
+            file.display().to_string(),
+        ]);
+        self
+    }
+
     /// Controlled by a DaemonSet instead of a ReplicaSet.
     pub fn daemonset(mut self) -> TestPod {
         if let Some(owner) = self
