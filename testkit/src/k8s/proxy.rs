@@ -1,9 +1,11 @@
 //! A loopback fault proxy in front of the real API server: what the server does not do by
 //! itself, on demand, per request kind.
 //!
-//! Plain HTTP on `127.0.0.1:0` towards the client, HTTPS (the test CA) towards the API server;
-//! the client's own `Authorization` goes through unchanged, so RBAC applies to the identity the
-//! client holds. Bodies stream both ways (watches stay open through it).
+//! HTTPS on `127.0.0.1:0` towards the client (the API server's own serving certificate, so
+//! clients trust it through the same test CA; client-go sends no bearer token over plain HTTP)
+//! and towards the API server; the client's own `Authorization` goes through unchanged, so RBAC
+//! applies to the identity the client holds. Bodies stream both ways (watches stay open through
+//! it).
 //!
 //! Knobs: latency on every request ([`FaultProxy::set_latency`]); per [`RequestKind`] a delay,
 //! a blackhole (accept, never answer) or an error status ([`FaultProxy::set_fault`]); the next
@@ -209,6 +211,7 @@ impl FaultProxy {
             .pool_idle_timeout(Duration::from_secs(30))
             .build()
             .map_err(std::io::Error::other)?;
+        let tls = tls_acceptor(cp)?;
         let listener = tokio::net::TcpListener::bind(("127.0.0.1", 0)).await?;
         let addr = listener.local_addr()?;
         let shared = Arc::new(Shared {
@@ -221,8 +224,21 @@ impl FaultProxy {
             .fallback(handle)
             .with_state(shared.clone());
         let task = tokio::spawn(async move {
-            if let Err(e) = axum::serve(listener, app).await {
-                tracing::warn!(error = %e, "fault proxy stopped");
+            loop {
+                let Ok((tcp, _)) = listener.accept().await else {
+                    continue;
+                };
+                let tls = tls.clone();
+                let app = app.clone();
+                tokio::spawn(async move {
+                    let Ok(stream) = tls.accept(tcp).await else {
+                        return;
+                    };
+                    let service = hyper_util::service::TowerToHyperService::new(app);
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+                        .await;
+                });
             }
         });
         Ok(FaultProxy { addr, shared, task })
@@ -232,9 +248,9 @@ impl FaultProxy {
         self.addr
     }
 
-    /// `http://127.0.0.1:<port>`.
+    /// `https://127.0.0.1:<port>`.
     pub fn url(&self) -> String {
-        format!("http://{}", self.addr)
+        format!("https://{}", self.addr)
     }
 
     /// A client through this proxy as `identity`, as spotguard builds its own (kube's retry
@@ -309,6 +325,27 @@ impl FaultProxy {
     pub fn added_latency(&self) -> Duration {
         lock(&self.shared.log).added
     }
+}
+
+/// TLS with the API server's serving certificate (valid for 127.0.0.1, signed by the test CA).
+fn tls_acceptor(cp: &ControlPlane) -> std::io::Result<tokio_rustls::TlsAcceptor> {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(&cp.pki.serving_cert)
+        .map_err(std::io::Error::other)?
+        .collect::<Result<_, _>>()
+        .map_err(std::io::Error::other)?;
+    let key = PrivateKeyDer::from_pem_file(&cp.pki.serving_key).map_err(std::io::Error::other)?;
+    let mut config = rustls::ServerConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .map_err(std::io::Error::other)?
+    .with_no_client_auth()
+    .with_single_cert(certs, key)
+    .map_err(std::io::Error::other)?;
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(tokio_rustls::TlsAcceptor::from(Arc::new(config)))
 }
 
 fn status_body(code: u16, message: &str) -> Response {
