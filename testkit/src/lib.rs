@@ -11,7 +11,6 @@
 //! - [`process`]: whether a real process has installed its SIGUSR1 handler yet.
 //! - [`wait_for_event`]: wait for a responder plan event; [`metrics_text`]: a running agent's
 //!   `/metrics`.
-pub mod apiserver;
 pub mod gpu;
 pub mod k8s;
 pub mod kubelet;

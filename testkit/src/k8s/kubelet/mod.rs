@@ -225,9 +225,10 @@ impl Kubelet {
         });
         let node = register(&inner).await?;
         let uid = node.metadata.uid.clone().unwrap_or_default();
-        let mut tasks = Vec::new();
-        tasks.push(tokio::spawn(heartbeat(inner.clone(), uid)));
-        tasks.push(tokio::spawn(watch_pods(inner.clone())));
+        let tasks = vec![
+            tokio::spawn(heartbeat(inner.clone(), uid)),
+            tokio::spawn(watch_pods(inner.clone())),
+        ];
         Ok(Kubelet {
             inner,
             tasks,

@@ -505,7 +505,7 @@ impl PodRun {
                 let ready = if ok {
                     p.successes >= p.probe.success_threshold.unwrap_or(1)
                 } else {
-                    !(p.failures >= p.probe.failure_threshold.unwrap_or(3)) && c.ready
+                    p.failures < p.probe.failure_threshold.unwrap_or(3) && c.ready
                 };
                 if ready != c.ready {
                     c.ready = ready;
@@ -699,11 +699,7 @@ impl PodRun {
         if let Some(hp) = &v.host_path {
             let local = self.inner.map_host_path(Path::new(&hp.path));
             match hp.type_.as_deref().unwrap_or("") {
-                "DirectoryOrCreate" => {
-                    if !local.exists() {
-                        mkdir(&local, 0o755)?;
-                    }
-                }
+                "DirectoryOrCreate" if !local.exists() => mkdir(&local, 0o755)?,
                 "Directory" if !local.is_dir() => {
                     return Err(format!(
                         "hostPath {} ({}) is not a directory",
