@@ -5,7 +5,9 @@
 //! Lease stops is marked unreachable), `disruption` (PodDisruptionBudget status: without it
 //! every eviction of a covered pod answers 429), `replicaset` (an evicted replica is replaced,
 //! so a PDB lets the next one go), `job` (Jobs and their `podFailurePolicy`),
-//! `daemonset`, `root-ca-cert-publisher` (the `kube-root-ca.crt` ConfigMap every
+//! `daemonset`, `resourcequota` (the quota admission refuses pods in a namespace whose quota has
+//! no computed status), `serviceaccount` (every namespace's `default` ServiceAccount),
+//! `root-ca-cert-publisher` (the `kube-root-ca.crt` ConfigMap every
 //! ServiceAccount token volume reads). No garbage collector: test pods may name owners that do
 //! not exist.
 
@@ -14,7 +16,7 @@ use std::path::Path;
 use super::child::Daemon;
 
 pub const CONTROLLERS: &str =
-    "nodelifecycle,disruption,replicaset,job,daemonset,root-ca-cert-publisher";
+    "nodelifecycle,disruption,replicaset,job,daemonset,resourcequota,serviceaccount,root-ca-cert-publisher";
 
 pub fn start_controller_manager(
     bin: &Path,

@@ -295,3 +295,8 @@ impl FlatEvent {
         }
     }
 }
+
+/// The documents of a (multi-document) YAML text, as JSON values (nulls for empty documents).
+pub fn yaml_documents(text: &str) -> Result<Vec<Value>, String> {
+    serde_saphyr::from_multiple(text).map_err(|e| e.to_string())
+}

@@ -1099,10 +1099,10 @@ impl PodRun {
             binds.push((src, PathBuf::from(&m.mount_path), m.read_only == Some(true)));
         }
         for (src, dst, ro) in &binds {
-            self.mountpoint(src, dst).map_err(fail)?;
+            let tmpfs_under = self.mountpoint(src, dst).map_err(fail)?;
             sandbox
-                .bind(src, dst, *ro)
-                .map_err(|e| fail(e.to_string()))?;
+                .bind(src, dst, *ro, tmpfs_under.as_deref())
+                .map_err(|e| fail(format!("volume at {}: {e}", dst.display())))?;
         }
         sandbox.workdir(&workdir).map_err(|e| fail(e.to_string()))?;
 
@@ -1168,10 +1168,12 @@ impl PodRun {
     }
 
     /// Make sure `dst` exists on the host to mount `src` on (like a runtime creating mountpoints
-    /// in a rootfs); remember what was created.
-    fn mountpoint(&self, src: &Path, dst: &Path) -> Result<(), String> {
+    /// in a rootfs); remember what was created. Where it cannot be created (under sysfs, say:
+    /// `/sys/class/dmi/id` on a machine without DMI), the deepest existing ancestor, to cover
+    /// with a tmpfs inside the container.
+    fn mountpoint(&self, src: &Path, dst: &Path) -> Result<Option<PathBuf>, String> {
         if dst.exists() {
-            return Ok(());
+            return Ok(None);
         }
         let mut created = Vec::new();
         let mut p = dst.to_path_buf();
@@ -1181,20 +1183,32 @@ impl PodRun {
                 break;
             }
         }
-        if src.is_dir() {
+        let made = if src.is_dir() {
             std::fs::create_dir_all(dst)
-                .map_err(|e| format!("mountpoint {}: {e}", dst.display()))?;
         } else {
-            if let Some(parent) = dst.parent() {
-                std::fs::create_dir_all(parent).map_err(|e| e.to_string())?;
+            dst.parent()
+                .map_or(Ok(()), std::fs::create_dir_all)
+                .and_then(|()| std::fs::write(dst, b""))
+        };
+        if let Err(e) = made {
+            if src.is_dir()
+                && matches!(
+                    e.raw_os_error(),
+                    Some(libc::EPERM | libc::EROFS | libc::EACCES | libc::ENOENT)
+                )
+            {
+                for c in &created {
+                    let _ = std::fs::remove_dir(c);
+                }
+                return Ok(Some(p));
             }
-            std::fs::write(dst, b"").map_err(|e| e.to_string())?;
+            return Err(format!("mountpoint {}: {e}", dst.display()));
         }
         let mut mps = lock(&self.inner.mountpoints);
         for c in created.into_iter().rev() {
             mps.push(c);
         }
-        Ok(())
+        Ok(None)
     }
 }
 

@@ -89,11 +89,21 @@ fn cap_last() -> u32 {
         .unwrap_or(40)
 }
 
-/// One bind mount: host `src` at container path `dst`.
+/// One bind mount: host `src` at container path `dst`. In the child, every source is opened
+/// (`O_PATH`) in the new mount namespace before the first mount, and bound from
+/// `/proc/self/fd/N`: an earlier mount over one of its parents (a volume at `/tmp`) cannot hide
+/// it then. (A descriptor opened before `unshare` would name a mount of the old namespace,
+/// which `mount` refuses.)
 pub struct Bind {
     src: CString,
     dst: CString,
     read_only: bool,
+    /// `dst` could not be created on the host (a read-only or virtual filesystem such as
+    /// sysfs): a tmpfs is mounted over this existing ancestor first and these directories are
+    /// made in it.
+    tmpfs: Option<(CString, Vec<CString>)>,
+    /// `/proc/self/fd/N`, written in the child.
+    via: [u8; 32],
 }
 
 /// Everything done to the child before `exec`.
@@ -137,12 +147,35 @@ impl Sandbox {
         Ok(())
     }
 
-    /// Bind-mount `src` at `dst` (which must exist on the host as a directory or file).
-    pub fn bind(&mut self, src: &Path, dst: &Path, read_only: bool) -> io::Result<()> {
+    /// Bind-mount `src` at `dst`. `dst` must exist on the host, unless `tmpfs_under` names an
+    /// existing ancestor of it to cover with a tmpfs (in the container's mount namespace only)
+    /// in which the missing directories are made.
+    pub fn bind(
+        &mut self,
+        src: &Path,
+        dst: &Path,
+        read_only: bool,
+        tmpfs_under: Option<&Path>,
+    ) -> io::Result<()> {
+        let tmpfs = match tmpfs_under {
+            Some(anc) => {
+                let rest = dst.strip_prefix(anc).map_err(io::Error::other)?;
+                let mut dirs = Vec::new();
+                let mut p = anc.to_path_buf();
+                for c in rest.components() {
+                    p.push(c);
+                    dirs.push(cstr(&p)?);
+                }
+                Some((cstr(anc)?, dirs))
+            }
+            None => None,
+        };
         self.binds.push(Bind {
             src: cstr(src)?,
             dst: cstr(dst)?,
             read_only,
+            tmpfs,
+            via: [0; 32],
         });
         Ok(())
     }
@@ -187,13 +220,14 @@ impl Sandbox {
         // SAFETY: the closure makes only raw syscalls on data prepared before the fork; it
         // allocates nothing.
         unsafe {
-            cmd.pre_exec(move || self.enter(parent));
+            let mut this = self;
+            cmd.pre_exec(move || this.enter(parent));
         }
     }
 
     /// # Safety
     /// Only between fork and exec.
-    unsafe fn enter(&self, parent: libc::pid_t) -> io::Result<()> {
+    unsafe fn enter(&mut self, parent: libc::pid_t) -> io::Result<()> {
         let check = |r: libc::c_int| {
             if r < 0 {
                 Err(io::Error::last_os_error())
@@ -233,9 +267,30 @@ impl Sandbox {
                     std::ptr::null(),
                 ))?;
             }
+            // Open every source now, in this namespace, before any mount can hide one.
+            for b in self.binds.iter_mut() {
+                let fd = libc::open(b.src.as_ptr(), libc::O_PATH | libc::O_CLOEXEC);
+                check(fd)?;
+                write_fd_path(&mut b.via, fd);
+            }
             for b in &self.binds {
+                if let Some((anc, dirs)) = &b.tmpfs {
+                    check(libc::mount(
+                        c"tmpfs".as_ptr(),
+                        anc.as_ptr(),
+                        c"tmpfs".as_ptr(),
+                        0,
+                        c"mode=755".as_ptr().cast(),
+                    ))?;
+                    for d in dirs {
+                        let r = libc::mkdir(d.as_ptr(), 0o755);
+                        if r < 0 && *libc::__errno_location() != libc::EEXIST {
+                            return Err(io::Error::last_os_error());
+                        }
+                    }
+                }
                 check(libc::mount(
-                    b.src.as_ptr(),
+                    b.via.as_ptr().cast(),
                     b.dst.as_ptr(),
                     std::ptr::null(),
                     libc::MS_BIND | libc::MS_REC,
@@ -287,6 +342,27 @@ impl Sandbox {
     }
 }
 
+/// `/proc/self/fd/<fd>` NUL-terminated into `buf`, without allocating (between fork and exec).
+fn write_fd_path(buf: &mut [u8; 32], fd: libc::c_int) {
+    const PREFIX: &[u8] = b"/proc/self/fd/";
+    buf[..PREFIX.len()].copy_from_slice(PREFIX);
+    let mut digits = [0u8; 10];
+    let mut n = fd.max(0) as u32;
+    let mut len = 0;
+    loop {
+        digits[len] = b'0' + (n % 10) as u8;
+        len += 1;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    for i in 0..len {
+        buf[PREFIX.len() + i] = digits[len - 1 - i];
+    }
+    buf[PREFIX.len() + len] = 0;
+}
+
 #[repr(C)]
 struct CapHeader {
     version: u32,
@@ -328,6 +404,15 @@ unsafe fn clear_inheritable() -> io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn fd_paths_are_written_without_allocating() {
+        let mut buf = [0xffu8; 32];
+        write_fd_path(&mut buf, 123);
+        assert_eq!(&buf[..18], b"/proc/self/fd/123\0");
+        write_fd_path(&mut buf, 0);
+        assert_eq!(&buf[..16], b"/proc/self/fd/0\0");
+    }
 
     #[test]
     fn capability_names_map_to_kernel_numbers() {
