@@ -371,7 +371,16 @@ fn poll_group(w: &mut GroupWatch, now: Timestamp) {
 }
 
 fn read_ack(dir: &CheckpointDir, fresh: &Freshness, p: &mut ProcWatch, now: Timestamp) {
-    match dir.read_ack(p.process.ns_pid) {
+    record_ack(dir.read_ack(p.process.ns_pid), fresh, p, now);
+}
+
+fn record_ack(
+    read: Result<Option<crate::checkpoint::ack::Ack>, crate::checkpoint::Error>,
+    fresh: &Freshness,
+    p: &mut ProcWatch,
+    now: Timestamp,
+) {
+    match read {
         Ok(Some(ack)) if fresh.fresh(&ack_file_name(p.process.ns_pid), &ack.stamp) => {
             p.problem = None;
             if ack.file.state.is_terminal() {
@@ -401,9 +410,10 @@ fn check_exit(
     match proc.alive(p.process.pid, p.process.start_time) {
         Ok(true) => {}
         Ok(false) => {
-            // It may have written `done` between the read above and its exit.
+            // It may have written `done` between the read above and its exit (read from the
+            // dir as opened before: its container's mounts may be gone with it).
             if let Some((dir, fresh)) = dir {
-                read_ack(dir, fresh, p, now);
+                record_ack(dir.read_ack_after_exit(p.process.ns_pid), fresh, p, now);
             }
             if matches!(p.state, ProcState::Pending { .. }) {
                 p.state = ProcState::Exited { at: now };
