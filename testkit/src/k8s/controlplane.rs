@@ -290,7 +290,11 @@ fn start() -> Result<ControlPlane, String> {
     })
     .collect::<Vec<_>>()
     .join(", ");
-    eprintln!(
+    // Straight to stderr, past the test harness's output capture: every run says what it ran
+    // against.
+    use std::io::Write;
+    let _ = writeln!(
+        std::io::stderr(),
         "testkit: real Kubernetes control plane {} from {} ({parts}) at {} in {:.1}s; logs in {}",
         cp.assets.version,
         cp.assets.source,
