@@ -1002,8 +1002,6 @@ impl PodRun {
         let fail = |m: String| ("RunContainerError".to_string(), m);
         let container_id = crate::kubelet::container_id();
         let cgroup = pod_cgroup(&self.inner.cgroup_root, self.qos, &self.uid, &container_id);
-        std::fs::create_dir_all(&cgroup)
-            .map_err(|e| fail(format!("cgroup {}: {e}", cgroup.display())))?;
         let log_dir = self
             .inner
             .root
@@ -1115,9 +1113,15 @@ impl PodRun {
             .stderr(err_out)
             .kill_on_drop(true);
         sandbox.apply(&mut cmd);
-        let mut child = cmd
-            .spawn()
-            .map_err(|e| fail(format!("starting {:?}: {e}", argv[0])))?;
+        std::fs::create_dir_all(&cgroup)
+            .map_err(|e| fail(format!("cgroup {}: {e}", cgroup.display())))?;
+        let mut child = match cmd.spawn() {
+            Ok(c) => c,
+            Err(e) => {
+                remove_cgroup(&cgroup);
+                return Err(fail(format!("starting {:?}: {e}", argv[0])));
+            }
+        };
         let pid = child.id().unwrap_or(0);
         let c = if init {
             &mut self.init[index]
