@@ -304,6 +304,8 @@ async fn node_and_discovery(
                 cfg.args.proc_root.clone(),
                 metrics.clone(),
             ));
+            // The same watch tells the drain when an evicted pod is gone.
+            ops.set_pod_watch(discovery.clone());
             tasks.spawn("pod cache", discovery.clone().keep_warm(cancel.clone()));
             Ok((ops, discovery))
         }

@@ -10,6 +10,11 @@
 //! seen (a Warning Event on it, once per pod and problem), never on the notice's path.
 //! (Pods' `spotguard.io/prefetch` annotations are read by the prefetcher's own process:
 //! `crate::prefetch::annotations`.)
+//!
+//! The same watch tells the drain when an evicted pod is gone ([`PodWatch`]): the cache
+//! remembers the uids it saw deleted (or that a relist no longer had) for
+//! [`GONE_MEMORY`], knows whether it is healthy (synced, and no list or watch failing since),
+//! and marks a change after every update, so the drain waits on it without a request per pod.
 
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
@@ -20,6 +25,8 @@ use async_trait::async_trait;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, ListParams, WatchEvent, WatchParams};
+use tokio::sync::watch;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
@@ -28,6 +35,7 @@ use crate::checkpoint::cgroup::ProcIndex;
 use crate::checkpoint::pods::{is_candidate, pod_checkpoint_spec, PodCheckpointSpec, PodDefaults};
 use crate::checkpoint::{Error, Signal, TargetDiscovery, TargetGroup};
 use crate::metrics::Metrics;
+use crate::node::drain::{PodPresence, PodWatch};
 use crate::node::{reason, EventType, NodeOps, PodRef};
 
 /// Bound on the one list discovery makes when the cache never synced.
@@ -38,6 +46,9 @@ const LIST_TIMEOUT: Duration = Duration::from_secs(30);
 const WATCH_TIMEOUT_SECS: u32 = 290;
 /// A watch silent for this long is presumed dead (a dropped connection sends nothing).
 const WATCH_IDLE: Duration = Duration::from_secs(WATCH_TIMEOUT_SECS as u64 + 30);
+/// How long the uid of a pod seen deleted is remembered for [`PodWatch::presence`] (longer than
+/// any drain).
+pub const GONE_MEMORY: Duration = Duration::from_secs(15 * 60);
 
 /// Node-wide defaults for pods that do not override them.
 #[derive(Clone, Debug)]
@@ -59,9 +70,23 @@ enum Cached {
 struct CacheState {
     /// A list succeeded at least once.
     synced: bool,
+    /// Synced, and no list or watch has failed since the last successful list.
+    healthy: bool,
+    /// When the latest successful list was requested.
+    listed_at: Option<Instant>,
     pods: HashMap<String, Cached>,
+    /// Uids seen deleted (or missing from a relist), and when: for the drain.
+    gone: HashMap<String, Instant>,
     /// `(pod uid, problem)` already reported with an Event.
     reported: HashSet<(String, String)>,
+}
+
+impl CacheState {
+    fn mark_gone(&mut self, uid: String, now: Instant) {
+        self.gone
+            .retain(|_, at| now.saturating_duration_since(*at) < GONE_MEMORY);
+        self.gone.insert(uid, now);
+    }
 }
 
 /// Finds opted-in pods' processes on this node.
@@ -73,6 +98,8 @@ pub struct KubeDiscovery {
     proc_root: PathBuf,
     metrics: Arc<Metrics>,
     cache: Mutex<CacheState>,
+    /// Marked after every update of the cache and change of its health.
+    changes: watch::Sender<()>,
 }
 
 impl KubeDiscovery {
@@ -96,6 +123,24 @@ impl KubeDiscovery {
             proc_root,
             metrics,
             cache: Mutex::new(CacheState::default()),
+            changes: watch::Sender::new(()),
+        }
+    }
+
+    /// Whether the watch is healthy: synced, and no list or watch failing since.
+    pub fn healthy(&self) -> bool {
+        self.state().healthy
+    }
+
+    fn set_healthy(&self, healthy: bool) {
+        let changed = {
+            let mut st = self.state();
+            let was = st.healthy;
+            st.healthy = healthy && st.synced;
+            was != st.healthy
+        };
+        if changed {
+            self.changes.send_replace(());
         }
     }
 
@@ -147,6 +192,7 @@ impl KubeDiscovery {
         };
         let entry = self.classify(pod);
         self.state().pods.insert(uid, entry);
+        self.changes.send_replace(());
     }
 
     fn remove(&self, pod: &Pod) {
@@ -154,6 +200,9 @@ impl KubeDiscovery {
             let mut st = self.state();
             st.pods.remove(uid);
             st.reported.retain(|(u, _)| u != uid);
+            st.mark_gone(uid.clone(), Instant::now());
+            drop(st);
+            self.changes.send_replace(());
         }
     }
 
@@ -173,6 +222,7 @@ impl KubeDiscovery {
                     Duration::ZERO
                 }
                 Err(e) => {
+                    self.set_healthy(false);
                     self.metrics.error("checkpoint", "pod_watch");
                     warn!(error = %e, "pod cache: list/watch of this node's pods failed; retrying");
                     backoff.next_delay()
@@ -187,6 +237,7 @@ impl KubeDiscovery {
 
     /// One list + watch cycle. `Ok` when the cycle should simply start over (relist).
     async fn list_and_watch(&self) -> Result<(), String> {
+        let requested = Instant::now();
         let list = tokio::time::timeout(LIST_TIMEOUT, self.pods.list(&on_node(&self.node_name)))
             .await
             .map_err(|_| format!("list timed out after {}s", LIST_TIMEOUT.as_secs()))?
@@ -200,14 +251,28 @@ impl KubeDiscovery {
                 .collect();
             let mut st = self.state();
             let was_synced = st.synced;
+            // What the previous view had and this list does not is gone.
+            let missing: Vec<String> = st
+                .pods
+                .keys()
+                .filter(|uid| !fresh.contains_key(*uid))
+                .cloned()
+                .collect();
+            let now = Instant::now();
+            for uid in missing {
+                st.mark_gone(uid, now);
+            }
             st.pods = fresh;
             st.synced = true;
+            st.healthy = true;
+            st.listed_at = Some(requested);
             let targets = st
                 .pods
                 .values()
                 .filter(|c| matches!(c, Cached::Target(_)))
                 .count();
             drop(st);
+            self.changes.send_replace(());
             if !was_synced {
                 info!(pods = list.items.len(), targets, "pod cache synced");
             }
@@ -291,6 +356,28 @@ impl KubeDiscovery {
                 Cached::Other => None,
             })
             .collect())
+    }
+}
+
+impl PodWatch for KubeDiscovery {
+    fn presence(&self, uid: &str, listed_at: Instant) -> PodPresence {
+        let st = self.state();
+        if st.gone.contains_key(uid) {
+            return PodPresence::Gone;
+        }
+        if !st.healthy {
+            return PodPresence::Unknown;
+        }
+        // A list requested after the drain's own list returned is authoritative for absence.
+        let relisted = st.listed_at.is_some_and(|at| at > listed_at);
+        if relisted && !st.pods.contains_key(uid) {
+            return PodPresence::Gone;
+        }
+        PodPresence::Present
+    }
+
+    fn changes(&self) -> watch::Receiver<()> {
+        self.changes.subscribe()
     }
 }
 

@@ -8,8 +8,12 @@
 //!    201 ⇒ wait for the deletion; 404 ⇒ gone; 429 ⇒ a PodDisruptionBudget refuses: remember it
 //!    (named in the Status cause, no extra RBAC) and retry every 1–2 s; 409 ⇒ check whether the pod
 //!    was replaced, else retry; 5xx / transport ⇒ retry; 403 and anything else ⇒ blocked.
-//! 3. Wait for the deletion by polling GET (404 or a different UID ⇒ gone), backing off from
-//!    25 ms to 1 s.
+//! 3. Wait for the deletion. With a [`PodWatch`] (the agent's watch of this node's pods, wired
+//!    by the app) the watch says when the pod is gone (deleted, or replaced by a new uid) and no
+//!    request is made while it is healthy; only a pod still shown long after its grace period
+//!    ([`OVERDUE_SLACK`]) is checked with one GET (then every [`OVERDUE_STEP`]), in case the
+//!    watch stalled unnoticed. While the watch is not healthy (not synced, failing), and without
+//!    one, poll GET (404 or a different UID ⇒ gone), backing off from 25 ms to 1 s.
 //! 4. With `force_delete_at_deadline`, pods still refused [`FORCE_DELETE_LEAD`] before the
 //!    deadline are deleted (grace capped to the time left).
 //! 5. At the deadline everything stops; the report names every pod still there and the PDBs
@@ -49,8 +53,37 @@ pub const DEFAULT_GRACE_SECONDS: i64 = 30;
 const RETRY_STEP: Duration = Duration::from_secs(2);
 /// Retry after a 409 on the eviction (pod not replaced): [`jittered`], 125–250 ms.
 const CONFLICT_STEP: Duration = Duration::from_millis(250);
-/// Deletion polling: 25 ms doubling up to 1 s.
+/// Deletion polling (no watch, or the watch not healthy): 25 ms doubling up to 1 s.
 const POLL_BACKOFF: Backoff = Backoff::new(Duration::from_millis(25), Duration::from_secs(1));
+/// With a healthy watch: a pod it still shows this long after its grace period ran out is
+/// checked with a GET (the kubelet removes a pod within a second or two of its grace period).
+pub const OVERDUE_SLACK: Duration = Duration::from_secs(5);
+/// …and again at this cadence ([`jittered`]) while it stays.
+pub const OVERDUE_STEP: Duration = Duration::from_secs(5);
+
+/// What a watch of this node's pods knows about one pod.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PodPresence {
+    /// This pod (this uid) is gone: the watch saw it deleted, or a list the watch made after the
+    /// drain's own list does not have it.
+    Gone,
+    /// The watch is healthy and has not seen it go.
+    Present,
+    /// The watch is not healthy (never synced, or failing since): ask the API server.
+    Unknown,
+}
+
+/// A watch of this node's pods that the agent keeps anyway (the checkpoint pod cache), so that
+/// the drain learns from it when an evicted pod is gone instead of polling the API server for
+/// each pod. Defined here so that `node` imports nothing of the watch's owner; the app hands it
+/// over ([`super::kube::KubeNodeOps::set_pod_watch`]).
+pub trait PodWatch: Send + Sync {
+    /// Whether the pod with `uid` is gone. `listed_at`: when the drain's list of the node's pods
+    /// returned (a list the watch made after that moment is authoritative for absence).
+    fn presence(&self, uid: &str, listed_at: Instant) -> PodPresence;
+    /// Marked changed after every update the watch applies and every change of its health.
+    fn changes(&self) -> tokio::sync::watch::Receiver<()>;
+}
 
 /// `gracePeriodSeconds` for an eviction or deletion with `left` before the deadline:
 /// `min(own, left − 2 s)`, at least 1 s (0 would remove the pod object before its containers
@@ -120,6 +153,9 @@ struct Drainer<'a> {
     deadline: Instant,
     force_at: Option<Instant>,
     permits: Arc<Semaphore>,
+    watch: Option<&'a dyn PodWatch>,
+    /// When the list of the pods to drain returned.
+    listed_at: Instant,
 }
 
 impl Drainer<'_> {
@@ -246,7 +282,11 @@ impl Drainer<'_> {
                 }
             }
         }
-        if self.wait_gone(&pods, &name, uid.as_deref()).await {
+        let grace = grace_seconds(
+            own_grace,
+            self.deadline.saturating_duration_since(Instant::now()),
+        );
+        if self.wait_gone(&pods, &name, uid.as_deref(), grace).await {
             Outcome::Evicted
         } else {
             Outcome::Blocked {
@@ -294,7 +334,7 @@ impl Drainer<'_> {
                 return blocked(format!("{why}; deadline reached during force delete"))
             }
         }
-        if self.wait_gone(pods, name, uid).await {
+        if self.wait_gone(pods, name, uid, grace).await {
             Outcome::ForceDeleted
         } else {
             blocked(format!(
@@ -303,20 +343,88 @@ impl Drainer<'_> {
         }
     }
 
-    /// Poll until the pod is gone (404 or a new UID); false at the deadline.
-    async fn wait_gone(&self, pods: &Api<Pod>, name: &str, uid: Option<&str>) -> bool {
+    /// Wait until the pod is gone (deleted, or replaced by a new UID), asked for with a grace
+    /// period of `grace` seconds; false at the deadline. The watch tells when there is one and
+    /// it is healthy; otherwise poll (see the module doc).
+    async fn wait_gone(&self, pods: &Api<Pod>, name: &str, uid: Option<&str>, grace: i64) -> bool {
+        let (Some(watch), Some(uid)) = (self.watch, uid) else {
+            return self.wait_gone_polling(pods, name, uid).await;
+        };
+        let mut changes = watch.changes();
+        let mut polling = POLL_BACKOFF;
+        let mut check_at =
+            Instant::now() + Duration::from_secs(grace.max(0) as u64) + OVERDUE_SLACK;
+        loop {
+            changes.borrow_and_update();
+            match watch.presence(uid, self.listed_at) {
+                PodPresence::Gone => return true,
+                PodPresence::Present => {
+                    polling.reset();
+                    tokio::select! {
+                        changed = changes.changed() => {
+                            if changed.is_err() {
+                                // The watch went away with its owner: poll from now on.
+                                return self.wait_gone_polling(pods, name, Some(uid)).await;
+                            }
+                        }
+                        _ = tokio::time::sleep_until(check_at.min(self.deadline)) => {
+                            if Instant::now() >= self.deadline {
+                                return false;
+                            }
+                            tracing::debug!("the watch still shows the pod after its grace period: checking");
+                            match self.gone(pods, name, Some(uid)).await {
+                                Some(true) => return true,
+                                Some(false) => {}
+                                None => return false,
+                            }
+                            check_at = Instant::now() + jittered(OVERDUE_STEP);
+                        }
+                    }
+                }
+                PodPresence::Unknown => {
+                    // Not healthy: one GET per step until it is again (or the pod is gone).
+                    tokio::select! {
+                        _ = changes.changed() => continue,
+                        _ = self.pause(polling.next_delay(), false) => {}
+                    }
+                    match self.gone(pods, name, Some(uid)).await {
+                        Some(true) => return true,
+                        Some(false) if Instant::now() >= self.deadline => return false,
+                        Some(false) => {}
+                        None => return false,
+                    }
+                }
+            }
+        }
+    }
+
+    /// Poll GET until the pod is gone; false at the deadline.
+    async fn wait_gone_polling(&self, pods: &Api<Pod>, name: &str, uid: Option<&str>) -> bool {
         let mut backoff = POLL_BACKOFF;
         loop {
             self.pause(backoff.next_delay(), false).await;
-            if Instant::now() >= self.deadline {
-                return false;
+            match self.gone(pods, name, uid).await {
+                Some(true) => return true,
+                Some(false) if Instant::now() >= self.deadline => return false,
+                Some(false) => {}
+                None => return false,
             }
-            match self.call(pods.get_opt(name)).await {
-                Ok(None) => return true,
-                Ok(Some(p)) if p.metadata.uid.as_deref() != uid => return true,
-                Ok(Some(_)) => {}
-                Err(CallError::Deadline) => return false,
-                Err(CallError::Kube(e)) => tracing::debug!(error = %e, "checking deletion failed"),
+        }
+    }
+
+    /// One GET: whether the pod is gone (404 or a new UID); `None` at the deadline. A failed
+    /// request counts as not gone.
+    async fn gone(&self, pods: &Api<Pod>, name: &str, uid: Option<&str>) -> Option<bool> {
+        if Instant::now() >= self.deadline {
+            return None;
+        }
+        match self.call(pods.get_opt(name)).await {
+            Ok(None) => Some(true),
+            Ok(Some(p)) => Some(p.metadata.uid.as_deref() != uid),
+            Err(CallError::Deadline) => None,
+            Err(CallError::Kube(e)) => {
+                tracing::debug!(error = %e, "checking deletion failed");
+                Some(false)
             }
         }
     }
@@ -362,7 +470,8 @@ fn status_reason(s: &Status) -> String {
 }
 
 /// Drain `node` before `request.deadline`. Errors only when the pods cannot be listed; every
-/// per-pod problem ends in the report.
+/// per-pod problem ends in the report. `watch`: the agent's watch of this node's pods, which
+/// tells when an evicted pod is gone (without it, each is polled).
 #[tracing::instrument(name = "drain", skip_all, fields(node = %node))]
 pub async fn drain_node(
     client: &Client,
@@ -371,6 +480,7 @@ pub async fn drain_node(
     dry_run: bool,
     metrics: &Metrics,
     request: &DrainRequest,
+    watch: Option<&dyn PodWatch>,
 ) -> Result<DrainReport, Error> {
     let started = Instant::now();
     let left = crate::notice::time_until(Some(request.deadline), Timestamp::now());
@@ -378,10 +488,10 @@ pub async fn drain_node(
     let all: Api<Pod> = Api::all(client.clone());
     let params = ListParams::default().fields(&format!("spec.nodeName={node}"));
     let mut backoff = super::kube::API_BACKOFF;
-    let pods = loop {
+    let (pods, listed_at) = loop {
         match tokio::time::timeout_at(deadline, super::kube::with_timeout(all.list(&params))).await
         {
-            Ok(Ok(list)) => break list.items,
+            Ok(Ok(list)) => break (list.items, Instant::now()),
             Ok(Err(e)) if super::kube_retryable(&e) && Instant::now() < deadline => {
                 tracing::debug!(error = %e, "listing pods failed; retrying");
                 // Never past the deadline: a wait that would reach it ends there, where listing
@@ -442,6 +552,8 @@ pub async fn drain_node(
             .force_delete_at_deadline
             .then(|| deadline.checked_sub(FORCE_DELETE_LEAD).unwrap_or(started)),
         permits: Arc::new(Semaphore::new(request.concurrency.max(1))),
+        watch,
+        listed_at,
     };
     let mut tasks: FuturesUnordered<_> = to_evict
         .into_iter()

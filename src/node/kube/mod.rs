@@ -24,7 +24,7 @@ mod conditions;
 mod events;
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use async_trait::async_trait;
 use k8s_openapi::api::core::v1::{Node, Taint};
@@ -32,6 +32,7 @@ use kube::api::{Api, Patch};
 use kube::Client;
 use serde_json::{json, Value};
 
+use super::drain::PodWatch;
 use super::{
     Applied, AppliedMarks, DrainReport, DrainRequest, Error, EventType, GpuConditions, NodeOps,
     PlanState, Protection, APPLIED_ANNOTATION, INTERRUPTION_TAINT, NOTICE_ANNOTATION,
@@ -68,6 +69,9 @@ pub struct KubeNodeOps {
     node_uid: Mutex<Option<String>>,
     series: Mutex<HashMap<EventKey, SeriesEntry>>,
     gpu_types: crate::gpu::ConditionTypes,
+    /// Set once by the app after the pod cache that feeds it was built (the cache reports
+    /// through these node operations, so it comes second).
+    pod_watch: OnceLock<Arc<dyn PodWatch>>,
 }
 
 #[derive(Clone, Copy, Debug, Default)]
@@ -94,7 +98,14 @@ impl KubeNodeOps {
             node_uid: Mutex::new(None),
             series: Mutex::new(HashMap::new()),
             gpu_types: crate::gpu::ConditionTypes::default(),
+            pod_watch: OnceLock::new(),
         }
+    }
+
+    /// Let the drain learn from `watch` (the agent's watch of this node's pods) when an evicted
+    /// pod is gone, instead of polling the API server for each pod. The first call wins.
+    pub fn set_pod_watch(&self, watch: Arc<dyn PodWatch>) {
+        let _ = self.pod_watch.set(watch);
     }
 
     /// Show the GPU verdict under these condition types (default `GPUUnhealthy` /
@@ -372,6 +383,7 @@ impl NodeOps for KubeNodeOps {
             self.dry_run,
             &self.metrics,
             request,
+            self.pod_watch.get().map(|w| &**w),
         )
         .await
     }
