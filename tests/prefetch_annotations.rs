@@ -2,10 +2,10 @@
 //! kubelet stand-in, read as the shipped ServiceAccount) and a real
 //! S3-compatible server (s3s-fs, from `scripts/deps/prefetch.sh`): the operator's opt-in and
 //! allow-list, refusals as Events and metrics, and agent-side leases that keep a dataset a pod
-//! references from being evicted. One test per binary: it sets the AWS_* environment the
+//! references from being evicted; the pods come from a watch, and no API request is made per
+//! round. One test per binary: it sets the AWS_* environment the
 //! prefetcher's store reads.
 
-use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
@@ -18,13 +18,15 @@ use object_store::{ClientOptions, ObjectStore, ObjectStoreExt, PutPayload};
 use prometheus_client::registry::Registry;
 use spotguard::metrics::Metrics;
 use spotguard::node::kube::KubeNodeOps;
-use spotguard::prefetch::annotations::{AnnotationWatcher, PREFETCH_ANNOTATION, REFUSED_REASON};
+use spotguard::prefetch::annotations::{
+    AnnotationWatcher, Requests, PREFETCH_ANNOTATION, REFUSED_REASON,
+};
 use spotguard::prefetch::cache;
 use spotguard::prefetch::policy::{AllowPattern, AnnotationPolicy};
 use spotguard::prefetch::{
     DatasetState, PrefetchDefaults, PrefetchMetrics, Prefetcher, StoreOptions,
 };
-use spotguard_testkit::k8s::{TestCluster, TestPod};
+use spotguard_testkit::k8s::{RequestKind, TestCluster, TestPod};
 use tokio_util::sync::CancellationToken;
 
 const ACCESS_KEY: &str = "spotguardtest";
@@ -94,6 +96,22 @@ fn store(endpoint: &str, bucket: &str) -> Arc<dyn ObjectStore> {
             .build()
             .unwrap(),
     )
+}
+
+/// Wait up to 30 s for `f` to hold.
+async fn eventually<F, Fut>(what: &str, mut f: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let start = std::time::Instant::now();
+    while !f().await {
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "timed out waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 fn pod(ns: &str, name: &str, node: &str, annotation: &str) -> TestPod {
@@ -168,7 +186,14 @@ async fn pod_requests_are_opt_in_allow_listed_evented_and_keep_their_dataset_lea
         },
         events: events.clone(),
         metrics: metrics.clone(),
-        interval: Duration::from_secs(3600),
+        interval: Duration::from_millis(200),
+    };
+    // Run a watcher until the returned token is cancelled; what it knows.
+    let start = |w: AnnotationWatcher| {
+        let requests = Arc::new(Requests::default());
+        let cancel = CancellationToken::new();
+        tokio::spawn(w.run(requests.clone(), cancel.clone()));
+        (requests, cancel)
     };
     let refusals = |pod: &'static str| {
         let k = &k;
@@ -183,23 +208,21 @@ async fn pod_requests_are_opt_in_allow_listed_evented_and_keep_their_dataset_lea
     };
 
     // Off (the default): every request is refused, with an Event on the pod.
-    let off = watcher(false);
-    let mut state = HashMap::new();
-    assert!(off.round(&mut state).await.is_empty());
+    let (off, stop_off) = start(watcher(false));
+    eventually("the first list", || async { off.synced() }).await;
+    assert!(off.referenced().is_empty());
     for p in ["train", "thief", "other"] {
         let msgs = refusals(p).await;
         assert_eq!(msgs.len(), 1, "{p}: {msgs:?}");
         assert!(msgs[0].contains("off on this node"), "{msgs:?}");
     }
     assert!(!cache_dir.path().join("c4").exists());
+    stop_off.cancel();
 
     // On, with an allow-list: file:// and buckets outside the list refused, once per pod.
-    let on = watcher(true);
-    let mut state = HashMap::new();
-    for _ in 0..2 {
-        let referenced = on.round(&mut state).await;
-        assert_eq!(referenced.into_iter().collect::<Vec<_>>(), vec!["c4"]);
-    }
+    let (on, _stop_on) = start(watcher(true));
+    eventually("two rounds", || async { on.synced() && on.rounds() >= 2 }).await;
+    assert_eq!(on.referenced().into_iter().collect::<Vec<_>>(), vec!["c4"]);
     let thief = refusals("thief").await;
     assert_eq!(thief.len(), 2, "{thief:?}");
     assert!(thief[1].contains("only s3:// and gs://"), "{thief:?}");
@@ -223,6 +246,17 @@ async fn pod_requests_are_opt_in_allow_listed_evented_and_keep_their_dataset_lea
     }
     // Nothing of the node leaked into the cache.
     assert!(!cache_dir.path().join("tok").exists());
+    // Rounds ask the API server nothing: the pods come from the watch.
+    let lists = |k: &TestCluster| {
+        k.proxy()
+            .requests()
+            .iter()
+            .filter(|r| matches!(r.kind, RequestKind::PodList | RequestKind::PodGet))
+            .count()
+    };
+    let (before, rounds) = (lists(&k), on.rounds());
+    eventually("five more rounds", || async { on.rounds() >= rounds + 5 }).await;
+    assert_eq!(lists(&k), before, "a round listed or read pods");
 
     let st = tokio::time::timeout(Duration::from_secs(30), prefetcher.wait("c4"))
         .await
@@ -253,7 +287,8 @@ async fn pod_requests_are_opt_in_allow_listed_evented_and_keep_their_dataset_lea
         .unwrap()
         .set_modified(old)
         .unwrap();
-    on.round(&mut state).await;
+    let rounds = on.rounds();
+    eventually("a lease round", || async { on.rounds() >= rounds + 2 }).await;
     let err = cache::make_room(cache_dir.path(), "new", 1 << 20, 1 << 20, window).unwrap_err();
     assert!(err.to_string().contains("cache full"), "{err}");
     assert!(cache_dir.path().join("c4/shard-0").exists());
@@ -264,9 +299,13 @@ async fn pod_requests_are_opt_in_allow_listed_evented_and_keep_their_dataset_lea
         p.and_then(|p| p.status.as_ref()?.phase.as_deref()) == Some("Succeeded")
     })
     .await;
-    let referenced = on.round(&mut state).await;
-    assert!(referenced.is_empty());
-    assert_eq!(state.len(), 2, "finished pods leave the state");
+    eventually("the finished pod forgotten", || async {
+        on.referenced().is_empty()
+    })
+    .await;
+    assert_eq!(on.pods(), 2, "finished pods leave the state");
+    let rounds = on.rounds();
+    eventually("a lease round", || async { on.rounds() >= rounds + 2 }).await;
     std::fs::File::options()
         .write(true)
         .open(&lease)

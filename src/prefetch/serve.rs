@@ -105,7 +105,8 @@ pub struct ServeArgs {
     #[arg(long, env = "SPOTGUARD_PREFETCH_METRICS_ADDR", value_name = "ADDR")]
     pub metrics_addr: Option<SocketAddr>,
 
-    /// How often pods' annotations are read and the leases of their datasets touched.
+    /// How often the datasets pods asked for are started again if evicted or failed, and their
+    /// leases touched (pods' annotations come from a watch of the node's pods, not this round).
     #[arg(long, default_value = "30s", value_parser = crate::duration::parse)]
     pub annotation_interval: Duration,
 }
@@ -269,7 +270,7 @@ pub async fn run_serve(args: ServeArgs, cancel: CancellationToken) -> i32 {
                     metrics: metrics.clone(),
                     interval: args.annotation_interval,
                 };
-                tasks.spawn(watcher.run(cancel.child_token()));
+                tasks.spawn(watcher.run(Arc::default(), cancel.child_token()));
             }
             Err(e) if args.annotations => {
                 error!(error = %e, "--annotations needs a Kubernetes client (in-cluster or KUBECONFIG)");
