@@ -144,6 +144,27 @@ impl ControlPlane {
         )
     }
 
+    /// The API server's own `/metrics` (Prometheus text), read as the admin.
+    pub async fn api_metrics(&self) -> Result<String, String> {
+        let ca = reqwest::Certificate::from_pem(self.pki.ca_pem.as_bytes())
+            .map_err(|e| e.to_string())?;
+        let http = reqwest::Client::builder()
+            .add_root_certificate(ca)
+            .timeout(Duration::from_secs(30))
+            .build()
+            .map_err(|e| e.to_string())?;
+        let resp = http
+            .get(format!("{}/metrics", self.url()))
+            .bearer_auth(&self.admin_token)
+            .send()
+            .await
+            .map_err(|e| e.to_string())?;
+        if !resp.status().is_success() {
+            return Err(format!("/metrics: {}", resp.status()));
+        }
+        resp.text().await.map_err(|e| e.to_string())
+    }
+
     /// Logs of the control-plane processes (for failure messages).
     pub fn logs_dir(&self) -> &Path {
         &self.dir

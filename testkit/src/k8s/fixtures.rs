@@ -109,6 +109,17 @@ impl TestPod {
         self.script(&script)
     }
 
+    /// A simulated pod: the kubelet stand-in runs no process for it (it reports it Running and
+    /// Ready), and once deleted it stops after `stop` (`None`: at the end of its grace period,
+    /// like a process that ignores SIGTERM). Cheap enough for thousands of pods in a bench.
+    pub fn simulated(self, stop: Option<Duration>) -> TestPod {
+        let value = match stop {
+            Some(d) => format!("{:.3}", d.as_secs_f64()),
+            None => "grace".to_string(),
+        };
+        self.annotation(super::kubelet::SIMULATED_ANNOTATION, &value)
+    }
+
     /// A pod that ran to completion: `Succeeded` or `Failed` (restart policy Never; the
     /// container exits 0 or 1 at once).
     pub fn phase(mut self, phase: &str) -> TestPod {

@@ -4,13 +4,19 @@
 //!   from (`KUBEBUILDER_ASSETS`, `../shared/k8s`, a download, or an error saying how).
 //! - [`controlplane`]: one control plane per test binary ([`ControlPlane::shared`]), with the
 //!   shipped RBAC applied and ServiceAccount tokens for the agent.
-//! - [`kubelet`]: a kubelet stand-in per test node that runs pods as real processes.
+//! - [`kubelet`]: a kubelet stand-in per test node that runs pods as real processes (or
+//!   simulates them), and [`Fleet`]: many such nodes served by one set of tasks.
 //! - [`proxy`]: a fault proxy between the agent and the API server (latency, blackholes,
 //!   error codes per request kind, a request log).
 //! - [`fixtures`]: test pods, PDB helpers, Events read back.
+//! - [`agents`]: spotguard on a node as the DaemonSet runs it (agent + prefetcher processes,
+//!   the node's own metadata emulator), for fleet tests; [`apimetrics`]: the API server's own
+//!   request counts, watches and latency histogram.
 //! - [`TestCluster`]: one test's view: its own namespaces and node names (suffixed with a
 //!   per-test id), its own proxy, clients as admin or as the agent.
 
+pub mod agents;
+pub mod apimetrics;
 pub mod apiserver;
 pub mod assets;
 pub mod child;
@@ -38,7 +44,7 @@ use serde_json::{json, Value};
 
 pub use controlplane::{ControlPlane, Identity};
 pub use fixtures::{EventApi, FlatEvent, TestPod};
-pub use kubelet::{Image, Kubelet, NodeConfig};
+pub use kubelet::{Fleet, Image, Kubelet, NodeConfig};
 pub use proxy::{Fault, FaultProxy, RecordedRequest, RequestKind};
 
 /// The label every node of a [`TestCluster`] carries (value: the test's id).
@@ -259,6 +265,70 @@ impl TestCluster {
             )
             .await;
         }
+    }
+
+    /// Start a [`Fleet`] of stand-in nodes for `configs`.
+    pub async fn fleet(&self, configs: Vec<NodeConfig>) -> Fleet {
+        match Fleet::start(self.cp, configs).await {
+            Ok(f) => f,
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    /// [`TestCluster::run_pods`] for many pods: created `concurrency` at a time, then one list
+    /// per namespace every 250 ms (not a GET per pod) until each is Running and Ready.
+    pub async fn run_many_pods(&self, pods: &[Pod], concurrency: usize) {
+        use futures::StreamExt;
+        futures::stream::iter(pods)
+            .for_each_concurrent(concurrency.max(1), |p| async move {
+                self.create_pod(p).await;
+            })
+            .await;
+        let mut namespaces: Vec<&str> = pods
+            .iter()
+            .filter_map(|p| p.metadata.namespace.as_deref())
+            .collect();
+        namespaces.sort_unstable();
+        namespaces.dedup();
+        let wanted: std::collections::HashSet<(String, String)> = pods
+            .iter()
+            .map(|p| {
+                (
+                    p.metadata.namespace.clone().unwrap_or_default(),
+                    p.metadata.name.clone().unwrap_or_default(),
+                )
+            })
+            .collect();
+        poll(
+            &format!("{} pods running and ready", pods.len()),
+            Duration::from_secs(120 + pods.len() as u64 / 10),
+            || async {
+                let ready = self
+                    .pods_in(&namespaces)
+                    .await
+                    .into_iter()
+                    .filter(|p| {
+                        let key = (
+                            p.metadata.namespace.clone().unwrap_or_default(),
+                            p.metadata.name.clone().unwrap_or_default(),
+                        );
+                        let status = p.status.as_ref();
+                        wanted.contains(&key)
+                            && status.and_then(|s| s.phase.as_deref()) == Some("Running")
+                            && status
+                                .and_then(|s| s.conditions.as_ref())
+                                .is_some_and(|cs| {
+                                    cs.iter().any(|c| c.type_ == "Ready" && c.status == "True")
+                                })
+                    })
+                    .count();
+                if ready < wanted.len() {
+                    tokio::time::sleep(Duration::from_millis(225)).await;
+                }
+                (ready == wanted.len()).then_some(())
+            },
+        )
+        .await
     }
 
     /// Pods (including terminating ones) of these namespaces, sorted by name.

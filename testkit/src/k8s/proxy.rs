@@ -117,6 +117,8 @@ pub struct RecordedRequest {
     /// The status answered (the API server's or an injected one); `None` while pending or
     /// for a blackholed request.
     pub status: Option<u16>,
+    /// When the proxy received it.
+    pub at: std::time::Instant,
 }
 
 impl RecordedRequest {
@@ -421,6 +423,7 @@ async fn handle(State(shared): State<Arc<Shared>>, req: Request) -> Response {
             body: String::from_utf8_lossy(&body).into_owned(),
             kind,
             status: None,
+            at: std::time::Instant::now(),
         });
         log.requests.len() - 1
     };
@@ -559,6 +562,7 @@ mod tests {
             body: String::new(),
             kind: RequestKind::PodList,
             status: None,
+            at: std::time::Instant::now(),
         };
         assert_eq!(
             r.query_param("fieldSelector").as_deref(),

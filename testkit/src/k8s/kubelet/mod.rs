@@ -17,8 +17,11 @@
 //! ([`NodeConfig::host_path`]). Not modelled: liveness / startup probes, PID and network
 //! namespaces (everything is `hostPID` / `hostNetwork`), seccomp, resource limits.
 
+mod fleet;
 mod pod;
 pub mod sandbox;
+
+pub use fleet::Fleet;
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -38,6 +41,10 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use super::controlplane::ControlPlane;
+
+/// Pod annotation: run no process for this pod, only report it ([`crate::k8s::TestPod::simulated`]);
+/// the value is how many seconds it takes to stop once deleted, or `grace`.
+pub const SIMULATED_ANNOTATION: &str = "testkit.spotguard.io/simulated";
 
 /// How long between two Lease renewals (the kubelet's default).
 const LEASE_RENEW: Duration = Duration::from_secs(10);
@@ -306,6 +313,11 @@ impl Kubelet {
 /// Delete Node `name` and its Lease, from a thread of its own (Drop may run while the test's
 /// runtime is shutting down).
 fn delete_node_object(cp: &'static ControlPlane, name: String) {
+    delete_node_objects(cp, vec![name]);
+}
+
+/// [`delete_node_object`] for many nodes at once.
+fn delete_node_objects(cp: &'static ControlPlane, names: Vec<String>) {
     let config = cp.config(&cp.url(), super::controlplane::Identity::Admin);
     let done = std::thread::spawn(move || {
         let Ok(rt) = tokio::runtime::Builder::new_current_thread()
@@ -319,9 +331,16 @@ fn delete_node_object(cp: &'static ControlPlane, name: String) {
                 return;
             };
             let nodes: Api<Node> = Api::all(client.clone());
-            let _ = nodes.delete(&name, &DeleteParams::default()).await;
             let leases: Api<Lease> = Api::namespaced(client, "kube-node-lease");
-            let _ = leases.delete(&name, &DeleteParams::default()).await;
+            futures::stream::iter(names)
+                .for_each_concurrent(16, |name| {
+                    let (nodes, leases) = (nodes.clone(), leases.clone());
+                    async move {
+                        let _ = nodes.delete(&name, &DeleteParams::default()).await;
+                        let _ = leases.delete(&name, &DeleteParams::default()).await;
+                    }
+                })
+                .await;
         });
     });
     let _ = done.join();
@@ -329,30 +348,35 @@ fn delete_node_object(cp: &'static ControlPlane, name: String) {
 
 impl Drop for Kubelet {
     fn drop(&mut self) {
-        self.inner.stop.cancel();
         for t in &self.tasks {
             t.abort();
         }
-        for (_, entry) in lock(&self.inner.pods).drain() {
+        self.inner.stop_node();
+        delete_node_object(self.inner.cp, self.inner.node.clone());
+    }
+}
+
+impl Inner {
+    /// Stop serving the node: its pod workers end, and what they ran is killed and removed,
+    /// synchronously (the runtime may be going away with the test).
+    fn stop_node(&self) {
+        self.stop.cancel();
+        for (_, entry) in lock(&self.pods).drain() {
             entry.gone.cancel();
         }
-        // Kill what is left, synchronously: the runtime may be going away with the test.
-        let runs = lock(&self.inner.runs).clone();
+        let runs = lock(&self.runs).clone();
         for r in &runs {
             pod::kill_cgroup(&r.cgroup);
         }
         for r in &runs {
             pod::remove_cgroup(&r.cgroup);
         }
-        let mut mps = lock(&self.inner.mountpoints);
+        let mut mps = lock(&self.mountpoints);
         for p in mps.drain(..).rev() {
             let _ = std::fs::remove_dir(&p);
         }
-        delete_node_object(self.inner.cp, self.inner.node.clone());
     }
-}
 
-impl Inner {
     fn map_host_path(&self, host_path: &Path) -> PathBuf {
         let best = self
             .config
@@ -435,6 +459,38 @@ fn node_status(inner: &Inner) -> serde_json::Value {
 /// Create (or replace) the Node, report its status, and wait until the control plane treats it
 /// as Ready (the node lifecycle controller removes the not-ready taint that admission adds).
 async fn register(inner: &Inner) -> Result<Node, String> {
+    create_node(inner).await?;
+    let nodes: Api<Node> = Api::all(inner.client.clone());
+    let start = tokio::time::Instant::now();
+    loop {
+        let n = nodes
+            .get(&inner.node)
+            .await
+            .map_err(|e| format!("node {}: {e}", inner.node))?;
+        if !not_ready(&n) {
+            return Ok(n);
+        }
+        if start.elapsed() > Duration::from_secs(30) {
+            return Err(format!(
+                "node {} kept the not-ready taint for 30 s (is kube-controller-manager running? logs in {})",
+                inner.node,
+                inner.cp.logs_dir().display()
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Whether the node still has the not-ready taint admission puts on a new node.
+fn not_ready(n: &Node) -> bool {
+    n.spec
+        .as_ref()
+        .and_then(|s| s.taints.as_ref())
+        .is_some_and(|ts| ts.iter().any(|t| t.key == "node.kubernetes.io/not-ready"))
+}
+
+/// Create (or replace) the Node, report its Ready status and take its Lease.
+async fn create_node(inner: &Inner) -> Result<(), String> {
     let nodes: Api<Node> = Api::all(inner.client.clone());
     let _ = nodes.delete(&inner.node, &DeleteParams::default()).await;
     let node = Node {
@@ -477,30 +533,7 @@ async fn register(inner: &Inner) -> Result<Node, String> {
         )
         .await
         .map_err(|e| format!("node {} status: {e}", inner.node))?;
-    renew_lease(inner, None).await?;
-    let start = tokio::time::Instant::now();
-    loop {
-        let n = nodes
-            .get(&inner.node)
-            .await
-            .map_err(|e| format!("node {}: {e}", inner.node))?;
-        let not_ready = n
-            .spec
-            .as_ref()
-            .and_then(|s| s.taints.as_ref())
-            .is_some_and(|ts| ts.iter().any(|t| t.key == "node.kubernetes.io/not-ready"));
-        if !not_ready {
-            return Ok(n);
-        }
-        if start.elapsed() > Duration::from_secs(30) {
-            return Err(format!(
-                "node {} kept the not-ready taint for 30 s (is kube-controller-manager running? logs in {})",
-                inner.node,
-                inner.cp.logs_dir().display()
-            ));
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    renew_lease(inner, None).await
 }
 
 async fn renew_lease(inner: &Inner, node_uid: Option<&str>) -> Result<(), String> {
@@ -534,14 +567,21 @@ async fn renew_lease(inner: &Inner, node_uid: Option<&str>) -> Result<(), String
 }
 
 async fn heartbeat(inner: Arc<Inner>, node_uid: String) {
-    let nodes: Api<Node> = Api::all(inner.client.clone());
     let mut last_status = tokio::time::Instant::now();
     loop {
         tokio::select! {
             _ = inner.stop.cancelled() => return,
             _ = tokio::time::sleep(LEASE_RENEW) => {}
         }
-        if let Err(e) = renew_lease(&inner, Some(&node_uid)).await {
+        beat(&inner, &node_uid, &mut last_status).await;
+    }
+}
+
+/// One heartbeat: renew the Lease; every [`STATUS_REPORT`], the node's status too.
+async fn beat(inner: &Inner, node_uid: &str, last_status: &mut tokio::time::Instant) {
+    let nodes: Api<Node> = Api::all(inner.client.clone());
+    {
+        if let Err(e) = renew_lease(inner, Some(node_uid)).await {
             tracing::debug!(node = %inner.node, error = %e, "lease renewal failed");
         }
         if last_status.elapsed() >= STATUS_REPORT {
@@ -570,7 +610,7 @@ async fn heartbeat(inner: Arc<Inner>, node_uid: String) {
                     )
                     .await;
             }
-            last_status = tokio::time::Instant::now();
+            *last_status = tokio::time::Instant::now();
         }
     }
 }

@@ -234,8 +234,14 @@ pub(super) async fn run(
         exits,
         waiters: Vec::new(),
     };
+    let simulated = simulated(&run.pod);
     tokio::select! {
-        _ = run.lifecycle(updates) => {}
+        _ = async {
+            match simulated {
+                Some(stop) => run.simulate(updates, stop).await,
+                None => run.lifecycle(updates).await,
+            }
+        } => {}
         _ = gone.cancelled() => {}
     }
     run.kill_all();
@@ -248,6 +254,24 @@ pub(super) async fn run(
         }
     }
     let _ = std::fs::remove_dir_all(run.pod_dir().join("volumes"));
+}
+
+/// How a simulated pod ([`super::SIMULATED_ANNOTATION`]) stops once deleted: after this long
+/// (`None`: it uses its whole grace period, like a process that ignores SIGTERM).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct StopAfter(Option<Duration>);
+
+fn simulated(pod: &Pod) -> Option<StopAfter> {
+    let value = pod
+        .metadata
+        .annotations
+        .as_ref()?
+        .get(super::SIMULATED_ANNOTATION)?;
+    if value == "grace" {
+        return Some(StopAfter(None));
+    }
+    let secs: f64 = value.parse().ok()?;
+    Some(StopAfter(Some(Duration::from_secs_f64(secs.max(0.0)))))
 }
 
 fn terminal(pod: &Pod) -> bool {
@@ -400,6 +424,64 @@ impl PodRun {
                 }
             }
         }
+    }
+
+    /// A simulated pod: no process runs; its containers are reported Running and Ready at once,
+    /// and once deleted it "stops" after `stop` (capped by its grace period; exit 0, or 137 when
+    /// the grace period ran out), is reported terminated and removed as the kubelet does. For
+    /// benches with many pods, where what matters is the API traffic, not the processes.
+    async fn simulate(&mut self, mut updates: watch::Receiver<Pod>, stop: StopAfter) {
+        if terminal(&self.pod) || deleting(&self.pod).is_some() {
+            self.finish_deletion(&mut updates).await;
+            return;
+        }
+        let started = now();
+        for t in ["PodScheduled", "PodReadyToStartContainers", "Initialized"] {
+            self.set_condition(t, true);
+        }
+        for c in self.main.iter_mut() {
+            c.id = Some(crate::kubelet::container_id());
+            c.state = State::Running {
+                started_at: started.clone(),
+            };
+            c.ready = true;
+        }
+        self.phase = "Running";
+        self.update_ready();
+        self.report().await;
+        let grace = loop {
+            if let Some(grace) = deleting(&self.pod) {
+                break grace;
+            }
+            if updates.changed().await.is_err() {
+                return;
+            }
+            self.pod = updates.borrow().clone();
+        };
+        let grace = Duration::from_secs(grace);
+        let (after, code) = match stop.0 {
+            Some(d) if d < grace => (d, 0),
+            _ => (grace, 137),
+        };
+        tokio::time::sleep(after).await;
+        for c in self.main.iter_mut() {
+            c.state = State::Terminated {
+                exit_code: code,
+                reason: if code == 0 { "Completed" } else { "Error" }.into(),
+                started_at: started.clone(),
+                finished_at: now(),
+                container_id: c
+                    .id
+                    .as_ref()
+                    .map(|id| format!("containerd://{id}"))
+                    .unwrap_or_default(),
+            };
+            c.ready = false;
+        }
+        self.phase = if code == 0 { "Succeeded" } else { "Failed" };
+        self.update_ready();
+        self.report().await;
+        self.finish_deletion(&mut updates).await;
     }
 
     /// A container exited: record it. `true` when it was the current run.
