@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The fleet bench: N nodes, each with spotguard as the DaemonSet runs it (agent + prefetcher
+# processes with the shipped capabilities, the node's own EC2 metadata emulator), against one
+# real API server; idle API load and memory per node, a mass reclaim of 25 % of the nodes
+# within one second, and single drains of 2 and 30 pods. See benches/fleet.rs. Takes minutes
+# (N = 100: about 8), so scripts/test.sh does not run it; tests/fleet.rs is its CI-sized guard.
+#
+#   bench/fleet.sh [N]                 (default 100)
+#
+# Environment: FLEET_PODS (30 per node), FLEET_GRACE (30 s), FLEET_IDLE_SECS (120),
+# FLEET_RECLAIM (0.25), FLEET_SCENARIOS (idle,reclaim,drains), SPOTGUARD_FLEET_BIN (another
+# spotguard build for the nodes, e.g. an older one to compare with). Needs root (cgroups,
+# setpriv), etcd (scripts/deps/etcd.sh) and the Kubernetes binaries (docs/contributing.md).
+# The results go to target/fleet-N.json too, and a table row is printed at the end.
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+cd "$here/.."
+n="${1:-100}"
+out="$PWD/target/fleet-$n.json"
+FLEET_N="$n" FLEET_OUT="$out" cargo bench --bench fleet
+python3 - "$out" <<'EOF'
+import json, sys
+r = json.load(open(sys.argv[1]))
+def f(x, scale=1.0, fmt="{:.1f}"):
+    return "n/a" if x is None else fmt.format(x * scale)
+i, c = r.get("idle", {}), r.get("reclaim", {})
+if i and c:
+    print("| N | idle req/s per node beyond watches | open watches per node | RSS per node (agent + prefetcher) | signal p50 / p99 | drained p50 / p99 | margin to deadline (min) | API p99 during reclaim | errors |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    print("| {n} | {req} | {w} | {ra} + {rp} MiB | {s50} / {s99} ms | {d50} / {d99} s | {m} s | {api} ms | {err} |".format(
+        n=r["n"], req=f(i["requests_per_s_per_node"], fmt="{:.4f}"), w=f(i["open_watches_per_node"]),
+        ra=f(i["agent_rss_mib"]["p50"]), rp=f(i["prefetch_rss_mib"]["p50"]),
+        s50=f(c["signal_from_seen_s"]["p50"], 1e3), s99=f(c["signal_from_seen_s"]["p99"], 1e3),
+        d50=f(c["drained_s"]["p50"]), d99=f(c["drained_s"]["p99"]), m=f(c["margin_s"]["min"]),
+        api=f(c["api_p99_s"], 1e3),
+        err=sum(c.get("proxy_errors", {}).values()) + int(c.get("agent_errors", 0)) + int(c.get("blocked_pods", 0)) + len(c.get("problems", []))))
+for d in r.get("drains", []):
+    print("drain of {} pods: {} requests ({} pod GETs, {} evictions), drained in {} s".format(
+        d["pods"], d["requests"], d["pod_gets"], d["evictions"], f(d["drained_s"])))
+EOF
