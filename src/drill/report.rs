@@ -12,7 +12,6 @@ use super::wait::HandlerWait;
 use super::DrillCloud;
 use crate::checkpoint::run::GroupResult;
 use crate::checkpoint::Outcome;
-use crate::notice::store;
 
 /// How the command ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -315,7 +314,7 @@ fn rel_secs(t: Option<Timestamp>, t0: Option<Timestamp>) -> Value {
 
 fn budget(v: &Verdict) -> Option<Duration> {
     match (v.checkpoint_deadline, v.signalled_at) {
-        (Some(cd), Some(s)) => Some(store::until(cd, s)),
+        (Some(cd), Some(s)) => Some(crate::duration::until(cd, s)),
         _ => None,
     }
 }

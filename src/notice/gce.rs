@@ -326,9 +326,10 @@ impl GceMetadata {
                             .filter(|start| *start > now);
                         // Without a known window, GCE's minimum notice: never a zero-length
                         // plan. A window learned later moves the deadline (see `Key::Upcoming`).
-                        let window = Some(known.unwrap_or_else(|| {
-                            crate::notice::store::add(now, MAINTENANCE_MIN_NOTICE)
-                        }));
+                        let window =
+                            Some(known.unwrap_or_else(|| {
+                                crate::duration::add(now, MAINTENANCE_MIN_NOTICE)
+                            }));
                         match known {
                             Some(start) => {
                                 tracing::warn!(window_start = %start, "GCE host maintenance will terminate this VM")

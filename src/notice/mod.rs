@@ -101,18 +101,7 @@ pub struct Notice {
 impl Notice {
     /// Time left until the deadline, saturating at zero ("now") for a missing or past deadline.
     pub fn time_left(&self, now: Timestamp) -> Duration {
-        time_until(self.deadline, now)
-    }
-}
-
-/// `deadline − now`, zero for a missing or past deadline.
-pub fn time_until(deadline: Option<Timestamp>, now: Timestamp) -> Duration {
-    match deadline {
-        Some(d) if d > now => {
-            let span = d.duration_since(now);
-            Duration::try_from(span).unwrap_or(Duration::ZERO)
-        }
-        _ => Duration::ZERO,
+        crate::duration::time_until(self.deadline, now)
     }
 }
 

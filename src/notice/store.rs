@@ -18,13 +18,11 @@
 //!   the same `noticeTime` until the instance dies, and one recommendation is one plan.
 //! - Persisted state carries the boot id: [`resume`] tells a record of this life of the machine
 //!   (resume or remember it) from one of a previous life (undo, clear, arm again).
-//!
-//! Deadline maths lives here as pure functions.
 
 use std::collections::HashMap;
 use std::time::Duration;
 
-use jiff::{SignedDuration, Timestamp};
+use jiff::Timestamp;
 
 use super::{Notice, NoticeKind};
 use crate::node::{Phase, PlanState};
@@ -168,7 +166,7 @@ impl NoticeStore {
     }
 
     fn accept_interruption(&mut self, notice: &Notice, now: Timestamp) -> Decision {
-        let deadline = effective_deadline(checked_deadline(notice), now);
+        let deadline = crate::duration::effective_deadline(checked_deadline(notice), now);
         self.interruption_last_id = Some(notice.id.clone());
         match &mut self.interruption {
             None => {
@@ -260,73 +258,13 @@ pub fn checked_deadline(notice: &Notice) -> Option<Timestamp> {
         return notice.deadline;
     }
     let first_seen = notice.observed_at;
-    let latest = add(first_seen, EC2_INTERRUPTION_NOTICE);
+    let latest = crate::duration::add(first_seen, EC2_INTERRUPTION_NOTICE);
     Some(match notice.deadline {
         Some(d) if d > latest => latest,
         Some(d) if d < first_seen => first_seen,
         Some(d) => d,
         None => first_seen,
     })
-}
-
-/// A missing or past deadline means "now".
-pub fn effective_deadline(deadline: Option<Timestamp>, now: Timestamp) -> Timestamp {
-    match deadline {
-        Some(d) if d > now => d,
-        _ => now,
-    }
-}
-
-/// `t + d`, saturating at the representable range.
-pub fn add(t: Timestamp, d: Duration) -> Timestamp {
-    SignedDuration::try_from(d)
-        .ok()
-        .and_then(|sd| t.checked_add(sd).ok())
-        .unwrap_or(Timestamp::MAX)
-}
-
-/// `t − d`, saturating at the representable range.
-pub fn sub(t: Timestamp, d: Duration) -> Timestamp {
-    SignedDuration::try_from(d)
-        .ok()
-        .and_then(|sd| t.checked_sub(sd).ok())
-        .unwrap_or(Timestamp::MIN)
-}
-
-/// When checkpoint waiting must end: `min(now + timeout, deadline − reserve)`, never before now.
-pub fn checkpoint_deadline(
-    deadline: Timestamp,
-    now: Timestamp,
-    reserve: Duration,
-    timeout: Duration,
-) -> Timestamp {
-    let by_timeout = add(now, timeout);
-    let by_deadline = sub(deadline, reserve);
-    let end = if by_timeout < by_deadline {
-        by_timeout
-    } else {
-        by_deadline
-    };
-    if end < now {
-        now
-    } else {
-        end
-    }
-}
-
-/// When handling of a scheduled event starts: `not_before − lead` (never before now).
-pub fn maintenance_start(not_before: Timestamp, lead: Duration, now: Timestamp) -> Timestamp {
-    let start = sub(not_before, lead);
-    if start < now {
-        now
-    } else {
-        start
-    }
-}
-
-/// A `std::time::Duration` until `t` (zero when past).
-pub fn until(t: Timestamp, now: Timestamp) -> Duration {
-    super::time_until(Some(t), now)
 }
 
 #[cfg(test)]
@@ -510,44 +448,6 @@ mod tests {
         assert_eq!(
             s.accept(&notice("a", NoticeKind::Interruption, Some(100)), ts(0)),
             Decision::Duplicate
-        );
-    }
-
-    #[test]
-    fn checkpoint_deadline_is_min_of_timeout_and_reserve() {
-        let now = ts(0);
-        // EC2: 120 s notice, 25 s reserve, 90 s timeout → 90 s.
-        assert_eq!(
-            checkpoint_deadline(
-                ts(120),
-                now,
-                Duration::from_secs(25),
-                Duration::from_secs(90)
-            ),
-            ts(90)
-        );
-        // GCE: 30 s notice, 8 s reserve → 22 s.
-        assert_eq!(
-            checkpoint_deadline(ts(30), now, Duration::from_secs(8), Duration::from_secs(90)),
-            ts(22)
-        );
-        // Deadline already inside the reserve → now.
-        assert_eq!(
-            checkpoint_deadline(ts(5), now, Duration::from_secs(8), Duration::from_secs(90)),
-            now
-        );
-    }
-
-    #[test]
-    fn maintenance_start_is_lead_before_not_before_never_before_now() {
-        let now = ts(0);
-        assert_eq!(
-            maintenance_start(ts(3600), Duration::from_secs(600), now),
-            ts(3000)
-        );
-        assert_eq!(
-            maintenance_start(ts(300), Duration::from_secs(600), now),
-            now
         );
     }
 

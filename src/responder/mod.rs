@@ -38,6 +38,7 @@ use tracing::{error, info, warn, Instrument};
 use crate::checkpoint::run::GroupResult;
 use crate::checkpoint::TargetDiscovery;
 use crate::config::{MaintenanceAction, RebalanceAction};
+use crate::duration;
 use crate::life::Lives;
 use crate::metrics::{Metrics, NoticeLabels, OutcomeLabels, SourceLabels};
 use crate::node::host::{RecordedTarget, StateFile};
@@ -403,7 +404,7 @@ impl Responder {
     async fn on_maintenance(&self, st: &mut Loop, n: Notice, updated: bool, now: Timestamp) {
         if let Some(r) = st.running.as_ref().filter(|r| r.id == n.id && r.active()) {
             // The window moved (or became known) while its plan runs.
-            let d = store::effective_deadline(n.not_before.or(n.deadline), now);
+            let d = duration::effective_deadline(n.not_before.or(n.deadline), now);
             info!(notice_id = %n.id, deadline = %d, "maintenance window changed: plan deadline updated");
             let _ = r.deadline_tx.send(d);
             return;
@@ -412,7 +413,7 @@ impl Responder {
             info!(notice_id = %n.id, "maintenance window changed after its plan completed: nothing to redo");
             return;
         }
-        let start = store::maintenance_start(
+        let start = duration::maintenance_start(
             n.not_before.or(n.deadline).unwrap_or(now),
             self.cfg.maintenance_lead,
             now,
@@ -426,7 +427,7 @@ impl Responder {
         });
         info!(notice_id = %n.id, start = %start, "maintenance scheduled");
         let id = n.id.clone();
-        let timer = send_after(st.due_tx.clone(), store::until(start, now), n);
+        let timer = send_after(st.due_tx.clone(), duration::until(start, now), n);
         st.scheduled.insert(id, Scheduled { timer });
     }
 
@@ -678,7 +679,7 @@ impl Responder {
                 st.store.restore_state(&state, now);
                 let left = state
                     .deadline
-                    .map(|d| store::until(d, now))
+                    .map(|d| duration::until(d, now))
                     .unwrap_or(Duration::ZERO);
                 let t = send_after(st.expiry_due_tx.clone(), left, state.id.clone());
                 st.rebalance_expiry = Some((state.id.clone(), t));
@@ -703,13 +704,13 @@ impl Responder {
                 match (&resume.as_ref().map(|r| &r.0), self.cfg.on_rebalance) {
                     // A resumed rebalance keeps its expiry.
                     (Some(s), _) if s.deadline.is_some() => {
-                        store::effective_deadline(s.deadline, now)
+                        duration::effective_deadline(s.deadline, now)
                     }
-                    (_, RebalanceAction::Drain) => store::add(now, NOMINAL_DEADLINE),
-                    _ => store::add(now, self.cfg.rebalance_expiry),
+                    (_, RebalanceAction::Drain) => duration::add(now, NOMINAL_DEADLINE),
+                    _ => duration::add(now, self.cfg.rebalance_expiry),
                 }
             }
-            _ => store::effective_deadline(notice.deadline, now),
+            _ => duration::effective_deadline(notice.deadline, now),
         };
         let (deadline_tx, deadline_rx) = watch::channel(deadline);
         let cancel = st.plan_cancel.child_token();

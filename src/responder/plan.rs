@@ -322,12 +322,15 @@ impl Plan {
         // A rebalance recommendation has no deadline (its plan's "deadline" is the expiry): the
         // early checkpoint gets the full --checkpoint-timeout, with nothing reserved for a drain.
         let (bound, reserve) = if self.notice.kind == NoticeKind::Rebalance && !steps.drain {
-            (store::add(now, self.cfg.checkpoint_timeout), Duration::ZERO)
+            (
+                duration::add(now, self.cfg.checkpoint_timeout),
+                Duration::ZERO,
+            )
         } else {
             (self.deadline(), self.cfg.reserve(self.notice.source))
         };
         let ck_deadline =
-            store::checkpoint_deadline(bound, now, reserve, self.cfg.checkpoint_timeout);
+            duration::checkpoint_deadline(bound, now, reserve, self.cfg.checkpoint_timeout);
         let req = CheckpointRequest {
             notice_id: self.notice.id.clone(),
             source: self.notice.source.as_str().to_string(),
@@ -448,7 +451,7 @@ impl Plan {
                     r = &mut wait => break r,
                     changed = self.deadline.changed() => {
                         if changed.is_err() { continue; }
-                        let new_ck = store::checkpoint_deadline(self.deadline(), Timestamp::now(), reserve, self.cfg.checkpoint_timeout);
+                        let new_ck = duration::checkpoint_deadline(self.deadline(), Timestamp::now(), reserve, self.cfg.checkpoint_timeout);
                         if new_ck < *ck_tx.borrow() {
                             info!(checkpoint_deadline = %new_ck, "deadline moved earlier: checkpoint wait cut short");
                             let _ = ck_tx.send(new_ck);

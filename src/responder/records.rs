@@ -11,7 +11,7 @@ pub(super) const SIDE_BUDGET_MIN: Duration = Duration::from_secs(1);
 pub(super) const LOAD_BUDGET: Duration = Duration::from_secs(5);
 
 pub(super) fn side_budget(deadline: Timestamp, now: Timestamp) -> Duration {
-    (store::until(deadline, now) / 4).clamp(SIDE_BUDGET_MIN, SIDE_BUDGET_MAX)
+    (duration::until(deadline, now) / 4).clamp(SIDE_BUDGET_MIN, SIDE_BUDGET_MAX)
 }
 
 /// The two copies of the plan record: the local file (always; written first, fsync'd) and the Node

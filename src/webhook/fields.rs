@@ -6,7 +6,8 @@ use std::time::Duration;
 
 use jiff::Timestamp;
 
-use crate::notice::{time_until, Notice};
+use crate::duration::time_until;
+use crate::notice::Notice;
 
 /// Placeholders a template may use. Outcome placeholders render empty in start messages.
 pub const PLACEHOLDERS: &[&str] = &[
