@@ -212,7 +212,7 @@ impl Telemetry {
 
 /// This boot's id: persisted plan state is stamped with it to tell the machine's lives apart.
 fn read_boot_id(cfg: &Config, metrics: &Metrics) -> Option<String> {
-    match gpu::read_boot_id_from(&cfg.args.boot_id_file) {
+    match crate::life::read_boot_id_from(&cfg.args.boot_id_file) {
         Ok(id) => Some(id),
         Err(e) => {
             metrics.error("responder", e.metric_label());
