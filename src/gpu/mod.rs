@@ -271,17 +271,14 @@ pub struct GpuConfig {
 /// `--gpu-degraded-condition` (problem polarity: status True = problem present) and the optional
 /// `--gpu-ready-condition` (Ready polarity: status False while unhealthy), so that a platform's
 /// node auto-repair can act on the condition it already reads (EKS: `AcceleratedHardwareReady`).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ConditionTypes {
-    pub unhealthy: String,
-    pub degraded: String,
-    pub ready: Option<String>,
-}
+/// Plain data the node ops are given ([`crate::node::GpuConditionTypes`]); chosen and validated
+/// here.
+pub use crate::node::GpuConditionTypes as ConditionTypes;
 
 /// Default `GPUUnhealthy` condition type.
-pub const DEFAULT_UNHEALTHY_CONDITION: &str = "GPUUnhealthy";
+pub const DEFAULT_UNHEALTHY_CONDITION: &str = crate::node::DEFAULT_GPU_UNHEALTHY_CONDITION;
 /// Default `GPUDegraded` condition type.
-pub const DEFAULT_DEGRADED_CONDITION: &str = "GPUDegraded";
+pub const DEFAULT_DEGRADED_CONDITION: &str = crate::node::DEFAULT_GPU_DEGRADED_CONDITION;
 /// Conditions the kubelet owns: spotguard never writes them.
 const KUBELET_CONDITIONS: &[&str] = &[
     "Ready",
@@ -291,16 +288,7 @@ const KUBELET_CONDITIONS: &[&str] = &[
     "NetworkUnavailable",
 ];
 
-impl Default for ConditionTypes {
-    fn default() -> Self {
-        ConditionTypes {
-            unhealthy: DEFAULT_UNHEALTHY_CONDITION.into(),
-            degraded: DEFAULT_DEGRADED_CONDITION.into(),
-            ready: None,
-        }
-    }
-}
-
+/// The GPU settings validate the names they hand to the node ops.
 impl ConditionTypes {
     /// Each type a valid condition type (a Kubernetes qualified name), none owned by the
     /// kubelet, all different.

@@ -257,6 +257,31 @@ pub struct ConditionState {
     pub message: String,
 }
 
+/// The Node condition types the GPU verdict is shown under, as the GPU settings chose them
+/// (`crate::gpu` validates them): `unhealthy` and `degraded` have problem polarity (status True =
+/// problem present), the optional `ready` Ready polarity (status False while unhealthy).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GpuConditionTypes {
+    pub unhealthy: String,
+    pub degraded: String,
+    pub ready: Option<String>,
+}
+
+/// Default `GPUUnhealthy` condition type.
+pub const DEFAULT_GPU_UNHEALTHY_CONDITION: &str = "GPUUnhealthy";
+/// Default `GPUDegraded` condition type.
+pub const DEFAULT_GPU_DEGRADED_CONDITION: &str = "GPUDegraded";
+
+impl Default for GpuConditionTypes {
+    fn default() -> Self {
+        GpuConditionTypes {
+            unhealthy: DEFAULT_GPU_UNHEALTHY_CONDITION.into(),
+            degraded: DEFAULT_GPU_DEGRADED_CONDITION.into(),
+            ready: None,
+        }
+    }
+}
+
 /// The Kubernetes pod a target group belongs to (for Events and logs).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PodRef {

@@ -33,8 +33,9 @@ use kube::Client;
 use serde_json::{json, Value};
 
 use super::{
-    Applied, AppliedMarks, DrainReport, DrainRequest, Error, EventType, GpuConditions, NodeOps,
-    PlanState, Protection, APPLIED_ANNOTATION, INTERRUPTION_TAINT, NOTICE_ANNOTATION,
+    Applied, AppliedMarks, DrainReport, DrainRequest, Error, EventType, GpuConditionTypes,
+    GpuConditions, NodeOps, PlanState, Protection, APPLIED_ANNOTATION, INTERRUPTION_TAINT,
+    NOTICE_ANNOTATION,
 };
 use crate::metrics::Metrics;
 use crate::node::PodRef;
@@ -47,8 +48,8 @@ pub const REPORTING_CONTROLLER: &str = "spotguard.io/agent";
 pub const FIELD_MANAGER: &str = "spotguard";
 /// Default node condition types (problem polarity: status True = problem present); the types
 /// in use are configurable ([`KubeNodeOps::with_gpu_condition_types`]).
-pub const CONDITION_GPU_UNHEALTHY: &str = crate::gpu::DEFAULT_UNHEALTHY_CONDITION;
-pub const CONDITION_GPU_DEGRADED: &str = crate::gpu::DEFAULT_DEGRADED_CONDITION;
+pub const CONDITION_GPU_UNHEALTHY: &str = super::DEFAULT_GPU_UNHEALTHY_CONDITION;
+pub const CONDITION_GPU_DEGRADED: &str = super::DEFAULT_GPU_DEGRADED_CONDITION;
 
 /// A kube client for spotguard: kube's default retry layer off (spotguard classifies 429 / 5xx
 /// itself, bounded by the notice deadline).
@@ -67,7 +68,7 @@ pub struct KubeNodeOps {
     metrics: Arc<Metrics>,
     node_uid: Mutex<Option<String>>,
     series: Mutex<HashMap<EventKey, SeriesEntry>>,
-    gpu_types: crate::gpu::ConditionTypes,
+    gpu_types: GpuConditionTypes,
 }
 
 #[derive(Clone, Copy, Debug, Default)]
@@ -93,13 +94,13 @@ impl KubeNodeOps {
             metrics,
             node_uid: Mutex::new(None),
             series: Mutex::new(HashMap::new()),
-            gpu_types: crate::gpu::ConditionTypes::default(),
+            gpu_types: GpuConditionTypes::default(),
         }
     }
 
     /// Show the GPU verdict under these condition types (default `GPUUnhealthy` /
     /// `GPUDegraded`, no Ready-polarity condition).
-    pub fn with_gpu_condition_types(mut self, types: crate::gpu::ConditionTypes) -> Self {
+    pub fn with_gpu_condition_types(mut self, types: GpuConditionTypes) -> Self {
         self.gpu_types = types;
         self
     }
