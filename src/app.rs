@@ -24,7 +24,7 @@ use crate::node::host::{HostNodeOps, StateFile};
 use crate::node::kube::KubeNodeOps;
 use crate::node::NodeOps;
 use crate::notice::monitor::{run_monitor, PollHealth};
-use crate::notice::{self, NoticeSource, Source};
+use crate::notice::{self, Cloud, NoticeSource};
 use crate::responder::{PlanEvent, Responder, ResponderConfig, StartHook};
 use crate::{gpu, prefetch, webhook};
 
@@ -188,7 +188,8 @@ impl Tasks {
 struct Telemetry {
     registry: Registry,
     metrics: Arc<Metrics>,
-    gce: notice::monitor::GceMetrics,
+    /// The notice sources' own families (e.g. GCE's upcoming maintenance).
+    sources: notice::SourceMetrics,
     gpu: Arc<gpu::GpuMetrics>,
     upload: Arc<crate::upload::UploadMetrics>,
 }
@@ -197,13 +198,13 @@ impl Telemetry {
     fn register() -> Self {
         let mut registry = Registry::default();
         let metrics = Arc::new(Metrics::register(&mut registry));
-        let gce = notice::monitor::GceMetrics::register(&mut registry);
+        let sources = notice::SourceMetrics::register(&mut registry);
         let gpu = Arc::new(gpu::GpuMetrics::register(&mut registry));
         let upload = Arc::new(crate::upload::UploadMetrics::register(&mut registry));
         Telemetry {
             registry,
             metrics,
-            gce,
+            sources,
             gpu,
             upload,
         }
@@ -344,7 +345,7 @@ fn spawn_notice_sources(
         .args
         .cloud
         .source()
-        .map(|src| build_source(cfg, src, &telemetry.metrics, &telemetry.gce))
+        .map(|cloud| build_source(cfg, cloud, &telemetry.metrics, &telemetry.sources))
         .transpose()?;
     match &source {
         Some(s) => tasks.spawn(
@@ -364,7 +365,7 @@ fn spawn_notice_sources(
                 tx,
                 telemetry.metrics.clone(),
                 health.clone(),
-                telemetry.gce.clone(),
+                telemetry.sources.clone(),
                 cancel.child_token(),
             ),
         ),
@@ -383,7 +384,7 @@ async fn detect_and_monitor(
     tx: mpsc::Sender<notice::Notice>,
     metrics: Arc<Metrics>,
     health: Arc<PollHealth>,
-    gce_metrics: notice::monitor::GceMetrics,
+    own_metrics: notice::SourceMetrics,
     cancel: CancellationToken,
 ) {
     let mut backoff = Backoff::new(Duration::from_secs(2), Duration::from_secs(60));
@@ -413,7 +414,7 @@ async fn detect_and_monitor(
         }
     };
     info!(cloud = source.as_str(), "cloud detected");
-    match build_source(&cfg, source, &metrics, &gce_metrics) {
+    match build_source(&cfg, source, &metrics, &own_metrics) {
         Ok(s) => run_monitor(s, tx, metrics, health, cancel).await,
         Err(e) => error!(error = %e, "cannot watch the detected cloud"),
     }
@@ -657,40 +658,23 @@ async fn supervise(
     }
 }
 
+/// The notice source of `cloud`, from `run`'s settings.
 fn build_source(
     cfg: &Config,
-    source: Source,
+    cloud: Cloud,
     metrics: &Arc<Metrics>,
-    gce_metrics: &notice::monitor::GceMetrics,
+    own_metrics: &notice::SourceMetrics,
 ) -> Result<Arc<dyn NoticeSource>, Error> {
-    let endpoint = cfg.args.metadata_endpoint.clone();
-    let built: Result<Arc<dyn NoticeSource>, notice::Error> = match source {
-        Source::Aws => notice::ec2::Ec2Imds::new(
-            notice::ec2::Ec2Config::new(
-                endpoint,
-                cfg.args.poll_interval,
-                cfg.args.imds_v1_fallback,
-            ),
-            metrics.clone(),
-        )
-        .map(|s| Arc::new(s) as Arc<dyn NoticeSource>),
-        Source::Gce => notice::gce::GceMetadata::new(
-            notice::gce::GceConfig::new(endpoint, cfg.args.gce_preemption_notice),
-            metrics.clone(),
-            gce_metrics.clone(),
-        )
-        .map(|s| Arc::new(s) as Arc<dyn NoticeSource>),
-        Source::Azure => notice::azure::AzureScheduledEvents::new(
-            notice::azure::AzureConfig::new(
-                endpoint,
-                cfg.args.poll_interval,
-                cfg.args.azure_vm_name.clone(),
-            ),
-            metrics.clone(),
-        )
-        .map(|s| Arc::new(s) as Arc<dyn NoticeSource>),
+    let settings = notice::Settings {
+        endpoint: cfg.args.metadata_endpoint.clone(),
+        poll_interval: cfg.args.poll_interval,
+        imds_v1_fallback: cfg.args.imds_v1_fallback,
+        gce_preemption_notice: cfg.args.gce_preemption_notice,
+        azure_vm_name: cfg.args.azure_vm_name.clone(),
     };
-    built.map_err(|e| Error::Source(e.to_string()))
+    cloud
+        .source(&settings, metrics, own_metrics)
+        .map_err(|e| Error::Source(e.to_string()))
 }
 
 fn hostname() -> String {

@@ -9,7 +9,7 @@ use async_trait::async_trait;
 use jiff::Timestamp;
 use serde::{Deserialize, Serialize};
 
-use crate::notice::{NoticeKind, Source};
+use crate::notice::{Cloud, NoticeKind};
 
 pub mod drain;
 pub mod filter;
@@ -67,7 +67,7 @@ impl Phase {
 pub struct PlanState {
     pub id: String,
     pub kind: NoticeKind,
-    pub source: Source,
+    pub source: Cloud,
     pub deadline: Option<Timestamp>,
     pub phase: Phase,
     #[serde(default, skip_serializing_if = "Option::is_none")]

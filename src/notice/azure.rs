@@ -21,13 +21,53 @@ use jiff::Timestamp;
 use reqwest::Url;
 use serde::{Deserialize, Serialize};
 
+use super::detect::Dmi;
 use super::ec2::parse_rfc2822;
 use super::http::{
     constant_url, endpoint_url, metadata_client, parse_error, read_body, request_error,
 };
 use super::monitor::ErrorReporter;
-use super::{content_id, Error, Notice, NoticeKind, NoticeSource, Source};
+use super::{
+    content_id, Cloud, CloudFacts, Error, Notice, NoticeKind, NoticeSource, Probe, Settings,
+    SourceMetrics,
+};
 use crate::metrics::Metrics;
+
+/// What the agent knows about Azure ([`Cloud::Azure`]).
+pub const FACTS: CloudFacts = CloudFacts {
+    name: "azure",
+    // About 30 s of notice: 8 s of it kept for evictions.
+    drain_reserve: Duration::from_secs(8),
+    interruption_notice: Duration::from_secs(30),
+    max_interruption_notice: None,
+    drill_notice: "Azure Scheduled Events Preempt: NotBefore 30 s ahead",
+    drill_detection: "by the agent polling the emulated Azure Scheduled Events (1s)",
+    // Plain Hyper-V has the vendor but not Azure's asset tag.
+    dmi: |d: &Dmi| {
+        d.sys_vendor == "Microsoft Corporation" && d.chassis_asset_tag == AZURE_ASSET_TAG
+    },
+    probe: Probe {
+        method: reqwest::Method::GET,
+        path: "/metadata/instance/compute/vmId?api-version=2021-02-01&format=text",
+        header: ("Metadata", "true"),
+    },
+    build,
+};
+
+/// Azure's fixed chassis asset tag.
+pub const AZURE_ASSET_TAG: &str = "7783-7084-3265-9085-8269-3286-77";
+
+fn build(
+    s: &Settings,
+    metrics: &Arc<Metrics>,
+    _own: &SourceMetrics,
+) -> Result<Arc<dyn NoticeSource>, Error> {
+    let config = AzureConfig::new(s.endpoint.clone(), s.poll_interval, s.azure_vm_name.clone());
+    Ok(Arc::new(AzureScheduledEvents::new(
+        config,
+        metrics.clone(),
+    )?))
+}
 
 const EVENTS_PATH: &str = "/metadata/scheduledevents";
 const EVENTS_API_VERSION: &str = "2020-07-01";
@@ -156,7 +196,7 @@ impl AzureScheduledEvents {
             vm_name: tokio::sync::Mutex::new(vm_name),
             answered_once: AtomicBool::new(false),
             seen: Mutex::new(Seen::default()),
-            reporter: ErrorReporter::new(Source::Azure.as_str(), metrics),
+            reporter: ErrorReporter::new(Cloud::Azure.as_str(), metrics),
         })
     }
 
@@ -231,7 +271,7 @@ impl AzureScheduledEvents {
         };
         let id = if ev.event_id.is_empty() {
             content_id(
-                Source::Azure,
+                Cloud::Azure,
                 kind.label(),
                 &[&ev.event_type, &ev.not_before],
             )
@@ -241,7 +281,7 @@ impl AzureScheduledEvents {
         Ok(Some(Notice {
             id,
             kind,
-            source: Source::Azure,
+            source: Cloud::Azure,
             deadline: Some(when),
             not_before: Some(when),
             detail: format!(
@@ -258,7 +298,7 @@ impl AzureScheduledEvents {
 /// Whether `notice` is an Azure `Freeze` event: the VM is paused for a few seconds, not restarted
 /// or moved, so it gets its own policy (`--on-azure-freeze`, default `ignore`).
 pub fn is_freeze(notice: &Notice) -> bool {
-    notice.source == Source::Azure
+    notice.source == Cloud::Azure
         && notice.kind == NoticeKind::Maintenance
         && notice.detail.starts_with("Freeze (")
 }
@@ -280,7 +320,7 @@ fn names_vm(ev: &Event, vm_name: &str) -> bool {
 #[async_trait]
 impl NoticeSource for AzureScheduledEvents {
     fn name(&self) -> &'static str {
-        Source::Azure.as_str()
+        Cloud::Azure.as_str()
     }
 
     fn poll_interval(&self) -> Duration {
@@ -327,9 +367,9 @@ impl NoticeSource for AzureScheduledEvents {
             }
             tracing::info!(event_id = %id, "scheduled event disappeared; cancelled");
             notices.push(Notice {
-                id: content_id(Source::Azure, "cancelled", &[&id]),
+                id: content_id(Cloud::Azure, "cancelled", &[&id]),
                 kind: NoticeKind::Cancelled(id.clone()),
-                source: Source::Azure,
+                source: Cloud::Azure,
                 deadline: None,
                 not_before: None,
                 detail: format!("scheduled event {id} is no longer listed"),
@@ -343,7 +383,7 @@ impl NoticeSource for AzureScheduledEvents {
 
     /// Approve the scheduled event `notice.id` so that it starts now.
     async fn acknowledge(&self, notice: &Notice) -> Result<(), Error> {
-        if notice.source != Source::Azure || matches!(notice.kind, NoticeKind::Cancelled(_)) {
+        if notice.source != Cloud::Azure || matches!(notice.kind, NoticeKind::Cancelled(_)) {
             return Ok(());
         }
         let event_id = notice.id.as_str();

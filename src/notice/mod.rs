@@ -3,15 +3,17 @@
 //!
 //! Sources (`ec2`, `gce`, `azure`) turn their endpoint's answers into notices; "nothing pending"
 //! (a 404, `[]`, `FALSE`) is decided inside each source. The `store` owns dedupe and deadlines.
+//! Each source also supplies what the rest of the agent knows about its cloud ([`CloudFacts`],
+//! linked from [`Cloud`] in `cloud`).
 
 pub mod azure;
+mod cloud;
 pub mod detect;
 pub mod ec2;
 pub mod gce;
 mod http;
 pub mod monitor;
 
-use std::fmt;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -19,30 +21,10 @@ use jiff::Timestamp;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-/// Which cloud a notice came from.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Source {
-    Aws,
-    Gce,
-    Azure,
-}
+pub use cloud::{Cloud, CloudFacts, Probe, Settings, SourceMetrics};
 
-impl Source {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Source::Aws => "aws",
-            Source::Gce => "gce",
-            Source::Azure => "azure",
-        }
-    }
-}
-
-impl fmt::Display for Source {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
+/// The name notices and plan records give their cloud (`source`): [`Cloud`] itself.
+pub type Source = Cloud;
 
 /// What a notice announces.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -77,7 +59,7 @@ pub struct Notice {
     /// of the notice's content (see [`content_id`]).
     pub id: String,
     pub kind: NoticeKind,
-    pub source: Source,
+    pub source: Cloud,
     /// When the instance goes away (interruption) or the maintenance window starts.
     /// `None` or a time in the past means "now".
     pub deadline: Option<Timestamp>,
@@ -107,7 +89,7 @@ impl Notice {
 
 /// A stable id derived from a notice's content (source, kind label and the parts given), so that
 /// re-polls of the same event dedupe. 16 hex chars of SHA-256.
-pub fn content_id(source: Source, kind: &str, parts: &[&str]) -> String {
+pub fn content_id(source: Cloud, kind: &str, parts: &[&str]) -> String {
     let mut h = Sha256::new();
     h.update(source.as_str().as_bytes());
     h.update([0u8]);

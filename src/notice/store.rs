@@ -20,7 +20,6 @@
 //!   (resume or remember it) from one of a previous life (undo, clear, arm again).
 
 use std::collections::HashMap;
-use std::time::Duration;
 
 use jiff::Timestamp;
 
@@ -248,17 +247,16 @@ pub fn resume(state: &PlanState, boot_id: Option<&str>) -> Resume {
     }
 }
 
-/// EC2 gives at most two minutes between the instance-action notice and the action.
-pub const EC2_INTERRUPTION_NOTICE: Duration = Duration::from_secs(120);
-
-/// The deadline of `notice` as far as it can be trusted: an EC2 instance-action `time` outside
-/// [first seen, first seen + 120 s] (a skewed or bogus clock) is clamped into it.
+/// The deadline of `notice` as far as it can be trusted: an interruption's deadline outside
+/// [first seen, first seen + the most notice its cloud gives] (a skewed or bogus clock: an EC2
+/// instance-action `time`) is clamped into it ([`super::CloudFacts::max_interruption_notice`]).
 pub fn checked_deadline(notice: &Notice) -> Option<Timestamp> {
-    if notice.source != super::Source::Aws || notice.kind != NoticeKind::Interruption {
+    let max = notice.source.facts().max_interruption_notice;
+    let Some(max) = max.filter(|_| notice.kind == NoticeKind::Interruption) else {
         return notice.deadline;
-    }
+    };
     let first_seen = notice.observed_at;
-    let latest = crate::duration::add(first_seen, EC2_INTERRUPTION_NOTICE);
+    let latest = crate::duration::add(first_seen, max);
     Some(match notice.deadline {
         Some(d) if d > latest => latest,
         Some(d) if d < first_seen => first_seen,
@@ -270,7 +268,7 @@ pub fn checked_deadline(notice: &Notice) -> Option<Timestamp> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::notice::Source;
+    use crate::notice::Cloud;
 
     fn ts(s: i64) -> Timestamp {
         Timestamp::from_second(1_800_000_000 + s).unwrap()
@@ -280,7 +278,7 @@ mod tests {
         Notice {
             id: id.into(),
             kind,
-            source: Source::Aws,
+            source: Cloud::Aws,
             deadline: deadline.map(ts),
             not_before: deadline.map(ts),
             detail: String::new(),
@@ -308,7 +306,7 @@ mod tests {
         );
         // Another source, earlier deadline: moves it.
         let mut g = notice("c", NoticeKind::Interruption, Some(90));
-        g.source = Source::Gce;
+        g.source = Cloud::Gce;
         assert_eq!(s.accept(&g, now), Decision::DeadlineMoved(ts(90)));
         assert_eq!(s.interruption(), Some(("a", ts(90))));
     }
@@ -421,7 +419,7 @@ mod tests {
         assert!(matches!(d, Decision::StartInterruption(ref n) if n.deadline == Some(ts(120))));
         // Other clouds' deadlines are their own (GCE: detection + notice).
         let mut g = notice("g", NoticeKind::Interruption, Some(3600));
-        g.source = Source::Gce;
+        g.source = Cloud::Gce;
         assert_eq!(checked_deadline(&g), Some(ts(3600)));
     }
 

@@ -47,7 +47,7 @@ use crate::node::{
     TaintEffect,
 };
 use crate::notice::store::{self, Decision, NoticeStore, Resume};
-use crate::notice::{Notice, NoticeKind, NoticeSource, Source};
+use crate::notice::{Cloud, Notice, NoticeKind, NoticeSource};
 
 mod plan;
 mod records;
@@ -77,8 +77,8 @@ pub struct ResponderConfig {
 }
 
 impl ResponderConfig {
-    fn reserve(&self, source: Source) -> Duration {
-        crate::config::drain_reserve(self.drain_reserve, source)
+    fn reserve(&self, source: Cloud) -> Duration {
+        source.drain_reserve(self.drain_reserve)
     }
 }
 
@@ -793,7 +793,7 @@ mod tests {
         let n = |kind: NoticeKind, detail: &str| Notice {
             id: "n".into(),
             kind,
-            source: Source::Azure,
+            source: Cloud::Azure,
             deadline: None,
             not_before: None,
             detail: detail.into(),
@@ -827,7 +827,7 @@ mod tests {
         c3.on_azure_freeze = MaintenanceAction::Cordon;
         let f = steps_for(&freeze, &c3).unwrap();
         assert!(f.cordon && !f.checkpoint && !f.drain);
-        assert_eq!(c.reserve(Source::Aws), Duration::from_secs(25));
-        assert_eq!(c.reserve(Source::Gce), Duration::from_secs(8));
+        assert_eq!(c.reserve(Cloud::Aws), Duration::from_secs(25));
+        assert_eq!(c.reserve(Cloud::Gce), Duration::from_secs(8));
     }
 }

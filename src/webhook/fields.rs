@@ -310,7 +310,7 @@ pub(super) mod tests {
         let notice = Notice {
             id: "abc".into(),
             kind: crate::notice::NoticeKind::Maintenance,
-            source: crate::notice::Source::Azure,
+            source: crate::notice::Cloud::Azure,
             deadline: None,
             not_before: None,
             detail: "Reboot".into(),
