@@ -92,8 +92,12 @@ pub struct CloudFacts {
     /// body.
     pub probe: Probe,
     /// Build the source.
-    pub build: fn(&Settings, &Arc<Metrics>, &SourceMetrics) -> Result<Arc<dyn NoticeSource>, Error>,
+    pub build: BuildSource,
 }
+
+/// How a source is built from `run`'s settings, the agent's metrics and its own.
+pub type BuildSource =
+    fn(&Settings, &Arc<Metrics>, &SourceMetrics) -> Result<Arc<dyn NoticeSource>, Error>;
 
 /// A detection probe: `method path` with one header the metadata service requires.
 #[derive(Clone, Debug)]
