@@ -28,8 +28,8 @@ use super::http::{
 };
 use super::monitor::ErrorReporter;
 use super::{
-    content_id, Cloud, CloudFacts, Error, Notice, NoticeKind, NoticeSource, Probe, Settings,
-    SourceMetrics,
+    content_id, Cloud, CloudFacts, Error, MaintenanceKind, Notice, NoticeKind, NoticeSource, Probe,
+    Settings, SourceMetrics,
 };
 use crate::metrics::Metrics;
 
@@ -51,6 +51,7 @@ pub const FACTS: CloudFacts = CloudFacts {
         path: "/metadata/instance/compute/vmId?api-version=2021-02-01&format=text",
         header: ("Metadata", "true"),
     },
+    maintenance_of_detail,
     build,
 };
 
@@ -254,10 +255,11 @@ impl AzureScheduledEvents {
     }
 
     fn to_notice(&self, ev: &Event, now: Timestamp) -> Result<Option<Notice>, Error> {
-        let (kind, restart) = match ev.event_type.as_str() {
-            "Preempt" | "Terminate" => (NoticeKind::Interruption, false),
-            "Reboot" | "Redeploy" => (NoticeKind::Maintenance, true),
-            "Freeze" => (NoticeKind::Maintenance, false),
+        let (kind, restart, maintenance) = match ev.event_type.as_str() {
+            "Preempt" | "Terminate" => (NoticeKind::Interruption, false, MaintenanceKind::Other),
+            "Reboot" | "Redeploy" => (NoticeKind::Maintenance, true, MaintenanceKind::Other),
+            // A pause of seconds: its own policy (`--on-azure-freeze`).
+            "Freeze" => (NoticeKind::Maintenance, false, MaintenanceKind::Freeze),
             other => {
                 tracing::warn!(event_type = other, event_id = %ev.event_id, "unknown scheduled event type; ignored");
                 return Ok(None);
@@ -290,17 +292,20 @@ impl AzureScheduledEvents {
             ),
             restart,
             published_at: None,
+            maintenance,
             observed_at: now,
         }))
     }
 }
 
-/// Whether `notice` is an Azure `Freeze` event: the VM is paused for a few seconds, not restarted
-/// or moved, so it gets its own policy (`--on-azure-freeze`, default `ignore`).
-pub fn is_freeze(notice: &Notice) -> bool {
-    notice.source == Cloud::Azure
-        && notice.kind == NoticeKind::Maintenance
-        && notice.detail.starts_with("Freeze (")
+/// The kind of maintenance a notice's `detail` names: the `detail` of an Azure event starts with
+/// its type (`Freeze (Scheduled, Platform): …`). A plan record keeps the detail, not the kind.
+fn maintenance_of_detail(detail: &str) -> MaintenanceKind {
+    if detail.starts_with("Freeze (") {
+        MaintenanceKind::Freeze
+    } else {
+        MaintenanceKind::Other
+    }
 }
 
 /// Azure resource names: 1–64 characters of letters, digits, `-`, `_` and `.`.
@@ -375,6 +380,7 @@ impl NoticeSource for AzureScheduledEvents {
                 detail: format!("scheduled event {id} is no longer listed"),
                 restart: false,
                 published_at: None,
+                maintenance: MaintenanceKind::Other,
                 observed_at: now,
             });
         }
@@ -461,7 +467,13 @@ mod tests {
         let d = s.to_notice(&event("Redeploy", ""), now).unwrap().unwrap();
         assert!(d.restart);
         let f = s.to_notice(&event("Freeze", ""), now).unwrap().unwrap();
-        assert_eq!((f.kind, f.restart), (NoticeKind::Maintenance, false));
+        assert_eq!(
+            (f.kind.clone(), f.restart),
+            (NoticeKind::Maintenance, false)
+        );
+        assert_eq!(f.maintenance, MaintenanceKind::Freeze);
+        assert_eq!(maintenance_of_detail(&f.detail), MaintenanceKind::Freeze);
+        assert_eq!(maintenance_of_detail(&r.detail), MaintenanceKind::Other);
         assert!(s.to_notice(&event("Teleport", ""), now).unwrap().is_none());
         let bad = s
             .to_notice(&event("Preempt", "next tuesday"), now)

@@ -15,7 +15,7 @@ use reqwest::{Method, Url};
 use serde::{Deserialize, Serialize};
 
 use super::detect::Dmi;
-use super::{azure, ec2, gce, Error, NoticeSource};
+use super::{azure, ec2, gce, Error, MaintenanceKind, NoticeSource};
 use crate::metrics::Metrics;
 
 /// A cloud whose metadata service spotguard watches.
@@ -49,6 +49,11 @@ impl Cloud {
     /// this cloud's default.
     pub fn drain_reserve(self, flag: Option<Duration>) -> Duration {
         flag.unwrap_or(self.facts().drain_reserve)
+    }
+
+    /// The kind of maintenance a notice's `detail` names (a plan record keeps the detail).
+    pub fn maintenance_of_detail(self, detail: &str) -> MaintenanceKind {
+        (self.facts().maintenance_of_detail)(detail)
     }
 
     /// Build this cloud's notice source from `run`'s settings.
@@ -91,6 +96,10 @@ pub struct CloudFacts {
     /// `--cloud auto`: the request only this cloud's metadata service answers with a non-empty
     /// body.
     pub probe: Probe,
+    /// The kind of maintenance a notice's `detail` names: plan records keep the cloud's
+    /// `detail`, not the typed [`MaintenanceKind`] (their format predates it), so a resumed plan
+    /// learns it back from the source that wrote the detail.
+    pub maintenance_of_detail: fn(&str) -> MaintenanceKind,
     /// Build the source.
     pub build: BuildSource,
 }

@@ -23,8 +23,8 @@ use super::http::{
 };
 use super::monitor::ErrorReporter;
 use super::{
-    content_id, Cloud, CloudFacts, Error, Notice, NoticeKind, NoticeSource, Probe, Settings,
-    SourceMetrics,
+    content_id, Cloud, CloudFacts, Error, MaintenanceKind, Notice, NoticeKind, NoticeSource, Probe,
+    Settings, SourceMetrics,
 };
 use crate::metrics::Metrics;
 
@@ -45,6 +45,7 @@ pub const FACTS: CloudFacts = CloudFacts {
         path: TOKEN_PATH,
         header: ("X-aws-ec2-metadata-token-ttl-seconds", "60"),
     },
+    maintenance_of_detail: |_| MaintenanceKind::Other,
     build,
 };
 
@@ -486,6 +487,7 @@ fn parse_instance_action(url: &Url, body: &str, now: Timestamp) -> Result<Notice
         detail: format!("spot instance-action {} at {}", ia.action, ia.time),
         restart: false,
         published_at: None,
+        maintenance: MaintenanceKind::Other,
         observed_at: now,
     })
 }
@@ -509,6 +511,7 @@ fn parse_rebalance(url: &Url, body: &str, now: Timestamp) -> Result<Notice, Erro
         detail: format!("rebalance recommendation at {}", r.notice_time),
         restart: false,
         published_at: Some(published),
+        maintenance: MaintenanceKind::Other,
         observed_at: now,
     })
 }
@@ -555,6 +558,7 @@ fn vanished_event(event_id: &str, now: Timestamp) -> Notice {
         detail: format!("scheduled event {event_id} left the schedule (canceled or completed)"),
         restart: false,
         published_at: None,
+        maintenance: MaintenanceKind::Other,
         observed_at: now,
     }
 }
@@ -570,6 +574,7 @@ fn vanished_interruption(id: &str, now: Timestamp) -> Notice {
         detail: format!("spot instance-action {id} is no longer served"),
         restart: false,
         published_at: None,
+        maintenance: MaintenanceKind::Other,
         observed_at: now,
     }
 }
@@ -604,6 +609,7 @@ fn parse_scheduled(url: &Url, body: &str, now: Timestamp) -> Result<(Vec<Notice>
                 detail: format!("scheduled event {} {}", ev.code, state),
                 restart: false,
                 published_at: None,
+                maintenance: MaintenanceKind::Other,
                 observed_at: now,
             });
             continue;
@@ -627,6 +633,7 @@ fn parse_scheduled(url: &Url, body: &str, now: Timestamp) -> Result<(Vec<Notice>
             ),
             restart: RESTART_CODES.contains(&ev.code.as_str()),
             published_at: None,
+            maintenance: MaintenanceKind::Other,
             observed_at: now,
         });
     }

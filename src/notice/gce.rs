@@ -35,8 +35,8 @@ use super::http::{
 };
 use super::monitor::ErrorReporter;
 use super::{
-    content_id, Cloud, CloudFacts, Error, Notice, NoticeKind, NoticeSource, Probe, Settings,
-    SourceMetrics,
+    content_id, Cloud, CloudFacts, Error, MaintenanceKind, Notice, NoticeKind, NoticeSource, Probe,
+    Settings, SourceMetrics,
 };
 use crate::backoff::Backoff;
 use crate::metrics::Metrics;
@@ -61,6 +61,7 @@ pub const FACTS: CloudFacts = CloudFacts {
         path: "/computeMetadata/v1/instance/id",
         header: (FLAVOR_HEADER, FLAVOR),
     },
+    maintenance_of_detail: |_| MaintenanceKind::Other,
     build,
 };
 
@@ -377,6 +378,7 @@ impl GceMetadata {
                             ),
                             restart: false,
                             published_at: None,
+                            maintenance: MaintenanceKind::Other,
                             observed_at: now,
                         });
                     }
@@ -430,6 +432,7 @@ impl GceMetadata {
                             detail: "maintenance-event=TERMINATE_ON_HOST_MAINTENANCE".to_string(),
                             restart: w.automatic_restart.unwrap_or(false),
                             published_at: None,
+                            maintenance: MaintenanceKind::Other,
                             observed_at: now,
                         });
                     }
@@ -516,6 +519,7 @@ fn cancelled(prev: &Notice, now: Timestamp) -> Notice {
         detail: format!("no longer announced: {}", prev.detail),
         restart: false,
         published_at: None,
+        maintenance: MaintenanceKind::Other,
         observed_at: now,
     }
 }
@@ -585,6 +589,7 @@ fn parse_upcoming(
         ),
         restart: false,
         published_at: None,
+        maintenance: MaintenanceKind::Other,
         observed_at: now,
     };
     Ok(Some((notice, reasons)))

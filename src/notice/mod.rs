@@ -21,7 +21,7 @@ use jiff::Timestamp;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-pub use cloud::{Cloud, CloudFacts, Probe, Settings, SourceMetrics};
+pub use cloud::{BuildSource, Cloud, CloudFacts, Probe, Settings, SourceMetrics};
 
 /// The name notices and plan records give their cloud (`source`): [`Cloud`] itself.
 pub type Source = Cloud;
@@ -52,6 +52,19 @@ impl NoticeKind {
     }
 }
 
+/// What a scheduled maintenance does to the machine, as its source tells: a typed fact, so that
+/// nothing downstream parses a notice's `detail`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MaintenanceKind {
+    /// Every other maintenance (and every notice that is not one).
+    #[default]
+    Other,
+    /// The machine is paused for a few seconds, neither restarted nor moved (Azure `Freeze`): it
+    /// follows its own policy (`--on-azure-freeze`, default `ignore`), not `--on-maintenance`.
+    Freeze,
+}
+
 /// One notice as seen by a source.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Notice {
@@ -72,6 +85,9 @@ pub struct Notice {
     /// GCE host maintenance with restart): spotguard uncordons at start-up after such a reboot.
     #[serde(default)]
     pub restart: bool,
+    /// What kind of maintenance it is ([`MaintenanceKind::Other`] for other notices).
+    #[serde(default)]
+    pub maintenance: MaintenanceKind,
     /// When the cloud published the notice, where it says so (EC2 rebalance `noticeTime`), for
     /// the detection-latency metric.
     #[serde(default, skip_serializing_if = "Option::is_none")]

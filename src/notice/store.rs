@@ -284,6 +284,7 @@ mod tests {
             detail: String::new(),
             restart: false,
             published_at: None,
+            maintenance: crate::notice::MaintenanceKind::Other,
             observed_at: ts(0),
         }
     }

@@ -47,7 +47,7 @@ use crate::node::{
     TaintEffect,
 };
 use crate::notice::store::{self, Decision, NoticeStore, Resume};
-use crate::notice::{Cloud, Notice, NoticeKind, NoticeSource};
+use crate::notice::{Cloud, MaintenanceKind, Notice, NoticeKind, NoticeSource};
 
 mod plan;
 mod records;
@@ -154,7 +154,7 @@ fn steps_for(notice: &Notice, cfg: &ResponderConfig) -> Option<Steps> {
         checkpoint: true,
         drain: true,
     };
-    let maintenance = if crate::notice::azure::is_freeze(notice) {
+    let maintenance = if notice.maintenance == MaintenanceKind::Freeze {
         cfg.on_azure_freeze
     } else {
         cfg.on_maintenance
@@ -763,6 +763,7 @@ fn notice_from_state(state: &PlanState) -> Notice {
         },
         restart: state.restart,
         published_at: None,
+        maintenance: state.source.maintenance_of_detail(&state.detail),
         observed_at: state.updated_at,
     }
 }
@@ -799,6 +800,8 @@ mod tests {
             detail: detail.into(),
             restart: false,
             published_at: None,
+            // As the Azure source types it.
+            maintenance: Cloud::Azure.maintenance_of_detail(detail),
             observed_at: Timestamp::now(),
         };
         let s = steps_for(&n(NoticeKind::Interruption, ""), &c).unwrap();

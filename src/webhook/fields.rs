@@ -316,6 +316,7 @@ pub(super) mod tests {
             detail: "Reboot".into(),
             restart: true,
             published_at: None,
+            maintenance: crate::notice::MaintenanceKind::Other,
             observed_at: now(),
         };
         let f = NotifyFields::from_notice(&notice, "node-9", "vm-9", "drain");
