@@ -20,11 +20,12 @@ use crate::checkpoint::procfs::ProcFs;
 use crate::checkpoint::TargetDiscovery;
 use crate::config::{Config, Mode};
 use crate::metrics::Metrics;
-use crate::node::host::{HostNodeOps, StateFile};
+use crate::node::host::HostNodeOps;
 use crate::node::kube::KubeNodeOps;
 use crate::node::NodeOps;
 use crate::notice::monitor::{run_monitor, PollHealth};
 use crate::notice::{self, Cloud, NoticeSource};
+use crate::responder::record::StateFile;
 use crate::responder::{PlanEvent, Responder, ResponderConfig, StartHook};
 use crate::{gpu, prefetch, webhook};
 
@@ -260,7 +261,7 @@ async fn node_and_discovery(
 ) -> Result<(Arc<dyn NodeOps>, Arc<dyn TargetDiscovery>), Error> {
     match cfg.mode {
         Mode::Host => {
-            let node = Arc::new(HostNodeOps::new(&cfg.args.state_dir, cfg.args.dry_run));
+            let node = Arc::new(HostNodeOps::new());
             let discovery = Arc::new(
                 HostDiscovery::new(HostTargets {
                     units: cfg.args.checkpoint_unit.clone(),

@@ -2,7 +2,7 @@
 //! [`NoticeSource`] seam, and the per-source monitor loop.
 //!
 //! Sources (`ec2`, `gce`, `azure`) turn their endpoint's answers into notices; "nothing pending"
-//! (a 404, `[]`, `FALSE`) is decided inside each source. The `store` owns dedupe and deadlines.
+//! (a 404, `[]`, `FALSE`) is decided inside each source. What a notice means for the plan is the responder's (its notice store).
 //! Each source also supplies what the rest of the agent knows about its cloud ([`CloudFacts`],
 //! linked from [`Cloud`] in `cloud`).
 
@@ -197,4 +197,3 @@ impl Error {
         }
     }
 }
-pub mod store;

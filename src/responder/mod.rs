@@ -41,20 +41,20 @@ use crate::config::{MaintenanceAction, RebalanceAction};
 use crate::duration;
 use crate::life::Lives;
 use crate::metrics::{Metrics, NoticeLabels, OutcomeLabels, SourceLabels};
-use crate::node::host::{RecordedTarget, StateFile};
 use crate::node::{
     reason, Applied, DrainReport, DrainRequest, EventType, NodeOps, Phase, PlanState, Protection,
     TaintEffect,
 };
-use crate::notice::store::{self, Decision, NoticeStore, Resume};
 use crate::notice::{Cloud, MaintenanceKind, Notice, NoticeKind, NoticeSource};
 
 mod plan;
-mod records;
+pub mod record;
+mod store;
 mod undo;
 
 use plan::*;
-use records::*;
+use record::{RecordedTarget, Records, Resume, StateFile, LOAD_BUDGET};
+use store::{Decision, NoticeStore};
 use undo::*;
 
 /// Settings of the responder (from `run` flags).
@@ -660,23 +660,23 @@ impl Responder {
         let loaded = Records::new(&self.deps).load_all().await;
         let now = Timestamp::now();
         for state in loaded.earlier {
-            let decision = store::resume(&state, self.deps.life.id().as_deref());
+            let decision = record::resume(&state, self.deps.life.id().as_deref());
             info!(notice_id = %state.id, phase = state.phase.as_str(), kind = state.kind.label(), previous_life = decision == Resume::PreviousLife, "found an earlier plan of another kind");
             match decision {
                 Resume::PreviousLife => self.undoer().previous_life(state).await,
-                _ => st.store.restore_state(&state, now),
+                _ => record::remember(&mut st.store, &state, now),
             }
         }
         let Some(state) = loaded.latest else {
             return;
         };
-        let decision = store::resume(&state, self.deps.life.id().as_deref());
+        let decision = record::resume(&state, self.deps.life.id().as_deref());
         info!(notice_id = %state.id, phase = state.phase.as_str(), kind = state.kind.label(), previous_life = decision == Resume::PreviousLife, "found persisted plan state");
         match decision {
             Resume::PreviousLife => self.undoer().previous_life(state).await,
-            Resume::Remember => st.store.restore_state(&state, now),
+            Resume::Remember => record::remember(&mut st.store, &state, now),
             Resume::AwaitExpiry => {
-                st.store.restore_state(&state, now);
+                record::remember(&mut st.store, &state, now);
                 let left = state
                     .deadline
                     .map(|d| duration::until(d, now))
@@ -685,8 +685,8 @@ impl Responder {
                 st.rebalance_expiry = Some((state.id.clone(), t));
             }
             Resume::Continue => {
-                st.store.restore_state(&state, now);
-                let notice = notice_from_state(&state);
+                record::remember(&mut st.store, &state, now);
+                let notice = record::notice_of(&state);
                 st.running = Some(self.start_plan(notice, Some((state, loaded.targets)), st));
             }
         }
@@ -746,25 +746,6 @@ impl Responder {
             task,
             deadline_tx,
         }
-    }
-}
-
-fn notice_from_state(state: &PlanState) -> Notice {
-    Notice {
-        id: state.id.clone(),
-        kind: state.kind.clone(),
-        source: state.source,
-        deadline: state.deadline,
-        not_before: state.deadline,
-        detail: if state.detail.is_empty() {
-            "resumed from persisted state".into()
-        } else {
-            state.detail.clone()
-        },
-        restart: state.restart,
-        published_at: None,
-        maintenance: state.source.maintenance_of_detail(&state.detail),
-        observed_at: state.updated_at,
     }
 }
 

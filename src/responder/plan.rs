@@ -9,6 +9,15 @@ use crate::checkpoint::Outcome;
 /// by `crate::backoff`, while the deadline allows.
 const DRAIN_RETRY_PAUSE: Duration = Duration::from_secs(1);
 
+/// Upper bound of one step beside the signal (protect, Event, annotation): a quarter of the time
+/// left, between 1 s and 10 s.
+pub(super) const SIDE_BUDGET_MAX: Duration = Duration::from_secs(10);
+pub(super) const SIDE_BUDGET_MIN: Duration = Duration::from_secs(1);
+
+pub(super) fn side_budget(deadline: Timestamp, now: Timestamp) -> Duration {
+    (duration::until(deadline, now) / 4).clamp(SIDE_BUDGET_MIN, SIDE_BUDGET_MAX)
+}
+
 /// One plan in progress.
 pub(super) struct Plan {
     pub(super) seq: u64,

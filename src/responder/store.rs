@@ -16,15 +16,15 @@
 //!   occurrence; a stale report observed before the cancel is not.
 //! - A rebalance recommendation stays known after its expiry: the metadata service keeps serving
 //!   the same `noticeTime` until the instance dies, and one recommendation is one plan.
-//! - Persisted state carries the boot id: [`resume`] tells a record of this life of the machine
-//!   (resume or remember it) from one of a previous life (undo, clear, arm again).
+//!
+//! What a persisted plan record means at start-up is the record's ([`super::record`]); what it
+//! restores here goes through [`NoticeStore::restore`] and [`NoticeStore::restore_interruption`].
 
 use std::collections::HashMap;
 
 use jiff::Timestamp;
 
-use super::{Notice, NoticeKind};
-use crate::node::{Phase, PlanState};
+use crate::notice::{Notice, NoticeKind};
 
 /// What the responder should do with a notice.
 #[derive(Clone, Debug, PartialEq)]
@@ -104,19 +104,6 @@ impl NoticeStore {
     /// `notice.json` naming it is from an earlier occurrence.
     pub fn reoccurred(&self, id: &str) -> bool {
         self.seen.get(id).is_some_and(|s| s.earlier > 0)
-    }
-
-    /// Restore what a persisted record of this life says: the interruption (never started
-    /// again), or a rebalance/maintenance notice (so that re-polls of it dedupe, also after its
-    /// plan was undone at expiry).
-    pub fn restore_state(&mut self, state: &PlanState, now: Timestamp) {
-        match &state.kind {
-            NoticeKind::Interruption => {
-                self.restore_interruption(&state.id, state.deadline.unwrap_or(now))
-            }
-            NoticeKind::Cancelled(_) => {}
-            kind => self.restore(&state.id, kind.clone(), state.deadline),
-        }
     }
 
     /// Decide what `notice` means. `now` resolves absent or past deadlines ("now").
@@ -222,34 +209,9 @@ impl NoticeStore {
     }
 }
 
-/// What a persisted record means at start-up.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Resume {
-    /// Written in a previous life of the machine: undo what spotguard applied, clear it, arm again.
-    PreviousLife,
-    /// Nothing left to do; remember the notice so that re-polls of it dedupe.
-    Remember,
-    /// A rebalance whose early checkpoint is done: remember it and undo at its expiry.
-    AwaitExpiry,
-    /// A plan of this life that had not finished: carry on from its phase.
-    Continue,
-}
-
-/// Decide what the persisted `state` means for an agent starting in boot `boot_id`.
-pub fn resume(state: &PlanState, boot_id: Option<&str>) -> Resume {
-    if !state.same_life(boot_id) {
-        return Resume::PreviousLife;
-    }
-    match (&state.kind, state.phase) {
-        (_, Phase::Done | Phase::Undone) => Resume::Remember,
-        (NoticeKind::Rebalance, phase) if phase >= Phase::Checkpointed => Resume::AwaitExpiry,
-        _ => Resume::Continue,
-    }
-}
-
 /// The deadline of `notice` as far as it can be trusted: an interruption's deadline outside
 /// [first seen, first seen + the most notice its cloud gives] (a skewed or bogus clock: an EC2
-/// instance-action `time`) is clamped into it ([`super::CloudFacts::max_interruption_notice`]).
+/// instance-action `time`) is clamped into it ([`crate::notice::CloudFacts::max_interruption_notice`]).
 pub fn checked_deadline(notice: &Notice) -> Option<Timestamp> {
     let max = notice.source.facts().max_interruption_notice;
     let Some(max) = max.filter(|_| notice.kind == NoticeKind::Interruption) else {
@@ -269,6 +231,7 @@ pub fn checked_deadline(notice: &Notice) -> Option<Timestamp> {
 mod tests {
     use super::*;
     use crate::notice::Cloud;
+    use crate::responder::record::{remember, resume, Resume};
 
     fn ts(s: i64) -> Timestamp {
         Timestamp::from_second(1_800_000_000 + s).unwrap()
@@ -552,7 +515,7 @@ mod tests {
                                 match resume(&p, Some(&boot_id)) {
                                     Resume::PreviousLife => persisted = None,
                                     Resume::Remember | Resume::AwaitExpiry | Resume::Continue => {
-                                        store.restore_state(&p, now)
+                                        remember(&mut store, &p, now)
                                     }
                                 }
                             }
