@@ -42,17 +42,19 @@ use crate::duration;
 use crate::life::Lives;
 use crate::metrics::{Metrics, NoticeLabels, OutcomeLabels, SourceLabels};
 use crate::node::{
-    reason, Applied, DrainReport, DrainRequest, EventType, NodeOps, Phase, PlanState, Protection,
-    TaintEffect,
+    reason, Applied, DrainReport, EventType, NodeOps, Phase, PlanState, TaintEffect,
 };
-use crate::notice::{Cloud, MaintenanceKind, Notice, NoticeKind, NoticeSource};
+use crate::notice::{Cloud, Notice, NoticeKind, NoticeSource};
 
 mod plan;
+mod policy;
 pub mod record;
+mod steps;
 mod store;
 mod undo;
 
 use plan::*;
+use policy::{policy_for, Policy};
 use record::{RecordedTarget, Records, Resume, StateFile, LOAD_BUDGET};
 use store::{Decision, NoticeStore};
 use undo::*;
@@ -138,70 +140,9 @@ pub enum PlanEvent {
     Undone { id: String, at: Timestamp },
 }
 
-/// The steps a plan takes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct Steps {
-    taint: Option<TaintEffect>,
-    cordon: bool,
-    checkpoint: bool,
-    drain: bool,
-}
-
-fn steps_for(notice: &Notice, cfg: &ResponderConfig) -> Option<Steps> {
-    let full = Steps {
-        taint: Some(TaintEffect::NoSchedule),
-        cordon: true,
-        checkpoint: true,
-        drain: true,
-    };
-    let maintenance = if notice.maintenance == MaintenanceKind::Freeze {
-        cfg.on_azure_freeze
-    } else {
-        cfg.on_maintenance
-    };
-    match &notice.kind {
-        NoticeKind::Interruption => Some(full),
-        NoticeKind::Maintenance => match maintenance {
-            MaintenanceAction::Ignore => None,
-            MaintenanceAction::Cordon => Some(Steps {
-                checkpoint: false,
-                drain: false,
-                ..full
-            }),
-            MaintenanceAction::Drain => Some(full),
-        },
-        NoticeKind::Rebalance => match cfg.on_rebalance {
-            RebalanceAction::Ignore => None,
-            RebalanceAction::Cordon => Some(Steps {
-                taint: Some(TaintEffect::PreferNoSchedule),
-                cordon: true,
-                checkpoint: false,
-                drain: false,
-            }),
-            RebalanceAction::Checkpoint => Some(Steps {
-                taint: Some(TaintEffect::PreferNoSchedule),
-                cordon: false,
-                checkpoint: true,
-                drain: false,
-            }),
-            RebalanceAction::Drain => Some(full),
-        },
-        NoticeKind::Cancelled(_) => None,
-    }
-}
-
 /// Nominal deadline for plans whose notice carries none (rebalance with `drain`): EC2's
 /// two-minute interruption warning.
 const NOMINAL_DEADLINE: Duration = Duration::from_secs(120);
-
-fn event_reason(kind: &NoticeKind) -> &'static str {
-    match kind {
-        NoticeKind::Interruption => reason::SPOT_INTERRUPTION,
-        NoticeKind::Rebalance => reason::REBALANCE,
-        NoticeKind::Maintenance => reason::MAINTENANCE,
-        NoticeKind::Cancelled(_) => reason::NOTICE_CANCELLED,
-    }
-}
 
 /// A running plan.
 struct Running {
@@ -746,72 +687,5 @@ impl Responder {
             task,
             deadline_tx,
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn cfg() -> ResponderConfig {
-        ResponderConfig {
-            on_rebalance: RebalanceAction::Checkpoint,
-            rebalance_expiry: Duration::from_secs(1800),
-            on_maintenance: MaintenanceAction::Drain,
-            on_azure_freeze: MaintenanceAction::Ignore,
-            maintenance_lead: Duration::from_secs(600),
-            checkpoint_timeout: Duration::from_secs(90),
-            drain_reserve: None,
-            force_delete_at_deadline: false,
-            drain_concurrency: 8,
-            dry_run: false,
-            shutdown_grace: Duration::from_secs(5),
-        }
-    }
-
-    #[test]
-    fn steps_follow_the_policies() {
-        let c = cfg();
-        let n = |kind: NoticeKind, detail: &str| Notice {
-            id: "n".into(),
-            kind,
-            source: Cloud::Azure,
-            deadline: None,
-            not_before: None,
-            detail: detail.into(),
-            restart: false,
-            published_at: None,
-            // As the Azure source types it.
-            maintenance: Cloud::Azure.maintenance_of_detail(detail),
-            observed_at: Timestamp::now(),
-        };
-        let s = steps_for(&n(NoticeKind::Interruption, ""), &c).unwrap();
-        assert!(s.cordon && s.checkpoint && s.drain);
-        assert_eq!(s.taint, Some(TaintEffect::NoSchedule));
-        let r = steps_for(&n(NoticeKind::Rebalance, ""), &c).unwrap();
-        assert_eq!(r.taint, Some(TaintEffect::PreferNoSchedule));
-        assert!(r.checkpoint && !r.drain && !r.cordon);
-        let mut c2 = c.clone();
-        c2.on_rebalance = RebalanceAction::Ignore;
-        assert!(steps_for(&n(NoticeKind::Rebalance, ""), &c2).is_none());
-        c2.on_maintenance = MaintenanceAction::Cordon;
-        let m = steps_for(
-            &n(NoticeKind::Maintenance, "Reboot (Scheduled, Platform): x"),
-            &c2,
-        )
-        .unwrap();
-        assert!(m.cordon && !m.checkpoint && !m.drain);
-        // Azure Freeze follows its own policy (default ignore), not --on-maintenance.
-        let freeze = n(
-            NoticeKind::Maintenance,
-            "Freeze (Scheduled, Platform): pause",
-        );
-        assert!(steps_for(&freeze, &c).is_none());
-        let mut c3 = c.clone();
-        c3.on_azure_freeze = MaintenanceAction::Cordon;
-        let f = steps_for(&freeze, &c3).unwrap();
-        assert!(f.cordon && !f.checkpoint && !f.drain);
-        assert_eq!(c.reserve(Cloud::Aws), Duration::from_secs(25));
-        assert_eq!(c.reserve(Cloud::Gce), Duration::from_secs(8));
     }
 }
