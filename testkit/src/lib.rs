@@ -2,6 +2,8 @@
 //! in-process servers. A workspace member and a dev-dependency of `spotguard`, never part of the
 //! shipped library or binary.
 //!
+//! - [`assets`]: where the checkout, `../shared/k8s` and `target/` are; unpacking an outside
+//!   binary into a cache under `target/` once.
 //! - [`ec2_mock`]: AWS's own `ec2-metadata-mock` on a free loopback port (version chosen by
 //!   `SPOTGUARD_EC2_METADATA_MOCK` or `../shared/k8s`).
 //! - [`k8s`]: a real Kubernetes control plane (etcd, kube-apiserver, controller-manager,
@@ -13,6 +15,7 @@
 //! - [`process`]: whether a real process has installed its SIGUSR1 handler yet.
 //! - [`wait_for_event`]: wait for a responder plan event; [`metrics_text`]: a running agent's
 //!   `/metrics`.
+pub mod assets;
 pub mod ec2_mock;
 pub mod gpu;
 pub mod k8s;
