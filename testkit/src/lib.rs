@@ -9,6 +9,7 @@
 //! - [`k8s`]: a real Kubernetes control plane (etcd, kube-apiserver, controller-manager,
 //!   scheduler) per test binary, a kubelet stand-in that runs pods as real processes, and a
 //!   fault proxy in front of the API server.
+//! - [`fuse`]: a FUSE mount nobody answers (a hung checkpoint dir).
 //! - [`gpu`]: recorded readings of real boards (fixtures), a scripted `GpuProbe`, a recording
 //!   `NodeOps`, and a fake kubelet pod-resources gRPC server.
 //! - [`kubelet`]: random pod uids and container ids, the cgroup the kubelet makes for a container.
@@ -17,6 +18,7 @@
 //!   `/metrics`.
 pub mod assets;
 pub mod ec2_mock;
+pub mod fuse;
 pub mod gpu;
 pub mod k8s;
 pub mod kubelet;
