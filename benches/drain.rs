@@ -1,11 +1,14 @@
-//! Drain of 100 pods (no PDB) against the in-process fake API server with 5 ms per-request
-//! latency and immediate kubelet deletion; side by side with `kubectl drain` on the same server
-//! when kubectl is installed.
+//! Drain of 100 pods (no PDB) against the real API server (testkit's control plane) through the
+//! fault proxy adding 5 ms per request; the pods are real processes under the kubelet stand-in
+//! that exit at once on SIGTERM. Side by side with `kubectl drain` on the same server when
+//! kubectl is installed.
 //!
 //! Reports per tool: median / min / max wall time over the runs, requests per drain, the
-//! server's summed latency, and for spotguard the agent overhead = median wall − the server's own
-//! minimum (critical path: list + ⌈N / concurrency⌉ waves of evictions and of deletion checks,
-//! 5 ms each). Peak RSS (VmHWM) is of this whole process, fake server included.
+//! latency the proxy added (summed over requests), and for spotguard the agent overhead =
+//! median wall − the proxy's floor (critical path: list + ⌈N / concurrency⌉ waves of evictions
+//! and of deletion checks, 5 ms each; the real server's and kubelet's own time is in the
+//! overhead). Peak RSS (VmHWM) is of this whole process (kubelet stand-in and proxy included;
+//! the control plane runs in its own processes).
 //!
 //! Run: `cargo bench --bench drain` (env `DRAIN_BENCH_RUNS`, default 12; `DRAIN_BENCH_KUBECTL=0`
 //! skips kubectl).
@@ -19,16 +22,21 @@ use prometheus_client::registry::Registry;
 use spotguard::metrics::Metrics;
 use spotguard::node::kube::KubeNodeOps;
 use spotguard::node::{DrainRequest, NodeOps, DEFAULT_DRAIN_CONCURRENCY};
-use spotguard_testkit::apiserver::{test_node, FakeApiServer, TestPod};
+use spotguard_testkit::k8s::{Identity, Kubelet, TestCluster, TestPod};
 
 const PODS: usize = 100;
 const LATENCY: Duration = Duration::from_millis(5);
-const NODE: &str = "bench-node";
 
 struct Sample {
     wall: Duration,
     requests: usize,
     served: Duration,
+}
+
+struct Bench {
+    k: TestCluster,
+    node: Kubelet,
+    namespaces: Vec<String>,
 }
 
 fn main() -> ExitCode {
@@ -51,18 +59,25 @@ fn main() -> ExitCode {
     }
 }
 
-fn seed(server: &FakeApiServer, round: usize) {
-    server.add_node(test_node(NODE));
-    for i in 0..PODS {
-        let pod = TestPod::new(
-            &format!("team-{}", i % 4),
-            &format!("worker-{round}-{i}"),
-            NODE,
-        )
-        .label("app", "trainer")
-        .build();
-        server.add_pod(pod);
-    }
+/// 100 running pods on the node, in 4 namespaces.
+async fn seed(b: &Bench, round: usize) {
+    let pods: Vec<_> = (0..PODS)
+        .map(|i| {
+            TestPod::new(
+                &b.namespaces[i % 4],
+                &format!("worker-{round}-{i}"),
+                b.node.name(),
+            )
+            .label("app", "trainer")
+            .build()
+        })
+        .collect();
+    b.k.run_pods(&pods).await;
+}
+
+async fn pods_left(b: &Bench) -> usize {
+    let ns: Vec<&str> = b.namespaces.iter().map(String::as_str).collect();
+    b.k.pods_in(&ns).await.len()
 }
 
 async fn run() -> Result<(), String> {
@@ -71,21 +86,34 @@ async fn run() -> Result<(), String> {
         .and_then(|v| v.parse().ok())
         .unwrap_or(12)
         .max(10);
-    let server = FakeApiServer::start()
-        .await
-        .map_err(|e| format!("fake API server: {e}"))?;
-    server.set_latency(LATENCY);
-    server.set_deletion_delay(Duration::ZERO);
+    let k = TestCluster::new().await;
+    let node = k.node(k.node_config("bench-node")).await;
+    let mut namespaces = Vec::new();
+    for i in 0..4 {
+        namespaces.push(k.namespace(&format!("team-{i}")).await);
+    }
+    let b = Bench {
+        k,
+        node,
+        namespaces,
+    };
+    b.k.proxy().set_latency(LATENCY);
     let metrics = Arc::new(Metrics::register(&mut Registry::default()));
-    let ops = KubeNodeOps::new(server.client(), NODE.to_string(), None, false, metrics);
+    let ops = KubeNodeOps::new(
+        b.k.agent_client(),
+        b.node.name().to_string(),
+        None,
+        false,
+        metrics,
+    );
     let concurrency = DEFAULT_DRAIN_CONCURRENCY;
 
     let mut samples = Vec::new();
     // Round 0 warms the connection pool (a long-running agent keeps its client).
     for round in 0..=runs {
-        seed(&server, round);
-        server.clear_requests();
-        let served_before = server.served_latency();
+        seed(&b, round).await;
+        b.k.proxy().clear_requests();
+        let served_before = b.k.proxy().added_latency();
         let request = DrainRequest {
             deadline: Timestamp::now() + Duration::from_secs(120),
             force_delete_at_deadline: false,
@@ -104,30 +132,33 @@ async fn run() -> Result<(), String> {
         if round > 0 {
             samples.push(Sample {
                 wall,
-                requests: server.requests().len(),
-                served: server.served_latency() - served_before,
+                requests: b.k.proxy().requests().len(),
+                served: b.k.proxy().added_latency() - served_before,
             });
         }
     }
     let waves = PODS.div_ceil(concurrency) as u32;
     let critical = LATENCY * (1 + 2 * waves);
-    println!("drain of {PODS} pods, no PDB, fake API latency {LATENCY:?}/request, immediate deletion, {runs} runs");
+    println!(
+        "drain of {PODS} pods, no PDB, real API server ({}) + {LATENCY:?}/request at the proxy, pods that exit on SIGTERM, {runs} runs",
+        b.k.cp.assets.version
+    );
     report_line("spotguard", &samples);
     let median = median_wall(&samples);
     println!(
-        "  server's own minimum (critical path, concurrency {concurrency}: 1 list + {waves} eviction waves + {waves} deletion-check waves): {critical:?}"
+        "  the proxy's floor (critical path, concurrency {concurrency}: 1 list + {waves} eviction waves + {waves} deletion-check waves): {critical:?}"
     );
     println!(
-        "  agent overhead = median wall − server minimum: {:?}",
+        "  agent + server + kubelet time = median wall − proxy floor: {:?}",
         median.saturating_sub(critical)
     );
     println!(
-        "  peak RSS (VmHWM, whole bench process incl. fake server): {}",
+        "  peak RSS (VmHWM, whole bench process incl. kubelet stand-in and proxy): {}",
         vm_hwm()
     );
 
     if std::env::var("DRAIN_BENCH_KUBECTL").as_deref() != Ok("0") {
-        match kubectl_runs(&server, runs.min(10)).await {
+        match kubectl_runs(&b, runs.min(10)).await {
             Ok(samples) => {
                 report_line("kubectl drain", &samples);
                 println!("  (kubectl includes process start, discovery and cordon; it polls deletions every 1 s)");
@@ -154,7 +185,7 @@ fn report_line(tool: &str, samples: &[Sample]) {
     let mut served: Vec<Duration> = samples.iter().map(|s| s.served).collect();
     served.sort();
     println!(
-        "{tool}: median wall {:?} (min {min:?}, max {max:?}); requests/drain median {}; server latency summed over requests median {:?}",
+        "{tool}: median wall {:?} (min {min:?}, max {max:?}); requests/drain median {}; latency the proxy added, summed over requests, median {:?}",
         median_wall(samples),
         reqs.get(reqs.len() / 2).copied().unwrap_or_default(),
         served.get(served.len() / 2).copied().unwrap_or_default(),
@@ -172,16 +203,24 @@ fn vm_hwm() -> String {
         .unwrap_or_else(|| "unavailable".to_string())
 }
 
-async fn kubectl_runs(server: &FakeApiServer, runs: usize) -> Result<Vec<Sample>, String> {
+/// `kubectl drain` as an operator (admin) through the same proxy; the node is uncordoned after
+/// each round.
+async fn kubectl_runs(b: &Bench, runs: usize) -> Result<Vec<Sample>, String> {
     let dir = tempfile::tempdir().map_err(|e| format!("temp dir: {e}"))?;
     let kubeconfig = dir.path().join("kubeconfig");
-    std::fs::write(&kubeconfig, server.kubeconfig()).map_err(|e| format!("kubeconfig: {e}"))?;
+    std::fs::write(
+        &kubeconfig,
+        b.k.cp.kubeconfig(&b.k.proxy().url(), Identity::Admin),
+    )
+    .map_err(|e| format!("kubeconfig: {e}"))?;
     let cache = dir.path().join("cache");
     let mut samples = Vec::new();
     for round in 0..=runs {
-        seed(server, 1000 + round);
-        server.clear_requests();
-        let served_before = server.served_latency();
+        b.k.patch_node_spec(b.node.name(), serde_json::json!({ "unschedulable": false }))
+            .await;
+        seed(b, 1000 + round).await;
+        b.k.proxy().clear_requests();
+        let served_before = b.k.proxy().added_latency();
         let started = Instant::now();
         let out = tokio::process::Command::new("kubectl")
             .arg("--kubeconfig")
@@ -190,7 +229,7 @@ async fn kubectl_runs(server: &FakeApiServer, runs: usize) -> Result<Vec<Sample>
             .arg(&cache)
             .args([
                 "drain",
-                NODE,
+                b.node.name(),
                 "--ignore-daemonsets",
                 "--delete-emptydir-data",
                 "--timeout=120s",
@@ -211,7 +250,7 @@ async fn kubectl_runs(server: &FakeApiServer, runs: usize) -> Result<Vec<Sample>
                 .collect();
             return Err(format!("kubectl exited with {}: {tail}", out.status));
         }
-        let left = server.pods().len();
+        let left = pods_left(b).await;
         if left != 0 {
             return Err(format!("kubectl drain left {left} pods"));
         }
@@ -219,8 +258,8 @@ async fn kubectl_runs(server: &FakeApiServer, runs: usize) -> Result<Vec<Sample>
         if round > 0 {
             samples.push(Sample {
                 wall,
-                requests: server.requests().len(),
-                served: server.served_latency() - served_before,
+                requests: b.k.proxy().requests().len(),
+                served: b.k.proxy().added_latency() - served_before,
             });
         }
     }

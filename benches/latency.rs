@@ -1,11 +1,12 @@
 //! Benchmark: notice visible in the metadata emulator → checkpoint signal received by a real
 //! process, per cloud, through the real host-mode pipeline (`app::start`); the same in
-//! Kubernetes mode (GCE hanging GET, `app::start_with_client` against the in-process API server,
-//! the receiving process in a kubelet-shaped cgroup as an opted-in pod) with the API server
-//! answering in 0 ms, 100 ms, 1 s, and not at all (accepts, never answers) from just before the
-//! notice on — plus notice → node cordoned with a 0 ms API server; and the idle footprint (RSS,
-//! CPU) of a `spotguard run` process over a minute in host mode and in Kubernetes mode with 110
-//! pods on the node (the kubelet's default maximum).
+//! Kubernetes mode (GCE hanging GET, `app::start_with_client` against the real API server of
+//! testkit's control plane as the shipped ServiceAccount, the receiving process an opted-in pod
+//! run by the kubelet stand-in in a kubelet-shaped cgroup) with the fault proxy in front of the
+//! API server adding 0 ms, 100 ms, 1 s, or never answering (accepts, never answers) from just
+//! before the notice on — plus notice → node cordoned with nothing added; and the idle footprint
+//! (RSS, CPU) of a `spotguard run` process over a minute in host mode and in Kubernetes mode with
+//! 110 pods on the node (the kubelet's default maximum).
 //!
 //! `cargo bench --bench latency` (env: SPOTGUARD_BENCH_TRIALS=50, SPOTGUARD_BENCH_IDLE_SECS=60,
 //! SPOTGUARD_BENCH_MODE=all|host|kubernetes, SPOTGUARD_BENCH_SLOW_TRIALS: trials for the 1 s and
@@ -15,21 +16,16 @@
 //! The receiving process stamps CLOCK_REALTIME inside its signal handler (clock_gettime is
 //! async-signal-safe); "visible" is the instant the emulator started answering with the notice.
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{ContainerState, ContainerStateRunning, ContainerStatus};
 use spotguard::app;
 use spotguard::config::{self, Config};
 use spotguard::emulator::{self, Cloud, EmulatedNotice, EmulatorConfig};
-use spotguard_testkit::apiserver::{test_node, FakeApiServer, Fault, TestPod};
-use spotguard_testkit::kubelet;
+use spotguard_testkit::k8s::{Fault, RequestKind, TestCluster, TestPod};
 use tokio_util::sync::CancellationToken;
 
-const NODE: &str = "gpu-node-1";
-const CGROUP_ROOT: &str = "/sys/fs/cgroup/systemd";
 /// How long a Kubernetes trial waits for the signal before counting it as never delivered.
 const SIGNAL_WAIT: Duration = Duration::from_secs(10);
 
@@ -143,8 +139,9 @@ impl ApiCondition {
     }
 }
 
-/// One Kubernetes-mode trial: (notice visible → signal received, notice visible → node cordoned
-/// as seen by polling the API server's store every 2 ms); `None` = not within [`SIGNAL_WAIT`].
+/// One Kubernetes-mode trial on a fresh node of its own: (notice visible → signal received,
+/// notice visible → node cordoned as seen by polling the API server every 2 ms); `None` = not
+/// within [`SIGNAL_WAIT`].
 async fn kube_trial(
     emu: &emulator::EmulatorHandle,
     condition: ApiCondition,
@@ -153,60 +150,32 @@ async fn kube_trial(
     let dir = tempfile::tempdir().expect("tempdir");
     let out = dir.path().join("received");
     std::fs::create_dir_all(dir.path().join("ckpt")).expect("ckpt dir");
-    let api = FakeApiServer::start().await.expect("api server");
-    api.add_node(test_node(NODE));
+    let k = TestCluster::new().await;
+    let node = k.node(k.node_config("gpu-node-1")).await;
+    let ml = k.namespace("ml").await;
+    let web = k.namespace("web").await;
     let me = std::env::current_exe().expect("exe");
-    let mut target = tokio::process::Command::new(me)
-        .arg("--child")
-        .arg(&out)
-        .kill_on_drop(true)
-        .spawn()
-        .expect("spawn child");
-    let uid = kubelet::pod_uid();
-    let cid = kubelet::container_id();
-    let cgroup = kubelet::burstable_cgroup(Path::new(CGROUP_ROOT), &uid, &cid);
-    std::fs::create_dir_all(&cgroup).expect("cgroup (needs root and cgroup v1 name=systemd)");
-    std::fs::write(
-        cgroup.join("cgroup.procs"),
-        target.id().expect("pid").to_string(),
-    )
-    .expect("join cgroup");
+    let me = me.display().to_string();
+    let out_arg = out.display().to_string();
+    let mut pods = vec![TestPod::new(&ml, "trainer-0", node.name())
+        .annotation("spotguard.io/checkpoint", "true")
+        .annotation(
+            "spotguard.io/checkpoint-dir",
+            &dir.path().join("ckpt").display().to_string(),
+        )
+        .annotation("spotguard.io/checkpoint-timeout", "3s")
+        .command(&[&me, "--child", &out_arg])
+        .build()];
+    for i in 0..5 {
+        pods.push(TestPod::new(&web, &format!("web-{i}"), node.name()).build());
+    }
+    k.run_pods(&pods).await;
     while !out.with_extension("ready").exists() {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    let mut pod = TestPod::new("ml", "trainer-0", NODE).build();
-    pod.metadata.uid = Some(uid);
-    pod.metadata.annotations = Some(BTreeMap::from([
-        ("spotguard.io/checkpoint".to_string(), "true".to_string()),
-        (
-            "spotguard.io/checkpoint-dir".to_string(),
-            dir.path().join("ckpt").display().to_string(),
-        ),
-        (
-            "spotguard.io/checkpoint-timeout".to_string(),
-            "3s".to_string(),
-        ),
-    ]));
-    if let Some(status) = pod.status.as_mut() {
-        status.container_statuses = Some(vec![ContainerStatus {
-            name: "main".into(),
-            container_id: Some(format!("containerd://{cid}")),
-            ready: true,
-            image: "trainer".into(),
-            state: Some(ContainerState {
-                running: Some(ContainerStateRunning::default()),
-                ..Default::default()
-            }),
-            ..Default::default()
-        }]);
-    }
-    api.add_pod(pod);
-    for i in 0..5 {
-        api.add_pod(TestPod::new("web", &format!("web-{i}"), NODE).build());
-    }
     let argv: Vec<String> = vec![
         "--mode=kubernetes".into(),
-        format!("--node-name={NODE}"),
+        format!("--node-name={}", node.name()),
         format!("--cloud={}", emu.cloud().as_str()),
         format!("--metadata-endpoint={}", emu.base_url()),
         format!("--state-dir={}", dir.path().join("state").display()),
@@ -218,15 +187,15 @@ async fn kube_trial(
     let args = spotguard::config::parse_run_args(argv).unwrap_or_else(|text| panic!("{text}"));
     let cfg = Config::resolve(args, &config::ProcessEnv).expect("config");
     let cancel = CancellationToken::new();
-    let app = app::start_with_client(cfg, cancel.clone(), Some(api.client()))
+    let app = app::start_with_client(cfg, cancel.clone(), Some(k.agent_client()))
         .await
         .expect("start");
     // The pod cache syncs and the GCE hanging GET is parked, at a random phase.
     tokio::time::sleep(Duration::from_millis(1000 + fastrand::u64(0..500))).await;
     match condition {
         ApiCondition::Answers(d) if d.is_zero() => {}
-        ApiCondition::Answers(d) => api.set_fault(None, Some(Fault::Delay(d))),
-        ApiCondition::Never => api.set_fault(None, Some(Fault::Blackhole)),
+        ApiCondition::Answers(d) => k.proxy().set_fault(None, Some(Fault::Delay(d))),
+        ApiCondition::Never => k.proxy().set_fault(None, Some(Fault::Blackhole)),
     }
     let visible = emu
         .raise(EmulatedNotice::interruption())
@@ -236,9 +205,11 @@ async fn kube_trial(
     if measure_cordon {
         let start = std::time::Instant::now();
         while start.elapsed() < SIGNAL_WAIT {
-            let unschedulable = api
-                .node(NODE)
-                .and_then(|n| n.spec?.unschedulable)
+            let unschedulable = k
+                .node_object(node.name())
+                .await
+                .spec
+                .and_then(|s| s.unschedulable)
                 .unwrap_or(false);
             if unschedulable {
                 cordoned_at = Some(jiff::Timestamp::now());
@@ -247,28 +218,20 @@ async fn kube_trial(
             tokio::time::sleep(Duration::from_millis(2)).await;
         }
     }
-    let _ = tokio::time::timeout(SIGNAL_WAIT, target.wait()).await;
+    let start = std::time::Instant::now();
+    while !out.exists() && start.elapsed() < SIGNAL_WAIT {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     let received = std::fs::read_to_string(&out)
         .ok()
         .and_then(|s| s.trim().parse::<i128>().ok())
         .map(|ns| (ns - visible.as_nanosecond()) as f64 / 1e9);
     let cordon = cordoned_at.map(|t| t.duration_since(visible).as_secs_f64());
     cancel.cancel();
-    api.clear_faults();
+    k.proxy().clear_faults();
     let _ = tokio::time::timeout(Duration::from_secs(3), app.join).await;
-    drop(api);
     emu.clear();
-    let _ = target.start_kill();
-    let _ = target.wait().await;
-    for _ in 0..100 {
-        if std::fs::remove_dir(&cgroup).is_ok() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    if let Some(parent) = cgroup.parent() {
-        let _ = std::fs::remove_dir(parent);
-    }
+    drop(node);
     (received, cordon)
 }
 
@@ -299,7 +262,7 @@ async fn kube_latency(trials: usize, slow_trials: usize) {
         .await
         .expect("emulator");
     println!(
-        "Kubernetes mode, GCE hanging GET: notice visible → SIGUSR1 received, by API-server answer time (never = not within {} s)",
+        "Kubernetes mode, GCE hanging GET: notice visible → SIGUSR1 received, by delay the fault proxy adds to every API request (never = not within {} s)",
         SIGNAL_WAIT.as_secs()
     );
     println!(
@@ -380,29 +343,29 @@ async fn idle_footprint(secs: u64, kube_pods: Option<usize>) {
             None
         }
         Some(n) => {
-            let api = FakeApiServer::start().await.expect("api server");
-            api.add_node(test_node(NODE));
-            for i in 0..n {
-                let mut pod = TestPod::new("ml", &format!("pod-{i}"), NODE)
-                    .label("app", "trainer")
-                    .build();
-                if i % 2 == 0 {
-                    pod.metadata.annotations = Some(BTreeMap::from([
-                        ("spotguard.io/checkpoint".to_string(), "true".to_string()),
-                        (
-                            "spotguard.io/checkpoint-dir".to_string(),
-                            "/ckpt".to_string(),
-                        ),
-                    ]));
-                }
-                api.add_pod(pod);
-            }
+            let k = TestCluster::new().await;
+            let node = k.node(k.node_config("gpu-node-1")).await;
+            let ml = k.namespace("ml").await;
+            let pods: Vec<_> = (0..n)
+                .map(|i| {
+                    let pod =
+                        TestPod::new(&ml, &format!("pod-{i}"), node.name()).label("app", "trainer");
+                    if i % 2 == 0 {
+                        pod.annotation("spotguard.io/checkpoint", "true")
+                            .annotation("spotguard.io/checkpoint-dir", "/ckpt")
+                            .build()
+                    } else {
+                        pod.build()
+                    }
+                })
+                .collect();
+            k.run_pods(&pods).await;
             let kubeconfig: PathBuf = dir.path().join("kubeconfig");
-            std::fs::write(&kubeconfig, api.kubeconfig()).expect("kubeconfig");
+            std::fs::write(&kubeconfig, k.agent_kubeconfig()).expect("kubeconfig");
             cmd.env("KUBECONFIG", &kubeconfig);
             args.push("--mode=kubernetes".into());
-            args.push(format!("--node-name={NODE}"));
-            Some(api)
+            args.push(format!("--node-name={}", node.name()));
+            Some((k, node))
         }
     };
     let mut agent = cmd
@@ -431,10 +394,11 @@ async fn idle_footprint(secs: u64, kube_pods: Option<usize>) {
         Some(n) => format!(
             "Kubernetes mode, {n} pods on the node, {} pod watches",
             api.as_ref()
-                .map(|a| a
+                .map(|(k, _)| k
+                    .proxy()
                     .requests()
                     .iter()
-                    .filter(|r| r.query_param("watch").as_deref() == Some("true"))
+                    .filter(|r| r.kind == RequestKind::PodWatch)
                     .count())
                 .unwrap_or(0)
         ),

@@ -7,9 +7,8 @@
 //!
 //! Needs root and /dev/fuse.
 
-use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::process::CommandExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -23,56 +22,8 @@ use spotguard::checkpoint::{
     Outcome, Signal, TargetContainer, TargetGroup, TargetMode, TargetProcess,
 };
 use spotguard::metrics::{encode, Metrics};
+use spotguard_testkit::fuse::HungMount;
 use tokio_util::sync::CancellationToken;
-
-/// A FUSE mount nobody answers.
-struct HungMount {
-    path: PathBuf,
-    fuse: Option<OwnedFd>,
-}
-
-impl HungMount {
-    fn new(path: &Path) -> HungMount {
-        std::fs::create_dir_all(path).unwrap();
-        let fuse = rustix::fs::open(
-            "/dev/fuse",
-            rustix::fs::OFlags::RDWR | rustix::fs::OFlags::CLOEXEC,
-            rustix::fs::Mode::empty(),
-        )
-        .expect("these tests need root and /dev/fuse");
-        let opts = std::ffi::CString::new(format!(
-            "fd={},rootmode=40000,user_id=0,group_id=0,allow_other",
-            fuse.as_raw_fd()
-        ))
-        .unwrap();
-        let target = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
-        // SAFETY: plain mount(2) with NUL-terminated strings that outlive the call.
-        let rc = unsafe {
-            libc::mount(
-                c"spotguard-hung".as_ptr(),
-                target.as_ptr(),
-                c"fuse".as_ptr(),
-                libc::MS_NOSUID | libc::MS_NODEV,
-                opts.as_ptr().cast(),
-            )
-        };
-        assert_eq!(rc, 0, "mount fuse: {}", std::io::Error::last_os_error());
-        HungMount {
-            path: path.to_path_buf(),
-            fuse: Some(fuse),
-        }
-    }
-}
-
-impl Drop for HungMount {
-    fn drop(&mut self) {
-        // Closing the device aborts the connection: stuck threads get ENOTCONN and go on.
-        drop(self.fuse.take());
-        let target = std::ffi::CString::new(self.path.as_os_str().as_encoded_bytes()).unwrap();
-        // SAFETY: umount2(2) with a NUL-terminated path.
-        unsafe { libc::umount2(target.as_ptr(), libc::MNT_DETACH) };
-    }
-}
 
 /// A shell that handles SIGUSR1: writes `marker-$$` into `$MARKS` and `done` into `$DIR`.
 const HANDLER: &str = r#"
@@ -184,7 +135,7 @@ async fn hung_checkpoint_dir_delays_neither_another_groups_signal_nor_the_wait()
     std::fs::create_dir_all(&marks).unwrap();
     std::fs::create_dir_all(&good_dir).unwrap();
     let mount = HungMount::new(&tmp.path().join("nfs"));
-    let hung_dir = mount.path.join("ckpt");
+    let hung_dir = mount.path().join("ckpt");
 
     let hung = Kid::handler(&hung_dir, &marks);
     let good = Kid::handler(&good_dir, &marks);
@@ -309,103 +260,32 @@ impl Kid {
 // === Kubernetes mode, whole agent ===
 
 mod kube {
-    use std::collections::BTreeMap;
-    use std::path::{Path, PathBuf};
+    use std::path::Path;
     use std::time::{Duration, Instant};
 
-    use k8s_openapi::api::core::v1::{ContainerState, ContainerStateRunning, ContainerStatus, Pod};
     use spotguard::app;
     use spotguard::config::{self, Config};
     use spotguard::emulator::{self, Cloud, EmulatedNotice, EmulatorConfig};
     use spotguard::responder::PlanEvent;
-    use spotguard_testkit::apiserver::{test_node, FakeApiServer, TestPod};
-    use spotguard_testkit::kubelet;
+    use spotguard_testkit::k8s::{TestCluster, TestPod};
     use spotguard_testkit::wait_for_event as wait_for;
     use tokio_util::sync::CancellationToken;
 
-    use super::{HungMount, Kid};
+    use super::{HungMount, HANDLER};
 
-    const NODE: &str = "gpu-node-1";
-    const CGROUP_ROOT: &str = "/sys/fs/cgroup/systemd";
-
-    /// A handler process in a kubelet-shaped cgroup, and the opted-in pod describing it.
-    struct PodKid {
-        kid: Kid,
-        cgroup: PathBuf,
-        uid: String,
-        cid: String,
+    /// The opted-in pod whose container runs the SIGUSR1 handler, checkpoint dir `dir`.
+    fn handler_pod(ns: &str, name: &str, node: &str, dir: &Path, marks: &Path) -> TestPod {
+        TestPod::new(ns, name, node)
+            .annotation("spotguard.io/checkpoint", "true")
+            .annotation("spotguard.io/checkpoint-dir", &dir.display().to_string())
+            .annotation("spotguard.io/checkpoint-timeout", "3s")
+            // Kubernetes expands `$$` in a container's command to `$`: escape the shell's `$$`.
+            .command(&["sh", "-c", &HANDLER.replace("$$", "$$$$")])
+            .env("DIR", &dir.display().to_string())
+            .env("MARKS", &marks.display().to_string())
     }
 
-    impl PodKid {
-        fn start(dir: &Path, marks: &Path) -> PodKid {
-            assert!(
-                Path::new(CGROUP_ROOT).join("cgroup.procs").exists(),
-                "needs the cgroup v1 name=systemd hierarchy at {CGROUP_ROOT}"
-            );
-            let uid = kubelet::pod_uid();
-            let cid = kubelet::container_id();
-            let cgroup = kubelet::burstable_cgroup(Path::new(CGROUP_ROOT), &uid, &cid);
-            std::fs::create_dir_all(&cgroup).unwrap();
-            let kid = Kid::handler(dir, marks);
-            std::fs::write(cgroup.join("cgroup.procs"), kid.pid().to_string()).unwrap();
-            PodKid {
-                kid,
-                cgroup,
-                uid,
-                cid,
-            }
-        }
-
-        fn pod(&self, name: &str, dir: &Path) -> Pod {
-            let mut pod = TestPod::new("ml", name, NODE).build();
-            pod.metadata.uid = Some(self.uid.clone());
-            pod.metadata.annotations = Some(BTreeMap::from([
-                ("spotguard.io/checkpoint".to_string(), "true".to_string()),
-                (
-                    "spotguard.io/checkpoint-dir".to_string(),
-                    dir.display().to_string(),
-                ),
-                (
-                    "spotguard.io/checkpoint-timeout".to_string(),
-                    "3s".to_string(),
-                ),
-            ]));
-            if let Some(status) = pod.status.as_mut() {
-                status.container_statuses = Some(vec![ContainerStatus {
-                    name: "main".into(),
-                    container_id: Some(format!("containerd://{}", self.cid)),
-                    ready: true,
-                    image: "trainer".into(),
-                    state: Some(ContainerState {
-                        running: Some(ContainerStateRunning::default()),
-                        ..Default::default()
-                    }),
-                    ..Default::default()
-                }]);
-            }
-            pod
-        }
-    }
-
-    impl Drop for PodKid {
-        fn drop(&mut self) {
-            let _ = std::fs::write(
-                Path::new(CGROUP_ROOT).join("cgroup.procs"),
-                self.kid.pid().to_string(),
-            );
-            for _ in 0..100 {
-                if std::fs::remove_dir(&self.cgroup).is_ok() {
-                    break;
-                }
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            if let Some(p) = self.cgroup.parent() {
-                let _ = std::fs::remove_dir(p);
-            }
-        }
-    }
-
-    fn marked_at(marks: &Path, pid: i32) -> Option<std::time::SystemTime> {
+    fn marked_at(marks: &Path, pid: u32) -> Option<std::time::SystemTime> {
         std::fs::metadata(marks.join(format!("marker-{pid}")))
             .and_then(|m| m.modified())
             .ok()
@@ -418,24 +298,40 @@ mod kube {
         let good_dir = tmp.path().join("good");
         std::fs::create_dir_all(&marks).unwrap();
         std::fs::create_dir_all(&good_dir).unwrap();
+        let k = TestCluster::new().await;
+        let node = k.node(k.node_config("gpu-node-1")).await;
+        let ml = k.namespace("ml").await;
+        let web = k.namespace("web").await;
         let mount = HungMount::new(&tmp.path().join("nfs"));
-        let hung_dir = mount.path.join("ckpt");
-        let hung = PodKid::start(&hung_dir, &marks);
-        let good = PodKid::start(&good_dir, &marks);
-
-        let api = FakeApiServer::start().await.unwrap();
-        api.add_node(test_node(NODE));
+        let hung_dir = mount.path().join("ckpt");
         // Named so the hung pod sorts first.
-        api.add_pod(hung.pod("a-hung", &hung_dir));
-        api.add_pod(good.pod("b-good", &good_dir));
-        api.add_pod(TestPod::new("web", "web-0", NODE).build());
+        k.run_pods(&[
+            handler_pod(&ml, "a-hung", node.name(), &hung_dir, &marks).build(),
+            handler_pod(&ml, "b-good", node.name(), &good_dir, &marks).build(),
+            TestPod::new(&web, "web-0", node.name()).build(),
+        ])
+        .await;
+        let mut pids = Vec::new();
+        for name in ["a-hung", "b-good"] {
+            let run = node
+                .wait_run(&ml, name, "main", Duration::from_secs(10))
+                .await;
+            assert!(
+                spotguard_testkit::process::wait_catches_usr1(run.pid).await,
+                "{name}: no trap"
+            );
+            pids.push(run.pid);
+        }
+        let (hung_pid, good_pid) = (pids[0], pids[1]);
         let emu = emulator::start(EmulatorConfig::new(Cloud::Gce))
             .await
             .unwrap();
+        // A 15 s notice keeps the test short (GCE's is 30 s; the budget is the pod's 3 s either way).
         let argv: Vec<String> = vec![
             "--mode=kubernetes".into(),
-            format!("--node-name={NODE}"),
+            format!("--node-name={}", node.name()),
             "--cloud=gce".into(),
+            "--gce-preemption-notice=15s".into(),
             format!("--metadata-endpoint={}", emu.base_url()),
             format!("--state-dir={}", tmp.path().join("state").display()),
             "--metrics-addr=127.0.0.1:0".into(),
@@ -446,7 +342,7 @@ mod kube {
         let args = spotguard::config::parse_run_args(argv).unwrap_or_else(|text| panic!("{text}"));
         let cfg = Config::resolve(args, &config::ProcessEnv).unwrap();
         let cancel = CancellationToken::new();
-        let app = app::start_with_client(cfg, cancel.clone(), Some(api.client()))
+        let app = app::start_with_client(cfg, cancel.clone(), Some(k.agent_client()))
             .await
             .unwrap();
         let mut events = app.events;
@@ -454,26 +350,54 @@ mod kube {
         let raised = Instant::now();
         emu.raise(EmulatedNotice::interruption()).unwrap();
 
-        wait_for(&mut events, Duration::from_secs(20), |e| {
-            matches!(e, PlanEvent::Drained { .. }).then_some(())
+        // The hung pod's own process is stuck in the kernel on its dead checkpoint dir (its ack
+        // write, like a trainer saving to a dead NFS server): no signal ends it and the kubelet
+        // cannot finish its deletion. The drain reports it at the deadline; it does not wait for
+        // the hung filesystem before evicting the others.
+        let report = wait_for(&mut events, Duration::from_secs(30), |e| match e {
+            PlanEvent::Drained { report, .. } => Some(report.clone()),
+            _ => None,
         })
         .await;
-        let drained_in = raised.elapsed();
         // The hung pod's budget (3 s from its signal, which waited ≤ 1 s for its dir) bounds the
         // checkpoint step; then the drain runs. Nothing waits for the hung filesystem itself.
-        assert!(
-            drained_in < Duration::from_secs(12),
-            "drain finished {drained_in:?} after the notice"
-        );
-        let good_at = marked_at(&marks, good.kid.pid()).expect("good pod signalled");
-        let hung_at = marked_at(&marks, hung.kid.pid()).expect("hung pod signalled too");
+        let evicted_by = k
+            .proxy()
+            .requests()
+            .iter()
+            .filter(|r| r.kind == spotguard_testkit::k8s::RequestKind::Eviction)
+            .count();
+        assert_eq!(evicted_by, 3, "every pod asked to leave");
+        let good_at = marked_at(&marks, good_pid).expect("good pod signalled");
+        let hung_at = marked_at(&marks, hung_pid).expect("hung pod signalled too");
         assert!(
             good_at + Duration::from_millis(500) < hung_at,
             "the good pod's signal waited for the hung pod's dir: good {good_at:?}, hung {hung_at:?}"
         );
-        assert!(api.pod("web", "web-0").is_none(), "web-0 evicted");
+        let mut evicted = report.evicted.clone();
+        evicted.sort();
+        assert_eq!(
+            evicted,
+            vec![format!("{ml}/b-good"), format!("{web}/web-0")],
+            "{report:?}"
+        );
+        assert_eq!(report.blocked.len(), 1, "{report:?}");
+        assert_eq!(report.blocked[0].pod, format!("{ml}/a-hung"));
+        assert!(
+            report.blocked[0].reason.contains("terminating"),
+            "{report:?}"
+        );
+        // Both others were gone well before the deadline.
+        assert!(
+            raised.elapsed() < Duration::from_secs(20),
+            "drain reported {:?} after the notice",
+            raised.elapsed()
+        );
+        assert!(k.pod(&web, "web-0").await.is_none(), "web-0 evicted");
         cancel.cancel();
         let _ = tokio::time::timeout(Duration::from_secs(5), app.join).await;
+        // Release the hung mount before the node's processes are killed.
         drop(mount);
+        drop(node);
     }
 }

@@ -1,48 +1,43 @@
-//! The watch-fed pod cache behind Kubernetes-mode discovery, against the in-process API server:
-//! once synced, a notice's discovery makes no API request at all (the server may be blackholed);
-//! the watch keeps it current (new, changed and deleted pods); a bad annotation is reported with
-//! an Event when the pod is seen; a cache that never synced falls back to one bounded list.
+//! The watch-fed pod cache behind Kubernetes-mode discovery, against the real API server
+//! (through the fault proxy, as the shipped ServiceAccount): once synced, a notice's discovery
+//! makes no API request at all (the server may be blackholed); the watch keeps it current (new,
+//! finished and deleted pods); a bad annotation is reported with an Event when the pod is seen;
+//! a cache that never synced falls back to one bounded list.
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, DeleteParams};
 use prometheus_client::registry::Registry;
 use spotguard::checkpoint::kube_discovery::{Defaults, KubeDiscovery, FALLBACK_LIST_TIMEOUT};
 use spotguard::checkpoint::{Error, TargetDiscovery};
 use spotguard::metrics::Metrics;
 use spotguard::node::kube::KubeNodeOps;
-use spotguard_testkit::apiserver::{test_node, FakeApiServer, Fault, RequestKind, TestPod};
+use spotguard_testkit::k8s::{Fault, RequestKind, TestCluster, TestPod};
 use tokio_util::sync::CancellationToken;
 
-const NODE: &str = "gpu-node-1";
-
-fn pod(name: &str, node: &str, annotations: &[(&str, &str)]) -> Pod {
-    let mut p = TestPod::new("ml", name, node).build();
-    let ann: BTreeMap<String, String> = annotations
+fn pod(ns: &str, name: &str, node: &str, annotations: &[(&str, &str)]) -> TestPod {
+    annotations
         .iter()
-        .map(|(k, v)| (k.to_string(), v.to_string()))
-        .collect();
-    p.metadata.annotations = Some(ann);
-    p
+        .fold(TestPod::new(ns, name, node), |p, (k, v)| p.annotation(k, v))
 }
 
 const OPT_IN: (&str, &str) = ("spotguard.io/checkpoint", "true");
 
-fn discovery(api: &FakeApiServer) -> Arc<KubeDiscovery> {
+fn discovery(k: &TestCluster, node: &str) -> Arc<KubeDiscovery> {
     let metrics = Arc::new(Metrics::register(&mut Registry::default()));
-    let node = Arc::new(KubeNodeOps::new(
-        api.client(),
-        NODE.to_string(),
+    let ops = Arc::new(KubeNodeOps::new(
+        k.agent_client(),
+        node.to_string(),
         None,
         false,
         metrics.clone(),
     ));
     Arc::new(KubeDiscovery::new(
-        api.client(),
-        NODE.to_string(),
-        node,
+        k.agent_client(),
+        node.to_string(),
+        ops,
         Defaults {
             signal: spotguard::checkpoint::Signal::USR1,
             timeout: Duration::from_secs(30),
@@ -81,65 +76,87 @@ where
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn synced_cache_needs_no_api_round_trip_and_follows_the_watch() {
-    let api = FakeApiServer::start().await.unwrap();
-    api.add_node(test_node(NODE));
-    api.add_pod(pod("trainer-a", NODE, &[OPT_IN]));
-    api.add_pod(pod("not-opted-in", NODE, &[]));
-    api.add_pod(pod("elsewhere", "other-node", &[OPT_IN]));
-    let d = discovery(&api);
+    let k = TestCluster::new().await;
+    let node = k.node(k.node_config("gpu-node-1")).await;
+    let other = k.node(k.node_config("other-node")).await;
+    let ml = k.namespace("ml").await;
+    let done = tempfile::tempdir().unwrap();
+    k.run_pods(&[
+        pod(&ml, "trainer-a", node.name(), &[OPT_IN])
+            .completes_when_exists(&done.path().join("trainer-a"))
+            .build(),
+        pod(&ml, "not-opted-in", node.name(), &[]).build(),
+        pod(&ml, "elsewhere", other.name(), &[OPT_IN]).build(),
+    ])
+    .await;
+    let d = discovery(&k, node.name());
     let cancel = CancellationToken::new();
     let task = tokio::spawn(d.clone().keep_warm(cancel.clone()));
     eventually("cache synced", || async { d.synced() }).await;
     // The watch uses the field selector, from the list's resourceVersion.
-    let watch = api
+    let watch = k
+        .proxy()
         .requests()
         .into_iter()
         .find(|r| r.query_param("watch").as_deref() == Some("true"))
         .expect("a watch request");
     assert_eq!(
-        watch.query_param("fieldSelector").as_deref(),
-        Some("spec.nodeName=gpu-node-1")
+        watch.query_param("fieldSelector"),
+        Some(format!("spec.nodeName={}", node.name()))
     );
     assert!(watch.query_param("resourceVersion").is_some());
 
     // Every new request now goes nowhere: discovery must not need one.
-    api.clear_requests();
-    api.set_fault(None, Some(Fault::Blackhole));
+    k.proxy().clear_requests();
+    k.proxy().set_fault(None, Some(Fault::Blackhole));
     let started = Instant::now();
-    assert_eq!(names(&d).await, vec!["ml/trainer-a".to_string()]);
+    assert_eq!(names(&d).await, vec![format!("{ml}/trainer-a")]);
     assert!(
         started.elapsed() < Duration::from_millis(200),
         "{:?}",
         started.elapsed()
     );
-    assert!(api.requests().is_empty(), "{:?}", api.requests());
-    api.clear_faults();
+    assert!(
+        k.proxy().requests().is_empty(),
+        "{:?}",
+        k.proxy().requests()
+    );
+    k.proxy().clear_faults();
 
     // The established watch keeps the cache current.
-    api.add_pod(pod("trainer-b", NODE, &[OPT_IN]));
+    k.run_pods(&[pod(&ml, "trainer-b", node.name(), &[OPT_IN]).build()])
+        .await;
     eventually("new pod seen", || async {
-        names(&d).await == vec!["ml/trainer-a".to_string(), "ml/trainer-b".to_string()]
+        names(&d).await == vec![format!("{ml}/trainer-a"), format!("{ml}/trainer-b")]
     })
     .await;
-    api.set_pod_phase("ml", "trainer-a", "Succeeded");
+    // trainer-a's process completes: the kubelet reports Succeeded.
+    std::fs::write(done.path().join("trainer-a"), b"").unwrap();
     eventually("finished pod dropped", || async {
-        names(&d).await == vec!["ml/trainer-b".to_string()]
+        names(&d).await == vec![format!("{ml}/trainer-b")]
     })
     .await;
-    api.remove_pod("ml", "trainer-b");
+    let pods: Api<Pod> = Api::namespaced(k.admin(), &ml);
+    pods.delete("trainer-b", &DeleteParams::default())
+        .await
+        .unwrap();
     eventually("deleted pod dropped", || async {
         names(&d).await.is_empty()
     })
     .await;
 
     // A bad annotation is reported when the pod is seen, with an Event on the pod.
-    api.add_pod(pod(
+    k.run_pods(&[pod(
+        &ml,
         "bad",
-        NODE,
+        node.name(),
         &[OPT_IN, ("spotguard.io/checkpoint-signal", "SIGKILL")],
-    ));
+    )
+    .build()])
+        .await;
     eventually("Warning event for the bad pod", || async {
-        api.events()
+        k.events()
+            .await
             .iter()
             .any(|e| e.regarding_name == "bad" && e.type_ == "Warning")
     })
@@ -151,11 +168,13 @@ async fn synced_cache_needs_no_api_round_trip_and_follows_the_watch() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn never_synced_cache_falls_back_to_one_bounded_list() {
-    let api = FakeApiServer::start().await.unwrap();
-    api.add_node(test_node(NODE));
-    api.add_pod(pod("trainer-a", NODE, &[OPT_IN]));
-    api.set_fault(None, Some(Fault::Blackhole));
-    let d = discovery(&api);
+    let k = TestCluster::new().await;
+    let node = k.node(k.node_config("gpu-node-1")).await;
+    let ml = k.namespace("ml").await;
+    k.run_pods(&[pod(&ml, "trainer-a", node.name(), &[OPT_IN]).build()])
+        .await;
+    k.proxy().set_fault(None, Some(Fault::Blackhole));
+    let d = discovery(&k, node.name());
     let cancel = CancellationToken::new();
     let task = tokio::spawn(d.clone().keep_warm(cancel.clone()));
     tokio::time::sleep(Duration::from_millis(100)).await;
@@ -170,14 +189,15 @@ async fn never_synced_cache_falls_back_to_one_bounded_list() {
         "{took:?}"
     );
     // A slow (not silent) API server still answers the fallback list in time.
-    api.clear_faults();
-    api.set_fault(Some(RequestKind::PodWatch), Some(Fault::Blackhole));
-    api.set_fault(
+    k.proxy().clear_faults();
+    k.proxy()
+        .set_fault(Some(RequestKind::PodWatch), Some(Fault::Blackhole));
+    k.proxy().set_fault(
         Some(RequestKind::PodList),
         Some(Fault::Delay(Duration::from_millis(100))),
     );
-    let d2 = discovery(&api);
-    assert_eq!(names(&d2).await, vec!["ml/trainer-a".to_string()]);
+    let d2 = discovery(&k, node.name());
+    assert_eq!(names(&d2).await, vec![format!("{ml}/trainer-a")]);
     cancel.cancel();
     task.await.unwrap();
 }

@@ -1,79 +1,53 @@
 //! Kubernetes mode end to end: the metadata emulator (real wire protocol) → the agent in
-//! Kubernetes mode (`app::start_with_client`) → an in-process API server (resource versions,
-//! 409s, PDB 429s, grace periods, field selectors, Events) → a real training process placed in a
-//! real cgroup with a kubelet-shaped path, found from its fake pod's UID and container ID.
+//! Kubernetes mode (`app::start_with_client`, as the shipped ServiceAccount, through the fault
+//! proxy) → a real API server (resource versions, 409s, PDB 429s from the disruption
+//! controller's status, grace periods, field selectors, Events) → a real training process that
+//! the kubelet stand-in runs as the pod's container, in a kubelet-shaped cgroup, found from the
+//! pod's UID and container ID.
 //!
-//! Needs root and the cgroup v1 `name=systemd` hierarchy at /sys/fs/cgroup/systemd.
+//! Needs root and a cgroup hierarchy the kubelet stand-in can write (v1 `name=systemd` or v2).
 
-use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
-use std::process::Stdio;
+use std::path::PathBuf;
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{ContainerState, ContainerStateRunning, ContainerStatus, Pod};
+use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use spotguard::app;
 use spotguard::config::{self, Config};
 use spotguard::emulator::{self, Cloud, EmulatedNotice, EmulatorConfig};
 use spotguard::responder::PlanEvent;
-use spotguard_testkit::apiserver::{test_node, FakeApiServer, PdbLimit, TestPod};
+use spotguard_testkit::k8s::{
+    non_system_taints, FlatEvent, Kubelet, NodeConfig, PdbLimit, RequestKind, TestCluster, TestPod,
+};
 use spotguard_testkit::wait_for_event as wait_for;
-use spotguard_testkit::{kubelet, metrics_text, process};
+use spotguard_testkit::{metrics_text, process};
 use tokio_util::sync::CancellationToken;
 
-const NODE: &str = "gpu-node-1";
-const CGROUP_ROOT: &str = "/sys/fs/cgroup/systemd";
+const OWN_POD: &str = "spotguard-abcde";
 
-/// A training process in a kubelet-shaped cgroup (systemd driver, Burstable QoS, containerd),
-/// and the fake pod that describes it.
-struct PodProcess {
-    child: tokio::process::Child,
-    cgroup: PathBuf,
-    dir: tempfile::TempDir,
-    uid: String,
-    container_id: String,
-}
-
+/// The training process the pod runs: on SIGUSR1 it counts the signal in `$MARKS` and acks.
 const TRAINER: &str = r#"
 trap 'n=$((n+1)); echo $n >> "$MARKS"; printf '"'"'{"state":"done","step":%d,"checkpoint":"ckpt","ts":%s}'"'"' $n $(date +%s.%N) > "$SPOTGUARD_DIR/.ack.tmp"; mv "$SPOTGUARD_DIR/.ack.tmp" "$SPOTGUARD_DIR/ack-$BASHPID.json"' USR1
 while :; do sleep 0.05; done
 "#;
 
-impl PodProcess {
-    async fn start() -> PodProcess {
-        assert!(
-            Path::new(CGROUP_ROOT).join("cgroup.procs").exists(),
-            "these tests need root and the cgroup v1 name=systemd hierarchy at {CGROUP_ROOT}"
-        );
-        let uid = kubelet::pod_uid();
-        let container_id = kubelet::container_id();
-        let cgroup = kubelet::burstable_cgroup(Path::new(CGROUP_ROOT), &uid, &container_id);
-        std::fs::create_dir_all(&cgroup).expect("create cgroup");
+/// The trainer's files on this machine: its checkpoint dir (the pod's annotation names it; the
+/// container's root is the host's) and the signal marks.
+struct Trainer {
+    dir: tempfile::TempDir,
+    /// On SIGTERM the container takes this long to exit (a real graceful shutdown).
+    term_delay: Option<Duration>,
+}
+
+impl Trainer {
+    fn new(term_delay: Option<Duration>) -> Trainer {
         let dir = tempfile::tempdir().unwrap();
         std::fs::create_dir_all(dir.path().join("ckpt")).unwrap();
-        let child = tokio::process::Command::new("bash")
-            .arg("-c")
-            .arg(TRAINER)
-            .env("SPOTGUARD_DIR", dir.path().join("ckpt"))
-            .env("MARKS", dir.path().join("marks"))
-            .stderr(Stdio::null())
-            .kill_on_drop(true)
-            .spawn()
-            .unwrap();
-        let pid = child.id().unwrap();
-        std::fs::write(cgroup.join("cgroup.procs"), pid.to_string()).expect("join cgroup");
-        let p = PodProcess {
-            child,
-            cgroup,
-            dir,
-            uid,
-            container_id,
-        };
-        assert!(
-            process::wait_catches_usr1(pid).await,
-            "trainer did not install its handler"
-        );
-        p
+        Trainer { dir, term_delay }
+    }
+
+    fn ckpt(&self) -> PathBuf {
+        self.dir.path().join("ckpt")
     }
 
     fn signals(&self) -> usize {
@@ -82,66 +56,42 @@ impl PodProcess {
             .unwrap_or(0)
     }
 
-    /// The fake pod describing this process: opted in, checkpoint dir = our temp dir (the
-    /// process's root is the host root, so container paths are host paths here).
-    fn pod(&self, name: &str) -> Pod {
-        let mut pod = TestPod::new("ml", name, NODE).build();
-        pod.metadata.uid = Some(self.uid.clone());
-        let ann: BTreeMap<String, String> = [
-            ("spotguard.io/checkpoint", "true".to_string()),
-            (
-                "spotguard.io/checkpoint-dir",
-                self.dir.path().join("ckpt").display().to_string(),
+    /// The opted-in pod that runs it on `node`.
+    fn pod(&self, ns: &str, name: &str, node: &str) -> Pod {
+        let script = match self.term_delay {
+            Some(d) => format!(
+                "trap 'sleep {:.3}; exit 0' TERM\n{TRAINER}",
+                d.as_secs_f64()
             ),
-            ("spotguard.io/checkpoint-timeout", "20s".to_string()),
-        ]
-        .into_iter()
-        .map(|(k, v)| (k.to_string(), v))
-        .collect();
-        pod.metadata.annotations = Some(ann);
-        if let Some(status) = pod.status.as_mut() {
-            status.container_statuses = Some(vec![ContainerStatus {
-                name: "main".into(),
-                container_id: Some(format!("containerd://{}", self.container_id)),
-                ready: true,
-                started: Some(true),
-                image: "registry.example/trainer:1".into(),
-                image_id: String::new(),
-                restart_count: 0,
-                state: Some(ContainerState {
-                    running: Some(ContainerStateRunning::default()),
-                    ..Default::default()
-                }),
-                ..Default::default()
-            }]);
-        }
-        pod
-    }
-}
-
-impl Drop for PodProcess {
-    fn drop(&mut self) {
-        let _ = self.child.start_kill();
-        if let Some(pid) = self.child.id() {
-            let _ = std::fs::write(Path::new(CGROUP_ROOT).join("cgroup.procs"), pid.to_string());
-        }
-        // Wait for the process to leave, then remove the cgroup and its now-empty parents.
-        for _ in 0..100 {
-            if std::fs::remove_dir(&self.cgroup).is_ok() {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        if let Some(pod_slice) = self.cgroup.parent() {
-            let _ = std::fs::remove_dir(pod_slice);
-        }
+            None => TRAINER.to_string(),
+        };
+        TestPod::new(ns, name, node)
+            .annotation("spotguard.io/checkpoint", "true")
+            .annotation(
+                "spotguard.io/checkpoint-dir",
+                &self.ckpt().display().to_string(),
+            )
+            .annotation("spotguard.io/checkpoint-timeout", "20s")
+            .script(&script)
+            .env("SPOTGUARD_DIR", &self.ckpt().display().to_string())
+            .env(
+                "MARKS",
+                &self.dir.path().join("marks").display().to_string(),
+            )
+            .build()
     }
 }
 
 struct Cluster {
-    api: FakeApiServer,
+    k: TestCluster,
+    node: Kubelet,
+    _other: Kubelet,
+    ml: String,
+    web: String,
+    system: String,
+    own: String,
     emu: emulator::EmulatorHandle,
-    trainer: PodProcess,
+    trainer: Trainer,
     state: tempfile::TempDir,
     /// `--boot-id-file`: the test "reboots" the machine by changing it.
     boot: tempfile::TempDir,
@@ -149,34 +99,72 @@ struct Cluster {
 
 impl Cluster {
     async fn new(cloud: Cloud) -> Cluster {
-        let api = FakeApiServer::start().await.unwrap();
-        api.add_node(test_node(NODE));
-        let trainer = PodProcess::start().await;
-        api.add_pod(trainer.pod("trainer-0"));
+        Cluster::with(cloud, |n| n, None).await
+    }
+
+    /// `node` shapes the node before anything runs; `term_delay`: every pod takes that long to
+    /// exit on SIGTERM.
+    async fn with(
+        cloud: Cloud,
+        node: impl FnOnce(NodeConfig) -> NodeConfig,
+        term_delay: Option<Duration>,
+    ) -> Cluster {
+        let k = TestCluster::new().await;
+        let n = k.node(node(k.node_config("gpu-node-1"))).await;
+        let other = k.node(k.node_config("other-node")).await;
+        let ml = k.namespace("ml").await;
+        let web = k.namespace("web").await;
+        let system = k.namespace("kube-system").await;
+        let own = k.namespace("spotguard").await;
+        let trainer = Trainer::new(term_delay);
+        let slow = |p: TestPod| match term_delay {
+            Some(d) => p.terminates_after(d),
+            None => p,
+        };
+        let mut pods = vec![trainer.pod(&ml, "trainer-0", n.name())];
         for i in 0..3 {
-            api.add_pod(
-                TestPod::new("web", &format!("web-{i}"), NODE)
-                    .label("app", "web")
-                    .build(),
+            pods.push(
+                slow(TestPod::new(&web, &format!("web-{i}"), n.name()).label("app", "web")).build(),
             );
         }
-        api.add_pod(
-            TestPod::new("kube-system", "nvidia-device-plugin", NODE)
+        pods.push(
+            TestPod::new(&system, "nvidia-device-plugin", n.name())
                 .daemonset()
                 .build(),
         );
-        api.add_pod(TestPod::new("spotguard", "spotguard-abcde", NODE).build());
-        api.add_pod(TestPod::new("web", "elsewhere", "other-node").build());
+        pods.push(TestPod::new(&own, OWN_POD, n.name()).build());
+        pods.push(TestPod::new(&web, "elsewhere", other.name()).build());
+        k.run_pods(&pods).await;
         let emu = emulator::start(EmulatorConfig::new(cloud)).await.unwrap();
         let boot = tempfile::tempdir().unwrap();
         std::fs::write(boot.path().join("boot_id"), "boot-1\n").unwrap();
-        Cluster {
-            api,
+        let c = Cluster {
+            k,
+            node: n,
+            _other: other,
+            ml,
+            web,
+            system,
+            own,
             emu,
             trainer,
             state: tempfile::tempdir().unwrap(),
             boot,
-        }
+        };
+        c.trainer_ready().await;
+        c
+    }
+
+    /// Wait until the trainer's current process catches SIGUSR1.
+    async fn trainer_ready(&self) {
+        let run = self
+            .node
+            .wait_run(&self.ml, "trainer-0", "main", Duration::from_secs(30))
+            .await;
+        assert!(
+            process::wait_catches_usr1(run.pid).await,
+            "trainer did not install its handler"
+        );
     }
 
     /// The machine comes back in a new life (stop/start, hibernation, reboot).
@@ -184,10 +172,14 @@ impl Cluster {
         std::fs::write(self.boot.path().join("boot_id"), boot_id).unwrap();
     }
 
+    fn name(&self) -> &str {
+        self.node.name()
+    }
+
     async fn agent(&self, extra: &[&str]) -> (app::App, CancellationToken) {
         let mut argv: Vec<String> = vec![
             "--mode=kubernetes".into(),
-            format!("--node-name={NODE}"),
+            format!("--node-name={}", self.name()),
             format!("--cloud={}", self.emu.cloud().as_str()),
             format!("--metadata-endpoint={}", self.emu.base_url()),
             "--poll-interval=200ms".into(),
@@ -207,52 +199,45 @@ impl Cluster {
         argv.extend(extra.iter().map(|s| s.to_string()));
         let args = spotguard::config::parse_run_args(argv).unwrap_or_else(|text| panic!("{text}"));
         let mut cfg = Config::resolve(args, &config::ProcessEnv).unwrap();
-        cfg.pod_namespace = Some("spotguard".into());
-        cfg.pod_name = Some("spotguard-abcde".into());
+        cfg.pod_namespace = Some(self.own.clone());
+        cfg.pod_name = Some(OWN_POD.into());
         spotguard::telemetry::init(config::LogFormat::Text, &cfg.args.log_level);
         let cancel = CancellationToken::new();
-        let app = app::start_with_client(cfg, cancel.clone(), Some(self.api.client()))
+        let app = app::start_with_client(cfg, cancel.clone(), Some(self.k.agent_client()))
             .await
             .unwrap();
         (app, cancel)
     }
 
-    fn node_json(&self) -> serde_json::Value {
-        self.api.node_json(NODE).unwrap()
+    async fn node_json(&self) -> serde_json::Value {
+        self.k.node_json(self.name()).await
     }
 
-    fn taints(&self) -> Vec<(String, String)> {
-        self.node_json()["spec"]["taints"]
-            .as_array()
-            .map(|a| {
-                a.iter()
-                    .map(|t| {
-                        (
-                            t["key"].as_str().unwrap_or_default().to_string(),
-                            t["effect"].as_str().unwrap_or_default().to_string(),
-                        )
-                    })
-                    .collect()
-            })
-            .unwrap_or_default()
+    /// spotguard's and operators' taints (key, effect).
+    async fn taints(&self) -> Vec<(String, String)> {
+        non_system_taints(&self.k.node_object(self.name()).await)
+            .into_iter()
+            .map(|(k, _, e)| (k, e))
+            .collect()
     }
 
-    fn cordoned(&self) -> bool {
-        self.node_json()["spec"]["unschedulable"].as_bool() == Some(true)
+    async fn cordoned(&self) -> bool {
+        self.node_json().await["spec"]["unschedulable"].as_bool() == Some(true)
     }
 
-    fn phase(&self) -> Option<String> {
-        let raw = self.node_json()["metadata"]["annotations"]["spotguard.io/notice"]
+    async fn phase(&self) -> Option<String> {
+        let raw = self.node_json().await["metadata"]["annotations"]["spotguard.io/notice"]
             .as_str()?
             .to_string();
         let v: serde_json::Value = serde_json::from_str(&raw).ok()?;
         v["phase"].as_str().map(str::to_string)
     }
 
-    fn pod_names(&self) -> Vec<String> {
+    async fn pod_names(&self) -> Vec<String> {
         let mut v: Vec<String> = self
-            .api
-            .pods()
+            .k
+            .pods_in(&[&self.ml, &self.web, &self.system, &self.own])
+            .await
             .iter()
             .filter_map(|p| p.metadata.name.clone())
             .collect();
@@ -261,12 +246,17 @@ impl Cluster {
     }
 
     fn evictions(&self) -> Vec<String> {
-        self.api
+        self.k
+            .proxy()
             .requests()
             .iter()
-            .filter(|r| r.method == "POST" && r.path.ends_with("/eviction"))
+            .filter(|r| r.kind == RequestKind::Eviction)
             .map(|r| r.path.clone())
             .collect()
+    }
+
+    async fn events(&self) -> Vec<FlatEvent> {
+        self.k.events().await
     }
 }
 
@@ -282,7 +272,7 @@ async fn spot_notice_checkpoints_before_the_first_eviction_then_drains_once() {
     })
     .await;
     assert_eq!(results.len(), 1, "{results:?}");
-    assert_eq!(results[0].group, "ml/trainer-0");
+    assert_eq!(results[0].group, format!("{}/trainer-0", c.ml));
     assert_eq!(results[0].outcome.as_str(), "acked", "{results:?}");
     let report = wait_for(&mut events, Duration::from_secs(60), |e| match e {
         PlanEvent::Drained { report, .. } => Some(report.clone()),
@@ -296,10 +286,10 @@ async fn spot_notice_checkpoints_before_the_first_eviction_then_drains_once() {
     .await;
 
     // Signal before the first eviction: the pod's CheckpointSignalled Event precedes it.
-    let reqs = c.api.requests();
+    let reqs = c.k.proxy().requests();
     let first_eviction = reqs
         .iter()
-        .position(|r| r.method == "POST" && r.path.ends_with("/eviction"))
+        .position(|r| r.kind == RequestKind::Eviction)
         .expect("evictions");
     let signalled_event = reqs
         .iter()
@@ -311,17 +301,18 @@ async fn spot_notice_checkpoints_before_the_first_eviction_then_drains_once() {
         .expect("CheckpointSignalled event");
     assert!(signalled_event < first_eviction);
 
-    assert!(c.cordoned());
+    assert!(c.cordoned().await);
     assert!(c
         .taints()
+        .await
         .contains(&("spotguard.io/interruption".into(), "NoSchedule".into())));
     assert_eq!(
-        c.pod_names(),
+        c.pod_names().await,
         vec!["elsewhere", "nvidia-device-plugin", "spotguard-abcde"],
         "DaemonSet, own and other nodes' pods stay"
     );
-    assert_eq!(c.phase().as_deref(), Some("done"));
-    let reasons: Vec<String> = c.api.events().iter().map(|e| e.reason.clone()).collect();
+    assert_eq!(c.phase().await.as_deref(), Some("done"));
+    let reasons: Vec<String> = c.events().await.iter().map(|e| e.reason.clone()).collect();
     for r in [
         "SpotInterruption",
         "CheckpointSignalled",
@@ -347,12 +338,14 @@ async fn spot_notice_checkpoints_before_the_first_eviction_then_drains_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pdb_blocked_pod_is_named_at_the_deadline() {
     let c = Cluster::new(Cloud::Aws).await;
-    c.api.add_pdb(
-        "web",
+    c.k.add_pdb(
+        &c.web,
         "web-pdb",
         &[("app", "web")],
         PdbLimit::MinAvailable(IntOrString::Int(3)),
-    );
+        3,
+    )
+    .await;
     let (app, cancel) = c
         .agent(&["--drain-reserve=5s", "--checkpoint-timeout=3s"])
         .await;
@@ -392,13 +385,14 @@ async fn pdb_blocked_pod_is_named_at_the_deadline() {
         "{report:?}"
     );
     let blocked = c
-        .api
         .events()
+        .await
         .into_iter()
         .find(|e| e.reason == "DrainBlocked")
         .expect("DrainBlocked event");
     assert!(
-        blocked.message.contains("web/web-0") && blocked.message.contains("web-pdb"),
+        blocked.message.contains(&format!("{}/web-0", c.web))
+            && blocked.message.contains("web-pdb"),
         "{}",
         blocked.message
     );
@@ -410,8 +404,7 @@ async fn pdb_blocked_pod_is_named_at_the_deadline() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn agent_stopped_mid_drain_resumes_without_a_second_signal() {
-    let c = Cluster::new(Cloud::Aws).await;
-    c.api.set_deletion_delay(Duration::from_secs(3));
+    let c = Cluster::with(Cloud::Aws, |n| n, Some(Duration::from_secs(3))).await;
     let (app, cancel) = c.agent(&[]).await;
     let mut events = app.events;
     c.emu.raise(EmulatedNotice::interruption()).unwrap();
@@ -425,7 +418,7 @@ async fn agent_stopped_mid_drain_resumes_without_a_second_signal() {
     cancel.cancel();
     let _ = tokio::time::timeout(Duration::from_secs(5), app.join).await;
     assert_eq!(
-        c.phase().as_deref(),
+        c.phase().await.as_deref(),
         Some("checkpointed"),
         "stopped mid-drain"
     );
@@ -443,10 +436,10 @@ async fn agent_stopped_mid_drain_resumes_without_a_second_signal() {
         matches!(e, PlanEvent::Done { .. }).then_some(())
     })
     .await;
-    assert_eq!(c.phase().as_deref(), Some("done"));
+    assert_eq!(c.phase().await.as_deref(), Some("done"));
     assert_eq!(c.trainer.signals(), 1, "never signalled twice");
     assert_eq!(
-        c.pod_names(),
+        c.pod_names().await,
         vec!["elsewhere", "nvidia-device-plugin", "spotguard-abcde"]
     );
     cancel.cancel();
@@ -464,18 +457,18 @@ async fn dry_run_writes_nothing_and_signals_nothing() {
     })
     .await;
     assert_eq!(
-        c.api.write_count(),
+        c.k.proxy().write_count(),
         0,
         "{:?}",
-        c.api
+        c.k.proxy()
             .requests()
             .iter()
             .filter(|r| r.is_write())
             .collect::<Vec<_>>()
     );
     assert_eq!(c.trainer.signals(), 0);
-    assert!(!c.cordoned());
-    assert!(!c.trainer.dir.path().join("ckpt/notice.json").exists());
+    assert!(!c.cordoned().await);
+    assert!(!c.trainer.ckpt().join("notice.json").exists());
     cancel.cancel();
     let _ = tokio::time::timeout(Duration::from_secs(5), app.join).await;
 }
@@ -493,27 +486,24 @@ async fn rebalance_soft_taint_early_checkpoint_then_expiry_undoes() {
     .await;
     assert_eq!(results[0].outcome.as_str(), "acked");
     assert_eq!(c.trainer.signals(), 1, "early checkpoint");
-    assert!(c.taints().contains(&(
+    assert!(c.taints().await.contains(&(
         "spotguard.io/interruption".into(),
         "PreferNoSchedule".into()
     )));
-    assert!(!c.cordoned(), "rebalance does not cordon");
+    assert!(!c.cordoned().await, "rebalance does not cordon");
     assert!(c.evictions().is_empty(), "rebalance does not drain");
     wait_for(&mut events, Duration::from_secs(20), |e| {
         matches!(e, PlanEvent::Undone { .. }).then_some(())
     })
     .await;
-    assert!(c.taints().is_empty(), "{:?}", c.taints());
+    assert!(c.taints().await.is_empty(), "{:?}", c.taints().await);
     cancel.cancel();
     let _ = tokio::time::timeout(Duration::from_secs(5), app.join).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancelled_maintenance_keeps_the_operators_cordon() {
-    let c = Cluster::new(Cloud::Azure).await;
-    let mut node = test_node(NODE);
-    node.spec.get_or_insert_with(Default::default).unschedulable = Some(true);
-    c.api.add_node(node);
+    let c = Cluster::with(Cloud::Azure, NodeConfig::unschedulable, None).await;
     let (app, cancel) = c
         .agent(&["--maintenance-lead=1h", "--on-maintenance=cordon"])
         .await;
@@ -528,6 +518,7 @@ async fn cancelled_maintenance_keeps_the_operators_cordon() {
     .await;
     assert!(c
         .taints()
+        .await
         .contains(&("spotguard.io/interruption".into(), "NoSchedule".into())));
     c.emu.cancel(Some(&raised.id)).unwrap();
     wait_for(&mut events, Duration::from_secs(30), |e| {
@@ -535,13 +526,17 @@ async fn cancelled_maintenance_keeps_the_operators_cordon() {
     })
     .await;
     assert!(
-        c.taints().is_empty(),
+        c.taints().await.is_empty(),
         "spotguard's taint removed: {:?}",
-        c.taints()
+        c.taints().await
     );
-    assert!(c.cordoned(), "the operator's cordon stays");
+    assert!(c.cordoned().await, "the operator's cordon stays");
     assert_eq!(c.trainer.signals(), 0);
-    assert!(c.api.events().iter().any(|e| e.reason == "NoticeCancelled"));
+    assert!(c
+        .events()
+        .await
+        .iter()
+        .any(|e| e.reason == "NoticeCancelled"));
     cancel.cancel();
     let _ = tokio::time::timeout(Duration::from_secs(5), app.join).await;
 }
@@ -564,22 +559,24 @@ async fn a_new_boot_undoes_the_previous_life_and_the_next_interruption_is_signal
         matches!(e, PlanEvent::Done { .. }).then_some(())
     })
     .await;
-    assert!(c.cordoned());
+    assert!(c.cordoned().await);
     assert_eq!(c.trainer.signals(), 1);
-    assert_eq!(c.phase().as_deref(), Some("done"));
+    assert_eq!(c.phase().await.as_deref(), Some("done"));
     stop(app.join, cancel).await;
 
     // Same boot, agent restarted: the handled interruption stays handled (no second signal).
     let (app, cancel) = c.agent(&[]).await;
     tokio::time::sleep(Duration::from_secs(2)).await;
     assert_eq!(c.trainer.signals(), 1, "same life: never a second signal");
-    assert!(c.cordoned(), "same life: the plan's cordon stays");
+    assert!(c.cordoned().await, "same life: the plan's cordon stays");
     stop(app.join, cancel).await;
 
     // Stop/start: a new boot id. The trainer's pod is scheduled here again.
     c.emu.clear();
     c.reboot("boot-2");
-    c.api.add_pod(c.trainer.pod("trainer-0"));
+    c.k.run_pods(&[c.trainer.pod(&c.ml, "trainer-0", c.name())])
+        .await;
+    c.trainer_ready().await;
     let (app, cancel) = c.agent(&[]).await;
     let mut events = app.events;
     wait_for(&mut events, Duration::from_secs(20), |e| {
@@ -587,14 +584,14 @@ async fn a_new_boot_undoes_the_previous_life_and_the_next_interruption_is_signal
     })
     .await;
     assert!(
-        !c.cordoned(),
+        !c.cordoned().await,
         "spotguard's cordon from the previous life is gone"
     );
-    assert!(c.taints().is_empty(), "{:?}", c.taints());
-    assert_eq!(c.phase(), None, "record of the previous life cleared");
+    assert!(c.taints().await.is_empty(), "{:?}", c.taints().await);
+    assert_eq!(c.phase().await, None, "record of the previous life cleared");
     assert!(c
-        .api
         .events()
+        .await
         .iter()
         .any(|e| e.reason == "PreviousLifeUndone"));
     assert!(!c.state.path().join("notice.json").exists());
@@ -611,8 +608,8 @@ async fn a_new_boot_undoes_the_previous_life_and_the_next_interruption_is_signal
     })
     .await;
     assert_eq!(c.trainer.signals(), 2, "armed again in the new life");
-    assert!(c.cordoned());
-    let raw = c.node_json()["metadata"]["annotations"]["spotguard.io/notice"]
+    assert!(c.cordoned().await);
+    let raw = c.node_json().await["metadata"]["annotations"]["spotguard.io/notice"]
         .as_str()
         .unwrap()
         .to_string();
@@ -624,10 +621,7 @@ async fn a_new_boot_undoes_the_previous_life_and_the_next_interruption_is_signal
 /// Issue 9 item 1: the operator's cordon from before the previous life is never undone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_new_boot_keeps_the_operators_cordon() {
-    let c = Cluster::new(Cloud::Aws).await;
-    let mut node = test_node(NODE);
-    node.spec.get_or_insert_with(Default::default).unschedulable = Some(true);
-    c.api.add_node(node);
+    let c = Cluster::with(Cloud::Aws, NodeConfig::unschedulable, None).await;
     let (app, cancel) = c.agent(&[]).await;
     let mut events = app.events;
     c.emu.raise(EmulatedNotice::interruption()).unwrap();
@@ -644,8 +638,8 @@ async fn a_new_boot_keeps_the_operators_cordon() {
         matches!(e, PlanEvent::Undone { .. }).then_some(())
     })
     .await;
-    assert!(c.taints().is_empty(), "spotguard's taint removed");
-    assert!(c.cordoned(), "the operator's cordon stays");
+    assert!(c.taints().await.is_empty(), "spotguard's taint removed");
+    assert!(c.cordoned().await, "the operator's cordon stays");
     stop(app.join, cancel).await;
 }
 
@@ -665,7 +659,7 @@ async fn a_failed_drain_is_not_complete_and_the_azure_event_is_not_approved() {
     })
     .await;
     // From now on the agent may not list pods.
-    c.api.refuse("GET", "/api/v1/pods", 403);
+    c.k.proxy().refuse("GET", "/api/v1/pods", 403);
     let mut drained = false;
     let reason = wait_for(&mut events, Duration::from_secs(60), |e| match e {
         PlanEvent::Drained { .. } => {
@@ -682,11 +676,11 @@ async fn a_failed_drain_is_not_complete_and_the_azure_event_is_not_approved() {
         matches!(e, PlanEvent::Done { .. }).then_some(())
     })
     .await;
-    let reasons: Vec<String> = c.api.events().iter().map(|e| e.reason.clone()).collect();
+    let reasons: Vec<String> = c.events().await.iter().map(|e| e.reason.clone()).collect();
     assert!(!reasons.iter().any(|r| r == "DrainComplete"), "{reasons:?}");
     let failed = c
-        .api
         .events()
+        .await
         .into_iter()
         .find(|e| e.reason == "DrainFailed")
         .expect("DrainFailed event");
@@ -696,7 +690,7 @@ async fn a_failed_drain_is_not_complete_and_the_azure_event_is_not_approved() {
         failed.message
     );
     assert!(c.emu.azure_acks().is_empty(), "{:?}", c.emu.azure_acks());
-    let raw = c.node_json()["metadata"]["annotations"]["spotguard.io/notice"]
+    let raw = c.node_json().await["metadata"]["annotations"]["spotguard.io/notice"]
         .as_str()
         .unwrap()
         .to_string();
@@ -730,7 +724,7 @@ async fn a_complete_drain_approves_the_azure_event() {
     })
     .await;
     assert_eq!(c.emu.azure_acks(), vec![raised.id]);
-    assert_eq!(c.phase().as_deref(), Some("done"));
+    assert_eq!(c.phase().await.as_deref(), Some("done"));
     stop(app.join, cancel).await;
 }
 
@@ -738,8 +732,7 @@ async fn a_complete_drain_approves_the_azure_event() {
 /// record says the signal went out, so it never goes out again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_api_outage_at_restart_never_signals_again() {
-    let c = Cluster::new(Cloud::Aws).await;
-    c.api.set_deletion_delay(Duration::from_secs(3));
+    let c = Cluster::with(Cloud::Aws, |n| n, Some(Duration::from_secs(3))).await;
     let (app, cancel) = c.agent(&[]).await;
     let mut events = app.events;
     c.emu.raise(EmulatedNotice::interruption()).unwrap();
@@ -753,11 +746,11 @@ async fn an_api_outage_at_restart_never_signals_again() {
     assert!(local.contains("\"signalled_at\""), "{local}");
 
     // Every API request now takes 30 s: the annotation cannot be read at restart.
-    c.api.set_latency(Duration::from_secs(30));
+    c.k.proxy().set_latency(Duration::from_secs(30));
     let (app, cancel) = c.agent(&[]).await;
     tokio::time::sleep(Duration::from_secs(8)).await;
     assert_eq!(c.trainer.signals(), 1, "never signalled twice");
-    c.api.set_latency(Duration::ZERO);
+    c.k.proxy().set_latency(Duration::ZERO);
     stop(app.join, cancel).await;
     assert_eq!(c.trainer.signals(), 1, "never signalled twice");
 }
@@ -767,30 +760,32 @@ async fn an_api_outage_at_restart_never_signals_again() {
 /// boot: the node's own marks tell what spotguard did, and it is undone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_protect_that_was_never_recorded_is_still_undone_in_the_next_life() {
-    let c = Cluster::new(Cloud::Aws).await;
-    let mut node = test_node(NODE);
-    node.spec.get_or_insert_with(Default::default).unschedulable = Some(true);
-    node.spec.get_or_insert_with(Default::default).taints =
-        Some(vec![k8s_openapi::api::core::v1::Taint {
-            key: "spotguard.io/interruption".into(),
-            value: Some("interruption".into()),
-            effect: "NoSchedule".into(),
-            time_added: None,
-        }]);
-    c.api.add_node(node);
-    c.api.set_node_annotation(
-        NODE,
+    let c = Cluster::with(
+        Cloud::Aws,
+        |n| {
+            n.unschedulable().taint(
+                "spotguard.io/interruption",
+                Some("interruption"),
+                "NoSchedule",
+            )
+        },
+        None,
+    )
+    .await;
+    c.k.set_node_annotation(
+        c.name(),
         "spotguard.io/applied",
         r#"{"cordoned":true,"taints":["NoSchedule"]}"#,
-    );
+    )
+    .await;
     let now = jiff::Timestamp::now();
     let record = serde_json::json!({
         "id": "i-died", "kind": {"type": "interruption"}, "source": "aws",
         "deadline": now.to_string(), "phase": "signalled", "signalled_at": now.to_string(),
         "boot_id": "boot-1", "updated_at": now.to_string(),
     });
-    c.api
-        .set_node_annotation(NODE, "spotguard.io/notice", &record.to_string());
+    c.k.set_node_annotation(c.name(), "spotguard.io/notice", &record.to_string())
+        .await;
     c.reboot("boot-2");
     let (app, cancel) = c.agent(&[]).await;
     let mut events = app.events;
@@ -799,12 +794,12 @@ async fn a_protect_that_was_never_recorded_is_still_undone_in_the_next_life() {
     })
     .await;
     assert!(
-        !c.cordoned(),
+        !c.cordoned().await,
         "spotguard's cordon undone from the node's marks"
     );
-    assert!(c.taints().is_empty(), "{:?}", c.taints());
-    assert!(c.node_json()["metadata"]["annotations"]["spotguard.io/applied"].is_null());
-    assert_eq!(c.phase(), None);
+    assert!(c.taints().await.is_empty(), "{:?}", c.taints().await);
+    assert!(c.node_json().await["metadata"]["annotations"]["spotguard.io/applied"].is_null());
+    assert_eq!(c.phase().await, None);
     assert_eq!(c.trainer.signals(), 0);
     stop(app.join, cancel).await;
 }
@@ -817,7 +812,7 @@ async fn the_signal_does_not_wait_for_the_cordon() {
     let c = Cluster::new(Cloud::Aws).await;
     let (app, cancel) = c.agent(&[]).await;
     let mut events = app.events;
-    c.api.fail_node_writes(500, 5);
+    c.k.proxy().fail_next(RequestKind::NodeWrite, 500, 5);
     c.emu.raise(EmulatedNotice::interruption()).unwrap();
     let limit = std::time::Instant::now() + Duration::from_secs(20);
     while c.trainer.signals() == 0 {
@@ -825,14 +820,14 @@ async fn the_signal_does_not_wait_for_the_cordon() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     assert!(
-        !c.cordoned(),
+        !c.cordoned().await,
         "signalled before the cordon (protect is still retrying)"
     );
     wait_for(&mut events, Duration::from_secs(60), |e| {
         matches!(e, PlanEvent::Done { .. }).then_some(())
     })
     .await;
-    assert!(c.cordoned(), "the cordon landed after the signal");
+    assert!(c.cordoned().await, "the cordon landed after the signal");
     assert_eq!(c.trainer.signals(), 1);
     stop(app.join, cancel).await;
 }

@@ -1,5 +1,6 @@
-//! KubeNodeOps against the in-process fake API server (behaviour) and against tower-test scripted
-//! exchanges (exact request shapes).
+//! KubeNodeOps against a real API server (behaviour: testkit's control plane, kubelet stand-in
+//! and fault proxy; spotguard acts as the shipped ServiceAccount) and against tower-test
+//! scripted exchanges (exact request shapes).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -16,38 +17,60 @@ use spotguard::node::{
     NOTICE_ANNOTATION,
 };
 use spotguard::notice::{NoticeKind, Source};
-use spotguard_testkit::apiserver::{
-    test_node, EventApi, FakeApiServer, PdbLimit, RecordedRequest, TestPod,
+use spotguard_testkit::k8s::fixtures::STUCK_FINALIZER;
+use spotguard_testkit::k8s::{
+    non_system_taints, EventApi, Identity, Kubelet, NodeConfig, PdbLimit, RecordedRequest,
+    RequestKind, TestCluster, TestPod,
 };
 
+/// Only used by the tower-test exchanges below (the real-server tests name their node per test).
 const NODE: &str = "gpu-node-1";
-const OWN_NS: &str = "spotguard";
 const OWN_POD: &str = "spotguard-agent-x7k2p";
 
 struct Env {
-    server: FakeApiServer,
+    k: TestCluster,
+    node: Kubelet,
     ops: KubeNodeOps,
     registry: Registry,
+    /// The agent's own namespace (its pod is never evicted).
+    own_ns: String,
+}
+
+impl Env {
+    fn name(&self) -> &str {
+        self.node.name()
+    }
 }
 
 async fn env(dry_run: bool) -> Env {
-    let server = FakeApiServer::start()
-        .await
-        .expect("fake API server starts");
-    server.add_node(test_node(NODE));
+    env_with(|c| c, dry_run, Identity::Agent).await
+}
+
+/// A node (shaped by `node`) with its kubelet, and KubeNodeOps acting as `identity` through the
+/// fault proxy.
+async fn env_with(
+    node: impl FnOnce(NodeConfig) -> NodeConfig,
+    dry_run: bool,
+    identity: Identity,
+) -> Env {
+    let k = TestCluster::new().await;
+    let node = k.node(node(k.node_config("gpu-node-1"))).await;
+    let own_ns = k.namespace("spotguard").await;
     let mut registry = Registry::default();
     let metrics = Arc::new(Metrics::register(&mut registry));
     let ops = KubeNodeOps::new(
-        server.client(),
-        NODE.to_string(),
-        Some((OWN_NS.to_string(), OWN_POD.to_string())),
+        k.client_as(identity),
+        node.name().to_string(),
+        Some((own_ns.clone(), OWN_POD.to_string())),
         dry_run,
         metrics,
     );
     Env {
-        server,
+        k,
+        node,
         ops,
         registry,
+        own_ns,
     }
 }
 
@@ -59,21 +82,16 @@ fn interruption() -> Protection {
     }
 }
 
-fn taints(server: &FakeApiServer) -> Vec<(String, Option<String>, String)> {
-    server
-        .node(NODE)
-        .and_then(|n| n.spec)
-        .and_then(|s| s.taints)
-        .unwrap_or_default()
-        .into_iter()
-        .map(|t| (t.key, t.value, t.effect))
-        .collect()
+/// spotguard's and operators' taints (the node lifecycle controller's own `node.kubernetes.io/*`
+/// taints, e.g. `unschedulable` on a cordoned node, are Kubernetes', not theirs).
+async fn taints(e: &Env) -> Vec<(String, Option<String>, String)> {
+    non_system_taints(&e.k.node_object(e.name()).await)
 }
 
-fn cordoned(server: &FakeApiServer) -> bool {
-    server
-        .node(NODE)
-        .and_then(|n| n.spec)
+async fn cordoned(e: &Env) -> bool {
+    e.k.node_object(e.name())
+        .await
+        .spec
         .and_then(|s| s.unschedulable)
         == Some(true)
 }
@@ -90,11 +108,19 @@ fn drain_request(deadline: Timestamp) -> DrainRequest {
     }
 }
 
-fn evictions(server: &FakeApiServer) -> Vec<RecordedRequest> {
-    server
+fn evictions(e: &Env) -> Vec<RecordedRequest> {
+    e.k.proxy()
         .requests()
         .into_iter()
-        .filter(|r| r.method == "POST" && r.path.ends_with("/eviction"))
+        .filter(|r| r.kind == RequestKind::Eviction)
+        .collect()
+}
+
+async fn pod_names(e: &Env, namespaces: &[&str]) -> Vec<String> {
+    e.k.pods_in(namespaces)
+        .await
+        .into_iter()
+        .filter_map(|p| p.metadata.name)
         .collect()
 }
 
@@ -123,7 +149,7 @@ fn sample_state() -> PlanState {
 /// Issue 9 item 6: what spotguard applied is recorded on the Node in the same patch, so an agent
 /// that died between the patch and its plan record still knows (and undo still spares an
 /// operator's changes).
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_node_records_what_spotguard_applied_in_the_same_patch() {
     let e = env(false).await;
     assert!(e.ops.applied_marks().await.expect("marks").is_empty());
@@ -155,9 +181,9 @@ async fn the_node_records_what_spotguard_applied_in_the_same_patch() {
         .unprotect(&marks.for_protection(&interruption()))
         .await
         .expect("unprotect");
-    assert!(!cordoned(&e.server));
+    assert!(!cordoned(&e).await);
     assert!(e.ops.applied_marks().await.expect("marks").is_empty());
-    let node = e.server.node_json(NODE).expect("node");
+    let node = e.k.node_json(e.name()).await;
     assert!(
         node["metadata"]["annotations"]["spotguard.io/applied"].is_null(),
         "{node}"
@@ -165,19 +191,16 @@ async fn the_node_records_what_spotguard_applied_in_the_same_patch() {
 }
 
 /// An operator's cordon is never in spotguard's marks.
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn marks_never_claim_an_operators_cordon() {
-    let e = env(false).await;
-    let mut node = test_node(NODE);
-    node.spec.get_or_insert_with(Default::default).unschedulable = Some(true);
-    e.server.add_node(node);
+    let e = env_with(NodeConfig::unschedulable, false, Identity::Agent).await;
     e.ops.protect(&interruption()).await.expect("protect");
     let marks = e.ops.applied_marks().await.expect("marks");
     assert!(!marks.cordoned);
     assert_eq!(marks.taints, vec![TaintEffect::NoSchedule]);
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn protect_and_unprotect_a_schedulable_node() {
     let e = env(false).await;
     let applied = e.ops.protect(&interruption()).await.expect("protect");
@@ -188,9 +211,9 @@ async fn protect_and_unprotect_a_schedulable_node() {
             taint_effect: Some(TaintEffect::NoSchedule)
         }
     );
-    assert!(cordoned(&e.server));
+    assert!(cordoned(&e).await);
     assert_eq!(
-        taints(&e.server),
+        taints(&e).await,
         vec![(
             INTERRUPTION_TAINT.to_string(),
             Some("interruption".to_string()),
@@ -198,12 +221,12 @@ async fn protect_and_unprotect_a_schedulable_node() {
         )]
     );
     // One PATCH did both, carrying the resourceVersion it read.
-    let patches: Vec<_> = e
-        .server
-        .requests()
-        .into_iter()
-        .filter(|r| r.method == "PATCH")
-        .collect();
+    let patches: Vec<_> =
+        e.k.proxy()
+            .requests()
+            .into_iter()
+            .filter(|r| r.method == "PATCH")
+            .collect();
     assert_eq!(patches.len(), 1);
     assert_eq!(
         patches[0].content_type.as_deref(),
@@ -213,8 +236,8 @@ async fn protect_and_unprotect_a_schedulable_node() {
     assert!(body["metadata"]["resourceVersion"].is_string(), "{body}");
 
     e.ops.unprotect(&applied).await.expect("unprotect");
-    assert!(!cordoned(&e.server));
-    assert!(taints(&e.server).is_empty());
+    assert!(!cordoned(&e).await);
+    assert!(taints(&e).await.is_empty());
     let text = encode(&e.registry);
     assert!(
         text.contains("spotguard_node_actions_total{action=\"cordon\",outcome=\"ok\"} 1"),
@@ -226,21 +249,57 @@ async fn protect_and_unprotect_a_schedulable_node() {
     );
 }
 
-#[tokio::test]
-async fn an_operators_cordon_and_taints_survive_undo() {
+/// The real control plane answers a cordon with its own `node.kubernetes.io/unschedulable`
+/// taint (node lifecycle controller). spotguard's undo keeps every taint that is not its own:
+/// what the controller put there is left for the controller to take away.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn undo_leaves_the_control_planes_own_taints_to_it() {
     let e = env(false).await;
-    let mut node = test_node(NODE);
-    node.spec = Some(k8s_openapi::api::core::v1::NodeSpec {
-        unschedulable: Some(true),
-        taints: Some(vec![k8s_openapi::api::core::v1::Taint {
-            key: "dedicated".into(),
-            value: Some("training".into()),
-            effect: "NoSchedule".into(),
-            time_added: None,
-        }]),
-        ..Default::default()
-    });
-    e.server.add_node(node);
+    let applied = e.ops.protect(&interruption()).await.expect("protect");
+    let start = std::time::Instant::now();
+    loop {
+        let node = e.k.node_object(e.name()).await;
+        let all = node.spec.and_then(|s| s.taints).unwrap_or_default();
+        if all
+            .iter()
+            .any(|t| t.key == "node.kubernetes.io/unschedulable")
+        {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "the node lifecycle controller never tainted the cordoned node: {all:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    e.ops.unprotect(&applied).await.expect("unprotect");
+    let patch =
+        e.k.proxy()
+            .requests()
+            .into_iter()
+            .rfind(|r| r.method == "PATCH")
+            .expect("undo patch");
+    let body = patch.json().expect("json");
+    let sent: Vec<&str> = body["spec"]["taints"]
+        .as_array()
+        .map(|a| a.iter().filter_map(|t| t["key"].as_str()).collect())
+        .unwrap_or_default();
+    assert_eq!(sent, vec!["node.kubernetes.io/unschedulable"], "{body}");
+    assert!(!cordoned(&e).await);
+    assert!(taints(&e).await.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operators_cordon_and_taints_survive_undo() {
+    let e = env_with(
+        |c| {
+            c.unschedulable()
+                .taint("dedicated", Some("training"), "NoSchedule")
+        },
+        false,
+        Identity::Agent,
+    )
+    .await;
     let applied = e.ops.protect(&interruption()).await.expect("protect");
     assert_eq!(
         applied,
@@ -249,11 +308,11 @@ async fn an_operators_cordon_and_taints_survive_undo() {
             taint_effect: Some(TaintEffect::NoSchedule)
         }
     );
-    assert_eq!(taints(&e.server).len(), 2);
+    assert_eq!(taints(&e).await.len(), 2);
     e.ops.unprotect(&applied).await.expect("unprotect");
-    assert!(cordoned(&e.server), "the operator's cordon stays");
+    assert!(cordoned(&e).await, "the operator's cordon stays");
     assert_eq!(
-        taints(&e.server),
+        taints(&e).await,
         vec![(
             "dedicated".to_string(),
             Some("training".to_string()),
@@ -262,22 +321,22 @@ async fn an_operators_cordon_and_taints_survive_undo() {
     );
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn protecting_twice_writes_once_and_reports_nothing_new() {
     let e = env(false).await;
     e.ops.protect(&interruption()).await.expect("protect");
-    let writes = e.server.write_count();
+    let writes = e.k.proxy().write_count();
     let again = e.ops.protect(&interruption()).await.expect("protect again");
     assert_eq!(again, Applied::default());
     assert_eq!(
-        e.server.write_count(),
+        e.k.proxy().write_count(),
         writes,
         "nothing to change: no write"
     );
-    assert_eq!(taints(&e.server).len(), 1, "taint added once");
+    assert_eq!(taints(&e).await.len(), 1, "taint added once");
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rebalance_then_interruption_keeps_both_taints_and_undoes_one() {
     let e = env(false).await;
     let soft = Protection {
@@ -287,30 +346,30 @@ async fn rebalance_then_interruption_keeps_both_taints_and_undoes_one() {
     };
     let a1 = e.ops.protect(&soft).await.expect("soft taint");
     assert_eq!(a1.taint_effect, Some(TaintEffect::PreferNoSchedule));
-    assert!(!a1.cordoned && !cordoned(&e.server));
+    assert!(!a1.cordoned && !cordoned(&e).await);
     let a2 = e.ops.protect(&interruption()).await.expect("hard taint");
     assert_eq!(a2.taint_effect, Some(TaintEffect::NoSchedule));
-    assert_eq!(taints(&e.server).len(), 2);
+    assert_eq!(taints(&e).await.len(), 2);
     e.ops
         .unprotect(&a1)
         .await
         .expect("undo the rebalance taint");
     assert_eq!(
-        taints(&e.server),
+        taints(&e).await,
         vec![(
             INTERRUPTION_TAINT.to_string(),
             Some("interruption".to_string()),
             "NoSchedule".to_string()
         )]
     );
-    assert!(cordoned(&e.server));
+    assert!(cordoned(&e).await);
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn conflicts_and_server_errors_during_cordon_are_retried() {
     let e = env(false).await;
-    e.server.fail_node_writes(409, 2);
-    e.server.fail_node_writes(500, 2);
+    e.k.proxy().fail_next(RequestKind::NodeWrite, 409, 2);
+    e.k.proxy().fail_next(RequestKind::NodeWrite, 500, 2);
     let applied = e
         .ops
         .protect(&interruption())
@@ -318,42 +377,44 @@ async fn conflicts_and_server_errors_during_cordon_are_retried() {
         .expect("protect despite faults");
     assert!(applied.cordoned);
     assert_eq!(applied.taint_effect, Some(TaintEffect::NoSchedule));
-    assert!(cordoned(&e.server));
-    assert_eq!(taints(&e.server).len(), 1, "taint added once");
-    let reqs = e.server.requests();
+    assert!(cordoned(&e).await);
+    assert_eq!(taints(&e).await.len(), 1, "taint added once");
+    let reqs = e.k.proxy().requests();
     let patches = reqs.iter().filter(|r| r.method == "PATCH").count();
     let gets = reqs.iter().filter(|r| r.method == "GET").count();
     assert_eq!(patches, 5, "4 refused + 1 accepted");
     assert!(gets >= 5, "every attempt re-reads the node ({gets} GETs)");
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_conflict_that_never_settles_is_reported() {
     let e = env(false).await;
-    e.server.fail_node_writes(409, 100);
+    e.k.proxy().fail_next(RequestKind::NodeWrite, 409, 100);
     match e.ops.protect(&interruption()).await {
         Err(err @ Error::Conflict { .. }) => assert!(err.is_retryable()),
         other => panic!("expected a conflict error, got {other:?}"),
     }
-    assert!(!cordoned(&e.server));
+    assert!(!cordoned(&e).await);
 }
 
-#[tokio::test]
+/// What spotguard's optimistic concurrency relies on: the API server refuses a merge patch that
+/// carries a resourceVersion someone else has moved on from.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_server_refuses_a_write_with_a_stale_resource_version() {
     use kube::api::{Api, Patch, PatchParams};
     let e = env(false).await;
-    let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(e.server.client());
-    let node = nodes.get(NODE).await.expect("get");
+    let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(e.k.agent_client());
+    let node = nodes.get(e.name()).await.expect("get");
     let rv = node
         .metadata
         .resource_version
         .clone()
         .expect("resourceVersion");
-    e.server
-        .set_node_annotation(NODE, "other/controller", "was-here");
+    e.k.set_node_annotation(e.name(), "other/controller", "was-here")
+        .await;
     let patch = json!({ "metadata": { "resourceVersion": rv }, "spec": { "unschedulable": true } });
     match nodes
-        .patch(NODE, &PatchParams::default(), &Patch::Merge(&patch))
+        .patch(e.name(), &PatchParams::default(), &Patch::Merge(&patch))
         .await
     {
         Err(kube::Error::Api(s)) => {
@@ -362,34 +423,35 @@ async fn the_server_refuses_a_write_with_a_stale_resource_version() {
         }
         other => panic!("expected 409, got {other:?}"),
     }
-    assert!(!cordoned(&e.server));
+    assert!(!cordoned(&e).await);
 }
 
 // === plan state annotation ===
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn plan_state_round_trips_through_the_node_annotation() {
     let e = env(false).await;
     assert_eq!(e.ops.load_state().await.expect("load"), None);
     let state = sample_state();
     e.ops.save_state(&state).await.expect("save");
     assert_eq!(e.ops.load_state().await.expect("load"), Some(state.clone()));
-    let raw = e
-        .server
-        .node(NODE)
-        .and_then(|n| n.metadata.annotations)
-        .expect("annotations");
+    let raw =
+        e.k.node_object(e.name())
+            .await
+            .metadata
+            .annotations
+            .expect("annotations");
     let stored: Value = serde_json::from_str(&raw[NOTICE_ANNOTATION]).expect("annotation is JSON");
     assert_eq!(stored["phase"], "signalled");
     e.ops.clear_state().await.expect("clear");
     assert_eq!(e.ops.load_state().await.expect("load"), None);
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_corrupt_annotation_is_a_typed_error() {
     let e = env(false).await;
-    e.server
-        .set_node_annotation(NODE, NOTICE_ANNOTATION, "{\"id\": \"x\", \"phase\": ");
+    e.k.set_node_annotation(e.name(), NOTICE_ANNOTATION, "{\"id\": \"x\", \"phase\": ")
+        .await;
     match e.ops.load_state().await {
         Err(err @ Error::StateCorrupt { .. }) => {
             assert_eq!(err.metric_label(), "state_corrupt");
@@ -404,9 +466,10 @@ async fn a_corrupt_annotation_is_a_typed_error() {
 
 // === events ===
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn node_events_use_events_v1_and_repeat_as_a_series() {
     let e = env(false).await;
+    let team = e.k.namespace("team-a").await;
     let msg = "EC2 spot interruption: terminate at 2030-01-02T03:04:05Z";
     e.ops
         .event(EventType::Warning, reason::SPOT_INTERRUPTION, msg)
@@ -416,14 +479,14 @@ async fn node_events_use_events_v1_and_repeat_as_a_series() {
         .event(EventType::Warning, reason::SPOT_INTERRUPTION, msg)
         .await
         .expect("event again");
-    let events = e.server.events();
+    let events = e.k.events().await;
     assert_eq!(events.len(), 1, "{events:?}");
     let ev = &events[0];
     assert_eq!(ev.api, EventApi::EventsV1);
     assert_eq!(ev.namespace, "default");
     assert_eq!(
         (ev.regarding_kind.as_str(), ev.regarding_name.as_str()),
-        ("Node", NODE)
+        ("Node", e.name())
     );
     assert!(
         !ev.raw["regarding"]["uid"].as_str().unwrap_or("").is_empty(),
@@ -441,7 +504,7 @@ async fn node_events_use_events_v1_and_repeat_as_a_series() {
         .await
         .expect("long note is cut to the limit");
     let pod = spotguard::checkpoint::PodRef {
-        namespace: "team-a".into(),
+        namespace: team.clone(),
         name: "trainer-0".into(),
         uid: "uid-1".into(),
     };
@@ -454,33 +517,34 @@ async fn node_events_use_events_v1_and_repeat_as_a_series() {
         )
         .await
         .expect("pod event");
-    let events = e.server.events();
+    let events = e.k.events().await;
     assert_eq!(events.len(), 3);
     let pev = events
         .iter()
         .find(|ev| ev.reason == "CheckpointAcked")
         .expect("pod event stored");
-    assert_eq!(pev.namespace, "team-a");
+    assert_eq!(pev.namespace, team);
     assert_eq!(
         (
             pev.regarding_kind.as_str(),
             pev.regarding_namespace.as_str()
         ),
-        ("Pod", "team-a")
+        ("Pod", team.as_str())
     );
 }
 
 // === drain ===
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn drain_evicts_twenty_pods() {
     let e = env(false).await;
-    for i in 0..20 {
-        e.server
-            .add_pod(TestPod::new("team-a", &format!("worker-{i}"), NODE).build());
-    }
-    e.server
-        .add_pod(TestPod::new("team-a", "elsewhere", "gpu-node-2").build());
+    let other = e.k.node(e.k.node_config("gpu-node-2")).await;
+    let team = e.k.namespace("team-a").await;
+    let mut pods: Vec<_> = (0..20)
+        .map(|i| TestPod::new(&team, &format!("worker-{i}"), e.name()).build())
+        .collect();
+    pods.push(TestPod::new(&team, "elsewhere", other.name()).build());
+    e.k.run_pods(&pods).await;
     let report = e
         .ops
         .drain(&drain_request(in_secs(60)))
@@ -488,27 +552,21 @@ async fn drain_evicts_twenty_pods() {
         .expect("drain");
     assert!(report.complete(), "{report:?}");
     assert_eq!(report.evicted.len(), 20);
-    assert!(report.evicted.contains(&"team-a/worker-7".to_string()));
-    let left: Vec<String> = e
-        .server
-        .pods()
-        .into_iter()
-        .filter_map(|p| p.metadata.name)
-        .collect();
-    assert_eq!(left, vec!["elsewhere".to_string()]);
+    assert!(report.evicted.contains(&format!("{team}/worker-7")));
+    assert_eq!(pod_names(&e, &[&team]).await, vec!["elsewhere".to_string()]);
     // Listed once, for this node only.
-    let lists: Vec<_> = e
-        .server
-        .requests()
-        .into_iter()
-        .filter(|r| r.method == "GET" && r.path == "/api/v1/pods")
-        .collect();
+    let lists: Vec<_> =
+        e.k.proxy()
+            .requests()
+            .into_iter()
+            .filter(|r| r.method == "GET" && r.path == "/api/v1/pods")
+            .collect();
     assert_eq!(lists.len(), 1);
     assert_eq!(
         lists[0].query_param("fieldSelector").as_deref(),
-        Some(&*format!("spec.nodeName={NODE}"))
+        Some(&*format!("spec.nodeName={}", e.name()))
     );
-    assert_eq!(evictions(&e.server).len(), 20);
+    assert_eq!(evictions(&e).len(), 20);
     let text = encode(&e.registry);
     assert!(
         text.contains("spotguard_drain_pods_total{outcome=\"evicted\"} 20"),
@@ -521,80 +579,80 @@ async fn drain_evicts_twenty_pods() {
     );
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn daemonset_mirror_finished_and_own_pods_are_never_evicted() {
     let e = env(false).await;
-    e.server.add_pod(
-        TestPod::new("kube-system", "nvidia-device-plugin-abc", NODE)
+    let system = e.k.namespace("kube-system").await;
+    let team = e.k.namespace("team-a").await;
+    let node_uid =
+        e.k.node_object(e.name())
+            .await
+            .metadata
+            .uid
+            .expect("node uid");
+    let proxy_pod = format!("kube-proxy-{}", e.name());
+    e.k.run_pods(&[
+        TestPod::new(&system, "nvidia-device-plugin-abc", e.name())
             .daemonset()
             .build(),
-    );
-    e.server.add_pod(
-        TestPod::new("kube-system", "kube-proxy-gpu-node-1", NODE)
-            .mirror()
+        TestPod::new(&system, &proxy_pod, e.name())
+            .mirror(e.name(), &node_uid)
             .build(),
-    );
-    e.server.add_pod(
-        TestPod::new("team-a", "preprocess-done", NODE)
+        TestPod::new(&team, "preprocess-done", e.name())
             .phase("Succeeded")
             .build(),
-    );
-    e.server.add_pod(
-        TestPod::new("team-a", "preprocess-crashed", NODE)
+        TestPod::new(&team, "preprocess-crashed", e.name())
             .phase("Failed")
             .build(),
-    );
-    e.server
-        .add_pod(TestPod::new(OWN_NS, OWN_POD, NODE).build());
-    e.server
-        .add_pod(TestPod::new("team-a", "trainer-0", NODE).build());
+        TestPod::new(&e.own_ns, OWN_POD, e.name()).build(),
+        TestPod::new(&team, "trainer-0", e.name()).build(),
+    ])
+    .await;
     let report = e
         .ops
         .drain(&drain_request(in_secs(60)))
         .await
         .expect("drain");
-    assert_eq!(report.evicted, vec!["team-a/trainer-0".to_string()]);
+    assert_eq!(report.evicted, vec![format!("{team}/trainer-0")]);
     let mut skipped = report.skipped.clone();
     skipped.sort();
-    assert_eq!(
-        skipped,
-        vec![
-            "kube-system/kube-proxy-gpu-node-1",
-            "kube-system/nvidia-device-plugin-abc",
-            "spotguard/spotguard-agent-x7k2p",
-            "team-a/preprocess-crashed",
-            "team-a/preprocess-done",
-        ]
-    );
-    let evicted: Vec<String> = evictions(&e.server)
-        .iter()
-        .map(|r| r.path.clone())
-        .collect();
+    let mut want = vec![
+        format!("{system}/{proxy_pod}"),
+        format!("{system}/nvidia-device-plugin-abc"),
+        format!("{}/{OWN_POD}", e.own_ns),
+        format!("{team}/preprocess-crashed"),
+        format!("{team}/preprocess-done"),
+    ];
+    want.sort();
+    assert_eq!(skipped, want);
+    let evicted: Vec<String> = evictions(&e).iter().map(|r| r.path.clone()).collect();
     assert_eq!(
         evicted,
-        vec!["/api/v1/namespaces/team-a/pods/trainer-0/eviction".to_string()]
+        vec![format!("/api/v1/namespaces/{team}/pods/trainer-0/eviction")]
     );
-    assert_eq!(e.server.pods().len(), 5);
+    assert_eq!(e.k.pods_in(&[&system, &team, &e.own_ns]).await.len(), 5);
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pdb_blocks_one_pod_until_the_deadline_and_is_named() {
     let e = env(false).await;
-    e.server.add_pod(
-        TestPod::new("db", "postgres-0", NODE)
-            .label("app", "postgres")
-            .build(),
-    );
-    e.server.add_pdb(
-        "db",
+    let db = e.k.namespace("db").await;
+    let team = e.k.namespace("team-a").await;
+    let mut pods = vec![TestPod::new(&db, "postgres-0", e.name())
+        .label("app", "postgres")
+        .build()];
+    for i in 0..3 {
+        pods.push(TestPod::new(&team, &format!("worker-{i}"), e.name()).build());
+    }
+    e.k.run_pods(&pods).await;
+    e.k.add_pdb(
+        &db,
         "postgres-pdb",
         &[("app", "postgres")],
         PdbLimit::MinAvailable(IntOrString::Int(1)),
-    );
-    for i in 0..3 {
-        e.server
-            .add_pod(TestPod::new("team-a", &format!("worker-{i}"), NODE).build());
-    }
+        1,
+    )
+    .await;
     let deadline = in_secs(4);
     let started = std::time::Instant::now();
     let report = e.ops.drain(&drain_request(deadline)).await.expect("drain");
@@ -610,13 +668,13 @@ async fn a_pdb_blocks_one_pod_until_the_deadline_and_is_named() {
     assert_eq!(report.evicted.len(), 3);
     assert_eq!(report.blocked.len(), 1, "{report:?}");
     let b = &report.blocked[0];
-    assert_eq!(b.pod, "db/postgres-0");
+    assert_eq!(b.pod, format!("{db}/postgres-0"));
     assert_eq!(b.pdbs, vec!["postgres-pdb".to_string()]);
     assert!(b.reason.contains("429"), "{}", b.reason);
     assert!(b.reason.contains("disruption budget"), "{}", b.reason);
-    assert!(e.server.pod("db", "postgres-0").is_some());
+    assert!(e.k.pod(&db, "postgres-0").await.is_some());
     // Retried every 1–2 s, not hammered.
-    let tries = evictions(&e.server)
+    let tries = evictions(&e)
         .iter()
         .filter(|r| r.path.contains("postgres-0"))
         .count();
@@ -632,52 +690,84 @@ async fn a_pdb_blocks_one_pod_until_the_deadline_and_is_named() {
     );
 }
 
-#[tokio::test]
+/// Three replicas of a ReplicaSet behind `maxUnavailable: 1`: the budget lets one go, the
+/// replicaset controller replaces it on another node, and once the replacement is Ready the
+/// disruption controller lets the next one go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pdb_with_room_lets_pods_go_one_at_a_time() {
     let e = env(false).await;
-    e.server.set_deletion_delay(Duration::from_millis(300));
-    for i in 0..3 {
-        e.server.add_pod(
-            TestPod::new("web", &format!("web-{i}"), NODE)
+    let spare = e.k.node(e.k.node_config("gpu-node-2")).await;
+    let web = e.k.namespace("web").await;
+    let template = TestPod::new(&web, "template", "")
+        .terminates_after(Duration::from_millis(300))
+        .build()
+        .spec
+        .expect("spec");
+    let mut template = template;
+    template.node_name = None;
+    template.node_selector = Some(e.k.node_selector());
+    let pods: Vec<_> = (0..3)
+        .map(|i| {
+            TestPod::new(&web, &format!("web-{i}"), e.name())
                 .label("app", "web")
-                .build(),
-        );
-    }
-    e.server.add_pdb(
-        "web",
+                .orphan()
+                .terminates_after(Duration::from_millis(300))
+                .build()
+        })
+        .collect();
+    e.k.run_pods(&pods).await;
+    // The ReplicaSet adopts the three.
+    e.k.replica_set(&web, "web", 3, &[("app", "web")], template)
+        .await;
+    e.k.add_pdb(
+        &web,
         "web-pdb",
         &[("app", "web")],
         PdbLimit::MaxUnavailable(IntOrString::Int(1)),
-    );
+        3,
+    )
+    .await;
+    // Cordoned first, as the agent's plan does: replacements go to the spare node.
+    e.k.patch_node_spec(e.name(), json!({ "unschedulable": true }))
+        .await;
     let report = e
         .ops
         .drain(&drain_request(in_secs(30)))
         .await
         .expect("drain");
     assert!(report.complete(), "{report:?}");
-    assert_eq!(report.evicted.len(), 3);
-    let tries = evictions(&e.server).len();
+    assert_eq!(report.evicted.len(), 3, "{report:?}");
+    let tries = evictions(&e).len();
     assert!(
         tries > 3,
         "some evictions waited for the budget ({tries} attempts)"
     );
+    let replacements =
+        e.k.pods_in(&[&web])
+            .await
+            .into_iter()
+            .filter(|p| p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(spare.name()))
+            .count();
+    assert!(
+        replacements >= 2,
+        "replaced on the spare node: {replacements}"
+    );
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn grace_period_longer_than_the_time_left_is_capped() {
     let e = env(false).await;
-    e.server.add_pod(
-        TestPod::new("team-a", "slow-shutdown", NODE)
+    let team = e.k.namespace("team-a").await;
+    e.k.run_pods(&[
+        TestPod::new(&team, "slow-shutdown", e.name())
             .grace_period(600)
             .build(),
-    );
-    e.server.add_pod(
-        TestPod::new("team-a", "quick", NODE)
+        TestPod::new(&team, "quick", e.name())
             .grace_period(5)
             .build(),
-    );
-    e.server
-        .add_pod(TestPod::new("team-a", "default-grace", NODE).build());
+        TestPod::new(&team, "default-grace", e.name()).build(),
+    ])
+    .await;
     let report = e
         .ops
         .drain(&drain_request(in_secs(20)))
@@ -685,7 +775,7 @@ async fn grace_period_longer_than_the_time_left_is_capped() {
         .expect("drain");
     assert!(report.complete(), "{report:?}");
     let grace = |pod: &str| -> i64 {
-        let r = evictions(&e.server)
+        let r = evictions(&e)
             .into_iter()
             .find(|r| r.path.contains(pod))
             .expect("eviction sent");
@@ -708,21 +798,34 @@ async fn grace_period_longer_than_the_time_left_is_capped() {
     assert!((14..=18).contains(&dflt), "default 30 s capped too: {dflt}");
 }
 
-#[tokio::test]
+/// Run as the ServiceAccount with the force-delete component's role as well (the base role may
+/// not delete pods).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn blocked_pods_are_force_deleted_before_the_deadline_when_enabled() {
-    let e = env(false).await;
-    e.server.add_pod(
-        TestPod::new("db", "etcd-0", NODE)
-            .label("app", "etcd")
-            .grace_period(120)
-            .build(),
-    );
-    e.server.add_pdb(
-        "db",
+    let e = env_with(|c| c, false, Identity::AgentForceDelete).await;
+    let db = e.k.namespace("db").await;
+    let template = {
+        let mut s = TestPod::new(&db, "t", "").build().spec.expect("spec");
+        s.node_name = None;
+        s.node_selector = Some(e.k.node_selector());
+        s
+    };
+    e.k.run_pods(&[TestPod::new(&db, "etcd-0", e.name())
+        .label("app", "etcd")
+        .orphan()
+        .grace_period(120)
+        .build()])
+        .await;
+    e.k.replica_set(&db, "etcd", 1, &[("app", "etcd")], template)
+        .await;
+    e.k.add_pdb(
+        &db,
         "etcd-quorum",
         &[("app", "etcd")],
         PdbLimit::MaxUnavailable(IntOrString::Int(0)),
-    );
+        1,
+    )
+    .await;
     let request = DrainRequest {
         deadline: in_secs(8),
         force_delete_at_deadline: true,
@@ -732,7 +835,7 @@ async fn blocked_pods_are_force_deleted_before_the_deadline_when_enabled() {
     let report = e.ops.drain(&request).await.expect("drain");
     assert_eq!(
         report.force_deleted,
-        vec!["db/etcd-0".to_string()],
+        vec![format!("{db}/etcd-0")],
         "{report:?}"
     );
     assert!(report.blocked.is_empty());
@@ -740,13 +843,13 @@ async fn blocked_pods_are_force_deleted_before_the_deadline_when_enabled() {
         started.elapsed() < Duration::from_secs(8),
         "finished before the deadline"
     );
-    assert!(e.server.pod("db", "etcd-0").is_none());
-    let delete = e
-        .server
-        .requests()
-        .into_iter()
-        .find(|r| r.method == "DELETE")
-        .expect("a DELETE was sent");
+    assert!(e.k.pod(&db, "etcd-0").await.is_none());
+    let delete =
+        e.k.proxy()
+            .requests()
+            .into_iter()
+            .find(|r| r.method == "DELETE")
+            .expect("a DELETE was sent");
     let grace = delete.json().expect("delete options")["gracePeriodSeconds"]
         .as_i64()
         .expect("grace");
@@ -761,51 +864,63 @@ async fn blocked_pods_are_force_deleted_before_the_deadline_when_enabled() {
     );
 }
 
-#[tokio::test]
+/// A pod held by a finalizer: its deletion never completes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pod_that_never_finishes_terminating_is_reported() {
     let e = env(false).await;
-    e.server
-        .add_pod(TestPod::new("team-a", "stuck", NODE).build());
-    e.server
-        .add_pod(TestPod::new("team-a", "fine", NODE).build());
-    e.server.stick_pod("team-a", "stuck");
+    let team = e.k.namespace("team-a").await;
+    e.k.run_pods(&[
+        TestPod::new(&team, "stuck", e.name()).stuck().build(),
+        TestPod::new(&team, "fine", e.name()).build(),
+    ])
+    .await;
     let report = e
         .ops
         .drain(&drain_request(in_secs(3)))
         .await
         .expect("drain");
-    assert_eq!(report.evicted, vec!["team-a/fine".to_string()]);
+    assert_eq!(report.evicted, vec![format!("{team}/fine")]);
     assert_eq!(report.blocked.len(), 1);
-    assert_eq!(report.blocked[0].pod, "team-a/stuck");
+    assert_eq!(report.blocked[0].pod, format!("{team}/stuck"));
     assert!(report.blocked[0].pdbs.is_empty());
     assert!(
         report.blocked[0].reason.contains("terminating"),
         "{}",
         report.blocked[0].reason
     );
+    let stuck = e.k.pod(&team, "stuck").await.expect("still there");
+    assert!(stuck.metadata.deletion_timestamp.is_some());
+    assert_eq!(
+        stuck.metadata.finalizers.as_deref(),
+        Some(&[STUCK_FINALIZER.to_string()][..])
+    );
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_pdbs_on_one_pod_are_a_server_error_reported_at_the_deadline() {
     let e = env(false).await;
-    e.server.add_pod(
-        TestPod::new("ml", "ps-0", NODE)
-            .label("app", "ps")
-            .label("tier", "train")
-            .build(),
-    );
-    e.server.add_pdb(
-        "ml",
+    let ml = e.k.namespace("ml").await;
+    e.k.run_pods(&[TestPod::new(&ml, "ps-0", e.name())
+        .label("app", "ps")
+        .label("tier", "train")
+        .build()])
+        .await;
+    e.k.add_pdb(
+        &ml,
         "ps-a",
         &[("app", "ps")],
         PdbLimit::MinAvailable(IntOrString::Int(0)),
-    );
-    e.server.add_pdb(
-        "ml",
+        1,
+    )
+    .await;
+    e.k.add_pdb(
+        &ml,
         "ps-b",
         &[("tier", "train")],
         PdbLimit::MinAvailable(IntOrString::Int(0)),
-    );
+        1,
+    )
+    .await;
     let report = e
         .ops
         .drain(&drain_request(in_secs(3)))
@@ -821,29 +936,32 @@ async fn two_pdbs_on_one_pod_are_a_server_error_reported_at_the_deadline() {
     );
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_interrupted_drain_converges_when_run_again() {
     let e = env(false).await;
-    e.server.set_deletion_delay(Duration::from_millis(1500));
-    for i in 0..10 {
-        e.server
-            .add_pod(TestPod::new("team-a", &format!("worker-{i}"), NODE).build());
-    }
+    let team = e.k.namespace("team-a").await;
+    let pods: Vec<_> = (0..10)
+        .map(|i| {
+            TestPod::new(&team, &format!("worker-{i}"), e.name())
+                .terminates_after(Duration::from_millis(1500))
+                .build()
+        })
+        .collect();
+    e.k.run_pods(&pods).await;
     let request = drain_request(in_secs(60));
     // The agent dies mid-drain: the future is dropped after the evictions went out.
     let first = tokio::time::timeout(Duration::from_millis(600), e.ops.drain(&request)).await;
     assert!(first.is_err(), "the first drain was cut off");
-    let terminating = e
-        .server
-        .pods()
+    let left = e.k.pods_in(&[&team]).await;
+    let terminating = left
         .iter()
         .filter(|p| p.metadata.deletion_timestamp.is_some())
         .count();
     assert!(terminating > 0, "evictions went out before the cut");
-    let present = e.server.pods().len();
+    let present = left.len();
     let report = e.ops.drain(&request).await.expect("second drain");
     assert!(report.complete(), "{report:?}");
-    assert!(e.server.pods().is_empty());
+    assert!(e.k.pods_in(&[&team]).await.is_empty());
     assert_eq!(
         report.evicted.len(),
         present,
@@ -851,16 +969,18 @@ async fn an_interrupted_drain_converges_when_run_again() {
     );
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dry_run_writes_nothing() {
     let e = env(true).await;
-    e.server
-        .add_pod(TestPod::new("team-a", "trainer-0", NODE).build());
-    e.server.add_pod(
-        TestPod::new("kube-system", "ds-pod", NODE)
+    let team = e.k.namespace("team-a").await;
+    let system = e.k.namespace("kube-system").await;
+    e.k.run_pods(&[
+        TestPod::new(&team, "trainer-0", e.name()).build(),
+        TestPod::new(&system, "ds-pod", e.name())
             .daemonset()
             .build(),
-    );
+    ])
+    .await;
     let applied = e.ops.protect(&interruption()).await.expect("protect");
     assert!(applied.cordoned, "reports what it would do");
     e.ops.unprotect(&applied).await.expect("unprotect");
@@ -875,7 +995,7 @@ async fn dry_run_writes_nothing() {
         .drain(&drain_request(in_secs(30)))
         .await
         .expect("drain");
-    assert_eq!(report.skipped, vec!["kube-system/ds-pod".to_string()]);
+    assert_eq!(report.skipped, vec![format!("{system}/ds-pod")]);
     let gpu = GpuConditions {
         unhealthy: ConditionState {
             active: true,
@@ -885,37 +1005,34 @@ async fn dry_run_writes_nothing() {
         degraded: ConditionState::default(),
     };
     e.ops.set_gpu_conditions(&gpu).await.expect("conditions");
-    assert_eq!(e.server.write_count(), 0, "{:?}", e.server.requests());
-    assert!(!cordoned(&e.server));
-    assert_eq!(e.server.pods().len(), 2);
-    assert!(e.server.events().is_empty());
+    assert_eq!(e.k.proxy().write_count(), 0, "{:?}", e.k.proxy().requests());
+    assert!(!cordoned(&e).await);
+    assert_eq!(e.k.pods_in(&[&team, &system]).await.len(), 2);
+    assert!(e.k.events().await.is_empty());
 }
 
 // === GPU conditions ===
 
-fn condition(
-    server: &FakeApiServer,
-    type_: &str,
-) -> Option<k8s_openapi::api::core::v1::NodeCondition> {
-    server
-        .node(NODE)?
+async fn condition(e: &Env, type_: &str) -> Option<k8s_openapi::api::core::v1::NodeCondition> {
+    e.k.node_object(e.name())
+        .await
         .status?
         .conditions?
         .into_iter()
         .find(|c| c.type_ == type_)
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gpu_conditions_set_merge_and_clear() {
     let e = env(false).await;
-    let ready_before = condition(&e.server, "Ready").expect("kubelet condition");
+    let ready_before = condition(&e, "Ready").await.expect("kubelet condition");
 
     // Healthy and never shown: nothing to write.
     e.ops
         .set_gpu_conditions(&GpuConditions::default())
         .await
         .expect("healthy");
-    assert_eq!(e.server.write_count(), 0);
+    assert_eq!(e.k.proxy().write_count(), 0);
 
     let unhealthy = GpuConditions {
         unhealthy: ConditionState {
@@ -929,31 +1046,31 @@ async fn gpu_conditions_set_merge_and_clear() {
         .set_gpu_conditions(&unhealthy)
         .await
         .expect("unhealthy");
-    let c = condition(&e.server, "GPUUnhealthy").expect("condition set");
+    let c = condition(&e, "GPUUnhealthy").await.expect("condition set");
     assert_eq!(c.status, "True");
     assert_eq!(c.reason.as_deref(), Some("XidCritical"));
     assert_eq!(
         c.message.as_deref(),
         Some(unhealthy.unhealthy.message.as_str())
     );
-    assert!(condition(&e.server, "GPUDegraded").is_none());
+    assert!(condition(&e, "GPUDegraded").await.is_none());
     assert_eq!(
-        condition(&e.server, "Ready"),
+        condition(&e, "Ready").await,
         Some(ready_before.clone()),
         "kubelet's condition untouched"
     );
-    let status_patch = e
-        .server
-        .requests()
-        .into_iter()
-        .find(|r| r.path.ends_with("/status"))
-        .expect("status patch");
+    let status_patch =
+        e.k.proxy()
+            .requests()
+            .into_iter()
+            .find(|r| r.path.ends_with("/status"))
+            .expect("status patch");
     assert_eq!(
         status_patch.content_type.as_deref(),
         Some("application/strategic-merge-patch+json")
     );
     assert_eq!(
-        taints(&e.server),
+        taints(&e).await,
         vec![(
             GPU_UNHEALTHY_TAINT.to_string(),
             None,
@@ -963,12 +1080,12 @@ async fn gpu_conditions_set_merge_and_clear() {
     assert_eq!(e.ops.gpu_conditions().await.expect("read back"), unhealthy);
 
     // Same again: no write at all.
-    let writes = e.server.write_count();
+    let writes = e.k.proxy().write_count();
     e.ops
         .set_gpu_conditions(&unhealthy)
         .await
         .expect("unchanged");
-    assert_eq!(e.server.write_count(), writes);
+    assert_eq!(e.k.proxy().write_count(), writes);
 
     // Degraded as well; unhealthy unchanged keeps its transition time.
     let both = GpuConditions {
@@ -982,14 +1099,16 @@ async fn gpu_conditions_set_merge_and_clear() {
     let ltt = c.last_transition_time.clone();
     e.ops.set_gpu_conditions(&both).await.expect("degraded");
     assert_eq!(
-        condition(&e.server, "GPUDegraded").map(|c| c.status),
+        condition(&e, "GPUDegraded").await.map(|c| c.status),
         Some("True".into())
     );
     assert_eq!(
-        condition(&e.server, "GPUUnhealthy").and_then(|c| c.last_transition_time),
+        condition(&e, "GPUUnhealthy")
+            .await
+            .and_then(|c| c.last_transition_time),
         ltt
     );
-    assert_eq!(taints(&e.server).len(), 1, "taint added once");
+    assert_eq!(taints(&e).await.len(), 1, "taint added once");
 
     // Recovered: conditions go False with a new transition time, the taint goes.
     tokio::time::sleep(Duration::from_millis(1100)).await;
@@ -997,18 +1116,18 @@ async fn gpu_conditions_set_merge_and_clear() {
         .set_gpu_conditions(&GpuConditions::default())
         .await
         .expect("recovered");
-    let c = condition(&e.server, "GPUUnhealthy").expect("still shown");
+    let c = condition(&e, "GPUUnhealthy").await.expect("still shown");
     assert_eq!(c.status, "False");
     assert!(c.reason.is_none() && c.message.is_none(), "{c:?}");
     assert_ne!(c.last_transition_time, ltt);
     assert_eq!(
-        condition(&e.server, "GPUDegraded").map(|c| c.status),
+        condition(&e, "GPUDegraded").await.map(|c| c.status),
         Some("False".into())
     );
-    assert!(taints(&e.server).is_empty());
-    assert_eq!(condition(&e.server, "Ready"), Some(ready_before));
+    assert!(taints(&e).await.is_empty());
+    assert_eq!(condition(&e, "Ready").await, Some(ready_before));
 
-    let reasons: Vec<String> = e.server.events().into_iter().map(|ev| ev.reason).collect();
+    let reasons: Vec<String> = e.k.events().await.into_iter().map(|ev| ev.reason).collect();
     assert_eq!(reasons, vec!["GPUUnhealthy", "GPUDegraded", "GPURecovered"]);
 }
 

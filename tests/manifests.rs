@@ -1,29 +1,26 @@
-//! Deployment artefacts (daemonset/, systemd/) are checked with the real tools, offline.
+//! Deployment artefacts (daemonset/, systemd/, the Kubernetes objects in docs/) are checked with
+//! the real tools against a real API server.
 //!
-//! `kubectl create --dry-run=client` still needs an API server: for discovery (kind → resource
-//! mapping) and to ask, through OpenAPI v3, whether the server validates fields itself. It is
-//! pointed at a discovery-only fake server on 127.0.0.1 that answers exactly those reads for the
-//! built-in kinds the manifests use, built from k8s-openapi's own `Resource` constants (group,
-//! version, plural, scope), and declares server-side field validation like every API server
-//! since 1.27. kubectl ≥ 1.29 (older ones want the protobuf OpenAPI v2 schema) then does what it
-//! does against a real cluster: parses the YAML, rejects duplicate keys and unknown kinds, maps
-//! every object, and leaves field checks to the server —
-//! which here is the strict round trip below: every object is decoded into the typed
-//! k8s-openapi 1.33 struct and encoded back, and any field that did not survive (a typo, a field
-//! of the wrong object) fails the test with its path.
+//! Every Kubernetes object we ship or print goes through `kubectl` the way the docs tell users to
+//! apply it (`kubectl kustomize` for the kustomizations, `kubectl apply --server-side` for
+//! files), into testkit's real kube-apiserver with server-side dry run (`--dry-run=server`: full
+//! admission and validation, nothing persisted; the PodMonitor / PrometheusRule CRDs from
+//! `../shared/k8s/crds/` are installed for real). On top of the server's own validation, every
+//! object is decoded into the typed k8s-openapi 1.33 struct and encoded back, and any field that
+//! did not survive (a typo, a field of the wrong object) fails the test with its path.
+//!
+//! Beyond validation, the DaemonSet really runs: applied for real, its pod created by the
+//! DaemonSet controller, scheduled by kube-scheduler onto a GPU node, and run by the kubelet
+//! stand-in with its args, env, mounts (hostPaths mapped to the node's own directories) and
+//! ServiceAccount token; its agent then handles a notice on that node.
 //!
 //! Tools: kubectl ≥ 1.29 and systemd-analyze (`scripts/deps/kubectl.sh` installs both).
 
-use std::any::TypeId;
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
-use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
-use axum::extract::State;
-use axum::http::{Method, StatusCode, Uri};
-use axum::response::{IntoResponse, Response};
-use axum::Json;
 use k8s_openapi::api::apps::v1::DaemonSet;
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::{
@@ -32,12 +29,13 @@ use k8s_openapi::api::core::v1::{
 };
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
-use k8s_openapi::{NamespaceResourceScope, Resource};
+use kube::api::{Api, PostParams};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
-use serde_json::{json, Value};
+use serde_json::Value;
 use spotguard::checkpoint::pods::{pod_checkpoint_spec, PodDefaults};
 use spotguard::checkpoint::{Signal, TargetMode};
+use spotguard_testkit::k8s::{assets, Identity, TestCluster};
 use tokio::io::AsyncWriteExt;
 use tokio::process::Command;
 
@@ -71,203 +69,18 @@ fn yaml_files() -> Vec<PathBuf> {
     out
 }
 
-// ---------------------------------------------------------------------------------------------
-// The discovery-only fake API server.
-
-#[derive(Clone, Debug)]
-struct Kind {
-    group: &'static str,
-    version: &'static str,
-    kind: &'static str,
-    plural: &'static str,
-    namespaced: bool,
-}
-
-fn kind_of<K: Resource>() -> Kind
-where
-    K::Scope: 'static,
-{
-    Kind {
-        group: K::GROUP,
-        version: K::VERSION,
-        kind: K::KIND,
-        plural: K::URL_PATH_SEGMENT,
-        namespaced: TypeId::of::<K::Scope>() == TypeId::of::<NamespaceResourceScope>(),
-    }
-}
-
-/// The kinds the fake server knows: the built-ins the manifests may use, plus the Prometheus
-/// Operator's PodMonitor and PrometheusRule as a cluster with that operator installed serves them.
-fn known_kinds() -> Vec<Kind> {
-    vec![
-        kind_of::<Namespace>(),
-        kind_of::<ServiceAccount>(),
-        kind_of::<Service>(),
-        kind_of::<ResourceQuota>(),
-        kind_of::<Pod>(),
-        kind_of::<ClusterRole>(),
-        kind_of::<ClusterRoleBinding>(),
-        kind_of::<Role>(),
-        kind_of::<RoleBinding>(),
-        kind_of::<DaemonSet>(),
-        kind_of::<Job>(),
-        Kind {
-            group: "monitoring.coreos.com",
-            version: "v1",
-            kind: "PodMonitor",
-            plural: "podmonitors",
-            namespaced: true,
-        },
-        Kind {
-            group: "monitoring.coreos.com",
-            version: "v1",
-            kind: "PrometheusRule",
-            plural: "prometheusrules",
-            namespaced: true,
-        },
-    ]
-}
-
-/// Kinds that have no k8s-openapi type (CRDs): kubectl-checked only.
+/// Kinds that have no k8s-openapi type (CRDs): checked by the server against the CRD schema only.
 const CRD_KINDS: &[&str] = &["PodMonitor", "PrometheusRule"];
 
-fn gv_path(group: &str, version: &str) -> String {
-    if group.is_empty() {
-        format!("api/{version}")
-    } else {
-        format!("apis/{group}/{version}")
-    }
-}
-
-#[derive(Default)]
-struct Api {
-    kinds: Vec<Kind>,
-    requests: Mutex<Vec<(Method, String)>>,
-}
-
-impl Api {
-    fn group_versions(&self) -> BTreeSet<(&'static str, &'static str)> {
-        self.kinds.iter().map(|k| (k.group, k.version)).collect()
-    }
-
-    fn resource_list(&self, group: &str, version: &str) -> Value {
-        let resources: Vec<Value> = self
-            .kinds
-            .iter()
-            .filter(|k| k.group == group && k.version == version)
-            .map(|k| {
-                json!({
-                    "name": k.plural,
-                    "singularName": k.kind.to_ascii_lowercase(),
-                    "namespaced": k.namespaced,
-                    "kind": k.kind,
-                    "verbs": ["create", "delete", "get", "list", "patch", "update", "watch"],
-                })
-            })
-            .collect();
-        let gv = if group.is_empty() {
-            version.to_string()
-        } else {
-            format!("{group}/{version}")
-        };
-        json!({"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": gv, "resources": resources})
-    }
-
-    /// OpenAPI v3 document of one group-version: just the PATCH operations, each declaring the
-    /// `fieldValidation` query parameter as a real server does.
-    fn openapi_gv(&self, group: &str, version: &str) -> Value {
-        let mut paths = serde_json::Map::new();
-        for k in self
-            .kinds
-            .iter()
-            .filter(|k| k.group == group && k.version == version)
-        {
-            let ns = if k.namespaced {
-                "namespaces/{namespace}/"
-            } else {
-                ""
-            };
-            paths.insert(
-                format!("/{}/{ns}{}/{{name}}", gv_path(group, version), k.plural),
-                json!({"patch": {
-                    "x-kubernetes-group-version-kind": {"group": group, "version": version, "kind": k.kind},
-                    "parameters": [{"name": "fieldValidation", "in": "query", "schema": {"type": "string", "uniqueItems": true}}],
-                    "responses": {"200": {"description": "OK"}},
-                }}),
-            );
-        }
-        json!({"openapi": "3.0.0", "info": {"title": "Kubernetes", "version": "v1.33.0"}, "paths": paths})
-    }
-}
-
-async fn serve_api(State(api): State<Arc<Api>>, method: Method, uri: Uri) -> Response {
-    let path = uri.path().trim_end_matches('/').to_string();
-    api.requests
-        .lock()
-        .unwrap()
-        .push((method.clone(), path.clone()));
-    if method != Method::GET {
-        return (StatusCode::METHOD_NOT_ALLOWED, "discovery only").into_response();
-    }
-    if path == "/version" {
-        return Json(json!({"major": "1", "minor": "33", "gitVersion": "v1.33.0", "platform": "linux/amd64"}))
-            .into_response();
-    }
-    if path == "/api" {
-        return Json(json!({"kind": "APIVersions", "versions": ["v1"],
-            "serverAddressByClientCIDRs": [{"clientCIDR": "0.0.0.0/0", "serverAddress": "127.0.0.1"}]}))
-        .into_response();
-    }
-    if path == "/apis" {
-        let groups: Vec<Value> = api
-            .group_versions()
-            .into_iter()
-            .filter(|(g, _)| !g.is_empty())
-            .map(|(g, v)| {
-                let gv = json!({"groupVersion": format!("{g}/{v}"), "version": v});
-                json!({"name": g, "versions": [gv.clone()], "preferredVersion": gv})
-            })
-            .collect();
-        return Json(json!({"kind": "APIGroupList", "apiVersion": "v1", "groups": groups}))
-            .into_response();
-    }
-    if path == "/openapi/v3" {
-        let paths: serde_json::Map<String, Value> = api
-            .group_versions()
-            .into_iter()
-            .map(|(g, v)| {
-                let p = gv_path(g, v);
-                (
-                    p.clone(),
-                    json!({"serverRelativeURL": format!("/openapi/v3/{p}?hash=0")}),
-                )
-            })
-            .collect();
-        return Json(json!({ "paths": paths })).into_response();
-    }
-    for (g, v) in api.group_versions() {
-        let p = gv_path(g, v);
-        if path == format!("/{p}") {
-            return Json(api.resource_list(g, v)).into_response();
-        }
-        if path == format!("/openapi/v3/{p}") {
-            return Json(api.openapi_gv(g, v)).into_response();
-        }
-    }
-    (
-        StatusCode::NOT_FOUND,
-        Json(json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "NotFound", "code": 404})),
-    )
-        .into_response()
-}
-
 // ---------------------------------------------------------------------------------------------
-// kubectl, offline.
+// kubectl against the real API server.
 
+/// kubectl as an operator (admin), through this test's fault proxy (whose request log shows
+/// what reached the server).
 struct Kubectl {
     bin: PathBuf,
     home: tempfile::TempDir,
-    api: Arc<Api>,
+    k: TestCluster,
 }
 
 struct Ran {
@@ -283,37 +96,39 @@ fn find_on_path(name: &str) -> Option<PathBuf> {
         .find(|p| p.is_file())
 }
 
+/// The objects of kubectl's `-o json` output: one object, or a `List`'s items.
+fn objects_of(stdout: &str) -> Result<Vec<Value>, String> {
+    let docs: Result<Vec<Value>, _> = serde_json::Deserializer::from_str(stdout)
+        .into_iter::<Value>()
+        .collect();
+    let docs = docs.map_err(|e| format!("kubectl printed no JSON: {e}"))?;
+    let mut out = Vec::new();
+    for d in docs {
+        if d["kind"] == "List" {
+            out.extend(d["items"].as_array().cloned().unwrap_or_default());
+        } else {
+            out.push(d);
+        }
+    }
+    Ok(out)
+}
+
 impl Kubectl {
     async fn start() -> Kubectl {
         let bin = std::env::var_os("KUBECTL")
             .map(PathBuf::from)
             .or_else(|| find_on_path("kubectl"))
             .unwrap_or_else(|| panic!("kubectl not found: run {DEPS}"));
-        let api = Arc::new(Api {
-            kinds: known_kinds(),
-            ..Default::default()
-        });
-        let app = axum::Router::new()
-            .fallback(serve_api)
-            .with_state(api.clone());
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        tokio::spawn(async move {
-            axum::serve(listener, app).await.unwrap();
-        });
+        let k = TestCluster::new().await;
         let home = tempfile::tempdir().unwrap();
         std::fs::write(
             home.path().join("config"),
-            format!(
-                "apiVersion: v1\nkind: Config\nclusters:\n- name: fake\n  cluster:\n    server: http://{addr}\n\
-                 contexts:\n- name: fake\n  context:\n    cluster: fake\n    namespace: default\n\
-                 current-context: fake\nusers: []\n"
-            ),
+            k.cp.kubeconfig(&k.proxy().url(), Identity::Admin),
         )
         .unwrap();
-        let k = Kubectl { bin, home, api };
-        k.check_version().await;
-        k
+        let kubectl = Kubectl { bin, home, k };
+        kubectl.check_version().await;
+        kubectl
     }
 
     async fn run(&self, args: &[&str], stdin: Option<&str>) -> Ran {
@@ -366,13 +181,36 @@ impl Kubectl {
             .unwrap_or(0);
         assert!(
             minor >= MIN_KUBECTL_MINOR,
-            "kubectl 1.{minor} is too old (need ≥ 1.{MIN_KUBECTL_MINOR}: older ones download the \
-             server's protobuf OpenAPI v2 schema and cannot run offline); run {DEPS}"
+            "kubectl 1.{minor} is too old (need ≥ 1.{MIN_KUBECTL_MINOR}); run {DEPS}"
         );
     }
 
-    /// `kubectl create --dry-run=client -f FILE -o json`: the objects, or kubectl's error.
-    async fn dry_run(&self, file: &str, stdin: Option<&str>) -> Result<Vec<Value>, String> {
+    /// Create the namespaces `objects` live in (for real), as a user applying into them would
+    /// have them.
+    async fn ensure_namespaces(&self, objects: &[Value]) {
+        let nss: Api<Namespace> = Api::all(self.k.admin());
+        for ns in objects
+            .iter()
+            .filter_map(|o| o["metadata"]["namespace"].as_str())
+            .collect::<BTreeSet<_>>()
+        {
+            let obj = Namespace {
+                metadata: kube::api::ObjectMeta {
+                    name: Some(ns.to_string()),
+                    ..Default::default()
+                },
+                ..Default::default()
+            };
+            match nss.create(&PostParams::default(), &obj).await {
+                Ok(_) => {}
+                Err(kube::Error::Api(s)) if s.code == 409 => {}
+                Err(e) => panic!("namespace {ns}: {e}"),
+            }
+        }
+    }
+
+    /// The objects of a manifest as kubectl reads it (client side, nothing sent).
+    async fn read(&self, file: &str, stdin: Option<&str>) -> Result<Vec<Value>, String> {
         let ran = self
             .run(
                 &["create", "--dry-run=client", "-f", file, "-o", "json"],
@@ -382,10 +220,35 @@ impl Kubectl {
         if !ran.ok {
             return Err(ran.stderr);
         }
-        let objects: Result<Vec<Value>, _> = serde_json::Deserializer::from_str(&ran.stdout)
-            .into_iter::<Value>()
-            .collect();
-        let objects = objects.map_err(|e| format!("kubectl printed no JSON: {e}"))?;
+        objects_of(&ran.stdout)
+    }
+
+    /// `kubectl apply --server-side --dry-run=server -f FILE -o json`: the objects as the API
+    /// server would store them, or kubectl's (or the server's) error.
+    async fn dry_run(&self, file: &str, stdin: Option<&str>) -> Result<Vec<Value>, String> {
+        // The namespaces must exist for the server to admit objects into them.
+        if let Ok(objects) = self.read(file, stdin).await {
+            self.ensure_namespaces(&objects).await;
+        }
+        let ran = self
+            .run(
+                &[
+                    "apply",
+                    "--server-side",
+                    "--dry-run=server",
+                    "--field-manager=spotguard-manifests-test",
+                    "-f",
+                    file,
+                    "-o",
+                    "json",
+                ],
+                stdin,
+            )
+            .await;
+        if !ran.ok {
+            return Err(ran.stderr);
+        }
+        let objects = objects_of(&ran.stdout)?;
         if objects.is_empty() {
             return Err("no objects".into());
         }
@@ -403,11 +266,52 @@ impl Kubectl {
         ran.stdout
     }
 
-    /// Only reads reached the server: a client-side dry run must never write.
+    /// The prometheus-operator CRDs (`../shared/k8s/crds/`), installed for real (idempotent)
+    /// and Established.
+    async fn install_crds(&self) {
+        let dir = assets::shared_dir().join("crds");
+        let dir = dir.to_str().unwrap();
+        let ran = self
+            .run(
+                &[
+                    "apply",
+                    "--server-side",
+                    "--force-conflicts",
+                    "--field-manager=spotguard-manifests-test",
+                    "-f",
+                    dir,
+                ],
+                None,
+            )
+            .await;
+        assert!(ran.ok, "installing the CRDs from {dir}: {}", ran.stderr);
+        let ran = self
+            .run(
+                &[
+                    "wait",
+                    "--for=condition=Established",
+                    "--timeout=60s",
+                    "-f",
+                    dir,
+                ],
+                None,
+            )
+            .await;
+        assert!(ran.ok, "CRDs not Established: {}", ran.stderr);
+        // Real writes, not the dry runs under test.
+        self.k.proxy().clear_requests();
+    }
+
+    /// Nothing a dry run sent was persisted: every write carried `dryRun=All`.
     fn assert_read_only(&self) {
-        let requests = self.api.requests.lock().unwrap();
-        assert!(!requests.is_empty(), "kubectl never asked the fake server");
-        let writes: Vec<_> = requests.iter().filter(|(m, _)| m != Method::GET).collect();
+        let requests = self.k.proxy().requests();
+        assert!(!requests.is_empty(), "kubectl never asked the server");
+        let writes: Vec<_> = requests
+            .iter()
+            .filter(|r| r.is_write())
+            .filter(|r| r.query_param("dryRun").as_deref() != Some("All"))
+            .map(|r| format!("{} {}", r.method, r.path))
+            .collect();
         assert!(writes.is_empty(), "dry run wrote to the server: {writes:?}");
     }
 }
@@ -470,6 +374,7 @@ fn check_object(obj: &Value) -> Result<(), String> {
         "RoleBinding" => strict::<RoleBinding>(obj).map(drop),
         "DaemonSet" => strict::<DaemonSet>(obj).map(drop),
         "Job" => strict::<Job>(obj).map(drop),
+        "Pod" => strict::<Pod>(obj).map(drop),
         k if CRD_KINDS.contains(&k) => Ok(()),
         other => Err(format!(
             "kind {other:?} has no strict check: add it to check_object"
@@ -510,9 +415,10 @@ async fn kustomized(k: &Kubectl, dir: &Path) -> Vec<Value> {
 // ---------------------------------------------------------------------------------------------
 // The tests.
 
-#[tokio::test]
-async fn every_manifest_passes_client_dry_run_and_the_strict_schema() {
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_manifest_passes_server_dry_run_and_the_strict_schema() {
     let k = Kubectl::start().await;
+    k.install_crds().await;
     let files = yaml_files();
     assert!(
         files.len() >= 10,
@@ -523,7 +429,9 @@ async fn every_manifest_passes_client_dry_run_and_the_strict_schema() {
     for file in &files {
         let shown = file.strip_prefix(repo()).unwrap().display().to_string();
         match k.dry_run(file.to_str().unwrap(), None).await {
-            Err(e) => failures.push(format!("{shown}: kubectl: {e}")),
+            Err(e) => failures.push(format!(
+                "{shown}: kubectl apply --server-side --dry-run=server: {e}"
+            )),
             Ok(objects) => {
                 for obj in &objects {
                     seen_kinds.insert(obj["kind"].as_str().unwrap_or_default().to_string());
@@ -547,9 +455,9 @@ async fn every_manifest_passes_client_dry_run_and_the_strict_schema() {
     k.assert_read_only();
 }
 
-/// The fake server and the strict check reject what they should: otherwise the test above
-/// would prove nothing.
-#[tokio::test]
+/// kubectl, the real server and the strict check reject what they should: otherwise the test
+/// above would prove nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_checks_catch_broken_manifests() {
     let k = Kubectl::start().await;
     let dir = tempfile::tempdir().unwrap();
@@ -573,24 +481,41 @@ async fn the_checks_catch_broken_manifests() {
     // Not YAML.
     let f = write("bad.yaml", "apiVersion: v1\nkind: [Namespace\n");
     assert!(k.dry_run(&f, None).await.is_err());
-    // A typo in a field name passes kubectl (as against a real server) and fails strict.
-    let f = write(
-        "typo.yaml",
-        "apiVersion: apps/v1\nkind: DaemonSet\nmetadata:\n  name: x\nspec:\n  selector:\n    matchLabels: {a: b}\n  template:\n    metadata:\n      labels: {a: b}\n    spec:\n      hostPid: true\n      containers:\n      - name: c\n        image: i\n",
-    );
-    let objects = k.dry_run(&f, None).await.unwrap();
+    // A typo in a field name: the server's strict field validation refuses it, and so does the
+    // strict round trip of what kubectl read.
+    let typo = "apiVersion: apps/v1\nkind: DaemonSet\nmetadata:\n  name: x\n  namespace: default\nspec:\n  selector:\n    matchLabels: {a: b}\n  template:\n    metadata:\n      labels: {a: b}\n    spec:\n      hostPid: true\n      containers:\n      - name: c\n        image: i\n";
+    let f = write("typo.yaml", typo);
+    let err = k.dry_run(&f, None).await.unwrap_err();
+    assert!(err.contains("hostPid"), "{err}");
+    let objects = k.read(&f, None).await.unwrap();
     let err = check_object(&objects[0]).unwrap_err();
     assert!(err.contains(".spec.template.spec.hostPid"), "{err}");
-    // A wrong type fails strict too.
+    // A wrong type.
     let f = write(
         "type.yaml",
-        "apiVersion: v1\nkind: Service\nmetadata:\n  name: x\nspec:\n  ports:\n  - port: nine\n",
+        "apiVersion: v1\nkind: Service\nmetadata:\n  name: x\n  namespace: default\nspec:\n  ports:\n  - port: nine\n",
     );
-    let objects = k.dry_run(&f, None).await.unwrap();
-    assert!(check_object(&objects[0]).is_err());
+    assert!(k.dry_run(&f, None).await.is_err());
+    // What no schema check sees and the server's validation does: a port name over 15
+    // characters, and podFailurePolicy exit codes out of order.
+    let f = write(
+        "port.yaml",
+        "apiVersion: v1\nkind: Pod\nmetadata:\n  name: x\n  namespace: default\nspec:\n  containers:\n  - name: c\n    image: i\n    ports:\n    - {name: prefetch-metrics, containerPort: 9465}\n",
+    );
+    let objects = k.read(&f, None).await.unwrap();
+    assert!(check_object(&objects[0]).is_ok(), "the schema allows it");
+    let err = k.dry_run(&f, None).await.unwrap_err();
+    assert!(err.contains("must be no more than 15 characters"), "{err}");
+    let f = write(
+        "job.yaml",
+        "apiVersion: batch/v1\nkind: Job\nmetadata:\n  name: x\n  namespace: default\nspec:\n  podFailurePolicy:\n    rules:\n    - action: Count\n      onExitCodes: {operator: In, values: [143, 137]}\n  template:\n    spec:\n      restartPolicy: Never\n      containers:\n      - name: c\n        image: i\n",
+    );
+    let err = k.dry_run(&f, None).await.unwrap_err();
+    assert!(err.contains("must be ordered"), "{err}");
+    k.assert_read_only();
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kustomize_base_renders_the_whole_install() {
     let k = Kubectl::start().await;
     let objects = kustomized(&k, &repo().join("daemonset")).await;
@@ -620,7 +545,7 @@ async fn kustomize_base_renders_the_whole_install() {
     k.assert_read_only();
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn force_delete_component_adds_only_pod_deletion() {
     let k = Kubectl::start().await;
     // An overlay outside daemonset/, the way an operator would enable the component.
@@ -680,9 +605,10 @@ async fn force_delete_component_adds_only_pod_deletion() {
     assert_eq!(flags[0].value.as_deref(), Some("true"));
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn monitoring_kustomization_renders() {
     let k = Kubectl::start().await;
+    k.install_crds().await;
     let objects = kustomized(&k, &repo().join("daemonset/monitoring")).await;
     let pm = find(&objects, "PodMonitor", "spotguard");
     assert_eq!(pm["spec"]["podMetricsEndpoints"][0]["port"], "metrics");
@@ -752,7 +678,7 @@ fn agent(ds: &DaemonSet) -> &Container {
         .expect("the agent container")
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn clusterrole_is_exactly_least_privilege() {
     let k = Kubectl::start().await;
     let role: ClusterRole = load(&k, "daemonset/clusterrole.yaml", "ClusterRole").await;
@@ -770,7 +696,7 @@ async fn clusterrole_is_exactly_least_privilege() {
     assert_eq!(subject.namespace, sa.metadata.namespace);
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn daemonset_has_the_required_security_shape() {
     let k = Kubectl::start().await;
     let ds: DaemonSet = load(&k, "daemonset/daemonset.yaml", "DaemonSet").await;
@@ -954,7 +880,7 @@ async fn daemonset_has_the_required_security_shape() {
     }
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn example_job_speaks_the_checkpoint_protocol() {
     let k = Kubectl::start().await;
     let job: Job = load(&k, "daemonset/examples/training-job.yaml", "Job").await;
@@ -1051,6 +977,363 @@ async fn example_job_speaks_the_checkpoint_protocol() {
         .split_once('=')
         .map_or(u.as_str(), |(_, url)| url)
         .starts_with("s3://")));
+}
+
+/// The kube-prometheus-stack example (monitoring + the alerts component + the stack's `release`
+/// label), as `kubectl apply -k daemonset/examples/kube-prometheus-stack` sends it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kube_prometheus_stack_example_with_the_alerts_is_accepted() {
+    let k = Kubectl::start().await;
+    k.install_crds().await;
+    let objects = kustomized(&k, &repo().join("daemonset/examples/kube-prometheus-stack")).await;
+    let pm = find(&objects, "PodMonitor", "spotguard");
+    assert_eq!(pm["metadata"]["labels"]["release"], "kube-prometheus-stack");
+    // The pod selector is untouched by the label.
+    assert!(pm["spec"]["selector"]["matchLabels"]["release"].is_null());
+    let rules = objects
+        .iter()
+        .find(|o| o["kind"] == "PrometheusRule")
+        .expect("the alerts component's PrometheusRule");
+    assert_eq!(
+        rules["metadata"]["labels"]["release"],
+        "kube-prometheus-stack"
+    );
+    // Every PodMonitor endpoint names a port of the DaemonSet's pods.
+    let base = kustomized(&k, &repo().join("daemonset")).await;
+    let ds: DaemonSet = strict(find(&base, "DaemonSet", "spotguard")).unwrap();
+    let ports: BTreeSet<String> = ds
+        .spec
+        .unwrap()
+        .template
+        .spec
+        .unwrap()
+        .containers
+        .iter()
+        .flat_map(|c| c.ports.clone().unwrap_or_default())
+        .filter_map(|p| p.name)
+        .collect();
+    for ep in pm["spec"]["podMetricsEndpoints"].as_array().unwrap() {
+        let port = ep["port"].as_str().unwrap();
+        assert!(
+            ports.contains(port),
+            "PodMonitor port {port} not in {ports:?}"
+        );
+    }
+    k.assert_read_only();
+}
+
+/// The marker that says a YAML block in the docs is deliberately not a complete Kubernetes
+/// object (docs/contributing.md): an HTML comment on the line before the fence.
+const FRAGMENT_MARKER: &str = "<!-- fragment:";
+
+/// ```yaml blocks of a markdown file: (line of the fence, marked as fragment, body).
+fn yaml_blocks(text: &str) -> Vec<(usize, bool, String)> {
+    let lines: Vec<&str> = text.lines().collect();
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < lines.len() {
+        let fence = lines[i].trim_start();
+        if fence.starts_with("```yaml") || fence.starts_with("```yml") {
+            let marked = i > 0 && lines[i - 1].trim_start().starts_with(FRAGMENT_MARKER);
+            let start = i;
+            let mut body = Vec::new();
+            i += 1;
+            while i < lines.len() && !lines[i].trim_start().starts_with("```") {
+                body.push(lines[i]);
+                i += 1;
+            }
+            out.push((start + 1, marked, body.join("\n")));
+        }
+        i += 1;
+    }
+    out
+}
+
+/// Every YAML block in docs/ and README.md is either Kubernetes objects the real API server
+/// accepts (server-side dry run, plus the strict schema), or marked as a fragment.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kubernetes_objects_in_the_docs_are_accepted_by_the_server_or_marked_as_fragments() {
+    let k = Kubectl::start().await;
+    let mut files: Vec<PathBuf> = std::fs::read_dir(repo().join("docs"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "md"))
+        .collect();
+    files.push(repo().join("README.md"));
+    files.sort();
+    let dir = tempfile::tempdir().unwrap();
+    let (mut applied, mut fragments) = (0, 0);
+    let mut failures = Vec::new();
+    for file in &files {
+        let shown = file.strip_prefix(repo()).unwrap().display().to_string();
+        for (line, marked, body) in yaml_blocks(&std::fs::read_to_string(file).unwrap()) {
+            if marked {
+                fragments += 1;
+                continue;
+            }
+            let docs = match spotguard_testkit::k8s::fixtures::yaml_documents(&body) {
+                Ok(d) => d,
+                Err(e) => {
+                    failures.push(format!("{shown}:{line}: not YAML: {e}"));
+                    continue;
+                }
+            };
+            let incomplete = docs.iter().filter(|d| !d.is_null()).any(|d| {
+                d["apiVersion"].as_str().is_none()
+                    || d["kind"].as_str().is_none()
+                    || d["metadata"]["name"].as_str().is_none()
+            });
+            if incomplete {
+                failures.push(format!(
+                    "{shown}:{line}: not a complete Kubernetes object (apiVersion, kind, metadata.name): mark it `{FRAGMENT_MARKER} why -->` on the line before the fence, or complete it"
+                ));
+                continue;
+            }
+            let path = dir.path().join(format!("block-{applied}.yaml"));
+            std::fs::write(&path, &body).unwrap();
+            match k.dry_run(path.to_str().unwrap(), None).await {
+                Err(e) => failures.push(format!("{shown}:{line}: the API server refuses it: {e}")),
+                Ok(objects) => {
+                    for obj in &objects {
+                        if let Err(e) = check_object(obj) {
+                            failures.push(format!("{shown}:{line}: {}: {e}", object_name(obj)));
+                        }
+                    }
+                }
+            }
+            applied += 1;
+        }
+    }
+    assert!(failures.is_empty(), "\n{}", failures.join("\n"));
+    assert!(applied >= 1, "no Kubernetes object in the docs was checked");
+    assert!(fragments >= 1);
+    k.assert_read_only();
+}
+
+/// The fragment marker is found where it is and nowhere else.
+#[test]
+fn yaml_blocks_are_found_with_their_fragment_marker() {
+    let md = "text\n\n```yaml\na: 1\n```\n<!-- fragment: a patch -->\n```yaml\nb: 2\n```\n```sh\nx\n```\n";
+    assert_eq!(
+        yaml_blocks(md),
+        vec![
+            (3, false, "a: 1".to_string()),
+            (7, true, "b: 2".to_string())
+        ]
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// The DaemonSet, running.
+
+/// A trainer for the DaemonSet test: catches SIGUSR1 and acks step 4242 in its emptyDir.
+const DS_TRAINER: &str = r#"
+trap 'printf "{\"state\":\"done\",\"step\":4242,\"checkpoint\":\"ckpt-4242\",\"ts\":%s}" $(date +%s.%N) > "$SPOTGUARD_DIR/.ack.tmp"; mv "$SPOTGUARD_DIR/.ack.tmp" "$SPOTGUARD_DIR/ack-$BASHPID.json"' USR1
+while :; do sleep 0.05; done
+"#;
+
+fn port_free(port: u16) -> bool {
+    std::net::TcpListener::bind(("0.0.0.0", port)).is_ok()
+}
+
+/// The shipped install, applied for real through kustomize (with an operator's overlay that
+/// points the agent at this test's metadata emulator), runs: the DaemonSet controller creates
+/// the agent's pod for the GPU node, the scheduler binds it, the kubelet stand-in starts both
+/// containers as the pod says (args, env, hostPath mounts mapped to the node's directories, a
+/// read-only root, only KILL and SYS_PTRACE, the ServiceAccount token), readiness comes from
+/// its `/readyz` probe, and on a spot notice that agent — with the shipped RBAC and the shipped
+/// privileges — checkpoints a non-root trainer through its emptyDir, cordons, taints and drains
+/// the node.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_daemonset_runs_and_its_agent_handles_a_notice_on_its_node() {
+    use spotguard::emulator::{self, Cloud, EmulatedNotice, EmulatorConfig};
+    use spotguard_testkit::k8s::{non_system_taints, Image};
+
+    for port in [9464, 9465] {
+        assert!(
+            port_free(port),
+            "port {port} is taken on this machine: the DaemonSet's pods use the host network"
+        );
+    }
+    let k = Kubectl::start().await;
+    let emu = emulator::start(EmulatorConfig::new(Cloud::Aws))
+        .await
+        .unwrap();
+    // The node's machine says it is an EC2 instance.
+    let dmi = tempfile::tempdir().unwrap();
+    std::fs::write(dmi.path().join("sys_vendor"), "Amazon EC2\n").unwrap();
+    std::fs::write(dmi.path().join("product_name"), "p4d.24xlarge\n").unwrap();
+    let node =
+        k.k.node(
+            k.k.node_config("gpu-node")
+                .gpus(8)
+                .host_path("/sys/class/dmi/id", dmi.path())
+                .image(
+                    "spotguard:0.1.0",
+                    Image::binary(env!("CARGO_BIN_EXE_spotguard")),
+                ),
+        )
+        .await;
+
+    // An operator's overlay: the base, with the metadata endpoint pointed at the emulator.
+    let overlay = tempfile::tempdir().unwrap();
+    let up = overlay
+        .path()
+        .components()
+        .filter(|c| matches!(c, std::path::Component::Normal(_)))
+        .map(|_| "..")
+        .collect::<Vec<_>>()
+        .join("/");
+    let base = format!("{up}{}", repo().join("daemonset").display());
+    std::fs::write(
+        overlay.path().join("kustomization.yaml"),
+        format!(
+            "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources:\n  - {base}\n\
+             patches:\n  - patch: |-\n      apiVersion: apps/v1\n      kind: DaemonSet\n      metadata: {{name: spotguard, namespace: spotguard}}\n      spec:\n        template:\n          spec:\n            containers:\n              - name: spotguard\n                env:\n                  - name: SPOTGUARD_METADATA_ENDPOINT\n                    value: {}\n",
+            emu.base_url()
+        ),
+    )
+    .unwrap();
+    let rendered = k.kustomize(overlay.path()).await;
+    let ran = k
+        .run(&["apply", "--server-side", "-f", "-"], Some(&rendered))
+        .await;
+    assert!(ran.ok, "kubectl apply: {}", ran.stderr);
+
+    // The DaemonSet controller's pod, scheduled onto the GPU node and Ready by its probe.
+    let pods: Api<Pod> = Api::namespaced(k.k.admin(), "spotguard");
+    let dss: Api<DaemonSet> = Api::namespaced(k.k.admin(), "spotguard");
+    let start = std::time::Instant::now();
+    let agent_pod = loop {
+        let list = pods
+            .list(&kube::api::ListParams::default().labels("app.kubernetes.io/component=agent"))
+            .await
+            .unwrap();
+        let ready = dss
+            .get("spotguard")
+            .await
+            .ok()
+            .and_then(|d| d.status)
+            .is_some_and(|s| s.number_ready == 1);
+        let on_node = list
+            .items
+            .iter()
+            .find(|p| p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(node.name()));
+        if let (true, Some(p)) = (ready, on_node) {
+            break p.clone();
+        }
+        if start.elapsed() > Duration::from_secs(90) {
+            let name = on_node
+                .and_then(|p| p.metadata.name.clone())
+                .unwrap_or_default();
+            panic!(
+                "the DaemonSet's pod is not Ready on {} after 90 s: {:?}\nagent log:\n{}",
+                node.name(),
+                list.items
+                    .iter()
+                    .map(|p| (
+                        &p.metadata.name,
+                        p.spec.as_ref().and_then(|s| s.node_name.clone()),
+                        p.status.as_ref().map(|s| (&s.phase, &s.container_statuses))
+                    ))
+                    .collect::<Vec<_>>(),
+                node.logs("spotguard", &name, "spotguard")
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let agent_name = agent_pod.metadata.name.clone().unwrap();
+    let run = node
+        .run_of("spotguard", &agent_name, "spotguard")
+        .expect("agent started");
+    // Run with the privileges the DaemonSet ships.
+    let status = std::fs::read_to_string(format!("/proc/{}/status", run.pid)).unwrap();
+    let cap_eff = status
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .map(|v| u64::from_str_radix(v.trim(), 16).unwrap())
+        .unwrap();
+    assert_eq!(
+        cap_eff,
+        (1 << 5) | (1 << 19),
+        "KILL and SYS_PTRACE only: {status}"
+    );
+
+    // A non-root trainer on the node, opted in, its checkpoint dir an emptyDir.
+    let ml = k.k.namespace("ml").await;
+    let trainer: Pod = serde_json::from_value(serde_json::json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": { "name": "trainer-0", "namespace": ml, "annotations": {
+            "spotguard.io/checkpoint": "true",
+            "spotguard.io/checkpoint-dir": "/var/run/spotguard",
+            "spotguard.io/checkpoint-timeout": "20s",
+        }},
+        "spec": {
+            "nodeName": node.name(),
+            "restartPolicy": "Never",
+            "securityContext": { "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000 },
+            "containers": [{
+                "name": "trainer", "image": "registry.example/trainer:1",
+                "command": ["bash", "-c", DS_TRAINER],
+                "env": [{ "name": "SPOTGUARD_DIR", "value": "/var/run/spotguard" }],
+                "volumeMounts": [{ "name": "spotguard", "mountPath": "/var/run/spotguard" }],
+            }],
+            "volumes": [{ "name": "spotguard", "emptyDir": { "sizeLimit": "1Mi" } }],
+        },
+    }))
+    .unwrap();
+    k.k.run_pods(&[trainer]).await;
+    let trainer_run = node
+        .wait_run(&ml, "trainer-0", "trainer", Duration::from_secs(10))
+        .await;
+    assert!(
+        spotguard_testkit::process::wait_catches_usr1(trainer_run.pid).await,
+        "trainer has no handler"
+    );
+    // Let the agent's pod cache see the trainer, then the spot notice.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    emu.raise(EmulatedNotice::interruption()).unwrap();
+
+    let start = std::time::Instant::now();
+    loop {
+        let events = k.k.events().await;
+        let acked = events
+            .iter()
+            .any(|e| e.reason == "CheckpointAcked" && e.regarding_name == "trainer-0");
+        let gone = k.k.pod(&ml, "trainer-0").await.is_none();
+        let node_obj = k.k.node_object(node.name()).await;
+        let cordoned = node_obj.spec.as_ref().and_then(|s| s.unschedulable) == Some(true);
+        let tainted = non_system_taints(&node_obj).iter().any(|(key, _, effect)| {
+            key == spotguard::node::INTERRUPTION_TAINT && effect == "NoSchedule"
+        });
+        if acked && gone && cordoned && tainted {
+            break;
+        }
+        if start.elapsed() > Duration::from_secs(60) {
+            panic!(
+                "after 60 s: acked {acked}, trainer evicted {gone}, cordoned {cordoned}, tainted {tainted}\nevents: {:?}\nagent log:\n{}",
+                events.iter().map(|e| (&e.reason, &e.message)).collect::<Vec<_>>(),
+                node.logs("spotguard", &agent_name, "spotguard")
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // The agent's own pod stays (DaemonSet pods are not drained).
+    let still = pods.get(&agent_name).await.expect("agent pod");
+    assert!(still.metadata.deletion_timestamp.is_none());
+    let acked =
+        k.k.events()
+            .await
+            .into_iter()
+            .find(|e| e.reason == "CheckpointAcked")
+            .unwrap();
+    assert!(acked.message.contains("4242"), "{}", acked.message);
+    // Leave the shared control plane without a DaemonSet.
+    let _ = dss
+        .delete("spotguard", &kube::api::DeleteParams::default())
+        .await;
+    drop(node);
+    emu.shutdown().await;
 }
 
 // ---------------------------------------------------------------------------------------------

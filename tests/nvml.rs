@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use spotguard::emulator::{self, Cloud, EmulatedNotice, EmulatorConfig};
-use spotguard_testkit::apiserver::{test_node, FakeApiServer};
+use spotguard_testkit::k8s::{non_system_taints, TestCluster};
 
 const BIN: &str = env!("CARGO_BIN_EXE_spotguard");
 
@@ -639,8 +639,8 @@ async fn library_appearing_after_start_is_picked_up() {
 
 const NODE: &str = "gpu-node-1";
 
-fn condition(server: &FakeApiServer, type_: &str) -> Option<Value> {
-    let node = server.node_json(NODE)?;
+async fn condition(k: &TestCluster, node: &str, type_: &str) -> Option<Value> {
+    let node = k.node_json(node).await;
     node["status"]["conditions"]
         .as_array()?
         .iter()
@@ -648,12 +648,10 @@ fn condition(server: &FakeApiServer, type_: &str) -> Option<Value> {
         .cloned()
 }
 
-fn has_gpu_taint(server: &FakeApiServer) -> bool {
-    server.node_json(NODE).is_some_and(|n| {
-        n["spec"]["taints"]
-            .as_array()
-            .is_some_and(|ts| ts.iter().any(|t| t["key"] == "spotguard.io/gpu-unhealthy"))
-    })
+async fn has_gpu_taint(k: &TestCluster, node: &str) -> bool {
+    non_system_taints(&k.node_object(node).await)
+        .iter()
+        .any(|(key, _, _)| key == "spotguard.io/gpu-unhealthy")
 }
 
 /// The XID arrives through `nvmlEventSetWait_v2` 5 s after NVML was initialised (between two
@@ -662,14 +660,16 @@ fn has_gpu_taint(server: &FakeApiServer) -> bool {
 /// auto-repair condition `AcceleratedHardwareReady=False`, the taint, the XID counter.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn xid_79_mid_run_makes_the_node_unhealthy_within_one_probe_interval() {
-    let server = FakeApiServer::start().await.expect("api server");
-    server.add_node(test_node(NODE));
+    // A real API server; the agent process talks to it as the shipped ServiceAccount.
+    let k = TestCluster::new().await;
+    let kubelet = k.node(k.node_config(NODE)).await;
+    let node = kubelet.name();
     let emu = emulator::start(EmulatorConfig::new(Cloud::Aws))
         .await
         .expect("emulator");
     let work = tempfile::tempdir().expect("tempdir");
     let kubeconfig = work.path().join("kubeconfig");
-    std::fs::write(&kubeconfig, server.kubeconfig()).expect("kubeconfig");
+    std::fs::write(&kubeconfig, k.agent_kubeconfig()).expect("kubeconfig");
     let s = Scenario::new(&format!(
         "driver 570.124.06\n{}{}",
         h100(0, ""),
@@ -680,7 +680,7 @@ async fn xid_79_mid_run_makes_the_node_unhealthy_within_one_probe_interval() {
     env.push(("KUBECONFIG".into(), kubeconfig.display().to_string()));
     let args = vec![
         "--mode=kubernetes".to_string(),
-        format!("--node-name={NODE}"),
+        format!("--node-name={node}"),
         "--cloud=aws".into(),
         format!("--metadata-endpoint={}", emu.base_url()),
         "--poll-interval=500ms".into(),
@@ -706,9 +706,13 @@ async fn xid_79_mid_run_makes_the_node_unhealthy_within_one_probe_interval() {
         s.trace().contains("nvmlEventSetWait_v2"),
         "the event thread waits on the set"
     );
-    assert!(condition(&server, "example.com/GPUBroken").is_none_or(|c| c["status"] == "False"));
-    assert!(condition(&server, "AcceleratedHardwareReady").is_none());
-    assert!(!has_gpu_taint(&server));
+    assert!(condition(&k, node, "example.com/GPUBroken")
+        .await
+        .is_none_or(|c| c["status"] == "False"));
+    assert!(condition(&k, node, "AcceleratedHardwareReady")
+        .await
+        .is_none());
+    assert!(!has_gpu_taint(&k, node).await);
 
     // Wait for the stand-in to hand the XID over, then time how long the node takes to show it.
     let deadline = Instant::now() + Duration::from_secs(20);
@@ -725,24 +729,28 @@ async fn xid_79_mid_run_makes_the_node_unhealthy_within_one_probe_interval() {
     }
     let delivered = Instant::now();
     loop {
-        let shown = condition(&server, "example.com/GPUBroken")
+        let shown = condition(&k, node, "example.com/GPUBroken")
+            .await
             .is_some_and(|c| c["status"] == "True")
-            && condition(&server, "AcceleratedHardwareReady")
+            && condition(&k, node, "AcceleratedHardwareReady")
+                .await
                 .is_some_and(|c| c["status"] == "False")
-            && has_gpu_taint(&server);
+            && has_gpu_taint(&k, node).await;
         if shown {
             break;
         }
         assert!(
             delivered.elapsed() < interval + Duration::from_secs(1),
             "node not unhealthy within one probe interval ({interval:?}) of the XID:\n{:#}\n{}",
-            server.node_json(NODE).unwrap_or_default(),
+            k.node_json(node).await,
             agent.logs()
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let took = delivered.elapsed();
-    let broken = condition(&server, "example.com/GPUBroken").expect("condition");
+    let broken = condition(&k, node, "example.com/GPUBroken")
+        .await
+        .expect("condition");
     assert_eq!(broken["reason"], "XidError", "{broken:#}");
     let message = broken["message"].as_str().expect("message");
     assert!(
@@ -750,10 +758,12 @@ async fn xid_79_mid_run_makes_the_node_unhealthy_within_one_probe_interval() {
         "{message}"
     );
     assert!(message.contains("79"), "{message}");
-    let ready = condition(&server, "AcceleratedHardwareReady").expect("condition");
+    let ready = condition(&k, node, "AcceleratedHardwareReady")
+        .await
+        .expect("condition");
     assert_eq!(ready["reason"], "XidError");
     // The default type is not written when it was renamed.
-    assert!(condition(&server, "GPUUnhealthy").is_none());
+    assert!(condition(&k, node, "GPUUnhealthy").await.is_none());
     let text = agent
         .wait_metrics("XID counter", Duration::from_secs(5), |t| {
             !series(
@@ -1032,8 +1042,9 @@ async fn configured_condition_types_round_trip_through_the_api_server() {
     use spotguard::gpu::ConditionTypes;
     use spotguard::node::kube::KubeNodeOps;
     use spotguard::node::{ConditionState, GpuConditions, NodeOps};
-    let server = FakeApiServer::start().await.expect("api server");
-    server.add_node(test_node(NODE));
+    let k = TestCluster::new().await;
+    let kubelet = k.node(k.node_config(NODE)).await;
+    let node = kubelet.name();
     let mut registry = prometheus_client::registry::Registry::default();
     let metrics = Arc::new(spotguard::metrics::Metrics::register(&mut registry));
     let types = ConditionTypes {
@@ -1041,7 +1052,7 @@ async fn configured_condition_types_round_trip_through_the_api_server() {
         degraded: "example.com/GPUSlow".into(),
         ready: Some("AcceleratedHardwareReady".into()),
     };
-    let ops = KubeNodeOps::new(server.client(), NODE.to_string(), None, false, metrics)
+    let ops = KubeNodeOps::new(k.agent_client(), node.to_string(), None, false, metrics)
         .with_gpu_condition_types(types);
     let healthy = GpuConditions {
         unhealthy: ConditionState {
@@ -1057,7 +1068,9 @@ async fn configured_condition_types_round_trip_through_the_api_server() {
     };
     ops.set_gpu_conditions(&healthy).await.expect("healthy");
     assert!(
-        condition(&server, "AcceleratedHardwareReady").is_none(),
+        condition(&k, node, "AcceleratedHardwareReady")
+            .await
+            .is_none(),
         "nothing written while a never-unhealthy node stays healthy"
     );
     let unhealthy = GpuConditions {
@@ -1070,16 +1083,20 @@ async fn configured_condition_types_round_trip_through_the_api_server() {
         ..healthy.clone()
     };
     ops.set_gpu_conditions(&unhealthy).await.expect("unhealthy");
-    let ready = condition(&server, "AcceleratedHardwareReady").expect("ready condition");
+    let ready = condition(&k, node, "AcceleratedHardwareReady")
+        .await
+        .expect("ready condition");
     assert_eq!(ready["status"], "False");
     assert_eq!(ready["reason"], "XidError");
     assert_eq!(
-        condition(&server, "example.com/GPUBroken").expect("broken")["status"],
+        condition(&k, node, "example.com/GPUBroken")
+            .await
+            .expect("broken")["status"],
         "True"
     );
-    assert!(has_gpu_taint(&server));
+    assert!(has_gpu_taint(&k, node).await);
     assert_eq!(
-        condition(&server, "Ready").expect("kubelet's")["status"],
+        condition(&k, node, "Ready").await.expect("kubelet's")["status"],
         "True"
     );
     let back = ops.gpu_conditions().await.expect("read back");
@@ -1089,12 +1106,16 @@ async fn configured_condition_types_round_trip_through_the_api_server() {
     );
 
     ops.set_gpu_conditions(&healthy).await.expect("recovered");
-    let ready = condition(&server, "AcceleratedHardwareReady").expect("ready condition");
+    let ready = condition(&k, node, "AcceleratedHardwareReady")
+        .await
+        .expect("ready condition");
     assert_eq!(ready["status"], "True");
     assert_eq!(
-        condition(&server, "example.com/GPUBroken").expect("broken")["status"],
+        condition(&k, node, "example.com/GPUBroken")
+            .await
+            .expect("broken")["status"],
         "False"
     );
-    assert!(!has_gpu_taint(&server));
-    assert!(condition(&server, "GPUUnhealthy").is_none());
+    assert!(!has_gpu_taint(&k, node).await);
+    assert!(condition(&k, node, "GPUUnhealthy").await.is_none());
 }

@@ -1,10 +1,11 @@
-//! Pod-requested prefetch (`spotguard.io/prefetch`) against the in-process API server and a real
+//! Pod-requested prefetch (`spotguard.io/prefetch`) against the real API server (pods run by the
+//! kubelet stand-in, read as the shipped ServiceAccount) and a real
 //! S3-compatible server (s3s-fs, from `scripts/deps/prefetch.sh`): the operator's opt-in and
 //! allow-list, refusals as Events and metrics, and agent-side leases that keep a dataset a pod
 //! references from being evicted. One test per binary: it sets the AWS_* environment the
 //! prefetcher's store reads.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
@@ -23,12 +24,11 @@ use spotguard::prefetch::policy::{AllowPattern, AnnotationPolicy};
 use spotguard::prefetch::{
     DatasetState, PrefetchDefaults, PrefetchMetrics, Prefetcher, StoreOptions,
 };
-use spotguard_testkit::apiserver::{FakeApiServer, TestPod};
+use spotguard_testkit::k8s::{TestCluster, TestPod};
 use tokio_util::sync::CancellationToken;
 
 const ACCESS_KEY: &str = "spotguardtest";
 const SECRET_KEY: &str = "spotguardtestsecret";
-const NODE: &str = "gpu-node-1";
 
 struct S3sFs {
     child: Child,
@@ -96,14 +96,8 @@ fn store(endpoint: &str, bucket: &str) -> Arc<dyn ObjectStore> {
     )
 }
 
-fn pod(name: &str, uid: &str, annotation: &str) -> k8s_openapi::api::core::v1::Pod {
-    let mut p = TestPod::new("ml", name, NODE).build();
-    p.metadata.uid = Some(uid.to_string());
-    p.metadata.annotations = Some(BTreeMap::from([(
-        PREFETCH_ANNOTATION.to_string(),
-        annotation.to_string(),
-    )]));
-    p
+fn pod(ns: &str, name: &str, node: &str, annotation: &str) -> TestPod {
+    TestPod::new(ns, name, node).annotation(PREFETCH_ANNOTATION, annotation)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -122,14 +116,24 @@ async fn pod_requests_are_opt_in_allow_listed_evented_and_keep_their_dataset_lea
     .await
     .unwrap();
 
-    let api = FakeApiServer::start().await.unwrap();
-    api.add_pod(pod("train", "uid-train", "c4=s3://datasets/tokenized/c4/"));
-    api.add_pod(pod(
-        "thief",
-        "uid-thief",
-        "tok=file:///var/run/secrets/kubernetes.io/serviceaccount",
-    ));
-    api.add_pod(pod("other", "uid-other", "s3://private/weights"));
+    let k = TestCluster::new().await;
+    let node = k.node(k.node_config("gpu-node-1")).await;
+    let ml = k.namespace("ml").await;
+    let done = tempfile::tempdir().unwrap();
+    k.run_pods(&[
+        pod(&ml, "train", node.name(), "c4=s3://datasets/tokenized/c4/")
+            .completes_when_exists(&done.path().join("train"))
+            .build(),
+        pod(
+            &ml,
+            "thief",
+            node.name(),
+            "tok=file:///var/run/secrets/kubernetes.io/serviceaccount",
+        )
+        .build(),
+        pod(&ml, "other", node.name(), "s3://private/weights").build(),
+    ])
+    .await;
 
     let cache_dir = tempfile::tempdir().unwrap();
     let mut registry = Registry::default();
@@ -148,15 +152,15 @@ async fn pod_requests_are_opt_in_allow_listed_evented_and_keep_their_dataset_lea
         CancellationToken::new(),
     );
     let events = Arc::new(KubeNodeOps::new(
-        api.client(),
-        NODE.to_string(),
+        k.agent_client(),
+        node.name().to_string(),
         None,
         false,
         Arc::new(Metrics::register(&mut Registry::default())),
     ));
     let watcher = |enabled: bool| AnnotationWatcher {
-        pods: kube::Api::all(api.client()),
-        node_name: NODE.to_string(),
+        pods: kube::Api::all(k.agent_client()),
+        node_name: node.name().to_string(),
         prefetcher: prefetcher.clone(),
         policy: AnnotationPolicy {
             enabled,
@@ -166,12 +170,16 @@ async fn pod_requests_are_opt_in_allow_listed_evented_and_keep_their_dataset_lea
         metrics: metrics.clone(),
         interval: Duration::from_secs(3600),
     };
-    let refusals = |pod: &str| -> Vec<String> {
-        api.events()
-            .into_iter()
-            .filter(|e| e.reason == REFUSED_REASON && e.regarding_name == pod)
-            .map(|e| e.message)
-            .collect()
+    let refusals = |pod: &'static str| {
+        let k = &k;
+        async move {
+            k.events()
+                .await
+                .into_iter()
+                .filter(|e| e.reason == REFUSED_REASON && e.regarding_name == pod)
+                .map(|e| e.message)
+                .collect::<Vec<String>>()
+        }
     };
 
     // Off (the default): every request is refused, with an Event on the pod.
@@ -179,7 +187,7 @@ async fn pod_requests_are_opt_in_allow_listed_evented_and_keep_their_dataset_lea
     let mut state = HashMap::new();
     assert!(off.round(&mut state).await.is_empty());
     for p in ["train", "thief", "other"] {
-        let msgs = refusals(p);
+        let msgs = refusals(p).await;
         assert_eq!(msgs.len(), 1, "{p}: {msgs:?}");
         assert!(msgs[0].contains("off on this node"), "{msgs:?}");
     }
@@ -192,17 +200,17 @@ async fn pod_requests_are_opt_in_allow_listed_evented_and_keep_their_dataset_lea
         let referenced = on.round(&mut state).await;
         assert_eq!(referenced.into_iter().collect::<Vec<_>>(), vec!["c4"]);
     }
-    let thief = refusals("thief");
+    let thief = refusals("thief").await;
     assert_eq!(thief.len(), 2, "{thief:?}");
     assert!(thief[1].contains("only s3:// and gs://"), "{thief:?}");
-    let other = refusals("other");
+    let other = refusals("other").await;
     assert_eq!(other.len(), 2, "{other:?}");
     assert!(
         other[1].contains("not under any allowed prefix"),
         "{other:?}"
     );
     assert!(
-        refusals("train").len() == 1,
+        refusals("train").await.len() == 1,
         "the accepted request got no new refusal"
     );
     let text = spotguard::metrics::encode(&registry);
@@ -251,7 +259,11 @@ async fn pod_requests_are_opt_in_allow_listed_evented_and_keep_their_dataset_lea
     assert!(cache_dir.path().join("c4/shard-0").exists());
 
     // The pod finishes: its request is forgotten, the lease ages, the dataset may go.
-    api.set_pod_phase("ml", "train", "Succeeded");
+    std::fs::write(done.path().join("train"), b"").unwrap();
+    k.wait_pod(&ml, "train", "Succeeded", Duration::from_secs(30), |p| {
+        p.and_then(|p| p.status.as_ref()?.phase.as_deref()) == Some("Succeeded")
+    })
+    .await;
     let referenced = on.round(&mut state).await;
     assert!(referenced.is_empty());
     assert_eq!(state.len(), 2, "finished pods leave the state");

@@ -209,6 +209,13 @@ pub struct Ack {
 }
 
 /// The checkpoint dir of one target, resolved inside its filesystem root.
+///
+/// Every read resolves the path again from the root (a dir replaced or remounted meanwhile is
+/// followed). The first dir opened is also kept open, for one read after the target exited
+/// ([`CheckpointDir::read_ack_after_exit`]): a container's dir is usually a mount of the
+/// container's own mount namespace (an emptyDir), which goes away with the container's last
+/// process, so a trainer that writes `done` and exits at once would leave its ack unreadable —
+/// resolving the path from the root then finds the empty mountpoint under it.
 #[derive(Debug)]
 pub struct CheckpointDir {
     root: OwnedFd,
@@ -216,6 +223,8 @@ pub struct CheckpointDir {
     rel: PathBuf,
     /// For errors and logs: `/tmp/spotguard in /proc/1234/root`.
     display: String,
+    /// The dir itself, as first opened (kept: see above).
+    kept: std::sync::OnceLock<OwnedFd>,
 }
 
 const RESOLVE: ResolveFlags = ResolveFlags::IN_ROOT.union(ResolveFlags::NO_MAGICLINKS);
@@ -275,6 +284,7 @@ impl CheckpointDir {
             root,
             rel,
             display: target,
+            kept: std::sync::OnceLock::new(),
         })
     }
 
@@ -303,7 +313,12 @@ impl CheckpointDir {
             target: display.clone(),
             source,
         })?;
-        Ok(CheckpointDir { root, rel, display })
+        Ok(CheckpointDir {
+            root,
+            rel,
+            display,
+            kept: std::sync::OnceLock::new(),
+        })
     }
 
     /// Where this dir is, for logs.
@@ -350,7 +365,7 @@ impl CheckpointDir {
                 Err(e) => return Err(e),
             }
         }
-        let dir = self.open_in_root(&self.rel, OFlags::RDONLY | OFlags::DIRECTORY)?;
+        let dir = self.open_dir()?;
         if created_last {
             // The agent owns what it just made: fchmod needs no capability (umask left it 0755).
             rustix::fs::fchmod(&dir, Mode::from_raw_mode(CREATED_DIR_MODE))?;
@@ -358,9 +373,14 @@ impl CheckpointDir {
         Ok(dir)
     }
 
-    /// Open the existing dir (no creation).
+    /// Open the existing dir (no creation), resolved from the root; the first one opened is
+    /// kept for [`CheckpointDir::read_ack_after_exit`].
     fn open_dir(&self) -> io::Result<OwnedFd> {
-        self.open_in_root(&self.rel, OFlags::RDONLY | OFlags::DIRECTORY)
+        let fd = self.open_in_root(&self.rel, OFlags::RDONLY | OFlags::DIRECTORY)?;
+        if self.kept.get().is_none() {
+            let _ = self.kept.set(fd.try_clone()?);
+        }
+        Ok(fd)
     }
 
     /// Open an entry of the dir: never through a symlink, never on another mount.
@@ -490,11 +510,20 @@ impl CheckpointDir {
     /// with `O_NOFOLLOW | O_NONBLOCK` (a symlink is refused, a FIFO does not block), then checked
     /// with `fstat` before anything is read.
     fn read_file(&self, name: &str) -> Result<Option<(Vec<u8>, FileStamp)>, Error> {
+        self.read_file_in(name, false)
+    }
+
+    /// [`Self::read_file`], from the dir as first opened when `kept` (and it was opened).
+    fn read_file_in(&self, name: &str, kept: bool) -> Result<Option<(Vec<u8>, FileStamp)>, Error> {
         let err = |source| Error::ReadAck {
             target: format!("{} ({name})", self.display),
             source,
         };
-        let dir = match self.open_dir() {
+        let dir = match (kept, self.kept.get()) {
+            (true, Some(fd)) => fd.try_clone(),
+            _ => self.open_dir(),
+        };
+        let dir = match dir {
             Ok(d) => d,
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
             Err(e) => return Err(err(e)),
@@ -549,7 +578,15 @@ impl CheckpointDir {
         &self,
         name: &str,
     ) -> Result<Option<(T, FileStamp)>, Error> {
-        let Some((data, stamp)) = self.read_file(name)? else {
+        self.read_json_in(name, false)
+    }
+
+    fn read_json_in<T: serde::de::DeserializeOwned>(
+        &self,
+        name: &str,
+        kept: bool,
+    ) -> Result<Option<(T, FileStamp)>, Error> {
+        let Some((data, stamp)) = self.read_file_in(name, kept)? else {
             return Ok(None);
         };
         serde_json::from_slice(&data)
@@ -569,6 +606,13 @@ impl CheckpointDir {
     /// Read a per-process ack by its file name (plain or fallback).
     pub fn read_ack_named(&self, name: &str) -> Result<Option<Ack>, Error> {
         let read = self.read_json::<AckFile>(name)?;
+        Ok(read.map(|(file, stamp)| Ack { file, stamp }))
+    }
+
+    /// [`Self::read_ack_named`] for a target that has exited: from the dir as first opened, which
+    /// outlives the target's mount namespace (see [`CheckpointDir`]).
+    pub fn read_ack_after_exit(&self, name: &str) -> Result<Option<Ack>, Error> {
+        let read = self.read_json_in::<AckFile>(name, true)?;
         Ok(read.map(|(file, stamp)| Ack { file, stamp }))
     }
 
@@ -607,6 +651,61 @@ mod tests {
             signal: "SIGUSR1".into(),
             life: None,
         }
+    }
+
+    /// A container's checkpoint dir is a mount in the container's own mount namespace (an
+    /// emptyDir). When the trainer writes `done` and exits at once — the helper's
+    /// `exit_after_checkpoint` — the namespace goes with the last process and its mounts are
+    /// detached: resolving the dir again from the container's root then finds the empty
+    /// mountpoint underneath. The dir opened for the notice must still read the ack.
+    #[test]
+    fn the_ack_is_read_after_the_containers_mount_namespace_is_gone() {
+        use std::io::{BufRead, Write};
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("spotguard");
+        std::fs::create_dir(&dir).unwrap();
+        // A process in a mount namespace of its own with a tmpfs at `dir` (the emptyDir).
+        let script = r#"mount -t tmpfs tmpfs "$1" && echo mounted && read go && printf '{"state":"done","step":7}' > "$1/ack-$$.json" && exit 0"#;
+        let mut child = std::process::Command::new("unshare")
+            .args([
+                "--mount",
+                "--propagation",
+                "private",
+                "sh",
+                "-c",
+                script,
+                "sh",
+            ])
+            .arg(&dir)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .expect("unshare (util-linux; needs root)");
+        let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+        let mut line = String::new();
+        out.read_line(&mut line).unwrap();
+        assert_eq!(line.trim(), "mounted", "the tmpfs mount needs root");
+        let pid = child.id() as i32;
+        let proc = ProcFs::default();
+        let start = proc.start_time(pid).unwrap();
+        let ckpt = CheckpointDir::in_root_of(&proc, pid, start, &dir).unwrap();
+        ckpt.write_notice(&notice()).unwrap();
+        // The trainer acks and exits: its namespace (and the tmpfs in it) is gone.
+        writeln!(child.stdin.take().unwrap()).unwrap();
+        assert!(child.wait().unwrap().success());
+        assert!(
+            std::fs::read_dir(&dir).unwrap().next().is_none(),
+            "the host sees the empty mountpoint"
+        );
+        // Resolved from the root, the path now leads to that empty mountpoint; the dir as
+        // opened for the notice still holds the ack.
+        assert!(ckpt.read_ack(pid).unwrap().is_none());
+        let ack = ckpt
+            .read_ack_after_exit(&ack_file_name(pid))
+            .unwrap()
+            .expect("the ack written before the exit");
+        assert_eq!(ack.file.state, AckState::Done);
+        assert_eq!(ack.file.step, Some(serde_json::json!(7)));
     }
 
     #[test]
@@ -820,6 +919,7 @@ mod tests {
             root: rustix::fs::open(&root, OFlags::PATH | OFlags::DIRECTORY, Mode::empty()).unwrap(),
             rel: PathBuf::from("tmp/sg"),
             display: "test".into(),
+            kept: std::sync::OnceLock::new(),
         };
         assert!(cd.write_notice(&notice()).is_err());
         assert_eq!(std::fs::read_dir(&host_target).unwrap().count(), 0);

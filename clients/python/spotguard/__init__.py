@@ -139,6 +139,11 @@ _chain = True
 _owner_pid: Optional[int] = None
 _handler_error: Optional[BaseException] = None
 _tmp_counter = itertools.count()
+# Fallback names (checkpoint-protocol.md, section 4): a suffix of this process's own choosing,
+# random so nobody can take the name first, used when another user's file holds an ack name in a
+# sticky directory. Paths that needed it keep using it (the agent reads every name).
+_fallback_suffix = os.urandom(8).hex()
+_fallback_for: Dict[str, str] = {}
 _fork_hook_registered = False
 _installed_at: Optional[float] = None
 # Training has started: resumed(), should_checkpoint() or requested() was called. Until then a
@@ -220,9 +225,24 @@ def ack_path(pid: Optional[int] = None) -> Path:
     return checkpoint_dir() / f"ack-{os.getpid() if pid is None else pid}.json"
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
+def _fallback_name(name: str) -> Optional[str]:
+    """The fallback name of an ack file (``ack-<pid>.<suffix>.json``, ``ack.<suffix>``), or None
+    for a file that is not an ack."""
+    if name == "ack":
+        return f"ack.{_fallback_suffix}"
+    if name.startswith("ack-") and name.endswith(".json") and name[4:-5].isdigit():
+        return f"{name[:-5]}.{_fallback_suffix}.json"
+    return None
+
+
+def _write_atomic(path: Path, data: bytes) -> Path:
     """Temp file in the same directory (a dot-name that never matches ``ack-*.json``), fsync,
-    rename over ``path``, fsync the directory. Only ``os`` calls: safe from a signal handler."""
+    rename over ``path``, fsync the directory. Only ``os`` calls: safe from a signal handler.
+
+    An ack whose name another user's file holds in a sticky directory (the rename is refused with
+    EPERM/EACCES) is written under its fallback name instead, and so is every later write of it.
+    Returns the path written."""
+    target = _fallback_for.get(str(path), str(path))
     directory = str(path.parent)
     os.makedirs(directory, exist_ok=True)
     tmp = os.path.join(directory, f".{path.name}.tmp-{os.getpid()}-{next(_tmp_counter)}")
@@ -236,7 +256,15 @@ def _write_atomic(path: Path, data: bytes) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
-        os.replace(tmp, str(path))
+        try:
+            os.replace(tmp, target)
+        except PermissionError:
+            fallback = _fallback_name(path.name)
+            if fallback is None or target != str(path):
+                raise
+            target = os.path.join(directory, fallback)
+            os.replace(tmp, target)
+            _fallback_for[str(path)] = target
     except BaseException:
         try:
             os.unlink(tmp)
@@ -246,13 +274,14 @@ def _write_atomic(path: Path, data: bytes) -> None:
     try:
         dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError:
-        return
+        return Path(target)
     try:
         os.fsync(dfd)
     except OSError:
         pass
     finally:
         os.close(dfd)
+    return Path(target)
 
 
 def _ack_bytes(
@@ -299,9 +328,7 @@ def ack(
     data = _ack_bytes(state, step, where, _current_notice_id() if state != "received" else None)
     if len(data) > MAX_ACK_BYTES:
         raise ValueError(f"ack is {len(data)} bytes; the agent reads at most {MAX_ACK_BYTES}")
-    path = ack_path()
-    _write_atomic(path, data)
-    return path
+    return _write_atomic(ack_path(), data)
 
 
 def ack_container(
@@ -310,10 +337,8 @@ def ack_container(
 ) -> Path:
     """Write the plain ``<dir>/ack`` file: it acknowledges the whole container at once (for
     launchers where one process saves on behalf of all). Content is informational JSON."""
-    path = checkpoint_dir() / "ack"
     where = None if checkpoint is None else os.fspath(checkpoint)
-    _write_atomic(path, _ack_bytes("done", step, where, _current_notice_id()))
-    return path
+    return _write_atomic(checkpoint_dir() / "ack", _ack_bytes("done", step, where, _current_notice_id()))
 
 
 #: How often (seconds) :func:`should_checkpoint` refreshes the resume record's ``last_step`` when
@@ -913,10 +938,12 @@ def _done_acks(directory: Path, started: float, before: Optional[str]) -> List[s
     A ``done`` left by an earlier run (same directory, back-to-back runs) never counts."""
     this_notice = _launch_notice(directory, started, before)
     found = []
-    candidates = [directory / "ack"] + sorted(directory.glob("ack-*.json"))
+    # The plain ack, its fallback names (``ack.<suffix>``) and every ``ack-<pid>[.<suffix>].json``.
+    candidates = ([directory / "ack"] + sorted(directory.glob("ack.*"))
+                  + sorted(directory.glob("ack-*.json")))
     for path in candidates:
         body = _read_json_file(path)
-        if path.name == "ack":
+        if path.name == "ack" or path.name.startswith("ack."):
             if body is None:  # the plain ack may hold anything: go by its time
                 try:
                     if path.exists() and path.stat().st_mtime >= started:

@@ -922,3 +922,47 @@ def test_launch_finds_spotguard_dir_in_the_workers_environment(guard_dir: Path, 
     rc, out, err = launcher.wait()
     assert rc == 143, err
     assert str(guard_dir) in err
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run the trainer and a forger as other uids")
+def test_an_ack_name_held_by_another_user_is_written_under_a_fallback_name(shared_tmp: Path) -> None:
+    """checkpoint-protocol.md section 4: in a sticky directory another user's file at
+    ``ack-<pid>.json`` (or ``ack``) refuses the trainer's rename; the helper writes
+    ``ack-<pid>.<suffix>.json`` (``ack.<suffix>``) instead, and keeps using it."""
+    import shutil
+
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("setpriv (util-linux) is not installed")
+    guard = shared_tmp / "guard"
+    guard.mkdir()
+    os.chmod(guard, 0o1777)
+    env = dict(os.environ, SPOTGUARD_DIR=str(guard))
+    if FROM_SOURCE:
+        env["PYTHONPATH"] = str(CLIENT_DIR)
+    script = (
+        "import os, sys, json, spotguard\n"
+        "pid = os.getpid()\n"
+        "for name in (f'ack-{pid}.json', 'ack'):\n"  # the forger, uid 1001, plants both names
+        "    p = os.path.join(os.environ['SPOTGUARD_DIR'], name)\n"
+        "    open(p, 'w').write('{\"state\":\"done\"}')\n"
+        "    os.chown(p, 1001, 1001)\n"
+        "os.setgid(1000); os.setuid(1000)\n"  # the trainer
+        "first = spotguard.ack('received')\n"
+        "second = spotguard.ack('done', step=7)\n"
+        "plain = spotguard.ack_container(step=7)\n"
+        "print(json.dumps([str(first), str(second), str(plain)]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    first, second, plain = json.loads(out.stdout)
+    assert first == second, "the fallback name is kept for later writes"
+    name = Path(second).name
+    assert name.startswith("ack-") and name.endswith(".json") and name.count(".") == 2, name
+    assert Path(plain).name.startswith("ack.")
+    for p in (Path(second), Path(plain)):
+        assert p.stat().st_uid == 1000
+        assert json.loads(p.read_text())["step"] == 7
+    # The planted files are untouched (the trainer cannot replace them).
+    assert (guard / "ack").stat().st_uid == 1001

@@ -457,7 +457,12 @@ fn poll_group(w: &mut GroupWatch, now: Timestamp) {
         }
         for p in &mut c.procs {
             if matches!(p.state, ProcState::Pending { .. }) {
-                read_acks(dir, fresh, &fallbacks, p, now, &mut c.foreign, &counters);
+                read_acks(
+                    (dir, fresh, &fallbacks, &mut c.foreign, &counters),
+                    p,
+                    now,
+                    false,
+                );
                 check_exit(
                     &proc,
                     Some((dir, fresh, &fallbacks, &mut c.foreign, &counters)),
@@ -512,14 +517,12 @@ fn foreign(
 
 /// Read the process's acks (its plain name and its fallback names): a fresh one its own user
 /// wrote counts; a terminal state wins over `received`.
+/// `after_exit`: the process has exited, read from the dir as first opened.
 fn read_acks(
-    dir: &CheckpointDir,
-    fresh: &Freshness,
-    fallbacks: &[(String, AckName)],
+    (dir, fresh, fallbacks, seen, counters): DirContext<'_>,
     p: &mut ProcWatch,
     now: Timestamp,
-    seen: &mut HashSet<(String, u64)>,
-    counters: &Counters,
+    after_exit: bool,
 ) {
     let me = AckName::Process(p.process.ns_pid);
     let names = std::iter::once(ack_file_name(p.process.ns_pid)).chain(
@@ -529,7 +532,12 @@ fn read_acks(
             .map(|(n, _)| n.clone()),
     );
     for name in names {
-        match dir.read_ack_named(&name) {
+        let read = if after_exit {
+            dir.read_ack_after_exit(&name)
+        } else {
+            dir.read_ack_named(&name)
+        };
+        match read {
             Ok(Some(ack)) if fresh.fresh(&name, &me, &ack.stamp) => {
                 if !p.process.uids.contains(&ack.stamp.uid) {
                     foreign(seen, dir, &name, &ack.stamp, &p.process.uids, counters);
@@ -572,9 +580,10 @@ fn check_exit(proc: &ProcFs, dir: Option<DirContext<'_>>, p: &mut ProcWatch, now
     match proc.alive(p.process.pid, p.process.start_time) {
         Ok(true) => {}
         Ok(false) => {
-            // It may have written `done` between the read above and its exit.
-            if let Some((dir, fresh, fallbacks, seen, counters)) = dir {
-                read_acks(dir, fresh, fallbacks, p, now, seen, counters);
+            // It may have written `done` between the read above and its exit (read from the
+            // dir as opened before: its container's mounts may be gone with it).
+            if let Some(dir) = dir {
+                read_acks(dir, p, now, true);
             }
             if matches!(p.state, ProcState::Pending { .. }) {
                 p.state = ProcState::Exited { at: now };

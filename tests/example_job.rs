@@ -1,0 +1,443 @@
+//! The shipped example Job (`daemonset/examples/training-job.yaml`) end to end through the real
+//! Job controller and scheduler: a real training process (`examples/train_loop.py` under the
+//! Python helper's launcher) checkpoints on each spot interruption of the node under it, and a
+//! fresh node with its own agent takes over, four times (more than the Job's `backoffLimit`).
+//! The Job completes, every resume starts from exactly the step saved at the notice, no step is
+//! lost, and no retry counts against `backoffLimit`.
+//!
+//! Only what the harness cannot run is replaced in the example: the trainer's image (and with
+//! it the command), and the checkpoint PersistentVolumeClaim (a hostPath every node maps to the
+//! same directory: the network storage). The init container runs as shipped (the `spotguard`
+//! image) against each node's prefetch cache, seeded as the node's prefetcher would leave it.
+
+use std::collections::BTreeMap;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::batch::v1::Job;
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, ListParams, PostParams};
+use serde_json::{json, Value};
+use spotguard::app;
+use spotguard::config::{self, Config};
+use spotguard::emulator::{self, Cloud, EmulatedNotice, EmulatorConfig};
+use spotguard::responder::PlanEvent;
+use spotguard_testkit::k8s::fixtures::yaml_documents;
+use spotguard_testkit::k8s::{Image, Kubelet, TestCluster};
+use spotguard_testkit::wait_for_event as wait_for;
+use tokio_util::sync::CancellationToken;
+
+const STEPS: u64 = 200;
+const INTERRUPTIONS: usize = 4;
+/// Where the replaced PVC lives on every node (the "network storage").
+const CHECKPOINT_HOST_PATH: &str = "/mnt/spotguard-test-checkpoints";
+const TRAINER_IMAGE: &str = "registry.example/trainer-loop:test";
+
+fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn chmod(p: &Path, mode: u32) {
+    std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode)).unwrap();
+}
+
+/// The trainer "image": train_loop.py and the Python helper, readable by the Job's uid 1000.
+fn trainer_image() -> (tempfile::TempDir, Image) {
+    let dir = tempfile::tempdir().unwrap();
+    chmod(dir.path(), 0o755);
+    std::fs::copy(
+        repo().join("examples/train_loop.py"),
+        dir.path().join("train_loop.py"),
+    )
+    .unwrap();
+    let pkg = dir.path().join("spotguard");
+    std::fs::create_dir(&pkg).unwrap();
+    for entry in std::fs::read_dir(repo().join("clients/python/spotguard")).unwrap() {
+        let p = entry.unwrap().path();
+        if p.is_file() {
+            std::fs::copy(&p, pkg.join(p.file_name().unwrap())).unwrap();
+        }
+    }
+    for p in [dir.path().join("train_loop.py"), pkg.clone()] {
+        chmod(&p, if p.is_dir() { 0o755 } else { 0o644 });
+    }
+    for entry in std::fs::read_dir(&pkg).unwrap() {
+        chmod(&entry.unwrap().path(), 0o644);
+    }
+    let mut image = Image::default().with_files(dir.path(), "/app");
+    // As a trainer image's Dockerfile would set them: the helper importable, and output not
+    // held in Python's block buffer (so the log shows progress as it happens).
+    image.env = vec![
+        ("PYTHONPATH".into(), "/app".into()),
+        ("PYTHONUNBUFFERED".into(), "1".into()),
+    ];
+    (dir, image)
+}
+
+/// The example Job with the trainer's image and command, and the checkpoint volume, replaced.
+fn example_job(namespace: &str) -> Job {
+    let text =
+        std::fs::read_to_string(repo().join("daemonset/examples/training-job.yaml")).unwrap();
+    let mut job: Value = yaml_documents(&text)
+        .unwrap()
+        .into_iter()
+        .find(|d| d["kind"] == "Job")
+        .expect("the example's Job");
+    job["metadata"]["namespace"] = json!(namespace);
+    let spec = &mut job["spec"]["template"]["spec"];
+    let trainer = spec["containers"]
+        .as_array_mut()
+        .unwrap()
+        .iter_mut()
+        .find(|c| c["name"] == "trainer")
+        .expect("trainer container");
+    trainer["image"] = json!(TRAINER_IMAGE);
+    trainer["command"] = json!([
+        "python3",
+        "-m",
+        "spotguard",
+        "launch",
+        "--",
+        "python3",
+        "/app/train_loop.py"
+    ]);
+    trainer["args"] = json!([
+        "--ckpt-dir",
+        "/checkpoints",
+        "--steps",
+        STEPS.to_string(),
+        "--step-time",
+        "0.05",
+        "--save-time",
+        "0.1",
+        "--log-every",
+        "20"
+    ]);
+    let volumes = spec["volumes"].as_array_mut().unwrap();
+    let pvc = volumes
+        .iter_mut()
+        .find(|v| v["persistentVolumeClaim"].is_object())
+        .expect("the checkpoint PVC");
+    let name = pvc["name"].clone();
+    *pvc =
+        json!({ "name": name, "hostPath": { "path": CHECKPOINT_HOST_PATH, "type": "Directory" } });
+    serde_json::from_value(job).unwrap()
+}
+
+/// One machine: a node with its kubelet, its metadata emulator and its own agent.
+struct Machine {
+    kubelet: Kubelet,
+    emu: emulator::EmulatorHandle,
+    app: app::App,
+    cancel: CancellationToken,
+    _dirs: tempfile::TempDir,
+}
+
+impl Machine {
+    async fn start(k: &TestCluster, i: usize, image: &Image, checkpoints: &Path) -> Machine {
+        let dirs = tempfile::tempdir().unwrap();
+        // The node's prefetch cache, with the example's dataset complete (what the node's
+        // prefetcher leaves; the Job's init container waits for it).
+        let cache = dirs.path().join("cache");
+        let paths = spotguard::prefetch::cache::DatasetPaths::new(&cache, "c4-en");
+        std::fs::create_dir_all(paths.complete.parent().unwrap()).unwrap();
+        let marker = spotguard::prefetch::cache::CompleteMarker {
+            source: "s3://example-datasets/tokenized/c4-en/".into(),
+            finished_at: jiff::Timestamp::now().to_string(),
+            objects: 1,
+            bytes: 4,
+        };
+        std::fs::write(&paths.complete, serde_json::to_vec(&marker).unwrap()).unwrap();
+        std::fs::write(paths.dir.join("shard-0"), b"data").unwrap();
+        for p in [dirs.path().to_path_buf(), cache.clone(), paths.dir.clone()] {
+            chmod(&p, 0o755);
+        }
+        let kubelet = k
+            .node(
+                k.node_config(&format!("spot-{i}"))
+                    .capacity("nvidia.com/gpu", "8")
+                    .host_path("/var/cache/spotguard", &cache)
+                    .host_path(CHECKPOINT_HOST_PATH, checkpoints)
+                    .image(
+                        "spotguard:0.1.0",
+                        Image::binary(env!("CARGO_BIN_EXE_spotguard")),
+                    )
+                    .image(TRAINER_IMAGE, image.clone()),
+            )
+            .await;
+        let emu = emulator::start(EmulatorConfig::new(Cloud::Aws))
+            .await
+            .unwrap();
+        std::fs::write(dirs.path().join("boot_id"), format!("boot-{i}\n")).unwrap();
+        let argv: Vec<String> = vec![
+            "--mode=kubernetes".into(),
+            format!("--node-name={}", kubelet.name()),
+            "--cloud=aws".into(),
+            format!("--metadata-endpoint={}", emu.base_url()),
+            "--poll-interval=200ms".into(),
+            format!("--state-dir={}", dirs.path().join("state").display()),
+            format!("--boot-id-file={}", dirs.path().join("boot_id").display()),
+            "--metrics-addr=127.0.0.1:0".into(),
+            "--gpu=off".into(),
+            format!(
+                "--log-level={}",
+                std::env::var("SG_TEST_LOG").unwrap_or_else(|_| "warn".into())
+            ),
+            "--shutdown-grace=0s".into(),
+        ];
+        let args = spotguard::config::parse_run_args(argv).unwrap_or_else(|text| panic!("{text}"));
+        let cfg = Config::resolve(args, &config::ProcessEnv).unwrap();
+        spotguard::telemetry::init(config::LogFormat::Text, &cfg.args.log_level);
+        let cancel = CancellationToken::new();
+        let app = app::start_with_client(cfg, cancel.clone(), Some(k.agent_client()))
+            .await
+            .unwrap();
+        Machine {
+            kubelet,
+            emu,
+            app,
+            cancel,
+            _dirs: dirs,
+        }
+    }
+}
+
+async fn job_pods(k: &TestCluster, ns: &str) -> Vec<Pod> {
+    let pods: Api<Pod> = Api::namespaced(k.admin(), ns);
+    let mut v = pods
+        .list(&ListParams::default().labels("batch.kubernetes.io/job-name=llm-finetune"))
+        .await
+        .unwrap()
+        .items;
+    v.sort_by(|a, b| {
+        a.metadata
+            .creation_timestamp
+            .cmp(&b.metadata.creation_timestamp)
+    });
+    v
+}
+
+fn phase(p: &Pod) -> &str {
+    p.status
+        .as_ref()
+        .and_then(|s| s.phase.as_deref())
+        .unwrap_or("")
+}
+
+/// The first number after `prefix` in `log` (every occurrence).
+fn numbers_after(log: &str, prefix: &str) -> Vec<u64> {
+    log.match_indices(prefix)
+        .filter_map(|(i, _)| {
+            let rest = &log[i + prefix.len()..];
+            let digits: String = rest
+                .trim_start_matches(|c: char| !c.is_ascii_digit())
+                .chars()
+                .take_while(char::is_ascii_digit)
+                .collect();
+            digits.parse().ok()
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_example_job_survives_more_interruptions_than_its_backoff_limit_losing_no_step() {
+    let k = TestCluster::new().await;
+    let ns = k.namespace("ml").await;
+    let (_image_dir, image) = trainer_image();
+    // The checkpoint storage every node mounts, writable by the Job's uid (the PVC with its
+    // fsGroup 1000).
+    let checkpoints = tempfile::tempdir().unwrap();
+    std::os::unix::fs::chown(checkpoints.path(), Some(1000), Some(1000)).unwrap();
+    chmod(checkpoints.path(), 0o775);
+
+    let job = example_job(&ns);
+    let backoff_limit = job.spec.as_ref().and_then(|s| s.backoff_limit).unwrap();
+    assert!(
+        (INTERRUPTIONS as i32) > backoff_limit,
+        "more interruptions ({INTERRUPTIONS}) than backoffLimit ({backoff_limit})"
+    );
+    let mut machine = Machine::start(&k, 0, &image, checkpoints.path()).await;
+    let jobs: Api<Job> = Api::namespaced(k.admin(), &ns);
+    jobs.create(&PostParams::default(), &job)
+        .await
+        .expect("the example Job is accepted");
+
+    // Trainer logs by pod name, kept when a node goes away.
+    let mut logs: BTreeMap<String, String> = BTreeMap::new();
+    let mut acked_steps = Vec::new();
+    for i in 1..=INTERRUPTIONS {
+        // The trainer trains on this machine's node.
+        let start = Instant::now();
+        let pod = loop {
+            let on_node = job_pods(&k, &ns).await.into_iter().find(|p| {
+                phase(p) == "Running"
+                    && p.spec.as_ref().and_then(|s| s.node_name.as_deref())
+                        == Some(machine.kubelet.name())
+            });
+            if let Some(p) = on_node {
+                let name = p.metadata.name.clone().unwrap();
+                if machine
+                    .kubelet
+                    .logs(&ns, &name, "trainer")
+                    .contains("step 20 ")
+                    || machine
+                        .kubelet
+                        .logs(&ns, &name, "trainer")
+                        .contains("  loss")
+                {
+                    break name;
+                }
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(90),
+                "interruption {i}: no trainer making progress on {}: {:?}",
+                machine.kubelet.name(),
+                job_pods(&k, &ns)
+                    .await
+                    .iter()
+                    .map(|p| (
+                        p.metadata.name.clone(),
+                        p.spec.as_ref().and_then(|s| s.node_name.clone()),
+                        phase(p).to_string()
+                    ))
+                    .collect::<Vec<_>>()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        // A fresh machine joins; the spot interruption hits the current one.
+        let next = Machine::start(&k, i, &image, checkpoints.path()).await;
+        let mut events = std::mem::replace(
+            &mut machine.app.events,
+            tokio::sync::broadcast::channel(1).1,
+        );
+        machine.emu.raise(EmulatedNotice::interruption()).unwrap();
+        let results = wait_for(&mut events, Duration::from_secs(60), |e| match e {
+            PlanEvent::Checkpointed { results, .. } => Some(results.clone()),
+            _ => None,
+        })
+        .await;
+        assert_eq!(results.len(), 1, "{results:?}");
+        assert_eq!(
+            results[0].outcome.as_str(),
+            "acked",
+            "{results:?}\ntrainer log:\n{}",
+            machine.kubelet.logs(&ns, &pod, "trainer")
+        );
+        // "… step=N …" in the group's detail.
+        acked_steps.push(numbers_after(&results[0].detail, "step=").first().copied());
+        wait_for(&mut events, Duration::from_secs(60), |e| {
+            matches!(e, PlanEvent::Done { .. }).then_some(())
+        })
+        .await;
+        // The trainer's pod has finished on the old node; keep its log, then the instance goes.
+        k.wait_pod(&ns, &pod, "finished", Duration::from_secs(60), |p| {
+            p.is_none_or(|p| matches!(phase(p), "Failed" | "Succeeded"))
+        })
+        .await;
+        for p in job_pods(&k, &ns).await {
+            let name = p.metadata.name.clone().unwrap();
+            let log = machine.kubelet.logs(&ns, &name, "trainer");
+            if !log.is_empty() {
+                logs.insert(name, log);
+            }
+        }
+        machine.cancel.cancel();
+        let _ = tokio::time::timeout(Duration::from_secs(10), machine.app.join).await;
+        machine.kubelet.delete_node();
+        machine = next;
+    }
+
+    // The last machine trains to the end: the Job completes.
+    let start = Instant::now();
+    let done = loop {
+        let j = jobs.get("llm-finetune").await.unwrap();
+        let status = j.status.clone().unwrap_or_default();
+        let cond = |t: &str| {
+            status
+                .conditions
+                .iter()
+                .flatten()
+                .any(|c| c.type_ == t && c.status == "True")
+        };
+        if cond("Complete") {
+            break status;
+        }
+        assert!(!cond("Failed"), "the Job failed: {:?}", status.conditions);
+        assert!(
+            start.elapsed() < Duration::from_secs(120),
+            "the Job did not complete: {status:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    for p in job_pods(&k, &ns).await {
+        let name = p.metadata.name.clone().unwrap();
+        let log = machine.kubelet.logs(&ns, &name, "trainer");
+        if !log.is_empty() {
+            logs.insert(name, log);
+        }
+    }
+    assert_eq!(done.succeeded, Some(1), "{done:?}");
+    assert_eq!(
+        done.failed.unwrap_or(0),
+        0,
+        "no interruption counted as a failure: {done:?}"
+    );
+
+    // Every trainer, in order: where it resumed, where it saved.
+    let pods = job_pods(&k, &ns).await;
+    for p in &pods {
+        let finished = p
+            .status
+            .as_ref()
+            .and_then(|s| s.container_statuses.as_ref())
+            .and_then(|cs| cs.iter().find(|c| c.name == "trainer"))
+            .and_then(|c| c.state.as_ref()?.terminated.as_ref())
+            .map(|t| (t.exit_code, t.finished_at.clone()));
+        eprintln!(
+            "{} created {:?} on {:?}: {} {:?}",
+            p.metadata.name.as_deref().unwrap_or(""),
+            p.metadata.creation_timestamp.as_ref().map(|t| t.0),
+            p.spec.as_ref().and_then(|s| s.node_name.clone()),
+            phase(p),
+            finished
+        );
+    }
+    let mut chain: Vec<(String, u64, Option<u64>)> = Vec::new();
+    for p in &pods {
+        let name = p.metadata.name.clone().unwrap();
+        let Some(log) = logs.get(&name) else { continue };
+        let resumed = numbers_after(log, "resumed from step")
+            .first()
+            .copied()
+            .unwrap_or(0);
+        let saved = numbers_after(log, "saved /checkpoints/step-")
+            .last()
+            .copied();
+        chain.push((name, resumed, saved));
+    }
+    let summary = format!("{chain:?}\nacked steps {acked_steps:?}\nlogs: {logs:#?}");
+    assert_eq!(chain.len(), INTERRUPTIONS + 1, "{summary}");
+    assert_eq!(
+        chain[0].1, 0,
+        "the first run starts from scratch: {summary}"
+    );
+    for w in chain.windows(2) {
+        let saved = w[0]
+            .2
+            .unwrap_or_else(|| panic!("{} saved nothing: {summary}", w[0].0));
+        assert_eq!(
+            w[1].1, saved,
+            "{} resumed from {} but {} saved {saved} at the notice: {summary}",
+            w[1].0, w[1].1, w[0].0
+        );
+    }
+    // The steps saved at the notices are the ones the agent saw acknowledged.
+    let saved: Vec<Option<u64>> = chain[..INTERRUPTIONS].iter().map(|c| c.2).collect();
+    assert_eq!(saved, acked_steps, "{summary}");
+    let last = &logs[&chain[INTERRUPTIONS].0];
+    assert!(
+        last.contains(&format!("training finished at step {STEPS}")),
+        "{summary}"
+    );
+}
