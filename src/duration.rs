@@ -1,11 +1,14 @@
 //! Durations as people write them: `500ms`, `30s`, `10m`, `1h 30m`, `7d` (a day is 24 hours),
 //! `0`, or ISO 8601 (`PT30S`). One parser and one printer for the command line, the config file,
 //! the emulator's control surface and log lines, all on `jiff` (the project's one time crate).
+//! And the one place of time arithmetic between wall-clock times and durations: saturating
+//! `t ± d`, the time left until a deadline, and the deadlines derived from one (the checkpoint
+//! wait's end, a maintenance plan's start).
 
 use std::fmt;
 use std::time::Duration;
 
-use jiff::{SignedDuration, Span, SpanRelativeTo};
+use jiff::{SignedDuration, Span, SpanRelativeTo, Timestamp};
 
 /// Parse a non-negative duration. Units up to weeks are accepted; days and weeks are 24 h and 7 × 24 h.
 /// The error does not repeat the input (it may be a pod's annotation): callers add their context.
@@ -74,6 +77,77 @@ impl fmt::Display for Friendly {
     }
 }
 
+/// `t + d`, saturating at the representable range.
+pub fn add(t: Timestamp, d: Duration) -> Timestamp {
+    SignedDuration::try_from(d)
+        .ok()
+        .and_then(|sd| t.checked_add(sd).ok())
+        .unwrap_or(Timestamp::MAX)
+}
+
+/// `t − d`, saturating at the representable range.
+pub fn sub(t: Timestamp, d: Duration) -> Timestamp {
+    SignedDuration::try_from(d)
+        .ok()
+        .and_then(|sd| t.checked_sub(sd).ok())
+        .unwrap_or(Timestamp::MIN)
+}
+
+/// The time from `now` until `t` (zero when past).
+pub fn until(t: Timestamp, now: Timestamp) -> Duration {
+    time_until(Some(t), now)
+}
+
+/// `deadline − now`, zero for a missing or past deadline.
+pub fn time_until(deadline: Option<Timestamp>, now: Timestamp) -> Duration {
+    match deadline {
+        Some(d) if d > now => {
+            let span = d.duration_since(now);
+            Duration::try_from(span).unwrap_or(Duration::ZERO)
+        }
+        _ => Duration::ZERO,
+    }
+}
+
+/// A missing or past deadline means "now".
+pub fn effective_deadline(deadline: Option<Timestamp>, now: Timestamp) -> Timestamp {
+    match deadline {
+        Some(d) if d > now => d,
+        _ => now,
+    }
+}
+
+/// When checkpoint waiting must end: `min(now + timeout, deadline − reserve)`, never before now.
+pub fn checkpoint_deadline(
+    deadline: Timestamp,
+    now: Timestamp,
+    reserve: Duration,
+    timeout: Duration,
+) -> Timestamp {
+    let by_timeout = add(now, timeout);
+    let by_deadline = sub(deadline, reserve);
+    let end = if by_timeout < by_deadline {
+        by_timeout
+    } else {
+        by_deadline
+    };
+    if end < now {
+        now
+    } else {
+        end
+    }
+}
+
+/// When handling of a scheduled event starts: `not_before − lead` (never before now).
+pub fn maintenance_start(not_before: Timestamp, lead: Duration, now: Timestamp) -> Timestamp {
+    let start = sub(not_before, lead);
+    if start < now {
+        now
+    } else {
+        start
+    }
+}
+
 /// Serde for a `Duration` as its friendly string; on input also whole or fractional seconds.
 pub mod serde_str {
     use std::time::Duration;
@@ -116,6 +190,48 @@ pub mod serde_opt {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn ts(s: i64) -> Timestamp {
+        Timestamp::from_second(1_800_000_000 + s).unwrap()
+    }
+
+    #[test]
+    fn checkpoint_deadline_is_min_of_timeout_and_reserve() {
+        let now = ts(0);
+        // EC2: 120 s notice, 25 s reserve, 90 s timeout → 90 s.
+        assert_eq!(
+            checkpoint_deadline(
+                ts(120),
+                now,
+                Duration::from_secs(25),
+                Duration::from_secs(90)
+            ),
+            ts(90)
+        );
+        // GCE: 30 s notice, 8 s reserve → 22 s.
+        assert_eq!(
+            checkpoint_deadline(ts(30), now, Duration::from_secs(8), Duration::from_secs(90)),
+            ts(22)
+        );
+        // Deadline already inside the reserve → now.
+        assert_eq!(
+            checkpoint_deadline(ts(5), now, Duration::from_secs(8), Duration::from_secs(90)),
+            now
+        );
+    }
+
+    #[test]
+    fn maintenance_start_is_lead_before_not_before_never_before_now() {
+        let now = ts(0);
+        assert_eq!(
+            maintenance_start(ts(3600), Duration::from_secs(600), now),
+            ts(3000)
+        );
+        assert_eq!(
+            maintenance_start(ts(300), Duration::from_secs(600), now),
+            now
+        );
+    }
 
     #[test]
     fn parses_what_operators_write() {

@@ -24,6 +24,53 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+/// Where the kernel publishes the id of the current boot (changes on every boot).
+pub const BOOT_ID_PATH: &str = "/proc/sys/kernel/random/boot_id";
+
+/// The current boot id ([`BOOT_ID_PATH`]).
+pub fn read_boot_id() -> Result<String, Error> {
+    read_boot_id_from(Path::new(BOOT_ID_PATH))
+}
+
+/// The boot id from `path` (trimmed; an empty file is an error).
+pub fn read_boot_id_from(path: &Path) -> Result<String, Error> {
+    let text = std::fs::read_to_string(path).map_err(|source| Error::ReadBootId {
+        path: path.display().to_string(),
+        source,
+    })?;
+    let id = text.trim();
+    if id.is_empty() {
+        return Err(Error::ReadBootId {
+            path: path.display().to_string(),
+            source: std::io::Error::new(std::io::ErrorKind::InvalidData, "empty boot id"),
+        });
+    }
+    Ok(id.to_string())
+}
+
+/// Errors reading which life this is.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("reading boot id from {path}: {source}")]
+    ReadBootId {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl Error {
+    pub fn is_retryable(&self) -> bool {
+        false
+    }
+
+    pub fn metric_label(&self) -> &'static str {
+        match self {
+            Error::ReadBootId { .. } => "read_boot_id",
+        }
+    }
+}
+
 /// File name of the life mark inside `--state-dir`.
 pub const LIFE_FILE: &str = "life.json";
 
@@ -228,6 +275,29 @@ fn life_id(m: &Mark) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn boot_id_is_read_and_trimmed() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("boot_id");
+        std::fs::write(&path, "0d5c6a61-1b0c-4ad8-9d55-5c3b8f0e8a11\n").expect("write");
+        assert_eq!(
+            read_boot_id_from(&path).expect("boot id"),
+            "0d5c6a61-1b0c-4ad8-9d55-5c3b8f0e8a11"
+        );
+        std::fs::write(&path, "  \n").expect("write");
+        let err = read_boot_id_from(&path).expect_err("empty");
+        assert_eq!(err.metric_label(), "read_boot_id");
+        let missing = read_boot_id_from(&dir.path().join("absent")).expect_err("missing");
+        assert!(missing.to_string().contains("absent"), "{missing}");
+    }
+
+    #[test]
+    fn this_machine_has_a_boot_id() {
+        let id = read_boot_id().expect("/proc/sys/kernel/random/boot_id");
+        assert_eq!(id.len(), 36, "{id}");
+    }
+
     use std::sync::atomic::{AtomicU64, Ordering};
 
     static CLOCK: AtomicU64 = AtomicU64::new(0);

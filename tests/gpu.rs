@@ -737,7 +737,7 @@ fn smoke_real_gpu() {
     std::thread::sleep(Duration::from_secs(1));
     let again = probe.sample().expect("second sample");
     assert_eq!(again.len(), samples.len());
-    let boot = spotguard::gpu::read_boot_id().expect("boot id");
+    let boot = spotguard::life::read_boot_id().expect("boot id");
     let r = report(&probe, &Thresholds::default(), &boot);
     println!("{}", r.to_table());
     println!("{}", r.to_json());

@@ -7,9 +7,8 @@
 //!
 //! Needs root and /dev/fuse.
 
-use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::process::CommandExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -23,56 +22,8 @@ use spotguard::checkpoint::{
     Outcome, Signal, TargetContainer, TargetGroup, TargetMode, TargetProcess,
 };
 use spotguard::metrics::{encode, Metrics};
+use spotguard_testkit::fuse::HungMount;
 use tokio_util::sync::CancellationToken;
-
-/// A FUSE mount nobody answers.
-struct HungMount {
-    path: PathBuf,
-    fuse: Option<OwnedFd>,
-}
-
-impl HungMount {
-    fn new(path: &Path) -> HungMount {
-        std::fs::create_dir_all(path).unwrap();
-        let fuse = rustix::fs::open(
-            "/dev/fuse",
-            rustix::fs::OFlags::RDWR | rustix::fs::OFlags::CLOEXEC,
-            rustix::fs::Mode::empty(),
-        )
-        .expect("these tests need root and /dev/fuse");
-        let opts = std::ffi::CString::new(format!(
-            "fd={},rootmode=40000,user_id=0,group_id=0,allow_other",
-            fuse.as_raw_fd()
-        ))
-        .unwrap();
-        let target = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
-        // SAFETY: plain mount(2) with NUL-terminated strings that outlive the call.
-        let rc = unsafe {
-            libc::mount(
-                c"spotguard-hung".as_ptr(),
-                target.as_ptr(),
-                c"fuse".as_ptr(),
-                libc::MS_NOSUID | libc::MS_NODEV,
-                opts.as_ptr().cast(),
-            )
-        };
-        assert_eq!(rc, 0, "mount fuse: {}", std::io::Error::last_os_error());
-        HungMount {
-            path: path.to_path_buf(),
-            fuse: Some(fuse),
-        }
-    }
-}
-
-impl Drop for HungMount {
-    fn drop(&mut self) {
-        // Closing the device aborts the connection: stuck threads get ENOTCONN and go on.
-        drop(self.fuse.take());
-        let target = std::ffi::CString::new(self.path.as_os_str().as_encoded_bytes()).unwrap();
-        // SAFETY: umount2(2) with a NUL-terminated path.
-        unsafe { libc::umount2(target.as_ptr(), libc::MNT_DETACH) };
-    }
-}
 
 /// A shell that handles SIGUSR1: writes `marker-$$` into `$MARKS` and `done` into `$DIR`.
 const HANDLER: &str = r#"
@@ -184,7 +135,7 @@ async fn hung_checkpoint_dir_delays_neither_another_groups_signal_nor_the_wait()
     std::fs::create_dir_all(&marks).unwrap();
     std::fs::create_dir_all(&good_dir).unwrap();
     let mount = HungMount::new(&tmp.path().join("nfs"));
-    let hung_dir = mount.path.join("ckpt");
+    let hung_dir = mount.path().join("ckpt");
 
     let hung = Kid::handler(&hung_dir, &marks);
     let good = Kid::handler(&good_dir, &marks);
@@ -352,7 +303,7 @@ mod kube {
         let ml = k.namespace("ml").await;
         let web = k.namespace("web").await;
         let mount = HungMount::new(&tmp.path().join("nfs"));
-        let hung_dir = mount.path.join("ckpt");
+        let hung_dir = mount.path().join("ckpt");
         // Named so the hung pod sorts first.
         k.run_pods(&[
             handler_pod(&ml, "a-hung", node.name(), &hung_dir, &marks).build(),

@@ -23,11 +23,9 @@ use spotguard::metrics::{encode, ErrorLabels, Metrics, SourceLabels};
 use spotguard::notice::azure::{AzureConfig, AzureScheduledEvents};
 use spotguard::notice::detect::{detect, ProbeEndpoints};
 use spotguard::notice::ec2::{Ec2Config, Ec2Imds};
-use spotguard::notice::gce::{GceConfig, GceMetadata};
-use spotguard::notice::monitor::{
-    run_monitor, run_monitor_with, GceMetrics, MonitorPolicy, PollHealth,
-};
-use spotguard::notice::{Error, Notice, NoticeKind, NoticeSource, Source};
+use spotguard::notice::gce::{GceConfig, GceMetadata, GceMetrics};
+use spotguard::notice::monitor::{run_monitor, run_monitor_with, MonitorPolicy, PollHealth};
+use spotguard::notice::{Cloud, Error, Notice, NoticeKind, NoticeSource};
 
 // ---------------------------------------------------------------- helpers
 
@@ -1191,23 +1189,23 @@ async fn detect_probes_each_metadata_service_with_its_headers() {
     // A server that answers nothing useful (404 everywhere) stands in for the other clouds.
     let nothing = serve(Router::new()).await;
     let timeout = Duration::from_secs(5);
-    let probe = |aws: &Url, gce: &Url, azure: &Url| ProbeEndpoints {
-        aws: aws.clone(),
-        gce: gce.clone(),
-        azure: azure.clone(),
+    let probe = |aws: &Url, gce: &Url, azure: &Url| {
+        ProbeEndpoints::all(aws.clone())
+            .with(Cloud::Gce, gce.clone())
+            .with(Cloud::Azure, azure.clone())
     };
     let found = detect(dmi.path(), &probe(&aws, &nothing, &nothing), timeout)
         .await
         .unwrap();
-    assert_eq!(found, Source::Aws);
+    assert_eq!(found, Cloud::Aws);
     let found = detect(dmi.path(), &probe(&nothing, &gce, &nothing), timeout)
         .await
         .unwrap();
-    assert_eq!(found, Source::Gce);
+    assert_eq!(found, Cloud::Gce);
     let found = detect(dmi.path(), &probe(&nothing, &nothing, &azure), timeout)
         .await
         .unwrap();
-    assert_eq!(found, Source::Azure);
+    assert_eq!(found, Cloud::Azure);
     let err = detect(dmi.path(), &probe(&nothing, &nothing, &nothing), timeout)
         .await
         .unwrap_err();

@@ -15,7 +15,6 @@
 //! Needs root (setpriv, tmpfs and FUSE mounts, cgroups) and `/dev/fuse`.
 
 use std::io::Write;
-use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
@@ -24,6 +23,7 @@ use std::time::{Duration, Instant};
 
 use jiff::{SignedDuration, Timestamp};
 use spotguard::emulator::{self, Cloud, Ec2Action, EmulatedNotice, EmulatorConfig};
+use spotguard_testkit::fuse::HungMount;
 use spotguard_testkit::process::catches_usr1;
 
 const TRAINER_UID: u32 = 1000;
@@ -821,54 +821,6 @@ async fn an_endless_metadata_body_stays_within_the_shipped_memory_limit() {
 }
 
 // === 5. SIGTERM with a hung checkpoint dir after a restart ===
-
-/// A FUSE mount nobody answers (see tests/isolation.rs): every lookup below it blocks.
-struct HungMount {
-    path: PathBuf,
-    fuse: Option<OwnedFd>,
-}
-
-impl HungMount {
-    fn new(path: &Path) -> HungMount {
-        std::fs::create_dir_all(path).unwrap();
-        let fuse = rustix::fs::open(
-            "/dev/fuse",
-            rustix::fs::OFlags::RDWR | rustix::fs::OFlags::CLOEXEC,
-            rustix::fs::Mode::empty(),
-        )
-        .expect("these tests need root and /dev/fuse");
-        let opts = std::ffi::CString::new(format!(
-            "fd={},rootmode=40000,user_id=0,group_id=0,allow_other",
-            fuse.as_raw_fd()
-        ))
-        .unwrap();
-        let target = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
-        // SAFETY: mount(2) with NUL-terminated strings that outlive the call.
-        let rc = unsafe {
-            libc::mount(
-                c"spotguard-hung".as_ptr(),
-                target.as_ptr(),
-                c"fuse".as_ptr(),
-                libc::MS_NOSUID | libc::MS_NODEV,
-                opts.as_ptr().cast(),
-            )
-        };
-        assert_eq!(rc, 0, "mount fuse: {}", std::io::Error::last_os_error());
-        HungMount {
-            path: path.to_path_buf(),
-            fuse: Some(fuse),
-        }
-    }
-}
-
-impl Drop for HungMount {
-    fn drop(&mut self) {
-        drop(self.fuse.take());
-        let target = std::ffi::CString::new(self.path.as_os_str().as_encoded_bytes()).unwrap();
-        // SAFETY: umount2(2) with a NUL-terminated path.
-        unsafe { libc::umount2(target.as_ptr(), libc::MNT_DETACH) };
-    }
-}
 
 /// Issue 24 item 5: an agent restarted mid-plan (the record says `signalled`) whose trainer's
 /// checkpoint dir hangs (a FUSE daemon that never answers) exits within its shutdown grace on

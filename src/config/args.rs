@@ -10,7 +10,7 @@ use regex::Regex;
 use super::parse::*;
 use super::{Dataset, GpuMode, Setting};
 use crate::checkpoint::Signal;
-use crate::notice::Source;
+use crate::notice::Cloud;
 
 /// Mode of operation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -21,23 +21,37 @@ pub enum ModeChoice {
     Host,
 }
 
-/// Which cloud's metadata service to watch.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum CloudChoice {
-    /// DMI (`/sys/class/dmi/id/*`), then probing the metadata endpoints.
-    Auto,
-    Aws,
-    Gce,
-    Azure,
-}
+/// Which cloud's metadata service to watch: `auto` ([`CloudChoice::AUTO`]) or one [`Cloud`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CloudChoice(pub Option<Cloud>);
 
 impl CloudChoice {
-    pub fn source(self) -> Option<Source> {
-        match self {
-            CloudChoice::Auto => None,
-            CloudChoice::Aws => Some(Source::Aws),
-            CloudChoice::Gce => Some(Source::Gce),
-            CloudChoice::Azure => Some(Source::Azure),
+    /// DMI (`/sys/class/dmi/id/*`), then probing the metadata endpoints.
+    pub const AUTO: CloudChoice = CloudChoice(None);
+
+    /// The chosen cloud; `None` for `auto`.
+    pub fn source(self) -> Option<Cloud> {
+        self.0
+    }
+}
+
+impl ValueEnum for CloudChoice {
+    fn value_variants<'a>() -> &'a [Self] {
+        static VARIANTS: std::sync::OnceLock<Vec<CloudChoice>> = std::sync::OnceLock::new();
+        VARIANTS.get_or_init(|| {
+            std::iter::once(CloudChoice::AUTO)
+                .chain(Cloud::ALL.map(|c| CloudChoice(Some(c))))
+                .collect()
+        })
+    }
+
+    fn to_possible_value(&self) -> Option<clap::builder::PossibleValue> {
+        match self.0 {
+            None => Some(
+                clap::builder::PossibleValue::new("auto")
+                    .help("DMI (`/sys/class/dmi/id/*`), then probing the metadata endpoints"),
+            ),
+            Some(cloud) => cloud.to_possible_value(),
         }
     }
 }

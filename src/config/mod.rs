@@ -25,7 +25,7 @@ use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use crate::notice::Source;
+use crate::notice::Cloud;
 use args::run_command;
 use file::{read_extras, validate_dataset};
 
@@ -74,19 +74,10 @@ pub struct Config {
 }
 
 impl Config {
-    /// Drain reserve: the flag, else 25 s on AWS and 8 s on GCE and Azure.
-    pub fn drain_reserve(&self, source: Source) -> Duration {
-        drain_reserve(self.args.drain_reserve, source)
+    /// Drain reserve: the flag, else the cloud's default (25 s on AWS, 8 s on GCE and Azure).
+    pub fn drain_reserve(&self, cloud: Cloud) -> Duration {
+        cloud.drain_reserve(self.args.drain_reserve)
     }
-}
-
-/// `--drain-reserve` if given, else the per-cloud default: 25 s on AWS (about 120 s of notice),
-/// 8 s on GCE and Azure (30 s).
-pub fn drain_reserve(flag: Option<Duration>, source: Source) -> Duration {
-    flag.unwrap_or(match source {
-        Source::Aws => Duration::from_secs(25),
-        Source::Gce | Source::Azure => Duration::from_secs(8),
-    })
 }
 
 /// A configuration error: names the key and what is wrong.
@@ -397,9 +388,9 @@ mod tests {
         assert!(!a.dry_run && !a.force_delete_at_deadline && !a.imds_v1_fallback);
         let c = Config::resolve(a, &TestEnv(vec![])).unwrap();
         assert_eq!(c.mode, Mode::Host);
-        assert_eq!(c.drain_reserve(Source::Aws), Duration::from_secs(25));
-        assert_eq!(c.drain_reserve(Source::Gce), Duration::from_secs(8));
-        assert_eq!(c.drain_reserve(Source::Azure), Duration::from_secs(8));
+        assert_eq!(c.drain_reserve(Cloud::Aws), Duration::from_secs(25));
+        assert_eq!(c.drain_reserve(Cloud::Gce), Duration::from_secs(8));
+        assert_eq!(c.drain_reserve(Cloud::Azure), Duration::from_secs(8));
     }
 
     #[test]
@@ -422,7 +413,7 @@ mod tests {
         );
         let p = path.to_str().unwrap();
         let a = run_args(&["--config", p, "--poll-interval", "2s"]).unwrap();
-        assert_eq!(a.cloud, CloudChoice::Gce);
+        assert_eq!(a.cloud, CloudChoice(Some(Cloud::Gce)));
         assert_eq!(a.poll_interval, Duration::from_secs(2), "flag beats file");
         assert_eq!(a.checkpoint_timeout, Duration::from_secs(45));
         assert!(a.dry_run);

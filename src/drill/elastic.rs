@@ -29,8 +29,7 @@ use super::elastic_report::{self as er, ElasticVerdict, NodeRun};
 use super::records;
 use super::wait;
 use super::{
-    default_lead, drill_run_args, exit_info, DrillArgs, EXIT_ERROR, EXIT_FAIL, EXIT_PASS, SIGNAL,
-    SIGNAL_NAME,
+    drill_run_args, exit_info, DrillArgs, EXIT_ERROR, EXIT_FAIL, EXIT_PASS, SIGNAL, SIGNAL_NAME,
 };
 use crate::app;
 use crate::checkpoint::procfs::ProcFs;
@@ -283,13 +282,15 @@ async fn drill(
             println!("{line}");
         }
     };
-    let cloud = super::emulator_cloud(args.cloud);
-    let kill_after = args.kill_after.unwrap_or_else(|| default_lead(args.cloud));
+    let cloud = args.cloud;
+    let kill_after = args
+        .kill_after
+        .unwrap_or_else(|| args.cloud.facts().interruption_notice);
     let shown = args.command.join(" ");
     say(format!(
         "spotguard drill --elastic: {} nodes of `{shown}`; {} interruption of node {doomed} {} after every node trains, its process tree killed {} after the notice",
         args.nodes,
-        super::cloud_name(args.cloud),
+        args.cloud.as_str(),
         crate::duration::display(args.after),
         crate::duration::display(kill_after),
     ));
@@ -481,18 +482,20 @@ async fn drill_one_launcher(
             println!("{line}");
         }
     };
-    let kill_after = args.kill_after.unwrap_or_else(|| default_lead(args.cloud));
+    let kill_after = args
+        .kill_after
+        .unwrap_or_else(|| args.cloud.facts().interruption_notice);
     let shown = args.command.join(" ");
     say(format!(
         "spotguard drill --elastic: `{shown}` as {} nodes told apart by ${var}; {} interruption of the {}th node (in name order) {} after every node trains, its processes killed {} after the notice",
         args.nodes,
-        super::cloud_name(args.cloud),
+        args.cloud.as_str(),
         doomed,
         crate::duration::display(args.after),
         crate::duration::display(kill_after),
     ));
     say(format!("  SPOTGUARD_DIR={}", dir.display()));
-    let cloud = super::emulator_cloud(args.cloud);
+    let cloud = args.cloud;
     let emu = emulator::start(emulator::EmulatorConfig::new(cloud))
         .await
         .map_err(|e| format!("starting the metadata emulator: {e}"))?;
@@ -735,7 +738,7 @@ async fn notice_phase(
         .map_err(|e| format!("raising the notice in the emulator: {e}"))?
         .visible_at;
     let mut v = ElasticVerdict::started(args.cloud, shown, doomed, started_at, raised_at);
-    let limit = args.timeout + default_lead(args.cloud) + Duration::from_secs(30);
+    let limit = args.timeout + args.cloud.facts().interruption_notice + Duration::from_secs(30);
     let follow = async {
         loop {
             match events.recv().await {

@@ -18,9 +18,9 @@ use serde_json::{json, Value};
 use super::records::ResumeRow;
 use super::report::{exit_label, AckRow, ExitInfo};
 use super::wait::Handler;
-use super::DrillCloud;
 use crate::checkpoint::run::GroupResult;
 use crate::checkpoint::Outcome;
+use crate::notice::Cloud;
 
 /// One node of the elastic job.
 #[derive(Debug, Clone)]
@@ -78,7 +78,7 @@ pub struct Survivor {
 pub struct ElasticVerdict {
     pub pass: bool,
     pub reason: String,
-    pub cloud: DrillCloud,
+    pub cloud: Cloud,
     pub command: String,
     /// The interrupted node (1-based).
     pub doomed: u32,
@@ -107,7 +107,7 @@ pub struct ElasticVerdict {
 
 impl ElasticVerdict {
     pub fn started(
-        cloud: DrillCloud,
+        cloud: Cloud,
         command: String,
         doomed: u32,
         started_at: Timestamp,
@@ -491,7 +491,7 @@ pub fn table(v: &ElasticVerdict) -> String {
         "+0.0s",
         &format!(
             "{} interruption of {}, deadline {}",
-            super::cloud_name(v.cloud),
+            v.cloud.as_str(),
             v.doomed_label(),
             rel(v.deadline, t0)
         ),
@@ -613,7 +613,7 @@ pub fn to_json(v: &ElasticVerdict) -> Value {
         "elastic": true,
         "pass": v.pass,
         "reason": v.reason,
-        "cloud": super::cloud_name(v.cloud),
+        "cloud": v.cloud.as_str(),
         "command": v.command,
         "interrupted_node": v.doomed,
         "notice_raised_unix": v.raised_at.as_millisecond() as f64 / 1000.0,
@@ -665,7 +665,7 @@ pub fn junit(runs: &[(ElasticVerdict, String, Duration)]) -> String {
         .map(|(i, (v, text, took))| super::report::JunitCase {
             name: format!(
                 "{} interruption of {} (elastic) #{}: {}",
-                super::cloud_name(v.cloud),
+                v.cloud.as_str(),
                 v.doomed_label(),
                 i + 1,
                 v.command
@@ -710,7 +710,7 @@ mod tests {
     }
 
     fn base(command: &str) -> ElasticVerdict {
-        let mut v = ElasticVerdict::started(DrillCloud::Gce, command.into(), 2, ts(-20.0), ts(0.0));
+        let mut v = ElasticVerdict::started(Cloud::Gce, command.into(), 2, ts(-20.0), ts(0.0));
         v.signalled_at = Some(ts(1.0));
         v.deadline = Some(ts(30.0));
         v.power_off_at = Some(ts(30.0));

@@ -27,6 +27,7 @@ use crate::checkpoint::procfs::ProcFs;
 use crate::checkpoint::{Outcome, Signal};
 use crate::config::{self, Config, ModeChoice};
 use crate::emulator;
+use crate::notice::Cloud;
 use crate::responder::PlanEvent;
 
 pub use report::{AckRow, ExitInfo, Verdict};
@@ -40,15 +41,14 @@ pub const EXIT_FAIL: i32 = 1;
 /// Exit code when the drill itself could not run (bad arguments, emulator, command not found).
 pub const EXIT_ERROR: i32 = 2;
 
-/// Which cloud's interruption to rehearse.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum DrillCloud {
-    /// EC2 spot instance-action: 2 minutes' notice.
-    Aws,
-    /// GCE preemption: 30 s from `preempted=TRUE` to power-off.
-    Gce,
-    /// Azure Scheduled Events Preempt: NotBefore 30 s ahead.
-    Azure,
+/// `--cloud`: which cloud's interruption to rehearse, each described by its source
+/// ([`crate::notice::CloudFacts::drill_notice`]).
+fn cloud_parser() -> impl clap::builder::TypedValueParser<Value = Cloud> {
+    use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
+    PossibleValuesParser::new(
+        Cloud::ALL.map(|c| PossibleValue::new(c.as_str()).help(c.facts().drill_notice)),
+    )
+    .try_map(|name| Cloud::from_str(&name, false))
 }
 
 /// `spotguard drill` arguments.
@@ -65,8 +65,8 @@ Exit codes:
   2  the drill could not run (command not found, exited before the notice, emulator error)")]
 pub struct DrillArgs {
     /// Cloud whose interruption is rehearsed (sets the notice's deadline and the budget).
-    #[arg(long, value_enum, default_value = "aws")]
-    pub cloud: DrillCloud,
+    #[arg(long, value_parser = cloud_parser(), default_value = "aws")]
+    pub cloud: Cloud,
     /// Raise the interruption this long after the first process of the command catches the signal
     /// (with --after-start: after the command started).
     #[arg(long, default_value = "3s", value_parser = config::parse_duration)]
@@ -243,7 +243,7 @@ async fn drill(args: &DrillArgs, cancel: CancellationToken) -> Result<Verdict, S
     let pidfile = work.path().join("trainer.pid");
 
     // 1. The emulator.
-    let cloud = emulator_cloud(args.cloud);
+    let cloud = args.cloud;
     let emu = emulator::start(emulator::EmulatorConfig::new(cloud))
         .await
         .map_err(|e| format!("starting the metadata emulator: {e}"))?;
@@ -279,7 +279,7 @@ async fn drill(args: &DrillArgs, cancel: CancellationToken) -> Result<Verdict, S
     };
     say(format!(
         "spotguard drill: {} interruption {when}, against `{shown}`",
-        cloud_name(args.cloud)
+        args.cloud.as_str()
     ));
     say(format!("  SPOTGUARD_DIR={}", ckpt_dir.display()));
     if args.keep {
@@ -387,7 +387,7 @@ async fn drill(args: &DrillArgs, cancel: CancellationToken) -> Result<Verdict, S
     };
 
     // 5. Follow the plan until the checkpoint step is over.
-    let limit = args.timeout + default_lead(args.cloud) + Duration::from_secs(30);
+    let limit = args.timeout + args.cloud.facts().interruption_notice + Duration::from_secs(30);
     let follow = async {
         loop {
             match events.recv().await {
@@ -479,7 +479,7 @@ fn drill_run_args(
     state_dir: &Path,
     pidfiles: &[PathBuf],
 ) -> Result<config::RunArgs, String> {
-    let cloud = cloud_name(args.cloud);
+    let cloud = args.cloud.as_str();
     let timeout = crate::duration::display(args.timeout).to_string();
     let mut flags: Vec<String> = vec![
         "--mode=host".into(),
@@ -503,32 +503,6 @@ fn drill_run_args(
     r.mode = ModeChoice::Host;
     r.config = None;
     Ok(r)
-}
-
-/// The emulator's cloud for `c`.
-fn emulator_cloud(c: DrillCloud) -> emulator::Cloud {
-    match c {
-        DrillCloud::Aws => emulator::Cloud::Aws,
-        DrillCloud::Gce => emulator::Cloud::Gce,
-        DrillCloud::Azure => emulator::Cloud::Azure,
-    }
-}
-
-pub(crate) fn cloud_name(c: DrillCloud) -> &'static str {
-    match c {
-        DrillCloud::Aws => "aws",
-        DrillCloud::Gce => "gce",
-        DrillCloud::Azure => "azure",
-    }
-}
-
-/// The notice lead each cloud gives (the emulator's deadline; GCE's client adds its own 30 s).
-fn default_lead(c: DrillCloud) -> Duration {
-    match c {
-        DrillCloud::Aws => Duration::from_secs(120),
-        DrillCloud::Gce => Duration::from_secs(30),
-        DrillCloud::Azure => Duration::from_secs(30),
-    }
 }
 
 fn terminate(pid: u32, sig: libc::c_int) {

@@ -9,10 +9,9 @@ use jiff::Timestamp;
 use serde_json::{json, Value};
 
 use super::wait::HandlerWait;
-use super::DrillCloud;
 use crate::checkpoint::run::GroupResult;
 use crate::checkpoint::Outcome;
-use crate::notice::store;
+use crate::notice::Cloud;
 
 /// How the command ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -43,7 +42,7 @@ pub struct AckRow {
 pub struct Verdict {
     pub pass: bool,
     pub reason: String,
-    pub cloud: DrillCloud,
+    pub cloud: Cloud,
     pub command: String,
     /// The notice/ack directory (`SPOTGUARD_DIR`).
     pub notice_dir: PathBuf,
@@ -71,7 +70,7 @@ pub struct Verdict {
 impl Verdict {
     /// A run that has started its command and observed nothing else yet (not passed).
     pub fn started(
-        cloud: DrillCloud,
+        cloud: Cloud,
         command: String,
         notice_dir: PathBuf,
         handler: HandlerWait,
@@ -315,7 +314,7 @@ fn rel_secs(t: Option<Timestamp>, t0: Option<Timestamp>) -> Value {
 
 fn budget(v: &Verdict) -> Option<Duration> {
     match (v.checkpoint_deadline, v.signalled_at) {
-        (Some(cd), Some(s)) => Some(store::until(cd, s)),
+        (Some(cd), Some(s)) => Some(crate::duration::until(cd, s)),
         _ => None,
     }
 }
@@ -362,18 +361,14 @@ pub fn table(v: &Verdict, timeout: Duration, signal: &str) -> String {
             "+0.000s",
             &format!(
                 "{} interruption, deadline {}",
-                super::cloud_name(v.cloud),
+                v.cloud.as_str(),
                 v.deadline
                     .map(|d| format!("+{:.0}s", d.duration_since(raised).as_secs_f64()))
                     .unwrap_or_else(|| "now".into())
             ),
         );
     }
-    let how = match v.cloud {
-        DrillCloud::Gce => "by the agent's hanging GET on the emulated GCE metadata server",
-        DrillCloud::Aws => "by the agent polling the emulated EC2 metadata service (1s)",
-        DrillCloud::Azure => "by the agent polling the emulated Azure Scheduled Events (1s)",
-    };
+    let how = v.cloud.facts().drill_detection;
     row(&mut out, "notice seen", &rel(v.seen_at, t0), how);
     row(
         &mut out,
@@ -459,7 +454,7 @@ pub fn to_json(v: &Verdict, timeout: Duration, signal: &str) -> Value {
     json!({
         "pass": v.pass,
         "reason": v.reason,
-        "cloud": super::cloud_name(v.cloud),
+        "cloud": v.cloud.as_str(),
         "command": v.command,
         "notice_dir": v.notice_dir.display().to_string(),
         // The old name of the same directory (before --notice-dir), kept for existing readers.
@@ -523,7 +518,7 @@ pub fn junit(runs: &[(Verdict, String, Duration)]) -> String {
         .map(|(i, (v, text, took))| JunitCase {
             name: format!(
                 "{} interruption #{}: {}",
-                super::cloud_name(v.cloud),
+                v.cloud.as_str(),
                 i + 1,
                 v.command
             ),
@@ -619,7 +614,7 @@ mod tests {
             pass,
             reason: "a <b> & \"c\"".into(),
             ..Verdict::started(
-                DrillCloud::Gce,
+                Cloud::Gce,
                 "python3 train.py --x=<1>".into(),
                 PathBuf::from("/tmp/x"),
                 HandlerWait::NotWaited,

@@ -2,9 +2,9 @@
 //! Azure IMDS Scheduled Events, served over loopback HTTP.
 //!
 //! Used by `spotguard emulate` (a server for users' own tests), by `spotguard drill` and by the
-//! integration tests. It deliberately shares no types with the notice clients (`crate::notice`):
-//! a client tested against it is tested against the wire format the clouds document, not against
-//! a shared Rust struct. Every endpoint and control payload is described in `docs/emulator.md`.
+//! integration tests. It deliberately shares no types with the notice clients (`crate::notice`)
+//! but the name of the cloud ([`Cloud`]): a client tested against it is tested against the wire
+//! format the clouds document, not against a shared Rust struct. Every endpoint and control payload is described in `docs/emulator.md`.
 //!
 //! Layout: [`start`] binds and returns an [`EmulatorHandle`]; `server` owns the listener, the
 //! connections and the fault layer; `aws`, `gce` and `azure` each own one cloud's protocol
@@ -20,7 +20,6 @@ mod model;
 mod server;
 mod wire;
 
-use std::fmt;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -34,30 +33,9 @@ pub use model::{Ec2Action, EmulatedNotice, NoticeKind};
 
 use server::Shared;
 
-/// Which cloud's metadata service to emulate.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, clap::ValueEnum)]
-#[serde(rename_all = "lowercase")]
-pub enum Cloud {
-    Aws,
-    Gce,
-    Azure,
-}
-
-impl Cloud {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Cloud::Aws => "aws",
-            Cloud::Gce => "gce",
-            Cloud::Azure => "azure",
-        }
-    }
-}
-
-impl fmt::Display for Cloud {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
+/// Which cloud's metadata service to emulate: the agent's one name of a cloud (the emulator
+/// shares nothing else with the notice clients).
+pub use crate::notice::Cloud;
 
 /// What the GCE `instance/upcoming-maintenance` key answers when nothing is scheduled.
 ///

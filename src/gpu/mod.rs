@@ -11,7 +11,7 @@
 //!
 //! Rules, metrics and condition semantics are documented in `docs/gpu-health.md`.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -30,9 +30,6 @@ pub use metrics::GpuMetrics;
 pub use monitor::run_monitor;
 pub use nvml::NvmlProbe;
 pub use report::{report, run_cli, GpuArgs, Report};
-
-/// Where the kernel publishes the id of the current boot (changes on every reboot).
-pub const BOOT_ID_PATH: &str = "/proc/sys/kernel/random/boot_id";
 
 /// The GPU seam. Implementations block (NVML calls); callers run them on a blocking thread.
 pub trait GpuProbe: Send + Sync {
@@ -274,17 +271,14 @@ pub struct GpuConfig {
 /// `--gpu-degraded-condition` (problem polarity: status True = problem present) and the optional
 /// `--gpu-ready-condition` (Ready polarity: status False while unhealthy), so that a platform's
 /// node auto-repair can act on the condition it already reads (EKS: `AcceleratedHardwareReady`).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ConditionTypes {
-    pub unhealthy: String,
-    pub degraded: String,
-    pub ready: Option<String>,
-}
+/// Plain data the node ops are given ([`crate::node::GpuConditionTypes`]); chosen and validated
+/// here.
+pub use crate::node::GpuConditionTypes as ConditionTypes;
 
 /// Default `GPUUnhealthy` condition type.
-pub const DEFAULT_UNHEALTHY_CONDITION: &str = "GPUUnhealthy";
+pub const DEFAULT_UNHEALTHY_CONDITION: &str = crate::node::DEFAULT_GPU_UNHEALTHY_CONDITION;
 /// Default `GPUDegraded` condition type.
-pub const DEFAULT_DEGRADED_CONDITION: &str = "GPUDegraded";
+pub const DEFAULT_DEGRADED_CONDITION: &str = crate::node::DEFAULT_GPU_DEGRADED_CONDITION;
 /// Conditions the kubelet owns: spotguard never writes them.
 const KUBELET_CONDITIONS: &[&str] = &[
     "Ready",
@@ -294,16 +288,7 @@ const KUBELET_CONDITIONS: &[&str] = &[
     "NetworkUnavailable",
 ];
 
-impl Default for ConditionTypes {
-    fn default() -> Self {
-        ConditionTypes {
-            unhealthy: DEFAULT_UNHEALTHY_CONDITION.into(),
-            degraded: DEFAULT_DEGRADED_CONDITION.into(),
-            ready: None,
-        }
-    }
-}
-
+/// The GPU settings validate the names they hand to the node ops.
 impl ConditionTypes {
     /// Each type a valid condition type (a Kubernetes qualified name), none owned by the
     /// kubelet, all different.
@@ -378,7 +363,7 @@ impl Default for GpuConfig {
             init_backoff_min: Duration::from_secs(30),
             init_backoff_max: Duration::from_secs(600),
             thresholds: Thresholds::default(),
-            boot_id_path: PathBuf::from(BOOT_ID_PATH),
+            boot_id_path: PathBuf::from(crate::life::BOOT_ID_PATH),
             conditions: ConditionTypes::default(),
             pod_resources_socket: None,
         }
@@ -415,27 +400,6 @@ pub fn probe_from_config(mode: GpuMode) -> Result<Arc<dyn GpuProbe>, Error> {
     }
 }
 
-/// The current boot id (`/proc/sys/kernel/random/boot_id`).
-pub fn read_boot_id() -> Result<String, Error> {
-    read_boot_id_from(Path::new(BOOT_ID_PATH))
-}
-
-/// The boot id from `path` (trimmed; an empty file is an error).
-pub fn read_boot_id_from(path: &Path) -> Result<String, Error> {
-    let text = std::fs::read_to_string(path).map_err(|source| Error::ReadBootId {
-        path: path.display().to_string(),
-        source,
-    })?;
-    let id = text.trim();
-    if id.is_empty() {
-        return Err(Error::ReadBootId {
-            path: path.display().to_string(),
-            source: std::io::Error::new(std::io::ErrorKind::InvalidData, "empty boot id"),
-        });
-    }
-    Ok(id.to_string())
-}
-
 /// Errors of the GPU module.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -463,12 +427,6 @@ pub enum Error {
     SampleTask { detail: String },
     #[error("an NVML call has not returned for {}", crate::duration::display(Duration::from_secs(waited.as_secs())))]
     SampleTimeout { waited: Duration },
-    #[error("reading boot id from {path}: {source}")]
-    ReadBootId {
-        path: String,
-        #[source]
-        source: std::io::Error,
-    },
     #[error("invalid setting {key}: {reason}")]
     InvalidSetting { key: &'static str, reason: String },
 }
@@ -488,7 +446,7 @@ impl Error {
 
     pub fn is_retryable(&self) -> bool {
         match self {
-            Error::Disabled | Error::InvalidSetting { .. } | Error::ReadBootId { .. } => false,
+            Error::Disabled | Error::InvalidSetting { .. } => false,
             Error::LoadLibrary { .. }
             | Error::DriverNotLoaded
             | Error::DriverVersionMismatch
@@ -511,7 +469,6 @@ impl Error {
             Error::CountDevices { .. } => "count_devices",
             Error::SampleTask { .. } => "sample_task",
             Error::SampleTimeout { .. } => "sample_timeout",
-            Error::ReadBootId { .. } => "read_boot_id",
             Error::InvalidSetting { .. } => "invalid_setting",
         }
     }
@@ -520,28 +477,6 @@ impl Error {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn boot_id_is_read_and_trimmed() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let path = dir.path().join("boot_id");
-        std::fs::write(&path, "0d5c6a61-1b0c-4ad8-9d55-5c3b8f0e8a11\n").expect("write");
-        assert_eq!(
-            read_boot_id_from(&path).expect("boot id"),
-            "0d5c6a61-1b0c-4ad8-9d55-5c3b8f0e8a11"
-        );
-        std::fs::write(&path, "  \n").expect("write");
-        let err = read_boot_id_from(&path).expect_err("empty");
-        assert_eq!(err.metric_label(), "read_boot_id");
-        let missing = read_boot_id_from(&dir.path().join("absent")).expect_err("missing");
-        assert!(missing.to_string().contains("absent"), "{missing}");
-    }
-
-    #[test]
-    fn this_machine_has_a_boot_id() {
-        let id = read_boot_id().expect("/proc/sys/kernel/random/boot_id");
-        assert_eq!(id.len(), 36, "{id}");
-    }
 
     #[test]
     fn config_parses_from_toml_with_defaults() {

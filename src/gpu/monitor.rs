@@ -25,7 +25,7 @@ use super::health::{
     evaluate, node_conditions, previous_from_conditions, Health, HealthState, Severity,
 };
 use super::podresources;
-use super::{read_boot_id_from, Error, GpuConfig, GpuEvent, GpuMetrics, GpuProbe, GpuSample};
+use super::{Error, GpuConfig, GpuEvent, GpuMetrics, GpuProbe, GpuSample};
 use crate::node::{GpuConditions, NodeOps};
 
 /// Run until `cancel`. Never returns an error: everything is logged, counted and retried.
@@ -74,7 +74,7 @@ impl Monitor {
         metrics: Arc<GpuMetrics>,
         cfg: GpuConfig,
     ) -> Self {
-        let boot_id = match read_boot_id_from(&cfg.boot_id_path) {
+        let boot_id = match crate::life::read_boot_id_from(&cfg.boot_id_path) {
             Ok(id) => id,
             Err(e) => {
                 // Without a boot id a reboot cannot be told apart: findings then clear only on

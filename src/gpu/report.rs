@@ -11,7 +11,7 @@ use jiff::Timestamp;
 use serde::Serialize;
 
 use super::health::{evaluate, Finding, Health, HealthState, Thresholds};
-use super::{read_boot_id, Error, GpuProbe, GpuSample, NvmlProbe};
+use super::{Error, GpuProbe, GpuSample, NvmlProbe};
 
 /// Exit codes of `spotguard gpu`.
 pub const EXIT_HEALTHY: i32 = 0;
@@ -286,7 +286,7 @@ pub fn cli_output(args: &GpuArgs, report: &Report) -> CliOutput {
 
 /// `spotguard gpu`: print the report, return the exit code.
 pub fn run_cli(args: GpuArgs) -> i32 {
-    let boot_id = read_boot_id().unwrap_or_else(|e| {
+    let boot_id = crate::life::read_boot_id().unwrap_or_else(|e| {
         eprintln!("warning: {e}");
         "unknown".to_string()
     });

@@ -483,7 +483,7 @@ pub async fn drain_node(
     watch: Option<&dyn PodWatch>,
 ) -> Result<DrainReport, Error> {
     let started = Instant::now();
-    let left = crate::notice::time_until(Some(request.deadline), Timestamp::now());
+    let left = crate::duration::time_until(Some(request.deadline), Timestamp::now());
     let deadline = started + left;
     let all: Api<Pod> = Api::all(client.clone());
     let params = ListParams::default().fields(&format!("spec.nodeName={node}"));

@@ -1,7 +1,7 @@
-//! Every node-level action spotguard takes goes through the [`NodeOps`] seam: persisting the plan
-//! phase, taint + cordon, Events, drain, GPU conditions. `HostNodeOps` (bare VM / systemd) persists
-//! the phase under `--state-dir` and logs the rest; the Kubernetes implementation performs them
-//! through the API server. Dry-run is decided inside each implementation.
+//! Every node-level action spotguard takes goes through the [`NodeOps`] seam: the node's copy of
+//! the plan record, taint + cordon, Events, drain, GPU conditions. `HostNodeOps` (bare VM /
+//! systemd) keeps no copy and logs the rest; the Kubernetes implementation performs them through
+//! the API server. Dry-run is decided inside each implementation.
 
 use std::time::Duration;
 
@@ -9,7 +9,7 @@ use async_trait::async_trait;
 use jiff::Timestamp;
 use serde::{Deserialize, Serialize};
 
-use crate::notice::{NoticeKind, Source};
+use crate::notice::{Cloud, NoticeKind};
 
 pub mod drain;
 pub mod filter;
@@ -67,7 +67,7 @@ impl Phase {
 pub struct PlanState {
     pub id: String,
     pub kind: NoticeKind,
-    pub source: Source,
+    pub source: Cloud,
     pub deadline: Option<Timestamp>,
     pub phase: Phase,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -257,6 +257,31 @@ pub struct ConditionState {
     pub message: String,
 }
 
+/// The Node condition types the GPU verdict is shown under, as the GPU settings chose them
+/// (`crate::gpu` validates them): `unhealthy` and `degraded` have problem polarity (status True =
+/// problem present), the optional `ready` Ready polarity (status False while unhealthy).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GpuConditionTypes {
+    pub unhealthy: String,
+    pub degraded: String,
+    pub ready: Option<String>,
+}
+
+/// Default `GPUUnhealthy` condition type.
+pub const DEFAULT_GPU_UNHEALTHY_CONDITION: &str = "GPUUnhealthy";
+/// Default `GPUDegraded` condition type.
+pub const DEFAULT_GPU_DEGRADED_CONDITION: &str = "GPUDegraded";
+
+impl Default for GpuConditionTypes {
+    fn default() -> Self {
+        GpuConditionTypes {
+            unhealthy: DEFAULT_GPU_UNHEALTHY_CONDITION.into(),
+            degraded: DEFAULT_GPU_DEGRADED_CONDITION.into(),
+            ready: None,
+        }
+    }
+}
+
 /// The Kubernetes pod a target group belongs to (for Events and logs).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PodRef {
@@ -268,17 +293,20 @@ pub struct PodRef {
 /// The node seam. Every mutation of the node (or its host-mode equivalent) goes through here.
 #[async_trait]
 pub trait NodeOps: Send + Sync {
-    /// Whether `save_state` writes the local record itself (host mode: `<state-dir>/notice.json`),
-    /// so that the responder's local copy and the node's copy are the same file.
-    fn state_is_local(&self) -> bool {
-        false
+    /// The node's copy of the plan record (Kubernetes: the Node annotation `spotguard.io/notice`),
+    /// if any. Default: the node keeps no copy (host mode: the responder's local record under
+    /// `--state-dir` is the only one).
+    async fn load_state(&self) -> Result<Option<PlanState>, Error> {
+        Ok(None)
     }
-    /// The persisted plan state, if any.
-    async fn load_state(&self) -> Result<Option<PlanState>, Error>;
-    /// Persist the plan state (replace).
-    async fn save_state(&self, state: &PlanState) -> Result<(), Error>;
-    /// Clear the persisted plan state.
-    async fn clear_state(&self) -> Result<(), Error>;
+    /// Replace the node's copy of the plan record (default: no copy kept).
+    async fn save_state(&self, _state: &PlanState) -> Result<(), Error> {
+        Ok(())
+    }
+    /// Remove the node's copy of the plan record (default: no copy kept).
+    async fn clear_state(&self) -> Result<(), Error> {
+        Ok(())
+    }
     /// Taint (and cordon) the node. Returns what was actually changed; something already present
     /// (an operator's cordon) is reported as not applied so that undo leaves it.
     async fn protect(&self, protection: &Protection) -> Result<Applied, Error>;
@@ -309,9 +337,6 @@ pub trait NodeOps: Send + Sync {
 
 #[async_trait]
 impl<T: NodeOps + ?Sized> NodeOps for std::sync::Arc<T> {
-    fn state_is_local(&self) -> bool {
-        (**self).state_is_local()
-    }
     async fn load_state(&self) -> Result<Option<PlanState>, Error> {
         (**self).load_state().await
     }
@@ -356,18 +381,6 @@ impl<T: NodeOps + ?Sized> NodeOps for std::sync::Arc<T> {
 /// Errors from node operations.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    #[error("reading state file {path}: {source}")]
-    StateRead {
-        path: String,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("writing state file {path}: {source}")]
-    StateWrite {
-        path: String,
-        #[source]
-        source: std::io::Error,
-    },
     #[error("persisted state {location} is not valid: {reason}")]
     StateCorrupt { location: String, reason: String },
     #[error("getting node {node}: {source}")]
@@ -416,9 +429,7 @@ pub enum Error {
 impl Error {
     pub fn is_retryable(&self) -> bool {
         match self {
-            Error::StateRead { .. } | Error::StateWrite { .. } | Error::StateCorrupt { .. } => {
-                false
-            }
+            Error::StateCorrupt { .. } => false,
             Error::GetNode { source, .. }
             | Error::PatchNode { source, .. }
             | Error::ListPods { source, .. }
@@ -432,8 +443,6 @@ impl Error {
 
     pub fn metric_label(&self) -> &'static str {
         match self {
-            Error::StateRead { .. } => "state_read",
-            Error::StateWrite { .. } => "state_write",
             Error::StateCorrupt { .. } => "state_corrupt",
             Error::GetNode { .. } => "get_node",
             Error::PatchNode { .. } => "patch_node",

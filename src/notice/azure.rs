@@ -21,13 +21,54 @@ use jiff::Timestamp;
 use reqwest::Url;
 use serde::{Deserialize, Serialize};
 
+use super::detect::Dmi;
 use super::ec2::parse_rfc2822;
 use super::http::{
     constant_url, endpoint_url, metadata_client, parse_error, read_body, request_error,
 };
 use super::monitor::ErrorReporter;
-use super::{content_id, Error, Notice, NoticeKind, NoticeSource, Source};
+use super::{
+    content_id, Cloud, CloudFacts, Error, MaintenanceKind, Notice, NoticeKind, NoticeSource, Probe,
+    Settings, SourceMetrics,
+};
 use crate::metrics::Metrics;
+
+/// What the agent knows about Azure ([`Cloud::Azure`]).
+pub const FACTS: CloudFacts = CloudFacts {
+    name: "azure",
+    // About 30 s of notice: 8 s of it kept for evictions.
+    drain_reserve: Duration::from_secs(8),
+    interruption_notice: Duration::from_secs(30),
+    max_interruption_notice: None,
+    drill_notice: "Azure Scheduled Events Preempt: NotBefore 30 s ahead",
+    drill_detection: "by the agent polling the emulated Azure Scheduled Events (1s)",
+    // Plain Hyper-V has the vendor but not Azure's asset tag.
+    dmi: |d: &Dmi| {
+        d.sys_vendor == "Microsoft Corporation" && d.chassis_asset_tag == AZURE_ASSET_TAG
+    },
+    probe: Probe {
+        method: reqwest::Method::GET,
+        path: "/metadata/instance/compute/vmId?api-version=2021-02-01&format=text",
+        header: ("Metadata", "true"),
+    },
+    maintenance_of_detail,
+    build,
+};
+
+/// Azure's fixed chassis asset tag.
+pub const AZURE_ASSET_TAG: &str = "7783-7084-3265-9085-8269-3286-77";
+
+fn build(
+    s: &Settings,
+    metrics: &Arc<Metrics>,
+    _own: &SourceMetrics,
+) -> Result<Arc<dyn NoticeSource>, Error> {
+    let config = AzureConfig::new(s.endpoint.clone(), s.poll_interval, s.azure_vm_name.clone());
+    Ok(Arc::new(AzureScheduledEvents::new(
+        config,
+        metrics.clone(),
+    )?))
+}
 
 const EVENTS_PATH: &str = "/metadata/scheduledevents";
 const EVENTS_API_VERSION: &str = "2020-07-01";
@@ -156,7 +197,7 @@ impl AzureScheduledEvents {
             vm_name: tokio::sync::Mutex::new(vm_name),
             answered_once: AtomicBool::new(false),
             seen: Mutex::new(Seen::default()),
-            reporter: ErrorReporter::new(Source::Azure.as_str(), metrics),
+            reporter: ErrorReporter::new(Cloud::Azure.as_str(), metrics),
         })
     }
 
@@ -214,10 +255,11 @@ impl AzureScheduledEvents {
     }
 
     fn to_notice(&self, ev: &Event, now: Timestamp) -> Result<Option<Notice>, Error> {
-        let (kind, restart) = match ev.event_type.as_str() {
-            "Preempt" | "Terminate" => (NoticeKind::Interruption, false),
-            "Reboot" | "Redeploy" => (NoticeKind::Maintenance, true),
-            "Freeze" => (NoticeKind::Maintenance, false),
+        let (kind, restart, maintenance) = match ev.event_type.as_str() {
+            "Preempt" | "Terminate" => (NoticeKind::Interruption, false, MaintenanceKind::Other),
+            "Reboot" | "Redeploy" => (NoticeKind::Maintenance, true, MaintenanceKind::Other),
+            // A pause of seconds: its own policy (`--on-azure-freeze`).
+            "Freeze" => (NoticeKind::Maintenance, false, MaintenanceKind::Freeze),
             other => {
                 tracing::warn!(event_type = other, event_id = %ev.event_id, "unknown scheduled event type; ignored");
                 return Ok(None);
@@ -231,7 +273,7 @@ impl AzureScheduledEvents {
         };
         let id = if ev.event_id.is_empty() {
             content_id(
-                Source::Azure,
+                Cloud::Azure,
                 kind.label(),
                 &[&ev.event_type, &ev.not_before],
             )
@@ -241,7 +283,7 @@ impl AzureScheduledEvents {
         Ok(Some(Notice {
             id,
             kind,
-            source: Source::Azure,
+            source: Cloud::Azure,
             deadline: Some(when),
             not_before: Some(when),
             detail: format!(
@@ -250,17 +292,20 @@ impl AzureScheduledEvents {
             ),
             restart,
             published_at: None,
+            maintenance,
             observed_at: now,
         }))
     }
 }
 
-/// Whether `notice` is an Azure `Freeze` event: the VM is paused for a few seconds, not restarted
-/// or moved, so it gets its own policy (`--on-azure-freeze`, default `ignore`).
-pub fn is_freeze(notice: &Notice) -> bool {
-    notice.source == Source::Azure
-        && notice.kind == NoticeKind::Maintenance
-        && notice.detail.starts_with("Freeze (")
+/// The kind of maintenance a notice's `detail` names: the `detail` of an Azure event starts with
+/// its type (`Freeze (Scheduled, Platform): …`). A plan record keeps the detail, not the kind.
+fn maintenance_of_detail(detail: &str) -> MaintenanceKind {
+    if detail.starts_with("Freeze (") {
+        MaintenanceKind::Freeze
+    } else {
+        MaintenanceKind::Other
+    }
 }
 
 /// Azure resource names: 1–64 characters of letters, digits, `-`, `_` and `.`.
@@ -280,7 +325,7 @@ fn names_vm(ev: &Event, vm_name: &str) -> bool {
 #[async_trait]
 impl NoticeSource for AzureScheduledEvents {
     fn name(&self) -> &'static str {
-        Source::Azure.as_str()
+        Cloud::Azure.as_str()
     }
 
     fn poll_interval(&self) -> Duration {
@@ -327,14 +372,15 @@ impl NoticeSource for AzureScheduledEvents {
             }
             tracing::info!(event_id = %id, "scheduled event disappeared; cancelled");
             notices.push(Notice {
-                id: content_id(Source::Azure, "cancelled", &[&id]),
+                id: content_id(Cloud::Azure, "cancelled", &[&id]),
                 kind: NoticeKind::Cancelled(id.clone()),
-                source: Source::Azure,
+                source: Cloud::Azure,
                 deadline: None,
                 not_before: None,
                 detail: format!("scheduled event {id} is no longer listed"),
                 restart: false,
                 published_at: None,
+                maintenance: MaintenanceKind::Other,
                 observed_at: now,
             });
         }
@@ -343,7 +389,7 @@ impl NoticeSource for AzureScheduledEvents {
 
     /// Approve the scheduled event `notice.id` so that it starts now.
     async fn acknowledge(&self, notice: &Notice) -> Result<(), Error> {
-        if notice.source != Source::Azure || matches!(notice.kind, NoticeKind::Cancelled(_)) {
+        if notice.source != Cloud::Azure || matches!(notice.kind, NoticeKind::Cancelled(_)) {
             return Ok(());
         }
         let event_id = notice.id.as_str();
@@ -421,7 +467,13 @@ mod tests {
         let d = s.to_notice(&event("Redeploy", ""), now).unwrap().unwrap();
         assert!(d.restart);
         let f = s.to_notice(&event("Freeze", ""), now).unwrap().unwrap();
-        assert_eq!((f.kind, f.restart), (NoticeKind::Maintenance, false));
+        assert_eq!(
+            (f.kind.clone(), f.restart),
+            (NoticeKind::Maintenance, false)
+        );
+        assert_eq!(f.maintenance, MaintenanceKind::Freeze);
+        assert_eq!(maintenance_of_detail(&f.detail), MaintenanceKind::Freeze);
+        assert_eq!(maintenance_of_detail(&r.detail), MaintenanceKind::Other);
         assert!(s.to_notice(&event("Teleport", ""), now).unwrap().is_none());
         let bad = s
             .to_notice(&event("Preempt", "next tuesday"), now)

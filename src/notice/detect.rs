@@ -1,36 +1,32 @@
 //! `--cloud auto`: which cloud is this? DMI first (`/sys/class/dmi/id/*`, no network), then
-//! concurrent probes of the three metadata services with their required headers; the first
-//! positive answer wins.
-//!
-//! DMI rules: EC2 `sys_vendor`/`bios_vendor` "Amazon EC2"; GCE `sys_vendor`/`bios_vendor`
-//! "Google" or `product_name` "Google Compute Engine"; Azure `sys_vendor` "Microsoft
-//! Corporation" *and* `chassis_asset_tag` 7783-7084-3265-9085-8269-3286-77 (plain Hyper-V has the
-//! vendor but not the tag). Probes: EC2 `PUT /latest/api/token` answered with a token; GCE
-//! `GET /computeMetadata/v1/instance/id` with `Metadata-Flavor: Google`; Azure
-//! `GET /metadata/instance/compute/vmId` with `Metadata: true`.
+//! concurrent probes of every cloud's metadata service with its required headers; the first
+//! positive answer wins. Each cloud's DMI rule and probe are its source's ([`super::CloudFacts`]):
+//! EC2 `sys_vendor`/`bios_vendor` "Amazon EC2", `PUT /latest/api/token` answered with a token;
+//! GCE `sys_vendor`/`bios_vendor` "Google" or `product_name` "Google Compute Engine",
+//! `GET /computeMetadata/v1/instance/id` with `Metadata-Flavor: Google`; Azure `sys_vendor`
+//! "Microsoft Corporation" *and* `chassis_asset_tag` 7783-7084-3265-9085-8269-3286-77 (plain
+//! Hyper-V has the vendor but not the tag), `GET /metadata/instance/compute/vmId` with
+//! `Metadata: true`.
 
 use std::path::Path;
 use std::time::Duration;
 
 use futures::stream::{FuturesUnordered, StreamExt};
-use reqwest::{Method, Url};
+use reqwest::Url;
 
 use super::http::{constant_url, endpoint_url, read_body};
-use super::{Error, Source};
+use super::{Cloud, Error};
 
 /// Where DMI identity files live on Linux.
 pub const DMI_DIR: &str = "/sys/class/dmi/id";
 
-/// Azure's fixed chassis asset tag.
-const AZURE_ASSET_TAG: &str = "7783-7084-3265-9085-8269-3286-77";
-
-/// The metadata base URLs to probe. All three clouds serve it at `169.254.169.254` by default;
-/// [`ProbeEndpoints::all`] points every probe at one override (`--metadata-endpoint`).
+/// The metadata base URLs to probe. Every cloud serves it at `169.254.169.254` by default;
+/// [`ProbeEndpoints::all`] points every probe at one override (`--metadata-endpoint`),
+/// [`ProbeEndpoints::with`] one cloud's probe elsewhere.
 #[derive(Clone, Debug)]
 pub struct ProbeEndpoints {
-    pub aws: Url,
-    pub gce: Url,
-    pub azure: Url,
+    all: Url,
+    one: Vec<(Cloud, Url)>,
 }
 
 impl Default for ProbeEndpoints {
@@ -40,23 +36,37 @@ impl Default for ProbeEndpoints {
 }
 
 impl ProbeEndpoints {
-    /// Probe all three clouds at `endpoint`.
+    /// Probe every cloud at `endpoint`.
     pub fn all(endpoint: Url) -> Self {
         ProbeEndpoints {
-            aws: endpoint.clone(),
-            gce: endpoint.clone(),
-            azure: endpoint,
+            all: endpoint,
+            one: Vec::new(),
         }
+    }
+
+    /// Probe `cloud` at `endpoint`.
+    pub fn with(mut self, cloud: Cloud, endpoint: Url) -> Self {
+        self.one.retain(|(c, _)| *c != cloud);
+        self.one.push((cloud, endpoint));
+        self
+    }
+
+    /// Where `cloud` is probed.
+    pub fn of(&self, cloud: Cloud) -> &Url {
+        self.one
+            .iter()
+            .find(|(c, _)| *c == cloud)
+            .map_or(&self.all, |(_, u)| u)
     }
 }
 
 /// The DMI identity strings used for detection (missing files read as empty).
 #[derive(Debug, Default)]
-struct Dmi {
-    sys_vendor: String,
-    bios_vendor: String,
-    product_name: String,
-    chassis_asset_tag: String,
+pub struct Dmi {
+    pub sys_vendor: String,
+    pub bios_vendor: String,
+    pub product_name: String,
+    pub chassis_asset_tag: String,
 }
 
 impl Dmi {
@@ -75,21 +85,9 @@ impl Dmi {
         }
     }
 
-    fn cloud(&self) -> Option<Source> {
-        if self.sys_vendor == "Amazon EC2" || self.bios_vendor == "Amazon EC2" {
-            Some(Source::Aws)
-        } else if self.sys_vendor == "Google"
-            || self.bios_vendor == "Google"
-            || self.product_name == "Google Compute Engine"
-        {
-            Some(Source::Gce)
-        } else if self.sys_vendor == "Microsoft Corporation"
-            && self.chassis_asset_tag == AZURE_ASSET_TAG
-        {
-            Some(Source::Azure)
-        } else {
-            None
-        }
+    /// The first cloud whose DMI rule matches.
+    fn cloud(&self) -> Option<Cloud> {
+        Cloud::ALL.into_iter().find(|c| (c.facts().dmi)(self))
     }
 }
 
@@ -99,7 +97,7 @@ pub async fn detect(
     dmi_dir: &Path,
     probe: &ProbeEndpoints,
     timeout: Duration,
-) -> Result<Source, Error> {
+) -> Result<Cloud, Error> {
     detect_counted(dmi_dir, probe, timeout, None).await
 }
 
@@ -110,7 +108,7 @@ pub async fn detect_counted(
     probe: &ProbeEndpoints,
     timeout: Duration,
     metrics: Option<&crate::metrics::Metrics>,
-) -> Result<Source, Error> {
+) -> Result<Cloud, Error> {
     let dmi = Dmi::read(dmi_dir).await;
     if let Some(cloud) = dmi.cloud() {
         tracing::info!(cloud = %cloud, sys_vendor = %dmi.sys_vendor, "cloud detected from DMI");
@@ -119,45 +117,22 @@ pub async fn detect_counted(
     let client = reqwest::Client::builder()
         .no_proxy()
         // Link-local plain HTTP: no CA store unless an override is https.
-        .tls_built_in_root_certs(
-            [&probe.aws, &probe.gce, &probe.azure]
-                .iter()
-                .any(|u| u.scheme() == "https"),
-        )
+        .tls_built_in_root_certs(Cloud::ALL.iter().any(|c| probe.of(*c).scheme() == "https"))
         .timeout(timeout)
         .connect_timeout(timeout)
         .build()
         .map_err(|e| Error::Detect(format!("cannot build HTTP client: {e}")))?;
-    let probes = [
-        (
-            Source::Aws,
-            &probe.aws,
-            Method::PUT,
-            "/latest/api/token",
-            ("X-aws-ec2-metadata-token-ttl-seconds", "60"),
-        ),
-        (
-            Source::Gce,
-            &probe.gce,
-            Method::GET,
-            "/computeMetadata/v1/instance/id",
-            ("Metadata-Flavor", "Google"),
-        ),
-        (
-            Source::Azure,
-            &probe.azure,
-            Method::GET,
-            "/metadata/instance/compute/vmId?api-version=2021-02-01&format=text",
-            ("Metadata", "true"),
-        ),
-    ];
     let mut pending = FuturesUnordered::new();
-    for (cloud, base, method, path, (header, value)) in probes {
-        let Ok(url) = endpoint_url(base, path) else {
+    for cloud in Cloud::ALL {
+        let base = probe.of(cloud);
+        let p = &cloud.facts().probe;
+        let Ok(url) = endpoint_url(base, p.path) else {
             tracing::debug!(cloud = %cloud, base = %base, "probe URL invalid; skipped");
             continue;
         };
-        let request = client.request(method, url.clone()).header(header, value);
+        let request = client
+            .request(p.method.clone(), url.clone())
+            .header(p.header.0, p.header.1);
         pending.push(async move {
             let ok = match request.send().await {
                 Ok(resp) if resp.status().is_success() => match read_body(&url, resp).await {
@@ -235,7 +210,7 @@ mod tests {
         dir
     }
 
-    async fn detect_dmi(files: &[(&str, &str)]) -> Result<Source, Error> {
+    async fn detect_dmi(files: &[(&str, &str)]) -> Result<Cloud, Error> {
         let dir = dmi_dir(files);
         detect(dir.path(), &dead_endpoints(), Duration::from_millis(500)).await
     }
@@ -244,32 +219,32 @@ mod tests {
     async fn dmi_identifies_each_cloud() {
         assert_eq!(
             detect_dmi(&[("sys_vendor", "Amazon EC2")]).await.unwrap(),
-            Source::Aws
+            Cloud::Aws
         );
         assert_eq!(
             detect_dmi(&[("sys_vendor", "Xen"), ("bios_vendor", "Amazon EC2")])
                 .await
                 .unwrap(),
-            Source::Aws
+            Cloud::Aws
         );
         assert_eq!(
             detect_dmi(&[("sys_vendor", "Google")]).await.unwrap(),
-            Source::Gce
+            Cloud::Gce
         );
         assert_eq!(
             detect_dmi(&[("product_name", "Google Compute Engine")])
                 .await
                 .unwrap(),
-            Source::Gce
+            Cloud::Gce
         );
         assert_eq!(
             detect_dmi(&[
                 ("sys_vendor", "Microsoft Corporation"),
-                ("chassis_asset_tag", AZURE_ASSET_TAG)
+                ("chassis_asset_tag", super::super::azure::AZURE_ASSET_TAG)
             ])
             .await
             .unwrap(),
-            Source::Azure
+            Cloud::Azure
         );
     }
 

@@ -17,12 +17,49 @@ use reqwest::{StatusCode, Url};
 use serde::Deserialize;
 use tokio::time::Instant;
 
+use super::detect::Dmi;
 use super::http::{
     constant_url, endpoint_url, metadata_client, parse_error, read_body, request_error,
 };
 use super::monitor::ErrorReporter;
-use super::{content_id, Error, Notice, NoticeKind, NoticeSource, Source};
+use super::{
+    content_id, Cloud, CloudFacts, Error, MaintenanceKind, Notice, NoticeKind, NoticeSource, Probe,
+    Settings, SourceMetrics,
+};
 use crate::metrics::Metrics;
+
+/// What the agent knows about EC2 ([`Cloud::Aws`]).
+pub const FACTS: CloudFacts = CloudFacts {
+    name: "aws",
+    // About 120 s of notice: 25 s of it kept for evictions.
+    drain_reserve: Duration::from_secs(25),
+    interruption_notice: INTERRUPTION_NOTICE,
+    // The instance-action `time` is a clock reading: clamped into the two minutes after first
+    // sight.
+    max_interruption_notice: Some(INTERRUPTION_NOTICE),
+    drill_notice: "EC2 spot instance-action: 2 minutes' notice",
+    drill_detection: "by the agent polling the emulated EC2 metadata service (1s)",
+    dmi: |d: &Dmi| d.sys_vendor == "Amazon EC2" || d.bios_vendor == "Amazon EC2",
+    probe: Probe {
+        method: reqwest::Method::PUT,
+        path: TOKEN_PATH,
+        header: ("X-aws-ec2-metadata-token-ttl-seconds", "60"),
+    },
+    maintenance_of_detail: |_| MaintenanceKind::Other,
+    build,
+};
+
+/// EC2 gives at most two minutes between the instance-action notice and the action.
+pub const INTERRUPTION_NOTICE: Duration = Duration::from_secs(120);
+
+fn build(
+    s: &Settings,
+    metrics: &Arc<Metrics>,
+    _own: &SourceMetrics,
+) -> Result<Arc<dyn NoticeSource>, Error> {
+    let config = Ec2Config::new(s.endpoint.clone(), s.poll_interval, s.imds_v1_fallback);
+    Ok(Arc::new(Ec2Imds::new(config, metrics.clone())?))
+}
 
 const TOKEN_PATH: &str = "/latest/api/token";
 const INSTANCE_ACTION_PATH: &str = "/latest/meta-data/spot/instance-action";
@@ -150,7 +187,7 @@ impl Ec2Imds {
             client,
             urls,
             token: tokio::sync::Mutex::new(TokenCache::default()),
-            reporter: ErrorReporter::new(Source::Aws.as_str(), metrics),
+            reporter: ErrorReporter::new(Cloud::Aws.as_str(), metrics),
             first_seen: Mutex::new(HashMap::new()),
             active_events: Mutex::new(None),
             skipped_logged: Mutex::new(HashSet::new()),
@@ -364,7 +401,7 @@ impl Ec2Imds {
 #[async_trait]
 impl NoticeSource for Ec2Imds {
     fn name(&self) -> &'static str {
-        Source::Aws.as_str()
+        Cloud::Aws.as_str()
     }
 
     fn poll_interval(&self) -> Duration {
@@ -439,17 +476,18 @@ fn parse_instance_action(url: &Url, body: &str, now: Timestamp) -> Result<Notice
     };
     Ok(Notice {
         id: content_id(
-            Source::Aws,
+            Cloud::Aws,
             "interruption",
             &["instance-action", &ia.action, &ia.time],
         ),
         kind: NoticeKind::Interruption,
-        source: Source::Aws,
+        source: Cloud::Aws,
         deadline: Some(deadline),
         not_before: Some(deadline),
         detail: format!("spot instance-action {} at {}", ia.action, ia.time),
         restart: false,
         published_at: None,
+        maintenance: MaintenanceKind::Other,
         observed_at: now,
     })
 }
@@ -465,14 +503,15 @@ fn parse_rebalance(url: &Url, body: &str, now: Timestamp) -> Result<Notice, Erro
         serde_json::from_str(body).map_err(|e| parse_error(url, format!("rebalance JSON: {e}")))?;
     let published = parse_rfc3339(url, "noticeTime", &r.notice_time)?;
     Ok(Notice {
-        id: content_id(Source::Aws, "rebalance", &[&r.notice_time]),
+        id: content_id(Cloud::Aws, "rebalance", &[&r.notice_time]),
         kind: NoticeKind::Rebalance,
-        source: Source::Aws,
+        source: Cloud::Aws,
         deadline: None,
         not_before: None,
         detail: format!("rebalance recommendation at {}", r.notice_time),
         restart: false,
         published_at: Some(published),
+        maintenance: MaintenanceKind::Other,
         observed_at: now,
     })
 }
@@ -511,14 +550,15 @@ pub(crate) fn parse_rfc2822(url: &Url, field: &str, value: &str) -> Result<Times
 /// completed).
 fn vanished_event(event_id: &str, now: Timestamp) -> Notice {
     Notice {
-        id: content_id(Source::Aws, "cancelled", &[event_id]),
+        id: content_id(Cloud::Aws, "cancelled", &[event_id]),
         kind: NoticeKind::Cancelled(event_id.to_string()),
-        source: Source::Aws,
+        source: Cloud::Aws,
         deadline: None,
         not_before: None,
         detail: format!("scheduled event {event_id} left the schedule (canceled or completed)"),
         restart: false,
         published_at: None,
+        maintenance: MaintenanceKind::Other,
         observed_at: now,
     }
 }
@@ -526,14 +566,15 @@ fn vanished_event(event_id: &str, now: Timestamp) -> Notice {
 /// The spot interruption `id` no longer served by `spot/instance-action` (404 again).
 fn vanished_interruption(id: &str, now: Timestamp) -> Notice {
     Notice {
-        id: content_id(Source::Aws, "cancelled", &[id]),
+        id: content_id(Cloud::Aws, "cancelled", &[id]),
         kind: NoticeKind::Cancelled(id.to_string()),
-        source: Source::Aws,
+        source: Cloud::Aws,
         deadline: None,
         not_before: None,
         detail: format!("spot instance-action {id} is no longer served"),
         restart: false,
         published_at: None,
+        maintenance: MaintenanceKind::Other,
         observed_at: now,
     }
 }
@@ -553,21 +594,22 @@ fn parse_scheduled(url: &Url, body: &str, now: Timestamp) -> Result<(Vec<Notice>
     let mut skipped = Vec::new();
     for ev in events {
         let event_id = if ev.event_id.is_empty() {
-            content_id(Source::Aws, "maintenance", &[&ev.code, &ev.not_before])
+            content_id(Cloud::Aws, "maintenance", &[&ev.code, &ev.not_before])
         } else {
             ev.event_id.clone()
         };
         let state = ev.state.to_ascii_lowercase();
         if state == "canceled" || state == "cancelled" || state == "completed" {
             notices.push(Notice {
-                id: content_id(Source::Aws, "cancelled", &[&event_id]),
+                id: content_id(Cloud::Aws, "cancelled", &[&event_id]),
                 kind: NoticeKind::Cancelled(event_id),
-                source: Source::Aws,
+                source: Cloud::Aws,
                 deadline: None,
                 not_before: None,
                 detail: format!("scheduled event {} {}", ev.code, state),
                 restart: false,
                 published_at: None,
+                maintenance: MaintenanceKind::Other,
                 observed_at: now,
             });
             continue;
@@ -582,7 +624,7 @@ fn parse_scheduled(url: &Url, body: &str, now: Timestamp) -> Result<(Vec<Notice>
         notices.push(Notice {
             id: event_id,
             kind: NoticeKind::Maintenance,
-            source: Source::Aws,
+            source: Cloud::Aws,
             deadline: Some(not_before),
             not_before: Some(not_before),
             detail: format!(
@@ -591,6 +633,7 @@ fn parse_scheduled(url: &Url, body: &str, now: Timestamp) -> Result<(Vec<Notice>
             ),
             restart: RESTART_CODES.contains(&ev.code.as_str()),
             published_at: None,
+            maintenance: MaintenanceKind::Other,
             observed_at: now,
         });
     }

@@ -13,6 +13,7 @@
 //! that just went away. It returns `Err` only when the last attempt of every key failed; the
 //! failures of single keys are counted and logged here (see [`super::monitor`]).
 
+use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -20,17 +21,95 @@ use async_trait::async_trait;
 use futures::future::BoxFuture;
 use futures::stream::{FuturesUnordered, StreamExt};
 use jiff::Timestamp;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
 use reqwest::{StatusCode, Url};
 use serde::Deserialize;
 use tokio::time::Instant;
 
+use super::detect::Dmi;
 use super::http::{
     constant_url, endpoint_url, metadata_client, parse_error, read_body, request_error,
 };
-use super::monitor::{ErrorReporter, GceMetrics, ReasonLabels};
-use super::{content_id, Error, Notice, NoticeKind, NoticeSource, Source};
+use super::monitor::ErrorReporter;
+use super::{
+    content_id, Cloud, CloudFacts, Error, MaintenanceKind, Notice, NoticeKind, NoticeSource, Probe,
+    Settings, SourceMetrics,
+};
 use crate::backoff::Backoff;
 use crate::metrics::Metrics;
+
+/// What the agent knows about GCE ([`Cloud::Gce`]).
+pub const FACTS: CloudFacts = CloudFacts {
+    name: "gce",
+    // About 30 s of notice: 8 s of it kept for evictions.
+    drain_reserve: Duration::from_secs(8),
+    interruption_notice: Duration::from_secs(30),
+    // The deadline is detection + `--gce-preemption-notice`: nothing to clamp.
+    max_interruption_notice: None,
+    drill_notice: "GCE preemption: 30 s from `preempted=TRUE` to power-off",
+    drill_detection: "by the agent's hanging GET on the emulated GCE metadata server",
+    dmi: |d: &Dmi| {
+        d.sys_vendor == "Google"
+            || d.bios_vendor == "Google"
+            || d.product_name == "Google Compute Engine"
+    },
+    probe: Probe {
+        method: reqwest::Method::GET,
+        path: "/computeMetadata/v1/instance/id",
+        header: (FLAVOR_HEADER, FLAVOR),
+    },
+    maintenance_of_detail: |_| MaintenanceKind::Other,
+    build,
+};
+
+fn build(
+    s: &Settings,
+    metrics: &Arc<Metrics>,
+    own: &SourceMetrics,
+) -> Result<Arc<dyn NoticeSource>, Error> {
+    let config = GceConfig::new(s.endpoint.clone(), s.gce_preemption_notice);
+    Ok(Arc::new(GceMetadata::new(
+        config,
+        metrics.clone(),
+        own.gce.clone(),
+    )?))
+}
+
+/// `spotguard_gce_upcoming_maintenance{reason}` and the window start of GCE's
+/// `instance/upcoming-maintenance`, exported by [`GceMetadata`].
+#[derive(Clone, Debug, Default)]
+pub struct GceMetrics {
+    /// 1 for each reason of the announced maintenance (e.g. `FAILURE_GPU_XID`); no series when
+    /// none is announced.
+    pub upcoming_maintenance: Family<ReasonLabels, Gauge>,
+    /// Unix time of the announced window start, 0 when none.
+    pub upcoming_maintenance_start: Gauge<f64, AtomicU64>,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabels {
+    pub reason: String,
+}
+
+impl GceMetrics {
+    pub fn register(registry: &mut Registry) -> Self {
+        let m = GceMetrics::default();
+        registry.register(
+            "spotguard_gce_upcoming_maintenance",
+            "Reasons of the maintenance announced in GCE instance/upcoming-maintenance (1 per reason)",
+            m.upcoming_maintenance.clone(),
+        );
+        registry.register(
+            "spotguard_gce_upcoming_maintenance_start_timestamp_seconds",
+            "Start of the maintenance window announced by GCE as a Unix time (0 when none)",
+            m.upcoming_maintenance_start.clone(),
+        );
+        m
+    }
+}
 
 const PREEMPTED_PATH: &str = "/computeMetadata/v1/instance/preempted";
 const MAINTENANCE_EVENT_PATH: &str = "/computeMetadata/v1/instance/maintenance-event";
@@ -179,7 +258,7 @@ impl GceMetadata {
                 upcoming: None,
                 automatic_restart: None,
             }),
-            reporter: ErrorReporter::new(Source::Gce.as_str(), metrics),
+            reporter: ErrorReporter::new(Cloud::Gce.as_str(), metrics),
             gce_metrics,
             config,
         })
@@ -288,9 +367,9 @@ impl GceMetadata {
                             .unwrap_or(now);
                         tracing::warn!(deadline = %deadline, "GCE preemption notice (preempted=TRUE)");
                         w.preempted = Some(Notice {
-                            id: content_id(Source::Gce, "interruption", &["preempted"]),
+                            id: content_id(Cloud::Gce, "interruption", &["preempted"]),
                             kind: NoticeKind::Interruption,
-                            source: Source::Gce,
+                            source: Cloud::Gce,
                             deadline: Some(deadline),
                             not_before: Some(deadline),
                             detail: format!(
@@ -299,6 +378,7 @@ impl GceMetadata {
                             ),
                             restart: false,
                             published_at: None,
+                            maintenance: MaintenanceKind::Other,
                             observed_at: now,
                         });
                     }
@@ -326,9 +406,10 @@ impl GceMetadata {
                             .filter(|start| *start > now);
                         // Without a known window, GCE's minimum notice: never a zero-length
                         // plan. A window learned later moves the deadline (see `Key::Upcoming`).
-                        let window = Some(known.unwrap_or_else(|| {
-                            crate::notice::store::add(now, MAINTENANCE_MIN_NOTICE)
-                        }));
+                        let window =
+                            Some(known.unwrap_or_else(|| {
+                                crate::duration::add(now, MAINTENANCE_MIN_NOTICE)
+                            }));
                         match known {
                             Some(start) => {
                                 tracing::warn!(window_start = %start, "GCE host maintenance will terminate this VM")
@@ -340,17 +421,18 @@ impl GceMetadata {
                         }
                         w.maintenance = Some(Notice {
                             id: content_id(
-                                Source::Gce,
+                                Cloud::Gce,
                                 "maintenance",
                                 &["maintenance-event", "TERMINATE_ON_HOST_MAINTENANCE"],
                             ),
                             kind: NoticeKind::Maintenance,
-                            source: Source::Gce,
+                            source: Cloud::Gce,
                             deadline: window,
                             not_before: window,
                             detail: "maintenance-event=TERMINATE_ON_HOST_MAINTENANCE".to_string(),
                             restart: w.automatic_restart.unwrap_or(false),
                             published_at: None,
+                            maintenance: MaintenanceKind::Other,
                             observed_at: now,
                         });
                     }
@@ -429,14 +511,15 @@ impl GceMetadata {
 
 fn cancelled(prev: &Notice, now: Timestamp) -> Notice {
     Notice {
-        id: content_id(Source::Gce, "cancelled", &[&prev.id]),
+        id: content_id(Cloud::Gce, "cancelled", &[&prev.id]),
         kind: NoticeKind::Cancelled(prev.id.clone()),
-        source: Source::Gce,
+        source: Cloud::Gce,
         deadline: None,
         not_before: None,
         detail: format!("no longer announced: {}", prev.detail),
         restart: false,
         published_at: None,
+        maintenance: MaintenanceKind::Other,
         observed_at: now,
     }
 }
@@ -480,12 +563,12 @@ fn parse_upcoming(
     let reasons = up.maintenance_reasons.unwrap_or_default();
     let notice = Notice {
         id: content_id(
-            Source::Gce,
+            Cloud::Gce,
             "maintenance",
             &["upcoming-maintenance", &start_text, &kind],
         ),
         kind: NoticeKind::Maintenance,
-        source: Source::Gce,
+        source: Cloud::Gce,
         deadline: Some(start),
         not_before: Some(start),
         detail: format!(
@@ -506,6 +589,7 @@ fn parse_upcoming(
         ),
         restart: false,
         published_at: None,
+        maintenance: MaintenanceKind::Other,
         observed_at: now,
     };
     Ok(Some((notice, reasons)))
@@ -529,7 +613,7 @@ fn visible(w: &Watch) -> Vec<Notice> {
 #[async_trait]
 impl NoticeSource for GceMetadata {
     fn name(&self) -> &'static str {
-        Source::Gce.as_str()
+        Cloud::Gce.as_str()
     }
 
     fn poll_interval(&self) -> Duration {
@@ -655,5 +739,27 @@ mod tests {
                 .metric_label(),
             "parse"
         );
+    }
+
+    #[test]
+    fn gce_metrics_register_with_prefix() {
+        let mut r = Registry::default();
+        let m = GceMetrics::register(&mut r);
+        m.upcoming_maintenance
+            .get_or_create(&ReasonLabels {
+                reason: "FAILURE_GPU_XID".into(),
+            })
+            .set(1);
+        m.upcoming_maintenance_start.set(1_700_000_000.0);
+        let text = crate::metrics::encode(&r);
+        assert!(text.contains("spotguard_gce_upcoming_maintenance{reason=\"FAILURE_GPU_XID\"} 1"));
+        let start: f64 = text
+            .lines()
+            .find_map(|l| {
+                l.strip_prefix("spotguard_gce_upcoming_maintenance_start_timestamp_seconds ")
+            })
+            .and_then(|v| v.parse().ok())
+            .unwrap();
+        assert_eq!(start, 1_700_000_000.0);
     }
 }

@@ -2,16 +2,18 @@
 //! [`NoticeSource`] seam, and the per-source monitor loop.
 //!
 //! Sources (`ec2`, `gce`, `azure`) turn their endpoint's answers into notices; "nothing pending"
-//! (a 404, `[]`, `FALSE`) is decided inside each source. The `store` owns dedupe and deadlines.
+//! (a 404, `[]`, `FALSE`) is decided inside each source. What a notice means for the plan is the responder's (its notice store).
+//! Each source also supplies what the rest of the agent knows about its cloud ([`CloudFacts`],
+//! linked from [`Cloud`] in `cloud`).
 
 pub mod azure;
+mod cloud;
 pub mod detect;
 pub mod ec2;
 pub mod gce;
 mod http;
 pub mod monitor;
 
-use std::fmt;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -19,30 +21,10 @@ use jiff::Timestamp;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-/// Which cloud a notice came from.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Source {
-    Aws,
-    Gce,
-    Azure,
-}
+pub use cloud::{BuildSource, Cloud, CloudFacts, Probe, Settings, SourceMetrics};
 
-impl Source {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Source::Aws => "aws",
-            Source::Gce => "gce",
-            Source::Azure => "azure",
-        }
-    }
-}
-
-impl fmt::Display for Source {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
+/// The name notices and plan records give their cloud (`source`): [`Cloud`] itself.
+pub type Source = Cloud;
 
 /// What a notice announces.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -70,6 +52,19 @@ impl NoticeKind {
     }
 }
 
+/// What a scheduled maintenance does to the machine, as its source tells: a typed fact, so that
+/// nothing downstream parses a notice's `detail`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MaintenanceKind {
+    /// Every other maintenance (and every notice that is not one).
+    #[default]
+    Other,
+    /// The machine is paused for a few seconds, neither restarted nor moved (Azure `Freeze`): it
+    /// follows its own policy (`--on-azure-freeze`, default `ignore`), not `--on-maintenance`.
+    Freeze,
+}
+
 /// One notice as seen by a source.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Notice {
@@ -77,7 +72,7 @@ pub struct Notice {
     /// of the notice's content (see [`content_id`]).
     pub id: String,
     pub kind: NoticeKind,
-    pub source: Source,
+    pub source: Cloud,
     /// When the instance goes away (interruption) or the maintenance window starts.
     /// `None` or a time in the past means "now".
     pub deadline: Option<Timestamp>,
@@ -90,6 +85,9 @@ pub struct Notice {
     /// GCE host maintenance with restart): spotguard uncordons at start-up after such a reboot.
     #[serde(default)]
     pub restart: bool,
+    /// What kind of maintenance it is ([`MaintenanceKind::Other`] for other notices).
+    #[serde(default)]
+    pub maintenance: MaintenanceKind,
     /// When the cloud published the notice, where it says so (EC2 rebalance `noticeTime`), for
     /// the detection-latency metric.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -101,24 +99,13 @@ pub struct Notice {
 impl Notice {
     /// Time left until the deadline, saturating at zero ("now") for a missing or past deadline.
     pub fn time_left(&self, now: Timestamp) -> Duration {
-        time_until(self.deadline, now)
-    }
-}
-
-/// `deadline − now`, zero for a missing or past deadline.
-pub fn time_until(deadline: Option<Timestamp>, now: Timestamp) -> Duration {
-    match deadline {
-        Some(d) if d > now => {
-            let span = d.duration_since(now);
-            Duration::try_from(span).unwrap_or(Duration::ZERO)
-        }
-        _ => Duration::ZERO,
+        crate::duration::time_until(self.deadline, now)
     }
 }
 
 /// A stable id derived from a notice's content (source, kind label and the parts given), so that
 /// re-polls of the same event dedupe. 16 hex chars of SHA-256.
-pub fn content_id(source: Source, kind: &str, parts: &[&str]) -> String {
+pub fn content_id(source: Cloud, kind: &str, parts: &[&str]) -> String {
     let mut h = Sha256::new();
     h.update(source.as_str().as_bytes());
     h.update([0u8]);
@@ -210,4 +197,3 @@ impl Error {
         }
     }
 }
-pub mod store;

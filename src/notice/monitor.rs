@@ -10,14 +10,9 @@
 //! ("a poll succeeded recently") means "at least one endpoint of this source answered".
 
 use std::collections::HashMap;
-use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use prometheus_client::encoding::EncodeLabelSet;
-use prometheus_client::metrics::family::Family;
-use prometheus_client::metrics::gauge::Gauge;
-use prometheus_client::registry::Registry;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -228,39 +223,6 @@ impl PollHealth {
     }
 }
 
-/// `spotguard_gce_upcoming_maintenance{reason}` and the window start of GCE's
-/// `instance/upcoming-maintenance`, exported by [`super::gce::GceMetadata`].
-#[derive(Clone, Debug, Default)]
-pub struct GceMetrics {
-    /// 1 for each reason of the announced maintenance (e.g. `FAILURE_GPU_XID`); no series when
-    /// none is announced.
-    pub upcoming_maintenance: Family<ReasonLabels, Gauge>,
-    /// Unix time of the announced window start, 0 when none.
-    pub upcoming_maintenance_start: Gauge<f64, AtomicU64>,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ReasonLabels {
-    pub reason: String,
-}
-
-impl GceMetrics {
-    pub fn register(registry: &mut Registry) -> Self {
-        let m = GceMetrics::default();
-        registry.register(
-            "spotguard_gce_upcoming_maintenance",
-            "Reasons of the maintenance announced in GCE instance/upcoming-maintenance (1 per reason)",
-            m.upcoming_maintenance.clone(),
-        );
-        registry.register(
-            "spotguard_gce_upcoming_maintenance_start_timestamp_seconds",
-            "Start of the maintenance window announced by GCE as a Unix time (0 when none)",
-            m.upcoming_maintenance_start.clone(),
-        );
-        m
-    }
-}
-
 /// Poll `source` until `cancel` fires, with the default [`MonitorPolicy`].
 pub async fn run_monitor(
     source: Arc<dyn NoticeSource>,
@@ -422,27 +384,5 @@ mod tests {
         h.register("aws", Duration::from_secs(1));
         h.record("aws", true, t0 + Duration::from_secs(3600));
         assert!(h.ready(t0 + Duration::from_secs(3601)));
-    }
-
-    #[test]
-    fn gce_metrics_register_with_prefix() {
-        let mut r = Registry::default();
-        let m = GceMetrics::register(&mut r);
-        m.upcoming_maintenance
-            .get_or_create(&ReasonLabels {
-                reason: "FAILURE_GPU_XID".into(),
-            })
-            .set(1);
-        m.upcoming_maintenance_start.set(1_700_000_000.0);
-        let text = crate::metrics::encode(&r);
-        assert!(text.contains("spotguard_gce_upcoming_maintenance{reason=\"FAILURE_GPU_XID\"} 1"));
-        let start: f64 = text
-            .lines()
-            .find_map(|l| {
-                l.strip_prefix("spotguard_gce_upcoming_maintenance_start_timestamp_seconds ")
-            })
-            .and_then(|v| v.parse().ok())
-            .unwrap();
-        assert_eq!(start, 1_700_000_000.0);
     }
 }

@@ -38,22 +38,25 @@ use tracing::{error, info, warn, Instrument};
 use crate::checkpoint::run::GroupResult;
 use crate::checkpoint::TargetDiscovery;
 use crate::config::{MaintenanceAction, RebalanceAction};
+use crate::duration;
 use crate::life::Lives;
 use crate::metrics::{Metrics, NoticeLabels, OutcomeLabels, SourceLabels};
-use crate::node::host::{RecordedTarget, StateFile};
 use crate::node::{
-    reason, Applied, DrainReport, DrainRequest, EventType, NodeOps, Phase, PlanState, Protection,
-    TaintEffect,
+    reason, Applied, DrainReport, EventType, NodeOps, Phase, PlanState, TaintEffect,
 };
-use crate::notice::store::{self, Decision, NoticeStore, Resume};
-use crate::notice::{Notice, NoticeKind, NoticeSource, Source};
+use crate::notice::{Cloud, Notice, NoticeKind, NoticeSource};
 
 mod plan;
-mod records;
+mod policy;
+pub mod record;
+mod steps;
+mod store;
 mod undo;
 
 use plan::*;
-use records::*;
+use policy::{policy_for, Policy};
+use record::{RecordedTarget, Records, Resume, StateFile, LOAD_BUDGET};
+use store::{Decision, NoticeStore};
 use undo::*;
 
 /// Settings of the responder (from `run` flags).
@@ -76,8 +79,8 @@ pub struct ResponderConfig {
 }
 
 impl ResponderConfig {
-    fn reserve(&self, source: Source) -> Duration {
-        crate::config::drain_reserve(self.drain_reserve, source)
+    fn reserve(&self, source: Cloud) -> Duration {
+        source.drain_reserve(self.drain_reserve)
     }
 }
 
@@ -137,70 +140,9 @@ pub enum PlanEvent {
     Undone { id: String, at: Timestamp },
 }
 
-/// The steps a plan takes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct Steps {
-    taint: Option<TaintEffect>,
-    cordon: bool,
-    checkpoint: bool,
-    drain: bool,
-}
-
-fn steps_for(notice: &Notice, cfg: &ResponderConfig) -> Option<Steps> {
-    let full = Steps {
-        taint: Some(TaintEffect::NoSchedule),
-        cordon: true,
-        checkpoint: true,
-        drain: true,
-    };
-    let maintenance = if crate::notice::azure::is_freeze(notice) {
-        cfg.on_azure_freeze
-    } else {
-        cfg.on_maintenance
-    };
-    match &notice.kind {
-        NoticeKind::Interruption => Some(full),
-        NoticeKind::Maintenance => match maintenance {
-            MaintenanceAction::Ignore => None,
-            MaintenanceAction::Cordon => Some(Steps {
-                checkpoint: false,
-                drain: false,
-                ..full
-            }),
-            MaintenanceAction::Drain => Some(full),
-        },
-        NoticeKind::Rebalance => match cfg.on_rebalance {
-            RebalanceAction::Ignore => None,
-            RebalanceAction::Cordon => Some(Steps {
-                taint: Some(TaintEffect::PreferNoSchedule),
-                cordon: true,
-                checkpoint: false,
-                drain: false,
-            }),
-            RebalanceAction::Checkpoint => Some(Steps {
-                taint: Some(TaintEffect::PreferNoSchedule),
-                cordon: false,
-                checkpoint: true,
-                drain: false,
-            }),
-            RebalanceAction::Drain => Some(full),
-        },
-        NoticeKind::Cancelled(_) => None,
-    }
-}
-
 /// Nominal deadline for plans whose notice carries none (rebalance with `drain`): EC2's
 /// two-minute interruption warning.
 const NOMINAL_DEADLINE: Duration = Duration::from_secs(120);
-
-fn event_reason(kind: &NoticeKind) -> &'static str {
-    match kind {
-        NoticeKind::Interruption => reason::SPOT_INTERRUPTION,
-        NoticeKind::Rebalance => reason::REBALANCE,
-        NoticeKind::Maintenance => reason::MAINTENANCE,
-        NoticeKind::Cancelled(_) => reason::NOTICE_CANCELLED,
-    }
-}
 
 /// A running plan.
 struct Running {
@@ -403,7 +345,7 @@ impl Responder {
     async fn on_maintenance(&self, st: &mut Loop, n: Notice, updated: bool, now: Timestamp) {
         if let Some(r) = st.running.as_ref().filter(|r| r.id == n.id && r.active()) {
             // The window moved (or became known) while its plan runs.
-            let d = store::effective_deadline(n.not_before.or(n.deadline), now);
+            let d = duration::effective_deadline(n.not_before.or(n.deadline), now);
             info!(notice_id = %n.id, deadline = %d, "maintenance window changed: plan deadline updated");
             let _ = r.deadline_tx.send(d);
             return;
@@ -412,7 +354,7 @@ impl Responder {
             info!(notice_id = %n.id, "maintenance window changed after its plan completed: nothing to redo");
             return;
         }
-        let start = store::maintenance_start(
+        let start = duration::maintenance_start(
             n.not_before.or(n.deadline).unwrap_or(now),
             self.cfg.maintenance_lead,
             now,
@@ -426,7 +368,7 @@ impl Responder {
         });
         info!(notice_id = %n.id, start = %start, "maintenance scheduled");
         let id = n.id.clone();
-        let timer = send_after(st.due_tx.clone(), store::until(start, now), n);
+        let timer = send_after(st.due_tx.clone(), duration::until(start, now), n);
         st.scheduled.insert(id, Scheduled { timer });
     }
 
@@ -659,33 +601,33 @@ impl Responder {
         let loaded = Records::new(&self.deps).load_all().await;
         let now = Timestamp::now();
         for state in loaded.earlier {
-            let decision = store::resume(&state, self.deps.life.id().as_deref());
+            let decision = record::resume(&state, self.deps.life.id().as_deref());
             info!(notice_id = %state.id, phase = state.phase.as_str(), kind = state.kind.label(), previous_life = decision == Resume::PreviousLife, "found an earlier plan of another kind");
             match decision {
                 Resume::PreviousLife => self.undoer().previous_life(state).await,
-                _ => st.store.restore_state(&state, now),
+                _ => record::remember(&mut st.store, &state, now),
             }
         }
         let Some(state) = loaded.latest else {
             return;
         };
-        let decision = store::resume(&state, self.deps.life.id().as_deref());
+        let decision = record::resume(&state, self.deps.life.id().as_deref());
         info!(notice_id = %state.id, phase = state.phase.as_str(), kind = state.kind.label(), previous_life = decision == Resume::PreviousLife, "found persisted plan state");
         match decision {
             Resume::PreviousLife => self.undoer().previous_life(state).await,
-            Resume::Remember => st.store.restore_state(&state, now),
+            Resume::Remember => record::remember(&mut st.store, &state, now),
             Resume::AwaitExpiry => {
-                st.store.restore_state(&state, now);
+                record::remember(&mut st.store, &state, now);
                 let left = state
                     .deadline
-                    .map(|d| store::until(d, now))
+                    .map(|d| duration::until(d, now))
                     .unwrap_or(Duration::ZERO);
                 let t = send_after(st.expiry_due_tx.clone(), left, state.id.clone());
                 st.rebalance_expiry = Some((state.id.clone(), t));
             }
             Resume::Continue => {
-                st.store.restore_state(&state, now);
-                let notice = notice_from_state(&state);
+                record::remember(&mut st.store, &state, now);
+                let notice = record::notice_of(&state);
                 st.running = Some(self.start_plan(notice, Some((state, loaded.targets)), st));
             }
         }
@@ -703,13 +645,13 @@ impl Responder {
                 match (&resume.as_ref().map(|r| &r.0), self.cfg.on_rebalance) {
                     // A resumed rebalance keeps its expiry.
                     (Some(s), _) if s.deadline.is_some() => {
-                        store::effective_deadline(s.deadline, now)
+                        duration::effective_deadline(s.deadline, now)
                     }
-                    (_, RebalanceAction::Drain) => store::add(now, NOMINAL_DEADLINE),
-                    _ => store::add(now, self.cfg.rebalance_expiry),
+                    (_, RebalanceAction::Drain) => duration::add(now, NOMINAL_DEADLINE),
+                    _ => duration::add(now, self.cfg.rebalance_expiry),
                 }
             }
-            _ => store::effective_deadline(notice.deadline, now),
+            _ => duration::effective_deadline(notice.deadline, now),
         };
         let (deadline_tx, deadline_rx) = watch::channel(deadline);
         let cancel = st.plan_cancel.child_token();
@@ -745,88 +687,5 @@ impl Responder {
             task,
             deadline_tx,
         }
-    }
-}
-
-fn notice_from_state(state: &PlanState) -> Notice {
-    Notice {
-        id: state.id.clone(),
-        kind: state.kind.clone(),
-        source: state.source,
-        deadline: state.deadline,
-        not_before: state.deadline,
-        detail: if state.detail.is_empty() {
-            "resumed from persisted state".into()
-        } else {
-            state.detail.clone()
-        },
-        restart: state.restart,
-        published_at: None,
-        observed_at: state.updated_at,
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn cfg() -> ResponderConfig {
-        ResponderConfig {
-            on_rebalance: RebalanceAction::Checkpoint,
-            rebalance_expiry: Duration::from_secs(1800),
-            on_maintenance: MaintenanceAction::Drain,
-            on_azure_freeze: MaintenanceAction::Ignore,
-            maintenance_lead: Duration::from_secs(600),
-            checkpoint_timeout: Duration::from_secs(90),
-            drain_reserve: None,
-            force_delete_at_deadline: false,
-            drain_concurrency: 8,
-            dry_run: false,
-            shutdown_grace: Duration::from_secs(5),
-        }
-    }
-
-    #[test]
-    fn steps_follow_the_policies() {
-        let c = cfg();
-        let n = |kind: NoticeKind, detail: &str| Notice {
-            id: "n".into(),
-            kind,
-            source: Source::Azure,
-            deadline: None,
-            not_before: None,
-            detail: detail.into(),
-            restart: false,
-            published_at: None,
-            observed_at: Timestamp::now(),
-        };
-        let s = steps_for(&n(NoticeKind::Interruption, ""), &c).unwrap();
-        assert!(s.cordon && s.checkpoint && s.drain);
-        assert_eq!(s.taint, Some(TaintEffect::NoSchedule));
-        let r = steps_for(&n(NoticeKind::Rebalance, ""), &c).unwrap();
-        assert_eq!(r.taint, Some(TaintEffect::PreferNoSchedule));
-        assert!(r.checkpoint && !r.drain && !r.cordon);
-        let mut c2 = c.clone();
-        c2.on_rebalance = RebalanceAction::Ignore;
-        assert!(steps_for(&n(NoticeKind::Rebalance, ""), &c2).is_none());
-        c2.on_maintenance = MaintenanceAction::Cordon;
-        let m = steps_for(
-            &n(NoticeKind::Maintenance, "Reboot (Scheduled, Platform): x"),
-            &c2,
-        )
-        .unwrap();
-        assert!(m.cordon && !m.checkpoint && !m.drain);
-        // Azure Freeze follows its own policy (default ignore), not --on-maintenance.
-        let freeze = n(
-            NoticeKind::Maintenance,
-            "Freeze (Scheduled, Platform): pause",
-        );
-        assert!(steps_for(&freeze, &c).is_none());
-        let mut c3 = c.clone();
-        c3.on_azure_freeze = MaintenanceAction::Cordon;
-        let f = steps_for(&freeze, &c3).unwrap();
-        assert!(f.cordon && !f.checkpoint && !f.drain);
-        assert_eq!(c.reserve(Source::Aws), Duration::from_secs(25));
-        assert_eq!(c.reserve(Source::Gce), Duration::from_secs(8));
     }
 }

@@ -672,7 +672,7 @@ async fn open_journal(
     started_at: Timestamp,
 ) -> Result<(Journal, Option<Record>), Error> {
     let path = journal::path_for(state_dir, key);
-    let boot_id = crate::gpu::read_boot_id().unwrap_or_default();
+    let boot_id = crate::life::read_boot_id().unwrap_or_default();
     let previous = match journal::load(&path) {
         Ok(p) => p,
         Err(e) => {

@@ -96,7 +96,7 @@ pub async fn recover(
     limits: &Limits,
     store: &StoreOptions,
 ) -> Vec<Recovery> {
-    let boot_id = crate::gpu::read_boot_id().unwrap_or_default();
+    let boot_id = crate::life::read_boot_id().unwrap_or_default();
     let mut out = Vec::new();
     for (path, record) in journal::list(state_dir) {
         let record = match record {
@@ -226,7 +226,7 @@ mod tests {
         let staged = tmp.path().join("step-1");
         std::fs::create_dir_all(&staged).unwrap();
         std::fs::write(staged.join("w"), b"w").unwrap();
-        let boot = crate::gpu::read_boot_id().unwrap();
+        let boot = crate::life::read_boot_id().unwrap();
         let proc = ProcFs::default();
         let mut gone = std::process::Command::new("true").spawn().unwrap();
         let gone_pid = gone.id() as i32;

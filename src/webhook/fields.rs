@@ -6,7 +6,8 @@ use std::time::Duration;
 
 use jiff::Timestamp;
 
-use crate::notice::{time_until, Notice};
+use crate::duration::time_until;
+use crate::notice::Notice;
 
 /// Placeholders a template may use. Outcome placeholders render empty in start messages.
 pub const PLACEHOLDERS: &[&str] = &[
@@ -309,12 +310,13 @@ pub(super) mod tests {
         let notice = Notice {
             id: "abc".into(),
             kind: crate::notice::NoticeKind::Maintenance,
-            source: crate::notice::Source::Azure,
+            source: crate::notice::Cloud::Azure,
             deadline: None,
             not_before: None,
             detail: "Reboot".into(),
             restart: true,
             published_at: None,
+            maintenance: crate::notice::MaintenanceKind::Other,
             observed_at: now(),
         };
         let f = NotifyFields::from_notice(&notice, "node-9", "vm-9", "drain");

@@ -8,11 +8,14 @@
 //! 1. `SPOTGUARD_EC2_METADATA_MOCK`: a binary, or an `.xz` of one (another version);
 //! 2. `../shared/k8s/ec2-metadata-mock-<version>-linux-amd64.xz` beside the checkout.
 //!
-//! An `.xz` is unpacked once (with `xz -dc`) into `<target>/ec2-metadata-mock/<version>/`.
+//! An `.xz` is unpacked once (with `xz -dc`, through [`crate::assets::fill_once`]) into
+//! `<target>/ec2-metadata-mock/<version>/`.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+
+use crate::assets::{fill_once, shared_dir, target_dir};
 
 /// Environment variable naming another mock binary (or `.xz`).
 pub const ENV: &str = "SPOTGUARD_EC2_METADATA_MOCK";
@@ -48,40 +51,29 @@ pub fn binary() -> Result<(PathBuf, String), String> {
         return Ok((source, version));
     }
     let dir = target_dir().join("ec2-metadata-mock").join(&version);
+    fill_once(&dir, |tmp| {
+        let bin = tmp.join("ec2-metadata-mock");
+        let out = std::fs::File::create(&bin).map_err(|e| format!("{}: {e}", bin.display()))?;
+        let status = Command::new("xz")
+            .arg("-dc")
+            .arg(&source)
+            .stdout(out)
+            .status()
+            .map_err(|e| format!("running xz to unpack {}: {e}", source.display()))?;
+        if !status.success() {
+            return Err(format!("xz -dc {} failed: {status}", source.display()));
+        }
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755))
+            .map_err(|e| format!("{}: {e}", bin.display()))
+    })?;
     let bin = dir.join("ec2-metadata-mock");
-    if bin.exists() {
-        return Ok((bin, version));
-    }
-    std::fs::create_dir_all(&dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
-    let tmp = dir.join(format!(
-        ".ec2-metadata-mock.{}.{:08x}",
-        std::process::id(),
-        fastrand::u32(..)
-    ));
-    let out = std::fs::File::create(&tmp).map_err(|e| format!("{}: {e}", tmp.display()))?;
-    let status = Command::new("xz")
-        .arg("-dc")
-        .arg(&source)
-        .stdout(out)
-        .status()
-        .map_err(|e| format!("running xz to unpack {}: {e}", source.display()))?;
-    if !status.success() {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(format!("xz -dc {} failed: {status}", source.display()));
-    }
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o755))
-        .and_then(|()| std::fs::rename(&tmp, &bin))
-        .map_err(|e| format!("installing {}: {e}", bin.display()))?;
     Ok((bin, version))
 }
 
 /// The archive beside the checkout: `../shared/k8s/ec2-metadata-mock-*-linux-amd64.xz`.
 fn shipped() -> Result<PathBuf, String> {
-    let workspace = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .unwrap_or(Path::new("."));
-    let dir = workspace.join("../shared/k8s");
+    let dir = shared_dir();
     let mut found: Vec<PathBuf> = std::fs::read_dir(&dir)
         .map(|rd| {
             rd.filter_map(|e| e.ok().map(|e| e.path()))
@@ -101,17 +93,6 @@ fn shipped() -> Result<PathBuf, String> {
             dir.display()
         )
     })
-}
-
-/// The cargo target dir of the running test or bench (`<target>/<profile>/deps/<exe>`).
-fn target_dir() -> PathBuf {
-    if let Some(t) = std::env::var_os("CARGO_TARGET_DIR") {
-        return PathBuf::from(t);
-    }
-    std::env::current_exe()
-        .ok()
-        .and_then(|exe| Some(exe.parent()?.parent()?.parent()?.to_path_buf()))
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target"))
 }
 
 fn free_port() -> std::io::Result<u16> {

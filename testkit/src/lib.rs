@@ -2,18 +2,23 @@
 //! in-process servers. A workspace member and a dev-dependency of `spotguard`, never part of the
 //! shipped library or binary.
 //!
+//! - [`assets`]: where the checkout, `../shared/k8s` and `target/` are; unpacking an outside
+//!   binary into a cache under `target/` once.
 //! - [`ec2_mock`]: AWS's own `ec2-metadata-mock` on a free loopback port (version chosen by
 //!   `SPOTGUARD_EC2_METADATA_MOCK` or `../shared/k8s`).
 //! - [`k8s`]: a real Kubernetes control plane (etcd, kube-apiserver, controller-manager,
 //!   scheduler) per test binary, a kubelet stand-in that runs pods as real processes, and a
 //!   fault proxy in front of the API server.
+//! - [`fuse`]: a FUSE mount nobody answers (a hung checkpoint dir).
 //! - [`gpu`]: recorded readings of real boards (fixtures), a scripted `GpuProbe`, a recording
 //!   `NodeOps`, and a fake kubelet pod-resources gRPC server.
 //! - [`kubelet`]: random pod uids and container ids, the cgroup the kubelet makes for a container.
 //! - [`process`]: whether a real process has installed its SIGUSR1 handler yet.
 //! - [`wait_for_event`]: wait for a responder plan event; [`metrics_text`]: a running agent's
 //!   `/metrics`.
+pub mod assets;
 pub mod ec2_mock;
+pub mod fuse;
 pub mod gpu;
 pub mod k8s;
 pub mod kubelet;

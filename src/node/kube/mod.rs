@@ -34,8 +34,9 @@ use serde_json::{json, Value};
 
 use super::drain::PodWatch;
 use super::{
-    Applied, AppliedMarks, DrainReport, DrainRequest, Error, EventType, GpuConditions, NodeOps,
-    PlanState, Protection, APPLIED_ANNOTATION, INTERRUPTION_TAINT, NOTICE_ANNOTATION,
+    Applied, AppliedMarks, DrainReport, DrainRequest, Error, EventType, GpuConditionTypes,
+    GpuConditions, NodeOps, PlanState, Protection, APPLIED_ANNOTATION, INTERRUPTION_TAINT,
+    NOTICE_ANNOTATION,
 };
 use crate::metrics::Metrics;
 use crate::node::PodRef;
@@ -48,8 +49,8 @@ pub const REPORTING_CONTROLLER: &str = "spotguard.io/agent";
 pub const FIELD_MANAGER: &str = "spotguard";
 /// Default node condition types (problem polarity: status True = problem present); the types
 /// in use are configurable ([`KubeNodeOps::with_gpu_condition_types`]).
-pub const CONDITION_GPU_UNHEALTHY: &str = crate::gpu::DEFAULT_UNHEALTHY_CONDITION;
-pub const CONDITION_GPU_DEGRADED: &str = crate::gpu::DEFAULT_DEGRADED_CONDITION;
+pub const CONDITION_GPU_UNHEALTHY: &str = super::DEFAULT_GPU_UNHEALTHY_CONDITION;
+pub const CONDITION_GPU_DEGRADED: &str = super::DEFAULT_GPU_DEGRADED_CONDITION;
 
 /// A kube client for spotguard: kube's default retry layer off (spotguard classifies 429 / 5xx
 /// itself, bounded by the notice deadline).
@@ -68,7 +69,7 @@ pub struct KubeNodeOps {
     metrics: Arc<Metrics>,
     node_uid: Mutex<Option<String>>,
     series: Mutex<HashMap<EventKey, SeriesEntry>>,
-    gpu_types: crate::gpu::ConditionTypes,
+    gpu_types: GpuConditionTypes,
     /// Set once by the app after the pod cache that feeds it was built (the cache reports
     /// through these node operations, so it comes second).
     pod_watch: OnceLock<Arc<dyn PodWatch>>,
@@ -97,7 +98,7 @@ impl KubeNodeOps {
             metrics,
             node_uid: Mutex::new(None),
             series: Mutex::new(HashMap::new()),
-            gpu_types: crate::gpu::ConditionTypes::default(),
+            gpu_types: GpuConditionTypes::default(),
             pod_watch: OnceLock::new(),
         }
     }
@@ -110,7 +111,7 @@ impl KubeNodeOps {
 
     /// Show the GPU verdict under these condition types (default `GPUUnhealthy` /
     /// `GPUDegraded`, no Ready-polarity condition).
-    pub fn with_gpu_condition_types(mut self, types: crate::gpu::ConditionTypes) -> Self {
+    pub fn with_gpu_condition_types(mut self, types: GpuConditionTypes) -> Self {
         self.gpu_types = types;
         self
     }

@@ -20,6 +20,9 @@ use std::time::Duration;
 
 use sha2::{Digest, Sha256};
 
+use crate::assets::{executable, fill_once, filled};
+pub use crate::assets::{repo_root, shared_dir, target_dir};
+
 /// The Kubernetes version the tests run against unless `SPOTGUARD_K8S_VERSION` says otherwise.
 pub const DEFAULT_VERSION: &str = "1.32.13";
 
@@ -55,19 +58,6 @@ const KUBE_BINARIES: [&str; 3] = [
     "kube-scheduler",
 ];
 
-/// The repository root (the workspace that holds `testkit/`).
-pub fn repo_root() -> PathBuf {
-    let testkit = Path::new(env!("CARGO_MANIFEST_DIR"));
-    testkit.parent().unwrap_or(testkit).to_path_buf()
-}
-
-/// cargo's target directory: `CARGO_TARGET_DIR` when set, else `<repo>/target`.
-pub fn target_dir() -> PathBuf {
-    std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| repo_root().join("target"))
-}
-
 /// The version asked for: `SPOTGUARD_K8S_VERSION`, else [`DEFAULT_VERSION`] (a leading `v` is
 /// accepted).
 pub fn wanted_version() -> String {
@@ -95,18 +85,8 @@ fn how_to_provide(version: &str) -> String {
     )
 }
 
-/// `../shared/k8s` beside the checkout.
-pub fn shared_dir() -> PathBuf {
-    repo_root().join("../shared/k8s")
-}
-
 fn cache_dir(version: &str) -> PathBuf {
     target_dir().join("k8s-assets").join(format!("v{version}"))
-}
-
-fn executable(p: &Path) -> bool {
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
 }
 
 fn on_path(name: &str) -> Option<PathBuf> {
@@ -220,66 +200,42 @@ pub fn locate() -> Result<Assets, MissingAssets> {
     })
 }
 
-/// A cache directory holds a complete set once its `.complete` stamp exists.
+/// A cache directory holds a complete set once its `.complete` stamp exists and every binary is
+/// there.
 fn complete(dir: &Path) -> bool {
-    dir.join(".complete").is_file() && KUBE_BINARIES.iter().all(|b| executable(&dir.join(b)))
+    filled(dir) && KUBE_BINARIES.iter().all(|b| executable(&dir.join(b)))
 }
 
-/// A fresh sibling of `dest` to fill before renaming it into place (several test binaries may
-/// race to fill the same cache).
-fn staging(dest: &Path) -> std::io::Result<PathBuf> {
-    let parent = dest.parent().unwrap_or(Path::new("."));
-    std::fs::create_dir_all(parent)?;
-    let tmp = parent.join(format!(
-        ".staging-{}-{}",
-        std::process::id(),
-        fastrand::u64(..)
-    ));
-    std::fs::create_dir_all(&tmp)?;
-    Ok(tmp)
-}
-
-fn publish(tmp: &Path, dest: &Path) -> std::io::Result<()> {
-    std::fs::write(tmp.join(".complete"), b"")?;
-    match std::fs::rename(tmp, dest) {
-        Ok(()) => Ok(()),
-        // Someone else finished first (or a stale incomplete copy is in the way).
-        Err(_) if complete(dest) => {
-            let _ = std::fs::remove_dir_all(tmp);
-            Ok(())
-        }
-        Err(_) => {
-            std::fs::remove_dir_all(dest)?;
-            std::fs::rename(tmp, dest)
-        }
+/// Fill the cache with `fill`; a stamped copy that lost a binary is replaced.
+fn fill_cache(dest: &Path, fill: impl FnOnce(&Path) -> Result<(), String>) -> Result<(), String> {
+    if filled(dest) && !complete(dest) {
+        std::fs::remove_dir_all(dest).map_err(|e| format!("{}: {e}", dest.display()))?;
     }
+    fill_once(dest, fill)
 }
 
 fn unpack(archive: &Path, dest: &Path) -> Result<(), String> {
-    let tmp = staging(dest).map_err(|e| e.to_string())?;
-    let out = Command::new("tar")
-        .arg("-xJf")
-        .arg(archive)
-        .arg("-C")
-        .arg(&tmp)
-        .output()
-        .map_err(|e| format!("running tar (needs tar and xz-utils): {e}"))?;
-    if !out.status.success() {
-        let _ = std::fs::remove_dir_all(&tmp);
-        return Err(format!(
-            "tar -xJf failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        ));
-    }
-    for b in KUBE_BINARIES {
-        if !executable(&tmp.join(b)) {
-            let _ = std::fs::remove_dir_all(&tmp);
+    fill_cache(dest, |tmp| {
+        let out = Command::new("tar")
+            .arg("-xJf")
+            .arg(archive)
+            .arg("-C")
+            .arg(tmp)
+            .output()
+            .map_err(|e| format!("running tar (needs tar and xz-utils): {e}"))?;
+        if !out.status.success() {
             return Err(format!(
-                "the archive has no executable {b} at its top level"
+                "tar -xJf failed: {}",
+                String::from_utf8_lossy(&out.stderr)
             ));
         }
-    }
-    publish(&tmp, dest).map_err(|e| e.to_string())
+        match KUBE_BINARIES.iter().find(|b| !executable(&tmp.join(b))) {
+            Some(b) => Err(format!(
+                "the archive has no executable {b} at its top level"
+            )),
+            None => Ok(()),
+        }
+    })
 }
 
 /// Download the release binaries of `version` from dl.k8s.io, checked against the published
@@ -290,56 +246,53 @@ fn download(version: &str, dest: &Path) -> Result<String, String> {
         .enable_all()
         .build()
         .map_err(|e| e.to_string())?;
-    let tmp = staging(dest).map_err(|e| e.to_string())?;
-    let result = rt.block_on(async {
-        let client = reqwest::Client::builder()
-            .connect_timeout(Duration::from_secs(5))
-            .timeout(Duration::from_secs(600))
-            .build()
-            .map_err(|e| e.to_string())?;
-        for b in KUBE_BINARIES {
-            let get = |url: String| {
-                let client = client.clone();
-                async move {
-                    let resp = client
-                        .get(&url)
-                        .send()
-                        .await
-                        .map_err(|e| format!("{url}: {e}"))?;
-                    if !resp.status().is_success() {
-                        return Err(format!("{url}: HTTP {}", resp.status()));
-                    }
-                    resp.bytes().await.map_err(|e| format!("{url}: {e}"))
-                }
-            };
-            let sum = get(format!("{base}/{b}.sha256")).await?;
-            let want = String::from_utf8_lossy(&sum)
-                .split_whitespace()
-                .next()
-                .unwrap_or_default()
-                .to_ascii_lowercase();
-            let bytes = get(format!("{base}/{b}")).await?;
-            let got: String = Sha256::digest(&bytes)
-                .iter()
-                .map(|x| format!("{x:02x}"))
-                .collect();
-            if got != want {
-                return Err(format!("{base}/{b}: sha256 {got}, published {want}"));
-            }
-            let path = tmp.join(b);
-            std::fs::write(&path, &bytes).map_err(|e| e.to_string())?;
-            use std::os::unix::fs::PermissionsExt;
-            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755))
-                .map_err(|e| e.to_string())?;
-        }
-        Ok(())
-    });
-    if let Err(e) = result {
-        let _ = std::fs::remove_dir_all(&tmp);
-        return Err(e);
-    }
     let source = format!("downloaded from {base}");
-    let _ = std::fs::write(tmp.join(".source"), &source);
-    publish(&tmp, dest).map_err(|e| e.to_string())?;
+    fill_cache(dest, |tmp| {
+        rt.block_on(async {
+            let client = reqwest::Client::builder()
+                .connect_timeout(Duration::from_secs(5))
+                .timeout(Duration::from_secs(600))
+                .build()
+                .map_err(|e| e.to_string())?;
+            for b in KUBE_BINARIES {
+                let get = |url: String| {
+                    let client = client.clone();
+                    async move {
+                        let resp = client
+                            .get(&url)
+                            .send()
+                            .await
+                            .map_err(|e| format!("{url}: {e}"))?;
+                        if !resp.status().is_success() {
+                            return Err(format!("{url}: HTTP {}", resp.status()));
+                        }
+                        resp.bytes().await.map_err(|e| format!("{url}: {e}"))
+                    }
+                };
+                let sum = get(format!("{base}/{b}.sha256")).await?;
+                let want = String::from_utf8_lossy(&sum)
+                    .split_whitespace()
+                    .next()
+                    .unwrap_or_default()
+                    .to_ascii_lowercase();
+                let bytes = get(format!("{base}/{b}")).await?;
+                let got: String = Sha256::digest(&bytes)
+                    .iter()
+                    .map(|x| format!("{x:02x}"))
+                    .collect();
+                if got != want {
+                    return Err(format!("{base}/{b}: sha256 {got}, published {want}"));
+                }
+                let path = tmp.join(b);
+                std::fs::write(&path, &bytes).map_err(|e| e.to_string())?;
+                use std::os::unix::fs::PermissionsExt;
+                std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755))
+                    .map_err(|e| e.to_string())?;
+            }
+            Ok(())
+        })?;
+        let _ = std::fs::write(tmp.join(".source"), &source);
+        Ok(())
+    })?;
     Ok(source)
 }

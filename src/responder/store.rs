@@ -16,18 +16,15 @@
 //!   occurrence; a stale report observed before the cancel is not.
 //! - A rebalance recommendation stays known after its expiry: the metadata service keeps serving
 //!   the same `noticeTime` until the instance dies, and one recommendation is one plan.
-//! - Persisted state carries the boot id: [`resume`] tells a record of this life of the machine
-//!   (resume or remember it) from one of a previous life (undo, clear, arm again).
 //!
-//! Deadline maths lives here as pure functions.
+//! What a persisted plan record means at start-up is the record's ([`super::record`]); what it
+//! restores here goes through [`NoticeStore::restore`] and [`NoticeStore::restore_interruption`].
 
 use std::collections::HashMap;
-use std::time::Duration;
 
-use jiff::{SignedDuration, Timestamp};
+use jiff::Timestamp;
 
-use super::{Notice, NoticeKind};
-use crate::node::{Phase, PlanState};
+use crate::notice::{Notice, NoticeKind};
 
 /// What the responder should do with a notice.
 #[derive(Clone, Debug, PartialEq)]
@@ -109,19 +106,6 @@ impl NoticeStore {
         self.seen.get(id).is_some_and(|s| s.earlier > 0)
     }
 
-    /// Restore what a persisted record of this life says: the interruption (never started
-    /// again), or a rebalance/maintenance notice (so that re-polls of it dedupe, also after its
-    /// plan was undone at expiry).
-    pub fn restore_state(&mut self, state: &PlanState, now: Timestamp) {
-        match &state.kind {
-            NoticeKind::Interruption => {
-                self.restore_interruption(&state.id, state.deadline.unwrap_or(now))
-            }
-            NoticeKind::Cancelled(_) => {}
-            kind => self.restore(&state.id, kind.clone(), state.deadline),
-        }
-    }
-
     /// Decide what `notice` means. `now` resolves absent or past deadlines ("now").
     pub fn accept(&mut self, notice: &Notice, now: Timestamp) -> Decision {
         if notice.kind == NoticeKind::Interruption {
@@ -168,7 +152,7 @@ impl NoticeStore {
     }
 
     fn accept_interruption(&mut self, notice: &Notice, now: Timestamp) -> Decision {
-        let deadline = effective_deadline(checked_deadline(notice), now);
+        let deadline = crate::duration::effective_deadline(checked_deadline(notice), now);
         self.interruption_last_id = Some(notice.id.clone());
         match &mut self.interruption {
             None => {
@@ -225,42 +209,16 @@ impl NoticeStore {
     }
 }
 
-/// What a persisted record means at start-up.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Resume {
-    /// Written in a previous life of the machine: undo what spotguard applied, clear it, arm again.
-    PreviousLife,
-    /// Nothing left to do; remember the notice so that re-polls of it dedupe.
-    Remember,
-    /// A rebalance whose early checkpoint is done: remember it and undo at its expiry.
-    AwaitExpiry,
-    /// A plan of this life that had not finished: carry on from its phase.
-    Continue,
-}
-
-/// Decide what the persisted `state` means for an agent starting in boot `boot_id`.
-pub fn resume(state: &PlanState, boot_id: Option<&str>) -> Resume {
-    if !state.same_life(boot_id) {
-        return Resume::PreviousLife;
-    }
-    match (&state.kind, state.phase) {
-        (_, Phase::Done | Phase::Undone) => Resume::Remember,
-        (NoticeKind::Rebalance, phase) if phase >= Phase::Checkpointed => Resume::AwaitExpiry,
-        _ => Resume::Continue,
-    }
-}
-
-/// EC2 gives at most two minutes between the instance-action notice and the action.
-pub const EC2_INTERRUPTION_NOTICE: Duration = Duration::from_secs(120);
-
-/// The deadline of `notice` as far as it can be trusted: an EC2 instance-action `time` outside
-/// [first seen, first seen + 120 s] (a skewed or bogus clock) is clamped into it.
+/// The deadline of `notice` as far as it can be trusted: an interruption's deadline outside
+/// [first seen, first seen + the most notice its cloud gives] (a skewed or bogus clock: an EC2
+/// instance-action `time`) is clamped into it ([`crate::notice::CloudFacts::max_interruption_notice`]).
 pub fn checked_deadline(notice: &Notice) -> Option<Timestamp> {
-    if notice.source != super::Source::Aws || notice.kind != NoticeKind::Interruption {
+    let max = notice.source.facts().max_interruption_notice;
+    let Some(max) = max.filter(|_| notice.kind == NoticeKind::Interruption) else {
         return notice.deadline;
-    }
+    };
     let first_seen = notice.observed_at;
-    let latest = add(first_seen, EC2_INTERRUPTION_NOTICE);
+    let latest = crate::duration::add(first_seen, max);
     Some(match notice.deadline {
         Some(d) if d > latest => latest,
         Some(d) if d < first_seen => first_seen,
@@ -269,70 +227,11 @@ pub fn checked_deadline(notice: &Notice) -> Option<Timestamp> {
     })
 }
 
-/// A missing or past deadline means "now".
-pub fn effective_deadline(deadline: Option<Timestamp>, now: Timestamp) -> Timestamp {
-    match deadline {
-        Some(d) if d > now => d,
-        _ => now,
-    }
-}
-
-/// `t + d`, saturating at the representable range.
-pub fn add(t: Timestamp, d: Duration) -> Timestamp {
-    SignedDuration::try_from(d)
-        .ok()
-        .and_then(|sd| t.checked_add(sd).ok())
-        .unwrap_or(Timestamp::MAX)
-}
-
-/// `t − d`, saturating at the representable range.
-pub fn sub(t: Timestamp, d: Duration) -> Timestamp {
-    SignedDuration::try_from(d)
-        .ok()
-        .and_then(|sd| t.checked_sub(sd).ok())
-        .unwrap_or(Timestamp::MIN)
-}
-
-/// When checkpoint waiting must end: `min(now + timeout, deadline − reserve)`, never before now.
-pub fn checkpoint_deadline(
-    deadline: Timestamp,
-    now: Timestamp,
-    reserve: Duration,
-    timeout: Duration,
-) -> Timestamp {
-    let by_timeout = add(now, timeout);
-    let by_deadline = sub(deadline, reserve);
-    let end = if by_timeout < by_deadline {
-        by_timeout
-    } else {
-        by_deadline
-    };
-    if end < now {
-        now
-    } else {
-        end
-    }
-}
-
-/// When handling of a scheduled event starts: `not_before − lead` (never before now).
-pub fn maintenance_start(not_before: Timestamp, lead: Duration, now: Timestamp) -> Timestamp {
-    let start = sub(not_before, lead);
-    if start < now {
-        now
-    } else {
-        start
-    }
-}
-
-/// A `std::time::Duration` until `t` (zero when past).
-pub fn until(t: Timestamp, now: Timestamp) -> Duration {
-    super::time_until(Some(t), now)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::notice::Source;
+    use crate::notice::Cloud;
+    use crate::responder::record::{remember, resume, Resume};
 
     fn ts(s: i64) -> Timestamp {
         Timestamp::from_second(1_800_000_000 + s).unwrap()
@@ -342,12 +241,13 @@ mod tests {
         Notice {
             id: id.into(),
             kind,
-            source: Source::Aws,
+            source: Cloud::Aws,
             deadline: deadline.map(ts),
             not_before: deadline.map(ts),
             detail: String::new(),
             restart: false,
             published_at: None,
+            maintenance: crate::notice::MaintenanceKind::Other,
             observed_at: ts(0),
         }
     }
@@ -370,7 +270,7 @@ mod tests {
         );
         // Another source, earlier deadline: moves it.
         let mut g = notice("c", NoticeKind::Interruption, Some(90));
-        g.source = Source::Gce;
+        g.source = Cloud::Gce;
         assert_eq!(s.accept(&g, now), Decision::DeadlineMoved(ts(90)));
         assert_eq!(s.interruption(), Some(("a", ts(90))));
     }
@@ -483,7 +383,7 @@ mod tests {
         assert!(matches!(d, Decision::StartInterruption(ref n) if n.deadline == Some(ts(120))));
         // Other clouds' deadlines are their own (GCE: detection + notice).
         let mut g = notice("g", NoticeKind::Interruption, Some(3600));
-        g.source = Source::Gce;
+        g.source = Cloud::Gce;
         assert_eq!(checked_deadline(&g), Some(ts(3600)));
     }
 
@@ -510,44 +410,6 @@ mod tests {
         assert_eq!(
             s.accept(&notice("a", NoticeKind::Interruption, Some(100)), ts(0)),
             Decision::Duplicate
-        );
-    }
-
-    #[test]
-    fn checkpoint_deadline_is_min_of_timeout_and_reserve() {
-        let now = ts(0);
-        // EC2: 120 s notice, 25 s reserve, 90 s timeout → 90 s.
-        assert_eq!(
-            checkpoint_deadline(
-                ts(120),
-                now,
-                Duration::from_secs(25),
-                Duration::from_secs(90)
-            ),
-            ts(90)
-        );
-        // GCE: 30 s notice, 8 s reserve → 22 s.
-        assert_eq!(
-            checkpoint_deadline(ts(30), now, Duration::from_secs(8), Duration::from_secs(90)),
-            ts(22)
-        );
-        // Deadline already inside the reserve → now.
-        assert_eq!(
-            checkpoint_deadline(ts(5), now, Duration::from_secs(8), Duration::from_secs(90)),
-            now
-        );
-    }
-
-    #[test]
-    fn maintenance_start_is_lead_before_not_before_never_before_now() {
-        let now = ts(0);
-        assert_eq!(
-            maintenance_start(ts(3600), Duration::from_secs(600), now),
-            ts(3000)
-        );
-        assert_eq!(
-            maintenance_start(ts(300), Duration::from_secs(600), now),
-            now
         );
     }
 
@@ -653,7 +515,7 @@ mod tests {
                                 match resume(&p, Some(&boot_id)) {
                                     Resume::PreviousLife => persisted = None,
                                     Resume::Remember | Resume::AwaitExpiry | Resume::Continue => {
-                                        store.restore_state(&p, now)
+                                        remember(&mut store, &p, now)
                                     }
                                 }
                             }

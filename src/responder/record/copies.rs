@@ -1,30 +1,30 @@
-//! The plan record's two copies (local file first, Node annotation within a budget) and the
-//! budgets of the steps beside the signal.
+//! The plan record's two copies: the local file (always; written first, fsync'd) and the node's
+//! copy (Kubernetes: the Node annotation `spotguard.io/notice`, within a budget; host mode has
+//! none). Which copy is further along when both are read.
 
-use super::*;
+use std::sync::Arc;
+use std::time::Duration;
 
-/// Upper bound of one step beside the signal (protect, Event, annotation): a quarter of the time
-/// left, between 1 s and 10 s.
-pub(super) const SIDE_BUDGET_MAX: Duration = Duration::from_secs(10);
-pub(super) const SIDE_BUDGET_MIN: Duration = Duration::from_secs(1);
-/// Bound on reading the Node annotation at start-up (the local record answers without it).
-pub(super) const LOAD_BUDGET: Duration = Duration::from_secs(5);
+use tracing::{error, warn};
 
-pub(super) fn side_budget(deadline: Timestamp, now: Timestamp) -> Duration {
-    (store::until(deadline, now) / 4).clamp(SIDE_BUDGET_MIN, SIDE_BUDGET_MAX)
-}
+use super::{RecordedTarget, StateFile};
+use crate::metrics::Metrics;
+use crate::node::{NodeOps, PlanState};
+
+/// Bound on reading the node's copy at start-up (the local record answers without it).
+pub(crate) const LOAD_BUDGET: Duration = Duration::from_secs(5);
 
 /// The two copies of the plan record: the local file (always; written first, fsync'd) and the Node
 /// annotation (Kubernetes mode; within a budget).
 #[derive(Clone)]
-pub(super) struct Records {
-    pub(super) local: StateFile,
-    pub(super) node: Arc<dyn NodeOps>,
-    pub(super) metrics: Arc<Metrics>,
+pub(crate) struct Records {
+    pub(crate) local: StateFile,
+    pub(crate) node: Arc<dyn NodeOps>,
+    pub(crate) metrics: Arc<Metrics>,
 }
 
 impl Records {
-    pub(super) fn new(deps: &Deps) -> Self {
+    pub(crate) fn new(deps: &super::super::Deps) -> Self {
         Records {
             local: deps.local.clone(),
             node: deps.node.clone(),
@@ -32,11 +32,7 @@ impl Records {
         }
     }
 
-    pub(super) fn remote(&self) -> bool {
-        !self.node.state_is_local()
-    }
-
-    pub(super) async fn save_local(&self, state: &PlanState) {
+    pub(crate) async fn save_local(&self, state: &PlanState) {
         if let Err(e) = self.local.save(state).await {
             error!(phase = state.phase.as_str(), error = %e, "persisting the local plan record failed");
             self.metrics.error("responder", e.metric_label());
@@ -44,7 +40,7 @@ impl Records {
     }
 
     /// The local record with the processes about to be signalled (before the signal).
-    pub(super) async fn save_local_with_targets(
+    pub(crate) async fn save_local_with_targets(
         &self,
         state: &PlanState,
         targets: Vec<RecordedTarget>,
@@ -57,12 +53,12 @@ impl Records {
 
     /// Remove one plan from the record (its notice was cancelled and undone); the other kinds'
     /// plans stay. The Node annotation holds one plan: it is cleared when it is this one.
-    pub(super) async fn clear_plan(&self, id: &str, budget: Duration) {
+    pub(crate) async fn clear_plan(&self, id: &str, budget: Duration) {
         if let Err(e) = self.local.clear_plan(id).await {
             error!(error = %e, "clearing the plan from the local record failed");
             self.metrics.error("responder", e.metric_label());
         }
-        if self.remote() {
+        {
             let remote = tokio::time::timeout(budget, self.node.load_state()).await;
             if let Ok(Ok(Some(s))) = remote {
                 if s.id != id {
@@ -80,10 +76,7 @@ impl Records {
         }
     }
 
-    pub(super) async fn save_remote(&self, state: &PlanState, budget: Duration) {
-        if !self.remote() {
-            return;
-        }
+    pub(crate) async fn save_remote(&self, state: &PlanState, budget: Duration) {
         match tokio::time::timeout(budget, self.node.save_state(state)).await {
             Ok(Ok(())) => {}
             Ok(Err(e)) => {
@@ -101,7 +94,7 @@ impl Records {
         }
     }
 
-    pub(super) async fn save(&self, state: &PlanState, budget: Duration) {
+    pub(crate) async fn save(&self, state: &PlanState, budget: Duration) {
         self.save_local(state).await;
         self.save_remote(state, budget).await;
     }
@@ -111,7 +104,7 @@ impl Records {
     /// record); an unreadable copy is logged and counted (and remembered by the local
     /// [`StateFile`]); an API outage leaves the local record. With it the processes the local
     /// record lists for it, and the other kinds' plans of the local record.
-    pub(super) async fn load_all(&self) -> Loaded {
+    pub(crate) async fn load_all(&self) -> Loaded {
         let local = match self.local.load_record().await {
             Ok(r) => r,
             Err(e) => {
@@ -120,7 +113,7 @@ impl Records {
                 None
             }
         };
-        let remote = if self.remote() {
+        let remote = {
             match tokio::time::timeout(LOAD_BUDGET, self.node.load_state()).await {
                 Ok(Ok(s)) => s,
                 Ok(Err(e)) => {
@@ -137,8 +130,6 @@ impl Records {
                     None
                 }
             }
-        } else {
-            None
         };
         let (local_latest, targets, earlier) = match local {
             Some(r) => (Some(r.latest), r.targets, r.earlier),
@@ -170,14 +161,14 @@ impl Records {
 
 /// What [`Records::load_all`] found.
 #[derive(Debug, Default)]
-pub(super) struct Loaded {
-    pub(super) latest: Option<PlanState>,
-    pub(super) targets: Vec<RecordedTarget>,
-    pub(super) earlier: Vec<PlanState>,
+pub(crate) struct Loaded {
+    pub(crate) latest: Option<PlanState>,
+    pub(crate) targets: Vec<RecordedTarget>,
+    pub(crate) earlier: Vec<PlanState>,
 }
 
 /// The record further along of two copies.
-pub(super) fn newest(local: Option<PlanState>, remote: Option<PlanState>) -> Option<PlanState> {
+pub(crate) fn newest(local: Option<PlanState>, remote: Option<PlanState>) -> Option<PlanState> {
     match (local, remote) {
         (Some(l), Some(r)) => {
             let remote_ahead = if l.id == r.id && l.kind == r.kind {

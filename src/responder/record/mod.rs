@@ -1,0 +1,116 @@
+//! The plan record: what one plan has done, persisted before each step so that a restarted agent
+//! resumes and never repeats a step that already happened (above all: never signals twice).
+//!
+//! - `local`: `<state-dir>/notice.json` ([`StateFile`], [`LocalRecord`]): every mode, written
+//!   first and fsync'd, with the processes a plan is about to signal ([`RecordedTarget`]) and the
+//!   last plan of each other notice kind in this life;
+//! - `copies`: the local file and the node's copy (the Node annotation `spotguard.io/notice` in
+//!   Kubernetes mode, which the node ops store as given), and which is further along;
+//! - here: what a record found at start-up means ([`resume`]), what it restores into the notice
+//!   store ([`remember`]) and the notice a resumed plan carries on ([`notice_of`]).
+//!
+//! Every record says which life of the machine it belongs to (`crate::life`): one of a previous
+//! life is undone and cleared, never resumed.
+
+mod copies;
+mod local;
+
+use jiff::Timestamp;
+
+pub(crate) use copies::{Records, LOAD_BUDGET};
+pub use local::{LocalRecord, RecordedTarget, StateFile, STATE_FILE};
+
+use super::store::NoticeStore;
+use crate::node::{Phase, PlanState};
+use crate::notice::{Notice, NoticeKind};
+
+/// What a persisted record means at start-up.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Resume {
+    /// Written in a previous life of the machine: undo what spotguard applied, clear it, arm again.
+    PreviousLife,
+    /// Nothing left to do; remember the notice so that re-polls of it dedupe.
+    Remember,
+    /// A rebalance whose early checkpoint is done: remember it and undo at its expiry.
+    AwaitExpiry,
+    /// A plan of this life that had not finished: carry on from its phase.
+    Continue,
+}
+
+/// Decide what the persisted `state` means for an agent starting in the life `life`.
+pub fn resume(state: &PlanState, life: Option<&str>) -> Resume {
+    if !state.same_life(life) {
+        return Resume::PreviousLife;
+    }
+    match (&state.kind, state.phase) {
+        (_, Phase::Done | Phase::Undone) => Resume::Remember,
+        (NoticeKind::Rebalance, phase) if phase >= Phase::Checkpointed => Resume::AwaitExpiry,
+        _ => Resume::Continue,
+    }
+}
+
+/// Restore into `store` what a persisted record of this life says: the interruption (never
+/// started again), or a rebalance/maintenance notice (so that re-polls of it dedupe, also after
+/// its plan was undone at expiry).
+pub fn remember(store: &mut NoticeStore, state: &PlanState, now: Timestamp) {
+    match &state.kind {
+        NoticeKind::Interruption => {
+            store.restore_interruption(&state.id, state.deadline.unwrap_or(now))
+        }
+        NoticeKind::Cancelled(_) => {}
+        kind => store.restore(&state.id, kind.clone(), state.deadline),
+    }
+}
+
+/// The notice a resumed plan carries on: what the record kept of it.
+pub fn notice_of(state: &PlanState) -> Notice {
+    Notice {
+        id: state.id.clone(),
+        kind: state.kind.clone(),
+        source: state.source,
+        deadline: state.deadline,
+        not_before: state.deadline,
+        detail: if state.detail.is_empty() {
+            "resumed from persisted state".into()
+        } else {
+            state.detail.clone()
+        },
+        restart: state.restart,
+        published_at: None,
+        maintenance: state.source.maintenance_of_detail(&state.detail),
+        observed_at: state.updated_at,
+    }
+}
+
+/// Errors of the plan record's local file.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("reading state file {path}: {source}")]
+    StateRead {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("writing state file {path}: {source}")]
+    StateWrite {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("persisted state {location} is not valid: {reason}")]
+    StateCorrupt { location: String, reason: String },
+}
+
+impl Error {
+    pub fn is_retryable(&self) -> bool {
+        false
+    }
+
+    pub fn metric_label(&self) -> &'static str {
+        match self {
+            Error::StateRead { .. } => "state_read",
+            Error::StateWrite { .. } => "state_write",
+            Error::StateCorrupt { .. } => "state_corrupt",
+        }
+    }
+}
