@@ -3,7 +3,8 @@
 # processes with the shipped capabilities, the node's own EC2 metadata emulator), against one
 # real API server; idle API load and memory per node, a mass reclaim of 25 % of the nodes
 # within one second, and single drains of 2 and 30 pods. See benches/fleet.rs. Takes minutes
-# (N = 100: about 8), so scripts/test.sh does not run it; tests/fleet.rs is its CI-sized guard.
+# (N = 100: about 4 on 2 cores), so scripts/test.sh does not run it; tests/fleet.rs is its
+# CI-sized guard.
 #
 #   bench/fleet.sh [N]                 (default 100)
 #
@@ -11,12 +12,13 @@
 # FLEET_RECLAIM (0.25), FLEET_SCENARIOS (idle,reclaim,drains), SPOTGUARD_FLEET_BIN (another
 # spotguard build for the nodes, e.g. an older one to compare with). Needs root (cgroups,
 # setpriv), etcd (scripts/deps/etcd.sh) and the Kubernetes binaries (docs/contributing.md).
-# The results go to target/fleet-N.json too, and a table row is printed at the end.
+# The results go to target/fleet-N.json too (FLEET_OUT: elsewhere), and a table row is printed
+# at the end.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 cd "$here/.."
 n="${1:-100}"
-out="$PWD/target/fleet-$n.json"
+out="${FLEET_OUT:-$PWD/target/fleet-$n.json}"
 FLEET_N="$n" FLEET_OUT="$out" cargo bench --bench fleet
 python3 - "$out" <<'EOF'
 import json, sys
@@ -25,15 +27,21 @@ def f(x, scale=1.0, fmt="{:.1f}"):
     return "n/a" if x is None else fmt.format(x * scale)
 i, c = r.get("idle", {}), r.get("reclaim", {})
 if i and c:
-    print("| N | idle req/s per node beyond watches | open watches per node | RSS per node (agent + prefetcher) | signal p50 / p99 | drained p50 / p99 | margin to deadline (min) | API p99 during reclaim | errors |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    print("| {n} | {req} | {w} | {ra} + {rp} MiB | {s50} / {s99} ms | {d50} / {d99} s | {m} s | {api} ms | {err} |".format(
+    # A 404 to a pod GET is how the old drain learnt that a pod was gone: not an error.
+    print("| N | idle req/s per node beyond watches | open watches per node | RSS per node (agent + prefetcher) | notice seen → signal p50 / p99 | notice visible → signal p50 / p99 (1 s poll) | drained p50 / p99 | margin to deadline (min) | API p99 during reclaim | pod GETs in reclaim (peak/s) | errors |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| {n} | {req} | {w} | {ra} + {rp} MiB | {s50} / {s99} ms | {v50} / {v99} ms | {d50} / {d99} s | {m} s | {api} ms | {gets} ({peak}) | {err} |".format(
         n=r["n"], req=f(i["requests_per_s_per_node"], fmt="{:.4f}"), w=f(i["open_watches_per_node"]),
         ra=f(i["agent_rss_mib"]["p50"]), rp=f(i["prefetch_rss_mib"]["p50"]),
         s50=f(c["signal_from_seen_s"]["p50"], 1e3), s99=f(c["signal_from_seen_s"]["p99"], 1e3),
+        v50=f(c["signal_from_visible_s"]["p50"], 1e3), v99=f(c["signal_from_visible_s"]["p99"], 1e3),
         d50=f(c["drained_s"]["p50"]), d99=f(c["drained_s"]["p99"]), m=f(c["margin_s"]["min"]),
-        api=f(c["api_p99_s"], 1e3),
-        err=sum(c.get("proxy_errors", {}).values()) + int(c.get("agent_errors", 0)) + int(c.get("blocked_pods", 0)) + len(c.get("problems", []))))
+        api=f(c["api_p99_s"], 1e3), gets=c.get("pod_gets", 0), peak=c.get("peak_pod_gets_per_s", 0),
+        err=sum(v for k, v in c.get("proxy_errors", {}).items() if k != "PodGet 404") + int(c.get("agent_errors", 0)) + int(c.get("blocked_pods", 0)) + len(c.get("problems", []))))
+elif i:
+    print("idle: {} req/s per node beyond watches, {} open watches per node, RSS {} + {} MiB".format(
+        f(i["requests_per_s_per_node"], fmt="{:.4f}"), f(i["open_watches_per_node"]),
+        f(i["agent_rss_mib"]["p50"]), f(i["prefetch_rss_mib"]["p50"])))
 for d in r.get("drains", []):
     print("drain of {} pods: {} requests ({} pod GETs, {} evictions), drained in {} s".format(
         d["pods"], d["requests"], d["pod_gets"], d["evictions"], f(d["drained_s"])))

@@ -33,7 +33,8 @@
 //! Run: `bench/fleet.sh [N]` or `cargo bench --bench fleet`. Environment: `FLEET_N` (100),
 //! `FLEET_PODS` (30), `FLEET_GRACE` (30 s), `FLEET_IDLE_SECS` (120), `FLEET_RECLAIM` (0.25),
 //! `FLEET_SCENARIOS` (`idle,reclaim,drains`), `FLEET_OUT` (write the results as JSON there),
-//! `SPOTGUARD_FLEET_BIN` (another `spotguard` build, to compare builds).
+//! `SPOTGUARD_FLEET_BIN` (another `spotguard` build, to compare builds), `FLEET_LOGS` (keep the
+//! interrupted nodes' agent logs in that directory).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
@@ -224,6 +225,43 @@ fn short_requests(samples: &[Sample]) -> Histogram {
             Some("WATCH" | "WATCHLIST" | "CONNECT")
         )
     })
+}
+
+/// The API server's latency during the reclaim per kind of request: the mix changes with the
+/// build (the old drain's GETs are cheap reads), so the overall p99 alone compares unlike mixes.
+fn latency_by_kind(after: &[Sample], before: &[Sample]) -> BTreeMap<&'static str, Value> {
+    type Filter = fn(&BTreeMap<String, String>) -> bool;
+    let kinds: [(&'static str, Filter); 4] = [
+        ("eviction", |l| {
+            l.get("subresource").map(String::as_str) == Some("eviction")
+        }),
+        ("pod_get", |l| {
+            l.get("verb").map(String::as_str) == Some("GET")
+                && l.get("resource").map(String::as_str) == Some("pods")
+                && l.get("subresource").is_none_or(|s| s.is_empty())
+        }),
+        ("writes", |l| {
+            matches!(
+                l.get("verb").map(String::as_str),
+                Some("POST" | "PATCH" | "PUT" | "DELETE" | "APPLY")
+            )
+        }),
+        ("lists", |l| {
+            l.get("verb").map(String::as_str) == Some("LIST")
+        }),
+    ];
+    kinds
+        .into_iter()
+        .map(|(name, filter)| {
+            let h = Histogram::of(after, "apiserver_request_duration_seconds", filter).since(
+                &Histogram::of(before, "apiserver_request_duration_seconds", filter),
+            );
+            (
+                name,
+                json!({"count": h.count, "p50": h.quantile(0.5), "p99": h.quantile(0.99)}),
+            )
+        })
+        .collect()
 }
 
 fn requests_by_code(after: &[Sample], before: &[Sample]) -> BTreeMap<String, f64> {
@@ -699,6 +737,43 @@ fn metric_sum(text: &str, name: &str, filter: impl Fn(&BTreeMap<String, String>)
     apimetrics::sum(&apimetrics::parse(text), name, filter)
 }
 
+/// `spotguard_errors_total` of `nodes`' agents by `module/error`, summed over the agents.
+async fn agent_errors(
+    nodes: &[&NodePlan],
+    agents: &HashMap<String, NodeAgent>,
+) -> BTreeMap<String, f64> {
+    let mut out = BTreeMap::new();
+    for p in nodes {
+        let Some(a) = agents.get(&p.name) else {
+            continue;
+        };
+        let Ok(text) = a.metrics().await else {
+            continue;
+        };
+        for s in apimetrics::parse(&text)
+            .into_iter()
+            .filter(|s| s.name == "spotguard_errors_total" && s.value > 0.0)
+        {
+            let label = |k: &str| s.labels.get(k).cloned().unwrap_or_default();
+            *out.entry(format!("{}/{}", label("module"), label("error")))
+                .or_insert(0.0) += s.value;
+        }
+    }
+    out
+}
+
+/// Processes on this host: each agent's discovery reads every one of them, and the fleet puts
+/// every node's processes on one host.
+fn host_processes() -> usize {
+    std::fs::read_dir("/proc")
+        .map(|d| {
+            d.filter_map(Result::ok)
+                .filter(|e| e.file_name().to_string_lossy().parse::<u32>().is_ok())
+                .count()
+        })
+        .unwrap_or(0)
+}
+
 struct Notice {
     visible: Timestamp,
 }
@@ -738,6 +813,15 @@ async fn interrupt(
 async fn reclaim(b: &Bench, agents: &HashMap<String, NodeAgent>) -> Result<Value, String> {
     let nodes: Vec<&NodePlan> = b.plans.iter().filter(|p| p.reclaim).collect();
     let (drained, watch_task) = watch_drains(&b.k, &nodes).await?;
+    let errors_before = agent_errors(&nodes, agents).await;
+    let processes = host_processes();
+    let pids: Vec<(Option<u32>, Option<u32>)> = agents.values().map(NodeAgent::pids).collect();
+    let cpu = |pids: &[(Option<u32>, Option<u32>)]| -> (u64, u64) {
+        pids.iter().fold((0, 0), |(a, p), (ap, pp)| {
+            (a + ap.map_or(0, cpu_ticks), p + pp.map_or(0, cpu_ticks))
+        })
+    };
+    let cpu0 = cpu(&pids);
     let metrics_before = api_samples(&b.k).await;
     b.k.proxy().clear_requests();
     b.prefetch_proxy.clear_requests();
@@ -756,8 +840,16 @@ async fn reclaim(b: &Bench, agents: &HashMap<String, NodeAgent>) -> Result<Value
     // The plans finish (records, Events) a moment after the last pod went.
     tokio::time::sleep(Duration::from_secs(3)).await;
     let metrics_after = api_samples(&b.k).await;
+    let cpu1 = cpu(&pids);
     watch_task.abort();
     let reqs = b.k.proxy().requests();
+    let tick = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    let cpu_s = |s: &[Sample]| apimetrics::sum(s, "process_cpu_seconds_total", |_| true);
+    let cpu_json = json!({
+        "apiserver_s": cpu_s(&metrics_after) - cpu_s(&metrics_before),
+        "agents_s": cpu1.0.saturating_sub(cpu0.0) as f64 / tick,
+        "prefetchers_s": cpu1.1.saturating_sub(cpu0.1) as f64 / tick,
+    });
 
     let drained_at = drained.at.lock().unwrap_or_else(|e| e.into_inner()).clone();
     let mut signal_visible = Vec::new();
@@ -765,17 +857,32 @@ async fn reclaim(b: &Bench, agents: &HashMap<String, NodeAgent>) -> Result<Value
     let mut drained_in = Vec::new();
     let mut margin = Vec::new();
     let mut missing = Vec::new();
+    let mut per_node = BTreeMap::new();
+    let logs = std::env::var_os("FLEET_LOGS").map(PathBuf::from);
     for p in &nodes {
+        if let (Some(dir), Some(a)) = (&logs, agents.get(&p.name)) {
+            let _ = std::fs::create_dir_all(dir);
+            let _ = std::fs::write(dir.join(format!("{}.agent.log", p.name)), a.log());
+        }
         let Some(notice) = notices.get(&p.name) else {
             missing.push(format!("{}: no notice raised", p.name));
             continue;
         };
         match received_at(&p.out) {
             Some(at) => {
-                signal_visible.push(at.duration_since(notice.visible).as_secs_f64());
-                if let Some(seen) = agents.get(&p.name).and_then(|a| seen_at(&a.log())) {
-                    signal_seen.push(at.duration_since(seen).as_secs_f64());
+                let visible = at.duration_since(notice.visible).as_secs_f64();
+                signal_visible.push(visible);
+                let seen = agents
+                    .get(&p.name)
+                    .and_then(|a| seen_at(&a.log()))
+                    .map(|seen| at.duration_since(seen).as_secs_f64());
+                if let Some(seen) = seen {
+                    signal_seen.push(seen);
                 }
+                per_node.insert(
+                    p.name.clone(),
+                    json!({"signal_from_visible_s": visible, "signal_from_seen_s": seen}),
+                );
             }
             None => missing.push(format!("{}: trainer not signalled", p.name)),
         }
@@ -800,14 +907,20 @@ async fn reclaim(b: &Bench, agents: &HashMap<String, NodeAgent>) -> Result<Value
                 .or_insert(0) += 1;
             m
         });
-    let mut agent_errors = 0.0;
+    let mut errors_during = agent_errors(&nodes, agents).await;
+    for (k, v) in &errors_before {
+        if let Some(x) = errors_during.get_mut(k) {
+            *x -= v;
+        }
+    }
+    errors_during.retain(|_, v| *v > 0.0);
+    let agent_errors = errors_during.values().fold(0.0, |a, b| a + b);
     let mut blocked = 0.0;
     let mut stopped = Vec::new();
     for p in &nodes {
         if let Some(a) = agents.get(&p.name) {
             match a.metrics().await {
                 Ok(text) => {
-                    agent_errors += metric_sum(&text, "spotguard_errors_total", |_| true);
                     blocked += metric_sum(&text, "spotguard_drain_pods_total", |l| {
                         l.get("outcome").map(String::as_str) == Some("blocked")
                     });
@@ -837,13 +950,19 @@ async fn reclaim(b: &Bench, agents: &HashMap<String, NodeAgent>) -> Result<Value
         "api_p99_s": h.quantile(0.99),
         "api_requests": h.count,
         "api_codes": codes,
+        "api_by_kind": latency_by_kind(&metrics_after, &metrics_before),
+        "cpu_seconds": cpu_json,
         "agent_kinds": kind_counts(&reqs),
         "pod_gets": reqs.iter().filter(|r| r.kind == RequestKind::PodGet).count(),
         "peak_pod_gets_per_s": peak_gets,
         "proxy_errors": proxy_errors,
         "agent_errors": agent_errors,
+        "agent_errors_by_kind": errors_during,
+        "agent_errors_before": errors_before,
+        "host_processes": processes,
         "blocked_pods": blocked,
         "problems": missing,
+        "per_node": per_node,
         "agents_unreachable": stopped,
     });
     let sv = sorted(signal_visible);
@@ -881,14 +1000,24 @@ async fn reclaim(b: &Bench, agents: &HashMap<String, NodeAgent>) -> Result<Value
         ms(h.quantile(0.99)),
         v["api_codes"]
     );
+    println!("  API server latency by kind: {:?}", v["api_by_kind"]);
+    println!(
+        "  CPU seconds over it: API server {:.1}, all agents {:.1}, all prefetchers {:.1}",
+        v["cpu_seconds"]["apiserver_s"].as_f64().unwrap_or(f64::NAN),
+        v["cpu_seconds"]["agents_s"].as_f64().unwrap_or(f64::NAN),
+        v["cpu_seconds"]["prefetchers_s"]
+            .as_f64()
+            .unwrap_or(f64::NAN),
+    );
     println!(
         "  agents' requests: {:?}; pod GETs {} (peak {}/s)",
         v["agent_kinds"], v["pod_gets"], peak_gets
     );
     println!(
-        "  errors: non-2xx answers to the agents {:?}, agents' spotguard_errors_total {agent_errors}, blocked pods {blocked}, problems {:?}",
-        v["proxy_errors"], v["problems"]
+        "  errors: non-2xx answers to the agents {:?}, agents' spotguard_errors_total during it {agent_errors} {:?} (before it {:?}), blocked pods {blocked}, problems {:?}",
+        v["proxy_errors"], v["agent_errors_by_kind"], v["agent_errors_before"], v["problems"]
     );
+    println!("  processes on the host (each agent's discovery reads them all): {processes}");
     Ok(v)
 }
 
