@@ -65,7 +65,7 @@ fn group(name: &str, dir: &Path, kid: &Kid, timeout: Duration) -> TargetGroup {
             name: name.to_string(),
             root_pid: None,
             init_pid: Some(kid.pid()),
-            processes: vec![target(&kid)],
+            processes: vec![target(kid)],
         }],
         mode: TargetMode::Handlers,
         signal: Signal::USR1,

@@ -2,8 +2,9 @@
 //! kubelet stand-in, read as the shipped ServiceAccount) and a real
 //! S3-compatible server (s3s-fs, from `scripts/deps/prefetch.sh`): the operator's opt-in and
 //! allow-list, refusals as Events and metrics, and agent-side leases that keep a dataset a pod
-//! references from being evicted. One test per binary: it sets the AWS_* environment the
-//! prefetcher's store reads.
+//! references from being evicted. The prefetcher's store reads the AWS_* environment: the test
+//! runs its scenario in a child of this binary started with that environment (setting it in a
+//! running test would race every other thread reading the environment).
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
@@ -100,14 +101,51 @@ fn pod(ns: &str, name: &str, node: &str, annotation: &str) -> TestPod {
     TestPod::new(ns, name, node).annotation(PREFETCH_ANNOTATION, annotation)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn pod_requests_are_opt_in_allow_listed_evented_and_keep_their_dataset_leased() {
+/// Set in the child that runs a scenario with its environment.
+const CHILD: &str = "SPOTGUARD_TEST_SCENARIO_CHILD";
+
+/// Run test `name` of this binary in a child process with `env` (the scenario runs there, under
+/// its own runtime), and require that it passed.
+fn in_child_with_env(name: &str, env: &[(&str, &str)], scenario: impl std::future::Future) {
+    if std::env::var_os(CHILD).is_some() {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap()
+            .block_on(scenario);
+        return;
+    }
+    let exe = std::env::current_exe().unwrap();
+    let status = Command::new(exe)
+        .args(["--exact", name, "--nocapture", "--test-threads=1"])
+        .envs(env.iter().copied())
+        .env(CHILD, "1")
+        .status()
+        .unwrap();
+    assert!(
+        status.success(),
+        "the scenario {name} failed in its child: {status}"
+    );
+}
+
+#[test]
+fn pod_requests_are_opt_in_allow_listed_evented_and_keep_their_dataset_leased() {
+    in_child_with_env(
+        "pod_requests_are_opt_in_allow_listed_evented_and_keep_their_dataset_leased",
+        &[
+            ("AWS_ACCESS_KEY_ID", ACCESS_KEY),
+            ("AWS_SECRET_ACCESS_KEY", SECRET_KEY),
+            ("AWS_REGION", "us-east-1"),
+            ("AWS_EC2_METADATA_DISABLED", "true"),
+        ],
+        opt_in_allow_listed_evented_and_leased(),
+    );
+}
+
+async fn opt_in_allow_listed_evented_and_leased() {
     let s3 = start_s3s_fs();
     let endpoint = format!("http://{}", s3.addr);
-    std::env::set_var("AWS_ACCESS_KEY_ID", ACCESS_KEY);
-    std::env::set_var("AWS_SECRET_ACCESS_KEY", SECRET_KEY);
-    std::env::set_var("AWS_REGION", "us-east-1");
-    std::env::set_var("AWS_EC2_METADATA_DISABLED", "true");
     let ds = store(&endpoint, "datasets");
     ds.put(
         &ObjectPath::from("tokenized/c4/shard-0"),
