@@ -17,7 +17,8 @@ const ALLOWED: &[(&str, &[&str])] = &[
     ("shutdown", &[]),
     ("life", &["fsutil"]),
     ("admin", &["metrics"]),
-    // Notice sources, then the node seam (which records the notice's kind and cloud).
+    // Notice sources, then the node seam (node -> notice: the plan record type `PlanState`, which
+    // names the notice's kind and cloud, is still declared in node/).
     ("notice", &["backoff", "duration", "metrics"]),
     ("node", &["backoff", "duration", "metrics", "notice"]),
     ("webhook", &["backoff", "duration", "metrics", "notice"]),
@@ -290,6 +291,49 @@ fn every_import_between_top_level_modules_points_the_allowed_way() {
         against.is_empty(),
         "imports not in tests/architecture.rs ALLOWED (move what they need down, or add the \
          arrow there and in docs/architecture.md if it is the right way): {against:?}"
+    );
+}
+
+/// The table in docs/architecture.md, "Which way the arrows point": `| `a`, `b` | `x`, `y` |`
+/// rows ("nothing of the crate's" is no arrow).
+fn documented() -> Graph {
+    let doc =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/architecture.md"))
+            .expect("read docs/architecture.md");
+    let section = doc
+        .split("### Which way the arrows point")
+        .nth(1)
+        .expect("the section")
+        .split("\n#")
+        .next()
+        .expect("its text");
+    let names = |cell: &str| -> Vec<String> {
+        cell.split('`')
+            .skip(1)
+            .step_by(2)
+            .map(String::from)
+            .collect()
+    };
+    let mut graph = Graph::new();
+    for line in section.lines() {
+        let cells: Vec<&str> = line.split('|').map(str::trim).collect();
+        if cells.len() != 4 || cells[1] == "module" || cells[1].starts_with("---") {
+            continue;
+        }
+        let to: BTreeSet<String> = names(cells[2]).into_iter().collect();
+        for module in names(cells[1]) {
+            graph.insert(module, to.clone());
+        }
+    }
+    graph
+}
+
+#[test]
+fn the_documented_arrows_are_the_allowed_ones() {
+    assert_eq!(
+        documented(),
+        allowed(),
+        "docs/architecture.md's arrow table and tests/architecture.rs ALLOWED differ"
     );
 }
 
