@@ -17,10 +17,9 @@ const ALLOWED: &[(&str, &[&str])] = &[
     ("shutdown", &[]),
     ("life", &["fsutil"]),
     ("admin", &["metrics"]),
-    // Notice sources, then the node seam (node -> notice: the plan record type `PlanState`, which
-    // names the notice's kind and cloud, is still declared in node/).
+    // The node seam (it stores the responder's plan record as given), the notice sources.
+    ("node", &["backoff", "duration", "metrics"]),
     ("notice", &["backoff", "duration", "metrics"]),
-    ("node", &["backoff", "duration", "metrics", "notice"]),
     ("webhook", &["backoff", "duration", "metrics", "notice"]),
     ("emulator", &["duration", "notice"]),
     ("gpu", &["backoff", "duration", "life", "node"]),

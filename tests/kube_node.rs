@@ -13,10 +13,11 @@ use spotguard::metrics::{encode, Metrics};
 use spotguard::node::kube::KubeNodeOps;
 use spotguard::node::{
     reason, Applied, AppliedMarks, ConditionState, DrainRequest, Error, EventType, GpuConditions,
-    NodeOps, Phase, PlanState, Protection, TaintEffect, GPU_UNHEALTHY_TAINT, INTERRUPTION_TAINT,
+    NodeOps, Phase, Protection, TaintEffect, GPU_UNHEALTHY_TAINT, INTERRUPTION_TAINT,
     NOTICE_ANNOTATION,
 };
 use spotguard::notice::{NoticeKind, Source};
+use spotguard::responder::record::PlanState;
 use spotguard_testkit::k8s::fixtures::STUCK_FINALIZER;
 use spotguard_testkit::k8s::{
     non_system_taints, EventApi, Identity, Kubelet, NodeConfig, PdbLimit, RecordedRequest,
@@ -167,6 +168,11 @@ async fn pod_names(e: &Env, namespaces: &[&str]) -> Vec<String> {
         .into_iter()
         .filter_map(|p| p.metadata.name)
         .collect()
+}
+
+/// [`sample_state`] as the node stores it: the responder's compact JSON.
+fn sample_record() -> String {
+    serde_json::to_string(&sample_state()).expect("a record serializes")
 }
 
 fn sample_state() -> PlanState {
@@ -476,8 +482,12 @@ async fn plan_state_round_trips_through_the_node_annotation() {
     let e = Env::start().await;
     assert_eq!(e.ops.load_state().await.expect("load"), None);
     let state = sample_state();
-    e.ops.save_state(&state).await.expect("save");
-    assert_eq!(e.ops.load_state().await.expect("load"), Some(state.clone()));
+    e.ops.save_state(&sample_record()).await.expect("save");
+    let stored = e.ops.load_state().await.expect("load");
+    // Stored as given, and still the same record.
+    assert_eq!(stored.as_deref(), Some(sample_record().as_str()));
+    let read: PlanState = serde_json::from_str(&stored.expect("a copy")).expect("a record");
+    assert_eq!(read, state);
     let raw =
         e.k.node_object(e.name())
             .await
@@ -503,7 +513,7 @@ async fn a_corrupt_annotation_is_a_typed_error() {
         other => panic!("expected StateCorrupt, got {other:?}"),
     }
     // Saving over it repairs it.
-    e.ops.save_state(&sample_state()).await.expect("save");
+    e.ops.save_state(&sample_record()).await.expect("save");
     assert!(e.ops.load_state().await.expect("load").is_some());
 }
 
@@ -1022,7 +1032,7 @@ async fn dry_run_writes_nothing() {
     let applied = e.ops.protect(&interruption()).await.expect("protect");
     assert!(applied.cordoned, "reports what it would do");
     e.ops.unprotect(&applied).await.expect("unprotect");
-    e.ops.save_state(&sample_state()).await.expect("save");
+    e.ops.save_state(&sample_record()).await.expect("save");
     e.ops.clear_state().await.expect("clear");
     e.ops
         .event(EventType::Warning, reason::SPOT_INTERRUPTION, "would say")
