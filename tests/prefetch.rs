@@ -9,7 +9,7 @@ use std::convert::Infallible;
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Command, Output, Stdio};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -25,6 +25,7 @@ use object_store::aws::{AmazonS3Builder, AwsAuthorizer, AwsCredential};
 use object_store::path::Path as ObjectPath;
 use object_store::{ClientOptions, ObjectStore, ObjectStoreExt, PutPayload};
 use serde_json::Value;
+use spotguard_testkit::process::Kid;
 
 const ACCESS_KEY: &str = "spotguardtest";
 const SECRET_KEY: &str = "spotguardtestsecret";
@@ -34,18 +35,11 @@ const DEPS: &str = "scripts/deps/prefetch.sh";
 // ---------------------------------------------------------------------------------------------
 // Servers
 
-/// A child process killed on drop.
+/// An S3 server process (killed on drop) and its address.
 struct ServerProcess {
-    child: Child,
+    _child: Kid,
     addr: SocketAddr,
     _dir: Option<tempfile::TempDir>,
-}
-
-impl Drop for ServerProcess {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 impl ServerProcess {
@@ -85,19 +79,19 @@ fn wait_for_line(
 /// `s3s-fs` over a fresh directory on an ephemeral loopback port.
 fn start_s3s_fs() -> ServerProcess {
     let dir = tempfile::tempdir().unwrap();
-    let mut child = Command::new("s3s-fs")
-        .args(["--host", "127.0.0.1", "--port", "0"])
+    let mut cmd = Command::new("s3s-fs");
+    cmd.args(["--host", "127.0.0.1", "--port", "0"])
         .args(["--access-key", ACCESS_KEY, "--secret-key", SECRET_KEY])
         .arg(dir.path())
         .env("RUST_LOG", "s3s_fs=info")
         .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
+        .stderr(Stdio::null());
+    let mut child = Kid::try_spawn(cmd)
         .unwrap_or_else(|e| panic!("cannot run s3s-fs ({e}): install it with {DEPS}"));
-    let out = child.stdout.take().unwrap();
+    let out = child.take_stdout().unwrap();
     let addr = wait_for_line(out, "server is running at http://", "s3s-fs");
     ServerProcess {
-        child,
+        _child: child,
         addr,
         _dir: Some(dir),
     }
@@ -105,16 +99,16 @@ fn start_s3s_fs() -> ServerProcess {
 
 /// moto's S3 server (honours `If-Match` on GET).
 fn start_moto() -> ServerProcess {
-    let mut child = Command::new("moto_server")
-        .args(["-H", "127.0.0.1", "-p", "0"])
+    let mut cmd = Command::new("moto_server");
+    cmd.args(["-H", "127.0.0.1", "-p", "0"])
         .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
+        .stderr(Stdio::piped());
+    let mut child = Kid::try_spawn(cmd)
         .unwrap_or_else(|e| panic!("cannot run moto_server ({e}): install it with {DEPS}"));
-    let err = child.stderr.take().unwrap();
+    let err = child.take_stderr().unwrap();
     let addr = wait_for_line(err, "Running on http://", "moto_server");
     ServerProcess {
-        child,
+        _child: child,
         addr,
         _dir: None,
     }

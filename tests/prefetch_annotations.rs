@@ -9,7 +9,7 @@
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -26,36 +26,30 @@ use spotguard::prefetch::{
     DatasetState, PrefetchDefaults, PrefetchMetrics, Prefetcher, StoreOptions,
 };
 use spotguard_testkit::k8s::{TestCluster, TestPod};
+use spotguard_testkit::process::Kid;
 use tokio_util::sync::CancellationToken;
 
 const ACCESS_KEY: &str = "spotguardtest";
 const SECRET_KEY: &str = "spotguardtestsecret";
 
 struct S3sFs {
-    child: Child,
+    _child: Kid,
     addr: SocketAddr,
     _dir: tempfile::TempDir,
 }
 
-impl Drop for S3sFs {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 fn start_s3s_fs() -> S3sFs {
     let dir = tempfile::tempdir().unwrap();
-    let mut child = Command::new("s3s-fs")
-        .args(["--host", "127.0.0.1", "--port", "0"])
+    let mut cmd = Command::new("s3s-fs");
+    cmd.args(["--host", "127.0.0.1", "--port", "0"])
         .args(["--access-key", ACCESS_KEY, "--secret-key", SECRET_KEY])
         .arg(dir.path())
         .env("RUST_LOG", "s3s_fs=info")
         .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("cannot run s3s-fs: install it with scripts/deps/prefetch.sh");
-    let out = child.stdout.take().unwrap();
+        .stderr(Stdio::null());
+    let mut child =
+        Kid::try_spawn(cmd).expect("cannot run s3s-fs: install it with scripts/deps/prefetch.sh");
+    let out = child.take_stdout().unwrap();
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         let mut sent = false;
@@ -77,7 +71,7 @@ fn start_s3s_fs() -> S3sFs {
     std::fs::create_dir(dir.path().join("datasets")).unwrap();
     std::fs::create_dir(dir.path().join("private")).unwrap();
     S3sFs {
-        child,
+        _child: child,
         addr,
         _dir: dir,
     }

@@ -5,7 +5,7 @@
 use std::fmt::Display;
 use std::io::Write;
 use std::os::unix::process::CommandExt;
-use std::process::{Child, ChildStdin, Command, ExitStatus, Stdio};
+use std::process::{Child, ChildStderr, ChildStdin, ChildStdout, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 /// Whether process `pid` catches SIGUSR1 (`SigCgt` in `/proc/<pid>/status`); `false` when the
@@ -40,9 +40,14 @@ pub struct Kid {
 
 impl Kid {
     /// Start `cmd` with stdin from `/dev/null` in a new process group.
-    pub fn spawn(mut cmd: Command) -> Kid {
+    pub fn spawn(cmd: Command) -> Kid {
+        Kid::try_spawn(cmd).expect("spawn child")
+    }
+
+    /// [`Kid::spawn`], with the error when `cmd` cannot be started (a tool not installed).
+    pub fn try_spawn(mut cmd: Command) -> std::io::Result<Kid> {
         cmd.stdin(Stdio::null());
-        Kid::start(cmd)
+        Kid::try_start(cmd)
     }
 
     /// Start `cmd` with stdin a pipe, held until [`Kid::release`] writes a line to it (a script
@@ -52,11 +57,25 @@ impl Kid {
         Kid::start(cmd)
     }
 
-    fn start(mut cmd: Command) -> Kid {
+    fn start(cmd: Command) -> Kid {
+        Kid::try_start(cmd).expect("spawn child")
+    }
+
+    fn try_start(mut cmd: Command) -> std::io::Result<Kid> {
         cmd.process_group(0);
-        let mut child = cmd.spawn().expect("spawn child");
+        let mut child = cmd.spawn()?;
         let stdin = child.stdin.take();
-        Kid { child, stdin }
+        Ok(Kid { child, stdin })
+    }
+
+    /// The child's stdout, when `cmd` made it a pipe (once).
+    pub fn take_stdout(&mut self) -> Option<ChildStdout> {
+        self.child.stdout.take()
+    }
+
+    /// The child's stderr, when `cmd` made it a pipe (once).
+    pub fn take_stderr(&mut self) -> Option<ChildStderr> {
+        self.child.stderr.take()
     }
 
     /// Let a [`Kid::spawn_held`] child go on.
