@@ -16,7 +16,7 @@ use spotguard::node::{
     NodeOps, Phase, Protection, TaintEffect, GPU_UNHEALTHY_TAINT, INTERRUPTION_TAINT,
     NOTICE_ANNOTATION,
 };
-use spotguard::notice::{NoticeKind, Source};
+use spotguard::notice::{Cloud, NoticeKind};
 use spotguard::responder::record::PlanState;
 use spotguard_testkit::k8s::fixtures::STUCK_FINALIZER;
 use spotguard_testkit::k8s::{
@@ -179,7 +179,7 @@ fn sample_state() -> PlanState {
     PlanState {
         id: "i-0abc-interruption".to_string(),
         kind: NoticeKind::Interruption,
-        source: Source::Aws,
+        source: Cloud::Aws,
         deadline: Some("2030-01-02T03:04:05Z".parse().expect("timestamp")),
         phase: Phase::Signalled,
         signalled_at: Some("2030-01-02T03:02:10Z".parse().expect("timestamp")),
