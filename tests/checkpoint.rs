@@ -3,7 +3,7 @@
 
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use jiff::Timestamp;
@@ -19,6 +19,7 @@ use spotguard::checkpoint::{
     Outcome, Signal, TargetContainer, TargetDiscovery, TargetGroup, TargetMode, TargetProcess,
 };
 use spotguard::metrics::{encode, Metrics};
+use spotguard_testkit::process::Kid;
 use tokio_util::sync::CancellationToken;
 
 /// A shell that handles SIGUSR1: writes `marker-$$`, then depending on the environment an ack
@@ -33,63 +34,25 @@ sleep 1000 & S=$!
 while :; do wait $S; done
 "#;
 
-/// A child in its own process group, killed with its descendants on drop.
-struct Kid {
-    child: Child,
+/// A shell running [`HANDLER`] with `$DIR` and `env`, once its trap is installed.
+fn handler(dir: &Path, env: &[(&str, &str)]) -> Kid {
+    let mut cmd = Command::new("sh");
+    cmd.arg("-c").arg(HANDLER).env("DIR", dir);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let kid = Kid::spawn(cmd);
+    wait_for_handler(kid.pid());
+    kid
 }
 
-impl Kid {
-    fn spawn(mut cmd: Command) -> Kid {
-        cmd.stdin(Stdio::null()).process_group(0);
-        Kid {
-            child: cmd.spawn().expect("spawn child"),
-        }
-    }
-
-    fn handler(dir: &Path, env: &[(&str, &str)]) -> Kid {
-        let mut cmd = Command::new("sh");
-        cmd.arg("-c").arg(HANDLER).env("DIR", dir);
-        for (k, v) in env {
-            cmd.env(k, v);
-        }
-        let kid = Kid::spawn(cmd);
-        wait_for_handler(kid.pid());
-        kid
-    }
-
-    fn sleeper() -> Kid {
-        let mut cmd = Command::new("sleep");
-        cmd.arg("1000");
-        let kid = Kid::spawn(cmd);
-        wait_for_exec(kid.pid(), "sleep");
-        kid
-    }
-
-    fn pid(&self) -> i32 {
-        self.child.id() as i32
-    }
-
-    fn target(&self) -> TargetProcess {
-        target(self.pid())
-    }
-
-    /// Still running (not a zombie, not reaped).
-    fn running(&mut self) -> bool {
-        self.child.try_wait().expect("try_wait").is_none()
-    }
-}
-
-impl Drop for Kid {
-    fn drop(&mut self) {
-        // Only while the leader is unreaped is its PID (the group id) certainly still ours.
-        if let (Ok(None), Some(pg)) = (
-            self.child.try_wait(),
-            rustix::process::Pid::from_raw(self.pid()),
-        ) {
-            let _ = rustix::process::kill_process_group(pg, rustix::process::Signal::KILL);
-        }
-        let _ = self.child.wait();
-    }
+/// `sleep 1000` (catches nothing), once it runs `sleep`.
+fn sleeper() -> Kid {
+    let mut cmd = Command::new("sleep");
+    cmd.arg("1000");
+    let kid = Kid::spawn(cmd);
+    wait_for_exec(kid.pid(), "sleep");
+    kid
 }
 
 fn target(pid: i32) -> TargetProcess {
@@ -176,12 +139,12 @@ async fn handler_acks_done_and_non_handler_is_never_hit() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("ckpt");
     std::fs::create_dir(&dir).unwrap();
-    let mut handler = Kid::handler(&dir, &[("STATE", "done")]);
-    let mut sleeper = Kid::sleeper();
+    let mut handler = handler(&dir, &[("STATE", "done")]);
+    let mut sleeper = sleeper();
     let group = host_group(
         "train",
         &dir,
-        vec![handler.target(), sleeper.target()],
+        vec![target(handler.pid()), target(sleeper.pid())],
         LONG,
     );
     let req = request(false);
@@ -247,13 +210,13 @@ async fn skipped_failed_and_plain_ack_groups_in_one_delivery() {
     for d in &dirs {
         std::fs::create_dir(d).unwrap();
     }
-    let skipper = Kid::handler(&dirs[0], &[("STATE", "skipped")]);
-    let failer = Kid::handler(&dirs[1], &[("STATE", "failed")]);
-    let plain = Kid::handler(&dirs[2], &[("PLAIN", "1")]);
+    let skipper = handler(&dirs[0], &[("STATE", "skipped")]);
+    let failer = handler(&dirs[1], &[("STATE", "failed")]);
+    let plain = handler(&dirs[2], &[("PLAIN", "1")]);
     let groups = vec![
-        host_group("skip", &dirs[0], vec![skipper.target()], LONG),
-        host_group("fail", &dirs[1], vec![failer.target()], LONG),
-        host_group("plain", &dirs[2], vec![plain.target()], LONG),
+        host_group("skip", &dirs[0], vec![target(skipper.pid())], LONG),
+        host_group("fail", &dirs[1], vec![target(failer.pid())], LONG),
+        host_group("plain", &dirs[2], vec![target(plain.pid())], LONG),
     ];
     let req = request(false);
     let (registry, m) = metrics();
@@ -296,11 +259,11 @@ async fn exit_after_done_is_success_and_exit_without_done_is_exited() {
     std::fs::create_dir(&a).unwrap();
     std::fs::create_dir(&b).unwrap();
     // exit 143 after the save, as the training helper recommends
-    let mut clean = Kid::handler(&a, &[("STATE", "done"), ("EXIT", "143")]);
-    let mut quitter = Kid::handler(&b, &[("EXIT", "0")]);
+    let mut clean = handler(&a, &[("STATE", "done"), ("EXIT", "143")]);
+    let mut quitter = handler(&b, &[("EXIT", "0")]);
     let groups = vec![
-        host_group("clean", &a, vec![clean.target()], LONG),
-        host_group("quit", &b, vec![quitter.target()], LONG),
+        host_group("clean", &a, vec![target(clean.pid())], LONG),
+        host_group("quit", &b, vec![target(quitter.pid())], LONG),
     ];
     let req = request(false);
     let (_r, m) = metrics();
@@ -324,8 +287,8 @@ async fn received_without_terminal_ack_times_out_and_stale_acks_do_not_count() {
     let (a, b) = (tmp.path().join("a"), tmp.path().join("b"));
     std::fs::create_dir(&a).unwrap();
     std::fs::create_dir(&b).unwrap();
-    let slow = Kid::handler(&a, &[("RECEIVED", "1")]);
-    let silent = Kid::handler(&b, &[]);
+    let slow = handler(&a, &[("RECEIVED", "1")]);
+    let silent = handler(&b, &[]);
     // an ack and a plain ack from an earlier notice
     for path in [b.join(format!("ack-{}.json", silent.pid())), b.join("ack")] {
         std::fs::write(&path, r#"{"state":"done"}"#).unwrap();
@@ -335,8 +298,8 @@ async fn received_without_terminal_ack_times_out_and_stale_acks_do_not_count() {
     }
     let timeout = Duration::from_millis(1500);
     let groups = vec![
-        host_group("slow", &a, vec![slow.target()], timeout),
-        host_group("silent", &b, vec![silent.target()], timeout),
+        host_group("slow", &a, vec![target(slow.pid())], timeout),
+        host_group("silent", &b, vec![target(silent.pid())], timeout),
     ];
     let req = request(false);
     let (registry, m) = metrics();
@@ -371,11 +334,11 @@ async fn received_without_terminal_ack_times_out_and_stale_acks_do_not_count() {
 #[tokio::test]
 async fn budget_is_capped_by_the_checkpoint_deadline() {
     let tmp = tempfile::tempdir().unwrap();
-    let silent = Kid::handler(tmp.path(), &[]);
+    let silent = handler(tmp.path(), &[]);
     let group = host_group(
         "g",
         tmp.path(),
-        vec![silent.target()],
+        vec![target(silent.pid())],
         Duration::from_secs(600),
     );
     let mut req = request(false);
@@ -396,9 +359,14 @@ async fn budget_is_capped_by_the_checkpoint_deadline() {
 #[tokio::test]
 async fn no_handler_sends_nothing_and_writes_nothing() {
     let tmp = tempfile::tempdir().unwrap();
-    let mut a = Kid::sleeper();
-    let mut b = Kid::sleeper();
-    let group = host_group("g", tmp.path(), vec![a.target(), b.target()], LONG);
+    let mut a = sleeper();
+    let mut b = sleeper();
+    let group = host_group(
+        "g",
+        tmp.path(),
+        vec![target(a.pid()), target(b.pid())],
+        LONG,
+    );
     let req = request(false);
     let (registry, m) = metrics();
     let deliveries = deliver(&[group], &req, &m);
@@ -428,8 +396,8 @@ async fn no_handler_sends_nothing_and_writes_nothing() {
 #[tokio::test]
 async fn recycled_pid_is_never_signalled() {
     let tmp = tempfile::tempdir().unwrap();
-    let mut kid = Kid::handler(tmp.path(), &[("STATE", "done")]);
-    let mut t = kid.target();
+    let mut kid = handler(tmp.path(), &[("STATE", "done")]);
+    let mut t = target(kid.pid());
     t.start_time += 1; // what discovery saw was another process with this PID
     let group = host_group("g", tmp.path(), vec![t], LONG);
     let req = request(false);
@@ -455,8 +423,8 @@ async fn recycled_pid_is_never_signalled() {
 #[tokio::test]
 async fn dry_run_writes_and_signals_nothing() {
     let tmp = tempfile::tempdir().unwrap();
-    let kid = Kid::handler(tmp.path(), &[("STATE", "done")]);
-    let group = host_group("g", tmp.path(), vec![kid.target()], LONG);
+    let kid = handler(tmp.path(), &[("STATE", "done")]);
+    let group = host_group("g", tmp.path(), vec![target(kid.pid())], LONG);
     let req = request(true);
     let (registry, m) = metrics();
     let deliveries = deliver(&[group], &req, &m);
@@ -489,14 +457,24 @@ async fn pid1_and_all_target_modes() {
     std::fs::create_dir(&a).unwrap();
     std::fs::create_dir(&b).unwrap();
     // pid1: only the init process (the first), even though the second also handles it
-    let init = Kid::handler(&a, &[("STATE", "done")]);
-    let other = Kid::handler(&a, &[("STATE", "done")]);
-    let mut pid1 = host_group("pid1", &a, vec![init.target(), other.target()], LONG);
+    let init = handler(&a, &[("STATE", "done")]);
+    let other = handler(&a, &[("STATE", "done")]);
+    let mut pid1 = host_group(
+        "pid1",
+        &a,
+        vec![target(init.pid()), target(other.pid())],
+        LONG,
+    );
     pid1.mode = TargetMode::Pid1;
     // all: the sleeper is hit too, and SIGUSR1's default action kills it
-    let handler = Kid::handler(&b, &[("STATE", "done")]);
-    let mut victim = Kid::sleeper();
-    let mut all = host_group("all", &b, vec![handler.target(), victim.target()], LONG);
+    let handler = handler(&b, &[("STATE", "done")]);
+    let mut victim = sleeper();
+    let mut all = host_group(
+        "all",
+        &b,
+        vec![target(handler.pid()), target(victim.pid())],
+        LONG,
+    );
     all.mode = TargetMode::All;
     let req = request(false);
     let (_r, m) = metrics();
@@ -511,15 +489,15 @@ async fn pid1_and_all_target_modes() {
     assert!(!marker(&a, other.pid()).exists());
     assert_eq!(results[1].outcome, Outcome::Exited, "{}", results[1].detail);
     use std::os::unix::process::ExitStatusExt;
-    let status = victim.child.wait().unwrap();
+    let status = victim.wait();
     assert_eq!(status.signal(), Some(libc::SIGUSR1));
 }
 
 #[tokio::test]
 async fn pid1_without_known_init_is_an_error() {
     let tmp = tempfile::tempdir().unwrap();
-    let kid = Kid::handler(tmp.path(), &[]);
-    let mut g = host_group("g", tmp.path(), vec![kid.target()], LONG);
+    let kid = handler(tmp.path(), &[]);
+    let mut g = host_group("g", tmp.path(), vec![target(kid.pid())], LONG);
     g.mode = TargetMode::Pid1;
     g.containers[0].init_pid = None;
     let req = request(false);
@@ -536,8 +514,8 @@ async fn pid1_without_known_init_is_an_error() {
 #[tokio::test]
 async fn restart_path_never_signals_but_sees_acks() {
     let tmp = tempfile::tempdir().unwrap();
-    let kid = Kid::handler(tmp.path(), &[("STATE", "done")]);
-    let group = host_group("g", tmp.path(), vec![kid.target()], LONG);
+    let kid = handler(tmp.path(), &[("STATE", "done")]);
+    let group = host_group("g", tmp.path(), vec![target(kid.pid())], LONG);
     let req = request(false);
     let (registry, m) = metrics();
 
@@ -576,8 +554,8 @@ async fn restart_path_never_signals_but_sees_acks() {
 #[tokio::test]
 async fn cancel_ends_the_wait() {
     let tmp = tempfile::tempdir().unwrap();
-    let kid = Kid::handler(tmp.path(), &[]);
-    let group = host_group("g", tmp.path(), vec![kid.target()], LONG);
+    let kid = handler(tmp.path(), &[]);
+    let group = host_group("g", tmp.path(), vec![target(kid.pid())], LONG);
     let req = request(false);
     let (registry, m) = metrics();
     let cancel = CancellationToken::new();
@@ -730,7 +708,7 @@ async fn pidfile_selects_the_launcher_and_its_descendants() {
 #[tokio::test]
 async fn stale_pidfile_selects_nothing() {
     let tmp = tempfile::tempdir().unwrap();
-    let kid = Kid::handler(tmp.path(), &[]);
+    let kid = handler(tmp.path(), &[]);
     let pf = tmp.path().join("old.pid");
     std::fs::write(&pf, kid.pid().to_string()).unwrap();
     let f = std::fs::File::options().write(true).open(&pf).unwrap();
@@ -797,8 +775,8 @@ async fn unit_selects_the_units_cgroup() {
     )));
     let unit = Cgroup(slice.0.join(format!("sg-train-{n}.service")));
     std::fs::create_dir_all(&unit.0).unwrap();
-    let kid = Kid::handler(tmp.path(), &[("STATE", "done")]);
-    let outside = Kid::handler(tmp.path(), &[]);
+    let kid = handler(tmp.path(), &[("STATE", "done")]);
+    let outside = handler(tmp.path(), &[]);
     std::fs::write(unit.0.join("cgroup.procs"), kid.pid().to_string()).unwrap();
     let mut t = targets(tmp.path());
     t.units = vec![format!("sg-train-{n}"), format!("sg-absent-{n}.service")];
@@ -829,7 +807,7 @@ async fn unit_selects_the_units_cgroup() {
 #[tokio::test]
 async fn pidfile_rules_each_refuse_with_a_clear_reason() {
     let tmp = tempfile::tempdir().unwrap();
-    let kid = Kid::handler(tmp.path(), &[]);
+    let kid = handler(tmp.path(), &[]);
     let d = HostDiscovery::new(targets(tmp.path()));
     let refuse = |name: &str, want: &str| {
         let path = tmp.path().join(name);

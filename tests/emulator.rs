@@ -26,6 +26,26 @@ async fn start_with(cfg: EmulatorConfig) -> EmulatorHandle {
     emulator::start(cfg).await.expect("emulator starts")
 }
 
+/// A started emulator and a client for it, in one line:
+/// `let Emulated { em, c } = Emulated::start(Cloud::Aws).await;`.
+struct Emulated {
+    em: EmulatorHandle,
+    c: Client,
+}
+
+impl Emulated {
+    async fn start(cloud: Cloud) -> Emulated {
+        Emulated::with(EmulatorConfig::new(cloud)).await
+    }
+
+    async fn with(cfg: EmulatorConfig) -> Emulated {
+        Emulated {
+            em: start_with(cfg).await,
+            c: client(),
+        }
+    }
+}
+
 fn secs_until(ts: jiff::Timestamp) -> f64 {
     ts.duration_since(jiff::Timestamp::now()).as_secs_f64()
 }
@@ -56,8 +76,7 @@ async fn ec2_get(c: &Client, em: &EmulatorHandle, tok: &str, path: &str) -> (Sta
 
 #[tokio::test]
 async fn ec2_token_put_enforces_ttl_bounds_and_refuses_forwarded_requests() {
-    let em = start(Cloud::Aws).await;
-    let c = client();
+    let Emulated { em, c } = Emulated::start(Cloud::Aws).await;
     let url = format!("{}/latest/api/token", em.base_url());
     for bad in ["0", "21601", "abc", "-5", ""] {
         let resp = c
@@ -102,8 +121,7 @@ async fn ec2_token_put_enforces_ttl_bounds_and_refuses_forwarded_requests() {
 
 #[tokio::test]
 async fn ec2_gets_need_a_valid_unexpired_token_unless_imdsv1_is_allowed() {
-    let em = start(Cloud::Aws).await;
-    let c = client();
+    let Emulated { em, c } = Emulated::start(Cloud::Aws).await;
     let url = format!("{}/latest/meta-data/instance-id", em.base_url());
     assert_eq!(
         c.get(&url).send().await.unwrap().status(),
@@ -160,8 +178,7 @@ async fn ec2_gets_need_a_valid_unexpired_token_unless_imdsv1_is_allowed() {
 
 #[tokio::test]
 async fn ec2_spot_instance_action_is_404_until_raised() {
-    let em = start(Cloud::Aws).await;
-    let c = client();
+    let Emulated { em, c } = Emulated::start(Cloud::Aws).await;
     let tok = token(&c, &em).await;
     let (status, _) = ec2_get(&c, &em, &tok, "/latest/meta-data/spot/instance-action").await;
     assert_eq!(status, StatusCode::NOT_FOUND);
@@ -207,8 +224,7 @@ async fn ec2_spot_instance_action_is_404_until_raised() {
 
 #[tokio::test]
 async fn ec2_rebalance_recommendation_appears_when_raised() {
-    let em = start(Cloud::Aws).await;
-    let c = client();
+    let Emulated { em, c } = Emulated::start(Cloud::Aws).await;
     let tok = token(&c, &em).await;
     let path = "/latest/meta-data/events/recommendations/rebalance";
     assert_eq!(ec2_get(&c, &em, &tok, path).await.0, StatusCode::NOT_FOUND);
@@ -225,8 +241,7 @@ async fn ec2_rebalance_recommendation_appears_when_raised() {
 
 #[tokio::test]
 async fn ec2_scheduled_events_move_to_history_when_canceled() {
-    let em = start(Cloud::Aws).await;
-    let c = client();
+    let Emulated { em, c } = Emulated::start(Cloud::Aws).await;
     let tok = token(&c, &em).await;
     let scheduled = "/latest/meta-data/events/maintenance/scheduled";
     let history = "/latest/meta-data/events/maintenance/history";
@@ -294,8 +309,7 @@ async fn ec2_scheduled_events_move_to_history_when_canceled() {
 /// clients that must skip one bad event and keep the others).
 #[tokio::test]
 async fn ec2_scheduled_event_serves_a_raw_not_before_beside_normal_ones() {
-    let em = start(Cloud::Aws).await;
-    let c = client();
+    let Emulated { em, c } = Emulated::start(Cloud::Aws).await;
     let tok = token(&c, &em).await;
     let scheduled = "/latest/meta-data/events/maintenance/scheduled";
     let notice = format!("{}/spotguard/notice", em.base_url());
@@ -382,8 +396,7 @@ fn etag(resp: &reqwest::Response) -> String {
 
 #[tokio::test]
 async fn gce_requires_metadata_flavor_and_refuses_forwarded_requests() {
-    let em = start(Cloud::Gce).await;
-    let c = client();
+    let Emulated { em, c } = Emulated::start(Cloud::Gce).await;
     let url = format!("{}/computeMetadata/v1/instance/preempted", em.base_url());
     assert_eq!(
         c.get(&url).send().await.unwrap().status(),
@@ -438,8 +451,7 @@ async fn gce_requires_metadata_flavor_and_refuses_forwarded_requests() {
 
 #[tokio::test]
 async fn gce_hanging_get_blocks_until_the_value_changes() {
-    let em = start(Cloud::Gce).await;
-    let c = client();
+    let Emulated { em, c } = Emulated::start(Cloud::Gce).await;
     let first = gce_get(&c, &em, "instance/preempted").await;
     let e0 = etag(&first);
 
@@ -489,8 +501,7 @@ async fn gce_hanging_get_blocks_until_the_value_changes() {
 
 #[tokio::test]
 async fn gce_hanging_get_times_out_with_the_same_value_and_etag() {
-    let em = start(Cloud::Gce).await;
-    let c = client();
+    let Emulated { em, c } = Emulated::start(Cloud::Gce).await;
     let e0 = etag(&gce_get(&c, &em, "instance/maintenance-event").await);
     let started = Instant::now();
     let resp = gce_get(
@@ -535,8 +546,7 @@ async fn gce_hanging_get_times_out_with_the_same_value_and_etag() {
 
 #[tokio::test]
 async fn gce_many_concurrent_hanging_gets_are_released_by_one_change() {
-    let em = start(Cloud::Gce).await;
-    let c = client();
+    let Emulated { em, c } = Emulated::start(Cloud::Gce).await;
     let e0 = etag(&gce_get(&c, &em, "instance/preempted").await);
     let mut waiters = Vec::new();
     for _ in 0..200 {
@@ -576,8 +586,7 @@ async fn gce_many_concurrent_hanging_gets_are_released_by_one_change() {
 
 #[tokio::test]
 async fn gce_upcoming_maintenance_window_and_its_absent_forms() {
-    let em = start(Cloud::Gce).await;
-    let c = client();
+    let Emulated { em, c } = Emulated::start(Cloud::Gce).await;
     let resp = gce_get(&c, &em, "instance/upcoming-maintenance?alt=json").await;
     assert_eq!(resp.status(), StatusCode::OK);
     assert_eq!(resp.text().await.unwrap(), "{}");
@@ -685,8 +694,7 @@ async fn azure_ack(c: &Client, em: &EmulatorHandle, body: &str) -> StatusCode {
 
 #[tokio::test]
 async fn azure_requires_metadata_header_and_a_known_api_version() {
-    let em = start(Cloud::Azure).await;
-    let c = client();
+    let Emulated { em, c } = Emulated::start(Cloud::Azure).await;
     let base = em.base_url();
     let resp = c.get(format!("{base}{SE}")).send().await.unwrap();
     assert_eq!(
@@ -742,8 +750,7 @@ async fn azure_requires_metadata_header_and_a_known_api_version() {
 
 #[tokio::test]
 async fn azure_events_carry_the_documented_fields_and_bump_the_incarnation() {
-    let em = start(Cloud::Azure).await;
-    let c = client();
+    let Emulated { em, c } = Emulated::start(Cloud::Azure).await;
     let doc = azure_doc(&c, &em).await;
     assert_eq!(doc, json!({"DocumentIncarnation": 1, "Events": []}));
 
@@ -824,8 +831,7 @@ async fn azure_events_carry_the_documented_fields_and_bump_the_incarnation() {
 async fn azure_start_requests_are_recorded_and_start_then_finish_the_event() {
     let mut cfg = EmulatorConfig::new(Cloud::Azure);
     cfg.azure_started_for = Duration::from_secs(1);
-    let em = start_with(cfg).await;
-    let c = client();
+    let Emulated { em, c } = Emulated::with(cfg).await;
     let raised = em
         .raise(EmulatedNotice::maintenance().due_in(Duration::from_secs(900)))
         .unwrap();
@@ -870,8 +876,7 @@ async fn azure_start_requests_are_recorded_and_start_then_finish_the_event() {
 
 #[tokio::test]
 async fn azure_event_starts_by_itself_when_not_before_passes() {
-    let em = start(Cloud::Azure).await;
-    let c = client();
+    let Emulated { em, c } = Emulated::start(Cloud::Azure).await;
     em.raise(EmulatedNotice::interruption().due_in(Duration::from_secs(1)))
         .unwrap();
     assert_eq!(
@@ -891,8 +896,7 @@ async fn azure_event_starts_by_itself_when_not_before_passes() {
 
 #[tokio::test]
 async fn error_fault_answers_n_times_then_recovers_and_spares_the_control_endpoint() {
-    let em = start(Cloud::Aws).await;
-    let c = client();
+    let Emulated { em, c } = Emulated::start(Cloud::Aws).await;
     let tok = token(&c, &em).await;
     em.fault(Fault::error(503).times(2)).unwrap();
     let state = c
@@ -916,8 +920,7 @@ async fn error_fault_answers_n_times_then_recovers_and_spares_the_control_endpoi
 
 #[tokio::test]
 async fn path_scoped_fault_hits_only_its_prefix() {
-    let em = start(Cloud::Aws).await;
-    let c = client();
+    let Emulated { em, c } = Emulated::start(Cloud::Aws).await;
     em.fault(Fault::error(500).on_path("/latest/meta-data/spot/"))
         .unwrap();
     let tok = token(&c, &em).await;
@@ -945,8 +948,7 @@ async fn path_scoped_fault_hits_only_its_prefix() {
 
 #[tokio::test]
 async fn stall_fault_holds_the_request() {
-    let em = start(Cloud::Gce).await;
-    let c = client();
+    let Emulated { em, c } = Emulated::start(Cloud::Gce).await;
     em.fault(Fault::stall(Duration::from_millis(1200)).times(1))
         .unwrap();
     let started = Instant::now();
@@ -962,8 +964,7 @@ async fn stall_fault_holds_the_request() {
 
 #[tokio::test]
 async fn drop_fault_closes_the_connection_without_an_answer() {
-    let em = start(Cloud::Azure).await;
-    let c = client();
+    let Emulated { em, c } = Emulated::start(Cloud::Azure).await;
     em.fault(Fault::drop_connections().times(1)).unwrap();
     let err = c
         .get(format!("{}{SE}", em.base_url()))
@@ -978,8 +979,7 @@ async fn drop_fault_closes_the_connection_without_an_answer() {
 
 #[tokio::test]
 async fn garbage_fault_answers_200_with_a_malformed_body() {
-    let em = start(Cloud::Gce).await;
-    let c = client();
+    let Emulated { em, c } = Emulated::start(Cloud::Gce).await;
     em.fault(Fault::garbage().times(1)).unwrap();
     let resp = gce_get(&c, &em, "instance/preempted").await;
     assert_eq!(resp.status(), StatusCode::OK);
@@ -1009,8 +1009,7 @@ async fn garbage_fault_answers_200_with_a_malformed_body() {
 
 #[tokio::test]
 async fn down_fault_refuses_connections_until_it_ends() {
-    let em = start(Cloud::Azure).await;
-    let c = client();
+    let Emulated { em, c } = Emulated::start(Cloud::Azure).await;
     assert_eq!(azure_doc(&c, &em).await["DocumentIncarnation"], 1);
     em.fault(Fault::down().lasting(Duration::from_millis(1500)))
         .unwrap();
@@ -1058,8 +1057,7 @@ async fn down_fault_refuses_connections_until_it_ends() {
 
 #[tokio::test]
 async fn faults_over_http_round_trip_and_bad_ones_are_rejected() {
-    let em = start(Cloud::Aws).await;
-    let c = client();
+    let Emulated { em, c } = Emulated::start(Cloud::Aws).await;
     let url = format!("{}/spotguard/fault", em.base_url());
     let post = |body: Value| {
         let c = c.clone();
@@ -1127,8 +1125,7 @@ async fn faults_over_http_round_trip_and_bad_ones_are_rejected() {
 
 #[tokio::test]
 async fn control_endpoint_raises_cancels_and_clears_over_http() {
-    let em = start(Cloud::Azure).await;
-    let c = client();
+    let Emulated { em, c } = Emulated::start(Cloud::Azure).await;
     let notice = format!("{}/spotguard/notice", em.base_url());
     let post = |body: Value| {
         let c = c.clone();
@@ -1201,8 +1198,7 @@ async fn control_endpoint_raises_cancels_and_clears_over_http() {
 async fn notice_after_raises_the_cloud_default_interruption() {
     let mut cfg = EmulatorConfig::new(Cloud::Aws);
     cfg.notice_after = Some(Duration::from_millis(300));
-    let em = start_with(cfg).await;
-    let c = client();
+    let Emulated { em, c } = Emulated::with(cfg).await;
     let tok = token(&c, &em).await;
     let deadline = Instant::now() + Duration::from_secs(20);
     let body = loop {
@@ -1221,8 +1217,7 @@ async fn notice_after_raises_the_cloud_default_interruption() {
 
 #[tokio::test]
 async fn serve_until_stops_on_cancel_and_shutdown_releases_hanging_gets() {
-    let em = start(Cloud::Gce).await;
-    let c = client();
+    let Emulated { em, c } = Emulated::start(Cloud::Gce).await;
     let base = em.base_url();
     let waiter = tokio::spawn({
         let c = c.clone();

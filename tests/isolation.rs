@@ -7,9 +7,8 @@
 //!
 //! Needs root and /dev/fuse.
 
-use std::os::unix::process::CommandExt;
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use jiff::Timestamp;
@@ -23,6 +22,7 @@ use spotguard::checkpoint::{
 };
 use spotguard::metrics::{encode, Metrics};
 use spotguard_testkit::fuse::HungMount;
+use spotguard_testkit::process::Kid;
 use tokio_util::sync::CancellationToken;
 
 /// A shell that handles SIGUSR1: writes `marker-$$` into `$MARKS` and `done` into `$DIR`.
@@ -33,58 +33,27 @@ sleep 1000 & S=$!
 while :; do wait $S; done
 "#;
 
-struct Kid(Child);
-
-impl Kid {
-    fn handler(dir: &Path, marks: &Path) -> Kid {
-        Kid::spawn(HANDLER, dir, marks)
-    }
-
-    /// `script` under `sh -c` in a process group of its own, once its SIGUSR1 trap is installed.
-    fn spawn(script: &str, dir: &Path, marks: &Path) -> Kid {
-        let child = Command::new("sh")
-            .arg("-c")
-            .arg(script)
-            .env("DIR", dir)
-            .env("MARKS", marks)
-            .stdin(Stdio::null())
-            .stderr(Stdio::null())
-            .process_group(0)
-            .spawn()
-            .unwrap();
-        let kid = Kid(child);
-        let start = Instant::now();
-        while !ProcFs::default()
-            .status(kid.pid())
-            .is_ok_and(|s| s.catches(Signal::USR1))
-        {
-            assert!(start.elapsed() < Duration::from_secs(10), "no trap");
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        kid
-    }
-
-    fn pid(&self) -> i32 {
-        self.0.id() as i32
-    }
-
-    fn target(&self) -> TargetProcess {
-        TargetProcess {
-            pid: self.pid(),
-            start_time: ProcFs::default().start_time(self.pid()).unwrap(),
-        }
-    }
+fn handler(dir: &Path, marks: &Path) -> Kid {
+    sh(HANDLER, dir, marks)
 }
 
-impl Drop for Kid {
-    fn drop(&mut self) {
-        if let (Ok(None), Some(pg)) = (
-            self.0.try_wait(),
-            rustix::process::Pid::from_raw(self.pid()),
-        ) {
-            let _ = rustix::process::kill_process_group(pg, rustix::process::Signal::KILL);
-        }
-        let _ = self.0.wait();
+/// `script` under `sh -c` in a process group of its own, once its SIGUSR1 trap is installed.
+fn sh(script: &str, dir: &Path, marks: &Path) -> Kid {
+    let mut cmd = Command::new("sh");
+    cmd.arg("-c")
+        .arg(script)
+        .env("DIR", dir)
+        .env("MARKS", marks)
+        .stderr(Stdio::null());
+    let kid = Kid::spawn(cmd);
+    kid.wait_for_trap();
+    kid
+}
+
+fn target(kid: &Kid) -> TargetProcess {
+    TargetProcess {
+        pid: kid.pid(),
+        start_time: ProcFs::default().start_time(kid.pid()).unwrap(),
     }
 }
 
@@ -96,7 +65,7 @@ fn group(name: &str, dir: &Path, kid: &Kid, timeout: Duration) -> TargetGroup {
             name: name.to_string(),
             root_pid: None,
             init_pid: Some(kid.pid()),
-            processes: vec![kid.target()],
+            processes: vec![target(kid)],
         }],
         mode: TargetMode::Handlers,
         signal: Signal::USR1,
@@ -137,8 +106,8 @@ async fn hung_checkpoint_dir_delays_neither_another_groups_signal_nor_the_wait()
     let mount = HungMount::new(&tmp.path().join("nfs"));
     let hung_dir = mount.path().join("ckpt");
 
-    let hung = Kid::handler(&hung_dir, &marks);
-    let good = Kid::handler(&good_dir, &marks);
+    let hung = handler(&hung_dir, &marks);
+    let good = handler(&good_dir, &marks);
     let budget = Duration::from_secs(3);
     // The hung group first: a sequential implementation would block on it before the good one.
     let groups = vec![
@@ -216,8 +185,8 @@ async fn watcher_stuck_in_a_mount_that_hangs_later_is_abandoned_and_counted() {
         std::fs::create_dir_all(d).unwrap();
     }
     // The hung group's handler acks into a dir of its own, so only the watcher reads `later`.
-    let hung = Kid::handler(&tmp.path().join("nowhere"), &marks);
-    let good = Kid::slow_handler(&good_dir, &marks);
+    let hung = handler(&tmp.path().join("nowhere"), &marks);
+    let good = slow_handler(&good_dir, &marks);
     let budget = Duration::from_secs(2);
     let groups = vec![
         group("hangs-later", &later, &hung, budget),
@@ -248,13 +217,11 @@ async fn watcher_stuck_in_a_mount_that_hangs_later_is_abandoned_and_counted() {
     drop(mount);
 }
 
-impl Kid {
-    /// Acks `done` 300 ms after the signal (so the wait is still running when the other group
-    /// hangs).
-    fn slow_handler(dir: &Path, marks: &Path) -> Kid {
-        let script = HANDLER.replace("trap 'echo got", "trap 'sleep 0.3; echo got");
-        Kid::spawn(&script, dir, marks)
-    }
+/// Acks `done` 300 ms after the signal (so the wait is still running when the other group
+/// hangs).
+fn slow_handler(dir: &Path, marks: &Path) -> Kid {
+    let script = HANDLER.replace("trap 'echo got", "trap 'sleep 0.3; echo got");
+    sh(&script, dir, marks)
 }
 
 // === Kubernetes mode, whole agent ===

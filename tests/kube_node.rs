@@ -13,10 +13,11 @@ use spotguard::metrics::{encode, Metrics};
 use spotguard::node::kube::KubeNodeOps;
 use spotguard::node::{
     reason, Applied, AppliedMarks, ConditionState, DrainRequest, Error, EventType, GpuConditions,
-    NodeOps, Phase, PlanState, Protection, TaintEffect, GPU_UNHEALTHY_TAINT, INTERRUPTION_TAINT,
+    NodeOps, Phase, Protection, TaintEffect, GPU_UNHEALTHY_TAINT, INTERRUPTION_TAINT,
     NOTICE_ANNOTATION,
 };
-use spotguard::notice::{NoticeKind, Source};
+use spotguard::notice::{Cloud, NoticeKind};
+use spotguard::responder::record::PlanState;
 use spotguard_testkit::k8s::fixtures::STUCK_FINALIZER;
 use spotguard_testkit::k8s::{
     non_system_taints, EventApi, Identity, Kubelet, NodeConfig, PdbLimit, RecordedRequest,
@@ -42,36 +43,81 @@ impl Env {
     }
 }
 
-async fn env(dry_run: bool) -> Env {
-    env_with(|c| c, dry_run, Identity::Agent).await
-}
-
-/// A node (shaped by `node`) with its kubelet, and KubeNodeOps acting as `identity` through the
-/// fault proxy.
-async fn env_with(
-    node: impl FnOnce(NodeConfig) -> NodeConfig,
+/// How a test's [`Env`] is made: `Env::start().await` for the usual node (schedulable, the
+/// agent's identity, not dry-run), or e.g.
+/// `Env::builder().node(NodeConfig::unschedulable).dry_run().start().await`.
+struct EnvBuilder {
+    node: fn(NodeConfig) -> NodeConfig,
     dry_run: bool,
     identity: Identity,
-) -> Env {
-    let k = TestCluster::new().await;
-    let node = k.node(node(k.node_config("gpu-node-1"))).await;
-    let own_ns = k.namespace("spotguard").await;
-    let mut registry = Registry::default();
-    let metrics = Arc::new(Metrics::register(&mut registry));
-    let ops = KubeNodeOps::new(
-        k.client_as(identity),
-        node.name().to_string(),
-        Some((own_ns.clone(), OWN_POD.to_string())),
-        dry_run,
-        metrics,
-    );
-    Env {
-        k,
-        node,
-        ops,
-        registry,
-        own_ns,
+}
+
+impl Env {
+    async fn start() -> Env {
+        Env::builder().start().await
     }
+
+    fn builder() -> EnvBuilder {
+        EnvBuilder {
+            node: |c| c,
+            dry_run: false,
+            identity: Identity::Agent,
+        }
+    }
+}
+
+impl EnvBuilder {
+    /// Shape the node before it registers.
+    fn node(self, node: fn(NodeConfig) -> NodeConfig) -> EnvBuilder {
+        EnvBuilder { node, ..self }
+    }
+
+    fn dry_run(self) -> EnvBuilder {
+        EnvBuilder {
+            dry_run: true,
+            ..self
+        }
+    }
+
+    /// The ServiceAccount KubeNodeOps acts as.
+    fn identity(self, identity: Identity) -> EnvBuilder {
+        EnvBuilder { identity, ..self }
+    }
+
+    /// A node with its kubelet, and KubeNodeOps acting as the identity through the fault proxy.
+    async fn start(self) -> Env {
+        let k = TestCluster::new().await;
+        let node = k.node((self.node)(k.node_config("gpu-node-1"))).await;
+        let own_ns = k.namespace("spotguard").await;
+        let mut registry = Registry::default();
+        let metrics = Arc::new(Metrics::register(&mut registry));
+        let ops = KubeNodeOps::new(
+            k.client_as(self.identity),
+            node.name().to_string(),
+            Some((own_ns.clone(), OWN_POD.to_string())),
+            self.dry_run,
+            metrics,
+        );
+        Env {
+            k,
+            node,
+            ops,
+            registry,
+            own_ns,
+        }
+    }
+}
+
+/// `n` plain pods `worker-0` … on `node`, shaped by `shape`.
+fn workers(
+    ns: &str,
+    node: &str,
+    n: usize,
+    shape: impl Fn(TestPod) -> TestPod,
+) -> Vec<k8s_openapi::api::core::v1::Pod> {
+    (0..n)
+        .map(|i| shape(TestPod::new(ns, &format!("worker-{i}"), node)).build())
+        .collect()
 }
 
 fn interruption() -> Protection {
@@ -124,11 +170,16 @@ async fn pod_names(e: &Env, namespaces: &[&str]) -> Vec<String> {
         .collect()
 }
 
+/// [`sample_state`] as the node stores it: the responder's compact JSON.
+fn sample_record() -> String {
+    serde_json::to_string(&sample_state()).expect("a record serializes")
+}
+
 fn sample_state() -> PlanState {
     PlanState {
         id: "i-0abc-interruption".to_string(),
         kind: NoticeKind::Interruption,
-        source: Source::Aws,
+        source: Cloud::Aws,
         deadline: Some("2030-01-02T03:04:05Z".parse().expect("timestamp")),
         phase: Phase::Signalled,
         signalled_at: Some("2030-01-02T03:02:10Z".parse().expect("timestamp")),
@@ -151,7 +202,7 @@ fn sample_state() -> PlanState {
 /// operator's changes).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_node_records_what_spotguard_applied_in_the_same_patch() {
-    let e = env(false).await;
+    let e = Env::start().await;
     assert!(e.ops.applied_marks().await.expect("marks").is_empty());
     e.ops.protect(&interruption()).await.expect("protect");
     let marks = e.ops.applied_marks().await.expect("marks");
@@ -193,7 +244,7 @@ async fn the_node_records_what_spotguard_applied_in_the_same_patch() {
 /// An operator's cordon is never in spotguard's marks.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn marks_never_claim_an_operators_cordon() {
-    let e = env_with(NodeConfig::unschedulable, false, Identity::Agent).await;
+    let e = Env::builder().node(NodeConfig::unschedulable).start().await;
     e.ops.protect(&interruption()).await.expect("protect");
     let marks = e.ops.applied_marks().await.expect("marks");
     assert!(!marks.cordoned);
@@ -202,7 +253,7 @@ async fn marks_never_claim_an_operators_cordon() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn protect_and_unprotect_a_schedulable_node() {
-    let e = env(false).await;
+    let e = Env::start().await;
     let applied = e.ops.protect(&interruption()).await.expect("protect");
     assert_eq!(
         applied,
@@ -254,7 +305,7 @@ async fn protect_and_unprotect_a_schedulable_node() {
 /// what the controller put there is left for the controller to take away.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn undo_leaves_the_control_planes_own_taints_to_it() {
-    let e = env(false).await;
+    let e = Env::start().await;
     let applied = e.ops.protect(&interruption()).await.expect("protect");
     let start = std::time::Instant::now();
     loop {
@@ -291,15 +342,13 @@ async fn undo_leaves_the_control_planes_own_taints_to_it() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_operators_cordon_and_taints_survive_undo() {
-    let e = env_with(
-        |c| {
+    let e = Env::builder()
+        .node(|c| {
             c.unschedulable()
                 .taint("dedicated", Some("training"), "NoSchedule")
-        },
-        false,
-        Identity::Agent,
-    )
-    .await;
+        })
+        .start()
+        .await;
     let applied = e.ops.protect(&interruption()).await.expect("protect");
     assert_eq!(
         applied,
@@ -323,7 +372,7 @@ async fn an_operators_cordon_and_taints_survive_undo() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn protecting_twice_writes_once_and_reports_nothing_new() {
-    let e = env(false).await;
+    let e = Env::start().await;
     e.ops.protect(&interruption()).await.expect("protect");
     let writes = e.k.proxy().write_count();
     let again = e.ops.protect(&interruption()).await.expect("protect again");
@@ -338,7 +387,7 @@ async fn protecting_twice_writes_once_and_reports_nothing_new() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rebalance_then_interruption_keeps_both_taints_and_undoes_one() {
-    let e = env(false).await;
+    let e = Env::start().await;
     let soft = Protection {
         taint_value: "rebalance".into(),
         effect: TaintEffect::PreferNoSchedule,
@@ -367,7 +416,7 @@ async fn rebalance_then_interruption_keeps_both_taints_and_undoes_one() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn conflicts_and_server_errors_during_cordon_are_retried() {
-    let e = env(false).await;
+    let e = Env::start().await;
     e.k.proxy().fail_next(RequestKind::NodeWrite, 409, 2);
     e.k.proxy().fail_next(RequestKind::NodeWrite, 500, 2);
     let applied = e
@@ -388,7 +437,7 @@ async fn conflicts_and_server_errors_during_cordon_are_retried() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_conflict_that_never_settles_is_reported() {
-    let e = env(false).await;
+    let e = Env::start().await;
     e.k.proxy().fail_next(RequestKind::NodeWrite, 409, 100);
     match e.ops.protect(&interruption()).await {
         Err(err @ Error::Conflict { .. }) => assert!(err.is_retryable()),
@@ -402,7 +451,7 @@ async fn a_conflict_that_never_settles_is_reported() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_server_refuses_a_write_with_a_stale_resource_version() {
     use kube::api::{Api, Patch, PatchParams};
-    let e = env(false).await;
+    let e = Env::start().await;
     let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(e.k.agent_client());
     let node = nodes.get(e.name()).await.expect("get");
     let rv = node
@@ -430,11 +479,15 @@ async fn the_server_refuses_a_write_with_a_stale_resource_version() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn plan_state_round_trips_through_the_node_annotation() {
-    let e = env(false).await;
+    let e = Env::start().await;
     assert_eq!(e.ops.load_state().await.expect("load"), None);
     let state = sample_state();
-    e.ops.save_state(&state).await.expect("save");
-    assert_eq!(e.ops.load_state().await.expect("load"), Some(state.clone()));
+    e.ops.save_state(&sample_record()).await.expect("save");
+    let stored = e.ops.load_state().await.expect("load");
+    // Stored as given, and still the same record.
+    assert_eq!(stored.as_deref(), Some(sample_record().as_str()));
+    let read: PlanState = serde_json::from_str(&stored.expect("a copy")).expect("a record");
+    assert_eq!(read, state);
     let raw =
         e.k.node_object(e.name())
             .await
@@ -449,7 +502,7 @@ async fn plan_state_round_trips_through_the_node_annotation() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_corrupt_annotation_is_a_typed_error() {
-    let e = env(false).await;
+    let e = Env::start().await;
     e.k.set_node_annotation(e.name(), NOTICE_ANNOTATION, "{\"id\": \"x\", \"phase\": ")
         .await;
     match e.ops.load_state().await {
@@ -460,7 +513,7 @@ async fn a_corrupt_annotation_is_a_typed_error() {
         other => panic!("expected StateCorrupt, got {other:?}"),
     }
     // Saving over it repairs it.
-    e.ops.save_state(&sample_state()).await.expect("save");
+    e.ops.save_state(&sample_record()).await.expect("save");
     assert!(e.ops.load_state().await.expect("load").is_some());
 }
 
@@ -468,7 +521,7 @@ async fn a_corrupt_annotation_is_a_typed_error() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn node_events_use_events_v1_and_repeat_as_a_series() {
-    let e = env(false).await;
+    let e = Env::start().await;
     let team = e.k.namespace("team-a").await;
     let msg = "EC2 spot interruption: terminate at 2030-01-02T03:04:05Z";
     e.ops
@@ -537,12 +590,10 @@ async fn node_events_use_events_v1_and_repeat_as_a_series() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn drain_evicts_twenty_pods() {
-    let e = env(false).await;
+    let e = Env::start().await;
     let other = e.k.node(e.k.node_config("gpu-node-2")).await;
     let team = e.k.namespace("team-a").await;
-    let mut pods: Vec<_> = (0..20)
-        .map(|i| TestPod::new(&team, &format!("worker-{i}"), e.name()).build())
-        .collect();
+    let mut pods = workers(&team, e.name(), 20, |p| p);
     pods.push(TestPod::new(&team, "elsewhere", other.name()).build());
     e.k.run_pods(&pods).await;
     let report = e
@@ -581,7 +632,7 @@ async fn drain_evicts_twenty_pods() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn daemonset_mirror_finished_and_own_pods_are_never_evicted() {
-    let e = env(false).await;
+    let e = Env::start().await;
     let system = e.k.namespace("kube-system").await;
     let team = e.k.namespace("team-a").await;
     let node_uid =
@@ -635,15 +686,13 @@ async fn daemonset_mirror_finished_and_own_pods_are_never_evicted() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pdb_blocks_one_pod_until_the_deadline_and_is_named() {
-    let e = env(false).await;
+    let e = Env::start().await;
     let db = e.k.namespace("db").await;
     let team = e.k.namespace("team-a").await;
     let mut pods = vec![TestPod::new(&db, "postgres-0", e.name())
         .label("app", "postgres")
         .build()];
-    for i in 0..3 {
-        pods.push(TestPod::new(&team, &format!("worker-{i}"), e.name()).build());
-    }
+    pods.extend(workers(&team, e.name(), 3, |p| p));
     e.k.run_pods(&pods).await;
     e.k.add_pdb(
         &db,
@@ -695,7 +744,7 @@ async fn a_pdb_blocks_one_pod_until_the_deadline_and_is_named() {
 /// disruption controller lets the next one go.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pdb_with_room_lets_pods_go_one_at_a_time() {
-    let e = env(false).await;
+    let e = Env::start().await;
     let spare = e.k.node(e.k.node_config("gpu-node-2")).await;
     let web = e.k.namespace("web").await;
     let template = TestPod::new(&web, "template", "")
@@ -756,7 +805,7 @@ async fn a_pdb_with_room_lets_pods_go_one_at_a_time() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn grace_period_longer_than_the_time_left_is_capped() {
-    let e = env(false).await;
+    let e = Env::start().await;
     let team = e.k.namespace("team-a").await;
     e.k.run_pods(&[
         TestPod::new(&team, "slow-shutdown", e.name())
@@ -802,7 +851,10 @@ async fn grace_period_longer_than_the_time_left_is_capped() {
 /// not delete pods).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn blocked_pods_are_force_deleted_before_the_deadline_when_enabled() {
-    let e = env_with(|c| c, false, Identity::AgentForceDelete).await;
+    let e = Env::builder()
+        .identity(Identity::AgentForceDelete)
+        .start()
+        .await;
     let db = e.k.namespace("db").await;
     let template = {
         let mut s = TestPod::new(&db, "t", "").build().spec.expect("spec");
@@ -867,7 +919,7 @@ async fn blocked_pods_are_force_deleted_before_the_deadline_when_enabled() {
 /// A pod held by a finalizer: its deletion never completes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pod_that_never_finishes_terminating_is_reported() {
-    let e = env(false).await;
+    let e = Env::start().await;
     let team = e.k.namespace("team-a").await;
     e.k.run_pods(&[
         TestPod::new(&team, "stuck", e.name()).stuck().build(),
@@ -898,7 +950,7 @@ async fn a_pod_that_never_finishes_terminating_is_reported() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_pdbs_on_one_pod_are_a_server_error_reported_at_the_deadline() {
-    let e = env(false).await;
+    let e = Env::start().await;
     let ml = e.k.namespace("ml").await;
     e.k.run_pods(&[TestPod::new(&ml, "ps-0", e.name())
         .label("app", "ps")
@@ -938,15 +990,11 @@ async fn two_pdbs_on_one_pod_are_a_server_error_reported_at_the_deadline() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_interrupted_drain_converges_when_run_again() {
-    let e = env(false).await;
+    let e = Env::start().await;
     let team = e.k.namespace("team-a").await;
-    let pods: Vec<_> = (0..10)
-        .map(|i| {
-            TestPod::new(&team, &format!("worker-{i}"), e.name())
-                .terminates_after(Duration::from_millis(1500))
-                .build()
-        })
-        .collect();
+    let pods = workers(&team, e.name(), 10, |p| {
+        p.terminates_after(Duration::from_millis(1500))
+    });
     e.k.run_pods(&pods).await;
     let request = drain_request(in_secs(60));
     // The agent dies mid-drain: the future is dropped after the evictions went out.
@@ -971,7 +1019,7 @@ async fn an_interrupted_drain_converges_when_run_again() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dry_run_writes_nothing() {
-    let e = env(true).await;
+    let e = Env::builder().dry_run().start().await;
     let team = e.k.namespace("team-a").await;
     let system = e.k.namespace("kube-system").await;
     e.k.run_pods(&[
@@ -984,7 +1032,7 @@ async fn dry_run_writes_nothing() {
     let applied = e.ops.protect(&interruption()).await.expect("protect");
     assert!(applied.cordoned, "reports what it would do");
     e.ops.unprotect(&applied).await.expect("unprotect");
-    e.ops.save_state(&sample_state()).await.expect("save");
+    e.ops.save_state(&sample_record()).await.expect("save");
     e.ops.clear_state().await.expect("clear");
     e.ops
         .event(EventType::Warning, reason::SPOT_INTERRUPTION, "would say")
@@ -1024,7 +1072,7 @@ async fn condition(e: &Env, type_: &str) -> Option<k8s_openapi::api::core::v1::N
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gpu_conditions_set_merge_and_clear() {
-    let e = env(false).await;
+    let e = Env::start().await;
     let ready_before = condition(&e, "Ready").await.expect("kubelet condition");
 
     // Healthy and never shown: nothing to write.

@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 use spotguard::emulator::{self, Cloud, EmulatedNotice, EmulatorConfig};
 use spotguard_testkit::k8s::{non_system_taints, TestCluster};
+use spotguard_testkit::process::Kid;
 
 const BIN: &str = env!("CARGO_BIN_EXE_spotguard");
 
@@ -332,7 +333,7 @@ fn cli_without_the_library_or_the_driver_is_unavailable() {
 
 /// A `spotguard run` process pointed at the stand-in through its environment.
 struct Agent {
-    child: std::process::Child,
+    child: Kid,
     metrics: String,
     stderr: Arc<Mutex<Vec<String>>>,
     _dir: tempfile::TempDir,
@@ -356,30 +357,29 @@ impl Agent {
         let port = free_port();
         // The privileges the DaemonSet ships: root without any capability but KILL and
         // SYS_PTRACE.
-        let mut child = Command::new("setpriv")
-            .args([
-                "--bounding-set=-all,+kill,+sys_ptrace",
-                "--inh-caps=-all",
-                "--",
-                BIN,
-            ])
-            .arg("run")
-            .arg(format!("--config={}", config.display()))
-            .arg(format!("--metrics-addr=127.0.0.1:{port}"))
-            .arg("--log-format=json")
-            .arg(format!(
-                "--state-dir={}",
-                dir.path().join("state").display()
-            ))
-            .args(args)
-            .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
-            .env_remove("NODE_NAME")
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spotguard run");
+        let mut cmd = Command::new("setpriv");
+        cmd.args([
+            "--bounding-set=-all,+kill,+sys_ptrace",
+            "--inh-caps=-all",
+            "--",
+            BIN,
+        ])
+        .arg("run")
+        .arg(format!("--config={}", config.display()))
+        .arg(format!("--metrics-addr=127.0.0.1:{port}"))
+        .arg("--log-format=json")
+        .arg(format!(
+            "--state-dir={}",
+            dir.path().join("state").display()
+        ))
+        .args(args)
+        .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+        .env_remove("NODE_NAME")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+        let mut child = Kid::spawn(cmd);
         let stderr = Arc::new(Mutex::new(Vec::new()));
-        let pipe = child.stderr.take().expect("stderr");
+        let pipe = child.take_stderr().expect("stderr");
         let lines = Arc::clone(&stderr);
         std::thread::spawn(move || {
             for line in BufReader::new(pipe).lines().map_while(Result::ok) {
@@ -430,29 +430,14 @@ impl Agent {
 
     /// SIGTERM; the agent must exit within `within`.
     fn stop(mut self, within: Duration) {
-        let pid = i32::try_from(self.child.id()).expect("pid");
-        // SAFETY: signalling our own child.
-        unsafe { libc::kill(pid, libc::SIGTERM) };
-        let deadline = Instant::now() + within;
-        loop {
-            if let Some(status) = self.child.try_wait().expect("wait") {
-                assert!(status.success(), "{status}\n{}", self.logs());
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
+        self.child.signal(libc::SIGTERM);
+        let Some(status) = self.child.wait_timeout(within) else {
+            panic!(
                 "agent did not stop within {within:?} of SIGTERM\n{}",
                 self.logs()
             );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-}
-
-impl Drop for Agent {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        };
+        assert!(status.success(), "{status}\n{}", self.logs());
     }
 }
 

@@ -9,7 +9,7 @@ use std::convert::Infallible;
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Command, Output, Stdio};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -25,6 +25,7 @@ use object_store::aws::{AmazonS3Builder, AwsAuthorizer, AwsCredential};
 use object_store::path::Path as ObjectPath;
 use object_store::{ClientOptions, ObjectStore, ObjectStoreExt, PutPayload};
 use serde_json::Value;
+use spotguard_testkit::process::Kid;
 
 const ACCESS_KEY: &str = "spotguardtest";
 const SECRET_KEY: &str = "spotguardtestsecret";
@@ -34,18 +35,11 @@ const DEPS: &str = "scripts/deps/prefetch.sh";
 // ---------------------------------------------------------------------------------------------
 // Servers
 
-/// A child process killed on drop.
+/// An S3 server process (killed on drop) and its address.
 struct ServerProcess {
-    child: Child,
+    _child: Kid,
     addr: SocketAddr,
     _dir: Option<tempfile::TempDir>,
-}
-
-impl Drop for ServerProcess {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 impl ServerProcess {
@@ -85,19 +79,19 @@ fn wait_for_line(
 /// `s3s-fs` over a fresh directory on an ephemeral loopback port.
 fn start_s3s_fs() -> ServerProcess {
     let dir = tempfile::tempdir().unwrap();
-    let mut child = Command::new("s3s-fs")
-        .args(["--host", "127.0.0.1", "--port", "0"])
+    let mut cmd = Command::new("s3s-fs");
+    cmd.args(["--host", "127.0.0.1", "--port", "0"])
         .args(["--access-key", ACCESS_KEY, "--secret-key", SECRET_KEY])
         .arg(dir.path())
         .env("RUST_LOG", "s3s_fs=info")
         .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
+        .stderr(Stdio::null());
+    let mut child = Kid::try_spawn(cmd)
         .unwrap_or_else(|e| panic!("cannot run s3s-fs ({e}): install it with {DEPS}"));
-    let out = child.stdout.take().unwrap();
+    let out = child.take_stdout().unwrap();
     let addr = wait_for_line(out, "server is running at http://", "s3s-fs");
     ServerProcess {
-        child,
+        _child: child,
         addr,
         _dir: Some(dir),
     }
@@ -105,16 +99,16 @@ fn start_s3s_fs() -> ServerProcess {
 
 /// moto's S3 server (honours `If-Match` on GET).
 fn start_moto() -> ServerProcess {
-    let mut child = Command::new("moto_server")
-        .args(["-H", "127.0.0.1", "-p", "0"])
+    let mut cmd = Command::new("moto_server");
+    cmd.args(["-H", "127.0.0.1", "-p", "0"])
         .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
+        .stderr(Stdio::piped());
+    let mut child = Kid::try_spawn(cmd)
         .unwrap_or_else(|e| panic!("cannot run moto_server ({e}): install it with {DEPS}"));
-    let err = child.stderr.take().unwrap();
+    let err = child.take_stderr().unwrap();
     let addr = wait_for_line(err, "Running on http://", "moto_server");
     ServerProcess {
-        child,
+        _child: child,
         addr,
         _dir: None,
     }
@@ -132,6 +126,45 @@ fn store(endpoint: &str, bucket: &str) -> Arc<dyn ObjectStore> {
             .build()
             .unwrap(),
     )
+}
+
+/// A bucket on an S3 server of its own, made in one line
+/// (`let bucket = Bucket::s3s_fs("data").await;`), with the test's objects put through the S3 API.
+struct Bucket {
+    server: ServerProcess,
+    store: Arc<dyn ObjectStore>,
+}
+
+impl Bucket {
+    /// On s3s-fs (keeps the checksums sent with an upload).
+    async fn s3s_fs(name: &str) -> Bucket {
+        Bucket::on(start_s3s_fs(), name).await
+    }
+
+    /// On moto (honours `If-Match` on GET).
+    async fn moto(name: &str) -> Bucket {
+        Bucket::on(start_moto(), name).await
+    }
+
+    async fn on(server: ServerProcess, name: &str) -> Bucket {
+        create_bucket(&server.endpoint(), name).await;
+        let store = store(&server.endpoint(), name);
+        Bucket { server, store }
+    }
+
+    fn endpoint(&self) -> String {
+        self.server.endpoint()
+    }
+
+    async fn put(&self, key: &str, data: &[u8]) {
+        put(&self.store, key, data).await;
+    }
+
+    async fn put_all<K: AsRef<str>, V: AsRef<[u8]>>(&self, objects: &[(K, V)]) {
+        for (key, data) in objects {
+            self.put(key.as_ref(), data.as_ref()).await;
+        }
+    }
 }
 
 /// Create a bucket through the S3 API (signed `PUT /bucket`).
@@ -478,9 +511,7 @@ fn manifest(dir: &Path) -> HashMap<String, Value> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn full_prefetch_is_byte_identical_and_idempotent() {
-    let server = start_s3s_fs();
-    create_bucket(&server.endpoint(), "data").await;
-    let s = store(&server.endpoint(), "data");
+    let bucket = Bucket::s3s_fs("data").await;
     let mut expected: Vec<(String, Vec<u8>)> = Vec::new();
     for i in 0..40u64 {
         let len = 1 + (i as usize * 7919) % (300 << 10);
@@ -492,16 +523,14 @@ async fn full_prefetch_is_byte_identical_and_idempotent() {
     ));
     expected.push(("train/large-b.bin".into(), data(3 << 20, 101)));
     expected.push(("train/empty".into(), Vec::new()));
-    for (k, v) in &expected {
-        put(&s, k, v).await;
-    }
-    put(&s, "other/not-in-dataset", b"x").await;
+    bucket.put_all(&expected).await;
+    bucket.put("other/not-in-dataset", b"x").await;
 
     let cache = tempfile::tempdir().unwrap();
     let r = run(spotguard(
         "s3://data/train",
         cache.path(),
-        &server.endpoint(),
+        &bucket.endpoint(),
         &[
             "--name",
             "train",
@@ -547,7 +576,7 @@ async fn full_prefetch_is_byte_identical_and_idempotent() {
     let again = run(spotguard(
         "s3://data/train",
         cache.path(),
-        &server.endpoint(),
+        &bucket.endpoint(),
         &["--name", "train"],
     ))
     .await;
@@ -558,13 +587,11 @@ async fn full_prefetch_is_byte_identical_and_idempotent() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn resumes_with_a_ranged_get_after_kill_9() {
-    let server = start_s3s_fs();
-    create_bucket(&server.endpoint(), "big").await;
-    let s = store(&server.endpoint(), "big");
+    let bucket = Bucket::s3s_fs("big").await;
     let size = 16 << 20;
     let payload = data(size, 7);
-    put(&s, "ds/model.bin", &payload).await;
-    let proxy = Proxy::start(&server).await;
+    bucket.put("ds/model.bin", &payload).await;
+    let proxy = Proxy::start(&bucket.server).await;
     // 1 MiB/s per request, 2 requests at a time: the 16 MiB object takes ~8 s.
     proxy.state.rate_bps.store(1 << 20, Ordering::SeqCst);
 
@@ -658,12 +685,10 @@ async fn resumes_with_a_ranged_get_after_kill_9() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_checkpoints_and_the_next_run_resumes() {
-    let server = start_s3s_fs();
-    create_bucket(&server.endpoint(), "sigterm").await;
-    let s = store(&server.endpoint(), "sigterm");
+    let bucket = Bucket::s3s_fs("sigterm").await;
     let payload = data(6 << 20, 9);
-    put(&s, "p/x.bin", &payload).await;
-    let proxy = Proxy::start(&server).await;
+    bucket.put("p/x.bin", &payload).await;
+    let proxy = Proxy::start(&bucket.server).await;
     proxy.state.rate_bps.store(512 << 10, Ordering::SeqCst);
     let cache = tempfile::tempdir().unwrap();
     let args = ["--name", "x", "--part-size", "1MiB", "--concurrency", "2"];
@@ -729,20 +754,16 @@ async fn sigterm_checkpoints_and_the_next_run_resumes() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_processes_share_one_cache_and_fetch_each_object_once() {
-    let server = start_s3s_fs();
-    create_bucket(&server.endpoint(), "shared").await;
-    let s = store(&server.endpoint(), "shared");
+    let bucket = Bucket::s3s_fs("shared").await;
     let mut objects = Vec::new();
     for i in 0..150u64 {
         objects.push((format!("ds/f{i:03}"), data(32 << 10, i)));
     }
     objects.push(("ds/big1".into(), data(4 << 20, 1000)));
     objects.push(("ds/big2".into(), data(3 << 20, 1001)));
-    for (k, v) in &objects {
-        put(&s, k, v).await;
-    }
+    bucket.put_all(&objects).await;
     let total: u64 = objects.iter().map(|(_, v)| v.len() as u64).sum();
-    let proxy = Proxy::start(&server).await;
+    let proxy = Proxy::start(&bucket.server).await;
     // Slow enough that the two runs overlap.
     proxy.state.rate_bps.store(4 << 20, Ordering::SeqCst);
     let cache = tempfile::tempdir().unwrap();
@@ -796,11 +817,9 @@ async fn two_processes_share_one_cache_and_fetch_each_object_once() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn changed_objects_are_refetched_even_mid_download() {
-    let server = start_moto();
-    create_bucket(&server.endpoint(), "chg").await;
-    let s = store(&server.endpoint(), "chg");
-    put(&s, "d/a.bin", &data(100 << 10, 1)).await;
-    put(&s, "d/b.bin", &data(100 << 10, 2)).await;
+    let bucket = Bucket::moto("chg").await;
+    bucket.put("d/a.bin", &data(100 << 10, 1)).await;
+    bucket.put("d/b.bin", &data(100 << 10, 2)).await;
     let cache = tempfile::tempdir().unwrap();
     let args = [
         "--name",
@@ -813,7 +832,7 @@ async fn changed_objects_are_refetched_even_mid_download() {
     let r = run(spotguard(
         "s3://chg/d",
         cache.path(),
-        &server.endpoint(),
+        &bucket.endpoint(),
         &args,
     ))
     .await;
@@ -822,11 +841,11 @@ async fn changed_objects_are_refetched_even_mid_download() {
 
     // Same size, new content: the etag differs from the manifest, so it is fetched again.
     let v2 = data(100 << 10, 3);
-    put(&s, "d/a.bin", &v2).await;
+    bucket.put("d/a.bin", &v2).await;
     let r = run(spotguard(
         "s3://chg/d",
         cache.path(),
-        &server.endpoint(),
+        &bucket.endpoint(),
         &args,
     ))
     .await;
@@ -838,8 +857,8 @@ async fn changed_objects_are_refetched_even_mid_download() {
     // Changed while being downloaded in parts: If-Match makes the remaining parts fail with 412,
     // and the object is fetched again from its new version.
     let big1 = data(4 << 20, 10);
-    put(&s, "d/big.bin", &big1).await;
-    let proxy = Proxy::start(&server).await;
+    bucket.put("d/big.bin", &big1).await;
+    let proxy = Proxy::start(&bucket.server).await;
     proxy.state.rate_bps.store(1 << 20, Ordering::SeqCst);
     let child = spotguard("s3://chg/d", cache.path(), &proxy.endpoint(), &args)
         .spawn()
@@ -850,7 +869,7 @@ async fn changed_objects_are_refetched_even_mid_download() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let big2 = data(4 << 20, 11);
-    put(&s, "d/big.bin", &big2).await;
+    bucket.put("d/big.bin", &big2).await;
     proxy.state.rate_bps.store(0, Ordering::SeqCst);
     let r = tokio::task::spawn_blocking(move || finish(child.wait_with_output().unwrap()))
         .await
@@ -866,13 +885,11 @@ async fn changed_objects_are_refetched_even_mid_download() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn throttling_is_retried_with_backoff() {
-    let server = start_s3s_fs();
-    create_bucket(&server.endpoint(), "thr").await;
-    let s = store(&server.endpoint(), "thr");
+    let bucket = Bucket::s3s_fs("thr").await;
     for i in 0..6u64 {
-        put(&s, &format!("t/{i}"), &data(50 << 10, i)).await;
+        bucket.put(&format!("t/{i}"), &data(50 << 10, i)).await;
     }
-    let proxy = Proxy::start(&server).await;
+    let proxy = Proxy::start(&bucket.server).await;
     proxy.state.slowdowns.store(6, Ordering::SeqCst);
     let cache = tempfile::tempdir().unwrap();
     let r = run(spotguard(
@@ -889,13 +906,11 @@ async fn throttling_is_retried_with_backoff() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn access_denied_and_missing_objects_are_named() {
-    let server = start_s3s_fs();
-    create_bucket(&server.endpoint(), "err").await;
-    let s = store(&server.endpoint(), "err");
+    let bucket = Bucket::s3s_fs("err").await;
     for k in ["e/ok.bin", "e/secret.bin", "e/vanished.bin"] {
-        put(&s, k, &data(10 << 10, 5)).await;
+        bucket.put(k, &data(10 << 10, 5)).await;
     }
-    let proxy = Proxy::start(&server).await;
+    let proxy = Proxy::start(&bucket.server).await;
     *proxy.state.deny.lock().unwrap() = Some(("e/secret.bin".into(), 403));
     let cache = tempfile::tempdir().unwrap();
     let r = run(spotguard(
@@ -970,22 +985,18 @@ impl Drop for TmpfsMount {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn disk_full_is_a_clear_error_and_leaves_the_cache_consistent() {
-    let server = start_s3s_fs();
-    create_bucket(&server.endpoint(), "full").await;
-    let s = store(&server.endpoint(), "full");
+    let bucket = Bucket::s3s_fs("full").await;
     let objs = [
         ("f/a.bin", data(3 << 20, 1)),
         ("f/b.bin", data(3 << 20, 2)),
         ("f/c.bin", data(3 << 20, 3)),
     ];
-    for (k, v) in &objs {
-        put(&s, k, v).await;
-    }
+    bucket.put_all(&objs).await;
     let mnt = TmpfsMount::new("8m");
     let r = run(spotguard(
         "s3://full/f",
         mnt.dir.path(),
-        &server.endpoint(),
+        &bucket.endpoint(),
         &["--name", "f", "--concurrency", "1"],
     ))
     .await;
@@ -1030,27 +1041,25 @@ async fn disk_full_is_a_clear_error_and_leaves_the_cache_consistent() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_key_escaping_the_dataset_is_rejected_by_name() {
-    let server = start_moto();
-    create_bucket(&server.endpoint(), "esc").await;
+    let bucket = Bucket::moto("esc").await;
     // object_store refuses to write such a key; send the PUT raw (moto does not check auth).
     let client: Client<HttpConnector, Full<Bytes>> =
         Client::builder(TokioExecutor::new()).build_http();
     let req = Request::put(format!(
         "{}/esc/d/%2E%2E/%2E%2E/escape.txt",
-        server.endpoint()
+        bucket.endpoint()
     ))
     .body(Full::new(Bytes::from_static(b"owned")))
     .unwrap();
     let resp = client.request(req).await.unwrap();
     assert!(resp.status().is_success(), "{}", resp.status());
-    let s = store(&server.endpoint(), "esc");
-    put(&s, "d/fine.txt", b"fine").await;
+    bucket.put("d/fine.txt", b"fine").await;
     let cache = tempfile::tempdir().unwrap();
     let inner = cache.path().join("root");
     let r = run(spotguard(
         "s3://esc/d",
         &inner,
-        &server.endpoint(),
+        &bucket.endpoint(),
         &["--name", "d"],
     ))
     .await;
@@ -1067,12 +1076,10 @@ async fn a_key_escaping_the_dataset_is_rejected_by_name() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn eviction_removes_the_least_recently_used_dataset_not_in_use() {
-    let server = start_s3s_fs();
-    create_bucket(&server.endpoint(), "evict").await;
-    let s = store(&server.endpoint(), "evict");
+    let bucket = Bucket::s3s_fs("evict").await;
     for ds in ["a", "b", "c", "d"] {
         put(
-            &s,
+            &bucket.store,
             &format!("{ds}/blob"),
             &data(1 << 20, ds.as_bytes()[0] as u64),
         )
@@ -1086,7 +1093,7 @@ async fn eviction_removes_the_least_recently_used_dataset_not_in_use() {
         let r = run(spotguard(
             &format!("s3://evict/{ds}"),
             cache.path(),
-            &server.endpoint(),
+            &bucket.endpoint(),
             &args,
         ))
         .await;
@@ -1106,7 +1113,7 @@ async fn eviction_removes_the_least_recently_used_dataset_not_in_use() {
     let r = run(spotguard(
         "s3://evict/d",
         cache.path(),
-        &server.endpoint(),
+        &bucket.endpoint(),
         &args,
     ))
     .await;
@@ -1122,13 +1129,13 @@ async fn eviction_removes_the_least_recently_used_dataset_not_in_use() {
     assert!(cache.path().join("c/blob").exists() && cache.path().join("d/blob").exists());
 
     // Nothing evictable is left (a in use, c and d too recent): a clear error.
-    put(&s, "e/blob", &data(2 << 20, 9)).await;
+    bucket.put("e/blob", &data(2 << 20, 9)).await;
     let mut args = vec!["--name", "e", "--cache-max-bytes", "3MiB"];
     args.extend(["--in-use-window", "1h"]);
     let r = run(spotguard(
         "s3://evict/e",
         cache.path(),
-        &server.endpoint(),
+        &bucket.endpoint(),
         &args,
     ))
     .await;
@@ -1187,8 +1194,7 @@ async fn put_with_checksum(endpoint: &str, bucket: &str, key: &str, data: &[u8],
 async fn store_checksums_verify_whole_and_ranged_objects_and_the_summary_says_how() {
     // s3s-fs keeps a checksum sent with the upload and returns it with
     // x-amz-checksum-mode: ENABLED, on GET and HEAD.
-    let server = start_s3s_fs();
-    create_bucket(&server.endpoint(), "sums").await;
+    let bucket = Bucket::s3s_fs("sums").await;
     let mut want = HashMap::new();
     for (i, alg) in ["crc64nvme", "crc32c", "crc32", "sha256"]
         .iter()
@@ -1198,7 +1204,7 @@ async fn store_checksums_verify_whole_and_ranged_objects_and_the_summary_says_ho
         let small = data(20_000 + i, 10 + i as u64);
         let big = data((300 << 10) + i, 20 + i as u64);
         put_with_checksum(
-            &server.endpoint(),
+            &bucket.endpoint(),
             "sums",
             &format!("ds/{alg}-small"),
             &small,
@@ -1206,7 +1212,7 @@ async fn store_checksums_verify_whole_and_ranged_objects_and_the_summary_says_ho
         )
         .await;
         put_with_checksum(
-            &server.endpoint(),
+            &bucket.endpoint(),
             "sums",
             &format!("ds/{alg}-big"),
             &big,
@@ -1218,14 +1224,14 @@ async fn store_checksums_verify_whole_and_ranged_objects_and_the_summary_says_ho
     }
     // Without a checksum: the plain-MD5 etag.
     let plain = data(5000, 99);
-    put(&store(&server.endpoint(), "sums"), "ds/plain", &plain).await;
+    bucket.put("ds/plain", &plain).await;
     want.insert("plain".to_string(), plain);
 
     let cache = tempfile::tempdir().unwrap();
     let r = run(spotguard(
         "s3://sums/ds",
         cache.path(),
-        &server.endpoint(),
+        &bucket.endpoint(),
         &["--name", "ds", "--part-size", "64KiB"],
     ))
     .await;
@@ -1256,7 +1262,7 @@ async fn store_checksums_verify_whole_and_ranged_objects_and_the_summary_says_ho
     let r = run(spotguard(
         "s3://sums/ds",
         again.path(),
-        &server.endpoint(),
+        &bucket.endpoint(),
         &["--name", "ds", "--verify", "size"],
     ))
     .await;
@@ -1266,20 +1272,18 @@ async fn store_checksums_verify_whole_and_ranged_objects_and_the_summary_says_ho
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_9_right_after_a_rename_leaves_only_whole_synced_files_and_resumes() {
-    let server = start_s3s_fs();
-    create_bucket(&server.endpoint(), "order").await;
-    let s = store(&server.endpoint(), "order");
+    let bucket = Bucket::s3s_fs("order").await;
     let mut want = HashMap::new();
     for i in 0..4u64 {
         let d = data(200_000 + i as usize, i);
-        put(&s, &format!("ds/f{i}"), &d).await;
+        bucket.put(&format!("ds/f{i}"), &d).await;
         want.insert(format!("f{i}"), d);
     }
     let cache = tempfile::tempdir().unwrap();
     let mut cmd = spotguard(
         "s3://order/ds",
         cache.path(),
-        &server.endpoint(),
+        &bucket.endpoint(),
         &["--name", "ds", "--part-size", "64KiB", "--concurrency", "2"],
     );
     // Debug builds: SIGKILL right after the first rename, before the directory sync and the
@@ -1311,7 +1315,7 @@ async fn kill_9_right_after_a_rename_leaves_only_whole_synced_files_and_resumes(
     let r = run(spotguard(
         "s3://order/ds",
         cache.path(),
-        &server.endpoint(),
+        &bucket.endpoint(),
         &["--name", "ds", "--part-size", "64KiB"],
     ))
     .await;
@@ -1380,10 +1384,9 @@ async fn urls_that_used_to_collide_get_their_own_directories_and_a_name_is_never
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wait_returns_when_the_dataset_completes() {
-    let server = start_s3s_fs();
-    create_bucket(&server.endpoint(), "waitb").await;
+    let bucket = Bucket::s3s_fs("waitb").await;
     put(
-        &store(&server.endpoint(), "waitb"),
+        &store(&bucket.endpoint(), "waitb"),
         "ds/x",
         &data(50_000, 3),
     )
@@ -1413,7 +1416,7 @@ async fn wait_returns_when_the_dataset_completes() {
     let r = run(without_capabilities(spotguard(
         "s3://waitb/ds",
         cache.path(),
-        &server.endpoint(),
+        &bucket.endpoint(),
         &["--name", "c4"],
     )))
     .await;
@@ -1441,13 +1444,12 @@ async fn wait_returns_when_the_dataset_completes() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn corrupted_bytes_fail_the_store_checksum_and_are_never_published() {
-    let server = start_s3s_fs();
-    create_bucket(&server.endpoint(), "bad").await;
+    let bucket = Bucket::s3s_fs("bad").await;
     let big = data(300 << 10, 5);
     let small = data(30_000, 6);
-    put_with_checksum(&server.endpoint(), "bad", "ds/big", &big, "crc64nvme").await;
-    put_with_checksum(&server.endpoint(), "bad", "ds/small", &small, "crc32c").await;
-    let proxy = Proxy::start(&server).await;
+    put_with_checksum(&bucket.endpoint(), "bad", "ds/big", &big, "crc64nvme").await;
+    put_with_checksum(&bucket.endpoint(), "bad", "ds/small", &small, "crc32c").await;
+    let proxy = Proxy::start(&bucket.server).await;
     let cache = tempfile::tempdir().unwrap();
     for key in ["ds/big", "ds/small"] {
         *proxy.state.corrupt.lock().unwrap() = Some(key.to_string());

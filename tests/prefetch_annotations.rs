@@ -3,12 +3,13 @@
 //! S3-compatible server (s3s-fs, from `scripts/deps/prefetch.sh`): the operator's opt-in and
 //! allow-list, refusals as Events and metrics, and agent-side leases that keep a dataset a pod
 //! references from being evicted; the pods come from a watch, and no API request is made per
-//! round. One test per binary: it sets the AWS_* environment the
-//! prefetcher's store reads.
+//! round. The prefetcher's store reads the AWS_* environment: the test
+//! runs its scenario in a child of this binary started with that environment (setting it in a
+//! running test would race every other thread reading the environment).
 
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -27,36 +28,30 @@ use spotguard::prefetch::{
     DatasetState, PrefetchDefaults, PrefetchMetrics, Prefetcher, StoreOptions,
 };
 use spotguard_testkit::k8s::{RequestKind, TestCluster, TestPod};
+use spotguard_testkit::process::Kid;
 use tokio_util::sync::CancellationToken;
 
 const ACCESS_KEY: &str = "spotguardtest";
 const SECRET_KEY: &str = "spotguardtestsecret";
 
 struct S3sFs {
-    child: Child,
+    _child: Kid,
     addr: SocketAddr,
     _dir: tempfile::TempDir,
 }
 
-impl Drop for S3sFs {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 fn start_s3s_fs() -> S3sFs {
     let dir = tempfile::tempdir().unwrap();
-    let mut child = Command::new("s3s-fs")
-        .args(["--host", "127.0.0.1", "--port", "0"])
+    let mut cmd = Command::new("s3s-fs");
+    cmd.args(["--host", "127.0.0.1", "--port", "0"])
         .args(["--access-key", ACCESS_KEY, "--secret-key", SECRET_KEY])
         .arg(dir.path())
         .env("RUST_LOG", "s3s_fs=info")
         .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("cannot run s3s-fs: install it with scripts/deps/prefetch.sh");
-    let out = child.stdout.take().unwrap();
+        .stderr(Stdio::null());
+    let mut child =
+        Kid::try_spawn(cmd).expect("cannot run s3s-fs: install it with scripts/deps/prefetch.sh");
+    let out = child.take_stdout().unwrap();
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         let mut sent = false;
@@ -78,7 +73,7 @@ fn start_s3s_fs() -> S3sFs {
     std::fs::create_dir(dir.path().join("datasets")).unwrap();
     std::fs::create_dir(dir.path().join("private")).unwrap();
     S3sFs {
-        child,
+        _child: child,
         addr,
         _dir: dir,
     }
@@ -118,14 +113,51 @@ fn pod(ns: &str, name: &str, node: &str, annotation: &str) -> TestPod {
     TestPod::new(ns, name, node).annotation(PREFETCH_ANNOTATION, annotation)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn pod_requests_are_opt_in_allow_listed_evented_and_keep_their_dataset_leased() {
+/// Set in the child that runs a scenario with its environment.
+const CHILD: &str = "SPOTGUARD_TEST_SCENARIO_CHILD";
+
+/// Run test `name` of this binary in a child process with `env` (the scenario runs there, under
+/// its own runtime), and require that it passed.
+fn in_child_with_env(name: &str, env: &[(&str, &str)], scenario: impl std::future::Future) {
+    if std::env::var_os(CHILD).is_some() {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap()
+            .block_on(scenario);
+        return;
+    }
+    let exe = std::env::current_exe().unwrap();
+    let status = Command::new(exe)
+        .args(["--exact", name, "--nocapture", "--test-threads=1"])
+        .envs(env.iter().copied())
+        .env(CHILD, "1")
+        .status()
+        .unwrap();
+    assert!(
+        status.success(),
+        "the scenario {name} failed in its child: {status}"
+    );
+}
+
+#[test]
+fn pod_requests_are_opt_in_allow_listed_evented_and_keep_their_dataset_leased() {
+    in_child_with_env(
+        "pod_requests_are_opt_in_allow_listed_evented_and_keep_their_dataset_leased",
+        &[
+            ("AWS_ACCESS_KEY_ID", ACCESS_KEY),
+            ("AWS_SECRET_ACCESS_KEY", SECRET_KEY),
+            ("AWS_REGION", "us-east-1"),
+            ("AWS_EC2_METADATA_DISABLED", "true"),
+        ],
+        opt_in_allow_listed_evented_and_leased(),
+    );
+}
+
+async fn opt_in_allow_listed_evented_and_leased() {
     let s3 = start_s3s_fs();
     let endpoint = format!("http://{}", s3.addr);
-    std::env::set_var("AWS_ACCESS_KEY_ID", ACCESS_KEY);
-    std::env::set_var("AWS_SECRET_ACCESS_KEY", SECRET_KEY);
-    std::env::set_var("AWS_REGION", "us-east-1");
-    std::env::set_var("AWS_EC2_METADATA_DISABLED", "true");
     let ds = store(&endpoint, "datasets");
     ds.put(
         &ObjectPath::from("tokenized/c4/shard-0"),

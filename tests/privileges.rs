@@ -8,11 +8,11 @@
 use std::os::unix::fs::MetadataExt;
 use std::os::unix::process::CommandExt;
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use spotguard::emulator::{self, Cloud, EmulatedNotice, EmulatorConfig};
-use spotguard_testkit::process::catches_usr1;
+use spotguard_testkit::process::{as_user, Kid};
 
 const TRAINER_UID: u32 = 1000;
 
@@ -24,17 +24,6 @@ trap 'printf "{\"state\":\"received\"}" > "$SPOTGUARD_DIR/.t$$" && mv "$SPOTGUAR
 sleep 1000 & S=$!
 while :; do wait $S; done
 "#;
-
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        if let Ok(None) = self.0.try_wait() {
-            let _ = self.0.kill();
-        }
-        let _ = self.0.wait();
-    }
-}
 
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
@@ -90,23 +79,16 @@ async fn uid_1000_trainer_acks_into_a_dir_the_agent_creates_without_cap_chown() 
     .unwrap();
     let base = tmp.path();
     let dir = base.join("ckpt");
-    let trainer = Command::new("sh")
+    let mut trainer = Command::new("sh");
+    trainer
         .arg("-c")
         .arg(TRAINER)
         .env("SPOTGUARD_DIR", &dir)
-        .uid(TRAINER_UID)
-        .gid(TRAINER_UID)
-        .stdin(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let trainer = Proc(trainer);
-    let tpid = trainer.0.id();
-    let t = Instant::now();
-    while !catches_usr1(tpid) {
-        assert!(t.elapsed() < Duration::from_secs(10), "no trap");
-        std::thread::sleep(Duration::from_millis(10));
-    }
+        .stderr(Stdio::null());
+    as_user(&mut trainer, TRAINER_UID);
+    let trainer = Kid::spawn(trainer);
+    let tpid = trainer.pid();
+    trainer.wait_for_trap();
     std::fs::write(base.join("trainer.pid"), tpid.to_string()).unwrap();
     assert!(!dir.exists());
 
@@ -115,7 +97,8 @@ async fn uid_1000_trainer_acks_into_a_dir_the_agent_creates_without_cap_chown() 
         .unwrap();
     let port = free_port();
     // As the DaemonSet runs it: every capability dropped but KILL and SYS_PTRACE.
-    let agent = Command::new("setpriv")
+    let mut agent = Command::new("setpriv");
+    agent
         .args([
             "--inh-caps=-all",
             "--ambient-caps=-all",
@@ -126,10 +109,8 @@ async fn uid_1000_trainer_acks_into_a_dir_the_agent_creates_without_cap_chown() 
         .args(agent_args(&emu.base_url(), base, port))
         .stdin(Stdio::null())
         .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let agent = Proc(agent);
+        .stderr(Stdio::null());
+    let agent = Kid::spawn(agent);
     let metrics = format!("http://127.0.0.1:{port}/metrics");
     let t = Instant::now();
     loop {
@@ -145,7 +126,7 @@ async fn uid_1000_trainer_acks_into_a_dir_the_agent_creates_without_cap_chown() 
     const CAP_SYS_PTRACE: u32 = 19;
     let want = (1u64 << CAP_KILL) | (1u64 << CAP_SYS_PTRACE);
     assert_eq!(
-        cap_eff(agent.0.id()),
+        cap_eff(agent.pid() as u32),
         want,
         "agent runs with KILL and SYS_PTRACE only"
     );
@@ -240,7 +221,7 @@ async fn kernel_without_openat2_and_pidfd_open_is_not_ready_and_says_why() {
             // SAFETY: only async-signal-safe prctl calls between fork and exec.
             unsafe { cmd.pre_exec(deny_new_syscalls) };
         }
-        (Proc(cmd.spawn().unwrap()), port)
+        (Kid::spawn(cmd), port)
     };
     let (_old, old_port) = start(true);
     let (_new, new_port) = start(false);

@@ -18,13 +18,13 @@ use std::io::Write;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use jiff::{SignedDuration, Timestamp};
 use spotguard::emulator::{self, Cloud, Ec2Action, EmulatedNotice, EmulatorConfig};
 use spotguard_testkit::fuse::HungMount;
-use spotguard_testkit::process::catches_usr1;
+use spotguard_testkit::process::{as_user, Kid};
 
 const TRAINER_UID: u32 = 1000;
 const FORGER_UID: u32 = 1001;
@@ -44,30 +44,6 @@ trap 'echo x >> "$MARKS"; if [ "$ACK" = 1 ]; then (sleep "$PRE"; ack received; s
 sleep 100000 & S=$!
 while :; do wait $S; done
 "#;
-
-struct Proc(Child);
-
-impl Proc {
-    fn pid(&self) -> i32 {
-        self.0.id() as i32
-    }
-    fn signal(&self, sig: i32) {
-        // SAFETY: kill(2) on the pid of a child this test started and has not reaped.
-        unsafe { libc::kill(self.pid(), sig) };
-    }
-    fn alive(&mut self) -> bool {
-        matches!(self.0.try_wait(), Ok(None))
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        if let Ok(None) = self.0.try_wait() {
-            let _ = self.0.kill();
-        }
-        let _ = self.0.wait();
-    }
-}
 
 /// One host: its checkpoint dir, state dir, boot id, trainer pidfile and the marks.
 struct Host {
@@ -102,28 +78,20 @@ impl Host {
     }
 
     /// Start a uid-1000 trainer; returns once it catches SIGUSR1, with its pid in the pidfile.
-    fn trainer(&self, ack: bool, pre: f64, delay: f64) -> Proc {
-        let child = Command::new("sh")
-            .arg("-c")
+    fn trainer(&self, ack: bool, pre: f64, delay: f64) -> Kid {
+        let mut cmd = Command::new("sh");
+        cmd.arg("-c")
             .arg(TRAINER)
             .env("SPOTGUARD_DIR", self.ckpt())
             .env("MARKS", self.path("shared/marks"))
             .env("ACK", if ack { "1" } else { "0" })
             .env("PRE", pre.to_string())
             .env("DELAY", delay.to_string())
-            .uid(TRAINER_UID)
-            .gid(TRAINER_UID)
-            .stdin(Stdio::null())
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let t = Proc(child);
-        let started = Instant::now();
-        while !catches_usr1(t.pid()) {
-            assert!(started.elapsed() < Duration::from_secs(10), "no trap");
-            std::thread::sleep(Duration::from_millis(10));
-        }
+            .stderr(Stdio::null());
+        as_user(&mut cmd, TRAINER_UID);
+        let t = Kid::spawn(cmd);
+        t.wait_for_trap();
         std::fs::write(self.path("trainer.pid"), t.pid().to_string()).unwrap();
         t
     }
@@ -202,7 +170,7 @@ impl Host {
         }
         setup(&mut cmd);
         Agent {
-            proc: Proc(cmd.spawn().unwrap()),
+            proc: Kid::spawn(cmd),
             port,
             log,
         }
@@ -218,7 +186,7 @@ fn free_port() -> u16 {
 }
 
 struct Agent {
-    proc: Proc,
+    proc: Kid,
     port: u16,
     log: PathBuf,
 }
@@ -288,7 +256,7 @@ impl Agent {
         let started = Instant::now();
         self.proc.signal(libc::SIGTERM);
         while started.elapsed() < limit {
-            if !self.proc.alive() {
+            if !self.proc.running() {
                 return Some(started.elapsed());
             }
             std::thread::sleep(Duration::from_millis(20));
@@ -303,19 +271,14 @@ const FAILED: &str = r#"spotguard_checkpoint_total{outcome="failed"}"#;
 const FOREIGN: &str = r#"spotguard_errors_total{module="checkpoint",error="foreign_ack"}"#;
 const SIGNALS: &str = "spotguard_checkpoint_signals_total";
 
-fn forger(script: &str) -> Proc {
-    Proc(
-        Command::new("sh")
-            .arg("-c")
-            .arg(script)
-            .uid(FORGER_UID)
-            .gid(FORGER_UID)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    )
+fn forger(script: &str) -> Kid {
+    let mut cmd = Command::new("sh");
+    cmd.arg("-c")
+        .arg(script)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    as_user(&mut cmd, FORGER_UID);
+    Kid::spawn(cmd)
 }
 
 async fn aws() -> emulator::EmulatorHandle {
@@ -379,7 +342,7 @@ async fn an_ack_planted_before_the_notice_never_blocks_the_victim() {
         r#"printf '{{"state":"done"}}' > {}"#,
         planted.display()
     ));
-    let _ = f.0.wait();
+    let _ = f.wait();
     assert_eq!(std::fs::metadata(&planted).unwrap().uid(), FORGER_UID);
     let emu = aws().await;
     let agent = h.agent(&emu.base_url(), &["--checkpoint-timeout=8s"]);
@@ -494,7 +457,7 @@ async fn crash_and_restart(
 ) -> Agent {
     let mut agent = agent;
     agent.proc.signal(libc::SIGKILL);
-    let _ = agent.proc.0.wait();
+    let _ = agent.proc.wait();
     let again = h.agent(&emu.base_url(), extra);
     again.polling().await;
     tokio::time::sleep(Duration::from_secs(3)).await;
@@ -572,7 +535,7 @@ async fn a_lost_or_truncated_record_never_means_a_second_signal() {
         .await;
     let mut agent = agent;
     agent.proc.signal(libc::SIGKILL);
-    let _ = agent.proc.0.wait();
+    let _ = agent.proc.wait();
     let record = h.path("state/notice.json");
     let text = std::fs::read(&record).unwrap();
     std::fs::write(&record, &text[..text.len() / 2]).unwrap();
@@ -792,7 +755,7 @@ async fn an_endless_metadata_body_stays_within_the_shipped_memory_limit() {
     let started = Instant::now();
     loop {
         assert!(
-            agent.proc.alive(),
+            agent.proc.running(),
             "the agent died (OOM kills: {}); log:\n{}",
             cg.oom_kills(),
             agent.log_text()
@@ -810,7 +773,7 @@ async fn an_endless_metadata_body_stays_within_the_shipped_memory_limit() {
     // Keep it up for a while: no OOM kill, still serving.
     tokio::time::sleep(Duration::from_secs(4)).await;
     assert!(
-        agent.proc.alive(),
+        agent.proc.running(),
         "the agent died; OOM kills: {}",
         cg.oom_kills()
     );

@@ -9,14 +9,12 @@ use async_trait::async_trait;
 use jiff::Timestamp;
 use serde::{Deserialize, Serialize};
 
-use crate::notice::{Cloud, NoticeKind};
-
 pub mod drain;
 pub mod filter;
 pub mod host;
 pub mod kube;
 
-/// Annotation on the Node holding the persisted [`PlanState`] as JSON.
+/// Annotation on the Node holding its copy of the plan record (JSON, as the responder wrote it).
 pub const NOTICE_ANNOTATION: &str = "spotguard.io/notice";
 /// Annotation on the Node recording what spotguard itself applied ([`AppliedMarks`]), written in
 /// the same patch as the cordon / taint it describes.
@@ -57,48 +55,6 @@ impl Phase {
             Phase::Drained => "drained",
             Phase::Done => "done",
             Phase::Undone => "undone",
-        }
-    }
-}
-
-/// The persisted record of the plan for one notice (node annotation `spotguard.io/notice`, or
-/// `<state-dir>/notice.json` in host mode).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct PlanState {
-    pub id: String,
-    pub kind: NoticeKind,
-    pub source: Cloud,
-    pub deadline: Option<Timestamp>,
-    pub phase: Phase,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub signalled_at: Option<Timestamp>,
-    /// What spotguard itself changed, so that undo never touches an operator's cordon or taint.
-    #[serde(default)]
-    pub applied: Applied,
-    /// Boot id of the machine when the record was written. A different one at start-up means the
-    /// record belongs to a previous life of the machine (stop/start, hibernation, reboot): what
-    /// spotguard applied is undone, the record cleared, and the agent armed again.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub boot_id: Option<String>,
-    #[serde(default)]
-    pub restart: bool,
-    /// The cloud's description of the notice (kept so that a resumed plan follows the same policy,
-    /// e.g. an Azure `Freeze`).
-    #[serde(default, skip_serializing_if = "String::is_empty")]
-    pub detail: String,
-    /// Why the plan did not complete (a failed or blocked drain), when it did not.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub failure: Option<String>,
-    pub updated_at: Timestamp,
-}
-
-impl PlanState {
-    /// Whether this record was written during the machine's current life. A record or an agent
-    /// without a boot id cannot tell and counts as the same life.
-    pub fn same_life(&self, boot_id: Option<&str>) -> bool {
-        match (self.boot_id.as_deref(), boot_id) {
-            (Some(recorded), Some(now)) => recorded == now,
-            _ => true,
         }
     }
 }
@@ -294,13 +250,15 @@ pub struct PodRef {
 #[async_trait]
 pub trait NodeOps: Send + Sync {
     /// The node's copy of the plan record (Kubernetes: the Node annotation `spotguard.io/notice`),
-    /// if any. Default: the node keeps no copy (host mode: the responder's local record under
-    /// `--state-dir` is the only one).
-    async fn load_state(&self) -> Result<Option<PlanState>, Error> {
+    /// if any: the JSON document the responder saved, as stored (the record is the responder's;
+    /// the node only checks that it is JSON). Default: the node keeps no copy (host mode: the
+    /// responder's local record under `--state-dir` is the only one).
+    async fn load_state(&self) -> Result<Option<String>, Error> {
         Ok(None)
     }
-    /// Replace the node's copy of the plan record (default: no copy kept).
-    async fn save_state(&self, _state: &PlanState) -> Result<(), Error> {
+    /// Replace the node's copy of the plan record with `record` (JSON), stored as given
+    /// (default: no copy kept).
+    async fn save_state(&self, _record: &str) -> Result<(), Error> {
         Ok(())
     }
     /// Remove the node's copy of the plan record (default: no copy kept).
@@ -337,11 +295,11 @@ pub trait NodeOps: Send + Sync {
 
 #[async_trait]
 impl<T: NodeOps + ?Sized> NodeOps for std::sync::Arc<T> {
-    async fn load_state(&self) -> Result<Option<PlanState>, Error> {
+    async fn load_state(&self) -> Result<Option<String>, Error> {
         (**self).load_state().await
     }
-    async fn save_state(&self, state: &PlanState) -> Result<(), Error> {
-        (**self).save_state(state).await
+    async fn save_state(&self, record: &str) -> Result<(), Error> {
+        (**self).save_state(record).await
     }
     async fn clear_state(&self) -> Result<(), Error> {
         (**self).clear_state().await

@@ -23,9 +23,6 @@ use sha2::{Digest, Sha256};
 
 pub use cloud::{BuildSource, Cloud, CloudFacts, Probe, Settings, SourceMetrics};
 
-/// The name notices and plan records give their cloud (`source`): [`Cloud`] itself.
-pub type Source = Cloud;
-
 /// What a notice announces.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case", tag = "type", content = "id")]

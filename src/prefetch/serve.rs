@@ -280,7 +280,7 @@ pub async fn run_serve(args: ServeArgs, cancel: CancellationToken) -> i32 {
         }
     } else if args.annotations {
         error!("--annotations needs --node-name (NODE_NAME)");
-        return crate::config::EXIT_USAGE;
+        return super::cli::EXIT_USAGE;
     }
 
     if let Some(addr) = args.metrics_addr {

@@ -41,10 +41,9 @@ use crate::config::{MaintenanceAction, RebalanceAction};
 use crate::duration;
 use crate::life::Lives;
 use crate::metrics::{Metrics, NoticeLabels, OutcomeLabels, SourceLabels};
-use crate::node::{
-    reason, Applied, DrainReport, EventType, NodeOps, Phase, PlanState, TaintEffect,
-};
+use crate::node::{reason, Applied, DrainReport, EventType, NodeOps, Phase, TaintEffect};
 use crate::notice::{Cloud, Notice, NoticeKind, NoticeSource};
+use record::PlanState;
 
 mod plan;
 mod policy;

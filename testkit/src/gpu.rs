@@ -19,7 +19,7 @@ use spotguard::gpu::{
 };
 use spotguard::node::{
     Applied, DrainReport, DrainRequest, Error as NodeError, EventType, GpuConditions, NodeOps,
-    PlanState, Protection,
+    Protection,
 };
 
 /// Deterministic UUID in NVML's format for fixture GPU `index` of a board family.
@@ -332,10 +332,10 @@ impl RecordingNodeOps {
 
 #[async_trait]
 impl NodeOps for RecordingNodeOps {
-    async fn load_state(&self) -> Result<Option<PlanState>, NodeError> {
+    async fn load_state(&self) -> Result<Option<String>, NodeError> {
         Ok(None)
     }
-    async fn save_state(&self, _state: &PlanState) -> Result<(), NodeError> {
+    async fn save_state(&self, _record: &str) -> Result<(), NodeError> {
         Ok(())
     }
     async fn clear_state(&self) -> Result<(), NodeError> {

@@ -13,7 +13,8 @@
 //! - [`gpu`]: recorded readings of real boards (fixtures), a scripted `GpuProbe`, a recording
 //!   `NodeOps`, and a fake kubelet pod-resources gRPC server.
 //! - [`kubelet`]: random pod uids and container ids, the cgroup the kubelet makes for a container.
-//! - [`process`]: whether a real process has installed its SIGUSR1 handler yet.
+//! - [`process`]: [`process::Kid`], a child process in its own group, killed with it on drop;
+//!   whether a real process has installed its SIGUSR1 handler yet.
 //! - [`wait_for_event`]: wait for a responder plan event; [`metrics_text`]: a running agent's
 //!   `/metrics`.
 pub mod assets;

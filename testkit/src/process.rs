@@ -1,8 +1,12 @@
-//! Real processes under test: whether a process has installed its SIGUSR1 handler yet (the
-//! agent only signals processes that catch the signal, so a test waits for the trap first).
+//! Real processes under test: [`Kid`], a child that cannot outlive its test, and whether a
+//! process has installed its SIGUSR1 handler yet (the agent only signals processes that catch
+//! the signal, so a test waits for the trap first).
 
 use std::fmt::Display;
-use std::time::Duration;
+use std::io::Write;
+use std::os::unix::process::CommandExt;
+use std::process::{Child, ChildStderr, ChildStdin, ChildStdout, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
 
 /// Whether process `pid` catches SIGUSR1 (`SigCgt` in `/proc/<pid>/status`); `false` when the
 /// process is gone or its status unreadable.
@@ -25,4 +29,119 @@ pub async fn wait_catches_usr1(pid: impl Display) -> bool {
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
     false
+}
+
+/// A child process under test, in a process group of its own: killed with its whole group
+/// (SIGKILL) and reaped when dropped, so that a failing test leaves nothing running behind it.
+pub struct Kid {
+    child: Child,
+    stdin: Option<ChildStdin>,
+}
+
+impl Kid {
+    /// Start `cmd` with stdin from `/dev/null` in a new process group.
+    pub fn spawn(cmd: Command) -> Kid {
+        Kid::try_spawn(cmd).expect("spawn child")
+    }
+
+    /// [`Kid::spawn`], with the error when `cmd` cannot be started (a tool not installed).
+    pub fn try_spawn(mut cmd: Command) -> std::io::Result<Kid> {
+        cmd.stdin(Stdio::null());
+        Kid::try_start(cmd)
+    }
+
+    /// Start `cmd` with stdin a pipe, held until [`Kid::release`] writes a line to it (a script
+    /// that begins with `read x` waits there, e.g. until the test has moved it into a cgroup).
+    pub fn spawn_held(mut cmd: Command) -> Kid {
+        cmd.stdin(Stdio::piped());
+        Kid::start(cmd)
+    }
+
+    fn start(cmd: Command) -> Kid {
+        Kid::try_start(cmd).expect("spawn child")
+    }
+
+    fn try_start(mut cmd: Command) -> std::io::Result<Kid> {
+        cmd.process_group(0);
+        let mut child = cmd.spawn()?;
+        let stdin = child.stdin.take();
+        Ok(Kid { child, stdin })
+    }
+
+    /// The child's stdout, when `cmd` made it a pipe (once).
+    pub fn take_stdout(&mut self) -> Option<ChildStdout> {
+        self.child.stdout.take()
+    }
+
+    /// The child's stderr, when `cmd` made it a pipe (once).
+    pub fn take_stderr(&mut self) -> Option<ChildStderr> {
+        self.child.stderr.take()
+    }
+
+    /// Let a [`Kid::spawn_held`] child go on.
+    pub fn release(&mut self) {
+        let mut stdin = self.stdin.take().expect("released once");
+        stdin.write_all(b"go\n").expect("release child");
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+
+    /// Still running (not exited; a zombie counts as exited).
+    pub fn running(&mut self) -> bool {
+        self.child.try_wait().expect("try_wait").is_none()
+    }
+
+    /// Send `sig` to the child itself (not its group); for a child not yet reaped (by
+    /// [`Kid::wait`], or [`Kid::running`] having seen it exit).
+    pub fn signal(&self, sig: i32) {
+        // SAFETY: kill(2) on the pid of a child this test started and has not reaped.
+        unsafe { libc::kill(self.pid(), sig) };
+    }
+
+    /// Wait for the child to exit.
+    pub fn wait(&mut self) -> ExitStatus {
+        self.child.wait().expect("wait for child")
+    }
+
+    /// Wait up to `limit` for the child to exit; `None` when it is still running then.
+    pub fn wait_timeout(&mut self, limit: Duration) -> Option<ExitStatus> {
+        let start = Instant::now();
+        loop {
+            if let Some(status) = self.child.try_wait().expect("try_wait") {
+                return Some(status);
+            }
+            if start.elapsed() >= limit {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// Block until the child catches SIGUSR1 (its trap is installed); panics after 10 s.
+    pub fn wait_for_trap(&self) {
+        let start = Instant::now();
+        while !catches_usr1(self.pid()) {
+            assert!(start.elapsed() < Duration::from_secs(10), "no trap");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+impl Drop for Kid {
+    fn drop(&mut self) {
+        // Only while the leader is unreaped is its pid (the group id) certainly still ours.
+        if let Ok(None) = self.child.try_wait() {
+            // SAFETY: kill(2) on the process group our own unreaped child leads.
+            unsafe { libc::kill(-self.pid(), libc::SIGKILL) };
+        }
+        let _ = self.child.wait();
+    }
+}
+
+/// `cmd` to run as `uid` (group `uid`, no supplementary groups: std clears them when it
+/// changes the uid of a child of root), the way trainers run on a node.
+pub fn as_user(cmd: &mut Command, uid: u32) -> &mut Command {
+    cmd.uid(uid).gid(uid)
 }

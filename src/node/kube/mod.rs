@@ -35,8 +35,7 @@ use serde_json::{json, Value};
 use super::drain::PodWatch;
 use super::{
     Applied, AppliedMarks, DrainReport, DrainRequest, Error, EventType, GpuConditionTypes,
-    GpuConditions, NodeOps, PlanState, Protection, APPLIED_ANNOTATION, INTERRUPTION_TAINT,
-    NOTICE_ANNOTATION,
+    GpuConditions, NodeOps, Protection, APPLIED_ANNOTATION, INTERRUPTION_TAINT, NOTICE_ANNOTATION,
 };
 use crate::metrics::Metrics;
 use crate::node::PodRef;
@@ -162,7 +161,7 @@ impl NodeOps for KubeNodeOps {
             .await
     }
 
-    async fn load_state(&self) -> Result<Option<PlanState>, Error> {
+    async fn load_state(&self) -> Result<Option<String>, Error> {
         let node = self.get_node().await?;
         let Some(raw) = node
             .metadata
@@ -172,24 +171,21 @@ impl NodeOps for KubeNodeOps {
         else {
             return Ok(None);
         };
-        serde_json::from_str(raw)
-            .map(Some)
+        // The record is the responder's; an annotation that is not even JSON is reported here.
+        serde_json::from_str::<serde::de::IgnoredAny>(raw)
+            .map(|_| Some(raw.clone()))
             .map_err(|e| Error::StateCorrupt {
                 location: format!("node/{} annotation {NOTICE_ANNOTATION}", self.node_name),
                 reason: e.to_string(),
             })
     }
 
-    async fn save_state(&self, state: &PlanState) -> Result<(), Error> {
-        let json = serde_json::to_string(state).map_err(|e| Error::StateCorrupt {
-            location: format!("node/{} annotation {NOTICE_ANNOTATION}", self.node_name),
-            reason: e.to_string(),
-        })?;
+    async fn save_state(&self, record: &str) -> Result<(), Error> {
         if self.dry_run {
-            tracing::info!(node = %self.node_name, notice_id = %state.id, phase = state.phase.as_str(), "dry-run: would persist plan state in the node annotation");
+            tracing::info!(node = %self.node_name, record, "dry-run: would persist plan state in the node annotation");
             return Ok(());
         }
-        self.annotate_state(json!(json)).await
+        self.annotate_state(json!(record)).await
     }
 
     async fn clear_state(&self) -> Result<(), Error> {

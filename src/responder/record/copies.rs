@@ -7,9 +7,9 @@ use std::time::Duration;
 
 use tracing::{error, warn};
 
-use super::{RecordedTarget, StateFile};
+use super::{PlanState, RecordedTarget, StateFile};
 use crate::metrics::Metrics;
-use crate::node::{NodeOps, PlanState};
+use crate::node::{Error as NodeError, NodeOps, NOTICE_ANNOTATION};
 
 /// Bound on reading the node's copy at start-up (the local record answers without it).
 pub(crate) const LOAD_BUDGET: Duration = Duration::from_secs(5);
@@ -59,7 +59,7 @@ impl Records {
             self.metrics.error("responder", e.metric_label());
         }
         {
-            let remote = tokio::time::timeout(budget, self.node.load_state()).await;
+            let remote = tokio::time::timeout(budget, self.load_remote()).await;
             if let Ok(Ok(Some(s))) = remote {
                 if s.id != id {
                     return;
@@ -77,7 +77,8 @@ impl Records {
     }
 
     pub(crate) async fn save_remote(&self, state: &PlanState, budget: Duration) {
-        match tokio::time::timeout(budget, self.node.save_state(state)).await {
+        let save = async { self.node.save_state(&node_copy(state)?).await };
+        match tokio::time::timeout(budget, save).await {
             Ok(Ok(())) => {}
             Ok(Err(e)) => {
                 error!(phase = state.phase.as_str(), error = %e, "persisting the plan state on the node failed");
@@ -114,7 +115,7 @@ impl Records {
             }
         };
         let remote = {
-            match tokio::time::timeout(LOAD_BUDGET, self.node.load_state()).await {
+            match tokio::time::timeout(LOAD_BUDGET, self.load_remote()).await {
                 Ok(Ok(s)) => s,
                 Ok(Err(e)) => {
                     error!(error = %e, "plan state on the node unreadable: using the local record");
@@ -156,6 +157,28 @@ impl Records {
             targets,
             earlier,
         }
+    }
+
+    /// The node's copy, read back into a record.
+    async fn load_remote(&self) -> Result<Option<PlanState>, NodeError> {
+        match self.node.load_state().await? {
+            Some(raw) => serde_json::from_str(&raw)
+                .map(Some)
+                .map_err(|e| corrupt(e.to_string())),
+            None => Ok(None),
+        }
+    }
+}
+
+/// The node's copy of `state`: the record as compact JSON (the annotation's bytes).
+fn node_copy(state: &PlanState) -> Result<String, NodeError> {
+    serde_json::to_string(state).map_err(|e| corrupt(e.to_string()))
+}
+
+fn corrupt(reason: String) -> NodeError {
+    NodeError::StateCorrupt {
+        location: format!("the node's copy (annotation {NOTICE_ANNOTATION})"),
+        reason,
     }
 }
 

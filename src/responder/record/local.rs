@@ -6,8 +6,8 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use super::Error;
+use super::PlanState;
 use crate::fsutil::write_atomic;
-use crate::node::PlanState;
 
 /// File name of the persisted plan state inside `--state-dir`.
 pub const STATE_FILE: &str = "notice.json";

@@ -16,13 +16,57 @@ mod copies;
 mod local;
 
 use jiff::Timestamp;
+use serde::{Deserialize, Serialize};
 
 pub(crate) use copies::{Records, LOAD_BUDGET};
 pub use local::{LocalRecord, RecordedTarget, StateFile, STATE_FILE};
 
 use super::store::NoticeStore;
-use crate::node::{Phase, PlanState};
-use crate::notice::{Notice, NoticeKind};
+use crate::node::{Applied, Phase};
+use crate::notice::{Cloud, Notice, NoticeKind};
+
+/// The persisted record of the plan for one notice: the latest plan of `<state-dir>/notice.json`
+/// (every mode), and the node's copy in Kubernetes mode (the Node annotation
+/// `spotguard.io/notice`, compact JSON, which the node ops store as given).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PlanState {
+    pub id: String,
+    pub kind: NoticeKind,
+    pub source: Cloud,
+    pub deadline: Option<Timestamp>,
+    pub phase: Phase,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub signalled_at: Option<Timestamp>,
+    /// What spotguard itself changed, so that undo never touches an operator's cordon or taint.
+    #[serde(default)]
+    pub applied: Applied,
+    /// Boot id of the machine when the record was written. A different one at start-up means the
+    /// record belongs to a previous life of the machine (stop/start, hibernation, reboot): what
+    /// spotguard applied is undone, the record cleared, and the agent armed again.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub boot_id: Option<String>,
+    #[serde(default)]
+    pub restart: bool,
+    /// The cloud's description of the notice (kept so that a resumed plan follows the same policy,
+    /// e.g. an Azure `Freeze`).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub detail: String,
+    /// Why the plan did not complete (a failed or blocked drain), when it did not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failure: Option<String>,
+    pub updated_at: Timestamp,
+}
+
+impl PlanState {
+    /// Whether this record was written during the machine's current life. A record or an agent
+    /// without a boot id cannot tell and counts as the same life.
+    pub fn same_life(&self, boot_id: Option<&str>) -> bool {
+        match (self.boot_id.as_deref(), boot_id) {
+            (Some(recorded), Some(now)) => recorded == now,
+            _ => true,
+        }
+    }
+}
 
 /// What a persisted record means at start-up.
 #[derive(Clone, Debug, PartialEq, Eq)]
