@@ -105,6 +105,7 @@ fn drain_request(deadline: Timestamp) -> DrainRequest {
         deadline,
         force_delete_at_deadline: false,
         concurrency: 8,
+        holds: Vec::new(),
     }
 }
 
@@ -830,6 +831,7 @@ async fn blocked_pods_are_force_deleted_before_the_deadline_when_enabled() {
         deadline: in_secs(8),
         force_delete_at_deadline: true,
         concurrency: 4,
+        holds: Vec::new(),
     };
     let started = std::time::Instant::now();
     let report = e.ops.drain(&request).await.expect("drain");

@@ -200,6 +200,9 @@ pub mod reason {
     pub const GPU_UNHEALTHY: &str = "GPUUnhealthy";
     pub const GPU_DEGRADED: &str = "GPUDegraded";
     pub const GPU_RECOVERED: &str = "GPURecovered";
+    pub const CHECKPOINT_UPLOADED: &str = "CheckpointUploaded";
+    pub const CHECKPOINT_UPLOAD_FAILED: &str = "CheckpointUploadFailed";
+    pub const CHECKPOINT_UPLOAD_REFUSED: &str = "CheckpointUploadRefused";
 }
 
 /// Parameters of one drain.
@@ -211,6 +214,27 @@ pub struct DrainRequest {
     pub force_delete_at_deadline: bool,
     /// Maximum evictions in flight.
     pub concurrency: usize,
+    /// Pods evicted only after their hold ends (every other pod is evicted at once).
+    pub holds: Vec<Hold>,
+}
+
+/// A pod the drain evicts only once `released` turns true or `until` passes: the agent is
+/// uploading the checkpoint its trainer staged on the node.
+#[derive(Clone, Debug)]
+pub struct Hold {
+    /// `namespace/name`.
+    pub pod: String,
+    pub until: Timestamp,
+    pub released: tokio::sync::watch::Receiver<bool>,
+}
+
+impl Hold {
+    /// Wait until the hold ends (released, `until`, or its sender gone).
+    pub async fn wait(mut self) {
+        let left = crate::duration::until(self.until, Timestamp::now());
+        let released = self.released.wait_for(|r| *r);
+        let _ = tokio::time::timeout(left, released).await;
+    }
 }
 
 /// Outcome of a drain.

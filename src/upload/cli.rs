@@ -36,7 +36,8 @@ pub const EXIT_STOPPED: i32 = 3;
 /// Exit code: bad arguments.
 pub const EXIT_USAGE: i32 = 64;
 
-fn parse_part_size(s: &str) -> Result<u64, String> {
+/// `--part-size` of uploads: 5 MiB (the stores' smallest part) to 5 GiB.
+pub fn parse_part_size(s: &str) -> Result<u64, String> {
     let v = parse_size(s)?;
     if !(engine::MIN_PART_SIZE..=5 << 30).contains(&v) {
         return Err(format!("part size {s} must be between 5MiB and 5GiB"));
@@ -44,7 +45,8 @@ fn parse_part_size(s: &str) -> Result<u64, String> {
     Ok(v)
 }
 
-fn parse_concurrency(s: &str) -> Result<usize, String> {
+/// `--concurrency` of uploads: 1 to 256.
+pub fn parse_concurrency(s: &str) -> Result<usize, String> {
     let v: usize = s
         .parse()
         .map_err(|_| format!("invalid concurrency {s:?}"))?;
