@@ -143,7 +143,7 @@ pub enum PlanEvent {
         at: Timestamp,
         /// `namespace/name` of the trainer's pod (Kubernetes).
         pod: Option<String>,
-        report: crate::upload::Report,
+        report: Box<crate::upload::Report>,
     },
     /// Plan complete.
     Done { id: String, at: Timestamp },

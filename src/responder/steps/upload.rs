@@ -204,7 +204,7 @@ impl Teller {
             id: self.id.clone(),
             at: Timestamp::now(),
             pod: pod.as_ref().map(pod_key),
-            report,
+            report: Box::new(report),
         });
     }
 }
