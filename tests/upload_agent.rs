@@ -8,8 +8,6 @@
 //! (`scripts/deps/prefetch.sh`).
 
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader};
-use std::net::SocketAddr;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -18,11 +16,9 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 use spotguard::emulator::{self, Cloud, EmulatedNotice, EmulatorConfig};
 use spotguard_testkit::process::catches_usr1;
+use spotguard_testkit::s3::{S3sFs, Throttle};
 
 const TRAINER_UID: u32 = 1000;
-const ACCESS_KEY: &str = "spotguardtest";
-const SECRET_KEY: &str = "spotguardtestsecret";
-const REGION: &str = "us-east-1";
 const BUCKET: &str = "ckpt";
 const MIB: u64 = 1 << 20;
 
@@ -326,78 +322,22 @@ async fn a_staged_checkpoint_is_uploaded_to_a_directory_after_the_trainer_exits(
 
 // ---- s3s-fs ---------------------------------------------------------------------------------
 
-struct Server {
-    child: Child,
-    addr: SocketAddr,
-    dir: tempfile::TempDir,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn start_s3s_fs() -> Server {
-    let dir = tempfile::tempdir().unwrap();
-    std::fs::create_dir(dir.path().join(BUCKET)).unwrap();
-    let mut child = Command::new("s3s-fs")
-        .args(["--host", "127.0.0.1", "--port", "0"])
-        .args(["--access-key", ACCESS_KEY, "--secret-key", SECRET_KEY])
-        .arg(dir.path())
-        .env("RUST_LOG", "s3s_fs=info")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap_or_else(|e| panic!("cannot run s3s-fs ({e}): scripts/deps/prefetch.sh"));
-    let (tx, rx) = std::sync::mpsc::channel();
-    let out = child.stdout.take().unwrap();
-    std::thread::spawn(move || {
-        let mut sent = false;
-        for line in BufReader::new(out).lines().map_while(Result::ok) {
-            if sent {
-                continue;
-            }
-            if let Some(rest) = line.split("server is running at http://").nth(1) {
-                let addr: String = rest
-                    .chars()
-                    .take_while(|c| c.is_ascii_digit() || *c == '.' || *c == ':')
-                    .collect();
-                if let Ok(a) = addr.parse::<SocketAddr>() {
-                    let _ = tx.send(a);
-                    sent = true;
-                }
-            }
-        }
-    });
-    let addr = rx
-        .recv_timeout(Duration::from_secs(60))
-        .expect("s3s-fs did not report its address");
-    Server { child, addr, dir }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_staged_checkpoint_is_uploaded_to_s3_and_published_with_its_manifest_last() {
-    let server = start_s3s_fs();
+    let server = S3sFs::start(&[BUCKET]);
     let m = Machine::new();
     let mib = 48;
-    let endpoint = format!("http://{}", server.addr);
+    let endpoint = server.endpoint();
     let extra = vec![
         format!("--upload-allow=s3://{BUCKET}/run1"),
         format!("--checkpoint-upload=s3://{BUCKET}/run1"),
         format!("--upload-endpoint={endpoint}"),
         "--upload-part-size=8MiB".into(),
     ];
-    let env = [
-        ("AWS_ACCESS_KEY_ID", ACCESS_KEY),
-        ("AWS_SECRET_ACCESS_KEY", SECRET_KEY),
-        ("AWS_REGION", REGION),
-    ];
-    let (result, metrics) = staged_run(&m, mib, &extra, &env).await;
+    let (result, metrics) = staged_run(&m, mib, &extra, &S3sFs::client_env()).await;
     assert_trainer_left_quickly(&result);
     // s3s-fs keeps objects as files under <root>/<bucket>/<key>.
-    let checkpoint = server.dir.path().join(BUCKET).join("run1/step-7");
+    let checkpoint = server.object_path(BUCKET, "run1/step-7");
     let manifest: Value =
         serde_json::from_slice(&std::fs::read(checkpoint.join("manifest.json")).unwrap()).unwrap();
     assert_eq!(manifest_files(&manifest), expected_files(mib), "{manifest}");
@@ -413,10 +353,7 @@ async fn a_staged_checkpoint_is_uploaded_to_s3_and_published_with_its_manifest_l
             &format!("s3://{BUCKET}/run1"),
         ])
         .args(["--endpoint", &endpoint])
-        .env("AWS_ACCESS_KEY_ID", ACCESS_KEY)
-        .env("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
-        .env("AWS_REGION", REGION)
-        .env("AWS_EC2_METADATA_DISABLED", "true")
+        .envs(S3sFs::client_env())
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -480,4 +417,142 @@ async fn a_staged_checkpoint_outside_the_allow_list_is_refused_and_the_trainer_t
         upload_lines(&text)
     );
     assert!(!dest.join("step-7").exists());
+}
+
+/// A second trainer (uid 1000) that records when each SIGUSR1 arrives and acks `done`.
+const MARKER: &str = r#"
+trap 'date +%s.%N >> "$MARKS"
+  printf "{\"state\":\"done\"}" > "$SPOTGUARD_DIR/.m$$" && mv "$SPOTGUARD_DIR/.m$$" "$SPOTGUARD_DIR/ack-$$.json"' USR1
+while :; do sleep 30 & S=$!; wait $S; done
+"#;
+
+fn marks(path: &Path) -> Vec<f64> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.trim().parse().ok())
+        .collect()
+}
+
+async fn wait_marks(path: &Path, n: usize) -> Vec<f64> {
+    let t = Instant::now();
+    loop {
+        let m = marks(path);
+        if m.len() >= n {
+            return m;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "{n} signals never came: {m:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn unix(t: jiff::Timestamp) -> f64 {
+    t.as_millisecond() as f64 / 1000.0
+}
+
+/// The upload never delays a checkpoint signal: while a staged checkpoint is uploading (over a
+/// slow link, seconds long, on the uploader's own threads), another trainer's signal latency
+/// (notice visible → SIGUSR1 received) for the next notice stays what it was for the first,
+/// when no upload ran. A generous bound: the poll interval (200 ms) dominates both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_trainers_signal_latency_is_unchanged_during_a_large_upload() {
+    let server = S3sFs::start(&[BUCKET]);
+    // 3 MiB/s: the 24 MiB checkpoint takes about 8 s.
+    let slow = Throttle::start(server.addr, 3 << 20).await;
+    let m = Machine::new();
+    let mark_file = m.base.join("local/marks");
+    let other = Command::new("sh")
+        .arg("-c")
+        .arg(MARKER)
+        .env("SPOTGUARD_DIR", m.base.join("ckpt"))
+        .env("MARKS", &mark_file)
+        .uid(TRAINER_UID)
+        .gid(TRAINER_UID)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let other = Proc(other);
+    let t = Instant::now();
+    while !catches_usr1(other.0.id()) {
+        assert!(t.elapsed() < Duration::from_secs(10), "no trap");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    std::fs::write(m.base.join("other.pid"), other.0.id().to_string()).unwrap();
+    let _trainer = m.trainer(24);
+    let emu = emulator::start(EmulatorConfig::new(Cloud::Aws))
+        .await
+        .unwrap();
+    let port = free_port();
+    let extra = vec![
+        format!(
+            "--checkpoint-pidfile={}",
+            m.base.join("other.pid").display()
+        ),
+        format!("--upload-allow=s3://{BUCKET}"),
+        format!("--checkpoint-upload=s3://{BUCKET}/run1"),
+        format!("--upload-endpoint={}", slow.endpoint()),
+    ];
+    let _agent = m.agent(&emu.base_url(), port, &extra, &S3sFs::client_env());
+    metric_line(
+        port,
+        "spotguard_metadata_polls_total",
+        Duration::from_secs(30),
+    )
+    .await;
+
+    // 1. A rebalance recommendation: both trainers checkpoint; no upload runs yet.
+    let first = emu.raise(EmulatedNotice::rebalance()).unwrap();
+    let before = wait_marks(&mark_file, 1).await[0] - unix(first.visible_at);
+    let result = tokio::task::block_in_place(|| m.result());
+    assert_trainer_left_quickly(&result);
+    metric_line(
+        port,
+        "spotguard_checkpoint_upload_active 1",
+        Duration::from_secs(10),
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    // 2. The interruption, while the staged checkpoint is uploading.
+    let second = emu.raise(EmulatedNotice::interruption()).unwrap();
+    let during = wait_marks(&mark_file, 2).await[1] - unix(second.visible_at);
+    let text = get(&format!("http://127.0.0.1:{port}/metrics"))
+        .await
+        .unwrap()
+        .1;
+    assert!(
+        text.lines()
+            .any(|l| l == "spotguard_checkpoint_upload_active 1"),
+        "the upload was still running at the second signal: {}",
+        upload_lines(&text)
+    );
+    eprintln!(
+        "signal latency of another trainer: {:.3}s without an upload, {:.3}s during one ({} bytes sent by then)",
+        before,
+        during,
+        slow.forwarded.load(std::sync::atomic::Ordering::Relaxed)
+    );
+    assert!(
+        during <= before + 1.0,
+        "signal latency {during:.3}s during the upload vs {before:.3}s without"
+    );
+    // And the upload still publishes.
+    let text = metric_line(
+        port,
+        "spotguard_checkpoint_upload_total{outcome=\"published\"} 1",
+        Duration::from_secs(60),
+    )
+    .await;
+    assert!(
+        server
+            .object_path(BUCKET, "run1/step-7/manifest.json")
+            .exists(),
+        "{}",
+        upload_lines(&text)
+    );
 }

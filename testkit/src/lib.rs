@@ -14,6 +14,7 @@
 //!   `NodeOps`, and a fake kubelet pod-resources gRPC server.
 //! - [`kubelet`]: random pod uids and container ids, the cgroup the kubelet makes for a container.
 //! - [`process`]: whether a real process has installed its SIGUSR1 handler yet.
+//! - [`s3`]: s3s-fs on a free loopback port, and a [`s3::Throttle`] (a slow network) before it.
 //! - [`wait_for_event`]: wait for a responder plan event; [`metrics_text`]: a running agent's
 //!   `/metrics`.
 pub mod assets;
@@ -23,6 +24,7 @@ pub mod gpu;
 pub mod k8s;
 pub mod kubelet;
 pub mod process;
+pub mod s3;
 
 use std::net::SocketAddr;
 use std::time::Duration;
