@@ -556,3 +556,91 @@ async fn another_trainers_signal_latency_is_unchanged_during_a_large_upload() {
         upload_lines(&text)
     );
 }
+
+/// The deadline arrives mid-upload (`deadline − drain reserve`, 5 s after the notice, over a
+/// link that needs about 20 s): the agent publishes no manifest, says so in its metrics, and the
+/// previous complete checkpoint stays the latest.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_deadline_mid_upload_publishes_nothing_and_the_previous_checkpoint_stays_latest() {
+    let server = S3sFs::start(&[BUCKET]);
+    let location = format!("s3://{BUCKET}/run1");
+    // The previous checkpoint, published directly (no throttle).
+    let previous = tempfile::tempdir().unwrap();
+    let step6 = previous.path().join("step-6");
+    std::fs::create_dir(&step6).unwrap();
+    std::fs::write(step6.join("w.bin"), vec![6u8; 4096]).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_spotguard"))
+        .args(["upload", step6.to_str().unwrap(), &location, "--step", "6"])
+        .args(["--endpoint", &server.endpoint(), "--progress", "none"])
+        .envs(S3sFs::client_env())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    // 1 MiB/s: the 20 MiB checkpoint needs about 20 s; the upload gets about 5.
+    let slow = Throttle::start(server.addr, 1 << 20).await;
+    let m = Machine::new();
+    let _trainer = m.trainer(20);
+    let emu = emulator::start(EmulatorConfig::new(Cloud::Aws))
+        .await
+        .unwrap();
+    let port = free_port();
+    let extra = vec![
+        "--drain-reserve=5s".to_string(),
+        format!("--upload-allow=s3://{BUCKET}"),
+        format!("--checkpoint-upload={location}"),
+        format!("--upload-endpoint={}", slow.endpoint()),
+    ];
+    let _agent = m.agent(&emu.base_url(), port, &extra, &S3sFs::client_env());
+    metric_line(
+        port,
+        "spotguard_metadata_polls_total",
+        Duration::from_secs(30),
+    )
+    .await;
+    let raised = emu
+        .raise(EmulatedNotice::interruption().due_in(Duration::from_secs(10)))
+        .unwrap();
+    let result = tokio::task::block_in_place(|| m.result());
+    assert_trainer_left_quickly(&result);
+    let text = metric_line(
+        port,
+        "spotguard_checkpoint_upload_total{outcome=\"deadline\"} 1",
+        Duration::from_secs(30),
+    )
+    .await;
+    let ended = jiff::Timestamp::now();
+    let after = ended.duration_since(raised.visible_at).as_secs_f64();
+    assert!(
+        (4.0..9.0).contains(&after),
+        "stopped {after:.1}s after the notice (deadline − reserve = 5 s)"
+    );
+    assert!(
+        !server
+            .object_path(BUCKET, "run1/step-7/manifest.json")
+            .exists(),
+        "no manifest for a cut-off upload"
+    );
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with("spotguard_checkpoint_upload_errors_total{error=\"deadline\"}")),
+        "{}",
+        upload_lines(&text)
+    );
+    let out = Command::new(env!("CARGO_BIN_EXE_spotguard"))
+        .args(["prefetch", "--latest-checkpoint", &location])
+        .args(["--endpoint", &server.endpoint()])
+        .envs(S3sFs::client_env())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}");
+    assert!(
+        stdout.contains("step-6") && !stdout.contains("step-7"),
+        "the previous checkpoint stays the latest: {stdout}"
+    );
+}
