@@ -118,6 +118,7 @@ async fn run() -> Result<(), String> {
             deadline: Timestamp::now() + Duration::from_secs(120),
             force_delete_at_deadline: false,
             concurrency,
+            holds: Vec::new(),
         };
         let started = Instant::now();
         let report = ops.drain(&request).await.map_err(|e| e.to_string())?;

@@ -116,7 +116,9 @@ pub async fn start_with_client(
     let kernel = probe_kernel();
     let mut tasks = Tasks::default();
 
-    let (node, discovery) = node_and_discovery(&cfg, client, &metrics, &mut tasks, &cancel).await?;
+    let (node, discovery, pod_location) =
+        node_and_discovery(&cfg, client, &metrics, &mut tasks, &cancel).await?;
+    let upload = upload_service(&cfg, &telemetry, pod_location, &cancel).await;
     let inputs = spawn_notice_sources(&cfg, &telemetry, &mut tasks, &cancel)?;
     let hook = build_webhook(&cfg, &metrics)?;
     let who = Who::of(&cfg);
@@ -131,6 +133,7 @@ pub async fn start_with_client(
             metrics: metrics.clone(),
             on_start,
             life,
+            upload,
         },
     );
     let events = responder.subscribe();
@@ -258,7 +261,7 @@ async fn node_and_discovery(
     metrics: &Arc<Metrics>,
     tasks: &mut Tasks,
     cancel: &CancellationToken,
-) -> Result<(Arc<dyn NodeOps>, Arc<dyn TargetDiscovery>), Error> {
+) -> Result<NodeAndDiscovery, Error> {
     match cfg.mode {
         Mode::Host => {
             let node = Arc::new(HostNodeOps::new());
@@ -273,7 +276,7 @@ async fn node_and_discovery(
                 })
                 .with_proc(ProcFs::new(cfg.args.proc_root.clone())),
             );
-            Ok((node, discovery))
+            Ok((node, discovery, None))
         }
         Mode::Kubernetes => {
             let client = match client {
@@ -309,9 +312,75 @@ async fn node_and_discovery(
             // The same watch tells the drain when an evicted pod is gone.
             ops.set_pod_watch(discovery.clone());
             tasks.spawn("pod cache", discovery.clone().keep_warm(cancel.clone()));
-            Ok((ops, discovery))
+            let cache = discovery.clone();
+            let pod_location: crate::upload::service::PodLocation =
+                Arc::new(move |pod| cache.upload_location(pod));
+            Ok((ops, discovery, Some(pod_location)))
         }
     }
+}
+
+/// Node operations, checkpoint discovery, and (Kubernetes) where a pod's annotation says its
+/// staged checkpoints go.
+type NodeAndDiscovery = (
+    Arc<dyn NodeOps>,
+    Arc<dyn TargetDiscovery>,
+    Option<crate::upload::service::PodLocation>,
+);
+
+/// The staged checkpoint upload service (its own runtime), and the uploads an earlier run left
+/// resumed or reported in the background. `None` (staged acks then count as plain `done`) only
+/// when the uploader's threads cannot start.
+async fn upload_service(
+    cfg: &Config,
+    telemetry: &Telemetry,
+    pod_location: Option<crate::upload::service::PodLocation>,
+    cancel: &CancellationToken,
+) -> Option<Arc<crate::upload::service::Service>> {
+    use crate::upload::service::{Service, Settings};
+    let settings = Settings {
+        policy: crate::upload::UploadPolicy {
+            allow: cfg.args.upload_allow.clone(),
+        },
+        limits: crate::upload::Limits {
+            max_files: cfg.args.upload_max_files as usize,
+            max_bytes: cfg.args.upload_max_bytes,
+            ..crate::upload::Limits::default()
+        },
+        concurrency: cfg.args.upload_concurrency,
+        part_size: cfg.args.upload_part_size,
+        store: prefetch::source::StoreOptions {
+            endpoint: cfg.args.upload_endpoint.clone(),
+            ..prefetch::source::StoreOptions::default()
+        },
+        state_dir: cfg.args.state_dir.clone(),
+        host_location: cfg.args.checkpoint_upload.clone(),
+        node: cfg.node_name.clone(),
+    };
+    let service = match Service::new(settings, telemetry.upload.clone(), pod_location) {
+        Ok(s) => Arc::new(s),
+        Err(e) => {
+            telemetry.metrics.error("upload", "runtime");
+            error!(error = %e, "cannot start the uploader's threads: staged checkpoints are not uploaded");
+            return None;
+        }
+    };
+    if cfg.args.upload_allow.is_empty() {
+        info!("no --upload-allow: staged checkpoints are refused");
+    }
+    let recovering = service.clone();
+    let cancel = cancel.clone();
+    tokio::spawn(async move {
+        for handle in recovering.recover(&cancel).await {
+            match handle.await {
+                Ok(r) => {
+                    info!(destination = %r.destination, outcome = r.outcome.as_str(), "resumed upload ended")
+                }
+                Err(e) => warn!(error = %e, "a resumed upload's task failed"),
+            }
+        }
+    });
+    Some(service)
 }
 
 /// The in-cluster (or KUBECONFIG) client. kube's default client retries 429s for minutes: the

@@ -134,6 +134,9 @@ fn apply(
             t.seen_at.get_or_insert(at);
             t.drain_error = Some(reason);
         }
+        PlanEvent::Uploaded { id, at, .. } => {
+            plans.entry(id).or_default().seen_at.get_or_insert(at);
+        }
         PlanEvent::Undone { id, .. } => {
             // After its `Done` a plan is gone: an undo then (a later cancellation) is no outcome.
             if let Some(t) = plans.get_mut(&id) {

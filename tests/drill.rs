@@ -438,3 +438,52 @@ fn elastic_without_restarts_names_max_restarts() {
     assert!(out.contains("a survivor did not resume: node 1"), "{out}");
     assert!(out.contains("--max-restarts 0"), "{out}");
 }
+
+/// `--upload-to`: the bundled trainer saves to a local staged directory, acks staged and exits;
+/// the agent uploads it into the directory; the drill reports the trainer's downtime and the
+/// upload's time, bytes and verdict, as text and JSON.
+#[test]
+fn a_staged_checkpoint_is_rehearsed_with_a_local_destination() {
+    let dest = tempfile::tempdir().unwrap();
+    let to = dest.path().join("run1");
+    let to = to.to_str().unwrap();
+    let (code, out) = drill(&["--after", "1s", "--upload-to", to, "--staged-size", "8MiB"]);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("verdict: PASS"), "{out}");
+    assert!(out.contains("trainer downtime"), "{out}");
+    assert!(out.contains("upload "), "{out}");
+    assert!(out.contains("published"), "{out}");
+    let checkpoint = std::fs::read_dir(dest.path().join("run1"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| p.join("manifest.json").exists())
+        .unwrap_or_else(|| panic!("no published checkpoint:\n{out}"));
+    let manifest: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(checkpoint.join("manifest.json")).unwrap()).unwrap();
+    assert_eq!(manifest["bytes"], 8 * 1024 * 1024 + 13, "{manifest}");
+
+    let to = dest.path().join("run2");
+    let (code, out) = drill(&[
+        "--after",
+        "1s",
+        "--json",
+        "--upload-to",
+        to.to_str().unwrap(),
+        "--staged-size",
+        "4MiB",
+    ]);
+    assert_eq!(code, 0, "{out}");
+    // stdout (the JSON) comes first, then the command's and the drill's stderr.
+    let json: serde_json::Value = serde_json::Deserializer::from_str(&out)
+        .into_iter()
+        .next()
+        .unwrap_or_else(|| panic!("{out}"))
+        .unwrap_or_else(|e| panic!("{e}: {out}"));
+    let run = &json["runs"][0];
+    assert_eq!(run["upload"]["outcome"], "published", "{run}");
+    assert_eq!(run["upload"]["bytes"], 4 * 1024 * 1024 + 13, "{run}");
+    assert!(run["upload"]["seconds"].as_f64().is_some(), "{run}");
+    let downtime = run["downtime_s"].as_f64().unwrap();
+    assert!(downtime > 0.0 && downtime < 10.0, "{run}");
+}

@@ -225,6 +225,7 @@ fn drain_request(secs: u64) -> DrainRequest {
         deadline: jiff::Timestamp::now() + Duration::from_secs(secs),
         force_delete_at_deadline: false,
         concurrency: DEFAULT_DRAIN_CONCURRENCY,
+        holds: Vec::new(),
     }
 }
 

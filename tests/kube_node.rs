@@ -13,11 +13,10 @@ use spotguard::metrics::{encode, Metrics};
 use spotguard::node::kube::KubeNodeOps;
 use spotguard::node::{
     reason, Applied, AppliedMarks, ConditionState, DrainRequest, Error, EventType, GpuConditions,
-    NodeOps, Phase, Protection, TaintEffect, GPU_UNHEALTHY_TAINT, INTERRUPTION_TAINT,
-    NOTICE_ANNOTATION,
+    NodeOps, Protection, TaintEffect, GPU_UNHEALTHY_TAINT, INTERRUPTION_TAINT, NOTICE_ANNOTATION,
 };
 use spotguard::notice::{Cloud, NoticeKind};
-use spotguard::responder::record::PlanState;
+use spotguard::responder::record::{Phase, PlanState};
 use spotguard_testkit::k8s::fixtures::STUCK_FINALIZER;
 use spotguard_testkit::k8s::{
     non_system_taints, EventApi, Identity, Kubelet, NodeConfig, PdbLimit, RecordedRequest,
@@ -151,6 +150,7 @@ fn drain_request(deadline: Timestamp) -> DrainRequest {
         deadline,
         force_delete_at_deadline: false,
         concurrency: 8,
+        holds: Vec::new(),
     }
 }
 
@@ -882,6 +882,7 @@ async fn blocked_pods_are_force_deleted_before_the_deadline_when_enabled() {
         deadline: in_secs(8),
         force_delete_at_deadline: true,
         concurrency: 4,
+        holds: Vec::new(),
     };
     let started = std::time::Instant::now();
     let report = e.ops.drain(&request).await.expect("drain");

@@ -782,7 +782,7 @@ async fn daemonset_has_the_required_security_shape() {
     assert_eq!(requests.get("cpu"), Some(&Quantity("50m".into())));
     assert_eq!(
         res.limits.as_ref().unwrap().get("memory"),
-        Some(&Quantity("64Mi".into()))
+        Some(&Quantity("192Mi".into()))
     );
 
     // hostPath mounts: read-only except the prefetch cache and the plan record.
@@ -1445,7 +1445,8 @@ fn systemd_unit_keeps_what_discovery_and_signalling_need() {
         ("CacheDirectory", "spotguard"),
         ("ProtectSystem", "strict"),
         ("NoNewPrivileges", "yes"),
-        ("MemoryMax", "64M"),
+        ("MemoryMax", "192M"),
+        ("TasksMax", "96"),
         ("Restart", "always"),
     ] {
         assert_eq!(get(key), vec![value], "{key}");

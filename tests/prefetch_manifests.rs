@@ -49,10 +49,10 @@ fn the_prefetcher_is_its_own_container_with_its_own_memory_and_no_capabilities()
     assert_eq!(prefetch["args"][0], "prefetch-serve");
     // The agent runs no prefetch (no datasets configured there).
     assert!(env(agent, "SPOTGUARD_PREFETCH").is_none());
-    // Own memory limit, apart from the agent's 64 MiB.
+    // Own memory limit, apart from the agent's 192 MiB (staged checkpoint uploads).
     let limit = prefetch["resources"]["limits"]["memory"].as_str().unwrap();
-    assert_ne!(limit, "64Mi");
-    assert_eq!(agent["resources"]["limits"]["memory"], "64Mi");
+    assert_ne!(limit, "192Mi");
+    assert_eq!(agent["resources"]["limits"]["memory"], "192Mi");
     // No capabilities at all; read-only root filesystem.
     let sc = &prefetch["securityContext"];
     assert_eq!(sc["capabilities"]["drop"], serde_json::json!(["ALL"]));

@@ -153,6 +153,14 @@ impl KubeDiscovery {
         self.cache.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// The pod's `spotguard.io/checkpoint-upload` annotation, from the cache (opted-in pods).
+    pub fn upload_location(&self, pod: &PodRef) -> Option<String> {
+        match self.state().pods.get(&pod.uid) {
+            Some(Cached::Target(spec)) => spec.upload.clone(),
+            _ => None,
+        }
+    }
+
     /// Classify a pod; report a bad annotation (once per pod and problem) in the background.
     fn classify(&self, pod: &Pod) -> Cached {
         if !is_candidate(pod, &self.node_name) {

@@ -28,6 +28,11 @@ pub const TARGET: &str = "spotguard.io/checkpoint-target";
 pub const CONTAINERS: &str = "spotguard.io/checkpoint-containers";
 pub const DIR: &str = "spotguard.io/checkpoint-dir";
 pub const TIMEOUT: &str = "spotguard.io/checkpoint-timeout";
+/// Where the pod's staged checkpoints go (a location; checked by the upload side when a staged
+/// ack needs it, never here: a bad value refuses that upload, not the pod's checkpoint).
+pub const UPLOAD: &str = "spotguard.io/checkpoint-upload";
+/// Longest `spotguard.io/checkpoint-upload` value kept.
+const MAX_UPLOAD_LEN: usize = 2048;
 
 /// Default checkpoint dir inside the container.
 pub const DEFAULT_DIR: &str = "/tmp/spotguard";
@@ -75,6 +80,8 @@ pub struct PodCheckpointSpec {
     /// Checkpoint dir as the container sees it: absolute, normalised, no `.`/`..`.
     pub dir: PathBuf,
     pub timeout: Duration,
+    /// `spotguard.io/checkpoint-upload` as written (at most 2 KiB), unchecked.
+    pub upload: Option<String>,
 }
 
 impl PodCheckpointSpec {
@@ -230,6 +237,10 @@ pub fn pod_checkpoint_spec(
         containers,
         dir,
         timeout,
+        upload: annotation(UPLOAD)
+            .map(|v| v.trim())
+            .filter(|v| !v.is_empty() && v.len() <= MAX_UPLOAD_LEN)
+            .map(str::to_string),
     }))
 }
 

@@ -87,6 +87,7 @@ const DRAIN: &str = "Drain";
 const OBSERVABILITY: &str = "Observability";
 const PREFETCH: &str = "Prefetch";
 const HOST_MODE: &str = "Host mode";
+const UPLOAD: &str = "Staged checkpoint upload";
 
 /// `spotguard run` flags. Every flag also reads `SPOTGUARD_<FLAG_IN_CAPS>`.
 #[derive(Debug, Clone, Args)]
@@ -349,6 +350,36 @@ pub struct RunArgs {
     /// S3-compatible endpoint for prefetch sources (e.g. http://127.0.0.1:9000).
     #[arg(long, env = "SPOTGUARD_PREFETCH_ENDPOINT", value_name = "URL", value_parser = parse_url, help_heading = PREFETCH)]
     pub prefetch_endpoint: Option<String>,
+
+    /// Where staged checkpoints may be uploaded, with the agent's own identity (repeatable):
+    /// s3://BUCKET[/PREFIX], gs://BUCKET[/PREFIX] or an absolute directory. None: staged
+    /// checkpoints are refused.
+    #[arg(long, env = "SPOTGUARD_UPLOAD_ALLOW", value_name = "PATTERN", value_delimiter = ',', value_parser = crate::upload::AllowUpload::parse, help_heading = UPLOAD)]
+    pub upload_allow: Vec<crate::upload::AllowUpload>,
+
+    /// Host mode: where staged checkpoints go when the ack names no `upload` (s3://, gs://, file:// or a directory; each checkpoint in LOCATION/<name>).
+    #[arg(long, env = "SPOTGUARD_CHECKPOINT_UPLOAD", value_name = "LOCATION", value_parser = parse_upload_location, help_heading = UPLOAD)]
+    pub checkpoint_upload: Option<String>,
+
+    /// Refuse a staged checkpoint of more files than this (each is held open until uploaded).
+    #[arg(long, env = "SPOTGUARD_UPLOAD_MAX_FILES", value_name = "N", default_value_t = 10_000, value_parser = clap::value_parser!(u32).range(1..=1_000_000), help_heading = UPLOAD)]
+    pub upload_max_files: u32,
+
+    /// Refuse a staged checkpoint of more bytes than this.
+    #[arg(long, env = "SPOTGUARD_UPLOAD_MAX_BYTES", value_name = "BYTES", default_value = "1TiB", value_parser = parse_bytes, help_heading = UPLOAD)]
+    pub upload_max_bytes: u64,
+
+    /// Requests in flight per upload; each holds one part-sized buffer (memory: concurrency × part size per upload).
+    #[arg(long, env = "SPOTGUARD_UPLOAD_CONCURRENCY", value_name = "N", default_value = "8", value_parser = crate::upload::cli::parse_concurrency, help_heading = UPLOAD)]
+    pub upload_concurrency: usize,
+
+    /// Files up to this size are one PUT; larger ones go as multipart uploads of this part size.
+    #[arg(long, env = "SPOTGUARD_UPLOAD_PART_SIZE", value_name = "BYTES", default_value = "8MiB", value_parser = crate::upload::cli::parse_part_size, help_heading = UPLOAD)]
+    pub upload_part_size: u64,
+
+    /// S3-compatible endpoint for uploads (path-style; http:// allowed), e.g. http://127.0.0.1:9000.
+    #[arg(long, env = "SPOTGUARD_UPLOAD_ENDPOINT", value_name = "URL", value_parser = parse_url, help_heading = UPLOAD)]
+    pub upload_endpoint: Option<String>,
 
     /// Maximum evictions in flight during a drain.
     #[arg(long, env = "SPOTGUARD_DRAIN_CONCURRENCY", value_name = "N", default_value_t = 32, value_parser = clap::value_parser!(u16).range(1..=1024), help_heading = DRAIN)]

@@ -73,6 +73,13 @@ pub(super) fn parse_dataset(s: &str) -> Result<Dataset, String> {
 }
 
 /// Parse a byte size: `1024`, `64KiB`, `10MB`, `1.5GiB`, `2TiB`.
+/// `--checkpoint-upload`: a location (`s3://`, `gs://`, `file://` or an absolute directory).
+pub(super) fn parse_upload_location(s: &str) -> Result<String, String> {
+    crate::upload::Location::parse(s)
+        .map(|l| l.display())
+        .map_err(|e| e.to_string())
+}
+
 pub fn parse_bytes(s: &str) -> Result<u64, String> {
     let t = s.trim();
     let split = t

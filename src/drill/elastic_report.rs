@@ -705,6 +705,7 @@ mod tests {
             state: "done".into(),
             step: Some(step),
             checkpoint: None,
+            staged: None,
             written: Some(ts(at)),
         }
     }

@@ -130,6 +130,16 @@ pub struct DrillArgs {
     /// by the power-off loses steps).
     #[arg(long, default_value = "5s", value_parser = config::parse_duration)]
     pub settle: Duration,
+    /// Rehearse a staged checkpoint: the agent uploads what the trainer acks `staged` into DIR
+    /// (a local directory standing in for the job's s3://, gs:// or EFS location) and the drill
+    /// reports the trainer's downtime (signal → exit) and the upload's time, bytes and verdict.
+    /// The bundled trainer then saves --staged-size to a local staged directory
+    /// ($SPOTGUARD_DRILL_STAGED); a command of yours acks with `spotguard.ack_staged(path)`.
+    #[arg(long, value_name = "DIR")]
+    pub upload_to: Option<PathBuf>,
+    /// With --upload-to: how much the bundled trainer saves.
+    #[arg(long, default_value = "64MiB", value_parser = config::parse_bytes)]
+    pub staged_size: u64,
     /// The training command and its arguments (after `--`). Default: the bundled example trainer.
     #[arg(last = true, value_name = "CMD")]
     pub command: Vec<String>,
@@ -241,6 +251,15 @@ async fn drill(args: &DrillArgs, cancel: CancellationToken) -> Result<Verdict, S
         .map_err(|e| format!("creating {}: {e}", ckpt_dir.display()))?;
     let state_dir = work.path().join("state");
     let pidfile = work.path().join("trainer.pid");
+    let upload_to = match &args.upload_to {
+        Some(d) => {
+            let d = std::path::absolute(d).map_err(|e| format!("{}: {e}", d.display()))?;
+            std::fs::create_dir_all(&d).map_err(|e| format!("creating {}: {e}", d.display()))?;
+            Some(d)
+        }
+        None => None,
+    };
+    let staged_dir = work.path().join("staged");
 
     // 1. The emulator.
     let cloud = args.cloud;
@@ -287,7 +306,19 @@ async fn drill(args: &DrillArgs, cancel: CancellationToken) -> Result<Verdict, S
     }
     let started_at = Timestamp::now();
     let started = Instant::now();
-    let mut child = Command::new(&program)
+    let mut child = Command::new(&program);
+    if upload_to.is_some() {
+        std::fs::create_dir_all(&staged_dir)
+            .map_err(|e| format!("creating {}: {e}", staged_dir.display()))?;
+        child
+            .env(trainer::STAGED_ENV, &staged_dir)
+            .env(trainer::STAGED_SIZE_ENV, args.staged_size.to_string());
+        say(format!(
+            "  staged checkpoints: uploaded by the agent into {}",
+            upload_to.as_deref().unwrap_or(&staged_dir).display()
+        ));
+    }
+    let mut child = child
         .args(&child_args)
         .env("SPOTGUARD_DIR", &ckpt_dir)
         .stdout(child_stdout(args.json)?)
@@ -438,7 +469,10 @@ async fn drill(args: &DrillArgs, cancel: CancellationToken) -> Result<Verdict, S
         Duration::from_millis(500)
     };
     v.exit = match tokio::time::timeout(exit_wait, child.wait()).await {
-        Ok(s) => s.ok().map(|s| exit_info(s, false)),
+        Ok(s) => {
+            v.exited_at = Some(Timestamp::now());
+            s.ok().map(|s| exit_info(s, false))
+        }
         Err(_) => {
             v.drill_terminated_at = Some(Timestamp::now());
             terminate(pid, libc::SIGTERM);
@@ -456,6 +490,9 @@ async fn drill(args: &DrillArgs, cancel: CancellationToken) -> Result<Verdict, S
         }
     };
     v.acks = records::read_acks(&ckpt_dir);
+    if upload_to.is_some() {
+        v.upload = Some(upload_report(&mut events, &v, limit).await);
+    }
     pipeline_cancel.cancel();
     let _ = tokio::time::timeout(Duration::from_secs(5), app.join).await;
     emu.shutdown().await;
@@ -463,6 +500,39 @@ async fn drill(args: &DrillArgs, cancel: CancellationToken) -> Result<Verdict, S
     report::judge(&mut v, SIGNAL_NAME, args.timeout);
     keep(work, args.keep);
     Ok(v)
+}
+
+/// The staged checkpoint's upload: its report once the plan says it ended (bounded by `limit`),
+/// or why there is none.
+async fn upload_report(
+    events: &mut tokio::sync::broadcast::Receiver<PlanEvent>,
+    v: &Verdict,
+    limit: Duration,
+) -> report::UploadRow {
+    let staged = v.acks.iter().any(|a| a.staged.is_some());
+    if !staged {
+        return report::UploadRow::None(
+            "no ack named a staged directory: nothing to upload (ack with spotguard.ack_staged(path))"
+                .into(),
+        );
+    }
+    let wait = async {
+        loop {
+            match events.recv().await {
+                Ok(PlanEvent::Uploaded { report, .. }) => return Some(report),
+                Ok(_) | Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {}
+                Err(_) => return None,
+            }
+        }
+    };
+    match tokio::time::timeout(limit, wait).await {
+        Ok(Some(r)) => report::UploadRow::Ended(r),
+        Ok(None) => report::UploadRow::None("the agent stopped before the upload ended".into()),
+        Err(_) => report::UploadRow::None(format!(
+            "no upload report within {}",
+            crate::duration::display(limit)
+        )),
+    }
 }
 
 /// Drop (delete) the drill's temp dir, or keep it (`--keep`).
@@ -499,6 +569,10 @@ fn drill_run_args(
             .iter()
             .map(|p| format!("--checkpoint-pidfile={}", p.display())),
     );
+    if let Some(dir) = &args.upload_to {
+        flags.push(format!("--upload-allow={}", dir.display()));
+        flags.push(format!("--checkpoint-upload={}", dir.display()));
+    }
     let mut r = config::parse_run_args(flags)?;
     r.mode = ModeChoice::Host;
     r.config = None;

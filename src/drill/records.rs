@@ -142,6 +142,7 @@ pub fn read_acks(dir: &Path) -> Vec<AckRow> {
             checkpoint: get("checkpoint")
                 .and_then(|s| s.as_str())
                 .map(str::to_string),
+            staged: get("staged").and_then(|s| s.as_str()).map(str::to_string),
             written,
         });
     }

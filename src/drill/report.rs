@@ -33,6 +33,8 @@ pub struct AckRow {
     pub state: String,
     pub step: Option<i64>,
     pub checkpoint: Option<String>,
+    /// The staged directory a staged `done` ack hands to the agent.
+    pub staged: Option<String>,
     /// The ack's own `ts` (the writer's clock).
     pub written: Option<Timestamp>,
 }
@@ -65,6 +67,29 @@ pub struct Verdict {
     pub drill_terminated_at: Option<Timestamp>,
     /// Set when the run could not reach a result (the command exited first, the pipeline stalled).
     pub error: Option<String>,
+    /// When the command was seen to exit on its own.
+    pub exited_at: Option<Timestamp>,
+    /// With --upload-to: the staged checkpoint's upload.
+    pub upload: Option<UploadRow>,
+}
+
+/// What became of a staged checkpoint (`--upload-to`).
+#[derive(Debug, Clone)]
+pub enum UploadRow {
+    /// The agent's report of the upload.
+    Ended(Box<crate::upload::Report>),
+    /// No upload ended: why.
+    None(String),
+}
+
+impl Verdict {
+    /// The trainer's downtime: the signal to the command's own exit.
+    pub fn downtime(&self) -> Option<Duration> {
+        match (self.signalled_at, self.exited_at) {
+            (Some(s), Some(e)) => Some(crate::duration::until(e, s)),
+            _ => None,
+        }
+    }
 }
 
 impl Verdict {
@@ -97,6 +122,8 @@ impl Verdict {
             exit: None,
             drill_terminated_at: None,
             error: None,
+            exited_at: None,
+            upload: None,
         }
     }
 }
@@ -286,6 +313,25 @@ pub fn judge(v: &mut Verdict, signal: &str, timeout: Duration) {
             Some(e) => (true, format!("acknowledged `done` within the budget; exit {} is retryable for Kubeflow, list it in your podFailurePolicy", e.code)),
         },
     };
+    let (pass, reason) = match (&v.upload, pass) {
+        (Some(UploadRow::Ended(r)), true) if r.outcome.is_published() => (
+            true,
+            format!(
+                "{reason}; the staged checkpoint was uploaded and published ({:.1}s after the trainer's ack)",
+                r.seconds
+            ),
+        ),
+        (Some(UploadRow::Ended(r)), true) => (
+            false,
+            format!(
+                "checkpointed, but the staged upload ended `{}`: {}",
+                r.outcome.as_str(),
+                r.error.as_deref().unwrap_or("nothing published")
+            ),
+        ),
+        (Some(UploadRow::None(why)), true) => (false, format!("checkpointed, but {why}")),
+        (_, pass) => (pass, reason),
+    };
     v.pass = pass;
     v.reason = reason;
 }
@@ -426,6 +472,35 @@ pub fn table(v: &Verdict, timeout: Duration, signal: &str) -> String {
         }
         row(&mut out, "command exit", &e.code.to_string(), &label);
     }
+    if let Some(d) = v.downtime() {
+        row(
+            &mut out,
+            "trainer downtime",
+            &format!("{:.3}s", d.as_secs_f64()),
+            "signal → the command's exit",
+        );
+    }
+    match &v.upload {
+        Some(UploadRow::Ended(r)) => row(
+            &mut out,
+            "upload",
+            &format!("{:.3}s", r.seconds),
+            &format!(
+                "{} — {}: {} files, {} bytes ({}/s){}",
+                r.outcome.as_str(),
+                r.destination,
+                r.files,
+                r.bytes,
+                crate::prefetch::progress::human_bytes(r.rate_bps),
+                r.error
+                    .as_ref()
+                    .map(|e| format!(": {e}"))
+                    .unwrap_or_default()
+            ),
+        ),
+        Some(UploadRow::None(why)) => row(&mut out, "upload", "—", why),
+        None => {}
+    }
     for w in warnings(v) {
         row(&mut out, "warning", "", &w);
     }
@@ -480,6 +555,12 @@ pub fn to_json(v: &Verdict, timeout: Duration, signal: &str) -> Value {
         "exit": v.exit.as_ref().map(|e| json!({
             "code": e.code, "signal": e.signal, "killed_by_drill": e.killed_by_drill, "label": exit_label(e),
         })),
+        "downtime_s": v.downtime().map(|d| d.as_secs_f64()),
+        "upload": match &v.upload {
+            Some(UploadRow::Ended(r)) => serde_json::to_value(r).unwrap_or(Value::Null),
+            Some(UploadRow::None(why)) => json!({"outcome": null, "error": why}),
+            None => Value::Null,
+        },
     })
 }
 

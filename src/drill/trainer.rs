@@ -1,6 +1,8 @@
 //! The bundled example trainer (`spotguard example-trainer`, hidden): what `spotguard drill` runs
 //! when no command is given. Simulated steps; on SIGUSR1/SIGTERM it finishes the step, saves a
-//! checkpoint into `$SPOTGUARD_DIR`, acks `done` and exits 143.
+//! checkpoint into `$SPOTGUARD_DIR`, acks `done` and exits 143. With `$SPOTGUARD_DRILL_STAGED`
+//! (`drill --upload-to`) it saves `$SPOTGUARD_DRILL_STAGED_BYTES` to a staged directory there
+//! instead, acks `done` with `staged`, waits for the agent's answer and exits.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -9,6 +11,13 @@ use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use jiff::Timestamp;
 
 use super::ExampleTrainerArgs;
+
+/// The local directory staged checkpoints are saved under (`drill --upload-to`).
+pub const STAGED_ENV: &str = "SPOTGUARD_DRILL_STAGED";
+/// How many bytes a staged checkpoint holds.
+pub const STAGED_SIZE_ENV: &str = "SPOTGUARD_DRILL_STAGED_BYTES";
+/// How long the trainer waits for the agent's answer to a staged ack.
+const ANSWER_WAIT: std::time::Duration = std::time::Duration::from_secs(15);
 
 static SIGNALLED: AtomicI32 = AtomicI32::new(0);
 static INSTALLED: AtomicBool = AtomicBool::new(false);
@@ -78,6 +87,9 @@ pub fn example_trainer(args: ExampleTrainerArgs) -> i32 {
         if sig != 0 {
             let _ = write_ack(&dir, "received", step, None);
             println!("example-trainer: signal {sig} at step {step}: saving a checkpoint");
+            if let Some(staged) = std::env::var_os(STAGED_ENV) {
+                return save_staged(&dir, Path::new(&staged), step);
+            }
             std::thread::sleep(args.save_time);
             let path = dir.join(format!("checkpoint-{step:08}.json"));
             let payload = serde_json::json!({"step": step, "weights": "simulated"}).to_string();
@@ -101,6 +113,71 @@ pub fn example_trainer(args: ExampleTrainerArgs) -> i32 {
             return 0;
         }
     }
+}
+
+/// Save the step to a local staged directory, ack it `staged`, wait for the agent to take it,
+/// exit 143 (as after any checkpoint).
+fn save_staged(dir: &Path, under: &Path, step: u64) -> i32 {
+    let size: u64 = std::env::var(STAGED_SIZE_ENV)
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(64 << 20);
+    let path = under.join(format!("step-{step}"));
+    if let Err(e) = write_shards(&path, size) {
+        eprintln!("example-trainer: saving {}: {e}", path.display());
+        let _ = write_ack(dir, "failed", step, None);
+        return 1;
+    }
+    let answer = dir.join(format!("upload-{}.json", std::process::id()));
+    let _ = std::fs::remove_file(&answer);
+    let body = serde_json::json!({
+        "state": "done",
+        "step": step,
+        "checkpoint": path.display().to_string(),
+        "staged": path.display().to_string(),
+        "ts": Timestamp::now().as_millisecond() as f64 / 1000.0,
+    });
+    let ack = dir.join(format!("ack-{}.json", std::process::id()));
+    if let Err(e) = crate::fsutil::write_atomic(&ack, body.to_string().as_bytes(), 0o644) {
+        eprintln!("example-trainer: writing ack: {e}");
+        return 1;
+    }
+    let waited = std::time::Instant::now();
+    let state = loop {
+        let got = std::fs::read(&answer)
+            .ok()
+            .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
+            .and_then(|v| v.get("state").and_then(|s| s.as_str()).map(str::to_string));
+        if let Some(s) = got {
+            break s;
+        }
+        if waited.elapsed() >= ANSWER_WAIT {
+            break "timeout".to_string();
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    };
+    println!(
+        "example-trainer: staged checkpoint {} ({size} bytes) {state}; exiting 143",
+        path.display()
+    );
+    let _ = std::io::stdout().flush();
+    143
+}
+
+/// Four shards and a small metadata file, like a distributed checkpoint.
+fn write_shards(path: &Path, size: u64) -> std::io::Result<()> {
+    std::fs::create_dir_all(path)?;
+    let block: Vec<u8> = (0..1u32 << 20).map(|i| (i % 251) as u8).collect();
+    for i in 0..4 {
+        let mut f = std::fs::File::create(path.join(format!("__{i}_0.distcp")))?;
+        let mut left = size / 4;
+        while left > 0 {
+            let n = left.min(block.len() as u64) as usize;
+            f.write_all(&block[..n])?;
+            left -= n as u64;
+        }
+    }
+    std::fs::write(path.join(".metadata"), b"{\"shards\": 4}")
 }
 
 fn latest_checkpoint(dir: &Path) -> Option<u64> {

@@ -16,7 +16,9 @@
 //!    one, poll GET (404 or a different UID ⇒ gone), backing off from 25 ms to 1 s.
 //! 4. With `force_delete_at_deadline`, pods still refused [`FORCE_DELETE_LEAD`] before the
 //!    deadline are deleted (grace capped to the time left).
-//! 5. At the deadline everything stops; the report names every pod still there and the PDBs
+//! 5. A held pod (`DrainRequest::holds`: its staged checkpoint is being uploaded) is evicted
+//!    only once its hold ends; the others do not wait for it.
+//! 6. At the deadline everything stops; the report names every pod still there and the PDBs
 //!    that blocked it.
 //!
 //! Re-running is safe: pods already gone are simply not listed, pods already terminating are
@@ -561,7 +563,15 @@ pub async fn drain_node(
             let key = pod_key(&pod);
             let span = tracing::info_span!("evict", pod = %key);
             let drainer = &drainer;
-            async move { (key, drainer.evict(pod).await) }.instrument(span)
+            let hold = request.holds.iter().find(|h| h.pod == key).cloned();
+            async move {
+                if let Some(hold) = hold {
+                    tracing::info!(until = %hold.until, "held out of the drain until its checkpoint upload ends");
+                    hold.wait().await;
+                }
+                (key, drainer.evict(pod).await)
+            }
+            .instrument(span)
         })
         .collect();
     while let Some((key, outcome)) = tasks.next().await {

@@ -24,41 +24,6 @@ pub const INTERRUPTION_TAINT: &str = "spotguard.io/interruption";
 /// Taint key applied while a GPU is unhealthy.
 pub const GPU_UNHEALTHY_TAINT: &str = "spotguard.io/gpu-unhealthy";
 
-/// Where the handling of one notice stands. Persisted before each step so that a restarted agent
-/// resumes and never repeats a step that already happened (above all: never signals twice).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Phase {
-    /// Seen; nothing done yet.
-    Detected,
-    /// Tainted and cordoned (interruption, maintenance) or soft-tainted (rebalance).
-    Protected,
-    /// Checkpoint signals sent (`signalled_at` set): never signal again for this notice.
-    Signalled,
-    /// Checkpoint wait finished (acks, exits or budget).
-    Checkpointed,
-    /// Drain finished (or gave up at the deadline; the report says which).
-    Drained,
-    /// Cloud acknowledged (Azure) / plan complete.
-    Done,
-    /// The notice was cancelled or expired and what spotguard did was undone.
-    Undone,
-}
-
-impl Phase {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Phase::Detected => "detected",
-            Phase::Protected => "protected",
-            Phase::Signalled => "signalled",
-            Phase::Checkpointed => "checkpointed",
-            Phase::Drained => "drained",
-            Phase::Done => "done",
-            Phase::Undone => "undone",
-        }
-    }
-}
-
 /// Taint effect.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum TaintEffect {
@@ -156,6 +121,9 @@ pub mod reason {
     pub const GPU_UNHEALTHY: &str = "GPUUnhealthy";
     pub const GPU_DEGRADED: &str = "GPUDegraded";
     pub const GPU_RECOVERED: &str = "GPURecovered";
+    pub const CHECKPOINT_UPLOADED: &str = "CheckpointUploaded";
+    pub const CHECKPOINT_UPLOAD_FAILED: &str = "CheckpointUploadFailed";
+    pub const CHECKPOINT_UPLOAD_REFUSED: &str = "CheckpointUploadRefused";
 }
 
 /// Parameters of one drain.
@@ -167,6 +135,27 @@ pub struct DrainRequest {
     pub force_delete_at_deadline: bool,
     /// Maximum evictions in flight.
     pub concurrency: usize,
+    /// Pods evicted only after their hold ends (every other pod is evicted at once).
+    pub holds: Vec<Hold>,
+}
+
+/// A pod the drain evicts only once `released` turns true or `until` passes: the agent is
+/// uploading the checkpoint its trainer staged on the node.
+#[derive(Clone, Debug)]
+pub struct Hold {
+    /// `namespace/name`.
+    pub pod: String,
+    pub until: Timestamp,
+    pub released: tokio::sync::watch::Receiver<bool>,
+}
+
+impl Hold {
+    /// Wait until the hold ends (released, `until`, or its sender gone).
+    pub async fn wait(mut self) {
+        let left = crate::duration::until(self.until, Timestamp::now());
+        let released = self.released.wait_for(|r| *r);
+        let _ = tokio::time::timeout(left, released).await;
+    }
 }
 
 /// Outcome of a drain.

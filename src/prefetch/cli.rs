@@ -30,21 +30,11 @@ pub const EXIT_CANCELLED: i32 = 3;
 pub const EXIT_USAGE: i32 = 64;
 
 fn parse_part_size(s: &str) -> Result<u64, String> {
-    let v = parse_size(s)?;
-    if !(64 << 10..=5 << 30).contains(&v) {
-        return Err(format!("part size {s} must be between 64KiB and 5GiB"));
-    }
-    Ok(v)
+    progress::parse_size_between(s, "part size", (64 << 10, "64KiB"), (5 << 30, "5GiB"))
 }
 
 fn parse_concurrency(s: &str) -> Result<usize, String> {
-    let v: usize = s
-        .parse()
-        .map_err(|_| format!("invalid concurrency {s:?}"))?;
-    if !(1..=1024).contains(&v) {
-        return Err(format!("concurrency {v} must be between 1 and 1024"));
-    }
-    Ok(v)
+    progress::parse_count_between(s, "concurrency", 1, 1024)
 }
 
 /// Arguments of `spotguard prefetch`.

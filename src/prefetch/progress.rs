@@ -245,6 +245,35 @@ pub fn human_bytes(n: u64) -> String {
 
 /// Parse a size: `8MiB`, `16 MB`, `1.5GiB`, `4096`, `64k` (k/M/G/T are binary, like `KiB`;
 /// `KB`/`MB`/… are decimal).
+/// A `--part-size`-like flag: a size ([`parse_size`]) between `min` and `max` bytes, named
+/// `what` in the error (`min_text` and `max_text` as the user would write them).
+pub fn parse_size_between(
+    s: &str,
+    what: &str,
+    (min, min_text): (u64, &str),
+    (max, max_text): (u64, &str),
+) -> Result<u64, String> {
+    let v = parse_size(s)?;
+    if !(min..=max).contains(&v) {
+        return Err(format!(
+            "{what} {s} must be between {min_text} and {max_text}"
+        ));
+    }
+    Ok(v)
+}
+
+/// A `--concurrency`-like flag: a whole number between `min` and `max`, named `what`.
+pub fn parse_count_between(s: &str, what: &str, min: usize, max: usize) -> Result<usize, String> {
+    let v: usize = s
+        .trim()
+        .parse()
+        .map_err(|_| format!("invalid {what} {s:?}"))?;
+    if !(min..=max).contains(&v) {
+        return Err(format!("{what} {v} must be between {min} and {max}"));
+    }
+    Ok(v)
+}
+
 pub fn parse_size(s: &str) -> Result<u64, String> {
     let t = s.trim();
     let split = t

@@ -41,8 +41,9 @@ use crate::config::{MaintenanceAction, RebalanceAction};
 use crate::duration;
 use crate::life::Lives;
 use crate::metrics::{Metrics, NoticeLabels, OutcomeLabels, SourceLabels};
-use crate::node::{reason, Applied, DrainReport, EventType, NodeOps, Phase, TaintEffect};
+use crate::node::{reason, Applied, DrainReport, EventType, NodeOps, TaintEffect};
 use crate::notice::{Cloud, Notice, NoticeKind, NoticeSource};
+use record::Phase;
 use record::PlanState;
 
 mod plan;
@@ -98,6 +99,9 @@ pub struct Deps {
     /// The machine's current life, written into every persisted record and `notice.json`: a
     /// record of another life belongs to a previous life of the machine.
     pub life: Arc<Lives>,
+    /// Staged checkpoint uploads (`--upload-allow`); `None`: staged acks count as plain `done`
+    /// and get no answer.
+    pub upload: Option<Arc<crate::upload::service::Service>>,
 }
 
 /// Progress of a plan, broadcast for `spotguard drill` and tests.
@@ -132,6 +136,14 @@ pub enum PlanEvent {
         id: String,
         at: Timestamp,
         reason: String,
+    },
+    /// A staged checkpoint's upload ended (or was refused: `report.outcome` is `refused`).
+    Uploaded {
+        id: String,
+        at: Timestamp,
+        /// `namespace/name` of the trainer's pod (Kubernetes).
+        pod: Option<String>,
+        report: Box<crate::upload::Report>,
     },
     /// Plan complete.
     Done { id: String, at: Timestamp },

@@ -50,6 +50,16 @@ pub(super) struct Run {
 pub(super) struct Found {
     /// The signal step's deliveries, for the ack wait.
     pub(super) signalled: Option<Signalled>,
+    /// The staged checkpoints the ack wait took (their uploads already running), for the
+    /// upload step, with the drain reserve their uploads keep.
+    pub(super) staged: Option<(
+        tokio::sync::mpsc::UnboundedReceiver<crate::upload::service::Staged>,
+        Duration,
+    )>,
+    /// Pods the drain evicts only after their upload (the upload step's holds).
+    pub(super) holds: Vec<crate::node::Hold>,
+    /// The upload step's followers (each reports one upload and ends its hold).
+    pub(super) uploads: Vec<tokio::task::JoinHandle<()>>,
 }
 
 /// What the signal step delivered: the ack wait waits on it.

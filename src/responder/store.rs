@@ -419,7 +419,8 @@ mod tests {
         //! interruption per boot, and in every boot that sees an interruption it signals: never a
         //! permanently disarmed agent. Rebalance recommendations: at most one plan each per boot.
         use super::*;
-        use crate::node::{Applied, Phase};
+        use crate::node::Applied;
+        use crate::responder::record::Phase;
         use crate::responder::record::PlanState;
         use proptest::prelude::*;
 

@@ -24,7 +24,7 @@ use crate::checkpoint::ack::{AckFile, AckState, CheckpointDir};
 use crate::checkpoint::procfs::ProcFs;
 
 /// Pod annotation naming where the pod's staged checkpoints go (a location).
-pub const UPLOAD_ANNOTATION: &str = "spotguard.io/checkpoint-upload";
+pub const UPLOAD_ANNOTATION: &str = crate::checkpoint::pods::UPLOAD;
 
 /// The agent's answer to a staged ack of process `ns_pid` (pid as the process sees it).
 pub fn answer_file_name(ns_pid: i32) -> String {

@@ -36,22 +36,19 @@ pub const EXIT_STOPPED: i32 = 3;
 /// Exit code: bad arguments.
 pub const EXIT_USAGE: i32 = 64;
 
-fn parse_part_size(s: &str) -> Result<u64, String> {
-    let v = parse_size(s)?;
-    if !(engine::MIN_PART_SIZE..=5 << 30).contains(&v) {
-        return Err(format!("part size {s} must be between 5MiB and 5GiB"));
-    }
-    Ok(v)
+/// `--part-size` of uploads: 5 MiB (the stores' smallest part) to 5 GiB.
+pub fn parse_part_size(s: &str) -> Result<u64, String> {
+    progress::parse_size_between(
+        s,
+        "part size",
+        (engine::MIN_PART_SIZE, "5MiB"),
+        (5 << 30, "5GiB"),
+    )
 }
 
-fn parse_concurrency(s: &str) -> Result<usize, String> {
-    let v: usize = s
-        .parse()
-        .map_err(|_| format!("invalid concurrency {s:?}"))?;
-    if !(1..=256).contains(&v) {
-        return Err(format!("concurrency {v} must be between 1 and 256"));
-    }
-    Ok(v)
+/// `--concurrency` of uploads: 1 to 256.
+pub fn parse_concurrency(s: &str) -> Result<usize, String> {
+    progress::parse_count_between(s, "concurrency", 1, 256)
 }
 
 /// `--deadline`: RFC 3339 or Unix seconds.

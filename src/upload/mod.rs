@@ -14,6 +14,8 @@
 //! - [`latest`]: the latest complete checkpoint under a location (resume side);
 //! - [`ack`]: the protocol side (what a `done` ack asks for, the agent's answer);
 //! - [`uploader`]: where uploads run (own runtime, own low-priority threads);
+//! - [`service`]: the agent's side (`spotguard run`): settings, a staged ack taken and its
+//!   upload submitted on the ack watcher's thread, restart recovery;
 //! - [`cli`]: `spotguard upload STAGED DEST`; [`metrics`]: `spotguard_checkpoint_upload_*`.
 
 pub mod ack;
@@ -27,6 +29,7 @@ pub mod latest;
 pub mod manifest;
 pub mod metrics;
 pub mod pool;
+pub mod service;
 pub mod staged;
 pub mod target;
 pub mod uploader;

@@ -15,6 +15,7 @@
 //! - [`kubelet`]: random pod uids and container ids, the cgroup the kubelet makes for a container.
 //! - [`process`]: [`process::Kid`], a child process in its own group, killed with it on drop;
 //!   whether a real process has installed its SIGUSR1 handler yet.
+//! - [`s3`]: s3s-fs on a free loopback port, and a [`s3::Throttle`] (a slow network) before it.
 //! - [`wait_for_event`]: wait for a responder plan event; [`metrics_text`]: a running agent's
 //!   `/metrics`.
 pub mod assets;
@@ -24,6 +25,7 @@ pub mod gpu;
 pub mod k8s;
 pub mod kubelet;
 pub mod process;
+pub mod s3;
 
 use std::net::SocketAddr;
 use std::time::Duration;

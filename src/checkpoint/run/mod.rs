@@ -46,8 +46,10 @@ use std::time::Duration;
 
 use jiff::Timestamp;
 
-use super::ack::NoticeFile;
+use super::ack::{AckFile, CheckpointDir, NoticeFile};
+use super::procfs::ProcFs;
 use super::Signal;
+use crate::node::PodRef;
 
 pub use delivery::{
     deliver, deliver_async, deliver_with, deliver_with_async, plan_without_signal,
@@ -55,7 +57,7 @@ pub use delivery::{
     SignalledProcess, SkippedProcess,
 };
 pub use outcome::GroupResult;
-pub use watch::{wait, wait_until};
+pub use watch::{wait, wait_until, wait_with};
 
 /// How often acks and exits are polled.
 pub const POLL_INTERVAL: Duration = Duration::from_millis(50);
@@ -96,6 +98,21 @@ impl CheckpointRequest {
         }
     }
 }
+
+/// A terminal ack seen while its process lives ([`wait_with`]).
+pub struct AckSeen<'a> {
+    /// The group's pod (Kubernetes).
+    pub pod: Option<&'a PodRef>,
+    pub process: &'a SignalledProcess,
+    /// The process's checkpoint dir (opened inside its container).
+    pub dir: &'a CheckpointDir,
+    pub ack: &'a AckFile,
+    pub proc: &'a ProcFs,
+}
+
+/// Told of terminal acks on the watcher threads: it must be quick (no network), and it runs
+/// before the process counts as acked, while the process lives.
+pub type AckHook = std::sync::Arc<dyn Fn(&AckSeen<'_>) + Send + Sync>;
 
 /// What is known before delivery about earlier deliveries of the same notice: "was this target
 /// signalled for this notice?" is answered from evidence that survives a lost record and an

@@ -202,6 +202,7 @@ mod tests {
             proc: ProcFs::default(),
             cut: false,
             counters: crate::checkpoint::run::threads::Counters::none(),
+            hook: Default::default(),
         }
     }
 

@@ -18,7 +18,7 @@ use super::delivery::{Delivery, DeliveryState, NoticeStatus, SignalledProcess};
 use super::dir::{DirSlot, Freshness};
 use super::outcome::{ack_note, finish, pending_detail, record, skipped_detail, GroupResult};
 use super::threads::{count_stuck, Counters};
-use super::{CheckpointRequest, POLL_INTERVAL, WATCH_GRACE};
+use super::{AckHook, AckSeen, CheckpointRequest, POLL_INTERVAL, WATCH_GRACE};
 use crate::checkpoint::ack::{
     ack_file_name, AckName, AckState, CheckpointDir, FileStamp, NOTICE_FILE, PLAIN_ACK_FILE,
 };
@@ -86,6 +86,22 @@ pub(super) struct GroupWatch {
     /// The plan's checkpoint deadline moved earlier than this group's own budget end.
     pub(super) cut: bool,
     pub(super) counters: Counters,
+    /// Told of each terminal ack while its process lives ([`wait_with`]).
+    pub(super) hook: Hook,
+}
+
+/// The hook of a group's watch, if any.
+#[derive(Clone, Default)]
+pub(super) struct Hook(Option<AckHook>);
+
+impl std::fmt::Debug for Hook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_some() {
+            "Hook(set)"
+        } else {
+            "Hook(none)"
+        })
+    }
 }
 
 impl GroupWatch {
@@ -135,11 +151,26 @@ pub async fn wait_until(
     cancel: &CancellationToken,
     deadline: tokio_watch::Receiver<Timestamp>,
 ) -> Vec<GroupResult> {
+    wait_with(deliveries, req, metrics, cancel, deadline, None).await
+}
+
+/// [`wait_until`], telling `hook` of each terminal ack on the watcher's thread, while the
+/// acking process still lives and before it counts as acked (a staged checkpoint is taken
+/// there: `crate::upload::ack::take`).
+pub async fn wait_with(
+    deliveries: Vec<Delivery>,
+    req: &CheckpointRequest,
+    metrics: &Metrics,
+    cancel: &CancellationToken,
+    deadline: tokio_watch::Receiver<Timestamp>,
+    hook: Option<AckHook>,
+) -> Vec<GroupResult> {
     use futures::stream::{FuturesUnordered, StreamExt};
     let mut results: Vec<Option<GroupResult>> = Vec::with_capacity(deliveries.len());
     let mut running = FuturesUnordered::new();
     for (i, d) in deliveries.into_iter().enumerate() {
         let mut w = watch(d, req, Counters::of(metrics));
+        w.hook = Hook(hook.clone());
         match w.result.take() {
             Some(r) => {
                 record(&r, req, metrics);
@@ -385,6 +416,7 @@ fn watch(d: Delivery, req: &CheckpointRequest, counters: Counters) -> GroupWatch
         proc: d.proc,
         cut: false,
         counters,
+        hook: Hook::default(),
     }
 }
 
@@ -392,6 +424,14 @@ fn watch(d: Delivery, req: &CheckpointRequest, counters: Counters) -> GroupWatch
 fn poll_group(w: &mut GroupWatch, now: Timestamp) {
     let proc = w.proc.clone();
     let counters = w.counters.clone();
+    let hook = w.hook.clone();
+    let pod = w.pod.clone();
+    let told = |seen: &AckSeen<'_>| {
+        if let Some(h) = &hook.0 {
+            h(seen)
+        }
+    };
+    let told: Told<'_> = (&told, pod.as_ref(), &proc);
     for c in &mut w.containers {
         if c.plain_ack.is_some() {
             continue;
@@ -461,7 +501,7 @@ fn poll_group(w: &mut GroupWatch, now: Timestamp) {
                     (dir, fresh, &fallbacks, &mut c.foreign, &counters),
                     p,
                     now,
-                    false,
+                    Some(told),
                 );
                 check_exit(
                     &proc,
@@ -515,15 +555,19 @@ fn foreign(
     }
 }
 
+/// The hook of a poll, the group's pod and the proc mount.
+type Told<'a> = (&'a dyn Fn(&AckSeen<'_>), Option<&'a PodRef>, &'a ProcFs);
+
 /// Read the process's acks (its plain name and its fallback names): a fresh one its own user
-/// wrote counts; a terminal state wins over `received`.
-/// `after_exit`: the process has exited, read from the dir as first opened.
+/// wrote counts; a terminal state wins over `received`. `told`: the process is alive, the hook
+/// hears of its terminal ack; `None`: the process has exited, read from the dir as first opened.
 fn read_acks(
     (dir, fresh, fallbacks, seen, counters): DirContext<'_>,
     p: &mut ProcWatch,
     now: Timestamp,
-    after_exit: bool,
+    told: Option<Told<'_>>,
 ) {
+    let after_exit = told.is_none();
     let me = AckName::Process(p.process.ns_pid);
     let names = std::iter::once(ack_file_name(p.process.ns_pid)).chain(
         fallbacks
@@ -549,6 +593,15 @@ fn read_acks(
                 }
                 p.problem = None;
                 if ack.file.state.is_terminal() {
+                    if let Some((hook, pod, proc)) = told {
+                        hook(&AckSeen {
+                            pod,
+                            process: &p.process,
+                            dir,
+                            ack: &ack.file,
+                            proc,
+                        });
+                    }
                     p.state = ProcState::Acked {
                         state: ack.file.state,
                         at: now,
@@ -583,7 +636,7 @@ fn check_exit(proc: &ProcFs, dir: Option<DirContext<'_>>, p: &mut ProcWatch, now
             // It may have written `done` between the read above and its exit (read from the
             // dir as opened before: its container's mounts may be gone with it).
             if let Some(dir) = dir {
-                read_acks(dir, p, now, true);
+                read_acks(dir, p, now, None);
             }
             if matches!(p.state, ProcState::Pending { .. }) {
                 p.state = ProcState::Exited { at: now };

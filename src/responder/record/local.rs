@@ -287,8 +287,9 @@ async fn blocking<T: Send + 'static>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::node::{Applied, Phase, TaintEffect};
+    use crate::node::{Applied, TaintEffect};
     use crate::notice::{Cloud, NoticeKind};
+    use crate::responder::record::Phase;
 
     fn plan(id: &str, kind: NoticeKind, phase: Phase) -> PlanState {
         PlanState {

@@ -22,8 +22,43 @@ pub(crate) use copies::{Records, LOAD_BUDGET};
 pub use local::{LocalRecord, RecordedTarget, StateFile, STATE_FILE};
 
 use super::store::NoticeStore;
-use crate::node::{Applied, Phase};
+use crate::node::Applied;
 use crate::notice::{Cloud, Notice, NoticeKind};
+
+/// Where the handling of one notice stands. Persisted before each step so that a restarted agent
+/// resumes and never repeats a step that already happened (above all: never signals twice).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Phase {
+    /// Seen; nothing done yet.
+    Detected,
+    /// Tainted and cordoned (interruption, maintenance) or soft-tainted (rebalance).
+    Protected,
+    /// Checkpoint signals sent (`signalled_at` set): never signal again for this notice.
+    Signalled,
+    /// Checkpoint wait finished (acks, exits or budget).
+    Checkpointed,
+    /// Drain finished (or gave up at the deadline; the report says which).
+    Drained,
+    /// Cloud acknowledged (Azure) / plan complete.
+    Done,
+    /// The notice was cancelled or expired and what spotguard did was undone.
+    Undone,
+}
+
+impl Phase {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Phase::Detected => "detected",
+            Phase::Protected => "protected",
+            Phase::Signalled => "signalled",
+            Phase::Checkpointed => "checkpointed",
+            Phase::Drained => "drained",
+            Phase::Done => "done",
+            Phase::Undone => "undone",
+        }
+    }
+}
 
 /// The persisted record of the plan for one notice: the latest plan of `<state-dir>/notice.json`
 /// (every mode), and the node's copy in Kubernetes mode (the Node annotation

@@ -1,6 +1,8 @@
 //! Wait for the acks (and exits) of the processes the signal step signalled, until the checkpoint
 //! deadline: `min(now + checkpoint-timeout, deadline − drain-reserve)`, moved earlier with the
 //! plan's deadline. Each result is logged and told on its pod; the record reaches `checkpointed`.
+//! A staged `done` ack is taken and its upload started while the wait goes on (the upload
+//! step's hook, on the watcher's thread).
 
 use async_trait::async_trait;
 use jiff::Timestamp;
@@ -10,8 +12,9 @@ use tracing::info;
 use super::{Flow, Run, Step};
 use crate::checkpoint::run::{self as ckpt, GroupResult};
 use crate::checkpoint::Outcome;
-use crate::node::{reason, EventType, Phase};
+use crate::node::{reason, EventType};
 use crate::responder::plan::{Plan, Signalled};
+use crate::responder::record::Phase;
 use crate::responder::PlanEvent;
 
 /// The wait for the checkpoint acks.
@@ -65,7 +68,8 @@ async fn wait(run: &mut Run, signalled: Signalled) -> Vec<GroupResult> {
     } = signalled;
     let (ck_tx, ck_rx) = watch::channel(request.checkpoint_deadline);
     let metrics = plan.deps.metrics.clone();
-    let wait = ckpt::wait_until(deliveries, &request, &metrics, &plan.cancel, ck_rx);
+    let hook = super::upload::arm(plan, reserve, &mut run.found);
+    let wait = ckpt::wait_with(deliveries, &request, &metrics, &plan.cancel, ck_rx, hook);
     tokio::pin!(wait);
     loop {
         tokio::select! {

@@ -1,4 +1,5 @@
-//! Drain the node until the deadline, re-running the (idempotent) drain when the deadline moves
+//! Drain the node until the deadline (a pod whose staged checkpoint is uploading is held until
+//! its upload ends: the upload step's holds), re-running the (idempotent) drain when the deadline moves
 //! and retrying a retryable failure. Only a complete drain is recorded `drained`; a blocked or
 //! failed one is reported (a `DrainBlocked` / `DrainFailed` Event, the error metric, the
 //! `DrainFailed` plan event) and kept in the record's `failure`.
@@ -10,8 +11,9 @@ use jiff::Timestamp;
 use tracing::{error, warn};
 
 use super::{Flow, Run, Step};
-use crate::node::{reason, DrainReport, DrainRequest, EventType, Phase};
+use crate::node::{reason, DrainReport, DrainRequest, EventType, Hold};
 use crate::responder::plan::{Plan, SIDE_BUDGET_MIN};
+use crate::responder::record::Phase;
 use crate::responder::PlanEvent;
 
 /// A retryable drain failure (API server unreachable, 5xx) is retried after this step, jittered
@@ -36,7 +38,7 @@ impl Step for Drain {
     }
 
     async fn run(&self, run: &mut Run) -> Flow {
-        let outcome = match drain(&mut run.plan).await {
+        let outcome = match drain(&mut run.plan, &run.found.holds).await {
             Ok(outcome) => outcome,
             Err(cancelled) => return Flow::Stop(cancelled),
         };
@@ -72,13 +74,16 @@ struct DrainFailure {
 
 /// Drain until the deadline. `Ok(Ok(report))` only for a complete drain; a blocked or failed
 /// one is reported (Event, metric) and returned as a [`DrainFailure`]. `Err` = cancelled.
-async fn drain(plan: &mut Plan) -> Result<Result<DrainReport, DrainFailure>, String> {
+async fn drain(
+    plan: &mut Plan,
+    holds: &[Hold],
+) -> Result<Result<DrainReport, DrainFailure>, String> {
     let node = plan.deps.node.clone();
     let started_event = format!("draining before {}", plan.deadline());
     let started_event = node.event(EventType::Normal, reason::DRAIN_STARTED, &started_event);
     let _ = tokio::time::timeout(plan.budget(), started_event).await;
     let started = std::time::Instant::now();
-    let outcome = until_deadline(plan).await?;
+    let outcome = until_deadline(plan, holds).await?;
     plan.deps
         .metrics
         .drain_duration
@@ -90,6 +95,7 @@ async fn drain(plan: &mut Plan) -> Result<Result<DrainReport, DrainFailure>, Str
 /// allows. `Err` = cancelled.
 async fn until_deadline(
     plan: &mut Plan,
+    holds: &[Hold],
 ) -> Result<Result<DrainReport, crate::node::Error>, String> {
     let node = plan.deps.node.clone();
     loop {
@@ -97,6 +103,7 @@ async fn until_deadline(
             deadline: plan.deadline(),
             force_delete_at_deadline: plan.cfg.force_delete_at_deadline,
             concurrency: plan.cfg.drain_concurrency,
+            holds: holds.to_vec(),
         };
         let drain = node.drain(&req);
         tokio::pin!(drain);

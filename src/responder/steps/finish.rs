@@ -6,8 +6,8 @@ use jiff::Timestamp;
 use tracing::{info, warn};
 
 use super::{Flow, Run, Step};
-use crate::node::Phase;
 use crate::responder::plan::Plan;
+use crate::responder::record::Phase;
 
 /// Acknowledge after a complete drain, and finish.
 pub(super) struct Finish;

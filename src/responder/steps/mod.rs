@@ -12,6 +12,7 @@ mod expiry;
 mod finish;
 mod protect;
 mod signal;
+mod upload;
 
 use async_trait::async_trait;
 use jiff::Timestamp;
@@ -26,8 +27,10 @@ const SEQUENCE: &[&dyn Step] = &[
     &protect::Protect,
     &signal::Signal,
     &ack_wait::AckWait,
+    &upload::Upload,
     &expiry::RebalanceExpiry,
     &drain::Drain,
+    &upload::UploadEnd,
     &finish::Finish,
 ];
 

@@ -10,10 +10,11 @@ use jiff::Timestamp;
 use tracing::{error, warn};
 
 use super::{Flow, Run, Step};
-use crate::node::{reason, Applied, EventType, NodeOps, Phase, Protection};
+use crate::node::{reason, Applied, EventType, NodeOps, Protection};
 use crate::notice::Notice;
 use crate::responder::plan::merge_applied;
 use crate::responder::policy::{event_reason, Policy};
+use crate::responder::record::Phase;
 use crate::responder::{Deps, PlanEvent};
 
 /// Taint + cordon, the notice's Event and (on a fresh plan) the start hooks, for a plan that

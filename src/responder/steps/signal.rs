@@ -13,9 +13,10 @@ use super::{protect_beside, Flow, Run, Step};
 use crate::checkpoint::run::{self as ckpt, CheckpointRequest, Prior, Signalled};
 use crate::checkpoint::TargetGroup;
 use crate::metrics::SourceLabels;
-use crate::node::{reason, EventType, Phase};
+use crate::node::{reason, EventType};
 use crate::notice::NoticeKind;
 use crate::responder::plan::{merge_applied, Plan, Signalled as Handed};
+use crate::responder::record::Phase;
 use crate::responder::record::RecordedTarget;
 use crate::responder::PlanEvent;
 

@@ -1,0 +1,203 @@
+//! Staged checkpoint uploads in Kubernetes mode, against a real control plane: the agent (the
+//! real binary, as the shipped ServiceAccount through the fault proxy) takes a pod's staged
+//! checkpoint, uploads it over a slow link to s3s-fs, and the drain evicts every other pod on
+//! the node at once but the uploading pod only after its upload ended.
+//!
+//! Needs root, a cgroup hierarchy the kubelet stand-in can write, python3 and `s3s-fs`.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use spotguard::emulator::{self, Cloud, EmulatedNotice, EmulatorConfig};
+use spotguard_testkit::k8s::{RecordedRequest, RequestKind, TestCluster, TestPod};
+use spotguard_testkit::process;
+use spotguard_testkit::s3::{S3sFs, Throttle};
+
+const BUCKET: &str = "ckpt";
+const OWN_POD: &str = "spotguard-abcde";
+
+/// The pod's trainer: on the signal, saves `$STAGED_MIB` MiB to `$STAGED`, acks staged (the
+/// pod's annotation names the location), and exits once answered.
+const TRAINER: &str = r#"
+import os, time
+import spotguard
+spotguard.install()
+while not spotguard.should_checkpoint():
+    time.sleep(0.005)
+path = os.environ["STAGED"]
+os.makedirs(path)
+with open(os.path.join(path, "__0_0.distcp"), "wb") as f:
+    f.write(os.urandom(int(os.environ["STAGED_MIB"]) << 20))
+answer = spotguard.ack_staged(path, step=3)
+with open(os.environ["RESULT"], "w") as f:
+    f.write(answer.state)
+spotguard.exit_after_checkpoint()
+"#;
+
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn repo() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn position(reqs: &[RecordedRequest], what: &str, f: impl Fn(&RecordedRequest) -> bool) -> usize {
+    reqs.iter()
+        .position(f)
+        .unwrap_or_else(|| panic!("no {what} among the API requests"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_uploading_pod_is_evicted_after_its_upload_and_the_others_at_once() {
+    let server = S3sFs::start(&[BUCKET]);
+    // 2 MiB/s: the 8 MiB checkpoint takes about 4 s.
+    let slow = Throttle::start(server.addr, 2 << 20).await;
+    let k = TestCluster::new().await;
+    let node = k.node(k.node_config("gpu-node-1")).await;
+    let ml = k.namespace("ml").await;
+    let web = k.namespace("web").await;
+    let own = k.namespace("spotguard").await;
+    let work = tempfile::tempdir().unwrap();
+    let ckpt = work.path().join("ckpt");
+    std::fs::create_dir_all(&ckpt).unwrap();
+    let staged: PathBuf = work.path().join("local/step-3");
+    std::fs::create_dir_all(staged.parent().unwrap()).unwrap();
+    let result = work.path().join("result");
+    let trainer = TestPod::new(&ml, "trainer-0", node.name())
+        .annotation("spotguard.io/checkpoint", "true")
+        .annotation("spotguard.io/checkpoint-dir", &ckpt.display().to_string())
+        .annotation("spotguard.io/checkpoint-timeout", "20s")
+        .annotation(
+            "spotguard.io/checkpoint-upload",
+            &format!("s3://{BUCKET}/run1"),
+        )
+        .command(&["python3", "-c", TRAINER])
+        .env(
+            "PYTHONPATH",
+            &repo().join("clients/python").display().to_string(),
+        )
+        .env("SPOTGUARD_DIR", &ckpt.display().to_string())
+        .env("STAGED", &staged.display().to_string())
+        .env("STAGED_MIB", "8")
+        .env("RESULT", &result.display().to_string())
+        .build();
+    k.run_pods(&[
+        trainer,
+        TestPod::new(&web, "web-0", node.name()).build(),
+        TestPod::new(&own, OWN_POD, node.name()).build(),
+    ])
+    .await;
+    let run = node
+        .wait_run(&ml, "trainer-0", "main", Duration::from_secs(30))
+        .await;
+    assert!(
+        process::wait_catches_usr1(run.pid).await,
+        "trainer did not install its handler"
+    );
+
+    let emu = emulator::start(EmulatorConfig::new(Cloud::Aws))
+        .await
+        .unwrap();
+    let kubeconfig = work.path().join("kubeconfig");
+    std::fs::write(&kubeconfig, k.agent_kubeconfig()).unwrap();
+    let port = free_port();
+    let agent = Command::new(env!("CARGO_BIN_EXE_spotguard"))
+        .args([
+            "run".to_string(),
+            "--mode=kubernetes".into(),
+            format!("--node-name={}", node.name()),
+            "--cloud=aws".into(),
+            format!("--metadata-endpoint={}", emu.base_url()),
+            "--poll-interval=200ms".into(),
+            format!("--state-dir={}", work.path().join("state").display()),
+            format!("--metrics-addr=127.0.0.1:{port}"),
+            "--gpu=off".into(),
+            "--log-level=warn".into(),
+            "--shutdown-grace=0s".into(),
+            format!("--upload-allow=s3://{BUCKET}"),
+            format!("--upload-endpoint={}", slow.endpoint()),
+        ])
+        .env("KUBECONFIG", &kubeconfig)
+        .env("POD_NAME", OWN_POD)
+        .env("POD_NAMESPACE", &own)
+        .envs(S3sFs::client_env())
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let _agent = Proc(agent);
+    let metrics = format!("http://127.0.0.1:{port}/metrics");
+    let t = Instant::now();
+    while !reqwest::get(&metrics)
+        .await
+        .ok()
+        .map(|r| r.status().is_success())
+        .unwrap_or(false)
+    {
+        assert!(t.elapsed() < Duration::from_secs(30), "agent never served");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // The pod cache synced (the annotation is read from it).
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    emu.raise(EmulatedNotice::interruption()).unwrap();
+
+    // Both pods leave the node; the trainer's only after its upload.
+    let t = Instant::now();
+    loop {
+        let left: Vec<String> = k
+            .pods_in(&[&ml, &web])
+            .await
+            .iter()
+            .filter_map(|p| p.metadata.name.clone())
+            .collect();
+        if left.is_empty() {
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "still on the node: {left:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(std::fs::read_to_string(&result).unwrap(), "taken");
+    assert!(server
+        .object_path(BUCKET, "run1/step-3/manifest.json")
+        .exists());
+    let reqs = k.proxy().requests();
+    let evicts = |pod: &str| {
+        let path = format!("/{pod}/eviction");
+        move |r: &RecordedRequest| r.kind == RequestKind::Eviction && r.path.ends_with(&path)
+    };
+    let web_evicted = position(&reqs, "eviction of web-0", evicts("web-0"));
+    let trainer_evicted = position(&reqs, "eviction of trainer-0", evicts("trainer-0"));
+    let uploaded = position(&reqs, "CheckpointUploaded Event", |r| {
+        r.method == "POST" && r.path.contains("events") && r.body.contains("CheckpointUploaded")
+    });
+    assert!(
+        web_evicted < uploaded,
+        "the other pod is evicted at once, not after the upload"
+    );
+    assert!(
+        uploaded < trainer_evicted,
+        "the uploading pod is evicted only after its upload ended"
+    );
+    let event = reqs[uploaded].body.clone();
+    assert!(event.contains(&ml), "on the trainer's pod: {event}");
+    assert!(event.contains("s3://ckpt/run1/step-3"), "{event}");
+}
