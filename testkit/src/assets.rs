@@ -13,8 +13,10 @@ pub fn repo_root() -> PathBuf {
 
 /// cargo's target directory: `CARGO_TARGET_DIR` when set, else `<repo>/target`.
 pub fn target_dir() -> PathBuf {
+    // A relative CARGO_TARGET_DIR is cargo's, from the checkout's root: made absolute, so the
+    // binaries unpacked under it still resolve for a child started in another directory.
     std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
+        .map(|d| repo_root().join(d))
         .unwrap_or_else(|| repo_root().join("target"))
 }
 
