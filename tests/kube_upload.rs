@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use spotguard::emulator::{self, Cloud, EmulatedNotice, EmulatorConfig};
 use spotguard_testkit::k8s::{RecordedRequest, RequestKind, TestCluster, TestPod};
 use spotguard_testkit::process;
-use spotguard_testkit::s3::{S3sFs, Throttle};
+use spotguard_testkit::s3::{S3Server, Throttle};
 
 const BUCKET: &str = "ckpt";
 const OWN_POD: &str = "spotguard-abcde";
@@ -64,7 +64,7 @@ fn position(reqs: &[RecordedRequest], what: &str, f: impl Fn(&RecordedRequest) -
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_uploading_pod_is_evicted_after_its_upload_and_the_others_at_once() {
-    let server = S3sFs::start(&[BUCKET]);
+    let server = S3Server::s3s_fs(&[BUCKET]);
     // 2 MiB/s: the 8 MiB checkpoint takes about 4 s.
     let slow = Throttle::start(server.addr, 2 << 20).await;
     let k = TestCluster::new().await;
@@ -135,7 +135,7 @@ async fn an_uploading_pod_is_evicted_after_its_upload_and_the_others_at_once() {
         .env("KUBECONFIG", &kubeconfig)
         .env("POD_NAME", OWN_POD)
         .env("POD_NAMESPACE", &own)
-        .envs(S3sFs::client_env())
+        .envs(S3Server::client_env())
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null())

@@ -6,7 +6,6 @@
 
 use std::collections::HashMap;
 use std::convert::Infallible;
-use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
@@ -25,94 +24,10 @@ use object_store::aws::{AmazonS3Builder, AwsAuthorizer, AwsCredential};
 use object_store::path::Path as ObjectPath;
 use object_store::{ClientOptions, ObjectStore, ObjectStoreExt, PutPayload};
 use serde_json::Value;
-use spotguard_testkit::process::Kid;
-
-const ACCESS_KEY: &str = "spotguardtest";
-const SECRET_KEY: &str = "spotguardtestsecret";
-const REGION: &str = "us-east-1";
-const DEPS: &str = "scripts/deps/prefetch.sh";
+use spotguard_testkit::s3::{S3Server, ACCESS_KEY, REGION, SECRET_KEY};
 
 // ---------------------------------------------------------------------------------------------
 // Servers
-
-/// An S3 server process (killed on drop) and its address.
-struct ServerProcess {
-    _child: Kid,
-    addr: SocketAddr,
-    _dir: Option<tempfile::TempDir>,
-}
-
-impl ServerProcess {
-    fn endpoint(&self) -> String {
-        format!("http://{}", self.addr)
-    }
-}
-
-fn wait_for_line(
-    reader: impl std::io::Read + Send + 'static,
-    marker: &'static str,
-    what: &str,
-) -> SocketAddr {
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let mut sent = false;
-        for line in BufReader::new(reader).lines().map_while(Result::ok) {
-            if !sent {
-                if let Some(rest) = line.split(marker).nth(1) {
-                    let addr: String = rest
-                        .chars()
-                        .take_while(|c| c.is_ascii_digit() || *c == '.' || *c == ':')
-                        .collect();
-                    if let Ok(a) = addr.parse::<SocketAddr>() {
-                        let _ = tx.send(a);
-                        sent = true;
-                    }
-                }
-            }
-            // Keep draining so the server never blocks on a full pipe.
-        }
-    });
-    rx.recv_timeout(Duration::from_secs(60))
-        .unwrap_or_else(|_| panic!("{what} did not report its address within 60 s"))
-}
-
-/// `s3s-fs` over a fresh directory on an ephemeral loopback port.
-fn start_s3s_fs() -> ServerProcess {
-    let dir = tempfile::tempdir().unwrap();
-    let mut cmd = Command::new("s3s-fs");
-    cmd.args(["--host", "127.0.0.1", "--port", "0"])
-        .args(["--access-key", ACCESS_KEY, "--secret-key", SECRET_KEY])
-        .arg(dir.path())
-        .env("RUST_LOG", "s3s_fs=info")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null());
-    let mut child = Kid::try_spawn(cmd)
-        .unwrap_or_else(|e| panic!("cannot run s3s-fs ({e}): install it with {DEPS}"));
-    let out = child.take_stdout().unwrap();
-    let addr = wait_for_line(out, "server is running at http://", "s3s-fs");
-    ServerProcess {
-        _child: child,
-        addr,
-        _dir: Some(dir),
-    }
-}
-
-/// moto's S3 server (honours `If-Match` on GET).
-fn start_moto() -> ServerProcess {
-    let mut cmd = Command::new("moto_server");
-    cmd.args(["-H", "127.0.0.1", "-p", "0"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped());
-    let mut child = Kid::try_spawn(cmd)
-        .unwrap_or_else(|e| panic!("cannot run moto_server ({e}): install it with {DEPS}"));
-    let err = child.take_stderr().unwrap();
-    let addr = wait_for_line(err, "Running on http://", "moto_server");
-    ServerProcess {
-        _child: child,
-        addr,
-        _dir: None,
-    }
-}
 
 fn store(endpoint: &str, bucket: &str) -> Arc<dyn ObjectStore> {
     Arc::new(
@@ -131,22 +46,22 @@ fn store(endpoint: &str, bucket: &str) -> Arc<dyn ObjectStore> {
 /// A bucket on an S3 server of its own, made in one line
 /// (`let bucket = Bucket::s3s_fs("data").await;`), with the test's objects put through the S3 API.
 struct Bucket {
-    server: ServerProcess,
+    server: S3Server,
     store: Arc<dyn ObjectStore>,
 }
 
 impl Bucket {
     /// On s3s-fs (keeps the checksums sent with an upload).
     async fn s3s_fs(name: &str) -> Bucket {
-        Bucket::on(start_s3s_fs(), name).await
+        Bucket::on(S3Server::s3s_fs(&[]), name).await
     }
 
     /// On moto (honours `If-Match` on GET).
     async fn moto(name: &str) -> Bucket {
-        Bucket::on(start_moto(), name).await
+        Bucket::on(S3Server::moto(), name).await
     }
 
-    async fn on(server: ServerProcess, name: &str) -> Bucket {
+    async fn on(server: S3Server, name: &str) -> Bucket {
         create_bucket(&server.endpoint(), name).await;
         let store = store(&server.endpoint(), name);
         Bucket { server, store }
@@ -237,7 +152,7 @@ struct Proxy {
 }
 
 impl Proxy {
-    async fn start(upstream: &ServerProcess) -> Proxy {
+    async fn start(upstream: &S3Server) -> Proxy {
         let state = Arc::new(ProxyState {
             upstream: upstream.addr.to_string(),
             ..ProxyState::default()
@@ -1329,7 +1244,7 @@ async fn kill_9_right_after_a_rename_leaves_only_whole_synced_files_and_resumes(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn urls_that_used_to_collide_get_their_own_directories_and_a_name_is_never_reused_for_another_source(
 ) {
-    let server = start_s3s_fs();
+    let server = S3Server::s3s_fs(&[]);
     // Both named "aaa-b-c" before.
     for b in ["aaa", "aaa-b"] {
         create_bucket(&server.endpoint(), b).await;

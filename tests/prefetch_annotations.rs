@@ -7,9 +7,7 @@
 //! runs its scenario in a child of this binary started with that environment (setting it in a
 //! running test would race every other thread reading the environment).
 
-use std::io::{BufRead, BufReader};
-use std::net::SocketAddr;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -28,56 +26,8 @@ use spotguard::prefetch::{
     DatasetState, PrefetchDefaults, PrefetchMetrics, Prefetcher, StoreOptions,
 };
 use spotguard_testkit::k8s::{RequestKind, TestCluster, TestPod};
-use spotguard_testkit::process::Kid;
+use spotguard_testkit::s3::{S3Server, ACCESS_KEY, SECRET_KEY};
 use tokio_util::sync::CancellationToken;
-
-const ACCESS_KEY: &str = "spotguardtest";
-const SECRET_KEY: &str = "spotguardtestsecret";
-
-struct S3sFs {
-    _child: Kid,
-    addr: SocketAddr,
-    _dir: tempfile::TempDir,
-}
-
-fn start_s3s_fs() -> S3sFs {
-    let dir = tempfile::tempdir().unwrap();
-    let mut cmd = Command::new("s3s-fs");
-    cmd.args(["--host", "127.0.0.1", "--port", "0"])
-        .args(["--access-key", ACCESS_KEY, "--secret-key", SECRET_KEY])
-        .arg(dir.path())
-        .env("RUST_LOG", "s3s_fs=info")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null());
-    let mut child =
-        Kid::try_spawn(cmd).expect("cannot run s3s-fs: install it with scripts/deps/prefetch.sh");
-    let out = child.take_stdout().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let mut sent = false;
-        for line in BufReader::new(out).lines().map_while(Result::ok) {
-            if let (false, Some(rest)) = (sent, line.split("server is running at http://").nth(1)) {
-                let a: String = rest
-                    .chars()
-                    .take_while(|c| c.is_ascii_digit() || *c == '.' || *c == ':')
-                    .collect();
-                if let Ok(a) = a.parse::<SocketAddr>() {
-                    let _ = tx.send(a);
-                    sent = true;
-                }
-            }
-        }
-    });
-    let addr = rx.recv_timeout(Duration::from_secs(60)).unwrap();
-    // The bucket: s3s-fs maps buckets to directories.
-    std::fs::create_dir(dir.path().join("datasets")).unwrap();
-    std::fs::create_dir(dir.path().join("private")).unwrap();
-    S3sFs {
-        _child: child,
-        addr,
-        _dir: dir,
-    }
-}
 
 fn store(endpoint: &str, bucket: &str) -> Arc<dyn ObjectStore> {
     Arc::new(
@@ -145,19 +95,14 @@ fn in_child_with_env(name: &str, env: &[(&str, &str)], scenario: impl std::futur
 fn pod_requests_are_opt_in_allow_listed_evented_and_keep_their_dataset_leased() {
     in_child_with_env(
         "pod_requests_are_opt_in_allow_listed_evented_and_keep_their_dataset_leased",
-        &[
-            ("AWS_ACCESS_KEY_ID", ACCESS_KEY),
-            ("AWS_SECRET_ACCESS_KEY", SECRET_KEY),
-            ("AWS_REGION", "us-east-1"),
-            ("AWS_EC2_METADATA_DISABLED", "true"),
-        ],
+        &S3Server::client_env(),
         opt_in_allow_listed_evented_and_leased(),
     );
 }
 
 async fn opt_in_allow_listed_evented_and_leased() {
-    let s3 = start_s3s_fs();
-    let endpoint = format!("http://{}", s3.addr);
+    let s3 = S3Server::s3s_fs(&["datasets", "private"]);
+    let endpoint = s3.endpoint();
     let ds = store(&endpoint, "datasets");
     ds.put(
         &ObjectPath::from("tokenized/c4/shard-0"),

@@ -10,7 +10,7 @@
 use std::collections::HashMap;
 use std::convert::Infallible;
 use std::fmt;
-use std::io::{BufRead, BufReader, Write};
+use std::io::Write;
 use std::net::SocketAddr;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
@@ -46,94 +46,14 @@ use spotguard::upload::manifest::{Manifest, Origin};
 use spotguard::upload::staged::{self, Limits, Problem, Root};
 use spotguard::upload::target::{StoreTarget, Target};
 use spotguard::upload::{Error, Outcome};
+use spotguard_testkit::s3::{S3Server, ACCESS_KEY, REGION, SECRET_KEY};
 use tokio_util::sync::CancellationToken;
 
-const ACCESS_KEY: &str = "spotguardtest";
-const SECRET_KEY: &str = "spotguardtestsecret";
-const REGION: &str = "us-east-1";
 const BUCKET: &str = "ckpt";
-const DEPS: &str = "scripts/deps/prefetch.sh";
 const MIB: usize = 1 << 20;
 
 // ---------------------------------------------------------------------------------------------
 // Servers
-
-struct Server {
-    child: Child,
-    addr: SocketAddr,
-    _dir: Option<tempfile::TempDir>,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Server {
-    fn endpoint(&self) -> String {
-        format!("http://{}", self.addr)
-    }
-}
-
-fn wait_for_addr(reader: impl std::io::Read + Send + 'static, marker: &'static str) -> SocketAddr {
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let mut sent = false;
-        for line in BufReader::new(reader).lines().map_while(Result::ok) {
-            if sent {
-                continue;
-            }
-            if let Some(rest) = line.split(marker).nth(1) {
-                let addr: String = rest
-                    .chars()
-                    .take_while(|c| c.is_ascii_digit() || *c == '.' || *c == ':')
-                    .collect();
-                if let Ok(a) = addr.parse::<SocketAddr>() {
-                    let _ = tx.send(a);
-                    sent = true;
-                }
-            }
-        }
-    });
-    rx.recv_timeout(Duration::from_secs(60))
-        .unwrap_or_else(|_| panic!("the server did not report its address ({marker})"))
-}
-
-fn start_s3s_fs() -> Server {
-    let dir = tempfile::tempdir().unwrap();
-    let mut child = Command::new("s3s-fs")
-        .args(["--host", "127.0.0.1", "--port", "0"])
-        .args(["--access-key", ACCESS_KEY, "--secret-key", SECRET_KEY])
-        .arg(dir.path())
-        .env("RUST_LOG", "s3s_fs=info")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap_or_else(|e| panic!("cannot run s3s-fs ({e}): install it with {DEPS}"));
-    let addr = wait_for_addr(child.stdout.take().unwrap(), "server is running at http://");
-    Server {
-        child,
-        addr,
-        _dir: Some(dir),
-    }
-}
-
-fn start_moto() -> Server {
-    let mut child = Command::new("moto_server")
-        .args(["-H", "127.0.0.1", "-p", "0"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap_or_else(|e| panic!("cannot run moto_server ({e}): install it with {DEPS}"));
-    let addr = wait_for_addr(child.stderr.take().unwrap(), "Running on http://");
-    Server {
-        child,
-        addr,
-        _dir: None,
-    }
-}
 
 async fn create_bucket(endpoint: &str, bucket: &str) {
     let cred = AwsCredential {
@@ -446,7 +366,7 @@ fn assert_manifest_lists(m: &Manifest, files: &[(String, Vec<u8>)]) {
 // ---------------------------------------------------------------------------------------------
 // Tests: object stores
 
-async fn happy_path_on(server: &Server) {
+async fn happy_path_on(server: &S3Server) {
     create_bucket(&server.endpoint(), BUCKET).await;
     let store = s3(&server.endpoint());
     let rec = Recording::new(store.clone());
@@ -483,17 +403,17 @@ async fn happy_path_on(server: &Server) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn s3s_fs_publishes_every_file_then_the_manifest() {
-    happy_path_on(&start_s3s_fs()).await;
+    happy_path_on(&S3Server::s3s_fs(&[])).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn moto_publishes_every_file_then_the_manifest() {
-    happy_path_on(&start_moto()).await;
+    happy_path_on(&S3Server::moto()).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_deadline_mid_upload_publishes_nothing_and_the_previous_checkpoint_stays_latest() {
-    let server = start_s3s_fs();
+    let server = S3Server::s3s_fs(&[]);
     create_bucket(&server.endpoint(), BUCKET).await;
     let store = s3(&server.endpoint());
     let rec = Recording::new(store.clone());
@@ -551,7 +471,7 @@ async fn the_deadline_mid_upload_publishes_nothing_and_the_previous_checkpoint_s
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_file_growing_during_the_upload_fails_it_and_nothing_is_published() {
-    let server = start_s3s_fs();
+    let server = S3Server::s3s_fs(&[]);
     create_bucket(&server.endpoint(), BUCKET).await;
     let store = s3(&server.endpoint());
     let rec = Recording::new(store.clone());
@@ -576,7 +496,7 @@ async fn a_file_growing_during_the_upload_fails_it_and_nothing_is_published() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_existing_checkpoint_is_never_overwritten() {
-    let server = start_s3s_fs();
+    let server = S3Server::s3s_fs(&[]);
     create_bucket(&server.endpoint(), BUCKET).await;
     let store = s3(&server.endpoint());
     let rec = Recording::new(store.clone());
@@ -622,7 +542,7 @@ struct Proxy {
 type ProxyBody = BoxBody<Bytes, Box<dyn std::error::Error + Send + Sync>>;
 
 impl Proxy {
-    async fn start(upstream: &Server) -> Proxy {
+    async fn start(upstream: &S3Server) -> Proxy {
         let state = Arc::new(ProxyState {
             upstream: upstream.addr.to_string(),
             ..ProxyState::default()
@@ -734,7 +654,7 @@ async fn forward(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_stores_checksum_is_compared_after_each_file() {
-    let server = start_s3s_fs();
+    let server = S3Server::s3s_fs(&[]);
     create_bucket(&server.endpoint(), BUCKET).await;
     let proxy = Proxy::start(&server).await;
     let files = dcp_like(1, 11 * MIB, 2);
@@ -808,7 +728,7 @@ async fn run(cmd: Command) -> Ran {
     }
 }
 
-async fn latest_via_cli(server: &Server, location: &str) -> Value {
+async fn latest_via_cli(server: &S3Server, location: &str) -> Value {
     let r = run(spotguard(
         &["prefetch", "--latest-checkpoint", location],
         &server.endpoint(),
@@ -820,7 +740,7 @@ async fn latest_via_cli(server: &Server, location: &str) -> Value {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restart_mid_upload_never_publishes_a_partial_and_the_next_run_resumes() {
-    let server = start_s3s_fs();
+    let server = S3Server::s3s_fs(&[]);
     create_bucket(&server.endpoint(), BUCKET).await;
     let proxy = Proxy::start(&server).await;
     proxy
@@ -916,7 +836,7 @@ async fn a_restart_mid_upload_never_publishes_a_partial_and_the_next_run_resumes
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_latest_checkpoint_is_fetched_for_a_resume() {
-    let server = start_s3s_fs();
+    let server = S3Server::s3s_fs(&[]);
     create_bucket(&server.endpoint(), BUCKET).await;
     let mut staged = Vec::new();
     for step in [100u64, 300, 200] {
@@ -982,7 +902,7 @@ async fn the_latest_checkpoint_is_fetched_for_a_resume() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn destinations_outside_the_allow_list_and_hostile_trees_are_refused_before_anything_is_sent()
 {
-    let server = start_s3s_fs();
+    let server = S3Server::s3s_fs(&[]);
     create_bucket(&server.endpoint(), BUCKET).await;
     let files = dcp_like(0, 0, 3);
     let (_t, dir) = stage("step-1", &as_refs(&files));
@@ -1541,7 +1461,7 @@ fn with_the_shipped_capabilities_the_agent_reads_what_others_may_read_and_nothin
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_checkpoint_saved_by_several_nodes_is_complete_only_with_every_part() {
-    let server = start_s3s_fs();
+    let server = S3Server::s3s_fs(&[]);
     create_bucket(&server.endpoint(), BUCKET).await;
     let upload = |dir: &Path, step: &str, part: Option<&str>| {
         let mut args = vec![

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 use spotguard::emulator::{self, Cloud, EmulatedNotice, EmulatorConfig};
 use spotguard_testkit::process::catches_usr1;
-use spotguard_testkit::s3::{S3sFs, Throttle};
+use spotguard_testkit::s3::{S3Server, Throttle};
 
 const TRAINER_UID: u32 = 1000;
 const BUCKET: &str = "ckpt";
@@ -324,7 +324,7 @@ async fn a_staged_checkpoint_is_uploaded_to_a_directory_after_the_trainer_exits(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_staged_checkpoint_is_uploaded_to_s3_and_published_with_its_manifest_last() {
-    let server = S3sFs::start(&[BUCKET]);
+    let server = S3Server::s3s_fs(&[BUCKET]);
     let m = Machine::new();
     let mib = 48;
     let endpoint = server.endpoint();
@@ -334,7 +334,7 @@ async fn a_staged_checkpoint_is_uploaded_to_s3_and_published_with_its_manifest_l
         format!("--upload-endpoint={endpoint}"),
         "--upload-part-size=8MiB".into(),
     ];
-    let (result, metrics) = staged_run(&m, mib, &extra, &S3sFs::client_env()).await;
+    let (result, metrics) = staged_run(&m, mib, &extra, &S3Server::client_env()).await;
     assert_trainer_left_quickly(&result);
     // s3s-fs keeps objects as files under <root>/<bucket>/<key>.
     let checkpoint = server.object_path(BUCKET, "run1/step-7");
@@ -353,7 +353,7 @@ async fn a_staged_checkpoint_is_uploaded_to_s3_and_published_with_its_manifest_l
             &format!("s3://{BUCKET}/run1"),
         ])
         .args(["--endpoint", &endpoint])
-        .envs(S3sFs::client_env())
+        .envs(S3Server::client_env())
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -459,7 +459,7 @@ fn unix(t: jiff::Timestamp) -> f64 {
 /// when no upload ran. A generous bound: the poll interval (200 ms) dominates both.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn another_trainers_signal_latency_is_unchanged_during_a_large_upload() {
-    let server = S3sFs::start(&[BUCKET]);
+    let server = S3Server::s3s_fs(&[BUCKET]);
     // 3 MiB/s: the 24 MiB checkpoint takes about 8 s.
     let slow = Throttle::start(server.addr, 3 << 20).await;
     let m = Machine::new();
@@ -497,7 +497,7 @@ async fn another_trainers_signal_latency_is_unchanged_during_a_large_upload() {
         format!("--checkpoint-upload=s3://{BUCKET}/run1"),
         format!("--upload-endpoint={}", slow.endpoint()),
     ];
-    let _agent = m.agent(&emu.base_url(), port, &extra, &S3sFs::client_env());
+    let _agent = m.agent(&emu.base_url(), port, &extra, &S3Server::client_env());
     metric_line(
         port,
         "spotguard_metadata_polls_total",
@@ -562,7 +562,7 @@ async fn another_trainers_signal_latency_is_unchanged_during_a_large_upload() {
 /// previous complete checkpoint stays the latest.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_deadline_mid_upload_publishes_nothing_and_the_previous_checkpoint_stays_latest() {
-    let server = S3sFs::start(&[BUCKET]);
+    let server = S3Server::s3s_fs(&[BUCKET]);
     let location = format!("s3://{BUCKET}/run1");
     // The previous checkpoint, published directly (no throttle).
     let previous = tempfile::tempdir().unwrap();
@@ -572,7 +572,7 @@ async fn the_deadline_mid_upload_publishes_nothing_and_the_previous_checkpoint_s
     let out = Command::new(env!("CARGO_BIN_EXE_spotguard"))
         .args(["upload", step6.to_str().unwrap(), &location, "--step", "6"])
         .args(["--endpoint", &server.endpoint(), "--progress", "none"])
-        .envs(S3sFs::client_env())
+        .envs(S3Server::client_env())
         .output()
         .unwrap();
     assert!(
@@ -595,7 +595,7 @@ async fn the_deadline_mid_upload_publishes_nothing_and_the_previous_checkpoint_s
         format!("--checkpoint-upload={location}"),
         format!("--upload-endpoint={}", slow.endpoint()),
     ];
-    let _agent = m.agent(&emu.base_url(), port, &extra, &S3sFs::client_env());
+    let _agent = m.agent(&emu.base_url(), port, &extra, &S3Server::client_env());
     metric_line(
         port,
         "spotguard_metadata_polls_total",
@@ -634,7 +634,7 @@ async fn the_deadline_mid_upload_publishes_nothing_and_the_previous_checkpoint_s
     let out = Command::new(env!("CARGO_BIN_EXE_spotguard"))
         .args(["prefetch", "--latest-checkpoint", &location])
         .args(["--endpoint", &server.endpoint()])
-        .envs(S3sFs::client_env())
+        .envs(S3Server::client_env())
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);

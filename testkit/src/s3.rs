@@ -1,13 +1,13 @@
-//! An S3-compatible server for tests (s3s-fs on a free loopback port, its objects plain files
-//! under a temp dir) and a [`Throttle`]: a TCP proxy that forwards the client's bytes at a fixed
+//! The S3-compatible servers of the tests, on free loopback ports: s3s-fs (its objects plain files
+//! under a temp dir) and moto's server; and a [`Throttle`]: a TCP proxy that forwards the client's bytes at a fixed
 //! rate, a slow network in front of it (an upload that lasts seconds with a few MiB).
 //!
-//! Needs `s3s-fs` (`scripts/deps/prefetch.sh`).
+//! Needs `s3s-fs` and `moto_server` (`scripts/deps/prefetch.sh`).
 
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -15,73 +15,74 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
+use crate::process::Kid;
+
 pub const ACCESS_KEY: &str = "spotguardtest";
 pub const SECRET_KEY: &str = "spotguardtestsecret";
 pub const REGION: &str = "us-east-1";
+const DEPS: &str = "scripts/deps/prefetch.sh";
 
-/// A running s3s-fs; killed on drop.
-pub struct S3sFs {
-    child: Child,
+/// A running S3-compatible server on a free loopback port (s3s-fs or moto); killed on drop.
+pub struct S3Server {
+    _child: Kid,
     pub addr: SocketAddr,
-    dir: tempfile::TempDir,
+    dir: Option<tempfile::TempDir>,
 }
 
-impl Drop for S3sFs {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl S3sFs {
-    /// Start s3s-fs with `buckets` created.
-    pub fn start(buckets: &[&str]) -> S3sFs {
+impl S3Server {
+    /// s3s-fs over a fresh directory, with `buckets` created (s3s-fs maps a bucket to a
+    /// directory). It keeps the checksums sent with an upload.
+    pub fn s3s_fs(buckets: &[&str]) -> S3Server {
         let dir = tempfile::tempdir().unwrap();
         for b in buckets {
             std::fs::create_dir(dir.path().join(b)).unwrap();
         }
-        let mut child = Command::new("s3s-fs")
-            .args(["--host", "127.0.0.1", "--port", "0"])
+        let mut cmd = Command::new("s3s-fs");
+        cmd.args(["--host", "127.0.0.1", "--port", "0"])
             .args(["--access-key", ACCESS_KEY, "--secret-key", SECRET_KEY])
             .arg(dir.path())
             .env("RUST_LOG", "s3s_fs=info")
             .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap_or_else(|e| panic!("cannot run s3s-fs ({e}): scripts/deps/prefetch.sh"));
-        let (tx, rx) = std::sync::mpsc::channel();
-        let out = child.stdout.take().unwrap();
-        std::thread::spawn(move || {
-            let mut sent = false;
-            for line in BufReader::new(out).lines().map_while(Result::ok) {
-                if sent {
-                    continue;
-                }
-                if let Some(rest) = line.split("server is running at http://").nth(1) {
-                    let addr: String = rest
-                        .chars()
-                        .take_while(|c| c.is_ascii_digit() || *c == '.' || *c == ':')
-                        .collect();
-                    if let Ok(a) = addr.parse::<SocketAddr>() {
-                        let _ = tx.send(a);
-                        sent = true;
-                    }
-                }
-            }
-        });
-        let addr = rx
-            .recv_timeout(Duration::from_secs(60))
-            .expect("s3s-fs did not report its address");
-        S3sFs { child, addr, dir }
+            .stderr(Stdio::null());
+        let mut child = Kid::try_spawn(cmd)
+            .unwrap_or_else(|e| panic!("cannot run s3s-fs ({e}): install it with {DEPS}"));
+        let out = child.take_stdout().unwrap();
+        let addr = wait_for_address(out, "server is running at http://", "s3s-fs");
+        S3Server {
+            _child: child,
+            addr,
+            dir: Some(dir),
+        }
+    }
+
+    /// moto's S3 server (honours `If-Match` on GET); buckets are made through the API.
+    pub fn moto() -> S3Server {
+        let mut cmd = Command::new("moto_server");
+        cmd.args(["-H", "127.0.0.1", "-p", "0"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        let mut child = Kid::try_spawn(cmd)
+            .unwrap_or_else(|e| panic!("cannot run moto_server ({e}): install it with {DEPS}"));
+        let err = child.take_stderr().unwrap();
+        let addr = wait_for_address(err, "Running on http://", "moto_server");
+        S3Server {
+            _child: child,
+            addr,
+            dir: None,
+        }
     }
 
     pub fn endpoint(&self) -> String {
         format!("http://{}", self.addr)
     }
 
-    /// Where object `key` of `bucket` lies on disk.
+    /// Where object `key` of `bucket` lies on disk (s3s-fs only).
     pub fn object_path(&self, bucket: &str, key: &str) -> PathBuf {
-        self.dir.path().join(bucket).join(key)
+        let dir = self
+            .dir
+            .as_ref()
+            .expect("objects on disk: an s3s-fs server");
+        dir.path().join(bucket).join(key)
     }
 
     /// The environment a client needs (pass it to a child `Command`).
@@ -93,6 +94,36 @@ impl S3sFs {
             ("AWS_EC2_METADATA_DISABLED", "true"),
         ]
     }
+}
+
+/// The address a server prints after `marker` on `reader`; the reader is drained to its end on
+/// a thread of its own, so the server never blocks on a full pipe.
+fn wait_for_address(
+    reader: impl std::io::Read + Send + 'static,
+    marker: &'static str,
+    what: &str,
+) -> SocketAddr {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut sent = false;
+        for line in BufReader::new(reader).lines().map_while(Result::ok) {
+            if sent {
+                continue;
+            }
+            if let Some(rest) = line.split(marker).nth(1) {
+                let addr: String = rest
+                    .chars()
+                    .take_while(|c| c.is_ascii_digit() || *c == '.' || *c == ':')
+                    .collect();
+                if let Ok(a) = addr.parse::<SocketAddr>() {
+                    let _ = tx.send(a);
+                    sent = true;
+                }
+            }
+        }
+    });
+    rx.recv_timeout(Duration::from_secs(60))
+        .unwrap_or_else(|_| panic!("{what} did not report its address within 60 s"))
 }
 
 /// A TCP proxy on a free loopback port that forwards client → server bytes at `rate`
