@@ -6,12 +6,13 @@
 //! Needs root, a cgroup hierarchy the kubelet stand-in can write, python3 and `s3s-fs`.
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use spotguard::emulator::{self, Cloud, EmulatedNotice, EmulatorConfig};
+use spotguard_testkit::free_port;
 use spotguard_testkit::k8s::{RecordedRequest, RequestKind, TestCluster, TestPod};
-use spotguard_testkit::process;
+use spotguard_testkit::process::{self, Kid};
 use spotguard_testkit::s3::{S3Server, Throttle};
 
 const BUCKET: &str = "ckpt";
@@ -35,23 +36,6 @@ with open(os.environ["RESULT"], "w") as f:
 spotguard.exit_after_checkpoint()
 "#;
 
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 fn repo() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
 }
@@ -64,6 +48,8 @@ fn position(reqs: &[RecordedRequest], what: &str, f: impl Fn(&RecordedRequest) -
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_uploading_pod_is_evicted_after_its_upload_and_the_others_at_once() {
+    // The same moment on both clocks: the manifest's mtime against the proxy's Instants.
+    let clock = (std::time::SystemTime::now(), Instant::now());
     let server = S3Server::s3s_fs(&[BUCKET]);
     // 2 MiB/s: the 8 MiB checkpoint takes about 4 s.
     let slow = Throttle::start(server.addr, 2 << 20).await;
@@ -116,32 +102,31 @@ async fn an_uploading_pod_is_evicted_after_its_upload_and_the_others_at_once() {
     let kubeconfig = work.path().join("kubeconfig");
     std::fs::write(&kubeconfig, k.agent_kubeconfig()).unwrap();
     let port = free_port();
-    let agent = Command::new(env!("CARGO_BIN_EXE_spotguard"))
-        .args([
-            "run".to_string(),
-            "--mode=kubernetes".into(),
-            format!("--node-name={}", node.name()),
-            "--cloud=aws".into(),
-            format!("--metadata-endpoint={}", emu.base_url()),
-            "--poll-interval=200ms".into(),
-            format!("--state-dir={}", work.path().join("state").display()),
-            format!("--metrics-addr=127.0.0.1:{port}"),
-            "--gpu=off".into(),
-            "--log-level=warn".into(),
-            "--shutdown-grace=0s".into(),
-            format!("--upload-allow=s3://{BUCKET}"),
-            format!("--upload-endpoint={}", slow.endpoint()),
-        ])
-        .env("KUBECONFIG", &kubeconfig)
-        .env("POD_NAME", OWN_POD)
-        .env("POD_NAMESPACE", &own)
-        .envs(S3Server::client_env())
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let _agent = Proc(agent);
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_spotguard"));
+    cmd.args([
+        "run".to_string(),
+        "--mode=kubernetes".into(),
+        format!("--node-name={}", node.name()),
+        "--cloud=aws".into(),
+        format!("--metadata-endpoint={}", emu.base_url()),
+        "--poll-interval=200ms".into(),
+        format!("--state-dir={}", work.path().join("state").display()),
+        format!("--metrics-addr=127.0.0.1:{port}"),
+        "--gpu=off".into(),
+        "--log-level=warn".into(),
+        "--shutdown-grace=0s".into(),
+        format!("--upload-allow=s3://{BUCKET}"),
+        format!("--upload-endpoint={}", slow.endpoint()),
+    ])
+    .env("KUBECONFIG", &kubeconfig)
+    .env("POD_NAME", OWN_POD)
+    .env("POD_NAMESPACE", &own)
+    .envs(S3Server::client_env())
+    .stdin(Stdio::null())
+    .stdout(Stdio::null())
+    .stderr(Stdio::null());
+    let agent = Kid::spawn(cmd);
+    let _agent = agent;
     let metrics = format!("http://127.0.0.1:{port}/metrics");
     let t = Instant::now();
     while !reqwest::get(&metrics)
@@ -193,9 +178,22 @@ async fn an_uploading_pod_is_evicted_after_its_upload_and_the_others_at_once() {
         web_evicted < uploaded,
         "the other pod is evicted at once, not after the upload"
     );
+    // The hold ends when the upload reports, and the Event is told beside the eviction (the
+    // drain does not wait on it): the upload's end is its manifest, written last.
+    let manifest_written = server
+        .object_path(BUCKET, "run1/step-3/manifest.json")
+        .metadata()
+        .unwrap()
+        .modified()
+        .unwrap();
+    let manifest_at = clock.1
+        + manifest_written
+            .duration_since(clock.0)
+            .expect("written after the test started");
     assert!(
-        uploaded < trainer_evicted,
-        "the uploading pod is evicted only after its upload ended"
+        reqs[trainer_evicted].at >= manifest_at,
+        "the uploading pod is evicted only after its upload ended (its manifest written {:?} after the eviction)",
+        manifest_at - reqs[trainer_evicted].at
     );
     let event = reqs[uploaded].body.clone();
     assert!(event.contains(&ml), "on the trainer's pod: {event}");
