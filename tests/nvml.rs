@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use spotguard::emulator::{self, Cloud, EmulatedNotice, EmulatorConfig};
+use spotguard_testkit::free_port;
 use spotguard_testkit::k8s::{non_system_taints, TestCluster};
 use spotguard_testkit::process::Kid;
 
@@ -337,13 +338,6 @@ struct Agent {
     metrics: String,
     stderr: Arc<Mutex<Vec<String>>>,
     _dir: tempfile::TempDir,
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("free port")
 }
 
 const GPU_TABLE: &str =

@@ -12,6 +12,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use spotguard::emulator::{self, Cloud, EmulatedNotice, EmulatorConfig};
+use spotguard_testkit::free_port;
 use spotguard_testkit::process::{as_user, Kid};
 
 const TRAINER_UID: u32 = 1000;
@@ -24,14 +25,6 @@ trap 'printf "{\"state\":\"received\"}" > "$SPOTGUARD_DIR/.t$$" && mv "$SPOTGUAR
 sleep 1000 & S=$!
 while :; do wait $S; done
 "#;
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 fn cap_eff(pid: u32) -> u64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))

@@ -23,6 +23,7 @@ use std::time::{Duration, Instant};
 
 use jiff::{SignedDuration, Timestamp};
 use spotguard::emulator::{self, Cloud, Ec2Action, EmulatedNotice, EmulatorConfig};
+use spotguard_testkit::free_port;
 use spotguard_testkit::fuse::HungMount;
 use spotguard_testkit::process::{as_user, Kid};
 
@@ -175,14 +176,6 @@ impl Host {
             log,
         }
     }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 struct Agent {

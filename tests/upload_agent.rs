@@ -10,12 +10,13 @@
 use std::collections::BTreeMap;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use spotguard::emulator::{self, Cloud, EmulatedNotice, EmulatorConfig};
-use spotguard_testkit::process::catches_usr1;
+use spotguard_testkit::free_port;
+use spotguard_testkit::process::{catches_usr1, Kid};
 use spotguard_testkit::s3::{S3Server, Throttle};
 
 const TRAINER_UID: u32 = 1000;
@@ -56,25 +57,6 @@ with open(os.environ["RESULT"], "w") as f:
 spotguard.exit_after_checkpoint()
 "#;
 
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        if let Ok(None) = self.0.try_wait() {
-            let _ = self.0.kill();
-        }
-        let _ = self.0.wait();
-    }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 async fn get(url: &str) -> Option<(u16, String)> {
     let resp = reqwest::get(url).await.ok()?;
     let code = resp.status().as_u16();
@@ -111,10 +93,10 @@ impl Machine {
     }
 
     /// Start the trainer (uid 1000) saving `mib` MiB; returns once its handler is installed.
-    fn trainer(&self, mib: u64) -> Proc {
+    fn trainer(&self, mib: u64) -> Kid {
         let ready = self.base.join("local/ready");
-        let child = Command::new("python3")
-            .arg("-c")
+        let mut cmd = Command::new("python3");
+        cmd.arg("-c")
             .arg(TRAINER)
             .env("PYTHONPATH", repo().join("clients/python"))
             .env("SPOTGUARD_DIR", self.base.join("ckpt"))
@@ -125,20 +107,19 @@ impl Machine {
             .uid(TRAINER_UID)
             .gid(TRAINER_UID)
             .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .spawn()
-            .unwrap();
+            .stdout(Stdio::null());
+        let child = Kid::spawn(cmd);
         let t = Instant::now();
-        while !(ready.exists() && catches_usr1(child.id())) {
+        while !(ready.exists() && catches_usr1(child.pid())) {
             assert!(t.elapsed() < Duration::from_secs(20), "no handler");
             std::thread::sleep(Duration::from_millis(10));
         }
-        std::fs::write(self.base.join("trainer.pid"), child.id().to_string()).unwrap();
-        Proc(child)
+        std::fs::write(self.base.join("trainer.pid"), child.pid().to_string()).unwrap();
+        child
     }
 
     /// The agent as shipped (KILL and SYS_PTRACE only), with `extra` flags and env.
-    fn agent(&self, emu: &str, port: u16, extra: &[String], env: &[(&str, &str)]) -> Proc {
+    fn agent(&self, emu: &str, port: u16, extra: &[String], env: &[(&str, &str)]) -> Kid {
         let mut cmd = Command::new("setpriv");
         cmd.args([
             "--inh-caps=-all",
@@ -172,7 +153,7 @@ impl Machine {
         for (k, v) in env {
             cmd.env(k, v);
         }
-        Proc(cmd.spawn().unwrap())
+        Kid::spawn(cmd)
     }
 
     fn result(&self) -> Value {
@@ -464,8 +445,8 @@ async fn another_trainers_signal_latency_is_unchanged_during_a_large_upload() {
     let slow = Throttle::start(server.addr, 3 << 20).await;
     let m = Machine::new();
     let mark_file = m.base.join("local/marks");
-    let other = Command::new("sh")
-        .arg("-c")
+    let mut cmd = Command::new("sh");
+    cmd.arg("-c")
         .arg(MARKER)
         .env("SPOTGUARD_DIR", m.base.join("ckpt"))
         .env("MARKS", &mark_file)
@@ -473,16 +454,14 @@ async fn another_trainers_signal_latency_is_unchanged_during_a_large_upload() {
         .gid(TRAINER_UID)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let other = Proc(other);
+        .stderr(Stdio::null());
+    let other = Kid::spawn(cmd);
     let t = Instant::now();
-    while !catches_usr1(other.0.id()) {
+    while !catches_usr1(other.pid()) {
         assert!(t.elapsed() < Duration::from_secs(10), "no trap");
         std::thread::sleep(Duration::from_millis(10));
     }
-    std::fs::write(m.base.join("other.pid"), other.0.id().to_string()).unwrap();
+    std::fs::write(m.base.join("other.pid"), other.pid().to_string()).unwrap();
     let _trainer = m.trainer(24);
     let emu = emulator::start(EmulatorConfig::new(Cloud::Aws))
         .await

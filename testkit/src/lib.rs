@@ -62,6 +62,12 @@ pub async fn wait_for_event<T>(
     }
 }
 
+/// A free TCP port on 127.0.0.1 for a server a test starts (bound and released: a tiny race
+/// with other processes, which the server then reports clearly).
+pub fn free_port() -> u16 {
+    k8s::child::free_port().expect("a free loopback port")
+}
+
 /// The text of `/metrics` on the agent's admin server at `addr`; panics when it does not answer
 /// (test helper).
 pub async fn metrics_text(addr: SocketAddr) -> String {
