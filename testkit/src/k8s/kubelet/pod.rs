@@ -1185,6 +1185,15 @@ impl PodRun {
                 .map_err(|e| fail(format!("volume at {}: {e}", dst.display())))?;
         }
         sandbox.workdir(&workdir).map_err(|e| fail(e.to_string()))?;
+        let mut argv = argv;
+        if let Some(program) = hidden(&argv[0], &binds) {
+            argv[0] = unhidden(&program).map_err(|e| {
+                fail(format!(
+                    "a copy of {} outside the container's volumes: {e}",
+                    program.display()
+                ))
+            })?;
+        }
 
         let mut cmd = tokio::process::Command::new(&argv[0]);
         cmd.args(&argv[1..])
@@ -1429,6 +1438,47 @@ async fn probe_once(p: &Probe, c: &Container) -> bool {
     false
 }
 
+/// The program at `program` when the container's own mounts hide it: the deepest bind over its
+/// path shows something else there (a checkout under /tmp, where the DaemonSet mounts an
+/// emptyDir, runs a binary under /tmp).
+fn hidden(program: &str, binds: &[(PathBuf, PathBuf, bool)]) -> Option<PathBuf> {
+    let p = Path::new(program);
+    if !p.is_absolute() {
+        return None;
+    }
+    let (src, dst, _) = binds
+        .iter()
+        .filter(|(_, dst, _)| p.starts_with(dst))
+        .max_by_key(|(_, dst, _)| dst.components().count())?;
+    let seen = src.join(p.strip_prefix(dst).ok()?);
+    (seen != p).then(|| p.to_path_buf())
+}
+
+/// A copy of `program` where no container mounts anything (/dev/shm), named by its path, size
+/// and mtime so that pods starting together share one copy (made by rename) and a rebuilt
+/// program gets a new one. World-executable: containers run as other users too.
+fn unhidden(program: &Path) -> std::io::Result<String> {
+    use std::hash::{Hash, Hasher};
+    use std::os::unix::fs::PermissionsExt;
+    let meta = std::fs::metadata(program)?;
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    program.hash(&mut h);
+    meta.len().hash(&mut h);
+    meta.modified()?.hash(&mut h);
+    let name = program
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let copy = Path::new("/dev/shm").join(format!("spotguard-testkit-{:016x}-{name}", h.finish()));
+    if !copy.exists() {
+        let tmp = copy.with_extension(format!("tmp-{}", crate::kubelet::container_id()));
+        std::fs::copy(program, &tmp)?;
+        std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o755))?;
+        std::fs::rename(&tmp, &copy)?;
+    }
+    Ok(copy.display().to_string())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1450,5 +1500,23 @@ mod tests {
         assert_eq!(backoff(1), Duration::from_secs(1));
         assert_eq!(backoff(2), Duration::from_secs(2));
         assert_eq!(backoff(10), Duration::from_secs(30));
+    }
+
+    #[test]
+    fn a_program_under_a_volume_mounted_over_its_path_is_hidden() {
+        let vol = (
+            PathBuf::from("/var/k/emptydir/tmp"),
+            PathBuf::from("/tmp"),
+            false,
+        );
+        let same = (PathBuf::from("/opt/img"), PathBuf::from("/opt/img"), true);
+        let binds = vec![vol, same];
+        assert_eq!(
+            hidden("/tmp/ci/target/debug/spotguard", &binds),
+            Some(PathBuf::from("/tmp/ci/target/debug/spotguard"))
+        );
+        assert_eq!(hidden("/work/target/debug/spotguard", &binds), None);
+        assert_eq!(hidden("/opt/img/bin/x", &binds), None);
+        assert_eq!(hidden("spotguard", &binds), None);
     }
 }
