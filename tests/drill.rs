@@ -383,7 +383,16 @@ fn elastic_the_preempted_node_leaves_and_the_other_resumes_from_the_saved_step()
     assert_eq!(r["steps_lost"], 0, "{r}");
     assert_eq!(r["survivors"][0]["node"], 1);
     assert_eq!(r["survivors"][0]["resumed_step"], saved, "{r}");
-    assert_eq!(r["survivors"][0]["world_size"], 2, "{r}");
+    // The survivor trains on without the preempted node. Its first round after the notice may
+    // still count that node (its rendezvous entry goes 0.5 s after the launcher's SIGTERM; a
+    // round formed in between fails when the node is gone and forms again, losing nothing):
+    // the round that stuck is its last one.
+    let last = r["nodes"][0]["resumes"]
+        .as_array()
+        .and_then(|a| a.last())
+        .expect("node 1 resumed");
+    assert_eq!(last["world_size"], 2, "{r}");
+    assert_eq!(last["step"], saved, "{r}");
     let again = r["training_again_s"].as_f64().unwrap();
     assert!(again > 0.0 && again < 30.0, "{r}");
     // The preempted node left on its own (the launcher's 143), nothing was left to kill.
