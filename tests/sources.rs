@@ -760,6 +760,101 @@ async fn gce_upcoming_maintenance_notice_and_reason_metric() {
     );
 }
 
+/// GCE announces one maintenance in two keys whose hanging GETs answer in either order. Whichever
+/// key speaks first, every poll shows one maintenance notice under one id (a window learned or
+/// moved later only moves its deadline), and it is cancelled once, when neither key announces it
+/// any more. (Two ids for one maintenance queued a second plan: a second checkpoint signal.)
+#[tokio::test]
+async fn gce_one_maintenance_in_two_keys_is_one_notice_whichever_answers_first() {
+    const TERMINATE: &str = "TERMINATE_ON_HOST_MAINTENANCE";
+    let window = |start: &str| {
+        format!(
+            r#"{{"maintenance_status":"PENDING","type":"SCHEDULED","window_start_time":"{start}",
+            "window_end_time":"2030-04-24T20:51:07Z"}}"#
+        )
+    };
+    let start: Timestamp = "2030-04-24T16:51:07Z".parse().unwrap();
+    let moved: Timestamp = "2030-04-24T17:51:07Z".parse().unwrap();
+    for upcoming_first in [true, false] {
+        let gce = Arc::new(quiet_gce());
+        // Answered (empty) rather than 404, so that the key is watched, not re-read every 60 s.
+        gce.set(UPCOMING, Val::Value(String::new()));
+        let (_r, m) = metrics();
+        let src = gce_source(gce_server(gce.clone()).await, m, GceMetrics::default());
+        assert!(gce_initial_reads(&src).await.is_empty());
+        let poll = || async {
+            tokio::time::timeout(Duration::from_secs(5), src.poll())
+                .await
+                .expect("poll returns after the change")
+                .unwrap()
+        };
+        let (first, first_val, second, second_val) = if upcoming_first {
+            (
+                UPCOMING,
+                window(&start.to_string()),
+                MAINT,
+                TERMINATE.into(),
+            )
+        } else {
+            (
+                MAINT,
+                TERMINATE.to_string(),
+                UPCOMING,
+                window(&start.to_string()),
+            )
+        };
+        let case = if upcoming_first {
+            "upcoming-maintenance first"
+        } else {
+            "maintenance-event first"
+        };
+
+        gce.set(first, Val::Value(first_val));
+        let one = poll().await;
+        assert_eq!(kinds(&one), vec![NoticeKind::Maintenance], "{case}");
+        let id = one[0].id.clone();
+        gce.set(second, Val::Value(second_val));
+        let both = poll().await;
+        assert_eq!(kinds(&both), vec![NoticeKind::Maintenance], "{case}");
+        assert_eq!(both[0].id, id, "{case}: one maintenance, one id");
+        assert_eq!(both[0].deadline, Some(start), "{case}: the window's start");
+        assert!(
+            both[0].restart,
+            "{case}: TERMINATE with automatic-restart=TRUE"
+        );
+
+        gce.set(UPCOMING, Val::Value(window(&moved.to_string())));
+        let later = poll().await;
+        assert_eq!(kinds(&later), vec![NoticeKind::Maintenance], "{case}");
+        assert_eq!(
+            later[0].id, id,
+            "{case}: a moved window is the same maintenance"
+        );
+        assert_eq!(later[0].deadline, Some(moved), "{case}");
+
+        // Withdrawn key by key: still announced by the other key, then cancelled once.
+        let withdraw = |key: &str| {
+            let quiet = if key == MAINT {
+                Val::Value("NONE".into())
+            } else {
+                Val::Missing
+            };
+            gce.set(key, quiet);
+        };
+        withdraw(first);
+        let half = poll().await;
+        assert_eq!(kinds(&half), vec![NoticeKind::Maintenance], "{case}");
+        assert_eq!(half[0].id, id, "{case}");
+        withdraw(second);
+        let gone = poll().await;
+        assert_eq!(
+            kinds(&gone),
+            vec![NoticeKind::Cancelled(id.clone())],
+            "{case}"
+        );
+    }
+}
+
 #[tokio::test]
 async fn gce_every_key_failing_fails_the_poll() {
     let gce = Arc::new(quiet_gce());

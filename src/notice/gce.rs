@@ -117,6 +117,7 @@ const MAINTENANCE_EVENT_PATH: &str = "/computeMetadata/v1/instance/maintenance-e
 pub const MAINTENANCE_MIN_NOTICE: Duration = Duration::from_secs(60);
 const UPCOMING_PATH: &str = "/computeMetadata/v1/instance/upcoming-maintenance";
 const AUTO_RESTART_PATH: &str = "/computeMetadata/v1/instance/scheduling/automatic-restart";
+const TERMINATE_DETAIL: &str = "maintenance-event=TERMINATE_ON_HOST_MAINTENANCE";
 const FLAVOR_HEADER: &str = "Metadata-Flavor";
 const FLAVOR: &str = "Google";
 /// Extra time the client waits for a hanging GET beyond the server's `timeout_sec`.
@@ -211,9 +212,25 @@ struct Watch {
     in_flight: FuturesUnordered<BoxFuture<'static, Item>>,
     keys: Vec<KeyState>,
     preempted: Option<Notice>,
+    /// When `maintenance-event` turned `TERMINATE_ON_HOST_MAINTENANCE` (`None` while it says
+    /// anything else).
+    terminate_since: Option<Timestamp>,
+    /// The window `upcoming-maintenance` announces now.
+    upcoming: Option<Window>,
+    /// The one maintenance notice while either key announces a maintenance (see
+    /// [`GceMetadata::settle_maintenance`]).
     maintenance: Option<Notice>,
-    upcoming: Option<Notice>,
     automatic_restart: Option<bool>,
+}
+
+/// A maintenance window as `upcoming-maintenance` announces it.
+#[derive(Clone, Debug, PartialEq)]
+struct Window {
+    /// The id a maintenance first announced by this window gets.
+    id: String,
+    start: Timestamp,
+    detail: String,
+    reasons: Vec<String>,
 }
 
 /// The GCE notice source (name `gce`).
@@ -254,8 +271,9 @@ impl GceMetadata {
                 in_flight: FuturesUnordered::new(),
                 keys,
                 preempted: None,
-                maintenance: None,
+                terminate_since: None,
                 upcoming: None,
+                maintenance: None,
                 automatic_restart: None,
             }),
             reporter: ErrorReporter::new(Cloud::Gce.as_str(), metrics),
@@ -396,102 +414,107 @@ impl GceMetadata {
                     ))
                 }
             },
-            Key::MaintenanceEvent => match body.trim() {
-                "TERMINATE_ON_HOST_MAINTENANCE" => {
-                    if w.maintenance.is_none() {
-                        let known = w
-                            .upcoming
-                            .as_ref()
-                            .and_then(|n| n.not_before)
-                            .filter(|start| *start > now);
-                        // Without a known window, GCE's minimum notice: never a zero-length
-                        // plan. A window learned later moves the deadline (see `Key::Upcoming`).
-                        let window =
-                            Some(known.unwrap_or_else(|| {
-                                crate::duration::add(now, MAINTENANCE_MIN_NOTICE)
-                            }));
-                        match known {
-                            Some(start) => {
-                                tracing::warn!(window_start = %start, "GCE host maintenance will terminate this VM")
+            Key::MaintenanceEvent => {
+                match body.trim() {
+                    "TERMINATE_ON_HOST_MAINTENANCE" => {
+                        if w.terminate_since.is_none() {
+                            w.terminate_since = Some(now);
+                            match w.upcoming.as_ref().map(|u| u.start).filter(|s| *s > now) {
+                                Some(start) => tracing::warn!(window_start = %start, "GCE host maintenance will terminate this VM"),
+                                None => tracing::warn!(
+                                    assumed_notice_s = MAINTENANCE_MIN_NOTICE.as_secs(),
+                                    "GCE host maintenance will terminate this VM; window not known yet"
+                                ),
                             }
-                            None => tracing::warn!(
-                                assumed_notice_s = MAINTENANCE_MIN_NOTICE.as_secs(),
-                                "GCE host maintenance will terminate this VM; window not known yet"
-                            ),
                         }
-                        w.maintenance = Some(Notice {
-                            id: content_id(
-                                Cloud::Gce,
-                                "maintenance",
-                                &["maintenance-event", "TERMINATE_ON_HOST_MAINTENANCE"],
-                            ),
-                            kind: NoticeKind::Maintenance,
-                            source: Cloud::Gce,
-                            deadline: window,
-                            not_before: window,
-                            detail: "maintenance-event=TERMINATE_ON_HOST_MAINTENANCE".to_string(),
-                            restart: w.automatic_restart.unwrap_or(false),
-                            published_at: None,
-                            maintenance: MaintenanceKind::Other,
-                            observed_at: now,
-                        });
                     }
-                }
-                value => {
-                    match value {
-                        "NONE" => {}
-                        "MIGRATE_ON_HOST_MAINTENANCE" => {
-                            tracing::info!(
+                    value => {
+                        match value {
+                            "NONE" => {}
+                            "MIGRATE_ON_HOST_MAINTENANCE" => tracing::info!(
                                 "GCE host maintenance will live-migrate this VM; nothing to do"
-                            )
+                            ),
+                            other => tracing::warn!(
+                                value = other,
+                                "unknown maintenance-event value; ignored"
+                            ),
                         }
-                        other => tracing::warn!(
-                            value = other,
-                            "unknown maintenance-event value; ignored"
-                        ),
-                    }
-                    if let Some(prev) = w.maintenance.take() {
-                        gone.push(cancelled(&prev, now));
+                        w.terminate_since = None;
                     }
                 }
-            },
+                gone.extend(self.settle_maintenance(w, now));
+            }
             Key::Upcoming => {
-                let next = match parse_upcoming(&url, body, now)? {
-                    Some((notice, reasons)) => {
-                        self.export_upcoming(&reasons, notice.not_before);
-                        Some(notice)
-                    }
-                    None => {
-                        self.export_upcoming(&[], None);
-                        None
-                    }
-                };
-                match (w.upcoming.take(), next) {
-                    (Some(prev), Some(next)) if prev.id == next.id => w.upcoming = Some(prev),
-                    (prev, next) => {
-                        if let Some(prev) = prev {
-                            gone.push(cancelled(&prev, now));
-                        }
-                        w.upcoming = next;
-                    }
+                let next = parse_upcoming(&url, body)?;
+                match &next {
+                    Some(u) => self.export_upcoming(&u.reasons, Some(u.start)),
+                    None => self.export_upcoming(&[], None),
                 }
-                // A window learned (or moved) while TERMINATE_ON_HOST_MAINTENANCE is pending:
-                // the maintenance notice (same id) gets the real deadline.
-                let window = w
-                    .upcoming
-                    .as_ref()
-                    .and_then(|n| n.not_before)
-                    .filter(|start| *start > now);
-                if let (Some(m), Some(start)) = (w.maintenance.as_mut(), window) {
-                    if m.not_before != Some(start) {
-                        tracing::info!(notice_id = %m.id, window_start = %start, "GCE maintenance window learned: deadline updated");
-                        m.deadline = Some(start);
-                        m.not_before = Some(start);
-                    }
-                }
+                w.upcoming = next;
+                gone.extend(self.settle_maintenance(w, now));
             }
         }
         Ok(gone)
+    }
+
+    /// Fold what the two maintenance keys say into the one maintenance notice. GCE announces
+    /// one maintenance in two keys (`maintenance-event`, `upcoming-maintenance`) whose hanging
+    /// GETs answer in either order: the notice is born with whichever key speaks first, keeps
+    /// that id while either key still announces it (a window learned or moved later only moves
+    /// its deadline) and is cancelled once, when neither does. One maintenance is one notice,
+    /// never two plans.
+    fn settle_maintenance(&self, w: &mut Watch, now: Timestamp) -> Option<Notice> {
+        let (terminate, window) = match (w.terminate_since, w.upcoming.as_ref()) {
+            (None, None) => return w.maintenance.take().map(|prev| cancelled(&prev, now)),
+            pair => pair,
+        };
+        let prev = w.maintenance.as_ref();
+        let (deadline, detail) = match (terminate, window) {
+            (Some(since), window) => {
+                // A window ahead of us, else the deadline already set while it is ahead, else
+                // GCE's minimum notice from when the event was seen: never a zero-length plan.
+                let deadline = window
+                    .map(|u| u.start)
+                    .filter(|start| *start > now)
+                    .or_else(|| prev.and_then(|n| n.deadline).filter(|d| *d > now))
+                    .unwrap_or_else(|| crate::duration::add(since, MAINTENANCE_MIN_NOTICE));
+                let detail = match window {
+                    Some(u) => format!("{TERMINATE_DETAIL}; {}", u.detail),
+                    None => TERMINATE_DETAIL.to_string(),
+                };
+                (deadline, detail)
+            }
+            (None, Some(u)) => (u.start, u.detail.clone()),
+            (None, None) => return None,
+        };
+        let id = match (prev, window) {
+            (Some(n), _) => n.id.clone(),
+            (None, Some(u)) if terminate.is_none() => u.id.clone(),
+            (None, _) => content_id(
+                Cloud::Gce,
+                "maintenance",
+                &["maintenance-event", "TERMINATE_ON_HOST_MAINTENANCE"],
+            ),
+        };
+        if let Some(n) = prev {
+            if n.deadline != Some(deadline) {
+                tracing::info!(notice_id = %n.id, deadline = %deadline, "GCE maintenance window learned or moved: deadline updated");
+            }
+        }
+        let observed_at = prev.map_or(now, |n| n.observed_at);
+        w.maintenance = Some(Notice {
+            id,
+            kind: NoticeKind::Maintenance,
+            source: Cloud::Gce,
+            deadline: Some(deadline),
+            not_before: Some(deadline),
+            detail,
+            restart: terminate.is_some() && w.automatic_restart.unwrap_or(false),
+            published_at: None,
+            maintenance: MaintenanceKind::Other,
+            observed_at,
+        });
+        None
     }
 
     fn export_upcoming(&self, reasons: &[String], start: Option<Timestamp>) {
@@ -538,13 +561,9 @@ struct Upcoming {
     maintenance_reasons: Option<Vec<String>>,
 }
 
-/// The maintenance notice announced by `upcoming-maintenance` (and its reasons); `None` for an
-/// empty value or one without a window start.
-fn parse_upcoming(
-    url: &Url,
-    body: &str,
-    now: Timestamp,
-) -> Result<Option<(Notice, Vec<String>)>, Error> {
+/// The window announced by `upcoming-maintenance`; `None` for an empty value or one without a
+/// window start.
+fn parse_upcoming(url: &Url, body: &str) -> Result<Option<Window>, Error> {
     if body.trim().is_empty() {
         return Ok(None);
     }
@@ -561,49 +580,37 @@ fn parse_upcoming(
     })?;
     let kind = up.maintenance_type.unwrap_or_default();
     let reasons = up.maintenance_reasons.unwrap_or_default();
-    let notice = Notice {
+    let detail = format!(
+        "upcoming {} maintenance ({}) window {} – {}{}",
+        if kind.is_empty() {
+            "host"
+        } else {
+            kind.as_str()
+        },
+        up.maintenance_status.unwrap_or_default(),
+        start_text,
+        up.window_end_time.unwrap_or_default(),
+        if reasons.is_empty() {
+            String::new()
+        } else {
+            format!(", reasons {}", reasons.join(","))
+        }
+    );
+    Ok(Some(Window {
         id: content_id(
             Cloud::Gce,
             "maintenance",
             &["upcoming-maintenance", &start_text, &kind],
         ),
-        kind: NoticeKind::Maintenance,
-        source: Cloud::Gce,
-        deadline: Some(start),
-        not_before: Some(start),
-        detail: format!(
-            "upcoming {} maintenance ({}) window {} – {}{}",
-            if kind.is_empty() {
-                "host"
-            } else {
-                kind.as_str()
-            },
-            up.maintenance_status.unwrap_or_default(),
-            start_text,
-            up.window_end_time.unwrap_or_default(),
-            if reasons.is_empty() {
-                String::new()
-            } else {
-                format!(", reasons {}", reasons.join(","))
-            }
-        ),
-        restart: false,
-        published_at: None,
-        maintenance: MaintenanceKind::Other,
-        observed_at: now,
-    };
-    Ok(Some((notice, reasons)))
+        start,
+        detail,
+        reasons,
+    }))
 }
 
-/// The notices visible now. While `maintenance-event` announces a termination, that notice
-/// carries the upcoming window: one maintenance is one notice, never two plans.
+/// The notices visible now.
 fn visible(w: &Watch) -> Vec<Notice> {
-    let upcoming = if w.maintenance.is_some() {
-        &None
-    } else {
-        &w.upcoming
-    };
-    [&w.preempted, &w.maintenance, upcoming]
+    [&w.preempted, &w.maintenance]
         .into_iter()
         .flatten()
         .cloned()
@@ -646,7 +653,7 @@ impl NoticeSource for GceMetadata {
                 Item::AutomaticRestart(value) => {
                     w.automatic_restart = value;
                     if let Some(m) = w.maintenance.as_mut() {
-                        m.restart = value.unwrap_or(false);
+                        m.restart = w.terminate_since.is_some() && value.unwrap_or(false);
                     }
                     continue;
                 }
@@ -714,29 +721,28 @@ mod tests {
 
     #[test]
     fn upcoming_maintenance_snake_and_camel_case() {
-        let now = Timestamp::now();
         let snake = r#"{"can_reschedule":"false","latest_window_start_time":"2030-04-24T16:51:07Z",
             "maintenance_status":"PENDING","type":"SCHEDULED","window_end_time":"2030-04-24T20:51:07Z",
             "window_start_time":"2030-04-24T16:51:07Z","maintenance_reasons":["FAILURE_GPU_XID"]}"#;
-        let (n, reasons) = parse_upcoming(&url(), snake, now).unwrap().unwrap();
-        assert_eq!(n.kind, NoticeKind::Maintenance);
-        assert_eq!(n.not_before, Some("2030-04-24T16:51:07Z".parse().unwrap()));
-        assert_eq!(reasons, vec!["FAILURE_GPU_XID".to_string()]);
-        let camel = r#"{"windowStartTime":"2030-04-24T16:51:07Z","type":"SCHEDULED","maintenanceStatus":"PENDING"}"#;
-        let (m, reasons) = parse_upcoming(&url(), camel, now).unwrap().unwrap();
-        assert_eq!(m.id, n.id, "same window, same id");
-        assert!(reasons.is_empty());
-        assert!(parse_upcoming(&url(), "", now).unwrap().is_none());
-        assert!(parse_upcoming(&url(), "{}", now).unwrap().is_none());
+        let n = parse_upcoming(&url(), snake).unwrap().unwrap();
         assert_eq!(
-            parse_upcoming(&url(), "{", now).unwrap_err().metric_label(),
+            n.start,
+            "2030-04-24T16:51:07Z".parse::<Timestamp>().unwrap()
+        );
+        assert_eq!(n.reasons, vec!["FAILURE_GPU_XID".to_string()]);
+        let camel = r#"{"windowStartTime":"2030-04-24T16:51:07Z","type":"SCHEDULED","maintenanceStatus":"PENDING"}"#;
+        let m = parse_upcoming(&url(), camel).unwrap().unwrap();
+        assert_eq!(m.id, n.id, "same window, same id");
+        assert!(m.reasons.is_empty());
+        assert!(parse_upcoming(&url(), "").unwrap().is_none());
+        assert!(parse_upcoming(&url(), "{}").unwrap().is_none());
+        assert_eq!(
+            parse_upcoming(&url(), "{").unwrap_err().metric_label(),
             "parse"
         );
         let bad_time = r#"{"window_start_time":"tomorrow"}"#;
         assert_eq!(
-            parse_upcoming(&url(), bad_time, now)
-                .unwrap_err()
-                .metric_label(),
+            parse_upcoming(&url(), bad_time).unwrap_err().metric_label(),
             "parse"
         );
     }
