@@ -464,19 +464,18 @@ impl GceMetadata {
     /// its deadline) and is cancelled once, when neither does. One maintenance is one notice,
     /// never two plans.
     fn settle_maintenance(&self, w: &mut Watch, now: Timestamp) -> Option<Notice> {
-        let (terminate, window) = match (w.terminate_since, w.upcoming.as_ref()) {
-            (None, None) => return w.maintenance.take().map(|prev| cancelled(&prev, now)),
-            pair => pair,
-        };
-        let prev = w.maintenance.as_ref();
+        let prev = w.maintenance.take();
+        let terminate = w.terminate_since;
+        let window = w.upcoming.as_ref();
         let (deadline, detail) = match (terminate, window) {
+            (None, None) => return prev.map(|prev| cancelled(&prev, now)),
             (Some(since), window) => {
                 // A window ahead of us, else the deadline already set while it is ahead, else
                 // GCE's minimum notice from when the event was seen: never a zero-length plan.
                 let deadline = window
                     .map(|u| u.start)
                     .filter(|start| *start > now)
-                    .or_else(|| prev.and_then(|n| n.deadline).filter(|d| *d > now))
+                    .or_else(|| prev.as_ref().and_then(|n| n.deadline).filter(|d| *d > now))
                     .unwrap_or_else(|| crate::duration::add(since, MAINTENANCE_MIN_NOTICE));
                 let detail = match window {
                     Some(u) => format!("{TERMINATE_DETAIL}; {}", u.detail),
@@ -485,9 +484,8 @@ impl GceMetadata {
                 (deadline, detail)
             }
             (None, Some(u)) => (u.start, u.detail.clone()),
-            (None, None) => return None,
         };
-        let id = match (prev, window) {
+        let id = match (&prev, window) {
             (Some(n), _) => n.id.clone(),
             (None, Some(u)) if terminate.is_none() => u.id.clone(),
             (None, _) => content_id(
@@ -496,12 +494,12 @@ impl GceMetadata {
                 &["maintenance-event", "TERMINATE_ON_HOST_MAINTENANCE"],
             ),
         };
-        if let Some(n) = prev {
+        if let Some(n) = &prev {
             if n.deadline != Some(deadline) {
                 tracing::info!(notice_id = %n.id, deadline = %deadline, "GCE maintenance window learned or moved: deadline updated");
             }
         }
-        let observed_at = prev.map_or(now, |n| n.observed_at);
+        let observed_at = prev.as_ref().map_or(now, |n| n.observed_at);
         w.maintenance = Some(Notice {
             id,
             kind: NoticeKind::Maintenance,
