@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -38,6 +39,34 @@ def wait_for(what: str, probe: Callable[[], Optional[T]], timeout: float = WAIT_
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
         time.sleep(0.01)
+
+
+def reap(proc: subprocess.Popen, timeout: float = 10.0) -> tuple:
+    """Kill ``proc`` and read its output, bounded: a descendant that outlived it and still holds
+    its pipes (a worker in a session of its own) fails the test instead of hanging it."""
+    proc.kill()
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.wait()
+        pytest.fail(f"pid {proc.pid} exited but a descendant still holds its output pipes")
+
+
+def kill_strays(marker: str) -> Dict[int, str]:
+    """SIGKILL the processes whose command line mentions ``marker`` (a test's tmp_path): what a
+    test left running. Returns their command lines by pid."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            cmd = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ")
+            if marker.encode() in cmd:
+                os.kill(int(entry), signal.SIGKILL)
+                found[int(entry)] = cmd.decode(errors="replace").strip()
+        except OSError:
+            continue
+    return found
 
 
 def read_json(path: Path) -> Optional[dict]:
@@ -87,15 +116,13 @@ class Child:
         try:
             out, err = self.proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
-            out, err = self.proc.communicate()
+            out, err = reap(self.proc)
             pytest.fail(f"child did not exit within {timeout:.0f}s\nstdout:\n{out}\nstderr:\n{err}")
         return self.proc.returncode, out, err
 
     def close(self) -> None:
         if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.communicate()
+            reap(self.proc)
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from typing import Dict, List
 
 import pytest
 
-from conftest import CLIENT_DIR, FROM_SOURCE, read_json, wait_for
+from conftest import CLIENT_DIR, FROM_SOURCE, kill_strays, read_json, reap, wait_for
 
 import spotguard
 from spotguard import elastic, horovod
@@ -125,10 +125,13 @@ def _notice(guard: Path) -> None:
             pass
 
 
-def _stop(*procs: subprocess.Popen) -> str:
+def _stop(tmp_path: Path, *procs: subprocess.Popen) -> str:
     """SIGTERM each node (the stand-in agent stops its workers, which run in sessions of their
-    own, as torch's do: the node's process group does not hold them), SIGKILL what is left."""
+    own, as torch's do: the node's process group does not hold them), SIGKILL what is left. A
+    worker that outlives its agent fails the test (and is killed): it would keep the node's
+    output pipe, and the job's GPUs, forever."""
     out = []
+    left: Dict[int, str] = {}
     for p in procs:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGTERM)
@@ -136,8 +139,14 @@ def _stop(*procs: subprocess.Popen) -> str:
         try:
             out.append(p.communicate(timeout=20)[0])
         except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            out.append(p.communicate()[0])
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            left.update(kill_strays(str(tmp_path)))
+            out.append(reap(p)[0])
+    left.update(kill_strays(str(tmp_path)))
+    if left:
+        pytest.fail("workers outlived their agent:\n" + "\n".join(left.values())
+                    + "\n" + "\n".join(out))
     return "\n".join(out)
 
 
@@ -168,7 +177,7 @@ def test_the_preempted_node_leaves_and_the_other_resumes_from_the_saved_step(tmp
         assert {r["world_size"] for r in after} == {2}
         assert a.poll() is None
     finally:
-        out = _stop(a, *([b] if b else []))
+        out = _stop(tmp_path, a, *([b] if b else []))
     assert "stopping torchrun so that this node leaves" in out, out
     assert "--max-restarts=11 (yours 1 + 10 for preemptions)" in out, out
 
@@ -189,7 +198,7 @@ def test_without_the_launcher_the_preempted_nodes_agent_restarts_its_workers(tmp
                          lambda: [r for r in _resumes(tmp_path / "node2") if r["ts"] > noticed])
         assert {r["world_size"] for r in again} == {4}  # it rejoined at the full size
     finally:
-        _stop(a, *([b] if b else []))
+        _stop(tmp_path, a, *([b] if b else []))
 
 
 # ---------------------------------------------------------------------------------------------
