@@ -143,6 +143,22 @@ impl CStatus {
         matches!(self.state, State::Running { .. })
     }
 
+    /// The container ended with `code` (a run that began at `started_at`): not ready any more.
+    fn terminate(&mut self, code: i32, started_at: String) {
+        self.state = State::Terminated {
+            exit_code: code,
+            reason: if code == 0 { "Completed" } else { "Error" }.into(),
+            started_at,
+            finished_at: now(),
+            container_id: self
+                .id
+                .as_ref()
+                .map(|id| format!("containerd://{id}"))
+                .unwrap_or_default(),
+        };
+        self.ready = false;
+    }
+
     fn exit_code(&self) -> Option<i32> {
         match &self.state {
             State::Terminated { exit_code, .. } => Some(*exit_code),
@@ -465,18 +481,7 @@ impl PodRun {
         };
         tokio::time::sleep(after).await;
         for c in self.main.iter_mut() {
-            c.state = State::Terminated {
-                exit_code: code,
-                reason: if code == 0 { "Completed" } else { "Error" }.into(),
-                started_at: started.clone(),
-                finished_at: now(),
-                container_id: c
-                    .id
-                    .as_ref()
-                    .map(|id| format!("containerd://{id}"))
-                    .unwrap_or_default(),
-            };
-            c.ready = false;
+            c.terminate(code, started.clone());
         }
         self.phase = if code == 0 { "Succeeded" } else { "Failed" };
         self.update_ready();
@@ -501,18 +506,7 @@ impl PodRun {
             State::Running { started_at } => started_at.clone(),
             _ => now(),
         };
-        c.state = State::Terminated {
-            exit_code: exit.code,
-            reason: if exit.code == 0 { "Completed" } else { "Error" }.into(),
-            started_at,
-            finished_at: now(),
-            container_id: c
-                .id
-                .as_ref()
-                .map(|id| format!("containerd://{id}"))
-                .unwrap_or_default(),
-        };
-        c.ready = false;
+        c.terminate(exit.code, started_at);
         c.pid = None;
         true
     }
