@@ -1,8 +1,9 @@
 //! The plan lifecycle after the first notice, in host mode against the metadata emulator over
 //! loopback HTTP, with a real training process that counts the signals it receives: new lives of
 //! the machine (stop/start ⇒ a new boot id), one rebalance recommendation served for a long time,
-//! a GCE maintenance window learned after the event, maintenance after maintenance, a crash between
-//! the local record and the signal, skewed cloud times, an unparsable EC2 scheduled event beside a
+//! a GCE maintenance window learned after the event, a GCE maintenance across agent restarts
+//! whichever of its two keys answers first, maintenance after maintenance, a crash between the
+//! local record and the signal, skewed cloud times, an unparsable EC2 scheduled event beside a
 //! valid one, Azure Freeze.
 
 use std::net::SocketAddr;
@@ -13,7 +14,7 @@ use std::time::Duration;
 use jiff::{SignedDuration, Timestamp};
 use spotguard::app;
 use spotguard::config::{self, Config};
-use spotguard::emulator::{self, Cloud, EmulatedNotice, EmulatorConfig};
+use spotguard::emulator::{self, Cloud, EmulatedNotice, EmulatorConfig, Fault, FaultKind};
 use spotguard::responder::PlanEvent;
 use spotguard_testkit::wait_for_event as wait_for;
 use spotguard_testkit::{metrics_text, process};
@@ -322,6 +323,42 @@ async fn a_gce_maintenance_after_a_cancelled_one_is_acted_on() {
     tokio::time::sleep(Duration::from_secs(1)).await;
     assert_eq!(m.signals(), 2, "one maintenance, one signal");
     a.stop().await;
+}
+
+/// GCE announces one maintenance in two keys, and the first answers an agent gets after a restart
+/// come in either order: restarted twice in the middle of the maintenance, each time with the
+/// other key's first answer held back, the agent still knows it (one maintenance, one id, one
+/// signal), whichever key spoke first before the restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gce_maintenance_is_known_after_restarts_whichever_key_answers_first() {
+    let m = Machine::start(true).await;
+    let emu = emulator::start(EmulatorConfig::new(Cloud::Gce))
+        .await
+        .unwrap();
+    let lead = ["--maintenance-lead=1h"];
+    let mut a = m.agent(&emu, &lead).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    emu.raise(EmulatedNotice::maintenance().due_in(Duration::from_secs(600)))
+        .unwrap();
+    a.done(Duration::from_secs(30)).await;
+    assert_eq!(m.signals(), 1);
+    a.stop().await;
+    for held_back in ["maintenance-event", "upcoming-maintenance"] {
+        let mut stall = Fault::new(FaultKind::Stall {
+            delay: Duration::from_secs(1),
+        });
+        stall.count = Some(1);
+        stall.path = Some(format!("/computeMetadata/v1/instance/{held_back}"));
+        emu.fault(stall).unwrap();
+        let a = m.agent(&emu, &lead).await;
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        assert_eq!(
+            m.signals(),
+            1,
+            "restarted with {held_back} answering last: the same maintenance, not a new one"
+        );
+        a.stop().await;
+    }
 }
 
 /// Item 5: a rebalance after a finished maintenance plan is acted on.

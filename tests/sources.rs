@@ -775,6 +775,7 @@ async fn gce_one_maintenance_in_two_keys_is_one_notice_whichever_answers_first()
     };
     let start: Timestamp = "2030-04-24T16:51:07Z".parse().unwrap();
     let moved: Timestamp = "2030-04-24T17:51:07Z".parse().unwrap();
+    let mut ids = Vec::new();
     for upcoming_first in [true, false] {
         let gce = Arc::new(quiet_gce());
         // Answered (empty) rather than 404, so that the key is watched, not re-read every 60 s.
@@ -813,6 +814,7 @@ async fn gce_one_maintenance_in_two_keys_is_one_notice_whichever_answers_first()
         let one = poll().await;
         assert_eq!(kinds(&one), vec![NoticeKind::Maintenance], "{case}");
         let id = one[0].id.clone();
+        ids.push(id.clone());
         gce.set(second, Val::Value(second_val));
         let both = poll().await;
         assert_eq!(kinds(&both), vec![NoticeKind::Maintenance], "{case}");
@@ -853,6 +855,12 @@ async fn gce_one_maintenance_in_two_keys_is_one_notice_whichever_answers_first()
             "{case}"
         );
     }
+    // An agent restarted in the middle of the maintenance hears the two keys in either order:
+    // still the id its record holds, or the same maintenance would be a second plan.
+    assert_eq!(
+        ids[0], ids[1],
+        "one maintenance, one id, whichever key answered first"
+    );
 }
 
 #[tokio::test]

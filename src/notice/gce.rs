@@ -226,8 +226,6 @@ struct Watch {
 /// A maintenance window as `upcoming-maintenance` announces it.
 #[derive(Clone, Debug, PartialEq)]
 struct Window {
-    /// The id a maintenance first announced by this window gets.
-    id: String,
     start: Timestamp,
     detail: String,
     reasons: Vec<String>,
@@ -459,10 +457,10 @@ impl GceMetadata {
 
     /// Fold what the two maintenance keys say into the one maintenance notice. GCE announces
     /// one maintenance in two keys (`maintenance-event`, `upcoming-maintenance`) whose hanging
-    /// GETs answer in either order: the notice is born with whichever key speaks first, keeps
-    /// that id while either key still announces it (a window learned or moved later only moves
-    /// its deadline) and is cancelled once, when neither does. One maintenance is one notice,
-    /// never two plans.
+    /// GETs answer in either order: the notice is born with whichever key speaks first, under
+    /// the one maintenance id ([`maintenance_id`]), stays while either key still announces it
+    /// (a window learned or moved later only moves its deadline) and is cancelled once, when
+    /// neither does. One maintenance is one notice, never two plans.
     fn settle_maintenance(&self, w: &mut Watch, now: Timestamp) -> Option<Notice> {
         let prev = w.maintenance.take();
         let terminate = w.terminate_since;
@@ -485,15 +483,6 @@ impl GceMetadata {
             }
             (None, Some(u)) => (u.start, u.detail.clone()),
         };
-        let id = match (&prev, window) {
-            (Some(n), _) => n.id.clone(),
-            (None, Some(u)) if terminate.is_none() => u.id.clone(),
-            (None, _) => content_id(
-                Cloud::Gce,
-                "maintenance",
-                &["maintenance-event", "TERMINATE_ON_HOST_MAINTENANCE"],
-            ),
-        };
         if let Some(n) = &prev {
             if n.deadline != Some(deadline) {
                 tracing::info!(notice_id = %n.id, deadline = %deadline, "GCE maintenance window learned or moved: deadline updated");
@@ -501,7 +490,7 @@ impl GceMetadata {
         }
         let observed_at = prev.as_ref().map_or(now, |n| n.observed_at);
         w.maintenance = Some(Notice {
-            id,
+            id: maintenance_id(),
             kind: NoticeKind::Maintenance,
             source: Cloud::Gce,
             deadline: Some(deadline),
@@ -528,6 +517,20 @@ impl GceMetadata {
         let start = start.map_or(0.0, |t| t.as_millisecond() as f64 / 1000.0);
         m.upcoming_maintenance_start.set(start);
     }
+}
+
+/// The id of the VM's maintenance notice: one id whichever key announced it first and whatever
+/// its window, so that the same maintenance keeps its id when an agent restarted in the middle
+/// of it hears the two keys in the other order (a second id would be a second plan, a second
+/// signal). A maintenance announced again after its cancel is a new occurrence of this id
+/// (the notice store tells them apart by when they were observed). The hashed parts are those
+/// of the `maintenance-event` notice of earlier versions, so their records still match.
+fn maintenance_id() -> String {
+    content_id(
+        Cloud::Gce,
+        "maintenance",
+        &["maintenance-event", "TERMINATE_ON_HOST_MAINTENANCE"],
+    )
 }
 
 fn cancelled(prev: &Notice, now: Timestamp) -> Notice {
@@ -595,11 +598,6 @@ fn parse_upcoming(url: &Url, body: &str) -> Result<Option<Window>, Error> {
         }
     );
     Ok(Some(Window {
-        id: content_id(
-            Cloud::Gce,
-            "maintenance",
-            &["upcoming-maintenance", &start_text, &kind],
-        ),
         start,
         detail,
         reasons,
@@ -730,7 +728,7 @@ mod tests {
         assert_eq!(n.reasons, vec!["FAILURE_GPU_XID".to_string()]);
         let camel = r#"{"windowStartTime":"2030-04-24T16:51:07Z","type":"SCHEDULED","maintenanceStatus":"PENDING"}"#;
         let m = parse_upcoming(&url(), camel).unwrap().unwrap();
-        assert_eq!(m.id, n.id, "same window, same id");
+        assert_eq!(m.start, n.start);
         assert!(m.reasons.is_empty());
         assert!(parse_upcoming(&url(), "").unwrap().is_none());
         assert!(parse_upcoming(&url(), "{}").unwrap().is_none());
