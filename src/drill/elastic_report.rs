@@ -15,6 +15,7 @@ use std::time::Duration;
 use jiff::Timestamp;
 use serde_json::{json, Value};
 
+use super::follow::PlanSeen;
 use super::records::ResumeRow;
 use super::report::{exit_label, AckRow, ExitInfo};
 use super::wait::Handler;
@@ -137,6 +138,20 @@ impl ElasticVerdict {
             steps_lost: None,
             training_again: None,
             warnings: Vec::new(),
+        }
+    }
+
+    /// Note what the plan showed up to its checkpoint result ([`PlanSeen`]).
+    pub fn record_plan(&mut self, seen: PlanSeen) {
+        self.seen_at = seen.seen_at;
+        self.deadline = seen.deadline;
+        self.signalled_at = seen.signalled_at;
+        self.processes = seen.processes;
+        self.checkpoint_deadline = seen.checkpoint_deadline;
+        self.result_at = seen.result_at;
+        self.results = seen.results;
+        if let Some(e) = seen.error {
+            self.error = Some(e);
         }
     }
 

@@ -6,12 +6,18 @@
 //! (host mode) against the child. Prints a verdict table (`report`); exit 0 on PASS. With no
 //! command it runs the bundled example trainer (`trainer`).
 
+mod child;
 mod elastic;
+mod elastic_launcher;
+mod elastic_node;
 mod elastic_report;
+mod follow;
+mod pipeline;
 mod records;
 mod report;
 mod trainer;
 pub mod wait;
+mod workdir;
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -19,20 +25,20 @@ use std::time::{Duration, Instant};
 
 use clap::{Args, ValueEnum};
 use jiff::Timestamp;
-use tokio::process::Command;
+use tokio::process::{Child, Command};
 use tokio_util::sync::CancellationToken;
 
-use crate::app;
 use crate::checkpoint::procfs::ProcFs;
 use crate::checkpoint::{Outcome, Signal};
-use crate::config::{self, Config, ModeChoice};
-use crate::emulator;
+use crate::config;
 use crate::notice::Cloud;
 use crate::responder::PlanEvent;
 
+use pipeline::Pipeline;
 pub use report::{AckRow, ExitInfo, Verdict};
 pub use trainer::example_trainer;
 use wait::HandlerWait;
+use workdir::WorkDir;
 
 /// Exit code of a drill whose every run passed.
 pub const EXIT_PASS: i32 = 0;
@@ -215,70 +221,136 @@ pub async fn run(args: DrillArgs, cancel: CancellationToken) -> i32 {
     code
 }
 
-/// Where the command's stdout goes: ours, or stderr under `--json` (stdout is the JSON).
-fn child_stdout(json: bool) -> Result<std::process::Stdio, String> {
-    if !json {
-        return Ok(std::process::Stdio::inherit());
-    }
-    use std::os::fd::AsFd;
-    let fd = std::io::stderr()
-        .as_fd()
-        .try_clone_to_owned()
-        .map_err(|e| format!("duplicating stderr: {e}"))?;
-    Ok(std::process::Stdio::from(fd))
-}
-
-fn exit_info(status: std::process::ExitStatus, killed_by_drill: bool) -> ExitInfo {
-    use std::os::unix::process::ExitStatusExt;
-    let signal = status.signal();
-    ExitInfo {
-        code: status.code().unwrap_or_else(|| 128 + signal.unwrap_or(0)),
-        signal,
-        killed_by_drill,
+/// Print a progress line: on stdout, or on stderr under `--json` (stdout is the JSON).
+fn say(json: bool, line: String) {
+    if json {
+        eprintln!("{line}");
+    } else {
+        println!("{line}");
+        let _ = std::io::stdout().flush();
     }
 }
 
-async fn drill(args: &DrillArgs, cancel: CancellationToken) -> Result<Verdict, String> {
-    let work = tempfile::Builder::new()
-        .prefix("spotguard-drill-")
-        .tempdir()
-        .map_err(|e| format!("creating a temp dir: {e}"))?;
-    let ckpt_dir = match &args.notice_dir {
-        Some(d) => std::path::absolute(d).map_err(|e| format!("{}: {e}", d.display()))?,
-        None => work.path().join("notice"),
-    };
-    std::fs::create_dir_all(&ckpt_dir)
-        .map_err(|e| format!("creating {}: {e}", ckpt_dir.display()))?;
-    let state_dir = work.path().join("state");
+/// One run's directories and files.
+struct RunDirs {
+    work: WorkDir,
+    /// The pidfile naming the command to the pipeline.
+    pidfile: PathBuf,
+    /// `--upload-to`, made absolute and created.
+    upload_to: Option<PathBuf>,
+    /// Where the bundled trainer stages its checkpoint (`--upload-to`).
+    staged: PathBuf,
+}
+
+/// The run's temp dir, its notice dir (created) and `--upload-to` (created).
+fn prepare_dirs(args: &DrillArgs) -> Result<RunDirs, String> {
+    let work = WorkDir::new(args.notice_dir.as_deref())?;
+    workdir::create(&work.notice)?;
     let pidfile = work.path().join("trainer.pid");
     let upload_to = match &args.upload_to {
         Some(d) => {
-            let d = std::path::absolute(d).map_err(|e| format!("{}: {e}", d.display()))?;
-            std::fs::create_dir_all(&d).map_err(|e| format!("creating {}: {e}", d.display()))?;
+            let d = workdir::absolute(d)?;
+            workdir::create(&d)?;
             Some(d)
         }
         None => None,
     };
-    let staged_dir = work.path().join("staged");
+    let staged = work.path().join("staged");
+    Ok(RunDirs {
+        work,
+        pidfile,
+        upload_to,
+        staged,
+    })
+}
+
+async fn drill(args: &DrillArgs, cancel: CancellationToken) -> Result<Verdict, String> {
+    let dirs = prepare_dirs(args)?;
 
     // 1. The emulator.
-    let cloud = args.cloud;
-    let emu = emulator::start(emulator::EmulatorConfig::new(cloud))
-        .await
-        .map_err(|e| format!("starting the metadata emulator: {e}"))?;
+    let emu = pipeline::start_emulator(args.cloud).await?;
 
     // 2. The child.
-    let (program, child_args): (PathBuf, Vec<String>) = if args.command.is_empty() {
-        let me = std::env::current_exe().map_err(|e| format!("locating spotguard: {e}"))?;
-        (me, vec!["example-trainer".into()])
-    } else {
-        (PathBuf::from(&args.command[0]), args.command[1..].to_vec())
-    };
+    let (program, child_args) = program(args)?;
     let shown = if args.command.is_empty() {
         "spotguard example-trainer (bundled)".to_string()
     } else {
         args.command.join(" ")
     };
+    announce(args, &dirs, &shown);
+    let started_at = Timestamp::now();
+    let started = Instant::now();
+    let (mut child, pid) = start_child(args, &dirs, &program, &child_args)?;
+
+    // 3. The real pipeline, host mode, against the emulator.
+    let notice_dir = dirs.work.notice.clone();
+    let pidfiles = std::slice::from_ref(&dirs.pidfile);
+    let mut pipeline = Pipeline::start(
+        args,
+        emu,
+        &notice_dir,
+        &dirs.work.state(),
+        pidfiles,
+        &cancel,
+    )
+    .await?;
+
+    // 4. Wait for a handler (bounded), then --after, unless the child dies first.
+    let proc = ProcFs::new("/proc");
+    let root = i32::try_from(pid).map_err(|_| format!("pid {pid} out of range"))?;
+    let handler = tokio::select! {
+        h = wait_for_handler(args, &proc, root, started) => h,
+        status = child.wait() => {
+            pipeline.stop().await;
+            let what = child::early_exit(status);
+            dirs.work.keep(args.keep);
+            return Err(format!(
+                "the command ended before the notice ({what}, {:.1}s after start): nothing was left to interrupt. Give it more steps, or a shorter --after",
+                started.elapsed().as_secs_f64()
+            ));
+        }
+        _ = cancel.cancelled() => return Err("interrupted".into()),
+    };
+    let raised_at = pipeline.raise()?;
+    let handler_gone = match &handler {
+        HandlerWait::Found { handler, .. } => !wait::alive(&proc, handler.pid),
+        _ => false,
+    };
+    let mut v = Verdict {
+        raised_at: Some(raised_at),
+        handler_gone,
+        ..Verdict::started(args.cloud, shown, notice_dir.clone(), handler, started_at)
+    };
+
+    // 5. Follow the plan until the checkpoint step is over.
+    let limit = follow::limit(args.timeout, args.cloud);
+    v.record_plan(follow::to_result(pipeline.events(), limit).await);
+
+    // 6. Let the child exit on its own (it should, after its save); else stop it, and say so.
+    let_child_exit(args, &mut v, &mut child, pid).await;
+    v.acks = records::read_acks(&notice_dir);
+    if dirs.upload_to.is_some() {
+        v.upload = Some(upload_report(pipeline.events(), &v, limit).await);
+    }
+    pipeline.stop().await;
+
+    report::judge(&mut v, SIGNAL_NAME, args.timeout);
+    dirs.work.keep(args.keep);
+    Ok(v)
+}
+
+/// The program to run and its arguments: the command, else the bundled example trainer.
+fn program(args: &DrillArgs) -> Result<(PathBuf, Vec<String>), String> {
+    if args.command.is_empty() {
+        let me = std::env::current_exe().map_err(|e| format!("locating spotguard: {e}"))?;
+        Ok((me, vec!["example-trainer".into()]))
+    } else {
+        Ok((PathBuf::from(&args.command[0]), args.command[1..].to_vec()))
+    }
+}
+
+/// Say what the run rehearses, against what, and where its dirs are.
+fn announce(args: &DrillArgs, dirs: &RunDirs, shown: &str) {
     let when = if args.after_start {
         format!("{} after start", crate::duration::display(args.after))
     } else {
@@ -288,174 +360,108 @@ async fn drill(args: &DrillArgs, cancel: CancellationToken) -> Result<Verdict, S
             crate::duration::display(args.startup_timeout)
         )
     };
-    let say = |line: String| {
-        if args.json {
-            eprintln!("{line}");
-        } else {
-            println!("{line}");
-            let _ = std::io::stdout().flush();
-        }
-    };
-    say(format!(
-        "spotguard drill: {} interruption {when}, against `{shown}`",
-        args.cloud.as_str()
-    ));
-    say(format!("  SPOTGUARD_DIR={}", ckpt_dir.display()));
+    say(
+        args.json,
+        format!(
+            "spotguard drill: {} interruption {when}, against `{shown}`",
+            args.cloud.as_str()
+        ),
+    );
+    say(
+        args.json,
+        format!("  SPOTGUARD_DIR={}", dirs.work.notice.display()),
+    );
     if args.keep {
-        say(format!("  drill dir (kept): {}", work.path().display()));
+        say(
+            args.json,
+            format!("  drill dir (kept): {}", dirs.work.path().display()),
+        );
     }
-    let started_at = Timestamp::now();
-    let started = Instant::now();
-    let mut child = Command::new(&program);
-    if upload_to.is_some() {
-        std::fs::create_dir_all(&staged_dir)
-            .map_err(|e| format!("creating {}: {e}", staged_dir.display()))?;
+}
+
+/// Start the command (with `SPOTGUARD_DIR`, and the staged dir under `--upload-to`) and write
+/// its pidfile; returns it and its pid.
+fn start_child(
+    args: &DrillArgs,
+    dirs: &RunDirs,
+    program: &Path,
+    child_args: &[String],
+) -> Result<(Child, u32), String> {
+    let mut child = Command::new(program);
+    if let Some(upload_to) = &dirs.upload_to {
+        workdir::create(&dirs.staged)?;
         child
-            .env(trainer::STAGED_ENV, &staged_dir)
+            .env(trainer::STAGED_ENV, &dirs.staged)
             .env(trainer::STAGED_SIZE_ENV, args.staged_size.to_string());
-        say(format!(
-            "  staged checkpoints: uploaded by the agent into {}",
-            upload_to.as_deref().unwrap_or(&staged_dir).display()
-        ));
+        say(
+            args.json,
+            format!(
+                "  staged checkpoints: uploaded by the agent into {}",
+                upload_to.display()
+            ),
+        );
     }
-    let mut child = child
-        .args(&child_args)
-        .env("SPOTGUARD_DIR", &ckpt_dir)
-        .stdout(child_stdout(args.json)?)
+    let child = child
+        .args(child_args)
+        .env("SPOTGUARD_DIR", &dirs.work.notice)
+        .stdout(child::stdout(args.json)?)
         .kill_on_drop(true)
         .spawn()
         .map_err(|e| format!("starting {}: {e}", program.display()))?;
     let pid = child
         .id()
         .ok_or_else(|| "the command exited at once".to_string())?;
-    std::fs::write(&pidfile, format!("{pid}\n")).map_err(|e| format!("writing pidfile: {e}"))?;
+    std::fs::write(&dirs.pidfile, format!("{pid}\n"))
+        .map_err(|e| format!("writing pidfile: {e}"))?;
+    Ok((child, pid))
+}
 
-    // 3. The real pipeline, host mode, against the emulator.
-    let run_args = drill_run_args(
-        args,
-        &emu.base_url(),
-        &ckpt_dir,
-        &state_dir,
-        std::slice::from_ref(&pidfile),
-    )?;
-    let cfg = Config::resolve(run_args, &config::ProcessEnv).map_err(|e| e.to_string())?;
-    let pipeline_cancel = cancel.child_token();
-    let app = app::start(cfg, pipeline_cancel.clone())
-        .await
-        .map_err(|e| format!("starting the pipeline: {e}"))?;
-    let mut events = app.events;
-
-    // 4. Wait for a handler (bounded), then --after, unless the child dies first.
-    let proc = ProcFs::new("/proc");
-    let root = i32::try_from(pid).map_err(|_| format!("pid {pid} out of range"))?;
-    let wait_phase = async {
-        let handler = if args.after_start {
-            HandlerWait::NotWaited
-        } else {
-            loop {
-                if let Some(h) = wait::find_handler(&proc, root, SIGNAL) {
-                    break HandlerWait::Found {
-                        handler: h,
-                        waited: started.elapsed(),
-                    };
-                }
-                if started.elapsed() >= args.startup_timeout {
-                    break HandlerWait::NotFound {
-                        waited: started.elapsed(),
-                    };
-                }
-                tokio::time::sleep(Duration::from_millis(100)).await;
+/// Wait up to --startup-timeout for some process of `root`'s tree to catch the signal (not with
+/// --after-start), say which, then wait --after.
+async fn wait_for_handler(
+    args: &DrillArgs,
+    proc: &ProcFs,
+    root: i32,
+    started: Instant,
+) -> HandlerWait {
+    let handler = if args.after_start {
+        HandlerWait::NotWaited
+    } else {
+        loop {
+            if let Some(h) = wait::find_handler(proc, root, SIGNAL) {
+                break HandlerWait::Found {
+                    handler: h,
+                    waited: started.elapsed(),
+                };
             }
-        };
-        if let HandlerWait::Found { handler, waited } = &handler {
-            say(format!(
+            if started.elapsed() >= args.startup_timeout {
+                break HandlerWait::NotFound {
+                    waited: started.elapsed(),
+                };
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    };
+    if let HandlerWait::Found { handler, waited } = &handler {
+        say(
+            args.json,
+            format!(
                 "  handler: pid {} ({}) catches {SIGNAL_NAME}, {:.1}s after start; notice in {}",
                 handler.pid,
                 handler.command,
                 waited.as_secs_f64(),
                 crate::duration::display(args.after)
-            ));
-        }
-        tokio::time::sleep(args.after).await;
-        handler
-    };
-    let handler = tokio::select! {
-        h = wait_phase => h,
-        status = child.wait() => {
-            pipeline_cancel.cancel();
-            let _ = tokio::time::timeout(Duration::from_secs(5), app.join).await;
-            emu.shutdown().await;
-            let what = match status {
-                Ok(s) => {
-                    let e = exit_info(s, false);
-                    match e.signal {
-                        Some(_) => report::exit_label(&e),
-                        None => format!("exit {}", e.code),
-                    }
-                }
-                Err(e) => e.to_string(),
-            };
-            keep(work, args.keep);
-            return Err(format!(
-                "the command ended before the notice ({what}, {:.1}s after start): nothing was left to interrupt. Give it more steps, or a shorter --after",
-                started.elapsed().as_secs_f64()
-            ));
-        }
-        _ = cancel.cancelled() => return Err("interrupted".into()),
-    };
-    let raised_at = emu
-        .raise(emulator::EmulatedNotice::interruption())
-        .map_err(|e| format!("raising the notice in the emulator: {e}"))?
-        .visible_at;
-    let handler_gone = match &handler {
-        HandlerWait::Found { handler, .. } => !wait::alive(&proc, handler.pid),
-        _ => false,
-    };
-    let mut v = Verdict {
-        raised_at: Some(raised_at),
-        handler_gone,
-        ..Verdict::started(args.cloud, shown, ckpt_dir.clone(), handler, started_at)
-    };
-
-    // 5. Follow the plan until the checkpoint step is over.
-    let limit = args.timeout + args.cloud.facts().interruption_notice + Duration::from_secs(30);
-    let follow = async {
-        loop {
-            match events.recv().await {
-                Ok(PlanEvent::NoticeSeen { notice, at }) => {
-                    v.seen_at = Some(at);
-                    v.deadline = notice.deadline;
-                }
-                Ok(PlanEvent::Signalled {
-                    at,
-                    processes,
-                    checkpoint_deadline,
-                    ..
-                }) => {
-                    v.signalled_at = Some(at);
-                    v.processes = processes;
-                    v.checkpoint_deadline = Some(checkpoint_deadline);
-                }
-                Ok(PlanEvent::Checkpointed { at, results, .. }) => {
-                    v.result_at = Some(at);
-                    v.results = results;
-                    break;
-                }
-                Ok(_) => {}
-                Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {}
-                Err(_) => break,
-            }
-        }
-    };
-    if tokio::time::timeout(limit, follow).await.is_err() {
-        v.error = Some(format!(
-            "the agent pipeline did not reach a checkpoint result within {}",
-            crate::duration::display(limit)
-        ));
+            ),
+        );
     }
+    tokio::time::sleep(args.after).await;
+    handler
+}
 
-    // 6. Let the child exit on its own (it should, after its save); else stop it, and say so.
-    // After a failed step (no handler, timeout, no result) there is nothing to wait for.
+/// Let the child exit on its own within --exit-timeout after a checkpoint that succeeded (or a
+/// save that may still finish: its ack then shows how late it was), else within 500 ms (after a
+/// failed step — no handler, timeout, no result — there is nothing to wait for); then stop it.
+async fn let_child_exit(args: &DrillArgs, v: &mut Verdict, child: &mut Child, pid: u32) {
     let succeeded = v.error.is_none()
         && !v.results.is_empty()
         && v.results
@@ -463,43 +469,14 @@ async fn drill(args: &DrillArgs, cancel: CancellationToken) -> Result<Verdict, S
             .all(|r| matches!(r.outcome, Outcome::Acked | Outcome::Exited));
     let still_saving = v.results.iter().any(|r| r.outcome == Outcome::Timeout);
     let exit_wait = if succeeded || still_saving {
-        // A timed-out save may still finish: its ack then shows how late it was.
         args.exit_timeout
     } else {
         Duration::from_millis(500)
     };
-    v.exit = match tokio::time::timeout(exit_wait, child.wait()).await {
-        Ok(s) => {
-            v.exited_at = Some(Timestamp::now());
-            s.ok().map(|s| exit_info(s, false))
-        }
-        Err(_) => {
-            v.drill_terminated_at = Some(Timestamp::now());
-            terminate(pid, libc::SIGTERM);
-            let status = match tokio::time::timeout(Duration::from_secs(5), child.wait()).await {
-                Ok(s) => s.ok(),
-                Err(_) => {
-                    terminate(pid, libc::SIGKILL);
-                    tokio::time::timeout(Duration::from_secs(5), child.wait())
-                        .await
-                        .ok()
-                        .and_then(|s| s.ok())
-                }
-            };
-            status.map(|s| exit_info(s, true))
-        }
-    };
-    v.acks = records::read_acks(&ckpt_dir);
-    if upload_to.is_some() {
-        v.upload = Some(upload_report(&mut events, &v, limit).await);
-    }
-    pipeline_cancel.cancel();
-    let _ = tokio::time::timeout(Duration::from_secs(5), app.join).await;
-    emu.shutdown().await;
-
-    report::judge(&mut v, SIGNAL_NAME, args.timeout);
-    keep(work, args.keep);
-    Ok(v)
+    let ended = child::let_exit(child, pid, exit_wait).await;
+    v.exit = ended.exit;
+    v.exited_at = ended.exited_at;
+    v.drill_terminated_at = ended.terminated_at;
 }
 
 /// The staged checkpoint's upload: its report once the plan says it ended (bounded by `limit`),
@@ -516,74 +493,12 @@ async fn upload_report(
                 .into(),
         );
     }
-    let wait = async {
-        loop {
-            match events.recv().await {
-                Ok(PlanEvent::Uploaded { report, .. }) => return Some(report),
-                Ok(_) | Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {}
-                Err(_) => return None,
-            }
-        }
-    };
-    match tokio::time::timeout(limit, wait).await {
+    match tokio::time::timeout(limit, follow::upload(events)).await {
         Ok(Some(r)) => report::UploadRow::Ended(r),
         Ok(None) => report::UploadRow::None("the agent stopped before the upload ended".into()),
         Err(_) => report::UploadRow::None(format!(
             "no upload report within {}",
             crate::duration::display(limit)
         )),
-    }
-}
-
-/// Drop (delete) the drill's temp dir, or keep it (`--keep`).
-fn keep(work: tempfile::TempDir, keep: bool) {
-    if keep {
-        let _ = work.keep();
-    }
-}
-
-fn drill_run_args(
-    args: &DrillArgs,
-    endpoint: &str,
-    ckpt_dir: &Path,
-    state_dir: &Path,
-    pidfiles: &[PathBuf],
-) -> Result<config::RunArgs, String> {
-    let cloud = args.cloud.as_str();
-    let timeout = crate::duration::display(args.timeout).to_string();
-    let mut flags: Vec<String> = vec![
-        "--mode=host".into(),
-        format!("--cloud={cloud}"),
-        format!("--metadata-endpoint={endpoint}"),
-        "--poll-interval=1s".into(),
-        format!("--checkpoint-timeout={timeout}"),
-        format!("--checkpoint-dir={}", ckpt_dir.display()),
-        format!("--state-dir={}", state_dir.display()),
-        "--metrics-addr=127.0.0.1:0".into(),
-        "--gpu=off".into(),
-        format!("--log-level={}", args.log_level),
-        "--shutdown-grace=5s".into(),
-    ];
-    flags.extend(
-        pidfiles
-            .iter()
-            .map(|p| format!("--checkpoint-pidfile={}", p.display())),
-    );
-    if let Some(dir) = &args.upload_to {
-        flags.push(format!("--upload-allow={}", dir.display()));
-        flags.push(format!("--checkpoint-upload={}", dir.display()));
-    }
-    let mut r = config::parse_run_args(flags)?;
-    r.mode = ModeChoice::Host;
-    r.config = None;
-    Ok(r)
-}
-
-fn terminate(pid: u32, sig: libc::c_int) {
-    if let Ok(p) = i32::try_from(pid) {
-        // SAFETY: kill(2) on our own child's pid (not yet reaped: the pid is still ours).
-        unsafe {
-            libc::kill(p, sig);
-        }
     }
 }

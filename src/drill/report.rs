@@ -8,6 +8,7 @@ use std::time::Duration;
 use jiff::Timestamp;
 use serde_json::{json, Value};
 
+use super::follow::PlanSeen;
 use super::wait::HandlerWait;
 use crate::checkpoint::run::GroupResult;
 use crate::checkpoint::Outcome;
@@ -83,6 +84,20 @@ pub enum UploadRow {
 }
 
 impl Verdict {
+    /// Note what the plan showed up to its checkpoint result ([`PlanSeen`]).
+    pub fn record_plan(&mut self, seen: PlanSeen) {
+        self.seen_at = seen.seen_at;
+        self.deadline = seen.deadline;
+        self.signalled_at = seen.signalled_at;
+        self.processes = seen.processes;
+        self.checkpoint_deadline = seen.checkpoint_deadline;
+        self.result_at = seen.result_at;
+        self.results = seen.results;
+        if let Some(e) = seen.error {
+            self.error = Some(e);
+        }
+    }
+
     /// The trainer's downtime: the signal to the command's own exit.
     pub fn downtime(&self) -> Option<Duration> {
         match (self.signalled_at, self.exited_at) {
