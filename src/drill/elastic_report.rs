@@ -8,7 +8,6 @@
 //! (the saved step, or more when the job trained on and then restarted again; `last_step` of the
 //! resume records) minus the step they last resumed from.
 
-use std::fmt::Write as _;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -17,7 +16,7 @@ use serde_json::{json, Value};
 
 use super::follow::PlanSeen;
 use super::records::ResumeRow;
-use super::report::{exit_label, AckRow, ExitInfo};
+use super::report::{exit_label, AckRow, ExitInfo, Table};
 use super::wait::Handler;
 use crate::checkpoint::run::GroupResult;
 use crate::checkpoint::Outcome;
@@ -227,51 +226,9 @@ pub fn judge(v: &mut ElasticVerdict, timeout: Duration, kill_after: Duration) {
             ));
         }
     }
-    let doomed = v.doomed;
-    let survivors: Vec<Survivor> = v
-        .nodes
-        .iter()
-        .filter(|n| n.index != doomed)
-        .map(|n| {
-            let after: Vec<&ResumeRow> = n.resumes.iter().filter(|r| r.at > t0).collect();
-            Survivor {
-                index: n.index,
-                label: n.label.clone(),
-                first: after.first().map(|r| (r.step, r.at, r.world_size)),
-                resumes_after_notice: generations(&after),
-                last_step: after.last().map(|r| r.step),
-            }
-        })
-        .collect();
-    v.survivors = survivors;
-    // Steps lost: the highest step reached before the survivors' last resume (the start of
-    // their last generation of workers), minus the step it resumed from.
-    let last_resume = v
-        .nodes
-        .iter()
-        .filter(|n| n.index != doomed)
-        .filter_map(|n| {
-            let after: Vec<&ResumeRow> = n.resumes.iter().filter(|r| r.at > t0).collect();
-            last_generation_start(&after)
-        })
-        .max();
-    if let (Some(last), Some(saved)) = (last_resume, v.saved_step) {
-        let reached = v
-            .nodes
-            .iter()
-            .flat_map(|n| n.resumes.iter())
-            .filter(|r| r.at < last)
-            .map(|r| r.last_step)
-            .max()
-            .unwrap_or(saved)
-            .max(saved);
-        let resumed = v
-            .survivors
-            .iter()
-            .filter_map(|s| s.last_step)
-            .min()
-            .unwrap_or(saved);
-        v.steps_lost = Some((reached - resumed).max(0));
+    v.survivors = survivors(v);
+    if let Some(lost) = steps_lost(v) {
+        v.steps_lost = Some(lost);
     }
     if v.survivors.iter().all(|s| s.first.is_some()) && !v.survivors.is_empty() {
         v.training_again = v
@@ -285,6 +242,62 @@ pub fn judge(v: &mut ElasticVerdict, timeout: Duration, kill_after: Duration) {
     let (pass, reason) = verdict(v, timeout, kill_after);
     v.pass = pass;
     v.reason = reason;
+}
+
+/// Each surviving node after the notice.
+fn survivors(v: &ElasticVerdict) -> Vec<Survivor> {
+    let t0 = v.raised_at;
+    let doomed = v.doomed;
+    v.nodes
+        .iter()
+        .filter(|n| n.index != doomed)
+        .map(|n| {
+            let after: Vec<&ResumeRow> = n.resumes.iter().filter(|r| r.at > t0).collect();
+            Survivor {
+                index: n.index,
+                label: n.label.clone(),
+                first: after.first().map(|r| (r.step, r.at, r.world_size)),
+                resumes_after_notice: generations(&after),
+                last_step: after.last().map(|r| r.step),
+            }
+        })
+        .collect()
+}
+
+/// Steps lost: the highest step reached before the survivors' last resume (the start of their
+/// last generation of workers), minus the step it resumed from; known once they resumed and the
+/// interrupted node saved a step.
+fn steps_lost(v: &ElasticVerdict) -> Option<i64> {
+    let t0 = v.raised_at;
+    let doomed = v.doomed;
+    let last_resume = v
+        .nodes
+        .iter()
+        .filter(|n| n.index != doomed)
+        .filter_map(|n| {
+            let after: Vec<&ResumeRow> = n.resumes.iter().filter(|r| r.at > t0).collect();
+            last_generation_start(&after)
+        })
+        .max();
+    let (Some(last), Some(saved)) = (last_resume, v.saved_step) else {
+        return None;
+    };
+    let reached = v
+        .nodes
+        .iter()
+        .flat_map(|n| n.resumes.iter())
+        .filter(|r| r.at < last)
+        .map(|r| r.last_step)
+        .max()
+        .unwrap_or(saved)
+        .max(saved);
+    let resumed = v
+        .survivors
+        .iter()
+        .filter_map(|s| s.last_step)
+        .min()
+        .unwrap_or(saved);
+    Some((reached - resumed).max(0))
 }
 
 /// Resume records of one node come one per worker; a generation is a burst of them (within 5 s
@@ -308,26 +321,40 @@ fn last_generation_start(rows: &[&ResumeRow]) -> Option<Timestamp> {
 }
 
 fn verdict(v: &ElasticVerdict, timeout: Duration, kill_after: Duration) -> (bool, String) {
-    let t0 = v.raised_at;
+    match checks(v, timeout, kill_after) {
+        Ok(reason) => (true, reason),
+        Err(reason) => (false, reason),
+    }
+}
+
+/// The verdict's checks in order: the first that fails says why (`Err`); else why it passed.
+fn checks(v: &ElasticVerdict, timeout: Duration, kill_after: Duration) -> Result<String, String> {
     let doomed = v.doomed_label();
     if let Some(e) = &v.error {
-        return (false, e.clone());
+        return Err(e.clone());
     }
-    let launcher = if through_launcher(&v.command) {
-        ""
-    } else {
-        " Start torchrun through `python3 -m spotguard launch -- torchrun …`: at the notice it stops the node's agent, which then leaves instead of restarting its workers."
+    checkpointed(v, &doomed, timeout)?;
+    let Some(saved) = v.saved_step else {
+        return Err(format!("{doomed} acked without a step: pass step= to spotguard.ack(\"done\", step=…) so that the drill can count steps"));
     };
-    // The interrupted node's own checkpoint.
+    left(v, &doomed, saved, kill_after)?;
+    survivors_resumed(v)?;
+    no_steps_lost(v, &doomed, saved)?;
+    let again = v.training_again.unwrap_or_default();
+    in_time(v, &doomed, again)?;
+    Ok(passed(v, &doomed, saved, again))
+}
+
+/// The interrupted node's own checkpoint.
+fn checkpointed(v: &ElasticVerdict, doomed: &str, timeout: Duration) -> Result<(), String> {
     let bad = v
         .results
         .iter()
         .find(|r| !matches!(r.outcome, Outcome::Acked | Outcome::Exited));
     if v.results.is_empty() {
-        return (
-            false,
-            format!("no process of {doomed} was found to signal (did it start?)"),
-        );
+        return Err(format!(
+            "no process of {doomed} was found to signal (did it start?)"
+        ));
     }
     if let Some(r) = bad {
         let why = match r.outcome {
@@ -339,110 +366,117 @@ fn verdict(v: &ElasticVerdict, timeout: Duration, kill_after: Duration) -> (bool
             Outcome::Skipped => format!("{doomed} acked `skipped`: it judged the save would not fit"),
             _ => format!("{doomed}'s checkpoint step ended in `{}` ({})", r.outcome.as_str(), r.detail),
         };
-        return (false, why);
+        return Err(why);
     }
-    let Some(saved) = v.saved_step else {
-        return (
-            false,
-            format!("{doomed} acked without a step: pass step= to spotguard.ack(\"done\", step=…) so that the drill can count steps"),
-        );
+    Ok(())
+}
+
+/// The interrupted node must leave: no worker of it may start again after the notice, and none
+/// may still run at the power-off.
+fn left(v: &ElasticVerdict, doomed: &str, saved: i64, kill_after: Duration) -> Result<(), String> {
+    let t0 = v.raised_at;
+    let launcher = if through_launcher(&v.command) {
+        ""
+    } else {
+        " Start torchrun through `python3 -m spotguard launch -- torchrun …`: at the notice it stops the node's agent, which then leaves instead of restarting its workers."
     };
-    // The interrupted node must leave: no worker of it may start again after the notice.
-    if let Some(node) = v.doomed_node() {
-        if let Some(r) = node.resumes.iter().find(|r| r.at > t0) {
-            return (
-                false,
-                format!(
-                    "torchrun restarted the workers on the preempted node: {doomed} saved step {saved} and then resumed from step {} {} after the notice, rejoining the job it should have left (each such restart also uses one of its --max-restarts).{launcher}",
-                    r.step,
-                    rel(Some(r.at), t0)
-                ),
-            );
-        }
-        if node.killed_at_power_off > 0 {
-            return (
-                false,
-                format!(
-                    "{doomed} was still running at its power-off ({} process(es) killed {} after the notice): its agent did not leave the job after the checkpoint.{launcher}",
-                    node.killed_at_power_off,
-                    crate::duration::display(kill_after)
-                ),
-            );
-        }
+    let Some(node) = v.doomed_node() else {
+        return Ok(());
+    };
+    if let Some(r) = node.resumes.iter().find(|r| r.at > t0) {
+        return Err(format!(
+            "torchrun restarted the workers on the preempted node: {doomed} saved step {saved} and then resumed from step {} {} after the notice, rejoining the job it should have left (each such restart also uses one of its --max-restarts).{launcher}",
+            r.step,
+            rel(Some(r.at), t0)
+        ));
     }
+    if node.killed_at_power_off > 0 {
+        return Err(format!(
+            "{doomed} was still running at its power-off ({} process(es) killed {} after the notice): its agent did not leave the job after the checkpoint.{launcher}",
+            node.killed_at_power_off,
+            crate::duration::display(kill_after)
+        ));
+    }
+    Ok(())
+}
+
+/// Every surviving node resumed after the notice (and the command writes resume records at all).
+fn survivors_resumed(v: &ElasticVerdict) -> Result<(), String> {
+    let t0 = v.raised_at;
     if v.survivors.iter().all(|s| s.first.is_none()) && v.nodes.iter().all(|n| n.resumes.is_empty())
     {
-        return (
-            false,
+        return Err(
             "the command writes no resume record: call spotguard.resumed(step) once the checkpoint is loaded, right before the loop (the drill learns each node's resumed step from it)".into(),
         );
     }
-    for s in &v.survivors {
-        if s.first.is_some() {
-            continue;
-        }
-        let node = v.nodes.iter().find(|n| n.index == s.index);
-        let cause = match node.and_then(|n| n.exit.as_ref().filter(|_| !n.stopped_by_drill)) {
-            Some(e) if max_restarts_zero(&v.command) && !through_launcher(&v.command) => format!(
-                "its torchrun exited ({}) instead of restarting its workers: --max-restarts 0, and a preemption costs every surviving node one restart (start it through `python3 -m spotguard launch`, which adds an allowance for preemptions)",
-                exit_label(e)
-            ),
-            Some(e) => format!(
-                "its launcher exited ({}) {} after the notice: torchrun stops when --max-restarts is used up (each preemption costs every surviving node one restart), or when the rendezvous was closed (a node's torchrun that ran out of restarts closes it for everyone)",
-                exit_label(e),
-                rel(node.and_then(|n| n.exited_at), t0)
-            ),
-            None => "it kept running without starting its workers again: stuck in the rendezvous (waiting for the preempted node's entry to expire?) or still training with the old group".to_string(),
-        };
-        return (
-            false,
-            format!(
-                "a survivor did not resume: {} never resumed after the notice — {cause}",
-                s.label
-            ),
-        );
-    }
+    let Some(s) = v.survivors.iter().find(|s| s.first.is_none()) else {
+        return Ok(());
+    };
+    let node = v.nodes.iter().find(|n| n.index == s.index);
+    let cause = match node.and_then(|n| n.exit.as_ref().filter(|_| !n.stopped_by_drill)) {
+        Some(e) if max_restarts_zero(&v.command) && !through_launcher(&v.command) => format!(
+            "its torchrun exited ({}) instead of restarting its workers: --max-restarts 0, and a preemption costs every surviving node one restart (start it through `python3 -m spotguard launch`, which adds an allowance for preemptions)",
+            exit_label(e)
+        ),
+        Some(e) => format!(
+            "its launcher exited ({}) {} after the notice: torchrun stops when --max-restarts is used up (each preemption costs every surviving node one restart), or when the rendezvous was closed (a node's torchrun that ran out of restarts closes it for everyone)",
+            exit_label(e),
+            rel(node.and_then(|n| n.exited_at), t0)
+        ),
+        None => "it kept running without starting its workers again: stuck in the rendezvous (waiting for the preempted node's entry to expire?) or still training with the old group".to_string(),
+    };
+    Err(format!(
+        "a survivor did not resume: {} never resumed after the notice — {cause}",
+        s.label
+    ))
+}
+
+/// No step was lost, and if some were, why.
+fn no_steps_lost(v: &ElasticVerdict, doomed: &str, saved: i64) -> Result<(), String> {
     let lost = v.steps_lost.unwrap_or(0);
-    if lost > 0 {
-        let resumed = v
-            .survivors
-            .iter()
-            .filter_map(|s| s.last_step)
-            .min()
-            .unwrap_or(0);
-        let again = v.survivors.iter().any(|s| s.resumes_after_notice > 1);
-        let why = if again {
-            " — they restarted more than once after the notice: they trained on with a group that still held the preempted node, and lost that work when it went away"
-        } else if resumed < saved {
-            " — they resumed from an older checkpoint than the one just saved (is --ckpt-dir shared by every node?)"
-        } else {
-            ""
-        };
-        return (
-            false,
-            format!("{lost} step(s) lost: {doomed} saved step {saved}, the other nodes last resumed from step {resumed}{why}"),
-        );
+    if lost <= 0 {
+        return Ok(());
     }
-    let again = v.training_again.unwrap_or_default();
-    if let Some(by) = v.must_train_by() {
-        if let Some(last) = v
-            .survivors
-            .iter()
-            .filter_map(|s| s.first.map(|(_, at, _)| at))
-            .max()
-        {
-            if last > by {
-                return (
-                    false,
-                    format!(
-                        "the other nodes trained again only {:.1}s after the notice, after {doomed}'s deadline ({}): the rendezvous kept them waiting (torchrun's last_call_timeout, 30 s by default; or the preempted node's entry until its heartbeats expired)",
-                        again.as_secs_f64(),
-                        rel(Some(by), t0)
-                    ),
-                );
-            }
-        }
+    let resumed = v
+        .survivors
+        .iter()
+        .filter_map(|s| s.last_step)
+        .min()
+        .unwrap_or(0);
+    let again = v.survivors.iter().any(|s| s.resumes_after_notice > 1);
+    let why = if again {
+        " — they restarted more than once after the notice: they trained on with a group that still held the preempted node, and lost that work when it went away"
+    } else if resumed < saved {
+        " — they resumed from an older checkpoint than the one just saved (is --ckpt-dir shared by every node?)"
+    } else {
+        ""
+    };
+    Err(format!("{lost} step(s) lost: {doomed} saved step {saved}, the other nodes last resumed from step {resumed}{why}"))
+}
+
+/// The survivors trained again before the interrupted node's deadline (`again` after the notice).
+fn in_time(v: &ElasticVerdict, doomed: &str, again: Duration) -> Result<(), String> {
+    let t0 = v.raised_at;
+    let Some(by) = v.must_train_by() else {
+        return Ok(());
+    };
+    let last = v
+        .survivors
+        .iter()
+        .filter_map(|s| s.first.map(|(_, at, _)| at))
+        .max();
+    match last {
+        Some(last) if last > by => Err(format!(
+            "the other nodes trained again only {:.1}s after the notice, after {doomed}'s deadline ({}): the rendezvous kept them waiting (torchrun's last_call_timeout, 30 s by default; or the preempted node's entry until its heartbeats expired)",
+            again.as_secs_f64(),
+            rel(Some(by), t0)
+        )),
+        _ => Ok(()),
     }
+}
+
+/// Why the run passed.
+fn passed(v: &ElasticVerdict, doomed: &str, saved: i64, again: Duration) -> String {
     let resumed = v
         .survivors
         .iter()
@@ -454,24 +488,19 @@ fn verdict(v: &ElasticVerdict, timeout: Duration, kill_after: Duration) -> (bool
     } else {
         ""
     };
-    (
-        true,
-        format!(
-            "0 steps lost: {doomed} saved step {saved} and left; {} resumed from step {resumed}{kept} and trained again {:.1}s after the notice, before its deadline",
-            v.survivors
-                .iter()
-                .map(|s| s.label.clone())
-                .collect::<Vec<_>>()
-                .join(", "),
-            again.as_secs_f64()
-        ),
+    format!(
+        "0 steps lost: {doomed} saved step {saved} and left; {} resumed from step {resumed}{kept} and trained again {:.1}s after the notice, before its deadline",
+        v.survivors
+            .iter()
+            .map(|s| s.label.clone())
+            .collect::<Vec<_>>()
+            .join(", "),
+        again.as_secs_f64()
     )
 }
 
 /// The verdict table.
 pub fn table(v: &ElasticVerdict) -> String {
-    let t0 = v.raised_at;
-    let mut out = String::new();
     // Node labels (`HOROVOD_HOSTNAME=localhost`) may be longer than the step names.
     let w = v
         .nodes
@@ -480,12 +509,22 @@ pub fn table(v: &ElasticVerdict) -> String {
         .max()
         .unwrap_or(0)
         .max(20);
-    let _ = writeln!(out, "\n  {:<w$} time       detail", "step");
-    let row = |out: &mut String, step: &str, time: &str, detail: &str| {
-        let _ = writeln!(out, "  {step:<w$} {time:<10} {detail}");
-    };
+    let mut t = Table::new(w);
+    node_rows(&mut t, v);
+    notice_rows(&mut t, v);
+    node_left_row(&mut t, v);
+    survivor_rows(&mut t, v);
+    outcome_rows(&mut t, v);
+    for w in &v.warnings {
+        t.row("warning", "", w);
+    }
+    t.finish(v.pass, &v.reason)
+}
+
+/// Each node before the notice: training (its last resume) or its handler.
+fn node_rows(t: &mut Table, v: &ElasticVerdict) {
     for n in &v.nodes {
-        let first = n.resumes.iter().rfind(|r| r.at <= t0);
+        let first = n.resumes.iter().rfind(|r| r.at <= v.raised_at);
         let detail = match (first, &n.handler) {
             (Some(r), _) => format!(
                 "pid {}: training before the notice (resumed from step {}, world size {})",
@@ -498,10 +537,14 @@ pub fn table(v: &ElasticVerdict) -> String {
             (None, Some((h, _))) => format!("pid {}: pid {} catches the signal", n.pid, h.pid),
             (None, None) => format!("pid {}: no process caught the signal", n.pid),
         };
-        row(&mut out, &n.label, "", &detail);
+        t.row(&n.label, "", &detail);
     }
-    row(
-        &mut out,
+}
+
+/// The notice raised, the signal sent, the step saved.
+fn notice_rows(t: &mut Table, v: &ElasticVerdict) {
+    let t0 = v.raised_at;
+    t.row(
         "notice raised",
         "+0.0s",
         &format!(
@@ -511,8 +554,7 @@ pub fn table(v: &ElasticVerdict) -> String {
             rel(v.deadline, t0)
         ),
     );
-    row(
-        &mut out,
+    t.row(
         "signal sent",
         &rel(v.signalled_at, t0),
         &format!(
@@ -522,8 +564,7 @@ pub fn table(v: &ElasticVerdict) -> String {
         ),
     );
     let done: Vec<&AckRow> = v.acks.iter().filter(|a| a.state == "done").collect();
-    row(
-        &mut out,
+    t.row(
         "step saved",
         &rel(done.iter().filter_map(|a| a.written).max(), t0),
         &match v.saved_step {
@@ -539,29 +580,38 @@ pub fn table(v: &ElasticVerdict) -> String {
             None => format!("no `done` ack with a step on {}", v.doomed_label()),
         },
     );
-    if let Some(n) = v.doomed_node() {
-        let detail = match (&n.exit, n.killed_at_power_off) {
-            (_, k) if k > 0 => format!(
-                "{}: still running at the power-off, {k} process(es) killed",
-                n.label
-            ),
-            (Some(e), _) if !n.stopped_by_drill => {
-                format!("{}: exited {} ({})", n.label, e.code, exit_label(e))
-            }
-            _ if n.exited_at.is_some() => format!("{}: its processes exited", n.label),
-            _ => format!("{}: did not exit", n.label),
-        };
-        let when = if n.killed_at_power_off > 0 {
-            rel(v.power_off_at, t0)
-        } else {
-            rel(n.exited_at, t0)
-        };
-        row(&mut out, "node left", &when, &detail);
-    }
+}
+
+/// How the interrupted node left (or did not).
+fn node_left_row(t: &mut Table, v: &ElasticVerdict) {
+    let Some(n) = v.doomed_node() else {
+        return;
+    };
+    let detail = match (&n.exit, n.killed_at_power_off) {
+        (_, k) if k > 0 => format!(
+            "{}: still running at the power-off, {k} process(es) killed",
+            n.label
+        ),
+        (Some(e), _) if !n.stopped_by_drill => {
+            format!("{}: exited {} ({})", n.label, e.code, exit_label(e))
+        }
+        _ if n.exited_at.is_some() => format!("{}: its processes exited", n.label),
+        _ => format!("{}: did not exit", n.label),
+    };
+    let when = if n.killed_at_power_off > 0 {
+        rel(v.power_off_at, v.raised_at)
+    } else {
+        rel(n.exited_at, v.raised_at)
+    };
+    t.row("node left", &when, &detail);
+}
+
+/// Each surviving node's first resume after the notice.
+fn survivor_rows(t: &mut Table, v: &ElasticVerdict) {
     for s in &v.survivors {
         let (time, detail) = match s.first {
             Some((step, at, world)) => (
-                rel(Some(at), t0),
+                rel(Some(at), v.raised_at),
                 format!(
                     "{}: resumed from step {step} (world size {}){}",
                     s.label,
@@ -579,18 +629,21 @@ pub fn table(v: &ElasticVerdict) -> String {
             ),
             None => ("—".into(), format!("{}: did not resume", s.label)),
         };
-        row(&mut out, "survivors resumed", &time, &detail);
+        t.row("survivors resumed", &time, &detail);
     }
-    row(
-        &mut out,
+}
+
+/// Steps lost, training again, the power-off.
+fn outcome_rows(t: &mut Table, v: &ElasticVerdict) {
+    let t0 = v.raised_at;
+    t.row(
         "steps lost",
         &v.steps_lost
             .map(|l| l.to_string())
             .unwrap_or_else(|| "?".into()),
         "highest step reached before the survivors' last resume − the step they resumed from",
     );
-    row(
-        &mut out,
+    t.row(
         "training again",
         &v.training_again
             .map(|d| format!("{:.1}s", d.as_secs_f64()))
@@ -601,23 +654,12 @@ pub fn table(v: &ElasticVerdict) -> String {
         ),
     );
     if let Some(p) = v.power_off_at {
-        row(
-            &mut out,
+        t.row(
             "power-off",
             &rel(Some(p), t0),
             &format!("{}'s processes killed (SIGKILL)", v.doomed_label()),
         );
     }
-    for w in &v.warnings {
-        row(&mut out, "warning", "", w);
-    }
-    let _ = writeln!(
-        out,
-        "\n  verdict: {} — {}",
-        if v.pass { "PASS" } else { "FAIL" },
-        v.reason
-    );
-    out
 }
 
 /// One run as JSON (`--json`).

@@ -261,41 +261,23 @@ pub fn judge(v: &mut Verdict, signal: &str, timeout: Duration) {
         v.reason = e.clone();
         return;
     }
+    let (pass, reason) = outcome_verdict(v, signal, timeout);
+    let (pass, reason) = with_upload(v, pass, reason);
+    v.pass = pass;
+    v.reason = reason;
+}
+
+/// PASS/FAIL by the checkpoint step's outcome (the first that is not a success, else the first).
+fn outcome_verdict(v: &Verdict, signal: &str, timeout: Duration) -> (bool, String) {
     let outcome = v
         .results
         .iter()
         .map(|r| r.outcome)
         .find(|o| !matches!(o, Outcome::Acked | Outcome::Exited))
         .or_else(|| v.results.first().map(|r| r.outcome));
-    let launcher = if v.command.contains("torchrun") || v.command.contains("torch.distributed.run")
-    {
-        "torchrun exits 1 when its workers exit 143: start it as `python3 -m spotguard launch -- torchrun …`, which exits 143 after this run's checkpoint"
-    } else {
-        "exit 143 after the checkpoint (spotguard.exit_after_checkpoint()); a launcher that turns its workers' 143 into 1 (torchrun) goes under `python3 -m spotguard launch -- …`"
-    };
-    let (pass, reason) = match outcome {
+    match outcome {
         None => (false, "no checkpoint target found (did the command start?)".to_string()),
-        Some(Outcome::NoHandler) => (
-            false,
-            match &v.handler {
-                HandlerWait::NotFound { waited: w } => format!(
-                    "no process of the command ever caught {signal} (waited {} for a handler after start): install one (import spotguard; spotguard.install())",
-                    waited(*w)
-                ),
-                HandlerWait::Found { handler, waited: w } if v.handler_gone => format!(
-                    "the command ended before the notice: pid {} (which caught {signal} {} after start) had exited when the notice was raised, and no process of the command caught {signal} after that (the training finished, or crashed; a launcher still waiting for other nodes was left). Give it more steps, or a shorter --after",
-                    handler.pid,
-                    waited(*w)
-                ),
-                HandlerWait::Found { handler, .. } => format!(
-                    "pid {} caught {signal} before the notice but no process caught it when the agent signalled (handler removed, or the process exited)",
-                    handler.pid
-                ),
-                HandlerWait::NotWaited => format!(
-                    "no process of the command caught {signal} when the agent signalled: install a handler (spotguard.install()), or drop --after-start so the drill waits for it"
-                ),
-            },
-        ),
+        Some(Outcome::NoHandler) => (false, no_handler_reason(v, signal)),
         Some(Outcome::Timeout) => (
             false,
             format!(
@@ -306,29 +288,66 @@ pub fn judge(v: &mut Verdict, signal: &str, timeout: Duration) {
         Some(Outcome::Skipped) => (false, "the process acked `skipped`: it judged the save would not fit".into()),
         Some(Outcome::Failed) => (false, "a process acked `failed`, or exited without acking `done`".into()),
         Some(Outcome::Error) => (false, "spotguard could not signal or read acks (rerun with --log-level info)".into()),
-        Some(Outcome::Acked | Outcome::Exited) => match &v.exit {
-            None => (false, "the command did not exit, even after the drill's SIGTERM and SIGKILL".into()),
-            Some(e) if e.killed_by_drill => (
-                false,
-                "checkpointed, but kept running after its result until the drill stopped it: exit after the checkpoint (spotguard.exit_after_checkpoint())".into(),
-            ),
-            Some(e) if e.signal.is_some() => (false, format!("checkpointed, then {}", exit_label(e))),
-            Some(e) if e.code == 143 => (true, "acknowledged `done` within the budget and exited 143".into()),
-            Some(e) if e.code == 0 => (
-                false,
-                "checkpointed, but exit 0 marks a Job (and a Kubeflow job) succeeded, so it would never resume: exit 143 (spotguard.exit_after_checkpoint())".into(),
-            ),
-            Some(e) if e.code < 128 => (
-                false,
-                format!(
-                    "checkpointed, but exit {} after the acks fails the Job: a podFailurePolicy FailJob rule (and Kubeflow's ExitCode policy) treat 1–127 as permanent. {launcher}",
-                    e.code
-                ),
-            ),
-            Some(e) => (true, format!("acknowledged `done` within the budget; exit {} is retryable for Kubeflow, list it in your podFailurePolicy", e.code)),
-        },
+        Some(Outcome::Acked | Outcome::Exited) => exit_verdict(v),
+    }
+}
+
+/// Why no process caught the signal, by what the start-up wait found.
+fn no_handler_reason(v: &Verdict, signal: &str) -> String {
+    match &v.handler {
+        HandlerWait::NotFound { waited: w } => format!(
+            "no process of the command ever caught {signal} (waited {} for a handler after start): install one (import spotguard; spotguard.install())",
+            waited(*w)
+        ),
+        HandlerWait::Found { handler, waited: w } if v.handler_gone => format!(
+            "the command ended before the notice: pid {} (which caught {signal} {} after start) had exited when the notice was raised, and no process of the command caught {signal} after that (the training finished, or crashed; a launcher still waiting for other nodes was left). Give it more steps, or a shorter --after",
+            handler.pid,
+            waited(*w)
+        ),
+        HandlerWait::Found { handler, .. } => format!(
+            "pid {} caught {signal} before the notice but no process caught it when the agent signalled (handler removed, or the process exited)",
+            handler.pid
+        ),
+        HandlerWait::NotWaited => format!(
+            "no process of the command caught {signal} when the agent signalled: install a handler (spotguard.install()), or drop --after-start so the drill waits for it"
+        ),
+    }
+}
+
+/// PASS/FAIL of a run that checkpointed, by how the command exited.
+fn exit_verdict(v: &Verdict) -> (bool, String) {
+    let launcher = if v.command.contains("torchrun") || v.command.contains("torch.distributed.run")
+    {
+        "torchrun exits 1 when its workers exit 143: start it as `python3 -m spotguard launch -- torchrun …`, which exits 143 after this run's checkpoint"
+    } else {
+        "exit 143 after the checkpoint (spotguard.exit_after_checkpoint()); a launcher that turns its workers' 143 into 1 (torchrun) goes under `python3 -m spotguard launch -- …`"
     };
-    let (pass, reason) = match (&v.upload, pass) {
+    match &v.exit {
+        None => (false, "the command did not exit, even after the drill's SIGTERM and SIGKILL".into()),
+        Some(e) if e.killed_by_drill => (
+            false,
+            "checkpointed, but kept running after its result until the drill stopped it: exit after the checkpoint (spotguard.exit_after_checkpoint())".into(),
+        ),
+        Some(e) if e.signal.is_some() => (false, format!("checkpointed, then {}", exit_label(e))),
+        Some(e) if e.code == 143 => (true, "acknowledged `done` within the budget and exited 143".into()),
+        Some(e) if e.code == 0 => (
+            false,
+            "checkpointed, but exit 0 marks a Job (and a Kubeflow job) succeeded, so it would never resume: exit 143 (spotguard.exit_after_checkpoint())".into(),
+        ),
+        Some(e) if e.code < 128 => (
+            false,
+            format!(
+                "checkpointed, but exit {} after the acks fails the Job: a podFailurePolicy FailJob rule (and Kubeflow's ExitCode policy) treat 1–127 as permanent. {launcher}",
+                e.code
+            ),
+        ),
+        Some(e) => (true, format!("acknowledged `done` within the budget; exit {} is retryable for Kubeflow, list it in your podFailurePolicy", e.code)),
+    }
+}
+
+/// A passing run with a staged checkpoint (`--upload-to`) passes only if the upload published it.
+fn with_upload(v: &Verdict, pass: bool, reason: String) -> (bool, String) {
+    match (&v.upload, pass) {
         (Some(UploadRow::Ended(r)), true) if r.outcome.is_published() => (
             true,
             format!(
@@ -346,9 +365,7 @@ pub fn judge(v: &mut Verdict, signal: &str, timeout: Duration) {
         ),
         (Some(UploadRow::None(why)), true) => (false, format!("checkpointed, but {why}")),
         (_, pass) => (pass, reason),
-    };
-    v.pass = pass;
-    v.reason = reason;
+    }
 }
 
 fn rel(t: Option<Timestamp>, t0: Option<Timestamp>) -> String {
@@ -380,23 +397,60 @@ fn budget(v: &Verdict) -> Option<Duration> {
     }
 }
 
+/// A verdict table being written: rows of step, time and detail, the step column `w` wide.
+pub struct Table {
+    out: String,
+    w: usize,
+}
+
+impl Table {
+    /// A table whose step column is `w` wide, with its header.
+    pub fn new(w: usize) -> Table {
+        let mut out = String::new();
+        let _ = writeln!(out, "\n  {:<w$} time       detail", "step");
+        Table { out, w }
+    }
+
+    pub fn row(&mut self, step: &str, time: &str, detail: &str) {
+        let w = self.w;
+        let _ = writeln!(self.out, "  {step:<w$} {time:<10} {detail}");
+    }
+
+    /// The table, with its verdict line.
+    pub fn finish(mut self, pass: bool, reason: &str) -> String {
+        let _ = writeln!(
+            self.out,
+            "\n  verdict: {} — {}",
+            if pass { "PASS" } else { "FAIL" },
+            reason
+        );
+        self.out
+    }
+}
+
 /// The verdict table.
 pub fn table(v: &Verdict, timeout: Duration, signal: &str) -> String {
-    let t0 = v.raised_at;
-    let mut out = String::new();
-    out.push_str("\n  step                 time       detail\n");
-    let row = |out: &mut String, step: &str, time: &str, detail: &str| {
-        let _ = writeln!(out, "  {step:<20} {time:<10} {detail}");
-    };
+    let mut t = Table::new(20);
+    handler_row(&mut t, v, signal);
+    notice_rows(&mut t, v, timeout, signal);
+    ack_rows(&mut t, v);
+    end_rows(&mut t, v);
+    upload_row(&mut t, v);
+    for w in warnings(v) {
+        t.row("warning", "", &w);
+    }
+    t.finish(v.pass, &v.reason)
+}
+
+/// What the start-up wait found.
+fn handler_row(t: &mut Table, v: &Verdict, signal: &str) {
     match &v.handler {
-        HandlerWait::NotWaited => row(
-            &mut out,
+        HandlerWait::NotWaited => t.row(
             "handler wait",
             "—",
             "--after-start: notice timed from the command's start",
         ),
-        HandlerWait::Found { handler, waited: w } => row(
-            &mut out,
+        HandlerWait::Found { handler, waited: w } => t.row(
             "handler seen",
             &waited(*w),
             &format!(
@@ -404,8 +458,7 @@ pub fn table(v: &Verdict, timeout: Duration, signal: &str) -> String {
                 handler.pid, handler.command
             ),
         ),
-        HandlerWait::NotFound { waited: w } => row(
-            &mut out,
+        HandlerWait::NotFound { waited: w } => t.row(
             "handler seen",
             "never",
             &format!(
@@ -414,10 +467,13 @@ pub fn table(v: &Verdict, timeout: Duration, signal: &str) -> String {
             ),
         ),
     }
+}
+
+/// The notice raised and seen, the signal sent, the checkpoint budget.
+fn notice_rows(t: &mut Table, v: &Verdict, timeout: Duration, signal: &str) {
+    let t0 = v.raised_at;
     if let Some(raised) = v.raised_at {
-        let _ = raised;
-        row(
-            &mut out,
+        t.row(
             "notice raised",
             "+0.000s",
             &format!(
@@ -430,16 +486,14 @@ pub fn table(v: &Verdict, timeout: Duration, signal: &str) -> String {
         );
     }
     let how = v.cloud.facts().drill_detection;
-    row(&mut out, "notice seen", &rel(v.seen_at, t0), how);
-    row(
-        &mut out,
+    t.row("notice seen", &rel(v.seen_at, t0), how);
+    t.row(
         "signal sent",
         &rel(v.signalled_at, t0),
         &format!("{signal} to {} process(es) catching it", v.processes),
     );
     if let Some(b) = budget(v) {
-        row(
-            &mut out,
+        t.row(
             "budget",
             &format!("{:.1}s", b.as_secs_f64()),
             &format!(
@@ -449,6 +503,10 @@ pub fn table(v: &Verdict, timeout: Duration, signal: &str) -> String {
             ),
         );
     }
+}
+
+/// The acks found in the notice dir (or that there is none).
+fn ack_rows(t: &mut Table, v: &Verdict) {
     for a in &v.acks {
         let mut detail = format!(
             "{} state={} step={} checkpoint={}",
@@ -462,21 +520,23 @@ pub fn table(v: &Verdict, timeout: Duration, signal: &str) -> String {
         if let Some(n) = ack_note(v, a) {
             let _ = write!(detail, " ({n})");
         }
-        row(&mut out, "ack written", &rel(a.written, t0), &detail);
+        t.row("ack written", &rel(a.written, v.raised_at), &detail);
     }
     if v.acks.is_empty() && v.signalled_at.is_some() {
-        row(
-            &mut out,
+        t.row(
             "ack written",
             "—",
             "no ack file in the notice dir (SPOTGUARD_DIR)",
         );
     }
+}
+
+/// The checkpoint results, the command's exit and the trainer's downtime.
+fn end_rows(t: &mut Table, v: &Verdict) {
     for r in &v.results {
-        row(
-            &mut out,
+        t.row(
             "result",
-            &rel(v.result_at, t0),
+            &rel(v.result_at, v.raised_at),
             &format!("{} — {} ({})", r.outcome.as_str(), r.group, r.detail),
         );
     }
@@ -485,19 +545,21 @@ pub fn table(v: &Verdict, timeout: Duration, signal: &str) -> String {
         if v.handler_gone {
             label.push_str(" (its training had ended before the notice)");
         }
-        row(&mut out, "command exit", &e.code.to_string(), &label);
+        t.row("command exit", &e.code.to_string(), &label);
     }
     if let Some(d) = v.downtime() {
-        row(
-            &mut out,
+        t.row(
             "trainer downtime",
             &format!("{:.3}s", d.as_secs_f64()),
             "signal → the command's exit",
         );
     }
+}
+
+/// The staged checkpoint's upload (`--upload-to`).
+fn upload_row(t: &mut Table, v: &Verdict) {
     match &v.upload {
-        Some(UploadRow::Ended(r)) => row(
-            &mut out,
+        Some(UploadRow::Ended(r)) => t.row(
             "upload",
             &format!("{:.3}s", r.seconds),
             &format!(
@@ -513,19 +575,9 @@ pub fn table(v: &Verdict, timeout: Duration, signal: &str) -> String {
                     .unwrap_or_default()
             ),
         ),
-        Some(UploadRow::None(why)) => row(&mut out, "upload", "—", why),
+        Some(UploadRow::None(why)) => t.row("upload", "—", why),
         None => {}
     }
-    for w in warnings(v) {
-        row(&mut out, "warning", "", &w);
-    }
-    let _ = writeln!(
-        out,
-        "\n  verdict: {} — {}",
-        if v.pass { "PASS" } else { "FAIL" },
-        v.reason
-    );
-    out
 }
 
 /// One run as JSON (`--json`).
