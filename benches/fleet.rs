@@ -39,7 +39,6 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -54,41 +53,7 @@ use spotguard_testkit::k8s::apimetrics::{self, Histogram, Sample};
 use spotguard_testkit::k8s::{
     FaultProxy, Fleet, Identity, RecordedRequest, RequestKind, TestCluster, TestPod,
 };
-
-// === the trainer (child mode) ===
-
-static RECEIVED_NS: AtomicI64 = AtomicI64::new(0);
-
-extern "C" fn on_usr1(_: libc::c_int) {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: clock_gettime is async-signal-safe.
-    unsafe { libc::clock_gettime(libc::CLOCK_REALTIME, &mut ts) };
-    RECEIVED_NS.store(ts.tv_sec * 1_000_000_000 + ts.tv_nsec, Ordering::SeqCst);
-}
-
-/// Catch SIGUSR1, say so in `<out>.ready`, write the receive time (ns since the epoch) to
-/// `out`, exit 0.
-fn child(out: &Path) -> ! {
-    // SAFETY: installing a handler that only stores an atomic.
-    unsafe {
-        let mut sa: libc::sigaction = std::mem::zeroed();
-        sa.sa_sigaction = on_usr1 as *const () as usize;
-        libc::sigemptyset(&mut sa.sa_mask);
-        libc::sigaction(libc::SIGUSR1, &sa, std::ptr::null_mut());
-    }
-    if std::fs::write(out.with_extension("ready"), b"1").is_err() {
-        std::process::exit(2);
-    }
-    while RECEIVED_NS.load(Ordering::SeqCst) == 0 {
-        // SAFETY: plain pause(2).
-        unsafe { libc::pause() };
-    }
-    let _ = std::fs::write(out, RECEIVED_NS.load(Ordering::SeqCst).to_string());
-    std::process::exit(0);
-}
+use spotguard_testkit::process::{percentile, usr1_stamp_child};
 
 // === options ===
 
@@ -136,14 +101,6 @@ impl Opts {
 }
 
 // === statistics ===
-
-fn percentile(sorted: &[f64], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return f64::NAN;
-    }
-    let idx = ((p / 100.0) * (sorted.len() - 1) as f64).round() as usize;
-    sorted[idx.min(sorted.len() - 1)]
-}
 
 fn sorted(mut v: Vec<f64>) -> Vec<f64> {
     v.sort_by(|a, b| a.total_cmp(b));
@@ -1154,7 +1111,7 @@ fn raise_fd_limit() {
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().collect();
     if args.get(1).map(String::as_str) == Some("--child") {
-        child(Path::new(&args[2]));
+        usr1_stamp_child(Path::new(&args[2]));
     }
     raise_fd_limit();
     let opts = Opts::from_env();

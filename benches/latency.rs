@@ -17,53 +17,17 @@
 //! async-signal-safe); "visible" is the instant the emulator started answering with the notice.
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::Duration;
 
 use spotguard::app;
 use spotguard::config::{self, Config};
 use spotguard::emulator::{self, Cloud, EmulatedNotice, EmulatorConfig};
 use spotguard_testkit::k8s::{Fault, RequestKind, TestCluster, TestPod};
+use spotguard_testkit::process::{percentile, usr1_stamp_child};
 use tokio_util::sync::CancellationToken;
 
 /// How long a Kubernetes trial waits for the signal before counting it as never delivered.
 const SIGNAL_WAIT: Duration = Duration::from_secs(10);
-
-static RECEIVED_NS: AtomicI64 = AtomicI64::new(0);
-
-extern "C" fn on_usr1(_: libc::c_int) {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: clock_gettime is async-signal-safe.
-    unsafe { libc::clock_gettime(libc::CLOCK_REALTIME, &mut ts) };
-    RECEIVED_NS.store(ts.tv_sec * 1_000_000_000 + ts.tv_nsec, Ordering::SeqCst);
-}
-
-/// Child mode: catch SIGUSR1, write the receive time (ns since the epoch) to `out`, exit.
-fn child(out: &Path) -> ! {
-    unsafe {
-        let mut sa: libc::sigaction = std::mem::zeroed();
-        sa.sa_sigaction = on_usr1 as *const () as usize;
-        libc::sigemptyset(&mut sa.sa_mask);
-        libc::sigaction(libc::SIGUSR1, &sa, std::ptr::null_mut());
-    }
-    std::fs::write(out.with_extension("ready"), b"1").expect("ready file");
-    while RECEIVED_NS.load(Ordering::SeqCst) == 0 {
-        unsafe { libc::pause() };
-    }
-    std::fs::write(out, RECEIVED_NS.load(Ordering::SeqCst).to_string()).expect("write");
-    std::process::exit(0);
-}
-
-fn percentile(sorted: &[f64], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return f64::NAN;
-    }
-    let idx = ((p / 100.0) * (sorted.len() - 1) as f64).round() as usize;
-    sorted[idx.min(sorted.len() - 1)]
-}
 
 fn run_args(cloud: &str, endpoint: &str, dir: &Path, pidfile: &Path) -> config::RunArgs {
     let argv: Vec<String> = vec![
@@ -419,7 +383,7 @@ async fn idle_footprint(secs: u64, kube_pods: Option<usize>) {
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     if args.get(1).map(String::as_str) == Some("--child") {
-        child(Path::new(&args[2]));
+        usr1_stamp_child(Path::new(&args[2]));
     }
     // `cargo bench` passes `--bench`; ignore other harness flags.
     let trials: usize = std::env::var("SPOTGUARD_BENCH_TRIALS")

@@ -14,7 +14,8 @@
 //!   `NodeOps`, and a fake kubelet pod-resources gRPC server.
 //! - [`kubelet`]: random pod uids and container ids, the cgroup the kubelet makes for a container.
 //! - [`process`]: [`process::Kid`], a child process in its own group, killed with it on drop;
-//!   whether a real process has installed its SIGUSR1 handler yet.
+//!   whether a real process has installed its SIGUSR1 handler yet; the benches' trainer that
+//!   records when SIGUSR1 arrived, and their one percentile.
 //! - [`s3`]: s3s-fs on a free loopback port, and a [`s3::Throttle`] (a slow network) before it.
 //! - [`wait_for_event`]: wait for a responder plan event; [`metrics_text`]: a running agent's
 //!   `/metrics`.

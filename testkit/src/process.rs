@@ -1,11 +1,14 @@
-//! Real processes under test: [`Kid`], a child that cannot outlive its test, and whether a
-//! process has installed its SIGUSR1 handler yet (the agent only signals processes that catch
-//! the signal, so a test waits for the trap first).
+//! Real processes under test: [`Kid`], a child that cannot outlive its test, whether a process
+//! has installed its SIGUSR1 handler yet (the agent only signals processes that catch the
+//! signal, so a test waits for the trap first), and [`usr1_stamp_child`], the benches' trainer
+//! that records when the signal arrived.
 
 use std::fmt::Display;
 use std::io::Write;
 use std::os::unix::process::CommandExt;
+use std::path::Path;
 use std::process::{Child, ChildStderr, ChildStdin, ChildStdout, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::{Duration, Instant};
 
 /// Whether process `pid` catches SIGUSR1 (`SigCgt` in `/proc/<pid>/status`); `false` when the
@@ -144,4 +147,48 @@ impl Drop for Kid {
 /// changes the uid of a child of root), the way trainers run on a node.
 pub fn as_user(cmd: &mut Command, uid: u32) -> &mut Command {
     cmd.uid(uid).gid(uid)
+}
+
+static RECEIVED_NS: AtomicI64 = AtomicI64::new(0);
+
+extern "C" fn stamp_usr1(_: libc::c_int) {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime is async-signal-safe.
+    unsafe { libc::clock_gettime(libc::CLOCK_REALTIME, &mut ts) };
+    RECEIVED_NS.store(ts.tv_sec * 1_000_000_000 + ts.tv_nsec, Ordering::SeqCst);
+}
+
+/// The benches' trainer (a bench binary re-run in child mode): catch SIGUSR1, say so in
+/// `<out>.ready`, and when the signal comes write its receive time (ns since the epoch, taken in
+/// the handler) to `out` and exit 0; exit 2 when the ready file cannot be written.
+pub fn usr1_stamp_child(out: &Path) -> ! {
+    // SAFETY: installing a handler that only reads the clock and stores an atomic.
+    unsafe {
+        let mut sa: libc::sigaction = std::mem::zeroed();
+        sa.sa_sigaction = stamp_usr1 as *const () as usize;
+        libc::sigemptyset(&mut sa.sa_mask);
+        libc::sigaction(libc::SIGUSR1, &sa, std::ptr::null_mut());
+    }
+    if std::fs::write(out.with_extension("ready"), b"1").is_err() {
+        std::process::exit(2);
+    }
+    while RECEIVED_NS.load(Ordering::SeqCst) == 0 {
+        // SAFETY: plain pause(2).
+        unsafe { libc::pause() };
+    }
+    let _ = std::fs::write(out, RECEIVED_NS.load(Ordering::SeqCst).to_string());
+    std::process::exit(0);
+}
+
+/// The `p`-th percentile (0–100) of `sorted` (ascending), the nearest rank rounded; NaN when
+/// empty. The benches' one percentile.
+pub fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let idx = ((p / 100.0) * (sorted.len() - 1) as f64).round() as usize;
+    sorted[idx.min(sorted.len() - 1)]
 }

@@ -338,8 +338,70 @@ pub const OPENSHIFT_SERVICE_CA: &str = "openshift-service-ca.crt";
 fn publish_service_ca(cp: &ControlPlane) {
     let config = cp.config(&cp.url(), Identity::Admin);
     let ca = cp.pki.ca_pem.clone();
-    let spawned = std::thread::Builder::new()
-        .name("k8s-service-ca".into())
+    let spawned = on_own_thread("k8s-service-ca", config, move |client| async move {
+        use futures::StreamExt;
+        use k8s_openapi::api::core::v1::ConfigMap;
+        use kube::api::{ListParams, WatchEvent, WatchParams};
+        let nss: Api<Namespace> = Api::all(client.clone());
+        let publish = |ns: String| {
+            let client = client.clone();
+            let ca = ca.clone();
+            async move {
+                let cms: Api<ConfigMap> = Api::namespaced(client, &ns);
+                let cm = ConfigMap {
+                    metadata: kube::api::ObjectMeta {
+                        name: Some(OPENSHIFT_SERVICE_CA.into()),
+                        ..Default::default()
+                    },
+                    data: Some(std::collections::BTreeMap::from([(
+                        "service-ca.crt".to_string(),
+                        ca,
+                    )])),
+                    ..Default::default()
+                };
+                let _ = cms.create(&PostParams::default(), &cm).await;
+            }
+        };
+        loop {
+            let Ok(list) = nss.list(&ListParams::default()).await else {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                continue;
+            };
+            for ns in &list.items {
+                publish(ns.metadata.name.clone().unwrap_or_default()).await;
+            }
+            let rv = list.metadata.resource_version.unwrap_or_default();
+            let Ok(stream) = nss.watch(&WatchParams::default().timeout(290), &rv).await else {
+                continue;
+            };
+            let mut stream = std::pin::pin!(stream);
+            while let Some(Ok(ev)) = stream.next().await {
+                if let WatchEvent::Added(ns) = ev {
+                    publish(ns.metadata.name.clone().unwrap_or_default()).await;
+                }
+            }
+        }
+    });
+    if let Err(e) = spawned {
+        eprintln!("testkit: cannot start the service-ca publisher: {e}");
+    }
+}
+
+/// Run `job` with a client made from `config` on a thread of its own (named `name`) with its own
+/// current-thread runtime: for work that runs outside the test's runtime (a `Drop` while that
+/// runtime shuts down) or for the life of the test binary. The client is made inside that
+/// runtime; when the runtime or the client cannot be made, the job does not run.
+pub(crate) fn on_own_thread<F, Fut>(
+    name: &str,
+    config: kube::Config,
+    job: F,
+) -> std::io::Result<std::thread::JoinHandle<()>>
+where
+    F: FnOnce(kube::Client) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()>,
+{
+    std::thread::Builder::new()
+        .name(name.into())
         .spawn(move || {
             let Ok(rt) = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
@@ -348,57 +410,12 @@ fn publish_service_ca(cp: &ControlPlane) {
                 return;
             };
             rt.block_on(async move {
-                use futures::StreamExt;
-                use k8s_openapi::api::core::v1::ConfigMap;
-                use kube::api::{ListParams, WatchEvent, WatchParams};
                 let Ok(client) = kube::Client::try_from(config) else {
                     return;
                 };
-                let nss: Api<Namespace> = Api::all(client.clone());
-                let publish = |ns: String| {
-                    let client = client.clone();
-                    let ca = ca.clone();
-                    async move {
-                        let cms: Api<ConfigMap> = Api::namespaced(client, &ns);
-                        let cm = ConfigMap {
-                            metadata: kube::api::ObjectMeta {
-                                name: Some(OPENSHIFT_SERVICE_CA.into()),
-                                ..Default::default()
-                            },
-                            data: Some(std::collections::BTreeMap::from([(
-                                "service-ca.crt".to_string(),
-                                ca,
-                            )])),
-                            ..Default::default()
-                        };
-                        let _ = cms.create(&PostParams::default(), &cm).await;
-                    }
-                };
-                loop {
-                    let Ok(list) = nss.list(&ListParams::default()).await else {
-                        tokio::time::sleep(Duration::from_millis(200)).await;
-                        continue;
-                    };
-                    for ns in &list.items {
-                        publish(ns.metadata.name.clone().unwrap_or_default()).await;
-                    }
-                    let rv = list.metadata.resource_version.unwrap_or_default();
-                    let Ok(stream) = nss.watch(&WatchParams::default().timeout(290), &rv).await
-                    else {
-                        continue;
-                    };
-                    let mut stream = std::pin::pin!(stream);
-                    while let Some(Ok(ev)) = stream.next().await {
-                        if let WatchEvent::Added(ns) = ev {
-                            publish(ns.metadata.name.clone().unwrap_or_default()).await;
-                        }
-                    }
-                }
-            });
-        });
-    if let Err(e) = spawned {
-        eprintln!("testkit: cannot start the service-ca publisher: {e}");
-    }
+                job(client).await
+            })
+        })
 }
 
 /// Parse one shipped manifest into a typed object.

@@ -40,7 +40,7 @@ use serde_json::json;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-use super::controlplane::ControlPlane;
+use super::controlplane::{on_own_thread, ControlPlane};
 
 /// Pod annotation: run no process for this pod, only report it ([`crate::k8s::TestPod::simulated`]);
 /// the value is how many seconds it takes to stop once deleted, or `grace`.
@@ -319,31 +319,22 @@ fn delete_node_object(cp: &'static ControlPlane, name: String) {
 /// [`delete_node_object`] for many nodes at once.
 fn delete_node_objects(cp: &'static ControlPlane, names: Vec<String>) {
     let config = cp.config(&cp.url(), super::controlplane::Identity::Admin);
-    let done = std::thread::spawn(move || {
-        let Ok(rt) = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-        else {
-            return;
-        };
-        rt.block_on(async move {
-            let Ok(client) = kube::Client::try_from(config) else {
-                return;
-            };
-            let nodes: Api<Node> = Api::all(client.clone());
-            let leases: Api<Lease> = Api::namespaced(client, "kube-node-lease");
-            futures::stream::iter(names)
-                .for_each_concurrent(16, |name| {
-                    let (nodes, leases) = (nodes.clone(), leases.clone());
-                    async move {
-                        let _ = nodes.delete(&name, &DeleteParams::default()).await;
-                        let _ = leases.delete(&name, &DeleteParams::default()).await;
-                    }
-                })
-                .await;
-        });
+    let done = on_own_thread("k8s-node-cleanup", config, move |client| async move {
+        let nodes: Api<Node> = Api::all(client.clone());
+        let leases: Api<Lease> = Api::namespaced(client, "kube-node-lease");
+        futures::stream::iter(names)
+            .for_each_concurrent(16, |name| {
+                let (nodes, leases) = (nodes.clone(), leases.clone());
+                async move {
+                    let _ = nodes.delete(&name, &DeleteParams::default()).await;
+                    let _ = leases.delete(&name, &DeleteParams::default()).await;
+                }
+            })
+            .await;
     });
-    let _ = done.join();
+    if let Ok(done) = done {
+        let _ = done.join();
+    }
 }
 
 impl Drop for Kubelet {
