@@ -28,7 +28,7 @@ use super::elastic_report::{self as er, ElasticVerdict};
 use super::follow;
 use super::pipeline::{self, Pipeline};
 use super::workdir::{self, WorkDir};
-use super::{records, say, wait, DrillArgs, EXIT_ERROR, EXIT_FAIL, EXIT_PASS, SIGNAL, SIGNAL_NAME};
+use super::{records, repeat, say, wait, DrillArgs, EXIT_ERROR, SIGNAL, SIGNAL_NAME};
 use crate::checkpoint::procfs::ProcFs;
 use crate::emulator::EmulatorHandle;
 
@@ -50,54 +50,20 @@ pub async fn run(args: &DrillArgs, cancel: CancellationToken) -> i32 {
         );
         return EXIT_ERROR;
     }
-    let mut runs: Vec<(ElasticVerdict, String, Duration)> = Vec::new();
-    let mut code = EXIT_PASS;
-    for i in 0..args.repeat {
-        if args.repeat > 1 && !args.json {
-            println!("spotguard drill: run {} of {}", i + 1, args.repeat);
-        }
-        let began = Instant::now();
-        let run = match &args.node_env {
-            Some(var) => elastic_launcher::drill(args, var, doomed, cancel.clone()).await,
-            None => drill(args, doomed, cancel.clone()).await,
-        };
-        let v = match run {
-            Ok(v) => v,
-            Err(e) => {
-                eprintln!("spotguard drill: {e}");
-                return EXIT_ERROR;
-            }
-        };
-        let text = er::table(&v);
-        if !args.json {
-            println!("{text}");
-        }
-        if !v.pass {
-            code = EXIT_FAIL;
-        }
-        runs.push((v, text, began.elapsed()));
-        if cancel.is_cancelled() {
-            break;
-        }
+    repeat::run(args, &cancel, || once(args, doomed, cancel.clone())).await
+}
+
+/// Run the drill once: through the one launcher of every node (`--node-env`), else with
+/// `--nodes` copies of the command.
+async fn once(
+    args: &DrillArgs,
+    doomed: u32,
+    cancel: CancellationToken,
+) -> Result<ElasticVerdict, String> {
+    match &args.node_env {
+        Some(var) => elastic_launcher::drill(args, var, doomed, cancel).await,
+        None => drill(args, doomed, cancel).await,
     }
-    if args.repeat > 1 && !args.json {
-        let passed = runs.iter().filter(|(v, _, _)| v.pass).count();
-        println!("spotguard drill: {passed} of {} runs passed", runs.len());
-    }
-    if args.json {
-        let doc = serde_json::json!({
-            "pass": code == EXIT_PASS,
-            "runs": runs.iter().map(|(v, _, _)| er::to_json(v)).collect::<Vec<_>>(),
-        });
-        println!("{doc:#}");
-    }
-    if let Some(path) = &args.junit {
-        if let Err(e) = std::fs::write(path, er::junit(&runs)) {
-            eprintln!("spotguard drill: writing {}: {e}", path.display());
-            return EXIT_ERROR;
-        }
-    }
-    code
 }
 
 /// Run the drill once with `--nodes` copies of the command, the `doomed`-th interrupted.
@@ -132,42 +98,23 @@ async fn drill(
     wait_until_every_node_trains(args, &mut nodes, &proc, started, &cancel).await?;
     say_handlers(args, &nodes, started);
 
-    // 3. The real pipeline against the interrupted node only.
+    // 3. The real pipeline against the interrupted node only; 4. until the power-off, then
+    // --settle: watch the nodes.
     let d = (doomed - 1) as usize;
     std::fs::write(&pidfile, format!("{}\n", nodes[d].pid))
         .map_err(|e| format!("writing pidfile: {e}"))?;
-    let dir = nodes[d].dir.clone();
-    let mut v = {
-        let mut poll = || nodes.iter_mut().for_each(|n| n.poll(&proc));
-        let what = (doomed, shown, started_at);
-        let pidfiles = [pidfile];
-        notice_phase(
-            args,
-            emu,
-            &dir,
-            &work.state(),
-            &pidfiles,
-            what,
-            &cancel,
-            &mut poll,
-        )
-        .await?
+    let target = Target {
+        doomed,
+        dir: nodes[d].dir.clone(),
+        pidfiles: vec![pidfile],
+        command: shown,
+        started_at,
     };
-    let power_off = power_off_instant(&v, kill_after);
-
-    // 4. Until the power-off, then --settle: watch the nodes.
-    watch_until(power_off, &cancel, || {
-        nodes.iter_mut().for_each(|n| n.poll(&proc))
-    })
-    .await;
-    nodes[d].poll(&proc);
-    v.power_off_at = Some(Timestamp::now());
-    nodes[d].run.killed_at_power_off = nodes[d].kill_tree(&proc, libc::SIGKILL);
-    let settle_end = Instant::now() + args.settle;
-    watch_until(settle_end, &cancel, || {
-        nodes.iter_mut().for_each(|n| n.poll(&proc))
-    })
-    .await;
+    let mut job = Nodes {
+        nodes: &mut nodes,
+        d,
+    };
+    let mut v = interrupt(args, emu, &work, target, &cancel, &proc, &mut job).await?;
 
     // 5. Stop the others, read what the nodes wrote, judge.
     stop_all(&mut nodes, &proc).await;
@@ -348,40 +295,123 @@ fn say_handlers(args: &DrillArgs, nodes: &[Node], started: Instant) {
     }
 }
 
+/// The job as the notice and the power-off see it: the `--nodes` commands ([`Nodes`]), or one
+/// launcher running every node (`elastic_launcher`).
+pub(super) trait Job {
+    /// Note what the job's processes did (every 100 ms from the notice to the power-off).
+    fn watch(&mut self, proc: &ProcFs);
+
+    /// Look at the interrupted node once more, right before its power-off.
+    fn last_look(&mut self, proc: &ProcFs) {
+        self.watch(proc);
+    }
+
+    /// The power-off: kill the interrupted node's processes (SIGKILL) and note how many.
+    fn kill(&mut self, proc: &ProcFs);
+
+    /// Note what the rest of the job did (every 100 ms during `--settle`).
+    fn settle(&mut self, proc: &ProcFs) {
+        self.watch(proc);
+    }
+}
+
+/// The `--nodes` commands, the `d`-th (0-based) interrupted.
+struct Nodes<'a> {
+    nodes: &'a mut [Node],
+    d: usize,
+}
+
+impl Job for Nodes<'_> {
+    fn watch(&mut self, proc: &ProcFs) {
+        self.nodes.iter_mut().for_each(|n| n.poll(proc));
+    }
+
+    fn last_look(&mut self, proc: &ProcFs) {
+        self.nodes[self.d].poll(proc);
+    }
+
+    fn kill(&mut self, proc: &ProcFs) {
+        let n = &mut self.nodes[self.d];
+        n.run.killed_at_power_off = n.kill_tree(proc, libc::SIGKILL);
+    }
+}
+
+/// What the notice goes to, and what the verdict names.
+pub(super) struct Target {
+    /// The interrupted node (1-based).
+    pub doomed: u32,
+    /// Its notice dir.
+    pub dir: PathBuf,
+    /// The pidfiles naming its processes to the pipeline.
+    pub pidfiles: Vec<PathBuf>,
+    /// The command, as the verdict shows it.
+    pub command: String,
+    /// When the job started.
+    pub started_at: Timestamp,
+}
+
+/// From the notice to the end of `--settle`, watching `job` all along: raise the notice against
+/// `target` and follow the plan to its checkpoint result ([`notice_phase`]); at the power-off
+/// (`--kill-after` after the notice) kill the interrupted node; then `--settle` longer.
+pub(super) async fn interrupt(
+    args: &DrillArgs,
+    emu: EmulatorHandle,
+    work: &WorkDir,
+    target: Target,
+    cancel: &CancellationToken,
+    proc: &ProcFs,
+    job: &mut impl Job,
+) -> Result<ElasticVerdict, String> {
+    let mut v = notice_phase(args, emu, work, target, cancel, &mut || job.watch(proc)).await?;
+    let power_off = power_off_instant(&v, kill_after(args));
+    watch_until(power_off, cancel, || job.watch(proc)).await;
+    job.last_look(proc);
+    v.power_off_at = Some(Timestamp::now());
+    job.kill(proc);
+    let settle_end = Instant::now() + args.settle;
+    watch_until(settle_end, cancel, || job.settle(proc)).await;
+    Ok(v)
+}
+
 /// When the power-off comes: `kill_after` after the notice was raised.
-pub(super) fn power_off_instant(v: &ElasticVerdict, kill_after: Duration) -> Instant {
+fn power_off_instant(v: &ElasticVerdict, kill_after: Duration) -> Instant {
     let since = Timestamp::now().duration_since(v.raised_at).unsigned_abs();
     Instant::now() + kill_after.saturating_sub(since)
 }
 
 /// Call `poll` every 100 ms until `end` (or until cancelled).
-pub(super) async fn watch_until(end: Instant, cancel: &CancellationToken, mut poll: impl FnMut()) {
+async fn watch_until(end: Instant, cancel: &CancellationToken, mut poll: impl FnMut()) {
     while Instant::now() < end && !cancel.is_cancelled() {
         poll();
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
 
-/// Raise the notice against the processes of `pidfiles` (the interrupted node; its notice dir
-/// `dir`) through the real pipeline and follow the plan to its checkpoint result, calling `poll`
-/// every 100 ms meanwhile. Shuts the emulator down.
-#[allow(clippy::too_many_arguments)]
-pub(super) async fn notice_phase(
+/// Raise the notice against the processes of `target` (the interrupted node) through the real
+/// pipeline and follow the plan to its checkpoint result, calling `poll` every 100 ms meanwhile.
+/// Shuts the emulator down.
+async fn notice_phase(
     args: &DrillArgs,
     emu: EmulatorHandle,
-    dir: &Path,
-    state_dir: &Path,
-    pidfiles: &[PathBuf],
-    (doomed, shown, started_at): (u32, String, Timestamp),
+    work: &WorkDir,
+    target: Target,
     cancel: &CancellationToken,
     poll: &mut dyn FnMut(),
 ) -> Result<ElasticVerdict, String> {
-    let mut pipeline = Pipeline::start(args, emu, dir, state_dir, pidfiles, cancel).await?;
+    let state = work.state();
+    let mut pipeline =
+        Pipeline::start(args, emu, &target.dir, &state, &target.pidfiles, cancel).await?;
     let raised_at = pipeline.raise()?;
-    let mut v = ElasticVerdict::started(args.cloud, shown, doomed, started_at, raised_at);
+    let mut v = ElasticVerdict::started(
+        args.cloud,
+        target.command,
+        target.doomed,
+        target.started_at,
+        raised_at,
+    );
     // The nodes are watched while the pipeline runs, too.
     let limit = follow::limit(args.timeout, args.cloud);
-    v.record_plan(follow::to_result_polling(pipeline.events(), limit, poll).await);
+    v.plan = follow::to_result_polling(pipeline.events(), limit, poll).await;
     pipeline.stop().await;
     Ok(v)
 }

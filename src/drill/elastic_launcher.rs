@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use jiff::Timestamp;
 use tokio_util::sync::CancellationToken;
 
-use super::elastic::{keep_work, kill_after, notice_phase, power_off_instant, watch_until};
+use super::elastic::{interrupt, keep_work, kill_after, Job, Target};
 use super::elastic_node::{stop_all, Members, Node};
 use super::elastic_report::{self as er, ElasticVerdict, NodeRun};
 use super::report::{AckRow, ExitInfo};
@@ -49,36 +49,25 @@ pub async fn drill(
     let doomed_name = pick_doomed(&first_seen, doomed, &mut job, &proc).await?;
     say_handlers(args, var, &first_seen);
 
-    // 2. The notice, against the interrupted node's workers only (one pidfile each).
+    // 2. The notice, against the interrupted node's workers only (one pidfile each); 3. the
+    // power-off, then --settle.
     let workers = node_workers(&proc, job.pid, var)
         .remove(&doomed_name)
         .unwrap_or_default();
     let pidfiles = write_pidfiles(work.path(), &workers)?;
     let mut gone = Doomed::new(var, doomed_name);
-    let mut v = {
-        let mut poll = || gone.watch(&mut job, &proc);
-        let what = (doomed, shown, started_at);
-        notice_phase(
-            args,
-            emu,
-            &dir,
-            &work.state(),
-            &pidfiles,
-            what,
-            &cancel,
-            &mut poll,
-        )
-        .await?
+    let target = Target {
+        doomed,
+        dir: dir.clone(),
+        pidfiles,
+        command: shown,
+        started_at,
     };
-
-    // 3. The power-off, then --settle.
-    let power_off = power_off_instant(&v, kill_after);
-    watch_until(power_off, &cancel, || gone.watch(&mut job, &proc)).await;
-    gone.watch(&mut job, &proc);
-    v.power_off_at = Some(Timestamp::now());
-    gone.killed = gone.members.kill(&proc, libc::SIGKILL);
-    let settle_end = Instant::now() + args.settle;
-    watch_until(settle_end, &cancel, || job.poll(&proc)).await;
+    let mut launched = Launched {
+        job: &mut job,
+        gone: &mut gone,
+    };
+    let mut v = interrupt(args, emu, &work, target, &cancel, &proc, &mut launched).await?;
     let command_exit = job.run.exit.clone();
     stop_all(std::slice::from_mut(&mut job), &proc).await;
 
@@ -264,6 +253,26 @@ impl<'a> Doomed<'a> {
         if self.gone_at.is_none() && now.is_empty() && self.members.alive(proc).is_empty() {
             self.gone_at = Some(Timestamp::now());
         }
+    }
+}
+
+/// The launcher's job, watched through the interrupted node's processes (`gone`).
+struct Launched<'a, 'v> {
+    job: &'a mut Node,
+    gone: &'a mut Doomed<'v>,
+}
+
+impl Job for Launched<'_, '_> {
+    fn watch(&mut self, proc: &ProcFs) {
+        self.gone.watch(self.job, proc);
+    }
+
+    fn kill(&mut self, proc: &ProcFs) {
+        self.gone.killed = self.gone.members.kill(proc, libc::SIGKILL);
+    }
+
+    fn settle(&mut self, proc: &ProcFs) {
+        self.job.poll(proc);
     }
 }
 

@@ -16,9 +16,9 @@ use serde_json::{json, Value};
 
 use super::follow::PlanSeen;
 use super::records::ResumeRow;
+use super::repeat::RunVerdict;
 use super::report::{exit_label, AckRow, ExitInfo, Table};
 use super::wait::Handler;
-use crate::checkpoint::run::GroupResult;
 use crate::checkpoint::Outcome;
 use crate::notice::Cloud;
 
@@ -85,17 +85,12 @@ pub struct ElasticVerdict {
     pub nodes: Vec<NodeRun>,
     pub started_at: Timestamp,
     pub raised_at: Timestamp,
-    pub seen_at: Option<Timestamp>,
-    pub signalled_at: Option<Timestamp>,
-    pub processes: usize,
-    pub checkpoint_deadline: Option<Timestamp>,
-    pub deadline: Option<Timestamp>,
-    pub result_at: Option<Timestamp>,
-    pub results: Vec<GroupResult>,
+    /// What the plan against the interrupted node showed up to its checkpoint result (`error`:
+    /// none came within the limit).
+    pub plan: PlanSeen,
     /// The interrupted node's acks.
     pub acks: Vec<AckRow>,
     pub power_off_at: Option<Timestamp>,
-    pub error: Option<String>,
     // Derived by `judge`.
     pub saved_step: Option<i64>,
     pub survivors: Vec<Survivor>,
@@ -122,35 +117,14 @@ impl ElasticVerdict {
             nodes: Vec::new(),
             started_at,
             raised_at,
-            seen_at: None,
-            signalled_at: None,
-            processes: 0,
-            checkpoint_deadline: None,
-            deadline: None,
-            result_at: None,
-            results: Vec::new(),
+            plan: PlanSeen::default(),
             acks: Vec::new(),
             power_off_at: None,
-            error: None,
             saved_step: None,
             survivors: Vec::new(),
             steps_lost: None,
             training_again: None,
             warnings: Vec::new(),
-        }
-    }
-
-    /// Note what the plan showed up to its checkpoint result ([`PlanSeen`]).
-    pub fn record_plan(&mut self, seen: PlanSeen) {
-        self.seen_at = seen.seen_at;
-        self.deadline = seen.deadline;
-        self.signalled_at = seen.signalled_at;
-        self.processes = seen.processes;
-        self.checkpoint_deadline = seen.checkpoint_deadline;
-        self.result_at = seen.result_at;
-        self.results = seen.results;
-        if let Some(e) = seen.error {
-            self.error = Some(e);
         }
     }
 
@@ -167,7 +141,34 @@ impl ElasticVerdict {
 
     /// The deadline the survivors must beat: the notice's, else the power-off.
     fn must_train_by(&self) -> Option<Timestamp> {
-        self.deadline.or(self.power_off_at)
+        self.plan.deadline.or(self.power_off_at)
+    }
+}
+
+impl RunVerdict for ElasticVerdict {
+    fn passed(&self) -> bool {
+        self.pass
+    }
+
+    fn reason(&self) -> &str {
+        &self.reason
+    }
+
+    fn table(&self, _timeout: Duration) -> String {
+        table(self)
+    }
+
+    fn to_json(&self, _timeout: Duration) -> Value {
+        to_json(self)
+    }
+
+    fn junit_name(&self, n: usize) -> String {
+        format!(
+            "{} interruption of {} (elastic) #{n}: {}",
+            self.cloud.as_str(),
+            self.doomed_label(),
+            self.command
+        )
     }
 }
 
@@ -205,7 +206,7 @@ fn through_launcher(command: &str) -> bool {
 /// Decide PASS/FAIL, fill the derived fields and say why.
 pub fn judge(v: &mut ElasticVerdict, timeout: Duration, kill_after: Duration) {
     let t0 = v.raised_at;
-    let signalled = v.signalled_at.unwrap_or(t0);
+    let signalled = v.plan.signalled_at.unwrap_or(t0);
     let done: Vec<i64> = v
         .acks
         .iter()
@@ -219,10 +220,10 @@ pub fn judge(v: &mut ElasticVerdict, timeout: Duration, kill_after: Duration) {
         ));
     }
     if let Some(n) = super::report::expected_per_node(&v.command) {
-        if v.signalled_at.is_some() && v.processes < n {
+        if v.plan.signalled_at.is_some() && v.plan.processes < n {
             v.warnings.push(format!(
                 "the launcher was asked for {n} processes per node but only {} caught the signal on {}",
-                v.processes, v.doomed_label()
+                v.plan.processes, v.doomed_label()
             ));
         }
     }
@@ -330,7 +331,7 @@ fn verdict(v: &ElasticVerdict, timeout: Duration, kill_after: Duration) -> (bool
 /// The verdict's checks in order: the first that fails says why (`Err`); else why it passed.
 fn checks(v: &ElasticVerdict, timeout: Duration, kill_after: Duration) -> Result<String, String> {
     let doomed = v.doomed_label();
-    if let Some(e) = &v.error {
+    if let Some(e) = &v.plan.error {
         return Err(e.clone());
     }
     checkpointed(v, &doomed, timeout)?;
@@ -348,10 +349,11 @@ fn checks(v: &ElasticVerdict, timeout: Duration, kill_after: Duration) -> Result
 /// The interrupted node's own checkpoint.
 fn checkpointed(v: &ElasticVerdict, doomed: &str, timeout: Duration) -> Result<(), String> {
     let bad = v
+        .plan
         .results
         .iter()
         .find(|r| !matches!(r.outcome, Outcome::Acked | Outcome::Exited));
-    if v.results.is_empty() {
+    if v.plan.results.is_empty() {
         return Err(format!(
             "no process of {doomed} was found to signal (did it start?)"
         ));
@@ -551,15 +553,15 @@ fn notice_rows(t: &mut Table, v: &ElasticVerdict) {
             "{} interruption of {}, deadline {}",
             v.cloud.as_str(),
             v.doomed_label(),
-            rel(v.deadline, t0)
+            rel(v.plan.deadline, t0)
         ),
     );
     t.row(
         "signal sent",
-        &rel(v.signalled_at, t0),
+        &rel(v.plan.signalled_at, t0),
         &format!(
             "SIGUSR1 to {} process(es) of {}",
-            v.processes,
+            v.plan.processes,
             v.doomed_label()
         ),
     );
@@ -675,10 +677,10 @@ pub fn to_json(v: &ElasticVerdict) -> Value {
         "interrupted_node": v.doomed,
         "notice_raised_unix": v.raised_at.as_millisecond() as f64 / 1000.0,
         "nodes_started_s": secs(v.started_at, t0),
-        "signal_sent_s": s(v.signalled_at),
-        "processes_signalled": v.processes,
-        "deadline_s": s(v.deadline),
-        "result_s": s(v.result_at),
+        "signal_sent_s": s(v.plan.signalled_at),
+        "processes_signalled": v.plan.processes,
+        "deadline_s": s(v.plan.deadline),
+        "result_s": s(v.plan.result_at),
         "power_off_s": s(v.power_off_at),
         "step_saved": v.saved_step,
         "steps_lost": v.steps_lost,
@@ -714,31 +716,10 @@ pub fn to_json(v: &ElasticVerdict) -> Value {
     })
 }
 
-/// A JUnit XML report: one test case per run.
-pub fn junit(runs: &[(ElasticVerdict, String, Duration)]) -> String {
-    let cases: Vec<super::report::JunitCase> = runs
-        .iter()
-        .enumerate()
-        .map(|(i, (v, text, took))| super::report::JunitCase {
-            name: format!(
-                "{} interruption of {} (elastic) #{}: {}",
-                v.cloud.as_str(),
-                v.doomed_label(),
-                i + 1,
-                v.command
-            ),
-            pass: v.pass,
-            reason: v.reason.clone(),
-            text: text.clone(),
-            took: *took,
-        })
-        .collect();
-    super::report::junit_cases(&cases)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::checkpoint::run::GroupResult;
 
     fn ts(s: f64) -> Timestamp {
         Timestamp::from_millisecond((1_000_000.0 + s * 1000.0) as i64).unwrap()
@@ -769,11 +750,11 @@ mod tests {
 
     fn base(command: &str) -> ElasticVerdict {
         let mut v = ElasticVerdict::started(Cloud::Gce, command.into(), 2, ts(-20.0), ts(0.0));
-        v.signalled_at = Some(ts(1.0));
-        v.deadline = Some(ts(30.0));
+        v.plan.signalled_at = Some(ts(1.0));
+        v.plan.deadline = Some(ts(30.0));
         v.power_off_at = Some(ts(30.0));
-        v.processes = 2;
-        v.results = vec![GroupResult {
+        v.plan.processes = 2;
+        v.plan.results = vec![GroupResult {
             group: "host".into(),
             pod: None,
             outcome: Outcome::Acked,

@@ -11,7 +11,7 @@ use crate::notice::Cloud;
 use crate::responder::PlanEvent;
 
 /// What the plan showed up to its checkpoint result (or up to the limit).
-#[derive(Debug, Default)]
+#[derive(Debug, Clone, Default)]
 pub struct PlanSeen {
     /// `NoticeSeen`: when the agent accepted the notice, and the notice's deadline.
     pub seen_at: Option<Timestamp>,

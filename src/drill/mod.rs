@@ -14,6 +14,7 @@ mod elastic_report;
 mod follow;
 mod pipeline;
 mod records;
+mod repeat;
 mod report;
 mod trainer;
 pub mod wait;
@@ -175,50 +176,7 @@ pub async fn run(args: DrillArgs, cancel: CancellationToken) -> i32 {
     if args.elastic {
         return elastic::run(&args, cancel).await;
     }
-    let mut runs: Vec<(Verdict, String, Duration)> = Vec::new();
-    let mut code = EXIT_PASS;
-    for i in 0..args.repeat {
-        if args.repeat > 1 && !args.json {
-            println!("spotguard drill: run {} of {}", i + 1, args.repeat);
-        }
-        let began = Instant::now();
-        let v = match drill(&args, cancel.clone()).await {
-            Ok(v) => v,
-            Err(e) => {
-                eprintln!("spotguard drill: {e}");
-                return EXIT_ERROR;
-            }
-        };
-        let text = report::table(&v, args.timeout, SIGNAL_NAME);
-        if !args.json {
-            println!("{text}");
-        }
-        if !v.pass {
-            code = EXIT_FAIL;
-        }
-        runs.push((v, text, began.elapsed()));
-        if cancel.is_cancelled() {
-            break;
-        }
-    }
-    if args.repeat > 1 && !args.json {
-        let passed = runs.iter().filter(|(v, _, _)| v.pass).count();
-        println!("spotguard drill: {passed} of {} runs passed", runs.len());
-    }
-    if args.json {
-        let doc = serde_json::json!({
-            "pass": code == EXIT_PASS,
-            "runs": runs.iter().map(|(v, _, _)| report::to_json(v, args.timeout, SIGNAL_NAME)).collect::<Vec<_>>(),
-        });
-        println!("{doc:#}");
-    }
-    if let Some(path) = &args.junit {
-        if let Err(e) = std::fs::write(path, report::junit(&runs)) {
-            eprintln!("spotguard drill: writing {}: {e}", path.display());
-            return EXIT_ERROR;
-        }
-    }
-    code
+    repeat::run(&args, &cancel, || drill(&args, cancel.clone())).await
 }
 
 /// Print a progress line: on stdout, or on stderr under `--json` (stdout is the JSON).
@@ -324,7 +282,7 @@ async fn drill(args: &DrillArgs, cancel: CancellationToken) -> Result<Verdict, S
 
     // 5. Follow the plan until the checkpoint step is over.
     let limit = follow::limit(args.timeout, args.cloud);
-    v.record_plan(follow::to_result(pipeline.events(), limit).await);
+    v.plan = follow::to_result(pipeline.events(), limit).await;
 
     // 6. Let the child exit on its own (it should, after its save); else stop it, and say so.
     let_child_exit(args, &mut v, &mut child, pid).await;
@@ -462,12 +420,13 @@ async fn wait_for_handler(
 /// save that may still finish: its ack then shows how late it was), else within 500 ms (after a
 /// failed step — no handler, timeout, no result — there is nothing to wait for); then stop it.
 async fn let_child_exit(args: &DrillArgs, v: &mut Verdict, child: &mut Child, pid: u32) {
-    let succeeded = v.error.is_none()
-        && !v.results.is_empty()
-        && v.results
+    let succeeded = v.plan.error.is_none()
+        && !v.plan.results.is_empty()
+        && v.plan
+            .results
             .iter()
             .all(|r| matches!(r.outcome, Outcome::Acked | Outcome::Exited));
-    let still_saving = v.results.iter().any(|r| r.outcome == Outcome::Timeout);
+    let still_saving = v.plan.results.iter().any(|r| r.outcome == Outcome::Timeout);
     let exit_wait = if succeeded || still_saving {
         args.exit_timeout
     } else {

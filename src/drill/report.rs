@@ -9,8 +9,8 @@ use jiff::Timestamp;
 use serde_json::{json, Value};
 
 use super::follow::PlanSeen;
+use super::repeat::{Run, RunVerdict};
 use super::wait::HandlerWait;
-use crate::checkpoint::run::GroupResult;
 use crate::checkpoint::Outcome;
 use crate::notice::Cloud;
 
@@ -55,19 +55,13 @@ pub struct Verdict {
     pub handler_gone: bool,
     pub started_at: Timestamp,
     pub raised_at: Option<Timestamp>,
-    pub seen_at: Option<Timestamp>,
-    pub signalled_at: Option<Timestamp>,
-    pub processes: usize,
-    pub checkpoint_deadline: Option<Timestamp>,
-    pub deadline: Option<Timestamp>,
-    pub result_at: Option<Timestamp>,
-    pub results: Vec<GroupResult>,
+    /// What the plan showed up to its checkpoint result; its `error` is why the run could not
+    /// reach one.
+    pub plan: PlanSeen,
     pub acks: Vec<AckRow>,
     pub exit: Option<ExitInfo>,
     /// When the drill sent its clean-up SIGTERM (the command outlived its result).
     pub drill_terminated_at: Option<Timestamp>,
-    /// Set when the run could not reach a result (the command exited first, the pipeline stalled).
-    pub error: Option<String>,
     /// When the command was seen to exit on its own.
     pub exited_at: Option<Timestamp>,
     /// With --upload-to: the staged checkpoint's upload.
@@ -84,26 +78,38 @@ pub enum UploadRow {
 }
 
 impl Verdict {
-    /// Note what the plan showed up to its checkpoint result ([`PlanSeen`]).
-    pub fn record_plan(&mut self, seen: PlanSeen) {
-        self.seen_at = seen.seen_at;
-        self.deadline = seen.deadline;
-        self.signalled_at = seen.signalled_at;
-        self.processes = seen.processes;
-        self.checkpoint_deadline = seen.checkpoint_deadline;
-        self.result_at = seen.result_at;
-        self.results = seen.results;
-        if let Some(e) = seen.error {
-            self.error = Some(e);
-        }
-    }
-
     /// The trainer's downtime: the signal to the command's own exit.
     pub fn downtime(&self) -> Option<Duration> {
-        match (self.signalled_at, self.exited_at) {
+        match (self.plan.signalled_at, self.exited_at) {
             (Some(s), Some(e)) => Some(crate::duration::until(e, s)),
             _ => None,
         }
+    }
+}
+
+impl RunVerdict for Verdict {
+    fn passed(&self) -> bool {
+        self.pass
+    }
+
+    fn reason(&self) -> &str {
+        &self.reason
+    }
+
+    fn table(&self, timeout: Duration) -> String {
+        table(self, timeout, super::SIGNAL_NAME)
+    }
+
+    fn to_json(&self, timeout: Duration) -> Value {
+        to_json(self, timeout, super::SIGNAL_NAME)
+    }
+
+    fn junit_name(&self, n: usize) -> String {
+        format!(
+            "{} interruption #{n}: {}",
+            self.cloud.as_str(),
+            self.command
+        )
     }
 }
 
@@ -126,17 +132,10 @@ impl Verdict {
             handler_gone: false,
             started_at,
             raised_at: None,
-            seen_at: None,
-            signalled_at: None,
-            processes: 0,
-            checkpoint_deadline: None,
-            deadline: None,
-            result_at: None,
-            results: Vec::new(),
+            plan: PlanSeen::default(),
             acks: Vec::new(),
             exit: None,
             drill_terminated_at: None,
-            error: None,
             exited_at: None,
             upload: None,
         }
@@ -146,13 +145,13 @@ impl Verdict {
 /// How an ack relates to the run's timeline.
 fn ack_note(v: &Verdict, a: &AckRow) -> Option<String> {
     let t = a.written?;
-    if let Some(s) = v.signalled_at {
+    if let Some(s) = v.plan.signalled_at {
         if t < s {
             return Some("before the signal: an earlier run's".into());
         }
     }
     let mut notes = Vec::new();
-    if v.checkpoint_deadline.is_some_and(|cd| t > cd) {
+    if v.plan.checkpoint_deadline.is_some_and(|cd| t > cd) {
         notes.push("late: after the budget");
     }
     if v.drill_terminated_at.is_some_and(|k| t >= k) {
@@ -244,10 +243,10 @@ fn flag_count(command: &str, flags: &[&str]) -> Option<usize> {
 pub fn warnings(v: &Verdict) -> Vec<String> {
     let mut out = Vec::new();
     if let Some(n) = expected_processes(&v.command) {
-        if v.signalled_at.is_some() && v.processes < n {
+        if v.plan.signalled_at.is_some() && v.plan.processes < n {
             out.push(format!(
                 "the launcher was asked for {n} processes but only {} caught the signal: the others never started or never called spotguard.install() (`accelerate launch --cpu` runs one process whatever --num_processes says; on CPU use `accelerate launch --multi_gpu --num_processes N` with Accelerator(cpu=True))",
-                v.processes
+                v.plan.processes
             ));
         }
     }
@@ -256,7 +255,7 @@ pub fn warnings(v: &Verdict) -> Vec<String> {
 
 /// Decide PASS/FAIL and say why.
 pub fn judge(v: &mut Verdict, signal: &str, timeout: Duration) {
-    if let Some(e) = &v.error {
+    if let Some(e) = &v.plan.error {
         v.pass = false;
         v.reason = e.clone();
         return;
@@ -270,11 +269,12 @@ pub fn judge(v: &mut Verdict, signal: &str, timeout: Duration) {
 /// PASS/FAIL by the checkpoint step's outcome (the first that is not a success, else the first).
 fn outcome_verdict(v: &Verdict, signal: &str, timeout: Duration) -> (bool, String) {
     let outcome = v
+        .plan
         .results
         .iter()
         .map(|r| r.outcome)
         .find(|o| !matches!(o, Outcome::Acked | Outcome::Exited))
-        .or_else(|| v.results.first().map(|r| r.outcome));
+        .or_else(|| v.plan.results.first().map(|r| r.outcome));
     match outcome {
         None => (false, "no checkpoint target found (did the command start?)".to_string()),
         Some(Outcome::NoHandler) => (false, no_handler_reason(v, signal)),
@@ -391,7 +391,7 @@ fn rel_secs(t: Option<Timestamp>, t0: Option<Timestamp>) -> Value {
 }
 
 fn budget(v: &Verdict) -> Option<Duration> {
-    match (v.checkpoint_deadline, v.signalled_at) {
+    match (v.plan.checkpoint_deadline, v.plan.signalled_at) {
         (Some(cd), Some(s)) => Some(crate::duration::until(cd, s)),
         _ => None,
     }
@@ -479,18 +479,19 @@ fn notice_rows(t: &mut Table, v: &Verdict, timeout: Duration, signal: &str) {
             &format!(
                 "{} interruption, deadline {}",
                 v.cloud.as_str(),
-                v.deadline
+                v.plan
+                    .deadline
                     .map(|d| format!("+{:.0}s", d.duration_since(raised).as_secs_f64()))
                     .unwrap_or_else(|| "now".into())
             ),
         );
     }
     let how = v.cloud.facts().drill_detection;
-    t.row("notice seen", &rel(v.seen_at, t0), how);
+    t.row("notice seen", &rel(v.plan.seen_at, t0), how);
     t.row(
         "signal sent",
-        &rel(v.signalled_at, t0),
-        &format!("{signal} to {} process(es) catching it", v.processes),
+        &rel(v.plan.signalled_at, t0),
+        &format!("{signal} to {} process(es) catching it", v.plan.processes),
     );
     if let Some(b) = budget(v) {
         t.row(
@@ -498,7 +499,7 @@ fn notice_rows(t: &mut Table, v: &Verdict, timeout: Duration, signal: &str) {
             &format!("{:.1}s", b.as_secs_f64()),
             &format!(
                 "until {}: min(--timeout {}, deadline − drain reserve)",
-                rel(v.checkpoint_deadline, t0),
+                rel(v.plan.checkpoint_deadline, t0),
                 crate::duration::display(timeout)
             ),
         );
@@ -522,7 +523,7 @@ fn ack_rows(t: &mut Table, v: &Verdict) {
         }
         t.row("ack written", &rel(a.written, v.raised_at), &detail);
     }
-    if v.acks.is_empty() && v.signalled_at.is_some() {
+    if v.acks.is_empty() && v.plan.signalled_at.is_some() {
         t.row(
             "ack written",
             "—",
@@ -533,10 +534,10 @@ fn ack_rows(t: &mut Table, v: &Verdict) {
 
 /// The checkpoint results, the command's exit and the trainer's downtime.
 fn end_rows(t: &mut Table, v: &Verdict) {
-    for r in &v.results {
+    for r in &v.plan.results {
         t.row(
             "result",
-            &rel(v.result_at, v.raised_at),
+            &rel(v.plan.result_at, v.raised_at),
             &format!("{} — {} ({})", r.outcome.as_str(), r.group, r.detail),
         );
     }
@@ -606,13 +607,13 @@ pub fn to_json(v: &Verdict, timeout: Duration, signal: &str) -> Value {
         "timeout_s": timeout.as_secs_f64(),
         "handler": handler,
         "notice_raised_unix": v.raised_at.map(|t| t.as_millisecond() as f64 / 1000.0),
-        "notice_seen_s": rel_secs(v.seen_at, t0),
-        "signal_sent_s": rel_secs(v.signalled_at, t0),
-        "processes_signalled": v.processes,
+        "notice_seen_s": rel_secs(v.plan.seen_at, t0),
+        "signal_sent_s": rel_secs(v.plan.signalled_at, t0),
+        "processes_signalled": v.plan.processes,
         "budget_s": budget(v).map(|b| b.as_secs_f64()),
-        "deadline_s": rel_secs(v.deadline, t0),
-        "result_s": rel_secs(v.result_at, t0),
-        "results": v.results.iter().map(|r| json!({
+        "deadline_s": rel_secs(v.plan.deadline, t0),
+        "result_s": rel_secs(v.plan.result_at, t0),
+        "results": v.plan.results.iter().map(|r| json!({
             "group": r.group, "outcome": r.outcome.as_str(), "signalled": r.signalled, "detail": r.detail,
         })).collect::<Vec<_>>(),
         "acks": v.acks.iter().map(|a| json!({
@@ -648,63 +649,33 @@ fn xml_escape(s: &str) -> String {
     out
 }
 
-/// One test case of a JUnit report.
-pub struct JunitCase {
-    pub name: String,
-    pub pass: bool,
-    pub reason: String,
-    /// The verdict table.
-    pub text: String,
-    pub took: Duration,
-}
-
-/// A JUnit XML report (`--junit FILE`): one test case per run.
-pub fn junit(runs: &[(Verdict, String, Duration)]) -> String {
-    let cases: Vec<JunitCase> = runs
-        .iter()
-        .enumerate()
-        .map(|(i, (v, text, took))| JunitCase {
-            name: format!(
-                "{} interruption #{}: {}",
-                v.cloud.as_str(),
-                i + 1,
-                v.command
-            ),
-            pass: v.pass,
-            reason: v.reason.clone(),
-            text: text.clone(),
-            took: *took,
-        })
-        .collect();
-    junit_cases(&cases)
-}
-
-/// The JUnit XML of `cases`.
-pub fn junit_cases(cases: &[JunitCase]) -> String {
-    let failures = cases.iter().filter(|c| !c.pass).count();
-    let total: f64 = cases.iter().map(|c| c.took.as_secs_f64()).sum();
+/// A JUnit XML report (`--junit FILE`): one test case per run, its verdict table as the case's
+/// output (or its failure's text).
+pub fn junit<V: RunVerdict>(runs: &[Run<V>]) -> String {
+    let failures = runs.iter().filter(|(v, _, _)| !v.passed()).count();
+    let total: f64 = runs.iter().map(|(_, _, took)| took.as_secs_f64()).sum();
     let mut out = String::from("<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n");
     let _ = writeln!(
         out,
         "<testsuite name=\"spotguard drill\" tests=\"{}\" failures=\"{failures}\" errors=\"0\" time=\"{total:.3}\">",
-        cases.len()
+        runs.len()
     );
-    for c in cases {
+    for (i, (v, text, took)) in runs.iter().enumerate() {
         let _ = write!(
             out,
             "  <testcase classname=\"spotguard.drill\" name=\"{}\" time=\"{:.3}\">",
-            xml_escape(&c.name),
-            c.took.as_secs_f64()
+            xml_escape(&v.junit_name(i + 1)),
+            took.as_secs_f64()
         );
-        if !c.pass {
+        if !v.passed() {
             let _ = write!(
                 out,
                 "\n    <failure message=\"{}\">{}</failure>\n  ",
-                xml_escape(&c.reason),
-                xml_escape(&c.text)
+                xml_escape(v.reason()),
+                xml_escape(text)
             );
         } else {
-            let _ = write!(out, "<system-out>{}</system-out>", xml_escape(&c.text));
+            let _ = write!(out, "<system-out>{}</system-out>", xml_escape(text));
         }
         out.push_str("</testcase>\n");
     }
