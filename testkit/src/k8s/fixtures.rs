@@ -12,6 +12,11 @@ use serde_json::Value;
 /// A long-running container process that ends on SIGTERM (exit 143).
 pub const SLEEPER: [&str; 2] = ["sleep", "infinity"];
 
+/// The terminal phase a pod built with [`TestPod::phase`] ends in, so that
+/// [`super::TestCluster::run_pods`] waits for that phase (its container first runs, and a pod
+/// meant to be `Failed` must not be taken as ready while it still runs).
+pub const ENDS_IN_ANNOTATION: &str = "testkit.spotguard.io/ends-in";
+
 /// Builder for test pods: one container `main` running [`SLEEPER`], bound to `node`, owned by
 /// a ReplicaSet (that need not exist), default grace period, restart policy Always.
 pub struct TestPod {
@@ -121,7 +126,7 @@ impl TestPod {
     }
 
     /// A pod that ran to completion: `Succeeded` or `Failed` (restart policy Never; the
-    /// container exits 0 or 1 at once).
+    /// container exits 0 or 1 at once; [`super::TestCluster::run_pods`] waits for that phase).
     pub fn phase(mut self, phase: &str) -> TestPod {
         let code = match phase {
             "Succeeded" => 0,
@@ -132,7 +137,7 @@ impl TestPod {
         };
         self.spec().restart_policy = Some("Never".into());
         self.main().command = Some(vec!["sh".into(), "-c".into(), format!("exit {code}")]);
-        self
+        self.annotation(ENDS_IN_ANNOTATION, phase)
     }
 
     /// A pod that runs until `file` exists on this machine, then completes (exit 0, phase

@@ -85,6 +85,44 @@ where
     }
 }
 
+/// How a pod looks, for a test's failure message: its phase, conditions and containers' states
+/// (`absent` when there is none).
+fn describe_pod(pod: Option<&Pod>) -> String {
+    let Some(pod) = pod else {
+        return "absent".to_string();
+    };
+    let Some(status) = pod.status.as_ref() else {
+        return "no status yet".to_string();
+    };
+    let conditions: Vec<String> = status
+        .conditions
+        .iter()
+        .flatten()
+        .map(|c| format!("{}={}", c.type_, c.status))
+        .collect();
+    let containers: Vec<String> = status
+        .init_container_statuses
+        .iter()
+        .flatten()
+        .chain(status.container_statuses.iter().flatten())
+        .map(|c| {
+            let state = serde_json::to_string(&c.state).unwrap_or_default();
+            format!("{} {state}", c.name)
+        })
+        .collect();
+    format!(
+        "phase {}, conditions [{}], containers [{}]{}",
+        status.phase.as_deref().unwrap_or("-"),
+        conditions.join(" "),
+        containers.join("; "),
+        if pod.metadata.deletion_timestamp.is_some() {
+            ", being deleted"
+        } else {
+            ""
+        }
+    )
+}
+
 impl TestCluster {
     /// A fresh slice (starting the shared control plane on first use) with its own proxy.
     pub async fn new() -> TestCluster {
@@ -213,7 +251,8 @@ impl TestCluster {
         }
     }
 
-    /// Wait up to `limit` until `pred` holds for pod `namespace/name` (`None`: absent).
+    /// Wait up to `limit` until `pred` holds for pod `namespace/name` (`None`: absent); on
+    /// timeout the panic says how the pod looked last (its phase, conditions and containers).
     pub async fn wait_pod(
         &self,
         namespace: &str,
@@ -222,19 +261,36 @@ impl TestCluster {
         limit: Duration,
         pred: impl Fn(Option<&Pod>) -> bool,
     ) -> Option<Pod> {
-        poll(
-            &format!("pod {namespace}/{name}: {what}"),
+        let last = Mutex::new(None);
+        let found = tokio::time::timeout(
             limit,
-            || async {
-                let p = self.pod(namespace, name).await;
-                pred(p.as_ref()).then_some(p)
-            },
+            poll(
+                &format!("pod {namespace}/{name}: {what}"),
+                Duration::MAX,
+                || async {
+                    let p = self.pod(namespace, name).await;
+                    let done = pred(p.as_ref());
+                    *last.lock().unwrap_or_else(|e| e.into_inner()) = Some(p.clone());
+                    done.then_some(p)
+                },
+            ),
         )
-        .await
+        .await;
+        match found {
+            Ok(p) => p,
+            Err(_) => {
+                let last = last.lock().unwrap_or_else(|e| e.into_inner()).take();
+                panic!(
+                    "timed out after {limit:?}: pod {namespace}/{name}: {what}; last seen: {}",
+                    describe_pod(last.flatten().as_ref())
+                )
+            }
+        }
     }
 
     /// Create `pods` and wait until the kubelet reports each Running and Ready (or, for a pod
-    /// that runs to completion, its terminal phase).
+    /// that runs to completion, its terminal phase; for a pod built with [`TestPod::phase`],
+    /// that phase).
     pub async fn run_pods(&self, pods: &[Pod]) {
         for p in pods {
             self.create_pod(p).await;
@@ -244,25 +300,32 @@ impl TestCluster {
             let name = p.metadata.name.clone().unwrap_or_default();
             let finishes =
                 p.spec.as_ref().and_then(|s| s.restart_policy.as_deref()) == Some("Never");
-            self.wait_pod(
-                &ns,
-                &name,
-                "running (or finished)",
-                Duration::from_secs(60),
-                |p| {
-                    let status = p.and_then(|p| p.status.as_ref());
-                    let phase = status.and_then(|s| s.phase.as_deref());
-                    if finishes && matches!(phase, Some("Succeeded" | "Failed")) {
-                        return true;
-                    }
-                    phase == Some("Running")
-                        && status
-                            .and_then(|s| s.conditions.as_ref())
-                            .is_some_and(|cs| {
-                                cs.iter().any(|c| c.type_ == "Ready" && c.status == "True")
-                            })
-                },
-            )
+            let ends_in = p
+                .metadata
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get(fixtures::ENDS_IN_ANNOTATION))
+                .cloned();
+            let what = match &ends_in {
+                Some(phase) => format!("in phase {phase}"),
+                None => "running (or finished)".to_string(),
+            };
+            self.wait_pod(&ns, &name, &what, Duration::from_secs(60), |p| {
+                let status = p.and_then(|p| p.status.as_ref());
+                let phase = status.and_then(|s| s.phase.as_deref());
+                if let Some(want) = &ends_in {
+                    return phase == Some(want.as_str());
+                }
+                if finishes && matches!(phase, Some("Succeeded" | "Failed")) {
+                    return true;
+                }
+                phase == Some("Running")
+                    && status
+                        .and_then(|s| s.conditions.as_ref())
+                        .is_some_and(|cs| {
+                            cs.iter().any(|c| c.type_ == "Ready" && c.status == "True")
+                        })
+            })
             .await;
         }
     }
@@ -528,4 +591,32 @@ pub fn non_system_taints(node: &Node) -> Vec<(String, Option<String>, String)> {
         .filter(|t| !t.key.starts_with("node.kubernetes.io/"))
         .map(|t| (t.key, t.value, t.effect))
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_pod_that_never_came_up_is_described() {
+        assert_eq!(describe_pod(None), "absent");
+        let pod: Pod = serde_json::from_value(json!({
+            "metadata": { "name": "p" },
+            "status": {
+                "phase": "Pending",
+                "conditions": [{ "type": "PodScheduled", "status": "True" }],
+                "containerStatuses": [{
+                    "name": "main", "image": "x", "imageID": "", "ready": false, "restartCount": 0,
+                    "state": { "waiting": { "reason": "ContainerCreating", "message": "configmap kube-root-ca.crt not found" } }
+                }]
+            }
+        }))
+        .unwrap();
+        let text = describe_pod(Some(&pod));
+        assert!(
+            text.starts_with("phase Pending, conditions [PodScheduled=True]"),
+            "{text}"
+        );
+        assert!(text.contains("main {\"waiting\":{\"message\":\"configmap kube-root-ca.crt not found\",\"reason\":\"ContainerCreating\"}}"), "{text}");
+    }
 }

@@ -14,6 +14,7 @@ use k8s_openapi::api::core::v1::{
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, Preconditions};
 use serde_json::{json, Value};
+use spotguard::backoff::Backoff;
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -22,6 +23,8 @@ use super::sandbox::{Sandbox, RUNTIME_DEFAULT_CAPS};
 use super::{lock, ContainerRun, Inner};
 use crate::kubelet::{pod_cgroup, Qos};
 
+/// How long a status report is retried before it is given up (logged).
+const REPORT_FOR: Duration = Duration::from_secs(15);
 const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 
 /// SIGKILL every process in `cgroup` until it is empty (bounded).
@@ -637,8 +640,12 @@ impl PodRun {
         }
         let pods: Api<Pod> = Api::namespaced(self.inner.client.clone(), &self.ns);
         let patch = json!({ "status": status });
-        for attempt in 0..10 {
-            match pods
+        // Retried for a while, as the kubelet's status manager does: a report lost to a busy API
+        // server would leave the pod Pending for good (nothing here reports it again).
+        let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(2));
+        let give_up = Instant::now() + REPORT_FOR;
+        loop {
+            let e = match pods
                 .patch_status(
                     &self.name,
                     &PatchParams::default(),
@@ -648,11 +655,14 @@ impl PodRun {
             {
                 Ok(_) => return,
                 Err(kube::Error::Api(s)) if s.code == 404 => return,
-                Err(e) => {
-                    tracing::debug!(pod = %self.name, error = %e, attempt, "kubelet stand-in: status report failed");
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                }
-            }
+                Err(e) => e,
+            };
+            let Some(delay) = backoff.next_delay_before(give_up) else {
+                tracing::warn!(pod = %self.name, error = %e, attempts = backoff.failures(), "kubelet stand-in: status report lost");
+                return;
+            };
+            tracing::debug!(pod = %self.name, error = %e, attempts = backoff.failures(), "kubelet stand-in: status report failed");
+            tokio::time::sleep(delay).await;
         }
     }
 
