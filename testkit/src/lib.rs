@@ -16,7 +16,8 @@
 //! - [`process`]: [`process::Kid`], a child process in its own group, killed with it on drop;
 //!   whether a real process has installed its SIGUSR1 handler yet; the benches' trainer that
 //!   records when SIGUSR1 arrived, and their one percentile.
-//! - [`s3`]: s3s-fs on a free loopback port, and a [`s3::Throttle`] (a slow network) before it.
+//! - [`s3`]: s3s-fs and moto on a free loopback port, a [`s3::Throttle`] (a slow network) before
+//!   them, and a [`s3::proxy::Proxy`] that injects a test's faults into the HTTP traffic.
 //! - [`wait_for_event`]: wait for a responder plan event; [`metrics_text`]: a running agent's
 //!   `/metrics`.
 pub mod assets;

@@ -1,6 +1,7 @@
 //! The S3-compatible servers of the tests, on free loopback ports: s3s-fs (its objects plain files
 //! under a temp dir) and moto's server; and a [`Throttle`]: a TCP proxy that forwards the client's bytes at a fixed
-//! rate, a slow network in front of it (an upload that lasts seconds with a few MiB).
+//! rate, a slow network in front of it (an upload that lasts seconds with a few MiB); and in
+//! [`proxy`], an HTTP proxy in front of it that injects a test's faults.
 //!
 //! Needs `s3s-fs` and `moto_server` (`scripts/deps/prefetch.sh`).
 
@@ -16,6 +17,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
 use crate::process::Kid;
+
+pub mod proxy;
 
 pub const ACCESS_KEY: &str = "spotguardtest";
 pub const SECRET_KEY: &str = "spotguardtestsecret";
