@@ -5,8 +5,6 @@
 //! Needs `s3s-fs` and `moto_server`: run `scripts/deps/prefetch.sh` once.
 
 use std::collections::HashMap;
-use std::convert::Infallible;
-use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -14,16 +12,16 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use futures::StreamExt;
-use http_body_util::{combinators::BoxBody, BodyExt, Full, StreamBody};
-use hyper::body::{Frame, Incoming};
+use http::request::Parts;
+use http_body_util::{BodyExt, Full};
 use hyper::{Request, Response};
 use hyper_util::client::legacy::{connect::HttpConnector, Client};
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::TokioExecutor;
 use object_store::aws::{AmazonS3Builder, AwsAuthorizer, AwsCredential};
 use object_store::path::Path as ObjectPath;
 use object_store::{ClientOptions, ObjectStore, ObjectStoreExt, PutPayload};
 use serde_json::Value;
+use spotguard_testkit::s3::proxy::{paced, s3_error, Body, Faults, Proxy};
 use spotguard_testkit::s3::{S3Server, ACCESS_KEY, REGION, SECRET_KEY};
 
 // ---------------------------------------------------------------------------------------------
@@ -126,11 +124,11 @@ fn data(len: usize, seed: u64) -> Vec<u8> {
 }
 
 // ---------------------------------------------------------------------------------------------
-// A fault-injecting, bandwidth-limiting, counting proxy
+// The faults of the proxy in front of the server (spotguard_testkit::s3::proxy): 503 SlowDown,
+// 403/404 or corrupted bytes for one key, a response rate limit, counting object GETs
 
 #[derive(Default)]
 struct ProxyState {
-    upstream: String,
     /// Answer this many requests with 503 SlowDown first.
     slowdowns: AtomicU32,
     slowdowns_sent: AtomicU32,
@@ -145,162 +143,77 @@ struct ProxyState {
     bytes_by_path: Mutex<HashMap<String, u64>>,
 }
 
-struct Proxy {
-    addr: SocketAddr,
-    state: Arc<ProxyState>,
-    _task: tokio::task::JoinHandle<()>,
-}
-
-impl Proxy {
-    async fn start(upstream: &S3Server) -> Proxy {
-        let state = Arc::new(ProxyState {
-            upstream: upstream.addr.to_string(),
-            ..ProxyState::default()
-        });
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let client: Client<HttpConnector, Incoming> =
-            Client::builder(TokioExecutor::new()).build_http();
-        let st = state.clone();
-        let task = tokio::spawn(async move {
-            loop {
-                let Ok((sock, _)) = listener.accept().await else {
-                    continue;
-                };
-                let (st, client) = (st.clone(), client.clone());
-                tokio::spawn(async move {
-                    let svc = hyper::service::service_fn(move |req| {
-                        proxy_one(st.clone(), client.clone(), req)
-                    });
-                    let _ = hyper::server::conn::http1::Builder::new()
-                        .serve_connection(TokioIo::new(sock), svc)
-                        .await;
-                });
-            }
-        });
-        Proxy {
-            addr,
-            state,
-            _task: task,
+impl Faults for ProxyState {
+    fn answer(&self, req: &Parts) -> Option<Response<Body>> {
+        if self
+            .slowdowns
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok()
+        {
+            self.slowdowns_sent.fetch_add(1, Ordering::SeqCst);
+            return Some(s3_error(503, "SlowDown"));
         }
-    }
-
-    fn endpoint(&self) -> String {
-        format!("http://{}", self.addr)
-    }
-}
-
-type ProxyBody = BoxBody<Bytes, Box<dyn std::error::Error + Send + Sync>>;
-
-fn s3_error(status: u16, code: &str) -> Response<ProxyBody> {
-    let body = format!(
-        "<?xml version=\"1.0\" encoding=\"UTF-8\"?><Error><Code>{code}</Code><Message>injected by the test proxy</Message></Error>"
-    );
-    Response::builder()
-        .status(status)
-        .header("content-type", "application/xml")
-        .body(Full::new(Bytes::from(body)).map_err(|e| match e {}).boxed())
-        .unwrap()
-}
-
-async fn proxy_one(
-    st: Arc<ProxyState>,
-    client: Client<HttpConnector, Incoming>,
-    req: Request<Incoming>,
-) -> Result<Response<ProxyBody>, Infallible> {
-    if st
-        .slowdowns
-        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
-        .is_ok()
-    {
-        st.slowdowns_sent.fetch_add(1, Ordering::SeqCst);
-        return Ok(s3_error(503, "SlowDown"));
-    }
-    let path = req.uri().path().to_string();
-    let is_get = req.method() == http::Method::GET;
-    if is_get {
-        if let Some((key, status)) = st.deny.lock().unwrap().clone() {
-            if path.ends_with(&key) {
-                let code = if status == 403 {
-                    "AccessDenied"
-                } else {
-                    "NoSuchKey"
-                };
-                return Ok(s3_error(status, code));
+        if req.method == http::Method::GET {
+            if let Some((key, status)) = self.deny.lock().unwrap().clone() {
+                if req.uri.path().ends_with(&key) {
+                    let code = if status == 403 {
+                        "AccessDenied"
+                    } else {
+                        "NoSuchKey"
+                    };
+                    return Some(s3_error(status, code));
+                }
             }
         }
+        None
     }
-    let (mut parts, body) = req.into_parts();
-    let pq = parts
-        .uri
-        .path_and_query()
-        .map(|p| p.as_str().to_string())
-        .unwrap_or_default();
-    parts.uri = format!("http://{}{pq}", st.upstream).parse().unwrap();
-    let resp = match client.request(Request::from_parts(parts, body)).await {
-        Ok(r) => r,
-        Err(e) => return Ok(s3_error(502, &format!("ProxyError {e}"))),
-    };
-    let counted = is_get
-        && resp.status().is_success()
-        && !path.ends_with('/')
-        && path.matches('/').count() >= 2;
-    if counted {
-        st.gets.fetch_add(1, Ordering::SeqCst);
-    }
-    let rate = st.rate_bps.load(Ordering::SeqCst);
-    let corrupt = is_get
-        && st
-            .corrupt
-            .lock()
-            .unwrap()
-            .as_ref()
-            .is_some_and(|k| path.ends_with(k.as_str()));
-    let (parts, body) = resp.into_parts();
-    let st2 = st.clone();
-    let started = Instant::now();
-    let mut sent = 0u64;
-    let stream = http_body_util::BodyStream::new(body).then(move |frame| {
-        let st = st2.clone();
-        let path = path.clone();
-        let len = frame
-            .as_ref()
-            .ok()
-            .and_then(|f| f.data_ref())
-            .map(|d| d.len() as u64)
-            .unwrap_or(0);
-        sent += len;
-        let due = if rate > 0 {
-            Some(started + Duration::from_secs_f64(sent as f64 / rate as f64))
-        } else {
-            None
-        };
-        async move {
-            if counted && len > 0 {
-                st.get_bytes.fetch_add(len, Ordering::SeqCst);
-                *st.bytes_by_path.lock().unwrap().entry(path).or_default() += len;
-            }
-            if let Some(due) = due {
-                tokio::time::sleep_until(due.into()).await;
-            }
-            frame
-                .map(|f| {
-                    f.map_data(|d| {
-                        if corrupt && !d.is_empty() {
-                            let mut v = d.to_vec();
-                            v[0] ^= 0x01;
-                            Bytes::from(v)
-                        } else {
-                            d
-                        }
-                    })
+
+    /// Counts the bytes of object GETs, corrupts the chosen object's and paces every answer.
+    fn response(self: &Arc<Self>, req: &Parts, resp: Response<Body>) -> Response<Body> {
+        let path = req.uri.path().to_string();
+        let is_get = req.method == http::Method::GET;
+        let counted = is_get
+            && resp.status().is_success()
+            && !path.ends_with('/')
+            && path.matches('/').count() >= 2;
+        if counted {
+            self.gets.fetch_add(1, Ordering::SeqCst);
+        }
+        let rate = self.rate_bps.load(Ordering::SeqCst);
+        let corrupt = is_get
+            && self
+                .corrupt
+                .lock()
+                .unwrap()
+                .as_ref()
+                .is_some_and(|k| path.ends_with(k.as_str()));
+        let st = self.clone();
+        resp.map(|body| {
+            let seen = body.map_frame(move |f| {
+                f.map_data(|d| {
+                    if d.is_empty() {
+                        return d;
+                    }
+                    if counted {
+                        let len = d.len() as u64;
+                        st.get_bytes.fetch_add(len, Ordering::SeqCst);
+                        *st.bytes_by_path
+                            .lock()
+                            .unwrap()
+                            .entry(path.clone())
+                            .or_default() += len;
+                    }
+                    if !corrupt {
+                        return d;
+                    }
+                    let mut v = d.to_vec();
+                    v[0] ^= 0x01;
+                    Bytes::from(v)
                 })
-                .map_err(|e| Box::new(e) as Box<dyn std::error::Error + Send + Sync>)
-        }
-    });
-    let body: ProxyBody =
-        BodyExt::boxed(StreamBody::new(stream.map(|r: Result<Frame<Bytes>, _>| r)));
-    Ok(Response::from_parts(parts, body))
+            });
+            paced(seen.boxed(), rate)
+        })
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -506,7 +419,7 @@ async fn resumes_with_a_ranged_get_after_kill_9() {
     let size = 16 << 20;
     let payload = data(size, 7);
     bucket.put("ds/model.bin", &payload).await;
-    let proxy = Proxy::start(&bucket.server).await;
+    let proxy = Proxy::start(&bucket.server, ProxyState::default()).await;
     // 1 MiB/s per request, 2 requests at a time: the 16 MiB object takes ~8 s.
     proxy.state.rate_bps.store(1 << 20, Ordering::SeqCst);
 
@@ -603,7 +516,7 @@ async fn sigterm_checkpoints_and_the_next_run_resumes() {
     let bucket = Bucket::s3s_fs("sigterm").await;
     let payload = data(6 << 20, 9);
     bucket.put("p/x.bin", &payload).await;
-    let proxy = Proxy::start(&bucket.server).await;
+    let proxy = Proxy::start(&bucket.server, ProxyState::default()).await;
     proxy.state.rate_bps.store(512 << 10, Ordering::SeqCst);
     let cache = tempfile::tempdir().unwrap();
     let args = ["--name", "x", "--part-size", "1MiB", "--concurrency", "2"];
@@ -678,7 +591,7 @@ async fn two_processes_share_one_cache_and_fetch_each_object_once() {
     objects.push(("ds/big2".into(), data(3 << 20, 1001)));
     bucket.put_all(&objects).await;
     let total: u64 = objects.iter().map(|(_, v)| v.len() as u64).sum();
-    let proxy = Proxy::start(&bucket.server).await;
+    let proxy = Proxy::start(&bucket.server, ProxyState::default()).await;
     // Slow enough that the two runs overlap.
     proxy.state.rate_bps.store(4 << 20, Ordering::SeqCst);
     let cache = tempfile::tempdir().unwrap();
@@ -773,7 +686,7 @@ async fn changed_objects_are_refetched_even_mid_download() {
     // and the object is fetched again from its new version.
     let big1 = data(4 << 20, 10);
     bucket.put("d/big.bin", &big1).await;
-    let proxy = Proxy::start(&bucket.server).await;
+    let proxy = Proxy::start(&bucket.server, ProxyState::default()).await;
     proxy.state.rate_bps.store(1 << 20, Ordering::SeqCst);
     let child = spotguard("s3://chg/d", cache.path(), &proxy.endpoint(), &args)
         .spawn()
@@ -804,7 +717,7 @@ async fn throttling_is_retried_with_backoff() {
     for i in 0..6u64 {
         bucket.put(&format!("t/{i}"), &data(50 << 10, i)).await;
     }
-    let proxy = Proxy::start(&bucket.server).await;
+    let proxy = Proxy::start(&bucket.server, ProxyState::default()).await;
     proxy.state.slowdowns.store(6, Ordering::SeqCst);
     let cache = tempfile::tempdir().unwrap();
     let r = run(spotguard(
@@ -825,7 +738,7 @@ async fn access_denied_and_missing_objects_are_named() {
     for k in ["e/ok.bin", "e/secret.bin", "e/vanished.bin"] {
         bucket.put(k, &data(10 << 10, 5)).await;
     }
-    let proxy = Proxy::start(&bucket.server).await;
+    let proxy = Proxy::start(&bucket.server, ProxyState::default()).await;
     *proxy.state.deny.lock().unwrap() = Some(("e/secret.bin".into(), 403));
     let cache = tempfile::tempdir().unwrap();
     let r = run(spotguard(
@@ -1364,7 +1277,7 @@ async fn corrupted_bytes_fail_the_store_checksum_and_are_never_published() {
     let small = data(30_000, 6);
     put_with_checksum(&bucket.endpoint(), "bad", "ds/big", &big, "crc64nvme").await;
     put_with_checksum(&bucket.endpoint(), "bad", "ds/small", &small, "crc32c").await;
-    let proxy = Proxy::start(&bucket.server).await;
+    let proxy = Proxy::start(&bucket.server, ProxyState::default()).await;
     let cache = tempfile::tempdir().unwrap();
     for key in ["ds/big", "ds/small"] {
         *proxy.state.corrupt.lock().unwrap() = Some(key.to_string());

@@ -8,10 +8,8 @@
 //! Needs `s3s-fs` and `moto_server`: run `scripts/deps/prefetch.sh` once.
 
 use std::collections::HashMap;
-use std::convert::Infallible;
 use std::fmt;
 use std::io::Write;
-use std::net::SocketAddr;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -20,14 +18,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use bytes::Bytes;
 use futures::stream::BoxStream;
 use futures::StreamExt;
-use http_body_util::{combinators::BoxBody, BodyExt, Full, StreamBody};
-use hyper::body::{Frame, Incoming};
-use hyper::{Request, Response};
-use hyper_util::client::legacy::{connect::HttpConnector, Client};
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use http::request::Parts;
+use hyper::Response;
 use object_store::aws::{AmazonS3, AmazonS3Builder, AwsAuthorizer, AwsCredential};
 use object_store::multipart::{MultipartStore, PartId};
 use object_store::path::Path as ObjectPath;
@@ -46,6 +40,7 @@ use spotguard::upload::manifest::{Manifest, Origin};
 use spotguard::upload::staged::{self, Limits, Problem, Root};
 use spotguard::upload::target::{StoreTarget, Target};
 use spotguard::upload::{Error, Outcome};
+use spotguard_testkit::s3::proxy::{paced, Body, Faults, Proxy};
 use spotguard_testkit::s3::{S3Server, ACCESS_KEY, REGION, SECRET_KEY};
 use tokio_util::sync::CancellationToken;
 
@@ -521,145 +516,63 @@ async fn an_existing_checkpoint_is_never_overwritten() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// A proxy in front of the server: slows request bodies down (to kill an upload mid-way) and
-// adds the full-object checksum real S3 returns for every new object to PUT and HEAD answers
+// A proxy in front of the server (spotguard_testkit::s3::proxy): slows request bodies down (to
+// kill an upload mid-way) and adds the full-object checksum real S3 returns for every new object
+// to PUT and HEAD answers
 
 #[derive(Default)]
 struct ProxyState {
-    upstream: String,
     /// Request body bytes per second (0 = no limit).
     rate_bps: AtomicU64,
     /// key suffix → x-amz-checksum-crc64nvme value (base64) added to PUT and HEAD answers.
     checksums: Mutex<HashMap<String, String>>,
 }
 
-struct Proxy {
-    addr: SocketAddr,
-    state: Arc<ProxyState>,
-    _task: tokio::task::JoinHandle<()>,
-}
-
-type ProxyBody = BoxBody<Bytes, Box<dyn std::error::Error + Send + Sync>>;
-
-impl Proxy {
-    async fn start(upstream: &S3Server) -> Proxy {
-        let state = Arc::new(ProxyState {
-            upstream: upstream.addr.to_string(),
-            ..ProxyState::default()
-        });
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let client: Client<HttpConnector, ProxyBody> =
-            Client::builder(TokioExecutor::new()).build_http();
-        let st = state.clone();
-        let task = tokio::spawn(async move {
-            loop {
-                let Ok((sock, _)) = listener.accept().await else {
-                    continue;
-                };
-                let (st, client) = (st.clone(), client.clone());
-                tokio::spawn(async move {
-                    let svc = hyper::service::service_fn(move |req| {
-                        forward(st.clone(), client.clone(), req)
-                    });
-                    let _ = hyper::server::conn::http1::Builder::new()
-                        .serve_connection(TokioIo::new(sock), svc)
-                        .await;
-                });
-            }
-        });
-        Proxy {
-            addr,
-            state,
-            _task: task,
-        }
-    }
-
-    fn endpoint(&self) -> String {
-        format!("http://{}", self.addr)
-    }
-
+impl ProxyState {
+    /// PUT and HEAD answers for keys ending in `key` carry the CRC64/NVME of `content`.
     fn checksum(&self, key: &str, content: &[u8]) {
         use base64::Engine;
         let v = crc_fast::checksum(crc_fast::CrcAlgorithm::Crc64Nvme, content).to_be_bytes();
-        self.state.checksums.lock().unwrap().insert(
+        self.checksums.lock().unwrap().insert(
             key.to_string(),
             base64::engine::general_purpose::STANDARD.encode(v),
         );
     }
 }
 
-async fn forward(
-    st: Arc<ProxyState>,
-    client: Client<HttpConnector, ProxyBody>,
-    req: Request<Incoming>,
-) -> Result<Response<ProxyBody>, Infallible> {
-    let path = req.uri().path().to_string();
-    let add_checksum = matches!(*req.method(), http::Method::HEAD | http::Method::PUT)
-        && !req.uri().query().unwrap_or("").contains("partNumber");
-    let (mut parts, body) = req.into_parts();
-    let pq = parts
-        .uri
-        .path_and_query()
-        .map(|p| p.as_str().to_string())
-        .unwrap_or_default();
-    parts.uri = format!("http://{}{pq}", st.upstream).parse().unwrap();
-    let rate = st.rate_bps.load(Ordering::SeqCst);
-    let started = Instant::now();
-    let mut seen = 0u64;
-    let stream = http_body_util::BodyStream::new(body).then(move |frame| {
-        let len = frame
-            .as_ref()
-            .ok()
-            .and_then(|f| f.data_ref())
-            .map(|d| d.len() as u64)
-            .unwrap_or(0);
-        seen += len;
-        let due = (rate > 0).then(|| started + Duration::from_secs_f64(seen as f64 / rate as f64));
-        async move {
-            if let Some(due) = due {
-                tokio::time::sleep_until(due.into()).await;
-            }
-            frame.map_err(|e| Box::new(e) as Box<dyn std::error::Error + Send + Sync>)
-        }
-    });
-    let body: ProxyBody =
-        BodyExt::boxed(StreamBody::new(stream.map(|r: Result<Frame<Bytes>, _>| r)));
-    let resp = match client.request(Request::from_parts(parts, body)).await {
-        Ok(r) => r,
-        Err(e) => {
-            let body = Full::new(Bytes::from(format!("proxy: {e}")))
-                .map_err(|e| match e {})
-                .boxed();
-            return Ok(Response::builder().status(502).body(body).unwrap());
-        }
-    };
-    let (mut rparts, rbody) = resp.into_parts();
-    if add_checksum && rparts.status.is_success() {
-        let sums = st.checksums.lock().unwrap();
-        if let Some((_, v)) = sums.iter().find(|(k, _)| path.ends_with(k.as_str())) {
-            rparts
-                .headers
-                .insert("x-amz-checksum-crc64nvme", v.parse().unwrap());
-            rparts
-                .headers
-                .insert("x-amz-checksum-type", "FULL_OBJECT".parse().unwrap());
-        }
+impl Faults for ProxyState {
+    fn request_body(self: &Arc<Self>, _req: &Parts, body: Body) -> Body {
+        paced(body, self.rate_bps.load(Ordering::SeqCst))
     }
-    let rbody: ProxyBody = rbody
-        .map_err(|e| Box::new(e) as Box<dyn std::error::Error + Send + Sync>)
-        .boxed();
-    Ok(Response::from_parts(rparts, rbody))
+
+    fn response(self: &Arc<Self>, req: &Parts, resp: Response<Body>) -> Response<Body> {
+        let add_checksum = matches!(req.method, http::Method::HEAD | http::Method::PUT)
+            && !req.uri.query().unwrap_or("").contains("partNumber");
+        let (mut rparts, rbody) = resp.into_parts();
+        if add_checksum && rparts.status.is_success() {
+            let sums = self.checksums.lock().unwrap();
+            let path = req.uri.path();
+            if let Some((_, v)) = sums.iter().find(|(k, _)| path.ends_with(k.as_str())) {
+                rparts
+                    .headers
+                    .insert("x-amz-checksum-crc64nvme", v.parse().unwrap());
+                rparts
+                    .headers
+                    .insert("x-amz-checksum-type", "FULL_OBJECT".parse().unwrap());
+            }
+        }
+        Response::from_parts(rparts, rbody)
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_stores_checksum_is_compared_after_each_file() {
     let server = S3Server::s3s_fs(&[]);
     create_bucket(&server.endpoint(), BUCKET).await;
-    let proxy = Proxy::start(&server).await;
+    let proxy = Proxy::start(&server, ProxyState::default()).await;
     let files = dcp_like(1, 11 * MIB, 2);
     for (p, content) in &files {
-        proxy.checksum(&format!("run1/step-3/{p}"), content);
+        proxy.state.checksum(&format!("run1/step-3/{p}"), content);
     }
     let (_t, dir) = stage("step-3", &as_refs(&files));
     let rec = Recording::new(s3(&proxy.endpoint()));
@@ -677,7 +590,9 @@ async fn the_stores_checksum_is_compared_after_each_file() {
     // The store holds other bytes than were read (it says so with its checksum): no manifest.
     let (_t2, dir2) = stage("step-4", &as_refs(&files));
     for (p, _) in &files {
-        proxy.checksum(&format!("run1/step-4/{p}"), b"not these bytes");
+        proxy
+            .state
+            .checksum(&format!("run1/step-4/{p}"), b"not these bytes");
     }
     let r = engine::run(job(&dir2, rec.target("run1/step-4"), 4, small_parts())).await;
     assert_eq!(r.outcome, Outcome::Failed, "{r:?}");
@@ -742,7 +657,7 @@ async fn latest_via_cli(server: &S3Server, location: &str) -> Value {
 async fn a_restart_mid_upload_never_publishes_a_partial_and_the_next_run_resumes() {
     let server = S3Server::s3s_fs(&[]);
     create_bucket(&server.endpoint(), BUCKET).await;
-    let proxy = Proxy::start(&server).await;
+    let proxy = Proxy::start(&server, ProxyState::default()).await;
     proxy
         .state
         .rate_bps
