@@ -149,11 +149,28 @@ impl Machine {
         .env("AWS_EC2_METADATA_DISABLED", "true")
         .stdin(Stdio::null())
         .stdout(Stdio::null())
-        .stderr(Stdio::null());
+        .stderr(self.agent_log());
         for (k, v) in env {
             cmd.env(k, v);
         }
         Kid::spawn(cmd)
+    }
+
+    /// The agent's log (its stderr), kept in the machine's base for a failing test to show.
+    fn agent_log(&self) -> Stdio {
+        std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.base.join("agent.log"))
+            .map(Stdio::from)
+            .unwrap_or_else(|_| Stdio::null())
+    }
+
+    /// The last `lines` lines of the agent's log.
+    fn agent_log_tail(&self, lines: usize) -> String {
+        let text = std::fs::read_to_string(self.base.join("agent.log")).unwrap_or_default();
+        let all: Vec<&str> = text.lines().collect();
+        all[all.len().saturating_sub(lines)..].join("\n")
     }
 
     fn result(&self) -> Value {
@@ -415,7 +432,7 @@ fn marks(path: &Path) -> Vec<f64> {
         .collect()
 }
 
-async fn wait_marks(path: &Path, n: usize) -> Vec<f64> {
+async fn wait_marks(path: &Path, n: usize, machine: &Machine) -> Vec<f64> {
     let t = Instant::now();
     loop {
         let m = marks(path);
@@ -424,7 +441,8 @@ async fn wait_marks(path: &Path, n: usize) -> Vec<f64> {
         }
         assert!(
             t.elapsed() < Duration::from_secs(30),
-            "{n} signals never came: {m:?}"
+            "{n} signals never came: {m:?}; the agent's log ends:\n{}",
+            machine.agent_log_tail(40)
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
@@ -486,7 +504,7 @@ async fn another_trainers_signal_latency_is_unchanged_during_a_large_upload() {
 
     // 1. A rebalance recommendation: both trainers checkpoint; no upload runs yet.
     let first = emu.raise(EmulatedNotice::rebalance()).unwrap();
-    let before = wait_marks(&mark_file, 1).await[0] - unix(first.visible_at);
+    let before = wait_marks(&mark_file, 1, &m).await[0] - unix(first.visible_at);
     let result = tokio::task::block_in_place(|| m.result());
     assert_trainer_left_quickly(&result);
     metric_line(
@@ -499,7 +517,7 @@ async fn another_trainers_signal_latency_is_unchanged_during_a_large_upload() {
 
     // 2. The interruption, while the staged checkpoint is uploading.
     let second = emu.raise(EmulatedNotice::interruption()).unwrap();
-    let during = wait_marks(&mark_file, 2).await[1] - unix(second.visible_at);
+    let during = wait_marks(&mark_file, 2, &m).await[1] - unix(second.visible_at);
     let text = get(&format!("http://127.0.0.1:{port}/metrics"))
         .await
         .unwrap()
