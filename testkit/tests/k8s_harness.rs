@@ -176,3 +176,25 @@ async fn the_proxy_delays_blackholes_and_fails_per_request_kind() {
         ]
     );
 }
+
+/// A pod wait that times out says what it waited for and how the pod looked last.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_wait_that_times_out_says_how_the_pod_looked() {
+    let k = std::sync::Arc::new(TestCluster::new().await);
+    let ns = k.namespace("harness").await;
+    let waited = {
+        let (k, ns) = (k.clone(), ns.clone());
+        tokio::spawn(async move {
+            k.wait_pod(&ns, "never", "running", Duration::from_millis(200), |p| {
+                p.is_some()
+            })
+            .await
+        })
+    };
+    let panic = waited.await.expect_err("the wait times out").into_panic();
+    let text = panic.downcast_ref::<String>().cloned().unwrap_or_default();
+    assert!(
+        text.contains(&format!("pod {ns}/never: running; last seen: absent")),
+        "{text}"
+    );
+}

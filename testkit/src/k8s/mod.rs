@@ -68,18 +68,47 @@ pub struct TestCluster {
 
 static NEXT_ID: AtomicU32 = AtomicU32::new(1);
 
+/// Call `f` every 25 ms until it gives a value; panics after `limit`, naming `what`.
 async fn poll<T, F, Fut>(what: &str, limit: Duration, mut f: F) -> T
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Option<T>>,
 {
+    poll_described(
+        what,
+        limit,
+        |_: &()| None,
+        || {
+            let next = f();
+            async move { next.await.ok_or(()) }
+        },
+    )
+    .await
+}
+
+/// [`poll`] for a `f` that answers `Err(state)` while it waits; the panic after `limit` also
+/// says how the last state looked (`describe`).
+async fn poll_described<T, S, F, Fut>(
+    what: &str,
+    limit: Duration,
+    describe: impl Fn(&S) -> Option<String>,
+    mut f: F,
+) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, S>>,
+{
     let start = tokio::time::Instant::now();
     loop {
-        if let Some(v) = f().await {
-            return v;
-        }
+        let last = match f().await {
+            Ok(v) => return v,
+            Err(state) => state,
+        };
         if start.elapsed() > limit {
-            panic!("timed out after {limit:?}: {what}");
+            match describe(&last) {
+                Some(seen) => panic!("timed out after {limit:?}: {what}; last seen: {seen}"),
+                None => panic!("timed out after {limit:?}: {what}"),
+            }
         }
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
@@ -261,31 +290,20 @@ impl TestCluster {
         limit: Duration,
         pred: impl Fn(Option<&Pod>) -> bool,
     ) -> Option<Pod> {
-        let last = Mutex::new(None);
-        let found = tokio::time::timeout(
+        poll_described(
+            &format!("pod {namespace}/{name}: {what}"),
             limit,
-            poll(
-                &format!("pod {namespace}/{name}: {what}"),
-                Duration::MAX,
-                || async {
-                    let p = self.pod(namespace, name).await;
-                    let done = pred(p.as_ref());
-                    *last.lock().unwrap_or_else(|e| e.into_inner()) = Some(p.clone());
-                    done.then_some(p)
-                },
-            ),
+            |last: &Option<Pod>| Some(describe_pod(last.as_ref())),
+            || async {
+                let p = self.pod(namespace, name).await;
+                if pred(p.as_ref()) {
+                    Ok(p)
+                } else {
+                    Err(p)
+                }
+            },
         )
-        .await;
-        match found {
-            Ok(p) => p,
-            Err(_) => {
-                let last = last.lock().unwrap_or_else(|e| e.into_inner()).take();
-                panic!(
-                    "timed out after {limit:?}: pod {namespace}/{name}: {what}; last seen: {}",
-                    describe_pod(last.flatten().as_ref())
-                )
-            }
-        }
+        .await
     }
 
     /// Create `pods` and wait until the kubelet reports each Running and Ready (or, for a pod
