@@ -95,6 +95,14 @@ pub(super) async fn start(cfg: EmulatorConfig) -> std::io::Result<(Arc<Shared>, 
 
 /// Bind with `SO_REUSEADDR` so a `down` fault can close the port and bind it again at once.
 fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    bound(addr)?.listen(1024)
+}
+
+/// A socket bound to `addr` (`SO_REUSEADDR`), not listening. While a `down` fault lasts one
+/// holds the port: connections to it are refused as without a socket, and no other process's
+/// listener can take the port meanwhile (a test beside ours binding port 0 got it once, and the
+/// two emulators answered each other's requests).
+fn bound(addr: SocketAddr) -> std::io::Result<TcpSocket> {
     let socket = if addr.is_ipv4() {
         TcpSocket::new_v4()?
     } else {
@@ -102,7 +110,7 @@ fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
     };
     socket.set_reuseaddr(true)?;
     socket.bind(addr)?;
-    socket.listen(1024)
+    Ok(socket)
 }
 
 async fn accept_loop(shared: Arc<Shared>, listener: TcpListener, addr: SocketAddr) {
@@ -110,11 +118,18 @@ async fn accept_loop(shared: Arc<Shared>, listener: TcpListener, addr: SocketAdd
     let mut listener = Some(listener);
     loop {
         let Some(current) = listener.take() else {
-            // Down: the port refuses connections until the fault ends.
+            // Down: the port refuses connections until the fault ends, held by a socket that
+            // does not listen (bound at once, right after the listener closed).
+            let held = bound(addr)
+                .inspect_err(
+                    |e| warn!(%addr, error = %e, "emulator: cannot hold the port while down"),
+                )
+                .ok();
             tokio::select! {
                 _ = shared.cancel.cancelled() => return,
                 _ = until(&mut down, false) => {}
             }
+            drop(held);
             listener = rebind(&shared, addr).await;
             if listener.is_none() {
                 return;
