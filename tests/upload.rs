@@ -40,6 +40,7 @@ use spotguard::upload::manifest::{Manifest, Origin};
 use spotguard::upload::staged::{self, Limits, Problem, Root};
 use spotguard::upload::target::{StoreTarget, Target};
 use spotguard::upload::{Error, Outcome};
+use spotguard_testkit::process::with_shipped_capabilities;
 use spotguard_testkit::s3::proxy::{paced, Body, Faults, Proxy};
 use spotguard_testkit::s3::{S3Server, ACCESS_KEY, REGION, SECRET_KEY};
 use tokio_util::sync::CancellationToken;
@@ -1309,27 +1310,6 @@ print(json.dumps({{"state": a.state, "files": a.files, "error": a.error, "at": t
         256 * 40000
     );
     assert!(out.join("manifest.json").exists());
-}
-
-/// Run `f` on a thread holding only the DaemonSet agent's capabilities (KILL, SYS_PTRACE):
-/// capabilities are per thread, so the rest of the test process keeps its own.
-fn with_shipped_capabilities<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
-    use rustix::thread::{set_capabilities, CapabilitySet, CapabilitySets};
-    std::thread::spawn(move || {
-        let keep = CapabilitySet::KILL | CapabilitySet::SYS_PTRACE;
-        set_capabilities(
-            None,
-            CapabilitySets {
-                effective: keep,
-                permitted: keep,
-                inheritable: CapabilitySet::empty(),
-            },
-        )
-        .unwrap();
-        f()
-    })
-    .join()
-    .unwrap()
 }
 
 #[test]

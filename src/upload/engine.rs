@@ -545,6 +545,7 @@ async fn upload(job: Job, started_at: Timestamp) -> Result<Done, Failed> {
             resumed,
         },
         spotguard_version: env!("CARGO_PKG_VERSION").to_string(),
+        writer: None,
     };
     if manifest.files.len() != tree.files.len() {
         let e = Error::Manifest {

@@ -351,6 +351,7 @@ mod tests {
                 resumed: false,
             },
             spotguard_version: "0.1.0".into(),
+            writer: None,
         };
         std::fs::create_dir_all(dir.join(name)).unwrap();
         std::fs::write(dir.join(name).join("manifest.json"), m.to_bytes()).unwrap();

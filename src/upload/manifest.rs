@@ -179,6 +179,11 @@ pub struct Manifest {
     pub timings: Timings,
     /// The spotguard release that wrote it.
     pub spotguard_version: String,
+    /// Who published it: the job the location belongs to ([`super::owner::Writer`]'s text,
+    /// `k8s:<namespace>/<Kind>/<name>` or `host:uid:<uid>`). Absent in manifests of earlier
+    /// versions.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub writer: Option<String>,
 }
 
 impl Manifest {
@@ -323,6 +328,7 @@ mod tests {
                 resumed: false,
             },
             spotguard_version: "0.1.0".into(),
+            writer: None,
         }
     }
 

@@ -28,6 +28,7 @@ pub mod journal;
 pub mod latest;
 pub mod manifest;
 pub mod metrics;
+pub mod owner;
 pub mod pool;
 pub mod service;
 pub mod staged;

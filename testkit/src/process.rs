@@ -192,3 +192,26 @@ pub fn percentile(sorted: &[f64], p: f64) -> f64 {
     let idx = ((p / 100.0) * (sorted.len() - 1) as f64).round() as usize;
     sorted[idx.min(sorted.len() - 1)]
 }
+
+/// Run `f` on a thread holding only the DaemonSet agent's capabilities (KILL, SYS_PTRACE):
+/// capabilities are per thread, so the rest of the test process keeps its own. What a test of
+/// the agent's file access runs in-process, as `setpriv --bounding-set=-all,+kill,+sys_ptrace`
+/// runs the agent binary.
+pub fn with_shipped_capabilities<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+    use rustix::thread::{set_capabilities, CapabilitySet, CapabilitySets};
+    std::thread::spawn(move || {
+        let keep = CapabilitySet::KILL | CapabilitySet::SYS_PTRACE;
+        set_capabilities(
+            None,
+            CapabilitySets {
+                effective: keep,
+                permitted: keep,
+                inheritable: CapabilitySet::empty(),
+            },
+        )
+        .expect("drop capabilities");
+        f()
+    })
+    .join()
+    .expect("the capability-dropped thread panicked")
+}
