@@ -110,6 +110,24 @@ pub struct PrefetchArgs {
 
 /// Run `spotguard prefetch`; returns the process exit code.
 pub async fn run_cli(args: PrefetchArgs, cancel: CancellationToken) -> i32 {
+    fetch(args, None, cancel).await
+}
+
+/// `spotguard prefetch SRC DEST` fetching only the keys of `only` (relative to SRC) and ignoring
+/// every other object under SRC: `--latest-checkpoint` fetches its manifest's files this way.
+pub async fn run_only(
+    args: PrefetchArgs,
+    only: Arc<std::collections::HashSet<String>>,
+    cancel: CancellationToken,
+) -> i32 {
+    fetch(args, Some(only), cancel).await
+}
+
+async fn fetch(
+    args: PrefetchArgs,
+    only: Option<Arc<std::collections::HashSet<String>>>,
+    cancel: CancellationToken,
+) -> i32 {
     let usage = |msg: String| {
         eprintln!("spotguard prefetch: {msg}");
         EXIT_USAGE
@@ -189,6 +207,7 @@ pub async fn run_cli(args: PrefetchArgs, cancel: CancellationToken) -> i32 {
             in_use_window: args.in_use_window,
             touch_lease_on_complete: true,
             failpoint: test_failpoint(),
+            only,
             ..FetchOptions::default()
         },
         progress,

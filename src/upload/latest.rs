@@ -1,29 +1,68 @@
 //! The resume side: the complete checkpoints under a location, and the latest of them.
 //!
 //! A checkpoint is a directory right under the location (`<location>/<name>/`) holding a valid
-//! `manifest.json` (right format, its own name, counts that add up); anything else — an upload
-//! cut off by the deadline, a directory the trainer wrote itself — does not exist here. The
-//! latest is the one with the greatest step, then the latest completion
-//! ([`super::manifest::newer`]).
+//! `manifest.json` (right format, its own name, counts that add up, clean relative file paths)
+//! or every part's manifest of a multi-node one; anything else — an upload cut off by the
+//! deadline, a directory the trainer wrote itself — does not exist here. Of those, only the
+//! owner's count: when the location has an owner marker (`<location>/.spotguard-location.json`,
+//! [`super::owner::Marker`]) only manifests naming its writer; a location without one (written
+//! by an earlier release) counts every manifest. A manifest whose step disagrees with its
+//! directory's name ([`super::owner::checked_step`]) never counts. The latest is the one with the
+//! greatest step, then the latest completion ([`super::manifest::newer`]).
+//!
+//! Bounded: the location is listed once (one delimiter listing, paginated by the store), the
+//! candidates are ordered by the step their names prove and their manifests read newest first
+//! ([`READ_CONCURRENCY`] at a time) until a step holds a complete checkpoint; only a directory
+//! without a readable `manifest.json` is listed (for part manifests). Every body is read as a
+//! stream and dropped at its cap ([`MANIFEST_MAX_BYTES`], [`MARKER_MAX_BYTES`]), whatever the
+//! listing said its size was.
 //!
 //! `spotguard prefetch --latest-checkpoint LOCATION [DEST]` ([`run_cli`]) prints the latest
 //! (no DEST) or fetches it into `DEST/<name>` with the prefetcher (parallel ranged GETs, the
-//! store's checksums verified, nothing partial published), then checks every file of the
-//! manifest is there with its size.
+//! store's checksums verified, nothing partial published) — only the files its manifest lists —
+//! then reads every fetched file once more and compares its CRC-64/NVME and CRC-32C with the
+//! manifest's before it reports the checkpoint. `--timeout` and SIGTERM stop every phase.
 
+use std::collections::HashSet;
 use std::io::Read;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 use futures::stream::{self, StreamExt};
 use object_store::path::Path as ObjectPath;
-use object_store::ObjectStoreExt;
+use object_store::{ObjectStore, ObjectStoreExt};
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
-use super::dest::Location;
-use super::manifest::{complete, manifest_name, newer, Manifest, MANIFEST_MAX_BYTES};
-use super::Error;
+use super::crc::Crcs;
+use super::dest::{validate_checkpoint_name, Location};
+use super::manifest::{
+    complete, hex32, hex64, manifest_file, manifest_name, newer, Manifest, MANIFEST_MAX_BYTES,
+};
+use super::owner::{self, Marker, MARKER_MAX_BYTES, MARKER_NAME};
 use crate::prefetch::source::{self, StoreOptions};
+
+/// Why the resume side could not answer.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(transparent)]
+    Upload(#[from] super::Error),
+
+    /// The owner marker is there but cannot be trusted: no checkpoint of the location counts.
+    #[error(
+        "the location's owner marker {key} cannot be read: {reason}; no checkpoint under it is \
+         taken"
+    )]
+    Marker { key: String, reason: String },
+
+    /// A fetched file is not what the manifest lists.
+    #[error("{path}: {reason}; the checkpoint is not complete")]
+    Content { path: String, reason: String },
+
+    #[error("stopped")]
+    Stopped,
+}
 
 /// A complete checkpoint.
 #[derive(Clone, Debug, PartialEq)]
@@ -33,177 +72,366 @@ pub struct Found {
     pub manifest: Manifest,
 }
 
-/// Manifests read at once from an object store.
-const LIST_CONCURRENCY: usize = 16;
+/// Manifests read at once (each body held at most [`MANIFEST_MAX_BYTES`]: 64 MiB at worst).
+pub const READ_CONCURRENCY: usize = 4;
 
-/// Every complete checkpoint under `location`, in no particular order.
-pub async fn list_complete(location: &Location, opts: &StoreOptions) -> Result<Vec<Found>, Error> {
-    match location {
-        Location::Dir(dir) => {
-            let dir = dir.clone();
-            let loc = location.clone();
-            tokio::task::spawn_blocking(move || list_dir(&dir, &loc))
-                .await
-                .map_err(|e| Error::io("list", location.display())(std::io::Error::other(e)))?
-        }
-        Location::Store(url) => {
-            let store = source::build_store(url, opts).map_err(|e| Error::Store {
-                url: url.url.clone(),
-                reason: e.to_string(),
-            })?;
-            let prefix = url.list_prefix().cloned();
-            let listing = store
-                .list_with_delimiter(prefix.as_ref())
-                .await
-                .map_err(|source| Error::Request {
-                    op: "LIST",
-                    key: url.normalized(),
-                    source,
-                })?;
-            let found = stream::iter(listing.common_prefixes)
-                .map(|dir| {
-                    let store = store.clone();
-                    let loc = location.clone();
-                    async move { read_store_manifest(&*store, &dir, &loc).await }
-                })
-                .buffer_unordered(LIST_CONCURRENCY)
-                .collect::<Vec<_>>()
-                .await;
-            found.into_iter().filter_map(Result::transpose).collect()
-        }
-    }
+/// A directory right under the location that may be a checkpoint.
+#[derive(Clone, Debug)]
+struct Candidate {
+    name: String,
+    /// What its name proves.
+    step: Option<u64>,
 }
 
-/// The manifests at the top of checkpoint directory `dir` in a store, made into one.
-async fn read_store_manifest(
-    store: &dyn object_store::ObjectStore,
-    dir: &ObjectPath,
-    location: &Location,
-) -> Result<Option<Found>, Error> {
-    let Some(name) = dir.filename().map(str::to_string) else {
-        return Ok(None);
-    };
-    let request = |op: &'static str, key: &ObjectPath| {
-        let key = key.to_string();
-        move |source| Error::Request { op, key, source }
-    };
-    let top = store
-        .list_with_delimiter(Some(dir))
-        .await
-        .map_err(request("LIST", dir))?;
-    let mut manifests = Vec::new();
-    for object in top.objects {
-        let Some(file) = object.location.filename() else {
-            continue;
-        };
-        let Some(part) = manifest_name(file) else {
-            continue;
-        };
-        if object.size > MANIFEST_MAX_BYTES {
-            tracing::debug!(key = %object.location, "skipping an oversized manifest");
-            continue;
-        }
-        let got = match store.get(&object.location).await {
-            Ok(g) => g,
-            Err(object_store::Error::NotFound { .. }) => continue,
-            Err(e) => return Err(request("GET", &object.location)(e)),
-        };
-        let data = got
-            .bytes()
-            .await
-            .map_err(request("GET", &object.location))?;
-        match Manifest::parse(&data, &name, part) {
-            Ok(m) => manifests.push(m),
+/// Checkpoint directory names (valid checkpoint names whose step, if any, is at most
+/// [`owner::MAX_STEP`]), ordered newest first by the step their names prove, names without a
+/// step last.
+fn candidates(names: impl IntoIterator<Item = String>) -> Vec<Candidate> {
+    let mut out: Vec<Candidate> = names
+        .into_iter()
+        .filter(|n| validate_checkpoint_name(n).is_ok())
+        .filter_map(|name| match owner::step_of_name(&name) {
+            Ok(step) => Some(Candidate { name, step }),
             Err(reason) => {
-                tracing::debug!(manifest = %object.location, reason = %reason, "not a valid manifest")
+                tracing::debug!(checkpoint = %name, %reason, "not a checkpoint");
+                None
             }
-        }
-    }
-    Ok(found(manifests, &name, location))
+        })
+        .collect();
+    out.sort_by(|a, b| b.step.cmp(&a.step).then_with(|| a.name.cmp(&b.name)));
+    out
 }
 
-/// The checkpoint the valid manifests of directory `name` make, if they make a complete one.
-fn found(manifests: Vec<Manifest>, name: &str, location: &Location) -> Option<Found> {
-    if manifests.is_empty() {
-        return None;
+/// Whether `m`, read from directory `name`, counts: its writer is the location's owner (when
+/// the location has one) and its step agrees with the name (the step is then the checked one).
+fn owned(mut m: Manifest, name: &str, owner: Option<&Marker>) -> Option<Manifest> {
+    if let Some(marker) = owner {
+        if m.writer.as_deref() != Some(marker.writer.as_str()) {
+            tracing::debug!(checkpoint = %name, writer = ?m.writer, owner = %marker.writer,
+                "a manifest of another writer than the location's owner; ignored");
+            return None;
+        }
     }
-    match complete(manifests) {
-        Ok(manifest) => Some(Found {
-            destination: location.join(name),
-            manifest,
-        }),
+    match owner::checked_step(name, m.step) {
+        Ok(step) => {
+            m.step = step;
+            Some(m)
+        }
         Err(reason) => {
-            tracing::debug!(checkpoint = %name, reason = %reason, "not a complete checkpoint");
+            tracing::debug!(checkpoint = %name, %reason, "a manifest whose step disagrees with its name; ignored");
             None
         }
     }
 }
 
-fn list_dir(dir: &Path, location: &Location) -> Result<Vec<Found>, Error> {
+/// Where the manifests are read from.
+enum Source {
+    Dir(PathBuf),
+    Store {
+        store: Arc<dyn ObjectStore>,
+        prefix: Option<ObjectPath>,
+        url: String,
+    },
+}
+
+impl Source {
+    fn new(location: &Location, opts: &StoreOptions) -> Result<Source, Error> {
+        Ok(match location {
+            Location::Dir(dir) => Source::Dir(dir.clone()),
+            Location::Store(url) => Source::Store {
+                store: source::build_store(url, opts).map_err(|e| super::Error::Store {
+                    url: url.url.clone(),
+                    reason: e.to_string(),
+                })?,
+                prefix: url.list_prefix().cloned(),
+                url: url.normalized(),
+            },
+        })
+    }
+
+    fn key(prefix: &Option<ObjectPath>, parts: &[&str]) -> ObjectPath {
+        let mut key = prefix.clone().unwrap_or_default();
+        for p in parts {
+            key = key.clone().join(*p);
+        }
+        key
+    }
+
+    /// The owner marker, if the location has one.
+    async fn marker(&self) -> Result<Option<Marker>, Error> {
+        let (data, key) = match self {
+            Source::Dir(dir) => {
+                let path = dir.join(MARKER_NAME);
+                let p = path.clone();
+                let data = blocking(move || read_capped_file(&p, MARKER_MAX_BYTES)).await?;
+                (data, path.display().to_string())
+            }
+            Source::Store { store, prefix, .. } => {
+                let key = Self::key(prefix, &[MARKER_NAME]);
+                (
+                    read_capped(&**store, &key, MARKER_MAX_BYTES).await?,
+                    key.to_string(),
+                )
+            }
+        };
+        match data {
+            Capped::Absent => Ok(None),
+            Capped::TooLarge => Err(Error::Marker {
+                key,
+                reason: format!("larger than {MARKER_MAX_BYTES} bytes"),
+            }),
+            Capped::Read(d) => Marker::parse(&d)
+                .map(Some)
+                .map_err(|reason| Error::Marker { key, reason }),
+        }
+    }
+
+    /// The names right under the location (one listing).
+    async fn names(&self) -> Result<Vec<String>, Error> {
+        match self {
+            Source::Dir(dir) => {
+                let dir = dir.clone();
+                blocking(move || list_dirs(&dir)).await?
+            }
+            Source::Store {
+                store, prefix, url, ..
+            } => {
+                let listing = store
+                    .list_with_delimiter(prefix.as_ref())
+                    .await
+                    .map_err(|source| super::Error::Request {
+                        op: "LIST",
+                        key: url.clone(),
+                        source,
+                    })?;
+                Ok(listing
+                    .common_prefixes
+                    .iter()
+                    .filter_map(|p| p.filename().map(str::to_string))
+                    .collect())
+            }
+        }
+    }
+
+    /// The complete checkpoint of directory `name`, if its manifests make one that counts.
+    async fn checkpoint(&self, name: &str, owner: Option<&Marker>) -> Result<Option<Manifest>, Error> {
+        let mut manifests = Vec::new();
+        match self {
+            Source::Dir(dir) => {
+                let (dir, n) = (dir.join(name), name.to_string());
+                for (part, data) in blocking(move || read_dir_manifests(&dir, &n)).await? {
+                    manifests.extend(parse(&data, name, part, owner));
+                }
+            }
+            Source::Store { store, prefix, .. } => {
+                let dir = Self::key(prefix, &[name]);
+                let whole = dir.clone().join(manifest_file(None));
+                if let Capped::Read(d) = read_capped(&**store, &whole, MANIFEST_MAX_BYTES).await? {
+                    manifests.extend(parse(&d, name, None, owner));
+                }
+                if manifests.is_empty() {
+                    // No (valid) manifest.json: the parts of a multi-node checkpoint, if any.
+                    let top = store.list_with_delimiter(Some(&dir)).await.map_err(|source| {
+                        super::Error::Request {
+                            op: "LIST",
+                            key: dir.to_string(),
+                            source,
+                        }
+                    })?;
+                    for object in top.objects {
+                        let Some(Some(part)) = object.location.filename().and_then(manifest_name)
+                        else {
+                            continue;
+                        };
+                        if let Capped::Read(d) =
+                            read_capped(&**store, &object.location, MANIFEST_MAX_BYTES).await?
+                        {
+                            manifests.extend(parse(&d, name, Some(part), owner));
+                        }
+                    }
+                }
+            }
+        }
+        if manifests.is_empty() {
+            return Ok(None);
+        }
+        match complete(manifests) {
+            Ok(m) => Ok(Some(m)),
+            Err(reason) => {
+                tracing::debug!(checkpoint = %name, %reason, "not a complete checkpoint");
+                Ok(None)
+            }
+        }
+    }
+}
+
+/// A manifest read from directory `name` under the file name of `part`, if valid and owned.
+fn parse(
+    data: &[u8],
+    name: &str,
+    part: Option<super::manifest::Part>,
+    owner: Option<&Marker>,
+) -> Option<Manifest> {
+    match Manifest::parse(data, name, part) {
+        Ok(m) => owned(m, name, owner),
+        Err(reason) => {
+            tracing::debug!(checkpoint = %name, %reason, "not a valid manifest");
+            None
+        }
+    }
+}
+
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Result<T, Error> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| Error::Upload(super::Error::io("read", "location")(std::io::Error::other(e))))
+}
+
+/// A body read with a cap.
+enum Capped {
+    Absent,
+    TooLarge,
+    Read(Vec<u8>),
+}
+
+/// Object `key`, read as a stream and dropped as soon as it passes `cap` bytes (the size a
+/// listing gave is not trusted: the object may be replaced between the listing and the GET).
+async fn read_capped(store: &dyn ObjectStore, key: &ObjectPath, cap: u64) -> Result<Capped, Error> {
+    let request = |source| {
+        Error::Upload(super::Error::Request {
+            op: "GET",
+            key: key.to_string(),
+            source,
+        })
+    };
+    let got = match store.get(key).await {
+        Ok(g) => g,
+        Err(object_store::Error::NotFound { .. }) => return Ok(Capped::Absent),
+        Err(e) => return Err(request(e)),
+    };
+    if got.meta.size > cap {
+        tracing::debug!(key = %key, size = got.meta.size, cap, "larger than its cap; not read");
+        return Ok(Capped::TooLarge);
+    }
+    let mut body = got.into_stream();
+    let mut data = Vec::new();
+    while let Some(chunk) = body.next().await {
+        let chunk = chunk.map_err(request)?;
+        if (data.len() + chunk.len()) as u64 > cap {
+            tracing::debug!(key = %key, cap, "a body larger than its cap; dropped");
+            return Ok(Capped::TooLarge);
+        }
+        data.extend_from_slice(&chunk);
+    }
+    Ok(Capped::Read(data))
+}
+
+/// A regular file of at most `cap` bytes, never through a symlink, never blocking on a FIFO.
+fn read_capped_file(path: &Path, cap: u64) -> Capped {
+    use std::os::unix::fs::OpenOptionsExt;
+    let Ok(file) = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open(path)
+    else {
+        return Capped::Absent;
+    };
+    if !file.metadata().is_ok_and(|m| m.is_file()) {
+        return Capped::Absent;
+    }
+    let mut data = Vec::new();
+    if file.take(cap + 1).read_to_end(&mut data).is_err() {
+        return Capped::Absent;
+    }
+    if data.len() as u64 > cap {
+        return Capped::TooLarge;
+    }
+    Capped::Read(data)
+}
+
+/// The directories right under `dir` (not through symlinks).
+fn list_dirs(dir: &Path) -> Result<Vec<String>, Error> {
     let entries = match std::fs::read_dir(dir) {
         Ok(e) => e,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
-        Err(e) => return Err(Error::io("list", dir.display().to_string())(e)),
+        Err(e) => return Err(super::Error::io("list", dir.display().to_string())(e).into()),
+    };
+    Ok(entries
+        .filter_map(Result::ok)
+        .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+        .filter_map(|e| e.file_name().to_str().map(str::to_string))
+        .collect())
+}
+
+/// The manifest files at the top of checkpoint directory `dir`, each read with its cap.
+fn read_dir_manifests(dir: &Path, name: &str) -> Vec<(Option<super::manifest::Part>, Vec<u8>)> {
+    let Ok(inner) = std::fs::read_dir(dir) else {
+        return Vec::new();
     };
     let mut out = Vec::new();
-    for entry in entries.filter_map(Result::ok) {
-        let Ok(ft) = entry.file_type() else { continue };
-        let Some(name) = entry.file_name().to_str().map(str::to_string) else {
+    for f in inner.filter_map(Result::ok) {
+        let Some(part) = f.file_name().to_str().and_then(manifest_name) else {
             continue;
         };
-        if !ft.is_dir() {
-            continue;
-        }
-        let Ok(inner) = std::fs::read_dir(entry.path()) else {
-            continue;
-        };
-        let mut manifests = Vec::new();
-        for f in inner.filter_map(Result::ok) {
-            let Some(file) = f.file_name().to_str().map(str::to_string) else {
-                continue;
-            };
-            let Some(part) = manifest_name(&file) else {
-                continue;
-            };
-            if let Some(m) =
-                read_small(&f.path()).and_then(|d| Manifest::parse(&d, &name, part).ok())
-            {
-                manifests.push(m);
+        match read_capped_file(&f.path(), MANIFEST_MAX_BYTES) {
+            Capped::Read(d) => out.push((part, d)),
+            Capped::TooLarge => {
+                tracing::debug!(checkpoint = %name, "a manifest larger than its cap; not read")
             }
+            Capped::Absent => {}
         }
-        out.extend(found(manifests, &name, location));
+    }
+    out
+}
+
+/// Every complete checkpoint under `location` that counts, in no particular order. Reads every
+/// manifest: for [`latest`], which stops early, and tests.
+pub async fn list_complete(location: &Location, opts: &StoreOptions) -> Result<Vec<Found>, Error> {
+    let src = Source::new(location, opts)?;
+    let owner = src.marker().await?;
+    let names = src.names().await?;
+    let mut out = Vec::new();
+    for c in candidates(names) {
+        if let Some(manifest) = src.checkpoint(&c.name, owner.as_ref()).await? {
+            out.push(Found {
+                destination: location.join(&c.name),
+                manifest,
+            });
+        }
     }
     Ok(out)
 }
 
-/// A regular file of at most [`MANIFEST_MAX_BYTES`], never through a symlink.
-fn read_small(path: &Path) -> Option<Vec<u8>> {
-    use std::os::unix::fs::OpenOptionsExt;
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
-        .open(path)
-        .ok()?;
-    if !file.metadata().ok()?.is_file() {
-        return None;
-    }
-    let mut data = Vec::new();
-    file.take(MANIFEST_MAX_BYTES + 1)
-        .read_to_end(&mut data)
-        .ok()?;
-    (data.len() as u64 <= MANIFEST_MAX_BYTES).then_some(data)
-}
-
-/// The latest complete checkpoint under `location`, if any.
+/// The latest complete checkpoint under `location` that counts, if any: one listing, then the
+/// candidates' manifests newest first, step by step, until a step has a complete checkpoint.
 pub async fn latest(location: &Location, opts: &StoreOptions) -> Result<Option<Found>, Error> {
-    let all = list_complete(location, opts).await?;
-    Ok(all.into_iter().reduce(|best, f| {
-        if newer(&f.manifest, &best.manifest) {
-            f
-        } else {
-            best
+    let src = Source::new(location, opts)?;
+    let owner = src.marker().await?;
+    let all = candidates(src.names().await?);
+    let mut rest = all.as_slice();
+    while let Some(first) = rest.first() {
+        let same = rest.iter().take_while(|c| c.step == first.step).count();
+        let (group, tail) = rest.split_at(same);
+        rest = tail;
+        let (src, owner) = (&src, owner.as_ref());
+        let mut reads = stream::iter(group)
+            .map(|c| async move { (c, src.checkpoint(&c.name, owner).await) })
+            .buffer_unordered(READ_CONCURRENCY);
+        let mut best: Option<Found> = None;
+        while let Some((c, read)) = reads.next().await {
+            let Some(manifest) = read? else { continue };
+            if best.as_ref().is_none_or(|b| newer(&manifest, &b.manifest)) {
+                best = Some(Found {
+                    destination: location.join(&c.name),
+                    manifest,
+                });
+            }
         }
-    }))
+        if best.is_some() {
+            return Ok(best);
+        }
+    }
+    Ok(None)
 }
 
 /// What `--latest-checkpoint` prints.
@@ -224,12 +452,14 @@ struct Printed<'a> {
 /// `spotguard prefetch --latest-checkpoint LOCATION [DEST]`: print the latest complete
 /// checkpoint as one JSON line (`null` when there is none), and with DEST fetch it into
 /// `DEST/<name>`. No checkpoint yet is not an error (exit 0: a first run has nothing to resume).
+/// A fetched file that does not match the manifest exits 2 naming it; `--timeout` or SIGTERM in
+/// any phase exits 3; nothing is printed then.
 pub async fn run_cli(
     args: crate::prefetch::PrefetchArgs,
     location: String,
     cancel: CancellationToken,
 ) -> i32 {
-    use crate::prefetch::cli::{EXIT_FAILED, EXIT_OK, EXIT_USAGE};
+    use crate::prefetch::cli::{EXIT_CANCELLED, EXIT_FAILED, EXIT_OK, EXIT_USAGE};
     let dest = match (&args.src, &args.dest) {
         (None, None) => None,
         (Some(one), None) => Some(PathBuf::from(one)),
@@ -245,46 +475,120 @@ pub async fn run_cli(
             return EXIT_USAGE;
         }
     };
+    let run = cancel.child_token();
+    let timed_out = Arc::new(AtomicBool::new(false));
+    if let Some(limit) = args.timeout {
+        let (t, flag) = (run.clone(), timed_out.clone());
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = t.cancelled() => {}
+                _ = tokio::time::sleep(limit) => {
+                    flag.store(true, Ordering::Relaxed);
+                    t.cancel();
+                }
+            }
+        });
+    }
+    let code = match resume(args, dest, &loc, &run).await {
+        Ok(printed) => {
+            println!("{printed}");
+            EXIT_OK
+        }
+        Err(_) if run.is_cancelled() => {
+            if timed_out.load(Ordering::Relaxed) {
+                eprintln!("spotguard prefetch: --timeout reached; nothing was reported complete");
+            } else {
+                eprintln!("spotguard prefetch: interrupted; nothing was reported complete");
+            }
+            EXIT_CANCELLED
+        }
+        Err(Failed::Code(code)) => code,
+        Err(Failed::Error(e)) => {
+            eprintln!("spotguard prefetch: {e}");
+            EXIT_FAILED
+        }
+    };
+    run.cancel();
+    code
+}
+
+/// Why `resume` printed nothing.
+enum Failed {
+    /// The fetch's exit code (it said why).
+    Code(i32),
+    Error(Error),
+}
+
+impl From<Error> for Failed {
+    fn from(e: Error) -> Failed {
+        Failed::Error(e)
+    }
+}
+
+/// `fut`, unless `stop` comes first.
+async fn until<T>(
+    stop: &CancellationToken,
+    fut: impl std::future::Future<Output = Result<T, Error>>,
+) -> Result<T, Error> {
+    tokio::select! {
+        biased;
+        _ = stop.cancelled() => Err(Error::Stopped),
+        r = fut => r,
+    }
+}
+
+/// Find the latest, fetch and verify it with DEST; the line to print.
+async fn resume(
+    args: crate::prefetch::PrefetchArgs,
+    dest: Option<PathBuf>,
+    loc: &Location,
+    stop: &CancellationToken,
+) -> Result<String, Failed> {
+    use crate::prefetch::cli::EXIT_OK;
     let opts = StoreOptions {
         endpoint: args.endpoint.clone(),
         pool: args.concurrency,
         ..StoreOptions::default()
     };
-    let found = match latest(&loc, &opts).await {
-        Ok(f) => f,
-        Err(e) => {
-            eprintln!("spotguard prefetch: {e}");
-            return EXIT_FAILED;
-        }
-    };
-    let Some(found) = found else {
+    let Some(found) = until(stop, latest(loc, &opts)).await? else {
         eprintln!("spotguard prefetch: no complete checkpoint under {loc}; nothing to fetch");
-        println!("null");
-        return EXIT_OK;
+        return Ok("null".to_string());
     };
     let m = &found.manifest;
     let mut local = None;
     if let Some(dest) = dest {
         let mut fetch = args.clone();
         fetch.latest_checkpoint = None;
+        fetch.timeout = None;
         fetch.src = Some(match &found.destination {
             Location::Dir(p) => format!("file://{}", p.display()),
             Location::Store(u) => u.normalized(),
         });
         fetch.dest = Some(dest.clone());
         fetch.name = Some(m.name.clone());
-        let code = Box::pin(crate::prefetch::run_cli(fetch, cancel)).await;
+        let only: HashSet<String> = m.files.iter().map(|f| f.path.clone()).collect();
+        let code =
+            Box::pin(crate::prefetch::cli::run_only(fetch, Arc::new(only), stop.clone())).await;
+        if stop.is_cancelled() {
+            return Err(Error::Stopped.into());
+        }
         if code != EXIT_OK {
-            return code;
+            return Err(Failed::Code(code));
         }
         let dir = dest.join(&m.name);
-        if let Some(problem) = check_local(&dir, m) {
-            eprintln!(
-                "spotguard prefetch: {} does not match its manifest: {problem}",
-                dir.display()
+        if let Err(e) = verify_local(&dir, m, stop).await {
+            // Nothing may take the copy for complete: the prefetcher's marker goes, and a file
+            // that is not the manifest's is removed (a later run fetches it again).
+            let _ = std::fs::remove_file(
+                crate::prefetch::cache::DatasetPaths::new(&dest, &m.name).complete,
             );
-            return EXIT_FAILED;
+            if let Error::Content { path, .. } = &e {
+                let _ = std::fs::remove_file(path);
+            }
+            return Err(e.into());
         }
+        crate::fsutil::write_atomic(&dir.join(manifest_file(None)), &m.to_bytes(), 0o644)
+            .map_err(|e| Error::Upload(super::Error::io("write", dir.display().to_string())(e)))?;
         local = Some(dir);
     }
     let printed = Printed {
@@ -297,28 +601,98 @@ pub async fn run_cli(
         local,
         manifest: m,
     };
-    println!("{}", serde_json::to_string(&printed).unwrap_or_default());
-    EXIT_OK
+    Ok(serde_json::to_string(&printed).unwrap_or_default())
 }
 
-/// Every file of the manifest is in `dir` with its size (the prefetcher verified the content
-/// against the store's checksums).
-fn check_local(dir: &Path, m: &Manifest) -> Option<String> {
-    for f in &m.files {
-        match std::fs::symlink_metadata(dir.join(&f.path)) {
-            Ok(md) if md.is_file() && md.len() == f.size => {}
-            Ok(md) => {
-                return Some(format!(
-                    "{}: {} bytes, the manifest says {}",
-                    f.path,
-                    md.len(),
-                    f.size
-                ))
+/// Files checked at once.
+const VERIFY_CONCURRENCY: usize = 4;
+
+/// Every file of the manifest is in `dir`, a regular file (not through a symlink) with the
+/// manifest's size, CRC-64/NVME and CRC-32C: one more read of each, [`VERIFY_CONCURRENCY`] at a
+/// time. The first that is not names itself in the error.
+pub async fn verify_local(dir: &Path, m: &Manifest, stop: &CancellationToken) -> Result<(), Error> {
+    let stopped = Arc::new(AtomicBool::new(false));
+    let flag = stopped.clone();
+    let watch = stop.clone();
+    let watcher = tokio::spawn(async move {
+        watch.cancelled().await;
+        flag.store(true, Ordering::Relaxed);
+    });
+    let checks = stream::iter(m.files.clone())
+        .map(|f| {
+            let (path, stopped) = (dir.join(&f.path), stopped.clone());
+            async move {
+                blocking(move || verify_file(&path, &f, &stopped)).await.and_then(|r| r)
             }
-            Err(e) => return Some(format!("{}: {e}", f.path)),
+        })
+        .buffer_unordered(VERIFY_CONCURRENCY);
+    let result = until(stop, async {
+        let mut checks = std::pin::pin!(checks);
+        while let Some(r) = checks.next().await {
+            r?;
         }
+        Ok(())
+    })
+    .await;
+    watcher.abort();
+    result
+}
+
+fn verify_file(
+    path: &Path,
+    f: &super::manifest::ManifestFile,
+    stopped: &AtomicBool,
+) -> Result<(), Error> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let content = |reason: String| Error::Content {
+        path: path.display().to_string(),
+        reason,
+    };
+    let mut file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open(path)
+        .map_err(|e| content(format!("not fetched ({e})")))?;
+    let md = file.metadata().map_err(|e| content(e.to_string()))?;
+    if !md.is_file() || md.len() != f.size {
+        return Err(content(format!(
+            "{} bytes, the manifest lists {}",
+            md.len(),
+            f.size
+        )));
     }
-    None
+    let mut crcs = Crcs::empty();
+    let mut buf = vec![0u8; 4 << 20];
+    loop {
+        if stopped.load(Ordering::Relaxed) {
+            return Err(Error::Stopped);
+        }
+        let n = file.read(&mut buf).map_err(|e| content(e.to_string()))?;
+        if n == 0 {
+            break;
+        }
+        crcs = crcs.then(Crcs::of(&buf[..n]));
+    }
+    if crcs.len != f.size {
+        return Err(content(format!(
+            "{} bytes read, the manifest lists {}",
+            crcs.len, f.size
+        )));
+    }
+    let (got64, got32) = (hex64(crcs.crc64nvme), hex32(crcs.crc32c));
+    if !got64.eq_ignore_ascii_case(&f.crc64nvme) {
+        return Err(content(format!(
+            "CRC-64/NVME {got64}, the manifest lists {}",
+            f.crc64nvme
+        )));
+    }
+    if !got32.eq_ignore_ascii_case(&f.crc32c) {
+        return Err(content(format!(
+            "CRC-32C {got32}, the manifest lists {}",
+            f.crc32c
+        )));
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -327,6 +701,10 @@ mod tests {
     use crate::upload::manifest::{hex32, hex64, ManifestFile, Origin, Timings, VerifiedBy};
 
     fn write(dir: &Path, name: &str, step: Option<u64>, completed: &str) {
+        write_by(dir, name, step, completed, None)
+    }
+
+    fn write_by(dir: &Path, name: &str, step: Option<u64>, completed: &str, writer: Option<&str>) {
         let m = Manifest {
             format: crate::upload::manifest::FORMAT.into(),
             name: name.into(),
@@ -351,7 +729,7 @@ mod tests {
                 resumed: false,
             },
             spotguard_version: "0.1.0".into(),
-            writer: None,
+            writer: writer.map(str::to_string),
         };
         std::fs::create_dir_all(dir.join(name)).unwrap();
         std::fs::write(dir.join(name).join("manifest.json"), m.to_bytes()).unwrap();
@@ -378,5 +756,54 @@ mod tests {
         assert_eq!(list_complete(&loc, &opts).await.unwrap().len(), 2);
         let missing = Location::parse(&tmp.path().join("nope").display().to_string()).unwrap();
         assert!(list_complete(&missing, &opts).await.unwrap().is_empty());
+    }
+
+    #[tokio::test]
+    async fn only_the_owners_checkpoints_whose_steps_agree_with_their_names_count() {
+        let tmp = tempfile::tempdir().unwrap();
+        let loc = Location::parse(&tmp.path().display().to_string()).unwrap();
+        let opts = StoreOptions::default();
+        let a = "k8s:ml/Job/train-a";
+        write_by(tmp.path(), "step-100", Some(100), "2026-01-01T00:00:00Z", Some(a));
+        // Another job's, and a step its name does not prove: never the latest.
+        write_by(tmp.path(), "step-200", Some(200), "2026-01-01T00:01:00Z", Some("host:uid:1001"));
+        write_by(tmp.path(), "step-150", Some(9_000), "2026-01-01T00:01:00Z", Some(a));
+        write_by(tmp.path(), "final", Some(1), "2026-01-01T00:01:00Z", Some(a));
+        write_by(
+            tmp.path(),
+            "step-18446744073709551615",
+            None,
+            "2026-01-01T00:01:00Z",
+            Some(a),
+        );
+        // Without a marker (a location of an earlier release) every manifest counts.
+        let got = latest(&loc, &opts).await.unwrap().unwrap();
+        assert_eq!(got.manifest.name, "step-200");
+        std::fs::write(
+            tmp.path().join(owner::MARKER_NAME),
+            Marker::new(owner::Writer(a.into())).to_bytes(),
+        )
+        .unwrap();
+        let got = latest(&loc, &opts).await.unwrap().unwrap();
+        assert_eq!((got.manifest.name.as_str(), got.manifest.step), ("step-100", Some(100)));
+        assert_eq!(list_complete(&loc, &opts).await.unwrap().len(), 1);
+        // A marker that cannot be read trusts nothing.
+        std::fs::write(tmp.path().join(owner::MARKER_NAME), vec![b' '; 70 << 10]).unwrap();
+        let e = latest(&loc, &opts).await.unwrap_err();
+        assert!(matches!(e, Error::Marker { .. }), "{e}");
+    }
+
+    #[tokio::test]
+    async fn a_manifest_of_a_name_without_a_step_is_read_after_every_stepped_one() {
+        let tmp = tempfile::tempdir().unwrap();
+        let loc = Location::parse(&tmp.path().display().to_string()).unwrap();
+        let opts = StoreOptions::default();
+        write(tmp.path(), "final", None, "2026-01-03T00:00:00Z");
+        write(tmp.path(), "best", None, "2026-01-04T00:00:00Z");
+        assert_eq!(latest(&loc, &opts).await.unwrap().unwrap().manifest.name, "best");
+        write(tmp.path(), "step-3", None, "2026-01-01T00:00:00Z");
+        let got = latest(&loc, &opts).await.unwrap().unwrap();
+        // Its step is the one its name proves.
+        assert_eq!((got.manifest.name.as_str(), got.manifest.step), ("step-3", Some(3)));
     }
 }

@@ -204,9 +204,19 @@ impl Manifest {
                 m.name
             ));
         }
-        let bytes: u64 = m.files.iter().map(|f| f.size).sum();
-        if m.file_count != m.files.len() || bytes != m.bytes {
+        let bytes = m
+            .files
+            .iter()
+            .try_fold(0u64, |sum, f| sum.checked_add(f.size));
+        if m.file_count != m.files.len() || bytes != Some(m.bytes) {
             return Err("file count or byte total does not match the file list".to_string());
+        }
+        let mut seen = std::collections::HashSet::with_capacity(m.files.len());
+        for f in &m.files {
+            check_path(&f.path).map_err(|why| format!("file path {:?}: {why}", f.path))?;
+            if !seen.insert(f.path.as_str()) {
+                return Err(format!("file path {:?} listed twice", f.path));
+            }
         }
         Ok(m)
     }
@@ -233,6 +243,37 @@ impl Manifest {
     pub fn completed_at(&self) -> Option<Timestamp> {
         self.timings.completed_at.parse().ok()
     }
+}
+
+/// A file path a manifest may list: a clean relative key under the checkpoint's directory, as
+/// the upload side produces them from a staged tree — `/`-separated non-empty segments, none
+/// `.` or `..`, no NUL or control characters (the staged side refuses those names), not
+/// spotguard's part-file infix, segments of at most 255 bytes, and not a commit marker at the
+/// top. Everything else a file name may hold stays (`a\b`, `%25`, `?`, `#`, NFC and NFD forms):
+/// those round-trip byte for byte.
+pub fn check_path(path: &str) -> Result<(), &'static str> {
+    if path.is_empty() {
+        return Err("empty");
+    }
+    if path.starts_with('/') {
+        return Err("absolute");
+    }
+    if path.chars().any(char::is_control) {
+        return Err("NUL or control characters");
+    }
+    if path.contains(crate::prefetch::cache::PART_INFIX) {
+        return Err("spotguard's part-file infix");
+    }
+    for (i, seg) in path.split('/').enumerate() {
+        match seg {
+            "" => return Err("an empty segment"),
+            "." | ".." => return Err("a '.' or '..' segment"),
+            s if s.len() > 255 => return Err("a segment longer than 255 bytes"),
+            s if i == 0 && is_reserved(s) => return Err("a manifest's name at the top"),
+            _ => {}
+        }
+    }
+    Ok(())
 }
 
 /// The checkpoint the manifests of one directory make up: the single manifest, or every part of
@@ -350,6 +391,69 @@ mod tests {
         let v: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
         assert_eq!(v["files"][0]["verified_by"], "size");
         assert_eq!(v["files"][0]["crc64nvme"], "0000000000000001");
+    }
+
+    #[test]
+    fn file_paths_are_clean_relative_keys_as_the_writer_makes_them() {
+        let with = |paths: &[&str]| {
+            let mut m = manifest("step-1", Some(1), "2026-01-01T00:00:00Z");
+            m.files = paths
+                .iter()
+                .map(|p| ManifestFile {
+                    path: p.to_string(),
+                    ..m.files[0].clone()
+                })
+                .collect();
+            m.file_count = m.files.len();
+            m.bytes = 3 * m.files.len() as u64;
+            Manifest::parse(&m.to_bytes(), "step-1", None)
+        };
+        // What a staged tree legitimately holds round-trips.
+        for ok in [
+            "a",
+            "sub/manifest.json",
+            "a\\b",
+            "%25",
+            "q?x#y",
+            "caf\u{e9}",
+            "cafe\u{301}",
+            "..x",
+            ".hidden/x",
+            "__0_0.distcp",
+        ] {
+            assert!(with(&[ok]).is_ok(), "{ok:?}: {:?}", with(&[ok]));
+        }
+        let long = "x".repeat(256);
+        for bad in [
+            "",
+            "/etc/hostname",
+            "../x",
+            "a/../../x",
+            "./a",
+            "a/.",
+            "a//b",
+            "a/",
+            "a\0b",
+            "a\nb",
+            "\u{7f}",
+            "manifest.json",
+            "manifest.part-0-of-2.json",
+            "w.spotguard-part-h-1",
+            long.as_str(),
+        ] {
+            assert!(with(&[bad]).is_err(), "{bad:?} accepted");
+        }
+        assert!(with(&["a", "a"]).unwrap_err().contains("twice"));
+        // A byte total that overflows is not a total.
+        let mut m = manifest("step-1", Some(1), "2026-01-01T00:00:00Z");
+        m.files.push(ManifestFile {
+            path: "b".into(),
+            size: u64::MAX,
+            ..m.files[0].clone()
+        });
+        m.file_count = 2;
+        m.bytes = 2;
+        assert!(Manifest::parse(&m.to_bytes(), "step-1", None).is_err());
     }
 
     #[test]

@@ -87,6 +87,10 @@ pub struct FetchOptions {
     pub touch_lease_on_complete: bool,
     /// Test hook at each publish step.
     pub failpoint: Option<Failpoint>,
+    /// Fetch only these keys (relative to the source prefix): every other listed object is
+    /// ignored, neither fetched nor counted (`prefetch --latest-checkpoint` fetches the files its
+    /// checkpoint's manifest lists, nothing else under the prefix). `None`: every object.
+    pub only: Option<Arc<std::collections::HashSet<String>>>,
 }
 
 impl Default for FetchOptions {
@@ -102,6 +106,7 @@ impl Default for FetchOptions {
             in_use_window: Duration::from_secs(15 * 60),
             touch_lease_on_complete: false,
             failpoint: None,
+            only: None,
         }
     }
 }

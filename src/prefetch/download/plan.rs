@@ -286,6 +286,10 @@ fn to_listed(run: &Run, meta: ObjectMeta) -> Option<Listed> {
         return None;
     };
     let key = key.to_string();
+    if run.opts.only.as_ref().is_some_and(|only| !only.contains(&key)) {
+        tracing::debug!(key = %key, "not among the keys to fetch; skipped");
+        return None;
+    }
     if let Err(e) = cache::validate_key(&key) {
         run.fail_object(&key, e);
         Progress::add(&run.progress.files_total, 1);
