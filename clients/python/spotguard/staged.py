@@ -54,6 +54,18 @@ MANIFEST_FORMAT = "spotguard-checkpoint/1"
 #: The commit marker at the top of an uploaded checkpoint.
 MANIFEST_NAME = "manifest.json"
 
+#: Manifests larger than this are not read.
+MANIFEST_MAX_BYTES = 16 << 20
+
+#: The owner marker of a location (``<location>/.spotguard-location.json``): when it is there,
+#: only manifests naming its ``writer`` count.
+MARKER_NAME = ".spotguard-location.json"
+MARKER_FORMAT = "spotguard-location/1"
+MARKER_MAX_BYTES = 64 << 10
+
+#: The greatest step a checkpoint may carry (2^53 - 1).
+MAX_STEP = (1 << 53) - 1
+
 #: How long :func:`ack_staged` waits for the agent's answer by default (seconds). The agent
 #: answers within its ack poll (50 ms) plus the time to open the files (milliseconds).
 DEFAULT_WAIT = 15.0
@@ -232,6 +244,24 @@ def _parse_time(text: Any) -> Tuple[int, int]:
     return (secs, nanos)
 
 
+def _clean_path(path: Any) -> bool:
+    """A file path a manifest may list: a clean relative key, as the upload side writes them
+    (``/``-separated non-empty segments, none ``.`` or ``..``, no NUL or control characters, not
+    the part-file infix, segments of at most 255 bytes, no manifest's name at the top)."""
+    if not isinstance(path, str) or not path or path.startswith("/"):
+        return False
+    if any(ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F for c in path):
+        return False
+    if ".spotguard-part-" in path:
+        return False
+    for i, seg in enumerate(path.split("/")):
+        if seg in ("", ".", "..") or len(seg.encode("utf-8", "surrogatepass")) > 255:
+            return False
+        if i == 0 and (seg == MANIFEST_NAME or seg.startswith("manifest.part-")):
+            return False
+    return True
+
+
 def _valid_manifest(data: Any, name: str, part: Optional[Tuple[int, int]]) -> bool:
     if not isinstance(data, dict) or data.get("format") != MANIFEST_FORMAT:
         return False
@@ -243,9 +273,46 @@ def _valid_manifest(data: Any, name: str, part: Optional[Tuple[int, int]]) -> bo
         return False
     try:
         total = sum(int(f["size"]) for f in files)
+        paths = [f["path"] for f in files]
     except (KeyError, TypeError, ValueError):
         return False
+    if not all(_clean_path(p) for p in paths) or len(set(paths)) != len(paths):
+        return False
     return data.get("file_count") == len(files) and data.get("bytes") == total
+
+
+def _checkpoint_name(name: str) -> bool:
+    """Letters, digits, ``-``, ``_``, ``.``; not starting with ``.``; at most 100 characters."""
+    return (0 < len(name) <= 100 and not name.startswith(".")
+            and all(c.isascii() and (c.isalnum() or c in "-_.") for c in name))
+
+
+def _step_of_name(name: str) -> Tuple[bool, Optional[int]]:
+    """``(ok, step)``: the step a checkpoint's name proves (its last run of ASCII digits);
+    ``ok`` is false when the digits exceed :data:`MAX_STEP`."""
+    end = len(name)
+    while end > 0 and not ("0" <= name[end - 1] <= "9"):
+        end -= 1
+    if end == 0:
+        return True, None
+    start = end
+    while start > 0 and "0" <= name[start - 1] <= "9":
+        start -= 1
+    step = int(name[start:end])
+    return step <= MAX_STEP, step if step <= MAX_STEP else None
+
+
+def _owned(data: Dict[str, Any], name: str, owner: Optional[str]) -> bool:
+    """The manifest is the location owner's (when it has one) and its step agrees with its
+    name; its ``step`` is then the one the name proves."""
+    if owner is not None and data.get("writer") != owner:
+        return False
+    ok, proved = _step_of_name(name)
+    claimed = data.get("step")
+    if not ok or (claimed is not None and (type(claimed) is not int or claimed != proved)):
+        return False
+    data["step"] = proved
+    return True
 
 
 def _manifest_part(name: str) -> Optional[Tuple[Optional[Tuple[int, int]]]]:
@@ -301,20 +368,55 @@ def _order_key(m: Dict[str, Any]) -> Tuple[bool, int, Tuple[int, int], str]:
             m.get("name", ""))
 
 
-def _read_manifest(path: str) -> Any:
+def _read_capped(path: str, cap: int) -> Tuple[bool, Optional[bytes]]:
+    """``(present, data)`` of a regular file read without following a symlink or blocking on a
+    FIFO; ``data`` is None when it is larger than ``cap``."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
-        return None
+        return False, None
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
+            return False, None
         with os.fdopen(fd, "rb", closefd=False) as f:
-            return json.loads(f.read(16 << 20))
-    except ValueError:
-        return None
+            data = f.read(cap + 1)
+        return True, (data if len(data) <= cap else None)
+    except OSError:
+        return False, None
     finally:
         os.close(fd)
+
+
+def _read_manifest(path: str) -> Any:
+    _, data = _read_capped(path, MANIFEST_MAX_BYTES)
+    if data is None:
+        return None
+    try:
+        return json.loads(data)
+    except ValueError:
+        return None
+
+
+def _owner(directory: str) -> Optional[str]:
+    """The writer the location's owner marker names; None without a marker. A marker that
+    cannot be read raises ``ValueError``: no checkpoint of the location is trusted then."""
+    path = os.path.join(directory, MARKER_NAME)
+    present, data = _read_capped(path, MARKER_MAX_BYTES)
+    if not present:
+        return None
+    try:
+        if data is None:
+            raise ValueError(f"larger than {MARKER_MAX_BYTES} bytes")
+        marker = json.loads(data)
+        if not isinstance(marker, dict) or marker.get("format") != MARKER_FORMAT:
+            raise ValueError(f"not a {MARKER_FORMAT} marker")
+        writer = marker.get("writer")
+        if not isinstance(writer, str) or not writer:
+            raise ValueError("no writer")
+    except ValueError as e:
+        raise ValueError(f"the location's owner marker {path} cannot be read: {e}; "
+                         "no checkpoint under it is taken") from None
+    return writer
 
 
 def _latest_local(directory: str) -> Optional[LatestCheckpoint]:
@@ -324,8 +426,9 @@ def _latest_local(directory: str) -> Optional[LatestCheckpoint]:
         entries = list(os.scandir(directory))
     except FileNotFoundError:
         return None
+    owner = _owner(directory)
     for entry in entries:
-        if not entry.is_dir(follow_symlinks=False):
+        if not entry.is_dir(follow_symlinks=False) or not _checkpoint_name(entry.name):
             continue
         manifests = []
         for inner in os.scandir(entry.path):
@@ -333,7 +436,7 @@ def _latest_local(directory: str) -> Optional[LatestCheckpoint]:
             if kind is None:
                 continue
             data = _read_manifest(inner.path)
-            if _valid_manifest(data, entry.name, kind[0]):
+            if _valid_manifest(data, entry.name, kind[0]) and _owned(data, entry.name, owner):
                 manifests.append(data)
         data = _complete(manifests)
         if data is not None and (best is None or _order_key(data) > _order_key(best)):
@@ -366,13 +469,20 @@ def latest_checkpoint(
     ``gs://bucket/prefix``, ``file:///dir`` or a directory), or ``None`` when there is none yet.
 
     A checkpoint is a directory right under the location with a valid ``manifest.json`` (one
-    that spotguard wrote last, after every file); uploads cut off by a deadline have none and
-    do not count. The latest has the greatest step, then the latest completion time.
+    that spotguard wrote last, after every file; every file path a clean relative key); uploads
+    cut off by a deadline have none and do not count. When the location has an owner marker
+    (``.spotguard-location.json``) only its writer's manifests count; a manifest whose step
+    disagrees with its directory's name never does. The latest has the greatest step, then the
+    latest completion time.
 
-    Local locations are read here. Object stores go through ``spotguard prefetch
+    Local locations without ``fetch_to`` are read here and returned in place, unverified (a
+    marker that cannot be read raises ``ValueError``). Object stores go through ``spotguard prefetch
     --latest-checkpoint`` (the agent's own credentials chain: ``AWS_*``, IRSA, the instance
     role; ``GOOGLE_*``, the metadata server; ``endpoint`` for S3-compatible servers); with
-    ``fetch_to`` the checkpoint is also fetched into ``<fetch_to>/<name>`` (``local_path``).
+    ``fetch_to`` (any location) the binary fetches only the manifest's files into
+    ``<fetch_to>/<name>`` (``local_path``) and checks every file's CRC-64/NVME and CRC-32C
+    against the manifest (Python's standard library has neither); a mismatch raises
+    ``RuntimeError`` naming the file.
     """
     text = os.fspath(location)
     if text.startswith("file://"):

@@ -79,10 +79,12 @@ def test_ack_staged_returns_the_agents_answer(guard_dir: Path, tmp_path: Path) -
 
 
 def _manifest(directory: Path, name: str, step, completed: str, ok: bool = True,
-              part=None, path: str = "w") -> None:
+              part=None, path: str = "w", writer=None) -> None:
     d = directory / name
     d.mkdir(parents=True, exist_ok=True)
-    (d / path).write_bytes(b"x")
+    if _clean(path):
+        (d / path).parent.mkdir(parents=True, exist_ok=True)
+        (d / path).write_bytes(b"x")
     m = {
         "format": MANIFEST_FORMAT,
         "name": name,
@@ -93,11 +95,76 @@ def _manifest(directory: Path, name: str, step, completed: str, ok: bool = True,
         "bytes": 1 if ok else 2,
         "timings": {"completed_at": completed},
     }
+    if writer is not None:
+        m["writer"] = writer
     if part is None:
         (d / "manifest.json").write_text(json.dumps(m))
     else:
         m["part"] = {"index": part[0], "count": part[1]}
         (d / f"manifest.part-{part[0]}-of-{part[1]}.json").write_text(json.dumps(m))
+
+
+def _clean(path: str) -> bool:
+    return bool(path) and not path.startswith("/") and ".." not in path.split("/") \
+        and "" not in path.split("/") and "\0" not in path
+
+
+def _mark_owner(directory: Path, writer: str) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / ".spotguard-location.json").write_text(json.dumps(
+        {"format": "spotguard-location/1", "writer": writer,
+         "created_at": "2026-01-01T00:00:00Z"}))
+
+
+def test_only_the_owners_checkpoints_with_steps_their_names_prove_count(tmp_path: Path) -> None:
+    owner = "k8s:ml/JobSet/train-a"
+    _manifest(tmp_path, "step-100", 100, "2026-01-01T00:00:00Z", writer=owner)
+    # Another job's with a higher step; steps the names do not prove; an absurd name.
+    _manifest(tmp_path, "step-900", 900, "2026-01-02T00:00:00Z", writer="host:uid:1001")
+    _manifest(tmp_path, "step-201", 2**64 - 1, "2026-01-02T00:00:00Z", writer=owner)
+    _manifest(tmp_path, "step-18446744073709551615", None, "2026-01-02T00:00:00Z", writer=owner)
+    _manifest(tmp_path, "final", 5000, "2026-01-02T00:00:00Z", writer=owner)
+    # Without a marker (a location of an earlier release) every consistent manifest counts.
+    assert spotguard.latest_checkpoint(tmp_path).name == "step-900"
+    _mark_owner(tmp_path, owner)
+    latest = spotguard.latest_checkpoint(tmp_path)
+    assert (latest.name, latest.step) == ("step-100", 100)
+    # A step left out is the one the name proves.
+    _manifest(tmp_path, "step-150", None, "2026-01-01T00:00:00Z", writer=owner)
+    assert (spotguard.latest_checkpoint(tmp_path).name,
+            spotguard.latest_checkpoint(tmp_path).step) == ("step-150", 150)
+    # A marker that cannot be read trusts nothing.
+    (tmp_path / ".spotguard-location.json").write_bytes(b" " * (70 << 10))
+    with pytest.raises(ValueError, match="owner marker"):
+        spotguard.latest_checkpoint(tmp_path)
+
+
+def test_a_manifest_naming_paths_outside_its_checkpoint_is_not_one(tmp_path: Path) -> None:
+    _manifest(tmp_path, "step-5", 5, "2026-01-01T00:00:00Z")
+    for step, path in enumerate(["/etc/hostname", "../x", "a//b", "./w", "a\nb",
+                                 "manifest.json", "w.spotguard-part-h-1"], start=10):
+        _manifest(tmp_path, f"step-{step}", step, "2026-01-02T00:00:00Z", path=path)
+    assert spotguard.latest_checkpoint(tmp_path).name == "step-5"
+    # What a staged tree legitimately holds stays valid.
+    for step, path in enumerate(["a\\b", "%25", "q?x#y", "sub/manifest.json", "caf\u00e9"],
+                                start=20):
+        _manifest(tmp_path, f"step-{step}", step, "2026-01-03T00:00:00Z", path=path)
+        assert spotguard.latest_checkpoint(tmp_path).name == f"step-{step}", path
+    # A path listed twice, and a manifest past its cap, do not count either.
+    d = tmp_path / "step-90"
+    d.mkdir()
+    f = {"path": "w", "size": 1, "crc64nvme": "0" * 16, "crc32c": "0" * 8,
+         "verified_by": "written"}
+    (d / "manifest.json").write_text(json.dumps({
+        "format": MANIFEST_FORMAT, "name": "step-90", "step": 90, "files": [f, f],
+        "file_count": 2, "bytes": 2, "timings": {"completed_at": "2026-01-04T00:00:00Z"}}))
+    d = tmp_path / "step-91"
+    d.mkdir()
+    (d / "manifest.json").write_text(json.dumps({
+        "format": MANIFEST_FORMAT, "name": "step-91", "step": 91, "files": [f],
+        "file_count": 1, "bytes": 1, "timings": {"completed_at": "2026-01-04T00:00:00Z"},
+        "pad": " " * (16 << 20)}))
+    assert spotguard.latest_checkpoint(tmp_path).name == "step-24"
 
 
 def test_latest_checkpoint_of_a_directory(tmp_path: Path) -> None:
