@@ -42,7 +42,12 @@ const EXIT_CANCELLED: i32 = 3;
 // ---------------------------------------------------------------------------------------------
 // A location written directly: files, a manifest with their CRCs, the owner marker.
 
-fn manifest(name: &str, step: Option<u64>, files: &[(&str, &[u8])], writer: Option<&str>) -> Manifest {
+fn manifest(
+    name: &str,
+    step: Option<u64>,
+    files: &[(&str, &[u8])],
+    writer: Option<&str>,
+) -> Manifest {
     let files: Vec<ManifestFile> = files
         .iter()
         .map(|(path, content)| {
@@ -79,7 +84,13 @@ fn manifest(name: &str, step: Option<u64>, files: &[(&str, &[u8])], writer: Opti
 }
 
 /// Checkpoint `name` under directory `location`: its files, then its manifest.
-fn put(location: &Path, name: &str, step: Option<u64>, files: &[(&str, &[u8])], writer: Option<&str>) {
+fn put(
+    location: &Path,
+    name: &str,
+    step: Option<u64>,
+    files: &[(&str, &[u8])],
+    writer: Option<&str>,
+) {
     let dir = location.join(name);
     for (path, content) in files {
         let p = dir.join(path);
@@ -225,7 +236,9 @@ impl Faults for Counting {
             if swap.is_some_and(|s| path.ends_with(&s)) && resp.status().is_success() {
                 let len = self.swap_len.load(Ordering::SeqCst);
                 let (mut parts, _) = resp.into_parts();
-                parts.headers.insert(http::header::CONTENT_LENGTH, len.into());
+                parts
+                    .headers
+                    .insert(http::header::CONTENT_LENGTH, len.into());
                 parts.headers.remove(http::header::ETAG);
                 let served = self.swapped_served.clone();
                 const CHUNK: u64 = 1 << 20;
@@ -254,7 +267,13 @@ async fn a_same_size_overwrite_of_a_shard_is_an_error_naming_it_and_nothing_is_r
     let loc = s3_location(&server, "run1");
     mark_owner(&loc, OWNER);
     let (a, b) = (shard(300_000, 1), shard(200_000, 2));
-    put(&loc, "step-5", Some(5), &[("rank0/a.distcp", &a), ("b", &b)], Some(OWNER));
+    put(
+        &loc,
+        "step-5",
+        Some(5),
+        &[("rank0/a.distcp", &a), ("b", &b)],
+        Some(OWNER),
+    );
     // The store's copy of b changes after the manifest was written: same size, other bytes.
     let mut evil = b.clone();
     evil[100_000] ^= 0xff;
@@ -267,7 +286,11 @@ async fn a_same_size_overwrite_of_a_shard_is_an_error_naming_it_and_nothing_is_r
     ))
     .await;
     assert_eq!(r.code, EXIT_FAILED, "{}", r.stderr);
-    assert!(r.stderr.contains("step-5/b") && r.stderr.contains("CRC"), "{}", r.stderr);
+    assert!(
+        r.stderr.contains("step-5/b") && r.stderr.contains("CRC"),
+        "{}",
+        r.stderr
+    );
     assert_eq!(r.json, Value::Null, "a checkpoint was reported: {}", r.json);
     // The bad copy is gone and nothing says the dataset is complete.
     let got = dest.path().join("step-5");
@@ -331,9 +354,15 @@ async fn a_manifest_naming_paths_outside_its_checkpoint_is_not_a_checkpoint() {
     put(loc.path(), "step-5", Some(5), &[("w", &good)], None);
     // Newer, but listing a host file (its real size and CRCs) or a path above the checkpoint.
     let host = std::fs::read("/etc/hostname").unwrap_or_default();
-    put_manifest(loc.path(), &manifest("step-8", Some(8), &[("/etc/hostname", &host)], None));
+    put_manifest(
+        loc.path(),
+        &manifest("step-8", Some(8), &[("/etc/hostname", &host)], None),
+    );
     std::fs::write(loc.path().join("x"), b"outside").unwrap();
-    put_manifest(loc.path(), &manifest("step-9", Some(9), &[("../x", b"outside")], None));
+    put_manifest(
+        loc.path(),
+        &manifest("step-9", Some(9), &[("../x", b"outside")], None),
+    );
 
     let location = loc.path().to_str().unwrap();
     let r = run(reader(&[location], None)).await;
@@ -354,9 +383,27 @@ async fn a_stranger_cannot_make_latest_theirs() {
     let mine = shard(100, 1);
     put(&loc, "step-200", Some(200), &[("w", &mine)], Some(OWNER));
     // Another job's, with a higher step; a step its name does not prove; an absurd step.
-    put(&loc, "step-900", Some(900), &[("w", b"theirs")], Some("host:uid:1001"));
-    put(&loc, "step-201", Some(u64::MAX), &[("w", b"theirs")], Some(OWNER));
-    put(&loc, "step-18446744073709551615", None, &[("w", b"theirs")], Some(OWNER));
+    put(
+        &loc,
+        "step-900",
+        Some(900),
+        &[("w", b"theirs")],
+        Some("host:uid:1001"),
+    );
+    put(
+        &loc,
+        "step-201",
+        Some(u64::MAX),
+        &[("w", b"theirs")],
+        Some(OWNER),
+    );
+    put(
+        &loc,
+        "step-18446744073709551615",
+        None,
+        &[("w", b"theirs")],
+        Some(OWNER),
+    );
     put(&loc, "step-300", None, &[("w", b"theirs")], None);
 
     let dest = trainer_dir();
@@ -366,7 +413,12 @@ async fn a_stranger_cannot_make_latest_theirs() {
     ))
     .await;
     assert_eq!(r.code, 0, "{}", r.stderr);
-    assert_eq!((&r.json["name"], &r.json["step"]), (&"step-200".into(), &200.into()), "{}", r.json);
+    assert_eq!(
+        (&r.json["name"], &r.json["step"]),
+        (&"step-200".into(), &200.into()),
+        "{}",
+        r.json
+    );
     assert_eq!(std::fs::read(dest.path().join("step-200/w")).unwrap(), mine);
 
     // A marker that cannot be read trusts nothing: an error, not another job's checkpoint.
@@ -408,7 +460,10 @@ async fn many_directories_are_listed_once_and_read_newest_first() {
     let loc = s3_location(&server, "run1");
     const DIRS: u64 = 2500;
     for step in 1..=DIRS - 2 {
-        put_manifest(&loc, &manifest(&format!("step-{step}"), Some(step), &[("w", b"x")], None));
+        put_manifest(
+            &loc,
+            &manifest(&format!("step-{step}"), Some(step), &[("w", b"x")], None),
+        );
     }
     // The two newest were cut off by a deadline: files, no manifest.
     for step in DIRS - 1..=DIRS {
@@ -491,8 +546,9 @@ async fn sigterm_mid_listing_stops_at_once() {
     // A request of the finding phase is in flight: the signal arrives mid-phase.
     let _held = accepted.recv_timeout(Duration::from_secs(60)).unwrap();
     unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
-    let code = tokio::task::spawn_blocking(move || exit_within(&mut child, Duration::from_secs(20)))
-        .await
-        .unwrap();
+    let code =
+        tokio::task::spawn_blocking(move || exit_within(&mut child, Duration::from_secs(20)))
+            .await
+            .unwrap();
     assert_eq!(code, Some(EXIT_CANCELLED));
 }

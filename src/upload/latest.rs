@@ -196,14 +196,15 @@ impl Source {
             Source::Store {
                 store, prefix, url, ..
             } => {
-                let listing = store
-                    .list_with_delimiter(prefix.as_ref())
-                    .await
-                    .map_err(|source| super::Error::Request {
-                        op: "LIST",
-                        key: url.clone(),
-                        source,
-                    })?;
+                let listing =
+                    store
+                        .list_with_delimiter(prefix.as_ref())
+                        .await
+                        .map_err(|source| super::Error::Request {
+                            op: "LIST",
+                            key: url.clone(),
+                            source,
+                        })?;
                 Ok(listing
                     .common_prefixes
                     .iter()
@@ -214,7 +215,11 @@ impl Source {
     }
 
     /// The complete checkpoint of directory `name`, if its manifests make one that counts.
-    async fn checkpoint(&self, name: &str, owner: Option<&Marker>) -> Result<Option<Manifest>, Error> {
+    async fn checkpoint(
+        &self,
+        name: &str,
+        owner: Option<&Marker>,
+    ) -> Result<Option<Manifest>, Error> {
         let mut manifests = Vec::new();
         match self {
             Source::Dir(dir) => {
@@ -231,13 +236,14 @@ impl Source {
                 }
                 if manifests.is_empty() {
                     // No (valid) manifest.json: the parts of a multi-node checkpoint, if any.
-                    let top = store.list_with_delimiter(Some(&dir)).await.map_err(|source| {
-                        super::Error::Request {
+                    let top = store
+                        .list_with_delimiter(Some(&dir))
+                        .await
+                        .map_err(|source| super::Error::Request {
                             op: "LIST",
                             key: dir.to_string(),
                             source,
-                        }
-                    })?;
+                        })?;
                     for object in top.objects {
                         let Some(Some(part)) = object.location.filename().and_then(manifest_name)
                         else {
@@ -282,9 +288,11 @@ fn parse(
 }
 
 async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Result<T, Error> {
-    tokio::task::spawn_blocking(f)
-        .await
-        .map_err(|e| Error::Upload(super::Error::io("read", "location")(std::io::Error::other(e))))
+    tokio::task::spawn_blocking(f).await.map_err(|e| {
+        Error::Upload(super::Error::io("read", "location")(std::io::Error::other(
+            e,
+        )))
+    })
 }
 
 /// A body read with a cap.
@@ -567,8 +575,12 @@ async fn resume(
         fetch.dest = Some(dest.clone());
         fetch.name = Some(m.name.clone());
         let only: HashSet<String> = m.files.iter().map(|f| f.path.clone()).collect();
-        let code =
-            Box::pin(crate::prefetch::cli::run_only(fetch, Arc::new(only), stop.clone())).await;
+        let code = Box::pin(crate::prefetch::cli::run_only(
+            fetch,
+            Arc::new(only),
+            stop.clone(),
+        ))
+        .await;
         if stop.is_cancelled() {
             return Err(Error::Stopped.into());
         }
@@ -622,7 +634,9 @@ pub async fn verify_local(dir: &Path, m: &Manifest, stop: &CancellationToken) ->
         .map(|f| {
             let (path, stopped) = (dir.join(&f.path), stopped.clone());
             async move {
-                blocking(move || verify_file(&path, &f, &stopped)).await.and_then(|r| r)
+                blocking(move || verify_file(&path, &f, &stopped))
+                    .await
+                    .and_then(|r| r)
             }
         })
         .buffer_unordered(VERIFY_CONCURRENCY);
@@ -764,11 +778,35 @@ mod tests {
         let loc = Location::parse(&tmp.path().display().to_string()).unwrap();
         let opts = StoreOptions::default();
         let a = "k8s:ml/Job/train-a";
-        write_by(tmp.path(), "step-100", Some(100), "2026-01-01T00:00:00Z", Some(a));
+        write_by(
+            tmp.path(),
+            "step-100",
+            Some(100),
+            "2026-01-01T00:00:00Z",
+            Some(a),
+        );
         // Another job's, and a step its name does not prove: never the latest.
-        write_by(tmp.path(), "step-200", Some(200), "2026-01-01T00:01:00Z", Some("host:uid:1001"));
-        write_by(tmp.path(), "step-150", Some(9_000), "2026-01-01T00:01:00Z", Some(a));
-        write_by(tmp.path(), "final", Some(1), "2026-01-01T00:01:00Z", Some(a));
+        write_by(
+            tmp.path(),
+            "step-200",
+            Some(200),
+            "2026-01-01T00:01:00Z",
+            Some("host:uid:1001"),
+        );
+        write_by(
+            tmp.path(),
+            "step-150",
+            Some(9_000),
+            "2026-01-01T00:01:00Z",
+            Some(a),
+        );
+        write_by(
+            tmp.path(),
+            "final",
+            Some(1),
+            "2026-01-01T00:01:00Z",
+            Some(a),
+        );
         write_by(
             tmp.path(),
             "step-18446744073709551615",
@@ -785,7 +823,10 @@ mod tests {
         )
         .unwrap();
         let got = latest(&loc, &opts).await.unwrap().unwrap();
-        assert_eq!((got.manifest.name.as_str(), got.manifest.step), ("step-100", Some(100)));
+        assert_eq!(
+            (got.manifest.name.as_str(), got.manifest.step),
+            ("step-100", Some(100))
+        );
         assert_eq!(list_complete(&loc, &opts).await.unwrap().len(), 1);
         // A marker that cannot be read trusts nothing.
         std::fs::write(tmp.path().join(owner::MARKER_NAME), vec![b' '; 70 << 10]).unwrap();
@@ -800,10 +841,16 @@ mod tests {
         let opts = StoreOptions::default();
         write(tmp.path(), "final", None, "2026-01-03T00:00:00Z");
         write(tmp.path(), "best", None, "2026-01-04T00:00:00Z");
-        assert_eq!(latest(&loc, &opts).await.unwrap().unwrap().manifest.name, "best");
+        assert_eq!(
+            latest(&loc, &opts).await.unwrap().unwrap().manifest.name,
+            "best"
+        );
         write(tmp.path(), "step-3", None, "2026-01-01T00:00:00Z");
         let got = latest(&loc, &opts).await.unwrap().unwrap();
         // Its step is the one its name proves.
-        assert_eq!((got.manifest.name.as_str(), got.manifest.step), ("step-3", Some(3)));
+        assert_eq!(
+            (got.manifest.name.as_str(), got.manifest.step),
+            ("step-3", Some(3))
+        );
     }
 }

@@ -286,7 +286,12 @@ fn to_listed(run: &Run, meta: ObjectMeta) -> Option<Listed> {
         return None;
     };
     let key = key.to_string();
-    if run.opts.only.as_ref().is_some_and(|only| !only.contains(&key)) {
+    if run
+        .opts
+        .only
+        .as_ref()
+        .is_some_and(|only| !only.contains(&key))
+    {
         tracing::debug!(key = %key, "not among the keys to fetch; skipped");
         return None;
     }
