@@ -221,6 +221,21 @@ struct Counting {
     swap_len: AtomicU64,
     /// Bytes of the swapped body the client pulled.
     swapped_served: Arc<AtomicU64>,
+    /// Answers to hold forever (headers sent, the body never comes): LISTs, or GETs of keys
+    /// ending in this.
+    hang_lists: std::sync::atomic::AtomicBool,
+    hang_suffix: std::sync::Mutex<Option<String>>,
+    /// Answers held so far.
+    hung: AtomicU64,
+}
+
+impl Counting {
+    fn hang(&self, resp: Response<Body>) -> Response<Body> {
+        self.hung.fetch_add(1, Ordering::SeqCst);
+        let (parts, _) = resp.into_parts();
+        let never = futures::stream::pending::<Result<Frame<Bytes>, BoxError>>();
+        Response::from_parts(parts, BodyExt::boxed(StreamBody::new(never)))
+    }
 }
 
 impl Faults for Counting {
@@ -228,8 +243,15 @@ impl Faults for Counting {
         let query = req.uri.query().unwrap_or("");
         if req.method == http::Method::GET && query.contains("list-type") {
             self.lists.fetch_add(1, Ordering::SeqCst);
+            if self.hang_lists.load(Ordering::SeqCst) {
+                return self.hang(resp);
+            }
         }
         let path = req.uri.path();
+        let hang = self.hang_suffix.lock().unwrap().clone();
+        if req.method == http::Method::GET && hang.is_some_and(|h| path.ends_with(&h)) {
+            return self.hang(resp);
+        }
         if req.method == http::Method::GET && path.ends_with("/manifest.json") {
             self.manifest_gets.fetch_add(1, Ordering::SeqCst);
             let swap = self.swap.lock().unwrap().clone();
@@ -551,4 +573,49 @@ async fn sigterm_mid_listing_stops_at_once() {
             .await
             .unwrap();
     assert_eq!(code, Some(EXIT_CANCELLED));
+}
+
+/// SIGTERM while a request of each phase hangs (the listing, a manifest read, the fetch of a
+/// file): the run stops at once with exit 3 and reports nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_stops_every_phase() {
+    let server = S3Server::s3s_fs(&[BUCKET]);
+    let loc = s3_location(&server, "run1");
+    put(&loc, "step-5", Some(5), &[("w", &shard(1000, 1))], None);
+    for phase in ["listing", "manifest", "fetch"] {
+        let proxy = Proxy::start(&server, Counting::default()).await;
+        match phase {
+            "listing" => proxy.state.hang_lists.store(true, Ordering::SeqCst),
+            "manifest" => *proxy.state.hang_suffix.lock().unwrap() = Some("/manifest.json".into()),
+            _ => *proxy.state.hang_suffix.lock().unwrap() = Some("/step-5/w".into()),
+        }
+        let dest = trainer_dir();
+        let mut cmd = reader(
+            &["s3://ckpt/run1", dest.path().to_str().unwrap()],
+            Some(&proxy.endpoint()),
+        );
+        cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+        let mut child = cmd.spawn().unwrap();
+        // Wait for the event: a request of this phase is being held.
+        let seen = Instant::now();
+        while proxy.state.hung.load(Ordering::SeqCst) == 0 {
+            assert!(
+                seen.elapsed() < Duration::from_secs(60),
+                "{phase}: never reached"
+            );
+            assert!(child.try_wait().unwrap().is_none(), "{phase}: exited early");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+        let (code, out) = tokio::task::spawn_blocking(move || {
+            let code = exit_within(&mut child, Duration::from_secs(20));
+            let mut out = String::new();
+            std::io::Read::read_to_string(&mut child.stdout.take().unwrap(), &mut out).unwrap();
+            (code, out)
+        })
+        .await
+        .unwrap();
+        assert_eq!(code, Some(EXIT_CANCELLED), "{phase}");
+        assert!(out.trim().is_empty(), "{phase}: reported {out}");
+    }
 }
