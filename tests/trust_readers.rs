@@ -560,7 +560,7 @@ async fn a_store_that_never_answers_stops_at_the_timeout() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sigterm_mid_listing_stops_at_once() {
+async fn sigterm_while_the_store_never_answers_stops_at_once() {
     let (endpoint, accepted) = silent_store();
     let mut cmd = reader(&["s3://ckpt/run1"], Some(&endpoint));
     cmd.stdout(Stdio::null()).stderr(Stdio::null());
