@@ -3,12 +3,16 @@
 //! uid 1001 (`setpriv`), the metadata emulator over HTTP.
 //!
 //! - a hard link keeps its owner: a victim-owned world-writable file linked in at the victim's
-//!   fallback ack name, with a `done` written into it, never counts.
+//!   fallback ack name, with a `done` written into it, never counts;
+//! - the node's descriptor budget: with the agent at `nofile` 1024 and a store that never
+//!   answers, one uid's uploads cannot take the descriptors another uid's staged ack needs.
 //!
-//! Needs root (setpriv) and `/tmp` on one filesystem with the checkpoint dir.
+//! Needs root (setpriv, uids 1000/1001), python3 and `/tmp` on one filesystem with the
+//! checkpoint dir.
 
 use std::os::unix::fs::PermissionsExt;
-use std::path::PathBuf;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -248,4 +252,228 @@ ln {log} {forged} && printf '{{"state":"done","step":7}}' > {forged} && touch {d
         "acked at {acked_at}, the victim's done at {done}"
     );
     assert!(agent.metric(REFUSED).await >= 1.0, "the refusal is counted");
+}
+
+// === The node's descriptor budget (issue 29 item 6) ===
+
+/// A staged trainer: on the signal, saves `$FILES` small files to `$STAGED` (step `$STEP`), waits
+/// for `$GO` when set, acks staged, and records the agent's answer in `$RESULT`; then idles
+/// (its upload, if taken, is held by a store that never answers).
+const STAGED_TRAINER: &str = r#"
+import json, os, sys, time
+import spotguard
+spotguard.install()
+open(os.environ["READY"], "w").close()
+while not spotguard.should_checkpoint():
+    time.sleep(0.002)
+signal_at = time.time()
+path = os.environ["STAGED"]
+os.makedirs(path)
+for i in range(int(os.environ["FILES"])):
+    with open(os.path.join(path, f"shard-{i:04d}"), "w") as f:
+        f.write(str(i))
+go = os.environ.get("GO")
+while go and not os.path.exists(go):
+    time.sleep(0.01)
+asked_at = time.time()
+answer = spotguard.ack_staged(path, step=int(os.environ["STEP"]), wait=20)
+out = {"answer": answer.state, "error": answer.error, "asked_at": asked_at,
+       "answered_at": time.time(), "signal_at": signal_at}
+with open(os.environ["RESULT"] + ".t", "w") as f:
+    json.dump(out, f)
+os.rename(os.environ["RESULT"] + ".t", os.environ["RESULT"])
+while True:
+    time.sleep(1)
+"#;
+
+/// A store that accepts connections and never answers.
+fn silent_store() -> String {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for conn in listener.incoming().flatten() {
+            held.push(conn);
+        }
+    });
+    format!("http://{addr}")
+}
+
+fn repo() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// Start a staged trainer as `uid`; returns once its handler is installed, its pidfile written.
+fn staged_trainer(base: &Path, n: usize, uid: u32, files: usize, go: Option<&Path>) -> Kid {
+    let local = base.join(format!("local{n}"));
+    std::fs::create_dir(&local).unwrap();
+    std::os::unix::fs::chown(&local, Some(uid), Some(uid)).unwrap();
+    let ready = local.join("ready");
+    let mut cmd = Command::new("python3");
+    cmd.arg("-c")
+        .arg(STAGED_TRAINER)
+        .env("PYTHONPATH", repo().join("clients/python"))
+        .env("SPOTGUARD_DIR", base.join("ckpt"))
+        .env("STAGED", local.join(format!("step-{n}")))
+        .env("STEP", n.to_string())
+        .env("FILES", files.to_string())
+        .env("RESULT", local.join("result.json"))
+        .env("READY", &ready)
+        .uid(uid)
+        .gid(uid)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null());
+    if let Some(go) = go {
+        cmd.env("GO", go);
+    }
+    let child = Kid::spawn(cmd);
+    let t = Instant::now();
+    while !(ready.exists() && spotguard_testkit::process::catches_usr1(child.pid())) {
+        assert!(t.elapsed() < Duration::from_secs(30), "no handler");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    std::fs::write(
+        base.join(format!("trainer{n}.pid")),
+        child.pid().to_string(),
+    )
+    .unwrap();
+    child
+}
+
+fn staged_result(base: &Path, n: usize) -> serde_json::Value {
+    let path = base.join(format!("local{n}/result.json"));
+    let t = Instant::now();
+    loop {
+        if let Ok(data) = std::fs::read(&path) {
+            return serde_json::from_slice(&data).unwrap();
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "trainer {n} never answered"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Issue 29 item 6, scaled: the agent as shipped at `nofile` 1024, `--upload-max-files 300`, a
+/// store that never answers. Three uid-1000 trainers ack 300-file trees one after another, then
+/// a uid-1001 trainer acks 100 files. Before, the three uploads held ~922 descriptors and uid
+/// 1001 was refused "out of file descriptors". Now uid 1000 may hold at most half of the budget
+/// (1024 − 256 reserved = 768: 384): its first tree is taken, its next two are refused at once
+/// naming the budget, and uid 1001's tree is taken.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_uids_uploads_never_starve_another_uids_staged_ack_of_descriptors() {
+    let h = Host::new();
+    let base = h.tmp.path().to_path_buf();
+    let go = base.join("shared/go");
+    let mut trainers = Vec::new();
+    for n in 1..=3 {
+        trainers.push(staged_trainer(&base, n, TRAINER_UID, 300, None));
+    }
+    trainers.push(staged_trainer(&base, 4, FORGER_UID, 100, Some(&go)));
+    let emu = emulator::start(EmulatorConfig::new(Cloud::Aws))
+        .await
+        .unwrap();
+    let store = silent_store();
+    let port = free_port();
+    let log = base.join("agent.log");
+    let mut cmd = Command::new("setpriv");
+    cmd.args([
+        "--inh-caps=-all",
+        "--ambient-caps=-all",
+        "--bounding-set=-all,+kill,+sys_ptrace",
+        "--",
+    ])
+    .arg(env!("CARGO_BIN_EXE_spotguard"))
+    .args([
+        "run".to_string(),
+        "--mode=host".into(),
+        "--cloud=aws".into(),
+        format!("--metadata-endpoint={}", emu.base_url()),
+        "--poll-interval=200ms".into(),
+        "--checkpoint-timeout=60s".into(),
+        format!("--checkpoint-dir={}", base.join("ckpt").display()),
+        format!("--state-dir={}", base.join("state").display()),
+        format!("--boot-id-file={}", base.join("boot_id").display()),
+        format!("--metrics-addr=127.0.0.1:{port}"),
+        "--gpu=off".into(),
+        "--log-format=json".into(),
+        "--log-level=info".into(),
+        "--upload-allow=s3://ckpt/run1".into(),
+        "--checkpoint-upload=s3://ckpt/run1".into(),
+        format!("--upload-endpoint={store}"),
+        "--upload-max-files=300".into(),
+    ])
+    .args((1..=4).map(|n| {
+        format!(
+            "--checkpoint-pidfile={}",
+            base.join(format!("trainer{n}.pid")).display()
+        )
+    }))
+    .envs(spotguard_testkit::s3::S3Server::client_env())
+    .stdin(Stdio::null())
+    .stdout(Stdio::null())
+    .stderr(std::fs::File::create(&log).unwrap());
+    for (k, _) in std::env::vars() {
+        if k.starts_with("SPOTGUARD_") || k == "RUST_LOG" {
+            cmd.env_remove(k);
+        }
+    }
+    // SAFETY: setrlimit only, between fork and exec.
+    unsafe {
+        cmd.pre_exec(|| {
+            let lim = libc::rlimit {
+                rlim_cur: 1024,
+                rlim_max: 1024,
+            };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let agent = Agent {
+        _proc: Kid::spawn(cmd),
+        port,
+        log,
+    };
+    agent
+        .wait_metric(
+            r#"spotguard_metadata_polls_total{source="aws"}"#,
+            1.0,
+            Duration::from_secs(30),
+        )
+        .await;
+    emu.raise(EmulatedNotice::interruption()).unwrap();
+    let first: Vec<serde_json::Value> =
+        tokio::task::block_in_place(|| (1..=3).map(|n| staged_result(&base, n)).collect());
+    std::fs::write(&go, "").unwrap();
+    let other = tokio::task::block_in_place(|| staged_result(&base, 4));
+    let log_text = agent.log_text();
+    assert_eq!(
+        other["answer"], "taken",
+        "uid 1001's ack is taken: {other}\n{log_text}"
+    );
+    let answers: Vec<&str> = first
+        .iter()
+        .map(|r| r["answer"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        answers.iter().filter(|a| **a == "taken").count(),
+        1,
+        "uid 1000: one tree fits its share: {first:?}\n{log_text}"
+    );
+    for r in first.iter().filter(|r| r["answer"] == "refused") {
+        let error = r["error"].as_str().unwrap_or_default();
+        assert!(error.contains("upload descriptor budget"), "{r}");
+        let waited = r["answered_at"].as_f64().unwrap() - r["asked_at"].as_f64().unwrap();
+        assert!(waited < 10.0, "told at once, not at the helper's wait: {r}");
+    }
+    assert!(
+        agent
+            .metric(r#"spotguard_checkpoint_upload_errors_total{error="staged_budget"}"#)
+            .await
+            >= 2.0
+    );
+    drop(trainers);
 }

@@ -117,8 +117,18 @@ impl Service {
         metrics: Arc<UploadMetrics>,
         pod_location: Option<PodLocation>,
     ) -> std::io::Result<Service> {
+        let uploader = Uploader::new(WORKERS, BLOCKING)?; // raises RLIMIT_NOFILE first
+        let budget = super::budget::install_node();
+        let memory = super::budget::install_memory(
+            (settings.concurrency.max(1) as u64).saturating_mul(settings.part_size),
+        );
+        info!(
+            descriptors = budget.total(),
+            buffer_bytes = memory.total(),
+            "upload budget"
+        );
         Ok(Service {
-            uploader: Uploader::new(WORKERS, BLOCKING)?,
+            uploader,
             settings,
             metrics,
             pod_location,
