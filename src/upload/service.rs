@@ -122,6 +122,13 @@ impl Service {
         let memory = super::budget::install_memory(
             (settings.concurrency.max(1) as u64).saturating_mul(settings.part_size),
         );
+        if settings.limits.max_files as u64 > budget.total() / 2 {
+            warn!(
+                max_files = settings.limits.max_files,
+                descriptors = budget.total(),
+                "--upload-max-files is more than half the upload descriptor budget: a tree that large is refused (raise LimitNOFILE)"
+            );
+        }
         info!(
             descriptors = budget.total(),
             buffer_bytes = memory.total(),
