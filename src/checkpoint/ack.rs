@@ -556,6 +556,26 @@ impl CheckpointDir {
                 "not a regular file",
             )));
         }
+        // A hard link keeps its owner: a file another user's process linked in from anywhere on
+        // the filesystem (a victim's world-writable log) would pass the owner check. And a file
+        // every user may write is nobody's word in particular.
+        let refused = if st.st_nlink != 1 {
+            Some(format!("has {} hard links", st.st_nlink))
+        } else if st.st_mode & 0o002 != 0 {
+            Some(format!(
+                "is writable by every user (mode {:o})",
+                st.st_mode & 0o7777
+            ))
+        } else {
+            None
+        };
+        if let Some(reason) = refused {
+            return Err(Error::RefusedAck {
+                target: format!("{} ({name})", self.display),
+                reason,
+                ino: st.st_ino,
+            });
+        }
         let stamp = FileStamp::of(&st);
         if stamp.size > MAX_FILE_BYTES {
             return Err(err(io::Error::new(
@@ -627,8 +647,24 @@ impl CheckpointDir {
     }
 
     /// `notice.json` read back with its stamp (restart path: the anchor acks are compared with).
+    /// Only the agent's own file counts (owned by its user, one link): a `notice.json` a trainer
+    /// wrote before the agent did would otherwise say "already delivered" and stop the signal;
+    /// another user's is treated as absent (the notice is delivered, and written over it).
     pub fn read_notice_stamped(&self) -> Result<Option<(NoticeFile, FileStamp)>, Error> {
-        self.read_json(NOTICE_FILE)
+        let read = match self.read_json::<NoticeFile>(NOTICE_FILE) {
+            Err(Error::RefusedAck { target, reason, .. }) => {
+                tracing::warn!(file = %target, %reason, "ignoring a notice.json the agent did not write");
+                return Ok(None);
+            }
+            r => r?,
+        };
+        match read {
+            Some((_, stamp)) if stamp.uid != rustix::process::geteuid().as_raw() => {
+                tracing::warn!(dir = %self.display, owner = stamp.uid, "ignoring a notice.json the agent did not write");
+                Ok(None)
+            }
+            r => Ok(r),
+        }
     }
 
     /// Read `notice.json` back (the responder's restart path: was this notice delivered here?).
@@ -847,6 +883,53 @@ mod tests {
         assert!(cd.read_ack(11).is_err());
         std::fs::write(tmp.path().join(PLAIN_ACK_FILE), b"").unwrap();
         assert!(cd.plain_ack().unwrap().is_some());
+    }
+
+    /// Issue 29 item 5: a hard link keeps its owner, so a file linked in from elsewhere never
+    /// counts as an ack (nor as the plain ack, nor as `notice.json`); neither does a file every
+    /// user may write.
+    #[test]
+    fn hard_linked_and_world_writable_files_are_refused() {
+        use std::os::unix::fs::PermissionsExt;
+        let tmp = tempfile::tempdir().unwrap();
+        let cd = CheckpointDir::host(tmp.path()).unwrap();
+        let elsewhere = tmp.path().join("shared.log");
+        std::fs::write(&elsewhere, r#"{"state":"done"}"#).unwrap();
+        for name in ["ack-7.json", PLAIN_ACK_FILE, "ack.x", NOTICE_FILE] {
+            std::fs::hard_link(&elsewhere, tmp.path().join(name)).unwrap();
+        }
+        let refused = |e: Error| match e {
+            Error::RefusedAck { reason, .. } => reason,
+            other => panic!("not refused: {other}"),
+        };
+        assert_eq!(refused(cd.read_ack(7).unwrap_err()), "has 5 hard links");
+        assert!(refused(cd.plain_ack().unwrap_err()).contains("hard links"));
+        assert!(refused(cd.plain_ack_named("ack.x").unwrap_err()).contains("hard links"));
+        assert_eq!(cd.read_notice_stamped().unwrap(), None);
+        std::fs::write(tmp.path().join("ack-8.json"), r#"{"state":"done"}"#).unwrap();
+        std::fs::set_permissions(
+            tmp.path().join("ack-8.json"),
+            PermissionsExt::from_mode(0o666),
+        )
+        .unwrap();
+        assert!(refused(cd.read_ack(8).unwrap_err()).contains("writable by every user"));
+        // group-writable is the owner's choice (a shared group, fsGroup): it counts
+        std::fs::set_permissions(
+            tmp.path().join("ack-8.json"),
+            PermissionsExt::from_mode(0o664),
+        )
+        .unwrap();
+        assert!(cd.read_ack(8).unwrap().is_some());
+    }
+
+    #[test]
+    fn a_notice_json_another_user_wrote_is_not_the_agents() {
+        let tmp = tempfile::tempdir().unwrap();
+        let cd = CheckpointDir::host(tmp.path()).unwrap();
+        cd.write_notice(&notice()).unwrap();
+        assert_eq!(cd.read_notice().unwrap(), Some(notice()));
+        std::os::unix::fs::chown(tmp.path().join(NOTICE_FILE), Some(1001), None).unwrap();
+        assert_eq!(cd.read_notice().unwrap(), None);
     }
 
     #[test]

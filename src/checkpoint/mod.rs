@@ -260,6 +260,17 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+    /// A file at an ack (or notice) name that is not protocol input: linked from elsewhere (more
+    /// than one hard link) or writable by every user. Never read, never counted.
+    #[error(
+        "{target}: {reason} (refused: an ack is a file of its own that only its writer can write)"
+    )]
+    RefusedAck {
+        target: String,
+        reason: String,
+        /// The file's inode: a refusal is logged and counted once per file.
+        ino: u64,
+    },
 }
 
 impl Error {
@@ -276,6 +287,7 @@ impl Error {
             Error::WriteNotice { .. } => "write_notice",
             Error::Signal { .. } => "signal",
             Error::ReadAck { .. } => "read_ack",
+            Error::RefusedAck { .. } => "refused_ack",
         }
     }
 }

@@ -369,7 +369,7 @@ pub struct RunArgs {
     #[arg(long, env = "SPOTGUARD_UPLOAD_MAX_BYTES", value_name = "BYTES", default_value = "1TiB", value_parser = parse_bytes, help_heading = UPLOAD)]
     pub upload_max_bytes: u64,
 
-    /// Requests in flight per upload; each holds one part-sized buffer (memory: concurrency × part size per upload).
+    /// Requests in flight per upload; each holds one part-sized buffer (memory: concurrency × part size for all uploads together, each at least one buffer).
     #[arg(long, env = "SPOTGUARD_UPLOAD_CONCURRENCY", value_name = "N", default_value = "8", value_parser = crate::upload::cli::parse_concurrency, help_heading = UPLOAD)]
     pub upload_concurrency: usize,
 

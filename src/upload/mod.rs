@@ -19,6 +19,7 @@
 //! - [`cli`]: `spotguard upload STAGED DEST`; [`metrics`]: `spotguard_checkpoint_upload_*`.
 
 pub mod ack;
+pub mod budget;
 pub mod cli;
 pub mod crc;
 pub mod dest;

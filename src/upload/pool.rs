@@ -1,12 +1,20 @@
-//! The upload's memory: a fixed number of part-sized buffers, reused. A buffer is leased before
-//! a part is read (so reading waits while every buffer is in flight: that is the backpressure),
-//! handed to the store as the request body without a copy ([`Lease::freeze`]), and returns to
-//! the pool when the store drops the body. Peak memory is `buffers × size`, whatever the tree.
+//! The upload's memory: at most a fixed number of part-sized buffers, reused. A buffer is leased
+//! before a part is read (so reading waits while every buffer is in flight: that is the
+//! backpressure), handed to the store as the request body without a copy ([`Lease::freeze`]),
+//! and returns to the pool when the store drops the body. Peak memory is `buffers × size`,
+//! whatever the tree.
+//!
+//! In the agent the buffers draw from the node's memory budget ([`super::budget::Memory`]): a
+//! pool starts with one buffer and grows, one lease at a time, up to its count while the budget
+//! allows; what it was granted returns when the pool is dropped.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+use super::budget::Memory;
 
 /// A pool of `count` buffers of `size` bytes.
 #[derive(Debug)]
@@ -14,15 +22,57 @@ pub struct Pool {
     free: Mutex<Vec<Vec<u8>>>,
     slots: Arc<Semaphore>,
     size: usize,
+    count: usize,
+    /// The node's memory budget and the buffers it granted this pool (`None`: all `count`).
+    budget: Option<(Arc<Memory>, AtomicUsize)>,
 }
 
 impl Pool {
+    /// A pool of up to `count` buffers, drawing from the agent's memory budget when installed.
     pub fn new(count: usize, size: usize) -> Arc<Pool> {
+        Pool::with_budget(count, size, super::budget::memory())
+    }
+
+    /// A pool of up to `count` buffers; with `budget`, one at first, more while it allows.
+    pub fn with_budget(count: usize, size: usize, budget: Option<Arc<Memory>>) -> Arc<Pool> {
+        let count = count.max(1);
+        let start = match &budget {
+            Some(m) => {
+                m.open(size as u64);
+                1
+            }
+            None => count,
+        };
         Arc::new(Pool {
             free: Mutex::new(Vec::with_capacity(count)),
-            slots: Arc::new(Semaphore::new(count.max(1))),
+            slots: Arc::new(Semaphore::new(start)),
             size,
+            count,
+            budget: budget.map(|m| (m, AtomicUsize::new(1))),
         })
+    }
+
+    /// Buffers this pool may hold now.
+    pub fn granted(&self) -> usize {
+        match &self.budget {
+            Some((_, granted)) => granted.load(Ordering::Relaxed),
+            None => self.count,
+        }
+    }
+
+    /// One more buffer from the budget, when every granted one is out and the budget allows.
+    fn grow(&self) {
+        let Some((memory, granted)) = &self.budget else {
+            return;
+        };
+        let now = granted.load(Ordering::Relaxed);
+        if now < self.count
+            && self.slots.available_permits() == 0
+            && memory.grow((now * self.size) as u64, self.size as u64)
+        {
+            granted.fetch_add(1, Ordering::Relaxed);
+            self.slots.add_permits(1);
+        }
     }
 
     /// The size of each buffer.
@@ -32,6 +82,7 @@ impl Pool {
 
     /// Wait for a free buffer.
     pub async fn lease(self: &Arc<Self>) -> Lease {
+        self.grow();
         // The semaphore is never closed.
         let permit = match self.slots.clone().acquire_owned().await {
             Ok(p) => p,
@@ -83,6 +134,14 @@ impl AsRef<[u8]> for Lease {
     }
 }
 
+impl Drop for Pool {
+    fn drop(&mut self) {
+        if let Some((memory, granted)) = &self.budget {
+            memory.close((granted.load(Ordering::Relaxed) * self.size) as u64);
+        }
+    }
+}
+
 impl Drop for Lease {
     fn drop(&mut self) {
         let buf = std::mem::take(&mut self.buf);
@@ -115,5 +174,37 @@ mod tests {
             .unwrap();
         drop((b, c));
         assert_eq!(crate::prefetch::lock(&pool.free).len(), 2);
+    }
+
+    /// Issue 29 item 6: pools draw from the node's memory budget. Each gets one buffer whatever
+    /// the budget holds; more while the budget has room and it holds no more than an even split.
+    #[tokio::test]
+    async fn pools_share_the_nodes_memory_budget() {
+        let memory = Memory::new(64);
+        let a = Pool::with_budget(8, 16, Some(memory.clone()));
+        let (a1, a2, a3, a4) = (
+            a.lease().await,
+            a.lease().await,
+            a.lease().await,
+            a.lease().await,
+        );
+        assert_eq!((a.granted(), memory.used()), (4, 64));
+        // The budget is spent: a second upload still gets its one buffer, no more.
+        let b = Pool::with_budget(8, 16, Some(memory.clone()));
+        let b1 = b.lease().await;
+        let more = tokio::time::timeout(std::time::Duration::from_millis(50), b.lease()).await;
+        assert!(more.is_err());
+        assert_eq!(b.granted(), 1);
+        // The first upload ends: its memory returns; the second grows up to an even split (32).
+        drop((a1, a2, a3, a4));
+        drop(a);
+        assert_eq!(memory.used(), 16);
+        let b2 = b.lease().await;
+        let more = tokio::time::timeout(std::time::Duration::from_millis(50), b.lease()).await;
+        assert!(more.is_ok(), "a lone pool grows up to the budget");
+        assert_eq!(b.granted(), 3);
+        drop((b1, b2, more));
+        drop(b);
+        assert_eq!(memory.used(), 0);
     }
 }

@@ -117,8 +117,25 @@ impl Service {
         metrics: Arc<UploadMetrics>,
         pod_location: Option<PodLocation>,
     ) -> std::io::Result<Service> {
+        let uploader = Uploader::new(WORKERS, BLOCKING)?; // raises RLIMIT_NOFILE first
+        let budget = super::budget::install_node();
+        let memory = super::budget::install_memory(
+            (settings.concurrency.max(1) as u64).saturating_mul(settings.part_size),
+        );
+        if settings.limits.max_files as u64 > budget.total() / 2 {
+            warn!(
+                max_files = settings.limits.max_files,
+                descriptors = budget.total(),
+                "--upload-max-files is more than half the upload descriptor budget: a tree that large is refused (raise LimitNOFILE)"
+            );
+        }
+        info!(
+            descriptors = budget.total(),
+            buffer_bytes = memory.total(),
+            "upload budget"
+        );
         Ok(Service {
-            uploader: Uploader::new(WORKERS, BLOCKING)?,
+            uploader,
             settings,
             metrics,
             pod_location,

@@ -54,6 +54,8 @@ pub enum Problem {
     TooLarge,
     /// Nested deeper than allowed.
     TooDeep,
+    /// More files than the owner's share of the agent's descriptor budget.
+    Budget,
     /// The agent cannot open or read an entry (permissions, I/O).
     Unreadable,
     /// The acking process is gone (its root cannot be opened any more).
@@ -74,6 +76,7 @@ impl Problem {
             Problem::TooMany => "staged_too_many_files",
             Problem::TooLarge => "staged_too_large",
             Problem::TooDeep => "staged_too_deep",
+            Problem::Budget => "staged_budget",
             Problem::Unreadable => "staged_unreadable",
             Problem::Gone => "staged_process_gone",
         }
@@ -95,6 +98,7 @@ impl std::fmt::Display for Problem {
             Problem::TooDeep => "nested too deep",
             Problem::Unreadable => "cannot be read",
             Problem::Gone => "the acking process is gone",
+            Problem::Budget => "over the node's upload budget (refused)",
         })
     }
 }
@@ -180,6 +184,9 @@ pub struct StagedFile {
     pub path: String,
     pub file: Arc<File>,
     pub id: FileId,
+    /// Its descriptor in the agent's budget ([`super::budget`]): back when the last clone of
+    /// the file is dropped. `None` outside the agent (the CLI).
+    _held: Option<Arc<super::budget::Held>>,
 }
 
 /// A captured staged checkpoint: every regular file of the tree, open.
@@ -302,6 +309,8 @@ fn valid_name(name: &str) -> Result<(), &'static str> {
 struct Walk<'a> {
     tree: StagedTree,
     limits: &'a Limits,
+    /// The agent's descriptor budget and who this tree's files are charged to.
+    budget: Option<(Arc<super::budget::Budget>, super::budget::Owner)>,
 }
 
 impl Walk<'_> {
@@ -440,6 +449,16 @@ impl Walk<'_> {
                 format!("more than {} files", self.limits.max_files),
             ));
         }
+        // The descriptor is charged before it is opened: a tree over its owner's share is
+        // refused here, before the trainer is answered, and never takes what others need.
+        let held = match &self.budget {
+            Some((budget, owner)) => {
+                Some(Arc::new(budget.take(owner).map_err(|r| {
+                    self.refuse(rel, Problem::Budget, r.to_string())
+                })?))
+            }
+            None => None,
+        };
         let fd = self
             .open_entry(dir, name, OFlags::NONBLOCK)
             .map_err(|e| self.open_error(rel, e))?;
@@ -466,6 +485,7 @@ impl Walk<'_> {
             path: rel.to_string(),
             file: Arc::new(File::from(fd)),
             id,
+            _held: held,
         });
         Ok(())
     }
@@ -483,6 +503,17 @@ fn join(prefix: &str, name: &str) -> String {
 /// Blocking (directory reads, opens): run it off the async runtime. Nothing is read yet: the
 /// returned tree holds every file open.
 pub fn capture(root: &Root, staged: &Path, limits: &Limits) -> Result<StagedTree, Error> {
+    let budget = super::budget::node().map(|b| (b, budget_owner(root)));
+    capture_in(root, staged, limits, budget)
+}
+
+/// [`capture`], charging each file to `budget` (the budget and the owner).
+fn capture_in(
+    root: &Root,
+    staged: &Path,
+    limits: &Limits,
+    budget: Option<(Arc<super::budget::Budget>, super::budget::Owner)>,
+) -> Result<StagedTree, Error> {
     let display = format!("{}{}", staged.display(), root.display);
     let refuse = |problem, detail: String| Error::Staged {
         path: display.clone(),
@@ -525,10 +556,26 @@ pub fn capture(root: &Root, staged: &Path, limits: &Limits) -> Result<StagedTree
             owner: root.uid,
         },
         limits,
+        budget,
     };
     walk.check_owner("", &st)?;
     walk.dir(top, "", 0)?;
     Ok(walk.tree)
+}
+
+/// Who a tree taken in `root` is charged to: the trainer's uid on the host's own filesystem,
+/// else its container's filesystem root.
+fn budget_owner(root: &Root) -> super::budget::Owner {
+    if root.is_host_root() {
+        return super::budget::Owner::Uid(root.uid.unwrap_or(0));
+    }
+    match rustix::fs::fstat(&root.fd) {
+        Ok(st) => super::budget::Owner::Root {
+            dev: st.st_dev,
+            ino: st.st_ino,
+        },
+        Err(_) => super::budget::Owner::Uid(root.uid.unwrap_or(0)),
+    }
 }
 
 /// Whether `rel` names a symlink itself (`O_DIRECTORY | O_NOFOLLOW` on one fails `ENOTDIR`).
@@ -671,6 +718,45 @@ mod tests {
             )),
             Problem::NotADirectory
         );
+    }
+
+    /// Issue 29 item 6: a tree over its owner's share of the descriptor budget is refused while
+    /// it is captured, naming the budget; its descriptors return when the tree is dropped.
+    #[test]
+    fn a_tree_over_the_owners_share_of_the_budget_is_refused() {
+        use super::super::budget::{Budget, Owner};
+        let t = tree(&[("a", b"1"), ("b", b"2"), ("c", b"3")]);
+        let budget = Budget::new(8, 264);
+        let (one, two) = (Owner::Uid(1000), Owner::Uid(1001));
+        let take = |owner: &Owner| {
+            capture_in(
+                &Root::host().unwrap(),
+                t.path(),
+                &Limits::default(),
+                Some((budget.clone(), owner.clone())),
+            )
+        };
+        // Alone, uid 1000 may hold 8 / 2 = 4: one tree of 3 fits, a second does not.
+        let first = take(&one).unwrap();
+        assert_eq!(budget.held_by(&one), 3);
+        let err = take(&one).unwrap_err();
+        assert!(
+            err.to_string().contains("upload descriptor budget"),
+            "{err}"
+        );
+        assert_eq!(problem(Err(err)), Problem::Budget);
+        assert_eq!(
+            budget.held_by(&one),
+            3,
+            "the refused tree's descriptors came back"
+        );
+        // uid 1001 gets a share of its own (8 / 3 = 2): its tree of 3 is refused too, but not
+        // because uid 1000 took everything.
+        let err = take(&two).unwrap_err().to_string();
+        assert!(err.contains("holds 2 of its share of 2"), "{err}");
+        drop(first);
+        assert_eq!(budget.held_by(&one), 0);
+        assert!(take(&two).is_ok());
     }
 
     #[test]

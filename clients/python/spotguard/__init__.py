@@ -1064,6 +1064,30 @@ def _launch_exit_code(argv: Sequence[str], rc: int, watch: _DirWatch, started: f
     return rc
 
 
+def _start_held(
+    cmd: List[str], forward: Sequence[int], env: Optional[Dict[str, str]] = None
+) -> "Tuple[subprocess.Popen[bytes], Callable[[], None]]":
+    """Start the launcher's child with the ``forward`` signals blocked in this process until the
+    caller has installed its relay handlers (then it calls the returned ``unblock``): a
+    ``SIGTERM`` that arrives while the child starts stays pending and is relayed, instead of
+    killing this process by its default action and leaving the child running. Threads started
+    meanwhile inherit the block, so the signal can only be taken by the main thread once it is
+    unblocked there. The child starts with the mask this process had (restored before ``exec``):
+    it never inherits the block."""
+    held = set(forward)
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+
+    def restore() -> None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+    try:
+        child = subprocess.Popen(cmd, env=env, preexec_fn=restore)
+    except BaseException:
+        restore()
+        raise
+    return child, restore
+
+
 def launch(
     argv: Sequence[str],
     forward: Iterable[int] = LAUNCH_FORWARDED,
@@ -1107,8 +1131,8 @@ def launch(
                 flush=True,
             )
     started = time.time()
-    child = subprocess.Popen(list(argv))
-    watch = _DirWatch(child.pid)
+    forward = list(forward)
+    child, unblock = _start_held(list(argv), forward)
 
     def relay(signum: int, frame: Optional[FrameType]) -> None:
         try:
@@ -1117,8 +1141,12 @@ def launch(
             pass
 
     saved = {}
-    for s in forward:
-        saved[s] = signal.signal(s, relay)
+    try:
+        for s in forward:
+            saved[s] = signal.signal(s, relay)
+    finally:
+        unblock()  # a signal that came while the child started is relayed now
+    watch = _DirWatch(child.pid)
     try:
         rc = child.wait()
     finally:

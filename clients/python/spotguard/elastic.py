@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -312,11 +311,13 @@ def run(argv: Sequence[str], tr: Torchrun, forward: Iterable[int]) -> int:
     env, more = elastic_environ()
     _say("elastic torchrun: " + "; ".join(notes + more))
     started = time.time()
+    forward = list(forward)
+    # The relayed signals stay blocked until the handlers below are installed (a SIGTERM while
+    # torchrun starts is relayed, not lost); torchrun itself starts with the mask unblocked.
+    child, unblock = sg._start_held(cmd, forward, env)
     preload = threading.Thread(target=_try_preload, name="spotguard-launch-torch", daemon=True)
     if tr.backend == "c10d":
-        preload.start()
-    child = subprocess.Popen(cmd, env=env)
-    watch = sg._DirWatch(child.pid)  # the process tree every 0.5 s; notice.json every POLL_S
+        preload.start()  # after the fork, and with the relayed signals blocked (inherited)
     # When torchrun was told to stop (monotonic), and whether its entry left the rendezvous.
     stopping: List[float] = []
     left: List[bool] = []
@@ -344,7 +345,13 @@ def run(argv: Sequence[str], tr: Torchrun, forward: Iterable[int]) -> int:
             left.append(True)
         _say(what)
 
-    saved = {s: _signal.signal(s, relay) for s in forward}
+    saved = {}
+    try:
+        for s in forward:
+            saved[s] = _signal.signal(s, relay)
+    finally:
+        unblock()
+    watch = sg._DirWatch(child.pid)  # the process tree every 0.5 s; notice.json every POLL_S
     try:
         while child.poll() is None:
             if not stopping:

@@ -133,11 +133,25 @@ def _make_readable(root: str) -> None:
 
 
 def _read_answer(path: Path, after: float) -> Optional[StagedAnswer]:
+    # Only the agent's own answer counts: a regular file with one link, owned by root (the agent)
+    # or by this process's own user, that other users cannot write. A file another user planted
+    # at this name (or linked in: a hard link keeps its owner) could otherwise say `taken` and
+    # make this process exit while its checkpoint was never taken.
     try:
-        with open(path, "rb") as f:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if (not stat.S_ISREG(st.st_mode) or st.st_nlink != 1
+                or st.st_uid not in (0, os.geteuid()) or st.st_mode & stat.S_IWOTH):
+            return None
+        with os.fdopen(fd, "rb", closefd=False) as f:
             data = json.loads(f.read(64 * 1024))
     except (OSError, ValueError):
         return None
+    finally:
+        os.close(fd)
     if not isinstance(data, dict) or data.get("state") not in ("taken", "refused"):
         return None
     ts = data.get("ts")

@@ -78,6 +78,57 @@ def test_ack_staged_returns_the_agents_answer(guard_dir: Path, tmp_path: Path) -
     assert (got.destination, got.files, got.bytes) == ("s3://bucket/run1/step-12", 2, 12)
 
 
+def test_an_answer_another_user_planted_or_linked_in_is_not_the_agents(
+    guard_dir: Path, tmp_path: Path
+) -> None:
+    """Issue 29 (acks): a `taken` at this process's answer name counts only when the agent (root)
+    or this process's own user wrote it, with one link and not writable by others."""
+    staged = _stage(tmp_path / "local")
+    guard_dir.mkdir(parents=True, exist_ok=True)
+    ack = guard_dir / f"ack-{os.getpid()}.json"
+    answer = guard_dir / f"upload-{os.getpid()}.json"
+    body = json.dumps({"state": "taken", "destination": "s3://b/x", "files": 1, "bytes": 1,
+                       "error": None, "ts": time.time() + 3600})
+    elsewhere = tmp_path / "shared.log"
+    elsewhere.write_text(body)
+
+    def linked() -> None:
+        os.link(elsewhere, answer)  # this user's own file, but linked in from elsewhere
+
+    def world_writable() -> None:
+        answer.write_text(body)
+        os.chmod(answer, 0o666)
+
+    def foreign() -> None:
+        answer.write_text(body)
+        os.chown(answer, 1001, 1001)
+
+    def own() -> None:
+        answer.write_text(body)
+
+    def planted(plant) -> str:
+        ack.unlink(missing_ok=True)
+
+        def run() -> None:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and not ack.exists():
+                time.sleep(0.005)
+            plant()
+
+        t = threading.Thread(target=run)
+        t.start()
+        got = spotguard.ack_staged(staged, step=12, wait=1.0)
+        t.join()
+        answer.unlink(missing_ok=True)
+        return got.state
+
+    assert planted(linked) == "timeout"
+    assert planted(world_writable) == "timeout"
+    if os.geteuid() == 0:
+        assert planted(foreign) == "timeout"
+    assert planted(own) == "taken"
+
+
 def _manifest(directory: Path, name: str, step, completed: str, ok: bool = True,
               part=None, path: str = "w", writer=None) -> None:
     d = directory / name

@@ -489,7 +489,7 @@ fn poll_group(w: &mut GroupWatch, now: Timestamp) {
                     );
                 }
                 Ok(_) => {}
-                Err(e) => tracing::debug!(error = %e, "unreadable plain ack"),
+                Err(e) => refused(&mut c.foreign, &name, &e, &counters, "unreadable plain ack"),
             }
         }
         if c.plain_ack.is_some() {
@@ -613,8 +613,31 @@ fn read_acks(
                 }
             }
             Ok(_) => {}
-            Err(e) => p.problem = Some(e.to_string()),
+            Err(e) => {
+                refused(seen, &name, &e, counters, "unreadable ack");
+                p.problem = Some(e.to_string());
+            }
         }
+    }
+}
+
+/// A read error at an ack name: a refused file (hard-linked, world-writable) is logged as a
+/// warning and counted once per file; anything else (a writer caught mid-write) is debug noise.
+fn refused(
+    seen: &mut HashSet<(String, u64)>,
+    name: &str,
+    e: &crate::checkpoint::Error,
+    counters: &Counters,
+    other: &str,
+) {
+    match e {
+        crate::checkpoint::Error::RefusedAck { ino, .. } => {
+            if seen.insert((name.to_string(), *ino)) {
+                counters.error(e.metric_label());
+                tracing::warn!(error = %e, "ignoring a file at an ack name");
+            }
+        }
+        _ => tracing::debug!(error = %e, "{other}"),
     }
 }
 
