@@ -731,6 +731,13 @@ async fn open_journal(
             .as_ref()
             .and_then(|p| p.files.get(&f.path))
             .filter(|r| r.id == f.id && r.part_size == part_size);
+        if reuse.is_none()
+            && previous
+                .as_ref()
+                .is_some_and(|p| p.files.contains_key(&f.path))
+        {
+            info!(destination = %destination, file = %f.path, "the file changed since the interrupted run: it is sent again");
+        }
         let record = match reuse {
             Some(r) => r.clone(),
             None => FileRecord {
@@ -783,7 +790,10 @@ async fn open_journal(
 /// `deadline` as wall-clock time (RFC 3339), for the journal.
 fn wall_clock(deadline: tokio::time::Instant) -> Option<String> {
     let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-    Timestamp::now().checked_add(left).ok().map(|t| t.to_string())
+    Timestamp::now()
+        .checked_add(left)
+        .ok()
+        .map(|t| t.to_string())
 }
 
 async fn abort_uploads(target: &Target, uploads: &[(String, String)]) {
@@ -1016,12 +1026,13 @@ async fn start_large(
                             upload_id: id.clone(),
                         };
                         let jp = j.path().to_path_buf();
-                        let appended = tokio::task::spawn_blocking(move || {
-                            journal::append_upload(&jp, &open)
-                        })
-                        .await
-                        .map_err(|e| Error::io("journal", "append")(std::io::Error::other(e)))
-                        .and_then(|r| r);
+                        let appended =
+                            tokio::task::spawn_blocking(move || journal::append_upload(&jp, &open))
+                                .await
+                                .map_err(|e| {
+                                    Error::io("journal", "append")(std::io::Error::other(e))
+                                })
+                                .and_then(|r| r);
                         if let Err(e) = appended {
                             s.abort(&file.path, &id).await;
                             return Err(e);

@@ -471,7 +471,10 @@ mod side_file_tests {
         append_upload(&journal, &up("a", "u-1")).unwrap();
         // A torn write in the middle, then more.
         let side = uploads_path(&journal);
-        let mut f = std::fs::OpenOptions::new().append(true).open(&side).unwrap();
+        let mut f = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&side)
+            .unwrap();
         std::io::Write::write_all(&mut f, b"{\"destination\":\"s3://b/ru\n").unwrap();
         append_upload(&journal, &up("b", "u-2")).unwrap();
         std::fs::write(&journal, b"{ not json").unwrap();

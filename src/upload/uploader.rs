@@ -133,10 +133,7 @@ pub async fn recover(
             Err(reason) => {
                 let mut uploads = record.open_uploads();
                 for u in journal::read_uploads(&path) {
-                    let done = record
-                        .files
-                        .get(&u.path)
-                        .is_some_and(|f| f.done.is_some());
+                    let done = record.files.get(&u.path).is_some_and(|f| f.done.is_some());
                     let pair = (u.path, u.upload_id);
                     if u.destination == record.destination && !done && !uploads.contains(&pair) {
                         uploads.push(pair);
@@ -261,7 +258,11 @@ fn same_files(record: &Record, tree: &StagedTree) -> Result<(), String> {
     };
     let mut why = Vec::new();
     if !missing.is_empty() {
-        why.push(format!("{} taken file(s) are gone ({})", missing.len(), list(&missing)));
+        why.push(format!(
+            "{} taken file(s) are gone ({})",
+            missing.len(),
+            list(&missing)
+        ));
     }
     if !changed.is_empty() {
         why.push(format!(
@@ -271,7 +272,11 @@ fn same_files(record: &Record, tree: &StagedTree) -> Result<(), String> {
         ));
     }
     if !extra.is_empty() {
-        why.push(format!("{} file(s) were not taken ({})", extra.len(), list(&extra)));
+        why.push(format!(
+            "{} file(s) were not taken ({})",
+            extra.len(),
+            list(&extra)
+        ));
     }
     Err(format!(
         "the staged directory no longer holds exactly what was taken: {}",
@@ -290,7 +295,10 @@ async fn abort(
         return;
     }
     let Ok(dest) = Location::parse(destination) else {
-        warn!(destination, "cannot abort the uploads of an abandoned journal: not a destination");
+        warn!(
+            destination,
+            "cannot abort the uploads of an abandoned journal: not a destination"
+        );
         return;
     };
     let granted = match policy {
@@ -513,10 +521,18 @@ mod tests {
         assert_eq!(abandoned.len(), 5, "{abandoned:#?}");
         assert!(abandoned[0].1.contains("earlier boot"), "{abandoned:?}");
         assert!(abandoned[1].1.contains("out of reach"), "{abandoned:?}");
-        assert!(abandoned[2].1.contains("passed while the agent was down"), "{abandoned:?}");
-        assert!(abandoned[3].1.contains("1 taken file(s) are gone (gone)"), "{abandoned:?}");
         assert!(
-            abandoned[4].1.contains("1 taken file(s) are not the files that were taken (w)"),
+            abandoned[2].1.contains("passed while the agent was down"),
+            "{abandoned:?}"
+        );
+        assert!(
+            abandoned[3].1.contains("1 taken file(s) are gone (gone)"),
+            "{abandoned:?}"
+        );
+        assert!(
+            abandoned[4]
+                .1
+                .contains("1 taken file(s) are not the files that were taken (w)"),
             "{abandoned:?}"
         );
         // Abandoned journals are gone; the resumable one stays for the run that resumes it.
