@@ -107,7 +107,7 @@ async fn get(store: &AmazonS3, key: &str) -> Option<Vec<u8>> {
 }
 
 // ---------------------------------------------------------------------------------------------
-// A store that records what it completed, can slow parts down and counts aborts
+// A store that records what it completed, can hold parts back and counts aborts
 
 #[derive(Debug)]
 struct Recording {
@@ -116,7 +116,10 @@ struct Recording {
     writes: Mutex<Vec<String>>,
     aborts: Mutex<Vec<String>>,
     parts: AtomicUsize,
-    part_delay_ms: AtomicU64,
+    /// Parts started; every part from number `hold_after` on (counting all of them) waits
+    /// while it is below `hold_after`.
+    started: AtomicUsize,
+    hold_after: AtomicUsize,
 }
 
 impl Recording {
@@ -126,7 +129,8 @@ impl Recording {
             writes: Mutex::new(Vec::new()),
             aborts: Mutex::new(Vec::new()),
             parts: AtomicUsize::new(0),
-            part_delay_ms: AtomicU64::new(0),
+            started: AtomicUsize::new(0),
+            hold_after: AtomicUsize::new(usize::MAX),
         })
     }
 
@@ -219,9 +223,9 @@ impl MultipartStore for Recording {
         part_idx: usize,
         data: PutPayload,
     ) -> object_store::Result<PartId> {
-        let delay = self.part_delay_ms.load(Ordering::SeqCst);
-        if delay > 0 {
-            tokio::time::sleep(Duration::from_millis(delay)).await;
+        let n = self.started.fetch_add(1, Ordering::SeqCst);
+        while n >= self.hold_after.load(Ordering::SeqCst) {
+            tokio::time::sleep(Duration::from_millis(5)).await;
         }
         let r = self.inner.put_part(path, id, part_idx, data).await?;
         self.parts.fetch_add(1, Ordering::SeqCst);
@@ -420,31 +424,45 @@ async fn the_deadline_mid_upload_publishes_nothing_and_the_previous_checkpoint_s
     let r1 = engine::run(job(&d1, rec.target("run1/step-100"), 100, small_parts())).await;
     assert_eq!(r1.outcome, Outcome::Published, "{:?}", r1.error);
 
-    // The next one is big and its parts are slow: the deadline arrives in the middle.
+    // The next one is big; the store takes two of its parts and holds the others, so the
+    // deadline arrives in the middle. Should a busy machine not get a part through before the
+    // deadline, the same upload runs again with twice the time: the condition is reached, not
+    // hoped for.
     let second = dcp_like(2, 16 * MIB, 3);
     let (_t2, d2) = stage("step-200", &as_refs(&second));
-    rec.part_delay_ms.store(700, Ordering::SeqCst);
-    let parts_before = rec.parts.load(Ordering::SeqCst);
-    let started = Instant::now();
-    let mut opts = small_parts();
-    opts.deadline = Some(tokio::time::Instant::now() + Duration::from_millis(1200));
-    opts.state_dir = Some(state.path().to_path_buf());
-    let r2 = engine::run(job(&d2, rec.target("run1/step-200"), 200, opts)).await;
-    assert_eq!(r2.outcome, Outcome::Deadline, "{r2:?}");
-    assert!(
-        started.elapsed() < Duration::from_secs(4),
-        "stopped late: {:?}",
-        started.elapsed()
-    );
-    assert_eq!(r2.error_label, Some("deadline"));
-    assert!(
-        r2.error.as_deref().unwrap().contains("no manifest"),
-        "{r2:?}"
-    );
-    assert!(
-        rec.parts.load(Ordering::SeqCst) > parts_before,
-        "the deadline should arrive mid-upload, after some parts"
-    );
+    let mut allowed = Duration::from_millis(1200);
+    let r2 = loop {
+        let parts_before = rec.parts.load(Ordering::SeqCst);
+        rec.hold_after
+            .store(rec.started.load(Ordering::SeqCst) + 2, Ordering::SeqCst);
+        rec.aborts.lock().unwrap().clear();
+        let started = Instant::now();
+        let mut opts = small_parts();
+        opts.deadline = Some(tokio::time::Instant::now() + allowed);
+        opts.state_dir = Some(state.path().to_path_buf());
+        let r2 = engine::run(job(&d2, rec.target("run1/step-200"), 200, opts)).await;
+        assert_eq!(r2.outcome, Outcome::Deadline, "{r2:?}");
+        let late = started.elapsed().saturating_sub(allowed);
+        assert!(
+            late < Duration::from_secs(3),
+            "stopped {late:?} after its deadline"
+        );
+        assert_eq!(r2.error_label, Some("deadline"));
+        assert!(
+            r2.error.as_deref().unwrap().contains("no manifest"),
+            "{r2:?}"
+        );
+        if rec.parts.load(Ordering::SeqCst) - parts_before == 2 {
+            break r2;
+        }
+        assert!(
+            allowed < Duration::from_secs(40),
+            "two parts never went through before the deadline"
+        );
+        allowed *= 2;
+        eprintln!("the deadline came before two parts: again with {allowed:?}");
+    };
+    rec.hold_after.store(usize::MAX, Ordering::SeqCst);
     assert!(r2.bytes_sent > 0 && r2.bytes_sent < r2.bytes, "{r2:?}");
     assert_eq!(get(&store, "run1/step-200/manifest.json").await, None);
     // Its multipart uploads were aborted and its journal forgotten.
@@ -473,16 +491,22 @@ async fn a_file_growing_during_the_upload_fails_it_and_nothing_is_published() {
     let rec = Recording::new(store.clone());
     let files = dcp_like(1, 16 * MIB, 2);
     let (_t, dir) = stage("step-7", &as_refs(&files));
-    rec.part_delay_ms.store(300, Ordering::SeqCst);
+    // The store holds the parts until the file has grown: read, then changed, then checked.
+    rec.hold_after.store(0, Ordering::SeqCst);
     let j = job(&dir, rec.target("run1/step-7"), 7, small_parts());
-    let grow = dir.join("__0_0.distcp");
-    let writer = std::thread::spawn(move || {
-        std::thread::sleep(Duration::from_millis(200));
-        let mut f = std::fs::OpenOptions::new().append(true).open(grow).unwrap();
-        f.write_all(&[7u8; 4096]).unwrap();
-    });
-    let r = engine::run(j).await;
-    writer.join().unwrap();
+    let upload = tokio::spawn(engine::run(j));
+    let t = Instant::now();
+    while rec.started.load(Ordering::SeqCst) == 0 {
+        assert!(t.elapsed() < Duration::from_secs(60), "no part was sent");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let mut f = std::fs::OpenOptions::new()
+        .append(true)
+        .open(dir.join("__0_0.distcp"))
+        .unwrap();
+    f.write_all(&[7u8; 4096]).unwrap();
+    rec.hold_after.store(usize::MAX, Ordering::SeqCst);
+    let r = upload.await.unwrap();
     assert_eq!(r.outcome, Outcome::Failed, "{r:?}");
     assert_eq!(r.error_label, Some("changed"), "{r:?}");
     assert!(r.error.unwrap().contains("__0_0.distcp"));
@@ -527,6 +551,12 @@ struct ProxyState {
     rate_bps: AtomicU64,
     /// key suffix → x-amz-checksum-crc64nvme value (base64) added to PUT and HEAD answers.
     checksums: Mutex<HashMap<String, String>>,
+    /// While set, every part after the first `hold_after` is held (its body never arrives):
+    /// the upload stays exactly where the test wants it, however busy the machine is.
+    hold: std::sync::atomic::AtomicBool,
+    hold_after: AtomicUsize,
+    /// Part uploads (`UploadPart`) seen.
+    parts: AtomicUsize,
 }
 
 impl ProxyState {
@@ -542,7 +572,16 @@ impl ProxyState {
 }
 
 impl Faults for ProxyState {
-    fn request_body(self: &Arc<Self>, _req: &Parts, body: Body) -> Body {
+    fn request_body(self: &Arc<Self>, req: &Parts, body: Body) -> Body {
+        let is_part =
+            req.method == http::Method::PUT && req.uri.query().unwrap_or("").contains("partNumber");
+        if is_part {
+            let n = self.parts.fetch_add(1, Ordering::SeqCst);
+            if self.hold.load(Ordering::SeqCst) && n >= self.hold_after.load(Ordering::SeqCst) {
+                // One byte a second: a 5 MiB part is held for good.
+                return paced(body, 1);
+            }
+        }
         paced(body, self.rate_bps.load(Ordering::SeqCst))
     }
 
@@ -654,15 +693,52 @@ async fn latest_via_cli(server: &S3Server, location: &str) -> Value {
     r.last_json
 }
 
+/// The journals under `dir` (`*.json`; not the temp file of a write in progress, which a
+/// SIGKILL may leave unrenamed), parsed.
+fn journals(dir: &Path) -> Vec<Value> {
+    std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| {
+            p.extension().is_some_and(|x| x == "json")
+                && !p.file_name().unwrap().to_string_lossy().starts_with('.')
+        })
+        .filter_map(|p| std::fs::read(p).ok())
+        .filter_map(|d| serde_json::from_slice::<Value>(&d).ok())
+        .collect()
+}
+
+/// Parts the journals under `dir` record, and the bytes a resume may reuse (those parts and
+/// the files recorded whole).
+fn journaled(dir: &Path) -> (usize, u64) {
+    let mut parts = 0;
+    let mut bytes = 0;
+    for j in journals(dir) {
+        for f in j["files"].as_object().into_iter().flat_map(|f| f.values()) {
+            if let Some(done) = f["done"].as_object() {
+                bytes += done["crcs"]["len"].as_u64().unwrap();
+                continue;
+            }
+            for p in f["parts"].as_object().into_iter().flat_map(|p| p.values()) {
+                parts += 1;
+                bytes += p["crcs"]["len"].as_u64().unwrap();
+            }
+        }
+    }
+    (parts, bytes)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restart_mid_upload_never_publishes_a_partial_and_the_next_run_resumes() {
     let server = S3Server::s3s_fs(&[]);
     create_bucket(&server.endpoint(), BUCKET).await;
     let proxy = Proxy::start(&server, ProxyState::default()).await;
-    proxy
-        .state
-        .rate_bps
-        .store(12 * MIB as u64, Ordering::SeqCst);
+    // The store takes two parts, then holds every other: the journal ends up naming exactly
+    // what the store has, and the kill finds the upload there, however slow the machine.
+    proxy.state.hold_after.store(2, Ordering::SeqCst);
+    proxy.state.hold.store(true, Ordering::SeqCst);
     let files = dcp_like(2, 24 * MIB, 20);
     let (_t, dir) = stage("step-50", &as_refs(&files));
     let state = tempfile::tempdir().unwrap();
@@ -684,31 +760,11 @@ async fn a_restart_mid_upload_never_publishes_a_partial_and_the_next_run_resumes
         "json",
     ];
     let mut child = spotguard(&args, &proxy.endpoint()).spawn().unwrap();
-    // Wait until the journal records a sent part, then kill -9 mid-upload.
+    // Wait until the journal records the two parts the store took, then kill -9 mid-upload.
     let journal_dir = state.path().join("uploads");
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let parts = std::fs::read_dir(&journal_dir)
-            .into_iter()
-            .flatten()
-            .flatten()
-            .filter_map(|e| std::fs::read(e.path()).ok())
-            .filter_map(|d| serde_json::from_slice::<Value>(&d).ok())
-            .map(|v| {
-                v["files"]
-                    .as_object()
-                    .map(|f| {
-                        f.values()
-                            .map(|r| r["parts"].as_object().map_or(0, |p| p.len()))
-                            .sum::<usize>()
-                    })
-                    .unwrap_or(0)
-            })
-            .sum::<usize>();
-        if parts >= 2 {
-            break;
-        }
-        assert!(Instant::now() < deadline, "no part recorded within 60 s");
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while journaled(&journal_dir).0 < 2 {
+        assert!(Instant::now() < deadline, "no parts recorded within 120 s");
         assert!(
             child.try_wait().unwrap().is_none(),
             "the upload ended before it was killed"
@@ -717,18 +773,32 @@ async fn a_restart_mid_upload_never_publishes_a_partial_and_the_next_run_resumes
     }
     child.kill().unwrap();
     child.wait().unwrap();
+    let (parts, reusable) = journaled(&journal_dir);
+    assert_eq!(parts, 2, "the store took two parts");
     let store = s3(&server.endpoint());
     assert_eq!(get(&store, "run1/step-50/manifest.json").await, None);
     let none = latest_via_cli(&server, "s3://ckpt/run1").await;
     assert_eq!(none, Value::Null);
 
-    // Run it again (full speed): it resumes from the journal and publishes.
-    proxy.state.rate_bps.store(0, Ordering::SeqCst);
+    // Run it again (nothing held): it resumes from the journal — every byte it names is
+    // reused, not sent again — and publishes.
+    proxy.state.hold.store(false, Ordering::SeqCst);
+    let parts_before = proxy.state.parts.load(Ordering::SeqCst);
     let r = run(spotguard(&args, &proxy.endpoint())).await;
     assert_eq!(r.code, 0, "{}", r.stderr);
     assert_eq!(r.last_json["outcome"], "published", "{}", r.last_json);
     let resumed = r.last_json["bytes_resumed"].as_u64().unwrap();
-    assert!(resumed >= 2 * 5 * MIB as u64, "{}", r.last_json);
+    assert!(reusable >= 2 * 5 * MIB as u64);
+    assert_eq!(resumed, reusable, "{}", r.last_json);
+    let total: u64 = files.iter().map(|(_, d)| d.len() as u64).sum();
+    assert_eq!(
+        r.last_json["bytes_sent"].as_u64().unwrap(),
+        total - reusable,
+        "{}",
+        r.last_json
+    );
+    // Two files of five parts each, two of them already at the store.
+    assert_eq!(proxy.state.parts.load(Ordering::SeqCst) - parts_before, 8);
     for (path, content) in &files {
         let got = get(&store, &format!("run1/step-50/{path}")).await;
         assert_eq!(got.as_deref(), Some(content.as_slice()), "{path}");

@@ -662,7 +662,9 @@ async fn already_published(
 
 /// Load the journal of this destination and decide what of it can be reused; returns the
 /// journal to keep and the earlier record when resuming. A journal of an earlier boot, another
-/// staged directory or another root is abandoned (its multipart uploads aborted).
+/// staged directory or another root is abandoned; a file whose identity or part size changed
+/// starts over. Every multipart upload the earlier journal or its side file names that the new
+/// record does not reuse is aborted, an unreadable journal's included.
 async fn open_journal(
     state_dir: &std::path::Path,
     key: &str,
@@ -674,18 +676,39 @@ async fn open_journal(
 ) -> Result<(Journal, Option<Record>), Error> {
     let path = journal::path_for(state_dir, key);
     let boot_id = crate::life::read_boot_id().unwrap_or_default();
-    let previous = match journal::load(&path) {
+    let destination = target.display().to_string();
+    let p2 = path.clone();
+    let (loaded, side) =
+        tokio::task::spawn_blocking(move || (journal::load(&p2), journal::read_uploads(&p2)))
+            .await
+            .map_err(|e| Error::io("journal", "load")(std::io::Error::other(e)))?;
+    let previous = match loaded {
         Ok(p) => p,
         Err(e) => {
-            warn!(error = %e, "ignoring an unreadable upload journal");
+            warn!(error = %e, uploads = side.len(), "an unreadable upload journal: starting over and aborting the uploads its side file names");
             None
         }
     };
+    // Every upload an earlier run may have left open here (not those it completed).
+    let completed = |path: &str| {
+        previous
+            .as_ref()
+            .and_then(|p| p.files.get(path))
+            .is_some_and(|f| f.done.is_some())
+    };
+    let mut known: Vec<(String, String)> = side
+        .into_iter()
+        .filter(|u| u.destination == destination && !completed(&u.path))
+        .map(|u| (u.path, u.upload_id))
+        .collect();
+    if let Some(p) = &previous {
+        known.extend(p.open_uploads());
+    }
     let staged = tree.dir.display().to_string();
     let previous = match previous {
         Some(p)
             if p.boot_id == boot_id
-                && p.destination == target.display()
+                && p.destination == destination
                 && p.staged == staged
                 && &p.root == root =>
         {
@@ -693,54 +716,64 @@ async fn open_journal(
         }
         Some(p) => {
             info!(
-                destination = %target.display(),
+                destination = %destination,
                 previous_boot = %p.boot_id,
                 "abandoning the journal of an earlier upload (another boot, staged directory or root)"
             );
-            abort_uploads(target, &p.open_uploads()).await;
             None
         }
         None => None,
     };
     let mut files = BTreeMap::new();
-    let mut stale = Vec::new();
     for f in &tree.files {
         let part_size = part_size_for(f.id.size, options.part_size);
         let reuse = previous
             .as_ref()
             .and_then(|p| p.files.get(&f.path))
             .filter(|r| r.id == f.id && r.part_size == part_size);
+        if reuse.is_none()
+            && previous
+                .as_ref()
+                .is_some_and(|p| p.files.contains_key(&f.path))
+        {
+            info!(destination = %destination, file = %f.path, "the file changed since the interrupted run: it is sent again");
+        }
         let record = match reuse {
             Some(r) => r.clone(),
-            None => {
-                if let Some(old) = previous.as_ref().and_then(|p| p.files.get(&f.path)) {
-                    if let Some(id) = &old.upload_id {
-                        stale.push((f.path.clone(), id.clone()));
-                    }
-                }
-                FileRecord {
-                    id: f.id,
-                    part_size,
-                    upload_id: None,
-                    parts: BTreeMap::new(),
-                    done: None,
-                }
-            }
+            None => FileRecord {
+                id: f.id,
+                part_size,
+                upload_id: None,
+                parts: BTreeMap::new(),
+                done: None,
+            },
         };
         files.insert(f.path.clone(), record);
     }
-    if let Some(p) = &previous {
-        for (path, id) in p.open_uploads() {
-            if !files.contains_key(&path) {
-                stale.push((path, id));
-            }
-        }
-    }
-    abort_uploads(target, &stale).await;
+    let keep: Vec<journal::OpenUpload> = files
+        .iter()
+        .filter(|(_, r)| r.done.is_none())
+        .filter_map(|(p, r)| {
+            r.upload_id.clone().map(|id| journal::OpenUpload {
+                destination: destination.clone(),
+                path: p.clone(),
+                upload_id: id,
+            })
+        })
+        .collect();
+    known.sort();
+    known.dedup();
+    known.retain(|(p, id)| !keep.iter().any(|k| &k.path == p && &k.upload_id == id));
+    abort_uploads(target, &known).await;
+    let p2 = path.clone();
+    let keep2 = keep.clone();
+    tokio::task::spawn_blocking(move || journal::rewrite_uploads(&p2, &keep2))
+        .await
+        .map_err(|e| Error::io("journal", "rewrite")(std::io::Error::other(e)))??;
     let record = Record {
         version: journal::VERSION,
         boot_id,
-        destination: target.display().to_string(),
+        destination,
         staged,
         root: root.clone(),
         started_at: started_at.to_string(),
@@ -748,9 +781,19 @@ async fn open_journal(
         name: String::new(),
         step: None,
         part: None,
+        deadline: options.deadline.and_then(wall_clock),
     };
     let resumed_from = previous.map(|_| record.clone());
     Ok((Journal::new(path, record), resumed_from))
+}
+
+/// `deadline` as wall-clock time (RFC 3339), for the journal.
+fn wall_clock(deadline: tokio::time::Instant) -> Option<String> {
+    let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+    Timestamp::now()
+        .checked_add(left)
+        .ok()
+        .map(|t| t.to_string())
 }
 
 async fn abort_uploads(target: &Target, uploads: &[(String, String)]) {
@@ -773,10 +816,28 @@ async fn give_up(shared: &Arc<Shared>, e: &Error) {
         }
         return;
     }
-    let open: Vec<(String, String)> = crate::prefetch::lock(&shared.open)
+    let mut open: Vec<(String, String)> = crate::prefetch::lock(&shared.open)
         .iter()
         .map(|(p, id)| (p.clone(), id.clone()))
         .collect();
+    if let Some(j) = &shared.journal {
+        // Also those created but not yet in `open` (the run stopped right after the create).
+        let (snapshot, jp) = (j.snapshot(), j.path().to_path_buf());
+        let side = tokio::task::spawn_blocking(move || journal::read_uploads(&jp))
+            .await
+            .unwrap_or_default();
+        let destination = shared.target.display().to_string();
+        for u in side {
+            let done = snapshot
+                .files
+                .get(&u.path)
+                .is_some_and(|f| f.done.is_some());
+            let pair = (u.path, u.upload_id);
+            if u.destination == destination && !done && !open.contains(&pair) {
+                open.push(pair);
+            }
+        }
+    }
     abort_uploads(&shared.target, &open).await;
     if let Some(j) = &shared.journal {
         j.remove();
@@ -958,6 +1019,24 @@ async fn start_large(
                 None => {
                     let id = s.create(&file.path).await?;
                     if let Some(j) = &shared.journal {
+                        // Findable even if the journal itself is lost, before any part is sent.
+                        let open = journal::OpenUpload {
+                            destination: shared.target.display().to_string(),
+                            path: file.path.clone(),
+                            upload_id: id.clone(),
+                        };
+                        let jp = j.path().to_path_buf();
+                        let appended =
+                            tokio::task::spawn_blocking(move || journal::append_upload(&jp, &open))
+                                .await
+                                .map_err(|e| {
+                                    Error::io("journal", "append")(std::io::Error::other(e))
+                                })
+                                .and_then(|r| r);
+                        if let Err(e) = appended {
+                            s.abort(&file.path, &id).await;
+                            return Err(e);
+                        }
                         j.update(|r| {
                             if let Some(f) = r.files.get_mut(&file.path) {
                                 f.upload_id = Some(id.clone());

@@ -13,6 +13,12 @@
 //! Writes are atomic and durable ([`crate::fsutil::write_atomic`]) and batched: the engine
 //! flushes at most every half second, and at once after recording a new multipart upload id (so
 //! that no upload the store holds is unknown to the journal for long).
+//!
+//! Each multipart upload id is also appended, before any of its parts is sent, to a side file
+//! next to the journal (`<hash>.uploads`: one JSON record per line, synced): a journal that
+//! cannot be read (corrupt, truncated, of another version) still leaves every upload it held
+//! open findable, so that it is aborted rather than left to cost storage in the bucket. A line
+//! that does not parse is skipped; the others still count.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -93,6 +99,10 @@ pub struct Record {
     pub step: Option<u64>,
     #[serde(default)]
     pub part: Option<super::manifest::Part>,
+    /// When the upload must stop, publishing nothing (the plan's `deadline − drain reserve`, as
+    /// wall-clock time, RFC 3339): a resumed upload keeps it.
+    #[serde(default)]
+    pub deadline: Option<String>,
 }
 
 impl Record {
@@ -111,6 +121,145 @@ pub fn path_for(state_dir: &Path, destination: &str) -> PathBuf {
     let mut h = crate::prefetch::claim::short_hash(destination);
     h.truncate(16);
     state_dir.join(DIR).join(format!("{h}.json"))
+}
+
+/// The side file of the journal at `journal`: the multipart upload ids it created.
+pub fn uploads_path(journal: &Path) -> PathBuf {
+    journal.with_extension(UPLOADS_EXT)
+}
+
+/// Extension of the side files.
+const UPLOADS_EXT: &str = "uploads";
+
+/// The most of a side file that is read (an id is ~100 bytes; 10 000 files fit many times).
+const UPLOADS_MAX_BYTES: u64 = 16 << 20;
+
+/// A multipart upload created for a journaled upload: a line of the journal's side file.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct OpenUpload {
+    /// The checkpoint's directory (URL), as in [`Record::destination`].
+    pub destination: String,
+    /// The file's path below it.
+    pub path: String,
+    pub upload_id: String,
+}
+
+/// Append `upload` to the side file of the journal at `journal`, synced (the directory too
+/// when the file is new). Blocking.
+pub fn append_upload(journal: &Path, upload: &OpenUpload) -> Result<(), Error> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let path = uploads_path(journal);
+    let err = |e: std::io::Error| Error::Journal {
+        path: path.display().to_string(),
+        reason: e.to_string(),
+    };
+    let dir = path.parent().unwrap_or(Path::new("."));
+    std::fs::create_dir_all(dir).map_err(err)?;
+    let existed = path.exists();
+    let mut line = serde_json::to_vec(upload).unwrap_or_default();
+    line.push(b'\n');
+    let mut f = std::fs::OpenOptions::new()
+        .append(true)
+        .create(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(&path)
+        .map_err(err)?;
+    f.write_all(&line).map_err(err)?;
+    f.sync_data().map_err(err)?;
+    if !existed {
+        std::fs::File::open(dir)
+            .and_then(|d| d.sync_all())
+            .map_err(err)?;
+    }
+    Ok(())
+}
+
+/// The uploads recorded in the side file of the journal at `journal` (none when there is no
+/// side file); lines that do not parse are skipped and logged.
+pub fn read_uploads(journal: &Path) -> Vec<OpenUpload> {
+    use std::io::Read;
+    let path = uploads_path(journal);
+    let mut data = Vec::new();
+    match std::fs::File::open(&path) {
+        Ok(f) => {
+            if let Err(e) = f.take(UPLOADS_MAX_BYTES).read_to_end(&mut data) {
+                tracing::warn!(path = %path.display(), error = %e, "reading the journal's upload ids failed");
+            }
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Vec::new(),
+        Err(e) => {
+            tracing::warn!(path = %path.display(), error = %e, "reading the journal's upload ids failed");
+            return Vec::new();
+        }
+    }
+    let mut out = Vec::new();
+    let mut skipped = 0usize;
+    for line in data.split(|b| *b == b'\n').filter(|l| !l.is_empty()) {
+        match serde_json::from_slice::<OpenUpload>(line) {
+            Ok(u) => out.push(u),
+            Err(_) => skipped += 1,
+        }
+    }
+    if skipped > 0 {
+        tracing::warn!(path = %path.display(), skipped, "skipped unreadable lines of the journal's upload ids");
+    }
+    out.sort();
+    out.dedup();
+    out
+}
+
+/// Keep only `uploads` in the side file of the journal at `journal` (removed when empty).
+/// Blocking.
+pub fn rewrite_uploads(journal: &Path, uploads: &[OpenUpload]) -> Result<(), Error> {
+    let path = uploads_path(journal);
+    if uploads.is_empty() {
+        remove_quietly(&path);
+        return Ok(());
+    }
+    let mut data = Vec::new();
+    for u in uploads {
+        data.extend(serde_json::to_vec(u).unwrap_or_default());
+        data.push(b'\n');
+    }
+    crate::fsutil::write_atomic(&path, &data, 0o600).map_err(|e| Error::Journal {
+        path: path.display().to_string(),
+        reason: e.to_string(),
+    })
+}
+
+/// Remove a journal and its side file (best effort, logged).
+pub fn remove_all(journal: &Path) {
+    remove_quietly(journal);
+    remove_quietly(&uploads_path(journal));
+}
+
+fn remove_quietly(path: &Path) {
+    match std::fs::remove_file(path) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => {
+            tracing::warn!(path = %path.display(), error = %e, "removing an upload journal file failed")
+        }
+    }
+}
+
+/// Side files under `state_dir` whose journal is gone (a run killed between the two writes):
+/// the journal path each belongs to.
+pub fn orphaned_uploads(state_dir: &Path) -> Vec<PathBuf> {
+    let Ok(entries) = std::fs::read_dir(state_dir.join(DIR)) else {
+        return Vec::new();
+    };
+    let mut out: Vec<PathBuf> = entries
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == UPLOADS_EXT))
+        .map(|p| p.with_extension("json"))
+        .filter(|j| !j.exists())
+        .collect();
+    out.sort();
+    out
 }
 
 /// Every journal under `state_dir` (unreadable ones are reported as errors, not skipped).
@@ -209,16 +358,11 @@ impl Journal {
         })
     }
 
-    /// Remove the journal (the upload ended for good: published, or given up).
+    /// Remove the journal and its side file (the upload ended for good: published, or given
+    /// up, its multipart uploads completed or aborted).
     pub fn remove(&self) {
         self.dirty.store(false, Ordering::Release);
-        match std::fs::remove_file(&self.path) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => {
-                tracing::warn!(path = %self.path.display(), error = %e, "removing the upload journal failed")
-            }
-        }
+        remove_all(&self.path);
     }
 }
 
@@ -279,6 +423,7 @@ mod tests {
             name: "step-1".into(),
             step: Some(1),
             part: None,
+            deadline: Some("2026-01-01T00:01:00Z".into()),
         }
     }
 
@@ -306,5 +451,42 @@ mod tests {
         std::fs::create_dir_all(path.parent().unwrap()).unwrap();
         std::fs::write(&path, b"{").unwrap();
         assert!(load(&path).is_err());
+    }
+}
+
+#[cfg(test)]
+mod side_file_tests {
+    use super::*;
+
+    #[test]
+    fn upload_ids_survive_a_corrupt_journal_and_a_bad_line_is_skipped() {
+        let tmp = tempfile::tempdir().unwrap();
+        let journal = path_for(tmp.path(), "s3://b/run/step-1");
+        let up = |p: &str, id: &str| OpenUpload {
+            destination: "s3://b/run/step-1".into(),
+            path: p.into(),
+            upload_id: id.into(),
+        };
+        assert!(read_uploads(&journal).is_empty());
+        append_upload(&journal, &up("a", "u-1")).unwrap();
+        // A torn write in the middle, then more.
+        let side = uploads_path(&journal);
+        let mut f = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&side)
+            .unwrap();
+        std::io::Write::write_all(&mut f, b"{\"destination\":\"s3://b/ru\n").unwrap();
+        append_upload(&journal, &up("b", "u-2")).unwrap();
+        std::fs::write(&journal, b"{ not json").unwrap();
+        assert!(load(&journal).is_err());
+        assert_eq!(read_uploads(&journal), vec![up("a", "u-1"), up("b", "u-2")]);
+        assert!(orphaned_uploads(tmp.path()).is_empty());
+        rewrite_uploads(&journal, &[up("b", "u-2")]).unwrap();
+        assert_eq!(read_uploads(&journal), vec![up("b", "u-2")]);
+        std::fs::remove_file(&journal).unwrap();
+        assert_eq!(orphaned_uploads(tmp.path()), vec![journal.clone()]);
+        remove_all(&journal);
+        assert!(!side.exists());
+        assert!(orphaned_uploads(tmp.path()).is_empty());
     }
 }

@@ -257,13 +257,32 @@ impl Service {
         for r in found {
             match r {
                 Recovery::Abandoned { record, reason } => {
+                    let e = Error::Resume {
+                        dest: record.destination.clone(),
+                        reason,
+                    };
                     self.metrics.ended(Outcome::Interrupted.as_str(), 0.0);
-                    warn!(destination = %record.destination, reason = %reason, "an upload interrupted by an agent restart was not resumed; nothing was published");
+                    self.metrics.error(e.metric_label());
+                    warn!(destination = %record.destination, error = %e, "an upload interrupted by an agent restart was not resumed; its multipart uploads were aborted");
+                }
+                Recovery::Unreadable {
+                    journal,
+                    error,
+                    aborted,
+                } => {
+                    let e = Error::Journal {
+                        path: journal.display().to_string(),
+                        reason: error,
+                    };
+                    self.metrics.ended(Outcome::Interrupted.as_str(), 0.0);
+                    self.metrics.error(e.metric_label());
+                    warn!(error = %e, aborted, "an upload interrupted by an agent restart left an unreadable journal: not resumed, nothing was published, the multipart uploads it recorded were aborted");
                 }
                 Recovery::Resume {
                     record,
                     tree,
                     destination,
+                    deadline,
                 } => {
                     let granted = match self.settings.policy.check(&destination) {
                         Ok(g) => g,
@@ -297,7 +316,8 @@ impl Service {
                         root: record.root.clone(),
                         tree,
                         target,
-                        options: self.options(None),
+                        // The plan's deadline still holds: the notice did not move.
+                        options: self.options(deadline),
                         progress: Arc::new(Progress::default()),
                         metrics: Some(self.metrics.clone()),
                         cancel: cancel.child_token(),

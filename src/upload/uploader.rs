@@ -74,21 +74,34 @@ impl Drop for Uploader {
 
 /// What became of an earlier run's journal.
 pub enum Recovery {
-    /// The staged files are reachable again: upload with this tree and record (the engine
-    /// reuses what the record says is done when given the same state directory).
+    /// The staged files are reachable again, every one of them the file that was taken: upload
+    /// with this tree and record (the engine reuses what the record says is done when given the
+    /// same state directory), stopping at the journaled deadline.
     Resume {
         record: Record,
         tree: StagedTree,
         destination: Location,
+        /// The plan's deadline, carried over from the journal.
+        deadline: Option<tokio::time::Instant>,
     },
     /// Not resumable: its multipart uploads were aborted and the journal removed; report it
     /// (`interrupted`).
     Abandoned { record: Record, reason: String },
+    /// A journal that cannot be read (or a side file whose journal is gone): the multipart
+    /// uploads its side file names were aborted and both files removed; report it.
+    Unreadable {
+        journal: std::path::PathBuf,
+        error: String,
+        /// Multipart uploads aborted.
+        aborted: usize,
+    },
 }
 
 /// Go through the journals under `state_dir`: those of this boot whose staged tree can be
-/// captured again (the trainer process still alive, or a host-root tree) come back as
-/// [`Recovery::Resume`]; the others are abandoned. Unreadable journals are removed and logged.
+/// captured again (the trainer process still alive, or a host-root tree) with every journaled
+/// file found again unchanged, and whose deadline has not passed, come back as
+/// [`Recovery::Resume`]; the others are abandoned. Unreadable journals are removed after the
+/// uploads their side files name are aborted.
 pub async fn recover(
     state_dir: &Path,
     proc: &ProcFs,
@@ -98,24 +111,36 @@ pub async fn recover(
 ) -> Vec<Recovery> {
     let boot_id = crate::life::read_boot_id().unwrap_or_default();
     let mut out = Vec::new();
+    let mut unreadable: Vec<(std::path::PathBuf, String)> = journal::orphaned_uploads(state_dir)
+        .into_iter()
+        .map(|p| (p, "its journal is gone".to_string()))
+        .collect();
     for (path, record) in journal::list(state_dir) {
         let record = match record {
             Ok(r) => r,
             Err(e) => {
-                warn!(journal = %path.display(), error = %e, "removing an unreadable upload journal");
-                let _ = std::fs::remove_file(&path);
+                unreadable.push((path, e.to_string()));
                 continue;
             }
         };
         match try_resume(&record, &boot_id, proc, policy, limits) {
-            Ok((tree, destination)) => out.push(Recovery::Resume {
+            Ok((tree, destination, deadline)) => out.push(Recovery::Resume {
                 record,
                 tree,
                 destination,
+                deadline,
             }),
             Err(reason) => {
-                abandon(&record, policy, store).await;
-                let _ = std::fs::remove_file(&path);
+                let mut uploads = record.open_uploads();
+                for u in journal::read_uploads(&path) {
+                    let done = record.files.get(&u.path).is_some_and(|f| f.done.is_some());
+                    let pair = (u.path, u.upload_id);
+                    if u.destination == record.destination && !done && !uploads.contains(&pair) {
+                        uploads.push(pair);
+                    }
+                }
+                abort(&record.destination, &uploads, policy, store).await;
+                journal::remove_all(&path);
                 info!(
                     destination = %record.destination,
                     reason = %reason,
@@ -124,6 +149,28 @@ pub async fn recover(
                 out.push(Recovery::Abandoned { record, reason });
             }
         }
+    }
+    for (path, error) in unreadable {
+        let mut by_dest: std::collections::BTreeMap<String, Vec<(String, String)>> =
+            Default::default();
+        let side = journal::read_uploads(&path);
+        let aborted = side.len();
+        for u in side {
+            by_dest
+                .entry(u.destination)
+                .or_default()
+                .push((u.path, u.upload_id));
+        }
+        for (dest, uploads) in by_dest {
+            abort(&dest, &uploads, policy, store).await;
+        }
+        journal::remove_all(&path);
+        warn!(journal = %path.display(), error = %error, aborted, "removed an unreadable upload journal after aborting the multipart uploads it recorded");
+        out.push(Recovery::Unreadable {
+            journal: path,
+            error,
+            aborted,
+        });
     }
     out
 }
@@ -134,13 +181,27 @@ fn try_resume(
     proc: &ProcFs,
     policy: Option<&UploadPolicy>,
     limits: &Limits,
-) -> Result<(StagedTree, Location), String> {
+) -> Result<(StagedTree, Location, Option<tokio::time::Instant>), String> {
     if record.boot_id != boot_id {
         return Err(format!(
             "it belongs to an earlier boot ({}); the staged files did not survive it",
             record.boot_id
         ));
     }
+    let deadline = match &record.deadline {
+        None => None,
+        Some(d) => {
+            let at: jiff::Timestamp = d
+                .parse()
+                .map_err(|e| format!("its deadline {d:?} cannot be read: {e}"))?;
+            let left = at.duration_since(jiff::Timestamp::now());
+            let left = std::time::Duration::try_from(left)
+                .ok()
+                .filter(|l| !l.is_zero())
+                .ok_or_else(|| format!("its deadline ({d}) passed while the agent was down"))?;
+            Some(tokio::time::Instant::now() + left)
+        }
+    };
     let destination = Location::parse(&record.destination).map_err(|e| e.to_string())?;
     if let Some(p) = policy {
         p.check(&destination).map_err(|e| e.to_string())?;
@@ -156,22 +217,97 @@ fn try_resume(
     };
     let tree = staged::capture(&root, Path::new(&record.staged), limits)
         .map_err(|e| format!("the staged directory cannot be captured again: {e}"))?;
-    Ok((tree, destination))
+    same_files(record, &tree)?;
+    Ok((tree, destination, deadline))
 }
 
-/// Abort the multipart uploads a journal holds open (best effort).
-async fn abandon(record: &Record, policy: Option<&UploadPolicy>, store: &StoreOptions) {
-    let uploads = record.open_uploads();
+/// Every file the journal says was taken is in `tree` with the same identity (device, inode,
+/// size, mtime, ctime), and nothing else is: the path alone proves nothing (the trainer may
+/// delete or rewrite its staged files once it was answered `taken`).
+fn same_files(record: &Record, tree: &StagedTree) -> Result<(), String> {
+    let mut missing = Vec::new();
+    let mut changed = Vec::new();
+    for (path, rec) in &record.files {
+        match tree.files.iter().find(|f| &f.path == path) {
+            None => missing.push(path.as_str()),
+            Some(f) => {
+                let (a, b) = (rec.id, f.id);
+                if (a.dev, a.ino, a.size, a.mtime_ns, a.ctime_ns)
+                    != (b.dev, b.ino, b.size, b.mtime_ns, b.ctime_ns)
+                {
+                    changed.push(path.as_str());
+                }
+            }
+        }
+    }
+    let extra: Vec<&str> = tree
+        .files
+        .iter()
+        .filter(|f| !record.files.contains_key(&f.path))
+        .map(|f| f.path.as_str())
+        .collect();
+    if missing.is_empty() && changed.is_empty() && extra.is_empty() {
+        return Ok(());
+    }
+    let list = |v: &[&str]| {
+        let mut s = v.iter().take(3).copied().collect::<Vec<_>>().join(", ");
+        if v.len() > 3 {
+            s.push_str(&format!(" and {} more", v.len() - 3));
+        }
+        s
+    };
+    let mut why = Vec::new();
+    if !missing.is_empty() {
+        why.push(format!(
+            "{} taken file(s) are gone ({})",
+            missing.len(),
+            list(&missing)
+        ));
+    }
+    if !changed.is_empty() {
+        why.push(format!(
+            "{} taken file(s) are not the files that were taken ({})",
+            changed.len(),
+            list(&changed)
+        ));
+    }
+    if !extra.is_empty() {
+        why.push(format!(
+            "{} file(s) were not taken ({})",
+            extra.len(),
+            list(&extra)
+        ));
+    }
+    Err(format!(
+        "the staged directory no longer holds exactly what was taken: {}",
+        why.join("; ")
+    ))
+}
+
+/// Abort the multipart uploads `uploads` (path, id) under `destination` (best effort).
+async fn abort(
+    destination: &str,
+    uploads: &[(String, String)],
+    policy: Option<&UploadPolicy>,
+    store: &StoreOptions,
+) {
     if uploads.is_empty() {
         return;
     }
-    let Ok(dest) = Location::parse(&record.destination) else {
+    let Ok(dest) = Location::parse(destination) else {
+        warn!(
+            destination,
+            "cannot abort the uploads of an abandoned journal: not a destination"
+        );
         return;
     };
     let granted = match policy {
         Some(p) => match p.check(&dest) {
             Ok(g) => g,
-            Err(_) => return,
+            Err(e) => {
+                warn!(destination, error = %e, "not aborting the uploads of an abandoned journal");
+                return;
+            }
         },
         None => super::dest::Granted::Store,
     };
@@ -181,12 +317,12 @@ async fn abandon(record: &Record, policy: Option<&UploadPolicy>, store: &StoreOp
     match Target::open(&dest, &granted, store) {
         Ok(Target::Store(s)) => {
             for (path, id) in uploads {
-                s.abort(&path, &id).await;
+                s.abort(path, id).await;
             }
         }
         Ok(Target::Dir(_)) => {}
         Err(e) => {
-            warn!(destination = %record.destination, error = %e, "cannot abort the uploads of an abandoned journal")
+            warn!(destination, error = %e, "cannot abort the uploads of an abandoned journal")
         }
     }
 }
@@ -200,6 +336,7 @@ impl std::fmt::Debug for Uploader {
 #[cfg(test)]
 mod tests {
     use std::collections::BTreeMap;
+    use std::time::Duration;
 
     use super::*;
     use crate::upload::journal::{Journal, VERSION};
@@ -216,7 +353,28 @@ mod tests {
             name: "step-1".into(),
             step: Some(1),
             part: None,
+            deadline: None,
         }
+    }
+
+    /// The journal's view of `staged` as taken now.
+    fn taken(staged: &Path) -> BTreeMap<String, crate::upload::journal::FileRecord> {
+        let tree = staged::capture(&Root::host().unwrap(), staged, &Limits::default()).unwrap();
+        tree.files
+            .iter()
+            .map(|f| {
+                (
+                    f.path.clone(),
+                    crate::upload::journal::FileRecord {
+                        id: f.id,
+                        part_size: 8 << 20,
+                        upload_id: None,
+                        parts: BTreeMap::new(),
+                        done: None,
+                    },
+                )
+            })
+            .collect()
     }
 
     #[tokio::test]
@@ -256,12 +414,69 @@ mod tests {
             ),
             (
                 "c",
-                record(
-                    &boot,
-                    RootRecord::Host { owner: None },
-                    &staged,
-                    &tmp.path().join("d/c"),
-                ),
+                Record {
+                    files: taken(&staged),
+                    deadline: Some(
+                        (jiff::Timestamp::now() + jiff::SignedDuration::from_secs(600)).to_string(),
+                    ),
+                    ..record(
+                        &boot,
+                        RootRecord::Host { owner: None },
+                        &staged,
+                        &tmp.path().join("d/c"),
+                    )
+                },
+            ),
+            // Its deadline passed while the agent was down.
+            (
+                "d",
+                Record {
+                    files: taken(&staged),
+                    deadline: Some(
+                        (jiff::Timestamp::now() - jiff::SignedDuration::from_secs(1)).to_string(),
+                    ),
+                    ..record(
+                        &boot,
+                        RootRecord::Host { owner: None },
+                        &staged,
+                        &tmp.path().join("d/d"),
+                    )
+                },
+            ),
+            // One more file was taken than the directory holds now.
+            (
+                "e",
+                Record {
+                    files: {
+                        let mut f = taken(&staged);
+                        let w = f["w"].clone();
+                        f.insert("gone".into(), w);
+                        f
+                    },
+                    ..record(
+                        &boot,
+                        RootRecord::Host { owner: None },
+                        &staged,
+                        &tmp.path().join("d/e"),
+                    )
+                },
+            ),
+            // The file at the taken path is another file (rewritten under the same name).
+            (
+                "f",
+                Record {
+                    files: {
+                        let mut f = taken(&staged);
+                        f.get_mut("w").unwrap().id.ino += 1;
+                        f
+                    },
+                    ..record(
+                        &boot,
+                        RootRecord::Host { owner: None },
+                        &staged,
+                        &tmp.path().join("d/f"),
+                    )
+                },
             ),
         ];
         for (key, r) in journals {
@@ -281,20 +496,45 @@ mod tests {
         let mut abandoned = Vec::new();
         for r in got {
             match r {
-                Recovery::Resume { record, tree, .. } => {
+                Recovery::Resume {
+                    record,
+                    tree,
+                    deadline,
+                    ..
+                } => {
                     assert_eq!(tree.files.len(), 1);
+                    // The journaled deadline, ten minutes away.
+                    let left = deadline.unwrap() - tokio::time::Instant::now();
+                    assert!(left > Duration::from_secs(590) && left <= Duration::from_secs(600));
                     resumed.push(record.destination);
                 }
                 Recovery::Abandoned { record, reason } => {
                     abandoned.push((record.destination, reason))
                 }
+                Recovery::Unreadable { journal, error, .. } => {
+                    panic!("{} unreadable: {error}", journal.display())
+                }
             }
         }
         assert_eq!(resumed, vec![tmp.path().join("d/c").display().to_string()]);
         abandoned.sort();
-        assert_eq!(abandoned.len(), 2, "{abandoned:?}");
+        assert_eq!(abandoned.len(), 5, "{abandoned:#?}");
         assert!(abandoned[0].1.contains("earlier boot"), "{abandoned:?}");
         assert!(abandoned[1].1.contains("out of reach"), "{abandoned:?}");
+        assert!(
+            abandoned[2].1.contains("passed while the agent was down"),
+            "{abandoned:?}"
+        );
+        assert!(
+            abandoned[3].1.contains("1 taken file(s) are gone (gone)"),
+            "{abandoned:?}"
+        );
+        assert!(
+            abandoned[4]
+                .1
+                .contains("1 taken file(s) are not the files that were taken (w)"),
+            "{abandoned:?}"
+        );
         // Abandoned journals are gone; the resumable one stays for the run that resumes it.
         assert_eq!(journal::list(&state).len(), 1);
     }
