@@ -347,10 +347,15 @@ fn staged_result(base: &Path, n: usize) -> serde_json::Value {
         if let Ok(data) = std::fs::read(&path) {
             return serde_json::from_slice(&data).unwrap();
         }
-        assert!(
-            t.elapsed() < Duration::from_secs(60),
-            "trainer {n} never answered"
-        );
+        if t.elapsed() > Duration::from_secs(60) {
+            let log = std::fs::read_to_string(base.join("agent.log")).unwrap_or_default();
+            let tail: Vec<&str> = log.lines().rev().take(60).collect();
+            let tail: Vec<&str> = tail.into_iter().rev().collect();
+            panic!(
+                "trainer {n} never answered; the agent's log ends:\n{}",
+                tail.join("\n")
+            );
+        }
         std::thread::sleep(Duration::from_millis(20));
     }
 }
