@@ -153,10 +153,14 @@ impl KubeDiscovery {
         self.cache.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The pod's `spotguard.io/checkpoint-upload` annotation, from the cache (opted-in pods).
-    pub fn upload_location(&self, pod: &PodRef) -> Option<String> {
+    /// The pod's `spotguard.io/checkpoint-upload` annotation and its owner (whose the location
+    /// is), from the cache (opted-in pods).
+    pub fn upload_location(&self, pod: &PodRef) -> Option<super::pods::UploadBinding> {
         match self.state().pods.get(&pod.uid) {
-            Some(Cached::Target(spec)) => spec.upload.clone(),
+            Some(Cached::Target(spec)) => Some(super::pods::UploadBinding {
+                location: spec.upload.clone(),
+                owner: spec.owner.clone(),
+            }),
             _ => None,
         }
     }
