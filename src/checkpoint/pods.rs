@@ -460,6 +460,42 @@ mod tests {
     }
 
     #[test]
+    fn a_pods_owner_is_its_jobset_else_its_controller_else_itself() {
+        use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
+        let owner_ref = |kind: &str, name: &str, controller: Option<bool>| OwnerReference {
+            api_version: "batch/v1".into(),
+            kind: kind.into(),
+            name: name.into(),
+            uid: "u".into(),
+            controller,
+            ..Default::default()
+        };
+        let mut p = pod(&[(CHECKPOINT, "true")]);
+        let owner = |p: &Pod| {
+            let o = pod_checkpoint_spec(p, &PodDefaults::default())
+                .unwrap()
+                .unwrap()
+                .owner;
+            format!("{}/{}/{}", o.namespace, o.kind, o.name)
+        };
+        assert_eq!(owner(&p), "ml/Pod/train-0");
+        // An owner that is not the controller does not count.
+        p.metadata.owner_references = Some(vec![
+            owner_ref("ConfigMap", "cm", None),
+            owner_ref("Job", "train-a", Some(true)),
+        ]);
+        assert_eq!(owner(&p), "ml/Job/train-a");
+        p.metadata.owner_references = Some(vec![owner_ref("PyTorchJob", "x", Some(false))]);
+        assert_eq!(owner(&p), "ml/Pod/train-0");
+        p.metadata.owner_references = Some(vec![owner_ref("Job", "js-workers-0", Some(true))]);
+        p.metadata.labels = Some(BTreeMap::from([(
+            JOBSET_NAME_LABEL.to_string(),
+            "js".to_string(),
+        )]));
+        assert_eq!(owner(&p), "ml/JobSet/js");
+    }
+
+    #[test]
     fn not_opted_in() {
         for annotations in [
             &[][..],

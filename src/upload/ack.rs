@@ -20,13 +20,13 @@ use serde::{Deserialize, Serialize};
 use super::dest::{validate_checkpoint_name, Granted, Location, UploadPolicy};
 use super::journal::RootRecord;
 use super::manifest::Part;
-use super::staged::{self, Limits, Root, StagedTree};
 use super::owner::Writer;
+use super::staged::{self, Limits, Root, StagedTree};
 use super::target::Target;
 use super::Error;
-use crate::prefetch::source::StoreOptions;
 use crate::checkpoint::ack::{AckFile, AckState, CheckpointDir};
 use crate::checkpoint::procfs::ProcFs;
+use crate::prefetch::source::StoreOptions;
 
 /// Pod annotation naming where the pod's staged checkpoints go (a location).
 pub const UPLOAD_ANNOTATION: &str = crate::checkpoint::pods::UPLOAD;
@@ -383,7 +383,12 @@ mod tests {
             "s3://ck/run1/step-1200"
         );
         // Anywhere else, or with no location bound to the job: refused.
-        for bound in ["s3://other/x", "s3://ck/run1/sub", "s3://ck/run", "gs://ck/run1"] {
+        for bound in [
+            "s3://other/x",
+            "s3://ck/run1/sub",
+            "s3://ck/run",
+            "gs://ck/run1",
+        ] {
             assert_eq!(
                 resolve(&req, Some(bound), &policy)
                     .unwrap_err()

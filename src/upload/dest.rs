@@ -93,8 +93,7 @@ impl Location {
                     && u.bucket == b.bucket
                     && (b.prefix.is_empty()
                         || u.prefix == b.prefix
-                        || u
-                            .prefix
+                        || u.prefix
                             .strip_prefix(b.prefix.as_str())
                             .is_some_and(|rest| rest.starts_with('/')))
             }

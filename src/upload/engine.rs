@@ -390,10 +390,7 @@ async fn upload(job: Job, started_at: Timestamp) -> Result<Done, Failed> {
     let fail0 = |e: Error| (e, 0, 0);
 
     // The location is this writer's (its owner marker), or nothing is sent.
-    let writer = target
-        .claim(meta.writer.as_ref())
-        .await
-        .map_err(fail0)?;
+    let writer = target.claim(meta.writer.as_ref()).await.map_err(fail0)?;
 
     // A checkpoint is never overwritten: an existing manifest must describe this very content.
     let manifest_file = manifest::manifest_file(meta.part);

@@ -164,7 +164,11 @@ impl Service {
             (Some(p), Some(lookup)) => lookup(p)
                 .map(|b| Binding {
                     location: b.location,
-                    writer: Some(Writer::kube(&b.owner.namespace, &b.owner.kind, &b.owner.name)),
+                    writer: Some(Writer::kube(
+                        &b.owner.namespace,
+                        &b.owner.kind,
+                        &b.owner.name,
+                    )),
                 })
                 .unwrap_or_default(),
             (Some(_), None) => Binding::default(),

@@ -130,7 +130,9 @@ impl Target {
     /// The location this checkpoint is listed under (its directory's parent), for messages.
     fn location_display(&self) -> String {
         let d = self.display();
-        d.rsplit_once('/').map_or(d, |(parent, _)| parent).to_string()
+        d.rsplit_once('/')
+            .map_or(d, |(parent, _)| parent)
+            .to_string()
     }
 
     async fn read_marker(&self) -> Result<Option<Vec<u8>>, Error> {
@@ -246,7 +248,10 @@ impl StoreTarget {
     fn check_key(&self, key: &str) -> Result<(), Error> {
         let refuse = |reason: String| Error::InvalidDestination {
             dest: format!("{}/…", self.url),
-            reason: format!("the store would refuse the key {:?}: {reason}", shorten(key)),
+            reason: format!(
+                "the store would refuse the key {:?}: {reason}",
+                shorten(key)
+            ),
         };
         if key.len() > MAX_KEY_BYTES {
             return Err(refuse(format!(
@@ -287,7 +292,10 @@ impl StoreTarget {
         match self.store.get(&key).await {
             Ok(r) => {
                 if r.meta.size > super::owner::MARKER_MAX_BYTES {
-                    return Ok(Some(vec![b' '; super::owner::MARKER_MAX_BYTES as usize + 1]));
+                    return Ok(Some(vec![
+                        b' ';
+                        super::owner::MARKER_MAX_BYTES as usize + 1
+                    ]));
                 }
                 let bytes = r.bytes().await.map_err(Self::request_err("GET", &key))?;
                 Ok(Some(bytes.to_vec()))
@@ -502,11 +510,17 @@ impl OwnDirs {
     }
 
     fn own(&self, id: DirId) -> Option<&Path> {
-        self.own.iter().find(|(i, _)| *i == id).map(|(_, p)| p.as_path())
+        self.own
+            .iter()
+            .find(|(i, _)| *i == id)
+            .map(|(_, p)| p.as_path())
     }
 
     fn below(&self, id: DirId) -> Option<&Path> {
-        self.above.iter().find(|(i, _)| *i == id).map(|(_, p)| p.as_path())
+        self.above
+            .iter()
+            .find(|(i, _)| *i == id)
+            .map(|(_, p)| p.as_path())
     }
 }
 
@@ -591,32 +605,33 @@ fn open_base(base: &Path, own: &[PathBuf], display: &str) -> Result<OwnedFd, Err
     for (i, name) in names.iter().enumerate() {
         let last = i + 1 == names.len();
         let open = |dir: &OwnedFd| rustix::fs::openat(dir, *name, flags, Mode::empty());
-        let next = match open(&cur) {
-            Ok(fd) => fd,
-            Err(rustix::io::Errno::NOENT) if last => {
-                let st = rustix::fs::fstat(&cur).map_err(|e| io("stat")(e.into()))?;
-                trusted(st.st_uid, st.st_mode).map_err(|why| {
-                    refuse(format!(
+        let next =
+            match open(&cur) {
+                Ok(fd) => fd,
+                Err(rustix::io::Errno::NOENT) if last => {
+                    let st = rustix::fs::fstat(&cur).map_err(|e| io("stat")(e.into()))?;
+                    trusted(st.st_uid, st.st_mode).map_err(|why| {
+                        refuse(format!(
                         "does not exist, and its parent is not one only root can change ({why}): \
                          create it yourself"
                     ))
-                })?;
-                match rustix::fs::mkdirat(&cur, *name, Mode::from_raw_mode(DIR_MODE)) {
-                    Ok(()) | Err(rustix::io::Errno::EXIST) => {}
-                    Err(e) => return Err(io("mkdir")(e.into())),
+                    })?;
+                    match rustix::fs::mkdirat(&cur, *name, Mode::from_raw_mode(DIR_MODE)) {
+                        Ok(()) | Err(rustix::io::Errno::EXIST) => {}
+                        Err(e) => return Err(io("mkdir")(e.into())),
+                    }
+                    open(&cur).map_err(|e| io("open")(e.into()))?
                 }
-                open(&cur).map_err(|e| io("open")(e.into()))?
-            }
-            Err(e) => {
-                if is_symlink(&cur, name) {
-                    return Err(refuse(format!(
+                Err(e) => {
+                    if is_symlink(&cur, name) {
+                        return Err(refuse(format!(
                         "{} is a symlink (the allowed directory is opened without following any)",
                         Path::new("/").join(names[..=i].iter().collect::<PathBuf>()).display()
                     )));
+                    }
+                    return Err(io("open")(e.into()));
                 }
-                return Err(io("open")(e.into()));
-            }
-        };
+            };
         cur = next;
     }
     let st = rustix::fs::fstat(&cur).map_err(|e| io("stat")(e.into()))?;
@@ -624,15 +639,24 @@ fn open_base(base: &Path, own: &[PathBuf], display: &str) -> Result<OwnedFd, Err
     let own = OwnDirs::of(own);
     let id = (st.st_dev as u64, st.st_ino);
     if let Some(p) = own.own(id) {
-        return Err(refuse(format!("is the agent's own directory {}", p.display())));
+        return Err(refuse(format!(
+            "is the agent's own directory {}",
+            p.display()
+        )));
     }
     if let Some(p) = own.below(id) {
-        return Err(refuse(format!("contains the agent's own directory {}", p.display())));
+        return Err(refuse(format!(
+            "contains the agent's own directory {}",
+            p.display()
+        )));
     }
     let dup = rustix::io::fcntl_dupfd_cloexec(&cur, 0).map_err(|e| io("dup")(e.into()))?;
     for up in ancestors(dup) {
         if let Some(p) = own.own(up) {
-            return Err(refuse(format!("is inside the agent's own directory {}", p.display())));
+            return Err(refuse(format!(
+                "is inside the agent's own directory {}",
+                p.display()
+            )));
         }
     }
     Ok(cur)
@@ -642,7 +666,12 @@ impl DirTarget {
     /// `base` (the allowed directory, trusted only as the operator made it: [`open_base`]), then
     /// `below` component by component beneath it (created if missing, never through a symlink,
     /// never one of `own`, the agent's own directories). `path` is the full path, for messages.
-    pub fn open(base: &Path, below: &Path, path: &Path, own: &[PathBuf]) -> Result<DirTarget, Error> {
+    pub fn open(
+        base: &Path,
+        below: &Path,
+        path: &Path,
+        own: &[PathBuf],
+    ) -> Result<DirTarget, Error> {
         let display = path.display().to_string();
         let io = |op: &'static str| Error::io(op, display.clone());
         let mut cur = open_base(base, own, &display)?;
@@ -836,7 +865,11 @@ impl DirTarget {
         use std::io::Write;
         let name = super::owner::MARKER_NAME;
         let path = format!("{}/../{name}", self.display);
-        let tmp = format!(".{name}.new-{}-{:08x}", std::process::id(), fastrand::u32(..));
+        let tmp = format!(
+            ".{name}.new-{}-{:08x}",
+            std::process::id(),
+            fastrand::u32(..)
+        );
         let fd = rustix::fs::openat(
             &self.parent,
             tmp.as_str(),
@@ -887,4 +920,158 @@ fn shorten(key: &str) -> String {
         end -= 1;
     }
     format!("{}… ({} bytes)", &key[..end], key.len())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    fn chmod(p: &Path, mode: u32) {
+        std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode)).unwrap();
+    }
+
+    fn open(base: &Path, own: &[PathBuf]) -> Result<DirTarget, Error> {
+        let path = base.join("run1/step-1");
+        DirTarget::open(base, Path::new("run1/step-1"), &path, own)
+    }
+
+    fn refusal(r: Result<DirTarget, Error>) -> String {
+        match r {
+            Ok(_) => panic!("opened"),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    #[test]
+    fn the_allowed_base_is_opened_only_as_the_operator_made_it() {
+        let tmp = tempfile::tempdir().unwrap();
+        let t = tmp.path();
+        chmod(t, 0o755);
+        // A root-owned 0755 base: opened, the path below made.
+        let base = t.join("efs");
+        std::fs::create_dir(&base).unwrap();
+        let d = open(&base, &[]).unwrap();
+        assert!(base.join("run1/step-1").is_dir());
+        drop(d);
+        // Missing: created (0755) in a parent only root can change.
+        let fresh = t.join("fresh");
+        open(&fresh, &[]).unwrap();
+        assert_eq!(
+            std::fs::metadata(&fresh).unwrap().permissions().mode() & 0o7777,
+            0o755
+        );
+        // A symlink anywhere on the way, the base itself or a component above it.
+        std::os::unix::fs::symlink(&base, t.join("link")).unwrap();
+        assert!(refusal(open(&t.join("link"), &[])).contains("symlink"));
+        assert!(refusal(open(&t.join("link/inner"), &[])).contains("symlink"));
+        // Writable by others, or owned by another user.
+        let open_to_all = t.join("shared");
+        std::fs::create_dir(&open_to_all).unwrap();
+        chmod(&open_to_all, 0o777);
+        assert!(refusal(open(&open_to_all, &[])).contains("writable by group or others"));
+        chmod(&open_to_all, 0o1777);
+        assert!(refusal(open(&open_to_all, &[])).contains("writable by group or others"));
+        // A missing base is not created in a directory others can write.
+        assert!(refusal(open(&open_to_all.join("new"), &[])).contains("does not exist"));
+        assert!(!open_to_all.join("new").exists());
+        let users = t.join("users");
+        std::fs::create_dir(&users).unwrap();
+        std::os::unix::fs::chown(&users, Some(1000), Some(1000)).unwrap();
+        if rustix::process::geteuid().is_root() {
+            assert!(refusal(open(&users, &[])).contains("owned by uid 1000"));
+        }
+    }
+
+    #[test]
+    fn the_allowed_base_never_is_contains_or_lies_in_the_agents_own_directories() {
+        let tmp = tempfile::tempdir().unwrap();
+        let t = tmp.path();
+        let agent = t.join("agent");
+        let ckpt = agent.join("run");
+        std::fs::create_dir_all(&ckpt).unwrap();
+        let state = t.join("state");
+        std::fs::create_dir_all(state.join("inner")).unwrap();
+        let own = vec![ckpt.clone(), state.clone()];
+        assert!(refusal(open(&ckpt, &own)).contains("is the agent's own directory"));
+        assert!(refusal(open(&agent, &own)).contains("contains the agent's own directory"));
+        assert!(refusal(open(&state.join("inner"), &own))
+            .contains("is inside the agent's own directory"));
+        // By identity, not by name: the agent's dir named through a symlink.
+        std::os::unix::fs::symlink(&agent, t.join("agent-link")).unwrap();
+        let named_otherwise = vec![t.join("agent-link/run")];
+        assert!(refusal(open(&ckpt, &named_otherwise)).contains("is the agent's own directory"));
+        assert!(refusal(open(&agent, &named_otherwise)).contains("contains the agent's own"));
+        let other = t.join("other");
+        std::fs::create_dir(&other).unwrap();
+        open(&other, &own).unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_directory_location_has_one_owner() {
+        let tmp = tempfile::tempdir().unwrap();
+        let base = tmp.path().join("efs");
+        std::fs::create_dir(&base).unwrap();
+        let a = Writer::host(1000);
+        let b = Writer::host(1001);
+        let t = Target::Dir(open(&base, &[]).unwrap());
+        assert_eq!(t.claim(Some(&a)).await.unwrap(), Some(a.clone()));
+        let marker = base.join("run1").join(super::super::owner::MARKER_NAME);
+        let m = Marker::parse(&std::fs::read(&marker).unwrap()).unwrap();
+        assert_eq!(m.writer, a);
+        // No temporary file left beside it.
+        let names: Vec<_> = std::fs::read_dir(base.join("run1"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names.len(), 2, "{names:?}");
+        // The same writer goes on; another is refused; a resumed upload adopts the marker's.
+        assert_eq!(t.claim(Some(&a)).await.unwrap(), Some(a.clone()));
+        let e = t.claim(Some(&b)).await.unwrap_err();
+        assert_eq!(e.metric_label(), "foreign_location");
+        assert!(e.to_string().contains("host:uid:1000"), "{e}");
+        assert_eq!(t.claim(None).await.unwrap(), Some(a.clone()));
+        // A marker planted as a symlink is not followed.
+        std::fs::remove_file(&marker).unwrap();
+        std::os::unix::fs::symlink("/etc/hostname", &marker).unwrap();
+        assert!(t.claim(Some(&a)).await.is_err());
+    }
+
+    #[test]
+    fn keys_the_store_would_refuse_are_refused_before_anything_is_sent() {
+        let store: Arc<object_store::memory::InMemory> = Arc::new(Default::default());
+        let long = "p".repeat(1100);
+        let t = Target::Store(StoreTarget::new(
+            store.clone(),
+            store.clone(),
+            &format!("{long}/step-1"),
+            format!("s3://b/{long}/step-1"),
+        ));
+        let e = t
+            .check_keys(["a.bin"].into_iter(), "manifest.json")
+            .unwrap_err();
+        assert!(e.to_string().contains("more than the store's 1024"), "{e}");
+        let ok = Target::Store(StoreTarget::new(
+            store.clone(),
+            store.clone(),
+            "run1/step-1",
+            "s3://b/run1/step-1".into(),
+        ));
+        ok.check_keys(["a.bin", "sub/b.bin"].into_iter(), "manifest.json")
+            .unwrap();
+        let deep = "d/".repeat(600) + "x";
+        assert!(ok
+            .check_keys([deep.as_str()].into_iter(), "manifest.json")
+            .is_err());
+        assert!(ok
+            .check_keys(["a\rb"].into_iter(), "manifest.json")
+            .is_err());
+        let acme = Target::Store(StoreTarget::new(
+            store.clone(),
+            store,
+            ".well-known/acme-challenge/step-1",
+            "gs://b/.well-known/acme-challenge/step-1".into(),
+        ));
+        assert!(acme.check_keys(["a"].into_iter(), "manifest.json").is_err());
+    }
 }
