@@ -298,7 +298,7 @@ fn trainer_as(uid: u32) -> Kid {
     let kid = Kid::spawn(cmd);
     let proc = ProcFs::default();
     let t = Instant::now();
-    while proc.status(kid.pid() as i32).map(|s| s.uid).ok() != Some(uid) {
+    while proc.status(kid.pid()).map(|s| s.uid).ok() != Some(uid) {
         assert!(t.elapsed() < Duration::from_secs(10), "never ran as {uid}");
         std::thread::sleep(Duration::from_millis(10));
     }
@@ -383,7 +383,7 @@ impl Host {
         let ack: AckFile = serde_json::from_value(ack).unwrap();
         let req = StagedRequest::from_ack(&ack).unwrap().unwrap();
         let sg = self.tmp.path().join("sg");
-        let pid = trainer.pid() as i32;
+        let pid = trainer.pid();
         let acker = Acker {
             pid,
             start_time: ProcFs::default().start_time(pid).unwrap(),

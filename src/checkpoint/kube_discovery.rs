@@ -61,7 +61,7 @@ pub struct Defaults {
 #[derive(Clone, Debug)]
 enum Cached {
     /// Opted in, running on this node, annotations valid.
-    Target(PodCheckpointSpec),
+    Target(Box<PodCheckpointSpec>),
     /// Anything else (kept so a later update can replace it).
     Other,
 }
@@ -171,7 +171,7 @@ impl KubeDiscovery {
             return Cached::Other;
         }
         match pod_checkpoint_spec(pod, &self.defaults) {
-            Ok(Some(spec)) => Cached::Target(spec),
+            Ok(Some(spec)) => Cached::Target(Box::new(spec)),
             Ok(None) => Cached::Other,
             Err(e) => {
                 let key = (pod.metadata.uid.clone().unwrap_or_default(), e.to_string());
@@ -338,7 +338,7 @@ impl KubeDiscovery {
                     .pods
                     .values()
                     .filter_map(|c| match c {
-                        Cached::Target(s) => Some(s.clone()),
+                        Cached::Target(s) => Some((**s).clone()),
                         Cached::Other => None,
                     })
                     .collect());
@@ -364,7 +364,7 @@ impl KubeDiscovery {
             .items
             .iter()
             .filter_map(|p| match self.classify(p) {
-                Cached::Target(s) => Some(s),
+                Cached::Target(s) => Some(*s),
                 Cached::Other => None,
             })
             .collect())
