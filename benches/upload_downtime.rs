@@ -301,14 +301,33 @@ fn run_trial(
         };
         let policy = UploadPolicy {
             allow: vec![AllowUpload::parse("s3://bench").expect("pattern")],
+            own_dirs: vec![ckdir.to_path_buf()],
+        };
+        // The job's location: the ack's `upload` is at or below it.
+        let binding = ack::Binding {
+            location: Some("s3://bench".into()),
+            writer: None,
+        };
+        let store_opts = spotguard::prefetch::source::StoreOptions {
+            endpoint: Some(endpoint.to_string()),
+            ..Default::default()
         };
         let acker = Acker {
             pid,
             start_time,
             ns_pid: pid,
         };
-        let taken =
-            ack::take(&proc, acker, &cdir, &req, None, &policy, &Limits::default()).expect("taken");
+        let taken = ack::take(
+            &proc,
+            acker,
+            &cdir,
+            &req,
+            &binding,
+            &policy,
+            &Limits::default(),
+            &store_opts,
+        )
+        .expect("taken");
         let store = Arc::new(
             AmazonS3Builder::new()
                 .with_endpoint(endpoint)

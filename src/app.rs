@@ -341,6 +341,8 @@ async fn upload_service(
     let settings = Settings {
         policy: crate::upload::UploadPolicy {
             allow: cfg.args.upload_allow.clone(),
+            // The agent's own directories (notice.json goes in the checkpoint dir).
+            own_dirs: vec![cfg.args.checkpoint_dir.clone(), cfg.args.state_dir.clone()],
         },
         limits: crate::upload::Limits {
             max_files: cfg.args.upload_max_files as usize,

@@ -198,4 +198,17 @@ async fn an_uploading_pod_is_evicted_after_its_upload_and_the_others_at_once() {
     let event = reqs[uploaded].body.clone();
     assert!(event.contains(&ml), "on the trainer's pod: {event}");
     assert!(event.contains("s3://ckpt/run1/step-3"), "{event}");
+    // The location is the pod's job's — the test pod's controller, a ReplicaSet — named by its
+    // owner marker and by the manifest.
+    let writer = format!("k8s:{ml}/ReplicaSet/trainer-0-rs");
+    let marker: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(server.object_path(BUCKET, "run1/.spotguard-location.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(marker["writer"], writer.as_str(), "{marker}");
+    let manifest: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(server.object_path(BUCKET, "run1/step-3/manifest.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(manifest["writer"], writer.as_str(), "{manifest}");
 }

@@ -1095,6 +1095,7 @@ async fn a_taken_checkpoint_uploads_after_the_trainer_and_its_files_are_gone() {
     let dest_base = tempfile::tempdir().unwrap();
     let policy = UploadPolicy {
         allow: vec![AllowUpload::parse(&dest_base.path().display().to_string()).unwrap()],
+        own_dirs: vec![ckdir.clone()],
     };
     let default = dest_base.path().join("run1").display().to_string();
     let acker = Acker {
@@ -1107,9 +1108,13 @@ async fn a_taken_checkpoint_uploads_after_the_trainer_and_its_files_are_gone() {
         acker,
         &cdir,
         &req,
-        Some(&default),
+        &ack::Binding {
+            location: Some(default.clone()),
+            writer: None,
+        },
         &policy,
         &Limits::default(),
+        &Default::default(),
     )
     .unwrap();
     let answer: Answer =
@@ -1175,6 +1180,7 @@ async fn a_directory_destination_gets_synced_files_then_the_manifest_and_no_syml
     let granted = spotguard::upload::dest::Granted::Dir {
         base: base.path().to_path_buf(),
         below: PathBuf::from("run1/step-5"),
+        own: Vec::new(),
     };
     let target = Target::open(&dest, &granted, &Default::default()).unwrap();
     let r = engine::run(job(&dir, target, 5, small_parts())).await;
@@ -1206,6 +1212,7 @@ async fn a_directory_destination_gets_synced_files_then_the_manifest_and_no_syml
     let granted = spotguard::upload::dest::Granted::Dir {
         base: base.path().to_path_buf(),
         below: PathBuf::from("run2/step-5"),
+        own: Vec::new(),
     };
     match Target::open(&dest, &granted, &Default::default()) {
         Err(e) => assert!(e.to_string().contains("symlink"), "{e}"),
@@ -1311,6 +1318,12 @@ print(json.dumps({{"state": a.state, "files": a.files, "error": a.error, "at": t
     let cdir = CheckpointDir::host(&ckdir).unwrap();
     let policy = UploadPolicy {
         allow: vec![AllowUpload::parse(&dest.path().display().to_string()).unwrap()],
+        own_dirs: vec![ckdir.clone()],
+    };
+    // The job's location: the ack's `upload` (run1) is below it.
+    let binding = ack::Binding {
+        location: Some(dest.path().display().to_string()),
+        writer: None,
     };
     let deadline = Instant::now() + Duration::from_secs(60);
     let req = loop {
@@ -1327,7 +1340,17 @@ print(json.dumps({{"state": a.state, "files": a.files, "error": a.error, "at": t
         start_time,
         ns_pid: pid,
     };
-    let taken = ack::take(&proc, acker, &cdir, &req, None, &policy, &Limits::default()).unwrap();
+    let taken = ack::take(
+        &proc,
+        acker,
+        &cdir,
+        &req,
+        &binding,
+        &policy,
+        &Limits::default(),
+        &Default::default(),
+    )
+    .unwrap();
     let taken_at = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()

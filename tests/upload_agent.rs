@@ -566,10 +566,22 @@ async fn the_deadline_mid_upload_publishes_nothing_and_the_previous_checkpoint_s
     let step6 = previous.path().join("step-6");
     std::fs::create_dir(&step6).unwrap();
     std::fs::write(step6.join("w.bin"), vec![6u8; 4096]).unwrap();
+    // Published by the same writer as the trainer's (uid 1000: `host:uid:1000`), whose
+    // location run1 is.
+    std::fs::set_permissions(
+        previous.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    for p in [step6.clone(), step6.join("w.bin")] {
+        std::os::unix::fs::chown(&p, Some(TRAINER_UID), Some(TRAINER_UID)).unwrap();
+    }
     let out = Command::new(env!("CARGO_BIN_EXE_spotguard"))
         .args(["upload", step6.to_str().unwrap(), &location, "--step", "6"])
         .args(["--endpoint", &server.endpoint(), "--progress", "none"])
         .envs(S3Server::client_env())
+        .uid(TRAINER_UID)
+        .gid(TRAINER_UID)
         .output()
         .unwrap();
     assert!(

@@ -61,7 +61,7 @@ pub struct Defaults {
 #[derive(Clone, Debug)]
 enum Cached {
     /// Opted in, running on this node, annotations valid.
-    Target(PodCheckpointSpec),
+    Target(Box<PodCheckpointSpec>),
     /// Anything else (kept so a later update can replace it).
     Other,
 }
@@ -153,10 +153,14 @@ impl KubeDiscovery {
         self.cache.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The pod's `spotguard.io/checkpoint-upload` annotation, from the cache (opted-in pods).
-    pub fn upload_location(&self, pod: &PodRef) -> Option<String> {
+    /// The pod's `spotguard.io/checkpoint-upload` annotation and its owner (whose the location
+    /// is), from the cache (opted-in pods).
+    pub fn upload_location(&self, pod: &PodRef) -> Option<super::pods::UploadBinding> {
         match self.state().pods.get(&pod.uid) {
-            Some(Cached::Target(spec)) => spec.upload.clone(),
+            Some(Cached::Target(spec)) => Some(super::pods::UploadBinding {
+                location: spec.upload.clone(),
+                owner: spec.owner.clone(),
+            }),
             _ => None,
         }
     }
@@ -167,7 +171,7 @@ impl KubeDiscovery {
             return Cached::Other;
         }
         match pod_checkpoint_spec(pod, &self.defaults) {
-            Ok(Some(spec)) => Cached::Target(spec),
+            Ok(Some(spec)) => Cached::Target(Box::new(spec)),
             Ok(None) => Cached::Other,
             Err(e) => {
                 let key = (pod.metadata.uid.clone().unwrap_or_default(), e.to_string());
@@ -334,7 +338,7 @@ impl KubeDiscovery {
                     .pods
                     .values()
                     .filter_map(|c| match c {
-                        Cached::Target(s) => Some(s.clone()),
+                        Cached::Target(s) => Some((**s).clone()),
                         Cached::Other => None,
                     })
                     .collect());
@@ -360,7 +364,7 @@ impl KubeDiscovery {
             .items
             .iter()
             .filter_map(|p| match self.classify(p) {
-                Cached::Target(s) => Some(s),
+                Cached::Target(s) => Some(*s),
                 Cached::Other => None,
             })
             .collect())

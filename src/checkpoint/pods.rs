@@ -31,6 +31,8 @@ pub const TIMEOUT: &str = "spotguard.io/checkpoint-timeout";
 /// Where the pod's staged checkpoints go (a location; checked by the upload side when a staged
 /// ack needs it, never here: a bad value refuses that upload, not the pod's checkpoint).
 pub const UPLOAD: &str = "spotguard.io/checkpoint-upload";
+/// The label a JobSet puts on its pods: the JobSet's name.
+pub const JOBSET_NAME_LABEL: &str = "jobset.sigs.k8s.io/jobset-name";
 /// Longest `spotguard.io/checkpoint-upload` value kept.
 const MAX_UPLOAD_LEN: usize = 2048;
 
@@ -82,6 +84,62 @@ pub struct PodCheckpointSpec {
     pub timeout: Duration,
     /// `spotguard.io/checkpoint-upload` as written (at most 2 KiB), unchecked.
     pub upload: Option<String>,
+    /// The job the pod belongs to: whose its checkpoint location is.
+    pub owner: PodOwner,
+}
+
+/// The job a pod belongs to, as the upload side names a location's writer: the pod's JobSet
+/// (label `jobset.sigs.k8s.io/jobset-name`), else its controller (the ownerReference with
+/// `controller: true`: `Job/train-a`, `PyTorchJob/x`, …), else the pod itself. Every pod of one
+/// job has the same owner, so they share its location; pods of two jobs never do.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PodOwner {
+    pub namespace: String,
+    pub kind: String,
+    pub name: String,
+}
+
+impl PodOwner {
+    /// The owner of `pod` (its namespace and name as given; the caller checked they exist).
+    pub fn of(pod: &Pod) -> PodOwner {
+        let meta = &pod.metadata;
+        let namespace = meta.namespace.clone().unwrap_or_default();
+        if let Some(js) = meta
+            .labels
+            .as_ref()
+            .and_then(|l| l.get(JOBSET_NAME_LABEL))
+            .filter(|v| !v.is_empty())
+        {
+            return PodOwner {
+                namespace,
+                kind: "JobSet".into(),
+                name: js.clone(),
+            };
+        }
+        if let Some(c) = meta.owner_references.as_ref().and_then(|refs| {
+            refs.iter()
+                .find(|r| r.controller == Some(true) && !r.kind.is_empty() && !r.name.is_empty())
+        }) {
+            return PodOwner {
+                namespace,
+                kind: c.kind.clone(),
+                name: c.name.clone(),
+            };
+        }
+        PodOwner {
+            namespace,
+            kind: "Pod".into(),
+            name: meta.name.clone().unwrap_or_default(),
+        }
+    }
+}
+
+/// Where an opted-in pod's staged checkpoints go and whose they are.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct UploadBinding {
+    /// `spotguard.io/checkpoint-upload`, if set.
+    pub location: Option<String>,
+    pub owner: PodOwner,
 }
 
 impl PodCheckpointSpec {
@@ -241,6 +299,7 @@ pub fn pod_checkpoint_spec(
             .map(|v| v.trim())
             .filter(|v| !v.is_empty() && v.len() <= MAX_UPLOAD_LEN)
             .map(str::to_string),
+        owner: PodOwner::of(pod),
     }))
 }
 
@@ -398,6 +457,42 @@ mod tests {
 
     fn spec(annotations: &[(&str, &str)]) -> Result<Option<PodCheckpointSpec>, Error> {
         pod_checkpoint_spec(&pod(annotations), &PodDefaults::default())
+    }
+
+    #[test]
+    fn a_pods_owner_is_its_jobset_else_its_controller_else_itself() {
+        use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
+        let owner_ref = |kind: &str, name: &str, controller: Option<bool>| OwnerReference {
+            api_version: "batch/v1".into(),
+            kind: kind.into(),
+            name: name.into(),
+            uid: "u".into(),
+            controller,
+            ..Default::default()
+        };
+        let mut p = pod(&[(CHECKPOINT, "true")]);
+        let owner = |p: &Pod| {
+            let o = pod_checkpoint_spec(p, &PodDefaults::default())
+                .unwrap()
+                .unwrap()
+                .owner;
+            format!("{}/{}/{}", o.namespace, o.kind, o.name)
+        };
+        assert_eq!(owner(&p), "ml/Pod/train-0");
+        // An owner that is not the controller does not count.
+        p.metadata.owner_references = Some(vec![
+            owner_ref("ConfigMap", "cm", None),
+            owner_ref("Job", "train-a", Some(true)),
+        ]);
+        assert_eq!(owner(&p), "ml/Job/train-a");
+        p.metadata.owner_references = Some(vec![owner_ref("PyTorchJob", "x", Some(false))]);
+        assert_eq!(owner(&p), "ml/Pod/train-0");
+        p.metadata.owner_references = Some(vec![owner_ref("Job", "js-workers-0", Some(true))]);
+        p.metadata.labels = Some(BTreeMap::from([(
+            JOBSET_NAME_LABEL.to_string(),
+            "js".to_string(),
+        )]));
+        assert_eq!(owner(&p), "ml/JobSet/js");
     }
 
     #[test]

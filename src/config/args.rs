@@ -357,7 +357,7 @@ pub struct RunArgs {
     #[arg(long, env = "SPOTGUARD_UPLOAD_ALLOW", value_name = "PATTERN", value_delimiter = ',', value_parser = crate::upload::AllowUpload::parse, help_heading = UPLOAD)]
     pub upload_allow: Vec<crate::upload::AllowUpload>,
 
-    /// Host mode: where staged checkpoints go when the ack names no `upload` (s3://, gs://, file:// or a directory; each checkpoint in LOCATION/<name>).
+    /// Host mode: the location bound to this host's trainers (s3://, gs://, file:// or a directory; each checkpoint in LOCATION/<name>, or below LOCATION where the ack's `upload` says). None: staged checkpoints are refused.
     #[arg(long, env = "SPOTGUARD_CHECKPOINT_UPLOAD", value_name = "LOCATION", value_parser = parse_upload_location, help_heading = UPLOAD)]
     pub checkpoint_upload: Option<String>,
 

@@ -7,9 +7,11 @@
 //! files' names), or `refused` with the reason (the trainer still has time to save elsewhere).
 //! [`take`] is that step: it runs on the ack watcher's thread while the process is alive.
 //!
-//! The checkpoint's destination is `<location>/<name>`: the location from the ack's `upload`,
-//! else the pod's `spotguard.io/checkpoint-upload` annotation (host mode: `--checkpoint-upload`);
-//! the name is the staged directory's base name. It must pass the operator's `--upload-allow`.
+//! The checkpoint's destination is `<location>/<name>`: the location is the job's, the pod's
+//! `spotguard.io/checkpoint-upload` annotation (host mode: `--checkpoint-upload`), or a place
+//! below it the ack's `upload` names; the name is the staged directory's base name, and the
+//! ack's `step` must agree with the step the name carries. It must pass the operator's
+//! `--upload-allow`.
 
 use std::path::{Path, PathBuf};
 
@@ -18,10 +20,13 @@ use serde::{Deserialize, Serialize};
 use super::dest::{validate_checkpoint_name, Granted, Location, UploadPolicy};
 use super::journal::RootRecord;
 use super::manifest::Part;
+use super::owner::Writer;
 use super::staged::{self, Limits, Root, StagedTree};
+use super::target::Target;
 use super::Error;
 use crate::checkpoint::ack::{AckFile, AckState, CheckpointDir};
 use crate::checkpoint::procfs::ProcFs;
+use crate::prefetch::source::StoreOptions;
 
 /// Pod annotation naming where the pod's staged checkpoints go (a location).
 pub const UPLOAD_ANNOTATION: &str = crate::checkpoint::pods::UPLOAD;
@@ -38,7 +43,8 @@ pub struct StagedRequest {
     pub staged: PathBuf,
     /// The location named in the ack, if any.
     pub upload: Option<String>,
-    /// The ack's step, when it is a non-negative integer.
+    /// The ack's step (one that is not a non-negative integer reads as `u64::MAX`: it agrees
+    /// with no checkpoint name).
     pub step: Option<u64>,
     /// This node's share of a checkpoint several nodes save.
     pub part: Option<Part>,
@@ -75,7 +81,11 @@ impl StagedRequest {
         Ok(Some(StagedRequest {
             staged: path.to_path_buf(),
             upload: ack.upload.clone().filter(|u| !u.trim().is_empty()),
-            step: ack.step.as_ref().and_then(|s| s.as_u64()),
+            step: match &ack.step {
+                None | Some(serde_json::Value::Null) => None,
+                // A step that is no u64 (negative, fractional, a string) can agree with no name.
+                Some(v) => Some(v.as_u64().unwrap_or(u64::MAX)),
+            },
             part,
         }))
     }
@@ -98,35 +108,63 @@ impl StagedRequest {
 pub struct Resolved {
     /// The checkpoint's directory: `<location>/<name>`.
     pub destination: Location,
+    /// The location it is listed under (the job's bound location, or the one below it the ack
+    /// named): where the owner marker is.
+    pub location: Location,
     pub granted: Granted,
     pub name: String,
+    /// The step the name proves (the ack's `step` must agree: [`super::owner::checked_step`]).
+    pub step: Option<u64>,
 }
 
-/// Resolve the destination of `req`: its own location, else `default` (the annotation or the
-/// host flag), joined with the checkpoint's name, checked against `policy`.
+/// Resolve the destination of `req`: the job's `bound` location (the pod's annotation or the
+/// host flag), or the location the ack's `upload` names at or below it, joined with the
+/// checkpoint's name, checked against `policy`; the ack's step checked against the name.
+/// Without a bound location nothing is uploaded: a trainer never chooses where its checkpoint
+/// goes, only where below its job's location.
 pub fn resolve(
     req: &StagedRequest,
-    default: Option<&str>,
+    bound: Option<&str>,
     policy: &UploadPolicy,
 ) -> Result<Resolved, Error> {
-    let text = req
-        .upload
-        .as_deref()
-        .or(default)
-        .ok_or_else(|| Error::InvalidDestination {
-            dest: String::new(),
-            reason: format!(
-            "no destination: the ack names none (`upload`) and the pod has no {UPLOAD_ANNOTATION} \
-             annotation (host mode: --checkpoint-upload)"
+    let bound_text = bound.ok_or_else(|| Error::InvalidDestination {
+        dest: req.upload.clone().unwrap_or_default(),
+        reason: format!(
+            "no location is bound to this job: the pod has no {UPLOAD_ANNOTATION} annotation \
+             (host mode: --checkpoint-upload); an ack's `upload` may only name a place at or \
+             below it"
         ),
-        })?;
+    })?;
+    let bound = Location::parse(bound_text)?;
+    let location = match req.upload.as_deref() {
+        None => bound.clone(),
+        Some(text) => {
+            let named = Location::parse(text)?;
+            if !named.is_within(&bound) {
+                return Err(Error::NotAllowed {
+                    dest: named.display(),
+                    reason: format!(
+                        "the ack's `upload` must be the job's location {} or below it",
+                        bound.display()
+                    ),
+                });
+            }
+            named
+        }
+    };
     let name = req.name()?;
-    let destination = Location::parse(text)?.join(&name);
+    let step = super::owner::checked_step(&name, req.step).map_err(|reason| Error::Step {
+        name: name.clone(),
+        reason,
+    })?;
+    let destination = location.join(&name);
     let granted = policy.check(&destination)?;
     Ok(Resolved {
         destination,
+        location,
         granted,
         name,
+        step,
     })
 }
 
@@ -192,12 +230,33 @@ pub fn write_answer(
     dir.write_atomic(&answer_file_name(ns_pid), &data)
 }
 
-/// A staged checkpoint taken: the tree open, where it goes, how it was captured.
-#[derive(Debug)]
+/// A staged checkpoint taken: the tree open, where it goes (opened), how it was captured.
 pub struct Taken {
     pub tree: StagedTree,
     pub resolved: Resolved,
     pub root: RootRecord,
+    pub target: Target,
+    /// Whose checkpoint it is (the location's owner marker must name it).
+    pub writer: Writer,
+}
+
+/// What the job binds a staged checkpoint to: its location (the pod's annotation, host mode's
+/// `--checkpoint-upload`) and, in Kubernetes, its writer (the pod's owner; host mode: `None`,
+/// the acking process's uid is the writer).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Binding {
+    pub location: Option<String>,
+    pub writer: Option<Writer>,
+}
+
+impl std::fmt::Debug for Taken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Taken")
+            .field("resolved", &self.resolved)
+            .field("target", &self.target.display())
+            .field("writer", &self.writer)
+            .finish()
+    }
 }
 
 /// The process whose ack asked for an upload.
@@ -210,23 +269,38 @@ pub struct Acker {
     pub ns_pid: i32,
 }
 
-/// On a `done` ack with `staged`, while the process lives: resolve and check the destination,
-/// capture the staged tree through the process's root, and answer (`taken` or `refused`) in
-/// its checkpoint dir. Blocking and quick (directory reads and opens: milliseconds for
-/// thousands of files); never on the signal path. A failed answer write is logged, not fatal:
-/// the trainer's wait times out and it exits anyway.
+/// On a `done` ack with `staged`, while the process lives: resolve and check the destination
+/// (bound to the job, allowed, the step its name proves), capture the staged tree through the
+/// process's root, open the destination (a directory: its allowed base as the operator made it)
+/// and check that the store will take every key, then answer (`taken` or `refused`) in its
+/// checkpoint dir: `taken` means nothing the agent can know of stands in the way of publishing.
+/// Blocking and quick (directory reads and opens: milliseconds for thousands of files; no
+/// network); never on the signal path. A failed answer write is logged, not fatal: the
+/// trainer's wait times out and it exits anyway.
+#[allow(clippy::too_many_arguments)]
 pub fn take(
     proc: &ProcFs,
     acker: Acker,
     dir: &CheckpointDir,
     req: &StagedRequest,
-    default: Option<&str>,
+    binding: &Binding,
     policy: &UploadPolicy,
     limits: &Limits,
+    store: &StoreOptions,
 ) -> Result<Taken, Error> {
     let result = (|| {
-        let resolved = resolve(req, default, policy)?;
+        let resolved = resolve(req, binding.location.as_deref(), policy)?;
         let root = Root::of_process(proc, acker.pid, acker.start_time)?;
+        let writer = match (&binding.writer, root.uid) {
+            (Some(w), _) => w.clone(),
+            (None, Some(uid)) => Writer::host(uid),
+            (None, None) => {
+                return Err(Error::InvalidDestination {
+                    dest: resolved.destination.display(),
+                    reason: "no writer identity for this trainer".into(),
+                })
+            }
+        };
         let record = if root.is_host_root() {
             RootRecord::Host { owner: root.uid }
         } else {
@@ -236,10 +310,17 @@ pub fn take(
             }
         };
         let tree = staged::capture(&root, &req.staged, limits)?;
+        let target = Target::open(&resolved.destination, &resolved.granted, store)?;
+        target.check_keys(
+            tree.files.iter().map(|f| f.path.as_str()),
+            &super::manifest::manifest_file(req.part),
+        )?;
         Ok(Taken {
             tree,
             resolved,
             root: record,
+            target,
+            writer,
         })
     })();
     let answer = match &result {
@@ -287,10 +368,40 @@ mod tests {
         assert_eq!(req.name().unwrap(), "step-1200");
         let policy = UploadPolicy {
             allow: vec![AllowUpload::parse("s3://ck").unwrap()],
+            own_dirs: Vec::new(),
         };
-        let r = resolve(&req, Some("s3://other/x"), &policy).unwrap();
+        // The ack's `upload` at or below the job's location.
+        let r = resolve(&req, Some("s3://ck/run1"), &policy).unwrap();
         assert_eq!(r.destination.display(), "s3://ck/run1/step-1200");
-        // The annotation when the ack names nothing; refused when not allowed.
+        assert_eq!(r.location.display(), "s3://ck/run1");
+        assert_eq!(r.step, Some(1200));
+        assert_eq!(
+            resolve(&req, Some("s3://ck"), &policy)
+                .unwrap()
+                .destination
+                .display(),
+            "s3://ck/run1/step-1200"
+        );
+        // Anywhere else, or with no location bound to the job: refused.
+        for bound in [
+            "s3://other/x",
+            "s3://ck/run1/sub",
+            "s3://ck/run",
+            "gs://ck/run1",
+        ] {
+            assert_eq!(
+                resolve(&req, Some(bound), &policy)
+                    .unwrap_err()
+                    .metric_label(),
+                "not_allowed",
+                "{bound}"
+            );
+        }
+        assert_eq!(
+            resolve(&req, None, &policy).unwrap_err().metric_label(),
+            "invalid_destination"
+        );
+        // The bound location when the ack names nothing; refused when not allowed.
         let mut bare = req.clone();
         bare.upload = None;
         assert_eq!(
@@ -307,6 +418,33 @@ mod tests {
             "not_allowed"
         );
         assert!(resolve(&bare, None, &policy).is_err());
+        // The step is the name's: an absurd or disagreeing one is refused.
+        for step in [u64::MAX, 1201, 0] {
+            let mut forged = bare.clone();
+            forged.step = Some(step);
+            assert_eq!(
+                resolve(&forged, Some("s3://ck/run2"), &policy)
+                    .unwrap_err()
+                    .metric_label(),
+                "step",
+                "{step}"
+            );
+        }
+        let negative = StagedRequest::from_ack(&ack(
+            r#"{"state":"done","step":-5,"staged":"/local/ckpt/step-5"}"#,
+        ))
+        .unwrap()
+        .unwrap();
+        assert!(resolve(&negative, Some("s3://ck/run2"), &policy).is_err());
+        let mut unnumbered = bare.clone();
+        unnumbered.staged = PathBuf::from("/local/ckpt/final");
+        unnumbered.step = None;
+        assert_eq!(
+            resolve(&unnumbered, Some("s3://ck/run2"), &policy)
+                .unwrap()
+                .step,
+            None
+        );
         assert!(StagedRequest::from_ack(&ack(r#"{"state":"failed","staged":"/x"}"#)).is_err());
         assert!(StagedRequest::from_ack(&ack(r#"{"state":"done","staged":"rel"}"#)).is_err());
         let hidden = StagedRequest::from_ack(&ack(r#"{"state":"done","staged":"/c/.x"}"#))
@@ -340,10 +478,31 @@ mod tests {
             allow: vec![
                 AllowUpload::parse(&tmp.path().join("dest").display().to_string()).unwrap(),
             ],
+            own_dirs: vec![cdir.clone()],
         };
-        let taken = take(&proc, acker, &dir, &req, None, &policy, &Limits::default()).unwrap();
+        let binding = Binding {
+            location: req.upload.clone(),
+            writer: None,
+        };
+        let store = StoreOptions::default();
+        let taken = take(
+            &proc,
+            acker,
+            &dir,
+            &req,
+            &binding,
+            &policy,
+            &Limits::default(),
+            &store,
+        )
+        .unwrap();
         assert_eq!(taken.tree.files.len(), 1);
         assert!(matches!(taken.root, RootRecord::Host { .. }));
+        // Host mode: the acking process's uid is the writer.
+        assert_eq!(
+            taken.writer,
+            Writer::host(rustix::process::getuid().as_raw())
+        );
         let answer: Answer =
             serde_json::from_slice(&std::fs::read(cdir.join("upload-4242.json")).unwrap()).unwrap();
         assert_eq!(answer.state, AnswerState::Taken);
@@ -351,7 +510,17 @@ mod tests {
 
         // Refused: the answer says why.
         let off = UploadPolicy::default();
-        assert!(take(&proc, acker, &dir, &req, None, &off, &Limits::default()).is_err());
+        assert!(take(
+            &proc,
+            acker,
+            &dir,
+            &req,
+            &binding,
+            &off,
+            &Limits::default(),
+            &store
+        )
+        .is_err());
         let answer: Answer =
             serde_json::from_slice(&std::fs::read(cdir.join("upload-4242.json")).unwrap()).unwrap();
         assert_eq!(answer.state, AnswerState::Refused);

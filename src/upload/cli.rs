@@ -155,6 +155,11 @@ pub async fn run_cli(args: UploadArgs, cancel: CancellationToken) -> i32 {
     if let Err(e) = validate_checkpoint_name(&name) {
         return usage(e);
     }
+    // The step is what the name proves; a --step that disagrees is a mistake.
+    let step = match super::owner::checked_step(&name, args.step) {
+        Ok(s) => s,
+        Err(e) => return usage(e),
+    };
     if !args.staged.is_absolute() {
         return usage("STAGED must be an absolute path");
     }
@@ -165,11 +170,13 @@ pub async fn run_cli(args: UploadArgs, cancel: CancellationToken) -> i32 {
             Location::Dir(base) => Granted::Dir {
                 base: base.clone(),
                 below: PathBuf::from(&name),
+                own: Vec::new(),
             },
         }
     } else {
         let policy = UploadPolicy {
             allow: args.allow.clone(),
+            own_dirs: Vec::new(),
         };
         match policy.check(&destination) {
             Ok(g) => g,
@@ -206,7 +213,13 @@ pub async fn run_cli(args: UploadArgs, cancel: CancellationToken) -> i32 {
         pool: args.concurrency,
         ..StoreOptions::default()
     };
-    let target = match Target::open(&destination, &granted, &store_opts) {
+    let target = match Target::open(&destination, &granted, &store_opts).and_then(|t| {
+        t.check_keys(
+            tree.files.iter().map(|f| f.path.as_str()),
+            &super::manifest::manifest_file(args.part),
+        )
+        .map(|()| t)
+    }) {
         Ok(t) => t,
         Err(e) => {
             eprintln!("spotguard upload: {e}");
@@ -242,7 +255,7 @@ pub async fn run_cli(args: UploadArgs, cancel: CancellationToken) -> i32 {
     let job = Job {
         meta: Meta {
             name: name.clone(),
-            step: args.step,
+            step,
             part: args.part,
             notice: None,
             origin: Origin {
@@ -251,6 +264,10 @@ pub async fn run_cli(args: UploadArgs, cancel: CancellationToken) -> i32 {
                 pod: None,
             },
             acked_at: None,
+            // DEST is this command's location; its writer the invoking user.
+            writer: Some(super::owner::Writer::host(
+                rustix::process::getuid().as_raw(),
+            )),
         },
         root: RootRecord::Host { owner: tree.owner },
         tree,

@@ -83,6 +83,24 @@ impl Location {
         }
     }
 
+    /// Whether `self` is `bound` or a location below it: the same scheme and bucket, and
+    /// `bound`'s path followed by whole segments (never `run1-evil` under `run1`).
+    pub fn is_within(&self, bound: &Location) -> bool {
+        match (self, bound) {
+            (Location::Dir(p), Location::Dir(b)) => p.starts_with(b),
+            (Location::Store(u), Location::Store(b)) => {
+                u.scheme == b.scheme
+                    && u.bucket == b.bucket
+                    && (b.prefix.is_empty()
+                        || u.prefix == b.prefix
+                        || u.prefix
+                            .strip_prefix(b.prefix.as_str())
+                            .is_some_and(|rest| rest.starts_with('/')))
+            }
+            _ => false,
+        }
+    }
+
     /// The location as a URL or path, for logs, manifests and Events.
     pub fn display(&self) -> String {
         match self {
@@ -147,17 +165,25 @@ impl std::fmt::Display for AllowUpload {
 }
 
 /// What the allow-list granted: for a directory, the allowed directory the destination is opened
-/// from and the rest of the path below it.
+/// from, the rest of the path below it, and the agent's own directories it must never reach.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Granted {
     Store,
-    Dir { base: PathBuf, below: PathBuf },
+    Dir {
+        base: PathBuf,
+        below: PathBuf,
+        /// The agent's own directories (`--checkpoint-dir`, `--state-dir`): the base may not be,
+        /// contain or lie inside one, compared by identity when the destination is opened.
+        own: Vec<PathBuf>,
+    },
 }
 
 /// The operator's `--upload-allow` list. Empty: every destination is refused (uploads are off).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct UploadPolicy {
     pub allow: Vec<AllowUpload>,
+    /// The agent's own directories: no allowed directory may be, contain or lie inside one.
+    pub own_dirs: Vec<PathBuf>,
 }
 
 impl UploadPolicy {
@@ -187,6 +213,7 @@ impl UploadPolicy {
                         return Ok(Granted::Dir {
                             base: base.clone(),
                             below: below.to_path_buf(),
+                            own: self.own_dirs.clone(),
                         });
                     }
                 }
@@ -217,6 +244,7 @@ mod tests {
     fn policy(p: &[&str]) -> UploadPolicy {
         UploadPolicy {
             allow: p.iter().map(|t| AllowUpload::parse(t).unwrap()).collect(),
+            own_dirs: Vec::new(),
         }
     }
 
@@ -249,6 +277,33 @@ mod tests {
     }
 
     #[test]
+    fn a_location_is_within_its_bound_on_whole_segments() {
+        let within = |a: &str, b: &str| {
+            Location::parse(a)
+                .unwrap()
+                .is_within(&Location::parse(b).unwrap())
+        };
+        assert!(within("s3://ck/run1", "s3://ck/run1"));
+        assert!(within("s3://ck/run1/sub/x", "s3://ck/run1/"));
+        assert!(within("s3://ck/anything", "s3://ck"));
+        assert!(within("/mnt/efs/run1/a", "file:///mnt/efs/run1"));
+        for (a, b) in [
+            ("s3://ck/run1-evil", "s3://ck/run1"),
+            ("s3://ck/run", "s3://ck/run1"),
+            ("s3://ck/other", "s3://ck/run1"),
+            ("s3://ck2/run1", "s3://ck/run1"),
+            ("gs://ck/run1", "s3://ck/run1"),
+            ("s3://CK/run1", "s3://ck/run1"),
+            ("s3://ck/RUN1", "s3://ck/run1"),
+            ("/mnt/efs/run1-evil", "/mnt/efs/run1"),
+            ("/mnt/efs", "/mnt/efs/run1"),
+            ("/mnt/efs/run1", "s3://ck/mnt/efs/run1"),
+        ] {
+            assert!(!within(a, b), "{a} within {b}");
+        }
+    }
+
+    #[test]
     fn the_allow_list_grants_stores_and_directories_on_whole_segments() {
         let p = policy(&["s3://ckpt-*/runs", "/mnt/efs/ckpt"]);
         for ok in ["s3://ckpt-a/runs/r1/step-1", "s3://ckpt-b/runs/x"] {
@@ -262,7 +317,8 @@ mod tests {
                 .unwrap(),
             Granted::Dir {
                 base: PathBuf::from("/mnt/efs/ckpt"),
-                below: PathBuf::from("r1/step-1")
+                below: PathBuf::from("r1/step-1"),
+                own: Vec::new(),
             }
         );
         for bad in [

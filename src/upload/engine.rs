@@ -86,6 +86,10 @@ pub struct Meta {
     pub origin: Origin,
     /// When the trainer's ack was seen.
     pub acked_at: Option<Timestamp>,
+    /// Whose checkpoint this is: the location's owner marker must name it (created if there is
+    /// none) before anything is sent. `None`: an upload resumed after a restart (its first run
+    /// claimed the location): the marker's writer.
+    pub writer: Option<super::owner::Writer>,
 }
 
 /// One upload.
@@ -385,6 +389,9 @@ async fn upload(job: Job, started_at: Timestamp) -> Result<Done, Failed> {
     let total = tree.bytes;
     let fail0 = |e: Error| (e, 0, 0);
 
+    // The location is this writer's (its owner marker), or nothing is sent.
+    let writer = target.claim(meta.writer.as_ref()).await.map_err(fail0)?;
+
     // A checkpoint is never overwritten: an existing manifest must describe this very content.
     let manifest_file = manifest::manifest_file(meta.part);
     if let Some(existing) = read_manifest(&target, &manifest_file)
@@ -545,7 +552,7 @@ async fn upload(job: Job, started_at: Timestamp) -> Result<Done, Failed> {
             resumed,
         },
         spotguard_version: env!("CARGO_PKG_VERSION").to_string(),
-        writer: None,
+        writer: writer.map(|w| w.to_string()),
     };
     if manifest.files.len() != tree.files.len() {
         let e = Error::Manifest {

@@ -81,6 +81,19 @@ pub enum Error {
 
     #[error("manifest {key}: {reason}")]
     Manifest { key: String, reason: String },
+
+    #[error(
+        "{location} belongs to {owner} (its owner marker), not to {writer}: nothing was sent; \
+         each job needs a location of its own"
+    )]
+    ForeignLocation {
+        location: String,
+        owner: String,
+        writer: String,
+    },
+
+    #[error("checkpoint {name}: {reason}")]
+    Step { name: String, reason: String },
 }
 
 impl Error {
@@ -103,6 +116,8 @@ impl Error {
             Error::Journal { .. } => "journal",
             Error::Resume { .. } => "resume",
             Error::Manifest { .. } => "manifest",
+            Error::ForeignLocation { .. } => "foreign_location",
+            Error::Step { .. } => "step",
         }
     }
 
@@ -112,9 +127,10 @@ impl Error {
         match self {
             Error::Deadline { .. } => super::Outcome::Deadline,
             Error::Cancelled { .. } => super::Outcome::Cancelled,
-            Error::NotAllowed { .. } | Error::InvalidDestination { .. } | Error::Staged { .. } => {
-                super::Outcome::Refused
-            }
+            Error::NotAllowed { .. }
+            | Error::InvalidDestination { .. }
+            | Error::Staged { .. }
+            | Error::Step { .. } => super::Outcome::Refused,
             _ => super::Outcome::Failed,
         }
     }

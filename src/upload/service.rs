@@ -14,15 +14,17 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use super::ack::{self, Acker, StagedRequest};
+use super::ack::{self, Acker, Binding, StagedRequest};
 use super::dest::UploadPolicy;
 use super::engine::{Job, Meta, Options, Report};
 use super::manifest::{NoticeInfo, Origin};
 use super::metrics::UploadMetrics;
+use super::owner::Writer;
 use super::staged::Limits;
 use super::target::Target;
 use super::uploader::{self, Recovery, Uploader};
 use super::{Error, Outcome};
+use crate::checkpoint::pods::UploadBinding;
 use crate::checkpoint::procfs::ProcFs;
 use crate::checkpoint::run::AckSeen;
 use crate::node::PodRef;
@@ -49,15 +51,17 @@ pub struct Settings {
     pub store: StoreOptions,
     /// The agent's `--state-dir`: upload journals live in its `uploads/`.
     pub state_dir: PathBuf,
-    /// Host mode: `--checkpoint-upload`, the location of acks that name none.
+    /// Host mode: `--checkpoint-upload`, the location bound to every trainer of this host (an
+    /// ack's `upload` may name a place below it).
     pub host_location: Option<String>,
+
     /// This node's name, for manifests.
     pub node: Option<String>,
 }
 
-/// The location a pod's `spotguard.io/checkpoint-upload` annotation names (the agent's pod
-/// cache), by pod.
-pub type PodLocation = Arc<dyn Fn(&PodRef) -> Option<String> + Send + Sync>;
+/// The location a pod's `spotguard.io/checkpoint-upload` annotation names and the job the pod
+/// belongs to (the agent's pod cache), by pod; `None`: not an opted-in pod the cache knows.
+pub type PodLocation = Arc<dyn Fn(&PodRef) -> Option<UploadBinding> + Send + Sync>;
 
 /// What the plan tells each upload it starts.
 #[derive(Clone, Debug)]
@@ -171,10 +175,24 @@ impl Service {
                 return refused(e);
             }
         };
-        let default = match (seen.pod, &self.pod_location) {
-            (Some(p), Some(lookup)) => lookup(p),
-            (Some(_), None) => None,
-            (None, _) => self.settings.host_location.clone(),
+        // The job's bound location and, in Kubernetes, its owner (host mode: the acking
+        // process's uid, read with its root).
+        let binding = match (seen.pod, &self.pod_location) {
+            (Some(p), Some(lookup)) => lookup(p)
+                .map(|b| Binding {
+                    location: b.location,
+                    writer: Some(Writer::kube(
+                        &b.owner.namespace,
+                        &b.owner.kind,
+                        &b.owner.name,
+                    )),
+                })
+                .unwrap_or_default(),
+            (Some(_), None) => Binding::default(),
+            (None, _) => Binding {
+                location: self.settings.host_location.clone(),
+                writer: None,
+            },
         };
         let acker = Acker {
             pid: seen.process.pid,
@@ -186,16 +204,9 @@ impl Service {
             acker,
             seen.dir,
             &req,
-            default.as_deref(),
+            &binding,
             &self.settings.policy,
             &self.settings.limits,
-        ) {
-            Ok(t) => t,
-            Err(e) => return refused(e),
-        };
-        let target = match Target::open(
-            &taken.resolved.destination,
-            &taken.resolved.granted,
             &self.store_options(),
         ) {
             Ok(t) => t,
@@ -214,7 +225,7 @@ impl Service {
         let job = Job {
             meta: Meta {
                 name: taken.resolved.name.clone(),
-                step: req.step,
+                step: taken.resolved.step,
                 part: req.part,
                 notice: Some(ctx.notice.clone()),
                 origin: Origin {
@@ -223,10 +234,11 @@ impl Service {
                     pod: pod.as_ref().map(pod_key),
                 },
                 acked_at: Some(jiff::Timestamp::now()),
+                writer: Some(taken.writer.clone()),
             },
             root: taken.root,
             tree: taken.tree,
-            target,
+            target: taken.target,
             options: self.options(ctx.deadline),
             progress: Arc::new(Progress::default()),
             metrics: Some(self.metrics.clone()),
@@ -312,6 +324,7 @@ impl Service {
                                 pod: None,
                             },
                             acked_at: None,
+                            writer: None,
                         },
                         root: record.root.clone(),
                         tree,

@@ -208,7 +208,8 @@ pub struct StagedTree {
 pub struct Root {
     fd: OwnedFd,
     display: String,
-    /// The uid of the process whose root this is (`None`: the host root, no owner check).
+    /// The uid every entry must belong to: the acking process's (0 for a root trainer); `None`
+    /// only for the CLI's own `/`, where the invoking user's permissions apply.
     pub uid: Option<u32>,
 }
 
@@ -230,7 +231,7 @@ impl Root {
     }
 
     /// The root of process `pid` (`<proc>/<pid>/root`), whose entries must all belong to the
-    /// process's real uid unless it is 0. The start time is checked after the root and the uid
+    /// process's real uid, root's (uid 0) like anyone's. The start time is checked after the root and the uid
     /// were read, so both belong to that very process and not to a successor with a recycled PID.
     pub fn of_process(proc: &ProcFs, pid: i32, start_time: u64) -> Result<Root, Error> {
         let path = proc.path(pid, "root");
@@ -255,7 +256,7 @@ impl Root {
         Ok(Root {
             fd,
             display,
-            uid: (status.uid != 0).then_some(status.uid),
+            uid: Some(status.uid),
         })
     }
 

@@ -31,6 +31,7 @@ use rustix::fs::{Mode, OFlags, ResolveFlags};
 
 use super::dest::{Granted, Location};
 use super::manifest::MANIFEST_MAX_BYTES;
+use super::owner::{Marker, Writer};
 use super::Error;
 use crate::fsutil::{AtomicFile, Durability};
 use crate::prefetch::source::{self, Scheme, StoreOptions};
@@ -85,14 +86,104 @@ impl Target {
                     url.normalized(),
                 )))
             }
-            (Location::Dir(path), Granted::Dir { base, below }) => {
-                Ok(Target::Dir(DirTarget::open(base, below, path)?))
+            (Location::Dir(path), Granted::Dir { base, below, own }) => {
+                Ok(Target::Dir(DirTarget::open(base, below, path, own)?))
             }
             (Location::Dir(path), Granted::Store) => Err(Error::InvalidDestination {
                 dest: path.display().to_string(),
                 reason: "a directory needs a granted base".into(),
             }),
         }
+    }
+}
+
+/// The longest object key S3 and GCS take (bytes of UTF-8).
+pub const MAX_KEY_BYTES: usize = 1024;
+
+impl Target {
+    /// Whether the store will take every key this checkpoint needs: each staged file's, the
+    /// manifest's (`manifest_file`) and the location's owner marker. Checked before the trainer
+    /// is answered `taken`, while it still has time to save elsewhere. A directory takes every
+    /// name the staged tree (a real directory) could hold.
+    pub fn check_keys<'a>(
+        &self,
+        files: impl Iterator<Item = &'a str>,
+        manifest_file: &'a str,
+    ) -> Result<(), Error> {
+        let Target::Store(s) = self else {
+            return Ok(());
+        };
+        let marker = s.marker_key_text();
+        for rel in files.chain(std::iter::once(manifest_file)) {
+            let key = if s.prefix.is_empty() {
+                rel.to_string()
+            } else {
+                format!("{}/{rel}", s.prefix)
+            };
+            s.check_key(&key)?;
+        }
+        s.check_key(&marker)
+    }
+}
+
+impl Target {
+    /// The location this checkpoint is listed under (its directory's parent), for messages.
+    fn location_display(&self) -> String {
+        let d = self.display();
+        d.rsplit_once('/')
+            .map_or(d, |(parent, _)| parent)
+            .to_string()
+    }
+
+    async fn read_marker(&self) -> Result<Option<Vec<u8>>, Error> {
+        match self {
+            Target::Store(s) => s.read_marker().await,
+            Target::Dir(d) => d.read_marker(),
+        }
+    }
+
+    /// Before any file is sent: the location's owner marker names `writer`, created (only if
+    /// absent) when there is none; a location another writer owns is
+    /// [`Error::ForeignLocation`]. The marker is read back after it is created, so a store that
+    /// ignored the create-only condition and let a concurrent writer's marker replace ours
+    /// still leaves only one writer going on. Returns the writer the manifest names.
+    ///
+    /// `writer` `None` (an upload resumed after an agent restart, whose first run claimed the
+    /// location before anything was journaled or sent): the marker's writer, if any.
+    pub async fn claim(&self, writer: Option<&Writer>) -> Result<Option<Writer>, Error> {
+        let location = self.location_display();
+        let unreadable = |reason: String| Error::Manifest {
+            key: format!("{location}/{}", super::owner::MARKER_NAME),
+            reason: format!("the location's owner marker is unreadable: {reason}"),
+        };
+        let existing = self.read_marker().await?;
+        let Some(writer) = writer else {
+            return Ok(existing
+                .and_then(|d| Marker::parse(&d).ok())
+                .map(|m| m.writer));
+        };
+        let data = match existing {
+            Some(d) => d,
+            None => {
+                let fresh = Marker::new(writer.clone()).to_bytes();
+                match self {
+                    Target::Store(s) => s.create_marker(fresh).await?,
+                    Target::Dir(d) => d.create_marker(&fresh)?,
+                };
+                self.read_marker()
+                    .await?
+                    .ok_or_else(|| unreadable("gone right after it was created".into()))?
+            }
+        };
+        let marker = Marker::parse(&data).map_err(unreadable)?;
+        if &marker.writer != writer {
+            return Err(Error::ForeignLocation {
+                location,
+                owner: marker.writer.to_string(),
+                writer: writer.to_string(),
+            });
+        }
+        Ok(Some(marker.writer))
     }
 }
 
@@ -149,6 +240,89 @@ impl StoreTarget {
     ) -> impl FnOnce(object_store::Error) -> Error {
         let key = key.to_string();
         move |source| Error::Request { op, key, source }
+    }
+
+    /// Whether the store takes `key`: at most [`MAX_KEY_BYTES`], segments that are neither empty
+    /// nor `.`/`..`, no control characters (GCS refuses `\r` and `\n`), not under GCS's reserved
+    /// `.well-known/acme-challenge/`.
+    fn check_key(&self, key: &str) -> Result<(), Error> {
+        let refuse = |reason: String| Error::InvalidDestination {
+            dest: format!("{}/…", self.url),
+            reason: format!(
+                "the store would refuse the key {:?}: {reason}",
+                shorten(key)
+            ),
+        };
+        if key.len() > MAX_KEY_BYTES {
+            return Err(refuse(format!(
+                "{} bytes, more than the store's {MAX_KEY_BYTES}",
+                key.len()
+            )));
+        }
+        if key.chars().any(char::is_control) {
+            return Err(refuse("control characters".into()));
+        }
+        if key
+            .split('/')
+            .any(|seg| seg.is_empty() || seg == "." || seg == "..")
+        {
+            return Err(refuse("an empty, `.` or `..` segment".into()));
+        }
+        if key.starts_with(".well-known/acme-challenge/") {
+            return Err(refuse("a name GCS reserves".into()));
+        }
+        ObjectPath::parse(key)
+            .map(|_| ())
+            .map_err(|e| refuse(e.to_string()))
+    }
+
+    /// The location's owner marker key: `<location>/.spotguard-location.json`, the location
+    /// being the checkpoint's parent.
+    fn marker_key_text(&self) -> String {
+        match self.prefix.rsplit_once('/') {
+            Some((parent, _)) => format!("{parent}/{}", super::owner::MARKER_NAME),
+            None => super::owner::MARKER_NAME.to_string(),
+        }
+    }
+
+    /// The location's owner marker, if there is one (read with a cap of
+    /// [`super::owner::MARKER_MAX_BYTES`]).
+    pub async fn read_marker(&self) -> Result<Option<Vec<u8>>, Error> {
+        let key = ObjectPath::from(self.marker_key_text());
+        match self.store.get(&key).await {
+            Ok(r) => {
+                if r.meta.size > super::owner::MARKER_MAX_BYTES {
+                    return Ok(Some(vec![
+                        b' ';
+                        super::owner::MARKER_MAX_BYTES as usize + 1
+                    ]));
+                }
+                let bytes = r.bytes().await.map_err(Self::request_err("GET", &key))?;
+                Ok(Some(bytes.to_vec()))
+            }
+            Err(object_store::Error::NotFound { .. }) => Ok(None),
+            Err(e) => Err(Self::request_err("GET", &key)(e)),
+        }
+    }
+
+    /// Create the owner marker only if there is none (`PutMode::Create`: S3's `If-None-Match:
+    /// *`, GCS's `ifGenerationMatch=0`). `Ok(false)`: one was already there.
+    pub async fn create_marker(&self, data: Vec<u8>) -> Result<bool, Error> {
+        let key = ObjectPath::from(self.marker_key_text());
+        let opts = PutOptions {
+            mode: object_store::PutMode::Create,
+            ..PutOptions::default()
+        };
+        match self
+            .store
+            .put_opts(&key, PutPayload::from(data), opts)
+            .await
+        {
+            Ok(_) => Ok(true),
+            Err(object_store::Error::AlreadyExists { .. })
+            | Err(object_store::Error::Precondition { .. }) => Ok(false),
+            Err(e) => Err(Self::request_err("PUT", &key)(e)),
+        }
     }
 
     /// `PUT` a whole small file; the store's checksum from the response, if it sent one.
@@ -298,20 +472,210 @@ fn open_or_make(parent: &impl AsFd, name: &std::ffi::OsStr) -> rustix::io::Resul
     }
 }
 
+/// Identity of a directory: device and inode.
+type DirId = (u64, u64);
+
+fn dir_id(fd: &impl AsFd) -> rustix::io::Result<DirId> {
+    let st = rustix::fs::fstat(fd)?;
+    Ok((st.st_dev as u64, st.st_ino))
+}
+
+/// The agent's own directories (`--checkpoint-dir`, which is also where `notice.json` goes, and
+/// `--state-dir`) by identity, and every directory above them, so that an allowed base can be
+/// compared with them by what it is, not by how it is named.
+struct OwnDirs {
+    own: Vec<(DirId, PathBuf)>,
+    above: Vec<(DirId, PathBuf)>,
+}
+
+impl OwnDirs {
+    fn of(paths: &[PathBuf]) -> OwnDirs {
+        let mut own = Vec::new();
+        let mut above = Vec::new();
+        for p in paths {
+            let Ok(fd) = rustix::fs::open(
+                p,
+                OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
+                Mode::empty(),
+            ) else {
+                continue;
+            };
+            let Ok(id) = dir_id(&fd) else { continue };
+            own.push((id, p.clone()));
+            for up in ancestors(fd) {
+                above.push((up, p.clone()));
+            }
+        }
+        OwnDirs { own, above }
+    }
+
+    fn own(&self, id: DirId) -> Option<&Path> {
+        self.own
+            .iter()
+            .find(|(i, _)| *i == id)
+            .map(|(_, p)| p.as_path())
+    }
+
+    fn below(&self, id: DirId) -> Option<&Path> {
+        self.above
+            .iter()
+            .find(|(i, _)| *i == id)
+            .map(|(_, p)| p.as_path())
+    }
+}
+
+/// Every directory above `fd` (its parent first, `/` last), found through `..`.
+fn ancestors(fd: OwnedFd) -> Vec<DirId> {
+    let mut out = Vec::new();
+    let Ok(mut id) = dir_id(&fd) else {
+        return out;
+    };
+    let mut cur = fd;
+    // Deeper than any real path can be.
+    for _ in 0..4096 {
+        let Ok(up) = rustix::fs::openat(
+            &cur,
+            "..",
+            OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
+            Mode::empty(),
+        ) else {
+            break;
+        };
+        let Ok(up_id) = dir_id(&up) else { break };
+        if up_id == id {
+            break;
+        }
+        out.push(up_id);
+        id = up_id;
+        cur = up;
+    }
+    out
+}
+
+/// Whether `name` in `dir` is a symlink (for a clear refusal).
+fn is_symlink(dir: &impl AsFd, name: &std::ffi::OsStr) -> bool {
+    rustix::fs::statat(dir, name, rustix::fs::AtFlags::SYMLINK_NOFOLLOW).is_ok_and(|st| {
+        rustix::fs::FileType::from_raw_mode(st.st_mode) == rustix::fs::FileType::Symlink
+    })
+}
+
+/// Whether a directory owned by `uid` with `mode` is one only its owner (root, or the user
+/// running the uploader) can change.
+fn trusted(uid: u32, mode: u32) -> Result<(), String> {
+    let me = rustix::process::geteuid().as_raw();
+    if uid != 0 && uid != me {
+        return Err(format!(
+            "owned by uid {uid}, not by root{}",
+            if me == 0 {
+                String::new()
+            } else {
+                format!(" or uid {me}")
+            }
+        ));
+    }
+    if mode & 0o022 != 0 {
+        return Err(format!(
+            "writable by group or others (mode {:o})",
+            mode & 0o7777
+        ));
+    }
+    Ok(())
+}
+
+/// Open the allowed base as the operator made it: from `/`, one component at a time, never
+/// through a symlink; only its last component may be created (0755, and only in a parent that
+/// root — or the user running the uploader — owns and nobody else can write). The base must be
+/// owned by root (or that user) and not writable by group or others, and must neither be, nor
+/// contain, nor lie inside one of `own` (the agent's own directories), compared by identity.
+fn open_base(base: &Path, own: &[PathBuf], display: &str) -> Result<OwnedFd, Error> {
+    let refuse = |reason: String| Error::NotAllowed {
+        dest: display.to_string(),
+        reason: format!("the allowed directory {}: {reason}", base.display()),
+    };
+    let io = |op: &'static str| Error::io(op, base.display().to_string());
+    let flags = OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+    let mut cur = rustix::fs::open("/", flags, Mode::empty()).map_err(|e| io("open")(e.into()))?;
+    let names: Vec<&std::ffi::OsStr> = base
+        .components()
+        .filter_map(|c| match c {
+            std::path::Component::Normal(n) => Some(n),
+            _ => None,
+        })
+        .collect();
+    for (i, name) in names.iter().enumerate() {
+        let last = i + 1 == names.len();
+        let open = |dir: &OwnedFd| rustix::fs::openat(dir, *name, flags, Mode::empty());
+        let next =
+            match open(&cur) {
+                Ok(fd) => fd,
+                Err(rustix::io::Errno::NOENT) if last => {
+                    let st = rustix::fs::fstat(&cur).map_err(|e| io("stat")(e.into()))?;
+                    trusted(st.st_uid, st.st_mode).map_err(|why| {
+                        refuse(format!(
+                        "does not exist, and its parent is not one only root can change ({why}): \
+                         create it yourself"
+                    ))
+                    })?;
+                    match rustix::fs::mkdirat(&cur, *name, Mode::from_raw_mode(DIR_MODE)) {
+                        Ok(()) | Err(rustix::io::Errno::EXIST) => {}
+                        Err(e) => return Err(io("mkdir")(e.into())),
+                    }
+                    open(&cur).map_err(|e| io("open")(e.into()))?
+                }
+                Err(e) => {
+                    if is_symlink(&cur, name) {
+                        return Err(refuse(format!(
+                        "{} is a symlink (the allowed directory is opened without following any)",
+                        Path::new("/").join(names[..=i].iter().collect::<PathBuf>()).display()
+                    )));
+                    }
+                    return Err(io("open")(e.into()));
+                }
+            };
+        cur = next;
+    }
+    let st = rustix::fs::fstat(&cur).map_err(|e| io("stat")(e.into()))?;
+    trusted(st.st_uid, st.st_mode).map_err(refuse)?;
+    let own = OwnDirs::of(own);
+    let id = (st.st_dev as u64, st.st_ino);
+    if let Some(p) = own.own(id) {
+        return Err(refuse(format!(
+            "is the agent's own directory {}",
+            p.display()
+        )));
+    }
+    if let Some(p) = own.below(id) {
+        return Err(refuse(format!(
+            "contains the agent's own directory {}",
+            p.display()
+        )));
+    }
+    let dup = rustix::io::fcntl_dupfd_cloexec(&cur, 0).map_err(|e| io("dup")(e.into()))?;
+    for up in ancestors(dup) {
+        if let Some(p) = own.own(up) {
+            return Err(refuse(format!(
+                "is inside the agent's own directory {}",
+                p.display()
+            )));
+        }
+    }
+    Ok(cur)
+}
+
 impl DirTarget {
-    /// `base` (the allowed directory; created if missing, symlinks in it followed: the operator
-    /// chose it), then `below` component by component beneath it (created if missing, never
-    /// through a symlink). `path` is the full path, for messages.
-    pub fn open(base: &Path, below: &Path, path: &Path) -> Result<DirTarget, Error> {
+    /// `base` (the allowed directory, trusted only as the operator made it: [`open_base`]), then
+    /// `below` component by component beneath it (created if missing, never through a symlink,
+    /// never one of `own`, the agent's own directories). `path` is the full path, for messages.
+    pub fn open(
+        base: &Path,
+        below: &Path,
+        path: &Path,
+        own: &[PathBuf],
+    ) -> Result<DirTarget, Error> {
         let display = path.display().to_string();
         let io = |op: &'static str| Error::io(op, display.clone());
-        std::fs::create_dir_all(base).map_err(io("mkdir"))?;
-        let mut cur = rustix::fs::open(
-            base,
-            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
-            Mode::empty(),
-        )
-        .map_err(|e| io("open")(e.into()))?;
+        let mut cur = open_base(base, own, &display)?;
+        let own_ids = OwnDirs::of(own);
         let mut parent = None;
         for comp in below.components() {
             let std::path::Component::Normal(name) = comp else {
@@ -321,12 +685,7 @@ impl DirTarget {
                 });
             };
             let next = open_or_make(&cur, name).map_err(|e| {
-                let symlink = rustix::fs::statat(&cur, name, rustix::fs::AtFlags::SYMLINK_NOFOLLOW)
-                    .is_ok_and(|st| {
-                        rustix::fs::FileType::from_raw_mode(st.st_mode)
-                            == rustix::fs::FileType::Symlink
-                    });
-                if symlink {
+                if is_symlink(&cur, name) {
                     Error::InvalidDestination {
                         dest: display.clone(),
                         reason: format!("{} is a symlink (refused)", name.to_string_lossy()),
@@ -335,6 +694,12 @@ impl DirTarget {
                     io("open")(e.into())
                 }
             })?;
+            if let Some(p) = dir_id(&next).ok().and_then(|id| own_ids.own(id)) {
+                return Err(Error::NotAllowed {
+                    dest: display,
+                    reason: format!("reaches the agent's own directory {}", p.display()),
+                });
+            }
             parent = Some(std::mem::replace(&mut cur, next));
         }
         let Some(parent) = parent else {
@@ -469,8 +834,244 @@ impl DirTarget {
         }
     }
 
+    /// The location's owner marker (in the checkpoint directory's parent, the location), if
+    /// there is one; read without following a symlink, with a cap.
+    pub fn read_marker(&self) -> Result<Option<Vec<u8>>, Error> {
+        let name = super::owner::MARKER_NAME;
+        let path = format!("{}/../{name}", self.display);
+        let fd = match rustix::fs::openat2(
+            &self.parent,
+            name,
+            OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC,
+            Mode::empty(),
+            BENEATH,
+        ) {
+            Ok(fd) => fd,
+            Err(rustix::io::Errno::NOENT) => return Ok(None),
+            Err(e) => return Err(Error::io("open", path)(e.into())),
+        };
+        let mut data = Vec::new();
+        std::fs::File::from(fd)
+            .take(super::owner::MARKER_MAX_BYTES + 1)
+            .read_to_end(&mut data)
+            .map_err(Error::io("read", path))?;
+        Ok(Some(data))
+    }
+
+    /// Create the owner marker only if there is none: written and synced under a temporary name,
+    /// then hard-linked to its name (`linkat` never replaces), so a reader sees it whole or not
+    /// at all. `Ok(false)`: one was already there.
+    pub fn create_marker(&self, data: &[u8]) -> Result<bool, Error> {
+        use std::io::Write;
+        let name = super::owner::MARKER_NAME;
+        let path = format!("{}/../{name}", self.display);
+        let tmp = format!(
+            ".{name}.new-{}-{:08x}",
+            std::process::id(),
+            fastrand::u32(..)
+        );
+        let fd = rustix::fs::openat(
+            &self.parent,
+            tmp.as_str(),
+            OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+            Mode::from_raw_mode(FILE_MODE),
+        )
+        .map_err(|e| Error::io("create", path.clone())(e.into()))?;
+        let mut file = std::fs::File::from(fd);
+        let linked = (|| -> std::io::Result<bool> {
+            rustix::fs::fchmod(&file, Mode::from_raw_mode(FILE_MODE))?;
+            file.write_all(data)?;
+            file.sync_all()?;
+            match rustix::fs::linkat(
+                &self.parent,
+                tmp.as_str(),
+                &self.parent,
+                name,
+                rustix::fs::AtFlags::empty(),
+            ) {
+                Ok(()) => {}
+                Err(rustix::io::Errno::EXIST) => return Ok(false),
+                Err(e) => return Err(e.into()),
+            }
+            match rustix::fs::fsync(&self.parent) {
+                Err(e) if e != rustix::io::Errno::INVAL => return Err(e.into()),
+                _ => {}
+            }
+            Ok(true)
+        })();
+        let _ = rustix::fs::unlinkat(&self.parent, tmp.as_str(), rustix::fs::AtFlags::empty());
+        linked.map_err(Error::io("create", path))
+    }
+
     /// The checkpoint directory, for tests and logs.
     pub fn path(&self) -> PathBuf {
         PathBuf::from(&self.display)
+    }
+}
+
+/// A hostile key, bounded for a message.
+fn shorten(key: &str) -> String {
+    const MAX: usize = 96;
+    if key.len() <= MAX {
+        return key.to_string();
+    }
+    let mut end = MAX;
+    while !key.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}… ({} bytes)", &key[..end], key.len())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    fn chmod(p: &Path, mode: u32) {
+        std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode)).unwrap();
+    }
+
+    fn open(base: &Path, own: &[PathBuf]) -> Result<DirTarget, Error> {
+        let path = base.join("run1/step-1");
+        DirTarget::open(base, Path::new("run1/step-1"), &path, own)
+    }
+
+    fn refusal(r: Result<DirTarget, Error>) -> String {
+        match r {
+            Ok(_) => panic!("opened"),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    #[test]
+    fn the_allowed_base_is_opened_only_as_the_operator_made_it() {
+        let tmp = tempfile::tempdir().unwrap();
+        let t = tmp.path();
+        chmod(t, 0o755);
+        // A root-owned 0755 base: opened, the path below made.
+        let base = t.join("efs");
+        std::fs::create_dir(&base).unwrap();
+        let d = open(&base, &[]).unwrap();
+        assert!(base.join("run1/step-1").is_dir());
+        drop(d);
+        // Missing: created (0755) in a parent only root can change.
+        let fresh = t.join("fresh");
+        open(&fresh, &[]).unwrap();
+        assert_eq!(
+            std::fs::metadata(&fresh).unwrap().permissions().mode() & 0o7777,
+            0o755
+        );
+        // A symlink anywhere on the way, the base itself or a component above it.
+        std::os::unix::fs::symlink(&base, t.join("link")).unwrap();
+        assert!(refusal(open(&t.join("link"), &[])).contains("symlink"));
+        assert!(refusal(open(&t.join("link/inner"), &[])).contains("symlink"));
+        // Writable by others, or owned by another user.
+        let open_to_all = t.join("shared");
+        std::fs::create_dir(&open_to_all).unwrap();
+        chmod(&open_to_all, 0o777);
+        assert!(refusal(open(&open_to_all, &[])).contains("writable by group or others"));
+        chmod(&open_to_all, 0o1777);
+        assert!(refusal(open(&open_to_all, &[])).contains("writable by group or others"));
+        // A missing base is not created in a directory others can write.
+        assert!(refusal(open(&open_to_all.join("new"), &[])).contains("does not exist"));
+        assert!(!open_to_all.join("new").exists());
+        let users = t.join("users");
+        std::fs::create_dir(&users).unwrap();
+        std::os::unix::fs::chown(&users, Some(1000), Some(1000)).unwrap();
+        if rustix::process::geteuid().is_root() {
+            assert!(refusal(open(&users, &[])).contains("owned by uid 1000"));
+        }
+    }
+
+    #[test]
+    fn the_allowed_base_never_is_contains_or_lies_in_the_agents_own_directories() {
+        let tmp = tempfile::tempdir().unwrap();
+        let t = tmp.path();
+        let agent = t.join("agent");
+        let ckpt = agent.join("run");
+        std::fs::create_dir_all(&ckpt).unwrap();
+        let state = t.join("state");
+        std::fs::create_dir_all(state.join("inner")).unwrap();
+        let own = vec![ckpt.clone(), state.clone()];
+        assert!(refusal(open(&ckpt, &own)).contains("is the agent's own directory"));
+        assert!(refusal(open(&agent, &own)).contains("contains the agent's own directory"));
+        assert!(refusal(open(&state.join("inner"), &own))
+            .contains("is inside the agent's own directory"));
+        // By identity, not by name: the agent's dir named through a symlink.
+        std::os::unix::fs::symlink(&agent, t.join("agent-link")).unwrap();
+        let named_otherwise = vec![t.join("agent-link/run")];
+        assert!(refusal(open(&ckpt, &named_otherwise)).contains("is the agent's own directory"));
+        assert!(refusal(open(&agent, &named_otherwise)).contains("contains the agent's own"));
+        let other = t.join("other");
+        std::fs::create_dir(&other).unwrap();
+        open(&other, &own).unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_directory_location_has_one_owner() {
+        let tmp = tempfile::tempdir().unwrap();
+        let base = tmp.path().join("efs");
+        std::fs::create_dir(&base).unwrap();
+        let a = Writer::host(1000);
+        let b = Writer::host(1001);
+        let t = Target::Dir(open(&base, &[]).unwrap());
+        assert_eq!(t.claim(Some(&a)).await.unwrap(), Some(a.clone()));
+        let marker = base.join("run1").join(super::super::owner::MARKER_NAME);
+        let m = Marker::parse(&std::fs::read(&marker).unwrap()).unwrap();
+        assert_eq!(m.writer, a);
+        // No temporary file left beside it.
+        let names: Vec<_> = std::fs::read_dir(base.join("run1"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names.len(), 2, "{names:?}");
+        // The same writer goes on; another is refused; a resumed upload adopts the marker's.
+        assert_eq!(t.claim(Some(&a)).await.unwrap(), Some(a.clone()));
+        let e = t.claim(Some(&b)).await.unwrap_err();
+        assert_eq!(e.metric_label(), "foreign_location");
+        assert!(e.to_string().contains("host:uid:1000"), "{e}");
+        assert_eq!(t.claim(None).await.unwrap(), Some(a.clone()));
+        // A marker planted as a symlink is not followed.
+        std::fs::remove_file(&marker).unwrap();
+        std::os::unix::fs::symlink("/etc/hostname", &marker).unwrap();
+        assert!(t.claim(Some(&a)).await.is_err());
+    }
+
+    #[test]
+    fn keys_the_store_would_refuse_are_refused_before_anything_is_sent() {
+        let store: Arc<object_store::memory::InMemory> = Arc::new(Default::default());
+        let long = "p".repeat(1100);
+        let t = Target::Store(StoreTarget::new(
+            store.clone(),
+            store.clone(),
+            &format!("{long}/step-1"),
+            format!("s3://b/{long}/step-1"),
+        ));
+        let e = t
+            .check_keys(["a.bin"].into_iter(), "manifest.json")
+            .unwrap_err();
+        assert!(e.to_string().contains("more than the store's 1024"), "{e}");
+        let ok = Target::Store(StoreTarget::new(
+            store.clone(),
+            store.clone(),
+            "run1/step-1",
+            "s3://b/run1/step-1".into(),
+        ));
+        ok.check_keys(["a.bin", "sub/b.bin"].into_iter(), "manifest.json")
+            .unwrap();
+        let deep = "d/".repeat(600) + "x";
+        assert!(ok
+            .check_keys([deep.as_str()].into_iter(), "manifest.json")
+            .is_err());
+        assert!(ok
+            .check_keys(["a\rb"].into_iter(), "manifest.json")
+            .is_err());
+        let acme = Target::Store(StoreTarget::new(
+            store.clone(),
+            store,
+            ".well-known/acme-challenge/step-1",
+            "gs://b/.well-known/acme-challenge/step-1".into(),
+        ));
+        assert!(acme.check_keys(["a"].into_iter(), "manifest.json").is_err());
     }
 }

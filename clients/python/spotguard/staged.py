@@ -178,9 +178,11 @@ def ack_staged(
     """Ack ``done`` for a checkpoint saved in the local directory ``staged`` and wait for the
     agent to take it.
 
-    ``upload`` names where the job's checkpoints go (``s3://bucket/prefix``,
-    ``gs://bucket/prefix`` or a directory such as an EFS mount); without it the pod's
-    ``spotguard.io/checkpoint-upload`` annotation (host mode: ``--checkpoint-upload``) applies.
+    The job's location is the pod's ``spotguard.io/checkpoint-upload`` annotation (host mode:
+    ``--checkpoint-upload``; ``s3://bucket/prefix``, ``gs://bucket/prefix`` or a directory such
+    as an EFS mount); ``upload`` may only name that location or a place below it (anything else,
+    or no bound location at all, is refused). ``step``, if given, must be the number the
+    directory's name carries (``step-1200`` → 1200).
     The checkpoint lands in ``<upload>/<basename of staged>/`` with ``manifest.json`` last, so
     name the directory after the step (``step-1200``). The path is resolved
     (``os.path.realpath``: the agent follows no symlink) and, with ``make_readable``, the tree
