@@ -887,6 +887,55 @@ async fn sigterm_after_a_restart_with_a_hung_checkpoint_dir_exits_within_the_gra
     assert_eq!(h.signals(), 1, "one signal for the one notice");
 }
 
+/// Issue 34 item 1 with a FUSE daemon that answered `INIT` and then takes every request and never
+/// answers it (a real stuck daemon; [`HungMount::new`] never answers `INIT`, and a thread waiting
+/// on an unsent request still dies with its process, which is why the test above passes). A
+/// thread of the agent that opened the checkpoint dir waits in the kernel for an answer that
+/// never comes, and nothing but the connection's abort ends that wait: not SIGKILL, not the
+/// process's exit. The first agent does not die of SIGKILL, the restarted one does not exit on
+/// SIGTERM ("all tasks stopped" is logged; the stuck thread holds the process). Ignored: it fails
+/// until the agent's access to pods' filesystems leaves its own process (see the report of issue
+/// 34). Everything stuck is freed (the mount is aborted) before the assertions.
+/// What the restarted agent logs when it takes up the plan.
+const RESTARTED: &str = "signalled for this notice before";
+
+#[ignore = "issue 34 item 1: fails until pod filesystem access leaves the agent's process"]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_after_a_restart_with_a_stuck_fuse_daemon_exits_within_the_grace() {
+    let h = Host::new();
+    let hung = HungMount::stuck_daemon(&h.ckpt());
+    let _t = h.trainer(false, 0.0, 0.0);
+    let emu = aws().await;
+    let extra = ["--shutdown-grace=2s", "--checkpoint-timeout=60s"];
+    let mut first = h.agent(&emu.base_url(), &extra);
+    first.polling().await;
+    emu.raise(EmulatedNotice::interruption().due_in(Duration::from_secs(110)))
+        .unwrap();
+    first
+        .wait_metric(SIGNALS, 1.0, Duration::from_secs(20))
+        .await;
+    first.proc.signal(libc::SIGKILL);
+    let killed = first.proc.wait_timeout(Duration::from_secs(5)).is_some();
+    let mut agent = h.agent(&emu.base_url(), &extra);
+    // No panic before the mount is aborted (a stuck agent's `Kid` would wait for ever).
+    let started = Instant::now();
+    while !agent.log_text().contains(RESTARTED) && started.elapsed() < Duration::from_secs(20) {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let took = agent.terminate(Duration::from_secs(10));
+    let log = agent.log_text();
+    drop(hung);
+    assert!(
+        killed,
+        "the first agent survived SIGKILL for 5 s; the restarted one's SIGTERM: {took:?}; log:\n{log}"
+    );
+    assert!(
+        took.is_some_and(|t| t <= Duration::from_secs(5)),
+        "no exit within 5 s of SIGTERM (grace 2 s): {took:?}; log:\n{log}"
+    );
+    assert_eq!(h.signals(), 1, "one signal for the one notice");
+}
+
 // === 7. "notice accepted" logs the deadline the plan uses ===
 
 /// Issue 24 item 7: an EC2 instance-action `time` an hour ahead is clamped to two minutes after
