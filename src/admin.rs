@@ -4,13 +4,18 @@
 //! It listens on the node's network (hostNetwork), so every client is untrusted: request headers
 //! must arrive within [`Limits::header_read_timeout`] and fit in [`Limits::max_header_bytes`], at
 //! most [`Limits::max_connections`] connections are open at once and at most
-//! [`Limits::max_connections_per_peer`] from one address. A connection over a limit takes the
-//! place of the connection (of that peer, for the per-peer limit) that has waited longest between
-//! requests, if one does; else it is closed on accept. A connection lives at most
-//! [`Limits::max_connection_age`], then is closed gracefully (Prometheus reconnects). So slow or
-//! idle clients cost bounded memory, and a client that holds every connection with a tiny request
-//! now and then (keep-alive) never keeps the kubelet's probes out: each probe takes the place of
-//! an idle connection.
+//! [`Limits::max_connections_per_peer`] from one address. A connection is *waiting for a head*
+//! from its accept until its request head is complete, and again from each response until the
+//! next head (keep-alive); only while a request is being served is it busy. A connection over a
+//! limit takes the place of the connection (of that peer, for the per-peer limit) that has been
+//! waiting for a head longest: a slow-header client, a half-sent head or an idle keep-alive
+//! connection, never a request being answered. Only when every connection is busy is the new one
+//! closed on accept. A connection lives at most [`Limits::max_connection_age`], then is closed
+//! gracefully (Prometheus reconnects). So slow or idle clients cost bounded memory, and a client
+//! that holds every connection (slow heads reopened as they close, or a tiny keep-alive request
+//! now and then) never keeps the kubelet's probes or a scrape out, from another address or from
+//! its own: a probe's head arrives at once, so it is served before the connections opened after
+//! it have taken the place of every older one.
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
@@ -125,20 +130,20 @@ pub async fn bind_with_limits(
             let peer = peer.ip();
             next_id += 1;
             let id = next_id;
-            // Over a limit: take the place of the connection waiting longest between requests
+            // Over a limit: take the place of the connection waiting longest for a request head
             // (of this peer for the per-peer limit), else close at once (dropping the stream).
             let permit = {
                 let mut t = table.lock().unwrap_or_else(|p| p.into_inner());
                 let mut evicted = false;
                 if t.from(peer) >= limits.max_connections_per_peer.max(1) {
-                    if !t.evict_idlest(Some(peer)) {
+                    if !t.evict_longest_waiting(Some(peer)) {
                         continue;
                     }
                     evicted = true;
                 }
                 let permit = match slots.clone().try_acquire_owned() {
                     Ok(p) => Some(p),
-                    Err(_) if evicted || t.evict_idlest(None) => None,
+                    Err(_) if evicted || t.evict_longest_waiting(None) => None,
                     Err(_) => continue,
                 };
                 t.insert(id, peer);
@@ -182,10 +187,10 @@ pub async fn bind_with_limits(
     Ok((local, fut))
 }
 
-/// How long a connection that evicted an idle one waits for that one's slot.
+/// How long a connection that took another's place waits for that one's slot.
 const EVICT_WAIT: Duration = Duration::from_millis(500);
 
-/// The open connections: their peer, whether they wait between requests (and since when), and
+/// The open connections: their peer, whether they wait for a request head (and since when), and
 /// how to close them.
 #[derive(Default)]
 struct Table {
@@ -194,8 +199,9 @@ struct Table {
 
 struct Conn {
     peer: IpAddr,
-    /// Waiting for its next request since then (a request was served, none is in progress).
-    idle_since: Option<std::time::Instant>,
+    /// Waiting for a request head since then: since the accept, or since its last response
+    /// (keep-alive). `None` while a request is being served.
+    waiting_since: Option<std::time::Instant>,
     kill: CancellationToken,
 }
 
@@ -209,7 +215,7 @@ impl Table {
             id,
             Conn {
                 peer,
-                idle_since: None,
+                waiting_since: Some(std::time::Instant::now()),
                 kill: CancellationToken::new(),
             },
         );
@@ -222,16 +228,16 @@ impl Table {
             .unwrap_or_default()
     }
 
-    /// Close the connection (of `peer`, if given) that has waited longest between requests;
-    /// `false` when none waits.
-    fn evict_idlest(&mut self, peer: Option<IpAddr>) -> bool {
-        let idlest = self
+    /// Close the connection (of `peer`, if given) that has waited longest for a request head
+    /// (sending one slowly, or idle between requests); `false` when every one is busy.
+    fn evict_longest_waiting(&mut self, peer: Option<IpAddr>) -> bool {
+        let longest = self
             .conns
             .iter()
             .filter(|(_, c)| peer.is_none_or(|p| c.peer == p))
-            .filter_map(|(id, c)| c.idle_since.map(|at| (at, *id)))
+            .filter_map(|(id, c)| c.waiting_since.map(|at| (at, *id)))
             .min();
-        let Some((_, id)) = idlest else {
+        let Some((_, id)) = longest else {
             return false;
         };
         if let Some(c) = self.conns.remove(&id) {
@@ -242,7 +248,7 @@ impl Table {
 
     fn busy(&mut self, id: u64, busy: bool) {
         if let Some(c) = self.conns.get_mut(&id) {
-            c.idle_since = (!busy).then(std::time::Instant::now);
+            c.waiting_since = (!busy).then(std::time::Instant::now);
         }
     }
 }

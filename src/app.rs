@@ -585,6 +585,7 @@ fn responder_config(cfg: &Config) -> ResponderConfig {
         drain_concurrency: usize::from(cfg.args.drain_concurrency),
         dry_run: cfg.args.dry_run,
         shutdown_grace: cfg.args.shutdown_grace,
+        resume_hold: crate::responder::resume_hold(cfg.args.poll_interval),
     }
 }
 

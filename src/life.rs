@@ -11,7 +11,9 @@
 //!     monotonic clock stops during a suspend, the boot-time clock does not), checked at start-up
 //!     and every few seconds, or
 //!   - the responder seeing the interruption it handled disappear from the metadata service after
-//!     the interruption's action time (the machine went through the action and came back).
+//!     the interruption's action time and stay away for the resume hold (the machine went
+//!     through the action and came back; one missing answer is no proof, see
+//!     `responder::resume_hold`).
 //!
 //! The life's identity is the boot id in the first life of a boot and `<boot id>+<n>` after the
 //! n-th resume; it is what plan records and `notice.json` carry (field `boot_id` / `life`). The

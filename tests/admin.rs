@@ -1,6 +1,7 @@
 //! The admin server against hostile clients: slow request heads are cut off after the header-read
-//! timeout while /healthz keeps answering and memory stays bounded; oversized heads get 431; the
-//! connection limit closes connections beyond it.
+//! timeout while /healthz keeps answering and memory stays bounded; oversized heads get 431; a
+//! connection beyond a limit takes the place of the one waiting longest for its head, so slow
+//! heads from the probes' own address, or over the global limit, never keep probes out.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -179,8 +180,10 @@ async fn oversized_request_heads_are_refused() {
     cancel.cancel();
 }
 
+/// A connection over the limit takes the place of the one that has been waiting for its request
+/// head longest (issue 34 item 3): the oldest held half-head is closed, the new one is served.
 #[tokio::test]
-async fn connections_beyond_the_limit_are_closed_on_accept() {
+async fn a_connection_beyond_the_limit_takes_the_place_of_the_longest_waiting() {
     let (addr, cancel) = server(Limits {
         max_connections: 8,
         header_read_timeout: Duration::from_secs(30),
@@ -193,18 +196,14 @@ async fn connections_beyond_the_limit_are_closed_on_accept() {
         s.write_all(b"GET").await.unwrap();
         held.push(s);
     }
-    tokio::time::sleep(Duration::from_millis(200)).await;
     let mut extra = TcpStream::connect(addr).await.unwrap();
     let mut buf = [0u8; 16];
-    let n = tokio::time::timeout(Duration::from_secs(2), extra.read(&mut buf))
+    let n = tokio::time::timeout(Duration::from_secs(5), held[0].read(&mut buf))
         .await
-        .expect("the connection over the limit was kept open")
+        .expect("the longest-waiting connection was kept open")
         .unwrap_or(0);
     assert_eq!(n, 0);
-    // A slot frees when a held connection goes.
-    drop(held.pop());
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    assert_eq!(healthz(addr).await, Ok(200));
+    assert_eq!(keep_alive_request(&mut extra).await, Some(()));
     cancel.cancel();
 }
 
@@ -265,5 +264,145 @@ async fn a_client_holding_every_connection_does_not_keep_probes_out() {
     }
     assert!(answered >= 10);
     holder.abort();
+    cancel.cancel();
+}
+
+/// `path` from `from` on a fresh connection (as the kubelet probes): the status, or the error.
+async fn probe(addr: SocketAddr, from: std::net::IpAddr, path: &str) -> Result<u16, String> {
+    let client = reqwest::Client::builder()
+        .pool_max_idle_per_host(0)
+        .local_address(from)
+        .timeout(Duration::from_secs(2))
+        .build()
+        .unwrap();
+    client
+        .get(format!("http://{addr}{path}"))
+        .send()
+        .await
+        .map(|r| r.status().as_u16())
+        .map_err(|e| e.to_string())
+}
+
+/// `n` connections from `from`, each sending half a request head and reopened as soon as the
+/// server closes it (the header timeout, or another connection taking its place); `open` counts
+/// those holding a connection.
+fn slow_heads(
+    addr: SocketAddr,
+    from: std::net::IpAddr,
+    n: usize,
+    open: Arc<std::sync::atomic::AtomicUsize>,
+    stop: CancellationToken,
+) -> tokio::task::JoinSet<()> {
+    use std::sync::atomic::Ordering;
+    let mut set = tokio::task::JoinSet::new();
+    for _ in 0..n {
+        let (open, stop) = (open.clone(), stop.clone());
+        set.spawn(async move {
+            while !stop.is_cancelled() {
+                let sock = tokio::net::TcpSocket::new_v4().unwrap();
+                sock.bind(SocketAddr::new(from, 0)).unwrap();
+                let Ok(mut s) = sock.connect(addr).await else {
+                    tokio::task::yield_now().await;
+                    continue;
+                };
+                if s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nX-Sl")
+                    .await
+                    .is_err()
+                {
+                    continue;
+                }
+                open.fetch_add(1, Ordering::SeqCst);
+                let mut buf = [0u8; 256];
+                loop {
+                    tokio::select! {
+                        _ = stop.cancelled() => break,
+                        r = s.read(&mut buf) => match r {
+                            Ok(0) | Err(_) => break,
+                            Ok(_) => {}
+                        },
+                    }
+                }
+                open.fetch_sub(1, Ordering::SeqCst);
+            }
+        });
+    }
+    set
+}
+
+/// Wait until `open` holds at least `n` connections.
+async fn wait_open(open: &std::sync::atomic::AtomicUsize, n: usize) {
+    let started = Instant::now();
+    while open.load(std::sync::atomic::Ordering::SeqCst) < n {
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "only {} of {n} slow connections open",
+            open.load(std::sync::atomic::Ordering::SeqCst)
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Probe `/healthz`, `/readyz` and `/metrics` from `from`, `rounds` times each, one after
+/// another; the failures.
+async fn probe_rounds(addr: SocketAddr, from: std::net::IpAddr, rounds: usize) -> Vec<String> {
+    let mut failed = Vec::new();
+    for _ in 0..rounds {
+        for path in ["/healthz", "/readyz", "/metrics"] {
+            match probe(addr, from, path).await {
+                Ok(200) => {}
+                other => failed.push(format!("{path}: {other:?}")),
+            }
+        }
+    }
+    failed
+}
+
+/// Issue 34 item 3: 384 connections from the probe's own address (127.0.0.1, the node's address
+/// that hostNetwork pods share), each stuck sending half a request head and reopened when it is
+/// closed: every `/healthz`, `/readyz` and `/metrics` probe from that address is answered (a new
+/// connection takes the place of the one waiting longest for its head).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_heads_from_the_probes_own_address_never_keep_probes_out() {
+    let limits = Limits::default();
+    let (addr, cancel) = server(limits).await;
+    let local: std::net::IpAddr = "127.0.0.1".parse().unwrap();
+    let open = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let stop = CancellationToken::new();
+    let attack = slow_heads(addr, local, 384, open.clone(), stop.clone());
+    wait_open(&open, 384).await;
+    let failed = probe_rounds(addr, local, 20).await;
+    stop.cancel();
+    attack.join_all().await;
+    assert!(
+        failed.is_empty(),
+        "{} of 60 probes failed: {failed:?}",
+        failed.len()
+    );
+    cancel.cancel();
+}
+
+/// Issue 34 item 3: 260 slow-head connections from each of two addresses (520, more than the
+/// global limit of 512), reopened as they close: probes from a third address and from one of the
+/// two are all answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_heads_from_two_addresses_over_the_global_limit_never_keep_probes_out() {
+    let limits = Limits::default();
+    let (addr, cancel) = server(limits).await;
+    let ip = |s: &str| -> std::net::IpAddr { s.parse().unwrap() };
+    let open = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let stop = CancellationToken::new();
+    let a = slow_heads(addr, ip("127.0.0.1"), 260, open.clone(), stop.clone());
+    let b = slow_heads(addr, ip("127.0.0.2"), 260, open.clone(), stop.clone());
+    wait_open(&open, limits.max_connections).await;
+    let mut failed = probe_rounds(addr, ip("127.0.0.3"), 10).await;
+    failed.extend(probe_rounds(addr, ip("127.0.0.1"), 10).await);
+    stop.cancel();
+    a.join_all().await;
+    b.join_all().await;
+    assert!(
+        failed.is_empty(),
+        "{} of 60 probes failed: {failed:?}",
+        failed.len()
+    );
     cancel.cancel();
 }

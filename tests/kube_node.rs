@@ -739,13 +739,15 @@ async fn a_pdb_blocks_one_pod_until_the_deadline_and_is_named() {
     );
 }
 
-/// Three replicas of a ReplicaSet behind `maxUnavailable: 1`: the budget lets one go, the
-/// replicaset controller replaces it on another node, and once the replacement is Ready the
-/// disruption controller lets the next one go.
+/// Three replicas of a ReplicaSet behind `maxUnavailable: 1`: the budget lets one go; its
+/// replacement cannot be scheduled yet (no other node), so the next eviction is refused (429)
+/// and the drain waits for the budget; once the test adds a node the replacement is Ready there
+/// and the disruption controller lets the next one go. (Issue 34 item 4: with the spare node
+/// there from the start a fast machine had each replacement Ready before the next eviction, and
+/// no eviction waited.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pdb_with_room_lets_pods_go_one_at_a_time() {
     let e = Env::start().await;
-    let spare = e.k.node(e.k.node_config("gpu-node-2")).await;
     let web = e.k.namespace("web").await;
     let template = TestPod::new(&web, "template", "")
         .terminates_after(Duration::from_millis(300))
@@ -779,11 +781,23 @@ async fn a_pdb_with_room_lets_pods_go_one_at_a_time() {
     // Cordoned first, as the agent's plan does: replacements go to the spare node.
     e.k.patch_node_spec(e.name(), json!({ "unschedulable": true }))
         .await;
-    let report = e
-        .ops
-        .drain(&drain_request(in_secs(30)))
-        .await
-        .expect("drain");
+    let request = drain_request(in_secs(60));
+    let drain = e.ops.drain(&request);
+    tokio::pin!(drain);
+    // The first eviction leaves a replacement with nowhere to go: the budget refuses the next.
+    let refused = async {
+        while !evictions(&e).iter().any(|r| r.status == Some(429)) {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    tokio::select! {
+        r = &mut drain => panic!("the drain ended before the budget refused an eviction: {r:?}"),
+        r = tokio::time::timeout(Duration::from_secs(30), refused) => {
+            r.expect("no eviction was refused by the budget within 30 s");
+        }
+    }
+    let spare = e.k.node(e.k.node_config("gpu-node-2")).await;
+    let report = drain.await.expect("drain");
     assert!(report.complete(), "{report:?}");
     assert_eq!(report.evicted.len(), 3, "{report:?}");
     let tries = evictions(&e).len();

@@ -233,6 +233,19 @@ impl Agent {
         .await;
     }
 
+    /// Wait until the log contains `text`.
+    async fn wait_log(&self, text: &str, limit: Duration) {
+        let started = Instant::now();
+        while !self.log_text().contains(text) {
+            assert!(
+                started.elapsed() < limit,
+                "no {text:?} within {limit:?}; log:\n{}",
+                self.log_text()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
     fn log_text(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
@@ -563,17 +576,18 @@ async fn a_resume_from_hibernation_arms_the_agent_again() {
         .wait_metric(SIGNALS, 1.0, Duration::from_secs(20))
         .await;
     // The plan runs to its end (no drain in host mode), then the machine hibernates.
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    agent
+        .wait_log("\"plan outcome\"", Duration::from_secs(20))
+        .await;
     agent.proc.signal(libc::SIGSTOP);
     emu.clear();
     tokio::time::sleep(Duration::from_secs(2)).await;
     agent.proc.signal(libc::SIGCONT);
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    assert!(
-        agent.log_text().contains("a new life of the machine"),
-        "the resume was not seen; log:\n{}",
-        agent.log_text()
-    );
+    // Gone for good: after the hold, a resume (no suspend jump of the clocks here: SIGSTOP).
+    let hold = spotguard::responder::resume_hold(Duration::from_millis(200));
+    agent
+        .wait_log("a new life of the machine", hold + Duration::from_secs(30))
+        .await;
     emu.raise(EmulatedNotice::interruption()).unwrap();
     agent
         .wait_metric(SIGNALS, 2.0, Duration::from_secs(20))
@@ -593,6 +607,72 @@ async fn a_resume_from_hibernation_arms_the_agent_again() {
         2,
         "a restart in the new life signals nothing again; log:\n{}",
         again.log_text()
+    );
+}
+
+/// Issue 34 item 2: after the notice's action time `spot/instance-action` answers 404 once (IMDS
+/// answers flap), then the notice again. One missing answer is no proof of a new life: the
+/// handled notice is never handled again (one signal, one plan, one drain), however long it
+/// stays served after.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_404_after_the_action_time_never_handles_the_notice_again() {
+    const PATH: &str = "/latest/meta-data/spot/instance-action";
+    let h = Host::new();
+    let _t = h.trainer(true, 0.0, 0.0);
+    let emu = aws().await;
+    let agent = h.agent(&emu.base_url(), &["--checkpoint-timeout=5s"]);
+    agent.polling().await;
+    let due = Duration::from_secs(3);
+    let raised = emu
+        .raise(EmulatedNotice::interruption().due_in(due))
+        .unwrap();
+    agent
+        .wait_log("\"plan outcome\"", Duration::from_secs(20))
+        .await;
+    // Past the action time (the plan's deadline is the notice's `time`).
+    let after =
+        raised.visible_at + SignedDuration::try_from(due).unwrap() + SignedDuration::from_secs(1);
+    while Timestamp::now() < after {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let mut flap = emulator::Fault::error(404);
+    flap.count = Some(1);
+    flap.path = Some(PATH.into());
+    let before = emu.requests(PATH);
+    emu.fault(flap).unwrap();
+    // Polls go on, serving the notice again, for longer than the hold a real resume needs.
+    let hold = spotguard::responder::resume_hold(Duration::from_millis(200));
+    let started = Instant::now();
+    while emu.requests(PATH) < before + 2 * (hold.as_millis() as u64 / 200)
+        || started.elapsed() < hold + Duration::from_secs(2)
+    {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        h.signals(),
+        1,
+        "the notice was handled again; log:\n{}",
+        agent.log_text()
+    );
+    assert_eq!(agent.metric(SIGNALS).await, 1.0);
+    let log = agent.log_text();
+    assert_eq!(
+        log.matches("\"plan outcome\"").count(),
+        1,
+        "one plan: {log}"
+    );
+    assert_eq!(
+        log.matches("draining before").count(),
+        1,
+        "one drain: {log}"
+    );
+    assert!(
+        !log.contains("a new life of the machine"),
+        "a flapping 404 began a new life; log:\n{log}"
+    );
+    assert!(
+        log.contains("no longer served after its action time"),
+        "the 404 was never seen; log:\n{log}"
     );
 }
 
@@ -778,34 +858,82 @@ async fn an_endless_metadata_body_stays_within_the_shipped_memory_limit() {
 
 // === 5. SIGTERM with a hung checkpoint dir after a restart ===
 
-/// Issue 24 item 5: an agent restarted mid-plan (the record says `signalled`) whose trainer's
-/// checkpoint dir hangs (a FUSE daemon that never answers) exits within its shutdown grace on
-/// SIGTERM: nothing of the target's filesystem waits on tokio's blocking pool.
+/// Issue 24 item 5, issue 34 item 1, the reported steps: the trainer's checkpoint dir hangs (a
+/// FUSE daemon that never answers); a notice is raised and the trainer signalled; the agent is
+/// SIGKILLed during its ack wait and restarted while the notice is still up (its restart path
+/// reads the hung dir); SIGTERM: it exits within its shutdown grace, whatever a thread stuck in
+/// the hung dir does, and never signals again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_after_a_restart_with_a_hung_checkpoint_dir_exits_within_the_grace() {
     let h = Host::new();
-    let _t = h.trainer(false, 0.0, 0.0);
-    let now = Timestamp::now();
-    let record = serde_json::json!({
-        "id": "i-hung", "kind": {"type": "interruption"}, "source": "aws",
-        "deadline": (now + SignedDuration::from_secs(100)).to_string(),
-        "phase": "signalled", "signalled_at": now.to_string(),
-        "boot_id": "boot-1", "updated_at": now.to_string(),
-    });
-    std::fs::create_dir_all(h.path("state")).unwrap();
-    std::fs::write(h.path("state/notice.json"), record.to_string()).unwrap();
     let _hung = HungMount::new(&h.ckpt());
+    let _t = h.trainer(false, 0.0, 0.0);
     let emu = aws().await;
-    let mut agent = h.agent(&emu.base_url(), &["--shutdown-grace=2s"]);
-    agent.polling().await;
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let extra = ["--shutdown-grace=2s", "--checkpoint-timeout=60s"];
+    let first = h.agent(&emu.base_url(), &extra);
+    first.polling().await;
+    emu.raise(EmulatedNotice::interruption().due_in(Duration::from_secs(110)))
+        .unwrap();
+    first
+        .wait_metric(SIGNALS, 1.0, Duration::from_secs(20))
+        .await;
+    let mut agent = crash_and_restart(&h, &emu, first, &extra).await;
     let took = agent.terminate(Duration::from_secs(10));
     assert!(
         took.is_some_and(|t| t <= Duration::from_secs(5)),
         "no exit within 5 s of SIGTERM (grace 2 s): {took:?}; log:\n{}",
         agent.log_text()
     );
-    assert_eq!(h.signals(), 0, "the record says signalled: never again");
+    assert_eq!(h.signals(), 1, "one signal for the one notice");
+}
+
+/// Issue 34 item 1 with a FUSE daemon that answered `INIT` and then takes every request and never
+/// answers it (a real stuck daemon; [`HungMount::new`] never answers `INIT`, and a thread waiting
+/// on an unsent request still dies with its process, which is why the test above passes). A
+/// thread of the agent that opened the checkpoint dir waits in the kernel for an answer that
+/// never comes, and nothing but the connection's abort ends that wait: not SIGKILL, not the
+/// process's exit. The first agent does not die of SIGKILL, the restarted one does not exit on
+/// SIGTERM ("all tasks stopped" is logged; the stuck thread holds the process). Ignored: it fails
+/// until the agent's access to pods' filesystems leaves its own process (see the report of issue
+/// 34). Everything stuck is freed (the mount is aborted) before the assertions.
+/// What the restarted agent logs when it takes up the plan.
+const RESTARTED: &str = "signalled for this notice before";
+
+#[ignore = "issue 34 item 1: fails until pod filesystem access leaves the agent's process"]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_after_a_restart_with_a_stuck_fuse_daemon_exits_within_the_grace() {
+    let h = Host::new();
+    let hung = HungMount::stuck_daemon(&h.ckpt());
+    let _t = h.trainer(false, 0.0, 0.0);
+    let emu = aws().await;
+    let extra = ["--shutdown-grace=2s", "--checkpoint-timeout=60s"];
+    let mut first = h.agent(&emu.base_url(), &extra);
+    first.polling().await;
+    emu.raise(EmulatedNotice::interruption().due_in(Duration::from_secs(110)))
+        .unwrap();
+    first
+        .wait_metric(SIGNALS, 1.0, Duration::from_secs(20))
+        .await;
+    first.proc.signal(libc::SIGKILL);
+    let killed = first.proc.wait_timeout(Duration::from_secs(5)).is_some();
+    let mut agent = h.agent(&emu.base_url(), &extra);
+    // No panic before the mount is aborted (a stuck agent's `Kid` would wait for ever).
+    let started = Instant::now();
+    while !agent.log_text().contains(RESTARTED) && started.elapsed() < Duration::from_secs(20) {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let took = agent.terminate(Duration::from_secs(10));
+    let log = agent.log_text();
+    drop(hung);
+    assert!(
+        killed,
+        "the first agent survived SIGKILL for 5 s; the restarted one's SIGTERM: {took:?}; log:\n{log}"
+    );
+    assert!(
+        took.is_some_and(|t| t <= Duration::from_secs(5)),
+        "no exit within 5 s of SIGTERM (grace 2 s): {took:?}; log:\n{log}"
+    );
+    assert_eq!(h.signals(), 1, "one signal for the one notice");
 }
 
 // === 7. "notice accepted" logs the deadline the plan uses ===

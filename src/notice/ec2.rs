@@ -162,8 +162,8 @@ pub struct Ec2Imds {
     /// schedule is counted on every poll but named in the log once.
     skipped_logged: Mutex<HashSet<String>>,
     /// The id under which `spot/instance-action` last served an interruption: when it answers
-    /// 404 again, the interruption left (after a hibernation, the machine resumed), reported as
-    /// `Cancelled` of that id.
+    /// 404 again, reported as `Cancelled` of that id (the responder's store takes it as a resume
+    /// from hibernation only when it stays away for the resume hold: one 404 is no proof).
     served_interruption: Mutex<Option<String>>,
 }
 

@@ -56,6 +56,7 @@ mod undo;
 use plan::*;
 use policy::{policy_for, Policy};
 use record::{RecordedTarget, Records, Resume, StateFile, LOAD_BUDGET};
+pub use store::resume_hold;
 use store::{Decision, NoticeStore};
 use undo::*;
 
@@ -76,6 +77,9 @@ pub struct ResponderConfig {
     pub dry_run: bool,
     /// On shutdown, how long an in-flight plan may go on.
     pub shutdown_grace: Duration,
+    /// How long the handled interruption must stay away after its action time to count as a
+    /// resume from hibernation ([`resume_hold`] of the poll interval).
+    pub resume_hold: Duration,
 }
 
 impl ResponderConfig {
@@ -282,6 +286,12 @@ impl Responder {
                     if let Some(secs) = self.deps.life.check_suspend() {
                         let why = format!("the machine was suspended for about {secs} s (a resume from hibernation)");
                         self.on_resumed(&mut st, &why, false).await;
+                    } else if let Some(id) = st.store.resume_due(Timestamp::now(), self.cfg.resume_hold) {
+                        let why = format!(
+                            "the interruption it handled ({id}) left the metadata service after its action time and stayed away for {} s: the machine went through it (hibernation) and resumed",
+                            self.cfg.resume_hold.as_secs()
+                        );
+                        self.on_resumed(&mut st, &why, true).await;
                     }
                 }
             }
@@ -296,12 +306,11 @@ impl Responder {
         self.count_notice(&notice, &decision, now);
         match decision {
             Decision::Duplicate => {}
-            Decision::Resumed(id) => {
-                let why = format!(
-                    "the interruption it handled ({id}) left the metadata service after its action time: the machine went through it (hibernation) and resumed"
-                );
-                self.on_resumed(st, &why, true).await;
-            }
+            Decision::GoneAfterAction(id) => info!(
+                notice_id = %id,
+                hold_ms = self.cfg.resume_hold.as_millis() as u64,
+                "the interruption it handled is no longer served after its action time: a resume from hibernation if it stays away for the hold"
+            ),
             Decision::StartInterruption(n) => self.on_interruption(st, n).await,
             Decision::DeadlineMoved(d) => self.on_deadline_moved(st, d),
             Decision::New(n) => self.on_new_notice(st, n, false, now).await,
@@ -564,7 +573,7 @@ impl Responder {
     fn count_notice(&self, notice: &Notice, decision: &Decision, now: Timestamp) {
         let notice = match decision {
             Decision::StartInterruption(n) | Decision::New(n) | Decision::Updated(n) => n,
-            Decision::Cancel(_) | Decision::Resumed(_) => notice,
+            Decision::Cancel(_) | Decision::GoneAfterAction(_) => notice,
             Decision::DeadlineMoved(_) | Decision::Duplicate => return,
         };
         let m = &self.deps.metrics;

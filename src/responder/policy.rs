@@ -95,6 +95,7 @@ mod tests {
             drain_concurrency: 8,
             dry_run: false,
             shutdown_grace: Duration::from_secs(5),
+            resume_hold: Duration::from_secs(10),
         }
     }
 

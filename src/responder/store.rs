@@ -4,9 +4,12 @@
 //!   notice, from any source and whatever its id (some servers return a fresh `time` on every
 //!   poll), only moves the deadline earlier. Once an interruption is accepted nothing else is
 //!   new: rebalance, maintenance and cancellations are duplicates.
-//! - The interruption that was handled disappearing from its source after its action time means
-//!   the machine went through the action and came back (an EC2 spot hibernation): a new life
-//!   ([`Decision::Resumed`]); before its action time it is still terminal.
+//! - The interruption that was handled disappearing from its source after its action time, and
+//!   staying away, means the machine went through the action and came back (an EC2 spot
+//!   hibernation): a new life ([`NoticeStore::resume_due`] names it once the absence has held for
+//!   the hold the responder gives, see [`resume_hold`]). One missing answer is no proof: any
+//!   interruption served again before then ends the absence and is the same notice. Before its
+//!   action time a disappearance is nothing (an interruption is terminal).
 //! - One rebalance recommendation per life: the first starts its plan, every later rebalance
 //!   notice of the same life is a duplicate, whatever its `noticeTime` (AWS's own metadata mock
 //!   stamps it with the request time on every poll).
@@ -39,9 +42,9 @@ pub enum Decision {
     Updated(Notice),
     /// A known notice was cancelled.
     Cancel(String),
-    /// The interruption that was handled left its source after its action time: the machine
-    /// went through the action (hibernation) and resumed. A new life begins.
-    Resumed(String),
+    /// The interruption that was handled left its source after its action time: a resume if it
+    /// stays away ([`NoticeStore::resume_due`]); nothing is done yet.
+    GoneAfterAction(String),
     /// Nothing new.
     Duplicate,
 }
@@ -66,6 +69,26 @@ pub struct NoticeStore {
     /// The rebalance recommendation of this life, once one was accepted.
     rebalance: Option<String>,
     seen: HashMap<String, Seen>,
+    /// The handled interruption left its source after its action time: its id and since when
+    /// (by the responder's clock). Cleared by any interruption served again.
+    gone: Option<(String, Timestamp)>,
+}
+
+/// The least time the handled interruption must stay away after its action time before its
+/// absence counts as a resume from hibernation, whatever the poll interval.
+pub const RESUME_MIN_ABSENCE: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Polls in a row that must find the handled interruption gone before its absence counts as a
+/// resume (with the source polled every `poll_interval`).
+pub const RESUME_ABSENT_POLLS: u32 = 3;
+
+/// How long the handled interruption must stay away after its action time before it is taken as
+/// a resume: [`RESUME_ABSENT_POLLS`] poll intervals, at least [`RESUME_MIN_ABSENCE`]. A flapping
+/// answer (one 404, one timeout) is followed by the notice again within a poll or two.
+pub fn resume_hold(poll_interval: std::time::Duration) -> std::time::Duration {
+    poll_interval
+        .saturating_mul(RESUME_ABSENT_POLLS)
+        .max(RESUME_MIN_ABSENCE)
 }
 
 impl NoticeStore {
@@ -113,13 +136,16 @@ impl NoticeStore {
         }
         if let Some((active, deadline)) = &self.interruption {
             // Only the interruption's own updates count now; its disappearance after its action
-            // time is a resume.
+            // time starts an absence that may prove a resume.
             return match &notice.kind {
                 NoticeKind::Cancelled(id)
                     if (id == active || Some(id) == self.interruption_last_id.as_ref())
                         && now >= *deadline =>
                 {
-                    Decision::Resumed(id.clone())
+                    if self.gone.is_none() {
+                        self.gone = Some((id.clone(), now));
+                    }
+                    Decision::GoneAfterAction(id.clone())
                 }
                 _ => Decision::Duplicate,
             };
@@ -151,7 +177,20 @@ impl NoticeStore {
         }
     }
 
+    /// The handled interruption's id when it has stayed away from its source for `hold` (see
+    /// [`resume_hold`]) since it left after its action time: the machine resumed. Once.
+    pub fn resume_due(&mut self, now: Timestamp, hold: std::time::Duration) -> Option<String> {
+        let (_, since) = self.gone.as_ref()?;
+        let held = now.duration_since(*since);
+        if held.is_negative() || held.unsigned_abs() < hold {
+            return None;
+        }
+        self.gone.take().map(|(id, _)| id)
+    }
+
     fn accept_interruption(&mut self, notice: &Notice, now: Timestamp) -> Decision {
+        // Served again: whatever went missing in between was not a resume.
+        self.gone = None;
         let deadline = crate::duration::effective_deadline(checked_deadline(notice), now);
         self.interruption_last_id = Some(notice.id.clone());
         match &mut self.interruption {
@@ -229,6 +268,8 @@ pub fn checked_deadline(notice: &Notice) -> Option<Timestamp> {
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use super::*;
     use crate::notice::Cloud;
     use crate::responder::record::{remember, resume, Resume};
@@ -347,7 +388,8 @@ mod tests {
     }
 
     #[test]
-    fn a_handled_interruption_gone_after_its_time_is_a_resume() {
+    fn a_handled_interruption_gone_after_its_time_and_staying_away_is_a_resume() {
+        let hold = Duration::from_secs(10);
         let mut s = NoticeStore::new();
         let mut first = notice("i-1", NoticeKind::Interruption, Some(30));
         first.observed_at = ts(0);
@@ -362,10 +404,39 @@ mod tests {
         let gone = notice("x", NoticeKind::Cancelled("i-2".into()), None);
         // Before its action time an interruption is terminal.
         assert_eq!(s.accept(&gone, ts(10)), Decision::Duplicate);
-        assert_eq!(s.accept(&gone, ts(40)), Decision::Resumed("i-2".into()));
-        // An unrelated cancel is not a resume.
+        assert_eq!(s.resume_due(ts(100), hold), None);
+        assert_eq!(
+            s.accept(&gone, ts(40)),
+            Decision::GoneAfterAction("i-2".into())
+        );
+        assert_eq!(s.resume_due(ts(49), hold), None, "not held long enough");
+        // An unrelated cancel is not a resume and does not restart the absence.
         let other = notice("y", NoticeKind::Cancelled("ev-9".into()), None);
         assert_eq!(s.accept(&other, ts(41)), Decision::Duplicate);
+        assert_eq!(s.resume_due(ts(50), hold), Some("i-2".into()));
+        assert_eq!(s.resume_due(ts(60), hold), None, "once");
+    }
+
+    #[test]
+    fn one_missing_answer_after_the_action_time_is_no_resume() {
+        let hold = resume_hold(Duration::from_millis(200));
+        assert_eq!(hold, RESUME_MIN_ABSENCE);
+        assert_eq!(resume_hold(Duration::from_secs(5)), Duration::from_secs(15));
+        let mut s = NoticeStore::new();
+        let n = notice("i-1", NoticeKind::Interruption, Some(30));
+        assert!(matches!(
+            s.accept(&n, ts(0)),
+            Decision::StartInterruption(_)
+        ));
+        let gone = notice("x", NoticeKind::Cancelled("i-1".into()), None);
+        assert_eq!(
+            s.accept(&gone, ts(40)),
+            Decision::GoneAfterAction("i-1".into())
+        );
+        // The next poll serves the notice again: the same notice, the absence is over.
+        assert_eq!(s.accept(&n, ts(41)), Decision::Duplicate);
+        assert_eq!(s.resume_due(ts(1000), hold), None);
+        assert_eq!(s.interruption().map(|(id, _)| id), Some("i-1"));
     }
 
     #[test]
