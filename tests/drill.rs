@@ -250,6 +250,43 @@ fn the_old_checkpoint_dir_flag_still_names_the_notice_dir() {
     }
 }
 
+/// Rehearsing a resume: three drills in one notice dir, each a PASS that signals its trainer, and
+/// each trainer resumes from the checkpoint the one before saved. (The second drill used to take
+/// the first one's `notice.json`, an interruption of the same boot, as proof that its trainer had
+/// been signalled already: "SIGUSR1 to 0 process(es)", FAIL after the budget.)
+#[test]
+fn three_drills_in_one_notice_dir_each_signal_and_resume() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().display().to_string();
+    let mut last_saved = 0u64;
+    for run in 1..=3 {
+        let (code, out) = drill(&["--after", "1s", "--checkpoint-dir", &d]);
+        assert_eq!(code, 0, "drill {run}:\n{out}");
+        assert!(out.contains("verdict: PASS"), "drill {run}:\n{out}");
+        assert!(!out.contains("to 0 process"), "drill {run}:\n{out}");
+        let resumed = out
+            .lines()
+            .find_map(|l| l.split("resumed from step ").nth(1))
+            .and_then(|s| s.trim().parse::<u64>().ok());
+        if run == 1 {
+            assert_eq!(resumed, None, "the first drill starts from scratch:\n{out}");
+        } else {
+            assert_eq!(
+                resumed,
+                Some(last_saved),
+                "drill {run} resumes from the step the drill before saved:\n{out}"
+            );
+        }
+        last_saved = out
+            .lines()
+            .find_map(|l| l.split("at step ").nth(1))
+            .and_then(|s| s.split(':').next())
+            .and_then(|s| s.trim().parse::<u64>().ok())
+            .unwrap_or_else(|| panic!("drill {run}: no saved step:\n{out}"));
+        assert!(resumed.unwrap_or(0) < last_saved, "drill {run}:\n{out}");
+    }
+}
+
 /// A command that finished its work before the notice: say so, not "killed by the drill".
 #[test]
 fn a_command_that_ended_before_the_notice_says_so() {

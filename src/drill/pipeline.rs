@@ -40,7 +40,9 @@ impl Pipeline {
         pidfiles: &[PathBuf],
         cancel: &CancellationToken,
     ) -> Result<Pipeline, String> {
-        let run_args = run_args(args, &emu.base_url(), dir, state_dir, pidfiles)?;
+        let boot_id = own_life(state_dir)?;
+        let mut run_args = run_args(args, &emu.base_url(), dir, state_dir, pidfiles)?;
+        run_args.boot_id_file = boot_id;
         let cfg = Config::resolve(run_args, &config::ProcessEnv).map_err(|e| e.to_string())?;
         let pipeline_cancel = cancel.child_token();
         let app = app::start(cfg, pipeline_cancel.clone())
@@ -73,6 +75,25 @@ impl Pipeline {
         let _ = tokio::time::timeout(Duration::from_secs(5), self.app.join).await;
         self.emu.shutdown().await;
     }
+}
+
+/// A drill is a machine life of its own: a boot id made for this run, in a file beside its state
+/// dir. A notice dir that an earlier drill used still holds that drill's `notice.json`, naming an
+/// interruption of the machine's real boot; the agent takes a `notice.json` naming an
+/// interruption of its own life as proof that its trainers were signalled already (an agent
+/// whose record was lost must never signal twice), so with the machine's boot id a second drill
+/// in the same dir signalled nobody. A new life per run keeps that rule whole for real machines,
+/// where one life has one interruption.
+fn own_life(state_dir: &Path) -> Result<PathBuf, String> {
+    let path = state_dir.with_file_name("drill-boot-id");
+    let id = format!(
+        "drill-{:016x}-{:016x}",
+        fastrand::u64(..),
+        fastrand::u64(..)
+    );
+    crate::fsutil::write_atomic(&path, format!("{id}\n").as_bytes(), 0o644)
+        .map_err(|e| format!("writing the drill's boot id {}: {e}", path.display()))?;
+    Ok(path)
 }
 
 /// The `run` arguments of the drill's pipeline.
