@@ -409,12 +409,12 @@ async fn one_uids_uploads_never_starve_another_uids_staged_ack_of_descriptors() 
         format!("--upload-endpoint={store}"),
         "--upload-max-files=300".into(),
     ])
-    .args((1..=4).map(|n| {
-        format!(
-            "--checkpoint-pidfile={}",
-            base.join(format!("trainer{n}.pid")).display()
-        )
-    }))
+    // One target group for the four trainers (they share the one checkpoint dir): with one
+    // pidfile group each, a group could read the notice.json another group of the same
+    // delivery had just written as proof of an earlier delivery and leave its trainer
+    // unsignalled (a delivery race of its own, seen under load; see the closing note of the
+    // trust round), which is not what this test is about.
+    .arg("--checkpoint-cmdline=ack_staged\\(path, step=int")
     .envs(spotguard_testkit::s3::S3Server::client_env())
     .stdin(Stdio::null())
     .stdout(Stdio::null())
