@@ -1,0 +1,52 @@
+{{/* Name of the chart's objects: the release name when it already says spotguard, else
+release-spotguard (as `helm create` does); fullnameOverride wins. */}}
+{{- define "spotguard.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Labels of every object: the kustomize base's app.kubernetes.io/name plus Helm's own. */}}
+{{- define "spotguard.labels" -}}
+app.kubernetes.io/name: spotguard
+app.kubernetes.io/instance: {{ .Release.Name | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service | quote }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | quote }}
+{{- end -}}
+
+{{/* The agent pods' selector: the same as the kustomize base's. */}}
+{{- define "spotguard.selectorLabels" -}}
+app.kubernetes.io/name: spotguard
+app.kubernetes.io/component: agent
+{{- end -}}
+
+{{- define "spotguard.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "spotguard.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- required "serviceAccount.name is required when serviceAccount.create is false" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* repository:tag, or repository@digest when a digest is given. */}}
+{{- define "spotguard.image" -}}
+{{- if .Values.image.digest -}}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest -}}
+{{- else -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* prefetch.datasets as NAME=URL,NAME=URL (sorted by name). */}}
+{{- define "spotguard.datasets" -}}
+{{- $pairs := list -}}
+{{- range $name, $url := . -}}
+{{- $pairs = append $pairs (printf "%s=%s" $name $url) -}}
+{{- end -}}
+{{- join "," $pairs -}}
+{{- end -}}
