@@ -24,7 +24,7 @@ use crate::assets::{executable, fill_once, filled};
 pub use crate::assets::{repo_root, shared_dir, target_dir};
 
 /// The Kubernetes version the tests run against unless `SPOTGUARD_K8S_VERSION` says otherwise.
-pub const DEFAULT_VERSION: &str = "1.32.13";
+pub const DEFAULT_VERSION: &str = "1.34.9";
 
 /// The binaries of one control plane, and where they came from.
 #[derive(Clone, Debug)]
@@ -118,7 +118,7 @@ fn find_etcd(assets_dir: Option<&Path>, version: &str) -> Result<PathBuf, Missin
     })
 }
 
-/// The version string a binary prints (`Kubernetes v1.32.13`).
+/// The version string a binary prints (`Kubernetes v1.34.9`).
 fn printed_version(bin: &Path) -> Result<String, MissingAssets> {
     let out = Command::new(bin)
         .arg("--version")

@@ -329,7 +329,7 @@ fn start() -> Result<ControlPlane, String> {
 /// The ConfigMap OpenShift's service-ca controller publishes in every namespace.
 pub const OPENSHIFT_SERVICE_CA: &str = "openshift-service-ca.crt";
 
-/// The 1.32 build in `../shared/k8s` is OpenShift's Kubernetes fork: its ServiceAccount
+/// The builds in `../shared/k8s` (1.34 and 1.32) are OpenShift's Kubernetes fork: their ServiceAccount
 /// admission adds an `openshift-service-ca.crt` ConfigMap to every token volume, which
 /// OpenShift's service-ca controller publishes in every namespace (a kubelet cannot start such a
 /// pod until it exists). Stand in for that controller: a thread (with its own runtime, for the
