@@ -1,0 +1,1110 @@
+//! The Helm chart (`charts/spotguard`) and the kustomize base (`daemonset/`), with the real tools
+//! against testkit's real control plane.
+//!
+//! - Both Helm majors (v3.17.2 and v4.1.4; `scripts/deps/helm.sh` installs them, a helm on PATH
+//!   wins for its major): `helm lint --strict`, a misspelt value refused by the schema, the
+//!   rendering with the defaults and with a values file that sets everything applied server-side
+//!   (dry run) to the real API server, and `helm install` / `upgrade` / `uninstall` for real,
+//!   after which nothing the release created is left, of any kind.
+//! - The chart's default rendering is the kustomize base (same objects, same specs), and its
+//!   `forceDelete` / `prefetch` values are the base's components, so the two never drift.
+//! - The chart's DaemonSet runs: its pod is scheduled onto a GPU node and started by the kubelet
+//!   stand-in with the chart's args, env and privileges, and handles a spot notice.
+//! - The kustomize base: server-side apply after client-side apply conflicts with nothing, a
+//!   Karpenter GPU node gets an agent pod, and the documented removal leaves nothing.
+//!
+//! The control plane's version is `SPOTGUARD_K8S_VERSION` (default 1.34); `scripts/test.sh`
+//! runs this file against 1.32 as well.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use k8s_openapi::api::apps::v1::DaemonSet;
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::Api;
+use serde_json::Value;
+use spotguard_testkit::k8s::fixtures::yaml_documents;
+use spotguard_testkit::k8s::{assets, Identity, TestCluster};
+use tokio::io::AsyncWriteExt;
+use tokio::process::Command;
+
+const HELM_DEPS: &str = "scripts/deps/helm.sh";
+const KUBECTL_DEPS: &str = "scripts/deps/kubectl.sh";
+
+/// The kustomize base's removal, as docs/deploy-kubernetes.md gives it.
+const KUSTOMIZE_REMOVAL: &str =
+    "kubectl delete clusterrolebinding,clusterrole,namespace -l app.kubernetes.io/name=spotguard";
+
+fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn chart() -> String {
+    repo().join("charts/spotguard").display().to_string()
+}
+
+fn full_values() -> String {
+    repo()
+        .join("tests/chart/full-values.yaml")
+        .display()
+        .to_string()
+}
+
+fn find_on_path(name: &str) -> Option<PathBuf> {
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .map(|d| d.join(name))
+        .find(|p| p.is_file())
+}
+
+struct Ran {
+    ok: bool,
+    stdout: String,
+    stderr: String,
+}
+
+async fn run(bin: &Path, args: &[&str], stdin: Option<&str>, home: &Path) -> Ran {
+    let mut cmd = Command::new(bin);
+    cmd.args(args)
+        .env("KUBECONFIG", home.join("config"))
+        .env("HOME", home)
+        .env("HELM_CACHE_HOME", home.join("helm-cache"))
+        .env("HELM_CONFIG_HOME", home.join("helm-config"))
+        .env("HELM_DATA_HOME", home.join("helm-data"))
+        .env_remove("KUBERNETES_SERVICE_HOST")
+        .stdin(if stdin.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
+    let mut child = cmd
+        .spawn()
+        .unwrap_or_else(|e| panic!("running {}: {e}", bin.display()));
+    if let (Some(input), Some(mut pipe)) = (stdin, child.stdin.take()) {
+        pipe.write_all(input.as_bytes()).await.unwrap();
+        drop(pipe);
+    }
+    let out = tokio::time::timeout(Duration::from_secs(180), child.wait_with_output())
+        .await
+        .unwrap_or_else(|_| panic!("{} {args:?} did not finish within 180 s", bin.display()))
+        .unwrap();
+    Ran {
+        ok: out.status.success(),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
+}
+
+/// One Helm binary of a major version.
+#[derive(Clone)]
+struct Helm {
+    major: u32,
+    bin: PathBuf,
+}
+
+fn helm_major(bin: &Path) -> Option<u32> {
+    let out = std::process::Command::new(bin)
+        .args(["version", "--template", "{{.Version}}"])
+        .output()
+        .ok()?;
+    let v = String::from_utf8_lossy(&out.stdout);
+    v.trim().strip_prefix('v')?.split('.').next()?.parse().ok()
+}
+
+/// Helm v3 and v4: the one on PATH for its major, else `scripts/deps/helm.sh`'s cache.
+fn helms() -> Vec<Helm> {
+    let cache = std::env::var_os("SPOTGUARD_HELM_CACHE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            std::env::var_os("XDG_CACHE_HOME")
+                .map(PathBuf::from)
+                .unwrap_or_else(|| {
+                    PathBuf::from(std::env::var_os("HOME").expect("HOME")).join(".cache")
+                })
+                .join("spotguard/helm")
+        });
+    let on_path = find_on_path("helm").and_then(|b| helm_major(&b).map(|m| (m, b)));
+    [(3, "3.17.2"), (4, "4.1.4")]
+        .into_iter()
+        .map(|(major, version)| {
+            let bin = match &on_path {
+                Some((m, b)) if *m == major => b.clone(),
+                _ => cache.join(format!("v{version}")).join("helm"),
+            };
+            assert_eq!(
+                helm_major(&bin),
+                Some(major),
+                "no Helm v{major} at {} (run {HELM_DEPS})",
+                bin.display()
+            );
+            Helm { major, bin }
+        })
+        .collect()
+}
+
+/// kubectl and helm as an operator (admin) of the shared control plane.
+struct Tools {
+    kubectl: PathBuf,
+    home: tempfile::TempDir,
+    k: TestCluster,
+}
+
+impl Tools {
+    async fn start() -> Tools {
+        let kubectl = std::env::var_os("KUBECTL")
+            .map(PathBuf::from)
+            .or_else(|| find_on_path("kubectl"))
+            .unwrap_or_else(|| panic!("kubectl not found: run {KUBECTL_DEPS}"));
+        let k = TestCluster::new().await;
+        let home = tempfile::tempdir().unwrap();
+        std::fs::write(
+            home.path().join("config"),
+            k.cp.kubeconfig(&k.cp.url(), Identity::Admin),
+        )
+        .unwrap();
+        Tools { kubectl, home, k }
+    }
+
+    async fn kubectl(&self, args: &[&str], stdin: Option<&str>) -> Ran {
+        let mut all = args.to_vec();
+        let cache = self.home.path().join("kube-cache");
+        all.extend(["--cache-dir", cache.to_str().unwrap()]);
+        run(&self.kubectl, &all, stdin, self.home.path()).await
+    }
+
+    async fn helm(&self, helm: &Helm, args: &[&str]) -> Ran {
+        run(&helm.bin, args, None, self.home.path()).await
+    }
+
+    async fn kustomize(&self, dir: &Path) -> String {
+        let ran = self
+            .kubectl(&["kustomize", dir.to_str().unwrap()], None)
+            .await;
+        assert!(
+            ran.ok,
+            "kubectl kustomize {}: {}",
+            dir.display(),
+            ran.stderr
+        );
+        ran.stdout
+    }
+
+    /// `kubectl apply --server-side --dry-run=server`: the objects as the API server would
+    /// store them, or the error.
+    async fn dry_run(&self, manifest: &str) -> Result<(), String> {
+        let ran = self
+            .kubectl(
+                &[
+                    "apply",
+                    "--server-side",
+                    "--dry-run=server",
+                    "--field-manager=spotguard-chart-test",
+                    "-f",
+                    "-",
+                ],
+                Some(manifest),
+            )
+            .await;
+        if ran.ok {
+            Ok(())
+        } else {
+            Err(ran.stderr)
+        }
+    }
+
+    /// The prometheus-operator CRDs, installed for real (idempotent) and Established.
+    async fn install_crds(&self) {
+        let dir = assets::shared_dir().join("crds");
+        for f in [
+            "monitoring.coreos.com_podmonitors.yaml",
+            "monitoring.coreos.com_servicemonitors.yaml",
+            "monitoring.coreos.com_prometheusrules.yaml",
+        ] {
+            let file = dir.join(f);
+            let file = file.to_str().unwrap();
+            let ran = self
+                .kubectl(
+                    &[
+                        "apply",
+                        "--server-side",
+                        "--force-conflicts",
+                        "--field-manager=spotguard-chart-test",
+                        "-f",
+                        file,
+                    ],
+                    None,
+                )
+                .await;
+            assert!(ran.ok, "installing {file}: {}", ran.stderr);
+            let ran = self
+                .kubectl(
+                    &[
+                        "wait",
+                        "--for=condition=Established",
+                        "--timeout=60s",
+                        "-f",
+                        file,
+                    ],
+                    None,
+                )
+                .await;
+            assert!(ran.ok, "{file} not Established: {}", ran.stderr);
+        }
+    }
+
+    /// Every object of every listable type, cluster-wide, that `selector` matches — except
+    /// what is already being deleted and objects with an owner (the namespace controller's and
+    /// the garbage collector's work, which this control plane does not run).
+    async fn leftovers(&self, selector: &str) -> Vec<String> {
+        let ran = self
+            .kubectl(&["api-resources", "--verbs=list", "-o", "name"], None)
+            .await;
+        assert!(ran.ok, "kubectl api-resources: {}", ran.stderr);
+        let kinds: Vec<&str> = ran.stdout.lines().filter(|l| !l.is_empty()).collect();
+        assert!(kinds.len() > 40, "too few resource types: {kinds:?}");
+        let joined = kinds.join(",");
+        let ran = self
+            .kubectl(&["get", &joined, "-A", "-l", selector, "-o", "json"], None)
+            .await;
+        assert!(ran.ok, "kubectl get {joined}: {}", ran.stderr);
+        let list: Value = serde_json::from_str(&ran.stdout).unwrap();
+        let mut out = Vec::new();
+        for o in list["items"].as_array().cloned().unwrap_or_default() {
+            if !o["metadata"]["deletionTimestamp"].is_null() {
+                continue;
+            }
+            // Dependents (the DaemonSet's pods and ControllerRevisions) go with their owner
+            // through the garbage collector.
+            if !o["metadata"]["ownerReferences"].is_null() {
+                continue;
+            }
+            out.push(format!(
+                "{}/{}{}",
+                o["kind"].as_str().unwrap_or_default(),
+                o["metadata"]["namespace"]
+                    .as_str()
+                    .map(|n| format!("{n}/"))
+                    .unwrap_or_default(),
+                o["metadata"]["name"].as_str().unwrap_or_default()
+            ));
+        }
+        out
+    }
+}
+
+/// A kustomization in a fresh directory: `resources` and `components` relative to the repo.
+fn overlay(resources: &[&str], components: &[&str], extra: &str) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    let up = dir
+        .path()
+        .components()
+        .filter(|c| matches!(c, std::path::Component::Normal(_)))
+        .map(|_| "..")
+        .collect::<Vec<_>>()
+        .join("/");
+    let rel = |p: &str| format!("{up}{}", repo().join(p).display());
+    let mut text = String::from(
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources:\n",
+    );
+    for r in resources {
+        text.push_str(&format!("  - {}\n", rel(r)));
+    }
+    if !components.is_empty() {
+        text.push_str("components:\n");
+        for c in components {
+            text.push_str(&format!("  - {}\n", rel(c)));
+        }
+    }
+    text.push_str(extra);
+    std::fs::write(dir.path().join("kustomization.yaml"), text).unwrap();
+    dir
+}
+
+// ---------------------------------------------------------------------------------------------
+// Rendering, offline.
+
+/// Objects of a rendering by (kind, namespace, name); Helm's own labels removed from each
+/// object's metadata (the base has only app.kubernetes.io/name and /component).
+fn objects(yaml: &str) -> BTreeMap<String, Value> {
+    let mut out = BTreeMap::new();
+    for mut o in yaml_documents(yaml).unwrap_or_else(|e| panic!("{e}\n{yaml}")) {
+        if o.is_null() {
+            continue;
+        }
+        if let Some(labels) = o["metadata"]["labels"].as_object_mut() {
+            for k in [
+                "app.kubernetes.io/instance",
+                "app.kubernetes.io/managed-by",
+                "app.kubernetes.io/version",
+                "helm.sh/chart",
+            ] {
+                labels.remove(k);
+            }
+        }
+        let key = format!(
+            "{}/{}/{}",
+            o["kind"].as_str().unwrap_or_default(),
+            o["metadata"]["namespace"].as_str().unwrap_or("-"),
+            o["metadata"]["name"].as_str().unwrap_or_default()
+        );
+        out.insert(key, o);
+    }
+    out
+}
+
+/// Every entry an object with a distinct string `name`.
+fn named(list: &[Value]) -> bool {
+    let names: BTreeSet<_> = list.iter().filter_map(|e| e["name"].as_str()).collect();
+    !list.is_empty() && names.len() == list.len()
+}
+
+/// Paths where `a` and `b` differ.
+fn differences(path: &str, a: &Value, b: &Value, out: &mut Vec<String>) {
+    match (a, b) {
+        (Value::Object(x), Value::Object(y)) => {
+            for k in x.keys().chain(y.keys()).collect::<BTreeSet<_>>() {
+                differences(
+                    &format!("{path}.{k}"),
+                    x.get(k).unwrap_or(&Value::Null),
+                    y.get(k).unwrap_or(&Value::Null),
+                    out,
+                );
+            }
+        }
+        // Lists of named entries (containers, env, ports, volumes, mounts) by name: their order
+        // carries no meaning, and kustomize's strategic merge moves a patched entry first.
+        (Value::Array(x), Value::Array(y)) if named(x) && named(y) => {
+            let by_name = |v: &Vec<Value>| -> BTreeMap<String, Value> {
+                v.iter()
+                    .map(|e| (e["name"].as_str().unwrap().to_string(), e.clone()))
+                    .collect()
+            };
+            let (x, y) = (
+                Value::Object(by_name(x).into_iter().collect()),
+                Value::Object(by_name(y).into_iter().collect()),
+            );
+            differences(path, &x, &y, out);
+        }
+        (Value::Array(x), Value::Array(y)) if x.len() == y.len() => {
+            for (i, (p, q)) in x.iter().zip(y).enumerate() {
+                differences(&format!("{path}[{i}]"), p, q, out);
+            }
+        }
+        _ if a == b => {}
+        _ => out.push(format!("{path}: kustomize {a} / chart {b}")),
+    }
+}
+
+/// The chart's rendering (release `spotguard` in namespace `spotguard`, as the base names its
+/// objects) against the base rendered with `components`. The base's Namespace is not the
+/// chart's (Helm installs into an existing namespace or `--create-namespace`): it is compared
+/// as the documented namespace preparation instead.
+fn equivalence(kustomized: &str, helm: &str) -> Vec<String> {
+    let mut base = objects(kustomized);
+    let chart = objects(helm);
+    let mut problems = Vec::new();
+    match base.remove("Namespace/-/spotguard") {
+        Some(ns) => {
+            let docs = std::fs::read_to_string(repo().join("docs/deploy-kubernetes.md")).unwrap();
+            for (k, v) in ns["metadata"]["labels"].as_object().unwrap() {
+                if k.starts_with("pod-security")
+                    && !docs.contains(&format!("{k}={}", v.as_str().unwrap()))
+                {
+                    problems.push(format!(
+                        "the base's namespace label {k}={v} is not in docs/deploy-kubernetes.md's chart install"
+                    ));
+                }
+            }
+        }
+        None => problems.push("the base has no Namespace spotguard".into()),
+    }
+    for k in base.keys().chain(chart.keys()).collect::<BTreeSet<_>>() {
+        match (base.get(k), chart.get(k)) {
+            (Some(a), Some(b)) => differences(k, a, b, &mut problems),
+            (Some(_), None) => {
+                problems.push(format!("{k}: in the kustomize base, not in the chart"))
+            }
+            (None, Some(_)) => {
+                problems.push(format!("{k}: in the chart, not in the kustomize base"))
+            }
+            (None, None) => {}
+        }
+    }
+    problems
+}
+
+async fn template(t: &Tools, helm: &Helm, ns: &str, extra: &[&str]) -> Result<String, String> {
+    let chart = chart();
+    let mut args = vec!["template", "spotguard", chart.as_str(), "--namespace", ns];
+    args.extend(extra);
+    let ran = t.helm(helm, &args).await;
+    if ran.ok {
+        Ok(ran.stdout)
+    } else {
+        Err(ran.stderr)
+    }
+}
+
+/// The chart's default rendering is the kustomize base, its forceDelete value is the
+/// force-delete component and `prefetch.enabled=false` is the no-prefetch component — with
+/// both Helm majors. An object added to daemonset/ (or a field changed) without the chart
+/// following fails here.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_charts_default_rendering_is_the_kustomize_base() {
+    let t = Tools::start().await;
+    let cases: [(&[&str], &[&str]); 3] = [
+        (&[], &[]),
+        (
+            &["--set", "forceDelete.enabled=true"],
+            &["daemonset/components/force-delete"],
+        ),
+        (
+            &["--set", "prefetch.enabled=false"],
+            &["daemonset/components/no-prefetch"],
+        ),
+    ];
+    for helm in helms() {
+        for (values, components) in cases {
+            let base = t
+                .kustomize(overlay(&["daemonset"], components, "").path())
+                .await;
+            let rendered = template(&t, &helm, "spotguard", values).await.unwrap();
+            let problems = equivalence(&base, &rendered);
+            assert!(
+                problems.is_empty(),
+                "helm v{} {values:?} vs kustomize {components:?}:\n{}",
+                helm.major,
+                problems.join("\n")
+            );
+        }
+    }
+    // The chart's copies of the alerts and the dashboard are the kustomize ones.
+    for (copy, original) in [
+        (
+            "charts/spotguard/files/prometheusrule.yaml",
+            "daemonset/components/alerts/prometheusrule.yaml",
+        ),
+        (
+            "charts/spotguard/files/grafana-dashboard.json",
+            "daemonset/monitoring/grafana-dashboard.json",
+        ),
+    ] {
+        assert_eq!(
+            std::fs::read(repo().join(copy)).unwrap(),
+            std::fs::read(repo().join(original)).unwrap(),
+            "{copy} differs from {original}: copy it again"
+        );
+    }
+}
+
+/// The equivalence check sees drift: an object only in the base, and a changed field.
+#[test]
+fn the_equivalence_check_catches_drift() {
+    let sa = std::fs::read_to_string(repo().join("daemonset/serviceaccount.yaml")).unwrap();
+    let ns = std::fs::read_to_string(repo().join("daemonset/namespace.yaml")).unwrap();
+    let base = format!("{ns}\n---\n{sa}");
+    let same = equivalence(&base, &sa);
+    assert!(same.is_empty(), "{same:?}");
+    // An object added to the base only (as a ValidatingAdmissionPolicy would be).
+    let policy = "---\napiVersion: admissionregistration.k8s.io/v1\nkind: ValidatingAdmissionPolicy\nmetadata:\n  name: spotguard\n";
+    let problems = equivalence(&format!("{base}{policy}"), &sa);
+    assert!(
+        problems
+            .iter()
+            .any(|p| p.contains("ValidatingAdmissionPolicy") && p.contains("not in the chart")),
+        "{problems:?}"
+    );
+    // A field changed on one side.
+    let changed = sa.replace(
+        "app.kubernetes.io/name: spotguard",
+        "app.kubernetes.io/name: other",
+    );
+    assert_ne!(changed, sa);
+    let problems = equivalence(&base, &changed);
+    assert!(
+        problems.iter().any(|p| p.contains("metadata.labels")),
+        "{problems:?}"
+    );
+    // An env entry changed inside a list of named entries.
+    let ds = std::fs::read_to_string(repo().join("daemonset/daemonset.yaml")).unwrap();
+    let ds_changed = ds.replace("value: 90s", "value: 60s");
+    assert_ne!(ds_changed, ds);
+    let problems = equivalence(
+        &format!("{base}\n---\n{ds}"),
+        &format!("{sa}\n---\n{ds_changed}"),
+    );
+    assert!(
+        problems
+            .iter()
+            .any(|p| p.contains("SPOTGUARD_CHECKPOINT_TIMEOUT")),
+        "{problems:?}"
+    );
+}
+
+/// `helm lint --strict` with the defaults and with every value set; a misspelt or mistyped
+/// value is refused by the schema, before anything reaches a cluster.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn helm_lint_strict_and_the_schema_refuses_typos() {
+    let home = tempfile::tempdir().unwrap();
+    let chart = chart();
+    let full = full_values();
+    for helm in helms() {
+        for args in [
+            vec!["lint", "--strict", chart.as_str()],
+            vec!["lint", "--strict", chart.as_str(), "-f", full.as_str()],
+        ] {
+            let ran = run(&helm.bin, &args, None, home.path()).await;
+            assert!(
+                ran.ok,
+                "helm v{} {args:?}:\n{}{}",
+                helm.major, ran.stdout, ran.stderr
+            );
+        }
+        for (set, says) in [
+            ("imagee.tag=1", "imagee"),
+            ("prefetch.enable=false", "enable"),
+            ("agent.gpu=on", "gpu"),
+            ("agent.metricsPort=70000", "metricsPort"),
+            ("uploads.allow={file:///etc}", "allow"),
+        ] {
+            let ran = run(
+                &helm.bin,
+                &["template", "x", chart.as_str(), "--set", set],
+                None,
+                home.path(),
+            )
+            .await;
+            assert!(!ran.ok, "helm v{} accepted --set {set}", helm.major);
+            assert!(
+                ran.stderr.contains(says),
+                "helm v{} --set {set}: {}",
+                helm.major,
+                ran.stderr
+            );
+        }
+    }
+}
+
+/// The renderings with the defaults and with every value set are accepted by the real API
+/// server (server-side apply, dry run, strict field validation; the Prometheus Operator CRDs
+/// installed); a value that renders an invalid object is refused by it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chart_renderings_are_accepted_by_the_api_server() {
+    let t = Tools::start().await;
+    t.install_crds().await;
+    let ns = t.k.namespace("render").await;
+    let full = full_values();
+    // Cluster-scoped names of their own (testkit applied the shipped ClusterRole `spotguard`).
+    let name = format!("fullnameOverride=render-{}", t.k.id());
+    for helm in helms() {
+        for values in [
+            vec!["--set", name.as_str()],
+            vec!["-f", full.as_str(), "--set", name.as_str()],
+        ] {
+            let rendered = template(&t, &helm, &ns, &values).await.unwrap();
+            if let Err(e) = t.dry_run(&rendered).await {
+                panic!("helm v{} {values:?}: the server refused:\n{e}", helm.major);
+            }
+        }
+        // Valid for the schema (a label map of strings), invalid for Kubernetes.
+        let bad = template(&t, &helm, &ns, &["--set", "podLabels.a/b/c=x"])
+            .await
+            .unwrap();
+        let err = t
+            .dry_run(&bad)
+            .await
+            .expect_err("an invalid label key was accepted");
+        assert!(err.contains("a/b/c"), "{err}");
+    }
+}
+
+/// `helm install`, `helm upgrade` with changed values and `helm uninstall`, for real, with
+/// both majors: everything is created, the upgrade adds and removes objects (the force-delete
+/// RBAC goes when turned off), and after uninstall nothing the release created is left, of any
+/// kind (every listable type, cluster-wide). The leftover check itself finds a ClusterRole that
+/// outlives its release.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn helm_install_upgrade_uninstall_leave_nothing_behind() {
+    let t = Tools::start().await;
+    t.install_crds().await;
+    let chart = chart();
+    let full = full_values();
+    for helm in helms() {
+        let ns = t.k.namespace(&format!("helm{}", helm.major)).await;
+        let release = format!("spotguard-v{}-{}", helm.major, t.k.id());
+        let selector = format!("app.kubernetes.io/instance={release}");
+        // Every value set, on no node of this shared cluster.
+        let ran = t
+            .helm(
+                &helm,
+                &[
+                    "install",
+                    &release,
+                    &chart,
+                    "--namespace",
+                    &ns,
+                    "-f",
+                    &full,
+                    "--set",
+                    "fullnameOverride=",
+                    "--set",
+                    "serviceAccount.name=",
+                ],
+            )
+            .await;
+        assert!(ran.ok, "helm v{} install: {}", helm.major, ran.stderr);
+        assert!(ran.stdout.contains("DESIRED"), "NOTES.txt: {}", ran.stdout);
+        let installed = t.leftovers(&selector).await;
+        for want in [
+            format!("DaemonSet/{ns}/{release}"),
+            format!("ClusterRole/{release}"),
+            format!("ClusterRole/{release}-force-delete"),
+            format!("ClusterRoleBinding/{release}-force-delete"),
+            format!("ServiceAccount/{ns}/{release}"),
+            format!("PodMonitor/{ns}/{release}"),
+            format!("ServiceMonitor/{ns}/{release}"),
+            format!("PrometheusRule/{ns}/{release}"),
+            format!("ConfigMap/{ns}/{release}-dashboard"),
+            format!("ResourceQuota/{ns}/{release}-critical-pods"),
+            format!("Service/{ns}/{release}-metrics"),
+        ] {
+            assert!(
+                installed.contains(&want),
+                "helm v{}: no {want} in {installed:?}",
+                helm.major
+            );
+        }
+
+        let ran = t
+            .helm(
+                &helm,
+                &[
+                    "upgrade",
+                    &release,
+                    &chart,
+                    "--namespace",
+                    &ns,
+                    "-f",
+                    &full,
+                    "--set",
+                    "fullnameOverride=",
+                    "--set",
+                    "serviceAccount.name=",
+                    "--set",
+                    "forceDelete.enabled=false",
+                    "--set",
+                    "agent.logLevel=warn",
+                    "--set",
+                    "metrics.grafanaDashboard.enabled=false",
+                ],
+            )
+            .await;
+        assert!(ran.ok, "helm v{} upgrade: {}", helm.major, ran.stderr);
+        let upgraded = t.leftovers(&selector).await;
+        for gone in [
+            format!("ClusterRole/{release}-force-delete"),
+            format!("ClusterRoleBinding/{release}-force-delete"),
+            format!("ConfigMap/{ns}/{release}-dashboard"),
+        ] {
+            assert!(
+                !upgraded.contains(&gone),
+                "helm v{}: {gone} kept by the upgrade",
+                helm.major
+            );
+        }
+        let dss: Api<DaemonSet> = Api::namespaced(t.k.admin(), &ns);
+        let ds = dss.get(&release).await.unwrap();
+        let env = &ds.spec.unwrap().template.spec.unwrap().containers[0]
+            .env
+            .clone()
+            .unwrap();
+        let value = |n: &str| {
+            env.iter()
+                .find(|e| e.name == n)
+                .and_then(|e| e.value.clone())
+        };
+        assert_eq!(value("SPOTGUARD_LOG_LEVEL").as_deref(), Some("warn"));
+        assert_eq!(
+            value("SPOTGUARD_FORCE_DELETE_AT_DEADLINE").as_deref(),
+            Some("false")
+        );
+
+        // The check finds what outlives a release: a ClusterRole of it that uninstall misses.
+        let stray = format!("{release}-stray");
+        let ran = t
+            .kubectl(
+                &[
+                    "create",
+                    "clusterrole",
+                    &stray,
+                    "--verb=get",
+                    "--resource=nodes",
+                ],
+                None,
+            )
+            .await;
+        assert!(ran.ok, "{}", ran.stderr);
+        let ran = t
+            .kubectl(
+                &[
+                    "label",
+                    "clusterrole",
+                    &stray,
+                    &format!("app.kubernetes.io/instance={release}"),
+                ],
+                None,
+            )
+            .await;
+        assert!(ran.ok, "{}", ran.stderr);
+
+        let ran = t
+            .helm(
+                &helm,
+                &["uninstall", &release, "--namespace", &ns, "--wait"],
+            )
+            .await;
+        assert!(ran.ok, "helm v{} uninstall: {}", helm.major, ran.stderr);
+        assert_eq!(
+            t.leftovers(&selector).await,
+            vec![format!("ClusterRole/{stray}")],
+            "helm v{}: what the release left (only the stray ClusterRole may be)",
+            helm.major
+        );
+        let ran = t.kubectl(&["delete", "clusterrole", &stray], None).await;
+        assert!(ran.ok, "{}", ran.stderr);
+        assert_eq!(t.leftovers(&selector).await, Vec::<String>::new());
+        // Helm's own release records are gone too.
+        assert_eq!(
+            t.leftovers(&format!("owner=helm,name={release}")).await,
+            Vec::<String>::new()
+        );
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The kustomize base, applied for real (namespace spotguard: one test at a time uses it).
+
+/// The documented kustomize install with the force-delete component: client-side apply, then
+/// server-side apply of the same objects conflicts with nothing; a Karpenter GPU spot node gets
+/// an agent pod; `kubectl delete -k daemonset/` would leave the force-delete ClusterRole (the
+/// check sees it), the documented removal leaves nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kustomize_install_server_side_reapply_karpenter_and_removal() {
+    let t = Tools::start().await;
+    let ov = overlay(&["daemonset"], &["daemonset/components/force-delete"], "");
+    let rendered = t.kustomize(ov.path()).await;
+    let ran = t.kubectl(&["apply", "-f", "-"], Some(&rendered)).await;
+    assert!(ran.ok, "client-side apply: {}", ran.stderr);
+    let ran = t
+        .kubectl(
+            &[
+                "apply",
+                "--server-side",
+                "--field-manager=platform-team",
+                "-f",
+                "-",
+            ],
+            Some(&rendered),
+        )
+        .await;
+    assert!(
+        ran.ok,
+        "server-side apply after client-side apply conflicts:\n{}",
+        ran.stderr
+    );
+
+    // A Karpenter-provisioned GPU spot node, with none of the other GPU labels.
+    let node =
+        t.k.node(
+            t.k.node_config("karpenter-gpu")
+                .label("karpenter.sh/capacity-type", "spot")
+                .label("karpenter.sh/nodepool", "gpu")
+                .label("karpenter.k8s.aws/instance-gpu-manufacturer", "nvidia")
+                .label("node.kubernetes.io/instance-type", "g5.xlarge")
+                .taint("nvidia.com/gpu", None, "NoSchedule")
+                .capacity("nvidia.com/gpu", "1"),
+        )
+        .await;
+    let pods: Api<Pod> = Api::namespaced(t.k.admin(), "spotguard");
+    let start = std::time::Instant::now();
+    loop {
+        let list = pods.list(&Default::default()).await.unwrap();
+        let for_node = list.items.iter().any(|p| {
+            serde_json::to_string(&p.spec)
+                .unwrap()
+                .contains(&format!("\"{}\"", node.name()))
+        });
+        if for_node {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "no agent pod for the Karpenter GPU node {} after 60 s (DESIRED 0)",
+            node.name()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let dss: Api<DaemonSet> = Api::namespaced(t.k.admin(), "spotguard");
+    let desired = dss
+        .get("spotguard")
+        .await
+        .unwrap()
+        .status
+        .map(|s| s.desired_number_scheduled);
+    assert!(desired.unwrap_or(0) >= 1, "DESIRED {desired:?}");
+
+    // The removal the docs used to give misses the component's RBAC; the check sees it.
+    let selector = "app.kubernetes.io/name=spotguard";
+    let base = repo().join("daemonset");
+    let ran = t
+        .kubectl(
+            &["delete", "-k", base.to_str().unwrap(), "--wait=false"],
+            None,
+        )
+        .await;
+    assert!(ran.ok, "{}", ran.stderr);
+    let left = t.leftovers(selector).await;
+    assert!(
+        left.contains(&"ClusterRole/spotguard-force-delete".to_string())
+            && left.contains(&"ClusterRoleBinding/spotguard-force-delete".to_string()),
+        "{left:?}"
+    );
+    // The documented removal.
+    let docs = std::fs::read_to_string(repo().join("docs/deploy-kubernetes.md")).unwrap();
+    assert!(
+        docs.contains(KUSTOMIZE_REMOVAL),
+        "docs/deploy-kubernetes.md lost: {KUSTOMIZE_REMOVAL}"
+    );
+    let args: Vec<&str> = KUSTOMIZE_REMOVAL.split_whitespace().skip(1).collect();
+    let mut args = args;
+    args.extend(["--ignore-not-found", "--wait=false"]);
+    let ran = t.kubectl(&args, None).await;
+    assert!(ran.ok, "{}", ran.stderr);
+    // testkit's own ServiceAccount for its force-delete identity, not part of the install.
+    let testkit_sa = format!(
+        "ServiceAccount/spotguard/{}",
+        spotguard_testkit::k8s::controlplane::FORCE_DELETE_SERVICE_ACCOUNT
+    );
+    let left: Vec<String> = t
+        .leftovers(selector)
+        .await
+        .into_iter()
+        .filter(|o| *o != testkit_sa)
+        .collect();
+    assert_eq!(
+        left,
+        Vec::<String>::new(),
+        "left after the documented removal"
+    );
+    drop(node);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The chart's DaemonSet, running.
+
+/// A trainer: catches SIGUSR1 and acks step 4242 in its emptyDir.
+const TRAINER: &str = r#"
+trap 'printf "{\"state\":\"done\",\"step\":4242,\"checkpoint\":\"ckpt-4242\",\"ts\":%s}" $(date +%s.%N) > "$SPOTGUARD_DIR/.ack.tmp"; mv "$SPOTGUARD_DIR/.ack.tmp" "$SPOTGUARD_DIR/ack-$BASHPID.json"' USR1
+while :; do sleep 0.05; done
+"#;
+
+fn port_free(port: u16) -> bool {
+    std::net::TcpListener::bind(("0.0.0.0", port)).is_ok()
+}
+
+/// `helm install` (Helm v4; v3 renders the same objects, see the equivalence test) of the
+/// chart with its default values, plus the image of this test and the metadata endpoint of its
+/// emulator: the DaemonSet controller creates the agent's pod for the GPU node, the scheduler
+/// binds it, the kubelet stand-in starts both containers as the chart's pod says (args, env,
+/// hostPath mounts, only KILL and SYS_PTRACE, the chart's ServiceAccount token), it becomes
+/// Ready by its probe, and on a spot notice the agent, with the chart's RBAC, checkpoints a
+/// non-root trainer, cordons, taints and drains the node.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_charts_daemonset_runs_and_its_agent_handles_a_notice() {
+    use spotguard::emulator::{self, Cloud, EmulatedNotice, EmulatorConfig};
+    use spotguard_testkit::k8s::{non_system_taints, Image};
+
+    for port in [9464, 9465] {
+        assert!(
+            port_free(port),
+            "port {port} is taken on this machine: the DaemonSet's pods use the host network"
+        );
+    }
+    let t = Tools::start().await;
+    let helm = helms().pop().unwrap();
+    let emu = emulator::start(EmulatorConfig::new(Cloud::Aws))
+        .await
+        .unwrap();
+    let dmi = tempfile::tempdir().unwrap();
+    std::fs::write(dmi.path().join("sys_vendor"), "Amazon EC2\n").unwrap();
+    std::fs::write(dmi.path().join("product_name"), "p4d.24xlarge\n").unwrap();
+    // The image name is this test's own, so that no other DaemonSet's pod starts here.
+    let node =
+        t.k.node(
+            t.k.node_config("chart-gpu")
+                .gpus(8)
+                .host_path("/sys/class/dmi/id", dmi.path())
+                .image(
+                    "spotguard-chart-test:0.1.0",
+                    Image::binary(env!("CARGO_BIN_EXE_spotguard")),
+                ),
+        )
+        .await;
+    let ns = t.k.namespace("chart").await;
+    let release = format!("spotguard-{}", t.k.id());
+    let values = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(
+        values.path(),
+        format!(
+            "image:\n  repository: spotguard-chart-test\n\
+             agent:\n  extraEnv:\n    - name: SPOTGUARD_METADATA_ENDPOINT\n      value: {}\n\
+             nodeSelector:\n  kubernetes.io/hostname: {}\n",
+            emu.base_url(),
+            node.name()
+        ),
+    )
+    .unwrap();
+    let chart = chart();
+    let ran = t
+        .helm(
+            &helm,
+            &[
+                "install",
+                &release,
+                &chart,
+                "--namespace",
+                &ns,
+                "-f",
+                values.path().to_str().unwrap(),
+            ],
+        )
+        .await;
+    assert!(ran.ok, "helm install: {}", ran.stderr);
+
+    let pods: Api<Pod> = Api::namespaced(t.k.admin(), &ns);
+    let dss: Api<DaemonSet> = Api::namespaced(t.k.admin(), &ns);
+    let start = std::time::Instant::now();
+    let agent_pod = loop {
+        let list = pods
+            .list(&kube::api::ListParams::default().labels("app.kubernetes.io/component=agent"))
+            .await
+            .unwrap();
+        let status = dss.get(&release).await.ok().and_then(|d| d.status);
+        let ready = status
+            .as_ref()
+            .is_some_and(|s| s.desired_number_scheduled == 1 && s.number_ready == 1);
+        let on_node = list
+            .items
+            .iter()
+            .find(|p| p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(node.name()));
+        if let (true, Some(p)) = (ready, on_node) {
+            break p.clone();
+        }
+        if start.elapsed() > Duration::from_secs(90) {
+            let name = on_node
+                .and_then(|p| p.metadata.name.clone())
+                .unwrap_or_default();
+            panic!(
+                "the chart's pod is not Ready on {} after 90 s: DaemonSet status {status:?}\nagent log:\n{}",
+                node.name(),
+                node.logs(&ns, &name, "spotguard")
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let agent_name = agent_pod.metadata.name.clone().unwrap();
+    let run = node
+        .run_of(&ns, &agent_name, "spotguard")
+        .expect("agent started");
+    assert!(
+        node.run_of(&ns, &agent_name, "prefetch").is_some(),
+        "the prefetch sidecar did not start"
+    );
+    let status = std::fs::read_to_string(format!("/proc/{}/status", run.pid)).unwrap();
+    let cap_eff = status
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .map(|v| u64::from_str_radix(v.trim(), 16).unwrap())
+        .unwrap();
+    assert_eq!(
+        cap_eff,
+        (1 << 5) | (1 << 19),
+        "KILL and SYS_PTRACE only: {status}"
+    );
+
+    let ml = t.k.namespace("ml").await;
+    let trainer: Pod = serde_json::from_value(serde_json::json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": { "name": "trainer-0", "namespace": ml, "annotations": {
+            "spotguard.io/checkpoint": "true",
+            "spotguard.io/checkpoint-dir": "/var/run/spotguard",
+            "spotguard.io/checkpoint-timeout": "20s",
+        }},
+        "spec": {
+            "nodeName": node.name(),
+            "restartPolicy": "Never",
+            "securityContext": { "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000 },
+            "containers": [{
+                "name": "trainer", "image": "registry.example/trainer:1",
+                "command": ["bash", "-c", TRAINER],
+                "env": [{ "name": "SPOTGUARD_DIR", "value": "/var/run/spotguard" }],
+                "volumeMounts": [{ "name": "spotguard", "mountPath": "/var/run/spotguard" }],
+            }],
+            "volumes": [{ "name": "spotguard", "emptyDir": { "sizeLimit": "1Mi" } }],
+        },
+    }))
+    .unwrap();
+    t.k.run_pods(&[trainer]).await;
+    let trainer_run = node
+        .wait_run(&ml, "trainer-0", "trainer", Duration::from_secs(10))
+        .await;
+    assert!(
+        spotguard_testkit::process::wait_catches_usr1(trainer_run.pid).await,
+        "trainer has no handler"
+    );
+    // Let the agent's pod watch deliver the trainer (as tests/manifests.rs does), then the
+    // notice; what follows waits for events.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    emu.raise(EmulatedNotice::interruption()).unwrap();
+
+    let start = std::time::Instant::now();
+    loop {
+        let events = t.k.events().await;
+        let acked = events.iter().any(|e| {
+            e.reason == "CheckpointAcked"
+                && e.regarding_name == "trainer-0"
+                && e.message.contains("4242")
+        });
+        let gone = t.k.pod(&ml, "trainer-0").await.is_none();
+        let node_obj = t.k.node_object(node.name()).await;
+        let cordoned = node_obj.spec.as_ref().and_then(|s| s.unschedulable) == Some(true);
+        let tainted = non_system_taints(&node_obj).iter().any(|(key, _, effect)| {
+            key == spotguard::node::INTERRUPTION_TAINT && effect == "NoSchedule"
+        });
+        if acked && gone && cordoned && tainted {
+            break;
+        }
+        if start.elapsed() > Duration::from_secs(60) {
+            panic!(
+                "after 60 s: acked {acked}, trainer evicted {gone}, cordoned {cordoned}, tainted {tainted}\nevents: {:?}\nagent log:\n{}",
+                events.iter().map(|e| (&e.reason, &e.message)).collect::<Vec<_>>(),
+                node.logs(&ns, &agent_name, "spotguard")
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let ran = t
+        .helm(
+            &helm,
+            &["uninstall", &release, "--namespace", &ns, "--wait"],
+        )
+        .await;
+    assert!(ran.ok, "helm uninstall: {}", ran.stderr);
+    drop(node);
+    emu.shutdown().await;
+}
