@@ -37,6 +37,11 @@ const KUBECTL_DEPS: &str = "scripts/deps/kubectl.sh";
 const KUSTOMIZE_REMOVAL: &str =
     "kubectl delete clusterrolebinding,clusterrole,namespace -l app.kubernetes.io/name=spotguard";
 
+/// Held by the tests that create cluster-scoped objects labelled app.kubernetes.io/name=spotguard
+/// for real: the kustomize removal deletes every such object, and each test's leftover check
+/// lists them cluster-wide.
+static CLUSTER_WIDE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
@@ -630,6 +635,7 @@ async fn chart_renderings_are_accepted_by_the_api_server() {
 /// outlives its release.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn helm_install_upgrade_uninstall_leave_nothing_behind() {
+    let _cluster_wide = CLUSTER_WIDE.lock().await;
     let t = Tools::start().await;
     t.install_crds().await;
     let chart = chart();
@@ -795,6 +801,7 @@ async fn helm_install_upgrade_uninstall_leave_nothing_behind() {
 /// check sees it), the documented removal leaves nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kustomize_install_server_side_reapply_karpenter_and_removal() {
+    let _cluster_wide = CLUSTER_WIDE.lock().await;
     let t = Tools::start().await;
     let ov = overlay(&["daemonset"], &["daemonset/components/force-delete"], "");
     let rendered = t.kustomize(ov.path()).await;
@@ -926,6 +933,7 @@ fn port_free(port: u16) -> bool {
 /// non-root trainer, cordons, taints and drains the node.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_charts_daemonset_runs_and_its_agent_handles_a_notice() {
+    let _cluster_wide = CLUSTER_WIDE.lock().await;
     use spotguard::emulator::{self, Cloud, EmulatedNotice, EmulatorConfig};
     use spotguard_testkit::k8s::{non_system_taints, Image};
 
