@@ -887,8 +887,7 @@ async fn kustomize_install_server_side_reapply_karpenter_and_removal() {
         docs.contains(KUSTOMIZE_REMOVAL),
         "docs/deploy-kubernetes.md lost: {KUSTOMIZE_REMOVAL}"
     );
-    let args: Vec<&str> = KUSTOMIZE_REMOVAL.split_whitespace().skip(1).collect();
-    let mut args = args;
+    let mut args: Vec<&str> = KUSTOMIZE_REMOVAL.split_whitespace().skip(1).collect();
     args.extend(["--ignore-not-found", "--wait=false"]);
     let ran = t.kubectl(&args, None).await;
     assert!(ran.ok, "{}", ran.stderr);
