@@ -421,9 +421,10 @@ fn elastic_the_preempted_node_leaves_and_the_other_resumes_from_the_saved_step()
     assert_eq!(r["survivors"][0]["node"], 1);
     assert_eq!(r["survivors"][0]["resumed_step"], saved, "{r}");
     // The survivor trains on without the preempted node. Its first round after the notice may
-    // still count that node (its rendezvous entry goes 0.5 s after the launcher's SIGTERM; a
-    // round formed in between fails when the node is gone and forms again, losing nothing):
-    // the round that stuck is its last one.
+    // still count that node (the stand-in's rendezvous is not c10d, so the launcher leaves the
+    // entry to its heartbeat expiry, 1.5 s here; a round formed before then fails when the node
+    // is gone and forms again, losing nothing): the round that stuck is its last one, and
+    // "training again" counts from it.
     let last = r["nodes"][0]["resumes"]
         .as_array()
         .and_then(|a| a.last())
@@ -432,6 +433,10 @@ fn elastic_the_preempted_node_leaves_and_the_other_resumes_from_the_saved_step()
     assert_eq!(last["step"], saved, "{r}");
     let again = r["training_again_s"].as_f64().unwrap();
     assert!(again > 0.0 && again < 30.0, "{r}");
+    let stuck = r["survivors"][0]["resumed_s"].as_f64().unwrap();
+    assert!((again - stuck).abs() < 1e-6, "{r}");
+    assert!(stuck <= last["at_s"].as_f64().unwrap(), "{r}");
+    assert_eq!(r["survivors"][0]["world_size"], 2, "{r}");
     // The preempted node left on its own (the launcher's 143), nothing was left to kill.
     let n2 = &r["nodes"][1];
     assert_eq!(n2["exit"]["code"], 143, "{r}");

@@ -67,6 +67,9 @@ pub struct Survivor {
     pub label: String,
     /// Its first resume after the notice: (step, when, world size).
     pub first: Option<(i64, Timestamp, Option<i64>)>,
+    /// The first resume of its last generation after the notice (the round that stuck; the
+    /// same as `first` when it restarted once): (step, when, world size).
+    pub stuck: Option<(i64, Timestamp, Option<i64>)>,
     /// How many times its workers (re)started after the notice (generations of resume records).
     pub resumes_after_notice: usize,
     /// The step of its last resume after the notice.
@@ -95,7 +98,8 @@ pub struct ElasticVerdict {
     pub saved_step: Option<i64>,
     pub survivors: Vec<Survivor>,
     pub steps_lost: Option<i64>,
-    /// From the notice to the last surviving node's first resume.
+    /// From the notice to the last surviving node's resume in the round that stuck (the start
+    /// of its last generation of workers).
     pub training_again: Option<Duration>,
     pub warnings: Vec<String>,
 }
@@ -231,11 +235,11 @@ pub fn judge(v: &mut ElasticVerdict, timeout: Duration, kill_after: Duration) {
     if let Some(lost) = steps_lost(v) {
         v.steps_lost = Some(lost);
     }
-    if v.survivors.iter().all(|s| s.first.is_some()) && !v.survivors.is_empty() {
+    if v.survivors.iter().all(|s| s.stuck.is_some()) && !v.survivors.is_empty() {
         v.training_again = v
             .survivors
             .iter()
-            .filter_map(|s| s.first.map(|(_, at, _)| at))
+            .filter_map(|s| s.stuck.map(|(_, at, _)| at))
             .max()
             .map(|at| Duration::from_secs_f64(secs(at, t0).max(0.0)));
     }
@@ -258,6 +262,7 @@ fn survivors(v: &ElasticVerdict) -> Vec<Survivor> {
                 index: n.index,
                 label: n.label.clone(),
                 first: after.first().map(|r| (r.step, r.at, r.world_size)),
+                stuck: last_generation(&after).map(|r| (r.step, r.at, r.world_size)),
                 resumes_after_notice: generations(&after),
                 last_step: after.last().map(|r| r.step),
             }
@@ -301,14 +306,29 @@ fn steps_lost(v: &ElasticVerdict) -> Option<i64> {
     Some((reached - resumed).max(0))
 }
 
-/// Resume records of one node come one per worker; a generation is a burst of them (within 5 s
-/// of the first of the burst). The first record of each generation, oldest first.
-fn generation_starts(rows: &[&ResumeRow]) -> Vec<Timestamp> {
-    let mut starts: Vec<Timestamp> = Vec::new();
+/// Resume records of one node (oldest first) come one per worker and round; a generation is
+/// one round's workers. A record starts a new generation when its rank was already seen in the
+/// current one or its world size differs (a round that did not stick, e.g. one that still
+/// counted a leaving node, and the round after it, come within a second or two); a record
+/// without a rank, when it comes more than 5 s after the first of the current generation. The
+/// first record of each generation, oldest first.
+fn generation_starts<'a>(rows: &[&'a ResumeRow]) -> Vec<&'a ResumeRow> {
+    let mut starts: Vec<&ResumeRow> = Vec::new();
+    let mut ranks: Vec<i64> = Vec::new();
     for r in rows {
-        if starts.last().is_none_or(|s| secs(r.at, *s) > 5.0) {
-            starts.push(r.at);
+        let new = match (starts.last(), r.rank) {
+            (None, _) => true,
+            (Some(first), Some(rank)) => {
+                ranks.contains(&rank)
+                    || matches!((first.world_size, r.world_size), (Some(a), Some(b)) if a != b)
+            }
+            (Some(first), None) => secs(r.at, first.at) > 5.0,
+        };
+        if new {
+            starts.push(r);
+            ranks.clear();
         }
+        ranks.extend(r.rank);
     }
     starts
 }
@@ -317,8 +337,12 @@ fn generations(rows: &[&ResumeRow]) -> usize {
     generation_starts(rows).len()
 }
 
-fn last_generation_start(rows: &[&ResumeRow]) -> Option<Timestamp> {
+fn last_generation<'a>(rows: &[&'a ResumeRow]) -> Option<&'a ResumeRow> {
     generation_starts(rows).last().copied()
+}
+
+fn last_generation_start(rows: &[&ResumeRow]) -> Option<Timestamp> {
+    last_generation(rows).map(|r| r.at)
 }
 
 fn verdict(v: &ElasticVerdict, timeout: Duration, kill_after: Duration) -> (bool, String) {
@@ -465,7 +489,7 @@ fn in_time(v: &ElasticVerdict, doomed: &str, again: Duration) -> Result<(), Stri
     let last = v
         .survivors
         .iter()
-        .filter_map(|s| s.first.map(|(_, at, _)| at))
+        .filter_map(|s| s.stuck.map(|(_, at, _)| at))
         .max();
     match last {
         Some(last) if last > by => Err(format!(
@@ -482,7 +506,7 @@ fn passed(v: &ElasticVerdict, doomed: &str, saved: i64, again: Duration) -> Stri
     let resumed = v
         .survivors
         .iter()
-        .filter_map(|s| s.first.map(|f| f.0))
+        .filter_map(|s| s.stuck.map(|f| f.0))
         .min()
         .unwrap_or(saved);
     let kept = if resumed > saved {
@@ -608,31 +632,37 @@ fn node_left_row(t: &mut Table, v: &ElasticVerdict) {
     t.row("node left", &when, &detail);
 }
 
-/// Each surviving node's first resume after the notice.
+/// Each surviving node's resume after the notice: the round that stuck (its last generation),
+/// and the earlier ones when it restarted more than once.
 fn survivor_rows(t: &mut Table, v: &ElasticVerdict) {
     for s in &v.survivors {
-        let (time, detail) = match s.first {
-            Some((step, at, world)) => (
+        let (time, detail) = match (s.stuck, s.first) {
+            (Some((step, at, world)), Some((_, first_at, first_world))) => (
                 rel(Some(at), v.raised_at),
                 format!(
                     "{}: resumed from step {step} (world size {}){}",
                     s.label,
-                    world.map(|w| w.to_string()).unwrap_or_else(|| "?".into()),
+                    world_size(world),
                     if s.resumes_after_notice > 1 {
                         format!(
-                            "; restarted {} times after the notice, last from step {}",
+                            " in the last of {} rounds after the notice (the first at {}, world size {})",
                             s.resumes_after_notice,
-                            s.last_step.unwrap_or(step)
+                            rel(Some(first_at), v.raised_at),
+                            world_size(first_world)
                         )
                     } else {
                         String::new()
                     }
                 ),
             ),
-            None => ("—".into(), format!("{}: did not resume", s.label)),
+            _ => ("—".into(), format!("{}: did not resume", s.label)),
         };
         t.row("survivors resumed", &time, &detail);
     }
+}
+
+fn world_size(w: Option<i64>) -> String {
+    w.map(|w| w.to_string()).unwrap_or_else(|| "?".into())
 }
 
 /// Steps lost, training again, the power-off.
@@ -651,7 +681,7 @@ fn outcome_rows(t: &mut Table, v: &ElasticVerdict) {
             .map(|d| format!("{:.1}s", d.as_secs_f64()))
             .unwrap_or_else(|| "—".into()),
         &format!(
-            "from the notice to the last surviving node's resume; deadline {}",
+            "from the notice to the last surviving node's resume in the round that stuck; deadline {}",
             rel(v.must_train_by(), t0)
         ),
     );
@@ -689,9 +719,11 @@ pub fn to_json(v: &ElasticVerdict) -> Value {
         "survivors": v.survivors.iter().map(|x| json!({
             "node": x.index,
             "label": x.label,
-            "resumed_step": x.first.map(|f| f.0),
-            "resumed_s": x.first.map(|f| secs(f.1, t0)),
-            "world_size": x.first.and_then(|f| f.2),
+            "resumed_step": x.stuck.map(|f| f.0),
+            "resumed_s": x.stuck.map(|f| secs(f.1, t0)),
+            "world_size": x.stuck.and_then(|f| f.2),
+            "first_resumed_step": x.first.map(|f| f.0),
+            "first_resumed_s": x.first.map(|f| secs(f.1, t0)),
             "resumes_after_notice": x.resumes_after_notice,
             "last_resumed_step": x.last_step,
         })).collect::<Vec<_>>(),
@@ -725,15 +757,25 @@ mod tests {
         Timestamp::from_millisecond((1_000_000.0 + s * 1000.0) as i64).unwrap()
     }
 
+    /// A record without rank (generations by time: 5 s apart).
     fn resume(pid: i64, step: i64, at: f64, last: i64) -> ResumeRow {
         ResumeRow {
             pid,
             step,
             at: ts(at),
-            rank: Some(0),
+            rank: None,
             world_size: Some(2),
             last_step: last,
             node: None,
+        }
+    }
+
+    /// A worker's record with its rank and world size.
+    fn ranked(pid: i64, rank: i64, world: i64, step: i64, at: f64) -> ResumeRow {
+        ResumeRow {
+            rank: Some(rank),
+            world_size: Some(world),
+            ..resume(pid, step, at, step)
         }
     }
 
@@ -803,6 +845,50 @@ mod tests {
             assert!(t.contains(want), "{want}:\n{t}");
         }
         assert_eq!(to_json(&v)["survivors"][0]["resumed_step"], 59);
+    }
+
+    #[test]
+    fn training_again_counts_from_the_round_that_stuck_not_a_transient_one() {
+        // The survivor's first round after the notice still counted the leaving node (world 4)
+        // and broke up within a second; the next (world 2, the same ranks again) stuck. Both are
+        // within 5 s: told apart by the ranks and the world size.
+        let mut v = base(LAUNCHED);
+        v.nodes[0].resumes = vec![ranked(11, 0, 4, 0, -15.0), ranked(12, 1, 4, 0, -14.9)];
+        v.nodes[0].resumes.extend([
+            ranked(13, 0, 4, 59, 0.2),
+            ranked(14, 1, 4, 59, 0.25),
+            ranked(15, 1, 2, 59, 2.6),
+            ranked(16, 0, 2, 59, 2.7),
+        ]);
+        v.nodes[1].exit = Some(ExitInfo {
+            code: 143,
+            signal: None,
+            killed_by_drill: false,
+        });
+        v.nodes[1].exited_at = Some(ts(2.5));
+        judge(&mut v, Duration::from_secs(90), Duration::from_secs(30));
+        assert!(v.pass, "{}", v.reason);
+        assert_eq!(v.steps_lost, Some(0));
+        assert_eq!(v.survivors[0].resumes_after_notice, 2);
+        assert_eq!(v.training_again, Some(Duration::from_secs_f64(2.6)));
+        assert_eq!(to_json(&v)["survivors"][0]["resumed_s"].as_f64(), Some(2.6));
+        assert_eq!(
+            to_json(&v)["survivors"][0]["first_resumed_s"].as_f64(),
+            Some(0.2)
+        );
+        assert!(
+            v.reason.contains("trained again 2.6s after the notice"),
+            "{}",
+            v.reason
+        );
+
+        // One round whose second worker came 6 s after the first (a loaded machine): one
+        // generation, training again from its first record.
+        let mut v = base(LAUNCHED);
+        v.nodes[0].resumes = vec![ranked(13, 0, 2, 59, 1.0), ranked(14, 1, 2, 59, 7.0)];
+        judge(&mut v, Duration::from_secs(90), Duration::from_secs(30));
+        assert_eq!(v.survivors[0].resumes_after_notice, 1);
+        assert_eq!(v.training_again, Some(Duration::from_secs_f64(1.0)));
     }
 
     #[test]

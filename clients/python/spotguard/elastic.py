@@ -11,16 +11,19 @@ What happens at a preemption (docs/training-integration.md, "Elastic training", 
    Every rank of the job (all nodes) agrees on one step through :func:`spotguard.should_checkpoint`
    and saves; every rank acks and exits 143.
 2. The launcher on the *preempted* node sees ``notice.json`` appear (it polls every 50 ms) and
-   sends SIGTERM to its torchrun at once, before the workers have finished their save. torchrun's
-   agent takes a signal as "this node is going away": it stops its workers (which are saving: the
-   SIGTERM is one more checkpoint request to them, their save completes within torchrun's
-   ``--shutdown-timeout``) and exits **without restarting them and without closing the
-   rendezvous** (``launch_agent`` only closes it when the agent ends for another reason).
-3. The agent leaves its entry in the c10d rendezvous state behind (it is removed only when its
-   heartbeats expire, 10-15 s later, and until then the surviving nodes cannot form a new round).
-   So half a second after its SIGTERM (the agent is then in its shutdown and never joins again)
-   the launcher removes that entry itself, with torch's own rendezvous operations against the
-   same store (:func:`leave_rendezvous`), and tries again once torchrun has exited if that failed.
+   first removes this node's torchrun agent from the c10d rendezvous state, with torch's own
+   rendezvous operations against the same store (:func:`leave_rendezvous`; at most
+   :data:`LEAVE_WAIT_S` seconds, and tried again once torchrun has exited if that failed).
+   Otherwise the entry stays until its heartbeats expire (10-15 s: torchrun's agent never
+   removes it when it is stopped by a signal), and a round the surviving nodes form before then
+   still counts this node: it fails when the node goes, and they form another one. A removed
+   entry also stops the agent's heartbeats (torch only refreshes an entry that is there), so the
+   agent cannot rejoin.
+3. Then it sends SIGTERM to its torchrun, before the workers have finished their save.
+   torchrun's agent takes a signal as "this node is going away": it stops its workers (which are
+   saving: the SIGTERM is one more checkpoint request to them, their save completes within
+   torchrun's ``--shutdown-timeout``) and exits **without restarting them and without closing
+   the rendezvous** (``launch_agent`` only closes it when the agent ends for another reason).
 4. The surviving nodes' agents see their workers exit 143 and restart them: a new rendezvous round
    without the preempted node, and the workers resume from the checkpoint just saved.
    ``last_call_timeout`` decides how long a round with enough nodes waits for more; the launcher
@@ -64,9 +67,9 @@ LAST_CALL_S = 2
 #: How often the launcher looks for a notice (seconds).
 POLL_S = 0.05
 
-#: How long after its SIGTERM to torchrun the launcher removes the agent's rendezvous entry: time
-#: for the agent to take the signal (it then never joins again).
-LEAVE_AFTER_S = 0.5
+#: How long the launcher waits for the removal of the agent's rendezvous entry before it sends
+#: SIGTERM to torchrun anyway (the removal goes on, and is tried again once torchrun has exited).
+LEAVE_WAIT_S = 2.0
 
 # torchrun's options that take no value (torch/distributed/run.py: the `check_env` ones).
 _BOOLEAN = {
@@ -321,6 +324,7 @@ def run(argv: Sequence[str], tr: Torchrun, forward: Iterable[int]) -> int:
     # When torchrun was told to stop (monotonic), and whether its entry left the rendezvous.
     stopping: List[float] = []
     left: List[bool] = []
+    removal: List[threading.Thread] = []  # the removal started at the notice
 
     def stop_agent() -> None:
         if stopping:
@@ -345,6 +349,21 @@ def run(argv: Sequence[str], tr: Torchrun, forward: Iterable[int]) -> int:
             left.append(True)
         _say(what)
 
+    def leave_then_stop() -> None:
+        """This node's entry out of the rendezvous first (bounded by LEAVE_WAIT_S), then the
+        SIGTERM: no round formed in between can still count this node."""
+        if tr.backend == "c10d":
+            leaving = threading.Thread(target=leave, name="spotguard-launch-leave", daemon=True)
+            leaving.start()
+            removal.append(leaving)
+            leaving.join(LEAVE_WAIT_S)
+            if leaving.is_alive():
+                _say(f"the rendezvous entry was not removed within {LEAVE_WAIT_S:g}s: "
+                     "stopping torchrun anyway")
+        else:
+            leave()
+        stop_agent()
+
     saved = {}
     try:
         for s in forward:
@@ -360,14 +379,8 @@ def run(argv: Sequence[str], tr: Torchrun, forward: Iterable[int]) -> int:
                     if nid:
                         _say(f"notice {nid} in {directory}: stopping torchrun so that this node "
                              "leaves the job after its checkpoint instead of restarting its workers")
-                        stop_agent()
+                        leave_then_stop()
                         break
-            elif not left and time.monotonic() - stopping[0] >= LEAVE_AFTER_S:
-                # The agent is in its shutdown (it handled the SIGTERM): it will not join again,
-                # so its entry can go now, while it waits for its workers to finish their save.
-                leave()
-                if not left:
-                    left.append(False)  # retried once torchrun has exited
             time.sleep(POLL_S)
         rc = child.wait()
     finally:
@@ -375,6 +388,8 @@ def run(argv: Sequence[str], tr: Torchrun, forward: Iterable[int]) -> int:
             _signal.signal(s, previous if previous is not None else _signal.SIG_DFL)
         watch.scan()
         watch.stop()
+    for leaving in removal:
+        leaving.join()  # bounded by leave_rendezvous's own timeout
     if stopping and not any(left):
         leave()
     return sg._launch_exit_code(list(argv), rc, watch, started)

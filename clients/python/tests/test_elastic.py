@@ -84,6 +84,58 @@ def test_leave_without_torch_or_c10d_says_what_happens_and_never_raises() -> Non
     assert not ok and "heartbeats expire" in what
 
 
+FAKE_TORCHRUN = """#!/usr/bin/env python3
+import os, signal, sys, time, pathlib
+d = pathlib.Path(os.environ["FAKE_TORCHRUN_DIR"])
+def term(signum, frame):
+    (d / "sigterm").write_text(str(time.monotonic()))
+    sys.exit(1)
+signal.signal(signal.SIGTERM, term)
+(d / "ready").write_text(str(os.getpid()))
+time.sleep(60)
+sys.exit(3)
+"""
+
+
+def test_the_launcher_removes_the_rendezvous_entry_before_it_stops_torchrun(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """At the notice the node's entry leaves the c10d rendezvous first and torchrun gets its
+    SIGTERM after: a round the other nodes form in between cannot count the leaving node."""
+    guard = tmp_path / "guard"
+    guard.mkdir()
+    torchrun = tmp_path / "torchrun"
+    torchrun.write_text(FAKE_TORCHRUN)
+    torchrun.chmod(0o755)
+    monkeypatch.setenv("SPOTGUARD_DIR", str(guard))
+    monkeypatch.setenv("FAKE_TORCHRUN_DIR", str(tmp_path))
+    calls: List[bool] = []  # per removal: had torchrun already had its SIGTERM?
+
+    def leave(tr: elastic.Torchrun, pids: object, timeout: float = 10.0) -> tuple:
+        calls.append((tmp_path / "sigterm").exists())
+        return True, "removed (test)"
+
+    monkeypatch.setattr(elastic, "leave_rendezvous", leave)
+    argv = [str(torchrun), "--nnodes=1:2", "--rdzv-backend=c10d",
+            "--rdzv-endpoint=127.0.0.1:1", "t.py"]
+    tr = elastic.parse_torchrun(argv)
+    assert tr is not None and tr.elastic
+
+    def notice() -> None:
+        wait_for("the fake torchrun", lambda: (tmp_path / "ready").exists())
+        (guard / "notice.json").write_text(json.dumps(
+            {"notice_id": "n-1", "source": "gce", "kind": "preempted",
+             "deadline_unix": time.time() + 30}))
+
+    import threading
+    writer = threading.Thread(target=notice, daemon=True)
+    writer.start()
+    rc = elastic.run(argv, tr, [signal.SIGTERM, signal.SIGINT])
+    writer.join()
+    assert (tmp_path / "sigterm").exists(), "torchrun was not stopped"
+    assert rc == 1
+    assert calls == [False], f"removals (True: after torchrun's SIGTERM): {calls}"
+
+
 # ---------------------------------------------------------------------------------------------
 # Two stand-in elastic nodes under the launcher
 # ---------------------------------------------------------------------------------------------
