@@ -27,6 +27,7 @@ pub mod gpu;
 pub mod k8s;
 pub mod kubelet;
 pub mod process;
+pub mod prometheus;
 pub mod s3;
 
 use std::net::SocketAddr;
