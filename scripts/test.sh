@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Runs every spotguard test on a fresh machine: installs what the tests need (S3-compatible
-# servers, pytest, maturin, kubectl — each scripts/deps/*.sh is idempotent), checks formatting
-# and lints, runs the Rust suites, builds the Python wheel and runs the Python tests against it.
+# servers, pytest, maturin, kubectl, podman — each scripts/deps/*.sh is
+# idempotent), checks formatting and lints, runs the Rust suites,
+# builds the Python wheel and runs the Python tests against it, then builds the agent image
+# around the wheel's binary and runs it.
 # The framework drills (torch, Lightning, transformers: gigabytes) are in scripts/test-frameworks.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -54,3 +56,13 @@ target/wheel-venv/bin/python -m pip install --quiet --disable-pip-version-check 
 
 echo "==> python client tests (installed package and binary)"
 PATH="$PWD/target/wheel-venv/bin:$PATH" target/wheel-venv/bin/python -m pytest -q clients/python/tests
+
+# The agent image (tests/image.rs, ignored in the plain run above): daemonset/Dockerfile's runtime
+# stage built with podman around the wheel's binary (no Rust compilation), then run: --version,
+# the drill, the agent as the DaemonSet runs it against the real control plane, S3 over TLS
+# through the image's CA bundle. Fails, never skips, where podman cannot run. About 1 minute.
+echo "==> image: daemonset/Dockerfile built and run with podman"
+image_start=$SECONDS
+SPOTGUARD_IMAGE_BINARY="$PWD/target/wheel/spotguard" \
+  cargo test --locked --test image -- --ignored --show-output
+echo "image built and tested in $((SECONDS - image_start))s"

@@ -29,6 +29,7 @@ pub mod kubelet;
 pub mod process;
 pub mod prometheus;
 pub mod s3;
+pub mod tls;
 
 use std::net::SocketAddr;
 use std::time::Duration;
