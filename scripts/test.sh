@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs every spotguard test on a fresh machine: installs what the tests need (S3-compatible
-# servers, pytest, maturin, kubectl, podman — each scripts/deps/*.sh is
-# idempotent), checks formatting and lints, runs the Rust suites,
+# servers, pytest, maturin, kubectl, podman, workflow linters — each scripts/deps/*.sh is
+# idempotent), checks formatting and lints (Rust and the release workflow), runs the Rust suites,
 # builds the Python wheel and runs the Python tests against it, then builds the agent image
 # around the wheel's binary and runs it.
 # The framework drills (torch, Lightning, transformers: gigabytes) are in scripts/test-frameworks.sh.
@@ -27,6 +27,12 @@ if ! diff -u docs/configuration.md target/configuration.md; then
   echo "docs/configuration.md drifted from the CLI definitions: run 'cargo run -- config-reference > docs/configuration.md'" >&2
   exit 1
 fi
+
+# The release pipeline (.github/workflows/release.yml): actionlint and zizmor, zero findings
+# (scripts/deps/actions-lint.sh; about 1 s).
+echo "==> workflows: actionlint, zizmor"
+actionlint -no-color .github/workflows/*.yml
+zizmor --offline --persona=pedantic .github/workflows
 
 # --workspace: spotguard's suites and the testkit's own (the fake API server's faithfulness).
 echo "==> cargo test --workspace"
