@@ -63,6 +63,16 @@ target/wheel-venv/bin/python -m pip install --quiet --disable-pip-version-check 
 echo "==> python client tests (installed package and binary)"
 PATH="$PWD/target/wheel-venv/bin:$PATH" target/wheel-venv/bin/python -m pytest -q clients/python/tests
 
+# Removal, as docs/training-integration.md says: `pip uninstall spotguard` takes the package and
+# its binary out of the environment (about 1 s).
+echo "==> pip uninstall spotguard leaves nothing of it"
+target/wheel-venv/bin/python -m pip uninstall --quiet --yes spotguard
+left=$(find target/wheel-venv -name 'spotguard*')
+if [[ -n "$left" ]]; then
+  echo "pip uninstall spotguard left: $left" >&2
+  exit 1
+fi
+
 # The agent image (tests/image.rs, ignored in the plain run above): daemonset/Dockerfile's runtime
 # stage built with podman around the wheel's binary (no Rust compilation), then run: --version,
 # the drill, the agent as the DaemonSet runs it against the real control plane, S3 over TLS
