@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# podman, buildah and runc for scripts/image-test.sh (the agent image built from
-# daemonset/Dockerfile and run), plus the pieces its local base images are made of: Debian's
-# ca-certificates (the bundle the runtime image carries) and debootstrap is NOT needed (the
-# test builds only the runtime stage from the binary the test command already built).
-# Idempotent: installs only what is missing.
+# podman, buildah and runc (Debian) for tests/image.rs: the agent image built from
+# daemonset/Dockerfile and run. No registry is reachable, so the test makes the runtime base
+# image itself from this machine's files: Debian's ca-certificates provides the CA bundle it
+# carries. Only the runtime stage is built (around the binary scripts/test.sh already built), so
+# no Rust image or debootstrap is needed. Idempotent: installs only what is missing.
 set -euo pipefail
 
 SUDO=""
