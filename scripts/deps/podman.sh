@@ -16,7 +16,6 @@ command -v podman >/dev/null 2>&1 || missing+=(podman)
 command -v buildah >/dev/null 2>&1 || missing+=(buildah)
 command -v runc >/dev/null 2>&1 || missing+=(runc)
 [[ -f /etc/ssl/certs/ca-certificates.crt ]] || missing+=(ca-certificates)
-command -v openssl >/dev/null 2>&1 || missing+=(openssl)
 
 if [[ ${#missing[@]} -gt 0 ]]; then
   if ! apt-cache policy podman 2>/dev/null | grep -q 'Candidate: [0-9]'; then
@@ -25,7 +24,7 @@ if [[ ${#missing[@]} -gt 0 ]]; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq -o DPkg::Lock::Timeout=600 --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
-for tool in podman buildah runc openssl; do
+for tool in podman buildah runc; do
   command -v "$tool" >/dev/null
 done
 echo "podman: $(podman --version); buildah: $(buildah --version | cut -d' ' -f1-3); runc: $(runc --version | head -1)"
