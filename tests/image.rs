@@ -53,33 +53,41 @@ fn binary() -> PathBuf {
     target.join("wheel/spotguard")
 }
 
-/// podman with its own storage under a temporary directory (vfs: no overlay support needed),
-/// runc with cgroupfs, and no default ulimits (the sandbox refuses raising them).
+/// podman with its own storage under the cargo target's temporary directory (vfs: no overlay
+/// support needed), runc with cgroupfs, and no default ulimits (the sandbox refuses raising
+/// them). vfs copies every layer, so a run leaves a few hundred MiB there: the next run empties
+/// the directory before it starts.
 struct Podman {
-    dir: tempfile::TempDir,
+    dir: PathBuf,
 }
 
 impl Podman {
     fn new() -> Podman {
-        let dir = tempfile::Builder::new()
-            .prefix("spotguard-image-")
-            .tempdir()
-            .expect("tempdir");
+        let podman = Podman {
+            dir: Path::new(env!("CARGO_TARGET_TMPDIR")).join("image-podman"),
+        };
+        if podman.dir.exists() {
+            // Containers an interrupted run left behind, then their storage.
+            let _ = podman.output(&["rm", "--all", "--force"]);
+            std::fs::remove_dir_all(&podman.dir)
+                .unwrap_or_else(|e| panic!("emptying {}: {e}", podman.dir.display()));
+        }
+        std::fs::create_dir_all(&podman.dir).expect("podman dir");
         std::fs::write(
-            dir.path().join("containers.conf"),
+            podman.dir.join("containers.conf"),
             "[containers]\ndefault_ulimits = []\n",
         )
         .expect("containers.conf");
-        Podman { dir }
+        podman
     }
 
     fn cmd(&self) -> Command {
         let mut cmd = Command::new("podman");
-        cmd.env("CONTAINERS_CONF", self.dir.path().join("containers.conf"))
+        cmd.env("CONTAINERS_CONF", self.dir.join("containers.conf"))
             .arg("--root")
-            .arg(self.dir.path().join("storage"))
+            .arg(self.dir.join("storage"))
             .arg("--runroot")
-            .arg(self.dir.path().join("run"))
+            .arg(self.dir.join("run"))
             .args([
                 "--storage-driver=vfs",
                 "--runtime=runc",
@@ -155,7 +163,7 @@ fn build() -> Built {
         version.status.success(),
         "podman does not run: {version:?} (scripts/deps/podman.sh installs it)"
     );
-    let work = podman.dir.path();
+    let work = podman.dir.clone();
 
     // The base: what distroless/cc-debian12 holds that the binary uses.
     let root = work.join("base");
