@@ -109,7 +109,7 @@ pub async fn start_with_client(
     cancel: CancellationToken,
     client: Option<kube::Client>,
 ) -> Result<App, Error> {
-    let mut telemetry = Telemetry::register();
+    let mut telemetry = Telemetry::register(cfg.gpu.mode != gpu::GpuMode::Off);
     let metrics = telemetry.metrics.clone();
     let boot_id = read_boot_id(&cfg, &metrics);
     let life = life_of_the_machine(&cfg, boot_id).await;
@@ -199,11 +199,19 @@ struct Telemetry {
 }
 
 impl Telemetry {
-    fn register() -> Self {
+    /// `gpu`: export the `spotguard_gpu_*` families. With `--gpu off` no GPU monitor runs, and
+    /// a `spotguard_gpu_probe_up 0` would fire the shipped `SpotguardGPUProbeDown` alert on every
+    /// node where GPU health was turned off on purpose: the families then go to a registry that
+    /// is never served.
+    fn register(gpu: bool) -> Self {
         let mut registry = Registry::default();
         let metrics = Arc::new(Metrics::register(&mut registry));
         let sources = notice::SourceMetrics::register(&mut registry);
-        let gpu = Arc::new(gpu::GpuMetrics::register(&mut registry));
+        let gpu = Arc::new(if gpu {
+            gpu::GpuMetrics::register(&mut registry)
+        } else {
+            gpu::GpuMetrics::register(&mut Registry::default())
+        });
         let upload = Arc::new(crate::upload::UploadMetrics::register(&mut registry));
         Telemetry {
             registry,

@@ -4,48 +4,13 @@
 //! every metric they use is one spotguard documents. The kustomize example carries the `release`
 //! label kube-prometheus-stack selects by.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
+
+use spotguard_testkit::prometheus::{promtool, rule_file};
 
 fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
-fn promtool(args: &[&str]) -> String {
-    let out = Command::new("promtool")
-        .args(args)
-        .output()
-        .unwrap_or_else(|e| panic!("promtool not runnable ({e}): run scripts/deps/promtool.sh"));
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(out.status.success(), "promtool {args:?} failed:\n{text}");
-    text
-}
-
-/// The rule groups of the PrometheusRule: everything below `spec:`, dedented by two spaces.
-fn rule_file(dir: &Path) -> PathBuf {
-    let cr =
-        std::fs::read_to_string(repo().join("daemonset/components/alerts/prometheusrule.yaml"))
-            .unwrap();
-    let (_, spec) = cr
-        .split_once("\nspec:\n")
-        .expect("no spec: in the PrometheusRule");
-    let rules: String = spec
-        .lines()
-        .map(|l| {
-            assert!(
-                l.is_empty() || l.starts_with("  "),
-                "not indented under spec: {l:?}"
-            );
-            format!("{}\n", l.get(2..).unwrap_or(""))
-        })
-        .collect();
-    let path = dir.join("rules.yaml");
-    std::fs::write(&path, rules).unwrap();
-    path
 }
 
 fn alert_names(rules: &str) -> Vec<String> {

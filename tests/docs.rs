@@ -174,7 +174,8 @@ async fn a_fresh_agent_exports_every_documented_series_at_zero() {
     );
 
     // Host mode, cloud auto-detection that cannot succeed (no DMI, metadata endpoint refused): no
-    // metadata poll ever happens, so every documented series must still be at its initial 0.
+    // metadata poll ever happens, so every documented series must still be at its initial 0 (the
+    // GPU families excepted: with --gpu off they are not exported).
     let dir = tempfile::tempdir().unwrap();
     let d = |p: &str| {
         let path = dir.path().join(p);
@@ -203,6 +204,16 @@ async fn a_fresh_agent_exports_every_documented_series_at_zero() {
 
     let mut checked = 0;
     for f in &families {
+        // --gpu off: no GPU family at all (docs/metrics.md says so), so that the GPU alert stays
+        // silent where GPU health is off on purpose.
+        if f.name.starts_with("spotguard_gpu_") {
+            assert!(
+                !samples.iter().any(|(n, _, _)| n.starts_with(&f.name)),
+                "{} is exported with --gpu off",
+                f.name
+            );
+            continue;
+        }
         if f.kind == "info" || f.labels.iter().any(|(_, values)| values.is_empty()) {
             continue;
         }

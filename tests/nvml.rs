@@ -556,6 +556,75 @@ async fn daemon_metrics_through_the_abi_and_not_supported_means_no_series() {
     agent.stop(Duration::from_secs(10));
 }
 
+/// `--gpu off` (the docs' advice where GPU health is not wanted) exports no `spotguard_gpu_*`
+/// series at all, so the shipped `SpotguardGPUProbeDown` alert, evaluated by promtool on what
+/// the agent really exported, stays silent for it; an agent whose NVML fails (driver not
+/// loaded) still exports `spotguard_gpu_probe_up 0` and the alert fires for that one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gpu_off_exports_no_gpu_series_and_the_probe_down_alert_stays_silent() {
+    use spotguard_testkit::prometheus::{input_series, promtool, rule_file};
+
+    let emu = emulator::start(EmulatorConfig::new(Cloud::Aws))
+        .await
+        .expect("emulator");
+    let work = tempfile::tempdir().expect("tempdir");
+    let polled = |t: &str| {
+        series(t, "spotguard_metadata_polls_total", &[])
+            .iter()
+            .any(|l| value(l) > 0.0)
+    };
+
+    // The stand-in library is on the path and would answer: only the flag keeps NVML out.
+    let healthy = Scenario::new(&h100(0, ""));
+    let mut args = host_args(&emu, work.path());
+    args.push("--gpu=off".into());
+    let off = Agent::start(&args, &healthy.env(stub_dir()), GPU_TABLE);
+    let off_text = off
+        .wait_metrics("a metadata poll", Duration::from_secs(30), polled)
+        .await;
+    let gpu_lines: Vec<&str> = off_text
+        .lines()
+        .filter(|l| l.contains("spotguard_gpu_"))
+        .collect();
+    assert!(
+        gpu_lines.is_empty(),
+        "--gpu off exports GPU series:\n{}",
+        gpu_lines.join("\n")
+    );
+
+    // NVML present but failing: the probe is down and says so.
+    let failing = Scenario::new(&format!("init_error 9\n{}", h100(0, "")));
+    let down = Agent::start(
+        &host_args(&emu, work.path()),
+        &failing.env(stub_dir()),
+        GPU_TABLE,
+    );
+    let down_text = down
+        .wait_metrics("spotguard_gpu_probe_up 0", Duration::from_secs(30), |t| {
+            polled(t)
+                && series(t, "spotguard_gpu_probe_up", &[])
+                    .iter()
+                    .any(|l| value(l) == 0.0)
+        })
+        .await;
+
+    // Both scrapes, held for 30 minutes, through the shipped rule (`for: 15m`).
+    let dir = tempfile::tempdir().expect("tempdir");
+    let rules = rule_file(dir.path());
+    let test = format!(
+        "rule_files:\n  - {}\nevaluation_interval: 1m\ntests:\n  - interval: 1m\n    input_series:\n{}{}    alert_rule_test:\n      - eval_time: 20m\n        alertname: SpotguardGPUProbeDown\n        exp_alerts:\n          - exp_labels:\n              severity: warning\n              instance: nvml-failing\n            exp_annotations:\n              summary: \"spotguard on nvml-failing cannot read its GPUs through NVML\"\n              description: \"GPU health is unknown on this node (driver not loaded, NVML missing from the container).\"\n",
+        rules.display(),
+        input_series(&off_text, "gpu-off", 30),
+        input_series(&down_text, "nvml-failing", 30),
+    );
+    let test_path = dir.path().join("probe-down.test.yaml");
+    std::fs::write(&test_path, &test).expect("write promtool test");
+    promtool(&["test", "rules", test_path.to_str().unwrap()]);
+
+    off.stop(Duration::from_secs(10));
+    down.stop(Duration::from_secs(10));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn library_appearing_after_start_is_picked_up() {
     let emu = emulator::start(EmulatorConfig::new(Cloud::Aws))

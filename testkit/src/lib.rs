@@ -27,7 +27,9 @@ pub mod gpu;
 pub mod k8s;
 pub mod kubelet;
 pub mod process;
+pub mod prometheus;
 pub mod s3;
+pub mod tls;
 
 use std::net::SocketAddr;
 use std::time::Duration;

@@ -35,6 +35,13 @@ fn dn(cn: &str) -> DistinguishedName {
 
 /// Generate the PKI into `dir`.
 pub fn generate(dir: &Path) -> Result<Pki, String> {
+    generate_named(dir, "spotguard-test-ca")
+}
+
+/// [`generate`] with a CA of this common name (two PKIs whose CAs share a name are told apart by
+/// their keys alone: a client holding one refuses the other's certificates as badly signed, not
+/// as issued by an unknown CA).
+pub fn generate_named(dir: &Path, ca_name: &str) -> Result<Pki, String> {
     std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let write = |name: &str, text: &str| -> Result<PathBuf, String> {
         let p = dir.join(name);
@@ -44,7 +51,7 @@ pub fn generate(dir: &Path) -> Result<Pki, String> {
 
     let ca_key = KeyPair::generate().map_err(rc)?;
     let mut ca_params = CertificateParams::default();
-    ca_params.distinguished_name = dn("spotguard-test-ca");
+    ca_params.distinguished_name = dn(ca_name);
     ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
     ca_params.key_usages = vec![
         KeyUsagePurpose::KeyCertSign,

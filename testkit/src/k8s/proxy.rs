@@ -331,23 +331,7 @@ impl FaultProxy {
 
 /// TLS with the API server's serving certificate (valid for 127.0.0.1, signed by the test CA).
 fn tls_acceptor(cp: &ControlPlane) -> std::io::Result<tokio_rustls::TlsAcceptor> {
-    use rustls::pki_types::pem::PemObject;
-    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
-    let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(&cp.pki.serving_cert)
-        .map_err(std::io::Error::other)?
-        .collect::<Result<_, _>>()
-        .map_err(std::io::Error::other)?;
-    let key = PrivateKeyDer::from_pem_file(&cp.pki.serving_key).map_err(std::io::Error::other)?;
-    let mut config = rustls::ServerConfig::builder_with_provider(Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()
-    .map_err(std::io::Error::other)?
-    .with_no_client_auth()
-    .with_single_cert(certs, key)
-    .map_err(std::io::Error::other)?;
-    config.alpn_protocols = vec![b"http/1.1".to_vec()];
-    Ok(tokio_rustls::TlsAcceptor::from(Arc::new(config)))
+    crate::tls::acceptor(&cp.pki.serving_cert, &cp.pki.serving_key)
 }
 
 fn status_body(code: u16, message: &str) -> Response {
