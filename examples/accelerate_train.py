@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Hugging Face Accelerate: checkpoint with `accelerator.save_state` when spotguard asks.
 
-    pip install spotguard accelerate torch
+    pip install ./clients/python accelerate torch   # the helper, from a spotguard checkout
     spotguard drill -- python3 examples/accelerate_train.py --ckpt-dir /tmp/acc
     spotguard drill -- python3 -m spotguard launch -- accelerate launch --multi_gpu \\
         --num_processes 2 --num_machines 1 --mixed_precision no --dynamo_backend no \\
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Optional, Tuple
 
 try:
-    import spotguard  # pip install spotguard
+    import spotguard  # pip install ./clients/python (from a spotguard checkout; PyPI after a release)
 except ImportError:  # running from a checkout: the package lives in clients/python
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "clients" / "python"))
     import spotguard

@@ -2,7 +2,7 @@
 """ChainerMN (MPI data parallel) that checkpoints when spotguard asks, every rank at the same
 iteration, and resumes from that iteration.
 
-    pip install spotguard 'setuptools<70' wheel 'numpy<1.24' mpi4py
+    pip install ./clients/python 'setuptools<70' wheel 'numpy<1.24' mpi4py   # the helper, from a spotguard checkout
     pip install --no-build-isolation chainer                  # Chainer 7.8.1, ChainerMN included
     spotguard drill -- mpiexec -n 2 python3 examples/chainermn_train.py --ckpt-dir /tmp/ckpt
     mpiexec -n 2 python3 examples/chainermn_train.py --ckpt-dir /tmp/ckpt      # resumes
@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Optional
 
 try:
-    import spotguard  # pip install spotguard
+    import spotguard  # pip install ./clients/python (from a spotguard checkout; PyPI after a release)
 except ImportError:  # running from a checkout: the package lives in clients/python
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "clients" / "python"))
     import spotguard

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """torch.distributed.checkpoint (DCP) async save for short windows (GCE: ~20 s to save).
 
-    pip install spotguard torch
+    pip install ./clients/python torch   # the helper, from a spotguard checkout
     spotguard drill --cloud gce -- python3 examples/dcp_async.py --ckpt-dir /tmp/dcp
     spotguard drill --cloud gce -- python3 -m spotguard launch -- \\
         torchrun --nproc-per-node 2 examples/dcp_async.py --ckpt-dir /tmp/dcp
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Optional
 
 try:
-    import spotguard  # pip install spotguard
+    import spotguard  # pip install ./clients/python (from a spotguard checkout; PyPI after a release)
 except ImportError:  # running from a checkout: the package lives in clients/python
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "clients" / "python"))
     import spotguard

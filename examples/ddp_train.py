@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Optional, Tuple
 
 try:
-    import spotguard  # pip install spotguard
+    import spotguard  # pip install ./clients/python (from a spotguard checkout; PyPI after a release)
 except ImportError:  # running from a checkout: the package lives in clients/python
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "clients" / "python"))
     import spotguard

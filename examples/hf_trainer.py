@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Hugging Face Trainer with spotguard's callback: save through the Trainer, exit 143, resume.
 
-    pip install spotguard transformers accelerate torch
+    pip install ./clients/python transformers accelerate torch   # the helper, from a spotguard checkout
     spotguard drill -- python3 examples/hf_trainer.py --output-dir /tmp/hf-run
 
 `SpotguardCallback` (spotguard.hf) asks the Trainer to save at the step where every rank agreed
@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Dict
 
 try:
-    import spotguard  # pip install spotguard
+    import spotguard  # pip install ./clients/python (from a spotguard checkout; PyPI after a release)
 except ImportError:  # running from a checkout: the package lives in clients/python
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "clients" / "python"))
     import spotguard

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """PyTorch Lightning with spotguard's callback: checkpoint on the signal, exit 143, resume.
 
-    pip install spotguard lightning
+    pip install ./clients/python lightning   # the helper, from a spotguard checkout
     spotguard drill -- python3 examples/lightning_train.py --root /tmp/run1
 
 `SpotguardCheckpoint` (spotguard.lightning) saves through `trainer.save_checkpoint` on every rank
@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 try:
-    import spotguard  # pip install spotguard
+    import spotguard  # pip install ./clients/python (from a spotguard checkout; PyPI after a release)
 except ImportError:  # running from a checkout: the package lives in clients/python
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "clients" / "python"))
     import spotguard

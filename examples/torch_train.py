@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """A real single-process PyTorch loop that checkpoints when spotguard asks, and resumes.
 
-    pip install spotguard torch
+    pip install ./clients/python torch   # the helper, from a spotguard checkout
     spotguard drill -- python3 examples/torch_train.py --ckpt-dir /tmp/ckpt     # rehearse
     python3 examples/torch_train.py --ckpt-dir /tmp/ckpt                        # resumes
 
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Optional
 
 try:
-    import spotguard  # pip install spotguard
+    import spotguard  # pip install ./clients/python (from a spotguard checkout; PyPI after a release)
 except ImportError:  # running from a checkout: the package lives in clients/python
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "clients" / "python"))
     import spotguard
