@@ -118,7 +118,10 @@ pub(super) struct FileTask {
 /// `notice.json` naming this notice in a dir another group of the same delivery claimed reads
 /// that group's write, not proof of an earlier signal. A group claims the dir before it writes.
 #[derive(Clone, Debug, Default)]
-pub(super) struct Claimed(Arc<Mutex<HashSet<(Option<i32>, PathBuf)>>>);
+pub(super) struct Claimed(Arc<Mutex<HashSet<DirKey>>>);
+
+/// A checkpoint dir of a delivery: its container's root process (`None`: the host) and path.
+type DirKey = (Option<i32>, PathBuf);
 
 impl Claimed {
     fn claim(&self, root: Option<i32>, dir: &std::path::Path) {
