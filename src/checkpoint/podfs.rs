@@ -32,8 +32,10 @@ use super::Error;
 
 /// The hidden first argument that makes the binary a helper ([`serve`]).
 pub const HELPER_ARG: &str = "__pod-fs";
-/// Largest frame either side accepts (a read file is at most 64 KiB, JSON-encoded).
-const MAX_FRAME: u32 = 4 << 20;
+/// Largest frame either side accepts: the largest answer is the stamps of a dir stuffed with
+/// fallback ack names (65,536 names of at most 84 bytes, each with its stamp: about 15 MiB of
+/// JSON); a read file is at most 64 KiB.
+const MAX_FRAME: u32 = 32 << 20;
 
 static HELPER: OnceLock<PathBuf> = OnceLock::new();
 
@@ -571,5 +573,85 @@ impl Drop for Helper {
                 refill(exe);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_largest_answer_fits_a_frame() {
+        // A dir stuffed with fallback names of the longest kind: every one listed and stamped.
+        let stamp = FileStamp {
+            dev: u64::MAX,
+            ino: u64::MAX,
+            uid: u32::MAX,
+            size: u64::MAX,
+            ctime: (i64::MIN, i64::MIN),
+            mtime: (i64::MIN, i64::MIN),
+        };
+        let stamps: HashMap<String, FileStamp> = (0..65_536)
+            .map(|i| (format!("ack-{}.{:0>64}.json", i32::MAX - i, i), stamp))
+            .collect();
+        let mut frame = Vec::new();
+        write_frame(&mut frame, &Response::Stamps(stamps)).unwrap();
+        assert!(
+            frame.len() as u64 <= u64::from(MAX_FRAME),
+            "{}",
+            frame.len()
+        );
+        let back: Response = read_frame(&mut frame.as_slice()).unwrap().unwrap();
+        assert!(matches!(back, Response::Stamps(s) if s.len() == 65_536));
+    }
+
+    #[test]
+    fn errors_cross_the_pipe_with_their_errno_and_kind() {
+        let cross = |e: Error| {
+            let mut frame = Vec::new();
+            write_frame(&mut frame, &Response::Written(Err((&e).into()))).unwrap();
+            match read_frame(&mut frame.as_slice()).unwrap() {
+                Some(Response::Written(Err(w))) => w.into_error("d"),
+                other => panic!("{other:?}"),
+            }
+        };
+        let Error::ReadAck { source, .. } = cross(Error::ReadAck {
+            target: "t".into(),
+            source: io::Error::from_raw_os_error(libc::ENOENT),
+        }) else {
+            panic!("not ReadAck")
+        };
+        assert_eq!(source.kind(), io::ErrorKind::NotFound);
+        let Error::WriteNotice { source, file, .. } = cross(Error::WriteNotice {
+            target: "t".into(),
+            file: "notice.json".into(),
+            source: io::Error::new(io::ErrorKind::InvalidData, "not a regular file"),
+        }) else {
+            panic!("not WriteNotice")
+        };
+        assert_eq!(
+            (source.kind(), file.as_str()),
+            (io::ErrorKind::InvalidData, "notice.json")
+        );
+        assert!(source.to_string().contains("not a regular file"));
+        assert!(matches!(
+            cross(Error::RefusedAck {
+                target: "t".into(),
+                reason: "r".into(),
+                ino: 7
+            }),
+            Error::RefusedAck { ino: 7, .. }
+        ));
+    }
+
+    #[test]
+    fn end_of_input_ends_the_helper_and_a_torn_frame_is_an_error() {
+        assert!(read_frame::<Request>(&mut [].as_slice()).unwrap().is_none());
+        let mut torn = Vec::new();
+        write_frame(&mut torn, &Request::FallbackAcks).unwrap();
+        torn.pop();
+        assert!(read_frame::<Request>(&mut torn.as_slice()).is_err());
+        let huge = (MAX_FRAME + 1).to_le_bytes();
+        assert!(read_frame::<Request>(&mut huge.as_slice()).is_err());
     }
 }
