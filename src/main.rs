@@ -4,6 +4,7 @@ use std::io::Write;
 use std::process::ExitCode;
 
 use anyhow::Context;
+use spotguard::checkpoint::podfs;
 use spotguard::cli::{self, Command, ConfigCommand, Parsed};
 use spotguard::config::{self, Config};
 use spotguard::{app, drill, emulator, gpu, prefetch, shutdown, telemetry, upload};
@@ -15,6 +16,17 @@ fn main() -> ExitCode {
     unsafe {
         libc::mallopt(libc::M_ARENA_MAX, 2);
     }
+    // A helper holding a checkpoint dir (spotguard::checkpoint::podfs): not a user command.
+    if std::env::args_os()
+        .nth(1)
+        .is_some_and(|a| a == podfs::HELPER_ARG)
+    {
+        return exit(podfs::serve());
+    }
+    // Checkpoint dirs are paths pods control: their I/O runs in helpers, which the agent can
+    // leave stuck in a hung filesystem and still exit. `/proc/self/exe` is this binary even
+    // after a package upgrade replaced the file.
+    podfs::use_helper("/proc/self/exe");
     let command = match cli::parse_cli(std::env::args_os()) {
         Parsed::Command(c) => c,
         Parsed::Exit { code, text, stderr } => {

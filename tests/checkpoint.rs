@@ -12,7 +12,8 @@ use spotguard::checkpoint::ack::{CheckpointDir, NoticeFile};
 use spotguard::checkpoint::discover::{HostDiscovery, HostTargets};
 use spotguard::checkpoint::procfs::ProcFs;
 use spotguard::checkpoint::run::{
-    deliver, plan_without_signal, wait, CheckpointRequest, DeliveryState, NoticeStatus,
+    deliver, deliver_with, plan_without_signal, wait, CheckpointRequest, DeliveryState,
+    NoticeStatus, Prior, Signalled,
 };
 use spotguard::checkpoint::signal::NotSignalled;
 use spotguard::checkpoint::{
@@ -551,6 +552,41 @@ async fn restart_path_never_signals_but_sees_acks() {
         "the restart path must not signal"
     );
     assert!(encode(&registry).contains("spotguard_checkpoint_signals_total 0"));
+}
+
+/// Host mode: several `--checkpoint-pidfile` groups share one checkpoint dir. Without a record
+/// of the notice (`Signalled::Unrecorded`) each group reads `notice.json` to tell whether its
+/// trainer was signalled before; the `notice.json` another group of the same delivery has just
+/// written is not that proof. Every group's trainer is signalled, delivery after delivery.
+#[test]
+fn groups_sharing_a_dir_never_take_each_others_notice_for_an_earlier_signal() {
+    let tmp = tempfile::tempdir().unwrap();
+    let kids: Vec<Kid> = (0..6).map(|_| handler(tmp.path(), &[])).collect();
+    let groups: Vec<TargetGroup> = kids
+        .iter()
+        .enumerate()
+        .map(|(i, k)| host_group(&format!("g{i}"), tmp.path(), vec![target(k.pid())], LONG))
+        .collect();
+    let (_registry, m) = metrics();
+    for round in 0..50 {
+        // An interruption of a life of its own each round: a new notice.
+        let prior = Prior {
+            life: Some(format!("boot-{round}")),
+            signalled_at: None,
+            signalled: Signalled::Unrecorded,
+        };
+        let req = request(false);
+        let deliveries = deliver_with(&groups, &req, &prior, &m);
+        let unsignalled: Vec<&str> = deliveries
+            .iter()
+            .filter(|d| d.sent() != 1)
+            .map(|d| d.group.as_str())
+            .collect();
+        assert!(
+            unsignalled.is_empty(),
+            "round {round}: groups {unsignalled:?} left unsignalled: {deliveries:#?}"
+        );
+    }
 }
 
 #[tokio::test]

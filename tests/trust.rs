@@ -899,7 +899,6 @@ async fn sigterm_after_a_restart_with_a_hung_checkpoint_dir_exits_within_the_gra
 /// What the restarted agent logs when it takes up the plan.
 const RESTARTED: &str = "signalled for this notice before";
 
-#[ignore = "issue 34 item 1: fails until pod filesystem access leaves the agent's process"]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_after_a_restart_with_a_stuck_fuse_daemon_exits_within_the_grace() {
     let h = Host::new();

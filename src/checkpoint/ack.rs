@@ -27,6 +27,7 @@ use std::path::{Component, Path, PathBuf};
 use rustix::fs::{Mode, OFlags, ResolveFlags};
 use serde::{Deserialize, Serialize};
 
+use super::podfs::{self, Helper};
 use super::procfs::ProcFs;
 use super::Error;
 use crate::fsutil::Durability;
@@ -49,7 +50,7 @@ const MAX_SUFFIX: usize = 64;
 const MAX_ENTRIES: usize = 65_536;
 
 /// What an ack file's name says it acknowledges.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum AckName {
     /// `ack-<pid>.json` or a fallback `ack-<pid>.<suffix>.json`: the process `<pid>` (as it sees
     /// its PID).
@@ -167,7 +168,7 @@ pub struct AckFile {
 /// compared with the agent's clock), or — on the restart path, where no earlier stamp exists —
 /// when it changed no earlier than `notice.json` of the same notice (both stamped by the same
 /// filesystem clock).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FileStamp {
     pub dev: u64,
     pub ino: u64,
@@ -193,7 +194,7 @@ impl FileStamp {
 }
 
 /// A file another user planted at an ack name, found before the signal.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ForeignAck {
     pub name: String,
     pub owner: u32,
@@ -216,8 +217,28 @@ pub struct Ack {
 /// container's own mount namespace (an emptyDir), which goes away with the container's last
 /// process, so a trainer that writes `done` and exits at once would leave its ack unreadable —
 /// resolving the path from the root then finds the empty mountpoint under it.
+///
+/// The file operations run in a helper process of their own when the daemon set one up
+/// ([`super::podfs`]): a dir that hangs (a FUSE daemon that never answers) holds the helper in
+/// the kernel, never the agent.
 #[derive(Debug)]
 pub struct CheckpointDir {
+    /// For errors and logs: `/tmp/spotguard in /proc/1234/root`.
+    display: String,
+    at: At,
+}
+
+/// Where a [`CheckpointDir`]'s file operations run.
+#[derive(Debug)]
+enum At {
+    Here(LocalDir),
+    Helper(Helper),
+}
+
+/// A [`CheckpointDir`]'s file side in the process that does the I/O (the helper, or the agent
+/// without one).
+#[derive(Debug)]
+pub(crate) struct LocalDir {
     root: OwnedFd,
     /// `dir` relative to the root (`.` for the root itself).
     rel: PathBuf,
@@ -263,9 +284,14 @@ fn relative(dir: &Path) -> io::Result<PathBuf> {
     Ok(rel)
 }
 
-impl CheckpointDir {
+impl LocalDir {
+    /// How `dir` inside the root of `pid` is named in errors and logs.
+    fn display_in_root(proc: &ProcFs, pid: i32, dir: &Path) -> String {
+        format!("{} in {}", dir.display(), proc.path(pid, "root").display())
+    }
+
     /// A host path (host groups, `root_pid: None`).
-    pub fn host(dir: &Path) -> Result<Self, Error> {
+    pub(super) fn host(dir: &Path) -> Result<Self, Error> {
         let target = dir.display().to_string();
         let open = || -> io::Result<(OwnedFd, PathBuf)> {
             let rel = relative(dir)?;
@@ -280,7 +306,7 @@ impl CheckpointDir {
             target: target.clone(),
             source,
         })?;
-        Ok(CheckpointDir {
+        Ok(LocalDir {
             root,
             rel,
             display: target,
@@ -291,9 +317,14 @@ impl CheckpointDir {
     /// `dir` inside the filesystem root of process `pid` (`<proc>/<pid>/root`). The process's
     /// start time is checked after the root is opened: if the PID now belongs to another process
     /// the open fails with `ESRCH`. The descriptor stays valid after the process exits.
-    pub fn in_root_of(proc: &ProcFs, pid: i32, start_time: u64, dir: &Path) -> Result<Self, Error> {
+    pub(super) fn in_root_of(
+        proc: &ProcFs,
+        pid: i32,
+        start_time: u64,
+        dir: &Path,
+    ) -> Result<Self, Error> {
         let root_path = proc.path(pid, "root");
-        let display = format!("{} in {}", dir.display(), root_path.display());
+        let display = Self::display_in_root(proc, pid, dir);
         let open = || -> io::Result<(OwnedFd, PathBuf)> {
             let rel = relative(dir)?;
             let root = rustix::fs::open(
@@ -313,17 +344,12 @@ impl CheckpointDir {
             target: display.clone(),
             source,
         })?;
-        Ok(CheckpointDir {
+        Ok(LocalDir {
             root,
             rel,
             display,
             kept: std::sync::OnceLock::new(),
         })
-    }
-
-    /// Where this dir is, for logs.
-    pub fn display(&self) -> &str {
-        &self.display
     }
 
     fn open_in_root(&self, rel: &Path, flags: OFlags) -> io::Result<OwnedFd> {
@@ -396,7 +422,7 @@ impl CheckpointDir {
 
     /// Stamps of `names` and of every fallback ack name in the dir as they are now (absent names
     /// are left out; a missing dir gives none). Taken just before the signal; see [`FileStamp`].
-    pub fn stamps(&self, names: &[String]) -> std::collections::HashMap<String, FileStamp> {
+    pub(super) fn stamps(&self, names: &[String]) -> std::collections::HashMap<String, FileStamp> {
         let mut out = std::collections::HashMap::new();
         let Ok(dir) = self.open_dir() else {
             return out;
@@ -414,7 +440,7 @@ impl CheckpointDir {
 
     /// The fallback ack names (`ack-<pid>.<suffix>.json`, `ack.<suffix>`) in the dir, with what
     /// they acknowledge. At most [`MAX_ENTRIES`] entries are looked at.
-    pub fn fallback_acks(&self) -> Result<Vec<(String, AckName)>, Error> {
+    pub(super) fn fallback_acks(&self) -> Result<Vec<(String, AckName)>, Error> {
         let dir = match self.open_dir() {
             Ok(d) => d,
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
@@ -455,7 +481,7 @@ impl CheckpointDir {
     /// another user at a name the targets will write), so that they never stand in the targets'
     /// way. Returns what was found and whether it could be removed (in a sticky directory only its
     /// owner, the file's owner or CAP_FOWNER may; the agent has no CAP_FOWNER).
-    pub fn remove_foreign(&self, names: &[(String, Vec<u32>)]) -> Vec<ForeignAck> {
+    pub(super) fn remove_foreign(&self, names: &[(String, Vec<u32>)]) -> Vec<ForeignAck> {
         let Ok(dir) = self.open_dir() else {
             return Vec::new();
         };
@@ -482,7 +508,7 @@ impl CheckpointDir {
 
     /// Write `name` atomically inside the dir (temp + fsync + rename), creating the dir if
     /// needed.
-    pub fn write_atomic(&self, name: &str, data: &[u8]) -> Result<(), Error> {
+    pub(super) fn write_atomic(&self, name: &str, data: &[u8]) -> Result<(), Error> {
         let err = |source| Error::WriteNotice {
             target: self.display.clone(),
             file: name.to_string(),
@@ -495,26 +521,12 @@ impl CheckpointDir {
             .map_err(err)
     }
 
-    /// Write `notice.json`.
-    pub fn write_notice(&self, notice: &NoticeFile) -> Result<(), Error> {
-        let mut data = serde_json::to_vec_pretty(notice).map_err(|e| Error::WriteNotice {
-            target: self.display.clone(),
-            file: NOTICE_FILE.to_string(),
-            source: io::Error::new(io::ErrorKind::InvalidData, e),
-        })?;
-        data.push(b'\n');
-        self.write_atomic(NOTICE_FILE, &data)
-    }
-
-    /// Read a small regular file in the dir: `None` when it (or the dir) does not exist. Opened
-    /// with `O_NOFOLLOW | O_NONBLOCK` (a symlink is refused, a FIFO does not block), then checked
-    /// with `fstat` before anything is read.
-    fn read_file(&self, name: &str) -> Result<Option<(Vec<u8>, FileStamp)>, Error> {
-        self.read_file_in(name, false)
-    }
-
     /// [`Self::read_file`], from the dir as first opened when `kept` (and it was opened).
-    fn read_file_in(&self, name: &str, kept: bool) -> Result<Option<(Vec<u8>, FileStamp)>, Error> {
+    pub(super) fn read_file_in(
+        &self,
+        name: &str,
+        kept: bool,
+    ) -> Result<Option<(Vec<u8>, FileStamp)>, Error> {
         let err = |source| Error::ReadAck {
             target: format!("{} ({name})", self.display),
             source,
@@ -590,6 +602,101 @@ impl CheckpointDir {
             .read_to_end(&mut data)
             .map_err(err)?;
         Ok(Some((data, stamp)))
+    }
+}
+
+impl CheckpointDir {
+    /// A host path (host groups, `root_pid: None`).
+    pub fn host(dir: &Path) -> Result<Self, Error> {
+        let display = dir.display().to_string();
+        let at = match podfs::helper() {
+            Some(exe) => At::Helper(Helper::open_host(exe, dir, &display)?),
+            None => At::Here(LocalDir::host(dir)?),
+        };
+        Ok(CheckpointDir { display, at })
+    }
+
+    /// `dir` inside the filesystem root of process `pid` (`<proc>/<pid>/root`). The process's
+    /// start time is checked after the root is opened: if the PID now belongs to another process
+    /// the open fails with `ESRCH`. The descriptor stays valid after the process exits.
+    pub fn in_root_of(proc: &ProcFs, pid: i32, start_time: u64, dir: &Path) -> Result<Self, Error> {
+        let display = LocalDir::display_in_root(proc, pid, dir);
+        let at = match podfs::helper() {
+            Some(exe) => At::Helper(Helper::open_in_root(
+                exe, proc, pid, start_time, dir, &display,
+            )?),
+            None => At::Here(LocalDir::in_root_of(proc, pid, start_time, dir)?),
+        };
+        Ok(CheckpointDir { display, at })
+    }
+
+    /// Where this dir is, for logs.
+    pub fn display(&self) -> &str {
+        &self.display
+    }
+
+    /// Stamps of `names` and of every fallback ack name in the dir as they are now (absent names
+    /// are left out; a missing dir gives none). Taken just before the signal; see [`FileStamp`].
+    pub fn stamps(&self, names: &[String]) -> std::collections::HashMap<String, FileStamp> {
+        match &self.at {
+            At::Here(d) => d.stamps(names),
+            At::Helper(h) => h.stamps(names),
+        }
+    }
+
+    /// The fallback ack names (`ack-<pid>.<suffix>.json`, `ack.<suffix>`) in the dir, with what
+    /// they acknowledge. At most [`MAX_ENTRIES`] entries are looked at.
+    pub fn fallback_acks(&self) -> Result<Vec<(String, AckName)>, Error> {
+        match &self.at {
+            At::Here(d) => d.fallback_acks(),
+            At::Helper(h) => h.fallback_acks(),
+        }
+    }
+
+    /// Before the signal: remove the files at `names` that belong to none of `owners` (planted by
+    /// another user at a name the targets will write), so that they never stand in the targets'
+    /// way. Returns what was found and whether it could be removed (in a sticky directory only its
+    /// owner, the file's owner or CAP_FOWNER may; the agent has no CAP_FOWNER).
+    pub fn remove_foreign(&self, names: &[(String, Vec<u32>)]) -> Vec<ForeignAck> {
+        match &self.at {
+            At::Here(d) => d.remove_foreign(names),
+            At::Helper(h) => h.remove_foreign(names),
+        }
+    }
+
+    /// Write `name` atomically inside the dir (temp + fsync + rename), creating the dir if
+    /// needed.
+    pub fn write_atomic(&self, name: &str, data: &[u8]) -> Result<(), Error> {
+        match &self.at {
+            At::Here(d) => d.write_atomic(name, data),
+            At::Helper(h) => h.write_atomic(name, data),
+        }
+    }
+
+    /// Write `notice.json`.
+    pub fn write_notice(&self, notice: &NoticeFile) -> Result<(), Error> {
+        let mut data = serde_json::to_vec_pretty(notice).map_err(|e| Error::WriteNotice {
+            target: self.display.clone(),
+            file: NOTICE_FILE.to_string(),
+            source: io::Error::new(io::ErrorKind::InvalidData, e),
+        })?;
+        data.push(b'\n');
+        self.write_atomic(NOTICE_FILE, &data)
+    }
+
+    /// Read a small regular file in the dir: `None` when it (or the dir) does not exist. Opened
+    /// with `O_NOFOLLOW | O_NONBLOCK` (a symlink is refused, a FIFO does not block), then checked
+    /// with `fstat` before anything is read.
+    fn read_file(&self, name: &str) -> Result<Option<(Vec<u8>, FileStamp)>, Error> {
+        self.read_file_in(name, false)
+    }
+
+    /// [`Self::read_file`], from the dir as first opened when `kept` (and it was opened).
+    fn read_file_in(&self, name: &str, kept: bool) -> Result<Option<(Vec<u8>, FileStamp)>, Error> {
+        match &self.at {
+            At::Here(d) => d.read_file_in(name, kept),
+            At::Helper(h) => h.read_file_in(name, kept),
+        }
     }
 
     /// A JSON file of this dir with its stamp. `Ok(None)` when absent; malformed JSON is an
@@ -999,10 +1106,14 @@ mod tests {
         std::fs::create_dir_all(&host_target).unwrap();
         std::os::unix::fs::symlink(&host_target, root.join("tmp/sg")).unwrap();
         let cd = CheckpointDir {
-            root: rustix::fs::open(&root, OFlags::PATH | OFlags::DIRECTORY, Mode::empty()).unwrap(),
-            rel: PathBuf::from("tmp/sg"),
             display: "test".into(),
-            kept: std::sync::OnceLock::new(),
+            at: At::Here(LocalDir {
+                root: rustix::fs::open(&root, OFlags::PATH | OFlags::DIRECTORY, Mode::empty())
+                    .unwrap(),
+                rel: PathBuf::from("tmp/sg"),
+                display: "test".into(),
+                kept: std::sync::OnceLock::new(),
+            }),
         };
         assert!(cd.write_notice(&notice()).is_err());
         assert_eq!(std::fs::read_dir(&host_target).unwrap().count(), 0);

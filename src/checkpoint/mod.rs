@@ -12,6 +12,7 @@ pub mod ack;
 pub mod cgroup;
 pub mod discover;
 pub mod kube_discovery;
+pub mod podfs;
 pub mod pods;
 pub mod probe;
 pub mod procfs;

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use jiff::Timestamp;
 
-use super::dir::{file_job, DirSlot, FileJob, FileTask, Tell, Told};
+use super::dir::{file_job, Claimed, DirSlot, FileJob, FileTask, Tell, Told};
 use super::threads::{count_stuck, spawn_thread, Counters};
 use super::{group_span, CheckpointRequest, Prior, Signalled, DELIVER_BUDGET, NOTICE_BUDGET};
 use crate::checkpoint::procfs::{clock_ticks_per_second, ProcFs};
@@ -271,14 +271,16 @@ fn run_groups(
     replan: bool,
 ) -> Vec<Delivery> {
     let deadline = Instant::now() + DELIVER_BUDGET;
+    let claimed = Claimed::default();
     let pending: Vec<Option<mpsc::Receiver<Delivery>>> = groups
         .iter()
         .map(|g| {
             let (tx, rx) = mpsc::channel();
             let (g2, req2, c2, p2) = (g.clone(), req.clone(), counters.clone(), prior.clone());
+            let claimed = claimed.clone();
             let started = spawn_thread("sg-ckpt-deliver", &counters, move || {
                 let proc = ProcFs::new(g2.proc_root.clone());
-                let staged = stage_group(&proc, &g2, &req2, &p2, &c2);
+                let staged = stage_group(&proc, &g2, &req2, &p2, &c2, &claimed);
                 let _ = tx.send(signal_group(staged, &req2, &c2, replan, proc));
             });
             started.then_some(rx)
@@ -363,6 +365,7 @@ fn stage_group<'g>(
     req: &CheckpointRequest,
     prior: &Prior,
     counters: &Counters,
+    claimed: &Claimed,
 ) -> Staged<'g> {
     let span = group_span(req, &group.name);
     let _enter = span.enter();
@@ -469,6 +472,7 @@ fn stage_group<'g>(
                 dry_run: req.dry_run,
                 counters: counters.clone(),
                 abandoned: abandoned.clone(),
+                claimed: claimed.clone(),
             };
             let started = spawn_thread("sg-ckpt-file", counters, move || {
                 let _ = tx.send(file_job(task));

@@ -6,7 +6,7 @@
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{mpsc, Arc};
+use std::sync::{mpsc, Arc, Mutex};
 
 use super::delivery::NoticeStatus;
 use super::threads::Counters;
@@ -108,6 +108,35 @@ pub(super) struct FileTask {
     /// Set by delivery when it stopped waiting for this thread and decided without it: nothing
     /// may be written any more (delivery may have held the targets).
     pub(super) abandoned: Arc<AtomicBool>,
+    /// The dirs this delivery writes `notice.json` into.
+    pub(super) claimed: Claimed,
+}
+
+/// The checkpoint dirs (by container root process, `None` on the host, and path) this delivery
+/// writes `notice.json` into, shared by all its groups. Several groups may share one dir (host
+/// mode: a `--checkpoint-pidfile` group each, one checkpoint dir): a group that reads a
+/// `notice.json` naming this notice in a dir another group of the same delivery claimed reads
+/// that group's write, not proof of an earlier signal. A group claims the dir before it writes.
+#[derive(Clone, Debug, Default)]
+pub(super) struct Claimed(Arc<Mutex<HashSet<DirKey>>>);
+
+/// A checkpoint dir of a delivery: its container's root process (`None`: the host) and path.
+type DirKey = (Option<i32>, PathBuf);
+
+impl Claimed {
+    fn claim(&self, root: Option<i32>, dir: &std::path::Path) {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert((root, dir.to_path_buf()));
+    }
+
+    fn has(&self, root: Option<i32>, dir: &std::path::Path) -> bool {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains(&(root, dir.to_path_buf()))
+    }
 }
 
 /// Whether `found` names the notice `want` of this life: the same id (a `notice.json` that says
@@ -153,6 +182,9 @@ pub(super) fn file_job(t: FileTask) -> FileJob {
         Told::NotNamed
     } else {
         match d.read_notice_stamped() {
+            // Written by another group of this delivery (checked after the read: a group claims
+            // the dir before its write), not by an earlier one.
+            Ok(Some(_)) if t.claimed.has(t.root, &t.dir) => Told::NotNamed,
             Ok(Some((n, stamp))) if names(&n, &t.notice) => Told::Named(stamp),
             Ok(_) => Told::NotNamed,
             Err(e) => Told::Unknown(e.to_string()),
@@ -204,6 +236,7 @@ pub(super) fn file_job(t: FileTask) -> FileJob {
         NoticeStatus::Failed("checkpoint dir answered after delivery went on without it".into())
     } else {
         remove_planted(&d, &t, &now);
+        t.claimed.claim(t.root, &t.dir);
         match d.write_notice(&t.notice) {
             Ok(()) => NoticeStatus::Written,
             Err(e) => {
