@@ -526,6 +526,8 @@ async fn kustomize_base_renders_the_whole_install() {
         "ResourceQuota/spotguard-critical-pods",
         "ClusterRole/spotguard",
         "ClusterRoleBinding/spotguard",
+        "ValidatingAdmissionPolicy/spotguard-own-node",
+        "ValidatingAdmissionPolicyBinding/spotguard-own-node",
         "DaemonSet/spotguard",
         "Service/spotguard-metrics",
     ]
@@ -646,6 +648,7 @@ fn least_privilege() -> BTreeSet<Rule> {
         ("", "pods", "get"),
         ("", "pods", "list"),
         ("", "pods", "watch"),
+        ("", "pods/status", "patch"),
         ("", "pods/eviction", "create"),
         ("", "events", "create"),
         ("", "events", "patch"),
