@@ -456,6 +456,27 @@ where
     apply(&Api::all(client.clone()), &name_of(&obj), &obj).await
 }
 
+/// Server-side apply of a shipped manifest of cluster-scoped kind `K`, as the file has it.
+async fn apply_as_written<K>(client: &kube::Client, relative: &str) -> Result<(), String>
+where
+    K: kube::Resource<DynamicType = (), Scope = k8s_openapi::ClusterResourceScope>
+        + Clone
+        + DeserializeOwned
+        + std::fmt::Debug,
+{
+    let obj: serde_json::Value = load_manifest(relative)?;
+    let name = obj["metadata"]["name"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    let params = PatchParams::apply(FIELD_MANAGER).force();
+    Api::<K>::all(client.clone())
+        .patch(&name, &params, &Patch::Apply(&obj))
+        .await
+        .map(drop)
+        .map_err(|e| format!("applying {name}: {e}"))
+}
+
 /// The shipped namespace, ServiceAccount, ClusterRole and binding, ValidatingAdmissionPolicy and
 /// binding, the force-delete component's ClusterRole, and a second ServiceAccount bound to both
 /// roles.
@@ -473,9 +494,14 @@ async fn bootstrap_rbac(client: &kube::Client) -> Result<(), String> {
         apply_manifest(client, "daemonset/clusterrolebinding.yaml").await?;
     // The policy that holds a pod-bound token of the agent to its own node, as the manifests
     // install it.
-    apply_manifest::<ValidatingAdmissionPolicy>(client, "daemonset/validatingadmissionpolicy.yaml")
-        .await?;
-    apply_manifest::<ValidatingAdmissionPolicyBinding>(
+    // As written (not through the typed object, whose empty fields would own more than the file
+    // says and conflict with an operator's apply of the same file).
+    apply_as_written::<ValidatingAdmissionPolicy>(
+        client,
+        "daemonset/validatingadmissionpolicy.yaml",
+    )
+    .await?;
+    apply_as_written::<ValidatingAdmissionPolicyBinding>(
         client,
         "daemonset/validatingadmissionpolicybinding.yaml",
     )
@@ -537,7 +563,17 @@ pub async fn mint_token(
     namespace: &str,
     name: &str,
 ) -> Result<String, String> {
-    mint(client, namespace, name, None).await
+    mint(client, namespace, name, TokenSpec::default()).await
+}
+
+/// What a TokenRequest asks for beyond the ServiceAccount.
+#[derive(Clone, Debug, Default)]
+pub struct TokenSpec {
+    /// Default: the API server's issuer.
+    pub audience: Option<String>,
+    /// Default: a day.
+    pub expiration_seconds: Option<i64>,
+    pub bound_object_ref: Option<BoundObjectReference>,
 }
 
 /// A day-long token of `pod`'s ServiceAccount bound to `pod`, as the kubelet mints for a
@@ -556,21 +592,29 @@ pub async fn mint_pod_token(client: &kube::Client, pod: &Pod) -> Result<String, 
         name: pod.metadata.name.clone(),
         uid: pod.metadata.uid.clone(),
     };
-    mint(client, &namespace, &sa, Some(bound)).await
+    let spec = TokenSpec {
+        bound_object_ref: Some(bound),
+        ..Default::default()
+    };
+    mint(client, &namespace, &sa, spec).await
 }
 
-async fn mint(
+/// The one TokenRequest of the test support (the agent's tokens, the kubelet stand-in's
+/// projected tokens).
+pub(crate) async fn mint(
     client: &kube::Client,
     namespace: &str,
     name: &str,
-    bound_object_ref: Option<BoundObjectReference>,
+    spec: TokenSpec,
 ) -> Result<String, String> {
     let api: Api<ServiceAccount> = Api::namespaced(client.clone(), namespace);
     let req = TokenRequest {
         spec: TokenRequestSpec {
-            audiences: vec![apiserver::ISSUER.to_string()],
-            expiration_seconds: Some(24 * 3600),
-            bound_object_ref,
+            audiences: vec![spec
+                .audience
+                .unwrap_or_else(|| apiserver::ISSUER.to_string())],
+            expiration_seconds: Some(spec.expiration_seconds.unwrap_or(24 * 3600)),
+            bound_object_ref: spec.bound_object_ref,
         },
         ..Default::default()
     };
