@@ -990,8 +990,9 @@ while :; do sleep 0.05; done
         assert_eq!(disruption_target(&c.k, ns, name).await, None, "{ns}/{name}");
     }
     let m = metrics_text(app.admin_addr).await;
+    // trainer-0, the quitter and the three web pods.
     assert!(
-        m.contains(r#"spotguard_node_actions_total{action="disruption_target",outcome="ok"}"#),
+        m.contains(r#"spotguard_node_actions_total{action="disruption_target",outcome="ok"} 5"#),
         "{m}"
     );
     cancel.cancel();
