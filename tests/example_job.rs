@@ -29,6 +29,10 @@ use spotguard_testkit::wait_for_event as wait_for;
 use tokio_util::sync::CancellationToken;
 
 const STEPS: u64 = 200;
+/// The tests of this file one at a time: their nodes map the same checkpoint path
+/// ([`CHECKPOINT_HOST_PATH`]), each to its own storage, and each drives its Job through the
+/// Job controller's backoff on 2 cores.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 const INTERRUPTIONS: usize = 4;
 /// Where the replaced PVC lives on every node (the "network storage").
 const CHECKPOINT_HOST_PATH: &str = "/mnt/spotguard-test-checkpoints";
@@ -75,8 +79,9 @@ fn trainer_image() -> (tempfile::TempDir, Image) {
     (dir, image)
 }
 
-/// The example Job with the trainer's image and command, and the checkpoint volume, replaced.
-fn example_job(namespace: &str) -> Job {
+/// The example Job with the trainer's image and command, and the checkpoint volume, replaced;
+/// its pods go only to this test's nodes (the tests of this file run side by side).
+fn example_job(k: &TestCluster, namespace: &str) -> Job {
     let text =
         std::fs::read_to_string(repo().join("daemonset/examples/training-job.yaml")).unwrap();
     let mut job: Value = yaml_documents(&text)
@@ -86,6 +91,7 @@ fn example_job(namespace: &str) -> Job {
         .expect("the example's Job");
     job["metadata"]["namespace"] = json!(namespace);
     let spec = &mut job["spec"]["template"]["spec"];
+    spec["nodeSelector"] = json!(k.node_selector());
     let trainer = spec["containers"]
         .as_array_mut()
         .unwrap()
@@ -242,6 +248,7 @@ fn numbers_after(log: &str, prefix: &str) -> Vec<u64> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_example_job_survives_more_interruptions_than_its_backoff_limit_losing_no_step() {
+    let _one = ONE_AT_A_TIME.lock().await;
     let k = TestCluster::new().await;
     let ns = k.namespace("ml").await;
     let (_image_dir, image) = trainer_image();
@@ -251,7 +258,7 @@ async fn the_example_job_survives_more_interruptions_than_its_backoff_limit_losi
     std::os::unix::fs::chown(checkpoints.path(), Some(1000), Some(1000)).unwrap();
     chmod(checkpoints.path(), 0o775);
 
-    let job = example_job(&ns);
+    let job = example_job(&k, &ns);
     let backoff_limit = job.spec.as_ref().and_then(|s| s.backoff_limit).unwrap();
     assert!(
         (INTERRUPTIONS as i32) > backoff_limit,
@@ -265,6 +272,8 @@ async fn the_example_job_survives_more_interruptions_than_its_backoff_limit_losi
 
     // Trainer logs by pod name, kept when a node goes away.
     let mut logs: BTreeMap<String, String> = BTreeMap::new();
+    // The trainers' pods in the order they trained.
+    let mut order: Vec<String> = Vec::new();
     let mut acked_steps = Vec::new();
     for i in 1..=INTERRUPTIONS {
         // The trainer trains on this machine's node.
@@ -335,13 +344,10 @@ async fn the_example_job_survives_more_interruptions_than_its_backoff_limit_losi
             p.is_none_or(|p| matches!(phase(p), "Failed" | "Succeeded"))
         })
         .await;
-        for p in job_pods(&k, &ns).await {
-            let name = p.metadata.name.clone().unwrap();
-            let log = machine.kubelet.logs(&ns, &name, "trainer");
-            if !log.is_empty() {
-                logs.insert(name, log);
-            }
-        }
+        // By its name: a pod the drain evicted between its ack and its exit is gone from the
+        // API (deleted), its log is still the kubelet's.
+        order.push(pod.clone());
+        logs.insert(pod.clone(), machine.kubelet.logs(&ns, &pod, "trainer"));
         machine.cancel.cancel();
         let _ = tokio::time::timeout(Duration::from_secs(10), machine.app.join).await;
         machine.kubelet.delete_node();
@@ -403,9 +409,14 @@ async fn the_example_job_survives_more_interruptions_than_its_backoff_limit_losi
             finished
         );
     }
-    let mut chain: Vec<(String, u64, Option<u64>)> = Vec::new();
     for p in &pods {
         let name = p.metadata.name.clone().unwrap();
+        if logs.contains_key(&name) && !order.contains(&name) {
+            order.push(name);
+        }
+    }
+    let mut chain: Vec<(String, u64, Option<u64>)> = Vec::new();
+    for name in order {
         let Some(log) = logs.get(&name) else { continue };
         let resumed = numbers_after(log, "resumed from step")
             .first()
@@ -461,8 +472,8 @@ while :; do sleep 0.05; done
 "#;
 
 /// The example Job with the trainer replaced by `script` (its image's bash).
-fn job_running(ns: &str, name: &str, script: &str) -> Job {
-    let mut job = serde_json::to_value(example_job(ns)).unwrap();
+fn job_running(k: &TestCluster, ns: &str, name: &str, script: &str) -> Job {
+    let mut job = serde_json::to_value(example_job(k, ns)).unwrap();
     job["metadata"]["name"] = json!(name);
     let trainer = job["spec"]["template"]["spec"]["containers"]
         .as_array_mut()
@@ -504,6 +515,7 @@ async fn job_condition(jobs: &Api<Job>, name: &str, limit: Duration) -> (String,
 /// failure (exit 1, no notice) still fails the Job at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_example_jobs_rules_ignore_every_kind_of_preemption_and_fail_a_real_failure() {
+    let _one = ONE_AT_A_TIME.lock().await;
     let k = TestCluster::new().await;
     let ns = k.namespace("ml").await;
     let (_image_dir, image) = trainer_image();
@@ -514,7 +526,7 @@ async fn the_example_jobs_rules_ignore_every_kind_of_preemption_and_fail_a_real_
     let jobs: Api<Job> = Api::namespaced(k.admin(), &ns);
     jobs.create(
         &PostParams::default(),
-        &job_running(&ns, "llm-finetune", KINDS_TRAINER),
+        &job_running(&k, &ns, "llm-finetune", KINDS_TRAINER),
     )
     .await
     .expect("the Job is accepted");
@@ -612,7 +624,7 @@ async fn the_example_jobs_rules_ignore_every_kind_of_preemption_and_fail_a_real_
     // Not a preemption: exit 1 with no notice fails the Job at once.
     jobs.create(
         &PostParams::default(),
-        &job_running(&ns, "broken", "echo 'a bug'; exit 1"),
+        &job_running(&k, &ns, "broken", "echo 'a bug'; exit 1"),
     )
     .await
     .unwrap();
