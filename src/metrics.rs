@@ -111,6 +111,7 @@ pub mod known {
         "uncordon",
         "annotate",
         "condition",
+        "disruption_target",
         "event",
         "acknowledge",
     ];

@@ -29,6 +29,10 @@ use spotguard_testkit::wait_for_event as wait_for;
 use tokio_util::sync::CancellationToken;
 
 const STEPS: u64 = 200;
+/// The tests of this file one at a time: their nodes map the same checkpoint path
+/// ([`CHECKPOINT_HOST_PATH`]), each to its own storage, and each drives its Job through the
+/// Job controller's backoff on 2 cores.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 const INTERRUPTIONS: usize = 4;
 /// Where the replaced PVC lives on every node (the "network storage").
 const CHECKPOINT_HOST_PATH: &str = "/mnt/spotguard-test-checkpoints";
@@ -75,8 +79,9 @@ fn trainer_image() -> (tempfile::TempDir, Image) {
     (dir, image)
 }
 
-/// The example Job with the trainer's image and command, and the checkpoint volume, replaced.
-fn example_job(namespace: &str) -> Job {
+/// The example Job with the trainer's image and command, and the checkpoint volume, replaced;
+/// its pods go only to this test's nodes (the tests of this file run side by side).
+fn example_job(k: &TestCluster, namespace: &str) -> Job {
     let text =
         std::fs::read_to_string(repo().join("daemonset/examples/training-job.yaml")).unwrap();
     let mut job: Value = yaml_documents(&text)
@@ -86,6 +91,7 @@ fn example_job(namespace: &str) -> Job {
         .expect("the example's Job");
     job["metadata"]["namespace"] = json!(namespace);
     let spec = &mut job["spec"]["template"]["spec"];
+    spec["nodeSelector"] = json!(k.node_selector());
     let trainer = spec["containers"]
         .as_array_mut()
         .unwrap()
@@ -242,6 +248,7 @@ fn numbers_after(log: &str, prefix: &str) -> Vec<u64> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_example_job_survives_more_interruptions_than_its_backoff_limit_losing_no_step() {
+    let _one = ONE_AT_A_TIME.lock().await;
     let k = TestCluster::new().await;
     let ns = k.namespace("ml").await;
     let (_image_dir, image) = trainer_image();
@@ -251,7 +258,7 @@ async fn the_example_job_survives_more_interruptions_than_its_backoff_limit_losi
     std::os::unix::fs::chown(checkpoints.path(), Some(1000), Some(1000)).unwrap();
     chmod(checkpoints.path(), 0o775);
 
-    let job = example_job(&ns);
+    let job = example_job(&k, &ns);
     let backoff_limit = job.spec.as_ref().and_then(|s| s.backoff_limit).unwrap();
     assert!(
         (INTERRUPTIONS as i32) > backoff_limit,
@@ -265,6 +272,8 @@ async fn the_example_job_survives_more_interruptions_than_its_backoff_limit_losi
 
     // Trainer logs by pod name, kept when a node goes away.
     let mut logs: BTreeMap<String, String> = BTreeMap::new();
+    // The trainers' pods in the order they trained.
+    let mut order: Vec<String> = Vec::new();
     let mut acked_steps = Vec::new();
     for i in 1..=INTERRUPTIONS {
         // The trainer trains on this machine's node.
@@ -335,13 +344,10 @@ async fn the_example_job_survives_more_interruptions_than_its_backoff_limit_losi
             p.is_none_or(|p| matches!(phase(p), "Failed" | "Succeeded"))
         })
         .await;
-        for p in job_pods(&k, &ns).await {
-            let name = p.metadata.name.clone().unwrap();
-            let log = machine.kubelet.logs(&ns, &name, "trainer");
-            if !log.is_empty() {
-                logs.insert(name, log);
-            }
-        }
+        // By its name: a pod the drain evicted between its ack and its exit is gone from the
+        // API (deleted), its log is still the kubelet's.
+        order.push(pod.clone());
+        logs.insert(pod.clone(), machine.kubelet.logs(&ns, &pod, "trainer"));
         machine.cancel.cancel();
         let _ = tokio::time::timeout(Duration::from_secs(10), machine.app.join).await;
         machine.kubelet.delete_node();
@@ -403,9 +409,14 @@ async fn the_example_job_survives_more_interruptions_than_its_backoff_limit_losi
             finished
         );
     }
-    let mut chain: Vec<(String, u64, Option<u64>)> = Vec::new();
     for p in &pods {
         let name = p.metadata.name.clone().unwrap();
+        if logs.contains_key(&name) && !order.contains(&name) {
+            order.push(name);
+        }
+    }
+    let mut chain: Vec<(String, u64, Option<u64>)> = Vec::new();
+    for name in order {
         let Some(log) = logs.get(&name) else { continue };
         let resumed = numbers_after(log, "resumed from step")
             .first()
@@ -440,4 +451,193 @@ async fn the_example_job_survives_more_interruptions_than_its_backoff_limit_losi
         last.contains(&format!("training finished at step {STEPS}")),
         "{summary}"
     );
+}
+
+/// The trainer of [`the_example_jobs_rules_ignore_every_kind_of_preemption_and_fail_a_real_failure`]:
+/// each attempt (counted in the shared checkpoint storage) is another kind of trainer.
+const KINDS_TRAINER: &str = r#"
+n=$(cat /checkpoints/attempts 2>/dev/null || echo 0); n=$((n+1)); echo $n > /checkpoints/attempts
+echo "attempt $n"
+case $n in
+  # With the helper: saves, acks and exits 143.
+  1) trap 'printf "{\"state\":\"done\",\"step\":$n,\"checkpoint\":\"c\",\"ts\":%s}" $(date +%s.%N) > "$SPOTGUARD_DIR/.ack.tmp"; mv "$SPOTGUARD_DIR/.ack.tmp" "$SPOTGUARD_DIR/ack-$$.json"; exit 143' USR1 ;;
+  # Catches the signal but never gets to ack: killed at the power-off (137).
+  2) trap 'echo saving' USR1 ;;
+  # Never had the helper: the signal is not for it; the drain's SIGTERM ends it.
+  3) ;;
+  *) echo "training finished"; exit 0 ;;
+esac
+echo training
+while :; do sleep 0.05; done
+"#;
+
+/// The example Job with the trainer replaced by `script` (its image's bash).
+fn job_running(k: &TestCluster, ns: &str, name: &str, script: &str) -> Job {
+    let mut job = serde_json::to_value(example_job(k, ns)).unwrap();
+    job["metadata"]["name"] = json!(name);
+    let trainer = job["spec"]["template"]["spec"]["containers"]
+        .as_array_mut()
+        .unwrap()
+        .iter_mut()
+        .find(|c| c["name"] == "trainer")
+        .unwrap();
+    trainer["command"] = json!(["bash", "-c", script]);
+    trainer["args"] = json!([]);
+    serde_json::from_value(job).unwrap()
+}
+
+async fn job_condition(jobs: &Api<Job>, name: &str, limit: Duration) -> (String, Job) {
+    let start = Instant::now();
+    loop {
+        let j = jobs.get(name).await.unwrap();
+        let status = j.status.clone().unwrap_or_default();
+        let done = status
+            .conditions
+            .iter()
+            .flatten()
+            .find(|c| matches!(c.type_.as_str(), "Complete" | "Failed") && c.status == "True");
+        if let Some(c) = done {
+            return (c.type_.clone(), j);
+        }
+        assert!(
+            start.elapsed() < limit,
+            "Job {name} did not finish: {status:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Issue 36 item 2, through the real Job controller: the example Job's rules (DisruptionTarget
+/// first, the exit code as the fallback) let no kind of preemption count against
+/// `backoffLimit` — a trainer that acks and exits 143, one killed at the power-off without an
+/// ack (137: only the DisruptionTarget the agent set right after the signal says it was a
+/// preemption), one without the helper (ended by the drain) — and the Job completes; a plain
+/// failure (exit 1, no notice) still fails the Job at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_example_jobs_rules_ignore_every_kind_of_preemption_and_fail_a_real_failure() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let k = TestCluster::new().await;
+    let ns = k.namespace("ml").await;
+    let (_image_dir, image) = trainer_image();
+    let checkpoints = tempfile::tempdir().unwrap();
+    std::os::unix::fs::chown(checkpoints.path(), Some(1000), Some(1000)).unwrap();
+    chmod(checkpoints.path(), 0o775);
+    let mut machine = Machine::start(&k, 0, &image, checkpoints.path()).await;
+    let jobs: Api<Job> = Api::namespaced(k.admin(), &ns);
+    jobs.create(
+        &PostParams::default(),
+        &job_running(&k, &ns, "llm-finetune", KINDS_TRAINER),
+    )
+    .await
+    .expect("the Job is accepted");
+
+    for attempt in 1..=3 {
+        let start = Instant::now();
+        let pod = loop {
+            let on_node = job_pods(&k, &ns).await.into_iter().find(|p| {
+                phase(p) == "Running"
+                    && p.spec.as_ref().and_then(|s| s.node_name.as_deref())
+                        == Some(machine.kubelet.name())
+            });
+            if let Some(p) = on_node {
+                let name = p.metadata.name.clone().unwrap();
+                if machine
+                    .kubelet
+                    .logs(&ns, &name, "trainer")
+                    .contains("training")
+                {
+                    break name;
+                }
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(120),
+                "attempt {attempt}: no trainer on {}",
+                machine.kubelet.name()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        let run = machine
+            .kubelet
+            .wait_run(&ns, &pod, "trainer", Duration::from_secs(10))
+            .await;
+        if attempt < 3 {
+            assert!(spotguard_testkit::process::wait_catches_usr1(run.pid).await);
+        }
+        let next = Machine::start(&k, attempt, &image, checkpoints.path()).await;
+        let mut events = std::mem::replace(
+            &mut machine.app.events,
+            tokio::sync::broadcast::channel(1).1,
+        );
+        machine.emu.raise(EmulatedNotice::interruption()).unwrap();
+        if attempt == 2 {
+            // The power-off, after the agent marked the pod: the trainer dies without an ack.
+            k.wait_pod(
+                &ns,
+                &pod,
+                "DisruptionTarget",
+                Duration::from_secs(30),
+                |p| {
+                    p.and_then(|p| p.status.as_ref()?.conditions.as_ref())
+                        .is_some_and(|cs| cs.iter().any(|c| c.type_ == "DisruptionTarget"))
+                },
+            )
+            .await;
+            // SAFETY: kill(2) of the container's process, a child of the kubelet stand-in.
+            unsafe {
+                libc::kill(run.pid as i32, libc::SIGKILL);
+            }
+        }
+        wait_for(&mut events, Duration::from_secs(120), |e| {
+            matches!(e, PlanEvent::Done { .. }).then_some(())
+        })
+        .await;
+        let finished = k
+            .wait_pod(&ns, &pod, "finished", Duration::from_secs(60), |p| {
+                p.is_none_or(|p| matches!(phase(p), "Failed" | "Succeeded"))
+            })
+            .await;
+        let code = finished
+            .as_ref()
+            .and_then(|p| p.status.as_ref()?.container_statuses.as_ref())
+            .and_then(|cs| cs.iter().find(|c| c.name == "trainer"))
+            .and_then(|c| c.state.as_ref()?.terminated.as_ref())
+            .map(|t| t.exit_code);
+        eprintln!("attempt {attempt}: {pod} ended with {code:?}");
+        if attempt == 2 {
+            assert_eq!(code, Some(137), "killed at the power-off");
+        }
+        machine.cancel.cancel();
+        let _ = tokio::time::timeout(Duration::from_secs(10), machine.app.join).await;
+        machine.kubelet.delete_node();
+        machine = next;
+    }
+    let (outcome, job) = job_condition(&jobs, "llm-finetune", Duration::from_secs(180)).await;
+    let status = job.status.unwrap_or_default();
+    assert_eq!(outcome, "Complete", "{status:?}");
+    assert_eq!(status.succeeded, Some(1), "{status:?}");
+    assert_eq!(
+        status.failed.unwrap_or(0),
+        0,
+        "no preemption counted against backoffLimit: {status:?}"
+    );
+
+    // Not a preemption: exit 1 with no notice fails the Job at once.
+    jobs.create(
+        &PostParams::default(),
+        &job_running(&k, &ns, "broken", "echo 'a bug'; exit 1"),
+    )
+    .await
+    .unwrap();
+    let (outcome, job) = job_condition(&jobs, "broken", Duration::from_secs(60)).await;
+    let status = job.status.unwrap_or_default();
+    assert_eq!(outcome, "Failed", "{status:?}");
+    let reason = status
+        .conditions
+        .iter()
+        .flatten()
+        .find(|c| c.type_ == "Failed")
+        .and_then(|c| c.reason.clone());
+    assert_eq!(reason.as_deref(), Some("PodFailurePolicy"), "{status:?}");
+    machine.cancel.cancel();
+    let _ = tokio::time::timeout(Duration::from_secs(10), machine.app.join).await;
 }

@@ -15,6 +15,10 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use spotguard::app;
 use spotguard::config::{self, Config};
 use spotguard::emulator::{self, Cloud, EmulatedNotice, EmulatorConfig};
+use spotguard::node::kube::KubeNodeOps;
+use spotguard::node::{
+    ConditionState, Disruption, GpuConditions, NodeOps, Protection, TaintEffect,
+};
 use spotguard::responder::PlanEvent;
 use spotguard_testkit::k8s::{
     non_system_taints, FlatEvent, Kubelet, NodeConfig, PdbLimit, RequestKind, TestCluster, TestPod,
@@ -177,6 +181,17 @@ impl Cluster {
     }
 
     async fn agent(&self, extra: &[&str]) -> (app::App, CancellationToken) {
+        let own = (self.own.clone(), OWN_POD.to_string());
+        self.agent_as(extra, self.k.agent_client(), own).await
+    }
+
+    /// The agent with `client`, in the pod `own` (namespace, name).
+    async fn agent_as(
+        &self,
+        extra: &[&str],
+        client: kube::Client,
+        own: (String, String),
+    ) -> (app::App, CancellationToken) {
         let mut argv: Vec<String> = vec![
             "--mode=kubernetes".into(),
             format!("--node-name={}", self.name()),
@@ -199,11 +214,11 @@ impl Cluster {
         argv.extend(extra.iter().map(|s| s.to_string()));
         let args = spotguard::config::parse_run_args(argv).unwrap_or_else(|text| panic!("{text}"));
         let mut cfg = Config::resolve(args, &config::ProcessEnv).unwrap();
-        cfg.pod_namespace = Some(self.own.clone());
-        cfg.pod_name = Some(OWN_POD.into());
+        cfg.pod_namespace = Some(own.0);
+        cfg.pod_name = Some(own.1);
         spotguard::telemetry::init(config::LogFormat::Text, &cfg.args.log_level);
         let cancel = CancellationToken::new();
-        let app = app::start_with_client(cfg, cancel.clone(), Some(self.k.agent_client()))
+        let app = app::start_with_client(cfg, cancel.clone(), Some(client))
             .await
             .unwrap();
         (app, cancel)
@@ -830,4 +845,264 @@ async fn the_signal_does_not_wait_for_the_cordon() {
     assert!(c.cordoned().await, "the cordon landed after the signal");
     assert_eq!(c.trainer.signals(), 1);
     stop(app.join, cancel).await;
+}
+
+/// The pod's `DisruptionTarget` condition as (status, reason, message), if any.
+async fn disruption_target(
+    k: &TestCluster,
+    ns: &str,
+    name: &str,
+) -> Option<(String, String, String)> {
+    let pod = k.pod(ns, name).await?;
+    let c = pod
+        .status?
+        .conditions?
+        .into_iter()
+        .find(|c| c.type_ == "DisruptionTarget")?;
+    Some((
+        c.status,
+        c.reason.unwrap_or_default(),
+        c.message.unwrap_or_default(),
+    ))
+}
+
+/// Issue 36 item 1: right after the signal the agent sets `DisruptionTarget` (True,
+/// `TerminationByCloudNotice`, a message naming the notice) on every pod the drain will take:
+/// a trainer that acks and exits 143 before the drain reaches it keeps the condition through the
+/// kubelet's later status report of its exit (Failed, Ready False: the kubelet stand-in's
+/// strategic merge keeps conditions it does not own, as the kubelet does), and pods the drain cannot evict
+/// yet (a PodDisruptionBudget refuses: the Eviction API sets nothing) carry it too. The DaemonSet's
+/// pod, the agent's own pod and another node's pod get nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_pods_the_plan_takes_down_get_disruption_target_right_after_the_signal() {
+    let c = Cluster::new(Cloud::Aws).await;
+    c.k.add_pdb(
+        &c.web,
+        "web-pdb",
+        &[("app", "web")],
+        PdbLimit::MinAvailable(IntOrString::Int(3)),
+        3,
+    )
+    .await;
+    // A trainer that saves, acks and exits 143 on the signal, as the helper's trainers do.
+    let quitter = tempfile::tempdir().unwrap();
+    let dir = quitter.path().join("ckpt").display().to_string();
+    std::fs::create_dir(quitter.path().join("ckpt")).unwrap();
+    // It exits once the test saw its condition set, so that the kubelet's report of the exit
+    // comes after the condition and must keep it.
+    let release = quitter.path().join("release");
+    let mut pod = TestPod::new(&c.ml, "quitter", c.name())
+        .label("app", "quitter")
+        .annotation("spotguard.io/checkpoint", "true")
+        .annotation("spotguard.io/checkpoint-dir", &dir)
+        .script(
+            r#"trap 'printf '"'"'{"state":"done","step":7,"checkpoint":"c","ts":%s}'"'"' $(date +%s.%N) > "$SPOTGUARD_DIR/.ack.tmp"; mv "$SPOTGUARD_DIR/.ack.tmp" "$SPOTGUARD_DIR/ack-$BASHPID.json"; while [ ! -e "$RELEASE" ]; do sleep 0.05; done; exit 143' USR1
+while :; do sleep 0.05; done
+"#,
+        )
+        .env("SPOTGUARD_DIR", &dir)
+        .env("RELEASE", &release.display().to_string())
+        .build();
+    pod.spec.as_mut().unwrap().restart_policy = Some("Never".into());
+    c.k.run_pods(&[pod]).await;
+    let run = c
+        .node
+        .wait_run(&c.ml, "quitter", "main", Duration::from_secs(30))
+        .await;
+    assert!(process::wait_catches_usr1(run.pid).await);
+    // Nor is it evicted while it runs (the eviction would set the condition itself).
+    c.k.add_pdb(
+        &c.ml,
+        "quitter-pdb",
+        &[("app", "quitter")],
+        PdbLimit::MinAvailable(IntOrString::Int(1)),
+        1,
+    )
+    .await;
+
+    let (app, cancel) = c
+        .agent(&["--drain-reserve=5s", "--checkpoint-timeout=3s"])
+        .await;
+    let mut events = app.events;
+    c.emu
+        .raise(EmulatedNotice::interruption().due_in(Duration::from_secs(60)))
+        .unwrap();
+    let results = wait_for(&mut events, Duration::from_secs(30), |e| match e {
+        PlanEvent::Checkpointed { results, .. } => Some(results.clone()),
+        _ => None,
+    })
+    .await;
+    assert!(
+        results.len() == 2 && results.iter().all(|r| r.outcome.as_str() == "acked"),
+        "{results:?}"
+    );
+    let marked = |p: Option<&Pod>| {
+        p.and_then(|p| p.status.as_ref()?.conditions.as_ref())
+            .is_some_and(|cs| cs.iter().any(|c| c.type_ == "DisruptionTarget"))
+    };
+    c.k.wait_pod(
+        &c.ml,
+        "quitter",
+        "DisruptionTarget",
+        Duration::from_secs(10),
+        marked,
+    )
+    .await;
+    std::fs::write(&release, b"").unwrap();
+    // The quitter's pod is Failed (exit 143), reported by the kubelet after the condition was set.
+    let failed =
+        c.k.wait_pod(&c.ml, "quitter", "Failed", Duration::from_secs(30), |p| {
+            p.is_some_and(|p| p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Failed"))
+        })
+        .await;
+    let ready = failed
+        .and_then(|p| p.status?.conditions)
+        .unwrap_or_default()
+        .into_iter()
+        .find(|c| c.type_ == "Ready")
+        .map(|c| c.status);
+    assert_eq!(
+        ready.as_deref(),
+        Some("False"),
+        "the kubelet reported the exit"
+    );
+    for (ns, name) in [
+        (&c.ml, "quitter"),
+        (&c.web, "web-0"),
+        (&c.web, "web-1"),
+        (&c.web, "web-2"),
+    ] {
+        let (status, reason, message) = disruption_target(&c.k, ns, name)
+            .await
+            .unwrap_or_else(|| panic!("{ns}/{name} has no DisruptionTarget"));
+        assert_eq!(status, "True", "{ns}/{name}");
+        assert_eq!(reason, "TerminationByCloudNotice", "{ns}/{name}");
+        assert!(
+            message.starts_with("aws interruption notice "),
+            "{ns}/{name}: {message}"
+        );
+    }
+    for (ns, name) in [
+        (&c.system, "nvidia-device-plugin"),
+        (&c.own, OWN_POD),
+        (&c.web, "elsewhere"),
+    ] {
+        assert_eq!(disruption_target(&c.k, ns, name).await, None, "{ns}/{name}");
+    }
+    let m = metrics_text(app.admin_addr).await;
+    // trainer-0, the quitter and the three web pods.
+    assert!(
+        m.contains(r#"spotguard_node_actions_total{action="disruption_target",outcome="ok"} 5"#),
+        "{m}"
+    );
+    cancel.cancel();
+    let _ = tokio::time::timeout(Duration::from_secs(5), app.join).await;
+}
+
+/// Issue 36 item 8: the agent as the DaemonSet runs it (a token bound to its pod on the node,
+/// which names the node) handles a spot notice end to end with the shipped
+/// ValidatingAdmissionPolicy in place; the same token is refused on another node (taint and
+/// cordon, GPU conditions, the `DisruptionTarget` of that node's pods), and still allowed to
+/// evict that node's pods: an Eviction names no node, so the policy cannot hold it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_agents_pod_bound_token_writes_only_to_its_own_node() {
+    let c = Cluster::new(Cloud::Aws).await;
+    let (own, client) = c.k.agent_on(c.name()).await;
+    let (app, cancel) = c.agent_as(&[], client.clone(), own).await;
+    let mut events = app.events;
+    c.emu.raise(EmulatedNotice::interruption()).unwrap();
+    let results = wait_for(&mut events, Duration::from_secs(30), |e| match e {
+        PlanEvent::Checkpointed { results, .. } => Some(results.clone()),
+        _ => None,
+    })
+    .await;
+    assert_eq!(results.len(), 1, "{results:?}");
+    assert_eq!(results[0].outcome.as_str(), "acked", "{results:?}");
+    let report = wait_for(&mut events, Duration::from_secs(60), |e| match e {
+        PlanEvent::Drained { report, .. } => Some(report.clone()),
+        _ => None,
+    })
+    .await;
+    assert!(report.complete(), "{report:?}");
+    // The fixture's stand-in for the agent's pod is now just another pod.
+    assert_eq!(
+        report.evicted.len(),
+        5,
+        "trainer + 3 web pods + {OWN_POD}: {report:?}"
+    );
+    assert!(c.cordoned().await);
+    let m = metrics_text(app.admin_addr).await;
+    assert!(
+        m.contains(r#"spotguard_node_actions_total{action="disruption_target",outcome="ok"} 5"#),
+        "{m}"
+    );
+    cancel.cancel();
+    let _ = tokio::time::timeout(Duration::from_secs(5), app.join).await;
+
+    // The same token on the other node.
+    let other = c._other.name().to_string();
+    let metrics = std::sync::Arc::new(spotguard::metrics::Metrics::register(
+        &mut prometheus_client::registry::Registry::default(),
+    ));
+    let ops = KubeNodeOps::new(client.clone(), other.clone(), None, false, metrics);
+    let protect = ops
+        .protect(&Protection {
+            taint_value: "interruption".into(),
+            effect: TaintEffect::NoSchedule,
+            cordon: true,
+        })
+        .await;
+    let refused = |what: &str, e: String| {
+        assert!(
+            e.contains("spotguard-own-node") && e.contains("may change only"),
+            "{what}: {e}"
+        )
+    };
+    refused("protect", protect.unwrap_err().to_string());
+    let conditions = GpuConditions {
+        unhealthy: ConditionState {
+            active: true,
+            reason: "XidError".into(),
+            message: "test".into(),
+        },
+        ..Default::default()
+    };
+    refused(
+        "GPU conditions",
+        ops.set_gpu_conditions(&conditions)
+            .await
+            .unwrap_err()
+            .to_string(),
+    );
+    let marked = ops
+        .mark_disruption(&Disruption {
+            reason: "TerminationByCloudNotice",
+            message: "test".into(),
+        })
+        .await
+        .unwrap();
+    assert!(marked.is_empty(), "{marked:?}");
+    assert_eq!(disruption_target(&c.k, &c.web, "elsewhere").await, None);
+    let pods: kube::Api<Pod> = kube::Api::namespaced(client.clone(), &c.web);
+    let patch = serde_json::json!({ "status": { "conditions": [
+        { "type": "DisruptionTarget", "status": "True", "reason": "TerminationByCloudNotice" }
+    ] } });
+    let status = pods
+        .patch_status(
+            "elsewhere",
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Strategic(&patch),
+        )
+        .await;
+    refused("pod status", status.unwrap_err().to_string());
+    let node = c.k.node_json(&other).await;
+    assert_ne!(
+        node["spec"]["unschedulable"].as_bool(),
+        Some(true),
+        "{node}"
+    );
+    // An Eviction names no node: the policy cannot hold it (docs/deploy-kubernetes.md).
+    pods.evict("elsewhere", &kube::api::EvictParams::default())
+        .await
+        .expect("the eviction is not held to the agent's node");
 }

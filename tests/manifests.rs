@@ -21,6 +21,9 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
 
+use k8s_openapi::api::admissionregistration::v1::{
+    ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding,
+};
 use k8s_openapi::api::apps::v1::DaemonSet;
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::{
@@ -70,7 +73,17 @@ fn yaml_files() -> Vec<PathBuf> {
 }
 
 /// Kinds that have no k8s-openapi type (CRDs): checked by the server against the CRD schema only.
-const CRD_KINDS: &[&str] = &["PodMonitor", "PrometheusRule"];
+const CRD_KINDS: &[&str] = &[
+    "PodMonitor",
+    "PrometheusRule",
+    "JobSet",
+    "ResourceFlavor",
+    "ClusterQueue",
+    "LocalQueue",
+    "PyTorchJob",
+    "ClusterTrainingRuntime",
+    "TrainJob",
+];
 
 // ---------------------------------------------------------------------------------------------
 // kubectl against the real API server.
@@ -266,8 +279,8 @@ impl Kubectl {
         ran.stdout
     }
 
-    /// The prometheus-operator CRDs (`../shared/k8s/crds/`), installed for real (idempotent)
-    /// and Established.
+    /// The CRDs of `../shared/k8s/crds/` (prometheus-operator, JobSet, Kueue, the training
+    /// operator's PyTorchJob, Kubeflow Trainer), installed for real (idempotent) and Established.
     async fn install_crds(&self) {
         let dir = assets::shared_dir().join("crds");
         let dir = dir.to_str().unwrap();
@@ -375,6 +388,10 @@ fn check_object(obj: &Value) -> Result<(), String> {
         "DaemonSet" => strict::<DaemonSet>(obj).map(drop),
         "Job" => strict::<Job>(obj).map(drop),
         "Pod" => strict::<Pod>(obj).map(drop),
+        "ValidatingAdmissionPolicy" => strict::<ValidatingAdmissionPolicy>(obj).map(drop),
+        "ValidatingAdmissionPolicyBinding" => {
+            strict::<ValidatingAdmissionPolicyBinding>(obj).map(drop)
+        }
         k if CRD_KINDS.contains(&k) => Ok(()),
         other => Err(format!(
             "kind {other:?} has no strict check: add it to check_object"
@@ -526,6 +543,8 @@ async fn kustomize_base_renders_the_whole_install() {
         "ResourceQuota/spotguard-critical-pods",
         "ClusterRole/spotguard",
         "ClusterRoleBinding/spotguard",
+        "ValidatingAdmissionPolicy/spotguard-own-node",
+        "ValidatingAdmissionPolicyBinding/spotguard-own-node",
         "DaemonSet/spotguard",
         "Service/spotguard-metrics",
     ]
@@ -646,6 +665,7 @@ fn least_privilege() -> BTreeSet<Rule> {
         ("", "pods", "get"),
         ("", "pods", "list"),
         ("", "pods", "watch"),
+        ("", "pods/status", "patch"),
         ("", "pods/eviction", "create"),
         ("", "events", "create"),
         ("", "events", "patch"),
@@ -1054,6 +1074,8 @@ fn yaml_blocks(text: &str) -> Vec<(usize, bool, String)> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kubernetes_objects_in_the_docs_are_accepted_by_the_server_or_marked_as_fragments() {
     let k = Kubectl::start().await;
+    // The recipes' JobSet, Kueue, PyTorchJob and Trainer objects, against their real CRDs.
+    k.install_crds().await;
     let mut files: Vec<PathBuf> = std::fs::read_dir(repo().join("docs"))
         .unwrap()
         .map(|e| e.unwrap().path())

@@ -126,6 +126,25 @@ pub mod reason {
     pub const CHECKPOINT_UPLOAD_REFUSED: &str = "CheckpointUploadRefused";
 }
 
+/// The pod condition type the kubelet's graceful node shutdown, the Eviction API and the taint
+/// manager set on a pod about to be taken down; Job `podFailurePolicy`, JobSet `failurePolicy`
+/// and Kueue read it.
+pub const DISRUPTION_TARGET: &str = "DisruptionTarget";
+/// spotguard's reason on `DisruptionTarget`, after Kubernetes' own (`TerminationByKubelet`,
+/// `EvictionByEvictionAPI`, `DeletionByTaintManager`, `PreemptionByScheduler`): the pod is
+/// terminated because of the cloud's notice. A pod still running at the drain gets the Eviction
+/// API's `EvictionByEvictionAPI` in its place (same condition, still True).
+pub const DISRUPTION_REASON: &str = "TerminationByCloudNotice";
+
+/// The `DisruptionTarget` condition spotguard sets on the pods a plan will take down.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Disruption {
+    /// [`DISRUPTION_REASON`].
+    pub reason: &'static str,
+    /// Names the cloud's notice (kind, id, cloud, deadline).
+    pub message: String,
+}
+
 /// Parameters of one drain.
 #[derive(Clone, Debug)]
 pub struct DrainRequest {
@@ -276,6 +295,11 @@ pub trait NodeOps: Send + Sync {
     ) -> Result<(), Error>;
     /// Evict every evictable pod before the deadline (host mode: nothing to drain).
     async fn drain(&self, request: &DrainRequest) -> Result<DrainReport, Error>;
+    /// Set the pod condition `DisruptionTarget` on every pod the drain would evict; returns the
+    /// pods marked, `namespace/name` (default: no pods, as in host mode).
+    async fn mark_disruption(&self, _disruption: &Disruption) -> Result<Vec<String>, Error> {
+        Ok(Vec::new())
+    }
     /// The GPU conditions currently on the node (to resume sticky findings after a restart).
     async fn gpu_conditions(&self) -> Result<GpuConditions, Error>;
     /// Make the node show `desired` (no write when nothing changed).
@@ -317,6 +341,9 @@ impl<T: NodeOps + ?Sized> NodeOps for std::sync::Arc<T> {
     async fn drain(&self, request: &DrainRequest) -> Result<DrainReport, Error> {
         (**self).drain(request).await
     }
+    async fn mark_disruption(&self, disruption: &Disruption) -> Result<Vec<String>, Error> {
+        (**self).mark_disruption(disruption).await
+    }
     async fn gpu_conditions(&self) -> Result<GpuConditions, Error> {
         (**self).gpu_conditions().await
     }
@@ -355,6 +382,12 @@ pub enum Error {
         #[source]
         source: ::kube::Error,
     },
+    #[error("setting a condition on pod {pod}: {source}")]
+    PatchPod {
+        pod: String,
+        #[source]
+        source: ::kube::Error,
+    },
     #[error("deleting pod {pod}: {source}")]
     DeletePod {
         pod: String,
@@ -381,6 +414,7 @@ impl Error {
             | Error::PatchNode { source, .. }
             | Error::ListPods { source, .. }
             | Error::Evict { source, .. }
+            | Error::PatchPod { source, .. }
             | Error::DeletePod { source, .. }
             | Error::Event { source, .. } => kube_retryable(source),
             Error::Conflict { .. } => true,
@@ -395,6 +429,7 @@ impl Error {
             Error::PatchNode { .. } => "patch_node",
             Error::ListPods { .. } => "list_pods",
             Error::Evict { .. } => "evict",
+            Error::PatchPod { .. } => "patch_pod",
             Error::DeletePod { .. } => "delete_pod",
             Error::Event { .. } => "event",
             Error::Conflict { .. } => "conflict",

@@ -9,6 +9,8 @@
 //! - GPU health: conditions `GPUUnhealthy` / `GPUDegraded` through a strategic-merge patch of
 //!   `nodes/status` (merge key `type`, so the kubelet's conditions are untouched) and the taint
 //!   `spotguard.io/gpu-unhealthy:NoSchedule` while unhealthy.
+//! - `DisruptionTarget` on the pods a plan takes down: a strategic-merge patch of `pods/status`
+//!   per pod (`disruption`).
 //! - Dry-run: reads happen, every write is logged instead.
 //!
 //! Build the client with [`client_from_config`] (or set `default_retry = false`): kube's built-in
@@ -21,6 +23,7 @@
 
 mod api;
 mod conditions;
+mod disruption;
 mod events;
 
 use std::collections::HashMap;
@@ -34,8 +37,9 @@ use serde_json::{json, Value};
 
 use super::drain::PodWatch;
 use super::{
-    Applied, AppliedMarks, DrainReport, DrainRequest, Error, EventType, GpuConditionTypes,
-    GpuConditions, NodeOps, Protection, APPLIED_ANNOTATION, INTERRUPTION_TAINT, NOTICE_ANNOTATION,
+    Applied, AppliedMarks, Disruption, DrainReport, DrainRequest, Error, EventType,
+    GpuConditionTypes, GpuConditions, NodeOps, Protection, APPLIED_ANNOTATION, INTERRUPTION_TAINT,
+    NOTICE_ANNOTATION,
 };
 use crate::metrics::Metrics;
 use crate::node::PodRef;
@@ -383,6 +387,10 @@ impl NodeOps for KubeNodeOps {
             self.pod_watch.get().map(|w| &**w),
         )
         .await
+    }
+
+    async fn mark_disruption(&self, disruption: &Disruption) -> Result<Vec<String>, Error> {
+        self.mark_disruption_target(disruption).await
     }
 
     async fn gpu_conditions(&self) -> Result<GpuConditions, Error> {

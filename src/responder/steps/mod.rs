@@ -7,6 +7,7 @@
 //! step").
 
 mod ack_wait;
+mod disruption;
 mod drain;
 mod expiry;
 mod finish;

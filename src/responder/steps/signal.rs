@@ -1,6 +1,7 @@
 //! Signal first: discover the targets, write the local record listing every process about to be
 //! signalled (a file, no API call), signal them all at once on the checkpoint module's own
-//! threads, with protect / the Event / the start hooks beside it; then the record (with what was
+//! threads, with protect / the Event / the start hooks beside it and, once the signal is out,
+//! `DisruptionTarget` on the pods a draining plan takes down; then the record (with what was
 //! applied) goes to both copies. Hands the deliveries to the ack wait.
 
 use std::time::Duration;
@@ -67,6 +68,15 @@ impl Step for Signal {
         let deliveries =
             ckpt::deliver_with_async(groups.clone(), request.clone(), prior, &plan.deps.metrics)
                 .await;
+        // After the signal, beside the rest: DisruptionTarget on the pods the drain will take.
+        let marking = run.policy.drain.then(|| {
+            let disruption = super::disruption::disruption(&plan.notice, plan.deadline());
+            tokio::spawn(super::disruption::mark(
+                plan.deps.clone(),
+                disruption,
+                plan.budget(),
+            ))
+        });
         let sent: Vec<usize> = deliveries.iter().map(|d| d.sent()).collect();
         announce(&run.plan, run.resumed.is_some(), &groups, &sent, &request).await;
         // What protect applied joins the record (both copies) before the wait.
@@ -75,6 +85,9 @@ impl Step for Signal {
             None
         });
         merge_applied(&mut run.state.applied, applied);
+        if let Some(marking) = marking {
+            let _ = marking.await;
+        }
         run.persist(Phase::Signalled).await;
         run.plan.event(PlanEvent::Protected {
             id: run.plan.notice.id.clone(),

@@ -12,8 +12,12 @@ use std::path::{Path, PathBuf};
 use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
+use k8s_openapi::api::admissionregistration::v1::{
+    ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding,
+};
+use k8s_openapi::api::authentication::v1::BoundObjectReference;
 use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
-use k8s_openapi::api::core::v1::{Namespace, ServiceAccount};
+use k8s_openapi::api::core::v1::{Namespace, Pod, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Subject};
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use serde::de::DeserializeOwned;
@@ -452,8 +456,30 @@ where
     apply(&Api::all(client.clone()), &name_of(&obj), &obj).await
 }
 
-/// The shipped namespace, ServiceAccount, ClusterRole and binding, the force-delete component's
-/// ClusterRole, and a second ServiceAccount bound to both roles.
+/// Server-side apply of a shipped manifest of cluster-scoped kind `K`, as the file has it.
+async fn apply_as_written<K>(client: &kube::Client, relative: &str) -> Result<(), String>
+where
+    K: kube::Resource<DynamicType = (), Scope = k8s_openapi::ClusterResourceScope>
+        + Clone
+        + DeserializeOwned
+        + std::fmt::Debug,
+{
+    let obj: serde_json::Value = load_manifest(relative)?;
+    let name = obj["metadata"]["name"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    let params = PatchParams::apply(FIELD_MANAGER).force();
+    Api::<K>::all(client.clone())
+        .patch(&name, &params, &Patch::Apply(&obj))
+        .await
+        .map(drop)
+        .map_err(|e| format!("applying {name}: {e}"))
+}
+
+/// The shipped namespace, ServiceAccount, ClusterRole and binding, ValidatingAdmissionPolicy and
+/// binding, the force-delete component's ClusterRole, and a second ServiceAccount bound to both
+/// roles.
 async fn bootstrap_rbac(client: &kube::Client) -> Result<(), String> {
     apply_manifest::<Namespace>(client, "daemonset/namespace.yaml").await?;
     let sa: ServiceAccount = load_manifest("daemonset/serviceaccount.yaml")?;
@@ -466,6 +492,20 @@ async fn bootstrap_rbac(client: &kube::Client) -> Result<(), String> {
     apply_manifest::<ClusterRole>(client, "daemonset/clusterrole.yaml").await?;
     let base_binding: ClusterRoleBinding =
         apply_manifest(client, "daemonset/clusterrolebinding.yaml").await?;
+    // The policy that holds a pod-bound token of the agent to its own node, as the manifests
+    // install it.
+    // As written (not through the typed object, whose empty fields would own more than the file
+    // says and conflict with an operator's apply of the same file).
+    apply_as_written::<ValidatingAdmissionPolicy>(
+        client,
+        "daemonset/validatingadmissionpolicy.yaml",
+    )
+    .await?;
+    apply_as_written::<ValidatingAdmissionPolicyBinding>(
+        client,
+        "daemonset/validatingadmissionpolicybinding.yaml",
+    )
+    .await?;
 
     // The component's file holds the ClusterRole and its binding (two documents).
     let path =
@@ -523,12 +563,58 @@ pub async fn mint_token(
     namespace: &str,
     name: &str,
 ) -> Result<String, String> {
+    mint(client, namespace, name, TokenSpec::default()).await
+}
+
+/// What a TokenRequest asks for beyond the ServiceAccount.
+#[derive(Clone, Debug, Default)]
+pub struct TokenSpec {
+    /// Default: the API server's issuer.
+    pub audience: Option<String>,
+    /// Default: a day.
+    pub expiration_seconds: Option<i64>,
+    pub bound_object_ref: Option<BoundObjectReference>,
+}
+
+/// A day-long token of `pod`'s ServiceAccount bound to `pod`, as the kubelet mints for a
+/// projected token volume: the API server puts the pod's node in its user info
+/// (`authentication.kubernetes.io/node-name`).
+pub async fn mint_pod_token(client: &kube::Client, pod: &Pod) -> Result<String, String> {
+    let namespace = pod.metadata.namespace.clone().unwrap_or_default();
+    let sa = pod
+        .spec
+        .as_ref()
+        .and_then(|s| s.service_account_name.clone())
+        .unwrap_or_else(|| "default".into());
+    let bound = BoundObjectReference {
+        api_version: Some("v1".into()),
+        kind: Some("Pod".into()),
+        name: pod.metadata.name.clone(),
+        uid: pod.metadata.uid.clone(),
+    };
+    let spec = TokenSpec {
+        bound_object_ref: Some(bound),
+        ..Default::default()
+    };
+    mint(client, &namespace, &sa, spec).await
+}
+
+/// The one TokenRequest of the test support (the agent's tokens, the kubelet stand-in's
+/// projected tokens).
+pub(crate) async fn mint(
+    client: &kube::Client,
+    namespace: &str,
+    name: &str,
+    spec: TokenSpec,
+) -> Result<String, String> {
     let api: Api<ServiceAccount> = Api::namespaced(client.clone(), namespace);
     let req = TokenRequest {
         spec: TokenRequestSpec {
-            audiences: vec![apiserver::ISSUER.to_string()],
-            expiration_seconds: Some(24 * 3600),
-            bound_object_ref: None,
+            audiences: vec![spec
+                .audience
+                .unwrap_or_else(|| apiserver::ISSUER.to_string())],
+            expiration_seconds: Some(spec.expiration_seconds.unwrap_or(24 * 3600)),
+            bound_object_ref: spec.bound_object_ref,
         },
         ..Default::default()
     };

@@ -194,6 +194,30 @@ impl TestCluster {
         self.proxy.client(self.cp, Identity::Agent)
     }
 
+    /// The agent as the DaemonSet runs it on `node`: a pod of the shipped ServiceAccount in the
+    /// agent's namespace, bound to `node` (a kubelet stand-in serving `node` runs it as a
+    /// sleeper), and a client through the proxy with a token bound to that pod, which carries the
+    /// node's name: the shipped ValidatingAdmissionPolicy holds its writes to `node`. Returns
+    /// the pod (`namespace`, `name`) and the client.
+    pub async fn agent_on(&self, node: &str) -> ((String, String), kube::Client) {
+        let name = self.name(&format!("spotguard-{node}"));
+        let mut pod = TestPod::new(controlplane::AGENT_NAMESPACE, &name, node)
+            .daemonset()
+            .build();
+        if let Some(spec) = pod.spec.as_mut() {
+            spec.service_account_name = Some(controlplane::AGENT_SERVICE_ACCOUNT.into());
+        }
+        let pod = self.create_pod(&pod).await;
+        let token = match controlplane::mint_pod_token(&self.admin(), &pod).await {
+            Ok(t) => t,
+            Err(e) => panic!("{e}"),
+        };
+        (
+            (controlplane::AGENT_NAMESPACE.to_string(), name),
+            self.proxy.client_with_token(self.cp, &token),
+        )
+    }
+
     /// A client through the proxy as `identity`.
     pub fn client_as(&self, identity: Identity) -> kube::Client {
         self.proxy.client(self.cp, identity)

@@ -264,6 +264,16 @@ impl FaultProxy {
         }
     }
 
+    /// A client through the proxy with `token` (a token minted in the test, e.g. pod-bound).
+    pub fn client_with_token(&self, cp: &ControlPlane, token: &str) -> kube::Client {
+        let mut config = cp.config(&self.url(), Identity::Agent);
+        config.auth_info.token = Some(token.to_string().into());
+        match spotguard::node::kube::client_from_config(config) {
+            Ok(c) => c,
+            Err(e) => panic!("kube client through the proxy: {e}"),
+        }
+    }
+
     /// Delay every new request by this much before forwarding it.
     pub fn set_latency(&self, latency: Duration) {
         lock(&self.shared.knobs).latency = latency;

@@ -7,12 +7,12 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use k8s_openapi::api::authentication::v1::{BoundObjectReference, TokenRequest, TokenRequestSpec};
+use k8s_openapi::api::authentication::v1::BoundObjectReference;
 use k8s_openapi::api::core::v1::{
     ConfigMap, Container, Pod, Probe, Secret, Volume, VolumeProjection,
 };
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
-use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, Preconditions};
+use kube::api::{Api, DeleteParams, Patch, PatchParams, Preconditions};
 use serde_json::{json, Value};
 use spotguard::backoff::Backoff;
 use tokio::sync::{mpsc, watch};
@@ -875,30 +875,17 @@ impl PodRun {
             .as_ref()
             .and_then(|s| s.service_account_name.clone())
             .unwrap_or_else(|| "default".into());
-        let api: Api<k8s_openapi::api::core::v1::ServiceAccount> =
-            Api::namespaced(self.inner.client.clone(), &self.ns);
-        let req = TokenRequest {
-            spec: TokenRequestSpec {
-                audiences: vec![
-                    audience.unwrap_or_else(|| super::super::apiserver::ISSUER.to_string())
-                ],
-                expiration_seconds: Some(expiration.unwrap_or(3607).max(3600)),
-                bound_object_ref: Some(BoundObjectReference {
-                    api_version: Some("v1".into()),
-                    kind: Some("Pod".into()),
-                    name: Some(self.name.clone()),
-                    uid: Some(self.uid.clone()),
-                }),
-            },
-            ..Default::default()
+        let spec = crate::k8s::controlplane::TokenSpec {
+            audience,
+            expiration_seconds: Some(expiration.unwrap_or(3607).max(3600)),
+            bound_object_ref: Some(BoundObjectReference {
+                api_version: Some("v1".into()),
+                kind: Some("Pod".into()),
+                name: Some(self.name.clone()),
+                uid: Some(self.uid.clone()),
+            }),
         };
-        let t: TokenRequest = api
-            .create_subresource("token", &sa, &PostParams::default(), &req)
-            .await
-            .map_err(|e| format!("TokenRequest for {}/{sa}: {}", self.ns, api_message(&e)))?;
-        t.status
-            .map(|s| s.token)
-            .ok_or_else(|| "TokenRequest answered without a token".to_string())
+        crate::k8s::controlplane::mint(&self.inner.client, &self.ns, &sa, spec).await
     }
 
     async fn config_map(&self, name: &str) -> Result<BTreeMap<String, Vec<u8>>, String> {
