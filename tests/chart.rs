@@ -35,7 +35,7 @@ const KUBECTL_DEPS: &str = "scripts/deps/kubectl.sh";
 
 /// The kustomize base's removal, as docs/deploy-kubernetes.md gives it.
 const KUSTOMIZE_REMOVAL: &str =
-    "kubectl delete clusterrolebinding,clusterrole,namespace -l app.kubernetes.io/name=spotguard";
+    "kubectl delete validatingadmissionpolicybinding,validatingadmissionpolicy,clusterrolebinding,clusterrole,namespace -l app.kubernetes.io/name=spotguard";
 
 /// Held by the tests that create cluster-scoped objects labelled app.kubernetes.io/name=spotguard
 /// for real: the kustomize removal deletes every such object, and each test's leftover check
