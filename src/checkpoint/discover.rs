@@ -76,7 +76,7 @@ pub struct HostDiscovery {
 /// Least time between two background refreshes of the warm candidates.
 pub const WARM_INTERVAL: Duration = Duration::from_secs(2);
 /// Processes started this long before a refresh are re-read at the notice (they may have exec'd).
-pub const RECENT: Duration = Duration::from_secs(60);
+pub const RECENT: Duration = Duration::from_secs(10);
 /// More PIDs allocated since the refresh than this: the notice scans every process.
 pub const MAX_NEW_PIDS: i32 = 8192;
 
