@@ -157,11 +157,10 @@ fn trial(
         vec![kid.pid()],
         "exactly the trainer is signalled"
     );
-    wait_for("the stamp", || out.exists());
-    let stamp: i64 = std::fs::read_to_string(&out)
-        .ok()
-        .and_then(|t| t.trim().parse().ok())
-        .expect("stamp");
+    // the child creates the file, then writes it: wait for the number
+    let read = || -> Option<i64> { std::fs::read_to_string(&out).ok()?.trim().parse().ok() };
+    wait_for("the stamp", || read().is_some());
+    let stamp = read().unwrap_or_default();
     samples.latency_ms.push((stamp - t0) as f64 / 1e6);
     samples.cpu_ms.push(cpu);
     drop(deliveries);
