@@ -30,7 +30,7 @@
 //! within [`RECENT`] of the refresh (they may have exec'd into a match since), and the pidfiles'
 //! processes and their descendants; the pidfd, start time and `SigCgt` checks then happen at the
 //! signal as always. It falls back to the full scan when the warm set cannot be trusted: none yet,
-//! older than three refresh intervals (the refresh is failing or starved), more than
+//! older than three refresh periods (the refresh is failing or starved), more than
 //! [`MAX_NEW_PIDS`] PIDs allocated since (or the last PID unreadable), or a proc root other than
 //! this process's own `/proc`. What it does not see: a process older than [`RECENT`] at the refresh
 //! that, since the refresh, exec'd into a matching command line or was moved into a unit's cgroup
@@ -131,8 +131,8 @@ impl HostDiscovery {
         self.proc.root() == Path::new(super::procfs::PROC_ROOT)
     }
 
-    /// One background refresh of the warm candidates (a full discovery, quiet); blocking. Returns
-    /// how long it took.
+    /// One background refresh of the warm candidates (a full discovery, quiet); blocking.
+    /// `interval`: the pause before the next one. Returns how long it took.
     pub fn refresh_warm(&self, interval: Duration) -> Result<Duration, Error> {
         let started = Instant::now();
         let last_pid = self.proc.last_pid()?;
@@ -162,6 +162,9 @@ impl HostDiscovery {
             }
         }
         let recent_from = uptime_ticks.saturating_sub(RECENT.as_secs() * clock_ticks_per_second());
+        // The next refresh begins `interval` after this one ends: trusted for three such periods.
+        let took = started.elapsed();
+        let trusted_for = (interval + took) * 3;
         *self.warm.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(Warm {
             snap,
             candidates,
@@ -169,13 +172,14 @@ impl HostDiscovery {
             pid_max,
             recent_from,
             at: started,
-            trusted_for: interval * 3,
+            trusted_for,
         }));
         Ok(started.elapsed())
     }
 
     /// Keep the candidates warm until `cancel` (module docs): a refresh on a thread of its own,
-    /// then a pause of [`WARM_INTERVAL`] or 50 times the refresh's duration, whichever is longer.
+    /// then a pause of [`WARM_INTERVAL`] or 50 times the previous refresh's duration, whichever
+    /// is longer.
     /// Does nothing when the proc root is not this process's own `/proc`.
     pub async fn keep_warm(self: Arc<Self>, cancel: CancellationToken) {
         if !self.own_proc() {
@@ -187,18 +191,18 @@ impl HostDiscovery {
             let this = self.clone();
             let took =
                 super::run_on_thread("sg-host-warm", move || this.refresh_warm(interval)).await;
-            let pause = match took {
-                Ok(Ok(took)) => took * 50,
+            let pause = interval;
+            interval = match took {
+                Ok(Ok(took)) => (took * 50).max(WARM_INTERVAL),
                 Ok(Err(e)) => {
                     tracing::debug!(error = %e, "refreshing the warm checkpoint candidates failed");
-                    Duration::ZERO
+                    WARM_INTERVAL
                 }
-                Err(_) => Duration::ZERO,
+                Err(_) => WARM_INTERVAL,
             };
-            interval = pause.max(WARM_INTERVAL);
             tokio::select! {
                 _ = cancel.cancelled() => return,
-                _ = tokio::time::sleep(interval) => {}
+                _ = tokio::time::sleep(pause) => {}
             }
         }
     }
