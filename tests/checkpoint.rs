@@ -990,10 +990,14 @@ async fn warm_candidates_give_what_the_full_scan_gives() {
         v
     });
 
-    // the candidate exits; its PID is reused by a process that does not match
+    // the candidate exits; its PID is reused by a process that does not match (the kernel's
+    // PID counter set back for it, then forward again where it was, as after a natural wrap the
+    // counter runs on from the reused PID)
     let reused = exits.pid();
     drop(exits);
+    let counter = ProcFs::default().last_pid().unwrap();
     let impostor = sleeper_with_pid(reused);
+    std::fs::write("/proc/sys/kernel/ns_last_pid", counter.to_string()).unwrap();
     // a candidate removes its handler
     rustix::process::kill_process(
         rustix::process::Pid::from_raw(drops.pid()).unwrap(),
