@@ -779,6 +779,15 @@ async fn reclaim(b: &Bench, agents: &HashMap<String, NodeAgent>) -> Result<Value
         })
     };
     let cpu0 = cpu(&pids);
+    // Per agent, reclaimed or not: what one agent's plan costs beside what the box spends.
+    let reclaimed: Vec<(bool, Option<u32>)> = agents
+        .iter()
+        .map(|(node, a)| (nodes.iter().any(|p| &p.name == node), a.pids().0))
+        .collect();
+    let per0: Vec<u64> = reclaimed
+        .iter()
+        .map(|(_, pid)| pid.map_or(0, cpu_ticks))
+        .collect();
     let metrics_before = api_samples(&b.k).await;
     b.k.proxy().clear_requests();
     b.prefetch_proxy.clear_requests();
@@ -798,6 +807,20 @@ async fn reclaim(b: &Bench, agents: &HashMap<String, NodeAgent>) -> Result<Value
     tokio::time::sleep(Duration::from_secs(3)).await;
     let metrics_after = api_samples(&b.k).await;
     let cpu1 = cpu(&pids);
+    let per_agent = |want: bool| -> Value {
+        let mut s: Vec<f64> = reclaimed
+            .iter()
+            .zip(&per0)
+            .filter(|((r, _), _)| *r == want)
+            .map(|((_, pid), c0)| pid.map_or(0, cpu_ticks).saturating_sub(*c0) as f64)
+            .collect();
+        s.sort_by(f64::total_cmp);
+        let tick = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+        json!({
+            "p50": percentile(&s, 50.0) / tick,
+            "max": s.last().copied().unwrap_or(f64::NAN) / tick,
+        })
+    };
     watch_task.abort();
     let reqs = b.k.proxy().requests();
     let tick = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
@@ -806,6 +829,8 @@ async fn reclaim(b: &Bench, agents: &HashMap<String, NodeAgent>) -> Result<Value
         "apiserver_s": cpu_s(&metrics_after) - cpu_s(&metrics_before),
         "agents_s": cpu1.0.saturating_sub(cpu0.0) as f64 / tick,
         "prefetchers_s": cpu1.1.saturating_sub(cpu0.1) as f64 / tick,
+        "per_reclaimed_agent_s": per_agent(true),
+        "per_other_agent_s": per_agent(false),
     });
 
     let drained_at = drained.at.lock().unwrap_or_else(|e| e.into_inner()).clone();
@@ -965,6 +990,14 @@ async fn reclaim(b: &Bench, agents: &HashMap<String, NodeAgent>) -> Result<Value
         v["cpu_seconds"]["prefetchers_s"]
             .as_f64()
             .unwrap_or(f64::NAN),
+    );
+    let f = |k: &str, q: &str| v["cpu_seconds"][k][q].as_f64().unwrap_or(f64::NAN);
+    println!(
+        "  CPU seconds per agent: reclaimed median {:.3} (max {:.3}), others median {:.3} (max {:.3})",
+        f("per_reclaimed_agent_s", "p50"),
+        f("per_reclaimed_agent_s", "max"),
+        f("per_other_agent_s", "p50"),
+        f("per_other_agent_s", "max"),
     );
     println!(
         "  agents' requests: {:?}; pod GETs {} (peak {}/s)",

@@ -284,6 +284,11 @@ async fn node_and_discovery(
                 })
                 .with_proc(ProcFs::new(cfg.args.proc_root.clone())),
             );
+            // The notice re-reads only the candidates kept warm here.
+            tasks.spawn(
+                "checkpoint candidates",
+                discovery.clone().keep_warm(cancel.clone()),
+            );
             Ok((node, discovery, None))
         }
         Mode::Kubernetes => {

@@ -18,7 +18,9 @@ use std::time::{Duration, Instant};
 
 use jiff::Timestamp;
 use prometheus_client::registry::Registry;
-use spotguard::checkpoint::cgroup::ProcIndex;
+use spotguard::checkpoint::cgroup::{
+    cgroup_mounts, find_containers, ContainerCgroups, FoundBy, ProcIndex,
+};
 use spotguard::checkpoint::pods;
 use spotguard::checkpoint::procfs::ProcFs;
 use spotguard::checkpoint::run::{deliver, wait, CheckpointRequest, DeliveryState, NoticeStatus};
@@ -162,6 +164,62 @@ fn scan() -> ProcIndex {
     ProcIndex::scan(Path::new("/proc")).expect("scan /proc")
 }
 
+/// What a container is, for comparing the two discovery paths.
+fn shape(c: &TargetContainer) -> (Vec<TargetProcess>, Option<i32>, Option<i32>) {
+    (c.processes.clone(), c.init_pid, c.root_pid)
+}
+
+/// The O(targets) path (the containers' own `cgroup.procs`) finds for each of `wanted` exactly
+/// what the full scan finds — first by walking the hierarchies, then from the located map — and
+/// returns that index. Processes in `stable` are compared; the rest must be equal too unless
+/// `churn` (a container forking meanwhile), where each path's extra processes must belong to the
+/// container or be gone.
+fn same_as_full_scan(wanted: &[(String, String)], churn: bool) -> ProcIndex {
+    let mounts = cgroup_mounts();
+    assert!(!mounts.is_empty(), "cgroup hierarchies mounted");
+    let proc_root = Path::new("/proc");
+    let (located_index, how, located) =
+        find_containers(proc_root, &mounts, &ContainerCgroups::default(), wanted).unwrap();
+    assert_eq!(how, FoundBy::Located);
+    let located = located.expect("a walk returns the located map");
+    assert!(located.has_all(wanted));
+    let (index, how, again) = find_containers(proc_root, &mounts, &located, wanted).unwrap();
+    assert_eq!(
+        how,
+        FoundBy::Cgroups,
+        "located containers are read directly"
+    );
+    assert!(again.is_none());
+    let full = scan();
+    for (uid, id) in wanted {
+        let want = full.container(uid, id).expect("full scan finds it");
+        for got in [&located_index, &index] {
+            let got = got.container(uid, id).expect("cgroup path finds it");
+            if !churn {
+                assert_eq!(shape(&got), shape(&want), "container {id}");
+                continue;
+            }
+            assert_eq!(got.init_pid, want.init_pid);
+            let proc = ProcFs::default();
+            for p in got.processes.iter().chain(&want.processes) {
+                let in_both = got.processes.contains(p) && want.processes.contains(p);
+                let alive = proc.alive(p.pid, p.start_time).unwrap_or(false);
+                assert!(
+                    in_both
+                        || !alive
+                        || std::fs::read_to_string(format!("/proc/{}/cgroup", p.pid))
+                            .is_ok_and(|t| t.contains(id.as_str())),
+                    "process {} differs between the paths and is neither gone nor the container's",
+                    p.pid
+                );
+            }
+        }
+    }
+    // Nothing outside the wanted containers is read.
+    assert!(index.len() <= wanted.len(), "{} containers", index.len());
+    index
+}
+
 fn pids(c: &TargetContainer) -> Vec<i32> {
     let mut p: Vec<i32> = c.processes.iter().map(|p| p.pid).collect();
     p.sort_unstable();
@@ -235,6 +293,10 @@ async fn systemd_driver_burstable_containerd_in_v1_systemd_and_v2() {
     });
     let worker = children_of(trainer.pid())[0];
 
+    same_as_full_scan(
+        &[(uid.clone(), app.clone()), (uid.clone(), sandbox.clone())],
+        false,
+    );
     let index = scan();
     let c = index
         .container(
@@ -311,6 +373,10 @@ async fn systemd_driver_guaranteed_crio_and_docker_scopes_skip_conmon() {
     for k in [&mut a, &mut conmon, &mut b] {
         k.release();
     }
+    same_as_full_scan(
+        &[(uid.clone(), crio.clone()), (uid.clone(), docker.clone())],
+        false,
+    );
     let index = scan();
     let ca = index
         .container(
@@ -354,6 +420,10 @@ async fn cgroupfs_driver_burstable_and_guaranteed_in_v1_controllers() {
     b.release();
     eventually("two workers", || children_of(a.pid()).len() == 2);
 
+    same_as_full_scan(
+        &[(uid1.clone(), id1.clone()), (uid2.clone(), id2.clone())],
+        false,
+    );
     let index = scan();
     let c1 = index.container(&uid1, &id1).expect("burstable container");
     let mut want = children_of(a.pid());
@@ -385,6 +455,7 @@ async fn cgroup_namespace_view_with_leading_dotdot() {
         target.pid(),
     );
     target.release();
+    same_as_full_scan(&[(uid.clone(), id.clone())], false);
     // A reader in its own cgroup namespace rooted at a sibling cgroup, as a DaemonSet pod
     // without host cgroupns sees the host: `0::/../kubepods.slice/…`.
     let mut reader = Command::new("sh");
@@ -417,6 +488,129 @@ async fn cgroup_namespace_view_with_leading_dotdot() {
         .container(&uid, &id)
         .expect("found through the namespaced path");
     assert_eq!(pids(&c), vec![target.pid()]);
+}
+
+/// The unified-hierarchy cgroup of a Burstable pod's container (systemd driver) in `tree`.
+fn container_cgroup(tree: &mut CgroupTree, uid: &str, id: &str) -> PathBuf {
+    tree.make(
+        "unified",
+        "",
+        &format!(
+            "kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{}.slice/cri-containerd-{id}.scope",
+            uid.replace('-', "_")
+        ),
+    )
+}
+
+/// A container that keeps forking short-lived children while it is discovered and signalled:
+/// both paths agree on every process that lives through it, and the signal reaches the one
+/// process with a handler, once.
+#[tokio::test]
+async fn container_forking_mid_notice_gets_what_the_full_scan_gives() {
+    let mut tree = CgroupTree::new();
+    let uid = uuid();
+    let id = container_id();
+    let tmp = tempfile::tempdir().unwrap();
+    // a subshell forking `true` without end (a subshell does not inherit the trap), then the
+    // handler
+    let script = format!("( while :; do /bin/true; done ) &\n{HANDLER}");
+    let mut trainer = held_sh(
+        &script,
+        &[("DIR", tmp.path().to_str().unwrap()), ("STATE", "done")],
+    );
+    join(&container_cgroup(&mut tree, &uid, &id), trainer.pid());
+    trainer.release();
+    let pid = trainer.pid();
+    eventually("the handler and the forker", || {
+        children_of(pid).len() >= 2
+            && ProcFs::default()
+                .status(pid)
+                .is_ok_and(|s| s.catches(Signal::USR1))
+    });
+    let wanted = [(uid.clone(), id.clone())];
+    for _ in 0..5 {
+        same_as_full_scan(&wanted, true);
+    }
+    let index = same_as_full_scan(&wanted, true);
+    let c = index.container(&uid, &id).unwrap();
+    assert!(c.processes.iter().any(|p| p.pid == pid));
+    let group = pod_group(&uid, vec![c], tmp.path(), Duration::from_secs(20));
+    let req = request();
+    let m = Metrics::register(&mut Registry::default());
+    let deliveries = deliver(&[group], &req, &m);
+    assert_eq!(deliveries[0].signalled_pids(), vec![pid]);
+    let results = wait(deliveries, &req, &m, &CancellationToken::new()).await;
+    assert_eq!(results[0].outcome, Outcome::Acked, "{}", results[0].detail);
+    let markers = std::fs::read_dir(tmp.path())
+        .unwrap()
+        .filter(|e| {
+            e.as_ref()
+                .is_ok_and(|e| e.file_name().to_string_lossy().starts_with("marker-"))
+        })
+        .count();
+    assert_eq!(markers, 1, "one process signalled, once");
+}
+
+/// A process that had its handler when its container was located and removed it before the
+/// notice is not signalled on the cgroup path (nor on the full scan's).
+#[tokio::test]
+async fn process_that_removed_its_handler_is_not_signalled() {
+    let mut tree = CgroupTree::new();
+    let uid = uuid();
+    let id = container_id();
+    let tmp = tempfile::tempdir().unwrap();
+    // USR2 removes the USR1 handler and says so
+    let script = format!("trap 'trap - USR1; echo > \"$DIR/dropped\"' USR2\n{HANDLER}");
+    let mut kid = held_sh(&script, &[("DIR", tmp.path().to_str().unwrap())]);
+    join(&container_cgroup(&mut tree, &uid, &id), kid.pid());
+    kid.release();
+    let pid = kid.pid();
+    let proc = ProcFs::default();
+    eventually("the handler", || {
+        proc.status(pid).is_ok_and(|s| s.catches(Signal::USR1))
+    });
+    let wanted = [(uid.clone(), id.clone())];
+    let mounts = cgroup_mounts();
+    let (_, how, located) = find_containers(
+        Path::new("/proc"),
+        &mounts,
+        &ContainerCgroups::default(),
+        &wanted,
+    )
+    .unwrap();
+    assert_eq!(how, FoundBy::Located);
+    let located = located.unwrap();
+
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(pid).unwrap(),
+        rustix::process::Signal::USR2,
+    )
+    .unwrap();
+    eventually("the handler removed", || {
+        tmp.path().join("dropped").exists()
+            && proc.status(pid).is_ok_and(|s| !s.catches(Signal::USR1))
+    });
+    let (index, how, _) = find_containers(Path::new("/proc"), &mounts, &located, &wanted).unwrap();
+    assert_eq!(how, FoundBy::Cgroups);
+    let c = index.container(&uid, &id).unwrap();
+    assert_eq!(shape(&c), shape(&scan().container(&uid, &id).unwrap()));
+    let group = pod_group(&uid, vec![c], tmp.path(), Duration::from_millis(500));
+    let req = request();
+    let m = Metrics::register(&mut Registry::default());
+    let deliveries = deliver(&[group], &req, &m);
+    assert!(deliveries[0].signalled_pids().is_empty());
+    let results = wait(deliveries, &req, &m, &CancellationToken::new()).await;
+    assert_eq!(
+        results[0].outcome,
+        Outcome::NoHandler,
+        "{}",
+        results[0].detail
+    );
+    assert!(!tmp.path().join(format!("marker-{pid}")).exists());
+    assert!(
+        kid.running(),
+        "never signalled: its default action would have killed it"
+    );
 }
 
 // === container root confinement ===

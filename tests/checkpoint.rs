@@ -941,3 +941,161 @@ async fn pidfile_descendants_are_only_those_of_the_same_user() {
     }
     assert!(pids.contains(&launcher.pid()));
 }
+
+// === host mode: warm candidates ===
+
+/// A shell running [`HANDLER`] whose cmdline carries `token` (as `$0`); with `removable`, SIGUSR2
+/// removes its SIGUSR1 handler.
+fn tagged_handler(dir: &Path, token: &str, removable: bool) -> Kid {
+    let script = if removable {
+        format!("trap 'trap - USR1' USR2\n{HANDLER}")
+    } else {
+        HANDLER.to_string()
+    };
+    let mut cmd = Command::new("sh");
+    cmd.arg("-c").arg(script).arg(token).env("DIR", dir);
+    let kid = Kid::spawn(cmd);
+    wait_for_handler(kid.pid());
+    kid
+}
+
+/// A `sleep` that gets PID `pid` (the kernel's next PID set through `ns_last_pid`; other
+/// processes on the machine may take it first, so it is tried again).
+fn sleeper_with_pid(pid: i32) -> Kid {
+    // a PID stays taken while it names a process group with members (zombies included)
+    let in_group = || {
+        ProcFs::default().pids().unwrap().into_iter().any(|p| {
+            std::fs::read_to_string(format!("/proc/{p}/stat")).is_ok_and(|t| {
+                t.rsplit_once(')')
+                    .and_then(|(_, rest)| rest.split_whitespace().nth(2).map(str::to_string))
+                    == Some(pid.to_string())
+            })
+        })
+    };
+    eventually("the old process group gone", || !in_group());
+    for _ in 0..500 {
+        std::fs::write("/proc/sys/kernel/ns_last_pid", (pid - 1).to_string())
+            .expect("write ns_last_pid (needs root)");
+        let mut cmd = Command::new("sleep");
+        cmd.arg("1000");
+        let kid = Kid::spawn(cmd);
+        if kid.pid() == pid {
+            wait_for_exec(pid, "sleep");
+            return kid;
+        }
+    }
+    panic!("pid {pid} was never given to a new process");
+}
+
+fn processes_of(groups: &[TargetGroup]) -> Vec<(String, Vec<TargetProcess>)> {
+    groups
+        .iter()
+        .map(|g| {
+            let mut p: Vec<TargetProcess> = g
+                .containers
+                .iter()
+                .flat_map(|c| c.processes.clone())
+                .collect();
+            p.sort_by_key(|p| p.pid);
+            (g.name.clone(), p)
+        })
+        .collect()
+}
+
+/// After a background refresh: a candidate exits and its PID goes to a process that does not
+/// match, another removes its handler, a new matching process starts. The notice's re-read of
+/// the warm candidates gives exactly what a full scan gives, and only the processes that catch the
+/// signal now are signalled.
+#[tokio::test]
+async fn warm_candidates_give_what_the_full_scan_gives() {
+    use spotguard::checkpoint::discover::{HostFoundBy, WARM_INTERVAL};
+    let tmp = tempfile::tempdir().unwrap();
+    let token = format!("sg-warm-{}", fastrand::u64(..));
+    let exits = tagged_handler(tmp.path(), &token, false);
+    let mut drops = tagged_handler(tmp.path(), &token, true);
+    let stays = tagged_handler(tmp.path(), &token, false);
+    let mut t = targets(tmp.path());
+    t.cmdlines = vec![regex::Regex::new(&token).unwrap()];
+    let d = HostDiscovery::new(t);
+    d.refresh_warm(WARM_INTERVAL).unwrap();
+    let (warm_groups, how) = d.discover_with().unwrap();
+    assert_eq!(how, HostFoundBy::Warm);
+    assert_eq!(pids_of(&warm_groups[0]), {
+        let mut v = vec![exits.pid(), drops.pid(), stays.pid()];
+        v.sort_unstable();
+        v
+    });
+
+    // the candidate exits; its PID is reused by a process that does not match (the kernel's
+    // PID counter set back for it, then forward again where it was, as after a natural wrap the
+    // counter runs on from the reused PID)
+    let reused = exits.pid();
+    drop(exits);
+    let counter = ProcFs::default().last_pid().unwrap();
+    let impostor = sleeper_with_pid(reused);
+    std::fs::write("/proc/sys/kernel/ns_last_pid", counter.to_string()).unwrap();
+    // a candidate removes its handler
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(drops.pid()).unwrap(),
+        rustix::process::Signal::USR2,
+    )
+    .unwrap();
+    let proc = ProcFs::default();
+    eventually("the handler removed", || {
+        proc.status(drops.pid())
+            .is_ok_and(|s| !s.catches(Signal::USR1))
+    });
+    // a new matching process after the refresh
+    let newcomer = tagged_handler(tmp.path(), &token, false);
+
+    let (groups, how) = d.discover_with().unwrap();
+    assert_eq!(how, HostFoundBy::Warm, "the warm set is still trusted");
+    let full = d.discover_full().unwrap();
+    assert_eq!(processes_of(&groups), processes_of(&full));
+    let pids = pids_of(&groups[0]);
+    assert!(!pids.contains(&impostor.pid()), "{pids:?}");
+    assert!(pids.contains(&newcomer.pid()) && pids.contains(&drops.pid()));
+
+    let req = request(false);
+    let (_r, m) = metrics();
+    let deliveries = deliver(&groups, &req, &m);
+    let mut want = vec![stays.pid(), newcomer.pid()];
+    want.sort_unstable();
+    let mut got = deliveries[0].signalled_pids();
+    got.sort_unstable();
+    assert_eq!(got, want);
+    assert!(
+        drops.running(),
+        "never signalled: the default action would kill it"
+    );
+    let done = CancellationToken::new();
+    done.cancel();
+    wait(deliveries, &req, &m, &done).await;
+}
+
+/// A warm set older than three refresh periods is not trusted: the notice reads every process.
+#[tokio::test]
+async fn stale_warm_candidates_fall_back_to_the_full_scan() {
+    use spotguard::checkpoint::discover::HostFoundBy;
+    let tmp = tempfile::tempdir().unwrap();
+    let token = format!("sg-stale-{}", fastrand::u64(..));
+    let kid = tagged_handler(tmp.path(), &token, false);
+    let mut t = targets(tmp.path());
+    t.cmdlines = vec![regex::Regex::new(&token).unwrap()];
+    let d = HostDiscovery::new(t);
+    assert_eq!(
+        d.discover_with().unwrap().1,
+        HostFoundBy::FullScan,
+        "none yet"
+    );
+    // no pause before the next refresh: trusted for three times what the refresh took
+    d.refresh_warm(Duration::ZERO).unwrap();
+    let mut last = None;
+    eventually("the warm set no longer trusted", || {
+        let (groups, how) = d.discover_with().unwrap();
+        let stale = how == HostFoundBy::FullScan;
+        last = Some(groups);
+        stale
+    });
+    assert_eq!(pids_of(&last.unwrap()[0]), vec![kid.pid()]);
+}

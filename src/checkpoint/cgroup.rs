@@ -16,7 +16,7 @@
 //! container id leaves it out.
 
 use std::collections::HashMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use super::procfs::{is_gone, ProcFs};
 use super::{Error, TargetContainer, TargetProcess};
@@ -243,6 +243,235 @@ impl ProcIndex {
     }
 }
 
+impl ProcIndex {
+    /// Index only `pids` (a container's `cgroup.procs`), with the same reading and the same rules
+    /// as [`ProcIndex::scan`]: each process is keyed by its own `/proc/<pid>/cgroup`, so the result
+    /// for a container is what a full scan would give for it whenever `pids` holds every process
+    /// of that container.
+    pub fn of_pids(proc_root: &Path, pids: impl IntoIterator<Item = i32>) -> Self {
+        let proc = ProcFs::new(proc_root);
+        let mut index = ProcIndex::default();
+        for pid in pids {
+            match index_one(&proc, pid) {
+                Ok(Some((key, entry))) => index.by_container.entry(key).or_default().push(entry),
+                Ok(None) => {}
+                Err(e) if is_gone(&e) => {}
+                Err(e) => {
+                    tracing::debug!(pid, error = %e, "skipping process of a container cgroup")
+                }
+            }
+        }
+        for procs in index.by_container.values_mut() {
+            procs.sort_by_key(|p| (p.start_time, p.pid));
+            procs.dedup_by_key(|p| p.pid);
+        }
+        index
+    }
+}
+
+/// The cgroup hierarchies mounted in this process's mount namespace (`cgroup` and `cgroup2`
+/// entries of `/proc/self/mountinfo`), each mount point once.
+pub fn cgroup_mounts() -> Vec<PathBuf> {
+    std::fs::read_to_string("/proc/self/mountinfo")
+        .map(|text| parse_cgroup_mounts(&text))
+        .unwrap_or_default()
+}
+
+fn parse_cgroup_mounts(mountinfo: &str) -> Vec<PathBuf> {
+    let mut out: Vec<PathBuf> = Vec::new();
+    for line in mountinfo.lines() {
+        let Some((left, right)) = line.split_once(" - ") else {
+            continue;
+        };
+        let fstype = right.split(' ').next().unwrap_or("");
+        if fstype != "cgroup" && fstype != "cgroup2" {
+            continue;
+        }
+        let Some(mount_point) = left.split(' ').nth(4) else {
+            continue;
+        };
+        let path = PathBuf::from(unescape_mountinfo(mount_point));
+        if !out.contains(&path) {
+            out.push(path);
+        }
+    }
+    out
+}
+
+/// `\040` (space), `\011`, `\012`, `\134` as mountinfo writes them.
+fn unescape_mountinfo(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'\\'
+            && i + 3 < b.len()
+            && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c))
+        {
+            let v = (b[i + 1] - b'0') as u32 * 64
+                + (b[i + 2] - b'0') as u32 * 8
+                + (b[i + 3] - b'0') as u32;
+            if let Ok(byte) = u8::try_from(v) {
+                out.push(byte);
+                i += 4;
+                continue;
+            }
+        }
+        out.push(b[i]);
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// Deepest cgroup directory [`ContainerCgroups::locate`] descends to.
+const MAX_CGROUP_DEPTH: usize = 16;
+
+/// Where each Kubernetes container's cgroup directories are (one per hierarchy it is in), found
+/// by walking the cgroup hierarchies — as many directories as the node has cgroups, not one read
+/// per process. Its processes are then the `cgroup.procs` of those directories and their
+/// sub-cgroups ([`ContainerCgroups::pids`]).
+#[derive(Clone, Debug, Default)]
+pub struct ContainerCgroups {
+    dirs: HashMap<ContainerKey, Vec<PathBuf>>,
+}
+
+impl ContainerCgroups {
+    /// Walk every hierarchy in `mounts`; a directory whose path (relative to its mount) is a
+    /// container's cgroup by [`parse_kube_path`] is recorded and not descended further.
+    pub fn locate(mounts: &[PathBuf]) -> Self {
+        let mut found = ContainerCgroups::default();
+        for mount in mounts {
+            let mut stack = vec![(mount.clone(), String::new(), 0usize)];
+            while let Some((dir, rel, depth)) = stack.pop() {
+                let Ok(entries) = std::fs::read_dir(&dir) else {
+                    continue;
+                };
+                for entry in entries.flatten() {
+                    if !entry.file_type().is_ok_and(|t| t.is_dir()) {
+                        continue;
+                    }
+                    let Some(name) = entry.file_name().to_str().map(str::to_string) else {
+                        continue;
+                    };
+                    let child_rel = format!("{rel}/{name}");
+                    match parse_kube_path(&child_rel) {
+                        Some(KubeCgroup {
+                            pod_uid,
+                            container_id: Some(id),
+                        }) => found
+                            .dirs
+                            .entry((pod_uid, id))
+                            .or_default()
+                            .push(entry.path()),
+                        _ if depth + 1 < MAX_CGROUP_DEPTH => {
+                            stack.push((entry.path(), child_rel, depth + 1))
+                        }
+                        _ => {}
+                    }
+                }
+            }
+        }
+        found
+    }
+
+    /// The container's cgroup directories, if it was found and they all still exist.
+    pub fn dirs(&self, pod_uid: &str, container_id: &str) -> Option<&[PathBuf]> {
+        let dirs = self
+            .dirs
+            .get(&(pod_uid.to_string(), container_id.to_string()))?;
+        dirs.iter()
+            .all(|d| d.join("cgroup.procs").exists())
+            .then_some(dirs.as_slice())
+    }
+
+    /// Every PID in the `cgroup.procs` of `dirs` and of their sub-cgroups (PIDs as this process's
+    /// PID namespace numbers them). `None` when a directory cannot be read (gone: the container
+    /// stopped or was moved).
+    pub fn pids(dirs: &[PathBuf]) -> Option<Vec<i32>> {
+        let mut pids = Vec::new();
+        for top in dirs {
+            let mut stack = vec![(top.clone(), 0usize)];
+            while let Some((dir, depth)) = stack.pop() {
+                let text = std::fs::read_to_string(dir.join("cgroup.procs")).ok()?;
+                pids.extend(text.lines().filter_map(|l| l.trim().parse::<i32>().ok()));
+                if depth + 1 >= MAX_CGROUP_DEPTH {
+                    continue;
+                }
+                if let Ok(entries) = std::fs::read_dir(&dir) {
+                    for entry in entries.flatten() {
+                        if entry.file_type().is_ok_and(|t| t.is_dir()) {
+                            stack.push((entry.path(), depth + 1));
+                        }
+                    }
+                }
+            }
+        }
+        pids.sort_unstable();
+        pids.dedup();
+        Some(pids)
+    }
+}
+
+/// How [`find_containers`] found the processes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FoundBy {
+    /// The containers' own `cgroup.procs`, at the directories already located.
+    Cgroups,
+    /// The containers' own `cgroup.procs`, after walking the hierarchies to locate them.
+    Located,
+    /// A scan of every process: no cgroup hierarchy is mounted, the proc root is not this
+    /// process's own `/proc` (whose PIDs `cgroup.procs` lists), a container's cgroup was not
+    /// found, or it vanished while read.
+    FullScan,
+}
+
+/// The processes of the `wanted` containers: read from their own cgroups (O(their processes),
+/// plus one walk of the hierarchies when one of them is not in `located` yet), or, when that
+/// cannot be trusted (see [`FoundBy::FullScan`]), from one [`ProcIndex::scan`]. Either way each
+/// process is keyed by its own `/proc/<pid>/cgroup`, so a wanted container gets exactly what the
+/// full scan gives it. Returns a newly located map when the hierarchies were walked.
+pub fn find_containers(
+    proc_root: &Path,
+    mounts: &[PathBuf],
+    located: &ContainerCgroups,
+    wanted: &[(String, String)],
+) -> Result<(ProcIndex, FoundBy, Option<ContainerCgroups>), Error> {
+    let own_proc = proc_root == Path::new(super::procfs::PROC_ROOT);
+    if mounts.is_empty() || !own_proc {
+        return Ok((ProcIndex::scan(proc_root)?, FoundBy::FullScan, None));
+    }
+    let collect = |map: &ContainerCgroups| -> Option<Vec<i32>> {
+        let mut pids = Vec::new();
+        for (uid, id) in wanted {
+            pids.extend(ContainerCgroups::pids(map.dirs(uid, id)?)?);
+        }
+        Some(pids)
+    };
+    if let Some(pids) = collect(located) {
+        return Ok((ProcIndex::of_pids(proc_root, pids), FoundBy::Cgroups, None));
+    }
+    let relocated = ContainerCgroups::locate(mounts);
+    match collect(&relocated) {
+        Some(pids) => Ok((
+            ProcIndex::of_pids(proc_root, pids),
+            FoundBy::Located,
+            Some(relocated),
+        )),
+        None => Ok((
+            ProcIndex::scan(proc_root)?,
+            FoundBy::FullScan,
+            Some(relocated),
+        )),
+    }
+}
+
+impl ContainerCgroups {
+    /// Whether every one of `wanted` has its directories here.
+    pub fn has_all(&self, wanted: &[(String, String)]) -> bool {
+        wanted.iter().all(|(uid, id)| self.dirs(uid, id).is_some())
+    }
+}
+
 fn index_one(proc: &ProcFs, pid: i32) -> Result<Option<(ContainerKey, Indexed)>, Error> {
     let text = proc.cgroup(pid)?;
     let Some(kube) = text
@@ -374,6 +603,29 @@ mod tests {
         ] {
             assert_eq!(container_id(bad), None, "{bad:?}");
         }
+    }
+
+    #[test]
+    fn cgroup_mounts_from_mountinfo() {
+        let text = "31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755
+32 31 0:29 / /sys/fs/cgroup/cpu rw,relatime - cgroup cgroup rw,cpu
+40 31 0:37 / /sys/fs/cgroup/systemd rw,relatime shared:4 - cgroup cgroup rw,name=systemd
+41 31 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw
+42 31 0:38 / /host\\040cg rw - cgroup2 cgroup2 rw
+43 31 0:38 / /sys/fs/cgroup/unified rw - cgroup2 cgroup2 rw
+garbage
+44 1 0:5 / /proc rw - proc proc rw
+";
+        assert_eq!(
+            parse_cgroup_mounts(text),
+            [
+                "/sys/fs/cgroup/cpu",
+                "/sys/fs/cgroup/systemd",
+                "/sys/fs/cgroup/unified",
+                "/host cg"
+            ]
+            .map(PathBuf::from)
+        );
     }
 
     #[test]

@@ -20,12 +20,29 @@
 //!
 //! A selector that matches nothing still yields its group (with no processes), so the operator sees
 //! `no_handler` for it rather than silence; why it matched nothing is logged.
+//!
+//! **Warm candidates.** A full discovery reads every process (its stat, cmdline, cgroup). So that a
+//! notice costs what its targets cost, [`HostDiscovery::keep_warm`] runs that full discovery in the
+//! background, rate-limited (at most every [`WARM_INTERVAL`], and never more often than 50 times its
+//! own duration: ≤ 2 % of a core), and keeps the candidates with the kernel's last allocated PID at
+//! the time. At the notice only these are re-read, with the same rules: the warm candidates, every
+//! PID allocated since (`/proc/loadavg`'s last PID; PIDs not reused in between), processes started
+//! within [`RECENT`] of the refresh (they may have exec'd into a match since), and the pidfiles'
+//! processes and their descendants; the pidfd, start time and `SigCgt` checks then happen at the
+//! signal as always. It falls back to the full scan when the warm set cannot be trusted: none yet,
+//! older than three refresh periods (the refresh is failing or starved), more than
+//! [`MAX_NEW_PIDS`] PIDs allocated since (or the last PID unreadable), or a proc root other than
+//! this process's own `/proc`. What it does not see: a process older than [`RECENT`] at the refresh
+//! that, since the refresh, exec'd into a matching command line or was moved into a unit's cgroup
+//! without forking — found by the next refresh.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
+use tokio_util::sync::CancellationToken;
 
 use super::cgroup::{parse_line, segments};
 use super::procfs::{clock_ticks_per_second, is_gone, ProcFs};
@@ -52,6 +69,41 @@ pub struct HostTargets {
 pub struct HostDiscovery {
     targets: HostTargets,
     proc: ProcFs,
+    /// The candidates of the latest background refresh (shared by clones).
+    warm: Arc<Mutex<Option<Arc<Warm>>>>,
+}
+
+/// Least time between two background refreshes of the warm candidates.
+pub const WARM_INTERVAL: Duration = Duration::from_secs(2);
+/// Processes started this long before a refresh are re-read at the notice (they may have exec'd).
+pub const RECENT: Duration = Duration::from_secs(10);
+/// More PIDs allocated since the refresh than this: the notice scans every process.
+pub const MAX_NEW_PIDS: i32 = 8192;
+
+/// What a background refresh saw.
+#[derive(Debug)]
+struct Warm {
+    /// Every process, as the full discovery read it.
+    snap: HashMap<i32, Snap>,
+    /// The processes of every group, and the pidfiles' processes' descendants.
+    candidates: HashSet<i32>,
+    /// The last PID allocated before the snapshot began, and where PIDs wrap.
+    last_pid: i32,
+    pid_max: i32,
+    /// Start time (clock ticks since boot) from which a process counts as recent.
+    recent_from: u64,
+    at: Instant,
+    /// Trusted until `at + trusted_for`.
+    trusted_for: Duration,
+}
+
+/// How a discovery found its targets.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HostFoundBy {
+    /// Re-reading the warm candidates and the processes created since.
+    Warm,
+    /// Reading every process.
+    FullScan,
 }
 
 /// One process of the snapshot.
@@ -66,6 +118,192 @@ impl HostDiscovery {
         HostDiscovery {
             targets,
             proc: ProcFs::default(),
+            warm: Arc::new(Mutex::new(None)),
+        }
+    }
+
+    fn warm(&self) -> Option<Arc<Warm>> {
+        self.warm.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Whether the proc root is this process's own `/proc` (whose `loadavg` numbers its PIDs).
+    fn own_proc(&self) -> bool {
+        self.proc.root() == Path::new(super::procfs::PROC_ROOT)
+    }
+
+    /// One background refresh of the warm candidates (a full discovery, quiet); blocking.
+    /// `interval`: the pause before the next one. Returns how long it took.
+    pub fn refresh_warm(&self, interval: Duration) -> Result<Duration, Error> {
+        let started = Instant::now();
+        let last_pid = self.proc.last_pid()?;
+        let pid_max = self.proc.pid_max()?;
+        let uptime_ticks = self
+            .proc
+            .boot_time()
+            .ok()
+            .and_then(|boot| {
+                let now = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .ok()?
+                    .as_secs();
+                now.checked_sub(u64::try_from(boot).ok()?)
+            })
+            .unwrap_or(0)
+            * clock_ticks_per_second();
+        let snap = self.snapshot()?;
+        let groups = self.groups(&snap, false)?;
+        let mut candidates: HashSet<i32> = HashSet::new();
+        for g in &groups {
+            for c in &g.containers {
+                candidates.extend(c.processes.iter().map(|p| p.pid));
+                if let Some(init) = c.init_pid {
+                    candidates.extend(descendants(&snap, init));
+                }
+            }
+        }
+        let recent_from = uptime_ticks.saturating_sub(RECENT.as_secs() * clock_ticks_per_second());
+        // The next refresh begins `interval` after this one ends: trusted for three such periods.
+        let took = started.elapsed();
+        let trusted_for = (interval + took) * 3;
+        *self.warm.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(Warm {
+            snap,
+            candidates,
+            last_pid,
+            pid_max,
+            recent_from,
+            at: started,
+            trusted_for,
+        }));
+        Ok(started.elapsed())
+    }
+
+    /// Keep the candidates warm until `cancel` (module docs): a refresh on a thread of its own,
+    /// then a pause of [`WARM_INTERVAL`] or 50 times the previous refresh's duration, whichever
+    /// is longer.
+    /// Does nothing when the proc root is not this process's own `/proc`.
+    pub async fn keep_warm(self: Arc<Self>, cancel: CancellationToken) {
+        if !self.own_proc() {
+            cancel.cancelled().await;
+            return;
+        }
+        let mut interval = WARM_INTERVAL;
+        loop {
+            let this = self.clone();
+            let took =
+                super::run_on_thread("sg-host-warm", move || this.refresh_warm(interval)).await;
+            let pause = interval;
+            interval = match took {
+                Ok(Ok(took)) => (took * 50).max(WARM_INTERVAL),
+                Ok(Err(e)) => {
+                    tracing::debug!(error = %e, "refreshing the warm checkpoint candidates failed");
+                    WARM_INTERVAL
+                }
+                Err(_) => WARM_INTERVAL,
+            };
+            tokio::select! {
+                _ = cancel.cancelled() => return,
+                _ = tokio::time::sleep(pause) => {}
+            }
+        }
+    }
+
+    /// Discovery from the warm candidates, or `None` (and why) when they cannot be trusted.
+    fn discover_warm(&self) -> Result<Vec<TargetGroup>, &'static str> {
+        if !self.own_proc() {
+            return Err("proc root is not this process's /proc");
+        }
+        let warm = self.warm().ok_or("no warm candidates yet")?;
+        if warm.at.elapsed() > warm.trusted_for {
+            return Err("warm candidates are stale (refresh failing or starved)");
+        }
+        let now_last = self.proc.last_pid().map_err(|_| "last pid unreadable")?;
+        let new: Vec<i32> = if now_last >= warm.last_pid {
+            if now_last - warm.last_pid > MAX_NEW_PIDS {
+                return Err("too many processes created since the refresh");
+            }
+            (warm.last_pid + 1..=now_last).collect()
+        } else {
+            // wrapped at pid_max
+            let count = (warm.pid_max - warm.last_pid).max(0) + now_last;
+            if count > MAX_NEW_PIDS {
+                return Err("too many processes created since the refresh");
+            }
+            (warm.last_pid + 1..warm.pid_max.max(warm.last_pid + 1))
+                .chain(1..=now_last)
+                .collect()
+        };
+        let mut read: HashSet<i32> = warm.candidates.clone();
+        read.extend(
+            warm.snap
+                .iter()
+                .filter(|(_, s)| s.start_time >= warm.recent_from)
+                .map(|(pid, _)| *pid),
+        );
+        for pidfile in &self.targets.pidfiles {
+            if let Ok((root, _)) = self.pidfile_root(pidfile, &warm.snap) {
+                read.extend(descendants(&warm.snap, root));
+            }
+        }
+        let me = i32::try_from(std::process::id()).unwrap_or(-1);
+        let mut snap: HashMap<i32, Snap> = HashMap::new();
+        for (pid, created) in read
+            .into_iter()
+            .map(|p| (p, false))
+            .chain(new.into_iter().map(|p| (p, true)))
+        {
+            if pid == me || snap.contains_key(&pid) {
+                continue;
+            }
+            let Ok(stat) = self.proc.stat(pid) else {
+                continue;
+            };
+            if stat.exited() {
+                continue;
+            }
+            // A PID not seen at the refresh (or now another process) may be a thread's id:
+            // only thread group leaders are processes.
+            let known = !created
+                && warm
+                    .snap
+                    .get(&pid)
+                    .is_some_and(|s| s.start_time == stat.start_time);
+            if !known
+                && !self
+                    .proc
+                    .status(pid)
+                    .is_ok_and(|s| s.tgid.is_none_or(|t| t == pid))
+            {
+                continue;
+            }
+            snap.insert(
+                pid,
+                Snap {
+                    ppid: stat.ppid,
+                    start_time: stat.start_time,
+                },
+            );
+        }
+        self.groups(&snap, true)
+            .map_err(|_| "reading the candidates failed")
+    }
+
+    /// Blocking discovery by reading every process (what the warm path is checked against).
+    pub fn discover_full(&self) -> Result<Vec<TargetGroup>, Error> {
+        let snap = self.snapshot()?;
+        self.groups(&snap, true)
+    }
+
+    /// Blocking discovery and how it was made: from the warm candidates when they can be trusted,
+    /// else by reading every process.
+    pub fn discover_with(&self) -> Result<(Vec<TargetGroup>, HostFoundBy), Error> {
+        match self.discover_warm() {
+            Ok(groups) => Ok((groups, HostFoundBy::Warm)),
+            Err(why) => {
+                if self.warm().is_some() {
+                    tracing::debug!(reason = why, "checkpoint discovery scans every process");
+                }
+                Ok((self.discover_full()?, HostFoundBy::FullScan))
+            }
         }
     }
 
@@ -78,8 +316,7 @@ impl HostDiscovery {
     /// Blocking discovery (reads `/proc`); [`TargetDiscovery::discover`] runs it on a thread of
     /// its own.
     pub fn discover_blocking(&self) -> Result<Vec<TargetGroup>, Error> {
-        let snap = self.snapshot()?;
-        self.groups(&snap)
+        self.discover_with().map(|(groups, _)| groups)
     }
 
     /// Check one pidfile against the rules (module docs): the PID it names, or why it is refused.
@@ -114,12 +351,14 @@ impl HostDiscovery {
         Ok(snap)
     }
 
-    fn groups(&self, snap: &HashMap<i32, Snap>) -> Result<Vec<TargetGroup>, Error> {
+    /// The groups over `snap`; `log`: say why a selector matched nothing (not from the background
+    /// refresh, which would repeat it every few seconds).
+    fn groups(&self, snap: &HashMap<i32, Snap>, log: bool) -> Result<Vec<TargetGroup>, Error> {
         let mut groups = Vec::new();
         for unit in &self.targets.units {
             let unit = unit_name(unit);
             let pids = self.unit_pids(snap, &unit);
-            if pids.is_empty() {
+            if pids.is_empty() && log {
                 tracing::warn!(unit = %unit, "checkpoint unit has no running process");
             }
             let init = pids
@@ -147,14 +386,16 @@ impl HostDiscovery {
                     groups.push(self.group(name, snap, pids, Some(root)));
                 }
                 Err(e) => {
-                    tracing::warn!(pidfile = %pidfile.display(), error = %e, "checkpoint pidfile selects no process");
+                    if log {
+                        tracing::warn!(pidfile = %pidfile.display(), error = %e, "checkpoint pidfile selects no process");
+                    }
                     groups.push(self.group(name, snap, Vec::new(), None));
                 }
             }
         }
         for re in &self.targets.cmdlines {
             let pids = self.cmdline_pids(snap, re);
-            if pids.is_empty() {
+            if pids.is_empty() && log {
                 tracing::warn!(regex = %re, "checkpoint cmdline matches no process");
             }
             groups.push(self.group(format!("cmdline:{re}"), snap, pids, None));

@@ -1,8 +1,11 @@
 //! Kubernetes-mode checkpoint discovery: a cache of this node's pods (`spec.nodeName` field
 //! selector) kept warm by a list + watch from start-up ([`KubeDiscovery::keep_warm`]), so that
 //! [`TargetDiscovery::discover`] on a notice needs **no API round trip**: it reads the cache and
-//! maps each opted-in container to host processes through `/proc/*/cgroup` (on a thread of its
-//! own). Only if the cache never synced (API server unreachable since start) does discovery fall
+//! maps each opted-in container to host processes through the container's own cgroup (its
+//! `cgroup.procs`, located in the background; each process confirmed by its `/proc/<pid>/cgroup`),
+//! so the notice costs what the targets cost, not what the node runs — falling back to a scan of
+//! every `/proc/*/cgroup` when the cgroups cannot be read here (on a thread of its own; see
+//! [`crate::checkpoint::cgroup::find_containers`]). Only if the cache never synced (API server unreachable since start) does discovery fall
 //! back to one list bounded by [`FALLBACK_LIST_TIMEOUT`].
 //!
 //! The cache keeps only what checkpointing needs (the parsed `spotguard.io/checkpoint*` settings
@@ -31,7 +34,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use crate::backoff::Backoff;
-use crate::checkpoint::cgroup::ProcIndex;
+use crate::checkpoint::cgroup::{cgroup_mounts, find_containers, ContainerCgroups, FoundBy};
 use crate::checkpoint::pods::{is_candidate, pod_checkpoint_spec, PodCheckpointSpec, PodDefaults};
 use crate::checkpoint::{Error, Signal, TargetDiscovery, TargetGroup};
 use crate::metrics::Metrics;
@@ -100,7 +103,15 @@ pub struct KubeDiscovery {
     cache: Mutex<CacheState>,
     /// Marked after every update of the cache and change of its health.
     changes: watch::Sender<()>,
+    /// The cgroup hierarchies mounted here, where the containers' own cgroups are read.
+    cgroup_mounts: Vec<PathBuf>,
+    /// Where the opted-in containers' cgroups are, located in the background
+    /// ([`KubeDiscovery::keep_cgroups_located`]) or by the last discovery.
+    located: Mutex<Arc<ContainerCgroups>>,
 }
+
+/// Least time between two background walks of the cgroup hierarchies.
+const LOCATE_INTERVAL: Duration = Duration::from_secs(1);
 
 impl KubeDiscovery {
     pub fn new(
@@ -124,6 +135,68 @@ impl KubeDiscovery {
             metrics,
             cache: Mutex::new(CacheState::default()),
             changes: watch::Sender::new(()),
+            cgroup_mounts: cgroup_mounts(),
+            located: Mutex::new(Arc::new(ContainerCgroups::default())),
+        }
+    }
+
+    /// (pod uid, container id) of every opted-in container in the cache.
+    fn wanted_containers(&self) -> Vec<(String, String)> {
+        self.state()
+            .pods
+            .values()
+            .filter_map(|c| match c {
+                Cached::Target(s) => Some(s),
+                Cached::Other => None,
+            })
+            .flat_map(|s| {
+                s.containers
+                    .iter()
+                    .map(|(_, id)| (s.pod.uid.clone(), id.clone()))
+            })
+            .collect()
+    }
+
+    fn located(&self) -> Arc<ContainerCgroups> {
+        self.located
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    fn set_located(&self, map: ContainerCgroups) {
+        *self.located.lock().unwrap_or_else(|e| e.into_inner()) = Arc::new(map);
+    }
+
+    /// Keep the opted-in containers' cgroup directories located until `cancel`, so that a notice
+    /// reads their `cgroup.procs` without walking the hierarchies: after a change of the pod cache
+    /// that leaves a container unlocated, walk them once on a thread of its own, at most once per
+    /// [`LOCATE_INTERVAL`]. Never on the signal path.
+    pub async fn keep_cgroups_located(self: Arc<Self>, cancel: CancellationToken) {
+        if self.cgroup_mounts.is_empty() {
+            return;
+        }
+        let mut changes = self.changes.subscribe();
+        loop {
+            let wanted = self.wanted_containers();
+            if !wanted.is_empty() && !self.located().has_all(&wanted) {
+                let mounts = self.cgroup_mounts.clone();
+                if let Ok(map) = crate::checkpoint::run_on_thread("sg-cgroup-locate", move || {
+                    ContainerCgroups::locate(&mounts)
+                })
+                .await
+                {
+                    self.set_located(map);
+                }
+            }
+            tokio::select! {
+                _ = cancel.cancelled() => return,
+                _ = tokio::time::sleep(LOCATE_INTERVAL) => {}
+            }
+            tokio::select! {
+                _ = cancel.cancelled() => return,
+                r = changes.changed() => if r.is_err() { return },
+            }
         }
     }
 
@@ -221,7 +294,11 @@ impl KubeDiscovery {
     /// Keep the pod cache warm until `cancel`: list, then watch from the list's resourceVersion;
     /// re-watch when the server ends a watch, relist on `410 Gone` or errors (jittered backoff).
     /// Until the first list succeeds, discovery falls back to a bounded list.
+    /// The containers' cgroups are kept located beside it ([`KubeDiscovery::keep_cgroups_located`]).
     pub async fn keep_warm(self: Arc<Self>, cancel: CancellationToken) {
+        let locating = cancel.child_token();
+        tokio::spawn(self.clone().keep_cgroups_located(locating.clone()));
+        let _stop_locating = locating.drop_guard();
         let mut backoff = Backoff::new(Duration::from_millis(500), Duration::from_secs(30));
         loop {
             let outcome = tokio::select! {
@@ -405,14 +482,34 @@ impl TargetDiscovery for KubeDiscovery {
             return Ok(Vec::new());
         }
         specs.sort_by_key(|s| s.name());
+        let wanted: Vec<(String, String)> = specs
+            .iter()
+            .flat_map(|s| {
+                s.containers
+                    .iter()
+                    .map(|(_, id)| (s.pod.uid.clone(), id.clone()))
+            })
+            .collect();
         let root = self.proc_root.clone();
-        let index =
-            crate::checkpoint::run_on_thread("sg-ckpt-scan", move || ProcIndex::scan(&root))
-                .await
-                .map_err(|e| Error::Proc {
-                    path: self.proc_root.display().to_string(),
-                    source: e,
-                })??;
+        let mounts = self.cgroup_mounts.clone();
+        let located = self.located();
+        let (index, found_by, relocated) =
+            crate::checkpoint::run_on_thread("sg-ckpt-scan", move || {
+                find_containers(&root, &mounts, &located, &wanted)
+            })
+            .await
+            .map_err(|e| Error::Proc {
+                path: self.proc_root.display().to_string(),
+                source: e,
+            })??;
+        if let Some(map) = relocated {
+            self.set_located(map);
+        }
+        if found_by == FoundBy::FullScan {
+            debug!(
+                "checkpoint discovery scanned every process (container cgroups not readable here)"
+            );
+        }
         let mut groups = Vec::new();
         for spec in specs {
             if spec.containers.is_empty() {

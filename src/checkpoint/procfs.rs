@@ -34,6 +34,8 @@ pub struct ProcStatus {
     pub uids: Vec<u32>,
     /// Real group id (`Gid:` first field).
     pub gid: u32,
+    /// `Tgid:`, the thread group (process) id: differs from the PID read for a thread's id.
+    pub tgid: Option<i32>,
 }
 
 impl ProcStatus {
@@ -96,6 +98,7 @@ pub fn parse_status(text: &str, path: &Path) -> Result<ProcStatus, Error> {
     let mut uid = None;
     let mut uids = Vec::new();
     let mut gid = None;
+    let mut tgid = None;
     for line in text.lines() {
         let Some((key, value)) = line.split_once(':') else {
             continue;
@@ -138,6 +141,7 @@ pub fn parse_status(text: &str, path: &Path) -> Result<ProcStatus, Error> {
                     }
                 }
             }
+            "Tgid" => tgid = value.parse::<i32>().ok(),
             "Gid" => {
                 gid = Some(first_id(value).ok_or_else(|| invalid(path, format!("Gid {value:?}")))?)
             }
@@ -154,6 +158,7 @@ pub fn parse_status(text: &str, path: &Path) -> Result<ProcStatus, Error> {
         uid: uid.ok_or_else(|| missing("Uid"))?,
         uids,
         gid: gid.ok_or_else(|| missing("Gid"))?,
+        tgid,
     })
 }
 
@@ -342,6 +347,33 @@ impl ProcFs {
     }
 
     /// Boot time as a Unix time in seconds (`btime` in `<root>/stat`).
+    /// The last PID the kernel allocated in this PID namespace (`loadavg`'s last field): every
+    /// process or thread created since an earlier reading has a PID after that reading, up to
+    /// `pid_max` where the numbering wraps.
+    pub fn last_pid(&self) -> Result<i32, Error> {
+        let path = self.root.join("loadavg");
+        let text = std::fs::read_to_string(&path).map_err(|source| Error::Proc {
+            path: path.display().to_string(),
+            source,
+        })?;
+        text.split_whitespace()
+            .nth(4)
+            .and_then(|v| v.parse::<i32>().ok())
+            .ok_or_else(|| invalid(&path, format!("no last pid in {:?}", text.trim())))
+    }
+
+    /// `kernel.pid_max`: PIDs wrap to low numbers after it.
+    pub fn pid_max(&self) -> Result<i32, Error> {
+        let path = self.root.join("sys/kernel/pid_max");
+        let text = std::fs::read_to_string(&path).map_err(|source| Error::Proc {
+            path: path.display().to_string(),
+            source,
+        })?;
+        text.trim()
+            .parse::<i32>()
+            .map_err(|e| invalid(&path, format!("{:?}: {e}", text.trim())))
+    }
+
     pub fn boot_time(&self) -> Result<i64, Error> {
         let path = self.root.join("stat");
         let text = std::fs::read_to_string(&path).map_err(|source| Error::Proc {
