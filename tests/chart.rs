@@ -595,6 +595,131 @@ async fn helm_lint_strict_and_the_schema_refuses_typos() {
     }
 }
 
+/// The release workflow's chart step, run here: `helm package` with a release's version (as
+/// `.github/workflows/release.yml` calls it) gives an archive that holds every file the chart
+/// renders from, passes `lint --strict`, and renders exactly what the directory renders.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn helm_package_gives_the_archive_the_release_pushes() {
+    let home = tempfile::tempdir().unwrap();
+    let chart = chart();
+    for helm in helms() {
+        let out = home.path().join(format!("dist-v{}", helm.major));
+        let dest = out.display().to_string();
+        let ran = run(
+            &helm.bin,
+            &[
+                "package",
+                chart.as_str(),
+                "--version",
+                "9.8.7",
+                "--app-version",
+                "9.8.7",
+                "--destination",
+                dest.as_str(),
+            ],
+            None,
+            home.path(),
+        )
+        .await;
+        assert!(
+            ran.ok,
+            "helm v{} package: {}{}",
+            helm.major, ran.stdout, ran.stderr
+        );
+        let archive = out.join("spotguard-9.8.7.tgz");
+        assert!(
+            archive.is_file(),
+            "helm v{} package wrote no {}",
+            helm.major,
+            archive.display()
+        );
+        let listing = std::process::Command::new("tar")
+            .arg("-tzf")
+            .arg(&archive)
+            .output()
+            .unwrap();
+        let listing = String::from_utf8_lossy(&listing.stdout);
+        for file in std::fs::read_dir(repo().join("charts/spotguard/templates"))
+            .unwrap()
+            .map(|e| format!("templates/{}", e.unwrap().file_name().to_string_lossy()))
+            .chain(
+                [
+                    "Chart.yaml",
+                    "values.yaml",
+                    "values.schema.json",
+                    "files/grafana-dashboard.json",
+                    "files/prometheusrule.yaml",
+                ]
+                .map(String::from),
+            )
+        {
+            assert!(
+                listing.lines().any(|l| l == format!("spotguard/{file}")),
+                "helm v{}: the packaged chart lacks {file}:\n{listing}",
+                helm.major
+            );
+        }
+        let archive = archive.display().to_string();
+        let lint = run(
+            &helm.bin,
+            &["lint", "--strict", archive.as_str()],
+            None,
+            home.path(),
+        )
+        .await;
+        assert!(
+            lint.ok,
+            "helm v{} lint of the archive: {}{}",
+            helm.major, lint.stdout, lint.stderr
+        );
+        let render = |source: String| {
+            let helm = &helm;
+            let home = home.path().to_path_buf();
+            async move {
+                let ran = run(
+                    &helm.bin,
+                    &[
+                        "template",
+                        "spotguard",
+                        source.as_str(),
+                        "-n",
+                        "spotguard",
+                        "--set",
+                        "image.tag=9.8.7",
+                    ],
+                    None,
+                    &home,
+                )
+                .await;
+                assert!(
+                    ran.ok,
+                    "helm v{} template {source}: {}",
+                    helm.major, ran.stderr
+                );
+                // The only difference a release makes: the chart's version in its labels.
+                ran.stdout
+                    .replace("spotguard-9.8.7", "spotguard-VERSION")
+                    .replace("spotguard-0.1.0", "spotguard-VERSION")
+                    .replace("\"0.1.0\"", "\"9.8.7\"")
+            }
+        };
+        let (packaged, directory) = (render(archive.clone()).await, render(chart.clone()).await);
+        let first_difference = packaged
+            .lines()
+            .zip(directory.lines())
+            .enumerate()
+            .find(|(_, (a, b))| a != b);
+        assert!(
+            packaged == directory,
+            "helm v{}: the packaged chart renders differently from charts/spotguard \
+             (first differing line, packaged vs directory: {first_difference:?}; {} vs {} lines)",
+            helm.major,
+            packaged.lines().count(),
+            directory.lines().count()
+        );
+    }
+}
+
 /// The renderings with the defaults and with every value set are accepted by the real API
 /// server (server-side apply, dry run, strict field validation; the Prometheus Operator CRDs
 /// installed); a value that renders an invalid object is refused by it.
