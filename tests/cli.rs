@@ -203,8 +203,22 @@ fn booleans_are_shown_as_switches() {
         assert!(!line.contains('<'), "{line}");
     }
     // Still settable from the environment and a config file.
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state");
+    let ckpt = dir.path().join("ckpt");
     let o = spotguard(
-        &["config", "check", "--mode", "host"],
+        &[
+            "config",
+            "check",
+            "--mode",
+            "host",
+            "--checkpoint-unit",
+            "train",
+            "--state-dir",
+            state.to_str().unwrap(),
+            "--checkpoint-dir",
+            ckpt.to_str().unwrap(),
+        ],
         &[("SPOTGUARD_DRY_RUN", "true")],
     );
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
@@ -239,6 +253,12 @@ fn config_check_validates_without_starting() {
             f.to_str().unwrap(),
             "--mode",
             "host",
+            "--checkpoint-unit",
+            "train",
+            "--state-dir",
+            dir.path().join("state").to_str().unwrap(),
+            "--checkpoint-dir",
+            dir.path().join("ckpt").to_str().unwrap(),
             "--webhook-url",
             "https://hooks.example.com/services/SECRET",
         ],
@@ -373,4 +393,197 @@ fn run_flags_are_grouped_under_headings() {
     assert_eq!(under("--webhook-url"), "Observability:");
     assert_eq!(under("--cache-dir"), "Prefetch:");
     assert_eq!(under("--checkpoint-pidfile"), "Host mode:");
+}
+
+/// `spotguard ARGS…` with `env`, killed if it has not exited within `limit` (a bad setting that
+/// is accepted starts the agent, which would run on): `None` then.
+fn spotguard_within(
+    args: &[String],
+    env: &[(&str, &str)],
+    limit: std::time::Duration,
+) -> Option<Output> {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_spotguard"));
+    c.args(args);
+    for (k, _) in std::env::vars() {
+        if k.starts_with("SPOTGUARD_") || k == "KUBECONFIG" || k == "NODE_NAME" {
+            c.env_remove(k);
+        }
+    }
+    c.envs(env.iter().copied());
+    c.stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    let mut child = c.spawn().expect("run spotguard");
+    let start = std::time::Instant::now();
+    loop {
+        if child.try_wait().unwrap().is_some() {
+            return Some(child.wait_with_output().unwrap());
+        }
+        if start.elapsed() > limit {
+            let _ = child.kill();
+            let _ = child.wait_with_output();
+            return None;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
+/// Every setting whose value can be judged on the machine is refused at start, by `run` and by
+/// `config check` alike: exit 64, the message naming the setting and what is wrong with it.
+#[test]
+fn bad_settings_are_refused_at_start_naming_the_setting() {
+    let tmp = tempfile::tempdir().unwrap();
+    let file = tmp.path().join("a-file");
+    std::fs::write(&file, "").unwrap();
+    let file = file.display().to_string();
+    let path = |p: &str| tmp.path().join(p).display().to_string();
+    // A valid host-mode agent; each row replaces or adds settings.
+    let base: Vec<(&str, String)> = vec![
+        ("--mode", "host".into()),
+        ("--cloud", "aws".into()),
+        ("--metadata-endpoint", "http://127.0.0.1:1".into()),
+        ("--checkpoint-unit", "train.service".into()),
+        ("--checkpoint-dir", path("ckpt")),
+        ("--state-dir", path("state")),
+        ("--metrics-addr", "127.0.0.1:0".into()),
+        ("--gpu", "off".into()),
+    ];
+    // (settings replaced (an empty value drops the flag), what the message must say)
+    let rows: Vec<(Vec<(&str, String)>, &[&str])> = vec![
+        (
+            vec![("--log-level", "inf".into())],
+            &["log-level", "\"inf\" is not a level"],
+        ),
+        (
+            vec![("--log-level", "verbose".into())],
+            &["log-level", "\"verbose\""],
+        ),
+        (
+            vec![("--log-level", "info,,".into())],
+            &["log-level", "empty directive"],
+        ),
+        (
+            vec![("--state-dir", file.clone())],
+            &["state-dir", "is not a directory"],
+        ),
+        (
+            vec![("--state-dir", format!("{file}/sub"))],
+            &["state-dir", "a-file"],
+        ),
+        (
+            vec![("--state-dir", "/proc/spotguard".into())],
+            &["state-dir", "on proc"],
+        ),
+        (
+            vec![("--checkpoint-dir", file.clone())],
+            &["checkpoint-dir", "is not a directory"],
+        ),
+        (
+            vec![("--checkpoint-unit", "bad unit name".into())],
+            &["checkpoint-unit", "not a systemd unit name", "' '"],
+        ),
+        (
+            vec![("--checkpoint-unit", "train@.service".into())],
+            &["checkpoint-unit", "template"],
+        ),
+        (
+            vec![("--checkpoint-unit", "train.timer".into())],
+            &["checkpoint-unit", ".timer"],
+        ),
+        (
+            vec![
+                ("--checkpoint-unit", String::new()),
+                ("--checkpoint-pidfile", "relative.pid".into()),
+            ],
+            &["--checkpoint-pidfile", "must be an absolute path"],
+        ),
+        (
+            vec![("--drain-reserve", "5m".into())],
+            &["drain-reserve", "the notice of aws is 2m"],
+        ),
+        (
+            vec![("--cloud", "gce".into()), ("--drain-reserve", "40s".into())],
+            &["drain-reserve", "gce", "30s"],
+        ),
+        (
+            vec![("--checkpoint-unit", String::new())],
+            &["checkpoint-unit", "no checkpoint target"],
+        ),
+    ];
+    let limit = std::time::Duration::from_secs(30);
+    let mut failures = Vec::new();
+    for (changes, words) in &rows {
+        let mut settings = base.clone();
+        for (k, v) in changes {
+            settings.retain(|(b, _)| b != k);
+            if !v.is_empty() {
+                settings.push((k, v.clone()));
+            }
+        }
+        let flags: Vec<String> = settings
+            .iter()
+            .flat_map(|(k, v)| [k.to_string(), v.clone()])
+            .collect();
+        for command in [&["config", "check"][..], &["run"][..]] {
+            let argv: Vec<String> = command
+                .iter()
+                .map(|s| s.to_string())
+                .chain(flags.iter().cloned())
+                .collect();
+            let verdict = match spotguard_within(&argv, &[], limit) {
+                None => Some("accepted: still running after 30s".to_string()),
+                Some(o) if o.status.code() != Some(64) => Some(format!(
+                    "exit {:?}: {}{}",
+                    o.status.code(),
+                    String::from_utf8_lossy(&o.stdout),
+                    stderr(&o)
+                )),
+                Some(o) if !words.iter().all(|w| stderr(&o).contains(w)) => {
+                    Some(format!("message lacks {words:?}: {}", stderr(&o)))
+                }
+                Some(_) => None,
+            };
+            if let Some(v) = verdict {
+                failures.push(format!("{command:?} {changes:?}: {v}"));
+            }
+        }
+    }
+    // The drill's report file, before the drill runs (not after minutes of it).
+    let junit = path("no/such/dir/x.xml");
+    for (flag, value, words) in [
+        (
+            "--junit",
+            junit.as_str(),
+            &["--junit", "no/such/dir", "No such file"][..],
+        ),
+        (
+            "--junit",
+            tmp.path().to_str().unwrap(),
+            &["--junit", "is a directory"][..],
+        ),
+        ("--log-level", "inf", &["--log-level", "\"inf\""][..]),
+    ] {
+        let argv: Vec<String> = ["drill", "--cloud", "aws", flag, value]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        match spotguard_within(&argv, &[], limit) {
+            None => failures.push(format!("drill {flag} {value}: still running after 30s")),
+            Some(o) => {
+                if o.status.code() != Some(64) || !words.iter().all(|w| stderr(&o).contains(w)) {
+                    failures.push(format!(
+                        "drill {flag} {value}: exit {:?}: {}",
+                        o.status.code(),
+                        stderr(&o)
+                    ));
+                }
+                if !o.stdout.is_empty() {
+                    failures.push(format!(
+                        "drill {flag} {value}: the drill ran: {}",
+                        String::from_utf8_lossy(&o.stdout)
+                    ));
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
 }

@@ -256,6 +256,7 @@ pub struct RunArgs {
         env = "SPOTGUARD_CHECKPOINT_PIDFILE",
         value_name = "PATH",
         value_delimiter = ',',
+        value_parser = parse_abs_path,
         help_heading = HOST_MODE,
     )]
     pub checkpoint_pidfile: Vec<PathBuf>,
