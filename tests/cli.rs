@@ -587,3 +587,75 @@ fn bad_settings_are_refused_at_start_naming_the_setting() {
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
+
+/// The env file's example lines, uncommented, are read by the documented
+/// `set -a; . /etc/spotguard/spotguard.env; set +a` as they are meant (quotes removed, nothing run
+/// as a command), and `config check` then shows each value as coming from the environment.
+#[test]
+fn env_file_examples_source_as_documented() {
+    let shipped = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/systemd/spotguard.env"
+    ))
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    // Every example line uncommented, as an operator would; the paths of this machine below.
+    let mut expected = Vec::new();
+    let mut text = String::new();
+    for line in shipped.lines() {
+        match line.strip_prefix('#') {
+            Some(l) if l.starts_with("SPOTGUARD_") && l.contains('=') => {
+                let (k, v) = l.split_once('=').unwrap();
+                let value = v
+                    .strip_prefix('\'')
+                    .and_then(|v| v.strip_suffix('\''))
+                    .unwrap_or(v);
+                expected.push((k.to_string(), value.to_string()));
+                text.push_str(l);
+            }
+            _ => text.push_str(line),
+        }
+        text.push('\n');
+    }
+    assert!(expected.len() > 40, "only {} example lines", expected.len());
+    let env_file = dir.path().join("spotguard.env");
+    std::fs::write(&env_file, text).unwrap();
+    let toml = dir.path().join("empty.toml");
+    std::fs::write(&toml, "").unwrap();
+    let script = format!(
+        "set -a; . '{}'; set +a; env; echo '--- config check'; \"$0\" config check --mode host --config '{}' --state-dir '{}' --checkpoint-dir '{}' --metrics-addr 127.0.0.1:0 --webhook-url https://hooks.example.com/x",
+        env_file.display(),
+        toml.display(),
+        dir.path().join("state").display(),
+        dir.path().join("ckpt").display(),
+    );
+    let mut c = Command::new("sh");
+    c.args(["-c", &script, env!("CARGO_BIN_EXE_spotguard")]);
+    for (k, _) in std::env::vars() {
+        if k.starts_with("SPOTGUARD_") {
+            c.env_remove(k);
+        }
+    }
+    let o = c.output().unwrap();
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    // Nothing of a value was run as a command (`.*train.py: command not found`).
+    assert!(!stderr(&o).contains("not found"), "{}", stderr(&o));
+    let (env, check) = out.split_once("--- config check\n").unwrap();
+    for (k, v) in &expected {
+        let got = env.lines().find_map(|l| l.strip_prefix(&format!("{k}=")));
+        if v.is_empty() {
+            assert!(got.is_none_or(str::is_empty), "{k}={got:?}");
+        } else {
+            assert_eq!(got, Some(v.as_str()), "{k} as the shell read it");
+        }
+    }
+    assert_eq!(o.status.code(), Some(0), "{out}{}", stderr(&o));
+    let line = check
+        .lines()
+        .find(|l| l.starts_with("checkpoint-cmdline "))
+        .unwrap_or_else(|| panic!("no checkpoint-cmdline in {check}"));
+    assert!(
+        line.contains("env") && line.contains(r"python3? .*train\.py"),
+        "{line}"
+    );
+}

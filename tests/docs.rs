@@ -192,6 +192,7 @@ async fn a_fresh_agent_exports_every_documented_series_at_zero() {
         "--metrics-addr=127.0.0.1:0".into(),
         "--gpu=off".into(),
         "--log-level=error".into(),
+        "--checkpoint-cmdline=^no-such-trainer$".into(),
     ];
     let args = spotguard::config::parse_run_args(argv).unwrap_or_else(|text| panic!("{text}"));
     let cfg = spotguard::config::Config::resolve(args, &spotguard::config::ProcessEnv).unwrap();

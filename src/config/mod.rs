@@ -32,7 +32,8 @@ use file::{read_extras, validate_dataset};
 
 pub use crate::gpu::GpuMode;
 pub use args::{
-    CloudChoice, LogFormat, MaintenanceAction, ModeChoice, RebalanceAction, RunArgs, WebhookHeader,
+    empty_env_is_unset, CloudChoice, LogFormat, MaintenanceAction, ModeChoice, RebalanceAction,
+    RunArgs, WebhookHeader,
 };
 pub(crate) use file::merge_config_file;
 pub use file::Dataset;
