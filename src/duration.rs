@@ -20,13 +20,24 @@ pub fn parse(text: &str) -> Result<Duration, String> {
     let signed = match text.parse::<SignedDuration>() {
         Ok(d) => d,
         // Calendar units (days, weeks) only parse into a Span; read them as fixed 24-hour days.
-        Err(first) => text
+        Err(_) => text
             .parse::<Span>()
             .ok()
             .and_then(|span| span.to_duration(SpanRelativeTo::days_are_24_hours()).ok())
-            .ok_or_else(|| first.to_string())?,
+            .ok_or_else(|| words(text))?,
     };
     Duration::try_from(signed).map_err(|_| "a duration cannot be negative".to_string())
+}
+
+/// A refused duration in the project's words (the parser's own text names its grammar).
+fn words(text: &str) -> String {
+    if !text.is_empty() && text.chars().all(|c| c.is_ascii_digit() || c == '.') {
+        return format!("{text:?} has no unit: write {text}s for seconds (or ms, m, h)");
+    }
+    if text.starts_with('-') {
+        return "a duration cannot be negative".into();
+    }
+    format!("{text:?} is not a duration: write a number and a unit, like 500ms, 30s, 10m or 1h30m")
 }
 
 /// [`parse`], refusing zero.
@@ -41,9 +52,7 @@ pub fn parse_positive(text: &str) -> Result<Duration, String> {
 /// A duration from JSON: a string [`parse`] accepts, or a non-negative number of seconds.
 pub fn from_json(value: &serde_json::Value) -> Result<Duration, String> {
     match value {
-        serde_json::Value::String(s) => {
-            parse(s).map_err(|e| format!("{s:?} is not a duration ({e})"))
-        }
+        serde_json::Value::String(s) => parse(s),
         serde_json::Value::Number(n) => match n.as_u64() {
             Some(secs) => Ok(Duration::from_secs(secs)),
             None => n

@@ -659,3 +659,207 @@ fn env_file_examples_source_as_documented() {
         "{line}"
     );
 }
+
+/// `spotguard ARGS…` with only `env` of the cloud SDKs' variables (no credentials of the caller).
+fn spotguard_clean(args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_spotguard"));
+    c.args(args);
+    for (k, _) in std::env::vars() {
+        if k.starts_with("SPOTGUARD_")
+            || k.starts_with("AWS_")
+            || k.starts_with("GOOGLE_")
+            || k == "KUBECONFIG"
+            || k == "NODE_NAME"
+        {
+            c.env_remove(k);
+        }
+    }
+    c.envs(env.iter().copied());
+    c.output().expect("run spotguard")
+}
+
+/// Each error names its real cause in the project's words: a credential provider that found
+/// nothing is "no credentials", never the bucket's denial; arguments are named as typed; a
+/// refused connection is said as such; durations and signals say what is accepted.
+#[test]
+fn error_messages_name_the_real_cause() {
+    let tmp = tempfile::tempdir().unwrap();
+    let staged = tmp.path().join("step-5");
+    std::fs::create_dir_all(&staged).unwrap();
+    std::fs::write(staged.join("model.bin"), "weights").unwrap();
+    let staged = staged.to_str().unwrap();
+    let cache = tmp.path().join("cache");
+    let cache = cache.to_str().unwrap();
+    let missing = tmp.path().join("nothing-here");
+    let missing = missing.to_str().unwrap();
+    // The instance-metadata credential provider finds nothing listening.
+    let no_creds = [("AWS_METADATA_ENDPOINT", "http://127.0.0.1:1")];
+    let creds = [
+        ("AWS_ACCESS_KEY_ID", "AKIAEXAMPLE"),
+        ("AWS_SECRET_ACCESS_KEY", "secret"),
+        ("AWS_REGION", "us-east-1"),
+    ];
+    // (arguments, environment, exit code, words it must say, words it must not say)
+    let rows: Vec<(Vec<&str>, &[(&str, &str)], i32, Vec<&str>, Vec<&str>)> = vec![
+        (
+            vec!["prefetch", "s3://my-bucket/imagenet/", cache],
+            &no_creds,
+            2,
+            vec!["no credentials (tried: env, web identity, instance metadata: connection refused by 127.0.0.1:1"],
+            vec!["bucket policy", "access denied"],
+        ),
+        (
+            vec!["upload", staged, "s3://my-bucket/run1"],
+            &no_creds,
+            2,
+            vec!["no credentials (tried: env, web identity, instance metadata"],
+            vec!["Generic S3 error"],
+        ),
+        (
+            vec!["prefetch", "s3://my-bucket/imagenet/", cache, "--endpoint", "http://127.0.0.1:1"],
+            &creds,
+            2,
+            vec!["connection refused by 127.0.0.1:1"],
+            vec!["error sending request", "no credentials"],
+        ),
+        (
+            vec!["prefetch", "s3://my-bucket/imagenet/", cache, "--endpoint", "not-a-url"],
+            &[],
+            64,
+            vec!["--endpoint", "must start with http:// or https://"],
+            vec!["source URL"],
+        ),
+        (
+            vec!["upload", staged, "gs://"],
+            &[],
+            64,
+            vec!["destination \"gs://\"", "missing bucket name"],
+            vec!["source URL"],
+        ),
+        (vec!["upload", missing, "s3://my-bucket/run1"], &[], 64, vec!["STAGED", "no such directory"], vec![]),
+        (
+            vec!["run", "--webhook-url", "http://"],
+            &[],
+            64,
+            vec!["--webhook-url", "has no host"],
+            vec!["must start with"],
+        ),
+        (
+            vec!["drill", "--timeout", "60"],
+            &[],
+            64,
+            vec!["--timeout", "\"60\" has no unit: write 60s"],
+            vec!["friendly", "designator"],
+        ),
+        (
+            vec!["run", "--checkpoint-timeout", "soon"],
+            &[],
+            64,
+            vec!["--checkpoint-timeout", "like 500ms, 30s, 10m or 1h30m"],
+            vec!["friendly", "designator"],
+        ),
+        (
+            vec!["run", "--checkpoint-signal", "SIGKILL"],
+            &[],
+            64,
+            vec!["SIGKILL cannot be caught", "SIGUSR1, SIGUSR2"],
+            vec!["disallowed"],
+        ),
+        (
+            vec!["run", "--checkpoint-signal", "SIGFOO"],
+            &[],
+            64,
+            vec!["unknown signal \"SIGFOO\"", "SIGUSR1"],
+            vec!["disallowed"],
+        ),
+    ];
+    let mut failures = Vec::new();
+    for (args, env, code, must, must_not) in &rows {
+        let o = spotguard_clean(args, env);
+        let e = stderr(&o);
+        if o.status.code() != Some(*code)
+            || !must.iter().all(|w| e.contains(w))
+            || must_not.iter().any(|w| e.contains(w))
+        {
+            failures.push(format!(
+                "{args:?}: exit {:?} (want {code}), want {must:?}, not {must_not:?}:\n{e}",
+                o.status.code()
+            ));
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n\n"));
+}
+
+/// A valid host-mode agent's arguments, state in `dir`.
+fn agent_args(dir: &std::path::Path, metrics: &str) -> Vec<String> {
+    vec![
+        "run".into(),
+        "--mode=host".into(),
+        "--cloud=aws".into(),
+        "--metadata-endpoint=http://127.0.0.1:1".into(),
+        "--checkpoint-unit=train".into(),
+        format!("--checkpoint-dir={}", dir.join("ckpt").display()),
+        format!("--state-dir={}", dir.join("state").display()),
+        format!("--metrics-addr={metrics}"),
+        "--gpu=off".into(),
+        "--log-format=text".into(),
+    ]
+}
+
+/// The agent's stderr until a line satisfies `done` (then it is stopped), or it exits.
+fn agent_until(args: &[String], done: impl Fn(&str) -> bool) -> String {
+    use std::io::BufRead;
+    let mut c = Command::new(env!("CARGO_BIN_EXE_spotguard"));
+    c.args(args);
+    for (k, _) in std::env::vars() {
+        if k.starts_with("SPOTGUARD_") || k == "RUST_LOG" {
+            c.env_remove(k);
+        }
+    }
+    let mut child = c
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = String::new();
+    for line in std::io::BufReader::new(child.stderr.take().unwrap()).lines() {
+        let line = line.unwrap();
+        out.push_str(&line);
+        out.push('\n');
+        if done(&line) {
+            break;
+        }
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    out
+}
+
+#[test]
+fn the_agent_says_refused_once_and_plainly() {
+    let dir = tempfile::tempdir().unwrap();
+    // The metadata endpoint refuses: said as such (not "error sending request for url").
+    let log = agent_until(&agent_args(dir.path(), "127.0.0.1:0"), |l| {
+        l.contains("metadata poll failed")
+    });
+    let line = log
+        .lines()
+        .find(|l| l.contains("metadata poll failed"))
+        .unwrap_or_else(|| panic!("no failed poll logged:\n{log}"));
+    assert!(
+        line.contains("connection refused by 127.0.0.1:1")
+            && !line.contains("error sending request"),
+        "{line}"
+    );
+    // The metrics address in use: the cause once.
+    let busy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = busy.local_addr().unwrap().to_string();
+    let log = agent_until(&agent_args(dir.path(), &addr), |l| {
+        l.contains("spotguard stopped")
+    });
+    let line = log
+        .lines()
+        .find(|l| l.contains("spotguard stopped"))
+        .unwrap_or_else(|| panic!("the agent did not stop:\n{log}"));
+    assert_eq!(line.matches("Address already in use").count(), 1, "{line}");
+}

@@ -337,7 +337,7 @@ fn parse_dir(value: &str) -> Result<PathBuf, String> {
 fn parse_timeout(value: &str) -> Result<Duration, String> {
     let v = value.trim();
     let d = crate::duration::parse(v)
-        .map_err(|e| format!("{} is not a duration like 90s or 2m: {e}", shorten(v)))?;
+        .map_err(|_| format!("{} is not a duration like 90s or 2m", shorten(v)))?;
     if d.is_zero() {
         return Err("must be greater than zero".into());
     }

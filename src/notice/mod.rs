@@ -152,7 +152,7 @@ impl<T: NoticeSource + ?Sized> NoticeSource for std::sync::Arc<T> {
 /// Errors from notice sources. Never fatal: the monitor counts, logs and backs off.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    #[error("request to {url} failed: {source}")]
+    #[error("request to {url} failed: {}", crate::words::transport(.source))]
     Request {
         url: String,
         #[source]

@@ -140,7 +140,7 @@ impl ErrorReporter {
                 source = self.source,
                 error = %err,
                 suppressed,
-                "metadata endpoint failed; notices from the other endpoints are still used"
+                "metadata endpoint failed; polling goes on"
             );
         }
     }
