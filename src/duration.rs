@@ -78,7 +78,14 @@ pub struct Friendly(pub Duration);
 
 impl fmt::Display for Friendly {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match SignedDuration::try_from(self.0) {
+        // From a second up, whole milliseconds: a computed backoff reads "17s 271ms", not
+        // "17s 271ms 320µs 266ns".
+        let d = if self.0 >= Duration::from_secs(1) {
+            Duration::from_millis(self.0.as_millis().min(u64::MAX as u128) as u64)
+        } else {
+            self.0
+        };
+        match SignedDuration::try_from(d) {
             Ok(d) => write!(f, "{d:#}"),
             // Beyond ~292 billion years: not a duration anyone configures.
             Err(_) => write!(f, "{}s", self.0.as_secs()),

@@ -113,6 +113,7 @@ pub mod known {
         "condition",
         "event",
         "acknowledge",
+        "drain",
     ];
     /// `outcome` of `spotguard_node_actions_total`.
     pub const ACTION_OUTCOMES: &[&str] = &["ok", "error"];

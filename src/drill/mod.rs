@@ -274,12 +274,20 @@ async fn drill(args: &DrillArgs, cancel: CancellationToken) -> Result<Verdict, S
         h = wait_for_handler(args, &proc, root, started) => h,
         status = child.wait() => {
             pipeline.stop().await;
+            let crashed = matches!(&status, Ok(s) if !s.success());
             let what = child::early_exit(status);
             dirs.work.keep(args.keep);
-            return Err(format!(
-                "the command ended before the notice ({what}, {:.1}s after start): nothing was left to interrupt. Give it more steps, or a shorter --after",
-                started.elapsed().as_secs_f64()
-            ));
+            let after = started.elapsed().as_secs_f64();
+            let where_ = if args.json { "on stderr, above" } else { "above" };
+            return Err(if crashed {
+                format!(
+                    "the command crashed before the notice ({what}, {after:.1}s after start): its own output is {where_} (a missing module, a bad argument?). Run it alone until it trains, then drill it again"
+                )
+            } else {
+                format!(
+                    "the command finished before the notice ({what}, {after:.1}s after start): nothing was left to interrupt. Give it more steps, or a shorter --after"
+                )
+            });
         }
         _ = cancel.cancelled() => return Err("interrupted".into()),
     };
