@@ -766,6 +766,13 @@ fn error_messages_name_the_real_cause() {
             vec!["disallowed"],
         ),
         (
+            vec!["drill", "--", "python3", "-c", "import no_such_module_of_spotguard"],
+            &[],
+            2,
+            vec!["crashed before the notice (exit 1", "its own output is above"],
+            vec!["Give it more steps"],
+        ),
+        (
             vec!["run", "--checkpoint-signal", "SIGFOO"],
             &[],
             64,
