@@ -448,7 +448,8 @@ fn bad_settings_are_refused_at_start_naming_the_setting() {
         ("--gpu", "off".into()),
     ];
     // (settings replaced (an empty value drops the flag), what the message must say)
-    let rows: Vec<(Vec<(&str, String)>, &[&str])> = vec![
+    type Row<'a> = (Vec<(&'a str, String)>, &'a [&'a str]);
+    let rows: Vec<Row> = vec![
         (
             vec![("--log-level", "inf".into())],
             &["log-level", "\"inf\" is not a level"],
@@ -700,7 +701,14 @@ fn error_messages_name_the_real_cause() {
         ("AWS_REGION", "us-east-1"),
     ];
     // (arguments, environment, exit code, words it must say, words it must not say)
-    let rows: Vec<(Vec<&str>, &[(&str, &str)], i32, Vec<&str>, Vec<&str>)> = vec![
+    type Row<'a> = (
+        Vec<&'a str>,
+        &'a [(&'a str, &'a str)],
+        i32,
+        Vec<&'a str>,
+        Vec<&'a str>,
+    );
+    let rows: Vec<Row> = vec![
         (
             vec!["prefetch", "s3://my-bucket/imagenet/", cache],
             &no_creds,

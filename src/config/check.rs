@@ -93,6 +93,8 @@ pub fn writable_dir(dir: &Path) -> Result<(), String> {
         }
     }
     if let Ok(st) = rustix::fs::statfs(probe) {
+        // f_type's integer type differs between architectures.
+        #[allow(clippy::unnecessary_cast)]
         let kind = st.f_type as i64;
         if let Some((_, name)) = PSEUDO_FS.iter().find(|(magic, _)| *magic == kind) {
             return Err(format!(
