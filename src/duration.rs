@@ -287,11 +287,16 @@ mod tests {
             Duration::from_millis(1500),
             Duration::from_secs(150),
             Duration::from_secs(30 * 3600 + 61),
-            Duration::from_micros(1_234_567),
+            Duration::from_micros(234_567),
         ] {
             let text = display(d).to_string();
             assert_eq!(parse(&text).unwrap(), d, "{text}");
         }
+        // From a second up, whole milliseconds (a computed backoff, not its nanoseconds).
+        assert_eq!(
+            display(Duration::from_nanos(17_271_320_266)).to_string(),
+            "17s 271ms"
+        );
         assert_eq!(display(Duration::from_secs(150)).to_string(), "2m 30s");
         assert_eq!(display(Duration::from_millis(1500)).to_string(), "1s 500ms");
     }
