@@ -47,14 +47,15 @@ fn first_host(text: &str) -> Option<String> {
 fn status(text: &str) -> Option<String> {
     let bytes = text.as_bytes();
     for i in 0..bytes.len().saturating_sub(4) {
-        let three = &text[i..i + 3];
+        // Bytes first: only ASCII positions are sliced (the text may hold "998.008µs").
         let before_ok = i == 0 || !bytes[i - 1].is_ascii_alphanumeric();
         if before_ok
-            && three.chars().all(|c| c.is_ascii_digit())
+            && bytes[i..i + 3].iter().all(u8::is_ascii_digit)
             && matches!(bytes[i], b'4' | b'5')
             && bytes[i + 3] == b' '
             && bytes.get(i + 4).is_some_and(|b| b.is_ascii_uppercase())
         {
+            let three = &text[i..i + 3];
             let reason: String = text[i + 4..]
                 .chars()
                 .take_while(|c| c.is_ascii_alphabetic() || *c == ' ')
@@ -179,6 +180,20 @@ mod tests {
         );
         let w = transport(&e);
         assert!(w.starts_with("connection refused by 127.0.0.1:1"), "{w}");
+    }
+
+    #[test]
+    fn a_status_after_other_scripts_is_found() {
+        let e = E(
+            "Error performing GET http://127.0.0.1:1/e/secret.bin in 998.008µs - Server returned non-2xx status code: 403 Forbidden: <Error>",
+            None,
+        );
+        assert_eq!(status(&chain(&e)).as_deref(), Some("403 Forbidden"));
+        let w = store(
+            &e,
+            "access denied (403: check the credentials and the bucket policy)",
+        );
+        assert!(w.starts_with("access denied (403"), "{w}");
     }
 
     #[test]
