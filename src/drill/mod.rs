@@ -285,7 +285,7 @@ async fn drill(args: &DrillArgs, cancel: CancellationToken) -> Result<Verdict, S
                 )
             } else {
                 format!(
-                    "the command finished before the notice ({what}, {after:.1}s after start): nothing was left to interrupt. Give it more steps, or a shorter --after"
+                    "the command ended before the notice ({what}, {after:.1}s after start): nothing was left to interrupt. Give it more steps, or a shorter --after"
                 )
             });
         }
