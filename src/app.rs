@@ -541,6 +541,8 @@ struct Who {
     node_name: String,
     instance: String,
     action: &'static str,
+    /// Host mode: the machine is a host, not a Kubernetes node.
+    host: bool,
 }
 
 impl Who {
@@ -552,6 +554,7 @@ impl Who {
                 Mode::Kubernetes => "checkpoint, cordon and drain",
                 Mode::Host => "checkpoint",
             },
+            host: cfg.mode == Mode::Host,
         }
     }
 }
@@ -574,12 +577,10 @@ fn start_hooks(cfg: &Config, hook: Option<webhook::Webhook>, who: &Who) -> Vec<S
     if let Some(hook) = hook {
         let who = who.clone();
         on_start.push(Box::new(move |n| {
-            let _ = hook.notify(&webhook::NotifyFields::from_notice(
-                n,
-                &who.node_name,
-                &who.instance,
-                who.action,
-            ));
+            let _ = hook.notify(&webhook::NotifyFields {
+                host: who.host,
+                ..webhook::NotifyFields::from_notice(n, &who.node_name, &who.instance, who.action)
+            });
         }));
     }
     on_start
@@ -623,6 +624,7 @@ fn spawn_outcome_follower(
                 node_name: who.node_name,
                 instance: who.instance,
                 action: who.action.to_string(),
+                host: who.host,
             },
             cancel.child_token(),
         ),

@@ -88,7 +88,7 @@ where
     T: Into<OsString> + Clone,
 {
     let argv: Vec<OsString> = argv.into_iter().map(Into::into).collect();
-    let mut cmd = Cli::command();
+    let mut cmd = config::empty_env_is_unset(Cli::command());
     let matches = match cmd.try_get_matches_from_mut(&argv) {
         Ok(m) => m,
         Err(e) => {

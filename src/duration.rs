@@ -20,13 +20,24 @@ pub fn parse(text: &str) -> Result<Duration, String> {
     let signed = match text.parse::<SignedDuration>() {
         Ok(d) => d,
         // Calendar units (days, weeks) only parse into a Span; read them as fixed 24-hour days.
-        Err(first) => text
+        Err(_) => text
             .parse::<Span>()
             .ok()
             .and_then(|span| span.to_duration(SpanRelativeTo::days_are_24_hours()).ok())
-            .ok_or_else(|| first.to_string())?,
+            .ok_or_else(|| words(text))?,
     };
     Duration::try_from(signed).map_err(|_| "a duration cannot be negative".to_string())
+}
+
+/// A refused duration in the project's words (the parser's own text names its grammar).
+fn words(text: &str) -> String {
+    if !text.is_empty() && text.chars().all(|c| c.is_ascii_digit() || c == '.') {
+        return format!("{text:?} has no unit: write {text}s for seconds (or ms, m, h)");
+    }
+    if text.starts_with('-') {
+        return "a duration cannot be negative".into();
+    }
+    format!("{text:?} is not a duration: write a number and a unit, like 500ms, 30s, 10m or 1h30m")
 }
 
 /// [`parse`], refusing zero.
@@ -41,9 +52,7 @@ pub fn parse_positive(text: &str) -> Result<Duration, String> {
 /// A duration from JSON: a string [`parse`] accepts, or a non-negative number of seconds.
 pub fn from_json(value: &serde_json::Value) -> Result<Duration, String> {
     match value {
-        serde_json::Value::String(s) => {
-            parse(s).map_err(|e| format!("{s:?} is not a duration ({e})"))
-        }
+        serde_json::Value::String(s) => parse(s),
         serde_json::Value::Number(n) => match n.as_u64() {
             Some(secs) => Ok(Duration::from_secs(secs)),
             None => n
@@ -69,7 +78,14 @@ pub struct Friendly(pub Duration);
 
 impl fmt::Display for Friendly {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match SignedDuration::try_from(self.0) {
+        // From a second up, whole milliseconds: a computed backoff reads "17s 271ms", not
+        // "17s 271ms 320µs 266ns".
+        let d = if self.0 >= Duration::from_secs(1) {
+            Duration::from_millis(self.0.as_millis().min(u64::MAX as u128) as u64)
+        } else {
+            self.0
+        };
+        match SignedDuration::try_from(d) {
             Ok(d) => write!(f, "{d:#}"),
             // Beyond ~292 billion years: not a duration anyone configures.
             Err(_) => write!(f, "{}s", self.0.as_secs()),
@@ -271,11 +287,16 @@ mod tests {
             Duration::from_millis(1500),
             Duration::from_secs(150),
             Duration::from_secs(30 * 3600 + 61),
-            Duration::from_micros(1_234_567),
+            Duration::from_micros(234_567),
         ] {
             let text = display(d).to_string();
             assert_eq!(parse(&text).unwrap(), d, "{text}");
         }
+        // From a second up, whole milliseconds (a computed backoff, not its nanoseconds).
+        assert_eq!(
+            display(Duration::from_nanos(17_271_320_266)).to_string(),
+            "17s 271ms"
+        );
         assert_eq!(display(Duration::from_secs(150)).to_string(), "2m 30s");
         assert_eq!(display(Duration::from_millis(1500)).to_string(), "1s 500ms");
     }

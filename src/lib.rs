@@ -26,3 +26,4 @@ pub mod shutdown;
 pub mod telemetry;
 pub mod upload;
 pub mod webhook;
+pub mod words;

@@ -76,7 +76,9 @@ fn main() -> ExitCode {
                 Ok(()) => exit(0),
                 Err(e) => {
                     // Once, through the log (which goes to stderr in either format).
-                    let msg = format!("{e:#}");
+                    // The chain once: an error that shows its cause in its own text is not
+                    // followed by that cause again.
+                    let msg = spotguard::words::chain(&*e);
                     tracing::error!(error = %msg, "spotguard stopped");
                     telemetry::write_termination_message(&msg);
                     exit(1)

@@ -114,6 +114,7 @@ pub mod known {
         "disruption_target",
         "event",
         "acknowledge",
+        "drain",
     ];
     /// `outcome` of `spotguard_node_actions_total`.
     pub const ACTION_OUTCOMES: &[&str] = &["ok", "error"];

@@ -45,6 +45,8 @@ pub struct Sinks {
     pub instance: String,
     /// What spotguard does, for `{{action}}`.
     pub action: String,
+    /// Host mode: `node_name` is a host, not a Kubernetes node.
+    pub host: bool,
 }
 
 #[derive(Default)]
@@ -283,6 +285,7 @@ async fn finish(sinks: &Sinks, id: &str, t: Tracked, done_at: Timestamp) {
         },
     };
     fields.outcome = Some(o.clone());
+    fields.host = sinks.host;
     let summary = fields.summary(done_at);
     info!(
         notice_id = id,

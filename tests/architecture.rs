@@ -15,11 +15,12 @@ const ALLOWED: &[(&str, &[&str])] = &[
     ("fsutil", &[]),
     ("metrics", &[]),
     ("shutdown", &[]),
+    ("words", &[]),
     ("life", &["fsutil"]),
     ("admin", &["metrics"]),
     // The node seam (it stores the responder's plan record as given), the notice sources.
     ("node", &["backoff", "duration", "metrics"]),
-    ("notice", &["backoff", "duration", "metrics"]),
+    ("notice", &["backoff", "duration", "metrics", "words"]),
     ("webhook", &["backoff", "duration", "metrics", "notice"]),
     ("emulator", &["duration", "notice"]),
     ("gpu", &["backoff", "duration", "life", "node"]),
@@ -37,6 +38,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
             "fsutil",
             "metrics",
             "node",
+            "words",
         ],
     ),
     (

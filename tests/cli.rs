@@ -203,8 +203,22 @@ fn booleans_are_shown_as_switches() {
         assert!(!line.contains('<'), "{line}");
     }
     // Still settable from the environment and a config file.
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state");
+    let ckpt = dir.path().join("ckpt");
     let o = spotguard(
-        &["config", "check", "--mode", "host"],
+        &[
+            "config",
+            "check",
+            "--mode",
+            "host",
+            "--checkpoint-unit",
+            "train",
+            "--state-dir",
+            state.to_str().unwrap(),
+            "--checkpoint-dir",
+            ckpt.to_str().unwrap(),
+        ],
         &[("SPOTGUARD_DRY_RUN", "true")],
     );
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
@@ -239,6 +253,12 @@ fn config_check_validates_without_starting() {
             f.to_str().unwrap(),
             "--mode",
             "host",
+            "--checkpoint-unit",
+            "train",
+            "--state-dir",
+            dir.path().join("state").to_str().unwrap(),
+            "--checkpoint-dir",
+            dir.path().join("ckpt").to_str().unwrap(),
             "--webhook-url",
             "https://hooks.example.com/services/SECRET",
         ],
@@ -373,4 +393,488 @@ fn run_flags_are_grouped_under_headings() {
     assert_eq!(under("--webhook-url"), "Observability:");
     assert_eq!(under("--cache-dir"), "Prefetch:");
     assert_eq!(under("--checkpoint-pidfile"), "Host mode:");
+}
+
+/// `spotguard ARGS…` with `env`, killed if it has not exited within `limit` (a bad setting that
+/// is accepted starts the agent, which would run on): `None` then.
+fn spotguard_within(
+    args: &[String],
+    env: &[(&str, &str)],
+    limit: std::time::Duration,
+) -> Option<Output> {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_spotguard"));
+    c.args(args);
+    for (k, _) in std::env::vars() {
+        if k.starts_with("SPOTGUARD_") || k == "KUBECONFIG" || k == "NODE_NAME" {
+            c.env_remove(k);
+        }
+    }
+    c.envs(env.iter().copied());
+    c.stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    let mut child = c.spawn().expect("run spotguard");
+    let start = std::time::Instant::now();
+    loop {
+        if child.try_wait().unwrap().is_some() {
+            return Some(child.wait_with_output().unwrap());
+        }
+        if start.elapsed() > limit {
+            let _ = child.kill();
+            let _ = child.wait_with_output();
+            return None;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
+/// Every setting whose value can be judged on the machine is refused at start, by `run` and by
+/// `config check` alike: exit 64, the message naming the setting and what is wrong with it.
+#[test]
+fn bad_settings_are_refused_at_start_naming_the_setting() {
+    let tmp = tempfile::tempdir().unwrap();
+    let file = tmp.path().join("a-file");
+    std::fs::write(&file, "").unwrap();
+    let file = file.display().to_string();
+    let path = |p: &str| tmp.path().join(p).display().to_string();
+    // A valid host-mode agent; each row replaces or adds settings.
+    let base: Vec<(&str, String)> = vec![
+        ("--mode", "host".into()),
+        ("--cloud", "aws".into()),
+        ("--metadata-endpoint", "http://127.0.0.1:1".into()),
+        ("--checkpoint-unit", "train.service".into()),
+        ("--checkpoint-dir", path("ckpt")),
+        ("--state-dir", path("state")),
+        ("--metrics-addr", "127.0.0.1:0".into()),
+        ("--gpu", "off".into()),
+    ];
+    // (settings replaced (an empty value drops the flag), what the message must say)
+    type Row<'a> = (Vec<(&'a str, String)>, &'a [&'a str]);
+    let rows: Vec<Row> = vec![
+        (
+            vec![("--log-level", "inf".into())],
+            &["log-level", "\"inf\" is not a level"],
+        ),
+        (
+            vec![("--log-level", "verbose".into())],
+            &["log-level", "\"verbose\""],
+        ),
+        (
+            vec![("--log-level", "info,,".into())],
+            &["log-level", "empty directive"],
+        ),
+        (
+            vec![("--state-dir", file.clone())],
+            &["state-dir", "is not a directory"],
+        ),
+        (
+            vec![("--state-dir", format!("{file}/sub"))],
+            &["state-dir", "a-file"],
+        ),
+        (
+            vec![("--state-dir", "/proc/spotguard".into())],
+            &["state-dir", "on proc"],
+        ),
+        (
+            vec![("--checkpoint-dir", file.clone())],
+            &["checkpoint-dir", "is not a directory"],
+        ),
+        (
+            vec![("--checkpoint-unit", "bad unit name".into())],
+            &["checkpoint-unit", "not a systemd unit name", "' '"],
+        ),
+        (
+            vec![("--checkpoint-unit", "train@.service".into())],
+            &["checkpoint-unit", "template"],
+        ),
+        (
+            vec![("--checkpoint-unit", "train.timer".into())],
+            &["checkpoint-unit", ".timer"],
+        ),
+        (
+            vec![
+                ("--checkpoint-unit", String::new()),
+                ("--checkpoint-pidfile", "relative.pid".into()),
+            ],
+            &["--checkpoint-pidfile", "must be an absolute path"],
+        ),
+        (
+            vec![("--drain-reserve", "5m".into())],
+            &["drain-reserve", "the notice of aws is 2m"],
+        ),
+        (
+            vec![("--cloud", "gce".into()), ("--drain-reserve", "40s".into())],
+            &["drain-reserve", "gce", "30s"],
+        ),
+        (
+            vec![("--checkpoint-unit", String::new())],
+            &["checkpoint-unit", "no checkpoint target"],
+        ),
+    ];
+    let limit = std::time::Duration::from_secs(30);
+    let mut failures = Vec::new();
+    for (changes, words) in &rows {
+        let mut settings = base.clone();
+        for (k, v) in changes {
+            settings.retain(|(b, _)| b != k);
+            if !v.is_empty() {
+                settings.push((k, v.clone()));
+            }
+        }
+        let flags: Vec<String> = settings
+            .iter()
+            .flat_map(|(k, v)| [k.to_string(), v.clone()])
+            .collect();
+        for command in [&["config", "check"][..], &["run"][..]] {
+            let argv: Vec<String> = command
+                .iter()
+                .map(|s| s.to_string())
+                .chain(flags.iter().cloned())
+                .collect();
+            let verdict = match spotguard_within(&argv, &[], limit) {
+                None => Some("accepted: still running after 30s".to_string()),
+                Some(o) if o.status.code() != Some(64) => Some(format!(
+                    "exit {:?}: {}{}",
+                    o.status.code(),
+                    String::from_utf8_lossy(&o.stdout),
+                    stderr(&o)
+                )),
+                Some(o) if !words.iter().all(|w| stderr(&o).contains(w)) => {
+                    Some(format!("message lacks {words:?}: {}", stderr(&o)))
+                }
+                Some(_) => None,
+            };
+            if let Some(v) = verdict {
+                failures.push(format!("{command:?} {changes:?}: {v}"));
+            }
+        }
+    }
+    // The drill's report file, before the drill runs (not after minutes of it).
+    let junit = path("no/such/dir/x.xml");
+    for (flag, value, words) in [
+        (
+            "--junit",
+            junit.as_str(),
+            &["--junit", "no/such/dir", "No such file"][..],
+        ),
+        (
+            "--junit",
+            tmp.path().to_str().unwrap(),
+            &["--junit", "is a directory"][..],
+        ),
+        ("--log-level", "inf", &["--log-level", "\"inf\""][..]),
+    ] {
+        let argv: Vec<String> = ["drill", "--cloud", "aws", flag, value]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        match spotguard_within(&argv, &[], limit) {
+            None => failures.push(format!("drill {flag} {value}: still running after 30s")),
+            Some(o) => {
+                if o.status.code() != Some(64) || !words.iter().all(|w| stderr(&o).contains(w)) {
+                    failures.push(format!(
+                        "drill {flag} {value}: exit {:?}: {}",
+                        o.status.code(),
+                        stderr(&o)
+                    ));
+                }
+                if !o.stdout.is_empty() {
+                    failures.push(format!(
+                        "drill {flag} {value}: the drill ran: {}",
+                        String::from_utf8_lossy(&o.stdout)
+                    ));
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// The env file's example lines, uncommented, are read by the documented
+/// `set -a; . /etc/spotguard/spotguard.env; set +a` as they are meant (quotes removed, nothing run
+/// as a command), and `config check` then shows each value as coming from the environment.
+#[test]
+fn env_file_examples_source_as_documented() {
+    let shipped = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/systemd/spotguard.env"
+    ))
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    // Every example line uncommented, as an operator would; the paths of this machine below.
+    let mut expected = Vec::new();
+    let mut text = String::new();
+    for line in shipped.lines() {
+        match line.strip_prefix('#') {
+            Some(l) if l.starts_with("SPOTGUARD_") && l.contains('=') => {
+                let (k, v) = l.split_once('=').unwrap();
+                let value = v
+                    .strip_prefix('\'')
+                    .and_then(|v| v.strip_suffix('\''))
+                    .unwrap_or(v);
+                expected.push((k.to_string(), value.to_string()));
+                text.push_str(l);
+            }
+            _ => text.push_str(line),
+        }
+        text.push('\n');
+    }
+    assert!(expected.len() > 40, "only {} example lines", expected.len());
+    let env_file = dir.path().join("spotguard.env");
+    std::fs::write(&env_file, text).unwrap();
+    let toml = dir.path().join("empty.toml");
+    std::fs::write(&toml, "").unwrap();
+    let script = format!(
+        "set -a; . '{}'; set +a; env; echo '--- config check'; \"$0\" config check --mode host --config '{}' --state-dir '{}' --checkpoint-dir '{}' --metrics-addr 127.0.0.1:0 --webhook-url https://hooks.example.com/x",
+        env_file.display(),
+        toml.display(),
+        dir.path().join("state").display(),
+        dir.path().join("ckpt").display(),
+    );
+    let mut c = Command::new("sh");
+    c.args(["-c", &script, env!("CARGO_BIN_EXE_spotguard")]);
+    for (k, _) in std::env::vars() {
+        if k.starts_with("SPOTGUARD_") {
+            c.env_remove(k);
+        }
+    }
+    let o = c.output().unwrap();
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    // Nothing of a value was run as a command (`.*train.py: command not found`).
+    assert!(!stderr(&o).contains("not found"), "{}", stderr(&o));
+    let (env, check) = out.split_once("--- config check\n").unwrap();
+    for (k, v) in &expected {
+        let got = env.lines().find_map(|l| l.strip_prefix(&format!("{k}=")));
+        if v.is_empty() {
+            assert!(got.is_none_or(str::is_empty), "{k}={got:?}");
+        } else {
+            assert_eq!(got, Some(v.as_str()), "{k} as the shell read it");
+        }
+    }
+    assert_eq!(o.status.code(), Some(0), "{out}{}", stderr(&o));
+    let line = check
+        .lines()
+        .find(|l| l.starts_with("checkpoint-cmdline "))
+        .unwrap_or_else(|| panic!("no checkpoint-cmdline in {check}"));
+    assert!(
+        line.contains("env") && line.contains(r"python3? .*train\.py"),
+        "{line}"
+    );
+}
+
+/// `spotguard ARGS…` with only `env` of the cloud SDKs' variables (no credentials of the caller).
+fn spotguard_clean(args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_spotguard"));
+    c.args(args);
+    for (k, _) in std::env::vars() {
+        if k.starts_with("SPOTGUARD_")
+            || k.starts_with("AWS_")
+            || k.starts_with("GOOGLE_")
+            || k == "KUBECONFIG"
+            || k == "NODE_NAME"
+        {
+            c.env_remove(k);
+        }
+    }
+    c.envs(env.iter().copied());
+    c.output().expect("run spotguard")
+}
+
+/// Each error names its real cause in the project's words: a credential provider that found
+/// nothing is "no credentials", never the bucket's denial; arguments are named as typed; a
+/// refused connection is said as such; durations and signals say what is accepted.
+#[test]
+fn error_messages_name_the_real_cause() {
+    let tmp = tempfile::tempdir().unwrap();
+    let staged = tmp.path().join("step-5");
+    std::fs::create_dir_all(&staged).unwrap();
+    std::fs::write(staged.join("model.bin"), "weights").unwrap();
+    let staged = staged.to_str().unwrap();
+    let cache = tmp.path().join("cache");
+    let cache = cache.to_str().unwrap();
+    let missing = tmp.path().join("nothing-here");
+    let missing = missing.to_str().unwrap();
+    // The instance-metadata credential provider finds nothing listening.
+    let no_creds = [("AWS_METADATA_ENDPOINT", "http://127.0.0.1:1")];
+    let creds = [
+        ("AWS_ACCESS_KEY_ID", "AKIAEXAMPLE"),
+        ("AWS_SECRET_ACCESS_KEY", "secret"),
+        ("AWS_REGION", "us-east-1"),
+    ];
+    // (arguments, environment, exit code, words it must say, words it must not say)
+    type Row<'a> = (
+        Vec<&'a str>,
+        &'a [(&'a str, &'a str)],
+        i32,
+        Vec<&'a str>,
+        Vec<&'a str>,
+    );
+    let rows: Vec<Row> = vec![
+        (
+            vec!["prefetch", "s3://my-bucket/imagenet/", cache],
+            &no_creds,
+            2,
+            vec!["no credentials (tried: env, web identity, instance metadata: connection refused by 127.0.0.1:1"],
+            vec!["bucket policy", "access denied"],
+        ),
+        (
+            vec!["upload", staged, "s3://my-bucket/run1"],
+            &no_creds,
+            2,
+            vec!["no credentials (tried: env, web identity, instance metadata"],
+            vec!["Generic S3 error"],
+        ),
+        (
+            vec!["prefetch", "s3://my-bucket/imagenet/", cache, "--endpoint", "http://127.0.0.1:1"],
+            &creds,
+            2,
+            vec!["connection refused by 127.0.0.1:1"],
+            vec!["error sending request", "no credentials"],
+        ),
+        (
+            vec!["prefetch", "s3://my-bucket/imagenet/", cache, "--endpoint", "not-a-url"],
+            &[],
+            64,
+            vec!["--endpoint", "must start with http:// or https://"],
+            vec!["source URL"],
+        ),
+        (
+            vec!["upload", staged, "gs://"],
+            &[],
+            64,
+            vec!["destination \"gs://\"", "missing bucket name"],
+            vec!["source URL"],
+        ),
+        (vec!["upload", missing, "s3://my-bucket/run1"], &[], 64, vec!["STAGED", "no such directory"], vec![]),
+        (
+            vec!["run", "--webhook-url", "http://"],
+            &[],
+            64,
+            vec!["--webhook-url", "has no host"],
+            vec!["must start with"],
+        ),
+        (
+            vec!["drill", "--timeout", "60"],
+            &[],
+            64,
+            vec!["--timeout", "\"60\" has no unit: write 60s"],
+            vec!["friendly", "designator"],
+        ),
+        (
+            vec!["run", "--checkpoint-timeout", "soon"],
+            &[],
+            64,
+            vec!["--checkpoint-timeout", "like 500ms, 30s, 10m or 1h30m"],
+            vec!["friendly", "designator"],
+        ),
+        (
+            vec!["run", "--checkpoint-signal", "SIGKILL"],
+            &[],
+            64,
+            vec!["SIGKILL cannot be caught", "SIGUSR1, SIGUSR2"],
+            vec!["disallowed"],
+        ),
+        (
+            vec!["drill", "--", "python3", "-c", "import no_such_module_of_spotguard"],
+            &[],
+            2,
+            vec!["crashed before the notice (exit 1", "its own output is above"],
+            vec!["Give it more steps"],
+        ),
+        (
+            vec!["run", "--checkpoint-signal", "SIGFOO"],
+            &[],
+            64,
+            vec!["unknown signal \"SIGFOO\"", "SIGUSR1"],
+            vec!["disallowed"],
+        ),
+    ];
+    let mut failures = Vec::new();
+    for (args, env, code, must, must_not) in &rows {
+        let o = spotguard_clean(args, env);
+        let e = stderr(&o);
+        if o.status.code() != Some(*code)
+            || !must.iter().all(|w| e.contains(w))
+            || must_not.iter().any(|w| e.contains(w))
+        {
+            failures.push(format!(
+                "{args:?}: exit {:?} (want {code}), want {must:?}, not {must_not:?}:\n{e}",
+                o.status.code()
+            ));
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n\n"));
+}
+
+/// A valid host-mode agent's arguments, state in `dir`.
+fn agent_args(dir: &std::path::Path, metrics: &str) -> Vec<String> {
+    vec![
+        "run".into(),
+        "--mode=host".into(),
+        "--cloud=aws".into(),
+        "--metadata-endpoint=http://127.0.0.1:1".into(),
+        "--checkpoint-unit=train".into(),
+        format!("--checkpoint-dir={}", dir.join("ckpt").display()),
+        format!("--state-dir={}", dir.join("state").display()),
+        format!("--metrics-addr={metrics}"),
+        "--gpu=off".into(),
+        "--log-format=text".into(),
+    ]
+}
+
+/// The agent's stderr until a line satisfies `done` (then it is stopped), or it exits.
+fn agent_until(args: &[String], done: impl Fn(&str) -> bool) -> String {
+    use std::io::BufRead;
+    let mut c = Command::new(env!("CARGO_BIN_EXE_spotguard"));
+    c.args(args);
+    for (k, _) in std::env::vars() {
+        if k.starts_with("SPOTGUARD_") || k == "RUST_LOG" {
+            c.env_remove(k);
+        }
+    }
+    let mut child = c
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = String::new();
+    for line in std::io::BufReader::new(child.stderr.take().unwrap()).lines() {
+        let line = line.unwrap();
+        out.push_str(&line);
+        out.push('\n');
+        if done(&line) {
+            break;
+        }
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    out
+}
+
+#[test]
+fn the_agent_says_refused_once_and_plainly() {
+    let dir = tempfile::tempdir().unwrap();
+    // The metadata endpoint refuses: said as such (not "error sending request for url").
+    let log = agent_until(&agent_args(dir.path(), "127.0.0.1:0"), |l| {
+        l.contains("metadata poll failed")
+    });
+    let line = log
+        .lines()
+        .find(|l| l.contains("metadata poll failed"))
+        .unwrap_or_else(|| panic!("no failed poll logged:\n{log}"));
+    assert!(
+        line.contains("connection refused by 127.0.0.1:1")
+            && !line.contains("error sending request"),
+        "{line}"
+    );
+    // The metrics address in use: the cause once.
+    let busy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = busy.local_addr().unwrap().to_string();
+    let log = agent_until(&agent_args(dir.path(), &addr), |l| {
+        l.contains("spotguard stopped")
+    });
+    let line = log
+        .lines()
+        .find(|l| l.contains("spotguard stopped"))
+        .unwrap_or_else(|| panic!("the agent did not stop:\n{log}"));
+    assert_eq!(line.matches("Address already in use").count(), 1, "{line}");
 }

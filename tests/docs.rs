@@ -193,6 +193,7 @@ async fn a_fresh_agent_exports_every_documented_series_at_zero() {
         "--metrics-addr=127.0.0.1:0".into(),
         "--gpu=off".into(),
         "--log-level=error".into(),
+        "--checkpoint-cmdline=^no-such-trainer$".into(),
     ];
     let args = spotguard::config::parse_run_args(argv).unwrap_or_else(|text| panic!("{text}"));
     let cfg = spotguard::config::Config::resolve(args, &spotguard::config::ProcessEnv).unwrap();
@@ -250,5 +251,264 @@ async fn a_fresh_agent_exports_every_documented_series_at_zero() {
                 );
             }
         }
+    }
+}
+
+/// How a shell block of docs/ is tested: the HTML comment on the line before its fence.
+#[derive(Debug)]
+enum Marker {
+    /// `<!-- doc-test: run -->`: executed as written.
+    Run,
+    /// `<!-- doc-test: run with emulator CLOUD -->`: executed as written while `spotguard
+    /// emulate --cloud CLOUD` listens at `$E`.
+    RunWithEmulator(String),
+    /// `<!-- doc-test: append PATH -->`: lines the reader pastes into PATH (a file of the sandbox).
+    Append(String),
+    /// `<!-- doc-test: skip: REASON -->`: cannot run here, and why.
+    Skip,
+}
+
+/// One ```sh or ```console block.
+struct ShellBlock {
+    file: String,
+    line: usize,
+    marker: Marker,
+    /// The commands (for `console`: the `$ ` lines and their continuations).
+    script: String,
+}
+
+fn shell_blocks(root: &Path) -> (Vec<ShellBlock>, Vec<String>) {
+    let mut blocks = Vec::new();
+    let mut problems = Vec::new();
+    let mut files: Vec<_> = std::fs::read_dir(root.join("docs"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|e| e == "md"))
+        .collect();
+    files.sort();
+    for path in files {
+        let text = std::fs::read_to_string(&path).unwrap();
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        let lines: Vec<&str> = text.lines().collect();
+        let mut i = 0;
+        while i < lines.len() {
+            let fence = lines[i].trim_start();
+            let lang = fence.strip_prefix("```").unwrap_or("");
+            if !fence.starts_with("```") || !matches!(lang, "sh" | "console" | "bash") {
+                if fence.starts_with("```") {
+                    // Skip over a block of another language.
+                    i += 1;
+                    while i < lines.len() && !lines[i].trim_start().starts_with("```") {
+                        i += 1;
+                    }
+                }
+                i += 1;
+                continue;
+            }
+            let start = i + 1;
+            let mut end = start;
+            while end < lines.len() && !lines[end].trim_start().starts_with("```") {
+                end += 1;
+            }
+            let body = &lines[start..end];
+            let prev = if i > 0 { lines[i - 1].trim() } else { "" };
+            let marker = prev
+                .strip_prefix("<!-- doc-test:")
+                .and_then(|m| m.strip_suffix("-->"))
+                .map(str::trim);
+            let marker = match marker {
+                Some("run") => Some(Marker::Run),
+                Some(m) if m.starts_with("run with emulator ") => Some(Marker::RunWithEmulator(
+                    m["run with emulator ".len()..].trim().to_string(),
+                )),
+                Some(m) if m.starts_with("append ") => {
+                    Some(Marker::Append(m["append ".len()..].trim().to_string()))
+                }
+                Some(m) if m.starts_with("skip:") && m.len() > "skip:".len() + 10 => {
+                    Some(Marker::Skip)
+                }
+                _ => None,
+            };
+            match marker {
+                None => problems.push(format!(
+                    "docs/{name}:{}: a shell block without `<!-- doc-test: run -->`, `<!-- doc-test: append PATH -->` or `<!-- doc-test: skip: WHY -->` on the line before",
+                    i + 1
+                )),
+                Some(marker) => {
+                    let script = if lang == "console" {
+                        let mut out = String::new();
+                        let mut continued = false;
+                        for l in body {
+                            if let Some(cmd) = l.strip_prefix("$ ") {
+                                out.push_str(cmd);
+                            } else if continued {
+                                out.push_str(l);
+                            } else {
+                                continue;
+                            }
+                            out.push('\n');
+                            continued = l.ends_with('\\');
+                        }
+                        out
+                    } else {
+                        body.join("\n") + "\n"
+                    };
+                    blocks.push(ShellBlock {
+                        file: name.clone(),
+                        line: i + 1,
+                        marker,
+                        script,
+                    });
+                }
+            }
+            i = end + 1;
+        }
+    }
+    (blocks, problems)
+}
+
+/// Every shell block of docs/ says how it is tested, and each one a reader runs as written runs
+/// here: in doc order, per page in a sandbox standing in for the machine the page is about
+/// (`/etc/spotguard/` is the sandbox's, holding the shipped env file as the install step puts
+/// it; the state and notice dirs systemd makes are the sandbox's; `spotguard` is this build; the
+/// working directory has the checkout's `examples/`).
+#[test]
+fn shell_blocks_in_docs_run_as_written() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let (blocks, problems) = shell_blocks(root);
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+    assert!(
+        blocks.len() > 20,
+        "found only {} shell blocks",
+        blocks.len()
+    );
+    let runnable = blocks
+        .iter()
+        .filter(|b| !matches!(b.marker, Marker::Skip))
+        .count();
+    assert!(runnable >= 4, "only {runnable} blocks run");
+    let mut failures = Vec::new();
+    let mut sandboxes: std::collections::HashMap<String, tempfile::TempDir> = Default::default();
+    for b in &blocks {
+        if matches!(b.marker, Marker::Skip) {
+            continue;
+        }
+        let sandbox = sandboxes.entry(b.file.clone()).or_insert_with(|| {
+            let s = tempfile::tempdir().unwrap();
+            let p = s.path();
+            for d in ["bin", "etc/spotguard", "work", "state", "run"] {
+                std::fs::create_dir_all(p.join(d)).unwrap();
+            }
+            std::os::unix::fs::symlink(env!("CARGO_BIN_EXE_spotguard"), p.join("bin/spotguard"))
+                .unwrap();
+            std::fs::copy(
+                root.join("systemd/spotguard.env"),
+                p.join("etc/spotguard/spotguard.env"),
+            )
+            .unwrap();
+            std::os::unix::fs::symlink(root.join("examples"), p.join("work/examples")).unwrap();
+            s
+        });
+        let s = sandbox.path();
+        let local = |text: &str| {
+            text.replace(
+                "/etc/spotguard/",
+                &format!("{}/etc/spotguard/", s.display()),
+            )
+        };
+        match &b.marker {
+            Marker::Append(path) => {
+                use std::io::Write;
+                let mut f = std::fs::OpenOptions::new()
+                    .append(true)
+                    .create(true)
+                    .open(local(path))
+                    .unwrap();
+                f.write_all(b.script.as_bytes()).unwrap();
+            }
+            Marker::Run | Marker::RunWithEmulator(_) => {
+                let emulator = match &b.marker {
+                    Marker::RunWithEmulator(cloud) => Some(Emulate::start(cloud)),
+                    _ => None,
+                };
+                let mut c = std::process::Command::new("bash");
+                c.args(["-e", "-o", "pipefail", "-c", &local(&b.script)])
+                    .current_dir(s.join("work"));
+                for (k, _) in std::env::vars() {
+                    if k.starts_with("SPOTGUARD_") || k == "KUBECONFIG" || k == "NODE_NAME" {
+                        c.env_remove(k);
+                    }
+                }
+                let path = format!(
+                    "{}:{}",
+                    s.join("bin").display(),
+                    std::env::var("PATH").unwrap_or_default()
+                );
+                c.env("PATH", path)
+                    .env("SPOTGUARD_STATE_DIR", s.join("state"))
+                    .env("SPOTGUARD_CHECKPOINT_DIR", s.join("run"));
+                if let Some(e) = &emulator {
+                    c.env("E", &e.url);
+                }
+                let o = c.output().unwrap();
+                drop(emulator);
+                if !o.status.success() {
+                    failures.push(format!(
+                        "docs/{}:{}: exit {:?}\n{}\n--- stdout\n{}\n--- stderr\n{}",
+                        b.file,
+                        b.line,
+                        o.status.code(),
+                        b.script,
+                        String::from_utf8_lossy(&o.stdout),
+                        String::from_utf8_lossy(&o.stderr)
+                    ));
+                }
+            }
+            Marker::Skip => {}
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n\n"));
+}
+
+/// `spotguard emulate` listening on a free local port (stopped when dropped).
+struct Emulate {
+    child: std::process::Child,
+    url: String,
+}
+
+impl Emulate {
+    fn start(cloud: &str) -> Emulate {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let child = std::process::Command::new(env!("CARGO_BIN_EXE_spotguard"))
+            .args(["emulate", "--cloud", cloud, "--listen"])
+            .arg(format!("127.0.0.1:{port}"))
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut e = Emulate {
+            child,
+            url: format!("http://127.0.0.1:{port}"),
+        };
+        // Until it accepts connections (or has exited: then the block's requests fail).
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            if e.child.try_wait().unwrap().is_some() {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        e
+    }
+}
+
+impl Drop for Emulate {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 }

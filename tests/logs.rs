@@ -21,6 +21,8 @@ fn base(dir: &std::path::Path) -> Vec<String> {
         format!("--state-dir={}", d("state")),
         format!("--cache-dir={}", d("cache")),
         "--gpu=off".into(),
+        // Host mode needs a target; this one matches nothing.
+        "--checkpoint-cmdline=^no-such-trainer$".into(),
     ]
 }
 

@@ -461,6 +461,8 @@ fn host_args(emu: &emulator::EmulatorHandle, dir: &Path) -> Vec<String> {
         format!("--metadata-endpoint={}", emu.base_url()),
         "--poll-interval=200ms".into(),
         format!("--checkpoint-dir={}", dir.join("ckpt").display()),
+        // Host mode needs a target; this one matches nothing.
+        "--checkpoint-cmdline=^no-such-trainer$".into(),
     ]
 }
 

@@ -170,6 +170,7 @@ fn agent(server: &S3Server, state: &Path, emu: &str, port: u16, log: &Path) -> K
             state.parent().unwrap().join("ckpt").display()
         ),
         format!("--state-dir={}", state.display()),
+        "--checkpoint-cmdline=^no-such-trainer$".into(),
         format!("--metrics-addr=127.0.0.1:{port}"),
         "--gpu=off".into(),
         "--log-level=info".into(),

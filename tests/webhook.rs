@@ -122,6 +122,7 @@ fn fields() -> NotifyFields {
         detail: "terminate".into(),
         action: "checkpoint and drain".into(),
         outcome: None,
+        host: false,
     }
 }
 
@@ -744,6 +745,9 @@ async fn an_agent_sends_start_and_outcome_and_records_headroom() {
     for part in ["handled after", "checkpoint 1 acked", "step 4242", "budget"] {
         assert!(text.contains(part), "{text:?} lacks {part:?}");
     }
+    // Host mode: a host, not a node.
+    assert!(text.contains("interruption on host "), "{text:?}");
+    assert!(!text.contains("on node"), "{text:?}");
 
     let m = spotguard_testkit::metrics_text(app.admin_addr).await;
     for line in [
@@ -751,6 +755,9 @@ async fn an_agent_sends_start_and_outcome_and_records_headroom() {
         "spotguard_checkpoint_last_acked_step 4242",
         "spotguard_plans_total{outcome=\"completed\"} 1",
         "spotguard_webhook_total{outcome=\"sent\"} 2",
+        // Nothing to taint or cordon on a host, nothing to acknowledge to EC2: not counted as done.
+        "spotguard_node_actions_total{action=\"protect\",outcome=\"ok\"} 0",
+        "spotguard_node_actions_total{action=\"acknowledge\",outcome=\"ok\"} 0",
     ] {
         assert!(m.contains(line), "{line} not in\n{m}");
     }

@@ -73,6 +73,15 @@ impl Signal {
         ("SIGPWR", libc::SIGPWR),
     ];
 
+    /// What `--checkpoint-signal` takes, in words.
+    fn allowed() -> String {
+        let names: Vec<&str> = Self::NAMES.iter().map(|(n, _)| *n).collect();
+        format!(
+            "use one the trainer catches: {}, or a number 1-64 other than 9 (SIGKILL), 19 (SIGSTOP), 32 and 33",
+            names.join(", ")
+        )
+    }
+
     pub fn name(self) -> String {
         Self::NAMES
             .iter()
@@ -95,7 +104,21 @@ impl std::str::FromStr for Signal {
             if (1..=64).contains(&n) && n != libc::SIGKILL && n != libc::SIGSTOP {
                 return Ok(Signal(n));
             }
-            return Err(format!("signal number {n} is not allowed"));
+            if n == libc::SIGKILL || n == libc::SIGSTOP {
+                return Err(format!(
+                    "signal number {n} ({}) cannot be caught, so no trainer could save on it: {}",
+                    if n == libc::SIGKILL {
+                        "SIGKILL"
+                    } else {
+                        "SIGSTOP"
+                    },
+                    Self::allowed()
+                ));
+            }
+            return Err(format!(
+                "signal number {n} is not a signal: {}",
+                Self::allowed()
+            ));
         }
         let full = if t.starts_with("SIG") {
             t
@@ -106,7 +129,13 @@ impl std::str::FromStr for Signal {
             .iter()
             .find(|(name, _)| *name == full)
             .map(|(_, n)| Signal(*n))
-            .ok_or_else(|| format!("unknown or disallowed signal {s:?}"))
+            .ok_or_else(|| match full.as_str() {
+                "SIGKILL" | "SIGSTOP" => format!(
+                    "{full} cannot be caught, so no trainer could save on it: {}",
+                    Self::allowed()
+                ),
+                _ => format!("unknown signal {s:?}: {}", Self::allowed()),
+            })
     }
 }
 

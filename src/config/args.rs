@@ -256,6 +256,7 @@ pub struct RunArgs {
         env = "SPOTGUARD_CHECKPOINT_PIDFILE",
         value_name = "PATH",
         value_delimiter = ',',
+        value_parser = parse_abs_path,
         help_heading = HOST_MODE,
     )]
     pub checkpoint_pidfile: Vec<PathBuf>,
@@ -432,5 +433,25 @@ pub struct WebhookHeader(pub http::HeaderName, pub http::HeaderValue);
 /// `run`'s arguments as a command of their own (`spotguard run`), for parsing them without the
 /// rest of the command table.
 pub(crate) fn run_command() -> clap::Command {
-    RunArgs::augment_args(clap::Command::new("run").bin_name("spotguard run"))
+    empty_env_is_unset(RunArgs::augment_args(
+        clap::Command::new("run").bin_name("spotguard run"),
+    ))
+}
+
+/// A `SPOTGUARD_*` variable set to the empty string counts as unset: the env file's example
+/// `#SPOTGUARD_METADATA_ENDPOINT=`, uncommented as shown, means "the default", where clap would
+/// parse "" as the value (and refuse it, or take an empty name). Applied to `cmd` and every
+/// subcommand.
+pub fn empty_env_is_unset(cmd: clap::Command) -> clap::Command {
+    cmd.mut_args(|a| {
+        let empty = a
+            .get_env()
+            .is_some_and(|name| std::env::var_os(name).is_some_and(|v| v.is_empty()));
+        if empty {
+            a.env(None::<&'static str>)
+        } else {
+            a
+        }
+    })
+    .mut_subcommands(empty_env_is_unset)
 }

@@ -16,6 +16,7 @@
 //! never refers to cli or to any command's module (the arrows point from them to config).
 
 mod args;
+pub mod check;
 mod file;
 mod origin;
 mod parse;
@@ -31,7 +32,8 @@ use file::{read_extras, validate_dataset};
 
 pub use crate::gpu::GpuMode;
 pub use args::{
-    CloudChoice, LogFormat, MaintenanceAction, ModeChoice, RebalanceAction, RunArgs, WebhookHeader,
+    empty_env_is_unset, CloudChoice, LogFormat, MaintenanceAction, ModeChoice, RebalanceAction,
+    RunArgs, WebhookHeader,
 };
 pub(crate) use file::merge_config_file;
 pub use file::Dataset;
@@ -133,6 +135,8 @@ pub trait Env {
     fn var(&self, name: &str) -> Option<String>;
     fn exists(&self, path: &Path) -> bool;
     fn stdout_is_tty(&self) -> bool;
+    /// Why the agent could not keep its files in `dir` (see [`check::writable_dir`]).
+    fn check_dir(&self, dir: &Path) -> Result<(), String>;
 }
 
 /// The process environment.
@@ -148,6 +152,9 @@ impl Env for ProcessEnv {
     fn stdout_is_tty(&self) -> bool {
         use std::io::IsTerminal;
         std::io::stderr().is_terminal()
+    }
+    fn check_dir(&self, dir: &Path) -> Result<(), String> {
+        check::writable_dir(dir)
     }
 }
 
@@ -187,24 +194,23 @@ impl Config {
                 reason,
             })?;
         }
+        check::log_filter(&args.log_level).map_err(|reason| Error::Invalid {
+            key: "log-level",
+            reason,
+        })?;
         if let Some(reserve) = args.drain_reserve {
-            if reserve >= Duration::from_secs(600) {
-                return Err(Error::Invalid {
+            check::drain_reserve(reserve, args.cloud.0, args.gce_preemption_notice).map_err(
+                |reason| Error::Invalid {
                     key: "drain-reserve",
-                    reason: format!(
-                        "{} leaves no time to checkpoint before any cloud's deadline",
-                        crate::duration::display(reserve)
-                    ),
-                });
-            }
+                    reason,
+                },
+            )?;
         }
         for unit in &args.checkpoint_unit {
-            if unit.is_empty() || unit.contains('/') {
-                return Err(Error::Invalid {
-                    key: "checkpoint-unit",
-                    reason: format!("{unit:?} is not a systemd unit name"),
-                });
-            }
+            check::unit_name(unit).map_err(|reason| Error::Invalid {
+                key: "checkpoint-unit",
+                reason,
+            })?;
         }
         if args.webhook_template.is_some() && args.webhook_url.is_none() {
             return Err(Error::Invalid {
@@ -266,10 +272,6 @@ impl Config {
         } else {
             LogFormat::Json
         });
-        tracing_subscriber::EnvFilter::try_new(&args.log_level).map_err(|e| Error::Invalid {
-            key: "log-level",
-            reason: e.to_string(),
-        })?;
         let mut gpu: crate::gpu::GpuConfig = match gpu_table {
             Some(t) => toml::Value::Table(t)
                 .try_into()
@@ -292,6 +294,28 @@ impl Config {
             key: "gpu",
             reason: e.to_string(),
         })?;
+        // Last: what needs the machine (the value checks above name a typo first).
+        if mode == Mode::Host {
+            if args.checkpoint_unit.is_empty()
+                && args.checkpoint_pidfile.is_empty()
+                && args.checkpoint_cmdline.is_empty()
+            {
+                return Err(Error::Invalid {
+                    key: "checkpoint-unit/-pidfile/-cmdline",
+                    reason: "host mode has no checkpoint target: a notice would signal nothing. Set at least one of --checkpoint-unit (e.g. train.service), --checkpoint-pidfile or --checkpoint-cmdline (SPOTGUARD_CHECKPOINT_UNIT, …)".into(),
+                });
+            }
+            env.check_dir(&args.checkpoint_dir)
+                .map_err(|reason| Error::Invalid {
+                    key: "checkpoint-dir",
+                    reason,
+                })?;
+        }
+        env.check_dir(&args.state_dir)
+            .map_err(|reason| Error::Invalid {
+                key: "state-dir",
+                reason,
+            })?;
         Ok(Config {
             gpu,
             mode,
@@ -369,11 +393,14 @@ mod tests {
         fn stdout_is_tty(&self) -> bool {
             true
         }
+        fn check_dir(&self, _dir: &Path) -> Result<(), String> {
+            Ok(())
+        }
     }
 
     #[test]
     fn defaults_match_the_design() {
-        let a = run_args(&[]).unwrap();
+        let a = run_args(&["--checkpoint-unit", "train"]).unwrap();
         assert_eq!(a.poll_interval, Duration::from_secs(1));
         assert_eq!(a.on_rebalance, RebalanceAction::Checkpoint);
         assert_eq!(a.rebalance_expiry, Duration::from_secs(1800));
@@ -418,6 +445,8 @@ mod tests {
         assert_eq!(a.checkpoint_timeout, Duration::from_secs(45));
         assert!(a.dry_run);
         assert_eq!(a.checkpoint_cmdline.len(), 2);
+        let mut a = a;
+        a.checkpoint_unit = vec!["train".into()];
         let c = Config::resolve(a, &TestEnv(vec![])).unwrap();
         assert_eq!(
             c.datasets,
@@ -431,7 +460,11 @@ mod tests {
     #[test]
     fn gpu_condition_types_and_pod_resources_socket() {
         let env = TestEnv(vec![]);
-        let c = Config::resolve(run_args(&["--mode", "host"]).unwrap(), &env).unwrap();
+        let c = Config::resolve(
+            run_args(&["--mode", "host", "--checkpoint-unit", "train"]).unwrap(),
+            &env,
+        )
+        .unwrap();
         assert_eq!(c.gpu.conditions, crate::gpu::ConditionTypes::default());
         assert_eq!(
             c.gpu.pod_resources_socket.as_deref(),
@@ -441,6 +474,8 @@ mod tests {
             run_args(&[
                 "--mode",
                 "host",
+                "--checkpoint-unit",
+                "train",
                 "--gpu-ready-condition",
                 "AcceleratedHardwareReady",
                 "--gpu-pod-resources-socket",
@@ -456,7 +491,15 @@ mod tests {
         );
         assert_eq!(c.gpu.pod_resources_socket, None, "empty = off");
         let err = Config::resolve(
-            run_args(&["--mode", "host", "--gpu-unhealthy-condition", "Ready"]).unwrap(),
+            run_args(&[
+                "--mode",
+                "host",
+                "--checkpoint-unit",
+                "train",
+                "--gpu-unhealthy-condition",
+                "Ready",
+            ])
+            .unwrap(),
             &env,
         )
         .expect_err("kubelet's condition");

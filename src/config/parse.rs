@@ -13,7 +13,7 @@ pub(super) fn parse_webhook_header(s: &str) -> Result<WebhookHeader, String> {
 }
 
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
-    crate::duration::parse(s).map_err(|e| format!("{e} (expected a duration like 500ms, 30s, 10m)"))
+    crate::duration::parse(s)
 }
 
 pub fn parse_positive_duration(s: &str) -> Result<Duration, String> {
@@ -50,15 +50,7 @@ pub(super) fn parse_abs_path(s: &str) -> Result<PathBuf, String> {
 }
 
 pub(super) fn parse_url(s: &str) -> Result<String, String> {
-    let t = s.trim().trim_end_matches('/');
-    let rest = t
-        .strip_prefix("http://")
-        .or_else(|| t.strip_prefix("https://"))
-        .ok_or_else(|| format!("{s:?} must start with http:// or https://"))?;
-    if rest.is_empty() || rest.contains(char::is_whitespace) {
-        return Err(format!("{s:?} has no host"));
-    }
-    Ok(t.to_string())
+    crate::prefetch::source::parse_http_url(s)
 }
 
 pub(super) fn parse_endpoint(s: &str) -> Result<reqwest::Url, String> {

@@ -172,11 +172,25 @@ const SIGNAL_NAME: &str = "SIGUSR1";
 
 /// Run the drill (`--repeat` times); returns the process exit code.
 pub async fn run(args: DrillArgs, cancel: CancellationToken) -> i32 {
+    if let Err(e) = check_args(&args) {
+        eprintln!("spotguard: {e}");
+        return config::EXIT_USAGE;
+    }
     crate::telemetry::init(config::LogFormat::Text, &args.log_level);
     if args.elastic {
         return elastic::run(&args, cancel).await;
     }
     repeat::run(&args, &cancel, || drill(&args, cancel.clone())).await
+}
+
+/// What can be judged before the drill runs: the log filter, and the report file `--junit` will
+/// write at the end (a typo there would otherwise cost the whole run).
+fn check_args(args: &DrillArgs) -> Result<(), String> {
+    config::check::log_filter(&args.log_level).map_err(|e| format!("--log-level: {e}"))?;
+    if let Some(path) = &args.junit {
+        config::check::output_file(path).map_err(|e| format!("--junit: {e}"))?;
+    }
+    Ok(())
 }
 
 /// Print a progress line: on stdout, or on stderr under `--json` (stdout is the JSON).
@@ -260,12 +274,20 @@ async fn drill(args: &DrillArgs, cancel: CancellationToken) -> Result<Verdict, S
         h = wait_for_handler(args, &proc, root, started) => h,
         status = child.wait() => {
             pipeline.stop().await;
+            let crashed = matches!(&status, Ok(s) if !s.success());
             let what = child::early_exit(status);
             dirs.work.keep(args.keep);
-            return Err(format!(
-                "the command ended before the notice ({what}, {:.1}s after start): nothing was left to interrupt. Give it more steps, or a shorter --after",
-                started.elapsed().as_secs_f64()
-            ));
+            let after = started.elapsed().as_secs_f64();
+            let where_ = if args.json { "on stderr, above" } else { "above" };
+            return Err(if crashed {
+                format!(
+                    "the command crashed before the notice ({what}, {after:.1}s after start): its own output is {where_} (a missing module, a bad argument?). Run it alone until it trains, then drill it again"
+                )
+            } else {
+                format!(
+                    "the command ended before the notice ({what}, {after:.1}s after start): nothing was left to interrupt. Give it more steps, or a shorter --after"
+                )
+            });
         }
         _ = cancel.cancelled() => return Err("interrupted".into()),
     };

@@ -371,9 +371,13 @@ fn with_upload(v: &Verdict, pass: bool, reason: String) -> (bool, String) {
 fn rel(t: Option<Timestamp>, t0: Option<Timestamp>) -> String {
     match (t, t0) {
         (Some(t), Some(t0)) => {
-            // Clock rounding can put a point a hair before the notice; never print "+-0.000s".
+            // Clock rounding can put a point a hair before the notice (a GCE hanging GET answers
+            // as the notice is raised, before the drill has stamped it): under 100 ms before
+            // is "at once", never "-0.002s".
             let s = t.duration_since(t0).as_secs_f64();
-            if s < 0.0 {
+            if s < 0.0 && s > -0.1 {
+                "+0.000s".to_string()
+            } else if s < 0.0 {
                 format!("-{:.3}s", -s).replace("-0.000s", "+0.000s")
             } else {
                 format!("+{s:.3}s")

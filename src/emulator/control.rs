@@ -81,6 +81,15 @@ fn notice(shared: &Arc<Shared>, value: serde_json::Value) -> Result<serde_json::
             reason: "missing \"kind\" (interruption, rebalance, maintenance, cancel, clear)"
                 .to_owned(),
         })?;
+    const KINDS: &str = "interruption, rebalance, maintenance, cancel, clear";
+    match kind {
+        "interruption" | "rebalance" | "maintenance" | "clear" | "cancel" => {}
+        other => {
+            return Err(Error::InvalidRequest {
+                reason: format!("unknown kind {other:?}: expected one of {KINDS}"),
+            })
+        }
+    }
     match kind {
         "clear" => {
             only_keys(&value, &["kind"])?;

@@ -31,6 +31,10 @@ impl NodeOps for HostNodeOps {
         Ok(Applied::default())
     }
 
+    fn has_node(&self) -> bool {
+        false
+    }
+
     async fn unprotect(&self, _applied: &Applied) -> Result<(), Error> {
         Ok(())
     }

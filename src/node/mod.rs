@@ -276,6 +276,11 @@ pub trait NodeOps: Send + Sync {
     /// Taint (and cordon) the node. Returns what was actually changed; something already present
     /// (an operator's cordon) is reported as not applied so that undo leaves it.
     async fn protect(&self, protection: &Protection) -> Result<Applied, Error>;
+    /// Whether there is a node to act on (false in host mode: taints, cordons and drains are
+    /// only logged, and not counted as done in `spotguard_node_actions_total`).
+    fn has_node(&self) -> bool {
+        true
+    }
     /// Undo exactly what `applied` says spotguard did.
     async fn unprotect(&self, applied: &Applied) -> Result<(), Error>;
     /// What the node itself records that spotguard applied (Kubernetes: the annotation
@@ -308,6 +313,9 @@ pub trait NodeOps: Send + Sync {
 
 #[async_trait]
 impl<T: NodeOps + ?Sized> NodeOps for std::sync::Arc<T> {
+    fn has_node(&self) -> bool {
+        (**self).has_node()
+    }
     async fn load_state(&self) -> Result<Option<String>, Error> {
         (**self).load_state().await
     }

@@ -387,6 +387,10 @@ impl NoticeSource for AzureScheduledEvents {
         Ok(notices)
     }
 
+    fn acknowledges(&self, notice: &Notice) -> bool {
+        notice.source == Cloud::Azure && !matches!(notice.kind, NoticeKind::Cancelled(_))
+    }
+
     /// Approve the scheduled event `notice.id` so that it starts now.
     async fn acknowledge(&self, notice: &Notice) -> Result<(), Error> {
         if notice.source != Cloud::Azure || matches!(notice.kind, NoticeKind::Cancelled(_)) {

@@ -131,6 +131,11 @@ pub trait NoticeSource: Send + Sync {
     async fn acknowledge(&self, _notice: &Notice) -> Result<(), Error> {
         Ok(())
     }
+    /// Whether [`acknowledge`](Self::acknowledge) tells the cloud anything for `notice` (counted
+    /// in `spotguard_node_actions_total{action="acknowledge"}` only then). Default: no.
+    fn acknowledges(&self, _notice: &Notice) -> bool {
+        false
+    }
 }
 
 #[async_trait]
@@ -147,12 +152,15 @@ impl<T: NoticeSource + ?Sized> NoticeSource for std::sync::Arc<T> {
     async fn acknowledge(&self, notice: &Notice) -> Result<(), Error> {
         (**self).acknowledge(notice).await
     }
+    fn acknowledges(&self, notice: &Notice) -> bool {
+        (**self).acknowledges(notice)
+    }
 }
 
 /// Errors from notice sources. Never fatal: the monitor counts, logs and backs off.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    #[error("request to {url} failed: {source}")]
+    #[error("request to {url} failed: {}", crate::words::transport(.source))]
     Request {
         url: String,
         #[source]

@@ -140,7 +140,7 @@ impl ErrorReporter {
                 source = self.source,
                 error = %err,
                 suppressed,
-                "metadata endpoint failed; notices from the other endpoints are still used"
+                "metadata endpoint failed; polling goes on"
             );
         }
     }
@@ -310,7 +310,7 @@ pub async fn run_monitor_with(
                         retryable = err.is_retryable(),
                         consecutive = limiter.consecutive(),
                         suppressed,
-                        retry_in = ?delay,
+                        retry_in = %crate::duration::display(delay),
                         "metadata poll failed"
                     );
                 }

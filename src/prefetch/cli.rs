@@ -79,7 +79,7 @@ pub struct PrefetchArgs {
     pub part_size: u64,
 
     /// S3-compatible endpoint (path-style; http:// allowed), e.g. http://127.0.0.1:9000.
-    #[arg(long, env = "SPOTGUARD_PREFETCH_ENDPOINT")]
+    #[arg(long, env = "SPOTGUARD_PREFETCH_ENDPOINT", value_name = "URL", value_parser = crate::prefetch::source::parse_http_url)]
     pub endpoint: Option<String>,
 
     /// Keep the cache under this size, evicting least-recently-used datasets not in use.

@@ -22,7 +22,7 @@ pub enum Error {
         source: object_store::Error,
     },
 
-    #[error("listing {url} failed ({}): {source}", list_cause(.source))]
+    #[error("listing {url} failed: {}", store_words(.source))]
     List {
         url: String,
         #[source]
@@ -32,7 +32,7 @@ pub enum Error {
     #[error("object key {key:?} rejected: {reason}")]
     UnsafeKey { key: String, reason: String },
 
-    #[error("GET {key} failed: {cause}: {source}")]
+    #[error("GET {key} failed: {}", store_words(.source))]
     Get {
         key: String,
         cause: GetCause,
@@ -125,8 +125,10 @@ impl std::fmt::Display for GetCause {
     }
 }
 
-fn list_cause(e: &object_store::Error) -> GetCause {
-    GetCause::of(e)
+/// An object-store failure in words (through [`crate::words::store`], the one place that words
+/// them): the classified cause, a refused connection, or a credential provider that found none.
+pub fn store_words(e: &object_store::Error) -> String {
+    crate::words::store(e, &GetCause::of(e).to_string())
 }
 
 impl GetCause {
@@ -135,10 +137,11 @@ impl GetCause {
             object_store::Error::NotFound { .. } => GetCause::NotFound,
             object_store::Error::PermissionDenied { .. } => GetCause::PermissionDenied,
             object_store::Error::Unauthenticated { .. } => GetCause::Unauthenticated,
+            other if crate::words::is_credential_failure(other) => GetCause::Unauthenticated,
             other => {
                 // object_store keeps the HTTP status inside its (private) retry error; its text
                 // reads "... status code: 503 Service Unavailable ..." and carries S3's code.
-                let text = error_chain(other);
+                let text = crate::words::chain(other);
                 if text.contains("SlowDown")
                     || text.contains(" 503")
                     || text.contains(" 429")
@@ -158,17 +161,6 @@ impl GetCause {
             }
         }
     }
-}
-
-fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(inner) = cur {
-        s.push_str(": ");
-        s.push_str(&inner.to_string());
-        cur = inner.source();
-    }
-    s
 }
 
 impl Error {

@@ -30,7 +30,7 @@ use std::sync::{Mutex, MutexGuard};
 
 pub use cli::{run_cli, PrefetchArgs};
 pub use download::{FetchOptions, Outcome, Summary, Verify};
-pub use error::{Error, GetCause};
+pub use error::{store_words, Error, GetCause};
 pub use metrics::PrefetchMetrics;
 pub use prefetcher::{DatasetState, DatasetStatus, Ensure, PrefetchDefaults, Prefetcher};
 pub use progress::{Progress, Snapshot};

@@ -86,7 +86,7 @@ pub struct ServeArgs {
     pub prefetch: Vec<DatasetSpec>,
 
     /// S3-compatible endpoint for prefetch sources (e.g. http://127.0.0.1:9000).
-    #[arg(long, env = "SPOTGUARD_PREFETCH_ENDPOINT", value_name = "URL")]
+    #[arg(long, env = "SPOTGUARD_PREFETCH_ENDPOINT", value_name = "URL", value_parser = crate::prefetch::source::parse_http_url)]
     pub endpoint: Option<String>,
 
     /// Honour pods' spotguard.io/prefetch annotations (Kubernetes; off by default).

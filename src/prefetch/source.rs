@@ -57,6 +57,26 @@ pub struct SourceUrl {
     list_prefix: Option<ObjectPath>,
 }
 
+/// An http(s) URL with a host (`--endpoint`, `--webhook-url`): trailing slashes dropped. The
+/// message names what is wrong; clap puts the flag in front of it.
+pub fn parse_http_url(s: &str) -> Result<String, String> {
+    let trimmed = s.trim();
+    let rest = trimmed
+        .strip_prefix("http://")
+        .or_else(|| trimmed.strip_prefix("https://"))
+        .ok_or_else(|| format!("{s:?} must start with http:// or https://"))?;
+    let host = rest.split(['/', '?', '#']).next().unwrap_or("");
+    if host.is_empty() {
+        return Err(format!(
+            "{s:?} has no host after the scheme (e.g. https://hooks.example.com/…)"
+        ));
+    }
+    if rest.contains(char::is_whitespace) {
+        return Err(format!("{s:?} has a space in it"));
+    }
+    Ok(trimmed.trim_end_matches('/').to_string())
+}
+
 impl SourceUrl {
     /// Parse and validate a source URL.
     pub fn parse(url: &str) -> Result<SourceUrl, Error> {

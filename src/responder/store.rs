@@ -25,6 +25,9 @@
 
 use std::collections::HashMap;
 
+/// The least change that moves an interruption's deadline earlier.
+const DEADLINE_MOVE: std::time::Duration = std::time::Duration::from_secs(1);
+
 use jiff::Timestamp;
 
 use crate::notice::{Notice, NoticeKind};
@@ -200,7 +203,9 @@ impl NoticeStore {
                 n.deadline = Some(deadline);
                 Decision::StartInterruption(n)
             }
-            Some((_, current)) if deadline < *current => {
+            // Restated a hair earlier (a deadline the source computes again on each answer, to
+            // the millisecond) is the same deadline: only a real move counts.
+            Some((_, current)) if crate::duration::until(*current, deadline) >= DEADLINE_MOVE => {
                 *current = deadline;
                 Decision::DeadlineMoved(deadline)
             }

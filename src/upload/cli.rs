@@ -98,7 +98,7 @@ pub struct UploadArgs {
     pub part_size: u64,
 
     /// S3-compatible endpoint (path-style; http:// allowed), e.g. http://127.0.0.1:9000.
-    #[arg(long, env = "SPOTGUARD_UPLOAD_ENDPOINT")]
+    #[arg(long, env = "SPOTGUARD_UPLOAD_ENDPOINT", value_name = "URL", value_parser = crate::prefetch::source::parse_http_url)]
     pub endpoint: Option<String>,
 
     /// Stop at this time (RFC 3339 or Unix seconds) and publish nothing if not done.
@@ -162,6 +162,16 @@ pub async fn run_cli(args: UploadArgs, cancel: CancellationToken) -> i32 {
     };
     if !args.staged.is_absolute() {
         return usage("STAGED must be an absolute path");
+    }
+    // A typo in STAGED is a usage error like any other argument's; what is there and refused
+    // (a symlink, a special file) exits 1 below.
+    if std::fs::symlink_metadata(&args.staged)
+        .is_err_and(|e| e.kind() == std::io::ErrorKind::NotFound)
+    {
+        return usage(format!(
+            "STAGED {}: no such directory",
+            args.staged.display()
+        ));
     }
     let destination = location.join(&name);
     let granted = if args.allow.is_empty() {

@@ -39,7 +39,10 @@ impl Location {
         } else if text.starts_with('/') {
             text
         } else if text.starts_with("s3://") || text.starts_with("gs://") {
-            let url = SourceUrl::parse(text).map_err(|e| invalid(&e.to_string()))?;
+            let url = SourceUrl::parse(text).map_err(|e| match e {
+                crate::prefetch::Error::InvalidUrl { reason, .. } => invalid(&reason),
+                e => invalid(&e.to_string()),
+            })?;
             return Ok(Location::Store(url));
         } else {
             return Err(invalid(

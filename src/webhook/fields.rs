@@ -89,6 +89,8 @@ pub struct NotifyFields {
     pub action: String,
     /// Set for the message sent when the plan ends.
     pub outcome: Option<PlanOutcome>,
+    /// Host mode: `node` is a host, not a Kubernetes node (the summary says "on host X").
+    pub host: bool,
 }
 
 impl NotifyFields {
@@ -103,6 +105,16 @@ impl NotifyFields {
             detail: notice.detail.clone(),
             action: action.to_string(),
             outcome: None,
+            host: false,
+        }
+    }
+
+    /// What `node` names: a Kubernetes node, or a host.
+    fn place(&self) -> &'static str {
+        if self.host {
+            "host"
+        } else {
+            "node"
         }
     }
 
@@ -110,8 +122,9 @@ impl NotifyFields {
     pub fn summary(&self, now: Timestamp) -> String {
         match &self.outcome {
             None => format!(
-                "{} notice on node {} ({}), deadline {} ({} left): {}",
+                "{} notice on {} {} ({}), deadline {} ({} left): {}",
                 self.kind,
+                self.place(),
                 self.node,
                 self.source,
                 self.value(Field::Deadline, now, Ctx::default()),
@@ -120,8 +133,9 @@ impl NotifyFields {
             ),
             Some(o) => {
                 let mut s = format!(
-                    "{} on node {} {} after {}: checkpoint {}",
+                    "{} on {} {} {} after {}: checkpoint {}",
                     self.kind,
+                    self.place(),
                     self.node,
                     if o.ok {
                         "handled"
@@ -298,6 +312,7 @@ pub(super) mod tests {
             detail: "terminate".into(),
             action: "checkpoint and drain".into(),
             outcome: None,
+            host: false,
         }
     }
 
@@ -332,6 +347,7 @@ pub(super) mod tests {
                 detail: "Reboot".into(),
                 action: "drain".into(),
                 outcome: None,
+                host: false,
             }
         );
     }

@@ -71,6 +71,7 @@ impl Template {
             detail: "\u{1}<>&'".into(),
             action: "checkpoint and drain".into(),
             outcome: None,
+            host: false,
         };
         let mut probes = vec![probe.clone()];
         if kind == MessageKind::Outcome {

@@ -155,6 +155,7 @@ fn group_span(req: &CheckpointRequest, group: &str) -> tracing::Span {
         "checkpoint",
         notice_id = %req.notice_id,
         source = %req.source,
-        pod = %group
+        // A pod's namespace/name, or a host target (unit:NAME, pidfile:PATH, cmdline:REGEX).
+        target = %group
     )
 }

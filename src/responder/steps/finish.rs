@@ -51,6 +51,10 @@ async fn acknowledge(plan: &Plan) {
     else {
         return;
     };
+    if !source.acknowledges(&plan.notice) {
+        // Nothing to tell this cloud: nothing counted as done.
+        return;
+    }
     if plan.cfg.dry_run {
         info!("dry-run: would acknowledge the event to {}", source.name());
         return;

@@ -101,7 +101,9 @@ async fn protect(
     // One call: node ops retry conflicts and 5xx themselves, boundedly.
     let failure = match tokio::time::timeout(budget, node.protect(&protection)).await {
         Ok(Ok(mut applied)) => {
-            deps.metrics.action("protect", true);
+            if node.has_node() {
+                deps.metrics.action("protect", true);
+            }
             if resumed {
                 if let Ok(Ok(marks)) = tokio::time::timeout(budget, node.applied_marks()).await {
                     merge_applied(&mut applied, Some(marks.for_protection(&protection)));

@@ -1,0 +1,286 @@
+//! Checks of settings whose values can be judged on the machine itself, before anything starts:
+//! log filter directives, directories the agent writes (state, checkpoint notices), systemd unit
+//! names, the drain reserve against the chosen cloud's notice, and files a command will write.
+//! Each returns the reason in words; the caller names the setting.
+
+use std::io::ErrorKind;
+use std::path::Path;
+use std::time::Duration;
+
+use crate::notice::Cloud;
+
+/// Levels a log filter takes.
+const LEVELS: [&str; 6] = ["trace", "debug", "info", "warn", "error", "off"];
+
+/// A log filter: comma-separated directives, each a level (`info`) or `TARGET=LEVEL`
+/// (`kube=warn`); a span filter (`TARGET[span]=LEVEL`) is left to the filter's own parser. A bare
+/// word that is not a level would be read as "everything of target WORD" and silence the agent's
+/// own lines, so it is refused, as is an empty directive.
+pub fn log_filter(filter: &str) -> Result<(), String> {
+    let levels = LEVELS.join(", ");
+    if filter.trim().is_empty() {
+        return Err(format!("empty: give a level ({levels})"));
+    }
+    for directive in filter.split(',') {
+        let d = directive.trim();
+        if d.is_empty() {
+            return Err(format!(
+                "{filter:?} has an empty directive (a stray comma): give LEVEL or TARGET=LEVEL, separated by single commas"
+            ));
+        }
+        if d.contains('[') {
+            continue;
+        }
+        let level = match d.rsplit_once('=') {
+            Some((target, level)) if !target.is_empty() => level,
+            Some(_) => return Err(format!("{d:?} has no target before '='")),
+            None => d,
+        };
+        if !LEVELS.contains(&level.to_ascii_lowercase().as_str()) {
+            return Err(format!(
+                "{d:?} is not a level ({levels}) nor a TARGET=LEVEL directive"
+            ));
+        }
+    }
+    tracing_subscriber::EnvFilter::try_new(filter)
+        .map(drop)
+        .map_err(|e| e.to_string())
+}
+
+/// Filesystems that cannot hold the agent's files (kernel interfaces, not storage).
+const PSEUDO_FS: [(i64, &str); 10] = [
+    (libc::PROC_SUPER_MAGIC, "proc"),
+    (libc::SYSFS_MAGIC, "sysfs"),
+    (libc::CGROUP_SUPER_MAGIC, "cgroup"),
+    (libc::CGROUP2_SUPER_MAGIC, "cgroup2"),
+    (libc::DEVPTS_SUPER_MAGIC, "devpts"),
+    (libc::DEBUGFS_MAGIC, "debugfs"),
+    (libc::TRACEFS_MAGIC, "tracefs"),
+    (libc::SECURITYFS_MAGIC, "securityfs"),
+    (libc::BPF_FS_MAGIC, "bpf"),
+    (0x6265_6570, "configfs"),
+];
+
+/// A directory the agent writes: it exists and is a directory, or its nearest existing ancestor
+/// is a directory it can be created in; the directory (or that ancestor) accepts a new file (one
+/// is created and removed: permission bits, read-only mounts and ACLs all count); and it is not
+/// on a kernel pseudo-filesystem (proc, sysfs, cgroup, …). tmpfs is accepted: what the state dir
+/// keeps must outlive the agent's restarts within one boot, which tmpfs does (each record is
+/// stamped with the boot id; a reboot starts over anyway).
+pub fn writable_dir(dir: &Path) -> Result<(), String> {
+    let mut probe = dir;
+    let mut missing = false;
+    loop {
+        match std::fs::metadata(probe) {
+            Ok(m) if m.is_dir() => break,
+            Ok(_) if probe == dir => {
+                return Err(format!("{} exists and is not a directory", dir.display()))
+            }
+            Ok(_) => {
+                return Err(format!(
+                    "cannot be created: {} is not a directory",
+                    probe.display()
+                ))
+            }
+            Err(e) if e.kind() == ErrorKind::NotFound => {
+                missing = true;
+                match probe.parent() {
+                    Some(p) => probe = p,
+                    None => return Err(format!("{}: {}", dir.display(), io_words(&e))),
+                }
+            }
+            Err(e) => return Err(format!("{}: {}", probe.display(), io_words(&e))),
+        }
+    }
+    if let Ok(st) = rustix::fs::statfs(probe) {
+        // f_type's integer type differs between architectures.
+        #[allow(clippy::unnecessary_cast)]
+        let kind = st.f_type as i64;
+        if let Some((_, name)) = PSEUDO_FS.iter().find(|(magic, _)| *magic == kind) {
+            return Err(format!(
+                "{} is on {name}, a kernel interface that keeps no files: use a directory on disk (or tmpfs)",
+                probe.display()
+            ));
+        }
+    }
+    let what = if missing {
+        format!(
+            "{} does not exist and cannot be created in {}",
+            dir.display(),
+            probe.display()
+        )
+    } else {
+        format!("{} is not writable", dir.display())
+    };
+    tempfile::Builder::new()
+        .prefix(".spotguard-check-")
+        .tempfile_in(probe)
+        .map(drop)
+        .map_err(|e| format!("{what}: {}", io_words(&e)))
+}
+
+/// An I/O error without the "(os error N)" tail.
+fn io_words(e: &std::io::Error) -> String {
+    let s = e.to_string();
+    match s.find(" (os error") {
+        Some(i) => s[..i].to_string(),
+        None => s,
+    }
+}
+
+/// Unit types whose units own processes (a cgroup with tasks).
+const PROCESS_UNIT_TYPES: [&str; 6] = ["service", "scope", "slice", "socket", "mount", "swap"];
+
+/// A systemd unit name as `--checkpoint-unit` takes it (`NAME` means `NAME.service`), by
+/// systemd's rules: at most 255 characters of `A–Z a–z 0–9 : - _ . \ @`, a non-empty name before
+/// the type suffix, a type whose units hold processes, and an instance rather than a template
+/// (`name@.service`).
+pub fn unit_name(unit: &str) -> Result<(), String> {
+    let full = if unit.contains('.') {
+        unit.to_string()
+    } else {
+        format!("{unit}.service")
+    };
+    if unit.is_empty() {
+        return Err("empty: name a unit, e.g. train.service".into());
+    }
+    if let Some(c) = unit
+        .chars()
+        .find(|c| !(c.is_ascii_alphanumeric() || ":-_.\\@".contains(*c)))
+    {
+        return Err(format!(
+            "{unit:?} is not a systemd unit name: {c:?} is not allowed (letters, digits and : - _ . \\ @ only; `systemd-escape` makes a name of any string)"
+        ));
+    }
+    if full.len() > 255 {
+        return Err(format!(
+            "{unit:?} is not a systemd unit name: longer than 255 characters"
+        ));
+    }
+    let (name, kind) = full.rsplit_once('.').unwrap_or((&full, ""));
+    if name.is_empty() {
+        return Err(format!(
+            "{unit:?} is not a systemd unit name: nothing before .{kind}"
+        ));
+    }
+    if !PROCESS_UNIT_TYPES.contains(&kind) {
+        return Err(format!(
+            "{unit:?}: .{kind} units hold no processes to checkpoint (use a .{} unit)",
+            PROCESS_UNIT_TYPES.join(", .")
+        ));
+    }
+    if name.ends_with('@') {
+        return Err(format!(
+            "{unit:?} is a template: name an instance, e.g. {}1.{kind}",
+            name
+        ));
+    }
+    Ok(())
+}
+
+/// The drain reserve leaves time to checkpoint within the chosen cloud's notice (`None`: cloud
+/// detected at start: checked against the longest notice, AWS's two minutes).
+pub fn drain_reserve(
+    reserve: Duration,
+    cloud: Option<Cloud>,
+    gce_notice: Duration,
+) -> Result<(), String> {
+    let (notice, whose) = match cloud {
+        Some(Cloud::Gce) => (gce_notice, "gce (--gce-preemption-notice)".to_string()),
+        Some(c) => (c.facts().interruption_notice, c.as_str().to_string()),
+        None => (
+            Cloud::ALL
+                .iter()
+                .map(|c| c.facts().interruption_notice)
+                .chain([gce_notice])
+                .max()
+                .unwrap_or_default(),
+            "any cloud".to_string(),
+        ),
+    };
+    if reserve >= notice {
+        return Err(format!(
+            "{} leaves no time to checkpoint: the notice of {whose} is {}; keep it well below that (default: {})",
+            crate::duration::display(reserve),
+            crate::duration::display(notice),
+            match cloud {
+                Some(c) => crate::duration::display(c.facts().drain_reserve).to_string(),
+                None => "25s on aws, 8s on gce and azure".into(),
+            }
+        ));
+    }
+    Ok(())
+}
+
+/// A file a command will write at its end (`--junit`): checked before the command runs, so a
+/// typo costs no run. The file may exist (it is replaced) but is no directory; its directory
+/// exists and accepts a new file.
+pub fn output_file(path: &Path) -> Result<(), String> {
+    if path.is_dir() {
+        return Err(format!("{} is a directory", path.display()));
+    }
+    let parent = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    match std::fs::metadata(parent) {
+        Ok(m) if m.is_dir() => {}
+        Ok(_) => return Err(format!("{} is not a directory", parent.display())),
+        Err(e) => return Err(format!("{}: {}", parent.display(), io_words(&e))),
+    }
+    tempfile::Builder::new()
+        .prefix(".spotguard-check-")
+        .tempfile_in(parent)
+        .map(drop)
+        .map_err(|e| format!("cannot write in {}: {}", parent.display(), io_words(&e)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn log_filters() {
+        for ok in [
+            "info",
+            "DEBUG",
+            "debug,kube=info",
+            "warn,spotguard=trace",
+            "off",
+        ] {
+            log_filter(ok).unwrap_or_else(|e| panic!("{ok}: {e}"));
+        }
+        for bad in ["inf", "verbose", "info,,", "", "kube=loud", "=info"] {
+            assert!(log_filter(bad).is_err(), "{bad:?} accepted");
+        }
+    }
+
+    #[test]
+    fn unit_names() {
+        for ok in ["train", "train.service", "job@3.service", "a-b_c:d.scope"] {
+            unit_name(ok).unwrap_or_else(|e| panic!("{ok}: {e}"));
+        }
+        for bad in [
+            "bad unit name",
+            "",
+            ".service",
+            "train.timer",
+            "job@.service",
+            "a/b",
+        ] {
+            assert!(unit_name(bad).is_err(), "{bad:?} accepted");
+        }
+        assert!(unit_name(&"a".repeat(250)).is_err());
+    }
+
+    #[test]
+    fn drain_reserves() {
+        let gce = Duration::from_secs(30);
+        assert!(drain_reserve(Duration::from_secs(300), Some(Cloud::Aws), gce).is_err());
+        assert!(drain_reserve(Duration::from_secs(40), Some(Cloud::Gce), gce).is_err());
+        assert!(drain_reserve(Duration::from_secs(40), Some(Cloud::Aws), gce).is_ok());
+        assert!(drain_reserve(Duration::from_secs(40), Some(Cloud::Gce), gce * 4).is_ok());
+        assert!(drain_reserve(Duration::from_secs(40), None, gce).is_ok());
+        assert!(drain_reserve(Duration::from_secs(120), None, gce).is_err());
+    }
+}
