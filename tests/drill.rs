@@ -257,7 +257,8 @@ fn the_old_checkpoint_dir_flag_still_names_the_notice_dir() {
 #[test]
 fn three_drills_in_one_notice_dir_each_signal_and_resume() {
     let dir = tempfile::tempdir().unwrap();
-    let d = dir.path().display().to_string();
+    let notice = dir.path().join("notice");
+    let d = notice.display().to_string();
     let mut last_saved = 0u64;
     for run in 1..=3 {
         let (code, out) = drill(&["--after", "1s", "--checkpoint-dir", &d]);
@@ -284,6 +285,27 @@ fn three_drills_in_one_notice_dir_each_signal_and_resume() {
             .and_then(|s| s.trim().parse::<u64>().ok())
             .unwrap_or_else(|| panic!("drill {run}: no saved step:\n{out}"));
         assert!(resumed.unwrap_or(0) < last_saved, "drill {run}:\n{out}");
+        // The trainer's checkpoints are beside the notice dir, never in it (it carries only the
+        // notice and the acks).
+        let names = |d: &std::path::Path| -> Vec<String> {
+            std::fs::read_dir(d)
+                .map(|r| {
+                    r.flatten()
+                        .map(|e| e.file_name().to_string_lossy().into_owned())
+                        .collect()
+                })
+                .unwrap_or_default()
+        };
+        assert!(
+            !names(&notice).iter().any(|n| n.starts_with("checkpoint-")),
+            "drill {run}: a checkpoint in the notice dir: {:?}",
+            names(&notice)
+        );
+        assert!(
+            names(&dir.path().join("notice-checkpoints"))
+                .contains(&format!("checkpoint-{last_saved:08}.json")),
+            "drill {run}: step {last_saved} not saved beside the notice dir"
+        );
     }
 }
 

@@ -1,6 +1,7 @@
 //! The bundled example trainer (`spotguard example-trainer`, hidden): what `spotguard drill` runs
 //! when no command is given. Simulated steps; on SIGUSR1/SIGTERM it finishes the step, saves a
-//! checkpoint into `$SPOTGUARD_DIR`, acks `done` and exits 143. With `$SPOTGUARD_DRILL_STAGED`
+//! checkpoint beside the notice dir (`$SPOTGUARD_DIR-checkpoints`: never in the notice dir, which
+//! only carries the notice and the acks), acks `done` and exits 143. With `$SPOTGUARD_DRILL_STAGED`
 //! (`drill --upload-to`) it saves `$SPOTGUARD_DRILL_STAGED_BYTES` to a staged directory there
 //! instead, acks `done` with `staged`, waits for the agent's answer and exits.
 
@@ -61,16 +62,29 @@ fn write_ack(dir: &Path, state: &str, step: u64, checkpoint: Option<&Path>) -> s
     )
 }
 
+/// Where the bundled trainer keeps its checkpoints: beside the notice dir `dir`, in
+/// `<dir>-checkpoints`, so that a drill run again with the same `--notice-dir` resumes from them.
+fn checkpoints_dir(dir: &Path) -> PathBuf {
+    let mut name = dir.as_os_str().to_owned();
+    name.push("-checkpoints");
+    PathBuf::from(name)
+}
+
 /// The bundled trainer: simulated steps; on SIGUSR1/SIGTERM it finishes the step, saves a
-/// checkpoint into `$SPOTGUARD_DIR`, acks `done` and exits 143. Resumes from the newest checkpoint.
+/// checkpoint into [`checkpoints_dir`], acks `done` and exits 143. Resumes from the newest
+/// checkpoint there.
 pub fn example_trainer(args: ExampleTrainerArgs) -> i32 {
     let dir =
         PathBuf::from(std::env::var("SPOTGUARD_DIR").unwrap_or_else(|_| "/tmp/spotguard".into()));
-    if let Err(e) = std::fs::create_dir_all(&dir).and_then(|_| install_handlers()) {
+    let ckpt_dir = checkpoints_dir(&dir);
+    if let Err(e) = std::fs::create_dir_all(&dir)
+        .and_then(|_| std::fs::create_dir_all(&ckpt_dir))
+        .and_then(|_| install_handlers())
+    {
         eprintln!("example-trainer: {e}");
         return 1;
     }
-    let mut step = latest_checkpoint(&dir).unwrap_or(0);
+    let mut step = latest_checkpoint(&ckpt_dir).unwrap_or(0);
     if step > 0 {
         println!("example-trainer: resumed from step {step}");
     } else {
@@ -91,7 +105,7 @@ pub fn example_trainer(args: ExampleTrainerArgs) -> i32 {
                 return save_staged(&dir, Path::new(&staged), step);
             }
             std::thread::sleep(args.save_time);
-            let path = dir.join(format!("checkpoint-{step:08}.json"));
+            let path = ckpt_dir.join(format!("checkpoint-{step:08}.json"));
             let payload = serde_json::json!({"step": step, "weights": "simulated"}).to_string();
             if let Err(e) = crate::fsutil::write_atomic(&path, payload.as_bytes(), 0o644) {
                 eprintln!("example-trainer: saving {}: {e}", path.display());
