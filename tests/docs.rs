@@ -1,5 +1,6 @@
 //! Documentation drift: every metric family registered in the source appears in docs/metrics.md,
-//! and what a fresh agent and a host-mode plan export matches it.
+//! and what a fresh agent and a host-mode plan export matches it; every log field the docs name
+//! is on a real log line of that plan, in the shape the docs give.
 
 use std::path::Path;
 
@@ -619,6 +620,70 @@ const PLAN_SERIES: &[(&str, &[(&str, &str)], After)] = &[
     ),
 ];
 
+/// How a documented log field's value reads.
+#[derive(Debug, Clone, Copy)]
+enum Shape {
+    /// A string in the settings' duration format (`"10s"`, `"17s 271ms"`).
+    Duration,
+    /// A whole number of milliseconds (`_ms`).
+    Millis,
+    /// The id the checkpoint dir's `notice.json` carries.
+    NoticeId,
+}
+
+/// Log fields the docs name, the line a plan run shows them on, and their shape.
+const LOG_FIELDS: &[(&str, &str, Shape)] = &[
+    // operators-guide.md, Logs: `"interval":"10s"`.
+    ("interval", "notice monitor started", Shape::Duration),
+    // operators-guide.md, Logs: `"retry_in":"17s 271ms"`.
+    ("retry_in", "metadata poll failed", Shape::Duration),
+    // architecture.md: `seen_after_ms` of the `notice accepted` line.
+    ("seen_after_ms", "notice accepted", Shape::Millis),
+    // checkpoint-protocol.md, training-integration.md: `notice_id`, as in notice.json.
+    ("notice_id", "notice accepted", Shape::NoticeId),
+];
+
+/// Log fields the docs name that a plan run does not log, and where they are checked instead; and
+/// names the docs write like log fields that are fields of other JSON.
+const LOG_FIELDS_ELSEWHERE: &[(&str, &str)] = &[
+    ("retry_in_ms", "cloud auto-detection's retry: tests/logs.rs"),
+    (
+        "retry_in_s",
+        "prefetch-serve's restart of the prefetcher process",
+    ),
+    // Named in docs in the same forms, but not log fields.
+    ("downtime_s", "a `drill --json` field: tests/drill.rs"),
+    ("part", "a field of a staged ack: src/upload/ack.rs"),
+    ("step", "a field of the ack file: tests/checkpoint.rs"),
+];
+
+/// Field names the docs give for log lines: `"name":…` examples and `name_ms` / `name_s`.
+fn documented_log_fields(root: &Path) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(root.join("docs")).unwrap().flatten() {
+        let file = entry.file_name().to_string_lossy().to_string();
+        if file == "metrics.md" || !file.ends_with(".md") {
+            continue;
+        }
+        let text = std::fs::read_to_string(entry.path()).unwrap();
+        for (i, line) in text.lines().enumerate() {
+            for word in ticked(line) {
+                let name = match word.strip_prefix('"').and_then(|w| w.split_once("\":")) {
+                    Some((name, _)) => name.to_string(),
+                    None if (word.ends_with("_ms") || word.ends_with("_s"))
+                        && word.chars().all(|c| c.is_ascii_lowercase() || c == '_') =>
+                    {
+                        word.clone()
+                    }
+                    None => continue,
+                };
+                out.push((name, format!("docs/{file}:{}", i + 1)));
+            }
+        }
+    }
+    out
+}
+
 /// The trainer: catches SIGUSR1 and acknowledges `done` at step 1 in `$SPOTGUARD_DIR`.
 const ACKING_TRAINER: &str = r#"
 trap 'printf '"'"'{"state":"done","step":1,"checkpoint":"ckpt-1","ts":%s}'"'"' $(date +%s.%N) > "$SPOTGUARD_DIR/.ack.tmp"; mv "$SPOTGUARD_DIR/.ack.tmp" "$SPOTGUARD_DIR/ack-$$.json"' USR1
@@ -626,7 +691,7 @@ while :; do sleep 0.05; done
 "#;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_plan_exports_what_the_docs_name() {
+async fn a_plan_exports_and_logs_what_the_docs_name() {
     use spotguard::emulator::{self, Cloud, EmulatedNotice, EmulatorConfig, Fault};
     use std::io::BufRead;
     use std::time::Duration;
@@ -788,4 +853,44 @@ async fn a_plan_exports_what_the_docs_name() {
         );
     }
 
+    // Logs: each field the docs name is on its line, in the documented shape.
+    let written: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(ckpt.join("notice.json")).unwrap()).unwrap();
+    for (field, message, shape) in LOG_FIELDS {
+        let line = lines
+            .iter()
+            .find(|v| v["message"] == *message && !v[field].is_null())
+            .unwrap_or_else(|| panic!("no {message:?} line with {field:?} in {lines:#?}"));
+        let value = &line[field];
+        match shape {
+            Shape::Duration => {
+                let s = value
+                    .as_str()
+                    .unwrap_or_else(|| panic!("{field}: {value} is not a string"));
+                let d = spotguard::duration::parse(s).unwrap_or_else(|e| {
+                    panic!("{field}={s:?} is not in the settings' format: {e}")
+                });
+                // "whole milliseconds from a second up"
+                assert!(
+                    d < Duration::from_secs(1) || d.subsec_nanos() % 1_000_000 == 0,
+                    "{field}={s:?}: not whole milliseconds"
+                );
+            }
+            Shape::Millis => assert!(
+                value.is_u64() || value.is_i64(),
+                "{field}: {value} is not a whole number"
+            ),
+            Shape::NoticeId => assert_eq!(
+                value, &written["notice_id"],
+                "{field} differs from notice.json's"
+            ),
+        }
+    }
+    for (field, at) in documented_log_fields(root) {
+        assert!(
+            LOG_FIELDS.iter().any(|(f, _, _)| *f == field)
+                || LOG_FIELDS_ELSEWHERE.iter().any(|(f, _)| *f == field),
+            "{at} names the log field {field:?}, which no test checks: add it to LOG_FIELDS"
+        );
+    }
 }
