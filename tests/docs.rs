@@ -1,4 +1,6 @@
-//! Documentation drift: every metric family registered in the source appears in docs/metrics.md.
+//! Documentation drift: every metric family registered in the source appears in docs/metrics.md,
+//! and what a fresh agent and a host-mode plan export matches it; every log field the docs name
+//! is on a real log line of that plan, in the shape the docs give.
 
 use std::path::Path;
 
@@ -510,5 +512,392 @@ impl Drop for Emulate {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+/// Sections of docs/metrics.md that a host-mode plan does not exercise, and why.
+const NOT_IN_A_HOST_PLAN: &[(&str, &str)] = &[
+    (
+        "Checkpoint upload",
+        "needs a staged checkpoint and an object store",
+    ),
+    (
+        "Node and drain",
+        "needs Kubernetes (host mode counts only `drain`, checked below)",
+    ),
+    (
+        "GPU health",
+        "needs a GPU (with `--gpu off`, none is exported)",
+    ),
+    (
+        "Dataset prefetch",
+        "exported by the prefetcher's process, not the agent",
+    ),
+];
+
+/// What one documented series must read after one acknowledged EC2 interruption in host mode.
+enum After {
+    /// Exactly this value.
+    Is(f64),
+    /// More than 0.
+    Positive,
+}
+
+/// The notice, checkpoint and plan series a host-mode interruption moves (`_count` of a
+/// histogram: one observation).
+/// A series: its name and (sorted) labels.
+type Series = (&'static str, &'static [(&'static str, &'static str)]);
+
+const PLAN_SERIES: &[(Series, After)] = &[
+    (
+        ("spotguard_metadata_polls_total", &[("source", "aws")]),
+        After::Positive,
+    ),
+    (
+        (
+            "spotguard_notices_total",
+            &[("kind", "interruption"), ("source", "aws")],
+        ),
+        After::Is(1.0),
+    ),
+    (
+        (
+            "spotguard_notice_to_signal_seconds_count",
+            &[("source", "aws")],
+        ),
+        After::Is(1.0),
+    ),
+    (
+        ("spotguard_notice_active", &[("kind", "interruption")]),
+        After::Is(0.0),
+    ),
+    (
+        ("spotguard_notice_deadline_timestamp_seconds", &[]),
+        After::Positive,
+    ),
+    (
+        ("spotguard_checkpoint_total", &[("outcome", "acked")]),
+        After::Is(1.0),
+    ),
+    (("spotguard_checkpoint_signals_total", &[]), After::Is(1.0)),
+    (
+        ("spotguard_checkpoint_ack_latency_seconds_count", &[]),
+        After::Is(1.0),
+    ),
+    (
+        ("spotguard_checkpoint_headroom_seconds_count", &[]),
+        After::Is(1.0),
+    ),
+    (
+        ("spotguard_checkpoint_last_duration_seconds", &[]),
+        After::Positive,
+    ),
+    (
+        ("spotguard_checkpoint_last_budget_seconds", &[]),
+        After::Positive,
+    ),
+    (
+        ("spotguard_checkpoint_last_acked_step", &[]),
+        After::Is(1.0),
+    ),
+    (
+        ("spotguard_plans_total", &[("outcome", "completed")]),
+        After::Is(1.0),
+    ),
+    (
+        (
+            "spotguard_node_actions_total",
+            &[("action", "drain"), ("outcome", "ok")],
+        ),
+        After::Is(1.0),
+    ),
+    (
+        (
+            "spotguard_node_actions_total",
+            &[("action", "protect"), ("outcome", "ok")],
+        ),
+        After::Is(0.0),
+    ),
+    (
+        (
+            "spotguard_errors_total",
+            &[("error", "none"), ("module", "checkpoint")],
+        ),
+        After::Is(0.0),
+    ),
+];
+
+/// How a documented log field's value reads.
+#[derive(Debug, Clone, Copy)]
+enum Shape {
+    /// A string in the settings' duration format (`"10s"`, `"17s 271ms"`).
+    Duration,
+    /// A whole number of milliseconds (`_ms`).
+    Millis,
+    /// The id the checkpoint dir's `notice.json` carries.
+    NoticeId,
+}
+
+/// Log fields the docs name, the line a plan run shows them on, and their shape.
+const LOG_FIELDS: &[(&str, &str, Shape)] = &[
+    // operators-guide.md, Logs: `"interval":"10s"`.
+    ("interval", "notice monitor started", Shape::Duration),
+    // operators-guide.md, Logs: `"retry_in":"17s 271ms"`.
+    ("retry_in", "metadata poll failed", Shape::Duration),
+    // architecture.md: `seen_after_ms` of the `notice accepted` line.
+    ("seen_after_ms", "notice accepted", Shape::Millis),
+    // checkpoint-protocol.md, training-integration.md: `notice_id`, as in notice.json.
+    ("notice_id", "notice accepted", Shape::NoticeId),
+];
+
+/// Log fields the docs name that a plan run does not log, and where they are checked instead; and
+/// names the docs write like log fields that are fields of other JSON.
+const LOG_FIELDS_ELSEWHERE: &[(&str, &str)] = &[
+    ("retry_in_ms", "cloud auto-detection's retry: tests/logs.rs"),
+    (
+        "retry_in_s",
+        "prefetch-serve's restart of the prefetcher process",
+    ),
+    // Named in docs in the same forms, but not log fields.
+    ("downtime_s", "a `drill --json` field: tests/drill.rs"),
+    ("part", "a field of a staged ack: src/upload/ack.rs"),
+    ("step", "a field of the ack file: tests/checkpoint.rs"),
+];
+
+/// Field names the docs give for log lines: `"name":…` examples and `name_ms` / `name_s`.
+fn documented_log_fields(root: &Path) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(root.join("docs")).unwrap().flatten() {
+        let file = entry.file_name().to_string_lossy().to_string();
+        if file == "metrics.md" || !file.ends_with(".md") {
+            continue;
+        }
+        let text = std::fs::read_to_string(entry.path()).unwrap();
+        for (i, line) in text.lines().enumerate() {
+            for word in ticked(line) {
+                let name = match word.strip_prefix('"').and_then(|w| w.split_once("\":")) {
+                    Some((name, _)) => name.to_string(),
+                    None if (word.ends_with("_ms") || word.ends_with("_s"))
+                        && word.chars().all(|c| c.is_ascii_lowercase() || c == '_') =>
+                    {
+                        word.clone()
+                    }
+                    None => continue,
+                };
+                out.push((name, format!("docs/{file}:{}", i + 1)));
+            }
+        }
+    }
+    out
+}
+
+/// The trainer: catches SIGUSR1 and acknowledges `done` at step 1 in `$SPOTGUARD_DIR`.
+const ACKING_TRAINER: &str = r#"
+trap 'printf '"'"'{"state":"done","step":1,"checkpoint":"ckpt-1","ts":%s}'"'"' $(date +%s.%N) > "$SPOTGUARD_DIR/.ack.tmp"; mv "$SPOTGUARD_DIR/.ack.tmp" "$SPOTGUARD_DIR/ack-$$.json"' USR1
+while :; do sleep 0.05; done
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plan_exports_and_logs_what_the_docs_name() {
+    use spotguard::emulator::{self, Cloud, EmulatedNotice, EmulatorConfig, Fault};
+    use std::io::BufRead;
+    use std::time::Duration;
+
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let docs = std::fs::read_to_string(root.join("docs/metrics.md")).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let d = |p: &str| {
+        let path = tmp.path().join(p);
+        std::fs::create_dir_all(&path).unwrap();
+        path
+    };
+    let ckpt = d("ckpt");
+    let mut trainer = tokio::process::Command::new("bash")
+        .arg("-c")
+        .arg(ACKING_TRAINER)
+        .env("SPOTGUARD_DIR", &ckpt)
+        .stdout(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let pid = trainer.id().unwrap();
+    for _ in 0..400 {
+        if spotguard_testkit::process::catches_usr1(pid) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert!(
+        spotguard_testkit::process::catches_usr1(pid),
+        "trainer did not start"
+    );
+    let pidfile = tmp.path().join("trainer.pid");
+    std::fs::write(&pidfile, pid.to_string()).unwrap();
+
+    let emu = emulator::start(EmulatorConfig::new(Cloud::Aws))
+        .await
+        .unwrap();
+    // The first poll fails: its line carries `retry_in`.
+    emu.fault(Fault::error(500).times(1)).unwrap();
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_spotguard"));
+    cmd.args([
+        "run".to_string(),
+        "--mode=host".into(),
+        "--cloud=aws".into(),
+        format!("--metadata-endpoint={}", emu.base_url()),
+        "--poll-interval=200ms".into(),
+        "--checkpoint-timeout=20s".into(),
+        format!("--checkpoint-dir={}", ckpt.display()),
+        format!("--state-dir={}", d("state").display()),
+        format!("--cache-dir={}", d("cache").display()),
+        format!("--checkpoint-pidfile={}", pidfile.display()),
+        "--metrics-addr=127.0.0.1:0".into(),
+        "--gpu=off".into(),
+        "--log-format=json".into(),
+        "--log-level=info".into(),
+        "--shutdown-grace=2s".into(),
+    ]);
+    for (k, _) in std::env::vars() {
+        if k.starts_with("SPOTGUARD_") || k == "KUBECONFIG" || k == "NODE_NAME" || k == "RUST_LOG" {
+            cmd.env_remove(k);
+        }
+    }
+    cmd.stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped());
+    let mut agent = cmd.spawn().unwrap();
+    let stderr = agent.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel::<serde_json::Value>();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+        {
+            let v =
+                serde_json::from_str(&line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}"));
+            if tx.send(v).is_err() {
+                break;
+            }
+        }
+    });
+    let mut lines: Vec<serde_json::Value> = Vec::new();
+    let mut until = |message: &str| -> serde_json::Value {
+        loop {
+            let v = rx
+                .recv_timeout(Duration::from_secs(60))
+                .unwrap_or_else(|_| panic!("no {message:?} line; lines so far: {lines:#?}"));
+            lines.push(v.clone());
+            if v["message"] == message {
+                return v;
+            }
+        }
+    };
+    let started = until("spotguard started");
+    let metrics_addr: std::net::SocketAddr = started["metrics"].as_str().unwrap().parse().unwrap();
+    emu.raise(EmulatedNotice::interruption()).unwrap();
+    let outcome = until("plan outcome");
+    assert_eq!(outcome["outcome"], "completed", "{outcome}");
+    let text = spotguard_testkit::metrics_text(metrics_addr).await;
+    unsafe {
+        libc::kill(agent.id() as i32, libc::SIGTERM);
+    }
+    until("all tasks stopped");
+    let _ = agent.wait();
+    let _ = trainer.start_kill();
+    emu.shutdown().await;
+
+    // Metrics: each series the plan moves reads as documented.
+    let samples: Vec<_> = text.lines().filter_map(parse_sample).collect();
+    let families = documented_families(&docs);
+    for ((series, labels), after) in PLAN_SERIES {
+        let base = series.trim_end_matches("_count");
+        assert!(
+            families.iter().any(|f| f.name == *series
+                || f.name == base
+                || format!("{}_total", f.name) == *series),
+            "{series} is checked here but docs/metrics.md has no row for it"
+        );
+        let want: Labels = labels
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let (_, _, value) = samples
+            .iter()
+            .find(|(n, l, _)| n == series && *l == want)
+            .unwrap_or_else(|| panic!("{series}{want:?} not exported after a plan:\n{text}"));
+        match after {
+            After::Is(v) => assert_eq!(value, v, "{series}{want:?}"),
+            After::Positive => assert!(*value > 0.0, "{series}{want:?} = {value}"),
+        }
+    }
+    // And the reverse: every family exported is documented, in a section the plan covers or in
+    // one of those it does not (listed with the reason).
+    let mut section = "";
+    let mut documented: Vec<(String, String)> = Vec::new();
+    for line in docs.lines() {
+        if let Some(h) = line.strip_prefix("## ") {
+            section = h.trim();
+        } else if line.starts_with("| `spotguard_") {
+            let names = line.split(" | ").next().unwrap();
+            documented.extend(ticked(names).into_iter().map(|n| (n, section.to_string())));
+        }
+    }
+    for (excluded, why) in NOT_IN_A_HOST_PLAN {
+        assert!(
+            documented.iter().any(|(_, s)| s == excluded),
+            "section {excluded:?} ({why}) is gone from docs/metrics.md: update this test"
+        );
+    }
+    for (name, _, _) in &samples {
+        let family = ["_total", "_count", "_sum", "_bucket", "_created"]
+            .iter()
+            .find_map(|s| name.strip_suffix(s))
+            .unwrap_or(name);
+        assert!(
+            documented
+                .iter()
+                .any(|(n, _)| n == family || n == name || *n == format!("{family}_total")),
+            "{name} is exported by a plan but docs/metrics.md does not document it"
+        );
+    }
+
+    // Logs: each field the docs name is on its line, in the documented shape.
+    let written: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(ckpt.join("notice.json")).unwrap()).unwrap();
+    for (field, message, shape) in LOG_FIELDS {
+        let line = lines
+            .iter()
+            .find(|v| v["message"] == *message && !v[field].is_null())
+            .unwrap_or_else(|| panic!("no {message:?} line with {field:?} in {lines:#?}"));
+        let value = &line[field];
+        match shape {
+            Shape::Duration => {
+                let s = value
+                    .as_str()
+                    .unwrap_or_else(|| panic!("{field}: {value} is not a string"));
+                let d = spotguard::duration::parse(s).unwrap_or_else(|e| {
+                    panic!("{field}={s:?} is not in the settings' format: {e}")
+                });
+                // "whole milliseconds from a second up"
+                assert!(
+                    d < Duration::from_secs(1) || d.subsec_nanos() % 1_000_000 == 0,
+                    "{field}={s:?}: not whole milliseconds"
+                );
+            }
+            Shape::Millis => assert!(
+                value.is_u64() || value.is_i64(),
+                "{field}: {value} is not a whole number"
+            ),
+            Shape::NoticeId => assert_eq!(
+                value, &written["notice_id"],
+                "{field} differs from notice.json's"
+            ),
+        }
+    }
+    for (field, at) in documented_log_fields(root) {
+        assert!(
+            LOG_FIELDS.iter().any(|(f, _, _)| *f == field)
+                || LOG_FIELDS_ELSEWHERE.iter().any(|(f, _)| *f == field),
+            "{at} names the log field {field:?}, which no test checks: add it to LOG_FIELDS"
+        );
     }
 }

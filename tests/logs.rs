@@ -180,3 +180,76 @@ fn a_fatal_error_is_one_line() {
         );
     }
 }
+
+/// The `notice accepted` line carries the event id of the cloud's own answer where the cloud sends
+/// one (Azure Scheduled Events and EC2 scheduled events: `EventId`), the id `spotguard emulate`
+/// answers when it raises the event; where the answer carries none (EC2 spot interruption, GCE)
+/// the line has no such field rather than a made-up one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn notice_accepted_names_the_clouds_event_id_where_it_sends_one() {
+    use spotguard::emulator::{self, Cloud, EmulatedNotice, EmulatorConfig};
+    use std::io::BufRead;
+    for (cloud, notice, sends_id) in [
+        (Cloud::Azure, EmulatedNotice::interruption(), true),
+        (Cloud::Aws, EmulatedNotice::maintenance(), true),
+        (Cloud::Aws, EmulatedNotice::interruption(), false),
+        (Cloud::Gce, EmulatedNotice::interruption(), false),
+    ] {
+        let emu = emulator::start(EmulatorConfig::new(cloud)).await.unwrap();
+        let raised = emu.raise(notice).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let mut args: Vec<String> = base(dir.path())
+            .into_iter()
+            .filter(|a| !a.starts_with("--cloud=") && !a.starts_with("--metadata-endpoint="))
+            .collect();
+        args.extend([
+            format!("--cloud={}", cloud.as_str()),
+            format!("--metadata-endpoint={}", emu.base_url()),
+            "--poll-interval=200ms".into(),
+            "--log-format=json".into(),
+            "--log-level=info".into(),
+            "--metrics-addr=127.0.0.1:0".into(),
+            "--dry-run".into(),
+        ]);
+        let mut child = command(&args).spawn().unwrap();
+        let stderr = child.stderr.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel::<String>();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(stderr)
+                .lines()
+                .map_while(Result::ok)
+            {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let mut seen = Vec::new();
+        let accepted = loop {
+            let line = rx
+                .recv_timeout(Duration::from_secs(30))
+                .unwrap_or_else(|_| panic!("{cloud:?}: no notice accepted line in {seen:#?}"));
+            let v: serde_json::Value = serde_json::from_str(&line).unwrap();
+            if v["message"] == "notice accepted" {
+                break v;
+            }
+            seen.push(line);
+        };
+        unsafe {
+            libc::kill(child.id() as i32, libc::SIGTERM);
+        }
+        let _ = child.wait();
+        emu.shutdown().await;
+        if sends_id {
+            assert_eq!(
+                accepted["cloud_event_id"], raised.id,
+                "{cloud:?}: {accepted}"
+            );
+        } else {
+            assert!(
+                accepted.get("cloud_event_id").is_none(),
+                "{cloud:?}: {accepted}"
+            );
+        }
+    }
+}

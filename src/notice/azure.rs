@@ -294,6 +294,7 @@ impl AzureScheduledEvents {
             published_at: None,
             maintenance,
             observed_at: now,
+            cloud_event_id: (!ev.event_id.is_empty()).then(|| ev.event_id.clone()),
         }))
     }
 }
@@ -382,6 +383,8 @@ impl NoticeSource for AzureScheduledEvents {
                 published_at: None,
                 maintenance: MaintenanceKind::Other,
                 observed_at: now,
+                // The key may be a content id (an event served without EventId).
+                cloud_event_id: None,
             });
         }
         Ok(notices)

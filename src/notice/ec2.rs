@@ -489,6 +489,7 @@ fn parse_instance_action(url: &Url, body: &str, now: Timestamp) -> Result<Notice
         published_at: None,
         maintenance: MaintenanceKind::Other,
         observed_at: now,
+        cloud_event_id: None,
     })
 }
 
@@ -513,6 +514,7 @@ fn parse_rebalance(url: &Url, body: &str, now: Timestamp) -> Result<Notice, Erro
         published_at: Some(published),
         maintenance: MaintenanceKind::Other,
         observed_at: now,
+        cloud_event_id: None,
     })
 }
 
@@ -560,6 +562,7 @@ fn vanished_event(event_id: &str, now: Timestamp) -> Notice {
         published_at: None,
         maintenance: MaintenanceKind::Other,
         observed_at: now,
+        cloud_event_id: None,
     }
 }
 
@@ -576,6 +579,7 @@ fn vanished_interruption(id: &str, now: Timestamp) -> Notice {
         published_at: None,
         maintenance: MaintenanceKind::Other,
         observed_at: now,
+        cloud_event_id: None,
     }
 }
 
@@ -611,6 +615,7 @@ fn parse_scheduled(url: &Url, body: &str, now: Timestamp) -> Result<(Vec<Notice>
                 published_at: None,
                 maintenance: MaintenanceKind::Other,
                 observed_at: now,
+                cloud_event_id: (!ev.event_id.is_empty()).then(|| ev.event_id.clone()),
             });
             continue;
         }
@@ -635,6 +640,7 @@ fn parse_scheduled(url: &Url, body: &str, now: Timestamp) -> Result<(Vec<Notice>
             published_at: None,
             maintenance: MaintenanceKind::Other,
             observed_at: now,
+            cloud_event_id: (!ev.event_id.is_empty()).then(|| ev.event_id.clone()),
         });
     }
     Ok((notices, skipped))

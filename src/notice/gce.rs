@@ -396,6 +396,7 @@ impl GceMetadata {
                             published_at: None,
                             maintenance: MaintenanceKind::Other,
                             observed_at: now,
+                            cloud_event_id: None,
                         });
                     }
                 }
@@ -500,6 +501,7 @@ impl GceMetadata {
             published_at: None,
             maintenance: MaintenanceKind::Other,
             observed_at,
+            cloud_event_id: None,
         });
         None
     }
@@ -545,6 +547,7 @@ fn cancelled(prev: &Notice, now: Timestamp) -> Notice {
         published_at: None,
         maintenance: MaintenanceKind::Other,
         observed_at: now,
+        cloud_event_id: None,
     }
 }
 

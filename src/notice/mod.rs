@@ -91,6 +91,12 @@ pub struct Notice {
     pub published_at: Option<Timestamp>,
     /// When the source first saw it (wall clock), for detection-latency metrics.
     pub observed_at: Timestamp,
+    /// The event's id as the cloud's own answer carries it (the `EventId` of Azure Scheduled
+    /// Events and of EC2 scheduled events), for linking the agent's log line to the cloud's (or
+    /// the emulator's) event. `None` where the answer carries none (EC2 spot interruption and
+    /// rebalance recommendation, GCE): never made up.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cloud_event_id: Option<String>,
 }
 
 impl Notice {

@@ -602,6 +602,7 @@ impl Responder {
                 deadline = %deadline,
                 detail = %notice.detail,
                 seen_after_ms,
+                cloud_event_id = notice.cloud_event_id.as_deref(),
                 "notice accepted"
             ),
             None => info!(
@@ -610,6 +611,7 @@ impl Responder {
                 kind = notice.kind.label(),
                 detail = %notice.detail,
                 seen_after_ms,
+                cloud_event_id = notice.cloud_event_id.as_deref(),
                 "notice accepted"
             ),
         }

@@ -114,6 +114,7 @@ mod tests {
             // As the Azure source types it.
             maintenance: Cloud::Azure.maintenance_of_detail(detail),
             observed_at: Timestamp::now(),
+            cloud_event_id: None,
         };
         let s = policy_for(&n(NoticeKind::Interruption, ""), &c).unwrap();
         assert!(s.cordon && s.checkpoint && s.drain);

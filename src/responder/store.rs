@@ -295,6 +295,7 @@ mod tests {
             published_at: None,
             maintenance: crate::notice::MaintenanceKind::Other,
             observed_at: ts(0),
+            cloud_event_id: None,
         }
     }
 

@@ -333,6 +333,7 @@ pub(super) mod tests {
             published_at: None,
             maintenance: crate::notice::MaintenanceKind::Other,
             observed_at: now(),
+            cloud_event_id: None,
         };
         let f = NotifyFields::from_notice(&notice, "node-9", "vm-9", "drain");
         assert_eq!(

@@ -158,6 +158,7 @@ pub fn notice_of(state: &PlanState) -> Notice {
         published_at: None,
         maintenance: state.source.maintenance_of_detail(&state.detail),
         observed_at: state.updated_at,
+        cloud_event_id: None,
     }
 }
 
