@@ -296,15 +296,21 @@ impl Sandbox {
                     libc::MS_BIND | libc::MS_REC,
                     std::ptr::null(),
                 ))?;
-                if b.read_only {
-                    check(libc::mount(
-                        std::ptr::null(),
-                        b.dst.as_ptr(),
-                        std::ptr::null(),
-                        libc::MS_BIND | libc::MS_REMOUNT | libc::MS_RDONLY,
-                        std::ptr::null(),
-                    ))?;
-                }
+                // A bind mount takes its source mount's flags: a source on the filesystem of the
+                // root just remounted read-only would come out read-only too, where a runtime's
+                // volume (bound from the host's own mount namespace) is writable. Say each one.
+                let flags = if b.read_only {
+                    libc::MS_BIND | libc::MS_REMOUNT | libc::MS_RDONLY
+                } else {
+                    libc::MS_BIND | libc::MS_REMOUNT
+                };
+                check(libc::mount(
+                    std::ptr::null(),
+                    b.dst.as_ptr(),
+                    std::ptr::null(),
+                    flags,
+                    std::ptr::null(),
+                ))?;
             }
         }
         if let Some(dir) = &self.workdir {
