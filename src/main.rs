@@ -23,6 +23,22 @@ fn main() -> ExitCode {
     {
         return exit(podfs::serve());
     }
+    // A directory check of `Config::resolve` (config::check::writable_dir_bounded): not a user
+    // command.
+    let mut args = std::env::args_os();
+    if args
+        .nth(1)
+        .is_some_and(|a| a == config::check::CHECK_DIR_ARG)
+    {
+        let dir = args
+            .next()
+            .map(std::path::PathBuf::from)
+            .unwrap_or_default();
+        return exit(config::check::serve_check_dir(&dir));
+    }
+    // The state and checkpoint dirs are checked at start in a child: a hung mount holds it, not
+    // the agent.
+    config::check::check_in_child("/proc/self/exe");
     // Checkpoint dirs are paths pods control: their I/O runs in helpers, which the agent can
     // leave stuck in a hung filesystem and still exit. `/proc/self/exe` is this binary even
     // after a package upgrade replaced the file.

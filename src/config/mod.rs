@@ -154,7 +154,7 @@ impl Env for ProcessEnv {
         std::io::stderr().is_terminal()
     }
     fn check_dir(&self, dir: &Path) -> Result<(), String> {
-        check::writable_dir(dir)
+        check::writable_dir_bounded(dir, check::CHECK_DIR_LIMIT)
     }
 }
 
