@@ -949,29 +949,45 @@ while :; do sleep 0.05; done
     )
     .await;
     std::fs::write(&release, b"").unwrap();
-    // The quitter's pod is Failed (exit 143), reported by the kubelet after the condition was set.
-    let failed =
-        c.k.wait_pod(&c.ml, "quitter", "Failed", Duration::from_secs(30), |p| {
-            p.is_some_and(|p| p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Failed"))
-        })
-        .await;
-    let ready = failed
-        .and_then(|p| p.status?.conditions)
-        .unwrap_or_default()
-        .into_iter()
-        .find(|c| c.type_ == "Ready")
-        .map(|c| c.status);
-    assert_eq!(
-        ready.as_deref(),
-        Some("False"),
-        "the kubelet reported the exit"
-    );
-    for (ns, name) in [
-        (&c.ml, "quitter"),
-        (&c.web, "web-0"),
-        (&c.web, "web-1"),
-        (&c.web, "web-2"),
-    ] {
+    // The quitter's pod turns Failed (exit 143), reported by the kubelet after the condition was
+    // set: that report keeps it. (The drain may evict the pod first, which deletes it: then its
+    // condition was seen above, and there is no Failed report to check.)
+    let give_up = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        match c.k.pod(&c.ml, "quitter").await {
+            None => break,
+            Some(p) if p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Failed") => {
+                let conditions = p.status.and_then(|s| s.conditions).unwrap_or_default();
+                let ready = conditions
+                    .iter()
+                    .find(|c| c.type_ == "Ready")
+                    .map(|c| c.status.clone());
+                assert_eq!(
+                    ready.as_deref(),
+                    Some("False"),
+                    "the kubelet reported the exit"
+                );
+                let kept = conditions
+                    .iter()
+                    .find(|c| c.type_ == "DisruptionTarget")
+                    .map(|c| (c.status.clone(), c.reason.clone().unwrap_or_default()));
+                assert_eq!(
+                    kept,
+                    Some(("True".to_string(), "TerminationByCloudNotice".to_string())),
+                    "the quitter's Failed status keeps DisruptionTarget"
+                );
+                break;
+            }
+            Some(_) => {
+                assert!(
+                    std::time::Instant::now() < give_up,
+                    "the quitter neither Failed nor gone within 30 s"
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+    for (ns, name) in [(&c.web, "web-0"), (&c.web, "web-1"), (&c.web, "web-2")] {
         let (status, reason, message) = disruption_target(&c.k, ns, name)
             .await
             .unwrap_or_else(|| panic!("{ns}/{name} has no DisruptionTarget"));
