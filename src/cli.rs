@@ -231,6 +231,85 @@ mod tests {
         }
     }
 
+    /// `spotguard ARGS…` parsed as the binary would, or `code: text` of what it would print.
+    fn command(args: &[&str]) -> Result<Command, String> {
+        let mut argv = vec!["spotguard"];
+        argv.extend_from_slice(args);
+        match parse_cli(argv) {
+            Parsed::Command(c) => Ok(c),
+            Parsed::Exit { code, text, .. } => Err(format!("{code}: {text}")),
+        }
+    }
+
+    /// The cache limit of `run` (host mode), `prefetch-serve` (the DaemonSet's prefetch
+    /// container) and `prefetch`, the upload limit of `run` and `upload`: one setting, one value.
+    fn byte_settings(value: &str) -> [Result<u64, String>; 5] {
+        let run = |flag: &str| {
+            run_args(&[flag, value]).map(|r| match flag {
+                "--cache-max-bytes" => r.cache_max_bytes.unwrap_or(0),
+                _ => r.upload_max_bytes,
+            })
+        };
+        let serve = command(&["prefetch-serve", "--cache-max-bytes", value]).map(|c| match c {
+            Command::PrefetchServe(a) => a.cache_max_bytes.unwrap_or(0),
+            _ => unreachable!(),
+        });
+        let prefetch =
+            command(&["prefetch", "s3://b/p", "/d", "--cache-max-bytes", value]).map(|c| match c {
+                Command::Prefetch(a) => a.cache_max_bytes.unwrap_or(0),
+                _ => unreachable!(),
+            });
+        let upload =
+            command(&["upload", "/s", "s3://b/p", "--max-bytes", value]).map(|c| match c {
+                Command::Upload(a) => a.max_bytes,
+                _ => unreachable!(),
+            });
+        [
+            run("--cache-max-bytes"),
+            serve,
+            prefetch,
+            run("--upload-max-bytes"),
+            upload,
+        ]
+    }
+
+    #[test]
+    fn a_size_reads_the_same_in_host_mode_and_in_the_prefetch_container() {
+        for (value, bytes) in [
+            ("500G", 500_000_000_000u64),
+            ("500GB", 500_000_000_000),
+            ("500GiB", 536_870_912_000),
+            ("64k", 64_000),
+            ("1.5T", 1_500_000_000_000),
+            ("2Ti", 2 << 40),
+            ("4096", 4096),
+        ] {
+            let [cache_run, cache_serve, cache_prefetch, upload_run, upload_cli] =
+                byte_settings(value);
+            assert_eq!(cache_run, Ok(bytes), "run --cache-max-bytes {value}");
+            assert_eq!(
+                cache_serve,
+                Ok(bytes),
+                "prefetch-serve --cache-max-bytes {value}"
+            );
+            assert_eq!(
+                cache_prefetch,
+                Ok(bytes),
+                "prefetch --cache-max-bytes {value}"
+            );
+            assert_eq!(upload_run, Ok(bytes), "run --upload-max-bytes {value}");
+            assert_eq!(upload_cli, Ok(bytes), "upload --max-bytes {value}");
+        }
+        // A limit of nothing is refused by every command that takes one.
+        for (i, r) in byte_settings("0").into_iter().enumerate() {
+            let e = r.expect_err("a 0-byte limit accepted");
+            assert!(
+                e.starts_with("64:") || e.starts_with("2:"),
+                "setting {i}: {e}"
+            );
+        }
+    }
+
     #[test]
     fn config_file_errors_name_file_and_key() {
         let dir = tempfile::tempdir().unwrap();

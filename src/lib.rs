@@ -24,6 +24,7 @@ pub mod prefetch;
 pub mod responder;
 pub mod shutdown;
 pub mod telemetry;
+pub mod units;
 pub mod upload;
 pub mod webhook;
 pub mod words;

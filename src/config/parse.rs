@@ -72,33 +72,9 @@ pub(super) fn parse_upload_location(s: &str) -> Result<String, String> {
         .map_err(|e| e.to_string())
 }
 
-pub fn parse_bytes(s: &str) -> Result<u64, String> {
-    let t = s.trim();
-    let split = t
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let n: f64 = num
-        .parse()
-        .map_err(|_| format!("{s:?} is not a size (expected e.g. 500GiB)"))?;
-    let mult: f64 = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 1.0,
-        "k" | "kb" => 1e3,
-        "m" | "mb" => 1e6,
-        "g" | "gb" => 1e9,
-        "t" | "tb" => 1e12,
-        "ki" | "kib" => 1024.0,
-        "mi" | "mib" => 1024.0 * 1024.0,
-        "gi" | "gib" => 1024.0 * 1024.0 * 1024.0,
-        "ti" | "tib" => 1024.0_f64.powi(4),
-        other => return Err(format!("unknown size unit {other:?}")),
-    };
-    let v = n * mult;
-    if !v.is_finite() || v < 1.0 || v > u64::MAX as f64 {
-        return Err(format!("{s:?} is out of range"));
-    }
-    Ok(v as u64)
-}
+/// A size limit (`--cache-max-bytes`, `--upload-max-bytes`): the crate's one byte-size dialect,
+/// at least one byte.
+pub use crate::units::parse_limit as parse_bytes;
 
 #[cfg(test)]
 mod tests {

@@ -573,7 +573,7 @@ fn upload_row(t: &mut Table, v: &Verdict) {
                 r.destination,
                 r.files,
                 r.bytes,
-                crate::prefetch::progress::human_bytes(r.rate_bps),
+                crate::units::human_bytes(r.rate_bps),
                 r.error
                     .as_ref()
                     .map(|e| format!(": {e}"))

@@ -15,8 +15,9 @@ use tokio_util::sync::CancellationToken;
 
 use super::cache::DatasetPaths;
 use super::download::{self, FetchOptions, Job, Outcome, Summary, Verify};
-use super::progress::{self, human_bytes, parse_size, Progress, ProgressMode};
+use super::progress::{self, Progress, ProgressMode};
 use super::source::{self, SourceUrl, StoreOptions};
+use crate::units::{self, human_bytes};
 
 /// Exit code: everything is in the cache.
 pub const EXIT_OK: i32 = 0;
@@ -30,11 +31,11 @@ pub const EXIT_CANCELLED: i32 = 3;
 pub const EXIT_USAGE: i32 = 64;
 
 fn parse_part_size(s: &str) -> Result<u64, String> {
-    progress::parse_size_between(s, "part size", (64 << 10, "64KiB"), (5 << 30, "5GiB"))
+    units::parse_bytes_between(s, "part size", (64 << 10, "64KiB"), (5 << 30, "5GiB"))
 }
 
 fn parse_concurrency(s: &str) -> Result<usize, String> {
-    progress::parse_count_between(s, "concurrency", 1, 1024)
+    units::parse_count_between(s, "concurrency", 1, 1024)
 }
 
 /// Arguments of `spotguard prefetch`.
@@ -83,7 +84,7 @@ pub struct PrefetchArgs {
     pub endpoint: Option<String>,
 
     /// Keep the cache under this size, evicting least-recently-used datasets not in use.
-    #[arg(long, value_parser = parse_size)]
+    #[arg(long, value_parser = units::parse_limit)]
     pub cache_max_bytes: Option<u64>,
 
     /// Progress display: a bar on a TTY, JSON lines otherwise.

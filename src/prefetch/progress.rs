@@ -9,6 +9,8 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
+use crate::units::human_bytes;
+
 /// Live counters of one dataset run, updated by the download tasks.
 #[derive(Debug, Default)]
 pub struct Progress {
@@ -227,97 +229,9 @@ pub fn bar_line(s: &Snapshot, rate_bps: u64) -> String {
     )
 }
 
-/// `1536` → `1.5 KiB`.
-pub fn human_bytes(n: u64) -> String {
-    const UNITS: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
-    let mut v = n as f64;
-    let mut unit = 0;
-    while v >= 1024.0 && unit + 1 < UNITS.len() {
-        v /= 1024.0;
-        unit += 1;
-    }
-    if unit == 0 {
-        format!("{n} B")
-    } else {
-        format!("{v:.1} {}", UNITS[unit])
-    }
-}
-
-/// Parse a size: `8MiB`, `16 MB`, `1.5GiB`, `4096`, `64k` (k/M/G/T are binary, like `KiB`;
-/// `KB`/`MB`/… are decimal).
-/// A `--part-size`-like flag: a size ([`parse_size`]) between `min` and `max` bytes, named
-/// `what` in the error (`min_text` and `max_text` as the user would write them).
-pub fn parse_size_between(
-    s: &str,
-    what: &str,
-    (min, min_text): (u64, &str),
-    (max, max_text): (u64, &str),
-) -> Result<u64, String> {
-    let v = parse_size(s)?;
-    if !(min..=max).contains(&v) {
-        return Err(format!(
-            "{what} {s} must be between {min_text} and {max_text}"
-        ));
-    }
-    Ok(v)
-}
-
-/// A `--concurrency`-like flag: a whole number between `min` and `max`, named `what`.
-pub fn parse_count_between(s: &str, what: &str, min: usize, max: usize) -> Result<usize, String> {
-    let v: usize = s
-        .trim()
-        .parse()
-        .map_err(|_| format!("invalid {what} {s:?}"))?;
-    if !(min..=max).contains(&v) {
-        return Err(format!("{what} {v} must be between {min} and {max}"));
-    }
-    Ok(v)
-}
-
-pub fn parse_size(s: &str) -> Result<u64, String> {
-    let t = s.trim();
-    let split = t
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let value: f64 = num
-        .parse()
-        .map_err(|_| format!("invalid size {s:?} (expected e.g. 8MiB, 1GB, 4096)"))?;
-    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 1,
-        "k" | "kib" | "ki" => 1 << 10,
-        "m" | "mib" | "mi" => 1 << 20,
-        "g" | "gib" | "gi" => 1 << 30,
-        "t" | "tib" | "ti" => 1 << 40,
-        "kb" => 1_000,
-        "mb" => 1_000_000,
-        "gb" => 1_000_000_000,
-        "tb" => 1_000_000_000_000,
-        other => return Err(format!("unknown size unit {other:?} in {s:?}")),
-    };
-    let bytes = value * mult as f64;
-    if !bytes.is_finite() || bytes < 0.0 || bytes > u64::MAX as f64 {
-        return Err(format!("size {s:?} out of range"));
-    }
-    Ok(bytes.round() as u64)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn sizes_parse_binary_and_decimal() {
-        assert_eq!(parse_size("8MiB").unwrap(), 8 << 20);
-        assert_eq!(parse_size("8M").unwrap(), 8 << 20);
-        assert_eq!(parse_size("16 mib").unwrap(), 16 << 20);
-        assert_eq!(parse_size("1.5GiB").unwrap(), 3 << 29);
-        assert_eq!(parse_size("2GB").unwrap(), 2_000_000_000);
-        assert_eq!(parse_size("4096").unwrap(), 4096);
-        assert!(parse_size("8 parsecs").is_err());
-        assert!(parse_size("MiB").is_err());
-        assert!(parse_size("").is_err());
-    }
 
     #[test]
     fn bar_shows_fraction_sizes_and_rate() {

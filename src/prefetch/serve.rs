@@ -19,7 +19,6 @@ use tracing::{error, info, warn};
 
 use super::annotations::AnnotationWatcher;
 use super::policy::{AllowPattern, AnnotationPolicy};
-use super::progress::parse_size;
 use super::{PrefetchDefaults, PrefetchMetrics, Prefetcher, StoreOptions};
 use crate::backoff::Backoff;
 
@@ -73,7 +72,7 @@ pub struct ServeArgs {
     pub cache_dir: PathBuf,
 
     /// Evict least-recently-used datasets above this size (e.g. 500GiB) [default: --cache-max-fraction of the filesystem].
-    #[arg(long, env = "SPOTGUARD_CACHE_MAX_BYTES", value_name = "BYTES", value_parser = parse_size)]
+    #[arg(long, env = "SPOTGUARD_CACHE_MAX_BYTES", value_name = "BYTES", value_parser = crate::units::parse_limit)]
     pub cache_max_bytes: Option<u64>,
 
     /// Without --cache-max-bytes: the share of the cache's filesystem the cache may fill.

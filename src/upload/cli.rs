@@ -22,8 +22,9 @@ use super::manifest::Origin;
 use super::staged::{self, Limits, Root};
 use super::target::Target;
 use super::Outcome;
-use crate::prefetch::progress::{self, human_bytes, parse_size, Progress, ProgressMode};
+use crate::prefetch::progress::{self, Progress, ProgressMode};
 use crate::prefetch::source::StoreOptions;
+use crate::units::{self, human_bytes};
 
 /// Exit code: published.
 pub const EXIT_OK: i32 = 0;
@@ -38,7 +39,7 @@ pub const EXIT_USAGE: i32 = 64;
 
 /// `--part-size` of uploads: 5 MiB (the stores' smallest part) to 5 GiB.
 pub fn parse_part_size(s: &str) -> Result<u64, String> {
-    progress::parse_size_between(
+    units::parse_bytes_between(
         s,
         "part size",
         (engine::MIN_PART_SIZE, "5MiB"),
@@ -48,7 +49,7 @@ pub fn parse_part_size(s: &str) -> Result<u64, String> {
 
 /// `--concurrency` of uploads: 1 to 256.
 pub fn parse_concurrency(s: &str) -> Result<usize, String> {
-    progress::parse_count_between(s, "concurrency", 1, 256)
+    units::parse_count_between(s, "concurrency", 1, 256)
 }
 
 /// `--deadline`: RFC 3339 or Unix seconds.
@@ -124,7 +125,7 @@ pub struct UploadArgs {
     pub max_files: usize,
 
     /// Refuse a staged tree of more bytes than this.
-    #[arg(long, default_value = "1TiB", value_parser = parse_size)]
+    #[arg(long, default_value = "1TiB", value_parser = units::parse_limit)]
     pub max_bytes: u64,
 
     /// Progress display: a bar on a TTY, JSON lines otherwise.
