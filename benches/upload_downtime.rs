@@ -308,7 +308,7 @@ fn run_trial(
             location: Some("s3://bench".into()),
             writer: None,
         };
-        let store_opts = spotguard::prefetch::source::StoreOptions {
+        let store_opts = spotguard::store::StoreOptions {
             endpoint: Some(endpoint.to_string()),
             ..Default::default()
         };
@@ -335,7 +335,7 @@ fn run_trial(
                 .with_access_key_id(KEY)
                 .with_secret_access_key(SECRET)
                 .with_region("us-east-1")
-                .with_http_connector(spotguard::prefetch::verify::ChecksumConnector)
+                .with_http_connector(spotguard::store::checksum::ChecksumConnector)
                 .with_client_options(ClientOptions::new().with_allow_http(true))
                 .build()
                 .expect("store"),

@@ -364,9 +364,9 @@ async fn upload_service(
         },
         concurrency: cfg.args.upload_concurrency,
         part_size: cfg.args.upload_part_size,
-        store: prefetch::source::StoreOptions {
+        store: crate::store::StoreOptions {
             endpoint: cfg.args.upload_endpoint.clone(),
-            ..prefetch::source::StoreOptions::default()
+            ..crate::store::StoreOptions::default()
         },
         state_dir: cfg.args.state_dir.clone(),
         host_location: cfg.args.checkpoint_upload.clone(),

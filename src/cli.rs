@@ -4,11 +4,21 @@
 //! `prefetch::PrefetchArgs`, `emulator::EmulateArgs`, …); `run`'s are the agent's settings
 //! ([`config::RunArgs`]), completed from the environment and the config file by [`config`].
 
+use std::collections::HashSet;
 use std::ffi::OsString;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
+use serde::Serialize;
+use tokio_util::sync::CancellationToken;
 
 use crate::config::{self, RunArgs, EXIT_USAGE};
+use crate::prefetch::cli::{EXIT_CANCELLED, EXIT_FAILED, EXIT_OK};
+use crate::store::StoreOptions;
+use crate::upload::latest::{self, Error as LatestError};
+use crate::upload::Location;
 
 /// `--version`: the crate version and the git commit it was built from.
 pub const VERSION: &str = concat!(
@@ -188,6 +198,175 @@ pub fn completions(shell: clap_complete::Shell) -> Vec<u8> {
     let mut out = Vec::new();
     clap_complete::generate(shell, &mut cmd, "spotguard", &mut out);
     out
+}
+
+// `spotguard prefetch --latest-checkpoint`: the one place where the resume side of uploads
+// (`upload::latest`) and the prefetcher meet.
+
+/// What `--latest-checkpoint` prints.
+#[derive(Serialize)]
+struct Printed<'a> {
+    /// The checkpoint's directory (URL or path).
+    checkpoint: String,
+    name: &'a str,
+    step: Option<u64>,
+    files: usize,
+    bytes: u64,
+    completed_at: &'a str,
+    /// Where it was fetched to (with DEST).
+    local: Option<PathBuf>,
+    manifest: &'a crate::upload::manifest::Manifest,
+}
+
+/// `spotguard prefetch --latest-checkpoint LOCATION [DEST]`: print the latest complete
+/// checkpoint as one JSON line (`null` when there is none), and with DEST fetch it into
+/// `DEST/<name>`. No checkpoint yet is not an error (exit 0: a first run has nothing to resume).
+/// A fetched file that does not match the manifest exits 2 naming it; `--timeout` or SIGTERM in
+/// any phase exits 3; nothing is printed then.
+pub async fn latest_checkpoint(
+    args: crate::prefetch::PrefetchArgs,
+    location: String,
+    cancel: CancellationToken,
+) -> i32 {
+    let dest = match (&args.src, &args.dest) {
+        (None, None) => None,
+        (Some(one), None) => Some(PathBuf::from(one)),
+        _ => {
+            eprintln!("spotguard prefetch: --latest-checkpoint takes at most one directory: DEST");
+            return EXIT_USAGE;
+        }
+    };
+    let loc = match Location::parse(&location) {
+        Ok(l) => l,
+        Err(e) => {
+            eprintln!("spotguard prefetch: {e}");
+            return EXIT_USAGE;
+        }
+    };
+    let run = cancel.child_token();
+    let timed_out = Arc::new(AtomicBool::new(false));
+    if let Some(limit) = args.timeout {
+        let (t, flag) = (run.clone(), timed_out.clone());
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = t.cancelled() => {}
+                _ = tokio::time::sleep(limit) => {
+                    flag.store(true, Ordering::Relaxed);
+                    t.cancel();
+                }
+            }
+        });
+    }
+    let code = match resume(args, dest, &loc, &run).await {
+        Ok(printed) => {
+            println!("{printed}");
+            EXIT_OK
+        }
+        Err(_) if run.is_cancelled() => {
+            if timed_out.load(Ordering::Relaxed) {
+                eprintln!("spotguard prefetch: --timeout reached; nothing was reported complete");
+            } else {
+                eprintln!("spotguard prefetch: interrupted; nothing was reported complete");
+            }
+            EXIT_CANCELLED
+        }
+        Err(Failed::Code(code)) => code,
+        Err(Failed::Error(e)) => {
+            eprintln!("spotguard prefetch: {e}");
+            EXIT_FAILED
+        }
+    };
+    run.cancel();
+    code
+}
+
+/// Why `resume` printed nothing.
+enum Failed {
+    /// The fetch's exit code (it said why).
+    Code(i32),
+    Error(LatestError),
+}
+
+impl From<LatestError> for Failed {
+    fn from(e: LatestError) -> Failed {
+        Failed::Error(e)
+    }
+}
+
+/// Find the latest, fetch and verify it with DEST; the line to print.
+async fn resume(
+    args: crate::prefetch::PrefetchArgs,
+    dest: Option<PathBuf>,
+    loc: &Location,
+    stop: &CancellationToken,
+) -> Result<String, Failed> {
+    let opts = StoreOptions {
+        endpoint: args.endpoint.clone(),
+        pool: args.concurrency,
+        ..StoreOptions::default()
+    };
+    let Some(found) = latest::until(stop, latest::latest(loc, &opts)).await? else {
+        eprintln!("spotguard prefetch: no complete checkpoint under {loc}; nothing to fetch");
+        return Ok("null".to_string());
+    };
+    let m = &found.manifest;
+    let mut local = None;
+    if let Some(dest) = dest {
+        let mut fetch = args.clone();
+        fetch.latest_checkpoint = None;
+        fetch.timeout = None;
+        fetch.src = Some(match &found.destination {
+            Location::Dir(p) => format!("file://{}", p.display()),
+            Location::Store(u) => u.normalized(),
+        });
+        fetch.dest = Some(dest.clone());
+        fetch.name = Some(m.name.clone());
+        let only: HashSet<String> = m.files.iter().map(|f| f.path.clone()).collect();
+        let code = Box::pin(crate::prefetch::cli::run_only(
+            fetch,
+            Arc::new(only),
+            stop.clone(),
+        ))
+        .await;
+        if stop.is_cancelled() {
+            return Err(LatestError::Stopped.into());
+        }
+        if code != EXIT_OK {
+            return Err(Failed::Code(code));
+        }
+        let dir = dest.join(&m.name);
+        if let Err(e) = latest::verify_local(&dir, m, stop).await {
+            // Nothing may take the copy for complete: the prefetcher's marker goes, and a file
+            // that is not the manifest's is removed (a later run fetches it again).
+            let _ = std::fs::remove_file(
+                crate::prefetch::cache::DatasetPaths::new(&dest, &m.name).complete,
+            );
+            if let LatestError::Content { path, .. } = &e {
+                let _ = std::fs::remove_file(path);
+            }
+            return Err(e.into());
+        }
+        crate::fsutil::write_atomic(
+            &dir.join(crate::upload::manifest::manifest_file(None)),
+            &m.to_bytes(),
+            0o644,
+        )
+        .map_err(|e| {
+            LatestError::Upload(crate::upload::Error::io("write", dir.display().to_string())(e))
+        })?;
+        local = Some(dir);
+    }
+    let printed = Printed {
+        checkpoint: found.destination.display(),
+        name: &m.name,
+        step: m.step,
+        files: m.file_count,
+        bytes: m.bytes,
+        completed_at: &m.timings.completed_at,
+        local,
+        manifest: m,
+    };
+    Ok(serde_json::to_string(&printed).unwrap_or_default())
 }
 
 #[cfg(test)]

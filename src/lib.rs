@@ -23,6 +23,8 @@ pub mod outcome;
 pub mod prefetch;
 pub mod responder;
 pub mod shutdown;
+pub mod store;
+pub mod sync;
 pub mod telemetry;
 pub mod units;
 pub mod upload;

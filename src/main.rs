@@ -117,7 +117,7 @@ fn main() -> ExitCode {
         Command::Prefetch(args) if args.latest_checkpoint.is_some() => {
             telemetry::init(config::LogFormat::Text, &one_shot_log_level());
             let location = args.latest_checkpoint.clone().unwrap_or_default();
-            with_runtime(|cancel| upload::latest::run_cli(*args, location, cancel))
+            with_runtime(|cancel| cli::latest_checkpoint(*args, location, cancel))
         }
         Command::Prefetch(args) => {
             telemetry::init(config::LogFormat::Text, &one_shot_log_level());

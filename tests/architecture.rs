@@ -15,8 +15,12 @@ const ALLOWED: &[(&str, &[&str])] = &[
     ("fsutil", &[]),
     ("metrics", &[]),
     ("shutdown", &[]),
+    ("sync", &[]),
+    ("units", &[]),
     ("words", &[]),
     ("life", &["fsutil"]),
+    // The object-store floor both transfer directions share.
+    ("store", &["units", "words"]),
     ("admin", &["metrics"]),
     // The node seam (it stores the responder's plan record as given), the notice sources.
     ("node", &["backoff", "duration", "metrics"]),
@@ -38,7 +42,9 @@ const ALLOWED: &[(&str, &[&str])] = &[
             "fsutil",
             "metrics",
             "node",
-            "words",
+            "store",
+            "sync",
+            "units",
         ],
     ),
     (
@@ -50,7 +56,9 @@ const ALLOWED: &[(&str, &[&str])] = &[
             "life",
             "metrics",
             "node",
-            "prefetch",
+            "store",
+            "sync",
+            "units",
         ],
     ),
     (
@@ -61,6 +69,8 @@ const ALLOWED: &[(&str, &[&str])] = &[
             "gpu",
             "notice",
             "prefetch",
+            "store",
+            "units",
             "upload",
             "webhook",
         ],
@@ -78,7 +88,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
             "metrics",
             "node",
             "notice",
-            "prefetch",
+            "units",
             "upload",
         ],
     ),
@@ -108,6 +118,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
             "outcome",
             "prefetch",
             "responder",
+            "store",
             "upload",
             "webhook",
         ],
@@ -122,15 +133,17 @@ const ALLOWED: &[(&str, &[&str])] = &[
             "emulator",
             "fsutil",
             "notice",
-            "prefetch",
             "responder",
             "telemetry",
+            "units",
             "upload",
         ],
     ),
     (
         "cli",
-        &["config", "drill", "emulator", "gpu", "prefetch", "upload"],
+        &[
+            "config", "drill", "emulator", "fsutil", "gpu", "prefetch", "store", "upload",
+        ],
     ),
 ];
 
@@ -387,6 +400,25 @@ fn notice_and_node_import_nothing_from_the_responder_and_node_nothing_above_it()
     ] {
         assert!(!graph["node"].contains(above), "node imports {above}");
     }
+}
+
+#[test]
+fn prefetch_and_upload_stand_on_the_store_and_never_import_each_other() {
+    // Neither in the table (so a new import fails the first test) nor in the code.
+    let allowed = allowed();
+    let graph = actual();
+    for (a, b) in [("prefetch", "upload"), ("upload", "prefetch")] {
+        assert!(
+            !allowed[a].contains(b),
+            "ALLOWED lets {a} import {b}: what both need belongs in store/"
+        );
+        assert!(!graph[a].contains(b), "{a} imports {b}");
+        assert!(graph[a].contains("store"), "{a} no longer uses store/");
+    }
+    // Only the command line joins the two (`prefetch --latest-checkpoint`); the store floor is
+    // below both.
+    assert!(graph["cli"].contains("prefetch") && graph["cli"].contains("upload"));
+    assert!(!graph["store"].contains("prefetch") && !graph["store"].contains("upload"));
 }
 
 #[test]

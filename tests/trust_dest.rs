@@ -26,7 +26,7 @@ use serde_json::Value;
 use spotguard::checkpoint::ack::{AckFile, CheckpointDir};
 use spotguard::checkpoint::procfs::ProcFs;
 use spotguard::emulator::{self, Cloud, EmulatedNotice, EmulatorConfig};
-use spotguard::prefetch::source::StoreOptions;
+use spotguard::store::StoreOptions;
 use spotguard::upload::ack::{self, Acker, Answer, AnswerState, Binding, StagedRequest};
 use spotguard::upload::dest::{AllowUpload, Location, UploadPolicy};
 use spotguard::upload::engine::{self, Job, Meta, Options};

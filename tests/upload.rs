@@ -84,12 +84,12 @@ fn s3(endpoint: &str) -> Arc<AmazonS3> {
             .with_access_key_id(ACCESS_KEY)
             .with_secret_access_key(SECRET_KEY)
             .with_region(REGION)
-            .with_http_connector(spotguard::prefetch::verify::ChecksumConnector)
+            .with_http_connector(spotguard::store::checksum::ChecksumConnector)
             .with_client_options(
                 ClientOptions::new()
                     .with_allow_http(true)
                     .with_default_headers(http::HeaderMap::from_iter([(
-                        http::HeaderName::from_static(spotguard::prefetch::verify::CHECKSUM_MODE),
+                        http::HeaderName::from_static(spotguard::store::checksum::CHECKSUM_MODE),
                         http::HeaderValue::from_static("ENABLED"),
                     )])),
             )

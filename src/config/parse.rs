@@ -50,7 +50,7 @@ pub(super) fn parse_abs_path(s: &str) -> Result<PathBuf, String> {
 }
 
 pub(super) fn parse_url(s: &str) -> Result<String, String> {
-    crate::prefetch::source::parse_http_url(s)
+    crate::store::parse_http_url(s)
 }
 
 pub(super) fn parse_endpoint(s: &str) -> Result<reqwest::Url, String> {

@@ -21,18 +21,13 @@ use std::time::{Duration, SystemTime};
 
 use serde::{Deserialize, Serialize};
 
-use super::claim::{now_ms, short_hash, ClaimRecord};
+use super::claim::{now_ms, ClaimRecord};
 use super::manifest::Manifest;
 use super::Error;
+use crate::store::key::{short_hash, META_DIR, NAME_MAX, PART_INFIX};
 
-/// The metadata directory inside a dataset.
-pub const META_DIR: &str = ".spotguard";
-/// Infix of part files.
-pub const PART_INFIX: &str = ".spotguard-part-";
 /// Prefix of datasets being deleted (renamed away first so they vanish at once).
 const EVICTING_PREFIX: &str = ".spotguard-evicting-";
-/// Longest file name on common filesystems.
-const NAME_MAX: usize = 255;
 
 /// Paths of one dataset.
 #[derive(Clone, Debug)]
@@ -91,38 +86,6 @@ impl DatasetPaths {
     }
 }
 
-/// Reject keys that would escape the dataset directory or clash with spotguard's own files.
-pub fn validate_key(key: &str) -> Result<(), Error> {
-    let unsafe_key = |reason: &str| Error::UnsafeKey {
-        key: key.to_string(),
-        reason: reason.to_string(),
-    };
-    if key.is_empty() {
-        return Err(unsafe_key("empty key"));
-    }
-    if key.starts_with('/') {
-        return Err(unsafe_key("absolute path"));
-    }
-    if key.contains('\0') {
-        return Err(unsafe_key("NUL byte"));
-    }
-    if key.contains(PART_INFIX) {
-        return Err(unsafe_key("contains spotguard's part-file infix"));
-    }
-    for (i, seg) in key.split('/').enumerate() {
-        match seg {
-            "" => return Err(unsafe_key("empty path segment")),
-            "." | ".." => return Err(unsafe_key("'.' or '..' segment escapes the dataset")),
-            META_DIR if i == 0 => return Err(unsafe_key("clashes with the .spotguard directory")),
-            s if s.len() > NAME_MAX => {
-                return Err(unsafe_key("path segment longer than 255 bytes"))
-            }
-            _ => {}
-        }
-    }
-    Ok(())
-}
-
 /// The `complete` marker's content.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CompleteMarker {
@@ -165,7 +128,7 @@ pub fn check_source(paths: &DatasetPaths, url: &str) -> Result<(), Error> {
 
 /// Whether two source URLs name the same scheme, bucket and prefix (a trailing `/` aside).
 pub fn same_source(a: &str, b: &str) -> bool {
-    use super::source::SourceUrl;
+    use crate::store::SourceUrl;
     match (SourceUrl::parse(a), SourceUrl::parse(b)) {
         (Ok(x), Ok(y)) => x.normalized() == y.normalized(),
         _ => a == b,
@@ -433,31 +396,6 @@ mod tests {
             fs::write(&p.complete, serde_json::to_vec(&m).unwrap()).unwrap();
             set(&p.complete);
         }
-    }
-
-    #[test]
-    fn keys_that_escape_are_rejected_by_name() {
-        for key in ["a/b.bin", "x", "deep/er/file.tar", "..x", "a/.spotguard"] {
-            assert!(validate_key(key).is_ok(), "{key}");
-        }
-        for key in [
-            "",
-            "/etc/passwd",
-            "../up",
-            "a/../../b",
-            "a//b",
-            "./a",
-            ".spotguard/manifest.json",
-            "a\0b",
-            "a.spotguard-part-h-1",
-        ] {
-            match validate_key(key) {
-                Err(Error::UnsafeKey { key: k, .. }) => assert_eq!(k, key),
-                other => panic!("{key:?}: {other:?}"),
-            }
-        }
-        let e = validate_key("a/../../etc").unwrap_err();
-        assert!(e.to_string().contains("a/../../etc"), "{e}");
     }
 
     #[test]

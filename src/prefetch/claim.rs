@@ -21,13 +21,8 @@ use std::sync::OnceLock;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
-use sha2::{Digest, Sha256};
 
-/// A short, stable hash of `s` (16 hex digits of SHA-256), used for claim file names.
-pub fn short_hash(s: &str) -> String {
-    let digest = Sha256::digest(s.as_bytes());
-    digest[..8].iter().map(|b| format!("{b:02x}")).collect()
-}
+use crate::store::short_hash;
 
 /// Milliseconds since the Unix epoch.
 pub fn now_ms() -> i64 {

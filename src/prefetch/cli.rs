@@ -15,8 +15,8 @@ use tokio_util::sync::CancellationToken;
 
 use super::cache::DatasetPaths;
 use super::download::{self, FetchOptions, Job, Outcome, Summary, Verify};
-use super::progress::{self, Progress, ProgressMode};
-use super::source::{self, SourceUrl, StoreOptions};
+use crate::store::progress::{self, Progress, ProgressMode};
+use crate::store::url::{self as source, SourceUrl, StoreOptions};
 use crate::units::{self, human_bytes};
 
 /// Exit code: everything is in the cache.
@@ -80,7 +80,7 @@ pub struct PrefetchArgs {
     pub part_size: u64,
 
     /// S3-compatible endpoint (path-style; http:// allowed), e.g. http://127.0.0.1:9000.
-    #[arg(long, env = "SPOTGUARD_PREFETCH_ENDPOINT", value_name = "URL", value_parser = crate::prefetch::source::parse_http_url)]
+    #[arg(long, env = "SPOTGUARD_PREFETCH_ENDPOINT", value_name = "URL", value_parser = crate::store::url::parse_http_url)]
     pub endpoint: Option<String>,
 
     /// Keep the cache under this size, evicting least-recently-used datasets not in use.
@@ -137,9 +137,9 @@ async fn fetch(
         return wait_for(args, name, cancel).await;
     }
     if args.latest_checkpoint.is_some() {
-        // The binary sends it to `upload::latest::run_cli` (which comes back here to fetch):
+        // The binary sends it to `cli::latest_checkpoint` (which comes back here to fetch):
         // prefetch knows nothing of checkpoints.
-        return usage("--latest-checkpoint is run by upload::latest::run_cli".to_string());
+        return usage("--latest-checkpoint is run by cli::latest_checkpoint".to_string());
     }
     let (Some(src_text), Some(dest)) = (args.src.clone(), args.dest.clone()) else {
         return usage("SRC and DEST are required".to_string());
@@ -162,7 +162,7 @@ async fn fetch(
     };
     let store = match source::build_store(&src, &store_opts) {
         Ok(s) => s,
-        Err(e @ super::Error::InvalidUrl { .. }) => return usage(e.to_string()),
+        Err(e @ crate::store::Error::InvalidUrl { .. }) => return usage(e.to_string()),
         Err(e) => {
             eprintln!("spotguard prefetch: {e}");
             return EXIT_FAILED;

@@ -4,35 +4,23 @@
 use std::io;
 use std::path::PathBuf;
 
-use super::verify;
+use crate::store::{self, checksum, GetCause};
 
 /// Errors of the prefetch module. Each names the object (or URL, or path) and the cause.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    #[error("invalid source URL {url:?}: {reason}")]
-    InvalidUrl { url: String, reason: String },
+    /// A URL, name or key the store floor refused, or a client it could not build.
+    #[error(transparent)]
+    Store(#[from] store::Error),
 
-    #[error("invalid dataset name {name:?}: {reason}")]
-    InvalidName { name: String, reason: String },
-
-    #[error("cannot set up the object store for {url}: {source}")]
-    BuildStore {
-        url: String,
-        #[source]
-        source: object_store::Error,
-    },
-
-    #[error("listing {url} failed: {}", store_words(.source))]
+    #[error("listing {url} failed: {}", store::store_words(.source))]
     List {
         url: String,
         #[source]
         source: object_store::Error,
     },
 
-    #[error("object key {key:?} rejected: {reason}")]
-    UnsafeKey { key: String, reason: String },
-
-    #[error("GET {key} failed: {}", store_words(.source))]
+    #[error("GET {key} failed: {}", store::store_words(.source))]
     Get {
         key: String,
         cause: GetCause,
@@ -55,7 +43,7 @@ pub enum Error {
     )]
     ChecksumMismatch {
         key: String,
-        algorithm: verify::VerifiedBy,
+        algorithm: checksum::VerifiedBy,
         expected: String,
         got: String,
     },
@@ -96,73 +84,6 @@ pub enum Error {
     Internal(&'static str),
 }
 
-/// Why a GET failed.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum GetCause {
-    /// 404.
-    NotFound,
-    /// 403: the credentials lack `s3:GetObject` / `storage.objects.get`.
-    PermissionDenied,
-    /// 401 or a credential provider failure.
-    Unauthenticated,
-    /// 503 SlowDown / 429, still failing after the retries with backoff.
-    Throttled,
-    /// Connection, timeout or another server error, after retries.
-    Request,
-}
-
-impl std::fmt::Display for GetCause {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            GetCause::NotFound => "not found (404)",
-            GetCause::PermissionDenied => {
-                "access denied (403: check the credentials and the bucket policy)"
-            }
-            GetCause::Unauthenticated => "not authenticated (401: check the credentials)",
-            GetCause::Throttled => "throttled (503 SlowDown; retried with backoff)",
-            GetCause::Request => "request failed",
-        })
-    }
-}
-
-/// An object-store failure in words (through [`crate::words::store`], the one place that words
-/// them): the classified cause, a refused connection, or a credential provider that found none.
-pub fn store_words(e: &object_store::Error) -> String {
-    crate::words::store(e, &GetCause::of(e).to_string())
-}
-
-impl GetCause {
-    fn of(e: &object_store::Error) -> GetCause {
-        match e {
-            object_store::Error::NotFound { .. } => GetCause::NotFound,
-            object_store::Error::PermissionDenied { .. } => GetCause::PermissionDenied,
-            object_store::Error::Unauthenticated { .. } => GetCause::Unauthenticated,
-            other if crate::words::is_credential_failure(other) => GetCause::Unauthenticated,
-            other => {
-                // object_store keeps the HTTP status inside its (private) retry error; its text
-                // reads "... status code: 503 Service Unavailable ..." and carries S3's code.
-                let text = crate::words::chain(other);
-                if text.contains("SlowDown")
-                    || text.contains(" 503")
-                    || text.contains(" 429")
-                    || text.contains("TooManyRequests")
-                {
-                    GetCause::Throttled
-                } else if text.contains("InvalidAccessKeyId")
-                    || text.contains("SignatureDoesNotMatch")
-                    || text.contains("ExpiredToken")
-                {
-                    GetCause::Unauthenticated
-                } else if text.contains(" 403") || text.contains("AccessDenied") {
-                    GetCause::PermissionDenied
-                } else {
-                    GetCause::Request
-                }
-            }
-        }
-    }
-}
-
 impl Error {
     /// A GET failure of `key`, classified.
     pub fn get(key: &str, source: object_store::Error) -> Error {
@@ -178,16 +99,16 @@ impl Error {
         match source {
             object_store::Error::InvalidPath {
                 source: object_store::path::Error::BadSegment { path, .. },
-            } => Error::UnsafeKey {
+            } => Error::Store(store::Error::UnsafeKey {
                 key: path,
                 reason: "'.' or '..' segment escapes the dataset".to_string(),
-            },
+            }),
             object_store::Error::InvalidPath {
                 source: object_store::path::Error::EmptySegment { path },
-            } => Error::UnsafeKey {
+            } => Error::Store(store::Error::UnsafeKey {
                 key: path,
                 reason: "empty path segment".to_string(),
-            },
+            }),
             source => Error::List {
                 url: url.to_string(),
                 source,
@@ -225,10 +146,7 @@ impl Error {
                 source.kind(),
                 io::ErrorKind::Interrupted | io::ErrorKind::TimedOut
             ),
-            Error::InvalidUrl { .. }
-            | Error::InvalidName { .. }
-            | Error::BuildStore { .. }
-            | Error::UnsafeKey { .. }
+            Error::Store(_)
             | Error::DiskFull { .. }
             | Error::CacheFull { .. }
             | Error::NameInUse { .. }
@@ -243,9 +161,6 @@ impl Error {
             Error::DiskFull { .. }
             | Error::CacheFull { .. }
             | Error::List { .. }
-            | Error::BuildStore { .. }
-            | Error::InvalidUrl { .. }
-            | Error::InvalidName { .. }
             | Error::NameInUse { .. }
             | Error::Cancelled
             | Error::Internal(_) => true,
@@ -253,8 +168,10 @@ impl Error {
                 source.kind(),
                 io::ErrorKind::ReadOnlyFilesystem | io::ErrorKind::PermissionDenied
             ),
+            // A key that cannot be a path fails its object; the rest of the store floor's
+            // refusals (URL, name, client) end the run.
+            Error::Store(e) => !matches!(e, store::Error::UnsafeKey { .. }),
             Error::Get { .. }
-            | Error::UnsafeKey { .. }
             | Error::Changed { .. }
             | Error::SizeMismatch { .. }
             | Error::ChecksumMismatch { .. } => false,
@@ -264,11 +181,9 @@ impl Error {
     /// Label for `spotguard_prefetch_errors_total{error}`.
     pub fn metric_label(&self) -> &'static str {
         match self {
-            Error::InvalidUrl { .. } => "invalid_url",
-            Error::InvalidName { .. } | Error::NameInUse { .. } => "invalid_name",
-            Error::BuildStore { .. } => "store_config",
+            Error::Store(e) => e.metric_label(),
+            Error::NameInUse { .. } => "invalid_name",
             Error::List { .. } => "list",
-            Error::UnsafeKey { .. } => "unsafe_key",
             Error::Get { cause, .. } => match cause {
                 GetCause::NotFound => "not_found",
                 GetCause::PermissionDenied => "permission_denied",
@@ -301,7 +216,9 @@ mod tests {
             object_store::Error::InvalidPath { source: bad },
         );
         match &e {
-            Error::UnsafeKey { key, .. } => assert_eq!(key, "data/../../etc/passwd"),
+            Error::Store(store::Error::UnsafeKey { key, .. }) => {
+                assert_eq!(key, "data/../../etc/passwd")
+            }
             other => panic!("{other:?}"),
         }
         assert!(e.to_string().contains("data/../../etc/passwd"));

@@ -5,9 +5,9 @@
 //! - [`Prefetcher`]: the daemon side (`--prefetch NAME=URL`, config list, pod annotations);
 //!   [`serve`]: the prefetcher as its own process.
 //! - [`download`]: the engine; [`claim`]: per-object claims shared between processes and nodes;
-//!   [`manifest`]: the per-dataset manifest; [`cache`]: layout, leases and eviction;
-//!   [`verify`]: the stores' checksums.
-//! - [`source`]: source URLs, dataset names and the object store; [`Error`]: what failed.
+//!   [`manifest`]: the per-dataset manifest; [`cache`]: layout, leases and eviction.
+//! - [`Error`]: what failed. Source URLs, dataset names, the object store, its checksums and the
+//!   progress counters are the store floor's ([`crate::store`]), shared with `upload`.
 //!
 //! The user guide is `docs/prefetch.md`.
 
@@ -21,22 +21,11 @@ pub mod manifest;
 pub mod metrics;
 pub mod policy;
 mod prefetcher;
-pub mod progress;
 pub mod serve;
-pub mod source;
-pub mod verify;
 
-use std::sync::{Mutex, MutexGuard};
-
+pub use crate::store::{parse_spec, Progress, Snapshot, SourceUrl, StoreOptions};
 pub use cli::{run_cli, PrefetchArgs};
 pub use download::{FetchOptions, Outcome, Summary, Verify};
-pub use error::{store_words, Error, GetCause};
+pub use error::Error;
 pub use metrics::PrefetchMetrics;
 pub use prefetcher::{DatasetState, DatasetStatus, Ensure, PrefetchDefaults, Prefetcher};
-pub use progress::{Progress, Snapshot};
-pub use source::{parse_spec, SourceUrl, StoreOptions};
-
-/// Lock `m`, also after a panic while it was held (the state it guards stays consistent).
-pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}

@@ -12,9 +12,10 @@ use tokio_util::sync::CancellationToken;
 
 use super::download::{self, FetchOptions, Outcome};
 use super::metrics::PrefetchMetrics;
-use super::progress::{Progress, Snapshot};
-use super::source::{self, SourceUrl, StoreOptions};
-use super::{cache, lock, Error};
+use super::{cache, Error};
+use crate::store::progress::{Progress, Snapshot};
+use crate::store::url::{self as source, SourceUrl, StoreOptions};
+use crate::sync::lock;
 
 /// Defaults the daemon applies to every dataset it prefetches.
 #[derive(Clone, Debug, Default)]
@@ -401,7 +402,7 @@ mod tests {
         ));
         assert!(matches!(
             p.ensure("../x", &url),
-            Err(Error::InvalidName { .. })
+            Err(Error::Store(crate::store::Error::InvalidName { .. }))
         ));
         let st = p.wait("local").await.unwrap();
         assert_eq!(st.state, DatasetState::Complete, "{st:?}");

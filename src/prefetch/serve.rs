@@ -35,7 +35,7 @@ pub struct DatasetSpec {
 }
 
 fn parse_dataset(s: &str) -> Result<DatasetSpec, String> {
-    let (name, url) = super::parse_spec(s).map_err(|e| e.to_string())?;
+    let (name, url) = crate::store::parse_spec(s).map_err(|e| e.to_string())?;
     Ok(DatasetSpec { name, url })
 }
 
@@ -85,7 +85,7 @@ pub struct ServeArgs {
     pub prefetch: Vec<DatasetSpec>,
 
     /// S3-compatible endpoint for prefetch sources (e.g. http://127.0.0.1:9000).
-    #[arg(long, env = "SPOTGUARD_PREFETCH_ENDPOINT", value_name = "URL", value_parser = crate::prefetch::source::parse_http_url)]
+    #[arg(long, env = "SPOTGUARD_PREFETCH_ENDPOINT", value_name = "URL", value_parser = crate::store::url::parse_http_url)]
     pub endpoint: Option<String>,
 
     /// Honour pods' spotguard.io/prefetch annotations (Kubernetes; off by default).

@@ -26,7 +26,7 @@ use super::target::Target;
 use super::Error;
 use crate::checkpoint::ack::{AckFile, AckState, CheckpointDir};
 use crate::checkpoint::procfs::ProcFs;
-use crate::prefetch::source::StoreOptions;
+use crate::store::url::StoreOptions;
 
 /// Pod annotation naming where the pod's staged checkpoints go (a location).
 pub const UPLOAD_ANNOTATION: &str = crate::checkpoint::pods::UPLOAD;

@@ -106,7 +106,7 @@ impl Budget {
 
     /// Descriptors `owner` holds now.
     pub fn held_by(&self, owner: &Owner) -> u64 {
-        crate::prefetch::lock(&self.held)
+        crate::sync::lock(&self.held)
             .get(owner)
             .copied()
             .unwrap_or(0)
@@ -114,7 +114,7 @@ impl Budget {
 
     /// Take one descriptor for `owner`; it returns to the budget when the [`Held`] is dropped.
     pub fn take(self: &Arc<Self>, owner: &Owner) -> Result<Held, Refusal> {
-        let mut held = crate::prefetch::lock(&self.held);
+        let mut held = crate::sync::lock(&self.held);
         let mine = held.get(owner).copied().unwrap_or(0);
         let others = held.keys().filter(|o| *o != owner).count() as u64;
         let share = self.total / (others + 2);
@@ -147,7 +147,7 @@ pub struct Held {
 
 impl Drop for Held {
     fn drop(&mut self) {
-        let mut held = crate::prefetch::lock(&self.budget.held);
+        let mut held = crate::sync::lock(&self.budget.held);
         if let Some(n) = held.get_mut(&self.owner) {
             *n = n.saturating_sub(1);
             if *n == 0 {
@@ -184,12 +184,12 @@ impl Memory {
 
     /// Bytes granted now.
     pub fn used(&self) -> u64 {
-        crate::prefetch::lock(&self.state).used
+        crate::sync::lock(&self.state).used
     }
 
     /// A pool starts: its first buffer is granted whatever the budget holds.
     pub(crate) fn open(&self, size: u64) {
-        let mut st = crate::prefetch::lock(&self.state);
+        let mut st = crate::sync::lock(&self.state);
         st.pools += 1;
         st.used = st.used.saturating_add(size);
     }
@@ -197,7 +197,7 @@ impl Memory {
     /// One more buffer of `size` for a pool that holds `held` bytes: granted when the budget has
     /// room and the pool would still hold no more than an even split among the pools.
     pub(crate) fn grow(&self, held: u64, size: u64) -> bool {
-        let mut st = crate::prefetch::lock(&self.state);
+        let mut st = crate::sync::lock(&self.state);
         let split = self.total / st.pools.max(1);
         if st.used.saturating_add(size) <= self.total && held.saturating_add(size) <= split {
             st.used += size;
@@ -209,7 +209,7 @@ impl Memory {
 
     /// A pool ends: `held` bytes come back.
     pub(crate) fn close(&self, held: u64) {
-        let mut st = crate::prefetch::lock(&self.state);
+        let mut st = crate::sync::lock(&self.state);
         st.pools = st.pools.saturating_sub(1);
         st.used = st.used.saturating_sub(held);
     }
@@ -279,6 +279,6 @@ mod tests {
         assert_eq!(b.held_by(&a), 100);
         assert!(b.take(&d).is_ok());
         drop((held_a, held_c, held_d));
-        assert_eq!(crate::prefetch::lock(&b.held).len(), 0);
+        assert_eq!(crate::sync::lock(&b.held).len(), 0);
     }
 }

@@ -22,8 +22,8 @@ use super::manifest::Origin;
 use super::staged::{self, Limits, Root};
 use super::target::Target;
 use super::Outcome;
-use crate::prefetch::progress::{self, Progress, ProgressMode};
-use crate::prefetch::source::StoreOptions;
+use crate::store::progress::{self, Progress, ProgressMode};
+use crate::store::url::StoreOptions;
 use crate::units::{self, human_bytes};
 
 /// Exit code: published.
@@ -99,7 +99,7 @@ pub struct UploadArgs {
     pub part_size: u64,
 
     /// S3-compatible endpoint (path-style; http:// allowed), e.g. http://127.0.0.1:9000.
-    #[arg(long, env = "SPOTGUARD_UPLOAD_ENDPOINT", value_name = "URL", value_parser = crate::prefetch::source::parse_http_url)]
+    #[arg(long, env = "SPOTGUARD_UPLOAD_ENDPOINT", value_name = "URL", value_parser = crate::store::url::parse_http_url)]
     pub endpoint: Option<String>,
 
     /// Stop at this time (RFC 3339 or Unix seconds) and publish nothing if not done.

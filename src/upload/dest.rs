@@ -4,7 +4,7 @@
 //! operator's `--upload-allow` list that says which locations the agent may write with its own
 //! identity.
 //!
-//! Object-store patterns are the prefetch allow-list's ([`crate::prefetch::policy::AllowPattern`]:
+//! Object-store patterns are the allow-list patterns of the store floor ([`crate::store::AllowPattern`]:
 //! `s3://BUCKET[/PREFIX]`, `*` in BUCKET, PREFIX on whole segments); filesystem patterns are
 //! absolute directories, matched on whole path components. A filesystem destination is opened
 //! *from* the allowed directory with `RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS`, so a symlink that
@@ -14,8 +14,8 @@
 use std::path::{Component, Path, PathBuf};
 
 use super::Error;
-use crate::prefetch::policy::AllowPattern;
-use crate::prefetch::source::{Scheme, SourceUrl};
+use crate::store::url::{Scheme, SourceUrl};
+use crate::store::AllowPattern;
 
 /// A job's checkpoint root, or one checkpoint's directory ([`Location::join`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -40,7 +40,7 @@ impl Location {
             text
         } else if text.starts_with("s3://") || text.starts_with("gs://") {
             let url = SourceUrl::parse(text).map_err(|e| match e {
-                crate::prefetch::Error::InvalidUrl { reason, .. } => invalid(&reason),
+                crate::store::Error::InvalidUrl { reason, .. } => invalid(&reason),
                 e => invalid(&e.to_string()),
             })?;
             return Ok(Location::Store(url));
@@ -122,7 +122,7 @@ impl std::fmt::Display for Location {
 /// A checkpoint's name (its directory under the location): the staged directory's base name,
 /// e.g. `step-1200`. Letters, digits, `-`, `_`, `.`, not starting with `.`, at most 100 bytes.
 pub fn validate_checkpoint_name(name: &str) -> Result<(), Error> {
-    crate::prefetch::source::validate_name(name).map_err(|e| Error::InvalidDestination {
+    crate::store::url::validate_name(name).map_err(|e| Error::InvalidDestination {
         dest: name.to_string(),
         reason: format!("checkpoint name: {e}"),
     })

@@ -37,8 +37,8 @@ use super::staged::{StagedFile, StagedTree};
 use super::target::Target;
 use super::{Error, Outcome};
 use crate::fsutil::{AtomicFile, Durability};
-use crate::prefetch::progress::Progress;
-use crate::prefetch::verify::StoreChecksum;
+use crate::store::checksum::StoreChecksum;
+use crate::store::progress::Progress;
 
 /// The most parts a multipart upload may have (S3 and GCS).
 const MAX_PARTS: u64 = 10_000;
@@ -145,7 +145,7 @@ struct Shared {
 
 impl Shared {
     fn fail(&self, e: Error) {
-        let mut slot = crate::prefetch::lock(&self.error);
+        let mut slot = crate::sync::lock(&self.error);
         if slot.is_none() {
             *slot = Some(e);
         }
@@ -162,8 +162,8 @@ impl Shared {
     }
 
     fn file_done(&self, idx: usize, path: &str, done: DoneRecord) {
-        crate::prefetch::lock(&self.done).insert(idx, done);
-        crate::prefetch::lock(&self.open).remove(path);
+        crate::sync::lock(&self.done).insert(idx, done);
+        crate::sync::lock(&self.open).remove(path);
         Progress::add(&self.progress.files_done, 1);
         let counter = match done.verified_by {
             VerifiedBy::Crc64Nvme => &self.progress.verified_crc64nvme,
@@ -520,7 +520,7 @@ async fn upload(job: Job, started_at: Timestamp) -> Result<Done, Failed> {
     };
 
     // Every file is whole: sync (directories), then publish the manifest.
-    let done = crate::prefetch::lock(&shared.done).clone();
+    let done = crate::sync::lock(&shared.done).clone();
     let manifest = Manifest {
         format: manifest::FORMAT.to_string(),
         name: meta.name.clone(),
@@ -823,7 +823,7 @@ async fn give_up(shared: &Arc<Shared>, e: &Error) {
         }
         return;
     }
-    let mut open: Vec<(String, String)> = crate::prefetch::lock(&shared.open)
+    let mut open: Vec<(String, String)> = crate::sync::lock(&shared.open)
         .iter()
         .map(|(p, id)| (p.clone(), id.clone()))
         .collect();
@@ -879,7 +879,7 @@ async fn send_files(
                 m.pending_bytes.dec_by(file.id.size as i64);
             }
             // Already whole at the destination: counted as done, not sent again.
-            crate::prefetch::lock(&shared.done).insert(idx, done);
+            crate::sync::lock(&shared.done).insert(idx, done);
             Progress::add(&shared.progress.files_done, 1);
             continue;
         }
@@ -903,7 +903,7 @@ async fn send_files(
                 }
             };
             let todo: Vec<usize> = {
-                let parts = crate::prefetch::lock(&large.parts);
+                let parts = crate::sync::lock(&large.parts);
                 (0..large.count).filter(|i| parts[*i].is_none()).collect()
             };
             if todo.is_empty() {
@@ -932,7 +932,7 @@ async fn send_files(
         while tasks.try_join_next().is_some() {}
     }
     while tasks.join_next().await.is_some() {}
-    if let Some(e) = crate::prefetch::lock(&shared.error).take() {
+    if let Some(e) = crate::sync::lock(&shared.error).take() {
         return Err(e);
     }
     if shared.stop.is_cancelled() {
@@ -1055,7 +1055,7 @@ async fn start_large(
                     id
                 }
             };
-            crate::prefetch::lock(&shared.open).insert(file.path.clone(), upload_id.clone());
+            crate::sync::lock(&shared.open).insert(file.path.clone(), upload_id.clone());
             LargeSink::Store { upload_id }
         }
         Target::Dir(d) => {
@@ -1105,7 +1105,7 @@ async fn send_part(
             PartRecord { etag, crcs }
         }
         LargeSink::Dir { tmp } => {
-            let Some(tmp) = crate::prefetch::lock(tmp).clone() else {
+            let Some(tmp) = crate::sync::lock(tmp).clone() else {
                 return Ok(());
             };
             let f = large.file.clone();
@@ -1133,7 +1133,7 @@ async fn send_part(
             }
         });
     }
-    crate::prefetch::lock(&large.parts)[part] = Some(record);
+    crate::sync::lock(&large.parts)[part] = Some(record);
     if large.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
         finish_large(shared, large).await?;
     }
@@ -1142,7 +1142,7 @@ async fn send_part(
 
 /// Every part is in: combine the CRCs, check the file did not change, complete, verify.
 async fn finish_large(shared: &Arc<Shared>, large: &Arc<Large>) -> Result<(), Error> {
-    let parts: Vec<PartRecord> = crate::prefetch::lock(&large.parts)
+    let parts: Vec<PartRecord> = crate::sync::lock(&large.parts)
         .iter()
         .map(|p| {
             p.clone().unwrap_or(PartRecord {
@@ -1172,7 +1172,7 @@ async fn finish_large(shared: &Arc<Shared>, large: &Arc<Large>) -> Result<(), Er
             verify(&key, crcs, sum, Some(size))?
         }
         (LargeSink::Dir { tmp }, Target::Dir(d)) => {
-            let tmp = crate::prefetch::lock(tmp).take();
+            let tmp = crate::sync::lock(tmp).take();
             let path = d.path_of(&large.file.path);
             let tmp = tmp.and_then(Arc::into_inner).ok_or_else(|| {
                 Error::io("commit", path.clone())(std::io::Error::other(

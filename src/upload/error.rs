@@ -27,7 +27,7 @@ pub enum Error {
     #[error("cannot set up the object store for {url}: {reason}")]
     Store { url: String, reason: String },
 
-    #[error("{op} {key} failed: {}", crate::prefetch::store_words(.source))]
+    #[error("{op} {key} failed: {}", crate::store::store_words(.source))]
     Request {
         op: &'static str,
         key: String,

@@ -118,7 +118,7 @@ impl Record {
 
 /// The journal file of `destination` under `state_dir`.
 pub fn path_for(state_dir: &Path, destination: &str) -> PathBuf {
-    let mut h = crate::prefetch::claim::short_hash(destination);
+    let mut h = crate::store::short_hash(destination);
     h.truncate(16);
     state_dir.join(DIR).join(format!("{h}.json"))
 }
@@ -331,13 +331,13 @@ impl Journal {
 
     /// Change the record (written back at the next flush).
     pub fn update(&self, f: impl FnOnce(&mut Record)) {
-        f(&mut crate::prefetch::lock(&self.record));
+        f(&mut crate::sync::lock(&self.record));
         self.dirty.store(true, Ordering::Release);
     }
 
     /// A copy of the record.
     pub fn snapshot(&self) -> Record {
-        crate::prefetch::lock(&self.record).clone()
+        crate::sync::lock(&self.record).clone()
     }
 
     /// Write the record if it changed. Blocking (fsync).
@@ -346,7 +346,7 @@ impl Journal {
             return Ok(());
         }
         let data = {
-            let r = crate::prefetch::lock(&self.record);
+            let r = crate::sync::lock(&self.record);
             serde_json::to_vec(&*r).unwrap_or_default()
         };
         crate::fsutil::write_atomic(&self.path, &data, 0o600).map_err(|e| {

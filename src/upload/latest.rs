@@ -17,13 +17,12 @@
 //! stream and dropped at its cap ([`MANIFEST_MAX_BYTES`], [`MARKER_MAX_BYTES`]), whatever the
 //! listing said its size was.
 //!
-//! `spotguard prefetch --latest-checkpoint LOCATION [DEST]` ([`run_cli`]) prints the latest
-//! (no DEST) or fetches it into `DEST/<name>` with the prefetcher (parallel ranged GETs, the
+//! `spotguard prefetch --latest-checkpoint LOCATION [DEST]` (`crate::cli::latest_checkpoint`,
+//! where the CLI joins this side to the prefetcher) prints the latest (no DEST) or fetches it into `DEST/<name>` with the prefetcher (parallel ranged GETs, the
 //! store's checksums verified, nothing partial published) — only the files its manifest lists —
 //! then reads every fetched file once more and compares its CRC-64/NVME and CRC-32C with the
 //! manifest's before it reports the checkpoint. `--timeout` and SIGTERM stop every phase.
 
-use std::collections::HashSet;
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -32,7 +31,6 @@ use std::sync::Arc;
 use futures::stream::{self, StreamExt};
 use object_store::path::Path as ObjectPath;
 use object_store::{ObjectStore, ObjectStoreExt};
-use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
 use super::crc::Crcs;
@@ -41,7 +39,7 @@ use super::manifest::{
     complete, hex32, hex64, manifest_file, manifest_name, newer, Manifest, MANIFEST_MAX_BYTES,
 };
 use super::owner::{self, Marker, MARKER_MAX_BYTES, MARKER_NAME};
-use crate::prefetch::source::{self, StoreOptions};
+use crate::store::url::{self as source, StoreOptions};
 
 /// Why the resume side could not answer.
 #[derive(Debug, thiserror::Error)]
@@ -442,99 +440,8 @@ pub async fn latest(location: &Location, opts: &StoreOptions) -> Result<Option<F
     Ok(None)
 }
 
-/// What `--latest-checkpoint` prints.
-#[derive(Serialize)]
-struct Printed<'a> {
-    /// The checkpoint's directory (URL or path).
-    checkpoint: String,
-    name: &'a str,
-    step: Option<u64>,
-    files: usize,
-    bytes: u64,
-    completed_at: &'a str,
-    /// Where it was fetched to (with DEST).
-    local: Option<PathBuf>,
-    manifest: &'a Manifest,
-}
-
-/// `spotguard prefetch --latest-checkpoint LOCATION [DEST]`: print the latest complete
-/// checkpoint as one JSON line (`null` when there is none), and with DEST fetch it into
-/// `DEST/<name>`. No checkpoint yet is not an error (exit 0: a first run has nothing to resume).
-/// A fetched file that does not match the manifest exits 2 naming it; `--timeout` or SIGTERM in
-/// any phase exits 3; nothing is printed then.
-pub async fn run_cli(
-    args: crate::prefetch::PrefetchArgs,
-    location: String,
-    cancel: CancellationToken,
-) -> i32 {
-    use crate::prefetch::cli::{EXIT_CANCELLED, EXIT_FAILED, EXIT_OK, EXIT_USAGE};
-    let dest = match (&args.src, &args.dest) {
-        (None, None) => None,
-        (Some(one), None) => Some(PathBuf::from(one)),
-        _ => {
-            eprintln!("spotguard prefetch: --latest-checkpoint takes at most one directory: DEST");
-            return EXIT_USAGE;
-        }
-    };
-    let loc = match Location::parse(&location) {
-        Ok(l) => l,
-        Err(e) => {
-            eprintln!("spotguard prefetch: {e}");
-            return EXIT_USAGE;
-        }
-    };
-    let run = cancel.child_token();
-    let timed_out = Arc::new(AtomicBool::new(false));
-    if let Some(limit) = args.timeout {
-        let (t, flag) = (run.clone(), timed_out.clone());
-        tokio::spawn(async move {
-            tokio::select! {
-                _ = t.cancelled() => {}
-                _ = tokio::time::sleep(limit) => {
-                    flag.store(true, Ordering::Relaxed);
-                    t.cancel();
-                }
-            }
-        });
-    }
-    let code = match resume(args, dest, &loc, &run).await {
-        Ok(printed) => {
-            println!("{printed}");
-            EXIT_OK
-        }
-        Err(_) if run.is_cancelled() => {
-            if timed_out.load(Ordering::Relaxed) {
-                eprintln!("spotguard prefetch: --timeout reached; nothing was reported complete");
-            } else {
-                eprintln!("spotguard prefetch: interrupted; nothing was reported complete");
-            }
-            EXIT_CANCELLED
-        }
-        Err(Failed::Code(code)) => code,
-        Err(Failed::Error(e)) => {
-            eprintln!("spotguard prefetch: {e}");
-            EXIT_FAILED
-        }
-    };
-    run.cancel();
-    code
-}
-
-/// Why `resume` printed nothing.
-enum Failed {
-    /// The fetch's exit code (it said why).
-    Code(i32),
-    Error(Error),
-}
-
-impl From<Error> for Failed {
-    fn from(e: Error) -> Failed {
-        Failed::Error(e)
-    }
-}
-
 /// `fut`, unless `stop` comes first.
-async fn until<T>(
+pub async fn until<T>(
     stop: &CancellationToken,
     fut: impl std::future::Future<Output = Result<T, Error>>,
 ) -> Result<T, Error> {
@@ -543,77 +450,6 @@ async fn until<T>(
         _ = stop.cancelled() => Err(Error::Stopped),
         r = fut => r,
     }
-}
-
-/// Find the latest, fetch and verify it with DEST; the line to print.
-async fn resume(
-    args: crate::prefetch::PrefetchArgs,
-    dest: Option<PathBuf>,
-    loc: &Location,
-    stop: &CancellationToken,
-) -> Result<String, Failed> {
-    use crate::prefetch::cli::EXIT_OK;
-    let opts = StoreOptions {
-        endpoint: args.endpoint.clone(),
-        pool: args.concurrency,
-        ..StoreOptions::default()
-    };
-    let Some(found) = until(stop, latest(loc, &opts)).await? else {
-        eprintln!("spotguard prefetch: no complete checkpoint under {loc}; nothing to fetch");
-        return Ok("null".to_string());
-    };
-    let m = &found.manifest;
-    let mut local = None;
-    if let Some(dest) = dest {
-        let mut fetch = args.clone();
-        fetch.latest_checkpoint = None;
-        fetch.timeout = None;
-        fetch.src = Some(match &found.destination {
-            Location::Dir(p) => format!("file://{}", p.display()),
-            Location::Store(u) => u.normalized(),
-        });
-        fetch.dest = Some(dest.clone());
-        fetch.name = Some(m.name.clone());
-        let only: HashSet<String> = m.files.iter().map(|f| f.path.clone()).collect();
-        let code = Box::pin(crate::prefetch::cli::run_only(
-            fetch,
-            Arc::new(only),
-            stop.clone(),
-        ))
-        .await;
-        if stop.is_cancelled() {
-            return Err(Error::Stopped.into());
-        }
-        if code != EXIT_OK {
-            return Err(Failed::Code(code));
-        }
-        let dir = dest.join(&m.name);
-        if let Err(e) = verify_local(&dir, m, stop).await {
-            // Nothing may take the copy for complete: the prefetcher's marker goes, and a file
-            // that is not the manifest's is removed (a later run fetches it again).
-            let _ = std::fs::remove_file(
-                crate::prefetch::cache::DatasetPaths::new(&dest, &m.name).complete,
-            );
-            if let Error::Content { path, .. } = &e {
-                let _ = std::fs::remove_file(path);
-            }
-            return Err(e.into());
-        }
-        crate::fsutil::write_atomic(&dir.join(manifest_file(None)), &m.to_bytes(), 0o644)
-            .map_err(|e| Error::Upload(super::Error::io("write", dir.display().to_string())(e)))?;
-        local = Some(dir);
-    }
-    let printed = Printed {
-        checkpoint: found.destination.display(),
-        name: &m.name,
-        step: m.step,
-        files: m.file_count,
-        bytes: m.bytes,
-        completed_at: &m.timings.completed_at,
-        local,
-        manifest: m,
-    };
-    Ok(serde_json::to_string(&printed).unwrap_or_default())
 }
 
 /// Files checked at once.

@@ -261,7 +261,7 @@ pub fn check_path(path: &str) -> Result<(), &'static str> {
     if path.chars().any(char::is_control) {
         return Err("NUL or control characters");
     }
-    if path.contains(crate::prefetch::cache::PART_INFIX) {
+    if path.contains(crate::store::PART_INFIX) {
         return Err("spotguard's part-file infix");
     }
     for (i, seg) in path.split('/').enumerate() {

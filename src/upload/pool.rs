@@ -88,7 +88,7 @@ impl Pool {
             Ok(p) => p,
             Err(_) => unreachable!("the pool's semaphore is never closed"),
         };
-        let buf = crate::prefetch::lock(&self.free)
+        let buf = crate::sync::lock(&self.free)
             .pop()
             .unwrap_or_else(|| vec![0u8; self.size]);
         Lease {
@@ -146,7 +146,7 @@ impl Drop for Lease {
     fn drop(&mut self) {
         let buf = std::mem::take(&mut self.buf);
         if buf.len() == self.pool.size {
-            crate::prefetch::lock(&self.pool.free).push(buf);
+            crate::sync::lock(&self.pool.free).push(buf);
         }
     }
 }
@@ -173,7 +173,7 @@ mod tests {
             .await
             .unwrap();
         drop((b, c));
-        assert_eq!(crate::prefetch::lock(&pool.free).len(), 2);
+        assert_eq!(crate::sync::lock(&pool.free).len(), 2);
     }
 
     /// Issue 29 item 6: pools draw from the node's memory budget. Each gets one buffer whatever

@@ -28,8 +28,8 @@ use crate::checkpoint::pods::UploadBinding;
 use crate::checkpoint::procfs::ProcFs;
 use crate::checkpoint::run::AckSeen;
 use crate::node::PodRef;
-use crate::prefetch::progress::Progress;
-use crate::prefetch::source::StoreOptions;
+use crate::store::progress::Progress;
+use crate::store::url::StoreOptions;
 
 /// Async threads of the uploader's runtime (requests).
 const WORKERS: usize = 2;

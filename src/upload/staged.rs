@@ -301,7 +301,7 @@ fn valid_name(name: &str) -> Result<(), &'static str> {
     if name.chars().any(|c| c.is_control()) {
         return Err("control characters");
     }
-    if name.contains(crate::prefetch::cache::PART_INFIX) {
+    if name.contains(crate::store::PART_INFIX) {
         return Err("spotguard's part-file infix");
     }
     Ok(())
@@ -480,7 +480,7 @@ impl Walk<'_> {
                 format!("the tree holds more than {} bytes", self.limits.max_bytes),
             ));
         }
-        crate::prefetch::cache::validate_key(rel)
+        crate::store::validate_key(rel)
             .map_err(|e| self.refuse(rel, Problem::Name, e.to_string()))?;
         self.tree.files.push(StagedFile {
             path: rel.to_string(),

@@ -34,8 +34,8 @@ use super::manifest::MANIFEST_MAX_BYTES;
 use super::owner::{Marker, Writer};
 use super::Error;
 use crate::fsutil::{AtomicFile, Durability};
-use crate::prefetch::source::{self, Scheme, StoreOptions};
-use crate::prefetch::verify::{ChecksumSlot, StoreChecksum};
+use crate::store::checksum::{ChecksumSlot, StoreChecksum};
+use crate::store::url::{self as source, Scheme, StoreOptions};
 
 /// Mode of uploaded files and created directories on a filesystem destination.
 const FILE_MODE: u32 = 0o644;
@@ -187,7 +187,7 @@ impl Target {
     }
 }
 
-fn store_err(url: &source::SourceUrl) -> impl FnOnce(crate::prefetch::Error) -> Error + '_ {
+fn store_err(url: &source::SourceUrl) -> impl FnOnce(crate::store::Error) -> Error + '_ {
     move |e| Error::Store {
         url: url.url.clone(),
         reason: e.to_string(),
@@ -205,7 +205,7 @@ pub struct StoreTarget {
 impl StoreTarget {
     /// `store` and `multipart` are two views of one store; `prefix` is the checkpoint's key
     /// prefix (no leading or trailing `/`), `url` its display form. The store's checksums are
-    /// read back through [`crate::prefetch::verify::ChecksumConnector`]: a store built without
+    /// read back through [`crate::store::checksum::ChecksumConnector`]: a store built without
     /// it ([`Target::open`] builds it with it) verifies sizes only.
     pub fn new(
         store: Arc<dyn ObjectStore>,
@@ -721,7 +721,7 @@ impl DirTarget {
         let Some((parent, name)) = rel.rsplit_once('/') else {
             return Ok((self.dir.clone(), rel.to_string()));
         };
-        let mut subdirs = crate::prefetch::lock(&self.subdirs);
+        let mut subdirs = crate::sync::lock(&self.subdirs);
         if let Some(fd) = subdirs.get(parent) {
             return Ok((fd.clone(), name.to_string()));
         }
@@ -758,7 +758,7 @@ impl DirTarget {
     /// Sync every directory written to, deepest first, then the checkpoint directory and its
     /// parent: after this every file's name lasts.
     pub fn sync_dirs(&self) -> Result<(), Error> {
-        let subdirs: Vec<(String, Arc<OwnedFd>)> = crate::prefetch::lock(&self.subdirs)
+        let subdirs: Vec<(String, Arc<OwnedFd>)> = crate::sync::lock(&self.subdirs)
             .iter()
             .map(|(k, v)| (k.clone(), v.clone()))
             .collect();

@@ -18,7 +18,7 @@ use super::staged::{self, Limits, Root, StagedTree};
 use super::target::Target;
 use super::{Job, Report};
 use crate::checkpoint::procfs::ProcFs;
-use crate::prefetch::source::StoreOptions;
+use crate::store::url::StoreOptions;
 
 /// Nice value of the upload threads.
 const NICE: i32 = 10;

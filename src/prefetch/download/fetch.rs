@@ -16,11 +16,11 @@ use super::part::{copy_local, stream_to_file, Segment};
 use super::plan::Listed;
 use super::run::{Run, Stop};
 use super::Verify;
-use crate::prefetch::lock;
 use crate::prefetch::manifest::{etag_md5, normalize_etag};
-use crate::prefetch::progress::Progress;
-use crate::prefetch::verify::{ChecksumSlot, Hasher, StoreChecksum};
 use crate::prefetch::Error;
+use crate::store::checksum::{ChecksumSlot, Hasher, StoreChecksum};
+use crate::store::progress::Progress;
+use crate::sync::lock;
 
 /// What [`fetch_missing`] learned: the hash of the bytes written (where it could be computed
 /// while they streamed), the store's full-object checksum, and the etag the bytes belong to.

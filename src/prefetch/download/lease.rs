@@ -10,7 +10,7 @@ use tokio_util::sync::CancellationToken;
 use super::part::{merge_ranges, Segment};
 use super::run::{blocking, Run};
 use crate::prefetch::claim::{Claim, ClaimRecord};
-use crate::prefetch::lock;
+use crate::sync::lock;
 
 /// A download in progress, or a group's claim: what the renewer needs to checkpoint it.
 pub(super) struct Active {

@@ -49,9 +49,10 @@ use self::run::{blocking, Run};
 use crate::prefetch::cache::{self, CompleteMarker, DatasetPaths};
 use crate::prefetch::manifest::{Manifest, Update};
 use crate::prefetch::metrics::PrefetchMetrics;
-use crate::prefetch::progress::{Progress, Snapshot};
-use crate::prefetch::source::SourceUrl;
-use crate::prefetch::{lock, Error};
+use crate::prefetch::Error;
+use crate::store::progress::{Progress, Snapshot};
+use crate::store::url::SourceUrl;
+use crate::sync::lock;
 
 /// What to verify before a file is published.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize)]

@@ -22,10 +22,10 @@ use super::run::{blocking, Run, Stop};
 use super::verification::verify_part;
 use super::Verify;
 use crate::prefetch::claim::{now_ms, Acquire, Claim, ClaimRecord};
-use crate::prefetch::lock;
 use crate::prefetch::manifest::Entry;
-use crate::prefetch::verify::VerifiedBy;
 use crate::prefetch::Error;
+use crate::store::checksum::VerifiedBy;
+use crate::sync::lock;
 
 /// Attempts per object for transient failures, on top of object_store's own retries.
 pub(super) const OBJECT_ATTEMPTS: u32 = 3;

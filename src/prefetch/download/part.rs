@@ -16,12 +16,12 @@ use super::lease::Active;
 use super::plan::Listed;
 use super::run::{blocking, Run, Stop};
 use crate::prefetch::claim::ClaimRecord;
-use crate::prefetch::lock;
 use crate::prefetch::manifest::normalize_etag;
 use crate::prefetch::metrics::PrefetchMetrics;
-use crate::prefetch::progress::Progress;
-use crate::prefetch::verify::Hasher;
 use crate::prefetch::Error;
+use crate::store::checksum::Hasher;
+use crate::store::progress::Progress;
+use crate::sync::lock;
 
 /// Write batch: body chunks are gathered up to this many bytes and written with one `pwritev`.
 const BATCH_BYTES: usize = 256 << 10;

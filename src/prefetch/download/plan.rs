@@ -22,8 +22,8 @@ use super::run::{blocking, Run};
 use crate::prefetch::cache;
 use crate::prefetch::manifest::{Entry, Manifest, Update};
 use crate::prefetch::metrics::PrefetchMetrics;
-use crate::prefetch::progress::Progress;
 use crate::prefetch::Error;
+use crate::store::progress::Progress;
 
 /// An object from the listing.
 #[derive(Clone, Debug)]
@@ -295,8 +295,8 @@ fn to_listed(run: &Run, meta: ObjectMeta) -> Option<Listed> {
         tracing::debug!(key = %key, "not among the keys to fetch; skipped");
         return None;
     }
-    if let Err(e) = cache::validate_key(&key) {
-        run.fail_object(&key, e);
+    if let Err(e) = crate::store::validate_key(&key) {
+        run.fail_object(&key, e.into());
         Progress::add(&run.progress.files_total, 1);
         return None;
     }

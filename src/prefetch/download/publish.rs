@@ -11,12 +11,12 @@ use std::sync::Arc;
 use super::plan::Listed;
 use super::run::{blocking, Run};
 use crate::prefetch::claim::Claim;
-use crate::prefetch::lock;
 use crate::prefetch::manifest::{Manifest, Update};
 use crate::prefetch::metrics::PrefetchMetrics;
-use crate::prefetch::progress::Progress;
-use crate::prefetch::verify::VerifiedBy;
 use crate::prefetch::Error;
+use crate::store::checksum::VerifiedBy;
+use crate::store::progress::Progress;
+use crate::sync::lock;
 
 /// Published files being synced at once.
 pub(super) const SYNCS_IN_FLIGHT: usize = 16;

@@ -19,12 +19,12 @@ use super::publish::SYNCS_IN_FLIGHT;
 use super::{FetchOptions, Job};
 use crate::prefetch::cache::DatasetPaths;
 use crate::prefetch::claim::{now_ms, Claim, Owner};
-use crate::prefetch::lock;
 use crate::prefetch::manifest::{Entry, Manifest, Update};
 use crate::prefetch::metrics::PrefetchMetrics;
-use crate::prefetch::progress::Progress;
-use crate::prefetch::source::SourceUrl;
 use crate::prefetch::Error;
+use crate::store::progress::Progress;
+use crate::store::url::SourceUrl;
+use crate::sync::lock;
 
 /// State shared by the tasks of one run.
 pub(super) struct Run {

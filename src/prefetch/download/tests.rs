@@ -8,7 +8,8 @@ use object_store::path::Path as ObjectPath;
 use object_store::ObjectStoreExt;
 
 use super::*;
-use crate::prefetch::{cache, claim, download, lock, manifest};
+use crate::prefetch::{cache, claim, download, manifest};
+use crate::sync::lock;
 
 async fn store_with(objects: &[(&str, Vec<u8>)]) -> Arc<dyn ObjectStore> {
     let store = InMemory::new();
@@ -143,7 +144,10 @@ async fn publishing_syncs_then_renames_then_syncs_the_directory_before_recording
             .map(|t| t.contains("\"done\":true"))
             .unwrap_or(false);
         let text = path.to_string_lossy();
-        let final_name = text.split(cache::PART_INFIX).next().unwrap_or_default();
+        let final_name = text
+            .split(crate::store::PART_INFIX)
+            .next()
+            .unwrap_or_default();
         let final_exists = std::path::Path::new(final_name).exists();
         lock(&j).push((step, path.to_path_buf(), final_exists, recorded));
     })));

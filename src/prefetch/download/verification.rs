@@ -10,8 +10,8 @@ use std::sync::Arc;
 
 use super::run::{blocking, Stop};
 use crate::prefetch::manifest::etag_md5;
-use crate::prefetch::verify::{self, Finished, Hasher, StoreChecksum, VerifiedBy};
 use crate::prefetch::Error;
+use crate::store::checksum::{self as verify, Finished, Hasher, StoreChecksum, VerifiedBy};
 
 /// Verify the part file of an object of `size` (> 0) bytes before it is published. Content: the
 /// store's checksum, else a plain-MD5 etag, else the size alone. A hash not computed inline

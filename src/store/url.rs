@@ -1,5 +1,6 @@
-//! Dataset sources: parsing `s3://`, `gs://` and `file://` URLs, deriving a dataset name from
-//! one, and building the [`ObjectStore`] that serves it.
+//! Object-store locations: parsing `s3://`, `gs://` and `file://` URLs (sources of datasets,
+//! destinations of checkpoints), deriving a name from one, and building the [`ObjectStore`] that
+//! serves it (one client setup, retries and checksum headers for both directions).
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -37,7 +38,7 @@ impl Scheme {
 
 /// 8 hex digits of the SHA-256 of `s`.
 fn short_digest(s: &str) -> String {
-    let mut h = super::claim::short_hash(s);
+    let mut h = super::key::short_hash(s);
     h.truncate(8);
     h
 }
@@ -332,11 +333,11 @@ pub fn build_s3(src: &SourceUrl, opts: &StoreOptions) -> Result<AmazonS3, Error>
     // headers to GET and HEAD before signing); the connector reads them back.
     let mut headers = http::HeaderMap::new();
     headers.insert(
-        super::verify::CHECKSUM_MODE,
+        super::checksum::CHECKSUM_MODE,
         http::HeaderValue::from_static("ENABLED"),
     );
     client = client.with_default_headers(headers);
-    b = b.with_http_connector(super::verify::ChecksumConnector);
+    b = b.with_http_connector(super::checksum::ChecksumConnector);
     if let Some(endpoint) = &opts.endpoint {
         let endpoint = endpoint.trim_end_matches('/');
         if !(endpoint.starts_with("http://") || endpoint.starts_with("https://")) {
@@ -356,7 +357,7 @@ pub fn build_s3(src: &SourceUrl, opts: &StoreOptions) -> Result<AmazonS3, Error>
 /// The GCS store for a `gs://` URL as a concrete type (see [`build_s3`]).
 pub fn build_gcs(src: &SourceUrl, opts: &StoreOptions) -> Result<GoogleCloudStorage, Error> {
     GoogleCloudStorageBuilder::from_env()
-        .with_http_connector(super::verify::ChecksumConnector)
+        .with_http_connector(super::checksum::ChecksumConnector)
         .with_bucket_name(&src.bucket)
         .with_retry(retry_config())
         .with_client_options(client_options(opts))
