@@ -16,6 +16,8 @@ pub mod podfs;
 pub mod pods;
 pub mod probe;
 pub mod procfs;
+pub mod protocol;
+pub mod root;
 pub mod run;
 pub mod signal;
 

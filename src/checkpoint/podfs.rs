@@ -26,8 +26,9 @@ use std::sync::{Mutex, OnceLock};
 
 use serde::{Deserialize, Serialize};
 
-use super::ack::{AckName, FileStamp, ForeignAck, LocalDir};
+use super::ack::LocalDir;
 use super::procfs::ProcFs;
+use super::protocol::{AckName, FileStamp, ForeignAck};
 use super::Error;
 
 /// The hidden first argument that makes the binary a helper ([`serve`]).
