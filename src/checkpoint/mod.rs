@@ -10,6 +10,7 @@
 
 pub mod ack;
 pub mod cgroup;
+pub mod child;
 pub mod discover;
 pub mod kube_discovery;
 pub mod podfs;
