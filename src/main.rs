@@ -36,12 +36,10 @@ fn main() -> ExitCode {
             .unwrap_or_default();
         return exit(config::check::serve_check_dir(&dir));
     }
-    // The state and checkpoint dirs are checked at start in a child: a hung mount holds it, not
-    // the agent.
-    config::check::check_in_child("/proc/self/exe");
     // Checkpoint dirs are paths pods control: their I/O runs in helpers, which the agent can
-    // leave stuck in a hung filesystem and still exit. `/proc/self/exe` is this binary even
-    // after a package upgrade replaced the file.
+    // leave stuck in a hung filesystem and still exit; the state and checkpoint dirs are checked
+    // at start in such a child too. `/proc/self/exe` is this binary even after a package upgrade
+    // replaced the file.
     podfs::use_helper("/proc/self/exe");
     let command = match cli::parse_cli(std::env::args_os()) {
         Parsed::Command(c) => c,

@@ -17,197 +17,29 @@
 //! reads open with `O_NOFOLLOW | O_NONBLOCK`, then `fstat` and refuse anything but a small regular
 //! file (a FIFO or device planted as an ack cannot block or flood the agent).
 //!
-//! Whether an ack is newer than the signal is decided without comparing the file's mtime with the
-//! agent's clock (a network filesystem stamps files with its server's clock): see [`FileStamp`].
+//! The formats themselves (names, `notice.json`, acks, [`FileStamp`]) are [`super::protocol`]'s.
 
 use std::io::{self, Read};
 use std::os::fd::{AsFd, OwnedFd};
-use std::path::{Component, Path, PathBuf};
+use std::path::{Path, PathBuf};
 
-use rustix::fs::{Mode, OFlags, ResolveFlags};
-use serde::{Deserialize, Serialize};
+use rustix::fs::{Mode, OFlags};
 
 use super::podfs::{self, Helper};
 use super::procfs::ProcFs;
+use super::protocol::{parse_ack_name, MAX_FILE_BYTES};
+use super::root::{self, ProcessRoot, RootError, Symlinks};
 use super::Error;
 use crate::fsutil::Durability;
 
-/// Name of the notice file inside the checkpoint dir.
-pub const NOTICE_FILE: &str = "notice.json";
-/// Name of the plain ack file (acks the whole container).
-pub const PLAIN_ACK_FILE: &str = "ack";
-/// Acks and notices larger than this are refused.
-const MAX_FILE_BYTES: u64 = 64 * 1024;
+// The types of this module's API, where its callers have always found them.
+pub use super::protocol::{
+    ack_file_name, Ack, AckFile, AckName, AckState, FileStamp, ForeignAck, NoticeFile, NOTICE_FILE,
+    PLAIN_ACK_FILE,
+};
 
-/// Name of the per-process ack file for a PID as the process sees it.
-pub fn ack_file_name(ns_pid: i32) -> String {
-    format!("ack-{ns_pid}.json")
-}
-
-/// Longest suffix of a fallback ack name (`ack-<pid>.<suffix>.json`, `ack.<suffix>`).
-const MAX_SUFFIX: usize = 64;
 /// Directory entries looked at per listing: a directory stuffed with names costs bounded work.
 const MAX_ENTRIES: usize = 65_536;
-
-/// What an ack file's name says it acknowledges.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub enum AckName {
-    /// `ack-<pid>.json` or a fallback `ack-<pid>.<suffix>.json`: the process `<pid>` (as it sees
-    /// its PID).
-    Process(i32),
-    /// `ack` or a fallback `ack.<suffix>`: the whole container.
-    Plain,
-}
-
-fn valid_suffix(s: &str) -> bool {
-    !s.is_empty()
-        && s.len() <= MAX_SUFFIX
-        && s.bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
-}
-
-/// Parse an ack file name: the plain names and the fallback names a writer uses when another
-/// user's file holds its plain name (a file planted in a sticky directory cannot be replaced by
-/// anyone but its owner; the fallback name is the writer's own choice, so nobody can take it
-/// first). `None` for every other name.
-pub fn parse_ack_name(name: &str) -> Option<AckName> {
-    if name == PLAIN_ACK_FILE {
-        return Some(AckName::Plain);
-    }
-    if let Some(suffix) = name.strip_prefix("ack.") {
-        return valid_suffix(suffix).then_some(AckName::Plain);
-    }
-    let rest = name.strip_prefix("ack-")?.strip_suffix(".json")?;
-    let (pid, suffix) = match rest.split_once('.') {
-        Some((pid, suffix)) => (pid, Some(suffix)),
-        None => (rest, None),
-    };
-    if pid.is_empty() || pid.len() > 10 || !pid.bytes().all(|b| b.is_ascii_digit()) {
-        return None;
-    }
-    if suffix.is_some_and(|s| !valid_suffix(s)) {
-        return None;
-    }
-    pid.parse().ok().map(AckName::Process)
-}
-
-/// `notice.json`: what the training code reads after the signal.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct NoticeFile {
-    pub notice_id: String,
-    /// `aws`, `gce`, `azure`.
-    pub source: String,
-    /// `interruption`, `rebalance`, `maintenance`.
-    pub kind: String,
-    /// When the machine goes away (Unix seconds); `null` when the cloud gave none ("now").
-    pub deadline_unix: Option<i64>,
-    /// When spotguard stops waiting for acks (Unix seconds).
-    pub checkpoint_deadline_unix: i64,
-    /// The signal that was sent, e.g. `SIGUSR1`.
-    pub signal: String,
-    /// The machine's life the notice belongs to (the boot id, `+<n>` after the n-th resume from
-    /// hibernation): a `notice.json` of another life is a leftover.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub life: Option<String>,
-}
-
-/// `state` of an `ack-<pid>.json`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum AckState {
-    Received,
-    Done,
-    Skipped,
-    Failed,
-}
-
-impl AckState {
-    /// `done`, `skipped` and `failed` end the wait for a process; `received` does not.
-    pub fn is_terminal(self) -> bool {
-        !matches!(self, AckState::Received)
-    }
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            AckState::Received => "received",
-            AckState::Done => "done",
-            AckState::Skipped => "skipped",
-            AckState::Failed => "failed",
-        }
-    }
-}
-
-/// `ack-<pid>.json` as written by the training code. Only `state` is required; the rest is
-/// reported as given.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct AckFile {
-    pub state: AckState,
-    #[serde(default)]
-    pub step: Option<serde_json::Value>,
-    #[serde(default)]
-    pub checkpoint: Option<serde_json::Value>,
-    #[serde(default)]
-    pub ts: Option<serde_json::Value>,
-    /// With `done`: the checkpoint was saved to this local directory (as the process sees it)
-    /// for the agent to upload (docs/checkpoint-protocol.md, "Staged checkpoints").
-    #[serde(default)]
-    pub staged: Option<String>,
-    /// With `staged`: where the job's checkpoints go (overrides the pod's
-    /// `spotguard.io/checkpoint-upload` / the host's `--checkpoint-upload`).
-    #[serde(default)]
-    pub upload: Option<String>,
-    /// With `staged`: this node's share of a checkpoint several nodes save,
-    /// `{"index": i, "count": n}`.
-    #[serde(default)]
-    pub part: Option<serde_json::Value>,
-}
-
-/// Identity and change stamp of a file in the checkpoint dir, as the filesystem reports it. An
-/// ack counts as written after the signal when its stamp differs from the one taken just before
-/// the signal (a new file, a rename over the old one, or a rewrite all change it; nothing is
-/// compared with the agent's clock), or — on the restart path, where no earlier stamp exists —
-/// when it changed no earlier than `notice.json` of the same notice (both stamped by the same
-/// filesystem clock).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct FileStamp {
-    pub dev: u64,
-    pub ino: u64,
-    /// The file's owner: an ack counts only when it is the acknowledging process's user.
-    pub uid: u32,
-    pub size: u64,
-    /// Last status change (seconds, nanoseconds): writers cannot set it.
-    pub ctime: (i64, i64),
-    pub mtime: (i64, i64),
-}
-
-impl FileStamp {
-    fn of(st: &rustix::fs::Stat) -> FileStamp {
-        FileStamp {
-            dev: st.st_dev,
-            ino: st.st_ino,
-            uid: st.st_uid,
-            size: u64::try_from(st.st_size).unwrap_or(0),
-            ctime: (st.st_ctime, i64::try_from(st.st_ctime_nsec).unwrap_or(0)),
-            mtime: (st.st_mtime, i64::try_from(st.st_mtime_nsec).unwrap_or(0)),
-        }
-    }
-}
-
-/// A file another user planted at an ack name, found before the signal.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ForeignAck {
-    pub name: String,
-    pub owner: u32,
-    /// `Err` with the reason when it could not be removed.
-    pub removed: Result<(), String>,
-}
-
-/// An ack file read back, with its stamp.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Ack {
-    pub file: AckFile,
-    pub stamp: FileStamp,
-}
 
 /// The checkpoint dir of one target, resolved inside its filesystem root.
 ///
@@ -239,7 +71,7 @@ enum At {
 /// without one).
 #[derive(Debug)]
 pub(crate) struct LocalDir {
-    root: OwnedFd,
+    root: ProcessRoot,
     /// `dir` relative to the root (`.` for the root itself).
     rel: PathBuf,
     /// For errors and logs: `/tmp/spotguard in /proc/1234/root`.
@@ -248,70 +80,33 @@ pub(crate) struct LocalDir {
     kept: std::sync::OnceLock<OwnedFd>,
 }
 
-const RESOLVE: ResolveFlags = ResolveFlags::IN_ROOT.union(ResolveFlags::NO_MAGICLINKS);
-/// Names inside the checkpoint dir: the dir's own entries only.
-const RESOLVE_ENTRY: ResolveFlags = ResolveFlags::BENEATH
-    .union(ResolveFlags::NO_XDEV)
-    .union(ResolveFlags::NO_SYMLINKS)
-    .union(ResolveFlags::NO_MAGICLINKS);
 /// Mode of a checkpoint dir the agent creates: any uid may write its acks, nobody may remove
 /// another's files.
 pub const CREATED_DIR_MODE: u32 = 0o1777;
 
+/// `dir` relative to the root, or why it has none.
 fn relative(dir: &Path) -> io::Result<PathBuf> {
-    if !dir.is_absolute() {
-        return Err(io::Error::new(
+    root::relative(dir).map_err(|why| {
+        io::Error::new(
             io::ErrorKind::InvalidInput,
-            format!("checkpoint dir {} is not absolute", dir.display()),
-        ));
-    }
-    let mut rel = PathBuf::new();
-    for c in dir.components() {
-        match c {
-            Component::RootDir | Component::CurDir => {}
-            Component::Normal(n) => rel.push(n),
-            Component::ParentDir | Component::Prefix(_) => {
-                return Err(io::Error::new(
-                    io::ErrorKind::InvalidInput,
-                    format!("checkpoint dir {} contains `..`", dir.display()),
-                ))
-            }
-        }
-    }
-    if rel.as_os_str().is_empty() {
-        rel.push(".");
-    }
-    Ok(rel)
+            format!("checkpoint dir {} {why}", dir.display()),
+        )
+    })
 }
 
 impl LocalDir {
-    /// How `dir` inside the root of `pid` is named in errors and logs.
-    fn display_in_root(proc: &ProcFs, pid: i32, dir: &Path) -> String {
-        format!("{} in {}", dir.display(), proc.path(pid, "root").display())
-    }
-
     /// A host path (host groups, `root_pid: None`).
     pub(super) fn host(dir: &Path) -> Result<Self, Error> {
-        let target = dir.display().to_string();
-        let open = || -> io::Result<(OwnedFd, PathBuf)> {
+        let display = dir.display().to_string();
+        let open = || -> io::Result<(ProcessRoot, PathBuf)> {
             let rel = relative(dir)?;
-            let root = rustix::fs::open(
-                "/",
-                OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
-                Mode::empty(),
-            )?;
-            Ok((root, rel))
+            Ok((ProcessRoot::host()?, rel))
         };
         let (root, rel) = open().map_err(|source| Error::ReadAck {
-            target: target.clone(),
+            target: display.clone(),
             source,
         })?;
-        Ok(LocalDir {
-            root,
-            rel,
-            display: target,
-            kept: std::sync::OnceLock::new(),
-        })
+        Ok(Self::new(root, rel, display))
     }
 
     /// `dir` inside the filesystem root of process `pid` (`<proc>/<pid>/root`). The process's
@@ -323,43 +118,35 @@ impl LocalDir {
         start_time: u64,
         dir: &Path,
     ) -> Result<Self, Error> {
-        let root_path = proc.path(pid, "root");
-        let display = Self::display_in_root(proc, pid, dir);
-        let open = || -> io::Result<(OwnedFd, PathBuf)> {
+        let display = ProcessRoot::show_in(proc, pid, dir);
+        let open = || -> io::Result<(ProcessRoot, PathBuf)> {
             let rel = relative(dir)?;
-            let root = rustix::fs::open(
-                &root_path,
-                OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
-                Mode::empty(),
-            )?;
-            let alive = proc
-                .alive(pid, start_time)
-                .map_err(|e| io::Error::other(e.to_string()))?;
-            if !alive {
-                return Err(io::Error::from_raw_os_error(libc::ESRCH));
-            }
+            let (root, ()) =
+                ProcessRoot::of_process(proc, pid, start_time, || Ok(())).map_err(|e| match e {
+                    RootError::Open(errno) => errno.into(),
+                    RootError::Exited(_) => io::Error::from_raw_os_error(libc::ESRCH),
+                    e => io::Error::other(e.to_string()),
+                })?;
             Ok((root, rel))
         };
         let (root, rel) = open().map_err(|source| Error::ReadAck {
             target: display.clone(),
             source,
         })?;
-        Ok(LocalDir {
+        Ok(Self::new(root, rel, display))
+    }
+
+    fn new(root: ProcessRoot, rel: PathBuf, display: String) -> Self {
+        LocalDir {
             root,
             rel,
             display,
             kept: std::sync::OnceLock::new(),
-        })
+        }
     }
 
     fn open_in_root(&self, rel: &Path, flags: OFlags) -> io::Result<OwnedFd> {
-        Ok(rustix::fs::openat2(
-            &self.root,
-            rel,
-            flags | OFlags::CLOEXEC,
-            Mode::empty(),
-            RESOLVE,
-        )?)
+        Ok(self.root.open(rel, flags, Symlinks::InRoot)?)
     }
 
     /// Open the dir (a directory fd), creating missing components: intermediate ones `0755`, the
@@ -411,13 +198,7 @@ impl LocalDir {
 
     /// Open an entry of the dir: never through a symlink, never on another mount.
     fn open_entry(dir: &OwnedFd, name: &str, flags: OFlags) -> io::Result<OwnedFd> {
-        Ok(rustix::fs::openat2(
-            dir,
-            name,
-            flags | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-            Mode::empty(),
-            RESOLVE_ENTRY,
-        )?)
+        Ok(root::open_entry(dir, name, flags)?)
     }
 
     /// Stamps of `names` and of every fallback ack name in the dir as they are now (absent names
@@ -540,33 +321,33 @@ impl LocalDir {
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
             Err(e) => return Err(err(e)),
         };
-        let fd = match Self::open_entry(
-            &dir,
-            name,
-            OFlags::RDONLY | OFlags::NONBLOCK | OFlags::NOCTTY,
-        ) {
+        let flags = OFlags::RDONLY | OFlags::NONBLOCK | OFlags::NOCTTY;
+        let fd = match Self::open_entry(&dir, name, flags) {
             Ok(fd) => fd,
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
-            Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
-                return Err(err(io::Error::new(
-                    io::ErrorKind::InvalidData,
-                    "is a symlink (refused)",
-                )))
-            }
-            Err(e) if e.raw_os_error() == Some(libc::EXDEV) => {
-                return Err(err(io::Error::new(
-                    io::ErrorKind::InvalidData,
-                    "is on another mount (refused)",
-                )))
-            }
-            Err(e) => return Err(err(e)),
+            Err(e) => return Err(err(refused_entry(e))),
         };
         let st = rustix::fs::fstat(&fd).map_err(|e| err(e.into()))?;
+        let stamp = self.readable(name, &st)?;
+        let mut file = std::fs::File::from(fd);
+        let mut data = Vec::new();
+        (&mut file)
+            .take(MAX_FILE_BYTES)
+            .read_to_end(&mut data)
+            .map_err(err)?;
+        Ok(Some((data, stamp)))
+    }
+
+    /// The stamp of an entry opened for reading, after `fstat` said it is a small regular file
+    /// with one link that not every user may write; else why not.
+    fn readable(&self, name: &str, st: &rustix::fs::Stat) -> Result<FileStamp, Error> {
+        let target = || format!("{} ({name})", self.display);
+        let invalid = |why: String| Error::ReadAck {
+            target: target(),
+            source: io::Error::new(io::ErrorKind::InvalidData, why),
+        };
         if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::RegularFile {
-            return Err(err(io::Error::new(
-                io::ErrorKind::InvalidData,
-                "not a regular file",
-            )));
+            return Err(invalid("not a regular file".into()));
         }
         // A hard link keeps its owner: a file another user's process linked in from anywhere on
         // the filesystem (a victim's world-writable log) would pass the owner check. And a file
@@ -583,25 +364,30 @@ impl LocalDir {
         };
         if let Some(reason) = refused {
             return Err(Error::RefusedAck {
-                target: format!("{} ({name})", self.display),
+                target: target(),
                 reason,
                 ino: st.st_ino,
             });
         }
-        let stamp = FileStamp::of(&st);
+        let stamp = FileStamp::of(st);
         if stamp.size > MAX_FILE_BYTES {
-            return Err(err(io::Error::new(
-                io::ErrorKind::InvalidData,
-                format!("{} bytes, more than {MAX_FILE_BYTES}", stamp.size),
+            return Err(invalid(format!(
+                "{} bytes, more than {MAX_FILE_BYTES}",
+                stamp.size
             )));
         }
-        let mut file = std::fs::File::from(fd);
-        let mut data = Vec::new();
-        (&mut file)
-            .take(MAX_FILE_BYTES)
-            .read_to_end(&mut data)
-            .map_err(err)?;
-        Ok(Some((data, stamp)))
+        Ok(stamp)
+    }
+}
+
+/// An entry that could not be opened, in words: a symlink or another mount is refused.
+fn refused_entry(e: io::Error) -> io::Error {
+    match e.raw_os_error() {
+        Some(libc::ELOOP) => io::Error::new(io::ErrorKind::InvalidData, "is a symlink (refused)"),
+        Some(libc::EXDEV) => {
+            io::Error::new(io::ErrorKind::InvalidData, "is on another mount (refused)")
+        }
+        _ => e,
     }
 }
 
@@ -620,7 +406,7 @@ impl CheckpointDir {
     /// start time is checked after the root is opened: if the PID now belongs to another process
     /// the open fails with `ESRCH`. The descriptor stays valid after the process exits.
     pub fn in_root_of(proc: &ProcFs, pid: i32, start_time: u64, dir: &Path) -> Result<Self, Error> {
-        let display = LocalDir::display_in_root(proc, pid, dir);
+        let display = ProcessRoot::show_in(proc, pid, dir);
         let at = match podfs::helper() {
             Some(exe) => At::Helper(Helper::open_in_root(
                 exe, proc, pid, start_time, dir, &display,
@@ -1108,8 +894,7 @@ mod tests {
         let cd = CheckpointDir {
             display: "test".into(),
             at: At::Here(LocalDir {
-                root: rustix::fs::open(&root, OFlags::PATH | OFlags::DIRECTORY, Mode::empty())
-                    .unwrap(),
+                root: ProcessRoot::of_dir(&root).unwrap(),
                 rel: PathBuf::from("tmp/sg"),
                 display: "test".into(),
                 kept: std::sync::OnceLock::new(),

@@ -10,12 +10,15 @@
 
 pub mod ack;
 pub mod cgroup;
+pub mod child;
 pub mod discover;
 pub mod kube_discovery;
 pub mod podfs;
 pub mod pods;
 pub mod probe;
 pub mod procfs;
+pub mod protocol;
+pub mod root;
 pub mod run;
 pub mod signal;
 

@@ -4,10 +4,8 @@
 //! and never answers (or a dead NFS server). A thread that made such a syscall sits in D state in
 //! the kernel, unkillable, and a process cannot exit while one of its threads is in the kernel:
 //! an agent that touched a hung dir itself could never exit again. So every file operation on a
-//! checkpoint dir ([`super::ack::CheckpointDir`]) runs in a helper: the agent's own binary,
-//! started as `spotguard __pod-fs` (fork + exec, no new privileges: the same user, the same
-//! capability bounding set, only `fork`/`execve`/`pipe`/`read`/`write`, which the systemd unit's
-//! `SystemCallFilter` allows), one per open checkpoint dir. The helper opens the dir and keeps it
+//! checkpoint dir ([`super::ack::CheckpointDir`]) runs in a helper: a child of the agent's own
+//! binary ([`super::child`]), started as `spotguard __pod-fs`, one per open checkpoint dir. The helper opens the dir and keeps it
 //! open; the agent sends it one request at a time over a pipe and waits for the answer in `read`
 //! on that pipe, an ordinary interruptible wait. When the dir hangs, the helper hangs, not the
 //! agent: the agent's waiting thread is abandoned as before (callers enforce their deadlines),
@@ -20,14 +18,16 @@
 use std::collections::HashMap;
 use std::io::{self, BufReader, Read, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::process::{Child, ChildStdin, ChildStdout, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Mutex, OnceLock};
+use std::sync::Mutex;
 
 use serde::{Deserialize, Serialize};
 
-use super::ack::{AckName, FileStamp, ForeignAck, LocalDir};
+use super::ack::LocalDir;
+use super::child;
 use super::procfs::ProcFs;
+use super::protocol::{AckName, FileStamp, ForeignAck};
 use super::Error;
 
 /// The hidden first argument that makes the binary a helper ([`serve`]).
@@ -37,13 +37,11 @@ pub const HELPER_ARG: &str = "__pod-fs";
 /// JSON); a read file is at most 64 KiB.
 const MAX_FRAME: u32 = 32 << 20;
 
-static HELPER: OnceLock<PathBuf> = OnceLock::new();
-
 /// Run checkpoint dir access in helpers started from `exe` (the daemon: `/proc/self/exe`, the
 /// running binary even after it was replaced on disk). Set once, before any dir is opened; a
 /// spare helper is started at once ([`ready_spare`]).
 pub fn use_helper(exe: impl Into<PathBuf>) {
-    if HELPER.set(exe.into()).is_ok() {
+    if child::use_exe(exe) {
         ready_spare();
     }
 }
@@ -100,7 +98,7 @@ fn take_helper(exe: &'static Path, display: &str) -> io::Result<Helper> {
 }
 
 pub(super) fn helper() -> Option<&'static Path> {
-    HELPER.get().map(PathBuf::as_path)
+    child::exe()
 }
 
 /// A request to the helper.
@@ -361,15 +359,6 @@ fn answer(dir: &mut Option<LocalDir>, request: Request) -> Response {
     }
 }
 
-/// Helpers that were told to go (input closed, SIGKILL) but had not exited yet: reaped when the
-/// next helper starts. One stuck in the kernel stays here until it leaves it.
-static GONE: Mutex<Vec<Child>> = Mutex::new(Vec::new());
-
-fn reap_gone() {
-    let mut gone = GONE.lock().unwrap_or_else(|e| e.into_inner());
-    gone.retain_mut(|c| !matches!(c.try_wait(), Ok(Some(_)) | Err(_)));
-}
-
 struct Pipes {
     stdin: ChildStdin,
     stdout: BufReader<ChildStdout>,
@@ -394,14 +383,7 @@ impl std::fmt::Debug for Helper {
 
 impl Helper {
     fn spawn(exe: &Path, display: &str) -> io::Result<Helper> {
-        reap_gone();
-        let mut child = Command::new(exe)
-            .arg(HELPER_ARG)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .env_clear()
-            .spawn()?;
+        let mut child = child::spawn(exe, HELPER_ARG, &[], Stdio::piped(), Stdio::inherit())?;
         let (Some(stdin), Some(stdout)) = (child.stdin.take(), child.stdout.take()) else {
             return Err(io::Error::other("helper without pipes"));
         };
@@ -561,13 +543,10 @@ impl Drop for Helper {
     /// helper is killed; one that has not exited yet (stuck in the kernel) is reaped later.
     fn drop(&mut self) {
         drop(self.pipes.get_mut().map(Option::take));
-        let Some(mut child) = self.child.take() else {
+        let Some(c) = self.child.take() else {
             return;
         };
-        let _ = child.kill();
-        if !matches!(child.try_wait(), Ok(Some(_))) {
-            GONE.lock().unwrap_or_else(|e| e.into_inner()).push(child);
-        }
+        child::abandon(c);
         if let Some(exe) = helper() {
             if SPARE.lock().map_or(true, |s| s.is_none()) {
                 refill(exe);

@@ -199,16 +199,8 @@ pub fn pod_checkpoint_spec(
     };
     let annotation = |key: &str| meta.annotations.as_ref().and_then(|a| a.get(key));
 
-    match annotation(CHECKPOINT).map(|v| v.trim()) {
-        None => return Ok(None),
-        Some(v) if v.eq_ignore_ascii_case("false") => return Ok(None),
-        Some(v) if v.eq_ignore_ascii_case("true") => {}
-        Some(v) => {
-            return Err(bad(
-                CHECKPOINT,
-                format!("expected \"true\" or \"false\", got {}", shorten(v)),
-            ))
-        }
+    if !opted_in(annotation(CHECKPOINT)).map_err(|reason| bad(CHECKPOINT, reason))? {
+        return Ok(None);
     }
 
     let uid = meta.uid.clone().unwrap_or_default();
@@ -242,47 +234,9 @@ pub fn pod_checkpoint_spec(
         .as_ref()
         .map(|s| s.containers.iter().map(|c| c.name.as_str()).collect())
         .unwrap_or_default();
-    let selected: Vec<&str> = match annotation(CONTAINERS) {
-        None => spec_names.clone(),
-        Some(v) => {
-            let mut names: Vec<&str> = Vec::new();
-            for n in v.split(',').map(str::trim).filter(|n| !n.is_empty()) {
-                if !spec_names.contains(&n) {
-                    return Err(bad(
-                        CONTAINERS,
-                        format!(
-                            "{} is not a container of the pod (containers: {})",
-                            shorten(n),
-                            spec_names.join(", ")
-                        ),
-                    ));
-                }
-                if !names.contains(&n) {
-                    names.push(n);
-                }
-            }
-            if names.is_empty() {
-                return Err(bad(CONTAINERS, "names no container".into()));
-            }
-            names
-        }
-    };
-
-    let statuses = pod
-        .status
-        .as_ref()
-        .and_then(|s| s.container_statuses.as_deref())
-        .unwrap_or_default();
-    let containers = spec_names
-        .iter()
-        .filter(|n| selected.contains(n))
-        .filter_map(|n| {
-            let status = statuses.iter().find(|s| s.name == *n)?;
-            let running = status.state.as_ref().is_some_and(|s| s.running.is_some());
-            let (_, id) = container_id(status.container_id.as_deref()?)?;
-            running.then(|| (n.to_string(), id.to_string()))
-        })
-        .collect();
+    let selected = selected_containers(annotation(CONTAINERS), &spec_names)
+        .map_err(|reason| bad(CONTAINERS, reason))?;
+    let containers = running_containers(pod, &spec_names, &selected);
 
     Ok(Some(PodCheckpointSpec {
         pod: PodRef {
@@ -301,6 +255,66 @@ pub fn pod_checkpoint_spec(
             .map(str::to_string),
         owner: PodOwner::of(pod),
     }))
+}
+
+/// The opt-in annotation: `true` or `false` (any case); absent is `false`.
+fn opted_in(value: Option<&String>) -> Result<bool, String> {
+    match value.map(|v| v.trim()) {
+        None => Ok(false),
+        Some(v) if v.eq_ignore_ascii_case("false") => Ok(false),
+        Some(v) if v.eq_ignore_ascii_case("true") => Ok(true),
+        Some(v) => Err(format!(
+            "expected \"true\" or \"false\", got {}",
+            shorten(v)
+        )),
+    }
+}
+
+/// The containers the `containers` annotation names (each once, in its order), every one a
+/// container of the pod's spec; without it, all of them.
+fn selected_containers<'a>(
+    value: Option<&'a String>,
+    spec_names: &[&'a str],
+) -> Result<Vec<&'a str>, String> {
+    let Some(v) = value else {
+        return Ok(spec_names.to_vec());
+    };
+    let mut names: Vec<&str> = Vec::new();
+    for n in v.split(',').map(str::trim).filter(|n| !n.is_empty()) {
+        if !spec_names.contains(&n) {
+            return Err(format!(
+                "{} is not a container of the pod (containers: {})",
+                shorten(n),
+                spec_names.join(", ")
+            ));
+        }
+        if !names.contains(&n) {
+            names.push(n);
+        }
+    }
+    if names.is_empty() {
+        return Err("names no container".into());
+    }
+    Ok(names)
+}
+
+/// The selected containers that run, in the spec's order, with their container ids.
+fn running_containers(pod: &Pod, spec_names: &[&str], selected: &[&str]) -> Vec<(String, String)> {
+    let statuses = pod
+        .status
+        .as_ref()
+        .and_then(|s| s.container_statuses.as_deref())
+        .unwrap_or_default();
+    spec_names
+        .iter()
+        .filter(|n| selected.contains(n))
+        .filter_map(|n| {
+            let status = statuses.iter().find(|s| s.name == *n)?;
+            let running = status.state.as_ref().is_some_and(|s| s.running.is_some());
+            let (_, id) = container_id(status.container_id.as_deref()?)?;
+            running.then(|| (n.to_string(), id.to_string()))
+        })
+        .collect()
 }
 
 fn parse_dir(value: &str) -> Result<PathBuf, String> {

@@ -4,8 +4,12 @@
 //! checkpoint signal could be delivered; the agent reports it at start-up (log, `/readyz` fails
 //! with the reason) instead of failing only when a notice arrives.
 
-use rustix::fs::{Mode, OFlags, ResolveFlags};
+use std::path::Path;
+
+use rustix::fs::OFlags;
 use rustix::process::{getpid, pidfd_open, PidfdFlags};
+
+use super::root::{ProcessRoot, Symlinks};
 
 /// `Ok` when both features work; else what is missing, in words an operator can act on.
 pub fn kernel_features() -> Result<(), String> {
@@ -15,13 +19,16 @@ pub fn kernel_features() -> Result<(), String> {
             "pidfd_open: {e} (needs Linux ≥ 5.3 and a seccomp profile that allows it)"
         ));
     }
-    if let Err(e) = rustix::fs::openat2(
-        rustix::fs::CWD,
-        "/",
-        OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
-        Mode::empty(),
-        ResolveFlags::IN_ROOT | ResolveFlags::NO_MAGICLINKS,
-    ) {
+    // The very resolution every path inside a pod's root goes through.
+    let in_root = ProcessRoot::host().and_then(|root| {
+        root.open(
+            Path::new("."),
+            OFlags::PATH | OFlags::DIRECTORY,
+            Symlinks::InRoot,
+        )
+        .map_err(Into::into)
+    });
+    if let Err(e) = in_root {
         missing.push(format!(
             "openat2: {e} (needs Linux ≥ 5.6 and a seccomp profile that allows it)"
         ));

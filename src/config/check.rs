@@ -4,10 +4,11 @@
 //! Each returns the reason in words; the caller names the setting.
 
 use std::io::ErrorKind;
-use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
-use std::time::{Duration, Instant};
+use std::path::Path;
+use std::process::Stdio;
+use std::time::Duration;
 
+use crate::checkpoint::child;
 use crate::notice::Cloud;
 
 /// Levels a log filter takes.
@@ -67,14 +68,6 @@ pub const CHECK_DIR_ARG: &str = "__check-dir";
 /// How long a directory check in a child may take before the agent starts without it.
 pub const CHECK_DIR_LIMIT: Duration = Duration::from_secs(3);
 
-static CHILD_EXE: OnceLock<PathBuf> = OnceLock::new();
-
-/// Check directories in a child started from `exe` (the daemon: `/proc/self/exe`). Without it,
-/// [`writable_dir_bounded`] checks in this process.
-pub fn check_in_child(exe: impl Into<PathBuf>) {
-    let _ = CHILD_EXE.set(exe.into());
-}
-
 /// The child's side: check `dir`, print why it is unusable, exit 0 (usable) or 1.
 pub fn serve_check_dir(dir: &Path) -> i32 {
     match writable_dir(dir) {
@@ -86,55 +79,53 @@ pub fn serve_check_dir(dir: &Path) -> i32 {
     }
 }
 
-/// [`writable_dir`], run in a child process given `limit`: a directory on a filesystem that does
-/// not answer (a hung FUSE or NFS mount, a path a trainer's mount put there) holds that child,
-/// never the agent, which must start and signal whatever a directory does. A check that does not
-/// end in time is said on stderr and counts as passed: the agent starts, and its later accesses
-/// to the directory are bounded on their own.
+/// [`writable_dir`], run in a child process ([`crate::checkpoint::child`], the mechanism of the
+/// pod filesystem helper) given `limit`: a directory on a filesystem that does not answer (a
+/// hung FUSE or NFS mount, a path a trainer's mount put there) holds that child, never the
+/// agent, which must start and signal whatever a directory does. A check that does not end in
+/// time is said on stderr and counts as passed: the agent starts, and its later accesses to the
+/// directory are bounded on their own. Without children ([`child::use_exe`] not called: the
+/// library in tests) the check runs in this process.
 pub fn writable_dir_bounded(dir: &Path, limit: Duration) -> Result<(), String> {
-    let Some(exe) = CHILD_EXE.get() else {
+    let Some(exe) = child::exe() else {
         return writable_dir(dir);
     };
-    let child = std::process::Command::new(exe)
-        .arg(CHECK_DIR_ARG)
-        .arg(dir)
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
-        .spawn();
-    let mut child = match child {
+    let spawned = child::spawn(
+        exe,
+        CHECK_DIR_ARG,
+        &[dir.as_os_str()],
+        Stdio::null(),
+        Stdio::null(),
+    );
+    let mut c = match spawned {
         Ok(c) => c,
         // No process to spare: check here.
         Err(_) => return writable_dir(dir),
     };
-    let started = Instant::now();
-    loop {
-        match child.try_wait() {
-            Ok(Some(status)) => {
-                let mut why = String::new();
-                if let Some(mut out) = child.stdout.take() {
-                    use std::io::Read;
-                    let _ = out.read_to_string(&mut why);
-                }
-                return if status.success() {
-                    Ok(())
-                } else if why.is_empty() {
-                    Err(format!("{}: the check ended with {status}", dir.display()))
-                } else {
-                    Err(why)
-                };
+    match child::wait_within(&mut c, limit) {
+        Ok(Some(status)) => {
+            let mut why = String::new();
+            if let Some(mut out) = c.stdout.take() {
+                use std::io::Read;
+                let _ = out.read_to_string(&mut why);
             }
-            Ok(None) if started.elapsed() < limit => std::thread::sleep(Duration::from_millis(5)),
-            _ => {
-                // Stuck in the filesystem: left behind (killed, never waited for).
-                let _ = child.kill();
-                eprintln!(
-                    "spotguard: {} did not answer within {} (a hung mount?): not checked, starting anyway",
-                    dir.display(),
-                    crate::duration::display(limit)
-                );
-                return Ok(());
+            if status.success() {
+                Ok(())
+            } else if why.is_empty() {
+                Err(format!("{}: the check ended with {status}", dir.display()))
+            } else {
+                Err(why)
             }
+        }
+        _ => {
+            // Stuck in the filesystem: killed, left behind (reaped once it leaves the kernel).
+            child::abandon(c);
+            eprintln!(
+                "spotguard: {} did not answer within {} (a hung mount?): not checked, starting anyway",
+                dir.display(),
+                crate::duration::display(limit)
+            );
+            Ok(())
         }
     }
 }

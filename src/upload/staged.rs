@@ -19,14 +19,15 @@
 
 use std::fs::File;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::path::{Component, Path, PathBuf};
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use rustix::fs::{AtFlags, FileType, Mode, OFlags, ResolveFlags};
+use rustix::fs::{AtFlags, FileType, OFlags};
 use serde::{Deserialize, Serialize};
 
 use super::Error;
 use crate::checkpoint::procfs::ProcFs;
+use crate::checkpoint::root::{self, ProcessRoot, Symlinks};
 
 /// Name of the commit marker at the top of an uploaded checkpoint; a staged file may not take it.
 pub const MANIFEST_NAME: &str = "manifest.json";
@@ -206,8 +207,7 @@ pub struct StagedTree {
 /// The filesystem root a staged path is resolved in.
 #[derive(Debug)]
 pub struct Root {
-    fd: OwnedFd,
-    display: String,
+    root: ProcessRoot,
     /// The uid every entry must belong to: the acking process's (0 for a root trainer); `None`
     /// only for the CLI's own `/`, where the invoking user's permissions apply.
     pub uid: Option<u32>,
@@ -217,45 +217,23 @@ impl Root {
     /// `/`, as this process sees it; no owner is required (the CLI: the invoking user's own
     /// permissions apply).
     pub fn host() -> Result<Root, Error> {
-        let fd = rustix::fs::open(
-            "/",
-            OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
-            Mode::empty(),
-        )
-        .map_err(|e| Error::io("open", "/")(e.into()))?;
-        Ok(Root {
-            fd,
-            display: String::new(),
-            uid: None,
-        })
+        let root = ProcessRoot::host().map_err(Error::io("open", "/"))?;
+        Ok(Root { root, uid: None })
     }
 
     /// The root of process `pid` (`<proc>/<pid>/root`), whose entries must all belong to the
     /// process's real uid, root's (uid 0) like anyone's. The start time is checked after the root and the uid
     /// were read, so both belong to that very process and not to a successor with a recycled PID.
     pub fn of_process(proc: &ProcFs, pid: i32, start_time: u64) -> Result<Root, Error> {
-        let path = proc.path(pid, "root");
-        let display = format!(" in {}", path.display());
-        let gone = |detail: String| Error::Staged {
-            path: path.display().to_string(),
-            problem: Problem::Gone,
-            detail,
-        };
-        let fd = rustix::fs::open(
-            &path,
-            OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
-            Mode::empty(),
-        )
-        .map_err(|e| gone(e.to_string()))?;
-        let status = proc.status(pid).map_err(|e| gone(e.to_string()))?;
-        match proc.alive(pid, start_time) {
-            Ok(true) => {}
-            Ok(false) => return Err(gone(format!("pid {pid} exited"))),
-            Err(e) => return Err(gone(e.to_string())),
-        }
+        let status = || proc.status(pid).map_err(|e| e.to_string());
+        let (root, status) =
+            ProcessRoot::of_process(proc, pid, start_time, status).map_err(|e| Error::Staged {
+                path: proc.path(pid, "root").display().to_string(),
+                problem: Problem::Gone,
+                detail: e.to_string(),
+            })?;
         Ok(Root {
-            fd,
-            display,
+            root,
             uid: Some(status.uid),
         })
     }
@@ -263,37 +241,8 @@ impl Root {
     /// Whether this root is the same directory as this process's `/` (host-mode trainers that
     /// share the host's filesystem: their staged tree outlives them).
     pub fn is_host_root(&self) -> bool {
-        let ours = rustix::fs::stat("/");
-        let theirs = rustix::fs::fstat(&self.fd);
-        matches!((ours, theirs), (Ok(a), Ok(b)) if a.st_dev == b.st_dev && a.st_ino == b.st_ino)
+        self.root.is_host_root()
     }
-}
-
-const RESOLVE_IN_ROOT: ResolveFlags = ResolveFlags::IN_ROOT
-    .union(ResolveFlags::NO_SYMLINKS)
-    .union(ResolveFlags::NO_MAGICLINKS);
-const RESOLVE_ENTRY: ResolveFlags = ResolveFlags::BENEATH
-    .union(ResolveFlags::NO_SYMLINKS)
-    .union(ResolveFlags::NO_MAGICLINKS)
-    .union(ResolveFlags::NO_XDEV);
-
-/// `dir` (absolute) relative to the root; `..` is refused.
-fn relative(dir: &Path) -> Option<PathBuf> {
-    if !dir.is_absolute() {
-        return None;
-    }
-    let mut rel = PathBuf::new();
-    for c in dir.components() {
-        match c {
-            Component::RootDir | Component::CurDir => {}
-            Component::Normal(n) => rel.push(n),
-            Component::ParentDir | Component::Prefix(_) => return None,
-        }
-    }
-    if rel.as_os_str().is_empty() {
-        rel.push(".");
-    }
-    Some(rel)
 }
 
 /// A name usable as an object key segment and as a file name on the way back.
@@ -343,13 +292,7 @@ impl Walk<'_> {
     }
 
     fn open_entry(&self, dir: &OwnedFd, name: &str, flags: OFlags) -> rustix::io::Result<OwnedFd> {
-        rustix::fs::openat2(
-            dir,
-            name,
-            flags | OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC | OFlags::NOCTTY,
-            Mode::empty(),
-            RESOLVE_ENTRY,
-        )
+        root::open_entry(dir, name, flags | OFlags::RDONLY | OFlags::NOCTTY)
     }
 
     fn open_error(&self, rel: &str, e: rustix::io::Errno) -> Error {
@@ -515,38 +458,39 @@ fn capture_in(
     limits: &Limits,
     budget: Option<(Arc<super::budget::Budget>, super::budget::Owner)>,
 ) -> Result<StagedTree, Error> {
-    let display = format!("{}{}", staged.display(), root.display);
+    let display = root.root.show(staged);
     let refuse = |problem, detail: String| Error::Staged {
         path: display.clone(),
         problem,
         detail,
     };
-    let rel = relative(staged).ok_or_else(|| {
+    let rel = root::relative(staged).map_err(|_| {
         refuse(
             Problem::Name,
             "must be an absolute path without `..`".to_string(),
         )
     })?;
-    let top = rustix::fs::openat2(
-        &root.fd,
-        &rel,
-        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-        Mode::empty(),
-        RESOLVE_IN_ROOT,
-    )
-    .map_err(|e| match e {
-        rustix::io::Errno::NOENT => refuse(Problem::Missing, e.to_string()),
-        rustix::io::Errno::NOTDIR if is_symlink_in_root(root, &rel) => refuse(
-            Problem::Symlink,
-            "the path is a symlink; name the real path (os.path.realpath)".to_string(),
-        ),
-        rustix::io::Errno::NOTDIR => refuse(Problem::NotADirectory, e.to_string()),
-        rustix::io::Errno::LOOP => refuse(
-            Problem::Symlink,
-            "the path goes through a symlink; name the real path (os.path.realpath)".to_string(),
-        ),
-        e => refuse(Problem::Unreadable, e.to_string()),
-    })?;
+    let top = root
+        .root
+        .open(
+            &rel,
+            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW,
+            Symlinks::Refuse,
+        )
+        .map_err(|e| match e {
+            rustix::io::Errno::NOENT => refuse(Problem::Missing, e.to_string()),
+            rustix::io::Errno::NOTDIR if is_symlink_in_root(root, &rel) => refuse(
+                Problem::Symlink,
+                "the path is a symlink; name the real path (os.path.realpath)".to_string(),
+            ),
+            rustix::io::Errno::NOTDIR => refuse(Problem::NotADirectory, e.to_string()),
+            rustix::io::Errno::LOOP => refuse(
+                Problem::Symlink,
+                "the path goes through a symlink; name the real path (os.path.realpath)"
+                    .to_string(),
+            ),
+            e => refuse(Problem::Unreadable, e.to_string()),
+        })?;
     let st = rustix::fs::fstat(&top).map_err(|e| refuse(Problem::Unreadable, e.to_string()))?;
     let mut walk = Walk {
         tree: StagedTree {
@@ -570,7 +514,7 @@ fn budget_owner(root: &Root) -> super::budget::Owner {
     if root.is_host_root() {
         return super::budget::Owner::Uid(root.uid.unwrap_or(0));
     }
-    match rustix::fs::fstat(&root.fd) {
+    match rustix::fs::fstat(&root.root) {
         Ok(st) => super::budget::Owner::Root {
             dev: st.st_dev,
             ino: st.st_ino,
@@ -581,15 +525,10 @@ fn budget_owner(root: &Root) -> super::budget::Owner {
 
 /// Whether `rel` names a symlink itself (`O_DIRECTORY | O_NOFOLLOW` on one fails `ENOTDIR`).
 fn is_symlink_in_root(root: &Root, rel: &Path) -> bool {
-    rustix::fs::openat2(
-        &root.fd,
-        rel,
-        OFlags::PATH | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-        Mode::empty(),
-        RESOLVE_IN_ROOT,
-    )
-    .and_then(|fd| rustix::fs::fstat(&fd))
-    .is_ok_and(|st| FileType::from_raw_mode(st.st_mode) == FileType::Symlink)
+    root.root
+        .open(rel, OFlags::PATH | OFlags::NOFOLLOW, Symlinks::Refuse)
+        .and_then(|fd| rustix::fs::fstat(&fd))
+        .is_ok_and(|st| FileType::from_raw_mode(st.st_mode) == FileType::Symlink)
 }
 
 /// Raise this process's soft limit on open files to its hard limit (a captured tree holds one
@@ -606,13 +545,14 @@ pub fn raise_open_file_limit() {
 /// A borrowed view for callers that only need the descriptor (tests).
 impl AsFd for Root {
     fn as_fd(&self) -> BorrowedFd<'_> {
-        self.fd.as_fd()
+        self.root.as_fd()
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use rustix::fs::Mode;
     use std::os::unix::fs::symlink;
 
     fn tree(files: &[(&str, &[u8])]) -> tempfile::TempDir {

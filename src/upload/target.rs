@@ -27,12 +27,13 @@ use bytes::Bytes;
 use object_store::multipart::{MultipartStore, PartId};
 use object_store::path::Path as ObjectPath;
 use object_store::{GetOptions, ObjectStore, ObjectStoreExt, PutOptions, PutPayload};
-use rustix::fs::{Mode, OFlags, ResolveFlags};
+use rustix::fs::{Mode, OFlags};
 
 use super::dest::{Granted, Location};
 use super::manifest::MANIFEST_MAX_BYTES;
 use super::owner::{Marker, Writer};
 use super::Error;
+use crate::checkpoint::root;
 use crate::fsutil::{AtomicFile, Durability};
 use crate::store::checksum::{ChecksumSlot, StoreChecksum};
 use crate::store::url::{self as source, Scheme, StoreOptions};
@@ -445,22 +446,10 @@ pub struct DirTarget {
     display: String,
 }
 
-const BENEATH: ResolveFlags = ResolveFlags::BENEATH
-    .union(ResolveFlags::NO_SYMLINKS)
-    .union(ResolveFlags::NO_MAGICLINKS);
-
 /// Open (creating it `0755` if missing) the directory `name` in `parent`, never through a
 /// symlink.
 fn open_or_make(parent: &impl AsFd, name: &std::ffi::OsStr) -> rustix::io::Result<OwnedFd> {
-    let open = || {
-        rustix::fs::openat2(
-            parent,
-            name,
-            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-            Mode::empty(),
-            BENEATH,
-        )
-    };
+    let open = || root::open_beneath(parent, name, OFlags::RDONLY | OFlags::DIRECTORY);
     match open() {
         Err(rustix::io::Errno::NOENT) => {
             match rustix::fs::mkdirat(parent, name, Mode::from_raw_mode(DIR_MODE)) {
@@ -777,13 +766,7 @@ impl DirTarget {
     /// The checkpoint's manifest `file`, if there is one.
     pub fn read_manifest(&self, file: &str) -> Result<Option<Vec<u8>>, Error> {
         let path = self.path_of(file);
-        let fd = match rustix::fs::openat2(
-            &*self.dir,
-            file,
-            OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC,
-            Mode::empty(),
-            BENEATH,
-        ) {
+        let fd = match root::open_beneath(&*self.dir, file, OFlags::RDONLY | OFlags::NONBLOCK) {
             Ok(fd) => fd,
             Err(rustix::io::Errno::NOENT) => return Ok(None),
             Err(e) => return Err(Error::io("open", path)(e.into())),
@@ -839,13 +822,7 @@ impl DirTarget {
     pub fn read_marker(&self) -> Result<Option<Vec<u8>>, Error> {
         let name = super::owner::MARKER_NAME;
         let path = format!("{}/../{name}", self.display);
-        let fd = match rustix::fs::openat2(
-            &self.parent,
-            name,
-            OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC,
-            Mode::empty(),
-            BENEATH,
-        ) {
+        let fd = match root::open_beneath(&self.parent, name, OFlags::RDONLY | OFlags::NONBLOCK) {
             Ok(fd) => fd,
             Err(rustix::io::Errno::NOENT) => return Ok(None),
             Err(e) => return Err(Error::io("open", path)(e.into())),

@@ -18,6 +18,7 @@ use super::dir::{file_job, Claimed, DirSlot, FileJob, FileTask, Tell, Told};
 use super::threads::{count_stuck, spawn_thread, Counters};
 use super::{group_span, CheckpointRequest, Prior, Signalled, DELIVER_BUDGET, NOTICE_BUDGET};
 use crate::checkpoint::procfs::{clock_ticks_per_second, ProcFs};
+use crate::checkpoint::protocol::NoticeFile;
 use crate::checkpoint::signal::{self, NotSignalled, Prepared};
 use crate::checkpoint::{
     run_on_thread, PodRef, Signal, TargetContainer, TargetGroup, TargetMode, TargetProcess,
@@ -370,145 +371,248 @@ fn stage_group<'g>(
     let span = group_span(req, &group.name);
     let _enter = span.enter();
     let notice = req.notice(group.signal, prior.life.clone());
-    let require_handler = group.mode == TargetMode::Handlers;
     let boot = prior.signalled_at.and_then(|_| proc.boot_time().ok());
-
     let mut staged: Vec<(ContainerDelivery, Vec<Prepared>)> = Vec::new();
     let mut jobs: Vec<Option<PendingFile>> = Vec::new();
     for c in &group.containers {
-        let mut cd = ContainerDelivery {
-            name: c.name.clone(),
-            root_pid: c.root_pid,
-            signalled: Vec::new(),
-            would_signal: Vec::new(),
-            skipped: Vec::new(),
-            notice: NoticeStatus::NotNeeded,
-            error: None,
-            dir: DirSlot::None,
-        };
-        let mut prepared = Vec::new();
-        match candidates(c, group.mode) {
-            Ok(targets) => {
-                for t in targets {
-                    match signal::prepare(proc, t, group.signal, require_handler) {
-                        Ok(p) => prepared.push(p),
-                        Err(reason) => {
-                            if let NotSignalled::Failed(e) = &reason {
-                                tracing::warn!(pid = t.pid, error = %e, "cannot check checkpoint target");
-                                counters.error("prepare");
-                            }
-                            cd.skipped.push(SkippedProcess { pid: t.pid, reason });
-                        }
-                    }
-                }
-            }
-            Err(e) => {
-                tracing::warn!(container = %c.name, error = %e, "no checkpoint target");
-                cd.error = Some(e);
-            }
-        }
-        if let Some(signalled_at) = prior.signalled_at {
-            // Started after the notice's signal: never signalled for it, and not now either.
-            prepared.retain(|p| {
-                let late = started_after(p, signalled_at, boot);
-                if late {
-                    cd.skipped.push(SkippedProcess {
-                        pid: p.pid,
-                        reason: NotSignalled::StartedAfterSignal,
-                    });
-                }
-                !late
-            });
-        }
-        let job = if prepared.is_empty() {
-            None
-        } else {
-            let ns: Vec<i32> = prepared.iter().map(|p| p.ns_pid).collect();
-            let tell = match &prior.signalled {
-                Signalled::Nobody => Tell::Known {
-                    now: ns,
-                    before: Vec::new(),
-                },
-                Signalled::Everyone => Tell::NoneNow { targets: ns },
-                Signalled::Listed(listed) => {
-                    let (before, now): (Vec<&Prepared>, Vec<&Prepared>) = prepared
-                        .iter()
-                        .partition(|p| listed.contains(&(p.pid, p.start_time)));
-                    Tell::Known {
-                        now: now.iter().map(|p| p.ns_pid).collect(),
-                        before: before.iter().map(|p| p.ns_pid).collect(),
-                    }
-                }
-                Signalled::Unrecorded => Tell::ByNotice {
-                    targets: ns,
-                    if_unknown: true,
-                },
-                Signalled::Unlisted => Tell::ByNotice {
-                    targets: ns,
-                    if_unknown: false,
-                },
+        let (mut cd, prepared) = prepare_container(proc, group, c, prior, boot, counters);
+        let job = (!prepared.is_empty()).then(|| {
+            let who: Vec<Who> = prepared.iter().map(Who::of).collect();
+            let file = FileStart {
+                proc,
+                group,
+                req,
+                notice: &notice,
+                counters,
+                claimed,
             };
-            let mut tries: Vec<(i32, u64)> = c
-                .processes
-                .iter()
-                .filter(|p| Some(p.pid) == c.root_pid)
-                .map(|p| (p.pid, p.start_time))
-                .collect();
-            tries.extend(prepared.iter().map(|p| (p.pid, p.start_time)));
-            let owners: HashMap<i32, Vec<u32>> = prepared
-                .iter()
-                .map(|p| (p.ns_pid, p.uids.clone()))
-                .collect();
-            let (tx, rx) = mpsc::channel();
-            let abandoned = Arc::new(AtomicBool::new(false));
-            let task = FileTask {
-                proc: proc.clone(),
-                dir: group.dir.clone(),
-                root: c.root_pid,
-                tries,
-                owners,
-                tell: tell.clone(),
-                notice: notice.clone(),
-                dry_run: req.dry_run,
-                counters: counters.clone(),
-                abandoned: abandoned.clone(),
-                claimed: claimed.clone(),
-            };
-            let started = spawn_thread("sg-ckpt-file", counters, move || {
-                let _ = tx.send(file_job(task));
-            });
-            if !started {
-                cd.notice = NoticeStatus::Failed("no thread for the checkpoint dir".into());
-            }
-            // Without a thread the sender is gone: the receiver reports it disconnected.
-            Some(PendingFile {
-                rx,
-                abandoned,
-                tell,
-            })
-        };
+            file.start(c, &prepared, tell(&prior.signalled, &who), &mut cd)
+        });
         jobs.push(job);
         staged.push((cd, prepared));
     }
-
     // Collect the file threads against one deadline; a dir that does not answer in time is left
     // to the watcher, and its targets are decided without it.
     let deadline = Instant::now() + NOTICE_BUDGET;
-    let mut out = Vec::with_capacity(staged.len());
-    for ((mut cd, prepared), job) in staged.into_iter().zip(jobs) {
-        let Some(PendingFile {
+    let containers = staged
+        .into_iter()
+        .zip(jobs)
+        .map(|((mut cd, prepared), job)| {
+            let Some(job) = job else {
+                return StagedContainer {
+                    delivery: cd,
+                    now: Vec::new(),
+                    before: Vec::new(),
+                };
+            };
+            let (answer, tell) = job.wait(deadline, group, &mut cd, counters);
+            let (now, before, told_at) = settle(answer, &tell, group, &notice, &mut cd);
+            let before_at = prior
+                .signalled_at
+                .or(told_at)
+                .unwrap_or_else(Timestamp::now);
+            let sorted = sort(prepared, |p| p.ns_pid, &now, &before);
+            held(&sorted.unknown, group, counters, &mut cd);
+            StagedContainer {
+                delivery: cd,
+                now: sorted.signal,
+                before: sorted.waited.into_iter().map(|p| (p, before_at)).collect(),
+            }
+        })
+        .collect();
+    Staged { group, containers }
+}
+
+/// Step 1 of a container: its candidate processes by target mode, checked and pinned; those
+/// that started after the notice's earlier signal are left out (never signalled for it, and not
+/// now either). The skipped and why are in the returned [`ContainerDelivery`].
+fn prepare_container(
+    proc: &ProcFs,
+    group: &TargetGroup,
+    c: &TargetContainer,
+    prior: &Prior,
+    boot: Option<i64>,
+    counters: &Counters,
+) -> (ContainerDelivery, Vec<Prepared>) {
+    let mut cd = ContainerDelivery {
+        name: c.name.clone(),
+        root_pid: c.root_pid,
+        signalled: Vec::new(),
+        would_signal: Vec::new(),
+        skipped: Vec::new(),
+        notice: NoticeStatus::NotNeeded,
+        error: None,
+        dir: DirSlot::None,
+    };
+    let require_handler = group.mode == TargetMode::Handlers;
+    let mut prepared = Vec::new();
+    match candidates(c, group.mode) {
+        Ok(targets) => {
+            for t in targets {
+                match signal::prepare(proc, t, group.signal, require_handler) {
+                    Ok(p) => prepared.push(p),
+                    Err(reason) => {
+                        if let NotSignalled::Failed(e) = &reason {
+                            tracing::warn!(pid = t.pid, error = %e, "cannot check checkpoint target");
+                            counters.error("prepare");
+                        }
+                        cd.skipped.push(SkippedProcess { pid: t.pid, reason });
+                    }
+                }
+            }
+        }
+        Err(e) => {
+            tracing::warn!(container = %c.name, error = %e, "no checkpoint target");
+            cd.error = Some(e);
+        }
+    }
+    if let Some(signalled_at) = prior.signalled_at {
+        prepared.retain(|p| {
+            let late = started_after(p, signalled_at, boot);
+            if late {
+                cd.skipped.push(SkippedProcess {
+                    pid: p.pid,
+                    reason: NotSignalled::StartedAfterSignal,
+                });
+            }
+            !late
+        });
+    }
+    (cd, prepared)
+}
+
+/// A target as the "one signal per notice" decision sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Who {
+    /// Its PID as it sees it (the names of its acks, `notice.json`'s readers).
+    ns_pid: i32,
+    /// Host PID and start time: what the plan record lists.
+    id: (i32, u64),
+}
+
+impl Who {
+    fn of(p: &Prepared) -> Who {
+        Who {
+            ns_pid: p.ns_pid,
+            id: (p.pid, p.start_time),
+        }
+    }
+}
+
+/// Step 2, the decision table of "one signal per notice": what the plan record knows of the
+/// notice's earlier signal ([`Signalled`]) says which targets the file thread tells now, which
+/// it tells were told before, and when `notice.json` decides.
+fn tell(signalled: &Signalled, targets: &[Who]) -> Tell {
+    let ns = || targets.iter().map(|w| w.ns_pid).collect::<Vec<_>>();
+    match signalled {
+        // The caller knows nobody was: every target now, `notice.json` not consulted.
+        Signalled::Nobody => Tell::Known {
+            now: ns(),
+            before: Vec::new(),
+        },
+        // The restart path of old: every target was signalled before.
+        Signalled::Everyone => Tell::NoneNow { targets: ns() },
+        // The record lists who was: those were told before, the others now.
+        Signalled::Listed(listed) => {
+            let (before, now): (Vec<&Who>, Vec<&Who>) =
+                targets.iter().partition(|w| listed.contains(&w.id));
+            Tell::Known {
+                now: now.iter().map(|w| w.ns_pid).collect(),
+                before: before.iter().map(|w| w.ns_pid).collect(),
+            }
+        }
+        // No record of this notice: `notice.json` decides; unreadable, a first notice must
+        // reach the trainers.
+        Signalled::Unrecorded => Tell::ByNotice {
+            targets: ns(),
+            if_unknown: true,
+        },
+        // Signalled, nobody listed: `notice.json` decides; unreadable, the targets are held
+        // (never a second signal).
+        Signalled::Unlisted => Tell::ByNotice {
+            targets: ns(),
+            if_unknown: false,
+        },
+    }
+}
+
+/// What starting a container's file thread needs of its group's delivery.
+struct FileStart<'a> {
+    proc: &'a ProcFs,
+    group: &'a TargetGroup,
+    req: &'a CheckpointRequest,
+    notice: &'a NoticeFile,
+    counters: &'a Counters,
+    claimed: &'a Claimed,
+}
+
+impl FileStart<'_> {
+    /// Step 3: start the container's file thread (open the dir, read `notice.json`, stamp the
+    /// acks, write the notice). Without a thread the sender is gone: the receiver reports it
+    /// disconnected.
+    fn start(
+        &self,
+        c: &TargetContainer,
+        prepared: &[Prepared],
+        tell: Tell,
+        cd: &mut ContainerDelivery,
+    ) -> PendingFile {
+        // Roots to resolve the dir in, in order: the container's root process, then the targets.
+        let tries: Vec<(i32, u64)> = c
+            .processes
+            .iter()
+            .filter(|p| Some(p.pid) == c.root_pid)
+            .map(|p| (p.pid, p.start_time))
+            .chain(prepared.iter().map(|p| (p.pid, p.start_time)))
+            .collect();
+        let owners: HashMap<i32, Vec<u32>> = prepared
+            .iter()
+            .map(|p| (p.ns_pid, p.uids.clone()))
+            .collect();
+        let (tx, rx) = mpsc::channel();
+        let abandoned = Arc::new(AtomicBool::new(false));
+        let task = FileTask {
+            proc: self.proc.clone(),
+            dir: self.group.dir.clone(),
+            root: c.root_pid,
+            tries,
+            owners,
+            tell: tell.clone(),
+            notice: self.notice.clone(),
+            dry_run: self.req.dry_run,
+            counters: self.counters.clone(),
+            abandoned: abandoned.clone(),
+            claimed: self.claimed.clone(),
+        };
+        let started = spawn_thread("sg-ckpt-file", self.counters, move || {
+            let _ = tx.send(file_job(task));
+        });
+        if !started {
+            cd.notice = NoticeStatus::Failed("no thread for the checkpoint dir".into());
+        }
+        PendingFile {
             rx,
             abandoned,
             tell,
-        }) = job
-        else {
-            out.push(StagedContainer {
-                delivery: cd,
-                now: Vec::new(),
-                before: Vec::new(),
-            });
-            continue;
-        };
+        }
+    }
+}
+
+impl PendingFile {
+    /// Step 4: the file thread's answer by `deadline`; `None` when it did not answer (a hung
+    /// dir: left to the watcher) or died, said in `cd.notice`. With what it was to tell.
+    fn wait(
+        self,
+        deadline: Instant,
+        group: &TargetGroup,
+        cd: &mut ContainerDelivery,
+        counters: &Counters,
+    ) -> (Option<FileJob>, Tell) {
+        let PendingFile {
+            rx,
+            abandoned,
+            tell,
+        } = self;
         let answer = match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
             Ok(job) => Some(job),
             Err(RecvTimeoutError::Timeout) => {
@@ -532,71 +636,97 @@ fn stage_group<'g>(
                 None
             }
         };
-        let (now, before, told_at) = match answer {
-            Some(job) => {
-                let told_at = match &job.told {
-                    Told::Named(stamp) => Some(stamp_time(stamp.mtime)),
-                    _ => None,
-                };
-                let decided = match &job.dir {
-                    Ok(_) => Some((job.now.clone(), job.before.clone())),
-                    Err(_) => None,
-                };
-                match &job.status {
-                    NoticeStatus::DryRun => {
-                        tracing::info!(dir = %group.dir.display(), notice_id = %notice.notice_id, "dry-run: would write notice.json")
-                    }
-                    NoticeStatus::Failed(e) if job.dir.is_ok() => {
-                        tracing::warn!(container = %cd.name, error = %e, "cannot write notice.json; signalling anyway")
-                    }
-                    _ => {}
-                }
-                match job.dir {
-                    Ok(dir) => cd.dir = DirSlot::Ready(dir, Box::new(job.fresh)),
-                    Err(e) => {
-                        tracing::warn!(container = %cd.name, error = %e, "cannot open the checkpoint dir; deciding without notice.json")
-                    }
-                }
-                cd.notice = job.status;
-                let (now, before) = decided.unwrap_or_else(|| undecided(&tell));
-                (now, before, told_at)
-            }
-            None => {
-                let (now, before) = undecided(&tell);
-                (now, before, None)
-            }
-        };
-        let before_at = prior
-            .signalled_at
-            .or(told_at)
-            .unwrap_or_else(Timestamp::now);
-        let now: HashSet<i32> = now.into_iter().collect();
-        let before: HashSet<i32> = before.into_iter().collect();
-        let mut to_signal = Vec::new();
-        let mut waited = Vec::new();
-        for p in prepared {
-            if now.contains(&p.ns_pid) {
-                to_signal.push(p);
-            } else if before.contains(&p.ns_pid) {
-                waited.push((p, before_at));
-            } else {
-                tracing::warn!(pid = p.pid, dir = %group.dir.display(), "cannot tell whether this process was signalled for this notice before (no record lists it, notice.json cannot be read): not signalling it again");
-                counters.error("signalled_unknown");
-                cd.skipped.push(SkippedProcess {
-                    pid: p.pid,
-                    reason: NotSignalled::MaybeSignalled,
-                });
-            }
-        }
-        out.push(StagedContainer {
-            delivery: cd,
-            now: to_signal,
-            before: waited,
-        });
+        (answer, tell)
     }
-    Staged {
-        group,
-        containers: out,
+}
+
+/// Step 5: who is told now and who was before, by the file thread's answer (or, without one,
+/// by the record alone: [`undecided`]), and when `notice.json` says the earlier signal was.
+/// The answer's dir, notice status and warnings go into `cd`.
+fn settle(
+    answer: Option<FileJob>,
+    tell: &Tell,
+    group: &TargetGroup,
+    notice: &NoticeFile,
+    cd: &mut ContainerDelivery,
+) -> (Vec<i32>, Vec<i32>, Option<Timestamp>) {
+    let Some(job) = answer else {
+        let (now, before) = undecided(tell);
+        return (now, before, None);
+    };
+    let told_at = match &job.told {
+        Told::Named(stamp) => Some(stamp_time(stamp.mtime)),
+        _ => None,
+    };
+    let decided = match &job.dir {
+        Ok(_) => Some((job.now.clone(), job.before.clone())),
+        Err(_) => None,
+    };
+    match &job.status {
+        NoticeStatus::DryRun => {
+            tracing::info!(dir = %group.dir.display(), notice_id = %notice.notice_id, "dry-run: would write notice.json")
+        }
+        NoticeStatus::Failed(e) if job.dir.is_ok() => {
+            tracing::warn!(container = %cd.name, error = %e, "cannot write notice.json; signalling anyway")
+        }
+        _ => {}
+    }
+    match job.dir {
+        Ok(dir) => cd.dir = DirSlot::Ready(dir, Box::new(job.fresh)),
+        Err(e) => {
+            tracing::warn!(container = %cd.name, error = %e, "cannot open the checkpoint dir; deciding without notice.json")
+        }
+    }
+    cd.notice = job.status;
+    let (now, before) = decided.unwrap_or_else(|| undecided(tell));
+    (now, before, told_at)
+}
+
+/// Targets sorted by the decision: signal now, only wait for (signalled before), or neither
+/// (nothing tells whether they were: held).
+#[derive(Debug, PartialEq)]
+struct Sorted<T> {
+    signal: Vec<T>,
+    waited: Vec<T>,
+    unknown: Vec<T>,
+}
+
+/// Step 6: sort `targets` (namespace PID by `ns`) into [`Sorted`].
+fn sort<T>(targets: Vec<T>, ns: impl Fn(&T) -> i32, now: &[i32], before: &[i32]) -> Sorted<T> {
+    let now: HashSet<i32> = now.iter().copied().collect();
+    let before: HashSet<i32> = before.iter().copied().collect();
+    let mut sorted = Sorted {
+        signal: Vec::new(),
+        waited: Vec::new(),
+        unknown: Vec::new(),
+    };
+    for t in targets {
+        if now.contains(&ns(&t)) {
+            sorted.signal.push(t);
+        } else if before.contains(&ns(&t)) {
+            sorted.waited.push(t);
+        } else {
+            sorted.unknown.push(t);
+        }
+    }
+    sorted
+}
+
+/// The held targets: logged, counted, skipped as "maybe signalled" (a second signal is worse
+/// than none).
+fn held(
+    unknown: &[Prepared],
+    group: &TargetGroup,
+    counters: &Counters,
+    cd: &mut ContainerDelivery,
+) {
+    for p in unknown {
+        tracing::warn!(pid = p.pid, dir = %group.dir.display(), "cannot tell whether this process was signalled for this notice before (no record lists it, notice.json cannot be read): not signalling it again");
+        counters.error("signalled_unknown");
+        cd.skipped.push(SkippedProcess {
+            pid: p.pid,
+            reason: NotSignalled::MaybeSignalled,
+        });
     }
 }
 
@@ -634,54 +764,78 @@ fn signal_group(
     let span = group_span(req, &group.name);
     let _enter = span.enter();
     let mut first_signal: Option<Timestamp> = None;
-    let mut containers = Vec::with_capacity(staged.containers.len());
-    for StagedContainer {
+    let containers: Vec<ContainerDelivery> = staged
+        .containers
+        .into_iter()
+        .map(|c| signal_container(c, group, req, counters, &mut first_signal))
+        .collect();
+    let state = delivery_state(req.dry_run && !replan, &containers);
+    log_delivery(&state, group, &containers);
+    Delivery {
+        signalled_at: first_signal,
+        containers,
+        ..Delivery::of(group, state, proc)
+    }
+}
+
+/// One container of phase 2: the processes signalled before are recorded with their time, the
+/// others signalled now (or, in a dry run, listed). `first_signal` is the earliest signal seen.
+fn signal_container(
+    staged: StagedContainer,
+    group: &TargetGroup,
+    req: &CheckpointRequest,
+    counters: &Counters,
+    first_signal: &mut Option<Timestamp>,
+) -> ContainerDelivery {
+    let StagedContainer {
         delivery: mut cd,
         now: to_signal,
         before: waited,
-    } in staged.containers
-    {
-        for (p, at) in waited {
-            first_signal = Some(first_signal.map_or(at, |f| f.min(at)));
-            cd.signalled.push(signalled(&p, at, true));
-        }
-        for p in to_signal {
-            if req.dry_run {
-                cd.would_signal.push(p.pid);
-                continue;
-            }
-            let at = Timestamp::now();
-            match signal::send(&p, group.signal) {
-                Ok(()) => {
-                    counters.signal_sent();
-                    first_signal = Some(first_signal.map_or(at, |f| f.min(at)));
-                    cd.signalled.push(signalled(&p, at, false));
-                }
-                Err(e) => {
-                    let reason = signal::send_failure(&e);
-                    if matches!(reason, NotSignalled::Failed(_)) {
-                        tracing::warn!(pid = p.pid, error = %e, "checkpoint signal failed");
-                        counters.error(e.metric_label());
-                    }
-                    cd.skipped.push(SkippedProcess { pid: p.pid, reason });
-                }
-            }
-        }
-        containers.push(cd);
+    } = staged;
+    let mut seen = |at: Timestamp| *first_signal = Some(first_signal.map_or(at, |f| f.min(at)));
+    for (p, at) in waited {
+        seen(at);
+        cd.signalled.push(signalled(&p, at, true));
     }
+    for p in to_signal {
+        if req.dry_run {
+            cd.would_signal.push(p.pid);
+            continue;
+        }
+        let at = Timestamp::now();
+        match signal::send(&p, group.signal) {
+            Ok(()) => {
+                counters.signal_sent();
+                seen(at);
+                cd.signalled.push(signalled(&p, at, false));
+            }
+            Err(e) => {
+                let reason = signal::send_failure(&e);
+                if matches!(reason, NotSignalled::Failed(_)) {
+                    tracing::warn!(pid = p.pid, error = %e, "checkpoint signal failed");
+                    counters.error(e.metric_label());
+                }
+                cd.skipped.push(SkippedProcess { pid: p.pid, reason });
+            }
+        }
+    }
+    cd
+}
 
-    let state = delivery_state(req.dry_run && !replan, &containers);
-    let pids = |c: &[ContainerDelivery], before: bool| {
-        c.iter()
+/// The group's delivery in the log: who was signalled now, who before, or why nobody.
+fn log_delivery(state: &DeliveryState, group: &TargetGroup, containers: &[ContainerDelivery]) {
+    let pids = |before: bool| {
+        containers
+            .iter()
             .flat_map(|c| c.signalled.iter().filter(|p| p.before == before))
             .map(|p| p.pid.to_string())
             .collect::<Vec<_>>()
             .join(",")
     };
-    match &state {
+    match state {
         DeliveryState::Signalled => {
-            let sent = pids(&containers, false);
-            let before = pids(&containers, true);
+            let sent = pids(false);
+            let before = pids(true);
             if !sent.is_empty() {
                 tracing::info!(signal = %group.signal, pids = %sent, "checkpoint signal sent");
             }
@@ -698,11 +852,6 @@ fn signal_group(
             "dry-run: would send the checkpoint signal"
         ),
         other => tracing::info!(state = other.label(), "no checkpoint signal sent"),
-    }
-    Delivery {
-        signalled_at: first_signal,
-        containers,
-        ..Delivery::of(group, state, proc)
     }
 }
 
@@ -773,5 +922,101 @@ fn delivery_state(dry_run: bool, containers: &[ContainerDelivery]) -> DeliverySt
         DeliveryState::Gone
     } else {
         DeliveryState::NoHandler
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const A: Who = Who {
+        ns_pid: 1,
+        id: (101, 5),
+    };
+    const B: Who = Who {
+        ns_pid: 2,
+        id: (102, 6),
+    };
+
+    /// The decision before the dir answers, and without its answer: (now, before).
+    fn decide(signalled: Signalled) -> (Tell, (Vec<i32>, Vec<i32>)) {
+        let told = tell(&signalled, &[A, B]);
+        let without_dir = undecided(&told);
+        (told, without_dir)
+    }
+
+    fn sorted(now: &[i32], before: &[i32]) -> Sorted<i32> {
+        sort(vec![1, 2], |n| *n, now, before)
+    }
+
+    #[test]
+    fn nobody_signalled_before_signals_everyone_without_reading_notice_json() {
+        let (told, (now, before)) = decide(Signalled::Nobody);
+        assert!(
+            matches!(&told, Tell::Known { now, before } if now == &[1, 2] && before.is_empty()),
+            "{told:?}"
+        );
+        assert_eq!(sorted(&now, &before).signal, vec![1, 2]);
+    }
+
+    #[test]
+    fn everyone_signalled_before_is_only_waited_for() {
+        let (told, (now, before)) = decide(Signalled::Everyone);
+        assert!(
+            matches!(&told, Tell::NoneNow { targets } if targets == &[1, 2]),
+            "{told:?}"
+        );
+        let s = sorted(&now, &before);
+        assert!(s.signal.is_empty());
+        assert_eq!(s.waited, vec![1, 2]);
+    }
+
+    #[test]
+    fn listed_processes_are_waited_for_and_the_others_signalled() {
+        // B's PID was recycled: same host PID, another start time, so it is not the listed one.
+        let listed = HashSet::from([A.id, (B.id.0, B.id.1 + 1)]);
+        let (told, (now, before)) = decide(Signalled::Listed(listed));
+        assert!(
+            matches!(&told, Tell::Known { now, before } if now == &[2] && before == &[1]),
+            "{told:?}"
+        );
+        let s = sorted(&now, &before);
+        assert_eq!((s.signal, s.waited), (vec![2], vec![1]));
+        assert!(s.unknown.is_empty());
+    }
+
+    #[test]
+    fn unrecorded_notice_signals_when_notice_json_cannot_be_read() {
+        let (told, (now, before)) = decide(Signalled::Unrecorded);
+        assert!(
+            matches!(&told, Tell::ByNotice { targets, if_unknown: true } if targets == &[1, 2]),
+            "{told:?}"
+        );
+        assert_eq!(sorted(&now, &before).signal, vec![1, 2]);
+    }
+
+    #[test]
+    fn unlisted_record_holds_every_target_when_notice_json_cannot_be_read() {
+        let (told, (now, before)) = decide(Signalled::Unlisted);
+        assert!(
+            matches!(&told, Tell::ByNotice { targets, if_unknown: false } if targets == &[1, 2]),
+            "{told:?}"
+        );
+        let s = sorted(&now, &before);
+        assert!(s.signal.is_empty() && s.waited.is_empty());
+        assert_eq!(s.unknown, vec![1, 2]);
+    }
+
+    #[test]
+    fn an_answer_sorts_each_target_into_exactly_one_list() {
+        let s = sort(vec![1, 2, 3], |n| *n, &[1], &[2]);
+        assert_eq!(
+            s,
+            Sorted {
+                signal: vec![1],
+                waited: vec![2],
+                unknown: vec![3],
+            }
+        );
     }
 }

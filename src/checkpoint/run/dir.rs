@@ -10,8 +10,9 @@ use std::sync::{mpsc, Arc, Mutex};
 
 use super::delivery::NoticeStatus;
 use super::threads::Counters;
-use crate::checkpoint::ack::{AckName, CheckpointDir, FileStamp, NoticeFile, PLAIN_ACK_FILE};
+use crate::checkpoint::ack::CheckpointDir;
 use crate::checkpoint::procfs::ProcFs;
+use crate::checkpoint::protocol::{ack_file_name, AckName, FileStamp, NoticeFile, PLAIN_ACK_FILE};
 use crate::checkpoint::Error;
 
 /// The checkpoint dir of a container as delivery left it.
@@ -159,8 +160,8 @@ pub(super) fn names(found: &NoticeFile, want: &NoticeFile) -> bool {
 }
 
 pub(super) fn file_job(t: FileTask) -> FileJob {
-    let opened = open_dir(&t.proc, &t.dir, t.root, &t.tries);
-    let d = match opened {
+    let d = match open_dir(&t.proc, &t.dir, t.root, &t.tries) {
+        Ok(d) => d,
         Err(e) => {
             t.counters.error(e.metric_label());
             let why = e.to_string();
@@ -173,25 +174,41 @@ pub(super) fn file_job(t: FileTask) -> FileJob {
                 before: Vec::new(),
             };
         }
-        Ok(d) => d,
     };
-    // What notice.json says matters unless everyone is told now (a first delivery): then the
-    // read is skipped, it would only cost the signal time.
-    let needed = !matches!(&t.tell, Tell::Known { before, .. } if before.is_empty());
-    let told = if !needed {
-        Told::NotNamed
-    } else {
-        match d.read_notice_stamped() {
-            // Written by another group of this delivery (checked after the read: a group claims
-            // the dir before its write), not by an earlier one.
-            Ok(Some(_)) if t.claimed.has(t.root, &t.dir) => Told::NotNamed,
-            Ok(Some((n, stamp))) if names(&n, &t.notice) => Told::Named(stamp),
-            Ok(_) => Told::NotNamed,
-            Err(e) => Told::Unknown(e.to_string()),
-        }
-    };
-    // Who is told now, who was before.
-    let (now, before): (Vec<i32>, Vec<i32>) = match &t.tell {
+    let told = read_told(&d, &t);
+    let (now, before) = decide(&t.tell, &told);
+    let fresh = freshness(&d, &told, &now, &before);
+    let status = write_notice(&d, &t, &now, &before);
+    FileJob {
+        dir: Ok(d),
+        fresh,
+        told,
+        status,
+        now,
+        before,
+    }
+}
+
+/// What `notice.json` says of this notice. It matters unless everyone is told now (a first
+/// delivery): then the read is skipped, it would only cost the signal time.
+fn read_told(d: &CheckpointDir, t: &FileTask) -> Told {
+    if matches!(&t.tell, Tell::Known { before, .. } if before.is_empty()) {
+        return Told::NotNamed;
+    }
+    match d.read_notice_stamped() {
+        // Written by another group of this delivery (checked after the read: a group claims
+        // the dir before its write), not by an earlier one.
+        Ok(Some(_)) if t.claimed.has(t.root, &t.dir) => Told::NotNamed,
+        Ok(Some((n, stamp))) if names(&n, &t.notice) => Told::Named(stamp),
+        Ok(_) => Told::NotNamed,
+        Err(e) => Told::Unknown(e.to_string()),
+    }
+}
+
+/// Who is told now and who was before (namespace PIDs), by what was decided before the dir was
+/// read and what `notice.json` says.
+fn decide(tell: &Tell, told: &Told) -> (Vec<i32>, Vec<i32>) {
+    match tell {
         Tell::Known { now, before } => (now.clone(), before.clone()),
         Tell::ByNotice { targets, .. } if matches!(told, Told::Named(_)) => {
             (Vec::new(), targets.clone())
@@ -204,27 +221,37 @@ pub(super) fn file_job(t: FileTask) -> FileJob {
             _ => (targets.clone(), Vec::new()),
         },
         Tell::NoneNow { targets } => (Vec::new(), targets.clone()),
-    };
+    }
+}
+
+/// The stamps an ack must differ from to count (taken now, before the signal), and the anchor
+/// for those told before: `notice.json`'s stamp, when it names this notice.
+fn freshness(d: &CheckpointDir, told: &Told, now: &[i32], before: &[i32]) -> Freshness {
     let mut names: Vec<String> = now
         .iter()
-        .chain(&before)
-        .map(|p| crate::checkpoint::ack::ack_file_name(*p))
+        .chain(before)
+        .map(|p| ack_file_name(*p))
         .collect();
     names.push(PLAIN_ACK_FILE.to_string());
-    let mut fresh = Freshness {
-        baseline: d.stamps(&names),
-        anchor: match &told {
-            Told::Named(stamp) => Some(*stamp),
-            _ => None,
-        },
-        anchored: before.iter().copied().collect(),
-        plain_anchored: now.is_empty() && !before.is_empty(),
+    let anchor = match told {
+        Told::Named(stamp) => Some(*stamp),
+        _ => None,
     };
-    if fresh.anchor.is_none() {
-        fresh.anchored.clear();
-        fresh.plain_anchored = false;
+    Freshness {
+        baseline: d.stamps(&names),
+        anchor,
+        anchored: match anchor {
+            Some(_) => before.iter().copied().collect(),
+            None => Default::default(),
+        },
+        plain_anchored: anchor.is_some() && now.is_empty() && !before.is_empty(),
     }
-    let status = if now.is_empty() {
+}
+
+/// Write `notice.json` when someone is told now (not in a dry run, not once delivery went on
+/// without this thread), after removing what other users planted at the targets' ack names.
+fn write_notice(d: &CheckpointDir, t: &FileTask, now: &[i32], before: &[i32]) -> NoticeStatus {
+    if now.is_empty() {
         if before.is_empty() {
             NoticeStatus::NotNeeded
         } else {
@@ -235,7 +262,7 @@ pub(super) fn file_job(t: FileTask) -> FileJob {
     } else if t.abandoned.load(Ordering::SeqCst) {
         NoticeStatus::Failed("checkpoint dir answered after delivery went on without it".into())
     } else {
-        remove_planted(&d, &t, &now);
+        remove_planted(d, t, now);
         t.claimed.claim(t.root, &t.dir);
         match d.write_notice(&t.notice) {
             Ok(()) => NoticeStatus::Written,
@@ -244,14 +271,6 @@ pub(super) fn file_job(t: FileTask) -> FileJob {
                 NoticeStatus::Failed(e.to_string())
             }
         }
-    };
-    FileJob {
-        dir: Ok(d),
-        fresh,
-        told,
-        status,
-        now,
-        before,
     }
 }
 
@@ -266,7 +285,7 @@ fn remove_planted(d: &CheckpointDir, t: &FileTask, now: &[i32]) {
         .iter()
         .map(|p| {
             (
-                crate::checkpoint::ack::ack_file_name(*p),
+                ack_file_name(*p),
                 t.owners.get(p).cloned().unwrap_or_default(),
             )
         })

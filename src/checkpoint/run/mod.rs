@@ -21,7 +21,7 @@
 //! plain `ack` file appeared in its container. "Written after the signal" never compares a file's
 //! mtime with the agent's clock: the ack files' stamps are taken just before the signal and an ack
 //! counts once its stamp changed; on the restart path an ack counts when it changed no earlier
-//! than `notice.json` carrying this notice's id (see [`super::ack::FileStamp`]). Ack latency is
+//! than `notice.json` carrying this notice's id (see [`super::protocol::FileStamp`]). Ack latency is
 //! measured on the agent's clock, from the signal to when the ack was seen. Group outcome:
 //! `failed` if any process failed, else `exited` if any exited without `done`, else `skipped` if
 //! any skipped, else `acked`.
@@ -46,8 +46,9 @@ use std::time::Duration;
 
 use jiff::Timestamp;
 
-use super::ack::{AckFile, CheckpointDir, NoticeFile};
+use super::ack::CheckpointDir;
 use super::procfs::ProcFs;
+use super::protocol::{AckFile, NoticeFile};
 use super::Signal;
 use crate::node::PodRef;
 

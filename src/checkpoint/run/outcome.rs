@@ -10,7 +10,7 @@ use jiff::{SignedDuration, Timestamp};
 use super::delivery::{ContainerDelivery, SignalledProcess};
 use super::watch::{GroupWatch, ProcState};
 use super::{group_span, CheckpointRequest};
-use crate::checkpoint::ack::{AckFile, AckState};
+use crate::checkpoint::protocol::{AckFile, AckState};
 use crate::checkpoint::{Outcome, PodRef};
 use crate::metrics::{Metrics, OutcomeLabels};
 

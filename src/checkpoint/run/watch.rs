@@ -19,10 +19,11 @@ use super::dir::{DirSlot, Freshness};
 use super::outcome::{ack_note, finish, pending_detail, record, skipped_detail, GroupResult};
 use super::threads::{count_stuck, Counters};
 use super::{AckHook, AckSeen, CheckpointRequest, POLL_INTERVAL, WATCH_GRACE};
-use crate::checkpoint::ack::{
-    ack_file_name, AckName, AckState, CheckpointDir, FileStamp, NOTICE_FILE, PLAIN_ACK_FILE,
-};
+use crate::checkpoint::ack::CheckpointDir;
 use crate::checkpoint::procfs::ProcFs;
+use crate::checkpoint::protocol::{
+    ack_file_name, AckName, AckState, FileStamp, NOTICE_FILE, PLAIN_ACK_FILE,
+};
 use crate::checkpoint::{Outcome, PodRef};
 use crate::metrics::{Metrics, ModuleErrorLabels};
 
@@ -208,6 +209,23 @@ fn until(t: Timestamp) -> Duration {
         .unwrap_or_default()
 }
 
+/// What a group's watcher thread shares with the task that waits for it.
+#[derive(Clone)]
+struct Shared {
+    /// What the group still waits for, as of the last poll (for a result without the thread).
+    detail: Arc<Mutex<String>>,
+    /// Set when the task stopped waiting: the thread ends after its current poll.
+    stop: Arc<AtomicBool>,
+    /// The budget's end (milliseconds): moved earlier by the task when the deadline moves.
+    end: Arc<AtomicI64>,
+}
+
+impl Shared {
+    fn last_detail(&self) -> String {
+        self.detail.lock().map(|g| g.clone()).unwrap_or_default()
+    }
+}
+
 /// Watch one group on its own thread; the budget (plus [`WATCH_GRACE`]), a deadline moved
 /// earlier and `cancel` are enforced here. Returns the group's index, its result and whether to
 /// count it.
@@ -224,49 +242,22 @@ async fn watch_group(
         w.deadline = first;
         w.cut = true;
     }
-    let shared_end = Arc::new(AtomicI64::new(millis(w.deadline)));
+    let shared = Shared {
+        detail: Arc::new(Mutex::new(pending_detail(&w))),
+        stop: Arc::new(AtomicBool::new(false)),
+        end: Arc::new(AtomicI64::new(millis(w.deadline))),
+    };
     let mut give_up = tokio::time::Instant::now() + until(w.deadline) + WATCH_GRACE;
-    let detail = Arc::new(Mutex::new(pending_detail(&w)));
-    let stop = Arc::new(AtomicBool::new(false));
     let base = w.group_result(Outcome::Error, None, String::new());
     let signalled_at = w.signalled_at;
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    let (d2, s2, e2) = (detail.clone(), stop.clone(), shared_end.clone());
-    let spawned = std::thread::Builder::new()
-        .name("sg-ckpt-watch".into())
-        .spawn(move || loop {
-            let end = Timestamp::from_millisecond(e2.load(Ordering::Relaxed)).unwrap_or(w.deadline);
-            if end < w.deadline {
-                w.deadline = end;
-                w.cut = true;
-            }
-            poll_group(&mut w, Timestamp::now());
-            if let Some(r) = w.result.take() {
-                let _ = tx.send(r);
-                return;
-            }
-            let text = pending_detail(&w);
-            if let Ok(mut g) = d2.lock() {
-                *g = text;
-            }
-            if s2.load(Ordering::Relaxed) {
-                return;
-            }
-            std::thread::sleep(POLL_INTERVAL);
-        });
-    if let Err(e) = spawned {
-        tracing::error!(group = %base.group, error = %e, "cannot start a checkpoint watcher thread");
-        return (
-            i,
-            GroupResult {
-                detail: format!("no thread to watch this group: {e}"),
-                ..base
-            },
-            true,
-        );
-    }
-    let last = |detail: &Arc<Mutex<String>>| detail.lock().map(|g| g.clone()).unwrap_or_default();
-    let mut rx = rx;
+    let mut rx = match start_poller(w, shared.clone()) {
+        Ok(rx) => rx,
+        Err(e) => {
+            tracing::error!(group = %base.group, error = %e, "cannot start a checkpoint watcher thread");
+            let detail = format!("no thread to watch this group: {e}");
+            return (i, GroupResult { detail, ..base }, true);
+        }
+    };
     loop {
         tokio::select! {
             r = &mut rx => return match r {
@@ -283,28 +274,22 @@ async fn watch_group(
                     continue;
                 }
                 let end = (*moved.borrow_and_update()).min(own_end);
-                if millis(end) < shared_end.load(Ordering::Relaxed) {
-                    shared_end.store(millis(end), Ordering::Relaxed);
+                if millis(end) < shared.end.load(Ordering::Relaxed) {
+                    shared.end.store(millis(end), Ordering::Relaxed);
                     give_up = tokio::time::Instant::now() + until(end) + WATCH_GRACE;
                 }
             }
             _ = tokio::time::sleep_until(give_up) => {
-                stop.store(true, Ordering::Relaxed);
+                shared.stop.store(true, Ordering::Relaxed);
                 count_stuck(&errors);
-                let end = Timestamp::from_millisecond(shared_end.load(Ordering::Relaxed)).unwrap_or(own_end);
-                let budget_s = end.duration_since(signalled_at).as_secs_f64();
-                tracing::error!(group = %base.group, budget_s, "checkpoint watcher stuck past the budget (hung filesystem?); abandoned");
-                let detail = format!(
-                    "no terminal ack within {budget_s:.1}s, and the watcher is stuck in a filesystem or /proc call (hung mount?): {}",
-                    last(&detail)
-                );
-                return (i, GroupResult { outcome: Outcome::Timeout, detail, ..base }, true);
+                let end = Timestamp::from_millisecond(shared.end.load(Ordering::Relaxed)).unwrap_or(own_end);
+                return (i, stuck(base, end.duration_since(signalled_at), &shared), true);
             }
             _ = cancel.cancelled() => {
-                stop.store(true, Ordering::Relaxed);
+                shared.stop.store(true, Ordering::Relaxed);
                 let detail = format!(
                     "cancelled (agent shutting down) while waiting: {}",
-                    last(&detail)
+                    shared.last_detail()
                 );
                 return (i, GroupResult { detail, ..base }, false);
             }
@@ -312,9 +297,56 @@ async fn watch_group(
     }
 }
 
+/// Start the thread that polls the group every [`POLL_INTERVAL`] until it has a result (sent on
+/// the returned channel) or is told to stop.
+fn start_poller(
+    mut w: GroupWatch,
+    shared: Shared,
+) -> std::io::Result<tokio::sync::oneshot::Receiver<GroupResult>> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    std::thread::Builder::new()
+        .name("sg-ckpt-watch".into())
+        .spawn(move || loop {
+            let end = Timestamp::from_millisecond(shared.end.load(Ordering::Relaxed))
+                .unwrap_or(w.deadline);
+            if end < w.deadline {
+                w.deadline = end;
+                w.cut = true;
+            }
+            poll_group(&mut w, Timestamp::now());
+            if let Some(r) = w.result.take() {
+                let _ = tx.send(r);
+                return;
+            }
+            let text = pending_detail(&w);
+            if let Ok(mut g) = shared.detail.lock() {
+                *g = text;
+            }
+            if shared.stop.load(Ordering::Relaxed) {
+                return;
+            }
+            std::thread::sleep(POLL_INTERVAL);
+        })?;
+    Ok(rx)
+}
+
+/// The result of a group whose watcher is stuck past the budget (`budget` after the signal).
+fn stuck(base: GroupResult, budget: SignedDuration, shared: &Shared) -> GroupResult {
+    let budget_s = budget.as_secs_f64();
+    tracing::error!(group = %base.group, budget_s, "checkpoint watcher stuck past the budget (hung filesystem?); abandoned");
+    let detail = format!(
+        "no terminal ack within {budget_s:.1}s, and the watcher is stuck in a filesystem or /proc call (hung mount?): {}",
+        shared.last_detail()
+    );
+    GroupResult {
+        outcome: Outcome::Timeout,
+        detail,
+        ..base
+    }
+}
+
 /// Turn a delivery into a watch; deliveries with nothing to wait for get their result at once.
 fn watch(d: Delivery, req: &CheckpointRequest, counters: Counters) -> GroupWatch {
-    let signalled = d.signalled();
     let signalled_at = d.signalled_at.unwrap_or_else(Timestamp::now);
     let budget_end = signalled_at
         .checked_add(d.timeout)
@@ -328,64 +360,7 @@ fn watch(d: Delivery, req: &CheckpointRequest, counters: Counters) -> GroupWatch
             _ => None,
         })
         .collect();
-    let immediate = |outcome: Outcome, detail: String| GroupResult {
-        group: d.group.clone(),
-        pod: d.pod.clone(),
-        outcome,
-        signalled,
-        signalled_at: d.signalled_at,
-        ack_latency: None,
-        detail,
-    };
-    let result = match &d.state {
-        DeliveryState::Signalled => None,
-        DeliveryState::NoHandler => Some(immediate(
-            Outcome::NoHandler,
-            format!(
-                "no process catches {}{}",
-                d.signal,
-                skipped_detail(&d.containers)
-                    .map(|s| format!(": {s}"))
-                    .unwrap_or_else(|| ": no process matched".into())
-            ),
-        )),
-        DeliveryState::Gone => Some(immediate(
-            Outcome::Exited,
-            format!(
-                "every target exited before the signal: {}",
-                skipped_detail(&d.containers).unwrap_or_default()
-            ),
-        )),
-        DeliveryState::Error(e) => Some(immediate(Outcome::Error, e.clone())),
-        DeliveryState::DryRun => {
-            let pids: Vec<i32> = d
-                .containers
-                .iter()
-                .flat_map(|c| c.would_signal.iter().copied())
-                .collect();
-            if pids.is_empty() {
-                Some(immediate(
-                    Outcome::NoHandler,
-                    format!(
-                        "dry-run: no process catches {}{}",
-                        d.signal,
-                        skipped_detail(&d.containers)
-                            .map(|s| format!(": {s}"))
-                            .unwrap_or_default()
-                    ),
-                ))
-            } else {
-                Some(immediate(
-                    Outcome::Skipped,
-                    format!(
-                        "dry-run: would write {} and send {} to pids {pids:?}",
-                        d.dir.join(NOTICE_FILE).display(),
-                        d.signal
-                    ),
-                ))
-            }
-        }
-    };
+    let result = immediate_result(&d);
     GroupWatch {
         group: d.group,
         pod: d.pod,
@@ -420,6 +395,66 @@ fn watch(d: Delivery, req: &CheckpointRequest, counters: Counters) -> GroupWatch
     }
 }
 
+/// The result of a delivery that leaves nothing to wait for (nobody signalled, a dry run);
+/// `None` when processes were signalled.
+fn immediate_result(d: &Delivery) -> Option<GroupResult> {
+    let immediate = |outcome: Outcome, detail: String| GroupResult {
+        group: d.group.clone(),
+        pod: d.pod.clone(),
+        outcome,
+        signalled: d.signalled(),
+        signalled_at: d.signalled_at,
+        ack_latency: None,
+        detail,
+    };
+    let skipped = || skipped_detail(&d.containers).map(|s| format!(": {s}"));
+    match &d.state {
+        DeliveryState::Signalled => None,
+        DeliveryState::NoHandler => Some(immediate(
+            Outcome::NoHandler,
+            format!(
+                "no process catches {}{}",
+                d.signal,
+                skipped().unwrap_or_else(|| ": no process matched".into())
+            ),
+        )),
+        DeliveryState::Gone => Some(immediate(
+            Outcome::Exited,
+            format!(
+                "every target exited before the signal: {}",
+                skipped_detail(&d.containers).unwrap_or_default()
+            ),
+        )),
+        DeliveryState::Error(e) => Some(immediate(Outcome::Error, e.clone())),
+        DeliveryState::DryRun => {
+            let pids: Vec<i32> = d
+                .containers
+                .iter()
+                .flat_map(|c| c.would_signal.iter().copied())
+                .collect();
+            Some(if pids.is_empty() {
+                immediate(
+                    Outcome::NoHandler,
+                    format!(
+                        "dry-run: no process catches {}{}",
+                        d.signal,
+                        skipped().unwrap_or_default()
+                    ),
+                )
+            } else {
+                immediate(
+                    Outcome::Skipped,
+                    format!(
+                        "dry-run: would write {} and send {} to pids {pids:?}",
+                        d.dir.join(NOTICE_FILE).display(),
+                        d.signal
+                    ),
+                )
+            })
+        }
+    }
+}
+
 /// One poll of one group: read acks, check exits, decide.
 fn poll_group(w: &mut GroupWatch, now: Timestamp) {
     let proc = w.proc.clone();
@@ -436,16 +471,7 @@ fn poll_group(w: &mut GroupWatch, now: Timestamp) {
         if c.plain_ack.is_some() {
             continue;
         }
-        if let DirSlot::Late(rx) = &c.dir {
-            c.dir = match rx.try_recv() {
-                Ok(job) => match job.dir {
-                    Ok(dir) => DirSlot::Ready(dir, Box::new(job.fresh)),
-                    Err(_) => DirSlot::None,
-                },
-                Err(mpsc::TryRecvError::Disconnected) => DirSlot::None,
-                Err(mpsc::TryRecvError::Empty) => std::mem::replace(&mut c.dir, DirSlot::None),
-            };
-        }
+        c.take_late_dir();
         let DirSlot::Ready(dir, fresh) = &c.dir else {
             // No dir (yet): only exits can finish these processes.
             for p in &mut c.procs {
@@ -461,38 +487,9 @@ fn poll_group(w: &mut GroupWatch, now: Timestamp) {
                 Vec::new()
             }
         };
-        let container_uids: Vec<u32> = c
-            .procs
-            .iter()
-            .flat_map(|p| p.process.uids.iter().copied())
-            .collect();
-        let plain_names = std::iter::once(PLAIN_ACK_FILE.to_string()).chain(
-            fallbacks
-                .iter()
-                .filter(|(_, what)| *what == AckName::Plain)
-                .map(|(n, _)| n.clone()),
-        );
-        for name in plain_names {
-            match dir.plain_ack_named(&name) {
-                Ok(Some(stamp)) if fresh.fresh(&name, &AckName::Plain, &stamp) => {
-                    if container_uids.contains(&stamp.uid) {
-                        c.plain_ack = Some(now);
-                        break;
-                    }
-                    foreign(
-                        &mut c.foreign,
-                        dir,
-                        &name,
-                        &stamp,
-                        &container_uids,
-                        &counters,
-                    );
-                }
-                Ok(_) => {}
-                Err(e) => refused(&mut c.foreign, &name, &e, &counters, "unreadable plain ack"),
-            }
-        }
-        if c.plain_ack.is_some() {
+        let plain = (dir, &**fresh, &fallbacks[..], &counters);
+        if read_plain_acks(plain, &c.procs, &mut c.foreign) {
+            c.plain_ack = Some(now);
             continue;
         }
         for p in &mut c.procs {
@@ -515,22 +512,80 @@ fn poll_group(w: &mut GroupWatch, now: Timestamp) {
     if w.containers.iter().all(ContainerWatch::finished) {
         w.result = Some(finish(w));
     } else if now >= w.deadline {
-        let budget = w.deadline.duration_since(w.signalled_at);
-        let moved = if w.cut {
-            format!(
-                " (the notice's deadline moved earlier: checkpoint deadline {})",
-                w.deadline
-            )
-        } else {
-            String::new()
-        };
-        let detail = format!(
-            "no terminal ack within {:.1}s{moved}: {}",
-            budget.as_secs_f64(),
-            pending_detail(w)
-        );
-        w.result = Some(w.group_result(Outcome::Timeout, None, detail));
+        w.result = Some(timed_out(w));
     }
+}
+
+impl ContainerWatch {
+    /// The dir of a file thread that answered after delivery stopped waiting for it, once it has.
+    fn take_late_dir(&mut self) {
+        if let DirSlot::Late(rx) = &self.dir {
+            self.dir = match rx.try_recv() {
+                Ok(job) => match job.dir {
+                    Ok(dir) => DirSlot::Ready(dir, Box::new(job.fresh)),
+                    Err(_) => DirSlot::None,
+                },
+                Err(mpsc::TryRecvError::Disconnected) => DirSlot::None,
+                Err(mpsc::TryRecvError::Empty) => std::mem::replace(&mut self.dir, DirSlot::None),
+            };
+        }
+    }
+}
+
+/// Whether a fresh plain ack (`ack` or a fallback `ack.<suffix>`) of one of the container's
+/// users is in the dir; one of another user is reported once ([`foreign`], [`refused`]).
+fn read_plain_acks(
+    (dir, fresh, fallbacks, counters): (
+        &CheckpointDir,
+        &Freshness,
+        &[(String, AckName)],
+        &Counters,
+    ),
+    procs: &[ProcWatch],
+    seen: &mut HashSet<(String, u64)>,
+) -> bool {
+    let container_uids: Vec<u32> = procs
+        .iter()
+        .flat_map(|p| p.process.uids.iter().copied())
+        .collect();
+    let plain_names = std::iter::once(PLAIN_ACK_FILE.to_string()).chain(
+        fallbacks
+            .iter()
+            .filter(|(_, what)| *what == AckName::Plain)
+            .map(|(n, _)| n.clone()),
+    );
+    for name in plain_names {
+        match dir.plain_ack_named(&name) {
+            Ok(Some(stamp)) if fresh.fresh(&name, &AckName::Plain, &stamp) => {
+                if container_uids.contains(&stamp.uid) {
+                    return true;
+                }
+                foreign(seen, dir, &name, &stamp, &container_uids, counters);
+            }
+            Ok(_) => {}
+            Err(e) => refused(seen, &name, &e, counters, "unreadable plain ack"),
+        }
+    }
+    false
+}
+
+/// The result of a group whose budget ran out.
+fn timed_out(w: &GroupWatch) -> GroupResult {
+    let budget = w.deadline.duration_since(w.signalled_at);
+    let moved = if w.cut {
+        format!(
+            " (the notice's deadline moved earlier: checkpoint deadline {})",
+            w.deadline
+        )
+    } else {
+        String::new()
+    };
+    let detail = format!(
+        "no terminal ack within {:.1}s{moved}: {}",
+        budget.as_secs_f64(),
+        pending_detail(w)
+    );
+    w.group_result(Outcome::Timeout, None, detail)
 }
 
 /// A file at an ack name whose owner is not the acknowledging process's user: never counted;
