@@ -29,6 +29,12 @@ pub struct NoticeLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DecisionLabels {
+    pub kind: String,
+    pub decision: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct OutcomeLabels {
     pub outcome: String,
 }
@@ -89,6 +95,17 @@ pub mod known {
     ];
     /// `kind` of `spotguard_notices_total`.
     pub const NOTICE_KINDS: &[&str] = &["interruption", "rebalance", "maintenance", "cancelled"];
+    /// `decision` of `spotguard_notice_decisions_total`: what the notice store decided a notice
+    /// means (`crate::responder::Decision::label`).
+    pub const NOTICE_DECISIONS: &[&str] = &[
+        "start_interruption",
+        "deadline_moved",
+        "new",
+        "updated",
+        "cancel",
+        "gone_after_action",
+        "duplicate",
+    ];
     /// `kind` of `spotguard_notice_active` (a cancellation has no plan of its own).
     pub const ACTIVE_KINDS: &[&str] = &["interruption", "rebalance", "maintenance"];
     /// `outcome` of `spotguard_checkpoint_total`.
@@ -148,6 +165,9 @@ pub struct Metrics {
     pub metadata_polls: Family<SourceLabels, Counter>,
     /// `spotguard_notices_total{source,kind}`: new notices accepted by the store (after dedupe).
     pub notices: Family<NoticeLabels, Counter>,
+    /// `spotguard_notice_decisions_total{kind,decision}`: every notice a source delivered, by
+    /// what the store decided it means (a `duplicate` is a re-poll of a notice already handled).
+    pub notice_decisions: Family<DecisionLabels, Counter>,
     /// `spotguard_notice_detection_seconds{source}`: cloud publication → agent saw it, where the
     /// cloud gives a publication time.
     pub detection_latency: Family<SourceLabels, Histogram, fn() -> Histogram>,
@@ -222,6 +242,7 @@ impl Metrics {
             metadata_errors: Family::default(),
             metadata_polls: Family::default(),
             notices: Family::default(),
+            notice_decisions: Family::default(),
             detection_latency: Family::new_with_constructor(histogram),
             notice_to_signal: Family::new_with_constructor(histogram),
             checkpoint: Family::default(),
@@ -256,6 +277,11 @@ impl Metrics {
             "spotguard_notices",
             "Notices accepted (after dedupe)",
             m.notices.clone(),
+        );
+        r.register(
+            "spotguard_notice_decisions",
+            "Notices delivered by the sources, by what the notice store decided they mean",
+            m.notice_decisions.clone(),
         );
         r.register(
             "spotguard_notice_detection_seconds",
@@ -383,6 +409,14 @@ impl Metrics {
                 let _ = self.notices.get_or_create(&NoticeLabels {
                     source: s(source),
                     kind: s(kind),
+                });
+            }
+        }
+        for kind in NOTICE_KINDS {
+            for decision in NOTICE_DECISIONS {
+                let _ = self.notice_decisions.get_or_create(&DecisionLabels {
+                    kind: s(kind),
+                    decision: s(decision),
                 });
             }
         }

@@ -149,7 +149,17 @@ async fn interruption_round_trip(cloud: Cloud) {
     let emu = emulator::start(EmulatorConfig::new(cloud)).await.unwrap();
     let (app, cancel) = start_agent(run_args(cloud.as_str(), &emu.base_url(), &t, &[])).await;
     let mut events = app.events;
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // A first poll answered before the notice is raised.
+    wait_metrics(app.admin_addr, |m| {
+        read(
+            m,
+            &format!(
+                "spotguard_metadata_polls_total{{source=\"{}\"}}",
+                cloud.as_str()
+            ),
+        ) > 0.0
+    })
+    .await;
     emu.raise(EmulatedNotice::interruption()).unwrap();
 
     let processes = wait_for(&mut events, Duration::from_secs(20), |e| match e {
@@ -187,8 +197,12 @@ async fn interruption_round_trip(cloud: Cloud) {
     assert_eq!(notice["kind"], "interruption");
     assert_eq!(notice["signal"], "SIGUSR1");
 
-    // Re-polls of the same notice never signal again.
-    tokio::time::sleep(Duration::from_millis(800)).await;
+    // Re-polls of the same notice never signal again: the store decided a later one is a
+    // duplicate. (GCE's watch answers again only when its hanging GET times out, after 60 s:
+    // no re-poll comes within the test.)
+    if cloud != Cloud::Gce {
+        next_duplicates(app.admin_addr, "interruption", 1).await;
+    }
     assert_eq!(t.signals_seen(), 1);
     let m = metrics_text(app.admin_addr).await;
     assert!(
@@ -326,7 +340,12 @@ async fn faults_are_counted_and_the_notice_is_still_seen() {
         }
         let (app, cancel) = start_agent(run_args(cloud.as_str(), &emu.base_url(), &t, &[])).await;
         let mut events = app.events;
-        tokio::time::sleep(Duration::from_secs(2)).await;
+        // The faults answered first: some failed poll counted.
+        let errors = format!(
+            "spotguard_metadata_errors_total{{source=\"{}\"",
+            cloud.as_str()
+        );
+        wait_metrics(app.admin_addr, |m| counted(m, &errors)).await;
         emu.raise(EmulatedNotice::interruption()).unwrap();
         let results = wait_for(&mut events, Duration::from_secs(60), |e| match e {
             PlanEvent::Checkpointed { results, .. } => Some(results.clone()),
@@ -364,7 +383,11 @@ async fn metadata_down_at_start_then_up() {
     let endpoint = format!("http://127.0.0.1:{port}");
     let (app, cancel) = start_agent(run_args("aws", &endpoint, &t, &[])).await;
     let mut events = app.events;
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    // A poll failed (nothing listens).
+    wait_metrics(app.admin_addr, |m| {
+        counted(m, "spotguard_metadata_errors_total{source=\"aws\"")
+    })
+    .await;
     let ready = reqwest::get(format!("http://{}/readyz", app.admin_addr))
         .await
         .unwrap();
@@ -401,7 +424,8 @@ async fn restart_mid_plan_never_signals_twice() {
     let emu = emulator::start(EmulatorConfig::new(Cloud::Aws))
         .await
         .unwrap();
-    let args = |t: &Trainer| -> Vec<String> {
+    let admin = spotguard_testkit::free_port();
+    let args = |t: &Trainer, metrics_addr: String| -> Vec<String> {
         vec![
             "run".into(),
             "--mode=host".into(),
@@ -412,14 +436,14 @@ async fn restart_mid_plan_never_signals_twice() {
             format!("--checkpoint-dir={}", t.dir.join("ckpt").display()),
             format!("--state-dir={}", t.dir.join("state").display()),
             format!("--checkpoint-pidfile={}", t.pidfile.display()),
-            "--metrics-addr=127.0.0.1:0".into(),
+            format!("--metrics-addr={metrics_addr}"),
             "--gpu=off".into(),
             "--log-format=json".into(),
         ]
     };
     let bin = env!("CARGO_BIN_EXE_spotguard");
     let mut first = tokio::process::Command::new(bin)
-        .args(args(&t))
+        .args(args(&t, "127.0.0.1:0".into()))
         .stderr(Stdio::null())
         .kill_on_drop(true)
         .spawn()
@@ -439,8 +463,9 @@ async fn restart_mid_plan_never_signals_twice() {
         "{phase}"
     );
 
+    let admin_addr: std::net::SocketAddr = ([127, 0, 0, 1], admin).into();
     let mut second = tokio::process::Command::new(bin)
-        .args(args(&t))
+        .args(args(&t, admin_addr.to_string()))
         .stderr(Stdio::null())
         .kill_on_drop(true)
         .spawn()
@@ -453,7 +478,8 @@ async fn restart_mid_plan_never_signals_twice() {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    tokio::time::sleep(Duration::from_millis(600)).await;
+    // The restarted agent decided a re-poll after its plan was done is a duplicate.
+    next_duplicates(admin_addr, "interruption", 1).await;
     assert_eq!(t.signals_seen(), 1, "a restarted agent never signals twice");
     unsafe { libc::kill(second.id().unwrap() as i32, libc::SIGTERM) };
     let status = tokio::time::timeout(Duration::from_secs(10), second.wait())
@@ -477,25 +503,130 @@ fn counted(metrics: &str, prefix: &str) -> bool {
 
 // === AWS's own ec2-metadata-mock beside the project's emulator (issue 20 item 5) ===
 
-/// Every plan event of kind `kind` until `quiet` passes without any event, or `limit` overall.
-async fn collect_events(
+/// The value of `series` (its name and labels as exported) in the text of `/metrics`; 0 when
+/// absent.
+fn read(metrics: &str, series: &str) -> f64 {
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// The agent's `/metrics` at `addr`, `None` while it does not answer.
+async fn try_metrics(addr: std::net::SocketAddr) -> Option<String> {
+    reqwest::get(format!("http://{addr}/metrics"))
+        .await
+        .ok()?
+        .text()
+        .await
+        .ok()
+}
+
+/// Wait (up to 60 s, reading `/metrics` every 20 ms) until the agent's metrics satisfy `done`;
+/// returns them.
+async fn wait_metrics(addr: std::net::SocketAddr, done: impl Fn(&str) -> bool) -> String {
+    let end = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        if let Some(m) = try_metrics(addr).await.filter(|m| done(m)) {
+            return m;
+        }
+        assert!(
+            tokio::time::Instant::now() < end,
+            "the agent's metrics at {addr} never got there"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The store's `duplicate` decisions about notices of `kind`.
+fn duplicates(kind: &str) -> String {
+    format!("spotguard_notice_decisions_total{{kind=\"{kind}\",decision=\"duplicate\"}}")
+}
+
+/// Wait until the store has decided `n` more notices of `kind` to be duplicates than when
+/// called: that many re-polls after this point were considered and started nothing.
+async fn next_duplicates(addr: std::net::SocketAddr, kind: &str, n: u32) {
+    let series = duplicates(kind);
+    let now = read(&wait_metrics(addr, |_| true).await, &series);
+    wait_metrics(addr, |m| read(m, &series) >= now + f64::from(n)).await;
+}
+
+/// Plan events until `last` picks one (included), for at most `limit`; panics on timeout.
+async fn collect_until(
     events: &mut tokio::sync::broadcast::Receiver<PlanEvent>,
     limit: Duration,
-    quiet: Duration,
+    last: impl Fn(&PlanEvent) -> bool,
 ) -> Vec<PlanEvent> {
     let mut out = Vec::new();
-    let end = tokio::time::Instant::now() + limit;
-    loop {
-        let left = end.saturating_duration_since(tokio::time::Instant::now());
-        if left.is_zero() {
-            return out;
+    let found = tokio::time::timeout(limit, async {
+        loop {
+            match events.recv().await {
+                Ok(e) => {
+                    let end = last(&e);
+                    out.push(e);
+                    if end {
+                        return true;
+                    }
+                }
+                Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {}
+                Err(_) => return false,
+            }
         }
-        match tokio::time::timeout(left.min(quiet), events.recv()).await {
-            Ok(Ok(e)) => out.push(e),
-            Ok(Err(tokio::sync::broadcast::error::RecvError::Lagged(_))) => {}
-            Ok(Err(_)) | Err(_) => return out,
+    })
+    .await;
+    assert_eq!(
+        found,
+        Ok(true),
+        "the awaited plan event never came: {out:#?}"
+    );
+    out
+}
+
+/// The plan events sent so far and not yet read, without waiting.
+fn pending(events: &mut tokio::sync::broadcast::Receiver<PlanEvent>) -> Vec<PlanEvent> {
+    let mut out = Vec::new();
+    loop {
+        match events.try_recv() {
+            Ok(e) => out.push(e),
+            Err(tokio::sync::broadcast::error::TryRecvError::Lagged(_)) => {}
+            Err(_) => return out,
         }
     }
+}
+
+/// Plan events until the plan of a notice of `kind` is done, then until the store has decided
+/// two more notices of `kind` to be duplicates (two polls after it: every answer of the poll
+/// before them handled), and every event sent by then.
+async fn until_done_and_repolled(
+    admin: std::net::SocketAddr,
+    events: &mut tokio::sync::broadcast::Receiver<PlanEvent>,
+    kind: &str,
+) -> Vec<PlanEvent> {
+    let mut seen = collect_until(events, Duration::from_secs(60), |e| {
+        matches!(e, PlanEvent::Done { .. })
+    })
+    .await;
+    while !done_of(&seen, kind) {
+        seen.extend(
+            collect_until(events, Duration::from_secs(60), |e| {
+                matches!(e, PlanEvent::Done { .. })
+            })
+            .await,
+        );
+    }
+    next_duplicates(admin, kind, 2).await;
+    seen.extend(pending(events));
+    seen
+}
+
+/// Whether `events` hold the `Done` of a plan for a notice of `kind`.
+fn done_of(events: &[PlanEvent], kind: &str) -> bool {
+    events.iter().any(|e| match e {
+        PlanEvent::Done { id, .. } => events.iter().any(|s| {
+            matches!(s, PlanEvent::NoticeSeen { notice, .. } if notice.id == *id && notice.kind.label() == kind)
+        }),
+        _ => false,
+    })
 }
 
 /// The kinds of the notices accepted (plans started or scheduled), once per notice id, in order.
@@ -544,7 +675,7 @@ async fn aws_metadata_mock_one_rebalance_and_an_interruption_checkpoint_twice() 
     eprintln!("AWS ec2-metadata-mock {}", m.version());
     let (app, cancel) = start_agent(run_args("aws", &m.base_url(), &t, &[])).await;
     let mut events = app.events;
-    let seen = collect_events(&mut events, Duration::from_secs(25), Duration::from_secs(8)).await;
+    let seen = until_done_and_repolled(app.admin_addr, &mut events, "interruption").await;
     assert_eq!(
         plans_started(&seen),
         vec!["rebalance", "interruption"],
@@ -575,8 +706,7 @@ async fn aws_metadata_mock_spot_terminate_stop_hibernate_signal_once() {
         .await;
         let (app, cancel) = start_agent(run_args("aws", &m.base_url(), &t, &[])).await;
         let mut events = app.events;
-        let seen =
-            collect_events(&mut events, Duration::from_secs(15), Duration::from_secs(4)).await;
+        let seen = until_done_and_repolled(app.admin_addr, &mut events, "interruption").await;
         assert_eq!(plans_started(&seen), vec!["interruption"], "{action}");
         assert!(
             seen.iter().any(|e| matches!(e, PlanEvent::Done { .. })),
@@ -603,7 +733,7 @@ async fn aws_metadata_mock_scheduled_event_is_one_plan() {
     ))
     .await;
     let mut events = app.events;
-    let seen = collect_events(&mut events, Duration::from_secs(15), Duration::from_secs(4)).await;
+    let seen = until_done_and_repolled(app.admin_addr, &mut events, "maintenance").await;
     assert_eq!(plans_started(&seen), vec!["maintenance"], "{seen:#?}");
     let id = seen
         .iter()
@@ -629,10 +759,16 @@ async fn emulator_with_restamped_times_one_rebalance_and_an_interruption_checkpo
     let (app, cancel) = start_agent(run_args("aws", &emu.base_url(), &t, &[])).await;
     let mut events = app.events;
     emu.raise(EmulatedNotice::rebalance()).unwrap();
-    let first = collect_events(&mut events, Duration::from_secs(6), Duration::from_secs(3)).await;
+    // Until the rebalance's early checkpoint, and two re-stamped recommendations after it.
+    let mut first = collect_until(&mut events, Duration::from_secs(60), |e| {
+        matches!(e, PlanEvent::Checkpointed { .. })
+    })
+    .await;
+    next_duplicates(app.admin_addr, "rebalance", 2).await;
+    first.extend(pending(&mut events));
     assert_eq!(plans_started(&first), vec!["rebalance"], "{first:#?}");
     emu.raise(EmulatedNotice::interruption()).unwrap();
-    let then = collect_events(&mut events, Duration::from_secs(20), Duration::from_secs(5)).await;
+    let then = until_done_and_repolled(app.admin_addr, &mut events, "interruption").await;
     assert_eq!(plans_started(&then), vec!["interruption"], "{then:#?}");
     assert_eq!(checkpoints(&first) + checkpoints(&then), 2);
     assert_eq!(t.signals_seen(), 2);

@@ -40,7 +40,7 @@ use crate::checkpoint::TargetDiscovery;
 use crate::config::{MaintenanceAction, RebalanceAction};
 use crate::duration;
 use crate::life::Lives;
-use crate::metrics::{Metrics, NoticeLabels, OutcomeLabels, SourceLabels};
+use crate::metrics::{DecisionLabels, Metrics, NoticeLabels, OutcomeLabels, SourceLabels};
 use crate::node::{reason, Applied, DrainReport, EventType, NodeOps, TaintEffect};
 use crate::notice::{Cloud, Notice, NoticeKind, NoticeSource};
 use record::Phase;
@@ -57,7 +57,8 @@ use plan::*;
 use policy::{policy_for, Policy};
 use record::{RecordedTarget, Records, Resume, StateFile, LOAD_BUDGET};
 pub use store::resume_hold;
-use store::{Decision, NoticeStore};
+pub use store::Decision;
+use store::NoticeStore;
 use undo::*;
 
 /// Settings of the responder (from `run` flags).
@@ -155,6 +156,19 @@ pub enum PlanEvent {
     Undone { id: String, at: Timestamp },
 }
 
+/// What the notice store decided about one notice a source delivered, published for tests (the
+/// seam in `testkit`) and counted in `spotguard_notice_decisions_total`: every notice, a
+/// [`Decision::Duplicate`] (a re-poll, never a second plan) included, so that a test waits for
+/// the decision instead of for a silence.
+#[derive(Clone, Debug)]
+pub struct Decided {
+    /// The notice as the source delivered it.
+    pub notice: Notice,
+    pub decision: Decision,
+    /// When the store decided.
+    pub at: Timestamp,
+}
+
 /// Nominal deadline for plans whose notice carries none (rebalance with `drain`): EC2's
 /// two-minute interruption warning.
 const NOMINAL_DEADLINE: Duration = Duration::from_secs(120);
@@ -209,6 +223,8 @@ pub struct Responder {
     cfg: ResponderConfig,
     deps: Arc<Deps>,
     events: broadcast::Sender<PlanEvent>,
+    /// Every store decision ([`Responder::decisions`]).
+    decisions: broadcast::Sender<Decided>,
     next_seq: std::sync::atomic::AtomicU64,
     /// Plans report here when they end, so that the responder is free at once.
     finished_tx: mpsc::UnboundedSender<u64>,
@@ -218,11 +234,13 @@ pub struct Responder {
 impl Responder {
     pub fn new(cfg: ResponderConfig, deps: Deps) -> Self {
         let (events, _) = broadcast::channel(256);
+        let (decisions, _) = broadcast::channel(256);
         let (tx, rx) = mpsc::unbounded_channel();
         Responder {
             cfg,
             deps: Arc::new(deps),
             events,
+            decisions,
             next_seq: std::sync::atomic::AtomicU64::new(0),
             finished_tx: tx,
             finished_rx: Some(rx),
@@ -232,6 +250,12 @@ impl Responder {
     /// Subscribe to plan progress.
     pub fn subscribe(&self) -> broadcast::Receiver<PlanEvent> {
         self.events.subscribe()
+    }
+
+    /// Subscribe to the store's decisions, one per notice delivered (nothing waits on a
+    /// subscriber: one that lags loses the oldest).
+    pub fn decisions(&self) -> broadcast::Receiver<Decided> {
+        self.decisions.subscribe()
     }
 
     /// Run until `cancel`; then give an in-flight plan up to the shutdown grace period.
@@ -304,6 +328,7 @@ impl Responder {
         let now = Timestamp::now();
         let decision = st.store.accept(&notice, now);
         self.count_notice(&notice, &decision, now);
+        self.publish_decision(&notice, &decision, now);
         match decision {
             Decision::Duplicate => {}
             Decision::GoneAfterAction(id) => info!(
@@ -566,6 +591,23 @@ impl Responder {
 
     async fn undo(&self, id: &str, why: &str) {
         self.undoer().undo(id, why).await
+    }
+
+    /// Count the store's decision about `notice` and publish it to [`Responder::decisions`].
+    fn publish_decision(&self, notice: &Notice, decision: &Decision, now: Timestamp) {
+        self.deps
+            .metrics
+            .notice_decisions
+            .get_or_create(&DecisionLabels {
+                kind: notice.kind.label().into(),
+                decision: decision.label().into(),
+            })
+            .inc();
+        let _ = self.decisions.send(Decided {
+            notice: notice.clone(),
+            decision: decision.clone(),
+            at: now,
+        });
     }
 
     /// Count and log an accepted notice: as the plan uses it (an interruption's deadline

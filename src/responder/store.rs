@@ -52,6 +52,22 @@ pub enum Decision {
     Duplicate,
 }
 
+impl Decision {
+    /// The `decision` label of `spotguard_notice_decisions_total` (one of
+    /// [`crate::metrics::known::NOTICE_DECISIONS`]).
+    pub fn label(&self) -> &'static str {
+        match self {
+            Decision::StartInterruption(_) => "start_interruption",
+            Decision::DeadlineMoved(_) => "deadline_moved",
+            Decision::New(_) => "new",
+            Decision::Updated(_) => "updated",
+            Decision::Cancel(_) => "cancel",
+            Decision::GoneAfterAction(_) => "gone_after_action",
+            Decision::Duplicate => "duplicate",
+        }
+    }
+}
+
 #[derive(Clone, Debug)]
 struct Seen {
     kind: NoticeKind,
@@ -320,6 +336,22 @@ mod tests {
         g.source = Cloud::Gce;
         assert_eq!(s.accept(&g, now), Decision::DeadlineMoved(ts(90)));
         assert_eq!(s.interruption(), Some(("a", ts(90))));
+    }
+
+    #[test]
+    fn every_decision_label_is_a_known_series() {
+        let n = notice("a", NoticeKind::Interruption, Some(1));
+        let all = [
+            Decision::StartInterruption(n.clone()),
+            Decision::DeadlineMoved(ts(1)),
+            Decision::New(n.clone()),
+            Decision::Updated(n),
+            Decision::Cancel("a".into()),
+            Decision::GoneAfterAction("a".into()),
+            Decision::Duplicate,
+        ];
+        let labels: Vec<&str> = all.iter().map(Decision::label).collect();
+        assert_eq!(labels, crate::metrics::known::NOTICE_DECISIONS);
     }
 
     #[test]

@@ -13,6 +13,9 @@
 //! - [`gpu`]: recorded readings of real boards (fixtures), a scripted `GpuProbe`, a recording
 //!   `NodeOps`, and a fake kubelet pod-resources gRPC server.
 //! - [`kubelet`]: random pod uids and container ids, the cgroup the kubelet makes for a container.
+//! - [`plan`]: the plan's in-process seam: the real responder with a recording `NodeOps`, real
+//!   trainers found by the real host discovery, notices pushed straight in, the store's
+//!   decisions (a `Duplicate` included) observable.
 //! - [`process`]: [`process::Kid`], a child process in its own group, killed with it on drop;
 //!   whether a real process has installed its SIGUSR1 handler yet; the benches' trainer that
 //!   records when SIGUSR1 arrived, and their one percentile.
@@ -26,6 +29,7 @@ pub mod fuse;
 pub mod gpu;
 pub mod k8s;
 pub mod kubelet;
+pub mod plan;
 pub mod process;
 pub mod prometheus;
 pub mod s3;
