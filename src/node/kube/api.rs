@@ -81,14 +81,7 @@ impl KubeNodeOps {
         let mut last_error: Option<::kube::Error> = None;
         for attempt in 0..NODE_WRITE_ATTEMPTS {
             if attempt > 0 {
-                // A conflict re-reads at once (tiny jitter); anything else backs off.
-                let conflict = matches!(&last_error, Some(::kube::Error::Api(s)) if s.code == 409);
-                let pause = if conflict {
-                    jittered(CONFLICT_PAUSE)
-                } else {
-                    API_BACKOFF.delay(attempt)
-                };
-                tokio::time::sleep(pause).await;
+                tokio::time::sleep(retry_pause(attempt, last_error.as_ref())).await;
             }
             let node = match self.get_node_once().await {
                 Ok(node) => node,
@@ -104,7 +97,7 @@ impl KubeNodeOps {
                     })
                 }
             };
-            let Some((mut patch, change)) = plan(&node) else {
+            let Some((patch, change)) = plan(&node) else {
                 return Ok(Rmw {
                     applied: None,
                     ambiguous,
@@ -117,19 +110,8 @@ impl KubeNodeOps {
                     ambiguous,
                 });
             }
-            patch["metadata"]["resourceVersion"] = json!(node.metadata.resource_version);
-            let params = PatchParams {
-                field_manager: Some(FIELD_MANAGER.to_string()),
-                ..Default::default()
-            };
-            let result = with_timeout(self.nodes.patch(
-                &self.node_name,
-                &params,
-                &Patch::Merge(&patch),
-            ))
-            .await;
-            match result {
-                Ok(_) => {
+            match self.patch_guarded(&node, patch).await {
+                Ok(()) => {
                     return Ok(Rmw {
                         applied: Some(change),
                         ambiguous,
@@ -154,20 +136,41 @@ impl KubeNodeOps {
                 }
             }
         }
+        Err(self.write_exhausted(what, last_error))
+    }
+
+    /// The merge patch `patch`, guarded by the resourceVersion of `node` as read.
+    async fn patch_guarded(&self, node: &Node, mut patch: Value) -> Result<(), ::kube::Error> {
+        patch["metadata"]["resourceVersion"] = json!(node.metadata.resource_version);
+        let params = PatchParams {
+            field_manager: Some(FIELD_MANAGER.to_string()),
+            ..Default::default()
+        };
+        with_timeout(
+            self.nodes
+                .patch(&self.node_name, &params, &Patch::Merge(&patch)),
+        )
+        .await
+        .map(|_| ())
+    }
+
+    /// The error of a read-modify-write that ran out of attempts: a conflict when the last
+    /// failure was one (or there was none), else the last failure.
+    fn write_exhausted(&self, what: &'static str, last_error: Option<::kube::Error>) -> Error {
         match last_error {
-            Some(::kube::Error::Api(s)) if s.code == 409 => Err(Error::Conflict {
+            Some(::kube::Error::Api(s)) if s.code == 409 => Error::Conflict {
                 node: self.node_name.clone(),
                 attempts: NODE_WRITE_ATTEMPTS,
-            }),
-            Some(source) => Err(Error::PatchNode {
+            },
+            Some(source) => Error::PatchNode {
                 node: self.node_name.clone(),
                 what,
                 source,
-            }),
-            None => Err(Error::Conflict {
+            },
+            None => Error::Conflict {
                 node: self.node_name.clone(),
                 attempts: NODE_WRITE_ATTEMPTS,
-            }),
+            },
         }
     }
 
@@ -220,6 +223,17 @@ pub(crate) async fn with_timeout<T>(
         Err(_) => Err(::kube::Error::Service(
             format!("request timed out after {}s", REQUEST_TIMEOUT.as_secs()).into(),
         )),
+    }
+}
+
+/// The pause before attempt `attempt` of a read-modify-write: a conflict re-reads at once (tiny
+/// jitter); anything else backs off.
+fn retry_pause(attempt: u32, last_error: Option<&::kube::Error>) -> Duration {
+    let conflict = matches!(last_error, Some(::kube::Error::Api(s)) if s.code == 409);
+    if conflict {
+        jittered(CONFLICT_PAUSE)
+    } else {
+        API_BACKOFF.delay(attempt)
     }
 }
 

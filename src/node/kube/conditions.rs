@@ -34,63 +34,24 @@ impl KubeNodeOps {
         let mut patches = Vec::new();
         let mut transitions: Vec<(EventType, &str, String)> = Vec::new();
         let mut recovered: Vec<&str> = Vec::new();
-        // (type, wanted state, Ready polarity?, Events on change?)
-        let mut wanted: Vec<(&str, &ConditionState, bool, bool)> = vec![
-            (&self.gpu_types.unhealthy, &desired.unhealthy, false, true),
-            (&self.gpu_types.degraded, &desired.degraded, false, true),
-        ];
-        if let Some(ready) = &self.gpu_types.ready {
-            wanted.push((ready, &desired.unhealthy, true, false));
-        }
-        for (type_, want, ready_polarity, with_events) in wanted {
-            let current = find_condition(&node, type_);
-            let current_state = current.map(|c| {
-                let mut state = condition_state(c);
-                if ready_polarity {
-                    state.active = c.status == "False";
-                }
-                state
-            });
-            let unchanged = match &current_state {
-                Some(c) => c == want,
-                // Never shown: nothing to say while healthy.
-                None => !want.active,
+        for wanted in self.wanted_conditions(desired) {
+            let Some((patch, was_active)) = condition_patch(&node, &wanted, now) else {
+                continue;
             };
-            if unchanged {
+            patches.push(patch);
+            if !wanted.with_events {
                 continue;
             }
-            let was_active = current_state.as_ref().is_some_and(|c| c.active);
-            let transition_time = match current {
-                Some(c) if was_active == want.active => {
-                    c.last_transition_time.as_ref().map(|t| t.0).unwrap_or(now)
-                }
-                _ => now,
-            };
-            let status = if want.active != ready_polarity {
-                "True"
-            } else {
-                "False"
-            };
-            patches.push(json!({
-                "type": type_,
-                "status": status,
-                "reason": if want.reason.is_empty() { Value::Null } else { json!(want.reason) },
-                "message": if want.message.is_empty() { Value::Null } else { json!(want.message) },
-                "lastTransitionTime": transition_time.to_string(),
-                "lastHeartbeatTime": now.to_string(),
-            }));
-            if !with_events {
-                continue;
-            }
+            let want = wanted.state;
             if want.active && !was_active {
-                let r = if type_ == self.gpu_types.unhealthy {
+                let r = if wanted.type_ == self.gpu_types.unhealthy {
                     reason::GPU_UNHEALTHY
                 } else {
                     reason::GPU_DEGRADED
                 };
                 transitions.push((EventType::Warning, r, want.message.clone()));
             } else if !want.active && was_active {
-                recovered.push(type_);
+                recovered.push(wanted.type_);
             }
         }
         if !recovered.is_empty() {
@@ -100,35 +61,71 @@ impl KubeNodeOps {
                 format!("{} cleared", recovered.join(", ")),
             ));
         }
-        if !patches.is_empty() {
-            if self.dry_run {
-                let conditions = Value::Array(patches.clone());
-                tracing::info!(node = %self.node_name, conditions = %conditions, "dry-run: would patch node conditions");
-            } else {
-                let patch = json!({ "status": { "conditions": patches } });
-                let result = self
-                    .patch_blind("conditions", true, Patch::Strategic(patch))
-                    .await;
-                self.count("condition", &result);
-                result?;
-            }
-        }
-        let has_taint = node_taints(&node)
-            .iter()
-            .any(|t| t.key == GPU_UNHEALTHY_TAINT && t.effect == "NoSchedule");
-        if desired.unhealthy.active != has_taint {
-            self.set_taint(
-                GPU_UNHEALTHY_TAINT,
-                None,
-                "NoSchedule",
-                desired.unhealthy.active,
-            )
-            .await?;
-        }
+        self.patch_conditions(patches).await?;
+        self.sync_gpu_taint(&node, desired.unhealthy.active).await?;
         for (kind, r, message) in transitions {
             if let Err(e) = self.emit_node_event(kind, r, &message).await {
                 tracing::warn!(node = %self.node_name, reason = r, error = %e, "could not emit GPU event");
             }
+        }
+        Ok(())
+    }
+
+    /// The conditions to show for `desired`: unhealthy and degraded (with Events on change), and
+    /// the Ready-polarity one when configured (no Events).
+    fn wanted_conditions<'a>(&'a self, desired: &'a GpuConditions) -> Vec<WantedCondition<'a>> {
+        let mut wanted = vec![
+            WantedCondition {
+                type_: &self.gpu_types.unhealthy,
+                state: &desired.unhealthy,
+                ready_polarity: false,
+                with_events: true,
+            },
+            WantedCondition {
+                type_: &self.gpu_types.degraded,
+                state: &desired.degraded,
+                ready_polarity: false,
+                with_events: true,
+            },
+        ];
+        if let Some(ready) = &self.gpu_types.ready {
+            wanted.push(WantedCondition {
+                type_: ready,
+                state: &desired.unhealthy,
+                ready_polarity: true,
+                with_events: false,
+            });
+        }
+        wanted
+    }
+
+    /// One strategic-merge patch of `nodes/status` with `patches` (none: nothing to write).
+    async fn patch_conditions(&self, patches: Vec<Value>) -> Result<(), Error> {
+        if patches.is_empty() {
+            return Ok(());
+        }
+        if self.dry_run {
+            let conditions = Value::Array(patches);
+            tracing::info!(node = %self.node_name, conditions = %conditions, "dry-run: would patch node conditions");
+            return Ok(());
+        }
+        let patch = json!({ "status": { "conditions": patches } });
+        let result = self
+            .patch_blind("conditions", true, Patch::Strategic(patch))
+            .await;
+        self.count("condition", &result);
+        result
+    }
+
+    /// Set the GPU taint when `unhealthy`, clear it otherwise (no write when `node` already
+    /// shows it so).
+    async fn sync_gpu_taint(&self, node: &Node, unhealthy: bool) -> Result<(), Error> {
+        let has_taint = node_taints(node)
+            .iter()
+            .any(|t| t.key == GPU_UNHEALTHY_TAINT && t.effect == "NoSchedule");
+        if unhealthy != has_taint {
+            self.set_taint(GPU_UNHEALTHY_TAINT, None, "NoSchedule", unhealthy)
+                .await?;
         }
         Ok(())
     }
@@ -171,6 +168,58 @@ impl KubeNodeOps {
         self.count(what, &out);
         Ok(out?.applied.is_some())
     }
+}
+
+/// One GPU condition to show: its type, the state wanted, whether it reads with Ready polarity
+/// (status False = problem present), whether its changes are told by Events.
+struct WantedCondition<'a> {
+    type_: &'a str,
+    state: &'a ConditionState,
+    ready_polarity: bool,
+    with_events: bool,
+}
+
+/// The patch entry that shows `wanted` on `node`, with whether it was active before; `None` when
+/// the node already shows it (or never showed it and it is not active).
+fn condition_patch(node: &Node, wanted: &WantedCondition, now: Timestamp) -> Option<(Value, bool)> {
+    let want = wanted.state;
+    let current = find_condition(node, wanted.type_);
+    let current_state = current.map(|c| {
+        let mut state = condition_state(c);
+        if wanted.ready_polarity {
+            state.active = c.status == "False";
+        }
+        state
+    });
+    let unchanged = match &current_state {
+        Some(c) => c == want,
+        // Never shown: nothing to say while healthy.
+        None => !want.active,
+    };
+    if unchanged {
+        return None;
+    }
+    let was_active = current_state.as_ref().is_some_and(|c| c.active);
+    let transition_time = match current {
+        Some(c) if was_active == want.active => {
+            c.last_transition_time.as_ref().map(|t| t.0).unwrap_or(now)
+        }
+        _ => now,
+    };
+    let status = if want.active != wanted.ready_polarity {
+        "True"
+    } else {
+        "False"
+    };
+    let patch = json!({
+        "type": wanted.type_,
+        "status": status,
+        "reason": if want.reason.is_empty() { Value::Null } else { json!(want.reason) },
+        "message": if want.message.is_empty() { Value::Null } else { json!(want.message) },
+        "lastTransitionTime": transition_time.to_string(),
+        "lastHeartbeatTime": now.to_string(),
+    });
+    Some((patch, was_active))
 }
 
 fn find_condition<'a>(node: &'a Node, type_: &str) -> Option<&'a NodeCondition> {

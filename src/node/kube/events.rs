@@ -128,61 +128,11 @@ impl KubeNodeOps {
     ) -> Result<(), Error> {
         let api: Api<Event> = Api::namespaced(self.client.clone(), namespace);
         let now = Timestamp::now();
-        let repeat = self.series.lock().ok().and_then(|mut cache| {
-            let entry = cache.get_mut(&key)?;
-            if entry.last.elapsed() > EVENT_SERIES_WINDOW {
-                return None;
-            }
-            entry.count += 1;
-            entry.last = Instant::now();
-            Some((entry.name.clone(), entry.count))
-        });
-        if let Some((name, count)) = repeat {
-            let series = EventSeries {
-                count,
-                last_observed_time: MicroTime(now),
-            };
-            let patch = json!({ "series": series });
-            let params = PatchParams {
-                field_manager: Some(FIELD_MANAGER.to_string()),
-                ..Default::default()
-            };
-            match with_timeout(api.patch(&name, &params, &Patch::Merge(&patch))).await {
-                Ok(_) => return Ok(()),
-                Err(e) => {
-                    // Gone (TTL) or refused: start a new Event.
-                    tracing::debug!(event = %name, error = %e, "updating event series failed, creating a new event");
-                }
-            }
+        if self.bump_series(&api, &key, now).await {
+            return Ok(());
         }
-        let regarding_name = regarding.name.clone().unwrap_or_default();
-        let name = format!(
-            "{}.{:x}{:04x}",
-            regarding_name,
-            now.as_nanosecond(),
-            fastrand::u16(..)
-        );
-        let instance = truncate(
-            &format!("{REPORTING_CONTROLLER}-{}", self.node_name),
-            EVENT_FIELD_MAX_BYTES,
-        )
-        .to_string();
-        let event = Event {
-            metadata: ObjectMeta {
-                name: Some(name.clone()),
-                namespace: Some(namespace.to_string()),
-                ..Default::default()
-            },
-            event_time: Some(MicroTime(now)),
-            reporting_controller: Some(REPORTING_CONTROLLER.to_string()),
-            reporting_instance: Some(instance),
-            action: Some(action_for(reason).to_string()),
-            reason: Some(truncate(reason, EVENT_FIELD_MAX_BYTES).to_string()),
-            note: Some(note.to_string()),
-            type_: Some(key.type_.to_string()),
-            regarding: Some(regarding),
-            ..Default::default()
-        };
+        let event = self.new_event(namespace, regarding, key.type_, reason, note, now);
+        let name = event.metadata.name.clone().unwrap_or_default();
         let mut backoff = API_BACKOFF;
         loop {
             match with_timeout(api.create(&PostParams::default(), &event)).await {
@@ -198,6 +148,88 @@ impl KubeNodeOps {
                 }
             }
         }
+        self.remember_series(key, name);
+        Ok(())
+    }
+
+    /// A repeat of the Event of `key` within [`EVENT_SERIES_WINDOW`]: bump its `series` (true
+    /// when that worked; false when there is none to bump or it is gone or refused, so a new
+    /// Event is made).
+    async fn bump_series(&self, api: &Api<Event>, key: &EventKey, now: Timestamp) -> bool {
+        let repeat = self.series.lock().ok().and_then(|mut cache| {
+            let entry = cache.get_mut(key)?;
+            if entry.last.elapsed() > EVENT_SERIES_WINDOW {
+                return None;
+            }
+            entry.count += 1;
+            entry.last = Instant::now();
+            Some((entry.name.clone(), entry.count))
+        });
+        let Some((name, count)) = repeat else {
+            return false;
+        };
+        let series = EventSeries {
+            count,
+            last_observed_time: MicroTime(now),
+        };
+        let patch = json!({ "series": series });
+        let params = PatchParams {
+            field_manager: Some(FIELD_MANAGER.to_string()),
+            ..Default::default()
+        };
+        match with_timeout(api.patch(&name, &params, &Patch::Merge(&patch))).await {
+            Ok(_) => true,
+            Err(e) => {
+                // Gone (TTL) or refused: start a new Event.
+                tracing::debug!(event = %name, error = %e, "updating event series failed, creating a new event");
+                false
+            }
+        }
+    }
+
+    /// A new Event about `regarding`, with a fresh unique name.
+    fn new_event(
+        &self,
+        namespace: &str,
+        regarding: ObjectReference,
+        type_: &str,
+        reason: &str,
+        note: &str,
+        now: Timestamp,
+    ) -> Event {
+        let regarding_name = regarding.name.clone().unwrap_or_default();
+        let name = format!(
+            "{}.{:x}{:04x}",
+            regarding_name,
+            now.as_nanosecond(),
+            fastrand::u16(..)
+        );
+        let instance = truncate(
+            &format!("{REPORTING_CONTROLLER}-{}", self.node_name),
+            EVENT_FIELD_MAX_BYTES,
+        )
+        .to_string();
+        Event {
+            metadata: ObjectMeta {
+                name: Some(name),
+                namespace: Some(namespace.to_string()),
+                ..Default::default()
+            },
+            event_time: Some(MicroTime(now)),
+            reporting_controller: Some(REPORTING_CONTROLLER.to_string()),
+            reporting_instance: Some(instance),
+            action: Some(action_for(reason).to_string()),
+            reason: Some(truncate(reason, EVENT_FIELD_MAX_BYTES).to_string()),
+            note: Some(note.to_string()),
+            type_: Some(type_.to_string()),
+            regarding: Some(regarding),
+            ..Default::default()
+        }
+    }
+
+    /// Remember the Event `name` just made for `key`, so that a repeat bumps its series (the
+    /// cache is bounded: expired entries go first, all of them if that is not enough).
+    fn remember_series(&self, key: EventKey, name: String) {
         if let Ok(mut cache) = self.series.lock() {
             if cache.len() >= EVENT_CACHE_MAX {
                 cache.retain(|_, e| e.last.elapsed() <= EVENT_SERIES_WINDOW);
@@ -214,7 +246,6 @@ impl KubeNodeOps {
                 },
             );
         }
-        Ok(())
     }
 }
 

@@ -19,11 +19,12 @@
 //! Files: this one holds [`KubeNodeOps`] and the plan state, protection and drain parts of
 //! [`NodeOps`]; `api` the bounded API call and the node's reads and resourceVersion-guarded writes
 //! (retries through [`crate::backoff`]); `events` the Events and their series; `conditions` the
-//! GPU conditions and taint.
+//! GPU conditions and taint; `drain` the deadline-bounded drain through the Eviction API.
 
 mod api;
 mod conditions;
 mod disruption;
+mod drain;
 mod events;
 
 use std::collections::HashMap;
@@ -151,6 +152,60 @@ impl KubeNodeOps {
     }
 }
 
+/// The merge patch that puts `protection` on `node` (the taint, the cordon, and the
+/// `spotguard.io/applied` marks when they change), with what it changes; `None` when the node
+/// already shows it.
+fn protect_patch(node: &Node, protection: &Protection) -> Option<(Value, ProtectChange)> {
+    let effect = protection.effect.as_str();
+    let value = protection.taint_value.as_str();
+    let cordoned = node.spec.as_ref().and_then(|s| s.unschedulable) == Some(true);
+    let mut taints = node_taints(node);
+    let need_cordon = protection.cordon && !cordoned;
+    let existing = taints
+        .iter()
+        .position(|t| t.key == INTERRUPTION_TAINT && t.effect == effect);
+    let need_taint = match existing {
+        Some(i) => taints[i].value.as_deref() != Some(value),
+        None => true,
+    };
+    if !need_cordon && !need_taint {
+        return None;
+    }
+    let mut marks = marks_of(node);
+    let before = marks.clone();
+    marks.cordoned |= need_cordon;
+    if need_taint && !marks.taints.contains(&protection.effect) {
+        marks.taints.push(protection.effect);
+    }
+    let mut spec = json!({});
+    if need_cordon {
+        spec["unschedulable"] = json!(true);
+    }
+    if need_taint {
+        match existing {
+            Some(i) => taints[i].value = Some(value.to_string()),
+            None => taints.push(Taint {
+                key: INTERRUPTION_TAINT.to_string(),
+                value: Some(value.to_string()),
+                effect: effect.to_string(),
+                time_added: None,
+            }),
+        }
+        spec["taints"] = taints_value(&taints);
+    }
+    let mut patch = json!({ "spec": spec });
+    if marks != before {
+        patch["metadata"]["annotations"][APPLIED_ANNOTATION] = marks_value(&marks);
+    }
+    Some((
+        patch,
+        ProtectChange {
+            cordon: need_cordon,
+            taint: need_taint,
+        },
+    ))
+}
+
 #[async_trait]
 impl NodeOps for KubeNodeOps {
     async fn pod_event(
@@ -204,54 +259,7 @@ impl NodeOps for KubeNodeOps {
         let effect = protection.effect.as_str();
         let value = protection.taint_value.as_str();
         let result = self
-            .modify_node("protect", |node| {
-                let cordoned = node.spec.as_ref().and_then(|s| s.unschedulable) == Some(true);
-                let mut taints = node_taints(node);
-                let need_cordon = protection.cordon && !cordoned;
-                let existing = taints
-                    .iter()
-                    .position(|t| t.key == INTERRUPTION_TAINT && t.effect == effect);
-                let need_taint = match existing {
-                    Some(i) => taints[i].value.as_deref() != Some(value),
-                    None => true,
-                };
-                if !need_cordon && !need_taint {
-                    return None;
-                }
-                let mut marks = marks_of(node);
-                let before = marks.clone();
-                marks.cordoned |= need_cordon;
-                if need_taint && !marks.taints.contains(&protection.effect) {
-                    marks.taints.push(protection.effect);
-                }
-                let mut spec = json!({});
-                if need_cordon {
-                    spec["unschedulable"] = json!(true);
-                }
-                if need_taint {
-                    match existing {
-                        Some(i) => taints[i].value = Some(value.to_string()),
-                        None => taints.push(Taint {
-                            key: INTERRUPTION_TAINT.to_string(),
-                            value: Some(value.to_string()),
-                            effect: effect.to_string(),
-                            time_added: None,
-                        }),
-                    }
-                    spec["taints"] = taints_value(&taints);
-                }
-                let mut patch = json!({ "spec": spec });
-                if marks != before {
-                    patch["metadata"]["annotations"][APPLIED_ANNOTATION] = marks_value(&marks);
-                }
-                Some((
-                    patch,
-                    ProtectChange {
-                        cordon: need_cordon,
-                        taint: need_taint,
-                    },
-                ))
-            })
+            .modify_node("protect", |node| protect_patch(node, protection))
             .await;
         let rmw = match result {
             Ok(r) => r,
@@ -377,7 +385,7 @@ impl NodeOps for KubeNodeOps {
             .own_pod
             .as_ref()
             .map(|(ns, name)| (ns.as_str(), name.as_str()));
-        super::drain::drain_node(
+        drain::drain_node(
             &self.client,
             &self.node_name,
             own,
