@@ -4,14 +4,10 @@
 //! every metric they use is one spotguard documents. The kustomize example carries the `release`
 //! label kube-prometheus-stack selects by.
 
-use std::path::PathBuf;
 use std::process::Command;
 
+use spotguard_testkit::assets::repo_root;
 use spotguard_testkit::prometheus::{promtool, rule_file};
-
-fn repo() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
 
 fn alert_names(rules: &str) -> Vec<String> {
     rules
@@ -43,7 +39,7 @@ fn metrics_in(expr: &str) -> Vec<String> {
 }
 
 fn assert_documented(names: &[String], what: &str) {
-    let docs = std::fs::read_to_string(repo().join("docs/metrics.md")).unwrap();
+    let docs = std::fs::read_to_string(repo_root().join("docs/metrics.md")).unwrap();
     for n in names {
         assert!(
             docs.contains(&format!("`{n}`")) || docs.contains(&format!("{n}`")),
@@ -59,7 +55,7 @@ fn alert_rules_pass_promtool_check_and_unit_tests() {
     let out = promtool(&["check", "rules", rules.to_str().unwrap()]);
     assert!(out.contains("SUCCESS"), "{out}");
     let test = dir.path().join("spotguard.test.yaml");
-    std::fs::copy(repo().join("tests/alerts/spotguard.test.yaml"), &test).unwrap();
+    std::fs::copy(repo_root().join("tests/alerts/spotguard.test.yaml"), &test).unwrap();
     let out = promtool(&["test", "rules", test.to_str().unwrap()]);
     assert!(out.contains("SUCCESS"), "{out}");
 
@@ -95,8 +91,9 @@ fn alert_rules_pass_promtool_check_and_unit_tests() {
 
 #[test]
 fn every_dashboard_query_parses() {
-    let text = std::fs::read_to_string(repo().join("daemonset/monitoring/grafana-dashboard.json"))
-        .unwrap();
+    let text =
+        std::fs::read_to_string(repo_root().join("daemonset/monitoring/grafana-dashboard.json"))
+            .unwrap();
     let dash: serde_json::Value = serde_json::from_str(&text).unwrap();
     let mut exprs = Vec::new();
     for panel in dash["panels"].as_array().unwrap() {
@@ -135,7 +132,7 @@ fn every_dashboard_query_parses() {
 fn the_kube_prometheus_stack_example_labels_monitor_and_rules() {
     let out = Command::new("kubectl")
         .args(["kustomize"])
-        .arg(repo().join("daemonset/examples/kube-prometheus-stack"))
+        .arg(repo_root().join("daemonset/examples/kube-prometheus-stack"))
         .output()
         .unwrap_or_else(|e| panic!("kubectl not runnable ({e}): run scripts/deps/kubectl.sh"));
     let yaml = String::from_utf8_lossy(&out.stdout);

@@ -14,7 +14,7 @@ use std::io::Write;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use jiff::Timestamp;
 use prometheus_client::registry::Registry;
@@ -29,6 +29,7 @@ use spotguard::checkpoint::{
 };
 use spotguard::metrics::Metrics;
 use spotguard_testkit::process::Kid;
+use spotguard_testkit::wait::eventually_blocking;
 use tokio_util::sync::CancellationToken;
 
 const CG: &str = "/sys/fs/cgroup";
@@ -51,17 +52,6 @@ fn held_sh(script: &str, env: &[(&str, &str)]) -> Kid {
         cmd.env(k, v);
     }
     Kid::spawn_held(cmd)
-}
-
-fn eventually(what: &str, mut f: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while start.elapsed() < Duration::from_secs(10) {
-        if f() {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    panic!("timed out waiting for {what}");
 }
 
 fn children_of(pid: i32) -> Vec<i32> {
@@ -288,7 +278,7 @@ async fn systemd_driver_burstable_containerd_in_v1_systemd_and_v2() {
     trainer.release();
     pause.release();
     // the trainer's `sleep` is forked inside the container's cgroups
-    eventually("the trainer's child", || {
+    eventually_blocking("the trainer's child", Duration::from_secs(10), || {
         children_of(trainer.pid()).len() == 1
     });
     let worker = children_of(trainer.pid())[0];
@@ -418,7 +408,9 @@ async fn cgroupfs_driver_burstable_and_guaranteed_in_v1_controllers() {
     join(&tree.make("pids", "", &guaranteed), b.pid());
     a.release();
     b.release();
-    eventually("two workers", || children_of(a.pid()).len() == 2);
+    eventually_blocking("two workers", Duration::from_secs(10), || {
+        children_of(a.pid()).len() == 2
+    });
 
     same_as_full_scan(
         &[(uid1.clone(), id1.clone()), (uid2.clone(), id2.clone())],
@@ -521,12 +513,16 @@ async fn container_forking_mid_notice_gets_what_the_full_scan_gives() {
     join(&container_cgroup(&mut tree, &uid, &id), trainer.pid());
     trainer.release();
     let pid = trainer.pid();
-    eventually("the handler and the forker", || {
-        children_of(pid).len() >= 2
-            && ProcFs::default()
-                .status(pid)
-                .is_ok_and(|s| s.catches(Signal::USR1))
-    });
+    eventually_blocking(
+        "the handler and the forker",
+        Duration::from_secs(10),
+        || {
+            children_of(pid).len() >= 2
+                && ProcFs::default()
+                    .status(pid)
+                    .is_ok_and(|s| s.catches(Signal::USR1))
+        },
+    );
     let wanted = [(uid.clone(), id.clone())];
     for _ in 0..5 {
         same_as_full_scan(&wanted, true);
@@ -566,7 +562,7 @@ async fn process_that_removed_its_handler_is_not_signalled() {
     kid.release();
     let pid = kid.pid();
     let proc = ProcFs::default();
-    eventually("the handler", || {
+    eventually_blocking("the handler", Duration::from_secs(10), || {
         proc.status(pid).is_ok_and(|s| s.catches(Signal::USR1))
     });
     let wanted = [(uid.clone(), id.clone())];
@@ -586,7 +582,7 @@ async fn process_that_removed_its_handler_is_not_signalled() {
         rustix::process::Signal::USR2,
     )
     .unwrap();
-    eventually("the handler removed", || {
+    eventually_blocking("the handler removed", Duration::from_secs(10), || {
         tmp.path().join("dropped").exists()
             && proc.status(pid).is_ok_and(|s| !s.catches(Signal::USR1))
     });
@@ -661,7 +657,7 @@ fn chrooted(root: &Path, dir: &str, state: Option<&str>) -> Kid {
     let mut kid = Kid::spawn_held(cmd);
     kid.release();
     let pid = kid.pid();
-    eventually("the chrooted handler", || {
+    eventually_blocking("the chrooted handler", Duration::from_secs(10), || {
         ProcFs::default()
             .status(pid)
             .is_ok_and(|s| s.catches(Signal::USR1))

@@ -21,6 +21,7 @@ use spotguard::checkpoint::{
 };
 use spotguard::metrics::{encode, Metrics};
 use spotguard_testkit::process::Kid;
+use spotguard_testkit::wait::eventually_blocking;
 use tokio_util::sync::CancellationToken;
 
 /// A shell that handles SIGUSR1: writes `marker-$$`, then depending on the environment an ack
@@ -63,19 +64,8 @@ fn target(pid: i32) -> TargetProcess {
     }
 }
 
-fn eventually(what: &str, mut f: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while start.elapsed() < Duration::from_secs(10) {
-        if f() {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    panic!("timed out waiting for {what}");
-}
-
 fn wait_for_handler(pid: i32) {
-    eventually("the SIGUSR1 trap", || {
+    eventually_blocking("the SIGUSR1 trap", Duration::from_secs(10), || {
         ProcFs::default()
             .status(pid)
             .is_ok_and(|s| s.catches(Signal::USR1))
@@ -83,7 +73,7 @@ fn wait_for_handler(pid: i32) {
 }
 
 fn wait_for_exec(pid: i32, name: &str) {
-    eventually("exec", || {
+    eventually_blocking("exec", Duration::from_secs(10), || {
         ProcFs::default().status(pid).is_ok_and(|s| s.name == name)
     });
 }
@@ -628,7 +618,7 @@ async fn pid_namespace_acks_use_the_namespaced_pid() {
     // the shell is pid 1 of the new namespace, a child of unshare
     let proc = ProcFs::default();
     let mut inner = None;
-    eventually("the namespaced shell", || {
+    eventually_blocking("the namespaced shell", Duration::from_secs(10), || {
         inner = proc.pids().unwrap().into_iter().find(|p| {
             proc.status(*p).is_ok_and(|s| {
                 s.ppid == outer.pid() && s.ns_pid() == Some(1) && s.catches(Signal::USR1)
@@ -693,7 +683,7 @@ async fn pidfile_selects_the_launcher_and_its_descendants() {
     let launcher = Kid::spawn(cmd);
     let proc = ProcFs::default();
     let mut worker = None;
-    eventually("the worker", || {
+    eventually_blocking("the worker", Duration::from_secs(10), || {
         worker = proc.pids().unwrap().into_iter().find(|p| {
             proc.status(*p)
                 .is_ok_and(|s| s.ppid == launcher.pid() && s.catches(Signal::USR1))
@@ -926,7 +916,9 @@ async fn pidfile_descendants_are_only_those_of_the_same_user() {
             })
             .collect()
     };
-    eventually("both sleepers", || kids().len() == 2 && pf.exists());
+    eventually_blocking("both sleepers", Duration::from_secs(10), || {
+        kids().len() == 2 && pf.exists()
+    });
     let kids = kids();
     let mut t = targets(tmp.path());
     t.pidfiles = vec![pf];
@@ -972,7 +964,11 @@ fn sleeper_with_pid(pid: i32) -> Kid {
             })
         })
     };
-    eventually("the old process group gone", || !in_group());
+    eventually_blocking(
+        "the old process group gone",
+        Duration::from_secs(10),
+        || !in_group(),
+    );
     for _ in 0..500 {
         std::fs::write("/proc/sys/kernel/ns_last_pid", (pid - 1).to_string())
             .expect("write ns_last_pid (needs root)");
@@ -1041,7 +1037,7 @@ async fn warm_candidates_give_what_the_full_scan_gives() {
     )
     .unwrap();
     let proc = ProcFs::default();
-    eventually("the handler removed", || {
+    eventually_blocking("the handler removed", Duration::from_secs(10), || {
         proc.status(drops.pid())
             .is_ok_and(|s| !s.catches(Signal::USR1))
     });
@@ -1091,11 +1087,15 @@ async fn stale_warm_candidates_fall_back_to_the_full_scan() {
     // no pause before the next refresh: trusted for three times what the refresh took
     d.refresh_warm(Duration::ZERO).unwrap();
     let mut last = None;
-    eventually("the warm set no longer trusted", || {
-        let (groups, how) = d.discover_with().unwrap();
-        let stale = how == HostFoundBy::FullScan;
-        last = Some(groups);
-        stale
-    });
+    eventually_blocking(
+        "the warm set no longer trusted",
+        Duration::from_secs(10),
+        || {
+            let (groups, how) = d.discover_with().unwrap();
+            let stale = how == HostFoundBy::FullScan;
+            last = Some(groups);
+            stale
+        },
+    );
     assert_eq!(pids_of(&last.unwrap()[0]), vec![kid.pid()]);
 }

@@ -22,6 +22,7 @@ use spotguard_testkit::k8s::agents::{AgentSpec, NodeAgent};
 use spotguard_testkit::k8s::{
     FaultProxy, Fleet, Identity, RecordedRequest, RequestKind, TestCluster, TestPod,
 };
+use spotguard_testkit::wait::eventually;
 
 const NODES: usize = 4;
 /// The idle window the budget is checked over.
@@ -33,18 +34,6 @@ fn bin() -> PathBuf {
     std::env::var_os("SPOTGUARD_FLEET_BIN")
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_spotguard")))
-}
-
-async fn eventually<F, Fut>(what: &str, limit: Duration, mut f: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let start = Instant::now();
-    while !f().await {
-        assert!(start.elapsed() < limit, "timed out after {limit:?}: {what}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
 }
 
 /// Requests of `kinds` for this node's pods (field selector `spec.nodeName`).

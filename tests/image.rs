@@ -30,16 +30,13 @@ use k8s_openapi::api::apps::v1::DaemonSet;
 use k8s_openapi::api::core::v1::{Container, Node, PodSpec};
 use kube::Api;
 use spotguard::emulator::{self, Cloud, EmulatedNotice, EmulatorConfig};
+use spotguard_testkit::assets::repo_root;
 use spotguard_testkit::free_port;
 use spotguard_testkit::k8s::controlplane::load_manifest;
 use spotguard_testkit::k8s::pki::{self, Pki};
 use spotguard_testkit::k8s::{ControlPlane, Identity, Kubelet, NodeConfig};
 use spotguard_testkit::s3::S3Server;
 use spotguard_testkit::tls::TlsFront;
-
-fn repo() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
 
 /// The binary the image is built around: `SPOTGUARD_IMAGE_BINARY`, else the wheel profile's
 /// under the cargo target directory.
@@ -49,7 +46,7 @@ fn binary() -> PathBuf {
     }
     let target = std::env::var_os("CARGO_TARGET_DIR")
         .map(PathBuf::from)
-        .unwrap_or_else(|| repo().join("target"));
+        .unwrap_or_else(|| repo_root().join("target"));
     target.join("wheel/spotguard")
 }
 
@@ -210,7 +207,7 @@ fn build() -> Built {
     std::fs::create_dir_all(&ctx).unwrap();
     std::fs::copy(&bin, ctx.join("spotguard")).expect("binary into the build context");
     let image = "localhost/spotguard:test";
-    let dockerfile = repo().join("daemonset/Dockerfile");
+    let dockerfile = repo_root().join("daemonset/Dockerfile");
     let started = Instant::now();
     podman.ok(&[
         "build",

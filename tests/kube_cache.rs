@@ -18,6 +18,7 @@ use spotguard::metrics::Metrics;
 use spotguard::node::kube::KubeNodeOps;
 use spotguard::node::{DrainRequest, NodeOps, DEFAULT_DRAIN_CONCURRENCY};
 use spotguard_testkit::k8s::{Fault, FaultProxy, Identity, RequestKind, TestCluster, TestPod};
+use spotguard_testkit::wait::eventually;
 use tokio_util::sync::CancellationToken;
 
 fn pod(ns: &str, name: &str, node: &str, annotations: &[(&str, &str)]) -> TestPod {
@@ -62,21 +63,6 @@ async fn names(d: &KubeDiscovery) -> Vec<String> {
     n
 }
 
-async fn eventually<F, Fut>(what: &str, mut f: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let start = Instant::now();
-    while !f().await {
-        assert!(
-            start.elapsed() < Duration::from_secs(10),
-            "timed out: {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn synced_cache_needs_no_api_round_trip_and_follows_the_watch() {
     let k = TestCluster::new().await;
@@ -95,7 +81,10 @@ async fn synced_cache_needs_no_api_round_trip_and_follows_the_watch() {
     let d = discovery(&k, node.name());
     let cancel = CancellationToken::new();
     let task = tokio::spawn(d.clone().keep_warm(cancel.clone()));
-    eventually("cache synced", || async { d.synced() }).await;
+    eventually("cache synced", Duration::from_secs(10), || async {
+        d.synced()
+    })
+    .await;
     // The watch uses the field selector, from the list's resourceVersion.
     let watch = k
         .proxy()
@@ -129,13 +118,13 @@ async fn synced_cache_needs_no_api_round_trip_and_follows_the_watch() {
     // The established watch keeps the cache current.
     k.run_pods(&[pod(&ml, "trainer-b", node.name(), &[OPT_IN]).build()])
         .await;
-    eventually("new pod seen", || async {
+    eventually("new pod seen", Duration::from_secs(10), || async {
         names(&d).await == vec![format!("{ml}/trainer-a"), format!("{ml}/trainer-b")]
     })
     .await;
     // trainer-a's process completes: the kubelet reports Succeeded.
     std::fs::write(done.path().join("trainer-a"), b"").unwrap();
-    eventually("finished pod dropped", || async {
+    eventually("finished pod dropped", Duration::from_secs(10), || async {
         names(&d).await == vec![format!("{ml}/trainer-b")]
     })
     .await;
@@ -143,7 +132,7 @@ async fn synced_cache_needs_no_api_round_trip_and_follows_the_watch() {
     pods.delete("trainer-b", &DeleteParams::default())
         .await
         .unwrap();
-    eventually("deleted pod dropped", || async {
+    eventually("deleted pod dropped", Duration::from_secs(10), || async {
         names(&d).await.is_empty()
     })
     .await;
@@ -157,12 +146,16 @@ async fn synced_cache_needs_no_api_round_trip_and_follows_the_watch() {
     )
     .build()])
         .await;
-    eventually("Warning event for the bad pod", || async {
-        k.events()
-            .await
-            .iter()
-            .any(|e| e.regarding_name == "bad" && e.type_ == "Warning")
-    })
+    eventually(
+        "Warning event for the bad pod",
+        Duration::from_secs(10),
+        || async {
+            k.events()
+                .await
+                .iter()
+                .any(|e| e.regarding_name == "bad" && e.type_ == "Warning")
+        },
+    )
     .await;
     assert!(names(&d).await.is_empty());
     cancel.cancel();
@@ -259,7 +252,10 @@ async fn the_drain_learns_from_the_watch_when_evicted_pods_are_gone() {
     let d = discovery(&k, node.name());
     let cancel = CancellationToken::new();
     let task = tokio::spawn(d.clone().keep_warm(cancel.clone()));
-    eventually("cache synced", || async { d.healthy() }).await;
+    eventually("cache synced", Duration::from_secs(10), || async {
+        d.healthy()
+    })
+    .await;
     let ops = drain_ops(&k, node.name(), &d);
     k.proxy().clear_requests();
     let started = Instant::now();
@@ -319,7 +315,10 @@ async fn while_the_watch_is_down_the_drain_asks_the_api_server() {
 
     // The watch comes back: the next drain needs no GET again.
     cache_proxy.clear_faults();
-    eventually("cache healthy", || async { d.healthy() }).await;
+    eventually("cache healthy", Duration::from_secs(10), || async {
+        d.healthy()
+    })
+    .await;
     slow_pods(&k, &ml, node.name(), "second", 2).await;
     k.proxy().clear_requests();
     let report = ops.drain(&drain_request(60)).await.expect("drain");

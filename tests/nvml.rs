@@ -19,6 +19,7 @@ use serde_json::Value;
 use spotguard::emulator::{self, Cloud, EmulatedNotice, EmulatorConfig};
 use spotguard_testkit::free_port;
 use spotguard_testkit::k8s::{non_system_taints, TestCluster};
+use spotguard_testkit::process::shipped_command;
 use spotguard_testkit::process::Kid;
 
 const BIN: &str = env!("CARGO_BIN_EXE_spotguard");
@@ -351,26 +352,20 @@ impl Agent {
         let port = free_port();
         // The privileges the DaemonSet ships: root without any capability but KILL and
         // SYS_PTRACE.
-        let mut cmd = Command::new("setpriv");
-        cmd.args([
-            "--bounding-set=-all,+kill,+sys_ptrace",
-            "--inh-caps=-all",
-            "--",
-            BIN,
-        ])
-        .arg("run")
-        .arg(format!("--config={}", config.display()))
-        .arg(format!("--metrics-addr=127.0.0.1:{port}"))
-        .arg("--log-format=json")
-        .arg(format!(
-            "--state-dir={}",
-            dir.path().join("state").display()
-        ))
-        .args(args)
-        .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
-        .env_remove("NODE_NAME")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped());
+        let mut cmd = shipped_command(BIN);
+        cmd.arg("run")
+            .arg(format!("--config={}", config.display()))
+            .arg(format!("--metrics-addr=127.0.0.1:{port}"))
+            .arg("--log-format=json")
+            .arg(format!(
+                "--state-dir={}",
+                dir.path().join("state").display()
+            ))
+            .args(args)
+            .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+            .env_remove("NODE_NAME")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
         let mut child = Kid::spawn(cmd);
         let stderr = Arc::new(Mutex::new(Vec::new()));
         let pipe = child.take_stderr().expect("stderr");

@@ -17,12 +17,12 @@ use http_body_util::{BodyExt, Full};
 use hyper::{Request, Response};
 use hyper_util::client::legacy::{connect::HttpConnector, Client};
 use hyper_util::rt::TokioExecutor;
-use object_store::aws::{AmazonS3Builder, AwsAuthorizer, AwsCredential};
+use object_store::aws::AmazonS3Builder;
 use object_store::path::Path as ObjectPath;
 use object_store::{ClientOptions, ObjectStore, ObjectStoreExt, PutPayload};
 use serde_json::Value;
 use spotguard_testkit::s3::proxy::{paced, s3_error, Body, Faults, Proxy};
-use spotguard_testkit::s3::{S3Server, ACCESS_KEY, REGION, SECRET_KEY};
+use spotguard_testkit::s3::{create_bucket, S3Server, ACCESS_KEY, REGION, SECRET_KEY};
 
 // ---------------------------------------------------------------------------------------------
 // Servers
@@ -78,34 +78,6 @@ impl Bucket {
             self.put(key.as_ref(), data.as_ref()).await;
         }
     }
-}
-
-/// Create a bucket through the S3 API (signed `PUT /bucket`).
-async fn create_bucket(endpoint: &str, bucket: &str) {
-    let cred = AwsCredential {
-        key_id: ACCESS_KEY.into(),
-        secret_key: SECRET_KEY.into(),
-        token: None,
-    };
-    let mut req = object_store::client::HttpRequest::new(Vec::<u8>::new().into());
-    *req.method_mut() = http::Method::PUT;
-    *req.uri_mut() = format!("{endpoint}/{bucket}").parse().unwrap();
-    let host = req.uri().authority().unwrap().to_string();
-    req.headers_mut()
-        .insert(http::header::HOST, host.parse().unwrap());
-    AwsAuthorizer::new(&cred, "s3", REGION).authorize(&mut req, None);
-    let client = reqwest::Client::new();
-    let mut r = client.put(req.uri().to_string());
-    for (k, v) in req.headers() {
-        r = r.header(k, v);
-    }
-    let resp = r.send().await.unwrap();
-    assert!(
-        resp.status().is_success(),
-        "create bucket {bucket}: {} {}",
-        resp.status(),
-        resp.text().await.unwrap_or_default()
-    );
 }
 
 async fn put(store: &Arc<dyn ObjectStore>, key: &str, data: &[u8]) {

@@ -27,6 +27,7 @@ use spotguard::prefetch::{
 };
 use spotguard_testkit::k8s::{RequestKind, TestCluster, TestPod};
 use spotguard_testkit::s3::{S3Server, ACCESS_KEY, SECRET_KEY};
+use spotguard_testkit::wait::eventually;
 use tokio_util::sync::CancellationToken;
 
 fn store(endpoint: &str, bucket: &str) -> Arc<dyn ObjectStore> {
@@ -41,22 +42,6 @@ fn store(endpoint: &str, bucket: &str) -> Arc<dyn ObjectStore> {
             .build()
             .unwrap(),
     )
-}
-
-/// Wait up to 30 s for `f` to hold.
-async fn eventually<F, Fut>(what: &str, mut f: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let start = std::time::Instant::now();
-    while !f().await {
-        assert!(
-            start.elapsed() < Duration::from_secs(30),
-            "timed out waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 fn pod(ns: &str, name: &str, node: &str, annotation: &str) -> TestPod {
@@ -186,7 +171,10 @@ async fn opt_in_allow_listed_evented_and_leased() {
 
     // Off (the default): every request is refused, with an Event on the pod.
     let (off, stop_off) = start(watcher(false));
-    eventually("the first list", || async { off.synced() }).await;
+    eventually("the first list", Duration::from_secs(30), || async {
+        off.synced()
+    })
+    .await;
     assert!(off.referenced().is_empty());
     for p in ["train", "thief", "other"] {
         let msgs = refusals(p).await;
@@ -198,7 +186,10 @@ async fn opt_in_allow_listed_evented_and_leased() {
 
     // On, with an allow-list: file:// and buckets outside the list refused, once per pod.
     let (on, _stop_on) = start(watcher(true));
-    eventually("two rounds", || async { on.synced() && on.rounds() >= 2 }).await;
+    eventually("two rounds", Duration::from_secs(30), || async {
+        on.synced() && on.rounds() >= 2
+    })
+    .await;
     assert_eq!(on.referenced().into_iter().collect::<Vec<_>>(), vec!["c4"]);
     let thief = refusals("thief").await;
     assert_eq!(thief.len(), 2, "{thief:?}");
@@ -232,7 +223,10 @@ async fn opt_in_allow_listed_evented_and_leased() {
             .count()
     };
     let (before, rounds) = (lists(&k), on.rounds());
-    eventually("five more rounds", || async { on.rounds() >= rounds + 5 }).await;
+    eventually("five more rounds", Duration::from_secs(30), || async {
+        on.rounds() >= rounds + 5
+    })
+    .await;
     assert_eq!(lists(&k), before, "a round listed or read pods");
 
     let st = tokio::time::timeout(Duration::from_secs(30), prefetcher.wait("c4"))
@@ -265,7 +259,10 @@ async fn opt_in_allow_listed_evented_and_leased() {
         .set_modified(old)
         .unwrap();
     let rounds = on.rounds();
-    eventually("a lease round", || async { on.rounds() >= rounds + 2 }).await;
+    eventually("a lease round", Duration::from_secs(30), || async {
+        on.rounds() >= rounds + 2
+    })
+    .await;
     let err = cache::make_room(cache_dir.path(), "new", 1 << 20, 1 << 20, window).unwrap_err();
     assert!(err.to_string().contains("cache full"), "{err}");
     assert!(cache_dir.path().join("c4/shard-0").exists());
@@ -276,13 +273,18 @@ async fn opt_in_allow_listed_evented_and_leased() {
         p.and_then(|p| p.status.as_ref()?.phase.as_deref()) == Some("Succeeded")
     })
     .await;
-    eventually("the finished pod forgotten", || async {
-        on.referenced().is_empty()
-    })
+    eventually(
+        "the finished pod forgotten",
+        Duration::from_secs(30),
+        || async { on.referenced().is_empty() },
+    )
     .await;
     assert_eq!(on.pods(), 2, "finished pods leave the state");
     let rounds = on.rounds();
-    eventually("a lease round", || async { on.rounds() >= rounds + 2 }).await;
+    eventually("a lease round", Duration::from_secs(30), || async {
+        on.rounds() >= rounds + 2
+    })
+    .await;
     std::fs::File::options()
         .write(true)
         .open(&lease)

@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use spotguard::emulator::{self, Cloud, EmulatedNotice, EmulatorConfig};
 use spotguard_testkit::free_port;
+use spotguard_testkit::process::shipped_command;
 use spotguard_testkit::process::{as_user, Kid};
 
 const TRAINER_UID: u32 = 1000;
@@ -90,15 +91,8 @@ async fn uid_1000_trainer_acks_into_a_dir_the_agent_creates_without_cap_chown() 
         .unwrap();
     let port = free_port();
     // As the DaemonSet runs it: every capability dropped but KILL and SYS_PTRACE.
-    let mut agent = Command::new("setpriv");
+    let mut agent = shipped_command(env!("CARGO_BIN_EXE_spotguard"));
     agent
-        .args([
-            "--inh-caps=-all",
-            "--ambient-caps=-all",
-            "--bounding-set=-all,+kill,+sys_ptrace",
-            "--",
-        ])
-        .arg(env!("CARGO_BIN_EXE_spotguard"))
         .args(agent_args(&emu.base_url(), base, port))
         .stdin(Stdio::null())
         .stdout(Stdio::null())

@@ -25,6 +25,7 @@ use jiff::{SignedDuration, Timestamp};
 use spotguard::emulator::{self, Cloud, Ec2Action, EmulatedNotice, EmulatorConfig};
 use spotguard_testkit::free_port;
 use spotguard_testkit::fuse::HungMount;
+use spotguard_testkit::process::shipped_command;
 use spotguard_testkit::process::{as_user, Kid};
 
 const TRAINER_UID: u32 = 1000;
@@ -152,18 +153,11 @@ impl Host {
         let port = free_port();
         let n = std::fs::read_dir(self.tmp.path()).unwrap().count();
         let log = self.path(&format!("agent-{n}.log"));
-        let mut cmd = Command::new("setpriv");
-        cmd.args([
-            "--inh-caps=-all",
-            "--ambient-caps=-all",
-            "--bounding-set=-all,+kill,+sys_ptrace",
-            "--",
-        ])
-        .arg(env!("CARGO_BIN_EXE_spotguard"))
-        .args(self.args(endpoint, port, extra))
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(&log).unwrap());
+        let mut cmd = shipped_command(env!("CARGO_BIN_EXE_spotguard"));
+        cmd.args(self.args(endpoint, port, extra))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap());
         for (k, _) in std::env::vars() {
             if k.starts_with("SPOTGUARD_") || k == "RUST_LOG" {
                 cmd.env_remove(k);

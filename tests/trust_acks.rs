@@ -18,7 +18,9 @@ use std::time::{Duration, Instant};
 
 use jiff::Timestamp;
 use spotguard::emulator::{self, Cloud, EmulatedNotice, EmulatorConfig};
+use spotguard_testkit::assets::repo_root;
 use spotguard_testkit::free_port;
+use spotguard_testkit::process::shipped_command;
 use spotguard_testkit::process::{as_user, Kid};
 
 const TRAINER_UID: u32 = 1000;
@@ -88,15 +90,8 @@ impl Host {
     fn agent(&self, endpoint: &str) -> Agent {
         let port = free_port();
         let log = self.path("agent.log");
-        let mut cmd = Command::new("setpriv");
+        let mut cmd = shipped_command(env!("CARGO_BIN_EXE_spotguard"));
         cmd.args([
-            "--inh-caps=-all",
-            "--ambient-caps=-all",
-            "--bounding-set=-all,+kill,+sys_ptrace",
-            "--",
-        ])
-        .arg(env!("CARGO_BIN_EXE_spotguard"))
-        .args([
             "run".to_string(),
             "--mode=host".into(),
             "--cloud=aws".into(),
@@ -299,10 +294,6 @@ fn silent_store() -> String {
     format!("http://{addr}")
 }
 
-fn repo() -> &'static Path {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-}
-
 /// Start a staged trainer as `uid`; returns once its handler is installed, its pidfile written.
 fn staged_trainer(base: &Path, n: usize, uid: u32, files: usize, go: Option<&Path>) -> Kid {
     let local = base.join(format!("local{n}"));
@@ -312,7 +303,7 @@ fn staged_trainer(base: &Path, n: usize, uid: u32, files: usize, go: Option<&Pat
     let mut cmd = Command::new("python3");
     cmd.arg("-c")
         .arg(STAGED_TRAINER)
-        .env("PYTHONPATH", repo().join("clients/python"))
+        .env("PYTHONPATH", repo_root().join("clients/python"))
         .env("SPOTGUARD_DIR", base.join("ckpt"))
         .env("STAGED", local.join(format!("step-{n}")))
         .env("STEP", n.to_string())
@@ -382,15 +373,8 @@ async fn one_uids_uploads_never_starve_another_uids_staged_ack_of_descriptors() 
     let store = silent_store();
     let port = free_port();
     let log = base.join("agent.log");
-    let mut cmd = Command::new("setpriv");
+    let mut cmd = shipped_command(env!("CARGO_BIN_EXE_spotguard"));
     cmd.args([
-        "--inh-caps=-all",
-        "--ambient-caps=-all",
-        "--bounding-set=-all,+kill,+sys_ptrace",
-        "--",
-    ])
-    .arg(env!("CARGO_BIN_EXE_spotguard"))
-    .args([
         "run".to_string(),
         "--mode=host".into(),
         "--cloud=aws".into(),

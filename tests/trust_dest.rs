@@ -35,16 +35,14 @@ use spotguard::upload::owner::{Marker, Writer, MARKER_NAME};
 use spotguard::upload::staged::Limits;
 use spotguard::upload::target::{StoreTarget, Target};
 use spotguard::upload::Outcome;
+use spotguard_testkit::assets::repo_root;
 use spotguard_testkit::free_port;
+use spotguard_testkit::process::shipped_command;
 use spotguard_testkit::process::{catches_usr1, with_shipped_capabilities, Kid};
-use spotguard_testkit::s3::S3Server;
+use spotguard_testkit::s3::{create_bucket, S3Server};
 use tokio_util::sync::CancellationToken;
 
 const BUCKET: &str = "ckpt";
-
-fn repo() -> &'static Path {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-}
 
 fn chmod(p: &Path, mode: u32) {
     std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode)).unwrap();
@@ -125,7 +123,7 @@ async fn a_base_swapped_for_a_symlink_to_the_agents_own_dir_while_it_runs_is_ref
     let mut cmd = Command::new("python3");
     cmd.arg("-c")
         .arg(SWAPPER)
-        .env("PYTHONPATH", repo().join("clients/python"))
+        .env("PYTHONPATH", repo_root().join("clients/python"))
         .env("SPOTGUARD_DIR", &ckpt)
         // Named like the agent's checkpoint dir: it would land in it.
         .env("STAGED", local.join("ckpt"))
@@ -151,15 +149,8 @@ async fn a_base_swapped_for_a_symlink_to_the_agents_own_dir_while_it_runs_is_ref
         .unwrap();
     let port = free_port();
     let log = std::fs::File::create(t.join("agent.log")).unwrap();
-    let mut cmd = Command::new("setpriv");
+    let mut cmd = shipped_command(env!("CARGO_BIN_EXE_spotguard"));
     cmd.args([
-        "--inh-caps=-all",
-        "--ambient-caps=-all",
-        "--bounding-set=-all,+kill,+sys_ptrace",
-        "--",
-    ])
-    .arg(env!("CARGO_BIN_EXE_spotguard"))
-    .args([
         "run".to_string(),
         "--mode=host".into(),
         "--cloud=aws".into(),
@@ -557,7 +548,7 @@ async fn another_user_cannot_take_or_poison_an_s3s_fs_location() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn another_user_cannot_take_or_poison_a_moto_location() {
     let server = S3Server::moto();
-    make_bucket(&server).await;
+    create_bucket(&server.endpoint(), BUCKET).await;
     let host = Host::new(
         &format!("s3://{BUCKET}/runs"),
         &format!("s3://{BUCKET}/runs/a"),
@@ -592,34 +583,6 @@ fn s3_store(server: &S3Server) -> Arc<AmazonS3> {
     )
 }
 
-/// Create the bucket (moto starts with none), signed as any S3 request.
-async fn make_bucket(server: &S3Server) {
-    use object_store::aws::{AwsAuthorizer, AwsCredential};
-    use spotguard_testkit::s3::{ACCESS_KEY, REGION, SECRET_KEY};
-    let cred = AwsCredential {
-        key_id: ACCESS_KEY.into(),
-        secret_key: SECRET_KEY.into(),
-        token: None,
-    };
-    let mut req = object_store::client::HttpRequest::new(Vec::<u8>::new().into());
-    *req.method_mut() = http::Method::PUT;
-    *req.uri_mut() = format!("{}/{BUCKET}", server.endpoint()).parse().unwrap();
-    let host = req.uri().authority().unwrap().to_string();
-    req.headers_mut()
-        .insert(http::header::HOST, host.parse().unwrap());
-    AwsAuthorizer::new(&cred, "s3", REGION).authorize(&mut req, None);
-    let mut r = reqwest::Client::new().put(req.uri().to_string());
-    for (k, v) in req.headers() {
-        r = r.header(k, v);
-    }
-    let resp = r.send().await.unwrap();
-    assert!(
-        resp.status().is_success(),
-        "create bucket: {}",
-        resp.status()
-    );
-}
-
 /// The stores' create-only `PUT` (`PutMode::Create`, `If-None-Match: *`) is what keeps two
 /// first uploads from both owning a location: a second create finds the first marker there
 /// and leaves it as it was.
@@ -643,7 +606,7 @@ async fn create_only(target: &Target) {
 async fn s3s_fs_and_moto_honour_the_create_only_marker() {
     let s3s = S3Server::s3s_fs(&[BUCKET]);
     let moto = S3Server::moto();
-    make_bucket(&moto).await;
+    create_bucket(&moto.endpoint(), BUCKET).await;
     for server in [&s3s, &moto] {
         let store = s3_store(server);
         let target = Target::Store(StoreTarget::new(

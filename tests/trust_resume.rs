@@ -22,6 +22,7 @@ use http::request::Parts;
 use serde_json::Value;
 use spotguard::emulator::{self, Cloud, EmulatorConfig};
 use spotguard_testkit::free_port;
+use spotguard_testkit::process::shipped_command;
 use spotguard_testkit::process::Kid;
 use spotguard_testkit::s3::proxy::{paced, Body, Faults, Proxy};
 use spotguard_testkit::s3::S3Server;
@@ -151,15 +152,8 @@ async fn interrupted_upload(
 /// The agent as shipped (KILL and SYS_PTRACE only) on `state`, its metrics on `port`; its log
 /// in `log`.
 fn agent(server: &S3Server, state: &Path, emu: &str, port: u16, log: &Path) -> Kid {
-    let mut cmd = Command::new("setpriv");
+    let mut cmd = shipped_command(env!("CARGO_BIN_EXE_spotguard"));
     cmd.args([
-        "--inh-caps=-all",
-        "--ambient-caps=-all",
-        "--bounding-set=-all,+kill,+sys_ptrace",
-        "--",
-    ])
-    .arg(env!("CARGO_BIN_EXE_spotguard"))
-    .args([
         "run".to_string(),
         "--mode=host".into(),
         "--cloud=aws".into(),

@@ -22,7 +22,7 @@ use futures::stream::BoxStream;
 use futures::StreamExt;
 use http::request::Parts;
 use hyper::Response;
-use object_store::aws::{AmazonS3, AmazonS3Builder, AwsAuthorizer, AwsCredential};
+use object_store::aws::{AmazonS3, AmazonS3Builder};
 use object_store::multipart::{MultipartStore, PartId};
 use object_store::path::Path as ObjectPath;
 use object_store::{
@@ -42,7 +42,7 @@ use spotguard::upload::target::{StoreTarget, Target};
 use spotguard::upload::{Error, Outcome};
 use spotguard_testkit::process::with_shipped_capabilities;
 use spotguard_testkit::s3::proxy::{paced, Body, Faults, Proxy};
-use spotguard_testkit::s3::{S3Server, ACCESS_KEY, REGION, SECRET_KEY};
+use spotguard_testkit::s3::{create_bucket, S3Server, ACCESS_KEY, REGION, SECRET_KEY};
 use tokio_util::sync::CancellationToken;
 
 const BUCKET: &str = "ckpt";
@@ -50,31 +50,6 @@ const MIB: usize = 1 << 20;
 
 // ---------------------------------------------------------------------------------------------
 // Servers
-
-async fn create_bucket(endpoint: &str, bucket: &str) {
-    let cred = AwsCredential {
-        key_id: ACCESS_KEY.into(),
-        secret_key: SECRET_KEY.into(),
-        token: None,
-    };
-    let mut req = object_store::client::HttpRequest::new(Vec::<u8>::new().into());
-    *req.method_mut() = http::Method::PUT;
-    *req.uri_mut() = format!("{endpoint}/{bucket}").parse().unwrap();
-    let host = req.uri().authority().unwrap().to_string();
-    req.headers_mut()
-        .insert(http::header::HOST, host.parse().unwrap());
-    AwsAuthorizer::new(&cred, "s3", REGION).authorize(&mut req, None);
-    let mut r = reqwest::Client::new().put(req.uri().to_string());
-    for (k, v) in req.headers() {
-        r = r.header(k, v);
-    }
-    let resp = r.send().await.unwrap();
-    assert!(
-        resp.status().is_success(),
-        "create bucket: {}",
-        resp.status()
-    );
-}
 
 fn s3(endpoint: &str) -> Arc<AmazonS3> {
     Arc::new(

@@ -15,7 +15,9 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use spotguard::emulator::{self, Cloud, EmulatedNotice, EmulatorConfig};
+use spotguard_testkit::assets::repo_root;
 use spotguard_testkit::free_port;
+use spotguard_testkit::process::shipped_command;
 use spotguard_testkit::process::{catches_usr1, Kid};
 use spotguard_testkit::s3::{S3Server, Throttle};
 
@@ -63,10 +65,6 @@ async fn get(url: &str) -> Option<(u16, String)> {
     Some((code, resp.text().await.ok()?))
 }
 
-fn repo() -> &'static Path {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-}
-
 /// A machine: a 0755 base, the trainer's checkpoint dir, its local disk.
 struct Machine {
     _tmp: tempfile::TempDir,
@@ -98,7 +96,7 @@ impl Machine {
         let mut cmd = Command::new("python3");
         cmd.arg("-c")
             .arg(TRAINER)
-            .env("PYTHONPATH", repo().join("clients/python"))
+            .env("PYTHONPATH", repo_root().join("clients/python"))
             .env("SPOTGUARD_DIR", self.base.join("ckpt"))
             .env("STAGED", self.staged())
             .env("STAGED_MIB", mib.to_string())
@@ -120,15 +118,8 @@ impl Machine {
 
     /// The agent as shipped (KILL and SYS_PTRACE only), with `extra` flags and env.
     fn agent(&self, emu: &str, port: u16, extra: &[String], env: &[(&str, &str)]) -> Kid {
-        let mut cmd = Command::new("setpriv");
+        let mut cmd = shipped_command(env!("CARGO_BIN_EXE_spotguard"));
         cmd.args([
-            "--inh-caps=-all",
-            "--ambient-caps=-all",
-            "--bounding-set=-all,+kill,+sys_ptrace",
-            "--",
-        ])
-        .arg(env!("CARGO_BIN_EXE_spotguard"))
-        .args([
             "run".to_string(),
             "--mode=host".into(),
             "--cloud=aws".into(),

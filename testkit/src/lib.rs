@@ -21,8 +21,9 @@
 //!   records when SIGUSR1 arrived, and their one percentile.
 //! - [`s3`]: s3s-fs and moto on a free loopback port, a [`s3::Throttle`] (a slow network) before
 //!   them, and a [`s3::proxy::Proxy`] that injects a test's faults into the HTTP traffic.
-//! - [`wait_for_event`]: wait for a responder plan event; [`metrics_text`]: a running agent's
-//!   `/metrics`.
+//! - [`wait`]: waiting for an event (checked until it holds, a deadline that names what was
+//!   waited for); [`wait_for_event`]: wait for a responder plan event; [`metrics_text`]: a
+//!   running agent's `/metrics`.
 pub mod assets;
 pub mod ec2_mock;
 pub mod fuse;
@@ -34,6 +35,7 @@ pub mod process;
 pub mod prometheus;
 pub mod s3;
 pub mod tls;
+pub mod wait;
 
 use std::net::SocketAddr;
 use std::time::Duration;

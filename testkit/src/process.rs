@@ -193,6 +193,22 @@ pub fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[idx.min(sorted.len() - 1)]
 }
 
+/// The `setpriv` flags for the privileges the DaemonSet ships the agent with: root, every
+/// capability dropped from the bounding, inheritable and ambient sets but KILL and SYS_PTRACE.
+pub const SHIPPED_CAPABILITIES: [&str; 3] = [
+    "--inh-caps=-all",
+    "--ambient-caps=-all",
+    "--bounding-set=-all,+kill,+sys_ptrace",
+];
+
+/// `bin` run as the DaemonSet runs its containers ([`SHIPPED_CAPABILITIES`]); add its arguments
+/// to the command. `setpriv` execs `bin`: the child's pid is the program's.
+pub fn shipped_command(bin: impl AsRef<std::ffi::OsStr>) -> Command {
+    let mut cmd = Command::new("setpriv");
+    cmd.args(SHIPPED_CAPABILITIES).arg("--").arg(bin);
+    cmd
+}
+
 /// Run `f` on a thread holding only the DaemonSet agent's capabilities (KILL, SYS_PTRACE):
 /// capabilities are per thread, so the rest of the test process keeps its own. What a test of
 /// the agent's file access runs in-process, as `setpriv --bounding-set=-all,+kill,+sys_ptrace`

@@ -6,12 +6,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("testkit lives in the repository")
-        .to_path_buf()
-}
+use crate::assets::repo_root;
 
 /// Run `promtool ARGS`; panics with its output when it fails or is missing.
 pub fn promtool(args: &[&str]) -> String {
@@ -31,9 +26,10 @@ pub fn promtool(args: &[&str]) -> String {
 /// The rule groups of the shipped PrometheusRule (everything below `spec:`, dedented by two
 /// spaces), written to `dir/rules.yaml`.
 pub fn rule_file(dir: &Path) -> PathBuf {
-    let cr =
-        std::fs::read_to_string(repo().join("daemonset/components/alerts/prometheusrule.yaml"))
-            .unwrap();
+    let cr = std::fs::read_to_string(
+        repo_root().join("daemonset/components/alerts/prometheusrule.yaml"),
+    )
+    .unwrap();
     let (_, spec) = cr
         .split_once("\nspec:\n")
         .expect("no spec: in the PrometheusRule");

@@ -99,6 +99,36 @@ impl S3Server {
     }
 }
 
+/// Create `bucket` through the S3 API (a `PUT /bucket` signed with the test credentials, as any
+/// S3 request): moto starts with no bucket; s3s-fs takes one made this way too. Panics with the
+/// server's answer when it refuses.
+pub async fn create_bucket(endpoint: &str, bucket: &str) {
+    use object_store::aws::{AwsAuthorizer, AwsCredential};
+    let cred = AwsCredential {
+        key_id: ACCESS_KEY.into(),
+        secret_key: SECRET_KEY.into(),
+        token: None,
+    };
+    let mut req = object_store::client::HttpRequest::new(Vec::<u8>::new().into());
+    *req.method_mut() = http::Method::PUT;
+    *req.uri_mut() = format!("{endpoint}/{bucket}").parse().unwrap();
+    let host = req.uri().authority().unwrap().to_string();
+    req.headers_mut()
+        .insert(http::header::HOST, host.parse().unwrap());
+    AwsAuthorizer::new(&cred, "s3", REGION).authorize(&mut req, None);
+    let mut r = reqwest::Client::new().put(req.uri().to_string());
+    for (k, v) in req.headers() {
+        r = r.header(k, v);
+    }
+    let resp = r.send().await.unwrap();
+    assert!(
+        resp.status().is_success(),
+        "create bucket {bucket}: {} {}",
+        resp.status(),
+        resp.text().await.unwrap_or_default()
+    );
+}
+
 /// The address a server prints after `marker` on `reader`; the reader is drained to its end on
 /// a thread of its own, so the server never blocks on a full pipe.
 fn wait_for_address(

@@ -61,15 +61,7 @@ pub struct NodeAgent {
 /// `cmd` as the DaemonSet runs its containers: every capability dropped but KILL and
 /// SYS_PTRACE.
 fn shipped_privileges(bin: &Path) -> tokio::process::Command {
-    let mut cmd = tokio::process::Command::new("setpriv");
-    cmd.args([
-        "--inh-caps=-all",
-        "--ambient-caps=-all",
-        "--bounding-set=-all,+kill,+sys_ptrace",
-        "--",
-    ])
-    .arg(bin);
-    cmd
+    tokio::process::Command::from(crate::process::shipped_command(bin))
 }
 
 impl NodeAgent {

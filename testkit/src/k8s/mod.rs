@@ -42,6 +42,8 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::api::{Api, ListParams, ObjectMeta, Patch, PatchParams, PostParams};
 use serde_json::{json, Value};
 
+use crate::wait::{until, until_described};
+
 pub use controlplane::{ControlPlane, Identity};
 pub use fixtures::{EventApi, FlatEvent, TestPod};
 pub use kubelet::{Fleet, Image, Kubelet, NodeConfig};
@@ -67,52 +69,6 @@ pub struct TestCluster {
 }
 
 static NEXT_ID: AtomicU32 = AtomicU32::new(1);
-
-/// Call `f` every 25 ms until it gives a value; panics after `limit`, naming `what`.
-async fn poll<T, F, Fut>(what: &str, limit: Duration, mut f: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Option<T>>,
-{
-    poll_described(
-        what,
-        limit,
-        |_: &()| None,
-        || {
-            let next = f();
-            async move { next.await.ok_or(()) }
-        },
-    )
-    .await
-}
-
-/// [`poll`] for a `f` that answers `Err(state)` while it waits; the panic after `limit` also
-/// says how the last state looked (`describe`).
-async fn poll_described<T, S, F, Fut>(
-    what: &str,
-    limit: Duration,
-    describe: impl Fn(&S) -> Option<String>,
-    mut f: F,
-) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Result<T, S>>,
-{
-    let start = tokio::time::Instant::now();
-    loop {
-        let last = match f().await {
-            Ok(v) => return v,
-            Err(state) => state,
-        };
-        if start.elapsed() > limit {
-            match describe(&last) {
-                Some(seen) => panic!("timed out after {limit:?}: {what}; last seen: {seen}"),
-                None => panic!("timed out after {limit:?}: {what}"),
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
-}
 
 /// How a pod looks, for a test's failure message: its phase, conditions and containers' states
 /// (`absent` when there is none).
@@ -314,7 +270,7 @@ impl TestCluster {
         limit: Duration,
         pred: impl Fn(Option<&Pod>) -> bool,
     ) -> Option<Pod> {
-        poll_described(
+        until_described(
             &format!("pod {namespace}/{name}: {what}"),
             limit,
             |last: &Option<Pod>| Some(describe_pod(last.as_ref())),
@@ -404,7 +360,7 @@ impl TestCluster {
                 )
             })
             .collect();
-        poll(
+        until(
             &format!("{} pods running and ready", pods.len()),
             Duration::from_secs(120 + pods.len() as u64 / 10),
             || async {
@@ -605,7 +561,7 @@ impl TestCluster {
         if let Err(e) = api.create(&PostParams::default(), &pdb).await {
             panic!("creating PDB {namespace}/{name}: {e}");
         }
-        poll(
+        until(
             &format!("PDB {namespace}/{name} status for {expected_pods} pods (kube-controller-manager's disruption controller)"),
             Duration::from_secs(30),
             || async {
