@@ -82,10 +82,12 @@ const ALLOWED: &[(&str, &[&str])] = &[
             "upload",
         ],
     ),
+    ("goodput", &["checkpoint"]),
     (
         "outcome",
         &[
             "checkpoint",
+            "goodput",
             "metrics",
             "node",
             "notice",
@@ -100,6 +102,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
             "backoff",
             "checkpoint",
             "config",
+            "goodput",
             "gpu",
             "life",
             "metrics",
@@ -121,6 +124,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
             "duration",
             "emulator",
             "fsutil",
+            "goodput",
             "notice",
             "prefetch",
             "responder",
@@ -130,7 +134,9 @@ const ALLOWED: &[(&str, &[&str])] = &[
     ),
     (
         "cli",
-        &["config", "drill", "emulator", "gpu", "prefetch", "upload"],
+        &[
+            "config", "drill", "emulator", "goodput", "gpu", "prefetch", "upload",
+        ],
     ),
 ];
 

@@ -41,6 +41,10 @@ pub(super) enum ProcState {
     },
     Exited {
         at: Timestamp,
+        /// Its `progress-<ns_pid>.json` (the helper's progress record, at most
+        /// [`MAX_PROGRESS_BYTES`](super::outcome::MAX_PROGRESS_BYTES), owned by the process's
+        /// user), read as it was seen gone; unparsed (`crate::goodput` reads it).
+        progress: Option<Vec<u8>>,
     },
 }
 
@@ -120,6 +124,7 @@ impl GroupWatch {
             signalled_at: Some(self.signalled_at),
             ack_latency,
             detail,
+            exits: super::outcome::exits(self),
         }
     }
 }
@@ -336,6 +341,7 @@ fn watch(d: Delivery, req: &CheckpointRequest, counters: Counters) -> GroupWatch
         signalled_at: d.signalled_at,
         ack_latency: None,
         detail,
+        exits: Vec::new(),
     };
     let result = match &d.state {
         DeliveryState::Signalled => None,
@@ -658,11 +664,14 @@ fn check_exit(proc: &ProcFs, dir: Option<DirContext<'_>>, p: &mut ProcWatch, now
         Ok(false) => {
             // It may have written `done` between the read above and its exit (read from the
             // dir as opened before: its container's mounts may be gone with it).
+            let mut files = None;
             if let Some(dir) = dir {
+                files = Some(dir.0);
                 read_acks(dir, p, now, None);
             }
             if matches!(p.state, ProcState::Pending { .. }) {
-                p.state = ProcState::Exited { at: now };
+                let progress = files.and_then(|d| super::outcome::read_progress(d, &p.process));
+                p.state = ProcState::Exited { at: now, progress };
             }
         }
         Err(e) => {
