@@ -137,7 +137,17 @@ pub async fn start_with_client(
         },
     );
     let events = responder.subscribe();
-    spawn_outcome_follower(&responder, &node, hook, who, &metrics, &mut tasks, &cancel);
+    let goodput_log =
+        (!cfg.args.dry_run).then(|| cfg.args.state_dir.join(crate::goodput::report::LOG_FILE));
+    spawn_outcome_follower(
+        &responder,
+        &node,
+        (hook, goodput_log),
+        who,
+        &metrics,
+        &mut tasks,
+        &cancel,
+    );
     tasks.spawn("responder", responder.run(inputs.notices, cancel.clone()));
     spawn_gpu_monitor(&cfg, &node, telemetry.gpu.clone(), &mut tasks, &cancel);
     spawn_prefetcher(&cfg, &metrics, &mut tasks, &cancel).await;
@@ -607,7 +617,7 @@ fn responder_config(cfg: &Config) -> ResponderConfig {
 fn spawn_outcome_follower(
     responder: &Responder,
     node: &Arc<dyn NodeOps>,
-    webhook: Option<webhook::Webhook>,
+    (webhook, goodput_log): (Option<webhook::Webhook>, Option<std::path::PathBuf>),
     who: Who,
     metrics: &Arc<Metrics>,
     tasks: &mut Tasks,
@@ -625,6 +635,7 @@ fn spawn_outcome_follower(
                 instance: who.instance,
                 action: who.action.to_string(),
                 host: who.host,
+                goodput_log,
             },
             cancel.child_token(),
         ),

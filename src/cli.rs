@@ -56,6 +56,8 @@ pub enum Command {
     Upload(Box<crate::upload::cli::UploadArgs>),
     /// One-shot GPU health report (exit 0 healthy, 1 unhealthy, 2 NVML unavailable).
     Gpu(crate::gpu::GpuArgs),
+    /// What interruptions cost: goodput and badput by category, from the agent's goodput log.
+    Goodput(crate::goodput::report::GoodputArgs),
     /// Check a configuration without starting the agent.
     #[command(subcommand)]
     Config(ConfigCommand),

@@ -14,6 +14,7 @@ pub mod drill;
 pub mod duration;
 pub mod emulator;
 pub mod fsutil;
+pub mod goodput;
 pub mod gpu;
 pub mod life;
 pub mod metrics;

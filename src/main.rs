@@ -65,6 +65,7 @@ fn main() -> ExitCode {
         Command::Config(ConfigCommand::Check(args)) => exit(config_check(*args)),
         Command::ExampleTrainer(args) => exit(drill::example_trainer(args)),
         Command::Gpu(args) => exit(gpu::run_cli(args)),
+        Command::Goodput(args) => exit(spotguard::goodput::report::run_cli(args)),
         Command::Run(args) => {
             let cfg = match Config::resolve(*args, &config::ProcessEnv) {
                 Ok(c) => c,

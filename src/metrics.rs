@@ -51,6 +51,11 @@ pub struct ActionLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct CategoryLabels {
+    pub category: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ModuleErrorLabels {
     pub module: String,
     pub error: String,
@@ -207,6 +212,12 @@ pub struct Metrics {
     pub last_budget: Gauge<f64, std::sync::atomic::AtomicU64>,
     /// `spotguard_plans_total{outcome}`: plans ended (`completed`, `drain_failed`, `undone`).
     pub plans: Family<OutcomeLabels, Counter>,
+    /// `spotguard_badput_seconds_total{category}`: target-seconds each interruption cost, by
+    /// badput category (`checkpoint_save`, `wasted_progress`; docs/goodput.md).
+    pub badput_seconds: Family<CategoryLabels, Counter<f64, std::sync::atomic::AtomicU64>>,
+    /// `spotguard_badput_steps_lost_total`: training steps thrown away (trained after the last
+    /// durable checkpoint by a target that exited without acking).
+    pub steps_lost: Counter,
 }
 
 /// `spotguard_notice_active{kind}`. The responder names the kind in an [`OutcomeLabels`]; it is
@@ -261,6 +272,8 @@ impl Metrics {
             last_duration: Gauge::default(),
             last_budget: Gauge::default(),
             plans: Family::default(),
+            badput_seconds: Family::default(),
+            steps_lost: Counter::default(),
         };
         let r = registry;
         r.register(
@@ -352,6 +365,16 @@ impl Metrics {
             "spotguard_checkpoint_headroom_seconds",
             "Checkpoint budget minus the time a target group took to acknowledge (0 when it never did)",
             m.checkpoint_headroom.clone(),
+        );
+        r.register(
+            "spotguard_badput_seconds",
+            "Target-seconds interruptions cost, by badput category",
+            m.badput_seconds.clone(),
+        );
+        r.register(
+            "spotguard_badput_steps_lost",
+            "Training steps thrown away: trained after the last durable checkpoint by a target that exited without acking",
+            m.steps_lost.clone(),
         );
         r.register(
             "spotguard_checkpoint_last_acked_step",

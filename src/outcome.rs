@@ -8,6 +8,7 @@
 //! acknowledged: timeout, no handler, error).
 
 use std::collections::HashMap;
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use jiff::Timestamp;
@@ -17,7 +18,8 @@ use tracing::{info, warn};
 
 use crate::checkpoint::run::GroupResult;
 use crate::checkpoint::Outcome;
-use crate::metrics::{Metrics, OutcomeLabels};
+use crate::goodput::{self, record::Interruption};
+use crate::metrics::{CategoryLabels, Metrics, OutcomeLabels};
 use crate::node::{DrainReport, EventType, NodeOps};
 use crate::notice::Notice;
 use crate::responder::PlanEvent;
@@ -29,6 +31,8 @@ pub mod reason {
     pub const HANDLED: &str = "InterruptionHandled";
     /// A checkpoint failed or timed out, pods stayed blocked, or the drain failed.
     pub const HANDLED_WITH_PROBLEMS: &str = "InterruptionHandledWithProblems";
+    /// On each signalled pod: what the interruption cost it (docs/goodput.md).
+    pub const BADPUT: &str = "InterruptionBadput";
 }
 
 /// Plans not finished within this long are forgotten (their `Done` was lost).
@@ -47,6 +51,9 @@ pub struct Sinks {
     pub action: String,
     /// Host mode: `node_name` is a host, not a Kubernetes node.
     pub host: bool,
+    /// The goodput log (`<state-dir>/goodput.jsonl`), appended as each plan ends; `None` in
+    /// dry-run.
+    pub goodput_log: Option<PathBuf>,
 }
 
 #[derive(Default)]
@@ -59,6 +66,9 @@ struct Tracked {
     drain: Option<DrainReport>,
     drain_error: Option<String>,
     undone: bool,
+    drained_at: Option<Timestamp>,
+    /// Staged uploads: the trainer's pod (`namespace/name`, `None` on a host) and seconds.
+    uploads: Vec<(Option<String>, f64)>,
 }
 
 /// Follow `events` until `cancel` or the channel closes.
@@ -130,14 +140,22 @@ fn apply(
             let t = plans.entry(id).or_default();
             t.seen_at.get_or_insert(at);
             t.drain = Some(report);
+            t.drained_at = Some(at);
         }
         PlanEvent::DrainFailed { id, at, reason } => {
             let t = plans.entry(id).or_default();
             t.seen_at.get_or_insert(at);
             t.drain_error = Some(reason);
         }
-        PlanEvent::Uploaded { id, at, .. } => {
-            plans.entry(id).or_default().seen_at.get_or_insert(at);
+        PlanEvent::Uploaded {
+            id,
+            at,
+            pod,
+            report,
+        } => {
+            let t = plans.entry(id).or_default();
+            t.seen_at.get_or_insert(at);
+            t.uploads.push((pod, report.seconds));
         }
         PlanEvent::Undone { id, .. } => {
             // After its `Done` a plan is gone: an undo then (a later cancellation) is no outcome.
@@ -240,6 +258,7 @@ fn summarise(t: &Tracked, done_at: Timestamp) -> PlanOutcome {
         blocking_pdbs,
         drain_error: t.drain_error.clone().unwrap_or_default(),
         plan_seconds,
+        ..PlanOutcome::default()
     }
 }
 
@@ -271,9 +290,87 @@ fn record(metrics: &Metrics, t: &Tracked, o: &PlanOutcome) {
     }
 }
 
+/// The badput record of a finished plan (docs/goodput.md).
+fn interruption(sinks: &Sinks, id: &str, t: &Tracked, done_at: Timestamp) -> Interruption {
+    let targets = t
+        .results
+        .iter()
+        .flatten()
+        .map(|r| {
+            let pod = r
+                .pod
+                .as_ref()
+                .map(|p| format!("{}/{}", p.namespace, p.name));
+            let upload = t
+                .uploads
+                .iter()
+                .filter(|(p, _)| *p == pod)
+                .map(|(_, s)| *s)
+                .reduce(f64::max);
+            let step = (r.outcome == Outcome::Acked)
+                .then(|| step_of(&r.detail))
+                .flatten();
+            goodput::record::target(r, step, upload)
+        })
+        .collect();
+    let notice = t.notice.as_ref();
+    Interruption {
+        notice_id: id.to_string(),
+        node: sinks.node_name.clone(),
+        kind: notice
+            .map(|n| n.kind.label().to_string())
+            .unwrap_or_default(),
+        source: notice.map(|n| n.source.to_string()).unwrap_or_default(),
+        published_at: notice.and_then(|n| n.published_at),
+        seen_at: t.seen_at,
+        signalled_at: t.signalled_at,
+        deadline: notice.and_then(|n| n.deadline),
+        drained_at: t.drained_at,
+        done_at,
+        targets,
+    }
+}
+
+/// Badput metrics, the outcome's badput fields, the goodput log.
+fn record_badput(sinks: &Sinks, i: &Interruption, o: &mut PlanOutcome) {
+    for (category, seconds) in i.badput() {
+        sinks
+            .metrics
+            .badput_seconds
+            .get_or_create(&CategoryLabels {
+                category: category.to_string(),
+            })
+            .inc_by(seconds);
+    }
+    sinks.metrics.steps_lost.inc_by(i.steps_lost());
+    let [(_, save), (_, wasted)] = i.badput();
+    if !i.targets.is_empty() {
+        o.save_seconds = Some(save);
+        o.wasted_seconds = Some(wasted);
+        o.steps_lost = Some(i.steps_lost());
+        o.badput = i
+            .targets
+            .iter()
+            .map(|t| format!("{}: {}", t.target, t.summary()))
+            .collect::<Vec<_>>()
+            .join("; ");
+    }
+}
+
 async fn finish(sinks: &Sinks, id: &str, t: Tracked, done_at: Timestamp) {
-    let o = summarise(&t, done_at);
+    let mut o = summarise(&t, done_at);
     record(&sinks.metrics, &t, &o);
+    let badput = interruption(sinks, id, &t, done_at);
+    record_badput(sinks, &badput, &mut o);
+    if let Some(path) = sinks.goodput_log.clone() {
+        let line = badput.clone();
+        let written =
+            tokio::task::spawn_blocking(move || goodput::report::append(&path, &line)).await;
+        if let Ok(Err(e)) = written {
+            sinks.metrics.error("outcome", "goodput_log");
+            warn!(error = %e, "cannot append to the goodput log");
+        }
+    }
     let mut fields = match &t.notice {
         Some(n) => NotifyFields::from_notice(n, &sinks.node_name, &sinks.instance, &sinks.action),
         None => NotifyFields {
@@ -298,6 +395,10 @@ async fn finish(sinks: &Sinks, id: &str, t: Tracked, done_at: Timestamp) {
         evicted = o.evicted as u64,
         blocked = o.blocked_pods.len() as u64,
         plan_seconds = o.plan_seconds,
+        save_seconds = o.save_seconds,
+        wasted_seconds = o.wasted_seconds,
+        steps_lost = o.steps_lost,
+        badput = %o.badput,
         "plan outcome"
     );
     if let Some(node) = &sinks.node {
@@ -309,6 +410,19 @@ async fn finish(sinks: &Sinks, id: &str, t: Tracked, done_at: Timestamp) {
         if let Err(e) = node.event(kind, reason, &summary).await {
             sinks.metrics.error("outcome", e.metric_label());
             warn!(error = %e, "cannot post the outcome Event");
+        }
+    }
+    if let Some(node) = &sinks.node {
+        // One Event per pod (Kubernetes; a log line on a host): what the interruption cost it.
+        for (r, b) in t.results.iter().flatten().zip(&badput.targets) {
+            let Some(pod) = &r.pod else { continue };
+            if let Err(e) = node
+                .pod_event(pod, EventType::Normal, reason::BADPUT, &b.summary())
+                .await
+            {
+                sinks.metrics.error("outcome", e.metric_label());
+                warn!(error = %e, "cannot post the badput Event");
+            }
         }
     }
     if let Some(hook) = &sinks.webhook {
@@ -346,6 +460,7 @@ mod tests {
                 signalled_at: Some(t0),
                 ack_latency: Some(std::time::Duration::from_secs(30)),
                 detail: "pid 1 done step=42".into(),
+                exits: Vec::new(),
             }]),
             drain: Some(DrainReport {
                 evicted: vec!["ns/a".into()],

@@ -92,10 +92,12 @@ const ALLOWED: &[(&str, &[&str])] = &[
             "upload",
         ],
     ),
+    ("goodput", &["checkpoint"]),
     (
         "outcome",
         &[
             "checkpoint",
+            "goodput",
             "metrics",
             "node",
             "notice",
@@ -110,6 +112,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
             "backoff",
             "checkpoint",
             "config",
+            "goodput",
             "gpu",
             "life",
             "metrics",
@@ -132,6 +135,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
             "duration",
             "emulator",
             "fsutil",
+            "goodput",
             "notice",
             "responder",
             "telemetry",
@@ -142,7 +146,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
     (
         "cli",
         &[
-            "config", "drill", "emulator", "fsutil", "gpu", "prefetch", "store", "upload",
+            "config", "drill", "emulator", "fsutil", "goodput", "gpu", "prefetch", "store", "upload",
         ],
     ),
 ];

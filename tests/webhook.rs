@@ -484,6 +484,7 @@ fn outcome() -> PlanOutcome {
         blocking_pdbs: vec!["frontend-pdb".into()],
         drain_error: String::new(),
         plan_seconds: 48.0,
+        ..PlanOutcome::default()
     }
 }
 

@@ -529,6 +529,12 @@ impl CheckpointDir {
         Ok(read.map(|(file, stamp)| Ack { file, stamp }))
     }
 
+    /// A small regular file of an exited target (the helper's progress record), read like an
+    /// ack from the dir as first opened (see [`Self::read_ack_after_exit`]); the caller parses it.
+    pub fn read_file_after_exit(&self, name: &str) -> Result<Option<(Vec<u8>, FileStamp)>, Error> {
+        self.read_file_in(name, true)
+    }
+
     /// Stamp of the plain `ack` file, if present (any content).
     pub fn plain_ack(&self) -> Result<Option<FileStamp>, Error> {
         self.plain_ack_named(PLAIN_ACK_FILE)

@@ -804,6 +804,7 @@ mod tests {
             signalled_at: Some(ts(1.0)),
             ack_latency: None,
             detail: String::new(),
+            exits: Vec::new(),
         }];
         v.acks = vec![ack(59, 1.5), ack(59, 1.6)];
         let mut n1 = NodeRun::new(1, 100, "/n1".into());

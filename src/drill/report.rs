@@ -544,6 +544,8 @@ fn end_rows(t: &mut Table, v: &Verdict) {
             &rel(v.plan.result_at, v.raised_at),
             &format!("{} — {} ({})", r.outcome.as_str(), r.group, r.detail),
         );
+        let badput = crate::goodput::record::target(r, None, None);
+        t.row("badput", "", &badput.summary());
     }
     if let Some(e) = &v.exit {
         let mut label = exit_label(e);

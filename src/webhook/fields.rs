@@ -41,6 +41,10 @@ pub const PLACEHOLDERS: &[&str] = &[
     "blocking_pdbs",
     "drain_error",
     "plan_seconds",
+    "save_seconds",
+    "wasted_seconds",
+    "steps_lost",
+    "badput",
 ];
 
 /// How a plan ended, for the outcome message.
@@ -67,6 +71,14 @@ pub struct PlanOutcome {
     pub drain_error: String,
     /// Notice seen → plan done.
     pub plan_seconds: f64,
+    /// Badput (docs/goodput.md), summed over the targets: signal → ack of the groups that acked.
+    pub save_seconds: Option<f64>,
+    /// Training thrown away (after the last durable checkpoint), seconds and steps.
+    pub wasted_seconds: Option<f64>,
+    pub steps_lost: Option<u64>,
+    /// Per target: `group: badput: checkpoint save 12.3s, nothing thrown away, …`; empty when
+    /// nothing was signalled.
+    pub badput: String,
 }
 
 /// Values substituted into the template. Build one with [`NotifyFields::from_notice`].
@@ -173,6 +185,15 @@ impl NotifyFields {
                         let _ = write!(s, "; drain failed: {}", o.drain_error);
                     }
                 }
+                if let (Some(save), Some(steps)) = (o.save_seconds, o.steps_lost) {
+                    let _ = write!(s, "; badput: checkpoint save {}", secs(save));
+                    match o.wasted_seconds {
+                        Some(w) if steps > 0 => {
+                            let _ = write!(s, ", {steps} steps ({}) thrown away", secs(w));
+                        }
+                        _ => {}
+                    }
+                }
                 s
             }
         }
@@ -237,6 +258,13 @@ impl NotifyFields {
             Field::BlockingPdbs => o.map(|o| o.blocking_pdbs.join(", ")).unwrap_or_default(),
             Field::DrainError => o.map(|o| o.drain_error.clone()).unwrap_or_default(),
             Field::PlanSeconds => num(o.map(|o| o.plan_seconds)),
+            Field::SaveSeconds => num(o.and_then(|o| o.save_seconds)),
+            Field::WastedSeconds => num(o.and_then(|o| o.wasted_seconds)),
+            Field::StepsLost => o
+                .and_then(|o| o.steps_lost)
+                .map(|s| s.to_string())
+                .unwrap_or_default(),
+            Field::Badput => o.map(|o| o.badput.clone()).unwrap_or_default(),
         }
     }
 }
@@ -295,6 +323,10 @@ fields! {
     "blocking_pdbs" => BlockingPdbs,
     "drain_error" => DrainError,
     "plan_seconds" => PlanSeconds,
+    "save_seconds" => SaveSeconds,
+    "wasted_seconds" => WastedSeconds,
+    "steps_lost" => StepsLost,
+    "badput" => Badput,
 }
 
 #[cfg(test)]

@@ -93,6 +93,10 @@ impl Template {
                         blocking_pdbs: vec!["pdb\\1".into()],
                         drain_error: "api\nserver".into(),
                         plan_seconds: 48.0,
+                        save_seconds: Some(12.5),
+                        wasted_seconds: Some(3.25),
+                        steps_lost: Some(40),
+                        badput: "ns/p\"o: badput: thrown away 40 steps\n".into(),
                     }),
                     ..probe
                 },
@@ -189,6 +193,10 @@ mod tests {
             "blocking_pdbs": "",
             "drain_error": "",
             "plan_seconds": "",
+            "save_seconds": "",
+            "wasted_seconds": "",
+            "steps_lost": "",
+            "badput": "",
         });
         assert_eq!(v, want);
         // The outcome message fills the outcome placeholders.
@@ -202,6 +210,10 @@ mod tests {
             budget_seconds: Some(90.0),
             evicted: 2,
             plan_seconds: 41.25,
+            save_seconds: Some(30.0),
+            wasted_seconds: Some(0.0),
+            steps_lost: Some(0),
+            badput: "ns/p: badput: checkpoint save 30.0s, nothing thrown away".into(),
             ..PlanOutcome::default()
         });
         let v: serde_json::Value = serde_json::from_str(&t.render(
@@ -226,6 +238,12 @@ mod tests {
             ("evicted", "2"),
             ("blocked", "0"),
             ("plan_seconds", "41.2"),
+            ("save_seconds", "30.0"),
+            ("steps_lost", "0"),
+            (
+                "badput",
+                "ns/p: badput: checkpoint save 30.0s, nothing thrown away",
+            ),
         ] {
             assert_eq!(v[k], want, "{k}");
         }

@@ -85,11 +85,13 @@ __all__ = [
     "installed_signals",
     "launch",
     "notice",
+    "progress_path",
     "received_at",
     "received_signal",
     "requested",
     "resume_path",
     "resumed",
+    "saved",
     "should_checkpoint",
     "time_left",
     "uninstall",
@@ -157,6 +159,14 @@ _polls = 0
 _resumes = 0
 _progress_every: Optional[float] = None
 _progress_written = 0.0
+# The progress record (progress-<pid>.json): the last step seen by should_checkpoint() (its
+# ``step=`` or the resume step plus the calls since), when (monotonic), the last durable step and
+# when (wall clock), and when the next refresh is due (monotonic).
+_step: Optional[int] = None
+_step_mono = 0.0
+_durable: Optional[Tuple[int, float, Optional[str]]] = None
+_record_due = 0.0
+_record_written_step: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -328,7 +338,10 @@ def ack(
     data = _ack_bytes(state, step, where, _current_notice_id() if state != "received" else None)
     if len(data) > MAX_ACK_BYTES:
         raise ValueError(f"ack is {len(data)} bytes; the agent reads at most {MAX_ACK_BYTES}")
-    return _write_atomic(ack_path(), data)
+    written = _write_atomic(ack_path(), data)
+    if state == "done" and step is not None:
+        _mark_durable(step, where)
+    return written
 
 
 def ack_container(
@@ -338,7 +351,10 @@ def ack_container(
     """Write the plain ``<dir>/ack`` file: it acknowledges the whole container at once (for
     launchers where one process saves on behalf of all). Content is informational JSON."""
     where = None if checkpoint is None else os.fspath(checkpoint)
-    return _write_atomic(checkpoint_dir() / "ack", _ack_bytes("done", step, where, _current_notice_id()))
+    written = _write_atomic(checkpoint_dir() / "ack", _ack_bytes("done", step, where, _current_notice_id()))
+    if step is not None:
+        _mark_durable(step, where)
+    return written
 
 
 #: How often (seconds) :func:`should_checkpoint` refreshes the resume record's ``last_step`` when
@@ -412,7 +428,7 @@ def resumed(step: int) -> Path:
     set) :func:`should_checkpoint` also refreshes ``last_step`` (``step`` + its calls since) at
     most that often, which lets the drill count steps trained and then thrown away. Returns the
     path written; raises ``ValueError`` for a bad step and ``OSError`` when it cannot write."""
-    global _resume, _polls, _progress_written, _training, _resumes
+    global _resume, _polls, _progress_written, _training, _resumes, _step, _step_mono, _durable
     if isinstance(step, bool):
         raise ValueError(f"step must be an int, got {step!r}")
     try:
@@ -430,6 +446,10 @@ def resumed(step: int) -> Path:
     path = resume_path()
     _write_atomic(path, _resume_bytes())
     _progress_written = time.monotonic()
+    _step, _step_mono = step, _progress_written
+    # The loaded checkpoint is durable; what is trained from now on is at risk.
+    _durable = (step, _resume["ts"], None)
+    _write_record()
     return path
 
 
@@ -445,6 +465,66 @@ def _write_progress() -> None:
         _write_atomic(resume_path(), _resume_bytes())
     except OSError:
         pass
+
+
+#: How often (seconds) :func:`should_checkpoint` refreshes the progress record at most. Between
+#: refreshes a call costs one monotonic-clock read and compare; after a signal every new step is
+#: written at once.
+PROGRESS_EVERY = 5.0
+
+#: The agent refuses progress records larger than this (bytes).
+MAX_PROGRESS_BYTES = 4096
+
+
+def progress_path(pid: Optional[int] = None) -> Path:
+    """``<dir>/progress-<pid>.json``: the progress record of this process (or ``pid``)."""
+    return checkpoint_dir() / f"progress-{os.getpid() if pid is None else pid}.json"
+
+
+def _progress_bytes() -> bytes:
+    now_wall = time.time()
+    body: Dict[str, Any] = {"v": 1, "step": _step}
+    body["ts"] = None if _step is None else now_wall - max(0.0, time.monotonic() - _step_mono)
+    if _durable is not None:
+        body["durable_step"], body["durable_ts"] = _durable[0], _durable[1]
+        if _durable[2] is not None and len(_durable[2]) <= 1024:
+            body["durable_checkpoint"] = _durable[2]
+    if _resume is not None:
+        body["resumed_step"], body["resumed_ts"] = _resume["step"], _resume["ts"]
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def _write_record() -> None:
+    """Write the progress record now; never raises (it runs in the training loop and in the
+    signal handler)."""
+    global _record_due, _record_written_step
+    _record_due = time.monotonic() + PROGRESS_EVERY
+    _record_written_step = _step
+    try:
+        _write_atomic(progress_path(), _progress_bytes())
+    except (OSError, ValueError, TypeError):
+        pass
+
+
+def _mark_durable(step: int, where: Optional[str]) -> None:
+    global _durable
+    _durable = (step, time.time(), where)
+    if _owner_pid == os.getpid():
+        _write_record()
+
+
+def saved(step: int, checkpoint: Union[str, "os.PathLike[str]", None] = None) -> None:
+    """Say that the checkpoint of ``step`` is durable (a periodic save, outside any notice):
+    the progress record then counts the work after it, and only that, as lost if the process
+    dies before its next save. :func:`ack` ``("done", step)`` and :func:`resumed` say it too.
+    Raises ``ValueError`` for a bad step; never raises for the record itself."""
+    if isinstance(step, bool):
+        raise ValueError(f"step must be an int, got {step!r}")
+    try:
+        step = operator.index(step)
+    except TypeError:
+        raise ValueError(f"step must be an int, got {step!r}") from None
+    _mark_durable(step, None if checkpoint is None else os.fspath(checkpoint))
 
 
 def notice() -> Optional[Notice]:
@@ -538,6 +618,8 @@ def _handle(signum: int, frame: Optional[FrameType]) -> None:
                 _write_atomic(ack_path(), _ack_bytes("received", None, None))
             except OSError as err:  # never raise into the training loop from a handler
                 _handler_error = err
+            if _training:
+                _write_record()  # the step at the signal, for a process that dies before acking
     previous = _previous.get(signum)
     if _chain and callable(previous) and previous is not signal.default_int_handler:
         previous(signum, frame)
@@ -824,7 +906,7 @@ def _all_reduce_max(dist: Any, local: bool, via: str) -> bool:
     return bool(flag.item())
 
 
-def should_checkpoint(every: int = 1, *, via: str = "auto") -> bool:
+def should_checkpoint(every: int = 1, *, via: str = "auto", step: Optional[int] = None) -> bool:
     """Whether to checkpoint now. Call it at the same point of every step (after the optimizer
     step) in *every* rank.
 
@@ -848,14 +930,29 @@ def should_checkpoint(every: int = 1, *, via: str = "auto") -> bool:
     ``every=N`` runs the all-reduce on every N-th call only (returning False in between) to
     amortise its cost: the answer arrives at most N-1 steps later, so a checkpoint starts up to
     (N-1) x step time after the signal. Keep that well under the budget (about 20 s on GCE).
+
+    ``step`` (optional) is the step just trained; without it the step is the one given to
+    :func:`resumed` plus the calls since. It feeds the progress record
+    (``<dir>/progress-<pid>.json``, refreshed at most every :data:`PROGRESS_EVERY` seconds, and at
+    every new step once a signal came): the agent reads it after a notice to count the work
+    thrown away by a process that died without acking.
     """
-    global _agreed, _calls, _training, _polls
+    global _agreed, _calls, _training, _polls, _step, _step_mono
     if every < 1:
         raise ValueError(f"every must be >= 1, got {every}")
     if via not in AGREEMENT_PATHS:
         raise ValueError(f"via must be one of {', '.join(AGREEMENT_PATHS)}; got {via!r}")
     _training = True
     _polls += 1
+    _step_mono = now = time.monotonic()
+    if step is not None:
+        _step = step
+    elif _resume is not None:
+        _step = _resume["step"] + _polls
+    else:
+        _step = _polls
+    if now >= _record_due or (_requested and _step != _record_written_step):
+        _write_record()
     if _progress_every is not None and _resume is not None:
         _write_progress()
     if _agreed:

@@ -197,7 +197,7 @@ def ack_staged(
     longer needs it, its container or its files' names. Raises ``ValueError`` when ``staged`` is
     not a directory.
     """
-    from . import _current_notice_id, _write_atomic, ack_path, time_left
+    from . import _current_notice_id, _mark_durable, _write_atomic, ack_path, time_left
 
     real = os.path.realpath(os.fspath(staged))
     if not os.path.isdir(real):
@@ -239,6 +239,8 @@ def ack_staged(
     while True:
         got = _read_answer(answer, started)
         if got is not None:
+            if got.taken and step is not None:
+                _mark_durable(step, real)
             return got
         if time.monotonic() >= deadline:
             return StagedAnswer(state="timeout")

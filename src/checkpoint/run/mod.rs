@@ -57,7 +57,7 @@ pub use delivery::{
     plan_without_signal_async, ContainerDelivery, Delivery, DeliveryState, NoticeStatus,
     SignalledProcess, SkippedProcess,
 };
-pub use outcome::GroupResult;
+pub use outcome::{ExitSeen, GroupResult, MAX_PROGRESS_BYTES};
 pub use watch::{wait, wait_until, wait_with};
 
 /// How often acks and exits are polled.

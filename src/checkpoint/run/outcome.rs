@@ -26,6 +26,67 @@ pub struct GroupResult {
     pub ack_latency: Option<Duration>,
     /// One line for logs and Events: per process state, step and checkpoint, or why not.
     pub detail: String,
+    /// Every process seen gone without a terminal ack, for the badput record (`crate::goodput`).
+    pub exits: Vec<ExitSeen>,
+}
+
+/// A signalled process seen gone without a terminal ack.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ExitSeen {
+    pub ns_pid: i32,
+    /// When the watcher saw it gone (agent clock).
+    pub at: Timestamp,
+    /// Its progress record's bytes (hostile: size-capped and owner-checked only), if any.
+    pub progress: Option<Vec<u8>>,
+}
+
+/// The largest progress record read (bytes).
+pub const MAX_PROGRESS_BYTES: u64 = 4096;
+
+/// `progress-<ns_pid>.json` of an exited process, from the dir as first opened: `None` when
+/// absent, too large, not owned by one of the process's uids, or unreadable (logged at debug).
+pub(super) fn read_progress(
+    dir: &crate::checkpoint::ack::CheckpointDir,
+    p: &SignalledProcess,
+) -> Option<Vec<u8>> {
+    let name = format!("progress-{}.json", p.ns_pid);
+    match dir.read_file_after_exit(&name) {
+        Ok(Some((data, stamp)))
+            if p.uids.contains(&stamp.uid) && stamp.size <= MAX_PROGRESS_BYTES =>
+        {
+            Some(data)
+        }
+        Ok(Some((_, stamp))) => {
+            tracing::debug!(
+                file = name,
+                owner = stamp.uid,
+                size = stamp.size,
+                "progress record ignored"
+            );
+            None
+        }
+        Ok(None) => None,
+        Err(e) => {
+            tracing::debug!(file = name, error = %e, "progress record unreadable");
+            None
+        }
+    }
+}
+
+/// The processes of `w` seen gone without a terminal ack.
+pub(super) fn exits(w: &GroupWatch) -> Vec<ExitSeen> {
+    w.containers
+        .iter()
+        .flat_map(|c| &c.procs)
+        .filter_map(|p| match &p.state {
+            ProcState::Exited { at, progress } => Some(ExitSeen {
+                ns_pid: p.process.ns_pid,
+                at: *at,
+                progress: progress.clone(),
+            }),
+            _ => None,
+        })
+        .collect()
 }
 
 /// Count and log one group's result as it finishes (dry-run: logged, not counted).
@@ -219,7 +280,10 @@ mod tests {
         let t0 = Timestamp::from_second(1_700_000_000).unwrap();
         let t1 = t0 + Duration::from_millis(1500);
         let t2 = t0 + Duration::from_secs(3);
-        let exited = ProcState::Exited { at: t1 };
+        let exited = ProcState::Exited {
+            at: t1,
+            progress: None,
+        };
         let cases = [
             (
                 vec![acked(AckState::Done, t1), acked(AckState::Done, t2)],

@@ -42,6 +42,10 @@ pub(super) enum ProcState {
     },
     Exited {
         at: Timestamp,
+        /// Its `progress-<ns_pid>.json` (the helper's progress record, at most
+        /// [`MAX_PROGRESS_BYTES`](super::outcome::MAX_PROGRESS_BYTES), owned by the process's
+        /// user), read as it was seen gone; unparsed (`crate::goodput` reads it).
+        progress: Option<Vec<u8>>,
     },
 }
 
@@ -121,6 +125,7 @@ impl GroupWatch {
             signalled_at: Some(self.signalled_at),
             ack_latency,
             detail,
+            exits: super::outcome::exits(self),
         }
     }
 }
@@ -406,6 +411,7 @@ fn immediate_result(d: &Delivery) -> Option<GroupResult> {
         signalled_at: d.signalled_at,
         ack_latency: None,
         detail,
+        exits: Vec::new(),
     };
     let skipped = || skipped_detail(&d.containers).map(|s| format!(": {s}"));
     match &d.state {
@@ -713,11 +719,14 @@ fn check_exit(proc: &ProcFs, dir: Option<DirContext<'_>>, p: &mut ProcWatch, now
         Ok(false) => {
             // It may have written `done` between the read above and its exit (read from the
             // dir as opened before: its container's mounts may be gone with it).
+            let mut files = None;
             if let Some(dir) = dir {
+                files = Some(dir.0);
                 read_acks(dir, p, now, None);
             }
             if matches!(p.state, ProcState::Pending { .. }) {
-                p.state = ProcState::Exited { at: now };
+                let progress = files.and_then(|d| super::outcome::read_progress(d, &p.process));
+                p.state = ProcState::Exited { at: now, progress };
             }
         }
         Err(e) => {

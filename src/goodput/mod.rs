@@ -1,0 +1,33 @@
+//! Goodput, measured: what each interruption cost a training job, from the agent's own timeline
+//! rather than parsed from logs after the fact.
+//!
+//! * [`progress`]: the helper's progress record (`progress-<pid>.json`), read for a process that
+//!   exited without acking, to count the work it threw away.
+//! * [`record`]: the per-target badput record of one plan ([`record::Interruption`]), its
+//!   metrics, its Event text and its line in the goodput log.
+//! * [`report`]: `spotguard goodput`, the table (or JSON) a person reads, from that log.
+//!
+//! Categories and Google's ml-goodput-measurement names where they mean the same:
+//! `checkpoint_save` = `UNPRODUCTIVE_CHECKPOINT_SAVE_TIME` (signal → ack: the trainer saves
+//! instead of training), `wasted_progress` = `WASTED_PROGRESS_FROM_DISRUPTION` (training after the
+//! last durable checkpoint, redone by the next run), `detection` (cloud publication → the agent
+//! saw it; no Google counterpart: the library cannot see the notice). See docs/goodput.md.
+
+pub mod progress;
+pub mod record;
+pub mod report;
+
+/// Errors of this module.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A progress record that is not the helper's format.
+    #[error("progress record: {0}")]
+    Progress(String),
+    /// The goodput log cannot be read or written.
+    #[error("goodput log {path}: {source}")]
+    Log {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+}

@@ -1,0 +1,285 @@
+//! Goodput measured by the agent (docs/goodput.md): a host-mode plan against a real Python
+//! trainer that uses the checkout's helper, the badput record in the goodput log and the metrics,
+//! and `spotguard goodput` over that log. The trainers write their own ground truth (the step
+//! they stopped at, when they trained it, their last durable step and when), which the agent's
+//! figures are checked against.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use spotguard::emulator::{self, Cloud, EmulatedNotice, EmulatorConfig};
+use spotguard::goodput::record::Interruption;
+use spotguard::responder::PlanEvent;
+
+fn helper_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("clients/python")
+}
+
+/// Train ~2 ms steps; save (durably) at step 50; at the notice write the ground truth, then
+/// either ack `done` at the step reached and exit (`ACK=1`) or start a save that never ends (a
+/// slow save: the test powers it off).
+const TRAINER: &str = r#"
+import json, os, sys, time
+import spotguard
+d = os.environ["SPOTGUARD_DIR"]
+spotguard.install()
+spotguard.resumed(0)
+step, saved_ts = 0, None
+def truth(**kw):
+    with open(os.path.join(d, "truth.tmp"), "w") as f:
+        json.dump(kw, f)
+    os.rename(os.path.join(d, "truth.tmp"), os.path.join(d, "truth.json"))
+while True:
+    step += 1
+    time.sleep(0.002)
+    trained_at = time.time()
+    if step == 50:
+        spotguard.saved(50, "/ckpt/step-50")
+        saved_ts = time.time()
+    if step == 60:
+        open(os.environ["READY"], "w").close()
+    if spotguard.should_checkpoint(step=step):
+        signalled = spotguard.received_at()
+        truth(step=step, trained_at=trained_at, saved_step=50, saved_ts=saved_ts, received_at=signalled)
+        if os.environ.get("ACK") == "1":
+            spotguard.ack("done", step=step, checkpoint=f"/ckpt/step-{step}")
+            sys.exit(0)
+        time.sleep(3600)
+"#;
+
+struct Run {
+    dir: tempfile::TempDir,
+    trainer: tokio::process::Child,
+}
+
+async fn start_trainer(ack: bool) -> Run {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("ckpt");
+    std::fs::create_dir_all(&ckpt).unwrap();
+    let trainer = tokio::process::Command::new("python3")
+        .arg("-c")
+        .arg(TRAINER)
+        .env("PYTHONPATH", helper_dir())
+        .env("SPOTGUARD_DIR", &ckpt)
+        .env("READY", dir.path().join("ready"))
+        .env("ACK", if ack { "1" } else { "0" })
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    std::fs::write(
+        dir.path().join("trainer.pid"),
+        trainer.id().unwrap().to_string(),
+    )
+    .unwrap();
+    let ready = dir.path().join("ready");
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while !ready.exists() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the trainer never got ready"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Run { dir, trainer }
+}
+
+async fn agent(
+    dir: &Path,
+    emu: &emulator::EmulatorHandle,
+) -> (spotguard::app::App, tokio_util::sync::CancellationToken) {
+    let argv: Vec<String> = vec![
+        "--mode=host".into(),
+        "--cloud=aws".into(),
+        format!("--metadata-endpoint={}", emu.base_url()),
+        "--poll-interval=200ms".into(),
+        "--checkpoint-timeout=60s".into(),
+        format!("--checkpoint-dir={}", dir.join("ckpt").display()),
+        format!("--state-dir={}", dir.join("state").display()),
+        format!("--checkpoint-pidfile={}", dir.join("trainer.pid").display()),
+        "--metrics-addr=127.0.0.1:0".into(),
+        "--gpu=off".into(),
+        "--log-level=warn".into(),
+        "--shutdown-grace=2s".into(),
+    ];
+    let args = spotguard::config::parse_run_args(argv).unwrap_or_else(|text| panic!("{text}"));
+    let cfg = spotguard::config::Config::resolve(args, &spotguard::config::ProcessEnv).unwrap();
+    let cancel = tokio_util::sync::CancellationToken::new();
+    let app = spotguard::app::start(cfg, cancel.clone()).await.unwrap();
+    (app, cancel)
+}
+
+fn read_json(path: &Path) -> Option<serde_json::Value> {
+    serde_json::from_slice(&std::fs::read(path).ok()?).ok()
+}
+
+/// The goodput log's one line, once the outcome follower wrote it.
+async fn logged(dir: &Path) -> Interruption {
+    let path = dir.join("state").join(spotguard::goodput::report::LOG_FILE);
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Ok((all, 0)) = spotguard::goodput::report::load(&path) {
+            if let [one] = all.as_slice() {
+                return one.clone();
+            }
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no goodput log line in {}",
+            path.display()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn metric(text: &str, series: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
+        .unwrap_or_else(|| panic!("{series} not in\n{text}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_trainer_that_acks_costs_its_save_and_throws_nothing_away() {
+    let mut run = start_trainer(true).await;
+    let dir = run.dir.path().to_path_buf();
+    let emu = emulator::start(EmulatorConfig::new(Cloud::Aws))
+        .await
+        .unwrap();
+    let (app, cancel) = agent(&dir, &emu).await;
+    let mut events = app.events;
+    emu.raise(EmulatedNotice::interruption()).unwrap();
+    let signalled =
+        spotguard_testkit::wait_for_event(&mut events, Duration::from_secs(30), |e| match e {
+            PlanEvent::Signalled { at, .. } => Some(*at),
+            _ => None,
+        })
+        .await;
+    spotguard_testkit::wait_for_event(&mut events, Duration::from_secs(60), |e| {
+        matches!(e, PlanEvent::Done { .. }).then_some(())
+    })
+    .await;
+    let i = logged(&dir).await;
+    let truth = read_json(&dir.join("ckpt/truth.json")).expect("the trainer's ground truth");
+    let [t] = i.targets.as_slice() else {
+        panic!("one target expected: {i:?}")
+    };
+    assert_eq!(t.outcome, "acked");
+    assert_eq!(t.step, truth["step"].as_u64(), "{t:?} vs {truth}");
+    assert_eq!((t.wasted_steps, t.wasted_seconds), (Some(0), Some(0.0)));
+    // The save: signal → the ack the agent saw, at least the trainer's own signal → ack.
+    let save = t.save_seconds.expect("a save time");
+    let own = truth["received_at"].as_f64().unwrap() - signalled.as_millisecond() as f64 / 1000.0;
+    assert!(
+        save >= own.max(0.0) - 0.01 && save < 30.0,
+        "save {save}, trainer saw the signal after {own}"
+    );
+    assert_eq!(i.signalled_at, Some(signalled));
+
+    let m = spotguard_testkit::metrics_text(app.admin_addr).await;
+    let booked = metric(
+        &m,
+        "spotguard_badput_seconds_total{category=\"checkpoint_save\"}",
+    );
+    assert!((booked - save).abs() < 1e-6, "{booked} vs {save}");
+    assert_eq!(metric(&m, "spotguard_badput_steps_lost_total"), 0.0);
+
+    // `spotguard goodput` over the log.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_spotguard"))
+        .args(["goodput", "--json", "--state-dir"])
+        .arg(dir.join("state"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["totals"]["interruptions"], 1);
+    assert_eq!(report["totals"]["badput_seconds"][0][0], "checkpoint_save");
+    assert!((report["totals"]["badput_seconds"][0][1].as_f64().unwrap() - save).abs() < 1e-6);
+    cancel.cancel();
+    let _ = tokio::time::timeout(Duration::from_secs(5), app.join).await;
+    emu.shutdown().await;
+    let _ = run.trainer.kill().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_trainer_powered_off_before_acking_reports_what_it_threw_away() {
+    let mut run = start_trainer(false).await;
+    let dir = run.dir.path().to_path_buf();
+    let emu = emulator::start(EmulatorConfig::new(Cloud::Aws))
+        .await
+        .unwrap();
+    let (app, cancel) = agent(&dir, &emu).await;
+    let mut events = app.events;
+    emu.raise(EmulatedNotice::interruption()).unwrap();
+    // The trainer saw the signal and started its (endless) save: power it off.
+    let truth_path = dir.join("ckpt/truth.json");
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let truth = loop {
+        if let Some(t) = read_json(&truth_path) {
+            break t;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the trainer never saw the signal"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    run.trainer.start_kill().unwrap();
+    let _ = run.trainer.wait().await;
+    spotguard_testkit::wait_for_event(&mut events, Duration::from_secs(60), |e| {
+        matches!(e, PlanEvent::Done { .. }).then_some(())
+    })
+    .await;
+    let i = logged(&dir).await;
+    let [t] = i.targets.as_slice() else {
+        panic!("one target expected: {i:?}")
+    };
+    assert_eq!(t.outcome, "exited");
+    let stopped = truth["step"].as_u64().unwrap();
+    assert_eq!(t.durable_step, Some(50));
+    // Exact: after the signal the helper writes every new step.
+    assert_eq!(t.wasted_steps, Some(stopped - 50), "{t:?} vs {truth}");
+    // Seconds: the trainer's own clock, durable save → its last step (the helper's timestamps
+    // are taken a few statements apart from the trainer's: 50 ms covers a loaded machine).
+    let own = truth["trained_at"].as_f64().unwrap() - truth["saved_ts"].as_f64().unwrap();
+    let wasted = t.wasted_seconds.unwrap();
+    assert!(
+        (wasted - own).abs() < 0.05,
+        "wasted {wasted} s vs the trainer's {own} s"
+    );
+    assert_eq!(t.save_seconds, None);
+    assert!(t.downtime_seconds.unwrap() > 0.0);
+
+    let m = spotguard_testkit::metrics_text(app.admin_addr).await;
+    assert_eq!(
+        metric(&m, "spotguard_badput_steps_lost_total"),
+        (stopped - 50) as f64
+    );
+    let booked = metric(
+        &m,
+        "spotguard_badput_seconds_total{category=\"wasted_progress\"}",
+    );
+    assert!((booked - wasted).abs() < 1e-6);
+    cancel.cancel();
+    let _ = tokio::time::timeout(Duration::from_secs(5), app.join).await;
+    emu.shutdown().await;
+}
+
+#[test]
+fn the_operators_guides_goodput_recording_rules_pass_promtool() {
+    let guide = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/operators-guide.md"),
+    )
+    .unwrap();
+    let (_, section) = guide.split_once("### Goodput").expect("no Goodput section");
+    let (_, block) = section.split_once("```yaml\n").expect("no rule file");
+    let (rules, _) = block.split_once("```").unwrap();
+    assert!(rules.contains("spotguard_badput_seconds_total"));
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("goodput-rules.yaml");
+    std::fs::write(&path, rules).unwrap();
+    let out = spotguard_testkit::prometheus::promtool(&["check", "rules", path.to_str().unwrap()]);
+    assert!(out.contains("SUCCESS: 3 rules found"), "{out}");
+}
