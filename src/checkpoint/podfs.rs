@@ -38,8 +38,9 @@ pub const HELPER_ARG: &str = "__pod-fs";
 const MAX_FRAME: u32 = 32 << 20;
 
 /// Run checkpoint dir access in helpers started from `exe` (the daemon: `/proc/self/exe`, the
-/// running binary even after it was replaced on disk). Set once, before any dir is opened; a
-/// spare helper is started at once ([`ready_spare`]).
+/// running binary even after it was replaced on disk), and with it every bounded child of
+/// [`child`] (the start-up dir check). Set once, before any dir is opened; a spare helper is
+/// started at once ([`ready_spare`]).
 pub fn use_helper(exe: impl Into<PathBuf>) {
     if child::use_exe(exe) {
         ready_spare();
