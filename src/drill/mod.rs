@@ -8,9 +8,6 @@
 
 mod child;
 mod elastic;
-mod elastic_launcher;
-mod elastic_node;
-mod elastic_report;
 mod follow;
 mod pipeline;
 mod records;
@@ -244,11 +241,7 @@ async fn drill(args: &DrillArgs, cancel: CancellationToken) -> Result<Verdict, S
 
     // 2. The child.
     let (program, child_args) = program(args)?;
-    let shown = if args.command.is_empty() {
-        "spotguard example-trainer (bundled)".to_string()
-    } else {
-        args.command.join(" ")
-    };
+    let shown = shown(args);
     announce(args, &dirs, &shown);
     let started_at = Timestamp::now();
     let started = Instant::now();
@@ -274,20 +267,9 @@ async fn drill(args: &DrillArgs, cancel: CancellationToken) -> Result<Verdict, S
         h = wait_for_handler(args, &proc, root, started) => h,
         status = child.wait() => {
             pipeline.stop().await;
-            let crashed = matches!(&status, Ok(s) if !s.success());
-            let what = child::early_exit(status);
+            let why = ended_before_the_notice(args, status, started);
             dirs.work.keep(args.keep);
-            let after = started.elapsed().as_secs_f64();
-            let where_ = if args.json { "on stderr, above" } else { "above" };
-            return Err(if crashed {
-                format!(
-                    "the command crashed before the notice ({what}, {after:.1}s after start): its own output is {where_} (a missing module, a bad argument?). Run it alone until it trains, then drill it again"
-                )
-            } else {
-                format!(
-                    "the command ended before the notice ({what}, {after:.1}s after start): nothing was left to interrupt. Give it more steps, or a shorter --after"
-                )
-            });
+            return Err(why);
         }
         _ = cancel.cancelled() => return Err("interrupted".into()),
     };
@@ -317,6 +299,40 @@ async fn drill(args: &DrillArgs, cancel: CancellationToken) -> Result<Verdict, S
     report::judge(&mut v, SIGNAL_NAME, args.timeout);
     dirs.work.keep(args.keep);
     Ok(v)
+}
+
+/// The command as the verdict shows it.
+fn shown(args: &DrillArgs) -> String {
+    if args.command.is_empty() {
+        "spotguard example-trainer (bundled)".to_string()
+    } else {
+        args.command.join(" ")
+    }
+}
+
+/// Why the run stops when the command exited (`status`) before the notice: a crash, or an end.
+fn ended_before_the_notice(
+    args: &DrillArgs,
+    status: std::io::Result<std::process::ExitStatus>,
+    started: Instant,
+) -> String {
+    let crashed = matches!(&status, Ok(s) if !s.success());
+    let what = child::early_exit(status);
+    let after = started.elapsed().as_secs_f64();
+    let where_ = if args.json {
+        "on stderr, above"
+    } else {
+        "above"
+    };
+    if crashed {
+        format!(
+            "the command crashed before the notice ({what}, {after:.1}s after start): its own output is {where_} (a missing module, a bad argument?). Run it alone until it trains, then drill it again"
+        )
+    } else {
+        format!(
+            "the command ended before the notice ({what}, {after:.1}s after start): nothing was left to interrupt. Give it more steps, or a shorter --after"
+        )
+    }
 }
 
 /// The program to run and its arguments: the command, else the bundled example trainer.

@@ -9,7 +9,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::{report, DrillArgs, EXIT_ERROR, EXIT_FAIL, EXIT_PASS};
 
-/// A run's verdict as the loop renders it: `report::Verdict`, `elastic_report::ElasticVerdict`.
+/// A run's verdict as the loop renders it: `report::Verdict`, `elastic::report::ElasticVerdict`.
 pub trait RunVerdict {
     /// The run passed.
     fn passed(&self) -> bool;

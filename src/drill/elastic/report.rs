@@ -14,12 +14,12 @@ use std::time::Duration;
 use jiff::Timestamp;
 use serde_json::{json, Value};
 
-use super::follow::PlanSeen;
-use super::records::ResumeRow;
-use super::repeat::RunVerdict;
-use super::report::{exit_label, AckRow, ExitInfo, Table};
-use super::wait::Handler;
 use crate::checkpoint::Outcome;
+use crate::drill::follow::PlanSeen;
+use crate::drill::records::ResumeRow;
+use crate::drill::repeat::RunVerdict;
+use crate::drill::report::{exit_label, AckRow, ExitInfo, Table};
+use crate::drill::wait::Handler;
 use crate::notice::Cloud;
 
 /// One node of the elastic job.
@@ -60,16 +60,36 @@ impl NodeRun {
     }
 }
 
+/// A round of a survivor's workers after the notice, as its first resume record tells it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Round {
+    /// The step resumed from.
+    pub step: i64,
+    /// When.
+    pub at: Timestamp,
+    pub world_size: Option<i64>,
+}
+
+impl Round {
+    fn of(r: &ResumeRow) -> Round {
+        Round {
+            step: r.step,
+            at: r.at,
+            world_size: r.world_size,
+        }
+    }
+}
+
 /// A surviving node after the notice.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Survivor {
     pub index: u32,
     pub label: String,
-    /// Its first resume after the notice: (step, when, world size).
-    pub first: Option<(i64, Timestamp, Option<i64>)>,
+    /// Its first resume after the notice.
+    pub first: Option<Round>,
     /// The first resume of its last generation after the notice (the round that stuck; the
-    /// same as `first` when it restarted once): (step, when, world size).
-    pub stuck: Option<(i64, Timestamp, Option<i64>)>,
+    /// same as `first` when it restarted once).
+    pub stuck: Option<Round>,
     /// How many times its workers (re)started after the notice (generations of resume records).
     pub resumes_after_notice: usize,
     /// The step of its last resume after the notice.
@@ -223,7 +243,7 @@ pub fn judge(v: &mut ElasticVerdict, timeout: Duration, kill_after: Duration) {
             "the interrupted node's ranks acked different steps ({done:?}): should_checkpoint() did not agree"
         ));
     }
-    if let Some(n) = super::report::expected_per_node(&v.command) {
+    if let Some(n) = crate::drill::report::expected_per_node(&v.command) {
         if v.plan.signalled_at.is_some() && v.plan.processes < n {
             v.warnings.push(format!(
                 "the launcher was asked for {n} processes per node but only {} caught the signal on {}",
@@ -239,7 +259,7 @@ pub fn judge(v: &mut ElasticVerdict, timeout: Duration, kill_after: Duration) {
         v.training_again = v
             .survivors
             .iter()
-            .filter_map(|s| s.stuck.map(|(_, at, _)| at))
+            .filter_map(|s| s.stuck.map(|r| r.at))
             .max()
             .map(|at| Duration::from_secs_f64(secs(at, t0).max(0.0)));
     }
@@ -261,8 +281,8 @@ fn survivors(v: &ElasticVerdict) -> Vec<Survivor> {
             Survivor {
                 index: n.index,
                 label: n.label.clone(),
-                first: after.first().map(|r| (r.step, r.at, r.world_size)),
-                stuck: last_generation(&after).map(|r| (r.step, r.at, r.world_size)),
+                first: after.first().map(|r| Round::of(r)),
+                stuck: last_generation(&after).map(Round::of),
                 resumes_after_notice: generations(&after),
                 last_step: after.last().map(|r| r.step),
             }
@@ -489,7 +509,7 @@ fn in_time(v: &ElasticVerdict, doomed: &str, again: Duration) -> Result<(), Stri
     let last = v
         .survivors
         .iter()
-        .filter_map(|s| s.stuck.map(|(_, at, _)| at))
+        .filter_map(|s| s.stuck.map(|r| r.at))
         .max();
     match last {
         Some(last) if last > by => Err(format!(
@@ -506,7 +526,7 @@ fn passed(v: &ElasticVerdict, doomed: &str, saved: i64, again: Duration) -> Stri
     let resumed = v
         .survivors
         .iter()
-        .filter_map(|s| s.stuck.map(|f| f.0))
+        .filter_map(|s| s.stuck.map(|r| r.step))
         .min()
         .unwrap_or(saved);
     let kept = if resumed > saved {
@@ -637,18 +657,19 @@ fn node_left_row(t: &mut Table, v: &ElasticVerdict) {
 fn survivor_rows(t: &mut Table, v: &ElasticVerdict) {
     for s in &v.survivors {
         let (time, detail) = match (s.stuck, s.first) {
-            (Some((step, at, world)), Some((_, first_at, first_world))) => (
-                rel(Some(at), v.raised_at),
+            (Some(stuck), Some(first)) => (
+                rel(Some(stuck.at), v.raised_at),
                 format!(
-                    "{}: resumed from step {step} (world size {}){}",
+                    "{}: resumed from step {} (world size {}){}",
                     s.label,
-                    world_size(world),
+                    stuck.step,
+                    world_size(stuck.world_size),
                     if s.resumes_after_notice > 1 {
                         format!(
                             " in the last of {} rounds after the notice (the first at {}, world size {})",
                             s.resumes_after_notice,
-                            rel(Some(first_at), v.raised_at),
-                            world_size(first_world)
+                            rel(Some(first.at), v.raised_at),
+                            world_size(first.world_size)
                         )
                     } else {
                         String::new()
@@ -719,11 +740,11 @@ pub fn to_json(v: &ElasticVerdict) -> Value {
         "survivors": v.survivors.iter().map(|x| json!({
             "node": x.index,
             "label": x.label,
-            "resumed_step": x.stuck.map(|f| f.0),
-            "resumed_s": x.stuck.map(|f| secs(f.1, t0)),
-            "world_size": x.stuck.and_then(|f| f.2),
-            "first_resumed_step": x.first.map(|f| f.0),
-            "first_resumed_s": x.first.map(|f| secs(f.1, t0)),
+            "resumed_step": x.stuck.map(|r| r.step),
+            "resumed_s": x.stuck.map(|r| secs(r.at, t0)),
+            "world_size": x.stuck.and_then(|r| r.world_size),
+            "first_resumed_step": x.first.map(|r| r.step),
+            "first_resumed_s": x.first.map(|r| secs(r.at, t0)),
             "resumes_after_notice": x.resumes_after_notice,
             "last_resumed_step": x.last_step,
         })).collect::<Vec<_>>(),
@@ -816,6 +837,16 @@ mod tests {
         v
     }
 
+    /// The interrupted node (the second) exits 143 at `at` seconds after the notice.
+    fn left_with_143(v: &mut ElasticVerdict, at: f64) {
+        v.nodes[1].exit = Some(ExitInfo {
+            code: 143,
+            signal: None,
+            killed_by_drill: false,
+        });
+        v.nodes[1].exited_at = Some(ts(at));
+    }
+
     const LAUNCHED: &str =
         "python3 -m spotguard launch -- torchrun --nnodes=1:2 --nproc-per-node=2 train.py";
 
@@ -824,12 +855,7 @@ mod tests {
         let mut v = base(LAUNCHED);
         v.nodes[0].resumes.push(resume(12, 59, 6.0, 120));
         v.nodes[0].resumes.push(resume(13, 59, 6.1, 118));
-        v.nodes[1].exit = Some(ExitInfo {
-            code: 143,
-            signal: None,
-            killed_by_drill: false,
-        });
-        v.nodes[1].exited_at = Some(ts(2.5));
+        left_with_143(&mut v, 2.5);
         judge(&mut v, Duration::from_secs(90), Duration::from_secs(30));
         assert!(v.pass, "{}", v.reason);
         assert_eq!(v.saved_step, Some(59));
@@ -861,12 +887,7 @@ mod tests {
             ranked(15, 1, 2, 59, 2.6),
             ranked(16, 0, 2, 59, 2.7),
         ]);
-        v.nodes[1].exit = Some(ExitInfo {
-            code: 143,
-            signal: None,
-            killed_by_drill: false,
-        });
-        v.nodes[1].exited_at = Some(ts(2.5));
+        left_with_143(&mut v, 2.5);
         judge(&mut v, Duration::from_secs(90), Duration::from_secs(30));
         assert!(v.pass, "{}", v.reason);
         assert_eq!(v.steps_lost, Some(0));

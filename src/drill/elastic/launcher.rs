@@ -10,13 +10,13 @@ use std::time::{Duration, Instant};
 use jiff::Timestamp;
 use tokio_util::sync::CancellationToken;
 
-use super::elastic::{interrupt, keep_work, kill_after, Job, Target};
-use super::elastic_node::{stop_all, Members, Node};
-use super::elastic_report::{self as er, ElasticVerdict, NodeRun};
-use super::report::{AckRow, ExitInfo};
-use super::workdir::{self, WorkDir};
-use super::{pipeline, records, say, wait, DrillArgs, SIGNAL, SIGNAL_NAME};
+use super::job::{interrupt, keep_work, kill_after, Job, Target};
+use super::node::{stop_all, Members, Node};
+use super::report::{self as er, ElasticVerdict, NodeRun};
 use crate::checkpoint::procfs::ProcFs;
+use crate::drill::report::{AckRow, ExitInfo};
+use crate::drill::workdir::{self, WorkDir};
+use crate::drill::{pipeline, records, say, wait, DrillArgs, SIGNAL, SIGNAL_NAME};
 
 /// Each node's first process seen catching the signal, and when (after the command started), by
 /// the node's value of `VAR`.
@@ -122,7 +122,7 @@ async fn wait_until_every_node_trains(
         }
         job.poll(proc);
         if let Some(e) = &job.run.exit {
-            let what = super::report::exit_label(e);
+            let what = crate::drill::report::exit_label(e);
             return Err(format!(
                 "the command ended before the notice ({what}, {:.1}s after start)",
                 started.elapsed().as_secs_f64()

@@ -10,10 +10,10 @@ use jiff::Timestamp;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
-use super::child::{exit_info, STOP_GRACE};
-use super::elastic_report::NodeRun;
-use super::wait;
+use super::report::NodeRun;
 use crate::checkpoint::procfs::ProcFs;
+use crate::drill::child::{exit_info, STOP_GRACE};
+use crate::drill::wait;
 
 /// How often the drill's helper reports progress (`SPOTGUARD_PROGRESS`, seconds).
 const PROGRESS_S: &str = "0.5";
