@@ -18,20 +18,21 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::time::Duration;
 
 use k8s_openapi::api::apps::v1::DaemonSet;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::Api;
 use serde_json::Value;
+use spotguard_testkit::assets::repo_root;
+use spotguard_testkit::k8s::assets;
 use spotguard_testkit::k8s::fixtures::yaml_documents;
-use spotguard_testkit::k8s::{assets, Identity, TestCluster};
-use tokio::io::AsyncWriteExt;
-use tokio::process::Command;
+use spotguard_testkit::k8s::tools::{find_on_path, run_tool, Kubectl, Ran, Server};
+use spotguard_testkit::wait::{eventually, until_described};
 
 const HELM_DEPS: &str = "scripts/deps/helm.sh";
-const KUBECTL_DEPS: &str = "scripts/deps/kubectl.sh";
+/// How long one run of kubectl or helm may take.
+const TOOL_LIMIT: Duration = Duration::from_secs(180);
 
 /// The kustomize base's removal, as docs/deploy-kubernetes.md gives it.
 const KUSTOMIZE_REMOVAL: &str =
@@ -42,67 +43,20 @@ const KUSTOMIZE_REMOVAL: &str =
 /// lists them cluster-wide.
 static CLUSTER_WIDE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
-fn repo() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
 fn chart() -> String {
-    repo().join("charts/spotguard").display().to_string()
+    repo_root().join("charts/spotguard").display().to_string()
 }
 
 fn full_values() -> String {
-    repo()
+    repo_root()
         .join("tests/chart/full-values.yaml")
         .display()
         .to_string()
 }
 
-fn find_on_path(name: &str) -> Option<PathBuf> {
-    let path = std::env::var_os("PATH")?;
-    std::env::split_paths(&path)
-        .map(|d| d.join(name))
-        .find(|p| p.is_file())
-}
-
-struct Ran {
-    ok: bool,
-    stdout: String,
-    stderr: String,
-}
-
+/// `bin ARGS` (helm) from operator home `home`, within [`TOOL_LIMIT`].
 async fn run(bin: &Path, args: &[&str], stdin: Option<&str>, home: &Path) -> Ran {
-    let mut cmd = Command::new(bin);
-    cmd.args(args)
-        .env("KUBECONFIG", home.join("config"))
-        .env("HOME", home)
-        .env("HELM_CACHE_HOME", home.join("helm-cache"))
-        .env("HELM_CONFIG_HOME", home.join("helm-config"))
-        .env("HELM_DATA_HOME", home.join("helm-data"))
-        .env_remove("KUBERNETES_SERVICE_HOST")
-        .stdin(if stdin.is_some() {
-            Stdio::piped()
-        } else {
-            Stdio::null()
-        })
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true);
-    let mut child = cmd
-        .spawn()
-        .unwrap_or_else(|e| panic!("running {}: {e}", bin.display()));
-    if let (Some(input), Some(mut pipe)) = (stdin, child.stdin.take()) {
-        pipe.write_all(input.as_bytes()).await.unwrap();
-        drop(pipe);
-    }
-    let out = tokio::time::timeout(Duration::from_secs(180), child.wait_with_output())
-        .await
-        .unwrap_or_else(|_| panic!("{} {args:?} did not finish within 180 s", bin.display()))
-        .unwrap();
-    Ran {
-        ok: out.status.success(),
-        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
-        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
-    }
+    run_tool(bin, args, stdin, home, TOOL_LIMIT).await
 }
 
 /// One Helm binary of a major version.
@@ -153,50 +107,26 @@ fn helms() -> Vec<Helm> {
 }
 
 /// kubectl and helm as an operator (admin) of the shared control plane.
-struct Tools {
-    kubectl: PathBuf,
-    home: tempfile::TempDir,
-    k: TestCluster,
+struct Tools(Kubectl);
+
+impl std::ops::Deref for Tools {
+    type Target = Kubectl;
+    fn deref(&self) -> &Kubectl {
+        &self.0
+    }
 }
 
 impl Tools {
     async fn start() -> Tools {
-        let kubectl = std::env::var_os("KUBECTL")
-            .map(PathBuf::from)
-            .or_else(|| find_on_path("kubectl"))
-            .unwrap_or_else(|| panic!("kubectl not found: run {KUBECTL_DEPS}"));
-        let k = TestCluster::new().await;
-        let home = tempfile::tempdir().unwrap();
-        std::fs::write(
-            home.path().join("config"),
-            k.cp.kubeconfig(&k.cp.url(), Identity::Admin),
-        )
-        .unwrap();
-        Tools { kubectl, home, k }
+        Tools(Kubectl::start(Server::Direct, TOOL_LIMIT).await)
     }
 
     async fn kubectl(&self, args: &[&str], stdin: Option<&str>) -> Ran {
-        let mut all = args.to_vec();
-        let cache = self.home.path().join("kube-cache");
-        all.extend(["--cache-dir", cache.to_str().unwrap()]);
-        run(&self.kubectl, &all, stdin, self.home.path()).await
+        self.run(args, stdin).await
     }
 
     async fn helm(&self, helm: &Helm, args: &[&str]) -> Ran {
         run(&helm.bin, args, None, self.home.path()).await
-    }
-
-    async fn kustomize(&self, dir: &Path) -> String {
-        let ran = self
-            .kubectl(&["kustomize", dir.to_str().unwrap()], None)
-            .await;
-        assert!(
-            ran.ok,
-            "kubectl kustomize {}: {}",
-            dir.display(),
-            ran.stderr
-        );
-        ran.stdout
     }
 
     /// `kubectl apply --server-side --dry-run=server`: the objects as the API server would
@@ -230,35 +160,8 @@ impl Tools {
             "monitoring.coreos.com_servicemonitors.yaml",
             "monitoring.coreos.com_prometheusrules.yaml",
         ] {
-            let file = dir.join(f);
-            let file = file.to_str().unwrap();
-            let ran = self
-                .kubectl(
-                    &[
-                        "apply",
-                        "--server-side",
-                        "--force-conflicts",
-                        "--field-manager=spotguard-chart-test",
-                        "-f",
-                        file,
-                    ],
-                    None,
-                )
+            self.install_crds_from(&dir.join(f), "spotguard-chart-test")
                 .await;
-            assert!(ran.ok, "installing {file}: {}", ran.stderr);
-            let ran = self
-                .kubectl(
-                    &[
-                        "wait",
-                        "--for=condition=Established",
-                        "--timeout=60s",
-                        "-f",
-                        file,
-                    ],
-                    None,
-                )
-                .await;
-            assert!(ran.ok, "{file} not Established: {}", ran.stderr);
         }
     }
 
@@ -312,7 +215,7 @@ fn overlay(resources: &[&str], components: &[&str], extra: &str) -> tempfile::Te
         .map(|_| "..")
         .collect::<Vec<_>>()
         .join("/");
-    let rel = |p: &str| format!("{up}{}", repo().join(p).display());
+    let rel = |p: &str| format!("{up}{}", repo_root().join(p).display());
     let mut text = String::from(
         "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources:\n",
     );
@@ -415,7 +318,8 @@ fn equivalence(kustomized: &str, helm: &str) -> Vec<String> {
     let mut problems = Vec::new();
     match base.remove("Namespace/-/spotguard") {
         Some(ns) => {
-            let docs = std::fs::read_to_string(repo().join("docs/deploy-kubernetes.md")).unwrap();
+            let docs =
+                std::fs::read_to_string(repo_root().join("docs/deploy-kubernetes.md")).unwrap();
             for (k, v) in ns["metadata"]["labels"].as_object().unwrap() {
                 if k.starts_with("pod-security")
                     && !docs.contains(&format!("{k}={}", v.as_str().unwrap()))
@@ -500,8 +404,8 @@ async fn the_charts_default_rendering_is_the_kustomize_base() {
         ),
     ] {
         assert_eq!(
-            std::fs::read(repo().join(copy)).unwrap(),
-            std::fs::read(repo().join(original)).unwrap(),
+            std::fs::read(repo_root().join(copy)).unwrap(),
+            std::fs::read(repo_root().join(original)).unwrap(),
             "{copy} differs from {original}: copy it again"
         );
     }
@@ -510,8 +414,8 @@ async fn the_charts_default_rendering_is_the_kustomize_base() {
 /// The equivalence check sees drift: an object only in the base, and a changed field.
 #[test]
 fn the_equivalence_check_catches_drift() {
-    let sa = std::fs::read_to_string(repo().join("daemonset/serviceaccount.yaml")).unwrap();
-    let ns = std::fs::read_to_string(repo().join("daemonset/namespace.yaml")).unwrap();
+    let sa = std::fs::read_to_string(repo_root().join("daemonset/serviceaccount.yaml")).unwrap();
+    let ns = std::fs::read_to_string(repo_root().join("daemonset/namespace.yaml")).unwrap();
     let base = format!("{ns}\n---\n{sa}");
     let same = equivalence(&base, &sa);
     assert!(same.is_empty(), "{same:?}");
@@ -536,7 +440,7 @@ fn the_equivalence_check_catches_drift() {
         "{problems:?}"
     );
     // An env entry changed inside a list of named entries.
-    let ds = std::fs::read_to_string(repo().join("daemonset/daemonset.yaml")).unwrap();
+    let ds = std::fs::read_to_string(repo_root().join("daemonset/daemonset.yaml")).unwrap();
     let ds_changed = ds.replace("value: 90s", "value: 60s");
     assert_ne!(ds_changed, ds);
     let problems = equivalence(
@@ -639,7 +543,7 @@ async fn helm_package_gives_the_archive_the_release_pushes() {
             .output()
             .unwrap();
         let listing = String::from_utf8_lossy(&listing.stdout);
-        for file in std::fs::read_dir(repo().join("charts/spotguard/templates"))
+        for file in std::fs::read_dir(repo_root().join("charts/spotguard/templates"))
             .unwrap()
             .map(|e| format!("templates/{}", e.unwrap().file_name().to_string_lossy()))
             .chain(
@@ -963,36 +867,47 @@ async fn kustomize_install_server_side_reapply_karpenter_and_removal() {
         )
         .await;
     let pods: Api<Pod> = Api::namespaced(t.k.admin(), "spotguard");
-    let start = std::time::Instant::now();
-    loop {
-        let list = pods.list(&Default::default()).await.unwrap();
-        let for_node = list.items.iter().any(|p| {
-            serde_json::to_string(&p.spec)
-                .unwrap()
-                .contains(&format!("\"{}\"", node.name()))
-        });
-        if for_node {
-            break;
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(60),
-            "no agent pod for the Karpenter GPU node {} after 60 s (DESIRED 0)",
+    eventually(
+        &format!(
+            "an agent pod for the Karpenter GPU node {} (DESIRED 0)",
             node.name()
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+        ),
+        Duration::from_secs(60),
+        || async {
+            let list = pods.list(&Default::default()).await.unwrap();
+            list.items.iter().any(|p| {
+                serde_json::to_string(&p.spec)
+                    .unwrap()
+                    .contains(&format!("\"{}\"", node.name()))
+            })
+        },
+    )
+    .await;
+    // DESIRED counts the node: the controller writes its status after it made the pod.
     let dss: Api<DaemonSet> = Api::namespaced(t.k.admin(), "spotguard");
-    let desired = dss
-        .get("spotguard")
-        .await
-        .unwrap()
-        .status
-        .map(|s| s.desired_number_scheduled);
-    assert!(desired.unwrap_or(0) >= 1, "DESIRED {desired:?}");
+    until_described(
+        "the DaemonSet's DESIRED counting the Karpenter node",
+        Duration::from_secs(30),
+        |desired: &Option<i32>| Some(format!("DESIRED {desired:?}")),
+        || async {
+            let desired = dss
+                .get("spotguard")
+                .await
+                .unwrap()
+                .status
+                .map(|s| s.desired_number_scheduled);
+            if desired.unwrap_or(0) >= 1 {
+                Ok(())
+            } else {
+                Err(desired)
+            }
+        },
+    )
+    .await;
 
     // The removal the docs used to give misses the component's RBAC; the check sees it.
     let selector = "app.kubernetes.io/name=spotguard";
-    let base = repo().join("daemonset");
+    let base = repo_root().join("daemonset");
     let ran = t
         .kubectl(
             &["delete", "-k", base.to_str().unwrap(), "--wait=false"],
@@ -1007,7 +922,7 @@ async fn kustomize_install_server_side_reapply_karpenter_and_removal() {
         "{left:?}"
     );
     // The documented removal.
-    let docs = std::fs::read_to_string(repo().join("docs/deploy-kubernetes.md")).unwrap();
+    let docs = std::fs::read_to_string(repo_root().join("docs/deploy-kubernetes.md")).unwrap();
     assert!(
         docs.contains(KUSTOMIZE_REMOVAL),
         "docs/deploy-kubernetes.md lost: {KUSTOMIZE_REMOVAL}"
@@ -1038,16 +953,6 @@ async fn kustomize_install_server_side_reapply_karpenter_and_removal() {
 // ---------------------------------------------------------------------------------------------
 // The chart's DaemonSet, running.
 
-/// A trainer: catches SIGUSR1 and acks step 4242 in its emptyDir.
-const TRAINER: &str = r#"
-trap 'printf "{\"state\":\"done\",\"step\":4242,\"checkpoint\":\"ckpt-4242\",\"ts\":%s}" $(date +%s.%N) > "$SPOTGUARD_DIR/.ack.tmp"; mv "$SPOTGUARD_DIR/.ack.tmp" "$SPOTGUARD_DIR/ack-$BASHPID.json"' USR1
-while :; do sleep 0.05; done
-"#;
-
-fn port_free(port: u16) -> bool {
-    std::net::TcpListener::bind(("0.0.0.0", port)).is_ok()
-}
-
 /// `helm install` (Helm v4; v3 renders the same objects, see the equivalence test) of the
 /// chart with its default values, plus the image of this test and the metadata endpoint of its
 /// emulator: the DaemonSet controller creates the agent's pod for the GPU node, the scheduler
@@ -1059,34 +964,26 @@ fn port_free(port: u16) -> bool {
 async fn the_charts_daemonset_runs_and_its_agent_handles_a_notice() {
     let _cluster_wide = CLUSTER_WIDE.lock().await;
     use spotguard::emulator::{self, Cloud, EmulatedNotice, EmulatorConfig};
-    use spotguard_testkit::k8s::{non_system_taints, Image};
+    use spotguard_testkit::k8s::daemonset;
 
-    for port in [9464, 9465] {
-        assert!(
-            port_free(port),
-            "port {port} is taken on this machine: the DaemonSet's pods use the host network"
-        );
-    }
+    daemonset::assert_host_ports_free();
     let t = Tools::start().await;
     let helm = helms().pop().unwrap();
     let emu = emulator::start(EmulatorConfig::new(Cloud::Aws))
         .await
         .unwrap();
-    let dmi = tempfile::tempdir().unwrap();
-    std::fs::write(dmi.path().join("sys_vendor"), "Amazon EC2\n").unwrap();
-    std::fs::write(dmi.path().join("product_name"), "p4d.24xlarge\n").unwrap();
     // The image name is this test's own, so that no other DaemonSet's pod starts here.
-    let node =
-        t.k.node(
-            t.k.node_config("chart-gpu")
-                .gpus(8)
-                .host_path("/sys/class/dmi/id", dmi.path())
-                .image(
-                    "spotguard-chart-test:0.1.0",
-                    Image::binary(env!("CARGO_BIN_EXE_spotguard")),
-                ),
-        )
-        .await;
+    let (node, _dmi) = daemonset::ec2_gpu_node(
+        &t.k,
+        "chart-gpu",
+        "spotguard-chart-test:0.1.0",
+        env!("CARGO_BIN_EXE_spotguard"),
+    )
+    .await;
+    // The trainer runs before the agent starts, so that the agent's first list of the node's
+    // pods holds it: the test then waits for the agent to say so.
+    let ml = t.k.namespace("ml").await;
+    daemonset::start_trainer(&t.k, &node, &ml).await;
     let ns = t.k.namespace("chart").await;
     let release = format!("spotguard-{}", t.k.id());
     let values = tempfile::NamedTempFile::new().unwrap();
@@ -1118,37 +1015,10 @@ async fn the_charts_daemonset_runs_and_its_agent_handles_a_notice() {
         .await;
     assert!(ran.ok, "helm install: {}", ran.stderr);
 
-    let pods: Api<Pod> = Api::namespaced(t.k.admin(), &ns);
-    let dss: Api<DaemonSet> = Api::namespaced(t.k.admin(), &ns);
-    let start = std::time::Instant::now();
-    let agent_pod = loop {
-        let list = pods
-            .list(&kube::api::ListParams::default().labels("app.kubernetes.io/component=agent"))
-            .await
-            .unwrap();
-        let status = dss.get(&release).await.ok().and_then(|d| d.status);
-        let ready = status
-            .as_ref()
-            .is_some_and(|s| s.desired_number_scheduled == 1 && s.number_ready == 1);
-        let on_node = list
-            .items
-            .iter()
-            .find(|p| p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(node.name()));
-        if let (true, Some(p)) = (ready, on_node) {
-            break p.clone();
-        }
-        if start.elapsed() > Duration::from_secs(90) {
-            let name = on_node
-                .and_then(|p| p.metadata.name.clone())
-                .unwrap_or_default();
-            panic!(
-                "the chart's pod is not Ready on {} after 90 s: DaemonSet status {status:?}\nagent log:\n{}",
-                node.name(),
-                node.logs(&ns, &name, "spotguard")
-            );
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    };
+    let agent_pod = daemonset::wait_agent_pod(&t.k, &node, &ns, &release, |s| {
+        s.desired_number_scheduled == 1 && s.number_ready == 1
+    })
+    .await;
     let agent_name = agent_pod.metadata.name.clone().unwrap();
     let run = node
         .run_of(&ns, &agent_name, "spotguard")
@@ -1157,79 +1027,15 @@ async fn the_charts_daemonset_runs_and_its_agent_handles_a_notice() {
         node.run_of(&ns, &agent_name, "prefetch").is_some(),
         "the prefetch sidecar did not start"
     );
-    let status = std::fs::read_to_string(format!("/proc/{}/status", run.pid)).unwrap();
-    let cap_eff = status
-        .lines()
-        .find_map(|l| l.strip_prefix("CapEff:"))
-        .map(|v| u64::from_str_radix(v.trim(), 16).unwrap())
-        .unwrap();
-    assert_eq!(
-        cap_eff,
-        (1 << 5) | (1 << 19),
-        "KILL and SYS_PTRACE only: {status}"
-    );
+    daemonset::assert_shipped_capabilities(run.pid);
 
-    let ml = t.k.namespace("ml").await;
-    let trainer: Pod = serde_json::from_value(serde_json::json!({
-        "apiVersion": "v1", "kind": "Pod",
-        "metadata": { "name": "trainer-0", "namespace": ml, "annotations": {
-            "spotguard.io/checkpoint": "true",
-            "spotguard.io/checkpoint-dir": "/var/run/spotguard",
-            "spotguard.io/checkpoint-timeout": "20s",
-        }},
-        "spec": {
-            "nodeName": node.name(),
-            "restartPolicy": "Never",
-            "securityContext": { "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000 },
-            "containers": [{
-                "name": "trainer", "image": "registry.example/trainer:1",
-                "command": ["bash", "-c", TRAINER],
-                "env": [{ "name": "SPOTGUARD_DIR", "value": "/var/run/spotguard" }],
-                "volumeMounts": [{ "name": "spotguard", "mountPath": "/var/run/spotguard" }],
-            }],
-            "volumes": [{ "name": "spotguard", "emptyDir": { "sizeLimit": "1Mi" } }],
-        },
-    }))
-    .unwrap();
-    t.k.run_pods(&[trainer]).await;
-    let trainer_run = node
-        .wait_run(&ml, "trainer-0", "trainer", Duration::from_secs(10))
-        .await;
-    assert!(
-        spotguard_testkit::process::wait_catches_usr1(trainer_run.pid).await,
-        "trainer has no handler"
-    );
-    // Let the agent's pod watch deliver the trainer (as tests/manifests.rs does), then the
-    // notice; what follows waits for events.
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    // The agent's pod cache holds the trainer; then the notice.
+    daemonset::wait_pod_cache_synced(&node, &ns, &agent_name, 1).await;
     emu.raise(EmulatedNotice::interruption()).unwrap();
-
-    let start = std::time::Instant::now();
-    loop {
-        let events = t.k.events().await;
-        let acked = events.iter().any(|e| {
-            e.reason == "CheckpointAcked"
-                && e.regarding_name == "trainer-0"
-                && e.message.contains("4242")
-        });
-        let gone = t.k.pod(&ml, "trainer-0").await.is_none();
-        let node_obj = t.k.node_object(node.name()).await;
-        let cordoned = node_obj.spec.as_ref().and_then(|s| s.unschedulable) == Some(true);
-        let tainted = non_system_taints(&node_obj).iter().any(|(key, _, effect)| {
-            key == spotguard::node::INTERRUPTION_TAINT && effect == "NoSchedule"
-        });
-        if acked && gone && cordoned && tainted {
-            break;
-        }
-        if start.elapsed() > Duration::from_secs(60) {
-            panic!(
-                "after 60 s: acked {acked}, trainer evicted {gone}, cordoned {cordoned}, tainted {tainted}\nevents: {:?}\nagent log:\n{}",
-                events.iter().map(|e| (&e.reason, &e.message)).collect::<Vec<_>>(),
-                node.logs(&ns, &agent_name, "spotguard")
-            );
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    daemonset::wait_notice_handled(&t.k, &node, &ml, (&ns, &agent_name), |e| {
+        e.reason == "CheckpointAcked" && e.message.contains("4242")
+    })
+    .await;
     let ran = t
         .helm(
             &helm,

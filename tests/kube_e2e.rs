@@ -23,6 +23,7 @@ use spotguard::responder::PlanEvent;
 use spotguard_testkit::k8s::{
     non_system_taints, FlatEvent, Kubelet, NodeConfig, PdbLimit, RequestKind, TestCluster, TestPod,
 };
+use spotguard_testkit::wait::{eventually, until};
 use spotguard_testkit::wait_for_event as wait_for;
 use spotguard_testkit::{metrics_text, process};
 use tokio_util::sync::CancellationToken;
@@ -427,8 +428,13 @@ async fn agent_stopped_mid_drain_resumes_without_a_second_signal() {
         matches!(e, PlanEvent::Checkpointed { .. }).then_some(())
     })
     .await;
-    // Let the evictions start, then stop the agent while pods are still terminating.
-    tokio::time::sleep(Duration::from_millis(600)).await;
+    // Once the evictions start, stop the agent while pods are still terminating.
+    eventually(
+        "the drain's first eviction",
+        Duration::from_secs(30),
+        || async { !c.evictions().is_empty() },
+    )
+    .await;
     assert!(!c.evictions().is_empty(), "drain started");
     cancel.cancel();
     let _ = tokio::time::timeout(Duration::from_secs(5), app.join).await;
@@ -829,11 +835,10 @@ async fn the_signal_does_not_wait_for_the_cordon() {
     let mut events = app.events;
     c.k.proxy().fail_next(RequestKind::NodeWrite, 500, 5);
     c.emu.raise(EmulatedNotice::interruption()).unwrap();
-    let limit = std::time::Instant::now() + Duration::from_secs(20);
-    while c.trainer.signals() == 0 {
-        assert!(std::time::Instant::now() < limit, "no signal");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    eventually("the trainer's signal", Duration::from_secs(20), || async {
+        c.trainer.signals() > 0
+    })
+    .await;
     assert!(
         !c.cordoned().await,
         "signalled before the cordon (protect is still retrying)"
@@ -952,40 +957,40 @@ while :; do sleep 0.05; done
     // The quitter's pod turns Failed (exit 143), reported by the kubelet after the condition was
     // set: that report keeps it. (The drain may evict the pod first, which deletes it: then its
     // condition was seen above, and there is no Failed report to check.)
-    let give_up = std::time::Instant::now() + Duration::from_secs(30);
-    loop {
-        match c.k.pod(&c.ml, "quitter").await {
-            None => break,
-            Some(p) if p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Failed") => {
-                let conditions = p.status.and_then(|s| s.conditions).unwrap_or_default();
-                let ready = conditions
-                    .iter()
-                    .find(|c| c.type_ == "Ready")
-                    .map(|c| c.status.clone());
-                assert_eq!(
-                    ready.as_deref(),
-                    Some("False"),
-                    "the kubelet reported the exit"
-                );
-                let kept = conditions
-                    .iter()
-                    .find(|c| c.type_ == "DisruptionTarget")
-                    .map(|c| (c.status.clone(), c.reason.clone().unwrap_or_default()));
-                assert_eq!(
-                    kept,
-                    Some(("True".to_string(), "TerminationByCloudNotice".to_string())),
-                    "the quitter's Failed status keeps DisruptionTarget"
-                );
-                break;
+    let failed = until(
+        "the quitter Failed or gone",
+        Duration::from_secs(30),
+        || async {
+            match c.k.pod(&c.ml, "quitter").await {
+                None => Some(None),
+                Some(p) if p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Failed") => {
+                    Some(Some(p))
+                }
+                Some(_) => None,
             }
-            Some(_) => {
-                assert!(
-                    std::time::Instant::now() < give_up,
-                    "the quitter neither Failed nor gone within 30 s"
-                );
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        }
+        },
+    )
+    .await;
+    if let Some(p) = failed {
+        let conditions = p.status.and_then(|s| s.conditions).unwrap_or_default();
+        let ready = conditions
+            .iter()
+            .find(|c| c.type_ == "Ready")
+            .map(|c| c.status.clone());
+        assert_eq!(
+            ready.as_deref(),
+            Some("False"),
+            "the kubelet reported the exit"
+        );
+        let kept = conditions
+            .iter()
+            .find(|c| c.type_ == "DisruptionTarget")
+            .map(|c| (c.status.clone(), c.reason.clone().unwrap_or_default()));
+        assert_eq!(
+            kept,
+            Some(("True".to_string(), "TerminationByCloudNotice".to_string())),
+            "the quitter's Failed status keeps DisruptionTarget"
+        );
     }
     for (ns, name) in [(&c.web, "web-0"), (&c.web, "web-1"), (&c.web, "web-2")] {
         let (status, reason, message) = disruption_target(&c.k, ns, name)

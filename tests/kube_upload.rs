@@ -5,15 +5,17 @@
 //!
 //! Needs root, a cgroup hierarchy the kubelet stand-in can write, python3 and `s3s-fs`.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use spotguard::emulator::{self, Cloud, EmulatedNotice, EmulatorConfig};
+use spotguard_testkit::assets::repo_root;
 use spotguard_testkit::free_port;
 use spotguard_testkit::k8s::{RecordedRequest, RequestKind, TestCluster, TestPod};
 use spotguard_testkit::process::{self, Kid};
 use spotguard_testkit::s3::{S3Server, Throttle};
+use spotguard_testkit::wait::{eventually, until_described};
 
 const BUCKET: &str = "ckpt";
 const OWN_POD: &str = "spotguard-abcde";
@@ -35,10 +37,6 @@ with open(os.environ["RESULT"], "w") as f:
     f.write(answer.state)
 spotguard.exit_after_checkpoint()
 "#;
-
-fn repo() -> &'static Path {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-}
 
 fn position(reqs: &[RecordedRequest], what: &str, f: impl Fn(&RecordedRequest) -> bool) -> usize {
     reqs.iter()
@@ -75,7 +73,7 @@ async fn an_uploading_pod_is_evicted_after_its_upload_and_the_others_at_once() {
         .command(&["python3", "-c", TRAINER])
         .env(
             "PYTHONPATH",
-            &repo().join("clients/python").display().to_string(),
+            &repo_root().join("clients/python").display().to_string(),
         )
         .env("SPOTGUARD_DIR", &ckpt.display().to_string())
         .env("STAGED", &staged.display().to_string())
@@ -128,38 +126,48 @@ async fn an_uploading_pod_is_evicted_after_its_upload_and_the_others_at_once() {
     let agent = Kid::spawn(cmd);
     let _agent = agent;
     let metrics = format!("http://127.0.0.1:{port}/metrics");
-    let t = Instant::now();
-    while !reqwest::get(&metrics)
-        .await
-        .ok()
-        .map(|r| r.status().is_success())
-        .unwrap_or(false)
-    {
-        assert!(t.elapsed() < Duration::from_secs(30), "agent never served");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    // The pod cache synced (the annotation is read from it).
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    eventually(
+        "the agent serving /metrics",
+        Duration::from_secs(30),
+        || async {
+            reqwest::get(&metrics)
+                .await
+                .is_ok_and(|r| r.status().is_success())
+        },
+    )
+    .await;
+    // The pod cache synced (the annotation is read from it): the agent watches this node's
+    // pods once its first list is in the cache.
+    let selector = format!("spec.nodeName={}", node.name());
+    eventually("the agent's pod watch", Duration::from_secs(30), || async {
+        k.proxy().requests().iter().any(|r| {
+            r.kind == RequestKind::PodWatch
+                && r.query_param("fieldSelector").as_deref() == Some(selector.as_str())
+        })
+    })
+    .await;
     emu.raise(EmulatedNotice::interruption()).unwrap();
 
     // Both pods leave the node; the trainer's only after its upload.
-    let t = Instant::now();
-    loop {
-        let left: Vec<String> = k
-            .pods_in(&[&ml, &web])
-            .await
-            .iter()
-            .filter_map(|p| p.metadata.name.clone())
-            .collect();
-        if left.is_empty() {
-            break;
-        }
-        assert!(
-            t.elapsed() < Duration::from_secs(60),
-            "still on the node: {left:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    until_described(
+        "the trainer and web-0 off the node",
+        Duration::from_secs(60),
+        |left: &Vec<String>| Some(format!("still on the node: {left:?}")),
+        || async {
+            let left: Vec<String> = k
+                .pods_in(&[&ml, &web])
+                .await
+                .iter()
+                .filter_map(|p| p.metadata.name.clone())
+                .collect();
+            if left.is_empty() {
+                Ok(())
+            } else {
+                Err(left)
+            }
+        },
+    )
+    .await;
     assert_eq!(std::fs::read_to_string(&result).unwrap(), "taken");
     assert!(server
         .object_path(BUCKET, "run1/step-3/manifest.json")

@@ -18,8 +18,6 @@
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
-use std::time::Duration;
 
 use k8s_openapi::api::admissionregistration::v1::{
     ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding,
@@ -38,16 +36,12 @@ use serde::Serialize;
 use serde_json::Value;
 use spotguard::checkpoint::pods::{pod_checkpoint_spec, PodDefaults};
 use spotguard::checkpoint::{Signal, TargetMode};
-use spotguard_testkit::k8s::{assets, Identity, TestCluster};
-use tokio::io::AsyncWriteExt;
-use tokio::process::Command;
+use spotguard_testkit::assets::repo_root;
+use spotguard_testkit::k8s::assets;
+use spotguard_testkit::k8s::tools::{self, find_on_path};
 
-const DEPS: &str = "scripts/deps/kubectl.sh";
+const DEPS: &str = tools::KUBECTL_DEPS;
 const MIN_KUBECTL_MINOR: u32 = 29;
-
-fn repo() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
 
 /// Every Kubernetes object file under daemonset/ (kustomization.yaml files are checked through
 /// `kubectl kustomize`).
@@ -67,7 +61,7 @@ fn yaml_files() -> Vec<PathBuf> {
         }
     }
     let mut out = Vec::new();
-    walk(&repo().join("daemonset"), &mut out);
+    walk(&repo_root().join("daemonset"), &mut out);
     out.sort();
     out
 }
@@ -90,23 +84,13 @@ const CRD_KINDS: &[&str] = &[
 
 /// kubectl as an operator (admin), through this test's fault proxy (whose request log shows
 /// what reached the server).
-struct Kubectl {
-    bin: PathBuf,
-    home: tempfile::TempDir,
-    k: TestCluster,
-}
+struct Kubectl(tools::Kubectl);
 
-struct Ran {
-    ok: bool,
-    stdout: String,
-    stderr: String,
-}
-
-fn find_on_path(name: &str) -> Option<PathBuf> {
-    let path = std::env::var_os("PATH")?;
-    std::env::split_paths(&path)
-        .map(|d| d.join(name))
-        .find(|p| p.is_file())
+impl std::ops::Deref for Kubectl {
+    type Target = tools::Kubectl;
+    fn deref(&self) -> &tools::Kubectl {
+        &self.0
+    }
 }
 
 /// The objects of kubectl's `-o json` output: one object, or a `List`'s items.
@@ -128,57 +112,11 @@ fn objects_of(stdout: &str) -> Result<Vec<Value>, String> {
 
 impl Kubectl {
     async fn start() -> Kubectl {
-        let bin = std::env::var_os("KUBECTL")
-            .map(PathBuf::from)
-            .or_else(|| find_on_path("kubectl"))
-            .unwrap_or_else(|| panic!("kubectl not found: run {DEPS}"));
-        let k = TestCluster::new().await;
-        let home = tempfile::tempdir().unwrap();
-        std::fs::write(
-            home.path().join("config"),
-            k.cp.kubeconfig(&k.proxy().url(), Identity::Admin),
-        )
-        .unwrap();
-        let kubectl = Kubectl { bin, home, k };
+        let kubectl = Kubectl(
+            tools::Kubectl::start(tools::Server::Proxy, std::time::Duration::from_secs(120)).await,
+        );
         kubectl.check_version().await;
         kubectl
-    }
-
-    async fn run(&self, args: &[&str], stdin: Option<&str>) -> Ran {
-        let mut cmd = Command::new(&self.bin);
-        cmd.args(args)
-            .arg("--cache-dir")
-            .arg(self.home.path().join("cache"))
-            .env("KUBECONFIG", self.home.path().join("config"))
-            .env("HOME", self.home.path())
-            .env_remove("KUBERNETES_SERVICE_HOST")
-            .stdin(if stdin.is_some() {
-                Stdio::piped()
-            } else {
-                Stdio::null()
-            })
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .kill_on_drop(true);
-        let mut child = cmd
-            .spawn()
-            .unwrap_or_else(|e| panic!("running {}: {e}; see {DEPS}", self.bin.display()));
-        if let (Some(input), Some(mut pipe)) = (stdin, child.stdin.take()) {
-            pipe.write_all(input.as_bytes()).await.unwrap();
-            drop(pipe);
-        }
-        let out = tokio::time::timeout(
-            std::time::Duration::from_secs(120),
-            child.wait_with_output(),
-        )
-        .await
-        .expect("kubectl finished within 120 s")
-        .unwrap();
-        Ran {
-            ok: out.status.success(),
-            stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
-            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
-        }
     }
 
     async fn check_version(&self) {
@@ -268,49 +206,12 @@ impl Kubectl {
         Ok(objects)
     }
 
-    async fn kustomize(&self, dir: &Path) -> String {
-        let ran = self.run(&["kustomize", dir.to_str().unwrap()], None).await;
-        assert!(
-            ran.ok,
-            "kubectl kustomize {}: {}",
-            dir.display(),
-            ran.stderr
-        );
-        ran.stdout
-    }
-
     /// The CRDs of `../shared/k8s/crds/` (prometheus-operator, JobSet, Kueue, the training
     /// operator's PyTorchJob, Kubeflow Trainer), installed for real (idempotent) and Established.
     async fn install_crds(&self) {
         let dir = assets::shared_dir().join("crds");
-        let dir = dir.to_str().unwrap();
-        let ran = self
-            .run(
-                &[
-                    "apply",
-                    "--server-side",
-                    "--force-conflicts",
-                    "--field-manager=spotguard-manifests-test",
-                    "-f",
-                    dir,
-                ],
-                None,
-            )
+        self.install_crds_from(&dir, "spotguard-manifests-test")
             .await;
-        assert!(ran.ok, "installing the CRDs from {dir}: {}", ran.stderr);
-        let ran = self
-            .run(
-                &[
-                    "wait",
-                    "--for=condition=Established",
-                    "--timeout=60s",
-                    "-f",
-                    dir,
-                ],
-                None,
-            )
-            .await;
-        assert!(ran.ok, "CRDs not Established: {}", ran.stderr);
         // Real writes, not the dry runs under test.
         self.k.proxy().clear_requests();
     }
@@ -444,7 +345,11 @@ async fn every_manifest_passes_server_dry_run_and_the_strict_schema() {
     let mut failures = Vec::new();
     let mut seen_kinds = BTreeSet::new();
     for file in &files {
-        let shown = file.strip_prefix(repo()).unwrap().display().to_string();
+        let shown = file
+            .strip_prefix(repo_root())
+            .unwrap()
+            .display()
+            .to_string();
         match k.dry_run(file.to_str().unwrap(), None).await {
             Err(e) => failures.push(format!(
                 "{shown}: kubectl apply --server-side --dry-run=server: {e}"
@@ -535,7 +440,7 @@ async fn the_checks_catch_broken_manifests() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kustomize_base_renders_the_whole_install() {
     let k = Kubectl::start().await;
-    let objects = kustomized(&k, &repo().join("daemonset")).await;
+    let objects = kustomized(&k, &repo_root().join("daemonset")).await;
     let names: BTreeSet<String> = objects.iter().map(object_name).collect();
     let want: BTreeSet<String> = [
         "Namespace/spotguard",
@@ -576,7 +481,7 @@ async fn force_delete_component_adds_only_pod_deletion() {
         .map(|_| "..")
         .collect::<Vec<_>>()
         .join("/");
-    let base = format!("{up}{}", repo().join("daemonset").display());
+    let base = format!("{up}{}", repo_root().join("daemonset").display());
     std::fs::write(
         overlay.path().join("kustomization.yaml"),
         format!(
@@ -628,7 +533,7 @@ async fn force_delete_component_adds_only_pod_deletion() {
 async fn monitoring_kustomization_renders() {
     let k = Kubectl::start().await;
     k.install_crds().await;
-    let objects = kustomized(&k, &repo().join("daemonset/monitoring")).await;
+    let objects = kustomized(&k, &repo_root().join("daemonset/monitoring")).await;
     let pm = find(&objects, "PodMonitor", "spotguard");
     assert_eq!(pm["spec"]["podMetricsEndpoints"][0]["port"], "metrics");
     assert_eq!(
@@ -679,7 +584,7 @@ fn least_privilege() -> BTreeSet<Rule> {
 
 async fn load<K: DeserializeOwned + Serialize>(k: &Kubectl, file: &str, kind: &str) -> K {
     let objects = k
-        .dry_run(repo().join(file).to_str().unwrap(), None)
+        .dry_run(repo_root().join(file).to_str().unwrap(), None)
         .await
         .unwrap();
     let obj = objects
@@ -1005,7 +910,11 @@ async fn example_job_speaks_the_checkpoint_protocol() {
 async fn kube_prometheus_stack_example_with_the_alerts_is_accepted() {
     let k = Kubectl::start().await;
     k.install_crds().await;
-    let objects = kustomized(&k, &repo().join("daemonset/examples/kube-prometheus-stack")).await;
+    let objects = kustomized(
+        &k,
+        &repo_root().join("daemonset/examples/kube-prometheus-stack"),
+    )
+    .await;
     let pm = find(&objects, "PodMonitor", "spotguard");
     assert_eq!(pm["metadata"]["labels"]["release"], "kube-prometheus-stack");
     // The pod selector is untouched by the label.
@@ -1019,7 +928,7 @@ async fn kube_prometheus_stack_example_with_the_alerts_is_accepted() {
         "kube-prometheus-stack"
     );
     // Every PodMonitor endpoint names a port of the DaemonSet's pods.
-    let base = kustomized(&k, &repo().join("daemonset")).await;
+    let base = kustomized(&k, &repo_root().join("daemonset")).await;
     let ds: DaemonSet = strict(find(&base, "DaemonSet", "spotguard")).unwrap();
     let ports: BTreeSet<String> = ds
         .spec
@@ -1076,18 +985,22 @@ async fn kubernetes_objects_in_the_docs_are_accepted_by_the_server_or_marked_as_
     let k = Kubectl::start().await;
     // The recipes' JobSet, Kueue, PyTorchJob and Trainer objects, against their real CRDs.
     k.install_crds().await;
-    let mut files: Vec<PathBuf> = std::fs::read_dir(repo().join("docs"))
+    let mut files: Vec<PathBuf> = std::fs::read_dir(repo_root().join("docs"))
         .unwrap()
         .map(|e| e.unwrap().path())
         .filter(|p| p.extension().is_some_and(|e| e == "md"))
         .collect();
-    files.push(repo().join("README.md"));
+    files.push(repo_root().join("README.md"));
     files.sort();
     let dir = tempfile::tempdir().unwrap();
     let (mut applied, mut fragments) = (0, 0);
     let mut failures = Vec::new();
     for file in &files {
-        let shown = file.strip_prefix(repo()).unwrap().display().to_string();
+        let shown = file
+            .strip_prefix(repo_root())
+            .unwrap()
+            .display()
+            .to_string();
         for (line, marked, body) in yaml_blocks(&std::fs::read_to_string(file).unwrap()) {
             if marked {
                 fragments += 1;
@@ -1148,16 +1061,6 @@ fn yaml_blocks_are_found_with_their_fragment_marker() {
 // ---------------------------------------------------------------------------------------------
 // The DaemonSet, running.
 
-/// A trainer for the DaemonSet test: catches SIGUSR1 and acks step 4242 in its emptyDir.
-const DS_TRAINER: &str = r#"
-trap 'printf "{\"state\":\"done\",\"step\":4242,\"checkpoint\":\"ckpt-4242\",\"ts\":%s}" $(date +%s.%N) > "$SPOTGUARD_DIR/.ack.tmp"; mv "$SPOTGUARD_DIR/.ack.tmp" "$SPOTGUARD_DIR/ack-$BASHPID.json"' USR1
-while :; do sleep 0.05; done
-"#;
-
-fn port_free(port: u16) -> bool {
-    std::net::TcpListener::bind(("0.0.0.0", port)).is_ok()
-}
-
 /// The shipped install, applied for real through kustomize (with an operator's overlay that
 /// points the agent at this test's metadata emulator), runs: the DaemonSet controller creates
 /// the agent's pod for the GPU node, the scheduler binds it, the kubelet stand-in starts both
@@ -1169,33 +1072,26 @@ fn port_free(port: u16) -> bool {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_daemonset_runs_and_its_agent_handles_a_notice_on_its_node() {
     use spotguard::emulator::{self, Cloud, EmulatedNotice, EmulatorConfig};
-    use spotguard_testkit::k8s::{non_system_taints, Image};
+    use spotguard_testkit::k8s::daemonset;
 
-    for port in [9464, 9465] {
-        assert!(
-            port_free(port),
-            "port {port} is taken on this machine: the DaemonSet's pods use the host network"
-        );
-    }
+    daemonset::assert_host_ports_free();
     let k = Kubectl::start().await;
     let emu = emulator::start(EmulatorConfig::new(Cloud::Aws))
         .await
         .unwrap();
     // The node's machine says it is an EC2 instance.
-    let dmi = tempfile::tempdir().unwrap();
-    std::fs::write(dmi.path().join("sys_vendor"), "Amazon EC2\n").unwrap();
-    std::fs::write(dmi.path().join("product_name"), "p4d.24xlarge\n").unwrap();
-    let node =
-        k.k.node(
-            k.k.node_config("gpu-node")
-                .gpus(8)
-                .host_path("/sys/class/dmi/id", dmi.path())
-                .image(
-                    "spotguard:0.1.0",
-                    Image::binary(env!("CARGO_BIN_EXE_spotguard")),
-                ),
-        )
-        .await;
+    let (node, _dmi) = daemonset::ec2_gpu_node(
+        &k.k,
+        "gpu-node",
+        "spotguard:0.1.0",
+        env!("CARGO_BIN_EXE_spotguard"),
+    )
+    .await;
+
+    // A non-root trainer on the node, opted in, its checkpoint dir an emptyDir; it runs before
+    // the agent starts, so that the agent's first list of the node's pods holds it.
+    let ml = k.k.namespace("ml").await;
+    daemonset::start_trainer(&k.k, &node, &ml).await;
 
     // An operator's overlay: the base, with the metadata endpoint pointed at the emulator.
     let overlay = tempfile::tempdir().unwrap();
@@ -1206,7 +1102,7 @@ async fn the_daemonset_runs_and_its_agent_handles_a_notice_on_its_node() {
         .map(|_| "..")
         .collect::<Vec<_>>()
         .join("/");
-    let base = format!("{up}{}", repo().join("daemonset").display());
+    let base = format!("{up}{}", repo_root().join("daemonset").display());
     std::fs::write(
         overlay.path().join("kustomization.yaml"),
         format!(
@@ -1225,121 +1121,24 @@ async fn the_daemonset_runs_and_its_agent_handles_a_notice_on_its_node() {
     // The DaemonSet controller's pod, scheduled onto the GPU node and Ready by its probe.
     let pods: Api<Pod> = Api::namespaced(k.k.admin(), "spotguard");
     let dss: Api<DaemonSet> = Api::namespaced(k.k.admin(), "spotguard");
-    let start = std::time::Instant::now();
-    let agent_pod = loop {
-        let list = pods
-            .list(&kube::api::ListParams::default().labels("app.kubernetes.io/component=agent"))
-            .await
-            .unwrap();
-        let ready = dss
-            .get("spotguard")
-            .await
-            .ok()
-            .and_then(|d| d.status)
-            .is_some_and(|s| s.number_ready == 1);
-        let on_node = list
-            .items
-            .iter()
-            .find(|p| p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(node.name()));
-        if let (true, Some(p)) = (ready, on_node) {
-            break p.clone();
-        }
-        if start.elapsed() > Duration::from_secs(90) {
-            let name = on_node
-                .and_then(|p| p.metadata.name.clone())
-                .unwrap_or_default();
-            panic!(
-                "the DaemonSet's pod is not Ready on {} after 90 s: {:?}\nagent log:\n{}",
-                node.name(),
-                list.items
-                    .iter()
-                    .map(|p| (
-                        &p.metadata.name,
-                        p.spec.as_ref().and_then(|s| s.node_name.clone()),
-                        p.status.as_ref().map(|s| (&s.phase, &s.container_statuses))
-                    ))
-                    .collect::<Vec<_>>(),
-                node.logs("spotguard", &name, "spotguard")
-            );
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    };
+    let agent_pod = daemonset::wait_agent_pod(&k.k, &node, "spotguard", "spotguard", |s| {
+        s.number_ready == 1
+    })
+    .await;
     let agent_name = agent_pod.metadata.name.clone().unwrap();
     let run = node
         .run_of("spotguard", &agent_name, "spotguard")
         .expect("agent started");
     // Run with the privileges the DaemonSet ships.
-    let status = std::fs::read_to_string(format!("/proc/{}/status", run.pid)).unwrap();
-    let cap_eff = status
-        .lines()
-        .find_map(|l| l.strip_prefix("CapEff:"))
-        .map(|v| u64::from_str_radix(v.trim(), 16).unwrap())
-        .unwrap();
-    assert_eq!(
-        cap_eff,
-        (1 << 5) | (1 << 19),
-        "KILL and SYS_PTRACE only: {status}"
-    );
+    daemonset::assert_shipped_capabilities(run.pid);
 
-    // A non-root trainer on the node, opted in, its checkpoint dir an emptyDir.
-    let ml = k.k.namespace("ml").await;
-    let trainer: Pod = serde_json::from_value(serde_json::json!({
-        "apiVersion": "v1", "kind": "Pod",
-        "metadata": { "name": "trainer-0", "namespace": ml, "annotations": {
-            "spotguard.io/checkpoint": "true",
-            "spotguard.io/checkpoint-dir": "/var/run/spotguard",
-            "spotguard.io/checkpoint-timeout": "20s",
-        }},
-        "spec": {
-            "nodeName": node.name(),
-            "restartPolicy": "Never",
-            "securityContext": { "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000 },
-            "containers": [{
-                "name": "trainer", "image": "registry.example/trainer:1",
-                "command": ["bash", "-c", DS_TRAINER],
-                "env": [{ "name": "SPOTGUARD_DIR", "value": "/var/run/spotguard" }],
-                "volumeMounts": [{ "name": "spotguard", "mountPath": "/var/run/spotguard" }],
-            }],
-            "volumes": [{ "name": "spotguard", "emptyDir": { "sizeLimit": "1Mi" } }],
-        },
-    }))
-    .unwrap();
-    k.k.run_pods(&[trainer]).await;
-    let trainer_run = node
-        .wait_run(&ml, "trainer-0", "trainer", Duration::from_secs(10))
-        .await;
-    assert!(
-        spotguard_testkit::process::wait_catches_usr1(trainer_run.pid).await,
-        "trainer has no handler"
-    );
-    // Let the agent's pod cache see the trainer, then the spot notice.
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    // The agent's pod cache holds the trainer; then the spot notice.
+    daemonset::wait_pod_cache_synced(&node, "spotguard", &agent_name, 1).await;
     emu.raise(EmulatedNotice::interruption()).unwrap();
-
-    let start = std::time::Instant::now();
-    loop {
-        let events = k.k.events().await;
-        let acked = events
-            .iter()
-            .any(|e| e.reason == "CheckpointAcked" && e.regarding_name == "trainer-0");
-        let gone = k.k.pod(&ml, "trainer-0").await.is_none();
-        let node_obj = k.k.node_object(node.name()).await;
-        let cordoned = node_obj.spec.as_ref().and_then(|s| s.unschedulable) == Some(true);
-        let tainted = non_system_taints(&node_obj).iter().any(|(key, _, effect)| {
-            key == spotguard::node::INTERRUPTION_TAINT && effect == "NoSchedule"
-        });
-        if acked && gone && cordoned && tainted {
-            break;
-        }
-        if start.elapsed() > Duration::from_secs(60) {
-            panic!(
-                "after 60 s: acked {acked}, trainer evicted {gone}, cordoned {cordoned}, tainted {tainted}\nevents: {:?}\nagent log:\n{}",
-                events.iter().map(|e| (&e.reason, &e.message)).collect::<Vec<_>>(),
-                node.logs("spotguard", &agent_name, "spotguard")
-            );
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    daemonset::wait_notice_handled(&k.k, &node, &ml, ("spotguard", &agent_name), |e| {
+        e.reason == "CheckpointAcked"
+    })
+    .await;
     // The agent's own pod stays (DaemonSet pods are not drained).
     let still = pods.get(&agent_name).await.expect("agent pod");
     assert!(still.metadata.deletion_timestamp.is_none());
@@ -1368,7 +1167,7 @@ fn systemd_analyze() -> PathBuf {
 
 /// The unit, with ExecStart pointed at the binary cargo built (verify checks it exists).
 fn unit_for_verify(dir: &Path) -> PathBuf {
-    let unit = std::fs::read_to_string(repo().join("systemd/spotguard.service")).unwrap();
+    let unit = std::fs::read_to_string(repo_root().join("systemd/spotguard.service")).unwrap();
     let exec = "ExecStart=/usr/local/bin/spotguard run --mode host\n";
     assert!(unit.contains(exec), "ExecStart changed: update this test");
     let unit = unit.replace(
@@ -1420,7 +1219,7 @@ fn systemd_unit_exposure_is_low() {
 
 #[test]
 fn systemd_unit_keeps_what_discovery_and_signalling_need() {
-    let unit = std::fs::read_to_string(repo().join("systemd/spotguard.service")).unwrap();
+    let unit = std::fs::read_to_string(repo_root().join("systemd/spotguard.service")).unwrap();
     let directives: Vec<(&str, &str)> = unit
         .lines()
         .map(str::trim)
@@ -1477,7 +1276,7 @@ fn systemd_unit_keeps_what_discovery_and_signalling_need() {
 
 #[test]
 fn env_file_documents_every_variable_the_daemonset_sets() {
-    let env_file = std::fs::read_to_string(repo().join("systemd/spotguard.env")).unwrap();
+    let env_file = std::fs::read_to_string(repo_root().join("systemd/spotguard.env")).unwrap();
     let documented: BTreeSet<String> = env_file
         .lines()
         .filter_map(|l| l.strip_prefix('#'))
@@ -1496,7 +1295,7 @@ fn env_file_documents_every_variable_the_daemonset_sets() {
             "active line: {line}"
         );
     }
-    let ds = std::fs::read_to_string(repo().join("daemonset/daemonset.yaml")).unwrap();
+    let ds = std::fs::read_to_string(repo_root().join("daemonset/daemonset.yaml")).unwrap();
     let used: BTreeSet<String> = ds
         .lines()
         .filter_map(|l| l.trim().strip_prefix("- name: "))

@@ -9,6 +9,9 @@
 //! - [`proxy`]: a fault proxy between the agent and the API server (latency, blackholes,
 //!   error codes per request kind, a request log).
 //! - [`fixtures`]: test pods, PDB helpers, Events read back.
+//! - [`tools`]: kubectl and helm run as an operator would, from a home of their own.
+//! - [`daemonset`]: the shipped DaemonSet's pod on a kubelet stand-in node, Ready with the
+//!   privileges it ships, and a notice it handles for an opted-in trainer.
 //! - [`agents`]: spotguard on a node as the DaemonSet runs it (agent + prefetcher processes,
 //!   the node's own metadata emulator), for fleet tests; [`apimetrics`]: the API server's own
 //!   request counts, watches and latency histogram.
@@ -22,11 +25,13 @@ pub mod assets;
 pub mod child;
 pub mod controllers;
 pub mod controlplane;
+pub mod daemonset;
 pub mod etcd;
 pub mod fixtures;
 pub mod kubelet;
 pub mod pki;
 pub mod proxy;
+pub mod tools;
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU32, Ordering};
