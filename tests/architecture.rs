@@ -82,7 +82,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
             "upload",
         ],
     ),
-    ("goodput", &["checkpoint"]),
+    ("goodput", &["checkpoint", "metrics"]),
     (
         "outcome",
         &[
