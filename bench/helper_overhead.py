@@ -8,7 +8,8 @@ forward/backward/step with ``should_checkpoint(every=N)`` once per step, for ``-
 timed steps after a warm-up. ``every`` only matters under ``torch.distributed``, so each run
 sets up a one-rank gloo group (``should_checkpoint`` is then the collective it is in a real job,
 every N-th call). Variants are interleaved round by round so that a machine whose load changes
-affects them alike; the figure is the median over rounds of each run's median step time.
+affects them alike; the figures are the median over rounds of each run's median step time
+and of its mean (the mean carries the record's refresh every 5 s).
 
     python3 bench/helper_overhead.py --baseline /tmp/old/clients/python --rounds 7
 
@@ -68,7 +69,7 @@ while time.monotonic() < end:
         spotguard.should_checkpoint(every=every)
     times.append(time.perf_counter_ns() - t0)
 dist.destroy_process_group()
-print(json.dumps({"median_us": statistics.median(times) / 1000, "steps": len(times)}))
+print(json.dumps({"median_us": statistics.median(times) / 1000, "mean_us": statistics.fmean(times) / 1000, "steps": len(times)}))
 """
 
 
@@ -103,16 +104,24 @@ def main() -> int:
             for every in (1, 10):
                 for name, helper in variants:
                     got = run(helper, every, args.seconds, guard)
-                    results.setdefault(f"{name} every={every}", []).append(got["median_us"])
-            print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
-    summary = {k: {"median_us": statistics.median(v), "runs_us": v} for k, v in results.items()}
+                    results.setdefault(f"{name} every={every}", []).append(got)
+            # Partial results survive an interrupted run.
+            print(f"round {r + 1}/{args.rounds}: {json.dumps(results)}", file=sys.stderr, flush=True)
+    summary = {
+        k: {
+            "median_us": statistics.median(x["median_us"] for x in v),
+            "mean_us": statistics.median(x["mean_us"] for x in v),
+            "runs_us": [x["median_us"] for x in v],
+        }
+        for k, v in results.items()
+    }
     if args.json:
         print(json.dumps(summary, indent=2))
     else:
-        print(f"{'variant':<22} {'median step (us)':>17}   runs (us)")
+        print(f"{'variant':<22} {'median step (us)':>17} {'mean step (us)':>15}   runs' medians (us)")
         for k, v in summary.items():
             runs = " ".join(f"{x:.1f}" for x in v["runs_us"])
-            print(f"{k:<22} {v['median_us']:>17.1f}   {runs}")
+            print(f"{k:<22} {v['median_us']:>17.1f} {v['mean_us']:>15.1f}   {runs}")
     return 0
 
 

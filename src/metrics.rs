@@ -146,6 +146,8 @@ pub mod known {
     pub const WEBHOOK_OUTCOMES: &[&str] = &["sent", "failed", "retry", "suppressed"];
     /// `outcome` of `spotguard_plans_total`.
     pub const PLAN_OUTCOMES: &[&str] = &["completed", "drain_failed", "undone"];
+    /// `category` of `spotguard_badput_seconds_total` (`crate::goodput::record::category`).
+    pub const BADPUT_CATEGORIES: &[&str] = &["checkpoint_save", "wasted_progress"];
     /// `module` of `spotguard_errors_total` (its `error` label is the module's error class; the
     /// zero series carries `error="none"`).
     pub const ERROR_MODULES: &[&str] = &[
@@ -472,6 +474,11 @@ impl Metrics {
         for outcome in PLAN_OUTCOMES {
             let _ = self.plans.get_or_create(&OutcomeLabels {
                 outcome: s(outcome),
+            });
+        }
+        for category in BADPUT_CATEGORIES {
+            let _ = self.badput_seconds.get_or_create(&CategoryLabels {
+                category: s(category),
             });
         }
         for module in ERROR_MODULES {

@@ -92,7 +92,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
             "upload",
         ],
     ),
-    ("goodput", &["checkpoint"]),
+    ("goodput", &["checkpoint", "metrics"]),
     (
         "outcome",
         &[

@@ -524,6 +524,10 @@ fn a_staged_checkpoint_is_rehearsed_with_a_local_destination() {
     assert_eq!(code, 0, "{out}");
     assert!(out.contains("verdict: PASS"), "{out}");
     assert!(out.contains("trainer downtime"), "{out}");
+    assert!(
+        out.contains("badput: checkpoint save") && out.contains("nothing thrown away"),
+        "{out}"
+    );
     assert!(out.contains("upload "), "{out}");
     assert!(out.contains("published"), "{out}");
     let checkpoint = std::fs::read_dir(dest.path().join("run1"))

@@ -278,6 +278,14 @@ mod tests {
     }
 
     #[test]
+    fn the_categories_are_the_metrics_zeroed_at_start_up() {
+        assert_eq!(
+            crate::metrics::known::BADPUT_CATEGORIES,
+            [category::CHECKPOINT_SAVE, category::WASTED_PROGRESS]
+        );
+    }
+
+    #[test]
     fn the_interruption_sums_its_targets_and_times_its_detection_and_drain() {
         let t0 = Timestamp::from_second(1_700_000_000).unwrap();
         let i = Interruption {

@@ -35,6 +35,9 @@ Files (all written atomically: temp file in the same directory, fsync, rename, f
 * ``<dir>/ack-<pid>.json``: ``{"state", "step", "checkpoint", "ts"}``, one per process, ``pid``
   as the process sees it (``os.getpid()``), ``ts`` in Unix seconds (float).
 * ``<dir>/ack``: a container-wide acknowledgement (:func:`ack_container`).
+* ``<dir>/progress-<pid>.json``: the progress record (:func:`progress_path`, :func:`saved`): the
+  last step and its time, the last durable step and since when its work is at risk; the agent
+  reads it for a process that exits without acking, to count the work thrown away.
 
 ``<dir>`` is the ``dir`` given to :func:`install`, else ``$SPOTGUARD_DIR``, else
 ``/tmp/spotguard`` (the default of the pod annotation ``spotguard.io/checkpoint-dir``; the host
