@@ -7,7 +7,7 @@
 use std::collections::HashSet;
 use std::ffi::OsString;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
@@ -246,19 +246,7 @@ pub async fn latest_checkpoint(
         }
     };
     let run = cancel.child_token();
-    let timed_out = Arc::new(AtomicBool::new(false));
-    if let Some(limit) = args.timeout {
-        let (t, flag) = (run.clone(), timed_out.clone());
-        tokio::spawn(async move {
-            tokio::select! {
-                _ = t.cancelled() => {}
-                _ = tokio::time::sleep(limit) => {
-                    flag.store(true, Ordering::Relaxed);
-                    t.cancel();
-                }
-            }
-        });
-    }
+    let timed_out = crate::prefetch::cli::cancel_after(&run, args.timeout);
     let code = match resume(args, dest, &loc, &run).await {
         Ok(printed) => {
             println!("{printed}");

@@ -8,6 +8,7 @@
 
 use std::io::Write;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -129,61 +130,23 @@ async fn fetch(
     only: Option<Arc<std::collections::HashSet<String>>>,
     cancel: CancellationToken,
 ) -> i32 {
-    let usage = |msg: String| {
-        eprintln!("spotguard prefetch: {msg}");
-        EXIT_USAGE
-    };
     if let Some(name) = args.wait.clone() {
         return wait_for(args, name, cancel).await;
     }
-    if args.latest_checkpoint.is_some() {
-        // The binary sends it to `cli::latest_checkpoint` (which comes back here to fetch):
-        // prefetch knows nothing of checkpoints.
-        return usage("--latest-checkpoint is run by cli::latest_checkpoint".to_string());
-    }
-    let (Some(src_text), Some(dest)) = (args.src.clone(), args.dest.clone()) else {
-        return usage("SRC and DEST are required".to_string());
-    };
-    let src = match SourceUrl::parse(&src_text) {
-        Ok(s) => s,
-        Err(e) => return usage(e.to_string()),
-    };
-    let name = args.name.clone().unwrap_or_else(|| src.default_name());
-    if let Err(e) = source::validate_name(&name) {
-        return usage(e.to_string());
-    }
-    if args.claim_lease < Duration::from_secs(3) {
-        return usage("--claim-lease must be at least 3s".to_string());
-    }
-    let store_opts = StoreOptions {
-        endpoint: args.endpoint.clone(),
-        pool: args.concurrency,
-        ..StoreOptions::default()
-    };
-    let store = match source::build_store(&src, &store_opts) {
-        Ok(s) => s,
-        Err(e @ crate::store::Error::InvalidUrl { .. }) => return usage(e.to_string()),
-        Err(e) => {
-            eprintln!("spotguard prefetch: {e}");
-            return EXIT_FAILED;
+    let (src, dest, name) = match what_to_fetch(&args) {
+        Ok(it) => it,
+        Err(msg) => {
+            eprintln!("spotguard prefetch: {msg}");
+            return EXIT_USAGE;
         }
+    };
+    let store = match open_store(&src, &args) {
+        Ok(s) => s,
+        Err(code) => return code,
     };
     let mode = args.progress.resolve();
     let run_cancel = cancel.child_token();
-    let timed_out = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    if let Some(limit) = args.timeout {
-        let t = run_cancel.clone();
-        let flag = timed_out.clone();
-        tokio::spawn(async move {
-            tokio::select! {
-                _ = t.cancelled() => {}
-                _ = tokio::time::sleep(limit) => {
-                    flag.store(true, std::sync::atomic::Ordering::Relaxed);
-                    t.cancel();
-                }
-            }
-        });
-    }
+    let timed_out = cancel_after(&run_cancel, args.timeout);
     let progress = Arc::new(Progress::default());
     let stop_report = CancellationToken::new();
     let reporter = tokio::spawn(progress::report(
@@ -198,19 +161,7 @@ async fn fetch(
         paths: DatasetPaths::new(&dest, &name),
         cache_root: dest.clone(),
         source: src,
-        options: FetchOptions {
-            concurrency: args.concurrency,
-            part_size: args.part_size,
-            verify: args.verify,
-            lease: args.claim_lease,
-            renew_every: args.claim_lease / 6,
-            max_bytes: args.cache_max_bytes,
-            in_use_window: args.in_use_window,
-            touch_lease_on_complete: true,
-            failpoint: test_failpoint(),
-            only,
-            ..FetchOptions::default()
-        },
+        options: fetch_options(&args, only),
         progress,
         metrics: None,
         cancel: run_cancel.clone(),
@@ -219,7 +170,86 @@ async fn fetch(
     stop_report.cancel();
     let _ = reporter.await;
     run_cancel.cancel();
+    report_and_exit(&report, mode, timed_out.load(Ordering::Relaxed))
+}
 
+/// The source, the cache root and the dataset name of a fetch; `Err`: the usage error.
+fn what_to_fetch(args: &PrefetchArgs) -> Result<(SourceUrl, PathBuf, String), String> {
+    if args.latest_checkpoint.is_some() {
+        // The binary sends it to `cli::latest_checkpoint` (which comes back here to fetch):
+        // prefetch knows nothing of checkpoints.
+        return Err("--latest-checkpoint is run by cli::latest_checkpoint".to_string());
+    }
+    let (Some(src_text), Some(dest)) = (args.src.clone(), args.dest.clone()) else {
+        return Err("SRC and DEST are required".to_string());
+    };
+    let src = SourceUrl::parse(&src_text).map_err(|e| e.to_string())?;
+    let name = args.name.clone().unwrap_or_else(|| src.default_name());
+    source::validate_name(&name).map_err(|e| e.to_string())?;
+    if args.claim_lease < Duration::from_secs(3) {
+        return Err("--claim-lease must be at least 3s".to_string());
+    }
+    Ok((src, dest, name))
+}
+
+/// The store of `src`; `Err`: the exit code (the error printed).
+fn open_store(
+    src: &SourceUrl,
+    args: &PrefetchArgs,
+) -> Result<Arc<dyn object_store::ObjectStore>, i32> {
+    let store_opts = StoreOptions {
+        endpoint: args.endpoint.clone(),
+        pool: args.concurrency,
+        ..StoreOptions::default()
+    };
+    source::build_store(src, &store_opts).map_err(|e| {
+        eprintln!("spotguard prefetch: {e}");
+        match e {
+            crate::store::Error::InvalidUrl { .. } => EXIT_USAGE,
+            _ => EXIT_FAILED,
+        }
+    })
+}
+
+/// Cancel `run` after `limit` (none: never); the flag says the limit was reached.
+pub fn cancel_after(run: &CancellationToken, limit: Option<Duration>) -> Arc<AtomicBool> {
+    let timed_out = Arc::new(AtomicBool::new(false));
+    if let Some(limit) = limit {
+        let (t, flag) = (run.clone(), timed_out.clone());
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = t.cancelled() => {}
+                _ = tokio::time::sleep(limit) => {
+                    flag.store(true, Ordering::Relaxed);
+                    t.cancel();
+                }
+            }
+        });
+    }
+    timed_out
+}
+
+fn fetch_options(
+    args: &PrefetchArgs,
+    only: Option<Arc<std::collections::HashSet<String>>>,
+) -> FetchOptions {
+    FetchOptions {
+        concurrency: args.concurrency,
+        part_size: args.part_size,
+        verify: args.verify,
+        lease: args.claim_lease,
+        renew_every: args.claim_lease / 6,
+        max_bytes: args.cache_max_bytes,
+        in_use_window: args.in_use_window,
+        touch_lease_on_complete: true,
+        failpoint: test_failpoint(),
+        only,
+        ..FetchOptions::default()
+    }
+}
+
+/// Print the summary and the errors; the exit code of the outcome.
+fn report_and_exit(report: &download::Report, mode: ProgressMode, timed_out: bool) -> i32 {
     let s = &report.summary;
     print_summary(s, mode);
     for e in &s.errors {
@@ -239,7 +269,7 @@ async fn fetch(
         Outcome::Incomplete => EXIT_PARTIAL,
         Outcome::Failed => EXIT_FAILED,
         Outcome::Cancelled => {
-            if timed_out.load(std::sync::atomic::Ordering::Relaxed) {
+            if timed_out {
                 eprintln!("spotguard prefetch: --timeout reached; run again to resume");
             } else {
                 eprintln!("spotguard prefetch: cancelled; run again to resume");

@@ -201,105 +201,28 @@ pub async fn run_serve(args: ServeArgs, cancel: CancellationToken) -> i32 {
         "prefetcher started"
     );
     let mut tasks = tokio::task::JoinSet::new();
-
-    // The agent's stop request.
-    {
-        let (p, dir, c) = (prefetcher.clone(), args.cache_dir.clone(), cancel.clone());
-        tasks.spawn(async move {
-            loop {
-                let d = dir.clone();
-                let stop = tokio::task::spawn_blocking(move || stop_requested(&d))
-                    .await
-                    .unwrap_or(false);
-                if stop {
-                    warn!("the agent asked the prefetcher to stop (interruption notice)");
-                    p.cancel_all();
-                    return;
-                }
-                tokio::select! {
-                    _ = c.cancelled() => return,
-                    _ = tokio::time::sleep(Duration::from_millis(500)) => {}
-                }
-            }
-        });
-    }
-
+    tasks.spawn(watch_stop_request(
+        prefetcher.clone(),
+        args.cache_dir.clone(),
+        cancel.clone(),
+    ));
     if !stop_requested(&args.cache_dir) {
-        for d in &args.prefetch {
-            match prefetcher.ensure(&d.name, &d.url) {
-                Ok(how) => {
-                    info!(dataset = %d.name, url = %d.url, how = how.as_str(), "prefetch at start")
-                }
-                Err(e) => {
-                    metrics.error(e.metric_label());
-                    error!(dataset = %d.name, error = %e, "cannot prefetch dataset");
-                }
-            }
-        }
+        prefetch_configured(&args, &prefetcher, &metrics);
     }
-
-    // Kubernetes (NODE_NAME set): read pods' annotations, also when pod requests are off, so
-    // that a pod asking for one learns from an Event why nothing happens.
-    if let Some(node_name) = args.node_name.clone().filter(|n| !n.is_empty()) {
-        if args.annotations && args.allow.is_empty() {
-            warn!("--annotations is on but --allow is empty: every pod request is refused");
-        }
-        let client = match kube::Config::infer().await {
-            Ok(config) => kube::Client::try_from(config).map_err(|e| e.to_string()),
-            Err(e) => Err(e.to_string()),
-        };
-        match client {
-            Ok(client) => {
-                let events = Arc::new(crate::node::kube::KubeNodeOps::new(
-                    client.clone(),
-                    node_name.clone(),
-                    None,
-                    false,
-                    agent_metrics,
-                ));
-                let watcher = AnnotationWatcher {
-                    pods: kube::Api::all(client),
-                    node_name,
-                    prefetcher: prefetcher.clone(),
-                    policy: AnnotationPolicy {
-                        enabled: args.annotations,
-                        allow: args.allow.clone(),
-                    },
-                    events,
-                    metrics: metrics.clone(),
-                    interval: args.annotation_interval,
-                };
-                tasks.spawn(watcher.run(Arc::default(), cancel.child_token()));
-            }
-            Err(e) if args.annotations => {
-                error!(error = %e, "--annotations needs a Kubernetes client (in-cluster or KUBECONFIG)");
-                return 2;
-            }
-            Err(e) => info!(error = %e, "no Kubernetes client: pods' annotations are not read"),
-        }
-    } else if args.annotations {
-        error!("--annotations needs --node-name (NODE_NAME)");
-        return super::cli::EXIT_USAGE;
-    }
-
-    if let Some(addr) = args.metrics_addr {
-        match crate::admin::bind(
-            addr,
-            Arc::new(registry),
-            Arc::new(AlwaysReady),
-            cancel.child_token(),
+    let started = async {
+        watch_annotations(
+            &args,
+            &prefetcher,
+            &metrics,
+            agent_metrics,
+            &mut tasks,
+            &cancel,
         )
-        .await
-        {
-            Ok((bound, serve)) => {
-                info!(metrics = %bound, "prefetcher metrics served");
-                tasks.spawn(serve);
-            }
-            Err(e) => {
-                error!(addr = %addr, error = %e, "cannot bind the metrics address");
-                return 2;
-            }
-        }
+        .await?;
+        serve_metrics(&args, registry, &mut tasks, &cancel).await
+    };
+    if let Err(code) = started.await {
+        return code;
     }
     cancel.cancelled().await;
     prefetcher.cancel_all();
@@ -309,6 +232,126 @@ pub async fn run_serve(args: ServeArgs, cancel: CancellationToken) -> i32 {
     }
     tasks.abort_all();
     0
+}
+
+/// The agent's stop request (a file in the cache, polled every 500 ms): cancel every run.
+async fn watch_stop_request(p: Prefetcher, dir: PathBuf, c: CancellationToken) {
+    loop {
+        let d = dir.clone();
+        let stop = tokio::task::spawn_blocking(move || stop_requested(&d))
+            .await
+            .unwrap_or(false);
+        if stop {
+            warn!("the agent asked the prefetcher to stop (interruption notice)");
+            p.cancel_all();
+            return;
+        }
+        tokio::select! {
+            _ = c.cancelled() => return,
+            _ = tokio::time::sleep(Duration::from_millis(500)) => {}
+        }
+    }
+}
+
+/// Start the `--prefetch` datasets.
+fn prefetch_configured(args: &ServeArgs, prefetcher: &Prefetcher, metrics: &PrefetchMetrics) {
+    for d in &args.prefetch {
+        match prefetcher.ensure(&d.name, &d.url) {
+            Ok(how) => {
+                info!(dataset = %d.name, url = %d.url, how = how.as_str(), "prefetch at start")
+            }
+            Err(e) => {
+                metrics.error(e.metric_label());
+                error!(dataset = %d.name, error = %e, "cannot prefetch dataset");
+            }
+        }
+    }
+}
+
+/// Kubernetes (NODE_NAME set): read pods' annotations, also when pod requests are off, so that a
+/// pod asking for one learns from an Event why nothing happens. `Err`: the exit code.
+async fn watch_annotations(
+    args: &ServeArgs,
+    prefetcher: &Prefetcher,
+    metrics: &Arc<PrefetchMetrics>,
+    agent_metrics: Arc<crate::metrics::Metrics>,
+    tasks: &mut tokio::task::JoinSet<()>,
+    cancel: &CancellationToken,
+) -> Result<(), i32> {
+    let Some(node_name) = args.node_name.clone().filter(|n| !n.is_empty()) else {
+        if args.annotations {
+            error!("--annotations needs --node-name (NODE_NAME)");
+            return Err(super::cli::EXIT_USAGE);
+        }
+        return Ok(());
+    };
+    if args.annotations && args.allow.is_empty() {
+        warn!("--annotations is on but --allow is empty: every pod request is refused");
+    }
+    let client = match kube::Config::infer().await {
+        Ok(config) => kube::Client::try_from(config).map_err(|e| e.to_string()),
+        Err(e) => Err(e.to_string()),
+    };
+    match client {
+        Ok(client) => {
+            let events = Arc::new(crate::node::kube::KubeNodeOps::new(
+                client.clone(),
+                node_name.clone(),
+                None,
+                false,
+                agent_metrics,
+            ));
+            let watcher = AnnotationWatcher {
+                pods: kube::Api::all(client),
+                node_name,
+                prefetcher: prefetcher.clone(),
+                policy: AnnotationPolicy {
+                    enabled: args.annotations,
+                    allow: args.allow.clone(),
+                },
+                events,
+                metrics: metrics.clone(),
+                interval: args.annotation_interval,
+            };
+            tasks.spawn(watcher.run(Arc::default(), cancel.child_token()));
+        }
+        Err(e) if args.annotations => {
+            error!(error = %e, "--annotations needs a Kubernetes client (in-cluster or KUBECONFIG)");
+            return Err(2);
+        }
+        Err(e) => info!(error = %e, "no Kubernetes client: pods' annotations are not read"),
+    }
+    Ok(())
+}
+
+/// `--metrics-addr`: serve the prefetcher's metrics. `Err`: the exit code.
+async fn serve_metrics(
+    args: &ServeArgs,
+    registry: Registry,
+    tasks: &mut tokio::task::JoinSet<()>,
+    cancel: &CancellationToken,
+) -> Result<(), i32> {
+    let Some(addr) = args.metrics_addr else {
+        return Ok(());
+    };
+    match crate::admin::bind(
+        addr,
+        Arc::new(registry),
+        Arc::new(AlwaysReady),
+        cancel.child_token(),
+    )
+    .await
+    {
+        Ok((bound, serve)) => {
+            info!(metrics = %bound, "prefetcher metrics served");
+            tasks.spawn(serve);
+            Ok(())
+        }
+        Err(e) => {
+            error!(addr = %addr, error = %e, "cannot bind the metrics address");
+            Err(2)
+        }
+    }
 }
 
 /// Host mode: run `spotguard prefetch-serve` for the configured datasets as a child process of

@@ -10,17 +10,18 @@ use object_store::{GetOptions, GetRange, GetResultPayload, ObjectStore};
 use tokio::sync::oneshot;
 use tokio::task::JoinSet;
 
-use super::lease::Active;
-use super::object::OBJECT_ATTEMPTS;
-use super::part::{copy_local, stream_to_file, Segment};
-use super::plan::Listed;
+use super::options::Verify;
+use super::part::{copy_local, stream_to_file};
 use super::run::{Run, Stop};
-use super::Verify;
+use super::work::{Active, Listed, Segment};
 use crate::prefetch::manifest::{etag_md5, normalize_etag};
 use crate::prefetch::Error;
 use crate::store::checksum::{ChecksumSlot, Hasher, StoreChecksum};
 use crate::store::progress::Progress;
 use crate::sync::lock;
+
+/// Attempts per object for transient failures, on top of object_store's own retries.
+pub(super) const OBJECT_ATTEMPTS: u32 = 3;
 
 /// What [`fetch_missing`] learned: the hash of the bytes written (where it could be computed
 /// while they streamed), the store's full-object checksum, and the etag the bytes belong to.
@@ -123,19 +124,8 @@ async fn fetch_ranged(
     // Without a known etag, the first response fixes it for the other parts (If-Match).
     if expected_etag.is_none() {
         if let Some(first) = iter.next() {
-            let permit = acquire_request(run, active).await?;
-            let (tx, rx) = oneshot::channel();
-            let (r, l, a, f) = (run.clone(), listed.clone(), active.clone(), file.clone());
             let h = SegmentHash::Given(part_hasher.map(|c| c.hasher()));
-            parts.spawn(async move {
-                let res = fetch_segment(&r, &l, &a, &first, &f, None, h, Some(tx)).await;
-                drop(permit);
-                res.map(|o| (first.start, o.hasher))
-            });
-            // If the first part fails before its headers, its error is in the join set.
-            if let Ok(etag) = rx.await {
-                expected_etag = etag;
-            }
+            expected_etag = first_part(run, listed, active, file, first, h, &mut parts).await?;
         }
     }
     let mut first_err: Option<Stop> = None;
@@ -189,20 +179,48 @@ async fn fetch_ranged(
         // A part stopped because a sibling failed: report the sibling's cause.
         return Err(e);
     }
-    let mut inline = None;
-    if part_hasher.is_some() && hashes.len() == segments.len() {
-        hashes.sort_by_key(|(start, _)| *start);
-        inline = hashes
-            .into_iter()
-            .map(|(_, h)| h)
-            .try_fold(None::<Hasher>, |acc, h| match (acc, h) {
-                (None, Some(h)) => Some(Some(h)),
-                (Some(a), Some(h)) => a.combine(h).map(Some),
-                (_, None) => None,
-            })
-            .flatten();
-    }
+    let inline = if part_hasher.is_some() && hashes.len() == segments.len() {
+        combine(hashes)
+    } else {
+        None
+    };
     Ok((inline, expected_etag))
+}
+
+/// The hash of the whole object from its parts' (by start offset); none when a part has none.
+fn combine(mut hashes: Vec<(u64, Option<Hasher>)>) -> Option<Hasher> {
+    hashes.sort_by_key(|(start, _)| *start);
+    hashes
+        .into_iter()
+        .map(|(_, h)| h)
+        .try_fold(None::<Hasher>, |acc, h| match (acc, h) {
+            (None, Some(h)) => Some(Some(h)),
+            (Some(a), Some(h)) => a.combine(h).map(Some),
+            (_, None) => None,
+        })
+        .flatten()
+}
+
+/// Start the first part of an object whose etag is unknown; the etag of its response (none when
+/// it failed before its headers: its error is in `parts` then).
+async fn first_part(
+    run: &Arc<Run>,
+    listed: &Listed,
+    active: &Arc<Active>,
+    file: &Arc<File>,
+    first: Arc<Segment>,
+    h: SegmentHash,
+    parts: &mut JoinSet<Result<(u64, Option<Hasher>), Stop>>,
+) -> Result<Option<String>, Stop> {
+    let permit = acquire_request(run, active).await?;
+    let (tx, rx) = oneshot::channel();
+    let (r, l, a, f) = (run.clone(), listed.clone(), active.clone(), file.clone());
+    parts.spawn(async move {
+        let res = fetch_segment(&r, &l, &a, &first, &f, None, h, Some(tx)).await;
+        drop(permit);
+        res.map(|o| (first.start, o.hasher))
+    });
+    Ok(rx.await.unwrap_or(None))
 }
 
 /// HEAD with the checksum asked for: the object's full checksum (if the store keeps one). The
@@ -301,6 +319,50 @@ pub(super) async fn with_request<T>(
     out
 }
 
+/// Every response must be of the version being assembled (servers that ignore If-Match
+/// included) and of the listed size. The first etag seen becomes the expected one, recorded in
+/// the claim so that a resumer can check it.
+fn same_version(
+    key: &str,
+    size: u64,
+    active: &Active,
+    expected: &mut Option<String>,
+    meta: &object_store::ObjectMeta,
+) -> Result<(), Stop> {
+    let changed = || {
+        Stop::Err(Error::Changed {
+            key: key.to_string(),
+        })
+    };
+    let etag = meta.e_tag.clone();
+    match (&*expected, &etag) {
+        (Some(want), Some(got)) if normalize_etag(want) != normalize_etag(got) => {
+            return Err(changed())
+        }
+        (None, Some(_)) => {
+            *expected = etag.clone();
+            if active.claim.is_some() {
+                lock(&active.record)
+                    .etag
+                    .get_or_insert_with(|| etag.clone().unwrap_or_default());
+            }
+        }
+        _ => {}
+    }
+    if meta.size != size {
+        return Err(changed());
+    }
+    Ok(())
+}
+
+/// The hash of a whole-object GET: the store's checksum, else MD5 when the etag is a plain MD5.
+fn pick_hash(checksum: Option<StoreChecksum>, etag: Option<&str>) -> Option<Hasher> {
+    match checksum {
+        Some(c) => Some(c.hasher()),
+        None => etag.and_then(etag_md5).map(|_| Hasher::md5()),
+    }
+}
+
 /// Fetch `seg` (from where it stands) into `file`. Retries transient failures from the byte
 /// reached. Returns the hash state, the etag of the responses and the store's checksum (from a
 /// whole-object response).
@@ -362,46 +424,17 @@ pub(super) async fn fetch_segment(
                 return Err(Stop::Err(err));
             }
         };
-        // Every response must be of the version we are assembling (servers that ignore
-        // If-Match included).
-        let etag = res.meta.e_tag.clone();
-        match (&expected, &etag) {
-            (Some(want), Some(got)) if normalize_etag(want) != normalize_etag(got) => {
-                return Err(Stop::Err(Error::Changed { key: key.clone() }))
-            }
-            (None, Some(_)) => {
-                // Learned from the first response: record it so a resumer can check it.
-                expected = etag.clone();
-                if active.claim.is_some() {
-                    lock(&active.record)
-                        .etag
-                        .get_or_insert_with(|| etag.clone().unwrap_or_default());
-                }
-            }
-            _ => {}
-        }
-        if res.meta.size != size {
-            return Err(Stop::Err(Error::Changed { key: key.clone() }));
-        }
+        same_version(key, size, active, &mut expected, &res.meta)?;
         if let Some(tx) = headers_tx.take() {
             let _ = tx.send(expected.clone());
         }
         if choose && whole {
-            // The first response of a whole-object GET picks the hash: the store's checksum,
-            // else MD5 when the etag is a plain MD5.
-            choose = false;
+            // The first response of a whole-object GET picks the hash.
             checksum = slot.get();
-            hasher = match checksum {
-                Some(c) => Some(c.hasher()),
-                None => expected
-                    .as_deref()
-                    .and_then(etag_md5)
-                    .map(|_| Hasher::md5()),
-            };
-        } else if choose {
-            // Resuming in the middle: no inline hash (the part file is read back).
-            choose = false;
+            hasher = pick_hash(checksum, expected.as_deref());
         }
+        // Resuming in the middle: no inline hash (the part file is read back).
+        choose = false;
         let write = match res.payload {
             GetResultPayload::File(src, _) => {
                 copy_local(run, active, seg, file, src, &listed.entry.key).await
@@ -410,25 +443,35 @@ pub(super) async fn fetch_segment(
                 stream_to_file(run, active, seg, file, stream, &mut hasher, key).await
             }
         };
-        match write {
-            Ok(()) => {
-                let reached = seg.start + seg.written.load(Ordering::Acquire);
-                if reached < seg.end {
-                    // Short body: continue from where it stopped.
-                    if attempt < OBJECT_ATTEMPTS {
-                        continue;
-                    }
-                    return Err(Stop::Err(Error::SizeMismatch {
-                        key: key.clone(),
-                        expected: seg.end - seg.start,
-                        got: reached - seg.start,
-                    }));
-                }
+        after_write(write, seg, key, attempt)?;
+    }
+}
+
+/// After one response's body: go on (from the byte reached, with attempts left: a short body or
+/// a transient failure) or stop.
+fn after_write(
+    write: Result<(), Stop>,
+    seg: &Segment,
+    key: &str,
+    attempt: u32,
+) -> Result<(), Stop> {
+    match write {
+        Ok(()) => {
+            let reached = seg.start + seg.written.load(Ordering::Acquire);
+            if reached < seg.end && attempt >= OBJECT_ATTEMPTS {
+                return Err(Stop::Err(Error::SizeMismatch {
+                    key: key.to_string(),
+                    expected: seg.end - seg.start,
+                    got: reached - seg.start,
+                }));
             }
-            Err(Stop::Err(e)) if e.is_retryable() && attempt < OBJECT_ATTEMPTS => {
-                tracing::info!(key = %key, error = %e, "retrying from byte {}", seg.start + seg.written.load(Ordering::Acquire));
-            }
-            Err(e) => return Err(e),
+            // Whole, or a short body: continue from where it stopped.
+            Ok(())
         }
+        Err(Stop::Err(e)) if e.is_retryable() && attempt < OBJECT_ATTEMPTS => {
+            tracing::info!(key = %key, error = %e, "retrying from byte {}", seg.start + seg.written.load(Ordering::Acquire));
+            Ok(())
+        }
+        Err(e) => Err(e),
     }
 }

@@ -1,54 +1,13 @@
 //! The claims this run holds: what each records (the byte ranges on stable storage), their
 //! renewal while the run goes, the checkpoint when it is interrupted, and their release.
 
-use std::fs::File;
 use std::io;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
-use tokio_util::sync::CancellationToken;
-
-use super::part::{merge_ranges, Segment};
 use super::run::{blocking, Run};
-use crate::prefetch::claim::{Claim, ClaimRecord};
+use super::work::Active;
+use crate::prefetch::claim::Claim;
 use crate::sync::lock;
-
-/// A download in progress, or a group's claim: what the renewer needs to checkpoint it.
-pub(super) struct Active {
-    /// The claim this entry renews: an object's own (large objects) or a group's; `None` for an
-    /// object covered by its group's claim.
-    pub(super) claim: Option<Claim>,
-    pub(super) record: Mutex<ClaimRecord>,
-    pub(super) file: Mutex<Option<Arc<File>>>,
-    pub(super) base_done: Mutex<Vec<[u64; 2]>>,
-    pub(super) segments: Mutex<Vec<Arc<Segment>>>,
-    pub(super) synced: Mutex<Vec<[u64; 2]>>,
-    /// Cancelled when the claim was lost (someone else owns it now).
-    pub(super) lost: CancellationToken,
-}
-
-impl Active {
-    pub(super) fn new(
-        claim: Option<Claim>,
-        record: ClaimRecord,
-        lost: CancellationToken,
-    ) -> Arc<Active> {
-        Arc::new(Active {
-            claim,
-            record: Mutex::new(record),
-            file: Mutex::new(None),
-            base_done: Mutex::new(Vec::new()),
-            segments: Mutex::new(Vec::new()),
-            synced: Mutex::new(Vec::new()),
-            lost,
-        })
-    }
-
-    pub(super) fn done_ranges(&self) -> Vec<[u64; 2]> {
-        let mut v = lock(&self.base_done).clone();
-        v.extend(lock(&self.segments).iter().map(|s| s.done()));
-        merge_ranges(v)
-    }
-}
 
 pub(super) async fn release(run: &Run, claim: &Claim) {
     let claim = claim.clone();

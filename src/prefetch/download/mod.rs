@@ -6,39 +6,42 @@
 //! (at most two batches per request), whatever the dataset or object size: bodies are streamed,
 //! never collected.
 //!
-//! Here: the options, the run's lifecycle (set up, list and fetch, drop what the source deleted,
-//! the `complete` marker) and its summary. Its parts:
-//! - `run`: the state the tasks of a run share (errors, cancellation, pending updates);
+//! Here: the run's lifecycle (set up, list and fetch, drop what the source deleted, the
+//! `complete` marker) and its summary. Its parts, each importing only those listed after it:
 //! - `plan`: from the listing to work (present objects skipped, room made, small objects grouped);
 //! - `object`: one object or group under its claim: download, retry, checkpoint or discard;
+//! - `fetch`: requests (slots, ranged GETs of the version being assembled, the checksum HEAD);
+//! - `publish`: sync, rename, directory sync, then the manifest and the claims' release;
 //! - `lease`: the claims held (progress recorded, renewed, checkpointed, released);
 //! - `part`: the part file (ranges, opening or resuming it, writing bodies at their offsets);
-//! - `fetch`: requests (slots, ranged GETs of the version being assembled, the checksum HEAD);
 //! - `verification`: checksum, MD5 etag or size before publishing;
-//! - `publish`: sync, rename, directory sync, then the manifest and the claims' release.
+//! - `run`: the state the tasks of a run share (errors, cancellation, pending updates);
+//! - `work`: what the tasks pass each other (listed objects, groups, a download in progress and
+//!   its byte ranges); `options`: what the caller asks ([`Job`], [`FetchOptions`], [`Verify`]).
 
 mod fetch;
 mod lease;
 mod object;
+mod options;
 mod part;
 mod plan;
 mod publish;
 mod run;
 mod verification;
+mod work;
 
 #[cfg(test)]
 pub(crate) mod tests;
 
-pub use publish::{Failpoint, FailpointFn, PublishStep};
+pub use options::{Failpoint, FailpointFn, FetchOptions, Job, PublishStep, Verify};
 
 use std::fs;
 use std::io;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use object_store::ObjectStore;
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
@@ -46,83 +49,12 @@ use self::lease::renew_all;
 use self::plan::produce;
 use self::publish::flush;
 use self::run::{blocking, Run};
-use crate::prefetch::cache::{self, CompleteMarker, DatasetPaths};
+use crate::prefetch::cache::{self, CompleteMarker};
 use crate::prefetch::manifest::{Manifest, Update};
 use crate::prefetch::metrics::PrefetchMetrics;
 use crate::prefetch::Error;
-use crate::store::progress::{Progress, Snapshot};
-use crate::store::url::SourceUrl;
+use crate::store::progress::Snapshot;
 use crate::sync::lock;
-
-/// What to verify before a file is published.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Verify {
-    /// Content: the store's full-object checksum (S3 CRC64NVME / CRC32C / CRC32 / SHA-256, GCS
-    /// CRC32C), CRCs computed while streaming and combined across ranged parts; else the MD5 of
-    /// a plain (single-part) etag; else the size. The summary counts which was used.
-    #[value(alias = "md5")]
-    Checksum,
-    /// Size (and the etag of every response) only.
-    Size,
-}
-
-/// Tunables of a dataset run.
-#[derive(Clone, Debug)]
-pub struct FetchOptions {
-    /// Requests in flight.
-    pub concurrency: usize,
-    /// Objects larger than this are fetched as parallel ranged GETs of this size.
-    pub part_size: u64,
-    pub verify: Verify,
-    /// Claim lease; renewed every `renew_every` (progress is synced and recorded then).
-    pub lease: Duration,
-    pub renew_every: Duration,
-    /// Manifest updates are merged at most this often.
-    pub flush_every: Duration,
-    /// Keep the cache under this many bytes (evicting other datasets).
-    pub max_bytes: Option<u64>,
-    /// A dataset whose lease was touched within this window is in use.
-    pub in_use_window: Duration,
-    /// Touch the dataset's lease when the run completes (the CLI: a job is about to use it).
-    pub touch_lease_on_complete: bool,
-    /// Test hook at each publish step.
-    pub failpoint: Option<Failpoint>,
-    /// Fetch only these keys (relative to the source prefix): every other listed object is
-    /// ignored, neither fetched nor counted (`prefetch --latest-checkpoint` fetches the files its
-    /// checkpoint's manifest lists, nothing else under the prefix). `None`: every object.
-    pub only: Option<Arc<std::collections::HashSet<String>>>,
-}
-
-impl Default for FetchOptions {
-    fn default() -> Self {
-        FetchOptions {
-            concurrency: 32,
-            part_size: 8 << 20,
-            verify: Verify::Checksum,
-            lease: Duration::from_secs(30),
-            renew_every: Duration::from_secs(5),
-            flush_every: Duration::from_secs(1),
-            max_bytes: None,
-            in_use_window: Duration::from_secs(15 * 60),
-            touch_lease_on_complete: false,
-            failpoint: None,
-            only: None,
-        }
-    }
-}
-
-/// One dataset run.
-pub struct Job {
-    pub store: Arc<dyn ObjectStore>,
-    pub source: SourceUrl,
-    pub paths: DatasetPaths,
-    pub cache_root: PathBuf,
-    pub options: FetchOptions,
-    pub progress: Arc<Progress>,
-    pub metrics: Option<Arc<PrefetchMetrics>>,
-    pub cancel: CancellationToken,
-}
 
 /// How a run ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]

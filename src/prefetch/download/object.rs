@@ -13,22 +13,20 @@ use object_store::ObjectStoreExt;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use super::fetch::{acquire_request, fetch_missing, Fetched};
-use super::lease::{checkpoint_on_stop, release, Active};
-use super::part::{discard_part, missing_segments, open_part, Segment};
-use super::plan::{group_claim_key, Done, Group, Listed, Work};
+use super::fetch::{acquire_request, fetch_missing, Fetched, OBJECT_ATTEMPTS};
+use super::lease::{checkpoint_on_stop, release};
+use super::options::Verify;
+use super::part::{discard_part, missing_segments, open_part};
 use super::publish::{publish, record_done, Verified};
 use super::run::{blocking, Run, Stop};
 use super::verification::verify_part;
-use super::Verify;
+use super::work::{group_claim_key, Active, Done, Group, Listed, Segment, Work};
 use crate::prefetch::claim::{now_ms, Acquire, Claim, ClaimRecord};
 use crate::prefetch::manifest::Entry;
 use crate::prefetch::Error;
 use crate::store::checksum::VerifiedBy;
 use crate::sync::lock;
 
-/// Attempts per object for transient failures, on top of object_store's own retries.
-pub(super) const OBJECT_ATTEMPTS: u32 = 3;
 /// Pause after a retryable failure of attempt n: 200 ms, 400 ms (equal jitter, `crate::backoff`).
 const RETRY_BACKOFF: Backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(2));
 
@@ -121,16 +119,7 @@ pub(super) async fn fetch_group(run: &Arc<Run>, group: Group) -> Done {
         &run.paths.claims,
         &group_claim_key(&group.first, &group.last),
     );
-    let record = ClaimRecord {
-        owner: run.owner.clone(),
-        lease_until_ms: run.lease_until(),
-        key: group.first.clone(),
-        size: group.objects.iter().map(|l| l.entry.size).sum(),
-        etag: None,
-        part: String::new(),
-        done: Vec::new(),
-        keys: group.objects.iter().map(|l| l.entry.key.clone()).collect(),
-    };
+    let record = group_record(run, &group);
     let r = run.clone();
     let entries: Vec<Entry> = group.objects.iter().map(|l| l.entry.clone()).collect();
     let acquired = acquire_claim(run, &group.first, &claim, &record, move |_, got| {
@@ -170,34 +159,8 @@ pub(super) async fn fetch_group(run: &Arc<Run>, group: Group) -> Done {
             run.count_by_other(&listed.entry);
             continue;
         }
-        let (r, mut listed) = (run.clone(), listed.clone());
         let active = Active::new(None, record.clone(), group_active.lost.clone());
-        tasks.spawn(async move {
-            let key = listed.entry.key.clone();
-            let part_rel = r.paths.part_rel(&key, &r.owner.tag());
-            match fetch_attempts(&r, &mut listed, &active, &part_rel, None).await {
-                Ok(published) => {
-                    match publish(&r, &key, published).await {
-                        Ok(etag) => record_done(&r, &listed, etag, None),
-                        Err(e) => fail_or_fatal(&r, &key, e),
-                    }
-                    None
-                }
-                Err(Stop::Lost) => {
-                    discard_part(&r, &active, &part_rel).await;
-                    Some(listed)
-                }
-                Err(Stop::Cancelled) | Err(Stop::Aborted) => {
-                    discard_part(&r, &active, &part_rel).await;
-                    None
-                }
-                Err(Stop::Err(e)) => {
-                    discard_part(&r, &active, &part_rel).await;
-                    fail_or_fatal(&r, &key, e);
-                    None
-                }
-            }
-        });
+        tasks.spawn(fetch_member(run.clone(), listed.clone(), active));
     }
     let mut lost = Vec::new();
     while let Some(res) = tasks.join_next().await {
@@ -223,6 +186,49 @@ pub(super) async fn fetch_group(run: &Arc<Run>, group: Group) -> Done {
         run.push_update_release(claim);
     }
     Done::Finished
+}
+
+/// The claim record of a group: its first key, its objects' keys and total size.
+fn group_record(run: &Run, group: &Group) -> ClaimRecord {
+    ClaimRecord {
+        owner: run.owner.clone(),
+        lease_until_ms: run.lease_until(),
+        key: group.first.clone(),
+        size: group.objects.iter().map(|l| l.entry.size).sum(),
+        etag: None,
+        part: String::new(),
+        done: Vec::new(),
+        keys: group.objects.iter().map(|l| l.entry.key.clone()).collect(),
+    }
+}
+
+/// Download, verify and publish one object of a group under the group's claim; the object back
+/// when the claim was lost (another process takes it over).
+async fn fetch_member(r: Arc<Run>, mut listed: Listed, active: Arc<Active>) -> Option<Listed> {
+    let key = listed.entry.key.clone();
+    let part_rel = r.paths.part_rel(&key, &r.owner.tag());
+    match fetch_attempts(&r, &mut listed, &active, &part_rel, None).await {
+        Ok(published) => {
+            match publish(&r, &key, published).await {
+                Ok(etag) => record_done(&r, &listed, etag, None),
+                Err(e) => fail_or_fatal(&r, &key, e),
+            }
+            None
+        }
+        Err(Stop::Lost) => {
+            discard_part(&r, &active, &part_rel).await;
+            Some(listed)
+        }
+        Err(Stop::Cancelled) | Err(Stop::Aborted) => {
+            discard_part(&r, &active, &part_rel).await;
+            None
+        }
+        Err(Stop::Err(e)) => {
+            discard_part(&r, &active, &part_rel).await;
+            fail_or_fatal(&r, &key, e);
+            None
+        }
+    }
 }
 
 /// Acquire `claim` (of `key`) with `record` on the blocking pool, then run `then` under it (what
@@ -314,6 +320,25 @@ fn fail_or_fatal(run: &Run, key: &str, e: Error) {
     }
 }
 
+/// The run and the claim still stand and every byte of the object is accounted for.
+fn all_bytes_fetched(run: &Run, active: &Active, key: &str, size: u64) -> Result<(), Stop> {
+    if let Some(stop) = run.stopped() {
+        return Err(stop);
+    }
+    if active.lost.is_cancelled() {
+        return Err(Stop::Lost);
+    }
+    let done = active.done_ranges();
+    if size > 0 && done != vec![[0, size]] {
+        return Err(Stop::Err(Error::SizeMismatch {
+            key: key.to_string(),
+            expected: size,
+            got: done.iter().map(|r| r[1] - r[0]).sum(),
+        }));
+    }
+    Ok(())
+}
+
 /// Prepare the part file (resuming a previous owner's when it matches), fetch the missing
 /// ranges and verify the result. Returns the part file, ready to publish, with the etag its
 /// bytes belong to.
@@ -361,22 +386,7 @@ async fn download(
         slot.is_some(),
     )
     .await?;
-    if let Some(stop) = run.stopped() {
-        return Err(stop);
-    }
-    if active.lost.is_cancelled() {
-        return Err(Stop::Lost);
-    }
-
-    // Every byte accounted for?
-    let done = active.done_ranges();
-    if size > 0 && done != vec![[0, size]] {
-        return Err(Stop::Err(Error::SizeMismatch {
-            key: key.clone(),
-            expected: size,
-            got: done.iter().map(|r| r[1] - r[0]).sum(),
-        }));
-    }
+    all_bytes_fetched(run, active, &key, size)?;
 
     let verified_by = if run.opts.verify != Verify::Checksum || size == 0 {
         VerifiedBy::Size

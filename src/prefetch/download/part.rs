@@ -6,15 +6,14 @@ use std::fs::{self, File};
 use std::io::{self, IoSlice};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use bytes::Bytes;
 use futures::StreamExt;
 
-use super::lease::Active;
-use super::plan::Listed;
 use super::run::{blocking, Run, Stop};
+use super::work::{merge_ranges, Active, Listed, Segment};
 use crate::prefetch::claim::ClaimRecord;
 use crate::prefetch::manifest::normalize_etag;
 use crate::prefetch::metrics::PrefetchMetrics;
@@ -27,44 +26,6 @@ use crate::sync::lock;
 const BATCH_BYTES: usize = 256 << 10;
 /// At most this many chunks per `pwritev` (below `IOV_MAX`).
 const BATCH_CHUNKS: usize = 512;
-
-/// A byte range of an object being fetched; `written` bytes from `start` are on disk.
-#[derive(Debug)]
-pub(super) struct Segment {
-    pub(super) start: u64,
-    pub(super) end: u64,
-    pub(super) written: AtomicU64,
-}
-
-impl Segment {
-    pub(super) fn new(start: u64, end: u64) -> Arc<Segment> {
-        Arc::new(Segment {
-            start,
-            end,
-            written: AtomicU64::new(0),
-        })
-    }
-    pub(super) fn done(&self) -> [u64; 2] {
-        [
-            self.start,
-            self.start + self.written.load(Ordering::Acquire),
-        ]
-    }
-}
-
-/// Sort and merge `[start, end)` ranges, dropping empty ones.
-pub(super) fn merge_ranges(mut v: Vec<[u64; 2]>) -> Vec<[u64; 2]> {
-    v.retain(|r| r[1] > r[0]);
-    v.sort_unstable();
-    let mut out: Vec<[u64; 2]> = Vec::with_capacity(v.len());
-    for r in v {
-        match out.last_mut() {
-            Some(last) if r[0] <= last[1] => last[1] = last[1].max(r[1]),
-            _ => out.push(r),
-        }
-    }
-    out
-}
 
 /// The parts of `[0, size)` not in `done`, split into pieces of at most `part`.
 pub(super) fn missing_segments(done: &[[u64; 2]], size: u64, part: u64) -> Vec<(u64, u64)> {
@@ -106,104 +67,130 @@ pub(super) async fn open_part(
 ) -> Result<(Arc<File>, Option<String>), Stop> {
     let key = listed.entry.key.clone();
     let size = listed.entry.size;
-    let dir = run.paths.dir.clone();
     let listed_etag = listed.entry.etag.clone();
-    let stale_part = previous.as_ref().map(|p| dir.join(&p.part));
-    let resumable = previous.filter(|p| {
+    let stale_part = previous.as_ref().map(|p| run.paths.dir.join(&p.part));
+    let resumable = resumable(previous, size, &listed_etag);
+    let mut expected_etag = listed_etag.clone();
+    let existing_file = lock(&active.file).clone();
+    // A retry within this process: same part file, same progress.
+    if let Some(f) = existing_file {
+        return Ok((f, expected_etag));
+    }
+    let resume = resumable.clone();
+    let part = part_path.to_path_buf();
+    let fin = final_path.to_path_buf();
+    let run2 = run.clone();
+    let k = key.clone();
+    let stale = stale_part.filter(|_| resume.is_none());
+    let (f, done) = blocking(move || {
+        if let Some(old) = stale.filter(|old| *old != part) {
+            let _ = fs::remove_file(old);
+        }
+        open_part_file(&run2, &k, size, &part, &fin, resume.as_ref())
+    })
+    .await
+    .and_then(|r| r)?;
+    if !done.is_empty() {
+        let reused: u64 = merge_ranges(done.clone()).iter().map(|r| r[1] - r[0]).sum();
+        tracing::info!(dataset = %run.paths.name, key, bytes = reused, "resuming a partial download");
+        Progress::add(&run.progress.bytes_resumed, reused);
+        Progress::add(&run.progress.bytes_done, reused);
+        if expected_etag.is_none() {
+            expected_etag = resumable.as_ref().and_then(|p| p.etag.clone());
+        }
+        *lock(&active.base_done) = done;
+    }
+    let f = Arc::new(f);
+    *lock(&active.file) = Some(f.clone());
+    record_start(run, active, &key, &expected_etag).await?;
+    Ok((f, expected_etag))
+}
+
+/// A previous owner's claim whose part file holds bytes of the listed version of the object.
+fn resumable(
+    previous: Option<ClaimRecord>,
+    size: u64,
+    listed_etag: &Option<String>,
+) -> Option<ClaimRecord> {
+    previous.filter(|p| {
         p.size == size
             && !p.done.is_empty()
-            && match (&p.etag, &listed_etag) {
+            && match (&p.etag, listed_etag) {
                 (Some(a), Some(b)) => normalize_etag(a) == normalize_etag(b),
                 (Some(_), None) => true,
                 (None, _) => false,
             }
-    });
-    let mut expected_etag = listed_etag.clone();
-    let existing_file = lock(&active.file).clone();
-    let file: Arc<File> = match existing_file {
-        // A retry within this process: same part file, same progress.
-        Some(f) => f,
-        None => {
-            let resume = resumable.clone();
-            let part = part_path.to_path_buf();
-            let fin = final_path.to_path_buf();
-            let run2 = run.clone();
-            let k = key.clone();
-            let stale = stale_part.filter(|_| resume.is_none());
-            let opened =
-                blocking(move || -> Result<(File, Vec<[u64; 2]>), Error> {
-                    if let Some(old) = stale.filter(|old| *old != part) {
-                        let _ = fs::remove_file(old);
-                    }
-                    run2.make_parent(&fin)
-                        .map_err(|e| Error::io_for(&k, "create directory", fin.clone(), e))?;
-                    if let Some(prev) = &resume {
-                        let old = dir.join(&prev.part);
-                        let ok = fs::metadata(&old).is_ok_and(|m| m.len() == size);
-                        if ok && (old == part || fs::rename(&old, &part).is_ok()) {
-                            let f = File::options().write(true).read(true).open(&part).map_err(
-                                |e| Error::io_for(&k, "open part file", part.clone(), e),
-                            )?;
-                            return Ok((f, prev.done.clone()));
-                        }
-                        let _ = fs::remove_file(&old);
-                    }
-                    let f = File::options()
-                        .write(true)
-                        .read(true)
-                        .create(true)
-                        .truncate(true)
-                        .open(&part)
-                        .map_err(|e| Error::io_for(&k, "create part file", part.clone(), e))?;
-                    let ranged = size > run2.opts.part_size;
-                    if ranged {
-                        preallocate(&f, size, !run2.on_tmpfs.load(Ordering::Relaxed))
-                            .map_err(|e| Error::io_for(&k, "preallocate", part.clone(), e))?;
-                    }
-                    Ok((f, Vec::new()))
-                })
-                .await
-                .and_then(|r| r)?;
-            let (f, done) = opened;
-            if !done.is_empty() {
-                let reused: u64 = merge_ranges(done.clone()).iter().map(|r| r[1] - r[0]).sum();
-                tracing::info!(dataset = %run.paths.name, key, bytes = reused, "resuming a partial download");
-                Progress::add(&run.progress.bytes_resumed, reused);
-                Progress::add(&run.progress.bytes_done, reused);
-                if expected_etag.is_none() {
-                    expected_etag = resumable.as_ref().and_then(|p| p.etag.clone());
-                }
-                *lock(&active.base_done) = done;
-            }
-            let f = Arc::new(f);
-            *lock(&active.file) = Some(f.clone());
-            // Record the progress we start from (a takeover) or the etag we now expect. A
-            // fresh claim already says all there is: no write.
-            let rec = {
-                let mut rec = lock(&active.record);
-                let done = active.done_ranges();
-                let changed = rec.done != done || rec.etag != expected_etag;
-                rec.done = done;
-                rec.etag = expected_etag.clone();
-                rec.lease_until_ms = run.lease_until();
-                changed.then(|| rec.clone())
-            };
-            // (Objects of a group have no claim of their own.)
-            if let (Some(rec), Some(claim)) = (rec, active.claim.clone()) {
-                let path = claim.path.clone();
-                match blocking(move || claim.renew(&rec)).await {
-                    Ok(Ok(true)) => {}
-                    Ok(Ok(false)) => return Err(Stop::Lost),
-                    Ok(Err(e)) => {
-                        return Err(Stop::Err(Error::io_for(&key, "write claim", path, e)))
-                    }
-                    Err(e) => return Err(Stop::Err(e)),
-                }
-            }
-            f
+    })
+}
+
+/// Open the part file at `part`: `resume`'s (renamed to `part`) with the ranges it holds when it
+/// is still there at full size, else a new one (preallocated when the object is fetched in
+/// ranged parts). A part file that cannot be resumed is removed.
+fn open_part_file(
+    run: &Run,
+    key: &str,
+    size: u64,
+    part: &Path,
+    fin: &Path,
+    resume: Option<&ClaimRecord>,
+) -> Result<(File, Vec<[u64; 2]>), Error> {
+    run.make_parent(fin)
+        .map_err(|e| Error::io_for(key, "create directory", fin.to_path_buf(), e))?;
+    if let Some(prev) = resume {
+        let old = run.paths.dir.join(&prev.part);
+        let ok = fs::metadata(&old).is_ok_and(|m| m.len() == size);
+        if ok && (old == part || fs::rename(&old, part).is_ok()) {
+            let f = File::options()
+                .write(true)
+                .read(true)
+                .open(part)
+                .map_err(|e| Error::io_for(key, "open part file", part.to_path_buf(), e))?;
+            return Ok((f, prev.done.clone()));
         }
+        let _ = fs::remove_file(&old);
+    }
+    let f = File::options()
+        .write(true)
+        .read(true)
+        .create(true)
+        .truncate(true)
+        .open(part)
+        .map_err(|e| Error::io_for(key, "create part file", part.to_path_buf(), e))?;
+    if size > run.opts.part_size {
+        preallocate(&f, size, !run.on_tmpfs.load(Ordering::Relaxed))
+            .map_err(|e| Error::io_for(key, "preallocate", part.to_path_buf(), e))?;
+    }
+    Ok((f, Vec::new()))
+}
+
+/// Record the progress we start from (a takeover) or the etag we now expect in the claim. A
+/// fresh claim already says all there is: no write. (Objects of a group have no claim of their
+/// own.)
+async fn record_start(
+    run: &Run,
+    active: &Active,
+    key: &str,
+    expected_etag: &Option<String>,
+) -> Result<(), Stop> {
+    let rec = {
+        let mut rec = lock(&active.record);
+        let done = active.done_ranges();
+        let changed = rec.done != done || rec.etag != *expected_etag;
+        rec.done = done;
+        rec.etag = expected_etag.clone();
+        rec.lease_until_ms = run.lease_until();
+        changed.then(|| rec.clone())
     };
-    Ok((file, expected_etag))
+    let (Some(rec), Some(claim)) = (rec, active.claim.clone()) else {
+        return Ok(());
+    };
+    let path = claim.path.clone();
+    match blocking(move || claim.renew(&rec)).await {
+        Ok(Ok(true)) => Ok(()),
+        Ok(Ok(false)) => Err(Stop::Lost),
+        Ok(Err(e)) => Err(Stop::Err(Error::io_for(key, "write claim", path, e))),
+        Err(e) => Err(Stop::Err(e)),
+    }
 }
 
 /// Remove our part file and forget its progress.
@@ -287,21 +274,8 @@ pub(super) async fn stream_to_file(
             let chunks = std::mem::take(&mut batch);
             let len = batch_len as u64;
             batch_len = 0;
-            let f = file.clone();
-            let mut h = hasher.take();
-            let at = offset;
+            inflight = Some(start_write(file.clone(), offset, chunks, hasher.take()));
             offset += len;
-            inflight = Some(tokio::task::spawn_blocking(move || {
-                let r = write_chunks(&f, at, &chunks);
-                if r.is_ok() {
-                    if let Some(h) = h.as_mut() {
-                        for c in &chunks {
-                            h.update(c);
-                        }
-                    }
-                }
-                (r, h, len)
-            }));
         }
         if end {
             break;
@@ -320,6 +294,22 @@ pub(super) async fn stream_to_file(
         Some(e) => Err(Stop::Err(e)),
         None => Ok(()),
     }
+}
+
+/// Write `chunks` at `at` on the blocking pool, hashing them once written.
+fn start_write(f: Arc<File>, at: u64, chunks: Vec<Bytes>, mut h: Option<Hasher>) -> WriteJob {
+    tokio::task::spawn_blocking(move || {
+        let len = chunks.iter().map(|c| c.len() as u64).sum();
+        let r = write_chunks(&f, at, &chunks);
+        if r.is_ok() {
+            if let Some(h) = h.as_mut() {
+                for c in &chunks {
+                    h.update(c);
+                }
+            }
+        }
+        (r, h, len)
+    })
 }
 
 async fn finish_write(

@@ -5,64 +5,27 @@
 
 use crate::backoff::Backoff;
 use std::collections::HashSet;
-use std::fs;
 use std::path::Path;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
-use object_store::path::Path as ObjectPath;
 use object_store::{ObjectMeta, ObjectStore};
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 
 use super::object::{fetch_group, fetch_object};
-use super::run::{blocking, Run};
+use super::run::{blocking, file_has_size, Run};
+use super::work::{Done, Group, Listed, Work};
 use crate::prefetch::cache;
 use crate::prefetch::manifest::{Entry, Manifest, Update};
-use crate::prefetch::metrics::PrefetchMetrics;
+use crate::prefetch::metrics::{DatasetLabels, PrefetchMetrics};
 use crate::prefetch::Error;
 use crate::store::progress::Progress;
 
-/// An object from the listing.
-#[derive(Clone, Debug)]
-pub(super) struct Listed {
-    pub(super) location: ObjectPath,
-    pub(super) entry: Entry,
-}
-
-/// Consecutive small objects (at most [`GROUP_WINDOW`] listing positions) claimed together: one
-/// claim file instead of one per object. `first` and `last` are the window's first and last
-/// listed keys, so processes listing the same source form the same groups.
-#[derive(Clone, Debug)]
-pub(super) struct Group {
-    pub(super) first: String,
-    pub(super) last: String,
-    pub(super) objects: Vec<Listed>,
-}
-
-/// Work that may have to wait for another process's claim.
-pub(super) enum Work {
-    Object(Listed),
-    Group(Group),
-}
-
 /// Objects of at most this many consecutive listing positions share a group claim.
 const GROUP_WINDOW: u64 = 64;
-
-/// The claim key of the group whose window starts at `first` and ends at `last`.
-pub(super) fn group_claim_key(first: &str, last: &str) -> String {
-    format!("group\n{first}\n{last}")
-}
-
-/// Result of one object or group.
-pub(super) enum Done {
-    /// Published, seen published by another process, failed, cancelled (all recorded).
-    Finished,
-    /// Someone else holds the claim: look again later.
-    Deferred(Work),
-}
 
 /// Spawn `work`, holding `n` object permits until it finishes.
 async fn spawn_work(
@@ -144,84 +107,24 @@ pub(super) async fn produce(
         // process listing the same source forms the same groups.
         let index = position / GROUP_WINDOW;
         position += 1;
-        if window.as_ref().is_some_and(|w| w.index != index) {
-            if let Some(w) = window.take() {
-                if !w.group.objects.is_empty()
-                    && !spawn_work(run, &mut tasks, &permits, Work::Group(w.group)).await
-                {
-                    listing_ok = false;
-                    break;
-                }
-            }
-        }
-        let w = window.get_or_insert_with(|| Window {
-            index,
-            group: Group {
-                first: key.clone(),
-                last: key.clone(),
-                objects: Vec::new(),
-            },
-        });
-        w.group.last = key.clone();
-
-        let size = listed.entry.size;
-        Progress::add(&run.progress.bytes_total, size);
-        Progress::add(&run.progress.files_total, 1);
-        if let Some(cur) = manifest.objects.get(&key) {
-            if cur.done
-                && cur.same_version(&listed.entry)
-                && file_has_size(&run.paths.file(&key), size)
-            {
-                Progress::add(&run.progress.bytes_done, size);
-                Progress::add(&run.progress.files_done, 1);
-                Progress::add(&run.progress.files_present, 1);
-                continue;
-            }
-        }
-        if let Some(m) = &run.metrics {
-            m.pending_bytes
-                .get_or_create(&labels)
-                .inc_by(i64::try_from(size).unwrap_or(i64::MAX));
-            m.pending_files.get_or_create(&labels).inc();
-        }
-        if let Err(source) = run.mark_incomplete() {
-            run.set_fatal(Error::Io {
-                op: "remove complete marker",
-                path: run.paths.complete.clone(),
-                source,
-            });
+        if window.as_ref().is_some_and(|w| w.index != index)
+            && !flush_window(run, &mut tasks, &permits, window.take()).await
+        {
             listing_ok = false;
             break;
         }
-        if let Some(max) = run.opts.max_bytes {
-            // A scan reads every dataset's manifest: rescan only when the room found by the
-            // last one is used up.
-            let need = run.progress.bytes_total.load(Ordering::Relaxed);
-            if need > room {
-                let root = cache_root.to_path_buf();
-                let keep = run.paths.name.clone();
-                let in_use = run.opts.in_use_window;
-                match blocking(move || cache::make_room(&root, &keep, need, max, in_use))
-                    .await
-                    .and_then(|r| r)
-                {
-                    Ok(report) => {
-                        if let Some(m) = &run.metrics {
-                            m.evictions.inc_by(report.evicted.len() as u64);
-                        }
-                        evicted.extend(report.evicted);
-                        // `used` counts the other datasets.
-                        room = max.saturating_sub(report.used);
-                    }
-                    Err(e) => {
-                        run.set_fatal(e);
-                        listing_ok = false;
-                        break;
-                    }
-                }
-            }
+        let w = window.get_or_insert_with(|| Window::new(index, &key));
+        w.group.last = key.clone();
+
+        let size = listed.entry.size;
+        if present(run, manifest, &listed) {
+            continue;
         }
-        run.push_update(Update::Pending(listed.entry.clone()), None);
+        if let Err(e) = admit(run, &labels, &listed, cache_root, &mut room, evicted).await {
+            run.set_fatal(e);
+            listing_ok = false;
+            break;
+        }
 
         if size <= run.opts.part_size {
             w.group.objects.push(listed);
@@ -233,22 +136,129 @@ pub(super) async fn produce(
             collect(res, &mut deferred);
         }
     }
-    if listing_ok {
-        if let Some(w) = window.take() {
-            if !w.group.objects.is_empty()
-                && !spawn_work(run, &mut tasks, &permits, Work::Group(w.group)).await
-            {
-                listing_ok = false;
-            }
-        }
+    if listing_ok && !flush_window(run, &mut tasks, &permits, window.take()).await {
+        listing_ok = false;
     }
     run.progress.listed.store(listing_ok, Ordering::Relaxed);
     while let Some(res) = tasks.join_next().await {
         collect(res, &mut deferred);
     }
 
-    // Work claimed by other processes: wait until it is published, or take it over when its
-    // owner's lease runs out.
+    wait_for_deferred(run, &mut tasks, &permits, deferred).await;
+    listing_ok.then_some(keys)
+}
+
+impl Window {
+    fn new(index: u64, first: &str) -> Window {
+        Window {
+            index,
+            group: Group {
+                first: first.to_string(),
+                last: first.to_string(),
+                objects: Vec::new(),
+            },
+        }
+    }
+}
+
+/// Hand a closed group window's objects to the pipeline (an empty one is nothing); `false` when
+/// the run stopped.
+async fn flush_window(
+    run: &Arc<Run>,
+    tasks: &mut JoinSet<Done>,
+    permits: &Arc<Semaphore>,
+    window: Option<Window>,
+) -> bool {
+    match window {
+        Some(w) if !w.group.objects.is_empty() => {
+            spawn_work(run, tasks, permits, Work::Group(w.group)).await
+        }
+        _ => true,
+    }
+}
+
+/// Count a listed object; `true` when it is already whole in the cache (same version, same
+/// size on disk): nothing to fetch.
+fn present(run: &Run, manifest: &Manifest, listed: &Listed) -> bool {
+    let (key, size) = (&listed.entry.key, listed.entry.size);
+    Progress::add(&run.progress.bytes_total, size);
+    Progress::add(&run.progress.files_total, 1);
+    let whole = manifest.objects.get(key).is_some_and(|cur| {
+        cur.done && cur.same_version(&listed.entry) && file_has_size(&run.paths.file(key), size)
+    });
+    if whole {
+        Progress::add(&run.progress.bytes_done, size);
+        Progress::add(&run.progress.files_done, 1);
+        Progress::add(&run.progress.files_present, 1);
+    }
+    whole
+}
+
+/// Take a listed object that must be fetched: count it pending, mark the dataset incomplete,
+/// make room for it under `--cache-max-bytes`, record it pending. `Err`: the run's fatal error.
+async fn admit(
+    run: &Run,
+    labels: &DatasetLabels,
+    listed: &Listed,
+    cache_root: &Path,
+    room: &mut u64,
+    evicted: &mut Vec<String>,
+) -> Result<(), Error> {
+    let size = listed.entry.size;
+    if let Some(m) = &run.metrics {
+        m.pending_bytes
+            .get_or_create(labels)
+            .inc_by(i64::try_from(size).unwrap_or(i64::MAX));
+        m.pending_files.get_or_create(labels).inc();
+    }
+    run.mark_incomplete().map_err(|source| Error::Io {
+        op: "remove complete marker",
+        path: run.paths.complete.clone(),
+        source,
+    })?;
+    if let Some(max) = run.opts.max_bytes {
+        make_room(run, cache_root, max, room, evicted).await?;
+    }
+    run.push_update(Update::Pending(listed.entry.clone()), None);
+    Ok(())
+}
+
+/// Evict other datasets until the listed total fits under `max`. A scan reads every dataset's
+/// manifest: rescan only when the room found by the last one (`room`) is used up.
+async fn make_room(
+    run: &Run,
+    cache_root: &Path,
+    max: u64,
+    room: &mut u64,
+    evicted: &mut Vec<String>,
+) -> Result<(), Error> {
+    let need = run.progress.bytes_total.load(Ordering::Relaxed);
+    if need <= *room {
+        return Ok(());
+    }
+    let root = cache_root.to_path_buf();
+    let keep = run.paths.name.clone();
+    let in_use = run.opts.in_use_window;
+    let report = blocking(move || cache::make_room(&root, &keep, need, max, in_use))
+        .await
+        .and_then(|r| r)?;
+    if let Some(m) = &run.metrics {
+        m.evictions.inc_by(report.evicted.len() as u64);
+    }
+    evicted.extend(report.evicted);
+    // `used` counts the other datasets.
+    *room = max.saturating_sub(report.used);
+    Ok(())
+}
+
+/// Work claimed by other processes: wait until it is published, or take it over when its
+/// owner's lease runs out.
+async fn wait_for_deferred(
+    run: &Arc<Run>,
+    tasks: &mut JoinSet<Done>,
+    permits: &Arc<Semaphore>,
+    mut deferred: Vec<Work>,
+) {
     let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(2));
     while !deferred.is_empty() && run.stopped().is_none() {
         tokio::select! {
@@ -256,7 +266,7 @@ pub(super) async fn produce(
             _ = tokio::time::sleep(backoff.next_delay()) => {}
         }
         for work in std::mem::take(&mut deferred) {
-            if !spawn_work(run, &mut tasks, &permits, work).await {
+            if !spawn_work(run, tasks, permits, work).await {
                 break;
             }
         }
@@ -264,7 +274,6 @@ pub(super) async fn produce(
             collect(res, &mut deferred);
         }
     }
-    listing_ok.then_some(keys)
 }
 
 fn collect(res: Result<Done, tokio::task::JoinError>, deferred: &mut Vec<Work>) {
@@ -273,10 +282,6 @@ fn collect(res: Result<Done, tokio::task::JoinError>, deferred: &mut Vec<Work>) 
         Ok(Done::Finished) => {}
         Err(e) => tracing::error!(error = %e, "object task panicked"),
     }
-}
-
-pub(super) fn file_has_size(path: &Path, size: u64) -> bool {
-    fs::metadata(path).is_ok_and(|m| m.is_file() && m.len() == size)
 }
 
 fn to_listed(run: &Run, meta: ObjectMeta) -> Option<Listed> {

@@ -8,8 +8,9 @@ use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use super::plan::Listed;
+use super::options::PublishStep;
 use super::run::{blocking, Run};
+use super::work::Listed;
 use crate::prefetch::claim::Claim;
 use crate::prefetch::manifest::{Manifest, Update};
 use crate::prefetch::metrics::PrefetchMetrics;
@@ -17,32 +18,6 @@ use crate::prefetch::Error;
 use crate::store::checksum::VerifiedBy;
 use crate::store::progress::Progress;
 use crate::sync::lock;
-
-/// Published files being synced at once.
-pub(super) const SYNCS_IN_FLIGHT: usize = 16;
-
-/// Called at the steps of publishing a file (tests: the order of sync and rename, and a crash
-/// between them).
-#[derive(Clone)]
-pub struct Failpoint(pub Arc<FailpointFn>);
-
-/// The function behind a [`Failpoint`].
-pub type FailpointFn = dyn Fn(PublishStep, &Path) + Send + Sync;
-
-impl std::fmt::Debug for Failpoint {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("Failpoint")
-    }
-}
-
-/// A step of publishing: the part file's data is on stable storage; it has its final name;
-/// the directory holding the name is synced (the manifest may record it after this).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum PublishStep {
-    PartSynced,
-    Renamed,
-    DirSynced,
-}
 
 /// A downloaded, verified part file, not yet under its final name.
 pub(super) struct Verified {
@@ -58,7 +33,7 @@ pub(super) struct Verified {
 /// under its final name is never one whose data may still be missing after a crash: on a node
 /// crash an unsynced rename could leave a full-size, hole-filled file there); the directory is
 /// synced before the manifest records it ([`flush`]). Syncs run off the request slots, up to
-/// [`SYNCS_IN_FLIGHT`] at once, so the device's flushes overlap the downloads (no-ops on
+/// [`SYNCS_IN_FLIGHT`](super::run::SYNCS_IN_FLIGHT) at once, so the device's flushes overlap the downloads (no-ops on
 /// tmpfs). Returns the etag.
 pub(super) async fn publish(run: &Run, key: &str, v: Verified) -> Result<Option<String>, Error> {
     let _permit = run

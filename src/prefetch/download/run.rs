@@ -13,10 +13,8 @@ use object_store::ObjectStore;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
-use super::lease::Active;
-use super::plan::file_has_size;
-use super::publish::SYNCS_IN_FLIGHT;
-use super::{FetchOptions, Job};
+use super::options::{FetchOptions, Job};
+use super::work::Active;
 use crate::prefetch::cache::DatasetPaths;
 use crate::prefetch::claim::{now_ms, Claim, Owner};
 use crate::prefetch::manifest::{Entry, Manifest, Update};
@@ -25,6 +23,13 @@ use crate::prefetch::Error;
 use crate::store::progress::Progress;
 use crate::store::url::SourceUrl;
 use crate::sync::lock;
+
+/// Published files being synced at once.
+pub(super) const SYNCS_IN_FLIGHT: usize = 16;
+
+pub(super) fn file_has_size(path: &Path, size: u64) -> bool {
+    fs::metadata(path).is_ok_and(|m| m.is_file() && m.len() == size)
+}
 
 /// State shared by the tasks of one run.
 pub(super) struct Run {

@@ -1,14 +1,16 @@
 //! The engine end to end over an in-memory store: fetch, publish, record, resume, wait for
 //! another owner, cancel.
 
+use std::path::PathBuf;
 use std::sync::Mutex;
 
 use object_store::memory::InMemory;
 use object_store::path::Path as ObjectPath;
-use object_store::ObjectStoreExt;
+use object_store::{ObjectStore, ObjectStoreExt};
 
 use super::*;
 use crate::prefetch::{cache, claim, download, manifest};
+use crate::store::{Progress, SourceUrl};
 use crate::sync::lock;
 
 async fn store_with(objects: &[(&str, Vec<u8>)]) -> Arc<dyn ObjectStore> {
@@ -260,7 +262,7 @@ async fn live_foreign_claim_is_waited_for_then_seen_complete() {
         nonce: 3,
     };
     // Small objects are claimed in groups (here a group of one).
-    let c = claim::Claim::new(&paths.claims, &download::plan::group_claim_key("f", "f"));
+    let c = claim::Claim::new(&paths.claims, &download::work::group_claim_key("f", "f"));
     c.write(&claim::ClaimRecord {
         owner: other.clone(),
         lease_until_ms: claim::now_ms() + 600_000,
