@@ -227,10 +227,7 @@ fn spotguard(src: &str, dest: &Path, endpoint: &str, extra: &[&str]) -> Command 
         .arg(dest)
         .args(["--endpoint", endpoint, "--progress", "json"])
         .args(extra)
-        .env("AWS_ACCESS_KEY_ID", ACCESS_KEY)
-        .env("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
-        .env("AWS_REGION", REGION)
-        .env("AWS_EC2_METADATA_DISABLED", "true")
+        .envs(S3Server::client_env())
         .env("RUST_LOG", "spotguard=info")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());

@@ -30,7 +30,7 @@ use spotguard::upload::manifest::{
 };
 use spotguard::upload::owner::{Marker, Writer, MARKER_NAME};
 use spotguard_testkit::s3::proxy::{Body, BoxError, Faults, Proxy};
-use spotguard_testkit::s3::{S3Server, ACCESS_KEY, REGION, SECRET_KEY};
+use spotguard_testkit::s3::S3Server;
 
 const BUCKET: &str = "ckpt";
 const OWNER: &str = "k8s:ml/JobSet/train-a";
@@ -144,10 +144,7 @@ fn reader(args: &[&str], endpoint: Option<&str>) -> Command {
         .arg("--latest-checkpoint")
         .args(args)
         .args(["--progress", "none"])
-        .env("AWS_ACCESS_KEY_ID", ACCESS_KEY)
-        .env("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
-        .env("AWS_REGION", REGION)
-        .env("AWS_EC2_METADATA_DISABLED", "true")
+        .envs(S3Server::client_env())
         .env("SPOTGUARD_LOG_LEVEL", "spotguard=debug")
         .uid(TRAINER)
         .gid(TRAINER)

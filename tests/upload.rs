@@ -625,10 +625,7 @@ fn spotguard(args: &[&str], endpoint: &str) -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_spotguard"));
     c.args(args)
         .args(["--endpoint", endpoint])
-        .env("AWS_ACCESS_KEY_ID", ACCESS_KEY)
-        .env("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
-        .env("AWS_REGION", REGION)
-        .env("AWS_EC2_METADATA_DISABLED", "true")
+        .envs(S3Server::client_env())
         .env("SPOTGUARD_LOG_LEVEL", "spotguard=info")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
