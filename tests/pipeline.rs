@@ -201,7 +201,14 @@ async fn interruption_round_trip(cloud: Cloud) {
     // duplicate. (GCE's watch answers again only when its hanging GET times out, after 60 s:
     // no re-poll comes within the test.)
     if cloud != Cloud::Gce {
-        next_duplicates(app.admin_addr, "interruption", 1).await;
+        next_duplicates(app.admin_addr, "interruption", 2).await;
+        let later = pending(&mut events);
+        assert!(
+            !later
+                .iter()
+                .any(|e| matches!(e, PlanEvent::NoticeSeen { .. })),
+            "a re-poll started a plan: {later:#?}"
+        );
     }
     assert_eq!(t.signals_seen(), 1);
     let m = metrics_text(app.admin_addr).await;
@@ -479,7 +486,7 @@ async fn restart_mid_plan_never_signals_twice() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     // The restarted agent decided a re-poll after its plan was done is a duplicate.
-    next_duplicates(admin_addr, "interruption", 1).await;
+    next_duplicates(admin_addr, "interruption", 2).await;
     assert_eq!(t.signals_seen(), 1, "a restarted agent never signals twice");
     unsafe { libc::kill(second.id().unwrap() as i32, libc::SIGTERM) };
     let status = tokio::time::timeout(Duration::from_secs(10), second.wait())

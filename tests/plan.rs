@@ -51,6 +51,7 @@ async fn a_repeated_notice_during_the_plan_is_a_duplicate_and_signals_once() {
     t.wait_signals(1, LIMIT).await;
     // The same notice again while the trainer is still checkpointing.
     assert_eq!(r.decide(n.clone()).await, Decision::Duplicate);
+    assert_eq!(plans_seen(&r.all_events()), ["i-1"], "one plan");
     t.release();
     done(&mut r, "i-1").await;
     assert_eq!(t.signals_seen(), 1);
@@ -70,10 +71,9 @@ async fn a_notice_after_the_plan_ended_is_a_duplicate() {
     let n = interruption("i-1", Duration::from_secs(120));
     assert!(started(&r.decide(n.clone()).await));
     done(&mut r, "i-1").await;
-    let _ = r.events_so_far();
     // The metadata service keeps serving the notice after the plan ended.
     assert_eq!(r.decide(n).await, Decision::Duplicate);
-    assert_eq!(plans_seen(&r.events_so_far()), Vec::<String>::new());
+    assert_eq!(plans_seen(&r.all_events()), ["i-1"], "one plan");
     assert_eq!(t.signals_seen(), 1);
     assert_eq!(seam.node.drains().len(), 1);
     r.stop().await;
@@ -97,6 +97,7 @@ async fn a_deadline_moved_earlier_moves_the_plan_and_a_later_one_does_not() {
     // A later one moves nothing.
     let later = interruption("i-3", Duration::from_secs(110));
     assert_eq!(r.decide(later).await, Decision::Duplicate);
+    assert_eq!(plans_seen(&r.all_events()), ["i-1"], "one plan");
     t.release();
     done(&mut r, "i-1").await;
     assert_eq!(t.signals_seen(), 1);
@@ -123,8 +124,8 @@ async fn two_interruption_notices_under_two_ids_are_one_plan() {
     // A second source (or a re-stamped answer) reports it under another id, a hair later.
     let other = interruption("i-2", Duration::from_secs(120));
     assert_eq!(r.decide(other).await, Decision::Duplicate);
+    assert_eq!(plans_seen(&r.all_events()), ["i-1"], "one plan");
     done(&mut r, "i-1").await;
-    assert_eq!(plans_seen(&r.events_so_far()), Vec::<String>::new());
     assert_eq!(t.signals_seen(), 1);
     r.stop().await;
 }
@@ -143,11 +144,13 @@ async fn a_rebalance_then_an_interruption_are_two_plans_and_two_signals() {
     assert_eq!(t.signals_seen(), 1);
     // The recommendation served again: the one recommendation of this life.
     assert_eq!(r.decide(rebalance("r-2")).await, Decision::Duplicate);
+    assert_eq!(plans_seen(&r.all_events()), ["r-1"], "one plan");
     assert!(started(
         &r.decide(interruption("i-1", Duration::from_secs(120)))
             .await
     ));
     done(&mut r, "i-1").await;
+    assert_eq!(plans_seen(&r.all_events()), ["r-1", "i-1"]);
     assert_eq!(t.signals_seen(), 2, "a fresh save for the interruption");
     r.stop().await;
 }
@@ -166,7 +169,7 @@ async fn a_notice_after_a_restart_with_the_record_is_a_duplicate() {
     // The metadata service still serves the notice to the restarted agent.
     let mut again = seam.start().await;
     assert_eq!(again.decide(n).await, Decision::Duplicate);
-    assert_eq!(plans_seen(&again.events_so_far()), Vec::<String>::new());
+    assert_eq!(plans_seen(&again.all_events()), Vec::<String>::new());
     assert_eq!(t.signals_seen(), 1);
     assert_eq!(seam.node.drains().len(), 1);
     again.stop().await;
@@ -190,6 +193,11 @@ async fn a_restart_mid_plan_resumes_without_signalling_again() {
 
     let mut resumed = seam.start().await;
     assert_eq!(resumed.decide(n).await, Decision::Duplicate);
+    assert_eq!(
+        plans_seen(&resumed.all_events()),
+        Vec::<String>::new(),
+        "resumed, not started again"
+    );
     t.release();
     done(&mut resumed, "i-1").await;
     assert_eq!(t.signals_seen(), 1, "a resumed plan never signals again");
@@ -209,6 +217,7 @@ async fn a_target_that_appears_mid_plan_is_not_signalled_for_the_notice() {
     let late = seam.trainer();
     // The notice served again while the plan waits for the first trainer.
     assert_eq!(r.decide(n).await, Decision::Duplicate);
+    assert_eq!(plans_seen(&r.all_events()), ["i-1"], "one plan");
     first.release();
     done(&mut r, "i-1").await;
     assert_eq!(first.signals_seen(), 1);

@@ -157,7 +157,8 @@ pub enum PlanEvent {
 }
 
 /// What the notice store decided about one notice a source delivered, published for tests (the
-/// seam in `testkit`) and counted in `spotguard_notice_decisions_total`: every notice, a
+/// seam in `testkit`) and counted in `spotguard_notice_decisions_total` once the responder has
+/// handled it (a plan it starts has sent its [`PlanEvent::NoticeSeen`]): every notice, a
 /// [`Decision::Duplicate`] (a re-poll, never a second plan) included, so that a test waits for
 /// the decision instead of for a silence.
 #[derive(Clone, Debug)]
@@ -328,7 +329,8 @@ impl Responder {
         let now = Timestamp::now();
         let decision = st.store.accept(&notice, now);
         self.count_notice(&notice, &decision, now);
-        self.publish_decision(&notice, &decision, now);
+        // Published once handled: whoever sees a decision sees what it started.
+        let decided = decision.clone();
         match decision {
             Decision::Duplicate => {}
             Decision::GoneAfterAction(id) => info!(
@@ -342,6 +344,7 @@ impl Responder {
             Decision::Updated(n) => self.on_new_notice(st, n, true, now).await,
             Decision::Cancel(id) => self.on_cancel(st, id).await,
         }
+        self.publish_decision(notice, decided, now);
     }
 
     /// An interruption supersedes everything: scheduled maintenance, a rebalance's expiry, the
@@ -594,7 +597,7 @@ impl Responder {
     }
 
     /// Count the store's decision about `notice` and publish it to [`Responder::decisions`].
-    fn publish_decision(&self, notice: &Notice, decision: &Decision, now: Timestamp) {
+    fn publish_decision(&self, notice: Notice, decision: Decision, now: Timestamp) {
         self.deps
             .metrics
             .notice_decisions
@@ -604,8 +607,8 @@ impl Responder {
             })
             .inc();
         let _ = self.decisions.send(Decided {
-            notice: notice.clone(),
-            decision: decision.clone(),
+            notice,
+            decision,
             at: now,
         });
     }

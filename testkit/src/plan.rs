@@ -326,6 +326,7 @@ impl Seam {
             },
         );
         let events = responder.subscribe();
+        let log = responder.subscribe();
         let decisions = responder.decisions();
         let (tx, rx) = mpsc::channel(64);
         let cancel = CancellationToken::new();
@@ -333,6 +334,7 @@ impl Seam {
         Responder {
             notices: tx,
             events,
+            log: (log, Vec::new()),
             decisions,
             cancel,
             task,
@@ -346,6 +348,8 @@ pub struct Responder {
     notices: mpsc::Sender<Notice>,
     /// The plan's events.
     pub events: broadcast::Receiver<PlanEvent>,
+    /// Every plan event, whatever `events` consumed ([`Responder::all_events`]).
+    log: (broadcast::Receiver<PlanEvent>, Vec<PlanEvent>),
     /// The store's decisions, one per notice pushed.
     pub decisions: broadcast::Receiver<Decided>,
     cancel: CancellationToken,
@@ -402,14 +406,17 @@ impl Responder {
         crate::wait_for_event(&mut self.events, limit, f).await
     }
 
-    /// The plan events sent so far and not yet read, without waiting.
-    pub fn events_so_far(&mut self) -> Vec<PlanEvent> {
-        let mut out = Vec::new();
+    /// Every plan event this responder sent so far, in order, whatever waits consumed: after a
+    /// decision was seen, every event its handling sent (a plan it started: its `NoticeSeen`).
+    pub fn all_events(&mut self) -> Vec<PlanEvent> {
+        let (rx, seen) = &mut self.log;
         loop {
-            match self.events.try_recv() {
-                Ok(e) => out.push(e),
-                Err(broadcast::error::TryRecvError::Lagged(_)) => {}
-                Err(_) => return out,
+            match rx.try_recv() {
+                Ok(e) => seen.push(e),
+                Err(broadcast::error::TryRecvError::Lagged(n)) => {
+                    panic!("the seam's event log lost {n} events")
+                }
+                Err(_) => return seen.clone(),
             }
         }
     }
