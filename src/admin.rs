@@ -27,9 +27,10 @@ use axum::http::{header, StatusCode};
 use axum::response::IntoResponse;
 use axum::routing::get;
 use axum::Router;
+use hyper::server::conn::http1;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use prometheus_client::registry::Registry;
-use tokio::sync::Semaphore;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
@@ -93,19 +94,8 @@ pub async fn bind_with_limits(
 ) -> std::io::Result<(SocketAddr, impl std::future::Future<Output = ()>)> {
     let listener = tokio::net::TcpListener::bind(addr).await?;
     let local = listener.local_addr()?;
-    let app = Router::new()
-        .route("/metrics", get(metrics))
-        .route("/healthz", get(|| async { "ok\n" }))
-        .route("/readyz", get(readyz))
-        .with_state(Arc::new(AdminState {
-            registry,
-            readiness,
-        }));
-    let mut http = hyper::server::conn::http1::Builder::new();
-    http.timer(TokioTimer::new())
-        .header_read_timeout(limits.header_read_timeout)
-        .max_buf_size(limits.max_header_bytes.max(8192))
-        .keep_alive(true);
+    let app = router(registry, readiness);
+    let http = http_builder(&limits);
     let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
     let table = Arc::new(Mutex::new(Table::default()));
     let fut = async move {
@@ -130,24 +120,9 @@ pub async fn bind_with_limits(
             let peer = peer.ip();
             next_id += 1;
             let id = next_id;
-            // Over a limit: take the place of the connection waiting longest for a request head
-            // (of this peer for the per-peer limit), else close at once (dropping the stream).
-            let permit = {
-                let mut t = table.lock().unwrap_or_else(|p| p.into_inner());
-                let mut evicted = false;
-                if t.from(peer) >= limits.max_connections_per_peer.max(1) {
-                    if !t.evict_longest_waiting(Some(peer)) {
-                        continue;
-                    }
-                    evicted = true;
-                }
-                let permit = match slots.clone().try_acquire_owned() {
-                    Ok(p) => Some(p),
-                    Err(_) if evicted || t.evict_longest_waiting(None) => None,
-                    Err(_) => continue,
-                };
-                t.insert(id, peer);
-                permit
+            // Refused: closed at once (dropping the stream).
+            let Some(permit) = admit(&table, &slots, &limits, id, peer) else {
+                continue;
             };
             let kill = table
                 .lock()
@@ -159,32 +134,104 @@ pub async fn bind_with_limits(
                 table: table.clone(),
             };
             let conn = http.serve_connection(TokioIo::new(stream), service);
+            let entry = Entry {
+                id,
+                table: table.clone(),
+            };
             let age = limits.max_connection_age;
-            let (slots, table) = (slots.clone(), table.clone());
-            conns.spawn(async move {
-                let _entry = Entry { id, table };
-                // The slot of an evicted connection frees as soon as its task ends.
-                let _permit = match permit {
-                    Some(p) => p,
-                    None => match tokio::time::timeout(EVICT_WAIT, slots.acquire_owned()).await {
-                        Ok(Ok(p)) => p,
-                        _ => return,
-                    },
-                };
-                let mut conn = std::pin::pin!(conn);
-                tokio::select! {
-                    _ = conn.as_mut() => return,
-                    _ = kill.cancelled() => return,
-                    _ = tokio::time::sleep(age) => {}
-                }
-                conn.as_mut().graceful_shutdown();
-                let _ = tokio::time::timeout(Duration::from_secs(10), conn).await;
-            });
+            conns.spawn(serve_connection(
+                conn,
+                kill,
+                permit,
+                slots.clone(),
+                entry,
+                age,
+            ));
         }
         // Shutdown: stop accepting; in-flight scrapes are dropped with the set.
         conns.shutdown().await;
     };
     Ok((local, fut))
+}
+
+/// The admin server's routes.
+fn router(registry: Arc<Registry>, readiness: Arc<dyn Readiness>) -> Router {
+    Router::new()
+        .route("/metrics", get(metrics))
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz))
+        .with_state(Arc::new(AdminState {
+            registry,
+            readiness,
+        }))
+}
+
+/// HTTP/1 with the request-head time and size limits.
+fn http_builder(limits: &Limits) -> http1::Builder {
+    let mut http = http1::Builder::new();
+    http.timer(TokioTimer::new())
+        .header_read_timeout(limits.header_read_timeout)
+        .max_buf_size(limits.max_header_bytes.max(8192))
+        .keep_alive(true);
+    http
+}
+
+/// Take a place for connection `id` from `peer`. Over a limit, it takes the place of the
+/// connection waiting longest for a request head (of this peer for the per-peer limit), else it
+/// is refused (`None`). Admitted: its slot, or `None` inside when it took another's place and
+/// waits for that one's slot.
+fn admit(
+    table: &Mutex<Table>,
+    slots: &Arc<Semaphore>,
+    limits: &Limits,
+    id: u64,
+    peer: IpAddr,
+) -> Option<Option<OwnedSemaphorePermit>> {
+    let mut t = table.lock().unwrap_or_else(|p| p.into_inner());
+    let mut evicted = false;
+    if t.from(peer) >= limits.max_connections_per_peer.max(1) {
+        if !t.evict_longest_waiting(Some(peer)) {
+            return None;
+        }
+        evicted = true;
+    }
+    let permit = match slots.clone().try_acquire_owned() {
+        Ok(p) => Some(p),
+        Err(_) if evicted || t.evict_longest_waiting(None) => None,
+        Err(_) => return None,
+    };
+    t.insert(id, peer);
+    Some(permit)
+}
+
+/// Serve one admitted connection until it ends, is killed (another took its place) or reaches
+/// `age` (then closed gracefully, 10 s at most). Without `permit` it first waits up to
+/// [`EVICT_WAIT`] for the slot of the connection whose place it took.
+async fn serve_connection(
+    conn: http1::Connection<TokioIo<tokio::net::TcpStream>, Tracked>,
+    kill: CancellationToken,
+    permit: Option<OwnedSemaphorePermit>,
+    slots: Arc<Semaphore>,
+    entry: Entry,
+    age: Duration,
+) {
+    let _entry = entry;
+    // The slot of an evicted connection frees as soon as its task ends.
+    let _permit = match permit {
+        Some(p) => p,
+        None => match tokio::time::timeout(EVICT_WAIT, slots.acquire_owned()).await {
+            Ok(Ok(p)) => p,
+            _ => return,
+        },
+    };
+    let mut conn = std::pin::pin!(conn);
+    tokio::select! {
+        _ = conn.as_mut() => return,
+        _ = kill.cancelled() => return,
+        _ = tokio::time::sleep(age) => {}
+    }
+    conn.as_mut().graceful_shutdown();
+    let _ = tokio::time::timeout(Duration::from_secs(10), conn).await;
 }
 
 /// How long a connection that took another's place waits for that one's slot.

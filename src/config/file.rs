@@ -82,36 +82,25 @@ fn config_file_args(
     matches: &ArgMatches,
 ) -> Result<Vec<(String, String)>, Error> {
     let file = path.display().to_string();
-    let text = std::fs::read_to_string(path).map_err(|e| Error::File {
-        path: file.clone(),
-        reason: e.to_string(),
-    })?;
-    let table: toml::Table = text.parse().map_err(|e: toml::de::Error| Error::File {
-        path: file.clone(),
-        reason: e.to_string().trim().to_string(),
-    })?;
+    let table = read_table(path)?;
     let mut out = Vec::new();
     for (raw_key, value) in &table {
         if STRUCTURED_KEYS.contains(&raw_key.as_str()) {
             continue;
         }
+        let at = KeyAt {
+            file: &file,
+            key: raw_key,
+        };
         let key = raw_key.replace('_', "-");
         let arg = cmd
             .get_arguments()
             .find(|a| {
                 a.get_long() == Some(key.as_str()) && !a.is_hide_set() && !is_help_or_version(a)
             })
-            .ok_or_else(|| Error::FileKey {
-                path: file.clone(),
-                key: raw_key.clone(),
-                reason: "unknown key".into(),
-            })?;
+            .ok_or_else(|| at.error("unknown key"))?;
         if key == "config" {
-            return Err(Error::FileKey {
-                path: file.clone(),
-                key: raw_key.clone(),
-                reason: "a config file cannot name another config file".into(),
-            });
+            return Err(at.error("a config file cannot name another config file"));
         }
         // Given as a flag (in any form) or in the environment: they win over the file.
         if matches!(
@@ -120,62 +109,87 @@ fn config_file_args(
         ) {
             continue;
         }
-        let values: Vec<String> = match value {
-            toml::Value::Array(items) => items
-                .iter()
-                .map(toml_scalar)
-                .collect::<Option<Vec<_>>>()
-                .ok_or_else(|| Error::FileKey {
-                    path: file.clone(),
-                    key: raw_key.clone(),
-                    reason: "expected a list of strings, numbers or booleans".into(),
-                })?,
-            v => vec![toml_scalar(v).ok_or_else(|| Error::FileKey {
-                path: file.clone(),
-                key: raw_key.clone(),
-                reason: "expected a string, number or boolean".into(),
-            })?],
-        };
         let is_switch = matches!(arg.get_action(), ArgAction::SetTrue);
-        for v in values {
-            // Switches take no value: `true` gives the bare flag, `false` the default.
-            let one = if is_switch {
-                match parse_bool(&v) {
-                    Ok(true) => format!("--{key}"),
-                    Ok(false) => continue,
-                    Err(reason) => {
-                        return Err(Error::FileKey {
-                            path: file.clone(),
-                            key: raw_key.clone(),
-                            reason,
-                        })
-                    }
-                }
-            } else {
-                format!("--{key}={v}")
+        for v in file_values(value, &at)? {
+            let Some(one) = flag_for(&key, &v, is_switch, &at)? else {
+                continue;
             };
-            // Validate this key alone so the error names the file and key.
-            if let Err(e) = cmd
-                .clone()
-                .try_get_matches_from(["spotguard", one.as_str()])
-            {
-                let msg = e.render().to_string();
-                let reason = msg
-                    .lines()
-                    .next()
-                    .unwrap_or("invalid value")
-                    .trim_start_matches("error: ")
-                    .to_string();
-                return Err(Error::FileKey {
-                    path: file.clone(),
-                    key: raw_key.clone(),
-                    reason,
-                });
-            }
+            check_alone(cmd, &one, &at)?;
             out.push((key.clone(), one));
         }
     }
     Ok(out)
+}
+
+/// The config file at `path`, read and parsed as a TOML table.
+fn read_table(path: &Path) -> Result<toml::Table, Error> {
+    let file = path.display().to_string();
+    let text = std::fs::read_to_string(path).map_err(|e| Error::File {
+        path: file.clone(),
+        reason: e.to_string(),
+    })?;
+    text.parse().map_err(|e: toml::de::Error| Error::File {
+        path: file,
+        reason: e.to_string().trim().to_string(),
+    })
+}
+
+/// A key of the config file, as its errors name it.
+struct KeyAt<'a> {
+    file: &'a str,
+    key: &'a str,
+}
+
+impl KeyAt<'_> {
+    fn error(&self, reason: impl Into<String>) -> Error {
+        Error::FileKey {
+            path: self.file.to_string(),
+            key: self.key.to_string(),
+            reason: reason.into(),
+        }
+    }
+}
+
+/// A key's value as strings: each item of a list, else the one scalar.
+fn file_values(value: &toml::Value, at: &KeyAt) -> Result<Vec<String>, Error> {
+    match value {
+        toml::Value::Array(items) => items
+            .iter()
+            .map(toml_scalar)
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| at.error("expected a list of strings, numbers or booleans")),
+        v => Ok(vec![toml_scalar(v).ok_or_else(|| {
+            at.error("expected a string, number or boolean")
+        })?]),
+    }
+}
+
+/// The flag that gives `--key` the value `v`. Switches take no value: `true` gives the bare
+/// flag, `false` the default (`None`).
+fn flag_for(key: &str, v: &str, is_switch: bool, at: &KeyAt) -> Result<Option<String>, Error> {
+    if !is_switch {
+        return Ok(Some(format!("--{key}={v}")));
+    }
+    match parse_bool(v) {
+        Ok(true) => Ok(Some(format!("--{key}"))),
+        Ok(false) => Ok(None),
+        Err(reason) => Err(at.error(reason)),
+    }
+}
+
+/// Validate the flag `one` alone, so that the error names the file and key.
+fn check_alone(cmd: &clap::Command, one: &str, at: &KeyAt) -> Result<(), Error> {
+    if let Err(e) = cmd.clone().try_get_matches_from(["spotguard", one]) {
+        let msg = e.render().to_string();
+        let reason = msg
+            .lines()
+            .next()
+            .unwrap_or("invalid value")
+            .trim_start_matches("error: ")
+            .to_string();
+        return Err(at.error(reason));
+    }
+    Ok(())
 }
 
 /// clap's own `--help` / `--version`: not settings.
@@ -198,14 +212,7 @@ fn toml_scalar(v: &toml::Value) -> Option<String> {
 
 pub(super) fn read_extras(path: &Path) -> Result<(Vec<Dataset>, Option<toml::Table>), Error> {
     let file = path.display().to_string();
-    let text = std::fs::read_to_string(path).map_err(|e| Error::File {
-        path: file.clone(),
-        reason: e.to_string(),
-    })?;
-    let mut table: toml::Table = text.parse().map_err(|e: toml::de::Error| Error::File {
-        path: file.clone(),
-        reason: e.to_string().trim().to_string(),
-    })?;
+    let mut table = read_table(path)?;
     table.retain(|k, _| STRUCTURED_KEYS.contains(&k));
     let extras: FileExtras =
         toml::Value::Table(table)

@@ -166,105 +166,11 @@ impl Config {
     pub fn resolve(args: RunArgs, env: &dyn Env) -> Result<Config, Error> {
         let in_cluster =
             env.var("KUBERNETES_SERVICE_HOST").is_some() && env.exists(Path::new(SA_TOKEN));
-        let mode = match args.mode {
-            ModeChoice::Kubernetes => Mode::Kubernetes,
-            ModeChoice::Host => Mode::Host,
-            ModeChoice::Auto => {
-                if in_cluster || env.var("KUBECONFIG").is_some() {
-                    Mode::Kubernetes
-                } else {
-                    Mode::Host
-                }
-            }
-        };
-        let node_name = args
-            .node_name
-            .clone()
-            .or_else(|| env.var("NODE_NAME"))
-            .filter(|n| !n.trim().is_empty());
-        if mode == Mode::Kubernetes && node_name.is_none() {
-            return Err(Error::Invalid {
-                key: "node-name",
-                reason: "required in kubernetes mode (set --node-name, SPOTGUARD_NODE_NAME or NODE_NAME from the downward API)".into(),
-            });
-        }
-        if let Some(n) = &node_name {
-            validate_dns_subdomain(n).map_err(|reason| Error::Invalid {
-                key: "node-name",
-                reason,
-            })?;
-        }
-        check::log_filter(&args.log_level).map_err(|reason| Error::Invalid {
-            key: "log-level",
-            reason,
-        })?;
-        if let Some(reserve) = args.drain_reserve {
-            check::drain_reserve(reserve, args.cloud.0, args.gce_preemption_notice).map_err(
-                |reason| Error::Invalid {
-                    key: "drain-reserve",
-                    reason,
-                },
-            )?;
-        }
-        for unit in &args.checkpoint_unit {
-            check::unit_name(unit).map_err(|reason| Error::Invalid {
-                key: "checkpoint-unit",
-                reason,
-            })?;
-        }
-        if args.webhook_template.is_some() && args.webhook_url.is_none() {
-            return Err(Error::Invalid {
-                key: "webhook-template",
-                reason: "set --webhook-url too".into(),
-            });
-        }
-        for (key, template, kind) in [
-            (
-                "webhook-template",
-                &args.webhook_template,
-                crate::webhook::MessageKind::Start,
-            ),
-            (
-                "webhook-outcome-template",
-                &args.webhook_outcome_template,
-                crate::webhook::MessageKind::Outcome,
-            ),
-        ] {
-            if let Some(t) = template {
-                crate::webhook::check_template(t, kind).map_err(|e| Error::Invalid {
-                    key,
-                    reason: e.to_string(),
-                })?;
-            }
-        }
-        if args.webhook_url.is_some()
-            && args.webhook_preset == crate::webhook::Preset::Pagerduty
-            && args.webhook_routing_key.is_none()
-        {
-            return Err(Error::Invalid {
-                key: "webhook-routing-key",
-                reason: "required by --webhook-preset pagerduty".into(),
-            });
-        }
-        let (datasets, gpu_table) = match &args.config {
-            Some(path) => read_extras(path)?,
-            None => (Vec::new(), None),
-        };
-        let mut all = datasets;
-        all.extend(args.prefetch.iter().cloned());
-        let mut seen = std::collections::HashSet::new();
-        for d in &all {
-            validate_dataset(d).map_err(|reason| Error::Invalid {
-                key: "prefetch",
-                reason,
-            })?;
-            if !seen.insert(d.name.clone()) {
-                return Err(Error::Invalid {
-                    key: "prefetch",
-                    reason: format!("dataset name {:?} given twice", d.name),
-                });
-            }
-        }
+        let mode = resolve_mode(&args, env, in_cluster);
+        let node_name = resolve_node_name(&args, env, mode)?;
+        check_values(&args)?;
+        check_webhook(&args)?;
+        let (all, gpu_table) = datasets(&args)?;
         let log_format = args.log_format.unwrap_or(if in_cluster {
             LogFormat::Json
         } else if env.stdout_is_tty() {
@@ -272,50 +178,9 @@ impl Config {
         } else {
             LogFormat::Json
         });
-        let mut gpu: crate::gpu::GpuConfig = match gpu_table {
-            Some(t) => toml::Value::Table(t)
-                .try_into()
-                .map_err(|e: toml::de::Error| Error::Invalid {
-                    key: "gpu",
-                    reason: e.to_string().trim().to_string(),
-                })?,
-            None => crate::gpu::GpuConfig::default(),
-        };
-        gpu.mode = args.gpu;
-        gpu.boot_id_path.clone_from(&args.boot_id_file);
-        gpu.conditions = crate::gpu::ConditionTypes {
-            unhealthy: args.gpu_unhealthy_condition.clone(),
-            degraded: args.gpu_degraded_condition.clone(),
-            ready: args.gpu_ready_condition.clone(),
-        };
-        gpu.pod_resources_socket = Some(PathBuf::from(&args.gpu_pod_resources_socket))
-            .filter(|p| !p.as_os_str().is_empty());
-        gpu.validate().map_err(|e| Error::Invalid {
-            key: "gpu",
-            reason: e.to_string(),
-        })?;
+        let gpu = gpu_config(&args, gpu_table)?;
         // Last: what needs the machine (the value checks above name a typo first).
-        if mode == Mode::Host {
-            if args.checkpoint_unit.is_empty()
-                && args.checkpoint_pidfile.is_empty()
-                && args.checkpoint_cmdline.is_empty()
-            {
-                return Err(Error::Invalid {
-                    key: "checkpoint-unit/-pidfile/-cmdline",
-                    reason: "host mode has no checkpoint target: a notice would signal nothing. Set at least one of --checkpoint-unit (e.g. train.service), --checkpoint-pidfile or --checkpoint-cmdline (SPOTGUARD_CHECKPOINT_UNIT, …)".into(),
-                });
-            }
-            env.check_dir(&args.checkpoint_dir)
-                .map_err(|reason| Error::Invalid {
-                    key: "checkpoint-dir",
-                    reason,
-                })?;
-        }
-        env.check_dir(&args.state_dir)
-            .map_err(|reason| Error::Invalid {
-                key: "state-dir",
-                reason,
-            })?;
+        check_machine(&args, env, mode)?;
         Ok(Config {
             gpu,
             mode,
@@ -327,6 +192,189 @@ impl Config {
             args,
         })
     }
+}
+
+/// `--mode`, `auto` read from the environment: Kubernetes in a cluster or with a kubeconfig.
+fn resolve_mode(args: &RunArgs, env: &dyn Env, in_cluster: bool) -> Mode {
+    match args.mode {
+        ModeChoice::Kubernetes => Mode::Kubernetes,
+        ModeChoice::Host => Mode::Host,
+        ModeChoice::Auto => {
+            if in_cluster || env.var("KUBECONFIG").is_some() {
+                Mode::Kubernetes
+            } else {
+                Mode::Host
+            }
+        }
+    }
+}
+
+/// The node's name (`--node-name`, else `NODE_NAME`): required in Kubernetes mode, a DNS
+/// subdomain when given.
+fn resolve_node_name(args: &RunArgs, env: &dyn Env, mode: Mode) -> Result<Option<String>, Error> {
+    let node_name = args
+        .node_name
+        .clone()
+        .or_else(|| env.var("NODE_NAME"))
+        .filter(|n| !n.trim().is_empty());
+    if mode == Mode::Kubernetes && node_name.is_none() {
+        return Err(Error::Invalid {
+            key: "node-name",
+            reason: "required in kubernetes mode (set --node-name, SPOTGUARD_NODE_NAME or NODE_NAME from the downward API)".into(),
+        });
+    }
+    if let Some(n) = &node_name {
+        validate_dns_subdomain(n).map_err(|reason| Error::Invalid {
+            key: "node-name",
+            reason,
+        })?;
+    }
+    Ok(node_name)
+}
+
+/// The values judged alone: the log filter, the drain reserve against the cloud's notice, the
+/// checkpoint units' names.
+fn check_values(args: &RunArgs) -> Result<(), Error> {
+    check::log_filter(&args.log_level).map_err(|reason| Error::Invalid {
+        key: "log-level",
+        reason,
+    })?;
+    if let Some(reserve) = args.drain_reserve {
+        check::drain_reserve(reserve, args.cloud.0, args.gce_preemption_notice).map_err(
+            |reason| Error::Invalid {
+                key: "drain-reserve",
+                reason,
+            },
+        )?;
+    }
+    for unit in &args.checkpoint_unit {
+        check::unit_name(unit).map_err(|reason| Error::Invalid {
+            key: "checkpoint-unit",
+            reason,
+        })?;
+    }
+    Ok(())
+}
+
+/// The webhook settings: a template needs a URL and must render, PagerDuty needs a routing key.
+fn check_webhook(args: &RunArgs) -> Result<(), Error> {
+    if args.webhook_template.is_some() && args.webhook_url.is_none() {
+        return Err(Error::Invalid {
+            key: "webhook-template",
+            reason: "set --webhook-url too".into(),
+        });
+    }
+    for (key, template, kind) in [
+        (
+            "webhook-template",
+            &args.webhook_template,
+            crate::webhook::MessageKind::Start,
+        ),
+        (
+            "webhook-outcome-template",
+            &args.webhook_outcome_template,
+            crate::webhook::MessageKind::Outcome,
+        ),
+    ] {
+        if let Some(t) = template {
+            crate::webhook::check_template(t, kind).map_err(|e| Error::Invalid {
+                key,
+                reason: e.to_string(),
+            })?;
+        }
+    }
+    if args.webhook_url.is_some()
+        && args.webhook_preset == crate::webhook::Preset::Pagerduty
+        && args.webhook_routing_key.is_none()
+    {
+        return Err(Error::Invalid {
+            key: "webhook-routing-key",
+            reason: "required by --webhook-preset pagerduty".into(),
+        });
+    }
+    Ok(())
+}
+
+/// The datasets to prefetch (the config file's `[[datasets]]`, then `--prefetch`), each valid and
+/// named once, and the config file's `[gpu]` table.
+fn datasets(args: &RunArgs) -> Result<(Vec<Dataset>, Option<toml::Table>), Error> {
+    let (datasets, gpu_table) = match &args.config {
+        Some(path) => read_extras(path)?,
+        None => (Vec::new(), None),
+    };
+    let mut all = datasets;
+    all.extend(args.prefetch.iter().cloned());
+    let mut seen = std::collections::HashSet::new();
+    for d in &all {
+        validate_dataset(d).map_err(|reason| Error::Invalid {
+            key: "prefetch",
+            reason,
+        })?;
+        if !seen.insert(d.name.clone()) {
+            return Err(Error::Invalid {
+                key: "prefetch",
+                reason: format!("dataset name {:?} given twice", d.name),
+            });
+        }
+    }
+    Ok((all, gpu_table))
+}
+
+/// The GPU settings: the config file's `[gpu]` table, then the flags, validated.
+fn gpu_config(
+    args: &RunArgs,
+    gpu_table: Option<toml::Table>,
+) -> Result<crate::gpu::GpuConfig, Error> {
+    let mut gpu: crate::gpu::GpuConfig = match gpu_table {
+        Some(t) => toml::Value::Table(t)
+            .try_into()
+            .map_err(|e: toml::de::Error| Error::Invalid {
+                key: "gpu",
+                reason: e.to_string().trim().to_string(),
+            })?,
+        None => crate::gpu::GpuConfig::default(),
+    };
+    gpu.mode = args.gpu;
+    gpu.boot_id_path.clone_from(&args.boot_id_file);
+    gpu.conditions = crate::gpu::ConditionTypes {
+        unhealthy: args.gpu_unhealthy_condition.clone(),
+        degraded: args.gpu_degraded_condition.clone(),
+        ready: args.gpu_ready_condition.clone(),
+    };
+    gpu.pod_resources_socket =
+        Some(PathBuf::from(&args.gpu_pod_resources_socket)).filter(|p| !p.as_os_str().is_empty());
+    gpu.validate().map_err(|e| Error::Invalid {
+        key: "gpu",
+        reason: e.to_string(),
+    })?;
+    Ok(gpu)
+}
+
+/// What needs the machine: in host mode a checkpoint target and the checkpoint dir; the state
+/// dir.
+fn check_machine(args: &RunArgs, env: &dyn Env, mode: Mode) -> Result<(), Error> {
+    if mode == Mode::Host {
+        if args.checkpoint_unit.is_empty()
+            && args.checkpoint_pidfile.is_empty()
+            && args.checkpoint_cmdline.is_empty()
+        {
+            return Err(Error::Invalid {
+                key: "checkpoint-unit/-pidfile/-cmdline",
+                reason: "host mode has no checkpoint target: a notice would signal nothing. Set at least one of --checkpoint-unit (e.g. train.service), --checkpoint-pidfile or --checkpoint-cmdline (SPOTGUARD_CHECKPOINT_UNIT, …)".into(),
+            });
+        }
+        env.check_dir(&args.checkpoint_dir)
+            .map_err(|reason| Error::Invalid {
+                key: "checkpoint-dir",
+                reason,
+            })?;
+    }
+    env.check_dir(&args.state_dir)
+        .map_err(|reason| Error::Invalid {
+            key: "state-dir",
+            reason,
+        })?;
+    Ok(())
 }
 
 fn validate_dns_subdomain(name: &str) -> Result<(), String> {

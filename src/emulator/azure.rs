@@ -263,22 +263,8 @@ fn api_version<'q>(
 }
 
 pub(super) async fn handle(shared: &Arc<Shared>, req: Request<Incoming>) -> Response<Body> {
-    if req.headers().contains_key("x-forwarded-for") {
-        return error(
-            StatusCode::BAD_REQUEST,
-            "Bad request. X-Forwarded-For header is not allowed",
-        );
-    }
-    let metadata_ok = req
-        .headers()
-        .get("metadata")
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.trim().eq_ignore_ascii_case("true"));
-    if !metadata_ok {
-        return error(
-            StatusCode::BAD_REQUEST,
-            "Bad request. Required metadata header not specified",
-        );
+    if let Err(resp) = check_headers(&req) {
+        return *resp;
     }
     let query = match server::query(&req) {
         Ok(q) => q,
@@ -286,81 +272,9 @@ pub(super) async fn handle(shared: &Arc<Shared>, req: Request<Incoming>) -> Resp
     };
     let path = req.uri().path().trim_end_matches('/').to_owned();
     match path.as_str() {
-        SCHEDULED_EVENTS => {
-            let version = match api_version(&query, EVENT_VERSIONS) {
-                Ok(v) => v.to_owned(),
-                Err(resp) => return *resp,
-            };
-            match *req.method() {
-                Method::GET => {
-                    let model = shared.lock();
-                    let doc = json!({
-                        "DocumentIncarnation": model.azure_incarnation,
-                        "Events": events(&model, &version),
-                    });
-                    wire::response(
-                        StatusCode::OK,
-                        "application/json; charset=utf-8",
-                        doc.to_string(),
-                    )
-                }
-                Method::POST => approve(shared, req).await,
-                _ => error(
-                    StatusCode::METHOD_NOT_ALLOWED,
-                    "Only GET and POST requests are supported",
-                ),
-            }
-        }
-        COMPUTE_NAME => {
-            if let Err(resp) = api_version(&query, INSTANCE_VERSIONS) {
-                return *resp;
-            }
-            if req.method() != Method::GET {
-                return error(
-                    StatusCode::METHOD_NOT_ALLOWED,
-                    "Only GET requests are supported",
-                );
-            }
-            if server::param(&query, "format") != Some("text") {
-                return error(
-                    StatusCode::BAD_REQUEST,
-                    "Bad request. Leaf nodes need the query parameter format=text",
-                );
-            }
-            wire::response(
-                StatusCode::OK,
-                "text/plain; charset=utf-8",
-                shared.cfg.vm_name.clone(),
-            )
-        }
-        "/metadata/instance/compute" | "/metadata/instance" => {
-            if let Err(resp) = api_version(&query, INSTANCE_VERSIONS) {
-                return *resp;
-            }
-            if !matches!(server::param(&query, "format"), None | Some("json")) {
-                return error(
-                    StatusCode::BAD_REQUEST,
-                    "Bad request. Only format=json is supported here",
-                );
-            }
-            let cfg = &shared.cfg;
-            let compute = json!({
-                "name": cfg.vm_name,
-                "vmId": cfg.instance_id,
-                "vmSize": cfg.instance_type,
-                "location": cfg.zone,
-            });
-            let doc = if path == "/metadata/instance" {
-                json!({ "compute": compute })
-            } else {
-                compute
-            };
-            wire::response(
-                StatusCode::OK,
-                "application/json; charset=utf-8",
-                doc.to_string(),
-            )
-        }
+        SCHEDULED_EVENTS => scheduled_events(shared, req, &query).await,
+        COMPUTE_NAME => compute_name(shared, &req, &query),
+        "/metadata/instance/compute" | "/metadata/instance" => instance(shared, &path, &query),
         "/metadata/versions" => wire::response(
             StatusCode::OK,
             "application/json; charset=utf-8",
@@ -368,6 +282,117 @@ pub(super) async fn handle(shared: &Arc<Shared>, req: Request<Incoming>) -> Resp
         ),
         _ => error(StatusCode::NOT_FOUND, "Not found"),
     }
+}
+
+/// IMDS refuses a proxied request (`X-Forwarded-For`) and one without `Metadata: true`.
+fn check_headers(req: &Request<Incoming>) -> Result<(), Box<Response<Body>>> {
+    if req.headers().contains_key("x-forwarded-for") {
+        return Err(Box::new(error(
+            StatusCode::BAD_REQUEST,
+            "Bad request. X-Forwarded-For header is not allowed",
+        )));
+    }
+    let metadata_ok = req
+        .headers()
+        .get("metadata")
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.trim().eq_ignore_ascii_case("true"));
+    if !metadata_ok {
+        return Err(Box::new(error(
+            StatusCode::BAD_REQUEST,
+            "Bad request. Required metadata header not specified",
+        )));
+    }
+    Ok(())
+}
+
+/// Scheduled Events: GET the document, POST an approval.
+async fn scheduled_events(
+    shared: &Arc<Shared>,
+    req: Request<Incoming>,
+    query: &[(String, String)],
+) -> Response<Body> {
+    let version = match api_version(query, EVENT_VERSIONS) {
+        Ok(v) => v.to_owned(),
+        Err(resp) => return *resp,
+    };
+    match *req.method() {
+        Method::GET => {
+            let model = shared.lock();
+            let doc = json!({
+                "DocumentIncarnation": model.azure_incarnation,
+                "Events": events(&model, &version),
+            });
+            wire::response(
+                StatusCode::OK,
+                "application/json; charset=utf-8",
+                doc.to_string(),
+            )
+        }
+        Method::POST => approve(shared, req).await,
+        _ => error(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "Only GET and POST requests are supported",
+        ),
+    }
+}
+
+/// The VM's name, a leaf: GET with `format=text` only.
+fn compute_name(
+    shared: &Arc<Shared>,
+    req: &Request<Incoming>,
+    query: &[(String, String)],
+) -> Response<Body> {
+    if let Err(resp) = api_version(query, INSTANCE_VERSIONS) {
+        return *resp;
+    }
+    if req.method() != Method::GET {
+        return error(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "Only GET requests are supported",
+        );
+    }
+    if server::param(query, "format") != Some("text") {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "Bad request. Leaf nodes need the query parameter format=text",
+        );
+    }
+    wire::response(
+        StatusCode::OK,
+        "text/plain; charset=utf-8",
+        shared.cfg.vm_name.clone(),
+    )
+}
+
+/// The instance document (`/metadata/instance`) or its `compute` part, as JSON.
+fn instance(shared: &Arc<Shared>, path: &str, query: &[(String, String)]) -> Response<Body> {
+    if let Err(resp) = api_version(query, INSTANCE_VERSIONS) {
+        return *resp;
+    }
+    if !matches!(server::param(query, "format"), None | Some("json")) {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "Bad request. Only format=json is supported here",
+        );
+    }
+    let cfg = &shared.cfg;
+    let compute = json!({
+        "name": cfg.vm_name,
+        "vmId": cfg.instance_id,
+        "vmSize": cfg.instance_type,
+        "location": cfg.zone,
+    });
+    let doc = if path == "/metadata/instance" {
+        json!({ "compute": compute })
+    } else {
+        compute
+    };
+    wire::response(
+        StatusCode::OK,
+        "application/json; charset=utf-8",
+        doc.to_string(),
+    )
 }
 
 #[derive(Deserialize)]

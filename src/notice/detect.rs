@@ -114,65 +114,8 @@ pub async fn detect_counted(
         tracing::info!(cloud = %cloud, sys_vendor = %dmi.sys_vendor, "cloud detected from DMI");
         return Ok(cloud);
     }
-    let client = reqwest::Client::builder()
-        .no_proxy()
-        // Link-local plain HTTP: no CA store unless an override is https.
-        .tls_built_in_root_certs(Cloud::ALL.iter().any(|c| probe.of(*c).scheme() == "https"))
-        .timeout(timeout)
-        .connect_timeout(timeout)
-        .build()
-        .map_err(|e| Error::Detect(format!("cannot build HTTP client: {e}")))?;
-    let mut pending = FuturesUnordered::new();
-    for cloud in Cloud::ALL {
-        let base = probe.of(cloud);
-        let p = &cloud.facts().probe;
-        let Ok(url) = endpoint_url(base, p.path) else {
-            tracing::debug!(cloud = %cloud, base = %base, "probe URL invalid; skipped");
-            continue;
-        };
-        let request = client
-            .request(p.method.clone(), url.clone())
-            .header(p.header.0, p.header.1);
-        pending.push(async move {
-            let ok = match request.send().await {
-                Ok(resp) if resp.status().is_success() => match read_body(&url, resp).await {
-                    Ok(b) => !b.trim().is_empty(),
-                    Err(e) => {
-                        if let (Some(m), Error::TooLarge { .. }) = (metrics, &e) {
-                            m.metadata_errors
-                                .get_or_create(&crate::metrics::ErrorLabels {
-                                    source: cloud.as_str().to_string(),
-                                    error: e.metric_label().to_string(),
-                                })
-                                .inc();
-                        }
-                        tracing::warn!(cloud = %cloud, error = %e, "metadata probe answer refused");
-                        false
-                    }
-                },
-                Ok(resp) => {
-                    tracing::debug!(cloud = %cloud, status = resp.status().as_u16(), "metadata probe negative");
-                    false
-                }
-                Err(e) => {
-                    tracing::debug!(cloud = %cloud, error = %e, "metadata probe failed");
-                    false
-                }
-            };
-            ok.then_some(cloud)
-        });
-    }
-    let first = tokio::time::timeout(timeout, async {
-        while let Some(answer) = pending.next().await {
-            if answer.is_some() {
-                return answer;
-            }
-        }
-        None
-    })
-    .await
-    .ok()
-    .flatten();
+    let client = probe_client(probe, timeout)?;
+    let first = first_answer(&client, probe, timeout, metrics).await;
     match first {
         Some(cloud) => {
             tracing::info!(cloud = %cloud, "cloud detected by metadata probe");
@@ -188,6 +131,86 @@ pub async fn detect_counted(
             timeout
         ))),
     }
+}
+
+/// The HTTP client of the metadata probes: no proxy, `timeout` to connect and in all.
+fn probe_client(probe: &ProbeEndpoints, timeout: Duration) -> Result<reqwest::Client, Error> {
+    reqwest::Client::builder()
+        .no_proxy()
+        // Link-local plain HTTP: no CA store unless an override is https.
+        .tls_built_in_root_certs(Cloud::ALL.iter().any(|c| probe.of(*c).scheme() == "https"))
+        .timeout(timeout)
+        .connect_timeout(timeout)
+        .build()
+        .map_err(|e| Error::Detect(format!("cannot build HTTP client: {e}")))
+}
+
+/// Probe every cloud's metadata service at once: the first that answers (within `timeout`).
+async fn first_answer(
+    client: &reqwest::Client,
+    probe: &ProbeEndpoints,
+    timeout: Duration,
+    metrics: Option<&crate::metrics::Metrics>,
+) -> Option<Cloud> {
+    let mut pending = FuturesUnordered::new();
+    for cloud in Cloud::ALL {
+        let base = probe.of(cloud);
+        let p = &cloud.facts().probe;
+        let Ok(url) = endpoint_url(base, p.path) else {
+            tracing::debug!(cloud = %cloud, base = %base, "probe URL invalid; skipped");
+            continue;
+        };
+        let request = client
+            .request(p.method.clone(), url.clone())
+            .header(p.header.0, p.header.1);
+        pending.push(probe_one(request, url, cloud, metrics));
+    }
+    tokio::time::timeout(timeout, async {
+        while let Some(answer) = pending.next().await {
+            if answer.is_some() {
+                return answer;
+            }
+        }
+        None
+    })
+    .await
+    .ok()
+    .flatten()
+}
+
+/// One cloud's probe: `cloud` when its metadata service answers 2xx with a body (within the cap).
+async fn probe_one(
+    request: reqwest::RequestBuilder,
+    url: Url,
+    cloud: Cloud,
+    metrics: Option<&crate::metrics::Metrics>,
+) -> Option<Cloud> {
+    let ok = match request.send().await {
+        Ok(resp) if resp.status().is_success() => match read_body(&url, resp).await {
+            Ok(b) => !b.trim().is_empty(),
+            Err(e) => {
+                if let (Some(m), Error::TooLarge { .. }) = (metrics, &e) {
+                    m.metadata_errors
+                        .get_or_create(&crate::metrics::ErrorLabels {
+                            source: cloud.as_str().to_string(),
+                            error: e.metric_label().to_string(),
+                        })
+                        .inc();
+                }
+                tracing::warn!(cloud = %cloud, error = %e, "metadata probe answer refused");
+                false
+            }
+        },
+        Ok(resp) => {
+            tracing::debug!(cloud = %cloud, status = resp.status().as_u16(), "metadata probe negative");
+            false
+        }
+        Err(e) => {
+            tracing::debug!(cloud = %cloud, error = %e, "metadata probe failed");
+            false
+        }
+    };
+    ok.then_some(cloud)
 }
 
 #[cfg(test)]

@@ -280,6 +280,47 @@ impl GceMetadata {
         })
     }
 
+    /// Start a GET of every watched key.
+    fn arm_all(&self, w: &mut Watch) {
+        for key in KEYS {
+            let f = self.fetch(key, &w.keys[key.index()], None);
+            w.in_flight.push(f);
+        }
+    }
+
+    /// Take what a GET of `key` answered into the watch: the notices that went away, and the
+    /// etag to watch from; a 404 is an error except for `upcoming-maintenance` (none announced).
+    fn take(
+        &self,
+        w: &mut Watch,
+        key: Key,
+        fetch: Fetch,
+        now: Timestamp,
+    ) -> Result<(Vec<Notice>, Option<String>), Error> {
+        match fetch {
+            Fetch::Value { body, etag } => self.apply(w, key, &body, now).map(|gone| (gone, etag)),
+            Fetch::NotFound if key == Key::Upcoming => {
+                self.apply(w, key, "", now).map(|gone| (gone, None))
+            }
+            Fetch::NotFound => Err(Error::Status {
+                url: w.keys[key.index()].url.to_string(),
+                status: 404,
+            }),
+            Fetch::Failed(e) => Err(e),
+        }
+    }
+
+    /// When to read `key` again after an answer with `etag`: at once (a hanging GET) with one;
+    /// without, `upcoming-maintenance` after its recheck, and any other shortly (a server that
+    /// sends no ETag cannot be watched).
+    fn next_read(&self, key: Key, etag: Option<&str>) -> Option<Instant> {
+        match (etag, key) {
+            (Some(_), _) => None,
+            (None, Key::Upcoming) => Some(Instant::now() + self.config.upcoming_recheck),
+            (None, _) => Some(Instant::now() + self.config.retry_base),
+        }
+    }
+
     /// The GET of `key` to issue next: a plain read when no etag is known, else a hanging GET;
     /// started no earlier than `not_before`.
     fn fetch(
@@ -373,76 +414,9 @@ impl GceMetadata {
         now: Timestamp,
     ) -> Result<Vec<Notice>, Error> {
         let url = w.keys[key.index()].url.clone();
-        let mut gone = Vec::new();
         match key {
-            Key::Preempted => match body.trim() {
-                "TRUE" => {
-                    if w.preempted.is_none() {
-                        let deadline = now
-                            .checked_add(self.config.preemption_notice)
-                            .unwrap_or(now);
-                        tracing::warn!(deadline = %deadline, "GCE preemption notice (preempted=TRUE)");
-                        w.preempted = Some(Notice {
-                            id: content_id(Cloud::Gce, "interruption", &["preempted"]),
-                            kind: NoticeKind::Interruption,
-                            source: Cloud::Gce,
-                            deadline: Some(deadline),
-                            not_before: Some(deadline),
-                            detail: format!(
-                                "preempted=TRUE; power-off expected {}s after the notice",
-                                self.config.preemption_notice.as_secs()
-                            ),
-                            restart: false,
-                            published_at: None,
-                            maintenance: MaintenanceKind::Other,
-                            observed_at: now,
-                            cloud_event_id: None,
-                        });
-                    }
-                }
-                "FALSE" => {
-                    if let Some(prev) = w.preempted.take() {
-                        tracing::warn!(notice_id = %prev.id, "preempted went back to FALSE");
-                        gone.push(cancelled(&prev, now));
-                    }
-                }
-                other => {
-                    return Err(parse_error(
-                        &url,
-                        format!("unexpected preempted value {other:?}"),
-                    ))
-                }
-            },
-            Key::MaintenanceEvent => {
-                match body.trim() {
-                    "TERMINATE_ON_HOST_MAINTENANCE" => {
-                        if w.terminate_since.is_none() {
-                            w.terminate_since = Some(now);
-                            match w.upcoming.as_ref().map(|u| u.start).filter(|s| *s > now) {
-                                Some(start) => tracing::warn!(window_start = %start, "GCE host maintenance will terminate this VM"),
-                                None => tracing::warn!(
-                                    assumed_notice_s = MAINTENANCE_MIN_NOTICE.as_secs(),
-                                    "GCE host maintenance will terminate this VM; window not known yet"
-                                ),
-                            }
-                        }
-                    }
-                    value => {
-                        match value {
-                            "NONE" => {}
-                            "MIGRATE_ON_HOST_MAINTENANCE" => tracing::info!(
-                                "GCE host maintenance will live-migrate this VM; nothing to do"
-                            ),
-                            other => tracing::warn!(
-                                value = other,
-                                "unknown maintenance-event value; ignored"
-                            ),
-                        }
-                        w.terminate_since = None;
-                    }
-                }
-                gone.extend(self.settle_maintenance(w, now));
-            }
+            Key::Preempted => self.apply_preempted(w, &url, body, now),
+            Key::MaintenanceEvent => Ok(self.apply_maintenance_event(w, body, now)),
             Key::Upcoming => {
                 let next = parse_upcoming(&url, body)?;
                 match &next {
@@ -450,10 +424,98 @@ impl GceMetadata {
                     None => self.export_upcoming(&[], None),
                 }
                 w.upcoming = next;
-                gone.extend(self.settle_maintenance(w, now));
+                Ok(self.settle_maintenance(w, now).into_iter().collect())
+            }
+        }
+    }
+
+    /// `preempted`: TRUE raises the interruption (once), FALSE cancels it.
+    fn apply_preempted(
+        &self,
+        w: &mut Watch,
+        url: &Url,
+        body: &str,
+        now: Timestamp,
+    ) -> Result<Vec<Notice>, Error> {
+        let mut gone = Vec::new();
+        match body.trim() {
+            "TRUE" => {
+                if w.preempted.is_none() {
+                    w.preempted = Some(self.preemption(now));
+                }
+            }
+            "FALSE" => {
+                if let Some(prev) = w.preempted.take() {
+                    tracing::warn!(notice_id = %prev.id, "preempted went back to FALSE");
+                    gone.push(cancelled(&prev, now));
+                }
+            }
+            other => {
+                return Err(parse_error(
+                    url,
+                    format!("unexpected preempted value {other:?}"),
+                ))
             }
         }
         Ok(gone)
+    }
+
+    /// The interruption notice of `preempted=TRUE` seen at `now`.
+    fn preemption(&self, now: Timestamp) -> Notice {
+        let deadline = now
+            .checked_add(self.config.preemption_notice)
+            .unwrap_or(now);
+        tracing::warn!(deadline = %deadline, "GCE preemption notice (preempted=TRUE)");
+        Notice {
+            id: content_id(Cloud::Gce, "interruption", &["preempted"]),
+            kind: NoticeKind::Interruption,
+            source: Cloud::Gce,
+            deadline: Some(deadline),
+            not_before: Some(deadline),
+            detail: format!(
+                "preempted=TRUE; power-off expected {}s after the notice",
+                self.config.preemption_notice.as_secs()
+            ),
+            restart: false,
+            published_at: None,
+            maintenance: MaintenanceKind::Other,
+            observed_at: now,
+            cloud_event_id: None,
+        }
+    }
+
+    /// `maintenance-event`: TERMINATE_ON_HOST_MAINTENANCE marks the terminating maintenance
+    /// (since `now`), anything else ends it; then the maintenance notice is settled.
+    fn apply_maintenance_event(&self, w: &mut Watch, body: &str, now: Timestamp) -> Vec<Notice> {
+        match body.trim() {
+            "TERMINATE_ON_HOST_MAINTENANCE" => {
+                if w.terminate_since.is_none() {
+                    w.terminate_since = Some(now);
+                    match w.upcoming.as_ref().map(|u| u.start).filter(|s| *s > now) {
+                        Some(start) => {
+                            tracing::warn!(window_start = %start, "GCE host maintenance will terminate this VM")
+                        }
+                        None => tracing::warn!(
+                            assumed_notice_s = MAINTENANCE_MIN_NOTICE.as_secs(),
+                            "GCE host maintenance will terminate this VM; window not known yet"
+                        ),
+                    }
+                }
+            }
+            value => {
+                match value {
+                    "NONE" => {}
+                    "MIGRATE_ON_HOST_MAINTENANCE" => tracing::info!(
+                        "GCE host maintenance will live-migrate this VM; nothing to do"
+                    ),
+                    other => {
+                        tracing::warn!(value = other, "unknown maintenance-event value; ignored")
+                    }
+                }
+                w.terminate_since = None;
+            }
+        }
+        self.settle_maintenance(w, now).into_iter().collect()
     }
 
     /// Fold what the two maintenance keys say into the one maintenance notice. GCE announces
@@ -632,19 +694,13 @@ impl NoticeSource for GceMetadata {
         if !w.started {
             w.started = true;
             w.in_flight.push(self.automatic_restart());
-            for key in KEYS {
-                let f = self.fetch(key, &w.keys[key.index()], None);
-                w.in_flight.push(f);
-            }
+            self.arm_all(w);
         }
         loop {
             // Every completion of a watched key pushes that key's next request (with no await
             // in between), so the set is never empty; should it be, every key is re-armed.
             let Some(item) = w.in_flight.next().await else {
-                for key in KEYS {
-                    let f = self.fetch(key, &w.keys[key.index()], None);
-                    w.in_flight.push(f);
-                }
+                self.arm_all(w);
                 continue;
             };
             let (key, fetch) = match item {
@@ -657,33 +713,13 @@ impl NoticeSource for GceMetadata {
                     continue;
                 }
             };
-            let now = Timestamp::now();
-            let outcome = match fetch {
-                Fetch::Value { body, etag } => {
-                    self.apply(w, key, &body, now).map(|gone| (gone, etag))
-                }
-                Fetch::NotFound if key == Key::Upcoming => {
-                    self.apply(w, key, "", now).map(|gone| (gone, None))
-                }
-                Fetch::NotFound => Err(Error::Status {
-                    url: w.keys[key.index()].url.to_string(),
-                    status: 404,
-                }),
-                Fetch::Failed(e) => Err(e),
-            };
+            let outcome = self.take(w, key, fetch, Timestamp::now());
             let state = &mut w.keys[key.index()];
             match outcome {
                 Ok((gone, etag)) => {
                     state.last_failed = false;
                     state.backoff.reset();
-                    let delay = match (&etag, key) {
-                        (Some(_), _) => None,
-                        (None, Key::Upcoming) => {
-                            Some(Instant::now() + self.config.upcoming_recheck)
-                        }
-                        // A server that sends no ETag cannot be watched: re-read it shortly.
-                        (None, _) => Some(Instant::now() + self.config.retry_base),
-                    };
+                    let delay = self.next_read(key, etag.as_deref());
                     state.etag = etag;
                     let next = self.fetch(key, state, delay);
                     w.in_flight.push(next);

@@ -263,13 +263,7 @@ pub async fn run_monitor_with(
             source: name.to_string(),
         })
         .clone();
-    // Start backing off from the poll interval when it is shorter than the policy's base.
-    let base = if interval.is_zero() {
-        policy.backoff_base
-    } else {
-        policy.backoff_base.min(interval)
-    };
-    let mut backoff = Backoff::new(base, policy.backoff_cap.max(base));
+    let mut backoff = error_backoff(&policy, interval);
     let mut limiter = LogLimiter::new(policy.log_every_n, policy.log_every);
     tracing::info!(interval = ?interval, "notice monitor started");
 
@@ -287,16 +281,8 @@ pub async fn run_monitor_with(
                 if let Some(run) = limiter.success() {
                     tracing::info!(errors = run, "metadata polling recovered");
                 }
-                for notice in notices {
-                    tracing::debug!(notice_id = %notice.id, kind = notice.kind.label(), "notice seen");
-                    tokio::select! {
-                        biased;
-                        _ = cancel.cancelled() => return,
-                        sent = tx.send(notice) => if sent.is_err() {
-                            tracing::warn!("notice receiver is gone; monitor stops");
-                            return;
-                        },
-                    }
+                if !forward(notices, &tx, &cancel).await {
+                    return;
                 }
                 interval
             }
@@ -326,6 +312,38 @@ pub async fn run_monitor_with(
         }
     }
     tracing::info!("notice monitor stopped");
+}
+
+/// The backoff after failed polls: from the policy's base, or from the poll interval when that
+/// is shorter, up to the policy's cap.
+fn error_backoff(policy: &MonitorPolicy, interval: Duration) -> Backoff {
+    let base = if interval.is_zero() {
+        policy.backoff_base
+    } else {
+        policy.backoff_base.min(interval)
+    };
+    Backoff::new(base, policy.backoff_cap.max(base))
+}
+
+/// Send the notices of one poll on; false when the monitor must stop (cancelled, or the
+/// receiver is gone).
+async fn forward(
+    notices: Vec<Notice>,
+    tx: &mpsc::Sender<Notice>,
+    cancel: &CancellationToken,
+) -> bool {
+    for notice in notices {
+        tracing::debug!(notice_id = %notice.id, kind = notice.kind.label(), "notice seen");
+        tokio::select! {
+            biased;
+            _ = cancel.cancelled() => return false,
+            sent = tx.send(notice) => if sent.is_err() {
+                tracing::warn!("notice receiver is gone; monitor stops");
+                return false;
+            },
+        }
+    }
+    true
 }
 
 #[cfg(test)]
