@@ -28,12 +28,14 @@ def f(x, scale=1.0, fmt="{:.1f}"):
 i, c = r.get("idle", {}), r.get("reclaim", {})
 if i and c:
     # A 404 to a pod GET is how the old drain learnt that a pod was gone: not an error.
-    print("| N | idle req/s per node beyond watches | open watches per node | RSS per node (agent + prefetcher) | notice seen → signal p50 / p99 | notice visible → signal p50 / p99 (1 s poll) | drained p50 / p99 | margin to deadline (min) | API p99 during reclaim | pod GETs in reclaim (peak/s) | errors |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    print("| {n} | {req} | {w} | {ra} + {rp} MiB | {s50} / {s99} ms | {v50} / {v99} ms | {d50} / {d99} s | {m} s | {api} ms | {gets} ({peak}) | {err} |".format(
+    print("| N | idle req/s per node beyond watches | open watches per node | RSS per node (agent + prefetcher) | notice seen → signal p50 / p99 (box-wide: the trainer's handler ran) | per agent: seen → signal sent p50 / p99 (its own clock) | CPU per reclaimed agent p50 / max | notice visible → signal p50 / p99 (1 s poll) | drained p50 / p99 | margin to deadline (min) | API p99 during reclaim | pod GETs in reclaim (peak/s) | errors |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| {n} | {req} | {w} | {ra} + {rp} MiB | {s50} / {s99} ms | {o50} / {o99} ms | {c50} / {cmax} s | {v50} / {v99} ms | {d50} / {d99} s | {m} s | {api} ms | {gets} ({peak}) | {err} |".format(
         n=r["n"], req=f(i["requests_per_s_per_node"], fmt="{:.4f}"), w=f(i["open_watches_per_node"]),
         ra=f(i["agent_rss_mib"]["p50"]), rp=f(i["prefetch_rss_mib"]["p50"]),
         s50=f(c["signal_from_seen_s"]["p50"], 1e3), s99=f(c["signal_from_seen_s"]["p99"], 1e3),
+        o50=f(c.get("agent_seen_to_sent_s", {}).get("p50"), 1e3), o99=f(c.get("agent_seen_to_sent_s", {}).get("p99"), 1e3),
+        c50=f(c["cpu_seconds"]["per_reclaimed_agent_s"]["p50"], fmt="{:.2f}"), cmax=f(c["cpu_seconds"]["per_reclaimed_agent_s"]["max"], fmt="{:.2f}"),
         v50=f(c["signal_from_visible_s"]["p50"], 1e3), v99=f(c["signal_from_visible_s"]["p99"], 1e3),
         d50=f(c["drained_s"]["p50"]), d99=f(c["drained_s"]["p99"]), m=f(c["margin_s"]["min"]),
         api=f(c["api_p99_s"], 1e3), gets=c.get("pod_gets", 0), peak=c.get("peak_pod_gets_per_s", 0),

@@ -685,6 +685,15 @@ fn deadline_of(ckpt: &Path) -> Option<Timestamp> {
     Timestamp::from_second(v["deadline_unix"].as_i64()?).ok()
 }
 
+/// When the agent sent the checkpoint signal, by its own clock: its first "checkpoint signal
+/// sent" log line (logged right after the signal, before any API call of the plan).
+fn sent_at(log: &str) -> Option<Timestamp> {
+    log.lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .find(|v| v["message"] == "checkpoint signal sent")
+        .and_then(|v| v["timestamp"].as_str()?.parse().ok())
+}
+
 fn received_at(out: &Path) -> Option<Timestamp> {
     let ns: i128 = std::fs::read_to_string(out).ok()?.trim().parse().ok()?;
     Timestamp::from_nanosecond(ns).ok()
@@ -836,6 +845,10 @@ async fn reclaim(b: &Bench, agents: &HashMap<String, NodeAgent>) -> Result<Value
     let drained_at = drained.at.lock().unwrap_or_else(|e| e.into_inner()).clone();
     let mut signal_visible = Vec::new();
     let mut signal_seen = Vec::new();
+    // Per agent, by its own clock: notice seen → signal sent (its own work, before the trainer
+    // is scheduled to run its handler), and signal sent → handler ran (the box's scheduling).
+    let mut agent_sent = Vec::new();
+    let mut handler_lag = Vec::new();
     let mut drained_in = Vec::new();
     let mut margin = Vec::new();
     let mut missing = Vec::new();
@@ -854,16 +867,27 @@ async fn reclaim(b: &Bench, agents: &HashMap<String, NodeAgent>) -> Result<Value
             Some(at) => {
                 let visible = at.duration_since(notice.visible).as_secs_f64();
                 signal_visible.push(visible);
-                let seen = agents
-                    .get(&p.name)
-                    .and_then(|a| seen_at(&a.log()))
-                    .map(|seen| at.duration_since(seen).as_secs_f64());
+                let log = agents.get(&p.name).map(NodeAgent::log).unwrap_or_default();
+                let seen_ts = seen_at(&log);
+                let sent_ts = sent_at(&log);
+                let seen = seen_ts.map(|seen| at.duration_since(seen).as_secs_f64());
                 if let Some(seen) = seen {
                     signal_seen.push(seen);
                 }
+                let own = seen_ts
+                    .zip(sent_ts)
+                    .map(|(seen, sent)| sent.duration_since(seen).as_secs_f64());
+                let lag = sent_ts.map(|sent| at.duration_since(sent).as_secs_f64());
+                agent_sent.extend(own);
+                handler_lag.extend(lag);
                 per_node.insert(
                     p.name.clone(),
-                    json!({"signal_from_visible_s": visible, "signal_from_seen_s": seen}),
+                    json!({
+                        "signal_from_visible_s": visible,
+                        "signal_from_seen_s": seen,
+                        "agent_seen_to_sent_s": own,
+                        "sent_to_handler_s": lag,
+                    }),
                 );
             }
             None => missing.push(format!("{}: trainer not signalled", p.name)),
@@ -926,6 +950,8 @@ async fn reclaim(b: &Bench, agents: &HashMap<String, NodeAgent>) -> Result<Value
         "window_s": window,
         "signal_from_visible_s": pstats(&signal_visible),
         "signal_from_seen_s": pstats(&signal_seen),
+        "agent_seen_to_sent_s": pstats(&agent_sent),
+        "sent_to_handler_s": pstats(&handler_lag),
         "drained_s": pstats(&drained_in),
         "margin_s": pstats(&margin),
         "api_p50_s": h.quantile(0.5),
@@ -949,6 +975,8 @@ async fn reclaim(b: &Bench, agents: &HashMap<String, NodeAgent>) -> Result<Value
     });
     let sv = sorted(signal_visible);
     let ss = sorted(signal_seen);
+    let own = sorted(agent_sent);
+    let lag = sorted(handler_lag);
     let dr = sorted(drained_in);
     let mg = sorted(margin);
     println!(
@@ -967,6 +995,16 @@ async fn reclaim(b: &Bench, agents: &HashMap<String, NodeAgent>) -> Result<Value
         ms(percentile(&ss, 99.0)),
         ms(ss.last().copied().unwrap_or(f64::NAN)),
         ss.len()
+    );
+    println!(
+        "  per agent, its own clock: notice seen → signal sent p50 {} p99 {} (max {}); signal sent → trainer's handler ran p50 {} p99 {} (max {}); n={}",
+        ms(percentile(&own, 50.0)),
+        ms(percentile(&own, 99.0)),
+        ms(own.last().copied().unwrap_or(f64::NAN)),
+        ms(percentile(&lag, 50.0)),
+        ms(percentile(&lag, 99.0)),
+        ms(lag.last().copied().unwrap_or(f64::NAN)),
+        own.len()
     );
     println!(
         "  notice → node drained: p50 {} p99 {}; margin to the deadline: min {} p50 {}",

@@ -351,6 +351,16 @@ async fn idle_footprint(secs: u64, kube_pods: Option<usize>) {
     let cpu = (proc_cpu_ticks(pid) - cpu0) as f64 / tick;
     let wall = t0.elapsed().as_secs_f64();
     let hwm = proc_rss_kib(pid, "VmHWM:");
+    // What of it is the agent's own (anonymous) and what the binary's shared file pages; and
+    // the spare checkpoint-dir helper (`__pod-fs`), a process of its own in the same cgroup.
+    let (anon, file) = (proc_rss_kib(pid, "RssAnon:"), proc_rss_kib(pid, "RssFile:"));
+    let helpers: Vec<u32> = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+        .unwrap_or_default()
+        .split_whitespace()
+        .filter_map(|p| p.parse().ok())
+        .collect();
+    let helper_rss: u64 = helpers.iter().map(|&h| proc_rss_kib(h, "VmRSS:")).sum();
+    let helper_anon: u64 = helpers.iter().map(|&h| proc_rss_kib(h, "RssAnon:")).sum();
     rss.sort_unstable();
     let polls = emu.requests("/latest/meta-data/spot/instance-action");
     let mode = match kube_pods {
@@ -374,6 +384,14 @@ async fn idle_footprint(secs: u64, kube_pods: Option<usize>) {
         hwm as f64 / 1024.0,
         cpu,
         100.0 * cpu / wall
+    );
+    println!(
+        "  at the end: RssAnon {:.1} MiB, RssFile {:.1} MiB (the binary's pages, shared); {} helper process(es): RSS {:.1} MiB, RssAnon {:.1} MiB",
+        anon as f64 / 1024.0,
+        file as f64 / 1024.0,
+        helpers.len(),
+        helper_rss as f64 / 1024.0,
+        helper_anon as f64 / 1024.0
     );
     let _ = agent.start_kill();
     let _ = agent.wait().await;

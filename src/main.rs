@@ -10,39 +10,45 @@ use spotguard::config::{self, Config};
 use spotguard::{app, drill, emulator, gpu, prefetch, shutdown, telemetry, upload};
 
 fn main() -> ExitCode {
-    // A small agent needs no per-thread malloc arenas (glibc makes up to 8 per core): fewer arenas,
-    // less idle RSS.
-    // SAFETY: mallopt is called before any other thread exists.
-    unsafe {
-        libc::mallopt(libc::M_ARENA_MAX, 2);
-    }
-    // A helper holding a checkpoint dir (spotguard::checkpoint::podfs): not a user command.
-    if std::env::args_os()
-        .nth(1)
-        .is_some_and(|a| a == podfs::HELPER_ARG)
-    {
-        return exit(podfs::serve());
-    }
-    // A directory check of `Config::resolve` (config::check::writable_dir_bounded): not a user
-    // command.
-    let mut args = std::env::args_os();
-    if args
-        .nth(1)
-        .is_some_and(|a| a == config::check::CHECK_DIR_ARG)
-    {
-        let dir = args
-            .next()
-            .map(std::path::PathBuf::from)
-            .unwrap_or_default();
-        return exit(config::check::serve_check_dir(&dir));
+    limit_malloc_arenas();
+    if let Some(code) = serve_hidden_command() {
+        return code;
     }
     // Checkpoint dirs are paths pods control: their I/O runs in helpers, which the agent can
     // leave stuck in a hung filesystem and still exit; the state and checkpoint dirs are checked
     // at start in such a child too. `/proc/self/exe` is this binary even after a package upgrade
     // replaced the file.
     podfs::use_helper("/proc/self/exe");
-    let command = match cli::parse_cli(std::env::args_os()) {
-        Parsed::Command(c) => c,
+    match parse_command() {
+        Ok(command) => run_command(command),
+        Err(code) => code,
+    }
+}
+
+/// The binary started as one of the agent's own helpers, not a user command: a helper holding a
+/// checkpoint dir (`spotguard::checkpoint::podfs`), or a directory check of `Config::resolve`
+/// (`config::check::writable_dir_bounded`). `None` for everything else.
+fn serve_hidden_command() -> Option<ExitCode> {
+    let mut args = std::env::args_os();
+    let first = args.nth(1)?;
+    if first == podfs::HELPER_ARG {
+        return Some(exit(podfs::serve()));
+    }
+    if first == config::check::CHECK_DIR_ARG {
+        let dir = args
+            .next()
+            .map(std::path::PathBuf::from)
+            .unwrap_or_default();
+        return Some(exit(config::check::serve_check_dir(&dir)));
+    }
+    None
+}
+
+/// The user's command, or the exit code of `--help`, `--version` or a usage error (its text
+/// already written).
+fn parse_command() -> Result<Command, ExitCode> {
+    match cli::parse_cli(std::env::args_os()) {
+        Parsed::Command(c) => Ok(c),
         Parsed::Exit { code, text, stderr } => {
             // A closed pipe (`spotguard --help | head -1`) is not an error worth a panic.
             if stderr {
@@ -50,9 +56,12 @@ fn main() -> ExitCode {
             } else {
                 let _ = std::io::stdout().write_all(text.as_bytes());
             }
-            return exit(code);
+            Err(exit(code))
         }
-    };
+    }
+}
+
+fn run_command(command: Command) -> ExitCode {
     match command {
         Command::ConfigReference => {
             let _ = std::io::stdout().write_all(config::reference_markdown().as_bytes());
@@ -66,40 +75,7 @@ fn main() -> ExitCode {
         Command::ExampleTrainer(args) => exit(drill::example_trainer(args)),
         Command::Gpu(args) => exit(gpu::run_cli(args)),
         Command::Goodput(args) => exit(spotguard::goodput::report::run_cli(args)),
-        Command::Run(args) => {
-            let cfg = match Config::resolve(*args, &config::ProcessEnv) {
-                Ok(c) => c,
-                Err(e) => {
-                    eprintln!("spotguard: {e}");
-                    return exit(config::EXIT_USAGE);
-                }
-            };
-            telemetry::init(cfg.log_format, &cfg.args.log_level);
-            tracing::info!(
-                version = cli::VERSION,
-                settings = %config::settings_line(&cfg.args.settings),
-                "effective configuration"
-            );
-            let result = runtime().and_then(|rt| {
-                let result = rt.block_on(run(cfg));
-                // Never wait on a blocking-pool thread stuck in a filesystem call (a hung
-                // checkpoint dir or state dir) at exit: the agent's own work is done.
-                rt.shutdown_timeout(EXIT_GRACE);
-                result
-            });
-            match result {
-                Ok(()) => exit(0),
-                Err(e) => {
-                    // Once, through the log (which goes to stderr in either format).
-                    // The chain once: an error that shows its cause in its own text is not
-                    // followed by that cause again.
-                    let msg = spotguard::words::chain(&*e);
-                    tracing::error!(error = %msg, "spotguard stopped");
-                    telemetry::write_termination_message(&msg);
-                    exit(1)
-                }
-            }
-        }
+        Command::Run(args) => run_agent(*args),
         Command::Drill(args) => with_runtime(|cancel| drill::run(*args, cancel)),
         Command::Emulate(args) => {
             telemetry::init(config::LogFormat::Text, &one_shot_log_level());
@@ -129,6 +105,43 @@ fn main() -> ExitCode {
         Command::PrefetchServe(args) => {
             telemetry::init(config::LogFormat::Json, "info");
             with_runtime(|cancel| prefetch::serve::run_serve(*args, cancel))
+        }
+    }
+}
+
+/// `spotguard run`: resolve the configuration (exit 64 when invalid), start logging, run the
+/// agent until it is told to stop. 0 on a clean stop, 1 when it stopped on an error.
+fn run_agent(args: config::RunArgs) -> ExitCode {
+    let cfg = match Config::resolve(args, &config::ProcessEnv) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("spotguard: {e}");
+            return exit(config::EXIT_USAGE);
+        }
+    };
+    telemetry::init(cfg.log_format, &cfg.args.log_level);
+    tracing::info!(
+        version = cli::VERSION,
+        settings = %config::settings_line(&cfg.args.settings),
+        "effective configuration"
+    );
+    let result = runtime().and_then(|rt| {
+        let result = rt.block_on(run(cfg));
+        // Never wait on a blocking-pool thread stuck in a filesystem call (a hung
+        // checkpoint dir or state dir) at exit: the agent's own work is done.
+        rt.shutdown_timeout(EXIT_GRACE);
+        result
+    });
+    match result {
+        Ok(()) => exit(0),
+        Err(e) => {
+            // Once, through the log (which goes to stderr in either format).
+            // The chain once: an error that shows its cause in its own text is not
+            // followed by that cause again.
+            let msg = spotguard::words::chain(&*e);
+            tracing::error!(error = %msg, "spotguard stopped");
+            telemetry::write_termination_message(&msg);
+            exit(1)
         }
     }
 }
@@ -226,6 +239,15 @@ where
         f(cancel).await
     });
     exit(code)
+}
+
+/// A small agent needs no per-thread malloc arenas (glibc makes up to 8 per core): fewer arenas,
+/// less idle RSS.
+fn limit_malloc_arenas() {
+    // SAFETY: mallopt is called before any other thread exists.
+    unsafe {
+        libc::mallopt(libc::M_ARENA_MAX, 2);
+    }
 }
 
 fn exit(code: i32) -> ExitCode {
