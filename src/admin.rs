@@ -124,10 +124,7 @@ pub async fn bind_with_limits(
             let Some(permit) = admit(&table, &slots, &limits, id, peer) else {
                 continue;
             };
-            let kill = table
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .kill_token(id);
+            let kill = crate::sync::lock(&table).kill_token(id);
             let service = Tracked {
                 inner: hyper_util::service::TowerToHyperService::new(app.clone()),
                 id,
@@ -187,7 +184,7 @@ fn admit(
     id: u64,
     peer: IpAddr,
 ) -> Option<Option<OwnedSemaphorePermit>> {
-    let mut t = table.lock().unwrap_or_else(|p| p.into_inner());
+    let mut t = crate::sync::lock(table);
     let mut evicted = false;
     if t.from(peer) >= limits.max_connections_per_peer.max(1) {
         if !t.evict_longest_waiting(Some(peer)) {
@@ -308,11 +305,7 @@ struct Entry {
 
 impl Drop for Entry {
     fn drop(&mut self) {
-        self.table
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .conns
-            .remove(&self.id);
+        crate::sync::lock(&self.table).conns.remove(&self.id);
     }
 }
 
@@ -333,17 +326,11 @@ impl hyper::service::Service<http::Request<hyper::body::Incoming>> for Tracked {
     fn call(&self, req: http::Request<hyper::body::Incoming>) -> Self::Future {
         let table = self.table.clone();
         let id = self.id;
-        table
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .busy(id, true);
+        crate::sync::lock(&table).busy(id, true);
         let fut = self.inner.call(req);
         Box::pin(async move {
             let resp = fut.await;
-            table
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .busy(id, false);
+            crate::sync::lock(&table).busy(id, false);
             resp
         })
     }

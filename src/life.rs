@@ -196,7 +196,7 @@ impl Lives {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Mark> {
-        self.mark.lock().unwrap_or_else(|p| p.into_inner())
+        crate::sync::lock(&self.mark)
     }
 
     /// The current life's identity: the boot id in a boot's first life, `<boot id>+<n>` after

@@ -146,7 +146,8 @@ const ALLOWED: &[(&str, &[&str])] = &[
     (
         "cli",
         &[
-            "config", "drill", "emulator", "fsutil", "goodput", "gpu", "prefetch", "store", "upload",
+            "config", "drill", "emulator", "fsutil", "goodput", "gpu", "prefetch", "store",
+            "upload",
         ],
     ),
 ];

@@ -38,7 +38,7 @@ pub fn exe() -> Option<&'static Path> {
 static GONE: Mutex<Vec<Child>> = Mutex::new(Vec::new());
 
 fn reap_gone() {
-    let mut gone = GONE.lock().unwrap_or_else(|e| e.into_inner());
+    let mut gone = crate::sync::lock(&GONE);
     gone.retain_mut(|c| !matches!(c.try_wait(), Ok(Some(_)) | Err(_)));
 }
 
@@ -67,7 +67,7 @@ pub fn spawn(
 pub fn abandon(mut child: Child) {
     let _ = child.kill();
     if !matches!(child.try_wait(), Ok(Some(_))) {
-        GONE.lock().unwrap_or_else(|e| e.into_inner()).push(child);
+        crate::sync::lock(&GONE).push(child);
     }
 }
 

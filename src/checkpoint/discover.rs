@@ -123,7 +123,7 @@ impl HostDiscovery {
     }
 
     fn warm(&self) -> Option<Arc<Warm>> {
-        self.warm.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        crate::sync::lock(&self.warm).clone()
     }
 
     /// Whether the proc root is this process's own `/proc` (whose `loadavg` numbers its PIDs).
@@ -165,7 +165,7 @@ impl HostDiscovery {
         // The next refresh begins `interval` after this one ends: trusted for three such periods.
         let took = started.elapsed();
         let trusted_for = (interval + took) * 3;
-        *self.warm.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(Warm {
+        *crate::sync::lock(&self.warm) = Some(Arc::new(Warm {
             snap,
             candidates,
             last_pid,

@@ -158,14 +158,11 @@ impl KubeDiscovery {
     }
 
     fn located(&self) -> Arc<ContainerCgroups> {
-        self.located
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
+        crate::sync::lock(&self.located).clone()
     }
 
     fn set_located(&self, map: ContainerCgroups) {
-        *self.located.lock().unwrap_or_else(|e| e.into_inner()) = Arc::new(map);
+        *crate::sync::lock(&self.located) = Arc::new(map);
     }
 
     /// Keep the opted-in containers' cgroup directories located until `cancel`, so that a notice
@@ -223,7 +220,7 @@ impl KubeDiscovery {
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, CacheState> {
-        self.cache.lock().unwrap_or_else(|e| e.into_inner())
+        crate::sync::lock(&self.cache)
     }
 
     /// The pod's `spotguard.io/checkpoint-upload` annotation and its owner (whose the location

@@ -63,7 +63,7 @@ fn refill(exe: &'static Path) {
         .name("sg-podfs-spare".into())
         .spawn(move || {
             let h = Helper::spawn(exe, "").ok();
-            let mut spare = SPARE.lock().unwrap_or_else(|e| e.into_inner());
+            let mut spare = crate::sync::lock(&SPARE);
             if spare.is_none() {
                 *spare = h;
             }
@@ -80,7 +80,7 @@ pub fn ready_spare() {
     let Some(exe) = helper() else {
         return;
     };
-    let mut spare = SPARE.lock().unwrap_or_else(|e| e.into_inner());
+    let mut spare = crate::sync::lock(&SPARE);
     if spare.is_none() {
         *spare = Helper::spawn(exe, "").ok();
     }
@@ -88,7 +88,7 @@ pub fn ready_spare() {
 
 /// A started helper: the spare if there is one, else a new one.
 fn take_helper(exe: &'static Path, display: &str) -> io::Result<Helper> {
-    let spare = SPARE.lock().unwrap_or_else(|e| e.into_inner()).take();
+    let spare = crate::sync::lock(&SPARE).take();
     match spare {
         Some(mut h) => {
             h.display = display.to_string();
@@ -399,7 +399,7 @@ impl Helper {
     }
 
     fn call(&self, request: &Request) -> Result<Response, Error> {
-        let mut pipes = self.pipes.lock().unwrap_or_else(|e| e.into_inner());
+        let mut pipes = crate::sync::lock(&self.pipes);
         let Some(p) = pipes.as_mut() else {
             return Err(self.broken("the pod filesystem helper failed before"));
         };

@@ -1,7 +1,7 @@
 //! The listener, the connections, the fault layer and the shared state behind them.
 
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use http::{Request, Response, StatusCode};
@@ -240,11 +240,11 @@ async fn dispatch(
 
 impl Shared {
     pub(super) fn lock(&self) -> MutexGuard<'_, Model> {
-        self.model.lock().unwrap_or_else(PoisonError::into_inner)
+        crate::sync::lock(&self.model)
     }
 
     fn lock_faults(&self) -> MutexGuard<'_, Faults> {
-        self.faults.lock().unwrap_or_else(PoisonError::into_inner)
+        crate::sync::lock(&self.faults)
     }
 
     pub(super) fn cancel_token(&self) -> &CancellationToken {
@@ -423,9 +423,7 @@ impl Shared {
     }
 
     fn down_generation(&self) -> MutexGuard<'_, u64> {
-        self.down_generation
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
+        crate::sync::lock(&self.down_generation)
     }
 
     pub(super) fn azure_acks(&self) -> Vec<String> {

@@ -129,7 +129,7 @@ impl NvmlProbe {
 
     fn lock(&self) -> MutexGuard<'_, Option<Loaded>> {
         // A panic while sampling leaves nothing half-written that matters: keep going.
-        self.loaded.lock().unwrap_or_else(|p| p.into_inner())
+        crate::sync::lock(&self.loaded)
     }
 
     fn lock_loaded(&self) -> Result<MutexGuard<'_, Option<Loaded>>, Error> {

@@ -355,7 +355,7 @@ impl NoticeSource for AzureScheduledEvents {
                 }
             }
         }
-        let mut seen = self.seen.lock().unwrap_or_else(|p| p.into_inner());
+        let mut seen = crate::sync::lock(&self.seen);
         for n in notices.iter_mut() {
             n.observed_at = *seen.reported.entry(n.id.clone()).or_insert(now);
         }
@@ -424,9 +424,7 @@ impl NoticeSource for AzureScheduledEvents {
             )));
         }
         tracing::info!(event_id, "approved Azure scheduled event");
-        self.seen
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
+        crate::sync::lock(&self.seen)
             .acknowledged
             .insert(event_id.to_string());
         Ok(())

@@ -320,10 +320,7 @@ impl Ec2Imds {
             None => None,
             Some(body) => Some(parse_instance_action(url, &body, now)?),
         };
-        let mut served = self
-            .served_interruption
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
+        let mut served = crate::sync::lock(&self.served_interruption);
         match found {
             Some(n) => {
                 *served = Some(n.id.clone());
@@ -388,7 +385,7 @@ impl Ec2Imds {
     /// Give each notice the time its id was first seen; forget ids no longer visible (only after
     /// a poll in which every endpoint answered, so a failing endpoint does not reset its ids).
     fn stamp_observed(&self, notices: &mut [Notice], complete: bool) {
-        let mut seen = self.first_seen.lock().unwrap_or_else(|p| p.into_inner());
+        let mut seen = crate::sync::lock(&self.first_seen);
         for n in notices.iter_mut() {
             n.observed_at = *seen.entry(n.id.clone()).or_insert(n.observed_at);
         }

@@ -10,7 +10,7 @@
 //! ("a poll succeeded recently") means "at least one endpoint of this source answered".
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::sync::mpsc;
@@ -20,6 +20,7 @@ use tokio_util::sync::CancellationToken;
 use super::{Error, Notice, NoticeSource};
 use crate::backoff::Backoff;
 use crate::metrics::{ErrorLabels, Metrics, SourceLabels};
+use crate::sync::lock;
 
 /// Readiness window: a source is healthy while it polled successfully within this many intervals.
 const READY_INTERVALS: u32 = 5;
@@ -107,10 +108,6 @@ impl LogLimiter {
     pub(crate) fn consecutive(&self) -> u64 {
         self.consecutive
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 /// Counts and logs (rate-limited) the failures of single endpoints inside a source's poll that

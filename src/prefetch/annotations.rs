@@ -65,7 +65,7 @@ struct Snapshot {
 
 impl Requests {
     fn lock(&self) -> std::sync::MutexGuard<'_, Snapshot> {
-        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+        crate::sync::lock(&self.inner)
     }
 
     /// Whether a list of the node's pods has been seen.

@@ -203,11 +203,11 @@ pub struct ChecksumSlot(Arc<Mutex<Option<StoreChecksum>>>);
 
 impl ChecksumSlot {
     pub fn get(&self) -> Option<StoreChecksum> {
-        *self.0.lock().unwrap_or_else(|p| p.into_inner())
+        *crate::sync::lock(&self.0)
     }
 
     fn set(&self, v: Option<StoreChecksum>) {
-        *self.0.lock().unwrap_or_else(|p| p.into_inner()) = v;
+        *crate::sync::lock(&self.0) = v;
     }
 
     /// `GetOptions::extensions` carrying this slot.

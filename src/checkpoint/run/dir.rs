@@ -126,17 +126,11 @@ type DirKey = (Option<i32>, PathBuf);
 
 impl Claimed {
     fn claim(&self, root: Option<i32>, dir: &std::path::Path) {
-        self.0
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert((root, dir.to_path_buf()));
+        crate::sync::lock(&self.0).insert((root, dir.to_path_buf()));
     }
 
     fn has(&self, root: Option<i32>, dir: &std::path::Path) -> bool {
-        self.0
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .contains(&(root, dir.to_path_buf()))
+        crate::sync::lock(&self.0).contains(&(root, dir.to_path_buf()))
     }
 }
 

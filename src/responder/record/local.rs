@@ -132,7 +132,7 @@ impl StateFile {
     }
 
     fn guard(&self) -> std::sync::MutexGuard<'_, ()> {
-        self.lock.lock().unwrap_or_else(|p| p.into_inner())
+        crate::sync::lock(&self.lock)
     }
 
     /// The whole record, if any. Blocking.
