@@ -18,19 +18,22 @@ const ALLOWED: &[(&str, &[&str])] = &[
     ("sync", &[]),
     ("units", &[]),
     ("words", &[]),
-    ("life", &["fsutil"]),
+    ("life", &["fsutil", "sync"]),
     // The object-store floor both transfer directions share.
-    ("store", &["units", "words"]),
-    ("admin", &["metrics"]),
+    ("store", &["sync", "units", "words"]),
+    ("admin", &["metrics", "sync"]),
     // The node seam (it stores the responder's plan record as given), the notice sources.
     ("node", &["backoff", "duration", "metrics"]),
-    ("notice", &["backoff", "duration", "metrics", "words"]),
+    (
+        "notice",
+        &["backoff", "duration", "metrics", "sync", "words"],
+    ),
     ("webhook", &["backoff", "duration", "metrics", "notice"]),
-    ("emulator", &["duration", "notice"]),
-    ("gpu", &["backoff", "duration", "life", "node"]),
+    ("emulator", &["duration", "notice", "sync"]),
+    ("gpu", &["backoff", "duration", "life", "node", "sync"]),
     (
         "checkpoint",
-        &["backoff", "duration", "fsutil", "metrics", "node"],
+        &["backoff", "duration", "fsutil", "metrics", "node", "sync"],
     ),
     (
         "prefetch",
@@ -88,6 +91,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
             "metrics",
             "node",
             "notice",
+            "sync",
             "units",
             "upload",
         ],
