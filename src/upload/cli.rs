@@ -89,9 +89,15 @@ pub struct UploadArgs {
     #[arg(long, value_name = "INDEX/COUNT", value_parser = super::manifest::Part::parse)]
     pub part: Option<super::manifest::Part>,
 
-    /// Requests in flight (each holds one part-sized buffer: memory is concurrency × part size).
+    /// Requests in flight (a small file's in a buffer of its own size, a large file's part in
+    /// a part-sized one: see --memory).
     #[arg(long, default_value = "8", value_parser = parse_concurrency)]
     pub concurrency: usize,
+
+    /// Memory for part-sized buffers: large files' parts in flight are MEMORY / part size, at
+    /// least 2; small files together hold at most one part size more.
+    #[arg(long, value_name = "BYTES", default_value = "32MiB", value_parser = parse_size)]
+    pub memory: u64,
 
     /// Files up to this size are one PUT; larger ones go as multipart uploads of this part size.
     #[arg(long, default_value = "8MiB", value_parser = parse_part_size)]
@@ -329,6 +335,7 @@ async fn upload(
         target,
         options: Options {
             concurrency: args.concurrency,
+            memory: args.memory,
             part_size: args.part_size,
             deadline,
             state_dir: args.state_dir.clone(),

@@ -34,8 +34,11 @@ pub use super::send::MIN_PART_SIZE;
 /// Tunables of an upload.
 #[derive(Clone, Debug)]
 pub struct Options {
-    /// Requests (and part-sized buffers) in flight.
+    /// Requests in flight (a small file's in a buffer of its own size, a part's in a
+    /// part-sized one).
     pub concurrency: usize,
+    /// Bytes of part-sized buffers: the parts in flight are `memory / part size`, at least 2.
+    pub memory: u64,
     /// Files up to this size are one `PUT`; larger ones are sent in parts of this size (raised
     /// for files that would need more than 10 000 parts, with fewer buffers to keep the memory).
     pub part_size: u64,
@@ -51,6 +54,7 @@ impl Default for Options {
     fn default() -> Self {
         Options {
             concurrency: 8,
+            memory: 8 * (8 << 20),
             part_size: 8 << 20,
             deadline: None,
             state_dir: None,
@@ -264,10 +268,7 @@ async fn upload(job: Job, started_at: Timestamp) -> Result<Done, Failed> {
     .await
     .map_err(fail0)?;
     let resumed = resumed_from.is_some();
-    if let Target::Dir(d) = &target {
-        let names: HashSet<&str> = tree.files.iter().map(|f| f.path.as_str()).collect();
-        d.remove_stale_temps(&names);
-    }
+    remove_stale_temps(&target, &tree);
 
     let shared = Arc::new(Shared::new(
         target,
@@ -307,6 +308,14 @@ async fn upload(job: Job, started_at: Timestamp) -> Result<Done, Failed> {
         sent,
         resumed: resumed_bytes,
     })
+}
+
+/// A directory destination: the temp files an earlier run left of this tree's files go.
+fn remove_stale_temps(target: &Target, tree: &StagedTree) {
+    if let Target::Dir(d) = target {
+        let names: HashSet<&str> = tree.files.iter().map(|f| f.path.as_str()).collect();
+        d.remove_stale_temps(&names);
+    }
 }
 
 /// The manifest already at the destination, parsed; `None` when there is none.

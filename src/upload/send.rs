@@ -262,15 +262,19 @@ pub(super) async fn send_files(
     Ok(tree)
 }
 
-/// The run's buffers: `concurrency × part size` of memory, in bigger (and fewer) buffers when
-/// a huge file needs bigger parts.
+/// The run's buffers: `memory` of part-sized buffers for `concurrency` requests in flight.
 fn pool_for(tree: &StagedTree, options: &Options) -> Arc<Pool> {
     let largest = tree.files.iter().map(|f| f.id.size).max().unwrap_or(0);
-    let buf_size = part_size_for(largest, options.part_size).max(options.part_size);
-    // Bigger buffers for huge files: fewer of them, the same memory.
-    let budget = options.concurrency as u64 * options.part_size;
-    let count = (budget / buf_size).max(2) as usize;
-    Pool::new(count, buf_size as usize)
+    let (count, size) = buffers_for(largest, options);
+    Pool::with_requests(count, size, options.concurrency, super::budget::memory())
+}
+
+/// How many part-sized buffers, of what size, for a tree whose largest file is `largest`
+/// bytes: as many as fit in `memory` (at least 2), bigger and fewer when a huge file needs
+/// bigger parts.
+fn buffers_for(largest: u64, options: &Options) -> (usize, usize) {
+    let size = part_size_for(largest, options.part_size).max(options.part_size);
+    ((options.memory / size).max(2) as usize, size as usize)
 }
 
 /// A file an earlier run finished: counted as done, not sent again.
@@ -293,7 +297,7 @@ async fn queue_small(
     file: &StagedFile,
 ) {
     let lease = tokio::select! {
-        l = pool.lease() => l,
+        l = pool.lease_exact(file.id.size as usize) => l,
         _ = shared.stop.cancelled() => return,
     };
     let (s, f) = (shared.clone(), file.clone());
@@ -628,6 +632,27 @@ mod tests {
         assert_eq!(part_size_for(1 << 30, 8 << 20), 8 << 20);
         assert_eq!(part_size_for(80_000 << 20, 8 << 20), 8 << 20);
         assert_eq!(part_size_for(100_000 << 20, 8 << 20), 10 << 20);
+    }
+
+    /// Issue 35: the part buffers are a byte budget, not one per request: as many as fit in
+    /// `memory` whatever the concurrency (two at least, so that reading overlaps sending), and
+    /// fewer, bigger ones for a file that needs bigger parts.
+    #[test]
+    fn part_buffers_fit_the_memory_budget_whatever_the_concurrency() {
+        let opts = |concurrency, memory| Options {
+            concurrency,
+            memory,
+            part_size: 8 << 20,
+            ..Options::default()
+        };
+        for concurrency in [1, 8, 64] {
+            let (count, size) = buffers_for(1 << 30, &opts(concurrency, 32 << 20));
+            assert_eq!((count, size), (4, 8 << 20), "concurrency {concurrency}");
+        }
+        let (count, size) = buffers_for(100_000 << 20, &opts(8, 64 << 20));
+        assert_eq!((count, size), (6, 10 << 20));
+        assert!(count * size <= 64 << 20);
+        assert_eq!(buffers_for(1 << 30, &opts(8, 1 << 20)), (2, 8 << 20));
     }
 
     #[test]

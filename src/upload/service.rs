@@ -373,6 +373,7 @@ impl Service {
     fn options(&self, deadline: Option<tokio::time::Instant>) -> Options {
         Options {
             concurrency: self.settings.concurrency,
+            memory: (self.settings.concurrency as u64).saturating_mul(self.settings.part_size),
             part_size: self.settings.part_size,
             deadline,
             state_dir: Some(self.settings.state_dir.clone()),
