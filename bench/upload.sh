@@ -10,8 +10,9 @@
 #
 # Environment: BENCH_DIR (work directory, default a fresh one under /tmp; needs ~4.5 GiB: the
 # staged tree and the server's copy), BENCH_LARGE / BENCH_LARGE_MIB / BENCH_SMALL /
-# BENCH_SMALL_KIB (the tree), BENCH_CONCURRENCY / BENCH_PART_SIZE (spotguard's settings, default
-# 8 and 8MiB: 64 MiB of buffers), SPOTGUARD (a prebuilt binary, skips the release build).
+# BENCH_SMALL_KIB (the tree), BENCH_CONCURRENCY / BENCH_PART_SIZE / BENCH_MEMORY (spotguard's
+# settings, default 8, 8MiB and its own --memory default: 32 MiB of part buffers), SPOTGUARD (a
+# prebuilt binary, skips the release build).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 repo="$(cd "$here/.." && pwd)"
@@ -34,4 +35,5 @@ fi
 exec python3 "$here/upload_bench.py" --spotguard "$SPOTGUARD" --work "$work" --rounds "$rounds" \
     --large "${BENCH_LARGE:-8}" --large-mib "${BENCH_LARGE_MIB:-256}" \
     --small "${BENCH_SMALL:-1000}" --small-kib "${BENCH_SMALL_KIB:-32}" \
-    --concurrency "${BENCH_CONCURRENCY:-8}" --part-size "${BENCH_PART_SIZE:-8MiB}"
+    --concurrency "${BENCH_CONCURRENCY:-8}" --part-size "${BENCH_PART_SIZE:-8MiB}" \
+    --memory "${BENCH_MEMORY:-}"

@@ -67,11 +67,13 @@ def uploaded(endpoint, prefix):
     return files, total
 
 
-def commands(spotguard, s5, endpoint, staged, prefix, concurrency, part_size):
+def commands(spotguard, s5, endpoint, staged, prefix, concurrency, part_size, memory):
+    ours = [spotguard, "upload", staged, f"s3://{BUCKET}/{prefix}", "--endpoint", endpoint,
+            "--progress", "json", "--concurrency", str(concurrency), "--part-size", part_size]
+    if memory:
+        ours += ["--memory", memory]
     return {
-        "spotguard upload": [spotguard, "upload", staged, f"s3://{BUCKET}/{prefix}", "--endpoint",
-                             endpoint, "--progress", "json", "--concurrency", str(concurrency),
-                             "--part-size", part_size],
+        "spotguard upload": ours,
         "s5cmd cp": [s5, "--endpoint-url", endpoint, "cp", staged + "/",
                      f"s3://{BUCKET}/{prefix}/"],
     }
@@ -108,6 +110,7 @@ def main():
     ap.add_argument("--small-kib", type=int, default=32)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--part-size", default="8MiB")
+    ap.add_argument("--memory", default="", help="spotguard's --memory (default: its own)")
     args = ap.parse_args()
 
     root = os.path.join(args.work, "s3root")
@@ -127,14 +130,15 @@ def main():
         results = {n: [] for n in names}
         print(f"staged: {want_files} files, {gib:.2f} GiB ({args.large} x {args.large_mib} MiB + "
               f"{args.small} x {args.small_kib} KiB) in {staged}; s3s-fs at {endpoint}; "
-              f"spotguard --concurrency {args.concurrency} --part-size {args.part_size}; "
+              f"spotguard --concurrency {args.concurrency} --part-size {args.part_size}"
+              f"{' --memory ' + args.memory if args.memory else ''}; "
               f"{args.rounds} rounds, interleaved", flush=True)
         for r in range(args.rounds):
             order = names[r % len(names):] + names[:r % len(names)]
             for n in order:
                 prefix = f"round-{r}-{n.split()[0]}"
                 cmd = commands(args.spotguard, s5, endpoint, staged, prefix, args.concurrency,
-                               args.part_size)[n]
+                               args.part_size, args.memory)[n]
                 warm(staged)
                 res = run_one(n, cmd, env, server.pid, endpoint,
                               prefix + ("/step-1000" if n.startswith("spotguard") else ""),
@@ -150,14 +154,14 @@ def main():
         base_wall = med("s5cmd cp", "wall")
         base_cpu = med("s5cmd cp", "cpu")
         print()
-        print("| client | median wall (s) | median CPU (s) | CPU-s/GiB | peak RSS (MiB) "
+        print("| client | median wall (s) | median CPU (s) | CPU-s/GiB | peak RSS (MiB, median / max) "
               "| MiB/s | wall / s5cmd | CPU / s5cmd | server CPU-s |")
         print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
         for n in names:
             wall = med(n, "wall")
             cpu = med(n, "cpu")
             rss = max(x["rss_mib"] for x in results[n])
-            print(f"| {n} | {wall:.2f} | {cpu:.2f} | {cpu / gib:.2f} | {rss:.0f} "
+            print(f"| {n} | {wall:.2f} | {cpu:.2f} | {cpu / gib:.2f} | {med(n, 'rss_mib'):.0f} / {rss:.0f} "
                   f"| {want_bytes / MIB / wall:.0f} | {wall / base_wall:.2f} "
                   f"| {cpu / base_cpu:.2f} | {med(n, 'server_cpu'):.2f} |")
     finally:

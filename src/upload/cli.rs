@@ -9,7 +9,7 @@
 //! 64 bad arguments. Nothing is published unless every file made it.
 
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -19,7 +19,7 @@ use super::dest::{validate_checkpoint_name, AllowUpload, Granted, Location, Uplo
 use super::engine::{self, Job, Meta, Options, Report};
 use super::journal::RootRecord;
 use super::manifest::Origin;
-use super::staged::{self, Limits, Root};
+use super::staged::{self, Limits, Root, StagedTree};
 use super::target::Target;
 use super::Outcome;
 use crate::store::progress::{self, Progress, ProgressMode};
@@ -90,9 +90,15 @@ pub struct UploadArgs {
     #[arg(long, value_name = "INDEX/COUNT", value_parser = super::manifest::Part::parse)]
     pub part: Option<super::manifest::Part>,
 
-    /// Requests in flight (each holds one part-sized buffer: memory is concurrency × part size).
+    /// Requests in flight (a small file's in a buffer of its own size, a large file's part in
+    /// a part-sized one: see --memory).
     #[arg(long, default_value = "8", value_parser = parse_concurrency)]
     pub concurrency: usize,
+
+    /// Memory for part-sized buffers: large files' parts in flight are MEMORY / part size, at
+    /// least 2; small files together hold at most one part size more.
+    #[arg(long, value_name = "BYTES", default_value = "32MiB", value_parser = units::parse_limit)]
+    pub memory: u64,
 
     /// Files up to this size are one PUT; larger ones go as multipart uploads of this part size.
     #[arg(long, default_value = "8MiB", value_parser = parse_part_size)]
@@ -140,63 +146,88 @@ fn usage(msg: impl std::fmt::Display) -> i32 {
 
 /// Run `spotguard upload`; returns the exit code.
 pub async fn run_cli(args: UploadArgs, cancel: CancellationToken) -> i32 {
-    let location = match Location::parse(&args.dest) {
-        Ok(l) => l,
-        Err(e) => return usage(e),
-    };
-    let name = match args.name.clone().or_else(|| {
-        args.staged
-            .file_name()
-            .and_then(|n| n.to_str())
-            .map(str::to_string)
-    }) {
-        Some(n) => n,
-        None => return usage("STAGED has no base name: give --name"),
-    };
-    if let Err(e) = validate_checkpoint_name(&name) {
-        return usage(e);
+    match prepare(&args).await {
+        Ok((name, step, tree, target)) => upload(args, name, step, tree, target, cancel).await,
+        Err(code) => code,
     }
+}
+
+/// The arguments checked, the staged tree captured and the destination opened (or the exit
+/// code of what was refused).
+async fn prepare(args: &UploadArgs) -> Result<(String, Option<u64>, StagedTree, Target), i32> {
+    let location = Location::parse(&args.dest).map_err(usage)?;
+    let (name, step) = name_and_step(args)?;
+    check_staged(&args.staged)?;
+    let destination = location.join(&name);
+    let granted = grant(args, &location, &destination, &name)?;
+    let tree = capture(args).await?;
+    let target = open_target(args, &destination, &granted, &tree)?;
+    Ok((name, step, tree, target))
+}
+
+/// The checkpoint's name (`--name` or STAGED's base name) and the step it proves.
+fn name_and_step(args: &UploadArgs) -> Result<(String, Option<u64>), i32> {
+    let name = args
+        .name
+        .clone()
+        .or_else(|| {
+            args.staged
+                .file_name()
+                .and_then(|n| n.to_str())
+                .map(str::to_string)
+        })
+        .ok_or_else(|| usage("STAGED has no base name: give --name"))?;
+    validate_checkpoint_name(&name).map_err(usage)?;
     // The step is what the name proves; a --step that disagrees is a mistake.
-    let step = match super::owner::checked_step(&name, args.step) {
-        Ok(s) => s,
-        Err(e) => return usage(e),
-    };
-    if !args.staged.is_absolute() {
-        return usage("STAGED must be an absolute path");
+    let step = super::owner::checked_step(&name, args.step).map_err(usage)?;
+    Ok((name, step))
+}
+
+/// STAGED is absolute and there.
+fn check_staged(staged: &Path) -> Result<(), i32> {
+    if !staged.is_absolute() {
+        return Err(usage("STAGED must be an absolute path"));
     }
     // A typo in STAGED is a usage error like any other argument's; what is there and refused
-    // (a symlink, a special file) exits 1 below.
-    if std::fs::symlink_metadata(&args.staged)
-        .is_err_and(|e| e.kind() == std::io::ErrorKind::NotFound)
-    {
-        return usage(format!(
+    // (a symlink, a special file) exits 1 when it is captured.
+    if std::fs::symlink_metadata(staged).is_err_and(|e| e.kind() == std::io::ErrorKind::NotFound) {
+        return Err(usage(format!(
             "STAGED {}: no such directory",
-            args.staged.display()
-        ));
+            staged.display()
+        )));
     }
-    let destination = location.join(&name);
-    let granted = if args.allow.is_empty() {
-        match &location {
+    Ok(())
+}
+
+/// What the destination may be written: anything without `--allow`, else what the list grants.
+fn grant(
+    args: &UploadArgs,
+    location: &Location,
+    destination: &Location,
+    name: &str,
+) -> Result<Granted, i32> {
+    if args.allow.is_empty() {
+        return Ok(match location {
             Location::Store(_) => Granted::Store,
             Location::Dir(base) => Granted::Dir {
                 base: base.clone(),
-                below: PathBuf::from(&name),
+                below: PathBuf::from(name),
                 own: Vec::new(),
             },
-        }
-    } else {
-        let policy = UploadPolicy {
-            allow: args.allow.clone(),
-            own_dirs: Vec::new(),
-        };
-        match policy.check(&destination) {
-            Ok(g) => g,
-            Err(e) => {
-                eprintln!("spotguard upload: {e}");
-                return EXIT_REFUSED;
-            }
-        }
+        });
+    }
+    let policy = UploadPolicy {
+        allow: args.allow.clone(),
+        own_dirs: Vec::new(),
     };
+    policy.check(destination).map_err(|e| {
+        eprintln!("spotguard upload: {e}");
+        EXIT_REFUSED
+    })
+}
+
+/// The staged tree, captured within the limits.
+async fn capture(args: &UploadArgs) -> Result<StagedTree, i32> {
     let limits = Limits {
         max_files: args.max_files,
         max_bytes: args.max_bytes,
@@ -204,55 +235,75 @@ pub async fn run_cli(args: UploadArgs, cancel: CancellationToken) -> i32 {
     };
     staged::raise_open_file_limit();
     let staged_dir = args.staged.clone();
-    let tree = match tokio::task::spawn_blocking(move || {
-        staged::capture(&Root::host()?, &staged_dir, &limits)
-    })
-    .await
+    match tokio::task::spawn_blocking(move || staged::capture(&Root::host()?, &staged_dir, &limits))
+        .await
     {
-        Ok(Ok(t)) => t,
+        Ok(Ok(t)) => Ok(t),
         Ok(Err(e)) => {
             eprintln!("spotguard upload: {e}");
-            return EXIT_REFUSED;
+            Err(EXIT_REFUSED)
         }
         Err(e) => {
             eprintln!("spotguard upload: {e}");
-            return EXIT_FAILED;
+            Err(EXIT_FAILED)
         }
-    };
+    }
+}
+
+/// The destination opened, every key the upload writes checked.
+fn open_target(
+    args: &UploadArgs,
+    destination: &Location,
+    granted: &Granted,
+    tree: &StagedTree,
+) -> Result<Target, i32> {
     let store_opts = StoreOptions {
         endpoint: args.endpoint.clone(),
         pool: args.concurrency,
         ..StoreOptions::default()
     };
-    let target = match Target::open(&destination, &granted, &store_opts).and_then(|t| {
-        t.check_keys(
-            tree.files.iter().map(|f| f.path.as_str()),
-            &super::manifest::manifest_file(args.part),
-        )
-        .map(|()| t)
-    }) {
-        Ok(t) => t,
-        Err(e) => {
+    Target::open(destination, granted, &store_opts)
+        .and_then(|t| {
+            t.check_keys(
+                tree.files.iter().map(|f| f.path.as_str()),
+                &super::manifest::manifest_file(args.part),
+            )
+            .map(|()| t)
+        })
+        .map_err(|e| {
             eprintln!("spotguard upload: {e}");
-            return if e.outcome() == Outcome::Refused {
+            if e.outcome() == Outcome::Refused {
                 EXIT_REFUSED
             } else {
                 EXIT_FAILED
-            };
-        }
-    };
-    let deadline = {
-        let now = jiff::Timestamp::now();
-        let from_flag = args.deadline.map(|d| {
-            let left = d.duration_since(now).as_secs_f64().max(0.0);
-            tokio::time::Instant::now() + Duration::from_secs_f64(left)
-        });
-        let from_timeout = args.timeout.map(|t| tokio::time::Instant::now() + t);
-        match (from_flag, from_timeout) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        }
-    };
+            }
+        })
+}
+
+/// `--deadline` and `--timeout` as one instant: the earlier.
+fn deadline_of(args: &UploadArgs) -> Option<tokio::time::Instant> {
+    let now = jiff::Timestamp::now();
+    let from_flag = args.deadline.map(|d| {
+        let left = d.duration_since(now).as_secs_f64().max(0.0);
+        tokio::time::Instant::now() + Duration::from_secs_f64(left)
+    });
+    let from_timeout = args.timeout.map(|t| tokio::time::Instant::now() + t);
+    match (from_flag, from_timeout) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}
+
+/// Run the upload with its progress shown; the exit code of its outcome.
+async fn upload(
+    args: UploadArgs,
+    name: String,
+    step: Option<u64>,
+    tree: StagedTree,
+    target: Target,
+    cancel: CancellationToken,
+) -> i32 {
+    let deadline = deadline_of(&args);
     let mode = args.progress.resolve();
     let progress = Arc::new(Progress::default());
     let stop_report = CancellationToken::new();
@@ -265,7 +316,7 @@ pub async fn run_cli(args: UploadArgs, cancel: CancellationToken) -> i32 {
     ));
     let job = Job {
         meta: Meta {
-            name: name.clone(),
+            name,
             step,
             part: args.part,
             notice: None,
@@ -285,6 +336,7 @@ pub async fn run_cli(args: UploadArgs, cancel: CancellationToken) -> i32 {
         target,
         options: Options {
             concurrency: args.concurrency,
+            memory: args.memory,
             part_size: args.part_size,
             deadline,
             state_dir: args.state_dir.clone(),

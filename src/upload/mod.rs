@@ -8,9 +8,10 @@
 //! - [`dest`]: destinations and the operator's `--upload-allow` list;
 //! - [`target`]: the object store (single `PUT`s and multipart uploads through object_store,
 //!   the store's checksum compared after each file) and the filesystem (temp, fsync, rename);
-//! - [`engine`]: one upload — parallel parts from a bounded buffer [`pool`], CRCs while reading
-//!   ([`crc`]), the deadline, progress, then the [`manifest`]; [`journal`]: progress persisted
-//!   for resume after a restart;
+//! - [`engine`]: one upload from start to publication — the location claimed, the deadline,
+//!   progress, then the [`manifest`] written last; `resume`: its [`journal`] opened (resuming an
+//!   earlier run after a restart) and kept or dropped when a run ends unpublished; `send`: the
+//!   files sent, parallel parts from a bounded buffer [`pool`], CRCs while reading ([`crc`]);
 //! - [`latest`]: the latest complete checkpoint under a location (resume side);
 //! - [`ack`]: the protocol side (what a `done` ack asks for, the agent's answer);
 //! - [`uploader`]: where uploads run (own runtime, own low-priority threads);
@@ -31,6 +32,8 @@ pub mod manifest;
 pub mod metrics;
 pub mod owner;
 pub mod pool;
+mod resume;
+mod send;
 pub mod service;
 pub mod staged;
 pub mod target;

@@ -2,7 +2,12 @@
 //! before a part is read (so reading waits while every buffer is in flight: that is the
 //! backpressure), handed to the store as the request body without a copy ([`Lease::freeze`]),
 //! and returns to the pool when the store drops the body. Peak memory is `buffers × size`,
-//! whatever the tree.
+//! whatever the tree, plus at most one buffer's worth of small files' own buffers.
+//!
+//! Requests in flight are bounded apart from the buffers: a small file (at most
+//! `size / requests` bytes, [`Pool::lease_exact`]) is read into a buffer of its own size instead
+//! of a part-sized one, so a tree of many small files keeps every request busy while the
+//! part-sized buffers (fewer than the requests when memory is short) go to large files' parts.
 //!
 //! In the agent the buffers draw from the node's memory budget ([`super::budget::Memory`]): a
 //! pool starts with one buffer and grows, one lease at a time, up to its count while the budget
@@ -25,6 +30,10 @@ pub struct Pool {
     count: usize,
     /// The node's memory budget and the buffers it granted this pool (`None`: all `count`).
     budget: Option<(Arc<Memory>, AtomicUsize)>,
+    /// Requests in flight, whatever their buffer.
+    requests: Arc<Semaphore>,
+    /// The largest lease with a buffer of its own (0: none).
+    small_max: usize,
 }
 
 impl Pool {
@@ -35,7 +44,20 @@ impl Pool {
 
     /// A pool of up to `count` buffers; with `budget`, one at first, more while it allows.
     pub fn with_budget(count: usize, size: usize, budget: Option<Arc<Memory>>) -> Arc<Pool> {
+        Pool::with_requests(count, size, count, budget)
+    }
+
+    /// A pool of up to `count` part-sized buffers for up to `requests` requests in flight; a
+    /// request of at most `size / requests` bytes has a buffer of its own size
+    /// ([`Pool::lease_exact`]), so all of them together hold at most one part's worth.
+    pub fn with_requests(
+        count: usize,
+        size: usize,
+        requests: usize,
+        budget: Option<Arc<Memory>>,
+    ) -> Arc<Pool> {
         let count = count.max(1);
+        let requests = requests.max(1);
         let start = match &budget {
             Some(m) => {
                 m.open(size as u64);
@@ -49,6 +71,9 @@ impl Pool {
             size,
             count,
             budget: budget.map(|m| (m, AtomicUsize::new(1))),
+            requests: Arc::new(Semaphore::new(requests)),
+            // A lease this small never takes a part-sized buffer (nor is taken for one).
+            small_max: if requests > 1 { size / requests } else { 0 },
         })
     }
 
@@ -80,14 +105,11 @@ impl Pool {
         self.size
     }
 
-    /// Wait for a free buffer.
+    /// Wait for a request slot and a free part-sized buffer.
     pub async fn lease(self: &Arc<Self>) -> Lease {
+        let request = acquire(&self.requests).await;
         self.grow();
-        // The semaphore is never closed.
-        let permit = match self.slots.clone().acquire_owned().await {
-            Ok(p) => p,
-            Err(_) => unreachable!("the pool's semaphore is never closed"),
-        };
+        let permit = acquire(&self.slots).await;
         let buf = crate::sync::lock(&self.free)
             .pop()
             .unwrap_or_else(|| vec![0u8; self.size]);
@@ -95,8 +117,31 @@ impl Pool {
             buf,
             len: 0,
             pool: self.clone(),
-            _permit: permit,
+            _permits: (request, Some(permit)),
         }
+    }
+
+    /// A buffer for `len` bytes: of its own size when `len` is small (a request slot is all
+    /// it waits for), else a part-sized one ([`Pool::lease`]).
+    pub async fn lease_exact(self: &Arc<Self>, len: usize) -> Lease {
+        if len > self.small_max {
+            return self.lease().await;
+        }
+        let request = acquire(&self.requests).await;
+        Lease {
+            buf: vec![0u8; len],
+            len: 0,
+            pool: self.clone(),
+            _permits: (request, None),
+        }
+    }
+}
+
+/// A permit of one of the pool's semaphores, which are never closed.
+async fn acquire(semaphore: &Arc<Semaphore>) -> OwnedSemaphorePermit {
+    match semaphore.clone().acquire_owned().await {
+        Ok(p) => p,
+        Err(_) => unreachable!("the pool's semaphores are never closed"),
     }
 }
 
@@ -106,7 +151,8 @@ pub struct Lease {
     buf: Vec<u8>,
     len: usize,
     pool: Arc<Pool>,
-    _permit: OwnedSemaphorePermit,
+    /// The request slot, and the part-sized buffer's slot (none for a small file's own buffer).
+    _permits: (OwnedSemaphorePermit, Option<OwnedSemaphorePermit>),
 }
 
 impl Lease {
@@ -145,7 +191,7 @@ impl Drop for Pool {
 impl Drop for Lease {
     fn drop(&mut self) {
         let buf = std::mem::take(&mut self.buf);
-        if buf.len() == self.pool.size {
+        if self._permits.1.is_some() && buf.len() == self.pool.size {
             crate::sync::lock(&self.pool.free).push(buf);
         }
     }
@@ -174,6 +220,45 @@ mod tests {
             .unwrap();
         drop((b, c));
         assert_eq!(crate::sync::lock(&pool.free).len(), 2);
+    }
+
+    /// Issue 35: a small file is read into a buffer of its own size, so it waits for a request
+    /// slot, never for a part-sized buffer; requests stay bounded whatever their buffer, and a
+    /// small file's buffer never joins the part-sized ones.
+    #[tokio::test]
+    async fn small_files_have_buffers_of_their_own_and_requests_stay_bounded() {
+        use futures::FutureExt;
+        let pool = Pool::with_requests(2, 64, 4, None);
+        let parts = (pool.lease().await, pool.lease().await);
+        assert!(
+            pool.lease().now_or_never().is_none(),
+            "both part buffers are out"
+        );
+        let small = pool
+            .lease_exact(16)
+            .now_or_never()
+            .expect("a small file waits for no part buffer");
+        assert_eq!((small.buf.len(), small._permits.1.is_none()), (16, true));
+        assert!(
+            pool.lease_exact(17).now_or_never().is_none(),
+            "more than size / requests takes a part buffer"
+        );
+        let small2 = pool
+            .lease_exact(1)
+            .now_or_never()
+            .expect("a fourth request");
+        assert!(
+            pool.lease_exact(1).now_or_never().is_none(),
+            "four requests are in flight"
+        );
+        drop((small, small2));
+        let again = pool
+            .lease_exact(16)
+            .now_or_never()
+            .expect("a request slot is back");
+        drop((again, parts));
+        let free = crate::sync::lock(&pool.free);
+        assert_eq!(free.iter().map(Vec::len).collect::<Vec<_>>(), [64, 64]);
     }
 
     /// Issue 29 item 6: pools draw from the node's memory budget. Each gets one buffer whatever

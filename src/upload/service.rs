@@ -14,13 +14,14 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use super::ack::{self, Acker, Binding, StagedRequest};
-use super::dest::UploadPolicy;
+use super::ack::{self, Acker, Binding, StagedRequest, Taken};
+use super::dest::{Location, UploadPolicy};
 use super::engine::{Job, Meta, Options, Report};
+use super::journal::Record;
 use super::manifest::{NoticeInfo, Origin};
 use super::metrics::UploadMetrics;
 use super::owner::Writer;
-use super::staged::Limits;
+use super::staged::{Limits, StagedTree};
 use super::target::Target;
 use super::uploader::{self, Recovery, Uploader};
 use super::{Error, Outcome};
@@ -175,25 +176,6 @@ impl Service {
                 return refused(e);
             }
         };
-        // The job's bound location and, in Kubernetes, its owner (host mode: the acking
-        // process's uid, read with its root).
-        let binding = match (seen.pod, &self.pod_location) {
-            (Some(p), Some(lookup)) => lookup(p)
-                .map(|b| Binding {
-                    location: b.location,
-                    writer: Some(Writer::kube(
-                        &b.owner.namespace,
-                        &b.owner.kind,
-                        &b.owner.name,
-                    )),
-                })
-                .unwrap_or_default(),
-            (Some(_), None) => Binding::default(),
-            (None, _) => Binding {
-                location: self.settings.host_location.clone(),
-                writer: None,
-            },
-        };
         let acker = Acker {
             pid: seen.process.pid,
             start_time: seen.process.start_time,
@@ -204,7 +186,7 @@ impl Service {
             acker,
             seen.dir,
             &req,
-            &binding,
+            &self.binding(seen.pod),
             &self.settings.policy,
             &self.settings.limits,
             &self.store_options(),
@@ -222,7 +204,47 @@ impl Service {
             pod = ?pod.as_ref().map(pod_key),
             "staged checkpoint taken; uploading"
         );
-        let job = Job {
+        let job = self.job_for(taken, &req, ctx, pod.as_ref());
+        Some(Staged::Started(Started {
+            pod,
+            destination,
+            files,
+            bytes,
+            handle: self.uploader.submit(job),
+        }))
+    }
+
+    /// The job's bound location and, in Kubernetes, its owner (host mode: the acking process's
+    /// uid, read with its root).
+    fn binding(&self, pod: Option<&PodRef>) -> Binding {
+        match (pod, &self.pod_location) {
+            (Some(p), Some(lookup)) => lookup(p)
+                .map(|b| Binding {
+                    location: b.location,
+                    writer: Some(Writer::kube(
+                        &b.owner.namespace,
+                        &b.owner.kind,
+                        &b.owner.name,
+                    )),
+                })
+                .unwrap_or_default(),
+            (Some(_), None) => Binding::default(),
+            (None, _) => Binding {
+                location: self.settings.host_location.clone(),
+                writer: None,
+            },
+        }
+    }
+
+    /// The upload of a taken tree.
+    fn job_for(
+        &self,
+        taken: Taken,
+        req: &StagedRequest,
+        ctx: &PlanContext,
+        pod: Option<&PodRef>,
+    ) -> Job {
+        Job {
             meta: Meta {
                 name: taken.resolved.name.clone(),
                 step: taken.resolved.step,
@@ -231,7 +253,7 @@ impl Service {
                 origin: Origin {
                     staged: req.staged.display().to_string(),
                     node: self.settings.node.clone(),
-                    pod: pod.as_ref().map(pod_key),
+                    pod: pod.map(pod_key),
                 },
                 acked_at: Some(jiff::Timestamp::now()),
                 writer: Some(taken.writer.clone()),
@@ -243,14 +265,7 @@ impl Service {
             progress: Arc::new(Progress::default()),
             metrics: Some(self.metrics.clone()),
             cancel: ctx.cancel.child_token(),
-        };
-        Some(Staged::Started(Started {
-            pod,
-            destination,
-            files,
-            bytes,
-            handle: self.uploader.submit(job),
-        }))
+        }
     }
 
     /// At start-up: the uploads an earlier run of the agent left (its journals): resume those
@@ -296,55 +311,69 @@ impl Service {
                     destination,
                     deadline,
                 } => {
-                    let granted = match self.settings.policy.check(&destination) {
-                        Ok(g) => g,
-                        Err(e) => {
-                            warn!(destination = %record.destination, error = %e, "not resuming an upload");
-                            continue;
-                        }
-                    };
-                    let target = match Target::open(&destination, &granted, &self.store_options()) {
-                        Ok(t) => t,
-                        Err(e) => {
-                            self.metrics.ended(Outcome::Interrupted.as_str(), 0.0);
-                            warn!(destination = %record.destination, error = %e, "cannot resume an upload");
-                            continue;
-                        }
-                    };
-                    info!(destination = %record.destination, files = tree.files.len(), "resuming an upload interrupted by an agent restart");
-                    let job = Job {
-                        meta: Meta {
-                            name: record.name.clone(),
-                            step: record.step,
-                            part: record.part,
-                            notice: None,
-                            origin: Origin {
-                                staged: record.staged.clone(),
-                                node: self.settings.node.clone(),
-                                pod: None,
-                            },
-                            acked_at: None,
-                            writer: None,
-                        },
-                        root: record.root.clone(),
-                        tree,
-                        target,
-                        // The plan's deadline still holds: the notice did not move.
-                        options: self.options(deadline),
-                        progress: Arc::new(Progress::default()),
-                        metrics: Some(self.metrics.clone()),
-                        cancel: cancel.child_token(),
-                    };
-                    resumed.push(self.uploader.submit(job));
+                    let job = self.resumed_job(record, tree, &destination, deadline, cancel);
+                    resumed.extend(job.map(|j| self.uploader.submit(j)));
                 }
             }
         }
         resumed
     }
 
+    /// The upload of a journal found at start-up, when its destination is still allowed and
+    /// opens; `None` (and said so) otherwise.
+    fn resumed_job(
+        &self,
+        record: Record,
+        tree: StagedTree,
+        destination: &Location,
+        deadline: Option<tokio::time::Instant>,
+        cancel: &CancellationToken,
+    ) -> Option<Job> {
+        let granted = match self.settings.policy.check(destination) {
+            Ok(g) => g,
+            Err(e) => {
+                warn!(destination = %record.destination, error = %e, "not resuming an upload");
+                return None;
+            }
+        };
+        let target = match Target::open(destination, &granted, &self.store_options()) {
+            Ok(t) => t,
+            Err(e) => {
+                self.metrics.ended(Outcome::Interrupted.as_str(), 0.0);
+                warn!(destination = %record.destination, error = %e, "cannot resume an upload");
+                return None;
+            }
+        };
+        info!(destination = %record.destination, files = tree.files.len(), "resuming an upload interrupted by an agent restart");
+        Some(Job {
+            meta: Meta {
+                name: record.name.clone(),
+                step: record.step,
+                part: record.part,
+                notice: None,
+                origin: Origin {
+                    staged: record.staged.clone(),
+                    node: self.settings.node.clone(),
+                    pod: None,
+                },
+                acked_at: None,
+                writer: None,
+            },
+            root: record.root.clone(),
+            tree,
+            target,
+            // The plan's deadline still holds: the notice did not move.
+            options: self.options(deadline),
+            progress: Arc::new(Progress::default()),
+            metrics: Some(self.metrics.clone()),
+            cancel: cancel.child_token(),
+        })
+    }
+
     fn options(&self, deadline: Option<tokio::time::Instant>) -> Options {
         Options {
             concurrency: self.settings.concurrency,
+            memory: (self.settings.concurrency as u64).saturating_mul(self.settings.part_size),
             part_size: self.settings.part_size,
             deadline,
             state_dir: Some(self.settings.state_dir.clone()),
