@@ -49,11 +49,22 @@ use spotguard::responder::PlanEvent;
 pub async fn wait_for_event<T>(
     events: &mut broadcast::Receiver<PlanEvent>,
     limit: Duration,
-    mut f: impl FnMut(&PlanEvent) -> Option<T>,
+    f: impl FnMut(&PlanEvent) -> Option<T>,
+) -> T {
+    recv_until(events, limit, "plan event", f).await
+}
+
+/// Wait up to `limit` for a message on `rx` for which `f` returns `Some` (messages lost to a lag
+/// are skipped); panics on timeout or when the channel closes, naming `what` it waited for.
+pub async fn recv_until<E: Clone, T>(
+    rx: &mut broadcast::Receiver<E>,
+    limit: Duration,
+    what: &str,
+    mut f: impl FnMut(&E) -> Option<T>,
 ) -> T {
     let found = tokio::time::timeout(limit, async {
         loop {
-            match events.recv().await {
+            match rx.recv().await {
                 Ok(e) => {
                     if let Some(v) = f(&e) {
                         return Some(v);
@@ -67,8 +78,8 @@ pub async fn wait_for_event<T>(
     .await;
     match found {
         Ok(Some(v)) => v,
-        Ok(None) => panic!("plan event channel closed"),
-        Err(_) => panic!("timed out after {limit:?} waiting for a plan event"),
+        Ok(None) => panic!("{what} channel closed"),
+        Err(_) => panic!("timed out after {limit:?} waiting for a {what}"),
     }
 }
 

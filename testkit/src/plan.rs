@@ -368,27 +368,9 @@ impl Responder {
     pub async fn decision<T>(
         &mut self,
         limit: Duration,
-        mut f: impl FnMut(&Decided) -> Option<T>,
+        f: impl FnMut(&Decided) -> Option<T>,
     ) -> T {
-        let found = tokio::time::timeout(limit, async {
-            loop {
-                match self.decisions.recv().await {
-                    Ok(d) => {
-                        if let Some(v) = f(&d) {
-                            return Some(v);
-                        }
-                    }
-                    Err(broadcast::error::RecvError::Lagged(_)) => {}
-                    Err(broadcast::error::RecvError::Closed) => return None,
-                }
-            }
-        })
-        .await;
-        match found {
-            Ok(Some(v)) => v,
-            Ok(None) => panic!("decision channel closed"),
-            Err(_) => panic!("timed out after {limit:?} waiting for a decision"),
-        }
+        crate::recv_until(&mut self.decisions, limit, "decision", f).await
     }
 
     /// Push `notice` and wait for the store's decision about it (decisions are made in the order
