@@ -313,6 +313,17 @@ def _current_notice_id() -> Optional[str]:
     return n.notice_id or None if n is not None else None
 
 
+
+def _as_step(step: Any, expected: str) -> int:
+    """``step`` as an int (numpy / 0-d integer tensor steps too, never a bool); ``ValueError``
+    naming ``expected`` otherwise."""
+    if isinstance(step, bool):
+        raise ValueError(f"step must be {expected}, got {step!r}")
+    try:
+        return operator.index(step)
+    except TypeError:
+        raise ValueError(f"step must be {expected}, got {step!r}") from None
+
 def ack(
     state: str,
     step: Optional[int] = None,
@@ -331,12 +342,7 @@ def ack(
     if state not in ACK_STATES:
         raise ValueError(f"ack state must be one of {', '.join(ACK_STATES)}; got {state!r}")
     if step is not None:
-        if isinstance(step, bool):
-            raise ValueError(f"step must be an int or None, got {step!r}")
-        try:
-            step = operator.index(step)  # accepts numpy / 0-d integer tensor steps too
-        except TypeError:
-            raise ValueError(f"step must be an int or None, got {step!r}") from None
+        step = _as_step(step, "an int or None")
     where = None if checkpoint is None else os.fspath(checkpoint)
     data = _ack_bytes(state, step, where, _current_notice_id() if state != "received" else None)
     if len(data) > MAX_ACK_BYTES:
@@ -432,12 +438,7 @@ def resumed(step: int) -> Path:
     most that often, which lets the drill count steps trained and then thrown away. Returns the
     path written; raises ``ValueError`` for a bad step and ``OSError`` when it cannot write."""
     global _resume, _polls, _progress_written, _training, _resumes, _step, _step_mono, _durable
-    if isinstance(step, bool):
-        raise ValueError(f"step must be an int, got {step!r}")
-    try:
-        step = operator.index(step)
-    except TypeError:
-        raise ValueError(f"step must be an int, got {step!r}") from None
+    step = _as_step(step, "an int")
     _training = True
     rank, world = _world()
     _polls = 0
@@ -521,12 +522,7 @@ def saved(step: int, checkpoint: Union[str, "os.PathLike[str]", None] = None) ->
     the progress record then counts the work after it, and only that, as lost if the process
     dies before its next save. :func:`ack` ``("done", step)`` and :func:`resumed` say it too.
     Raises ``ValueError`` for a bad step; never raises for the record itself."""
-    if isinstance(step, bool):
-        raise ValueError(f"step must be an int, got {step!r}")
-    try:
-        step = operator.index(step)
-    except TypeError:
-        raise ValueError(f"step must be an int, got {step!r}") from None
+    step = _as_step(step, "an int")
     _mark_durable(step, None if checkpoint is None else os.fspath(checkpoint))
 
 
