@@ -147,7 +147,12 @@ pub mod known {
     /// `outcome` of `spotguard_plans_total`.
     pub const PLAN_OUTCOMES: &[&str] = &["completed", "drain_failed", "undone"];
     /// `category` of `spotguard_badput_seconds_total` (`crate::goodput::record::category`).
-    pub const BADPUT_CATEGORIES: &[&str] = &["checkpoint_save", "wasted_progress"];
+    pub const BADPUT_CATEGORIES: &[&str] = &[
+        "checkpoint_save",
+        "wasted_progress",
+        "infrastructure_recovery",
+        "checkpoint_restore",
+    ];
     /// `module` of `spotguard_errors_total` (its `error` label is the module's error class; the
     /// zero series carries `error="none"`).
     pub const ERROR_MODULES: &[&str] = &[

@@ -33,6 +33,8 @@ pub mod reason {
     pub const HANDLED_WITH_PROBLEMS: &str = "InterruptionHandledWithProblems";
     /// On each signalled pod: what the interruption cost it (docs/goodput.md).
     pub const BADPUT: &str = "InterruptionBadput";
+    /// On the resumed pod: how long the job was away after an interruption (goodput).
+    pub const RECOVERED: &str = "InterruptionRecovered";
 }
 
 /// Plans not finished within this long are forgotten (their `Done` was lost).

@@ -5,6 +5,8 @@
 //!   exited without acking, to count the work it threw away.
 //! * [`record`]: the per-target badput record of one plan ([`record::Interruption`]), its
 //!   metrics, its Event text and its line in the goodput log.
+//! * [`event`]: the records beyond this agent: the goodput Events' annotation and the log's
+//!   lines, recoveries included.
 //! * [`report`]: `spotguard goodput`, the table (or JSON) a person reads, from that log.
 //!
 //! Categories and Google's ml-goodput-measurement names where they mean the same:
@@ -13,6 +15,7 @@
 //! last durable checkpoint, redone by the next run), `detection` (cloud publication → the agent
 //! saw it; no Google counterpart: the library cannot see the notice). See docs/goodput.md.
 
+pub mod event;
 pub mod progress;
 pub mod record;
 pub mod report;

@@ -29,6 +29,11 @@ pub mod category {
     pub const CHECKPOINT_SAVE: &str = "checkpoint_save";
     /// Google's `WASTED_PROGRESS_FROM_DISRUPTION`.
     pub const WASTED_PROGRESS: &str = "wasted_progress";
+    /// Google's `INFRASTRUCTURE_RECOVERY_FROM_DISRUPTION`: the interrupted trainer's last act →
+    /// the first step on the new node, less the restore.
+    pub const INFRASTRUCTURE_RECOVERY: &str = "infrastructure_recovery";
+    /// Google's `UNPRODUCTIVE_CHECKPOINT_RESTORE_TIME`: loading the checkpoint on the new node.
+    pub const CHECKPOINT_RESTORE: &str = "checkpoint_restore";
 }
 
 /// What one interruption cost one target.
@@ -281,7 +286,12 @@ mod tests {
     fn the_categories_are_the_metrics_zeroed_at_start_up() {
         assert_eq!(
             crate::metrics::known::BADPUT_CATEGORIES,
-            [category::CHECKPOINT_SAVE, category::WASTED_PROGRESS]
+            [
+                category::CHECKPOINT_SAVE,
+                category::WASTED_PROGRESS,
+                category::INFRASTRUCTURE_RECOVERY,
+                category::CHECKPOINT_RESTORE
+            ]
         );
     }
 

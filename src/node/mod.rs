@@ -298,6 +298,21 @@ pub trait NodeOps: Send + Sync {
         reason: &str,
         message: &str,
     ) -> Result<(), Error>;
+    /// An Event on a pod carrying a machine-readable record: the goodput Events, whose
+    /// annotation [`crate::goodput::event::ANNOTATION`] holds `record` (compact JSON) and whose
+    /// `related` names the pod's controller (a Job, …), so that `spotguard goodput` can gather a
+    /// job's Events after its pods are gone. Default: a plain [`Self::pod_event`].
+    async fn pod_record_event(
+        &self,
+        pod: &PodRef,
+        kind: EventType,
+        reason: &str,
+        message: &str,
+        record: &crate::goodput::event::EventRecord,
+    ) -> Result<(), Error> {
+        let _ = record;
+        self.pod_event(pod, kind, reason, message).await
+    }
     /// Evict every evictable pod before the deadline (host mode: nothing to drain).
     async fn drain(&self, request: &DrainRequest) -> Result<DrainReport, Error>;
     /// Set the pod condition `DisruptionTarget` on every pod the drain would evict; returns the
@@ -345,6 +360,18 @@ impl<T: NodeOps + ?Sized> NodeOps for std::sync::Arc<T> {
         message: &str,
     ) -> Result<(), Error> {
         (**self).pod_event(pod, kind, reason, message).await
+    }
+    async fn pod_record_event(
+        &self,
+        pod: &PodRef,
+        kind: EventType,
+        reason: &str,
+        message: &str,
+        record: &crate::goodput::event::EventRecord,
+    ) -> Result<(), Error> {
+        (**self)
+            .pod_record_event(pod, kind, reason, message, record)
+            .await
     }
     async fn drain(&self, request: &DrainRequest) -> Result<DrainReport, Error> {
         (**self).drain(request).await
