@@ -7,7 +7,8 @@
 //!   metrics, its Event text and its line in the goodput log.
 //! * [`event`]: the records beyond this agent: the goodput Events' annotation and the log's
 //!   lines, recoveries included.
-//! * [`report`]: `spotguard goodput`, the table (or JSON) a person reads, from that log.
+//! * [`report`]: `spotguard goodput`, the table (or JSON) a person reads: per interruption and in
+//!   total, from a host's goodput log(s) or ([`kube_report`]) a Kubernetes owner's Events.
 //!
 //! Categories and Google's ml-goodput-measurement names where they mean the same:
 //! `checkpoint_save` = `UNPRODUCTIVE_CHECKPOINT_SAVE_TIME` (signal → ack: the trainer saves
@@ -16,6 +17,7 @@
 //! saw it; no Google counterpart: the library cannot see the notice). See docs/goodput.md.
 
 pub mod event;
+pub mod kube_report;
 pub mod progress;
 pub mod record;
 pub mod report;
