@@ -363,6 +363,23 @@ async fn spotguard_goodput_reports_a_jobs_interruptions_recoveries_and_paid_time
         (&json!(30), &json!(2), &json!(1))
     );
 
+    // The same through `--owner KIND/NAME` (the kind found through the Events' apiVersion) and
+    // through the pod the Events are about.
+    let pod_name = pod.metadata.name.clone().unwrap();
+    for args in [["--owner", "Job/llm"], ["--pod", pod_name.as_str()]] {
+        let r = goodput(&k, &["--namespace", &ns, args[0], args[1]]);
+        assert_eq!(
+            r["interruptions"].as_array().unwrap().len(),
+            2,
+            "{args:?}: {r:#}"
+        );
+        assert_eq!(r["skipped"], 2, "{args:?}");
+        assert_eq!(
+            r["totals"]["badput_seconds"], t["badput_seconds"],
+            "{args:?}"
+        );
+    }
+
     // The other Job sees only its own.
     let r = goodput(&k, &["--namespace", &ns, "--job", "other"]);
     assert_eq!(r["interruptions"].as_array().unwrap().len(), 1);
