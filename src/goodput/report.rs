@@ -149,6 +149,28 @@ pub fn load_all(path: &Path) -> Result<Logged, Error> {
     Ok(out)
 }
 
+/// Every line of the logs at `paths` (several hosts' logs: a recovery on one joins its
+/// interruption on another), interruptions oldest first; a log's lines that are not the agent's
+/// are reported on stderr and counted.
+pub fn load_logs(paths: &[PathBuf]) -> Result<Logged, Error> {
+    let mut all = Logged::default();
+    for path in paths {
+        let l = load_all(path)?;
+        if l.skipped > 0 {
+            eprintln!(
+                "spotguard goodput: skipped {} line(s) of {} that are not the agent's",
+                l.skipped,
+                path.display()
+            );
+        }
+        all.interruptions.extend(l.interruptions);
+        all.recoveries.extend(l.recoveries);
+        all.skipped += l.skipped;
+    }
+    all.interruptions.sort_by_key(|i| i.done_at);
+    Ok(all)
+}
+
 /// One interruption as the report shows it: what it cost each target it hit (its badput
 /// records, joined by notice id) and the recoveries from it. The flat fields sum its targets'
 /// badput (`downtime_seconds` / `upload_seconds`: the longest) and its recoveries'.
@@ -557,27 +579,13 @@ pub fn run_cli(args: GoodputArgs) -> i32 {
     } else {
         args.logs.clone()
     };
-    let mut all = Logged::default();
-    for path in &paths {
-        let l = match load_all(path) {
-            Ok(x) => x,
-            Err(e) => {
-                eprintln!("spotguard goodput: {e}");
-                return 1;
-            }
-        };
-        if l.skipped > 0 {
-            eprintln!(
-                "spotguard goodput: skipped {} line(s) of {} that are not the agent's",
-                l.skipped,
-                path.display()
-            );
+    let all = match load_logs(&paths) {
+        Ok(all) => all,
+        Err(e) => {
+            eprintln!("spotguard goodput: {e}");
+            return 1;
         }
-        all.interruptions.extend(l.interruptions);
-        all.recoveries.extend(l.recoveries);
-        all.skipped += l.skipped;
-    }
-    all.interruptions.sort_by_key(|i| i.done_at);
+    };
     let report = compute(all, args.since, args.until, Timestamp::now());
     print(&report, args.json)
 }
@@ -666,6 +674,33 @@ mod tests {
         append(&path, &interruption(200, 1.0, (0, 0.0))).unwrap();
         assert!(std::fs::metadata(&path).unwrap().len() < 4096);
         assert!(load(&path).is_ok());
+    }
+
+    #[test]
+    fn a_recovery_in_another_hosts_log_joins_its_interruption() {
+        let dir = tempfile::tempdir().unwrap();
+        let (a, b) = (dir.path().join("a.jsonl"), dir.path().join("b.jsonl"));
+        append(&a, &interruption(500, 5.0, (0, 0.0))).unwrap();
+        append(&a, &interruption(0, 10.0, (0, 0.0))).unwrap();
+        let r = recovery("n0", "trainer", 60, 9.0, Some(2.0));
+        append_line(&b, &LogLine::Recovery { recovery: r }).unwrap();
+        std::fs::OpenOptions::new()
+            .append(true)
+            .open(&b)
+            .unwrap()
+            .write_all(b"not json\n")
+            .unwrap();
+        let all = load_logs(&[a.clone(), b]).unwrap();
+        assert_eq!(
+            (all.interruptions.len(), all.recoveries.len(), all.skipped),
+            (2, 1, 1)
+        );
+        assert_eq!(all.interruptions[0].notice_id, "n0");
+        let rep = compute(all, Some(at(0)), Some(at(1000)), at(1000));
+        assert_eq!(rep.interruptions[0].recovery_seconds, Some(7.0));
+        assert_eq!(rep.totals.recoveries, 1);
+        assert_eq!(rep.skipped, 1);
+        assert!(load_logs(&[a, dir.path().join("missing")]).is_err());
     }
 
     #[test]
