@@ -120,9 +120,15 @@ fn recovery(notice: &str, from: &str, target: &str, gap: f64, restore: f64) -> E
 }
 
 async fn post(ops: &KubeNodeOps, pod: &Pod, reason: &str, record: &EventRecord) {
-    ops.pod_record_event(&pod_ref(pod), EventType::Normal, reason, "goodput", record)
-        .await
-        .unwrap_or_else(|e| panic!("posting {reason}: {e}"));
+    ops.pod_record_event(
+        &pod_ref(pod),
+        EventType::Normal,
+        reason,
+        "goodput",
+        &record.to_annotation(),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("posting {reason}: {e}"));
 }
 
 /// The goodput Events of `ns` as stored.

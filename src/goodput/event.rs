@@ -14,7 +14,15 @@ use serde::{Deserialize, Serialize};
 use super::record::Interruption;
 
 /// The annotation on a goodput Event holding its [`EventRecord`] as compact JSON.
-pub const ANNOTATION: &str = "spotguard.io/goodput";
+pub const ANNOTATION: &str = crate::node::RECORD_ANNOTATION;
+
+impl EventRecord {
+    /// The annotation's text: compact JSON.
+    pub fn to_annotation(&self) -> String {
+        // A record of strings, numbers and timestamps always serialises.
+        serde_json::to_string(self).unwrap_or_default()
+    }
+}
 
 /// The record on a goodput Event.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -246,6 +246,10 @@ impl Default for GpuConditionTypes {
     }
 }
 
+/// The annotation holding a pod Event's machine-readable record
+/// ([`NodeOps::pod_record_event`]): the goodput Events' (`crate::goodput::event`).
+pub const RECORD_ANNOTATION: &str = "spotguard.io/goodput";
+
 /// The Kubernetes pod a target group belongs to (for Events and logs).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PodRef {
@@ -299,7 +303,7 @@ pub trait NodeOps: Send + Sync {
         message: &str,
     ) -> Result<(), Error>;
     /// An Event on a pod carrying a machine-readable record: the goodput Events, whose
-    /// annotation [`crate::goodput::event::ANNOTATION`] holds `record` (compact JSON) and whose
+    /// annotation [`RECORD_ANNOTATION`] holds `record` (compact JSON, the caller's) and whose
     /// `related` names the pod's controller (a Job, …), so that `spotguard goodput` can gather a
     /// job's Events after its pods are gone. Default: a plain [`Self::pod_event`].
     async fn pod_record_event(
@@ -308,7 +312,7 @@ pub trait NodeOps: Send + Sync {
         kind: EventType,
         reason: &str,
         message: &str,
-        record: &crate::goodput::event::EventRecord,
+        record: &str,
     ) -> Result<(), Error> {
         let _ = record;
         self.pod_event(pod, kind, reason, message).await
@@ -367,7 +371,7 @@ impl<T: NodeOps + ?Sized> NodeOps for std::sync::Arc<T> {
         kind: EventType,
         reason: &str,
         message: &str,
-        record: &crate::goodput::event::EventRecord,
+        record: &str,
     ) -> Result<(), Error> {
         (**self)
             .pod_record_event(pod, kind, reason, message, record)

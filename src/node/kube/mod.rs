@@ -220,26 +220,20 @@ impl NodeOps for KubeNodeOps {
             .await
     }
 
-    /// The pod Event with `record` in its annotation [`crate::goodput::event::ANNOTATION`] and
-    /// the pod's controller (one GET of the pod) as `related`.
+    /// The pod Event with `record` in its annotation [`super::RECORD_ANNOTATION`] and the pod's
+    /// controller (one GET of the pod) as `related`.
     async fn pod_record_event(
         &self,
         pod: &PodRef,
         kind: EventType,
         reason: &str,
         message: &str,
-        record: &crate::goodput::event::EventRecord,
+        record: &str,
     ) -> Result<(), Error> {
-        let annotations = match serde_json::to_string(record) {
-            Ok(text) => Some(std::collections::BTreeMap::from([(
-                crate::goodput::event::ANNOTATION.to_string(),
-                text,
-            )])),
-            Err(e) => {
-                tracing::warn!(reason, error = %e, "goodput record not serializable; the Event goes out without it");
-                None
-            }
-        };
+        let annotations = Some(std::collections::BTreeMap::from([(
+            super::RECORD_ANNOTATION.to_string(),
+            record.to_string(),
+        )]));
         let extra = events::Extra {
             annotations,
             related: self.pod_controller(pod).await,
