@@ -785,7 +785,6 @@ mod tests {
             panic!("one recovery Event expected: {posted:?}")
         };
         assert_eq!((pod.as_str(), reason.as_str()), ("ml/job-0", REASON));
-        assert_eq!(REASON, crate::outcome::reason::RECOVERED);
         assert_eq!(
             (r.target.as_str(), r.notice_id.as_str()),
             ("ml/job-0", "aws-1")
