@@ -338,15 +338,27 @@ pub struct Sinks {
     pub goodput_log: Option<PathBuf>,
 }
 
-/// The recovery task: a pass every [`PASS_EVERY`] until `cancel`.
-pub async fn run(discovery: Arc<dyn TargetDiscovery>, sinks: Sinks, cancel: CancellationToken) {
+/// Whether discovery answers from its cache now (Kubernetes: the pod cache synced; a host:
+/// always). A pass skips otherwise: discovery would list the node's pods from the API server,
+/// which is for a notice, not for a report.
+pub type Ready = Arc<dyn Fn() -> bool + Send + Sync>;
+
+/// The recovery task: a pass every [`PASS_EVERY`] (while `ready`) until `cancel`.
+pub async fn run(
+    discovery: Arc<dyn TargetDiscovery>,
+    ready: Ready,
+    sinks: Sinks,
+    cancel: CancellationToken,
+) {
     let mut watch = Watch::start(sinks).await;
     loop {
         tokio::select! {
             _ = cancel.cancelled() => return,
             _ = tokio::time::sleep(PASS_EVERY) => {}
         }
-        watch.pass(discovery.as_ref()).await;
+        if ready() {
+            watch.pass(discovery.as_ref()).await;
+        }
     }
 }
 
