@@ -116,7 +116,7 @@ pub async fn start_with_client(
     let kernel = probe_kernel();
     let mut tasks = Tasks::default();
 
-    let (node, discovery, pod_location) =
+    let (node, discovery, pod_location, discovery_ready) =
         node_and_discovery(&cfg, client, &metrics, &mut tasks, &cancel).await?;
     let upload = upload_service(&cfg, &telemetry, pod_location, &cancel).await;
     let inputs = spawn_notice_sources(&cfg, &telemetry, &mut tasks, &cancel)?;
@@ -128,7 +128,7 @@ pub async fn start_with_client(
         crate::responder::Deps {
             node: node.clone(),
             local: StateFile::new(&cfg.args.state_dir, cfg.args.dry_run),
-            discovery,
+            discovery: discovery.clone(),
             sources: inputs.sources,
             metrics: metrics.clone(),
             on_start,
@@ -139,6 +139,17 @@ pub async fn start_with_client(
     let events = responder.subscribe();
     let goodput_log =
         (!cfg.args.dry_run).then(|| cfg.args.state_dir.join(crate::goodput::report::LOG_FILE));
+    // The node a job resumes on reports its recovery (off the signal path).
+    let recovery = crate::goodput::recovery::Sinks {
+        metrics: metrics.clone(),
+        node: Some(node.clone()),
+        node_name: who.node_name.clone(),
+        goodput_log: goodput_log.clone(),
+    };
+    tasks.spawn(
+        "recovery reports",
+        crate::goodput::recovery::run(discovery, discovery_ready, recovery, cancel.child_token()),
+    );
     spawn_outcome_follower(
         &responder,
         &node,
@@ -299,7 +310,7 @@ async fn node_and_discovery(
                 "checkpoint candidates",
                 discovery.clone().keep_warm(cancel.clone()),
             );
-            Ok((node, discovery, None))
+            Ok((node, discovery, None, Arc::new(|| true)))
         }
         Mode::Kubernetes => {
             let client = match client {
@@ -338,17 +349,25 @@ async fn node_and_discovery(
             let cache = discovery.clone();
             let pod_location: crate::upload::service::PodLocation =
                 Arc::new(move |pod| cache.upload_location(pod));
-            Ok((ops, discovery, Some(pod_location)))
+            let synced = discovery.clone();
+            Ok((
+                ops,
+                discovery,
+                Some(pod_location),
+                Arc::new(move || synced.synced()),
+            ))
         }
     }
 }
 
-/// Node operations, checkpoint discovery, and (Kubernetes) where a pod's annotation says its
-/// staged checkpoints go.
+/// Node operations, checkpoint discovery, (Kubernetes) where a pod's annotation says its
+/// staged checkpoints go, and whether discovery answers from its cache (the recovery task's
+/// passes wait for that: never an API list of their own).
 type NodeAndDiscovery = (
     Arc<dyn NodeOps>,
     Arc<dyn TargetDiscovery>,
     Option<crate::upload::service::PodLocation>,
+    crate::goodput::recovery::Ready,
 );
 
 /// The staged checkpoint upload service (its own runtime), and the uploads an earlier run left
@@ -610,6 +629,7 @@ fn responder_config(cfg: &Config) -> ResponderConfig {
         dry_run: cfg.args.dry_run,
         shutdown_grace: cfg.args.shutdown_grace,
         resume_hold: crate::responder::resume_hold(cfg.args.poll_interval),
+        node_name: Some(cfg.node_name.clone().unwrap_or_else(hostname)),
     }
 }
 

@@ -510,7 +510,7 @@ impl TargetDiscovery for KubeDiscovery {
         let mut groups = Vec::new();
         for spec in specs {
             if spec.containers.is_empty() {
-                info!(pod = %spec.name(), "opted-in pod has no running container yet");
+                debug!(pod = %spec.name(), "opted-in pod has no running container yet");
             }
             let mut containers = Vec::new();
             for (name, id) in &spec.containers {

@@ -7,6 +7,8 @@
 //!   metrics, its Event text and its line in the goodput log.
 //! * [`event`]: the records beyond this agent: the goodput Events' annotation and the log's
 //!   lines, recoveries included.
+//! * [`recovery`]: the node a job resumed on reports how long it was away after an
+//!   interruption (the helper's resume record names the interruption; no central store).
 //! * [`report`]: `spotguard goodput`, the table (or JSON) a person reads: per interruption and in
 //!   total, from a host's goodput log(s) or ([`kube_report`]) a Kubernetes owner's Events.
 //!
@@ -20,6 +22,7 @@ pub mod event;
 pub mod kube_report;
 pub mod progress;
 pub mod record;
+pub mod recovery;
 pub mod report;
 
 /// Errors of this module.
@@ -28,6 +31,9 @@ pub enum Error {
     /// A progress record that is not the helper's format.
     #[error("progress record: {0}")]
     Progress(String),
+    /// A resume record that is not the helper's format.
+    #[error("resume record: {0}")]
+    Resume(String),
     /// The goodput log cannot be read or written.
     #[error("goodput log {path}: {source}")]
     Log {
