@@ -15,6 +15,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use jiff::Timestamp;
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, ListParams, PostParams};
@@ -26,6 +27,7 @@ use spotguard::responder::PlanEvent;
 use spotguard_testkit::k8s::fixtures::yaml_documents;
 use spotguard_testkit::k8s::{Image, Kubelet, TestCluster};
 use spotguard_testkit::wait_for_event as wait_for;
+use tokio::sync::broadcast::Receiver;
 use tokio_util::sync::CancellationToken;
 
 const STEPS: u64 = 200;
@@ -207,6 +209,22 @@ impl Machine {
             _dirs: dirs,
         }
     }
+
+    /// A spot interruption notice on this instance's metadata service: when the harness raised
+    /// it, and the agent's plan events from then on.
+    fn raise_interruption(&mut self) -> (Timestamp, Receiver<PlanEvent>) {
+        let events = std::mem::replace(&mut self.app.events, tokio::sync::broadcast::channel(1).1);
+        let at = Timestamp::now();
+        self.emu.raise(EmulatedNotice::interruption()).unwrap();
+        (at, events)
+    }
+
+    /// The instance goes: its agent stops, its node is deleted.
+    async fn stop(self) {
+        self.cancel.cancel();
+        let _ = tokio::time::timeout(Duration::from_secs(10), self.app.join).await;
+        self.kubelet.delete_node();
+    }
 }
 
 async fn job_pods(k: &TestCluster, ns: &str) -> Vec<Pod> {
@@ -246,17 +264,105 @@ fn numbers_after(log: &str, prefix: &str) -> Vec<u64> {
         .collect()
 }
 
+/// The checkpoint storage every node mounts, writable by the Job's uid (the PVC with its
+/// fsGroup 1000).
+fn checkpoint_storage() -> tempfile::TempDir {
+    let checkpoints = tempfile::tempdir().unwrap();
+    std::os::unix::fs::chown(checkpoints.path(), Some(1000), Some(1000)).unwrap();
+    chmod(checkpoints.path(), 0o775);
+    checkpoints
+}
+
+/// The Job's pod running on `machine`'s node whose trainer log satisfies `progressing`: its
+/// name. Fails after `limit` (`what`: which interruption or attempt waits).
+async fn trainer_on(
+    k: &TestCluster,
+    ns: &str,
+    machine: &Machine,
+    what: &str,
+    limit: Duration,
+    progressing: impl Fn(&str) -> bool,
+) -> String {
+    let start = Instant::now();
+    loop {
+        let on_node = job_pods(k, ns).await.into_iter().find(|p| {
+            phase(p) == "Running"
+                && p.spec.as_ref().and_then(|s| s.node_name.as_deref())
+                    == Some(machine.kubelet.name())
+        });
+        if let Some(p) = on_node {
+            let name = p.metadata.name.clone().unwrap();
+            if progressing(&machine.kubelet.logs(ns, &name, "trainer")) {
+                return name;
+            }
+        }
+        assert!(
+            start.elapsed() < limit,
+            "{what}: no trainer making progress on {}: {:?}",
+            machine.kubelet.name(),
+            job_pods(k, ns)
+                .await
+                .iter()
+                .map(|p| (
+                    p.metadata.name.clone(),
+                    p.spec.as_ref().and_then(|s| s.node_name.clone()),
+                    phase(p).to_string()
+                ))
+                .collect::<Vec<_>>()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Waits until `pod` has finished (or is gone: a pod the drain evicted between its ack and its
+/// exit is deleted); its last state.
+async fn wait_finished(k: &TestCluster, ns: &str, pod: &str) -> Option<Pod> {
+    k.wait_pod(ns, pod, "finished", Duration::from_secs(60), |p| {
+        p.is_none_or(|p| matches!(phase(p), "Failed" | "Succeeded"))
+    })
+    .await
+}
+
+/// Waits for the plan's `Done` event.
+async fn wait_done(events: &mut Receiver<PlanEvent>, limit: Duration) {
+    wait_for(events, limit, |e| {
+        matches!(e, PlanEvent::Done { .. }).then_some(())
+    })
+    .await
+}
+
+/// Raises a spot interruption on `machine` and follows its plan to the end: the trainer
+/// `pod` acks (the step in the agent's result returned), the plan is done, the pod has
+/// finished.
+async fn interrupt(k: &TestCluster, ns: &str, machine: &mut Machine, pod: &str) -> Option<u64> {
+    let (_, mut events) = machine.raise_interruption();
+    let results = wait_for(&mut events, Duration::from_secs(60), |e| match e {
+        PlanEvent::Checkpointed { results, .. } => Some(results.clone()),
+        _ => None,
+    })
+    .await;
+    assert_eq!(results.len(), 1, "{results:?}");
+    assert_eq!(
+        results[0].outcome.as_str(),
+        "acked",
+        "{results:?}\ntrainer log:\n{}",
+        machine.kubelet.logs(ns, pod, "trainer")
+    );
+    // "… step=N …" in the group's detail.
+    let acked_step = numbers_after(&results[0].detail, "step=").first().copied();
+    wait_done(&mut events, Duration::from_secs(60)).await;
+    // The trainer's pod has finished on the old node.
+    wait_finished(k, ns, pod).await;
+    acked_step
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_example_job_survives_more_interruptions_than_its_backoff_limit_losing_no_step() {
     let _one = ONE_AT_A_TIME.lock().await;
     let k = TestCluster::new().await;
     let ns = k.namespace("ml").await;
     let (_image_dir, image) = trainer_image();
-    // The checkpoint storage every node mounts, writable by the Job's uid (the PVC with its
-    // fsGroup 1000).
-    let checkpoints = tempfile::tempdir().unwrap();
-    std::os::unix::fs::chown(checkpoints.path(), Some(1000), Some(1000)).unwrap();
-    chmod(checkpoints.path(), 0o775);
+    let checkpoints = checkpoint_storage();
 
     let job = example_job(&k, &ns);
     let backoff_limit = job.spec.as_ref().and_then(|s| s.backoff_limit).unwrap();
@@ -277,80 +383,23 @@ async fn the_example_job_survives_more_interruptions_than_its_backoff_limit_losi
     let mut acked_steps = Vec::new();
     for i in 1..=INTERRUPTIONS {
         // The trainer trains on this machine's node.
-        let start = Instant::now();
-        let pod = loop {
-            let on_node = job_pods(&k, &ns).await.into_iter().find(|p| {
-                phase(p) == "Running"
-                    && p.spec.as_ref().and_then(|s| s.node_name.as_deref())
-                        == Some(machine.kubelet.name())
-            });
-            if let Some(p) = on_node {
-                let name = p.metadata.name.clone().unwrap();
-                if machine
-                    .kubelet
-                    .logs(&ns, &name, "trainer")
-                    .contains("step 20 ")
-                    || machine
-                        .kubelet
-                        .logs(&ns, &name, "trainer")
-                        .contains("  loss")
-                {
-                    break name;
-                }
-            }
-            assert!(
-                start.elapsed() < Duration::from_secs(90),
-                "interruption {i}: no trainer making progress on {}: {:?}",
-                machine.kubelet.name(),
-                job_pods(&k, &ns)
-                    .await
-                    .iter()
-                    .map(|p| (
-                        p.metadata.name.clone(),
-                        p.spec.as_ref().and_then(|s| s.node_name.clone()),
-                        phase(p).to_string()
-                    ))
-                    .collect::<Vec<_>>()
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        };
+        let pod = trainer_on(
+            &k,
+            &ns,
+            &machine,
+            &format!("interruption {i}"),
+            Duration::from_secs(90),
+            |log| log.contains("step 20 ") || log.contains("  loss"),
+        )
+        .await;
         // A fresh machine joins; the spot interruption hits the current one.
         let next = Machine::start(&k, i, &image, checkpoints.path()).await;
-        let mut events = std::mem::replace(
-            &mut machine.app.events,
-            tokio::sync::broadcast::channel(1).1,
-        );
-        machine.emu.raise(EmulatedNotice::interruption()).unwrap();
-        let results = wait_for(&mut events, Duration::from_secs(60), |e| match e {
-            PlanEvent::Checkpointed { results, .. } => Some(results.clone()),
-            _ => None,
-        })
-        .await;
-        assert_eq!(results.len(), 1, "{results:?}");
-        assert_eq!(
-            results[0].outcome.as_str(),
-            "acked",
-            "{results:?}\ntrainer log:\n{}",
-            machine.kubelet.logs(&ns, &pod, "trainer")
-        );
-        // "… step=N …" in the group's detail.
-        acked_steps.push(numbers_after(&results[0].detail, "step=").first().copied());
-        wait_for(&mut events, Duration::from_secs(60), |e| {
-            matches!(e, PlanEvent::Done { .. }).then_some(())
-        })
-        .await;
-        // The trainer's pod has finished on the old node; keep its log, then the instance goes.
-        k.wait_pod(&ns, &pod, "finished", Duration::from_secs(60), |p| {
-            p.is_none_or(|p| matches!(phase(p), "Failed" | "Succeeded"))
-        })
-        .await;
-        // By its name: a pod the drain evicted between its ack and its exit is gone from the
-        // API (deleted), its log is still the kubelet's.
+        acked_steps.push(interrupt(&k, &ns, &mut machine, &pod).await);
+        // Keep its log (by its name: a pod the drain evicted between its ack and its exit is
+        // gone from the API, its log is still the kubelet's), then the instance goes.
         order.push(pod.clone());
         logs.insert(pod.clone(), machine.kubelet.logs(&ns, &pod, "trainer"));
-        machine.cancel.cancel();
-        let _ = tokio::time::timeout(Duration::from_secs(10), machine.app.join).await;
-        machine.kubelet.delete_node();
+        machine.stop().await;
         machine = next;
     }
 
@@ -416,8 +465,8 @@ async fn the_example_job_survives_more_interruptions_than_its_backoff_limit_losi
         }
     }
     let mut chain: Vec<(String, u64, Option<u64>)> = Vec::new();
-    for name in order {
-        let Some(log) = logs.get(&name) else { continue };
+    for name in &order {
+        let Some(log) = logs.get(name) else { continue };
         let resumed = numbers_after(log, "resumed from step")
             .first()
             .copied()
@@ -425,7 +474,7 @@ async fn the_example_job_survives_more_interruptions_than_its_backoff_limit_losi
         let saved = numbers_after(log, "saved /checkpoints/step-")
             .last()
             .copied();
-        chain.push((name, resumed, saved));
+        chain.push((name.clone(), resumed, saved));
     }
     let summary = format!("{chain:?}\nacked steps {acked_steps:?}\nlogs: {logs:#?}");
     assert_eq!(chain.len(), INTERRUPTIONS + 1, "{summary}");
@@ -519,9 +568,7 @@ async fn the_example_jobs_rules_ignore_every_kind_of_preemption_and_fail_a_real_
     let k = TestCluster::new().await;
     let ns = k.namespace("ml").await;
     let (_image_dir, image) = trainer_image();
-    let checkpoints = tempfile::tempdir().unwrap();
-    std::os::unix::fs::chown(checkpoints.path(), Some(1000), Some(1000)).unwrap();
-    chmod(checkpoints.path(), 0o775);
+    let checkpoints = checkpoint_storage();
     let mut machine = Machine::start(&k, 0, &image, checkpoints.path()).await;
     let jobs: Api<Job> = Api::namespaced(k.admin(), &ns);
     jobs.create(
@@ -532,30 +579,15 @@ async fn the_example_jobs_rules_ignore_every_kind_of_preemption_and_fail_a_real_
     .expect("the Job is accepted");
 
     for attempt in 1..=3 {
-        let start = Instant::now();
-        let pod = loop {
-            let on_node = job_pods(&k, &ns).await.into_iter().find(|p| {
-                phase(p) == "Running"
-                    && p.spec.as_ref().and_then(|s| s.node_name.as_deref())
-                        == Some(machine.kubelet.name())
-            });
-            if let Some(p) = on_node {
-                let name = p.metadata.name.clone().unwrap();
-                if machine
-                    .kubelet
-                    .logs(&ns, &name, "trainer")
-                    .contains("training")
-                {
-                    break name;
-                }
-            }
-            assert!(
-                start.elapsed() < Duration::from_secs(120),
-                "attempt {attempt}: no trainer on {}",
-                machine.kubelet.name()
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        };
+        let pod = trainer_on(
+            &k,
+            &ns,
+            &machine,
+            &format!("attempt {attempt}"),
+            Duration::from_secs(120),
+            |log| log.contains("training"),
+        )
+        .await;
         let run = machine
             .kubelet
             .wait_run(&ns, &pod, "trainer", Duration::from_secs(10))
@@ -564,11 +596,7 @@ async fn the_example_jobs_rules_ignore_every_kind_of_preemption_and_fail_a_real_
             assert!(spotguard_testkit::process::wait_catches_usr1(run.pid).await);
         }
         let next = Machine::start(&k, attempt, &image, checkpoints.path()).await;
-        let mut events = std::mem::replace(
-            &mut machine.app.events,
-            tokio::sync::broadcast::channel(1).1,
-        );
-        machine.emu.raise(EmulatedNotice::interruption()).unwrap();
+        let (_, mut events) = machine.raise_interruption();
         if attempt == 2 {
             // The power-off, after the agent marked the pod: the trainer dies without an ack.
             k.wait_pod(
@@ -587,15 +615,8 @@ async fn the_example_jobs_rules_ignore_every_kind_of_preemption_and_fail_a_real_
                 libc::kill(run.pid as i32, libc::SIGKILL);
             }
         }
-        wait_for(&mut events, Duration::from_secs(120), |e| {
-            matches!(e, PlanEvent::Done { .. }).then_some(())
-        })
-        .await;
-        let finished = k
-            .wait_pod(&ns, &pod, "finished", Duration::from_secs(60), |p| {
-                p.is_none_or(|p| matches!(phase(p), "Failed" | "Succeeded"))
-            })
-            .await;
+        wait_done(&mut events, Duration::from_secs(120)).await;
+        let finished = wait_finished(&k, &ns, &pod).await;
         let code = finished
             .as_ref()
             .and_then(|p| p.status.as_ref()?.container_statuses.as_ref())
@@ -606,9 +627,7 @@ async fn the_example_jobs_rules_ignore_every_kind_of_preemption_and_fail_a_real_
         if attempt == 2 {
             assert_eq!(code, Some(137), "killed at the power-off");
         }
-        machine.cancel.cancel();
-        let _ = tokio::time::timeout(Duration::from_secs(10), machine.app.join).await;
-        machine.kubelet.delete_node();
+        machine.stop().await;
         machine = next;
     }
     let (outcome, job) = job_condition(&jobs, "llm-finetune", Duration::from_secs(180)).await;
@@ -638,6 +657,5 @@ async fn the_example_jobs_rules_ignore_every_kind_of_preemption_and_fail_a_real_
         .find(|c| c.type_ == "Failed")
         .and_then(|c| c.reason.clone());
     assert_eq!(reason.as_deref(), Some("PodFailurePolicy"), "{status:?}");
-    machine.cancel.cancel();
-    let _ = tokio::time::timeout(Duration::from_secs(10), machine.app.join).await;
+    machine.stop().await;
 }
