@@ -96,6 +96,7 @@ __all__ = [
     "resumed",
     "saved",
     "should_checkpoint",
+    "sidecar_path",
     "time_left",
     "uninstall",
     # Staged checkpoints (spotguard.staged).
@@ -170,6 +171,8 @@ _step_mono = 0.0
 _durable: Optional[Tuple[int, float, Optional[str]]] = None
 _record_due = 0.0
 _record_written_step: Optional[int] = None
+# The first should_checkpoint() after resumed() stamps ``first_step_ts`` into the resume record.
+_first_step_due = False
 
 
 @dataclass(frozen=True)
@@ -350,6 +353,7 @@ def ack(
     written = _write_atomic(ack_path(), data)
     if state == "done" and step is not None:
         _mark_durable(step, where)
+        _write_sidecar(step, where)
     return written
 
 
@@ -363,6 +367,7 @@ def ack_container(
     written = _write_atomic(checkpoint_dir() / "ack", _ack_bytes("done", step, where, _current_notice_id()))
     if step is not None:
         _mark_durable(step, where)
+        _write_sidecar(step, where)
     return written
 
 
@@ -423,22 +428,50 @@ def _resume_bytes() -> bytes:
     return json.dumps(body, separators=(",", ":")).encode()
 
 
-def resumed(step: int) -> Path:
+def resumed(
+    step: int,
+    checkpoint: Union[str, "os.PathLike[str]", "LatestCheckpoint", None] = None,
+    *,
+    restore_seconds: Optional[float] = None,
+) -> Path:
     """Say where training (re)starts: call it once the checkpoint is loaded (``step`` = the step
     it holds, 0 on a fresh start) and the process group is up, right before the loop.
 
     It marks training as started (a SIGTERM from now on is a checkpoint request, see
     :func:`install`). Writes ``<dir>/resume-<pid>.json`` (``{"step", "ts", "rank",
-    "world_size", "last_step", "last_ts"}``, atomically). The agent ignores it; ``spotguard drill --elastic`` reads it to
-    tell which step each node resumed from after a preemption and when it trained again, so that
-    it can count the steps lost (with ``--node-env VAR`` the record also carries ``"node"``, the
-    value of ``$VAR``: one launcher for every node, e.g. ``HOROVOD_HOSTNAME``). Under
-    ``spotguard drill --elastic`` (``$SPOTGUARD_PROGRESS``
-    set) :func:`should_checkpoint` also refreshes ``last_step`` (``step`` + its calls since) at
-    most that often, which lets the drill count steps trained and then thrown away. Returns the
-    path written; raises ``ValueError`` for a bad step and ``OSError`` when it cannot write."""
+    "world_size", "last_step", "last_ts"}``, atomically).
+
+    ``checkpoint`` (optional) is what was loaded: a local path, or the
+    :class:`LatestCheckpoint` that :func:`latest_checkpoint` returned. When it was saved after a
+    notice — its sidecar (:func:`sidecar_path`, written by :func:`ack` / :func:`saved` after a
+    signal) or its staged manifest names the notice — and for this same ``step``, the record
+    gains ``"interruption": {"notice_id", "node", "kind", "source", "step", "saved_ts"}``.
+    ``restore_seconds`` (optional) is how long loading took, as the trainer timed it
+    (``"restore_seconds"``). The first :func:`should_checkpoint` call after this (the end of the
+    first step trained) adds ``"first_step_ts"`` (one more write, once). The agent on this node
+    reads a record with both ``interruption`` and ``first_step_ts`` and reports the recovery
+    once: the time from the save on the interrupted node to this first step, and the restore
+    time (docs/goodput.md). A sidecar or manifest that cannot be read or is not the helper's
+    shape is ignored (no interruption named); it never raises.
+
+    ``spotguard drill --elastic`` reads the record too, to tell which step each node resumed
+    from after a preemption and when it trained again, so that it can count the steps lost (with
+    ``--node-env VAR`` the record also carries ``"node"``, the value of ``$VAR``: one launcher
+    for every node, e.g. ``HOROVOD_HOSTNAME``). Under ``spotguard drill --elastic``
+    (``$SPOTGUARD_PROGRESS`` set) :func:`should_checkpoint` also refreshes ``last_step``
+    (``step`` + its calls since) at most that often, which lets the drill count steps trained
+    and then thrown away. Returns the path written; raises ``ValueError`` for a bad step or
+    ``restore_seconds`` and ``OSError`` when it cannot write."""
     global _resume, _polls, _progress_written, _training, _resumes, _step, _step_mono, _durable
+    global _first_step_due
     step = _as_step(step, "an int")
+    if restore_seconds is not None:
+        if isinstance(restore_seconds, bool) or not isinstance(restore_seconds, (int, float)):
+            raise ValueError(f"restore_seconds must be a number, got {restore_seconds!r}")
+        restore_seconds = float(restore_seconds)
+        if not (0.0 <= restore_seconds < 1e7):
+            raise ValueError(f"restore_seconds must be >= 0 and finite, got {restore_seconds!r}")
+    interruption = _interruption_of(checkpoint, step) if checkpoint is not None else None
     _training = True
     rank, world = _world()
     _polls = 0
@@ -447,14 +480,133 @@ def resumed(step: int) -> Path:
     node_env = os.environ.get("SPOTGUARD_NODE_ENV")  # `drill --elastic --node-env VAR` sets it
     if node_env:
         _resume["node"] = os.environ.get(node_env)
+    if interruption is not None:
+        _resume["interruption"] = interruption
+    if restore_seconds is not None:
+        _resume["restore_seconds"] = restore_seconds
     path = resume_path()
     _write_atomic(path, _resume_bytes())
+    _first_step_due = True
     _progress_written = time.monotonic()
     _step, _step_mono = step, _progress_written
     # The loaded checkpoint is durable; what is trained from now on is at risk.
     _durable = (step, _resume["ts"], None)
     _write_record()
     return path
+
+
+def _note_first_step() -> None:
+    """The first :func:`should_checkpoint` after :func:`resumed`: stamp ``first_step_ts`` into
+    the resume record (once); never raises into the training loop."""
+    global _first_step_due
+    _first_step_due = False
+    if _resume is None:
+        return
+    _resume["first_step_ts"] = time.time()
+    try:
+        _write_atomic(resume_path(), _resume_bytes())
+    except OSError as err:
+        _warn_stderr(f"cannot write the resume record's first_step_ts: {err}")
+
+
+#: The name of a directory checkpoint's sidecar (inside it); a file checkpoint's sidecar is the
+#: file's path plus this suffix.
+SIDECAR_NAME = ".spotguard.json"
+
+#: Sidecars larger than this (bytes) are ignored.
+MAX_SIDECAR_BYTES = 4096
+
+_SCHEMES = ("s3://", "gs://", "file://", "http://", "https://")
+
+
+def sidecar_path(checkpoint: Union[str, "os.PathLike[str]"]) -> Path:
+    """Where the interruption sidecar of a local checkpoint lives: ``<checkpoint>/.spotguard.json``
+    for a directory, ``<checkpoint>.spotguard.json`` for a file."""
+    where = os.fspath(checkpoint)
+    if os.path.isdir(where):
+        return Path(where) / SIDECAR_NAME
+    return Path(where + SIDECAR_NAME)
+
+
+def _warn_stderr(text: str) -> None:
+    try:
+        print(f"spotguard: warning: {text}", file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
+
+
+def _write_sidecar(step: int, where: Optional[str]) -> None:
+    """After a notice (a signal arrived and ``notice.json`` names it), leave the interruption's
+    timeline beside a local checkpoint made durable at ``step``, so that :func:`resumed` on the
+    next node can name it. Never raises into the training loop: a warning on stderr instead."""
+    if where is None or not _requested or _received_at is None or where.startswith(_SCHEMES):
+        return
+    n = notice()
+    if n is None or not n.notice_id:
+        return
+    try:
+        if not os.path.exists(where):
+            return
+        node = n.raw.get("node")
+        body = {
+            "v": 1,
+            "notice_id": n.notice_id,
+            "node": node if isinstance(node, str) else None,
+            "kind": n.kind,
+            "source": n.source,
+            "step": step,
+            "signal_ts": _received_at,
+            "saved_ts": time.time(),
+        }
+        _write_atomic(sidecar_path(where), json.dumps(body, separators=(",", ":")).encode())
+    except (OSError, ValueError, TypeError) as err:
+        _warn_stderr(f"cannot write the checkpoint's interruption sidecar for {where}: {err}")
+
+
+def _sane_time(t: Any) -> bool:
+    return (not isinstance(t, bool) and isinstance(t, (int, float))
+            and 1.0e9 <= float(t) < 7.3e9)
+
+
+def _short_text(v: Any, limit: int) -> bool:
+    return isinstance(v, str) and 0 < len(v) <= limit
+
+
+def _valid_interruption(body: Any, step: int) -> Optional[Dict[str, Any]]:
+    """The resume record's ``interruption`` from a sidecar-shaped dict, or None when it is not
+    the helper's shape or names another step."""
+    if not isinstance(body, dict) or body.get("v") != 1:
+        return None
+    got = body.get("step")
+    if isinstance(got, bool) or not isinstance(got, int) or got != step:
+        return None
+    node = body.get("node")
+    if not (_short_text(body.get("notice_id"), 256) and _short_text(body.get("kind"), 64)
+            and _short_text(body.get("source"), 64) and _sane_time(body.get("saved_ts"))
+            and (node is None or _short_text(node, 256))):
+        return None
+    return {"notice_id": body["notice_id"], "node": node, "kind": body["kind"],
+            "source": body["source"], "step": step, "saved_ts": float(body["saved_ts"])}
+
+
+def _interruption_of(checkpoint: Any, step: int) -> Optional[Dict[str, Any]]:
+    """The interruption a loaded checkpoint was saved at: from a staged checkpoint's manifest, or
+    from a local checkpoint's sidecar (read without following a symlink, at most
+    :data:`MAX_SIDECAR_BYTES`). None for anything else; never raises."""
+    from .staged import LatestCheckpoint, _read_capped
+
+    try:
+        if isinstance(checkpoint, LatestCheckpoint):
+            return _valid_interruption(checkpoint.interruption, step)
+        where = os.fspath(checkpoint)
+        if where.startswith(_SCHEMES):
+            return None
+        _, data = _read_capped(os.fspath(sidecar_path(where)), MAX_SIDECAR_BYTES)
+        if data is None:
+            return None
+        return _valid_interruption(json.loads(data.decode("utf-8")), step)
+    except Exception:  # hostile input of any shape: no interruption named, never a crash
+        return None
 
 
 def _write_progress() -> None:
@@ -523,7 +675,9 @@ def saved(step: int, checkpoint: Union[str, "os.PathLike[str]", None] = None) ->
     dies before its next save. :func:`ack` ``("done", step)`` and :func:`resumed` say it too.
     Raises ``ValueError`` for a bad step; never raises for the record itself."""
     step = _as_step(step, "an int")
-    _mark_durable(step, None if checkpoint is None else os.fspath(checkpoint))
+    where = None if checkpoint is None else os.fspath(checkpoint)
+    _mark_durable(step, where)
+    _write_sidecar(step, where)
 
 
 def notice() -> Optional[Notice]:
@@ -952,6 +1106,8 @@ def should_checkpoint(every: int = 1, *, via: str = "auto", step: Optional[int] 
         _step = _polls
     if now >= _record_due or (_requested and _step != _record_written_step):
         _write_record()
+    if _first_step_due:
+        _note_first_step()
     if _progress_every is not None and _resume is not None:
         _write_progress()
     if _agreed:

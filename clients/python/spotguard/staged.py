@@ -105,6 +105,26 @@ class LatestCheckpoint:
     #: Where ``spotguard prefetch --latest-checkpoint LOCATION DEST`` put it, if it was fetched.
     local_path: Optional[str] = None
 
+    @property
+    def interruption(self) -> Optional[Dict[str, Any]]:
+        """The interruption this checkpoint was saved at, from its manifest (the agent writes the
+        notice, the node it ran on and when the trainer's ``done`` ack was seen), in the shape of
+        a checkpoint sidecar (``{"v", "notice_id", "node", "kind", "source", "step",
+        "saved_ts"}``); None when it was not saved after a notice or the manifest does not say.
+        :func:`spotguard.resumed` takes it from here when given this checkpoint."""
+        m = self.manifest if isinstance(self.manifest, dict) else {}
+        n = m.get("notice")
+        if not isinstance(n, dict) or not isinstance(n.get("id"), str):
+            return None
+        secs, nanos = _parse_time((m.get("timings") or {}).get("acked_at")
+                                  if isinstance(m.get("timings"), dict) else None)
+        if secs == 0:
+            return None
+        node = (m.get("origin") or {}).get("node") if isinstance(m.get("origin"), dict) else None
+        return {"v": 1, "notice_id": n["id"], "node": node, "kind": n.get("kind"),
+                "source": n.get("source"), "step": m.get("step"),
+                "saved_ts": secs + nanos / 1e9}
+
 
 def answer_path(pid: Optional[int] = None) -> Path:
     """``<dir>/upload-<pid>.json``: where the agent answers this process's staged ack."""
