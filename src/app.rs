@@ -128,7 +128,7 @@ pub async fn start_with_client(
         crate::responder::Deps {
             node: node.clone(),
             local: StateFile::new(&cfg.args.state_dir, cfg.args.dry_run),
-            discovery,
+            discovery: discovery.clone(),
             sources: inputs.sources,
             metrics: metrics.clone(),
             on_start,
@@ -139,6 +139,17 @@ pub async fn start_with_client(
     let events = responder.subscribe();
     let goodput_log =
         (!cfg.args.dry_run).then(|| cfg.args.state_dir.join(crate::goodput::report::LOG_FILE));
+    // The node a job resumes on reports its recovery (off the signal path).
+    let recovery = crate::goodput::recovery::Sinks {
+        metrics: metrics.clone(),
+        node: Some(node.clone()),
+        node_name: who.node_name.clone(),
+        goodput_log: goodput_log.clone(),
+    };
+    tasks.spawn(
+        "recovery reports",
+        crate::goodput::recovery::run(discovery, recovery, cancel.child_token()),
+    );
     spawn_outcome_follower(
         &responder,
         &node,
@@ -610,6 +621,7 @@ fn responder_config(cfg: &Config) -> ResponderConfig {
         dry_run: cfg.args.dry_run,
         shutdown_grace: cfg.args.shutdown_grace,
         resume_hold: crate::responder::resume_hold(cfg.args.poll_interval),
+        node_name: Some(cfg.node_name.clone().unwrap_or_else(hostname)),
     }
 }
 

@@ -159,6 +159,7 @@ pub mod known {
         "checkpoint",
         "detect",
         "drain",
+        "goodput",
         "gpu",
         "node",
         "notice",
@@ -225,6 +226,10 @@ pub struct Metrics {
     /// `spotguard_badput_steps_lost_total`: training steps thrown away (trained after the last
     /// durable checkpoint by a target that exited without acking).
     pub steps_lost: Counter,
+    /// `spotguard_recoveries_total`: interruptions recovered from on this node (a resumed
+    /// trainer's first step after loading the checkpoint saved at an interruption; once per
+    /// target and notice).
+    pub recoveries: Counter,
 }
 
 /// `spotguard_notice_active{kind}`. The responder names the kind in an [`OutcomeLabels`]; it is
@@ -281,6 +286,7 @@ impl Metrics {
             plans: Family::default(),
             badput_seconds: Family::default(),
             steps_lost: Counter::default(),
+            recoveries: Counter::default(),
         };
         let r = registry;
         r.register(
@@ -382,6 +388,11 @@ impl Metrics {
             "spotguard_badput_steps_lost",
             "Training steps thrown away: trained after the last durable checkpoint by a target that exited without acking",
             m.steps_lost.clone(),
+        );
+        r.register(
+            "spotguard_recoveries",
+            "Interruptions recovered from on this node: a resumed trainer's first step after loading the checkpoint saved at an interruption",
+            m.recoveries.clone(),
         );
         r.register(
             "spotguard_checkpoint_last_acked_step",

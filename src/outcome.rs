@@ -33,8 +33,9 @@ pub mod reason {
     pub const HANDLED_WITH_PROBLEMS: &str = "InterruptionHandledWithProblems";
     /// On each signalled pod: what the interruption cost it (docs/goodput.md).
     pub const BADPUT: &str = "InterruptionBadput";
-    /// On the resumed pod: how long the job was away after an interruption (goodput).
-    pub const RECOVERED: &str = "InterruptionRecovered";
+    /// On the resumed pod: how long the job was away after an interruption (goodput; posted by
+    /// [`crate::goodput::recovery`], which defines it).
+    pub const RECOVERED: &str = crate::goodput::recovery::REASON;
 }
 
 /// Plans not finished within this long are forgotten (their `Done` was lost).
@@ -415,11 +416,23 @@ async fn finish(sinks: &Sinks, id: &str, t: Tracked, done_at: Timestamp) {
         }
     }
     if let Some(node) = &sinks.node {
-        // One Event per pod (Kubernetes; a log line on a host): what the interruption cost it.
+        // One Event per pod (Kubernetes; a log line on a host): what the interruption cost it,
+        // with its record (the interruption's timeline, that pod's target only) for
+        // `spotguard goodput`.
         for (r, b) in t.results.iter().flatten().zip(&badput.targets) {
             let Some(pod) = &r.pod else { continue };
+            let record = goodput::event::EventRecord::Badput(Interruption {
+                targets: vec![b.clone()],
+                ..badput.clone()
+            });
             if let Err(e) = node
-                .pod_event(pod, EventType::Normal, reason::BADPUT, &b.summary())
+                .pod_record_event(
+                    pod,
+                    EventType::Normal,
+                    reason::BADPUT,
+                    &b.summary(),
+                    &record,
+                )
                 .await
             {
                 sinks.metrics.error("outcome", e.metric_label());

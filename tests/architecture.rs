@@ -96,7 +96,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
             "upload",
         ],
     ),
-    ("goodput", &["checkpoint", "metrics"]),
+    ("goodput", &["checkpoint", "metrics", "node"]),
     (
         "outcome",
         &[

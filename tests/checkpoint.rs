@@ -562,6 +562,7 @@ fn groups_sharing_a_dir_never_take_each_others_notice_for_an_earlier_signal() {
         // An interruption of a life of its own each round: a new notice.
         let prior = Prior {
             life: Some(format!("boot-{round}")),
+            node: None,
             signalled_at: None,
             signalled: Signalled::Unrecorded,
         };

@@ -4,6 +4,7 @@
 //! they stopped at, when they trained it, their last durable step and when), which the agent's
 //! figures are checked against.
 
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -282,4 +283,267 @@ fn the_operators_guides_goodput_recording_rules_pass_promtool() {
     std::fs::write(&path, rules).unwrap();
     let out = spotguard_testkit::prometheus::promtool(&["check", "rules", path.to_str().unwrap()]);
     assert!(out.contains("SUCCESS: 3 rules found"), "{out}");
+}
+
+/// Machine A's trainer: trains until the notice, saves a directory checkpoint into the shared
+/// checkpoint storage (`$STORE`), acks `done` with its path and exits, leaving its own ground
+/// truth (the step, and the wall clock just before and just after its ack).
+const INTERRUPTED: &str = r#"
+import json, os, time
+import spotguard
+d, store = os.environ["SPOTGUARD_DIR"], os.environ["STORE"]
+spotguard.install()
+spotguard.resumed(0)
+step = 0
+while True:
+    step += 1
+    time.sleep(0.002)
+    if step == 20:
+        open(os.environ["READY"], "w").close()
+    if spotguard.should_checkpoint(step=step):
+        path = os.path.join(store, f"step-{step}")
+        os.makedirs(path)
+        with open(os.path.join(path, "model.pt"), "w") as f:
+            f.write(json.dumps({"step": step}))
+        before = time.time()
+        spotguard.ack("done", step=step, checkpoint=path)
+        after = time.time()
+        with open(os.path.join(store, "truth-a.tmp"), "w") as f:
+            json.dump({"step": step, "path": path, "ack_before": before, "ack_after": after}, f)
+        os.rename(os.path.join(store, "truth-a.tmp"), os.path.join(store, "truth-a.json"))
+        spotguard.exit_after_checkpoint()
+"#;
+
+/// Machine B's trainer: loads the checkpoint `$CKPT` (timing the load), resumes from it with
+/// `resumed(step, checkpoint=…, restore_seconds=…)` and trains on; its ground truth is the wall
+/// clock around its first step's `should_checkpoint()` and the restore time it measured.
+const RESUMING: &str = r#"
+import json, os, time
+import spotguard
+d, ckpt = os.environ["SPOTGUARD_DIR"], os.environ["CKPT"]
+spotguard.install()
+t0 = time.monotonic()
+with open(os.path.join(ckpt, "model.pt")) as f:
+    step = json.load(f)["step"]
+time.sleep(0.3)  # a restore that takes a while
+restore = time.monotonic() - t0
+spotguard.resumed(step, checkpoint=ckpt, restore_seconds=restore)
+first = True
+while True:
+    step += 1
+    time.sleep(0.002)
+    before = time.time()
+    spotguard.should_checkpoint(step=step)
+    if first:
+        first = False
+        after = time.time()
+        with open(os.path.join(d, "truth-b.tmp"), "w") as f:
+            json.dump({"step": step, "first_before": before, "first_after": after, "restore": restore}, f)
+        os.rename(os.path.join(d, "truth-b.tmp"), os.path.join(d, "truth-b.json"))
+"#;
+
+/// The trainers run as this uid, as trainers do on a node.
+const TRAINER_UID: u32 = 1000;
+
+/// One machine: its checkpoint dir (`ckpt`), state dir, pidfile, and metadata emulator.
+struct Machine {
+    base: PathBuf,
+    name: &'static str,
+}
+
+impl Machine {
+    fn new(root: &Path, name: &'static str) -> Machine {
+        let base = root.join(name);
+        let ckpt = base.join("ckpt");
+        std::fs::create_dir_all(&ckpt).unwrap();
+        std::fs::set_permissions(&base, std::fs::Permissions::from_mode(0o755)).unwrap();
+        std::fs::set_permissions(&ckpt, std::fs::Permissions::from_mode(0o1777)).unwrap();
+        Machine { base, name }
+    }
+
+    fn trainer(&self, script: &str, env: &[(&str, &Path)]) -> spotguard_testkit::process::Kid {
+        let mut cmd = std::process::Command::new("python3");
+        cmd.arg("-c")
+            .arg(script)
+            .env("PYTHONPATH", helper_dir())
+            .env("PYTHONDONTWRITEBYTECODE", "1")
+            .env("SPOTGUARD_DIR", self.base.join("ckpt"))
+            .stdout(std::process::Stdio::null());
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        spotguard_testkit::process::as_user(&mut cmd, TRAINER_UID);
+        let kid = spotguard_testkit::process::Kid::spawn(cmd);
+        std::fs::write(self.base.join("trainer.pid"), kid.pid().to_string()).unwrap();
+        kid
+    }
+
+    async fn agent(
+        &self,
+        emu: &emulator::EmulatorHandle,
+    ) -> (spotguard::app::App, tokio_util::sync::CancellationToken) {
+        let argv: Vec<String> = vec![
+            "--mode=host".into(),
+            "--cloud=aws".into(),
+            format!("--node-name={}", self.name),
+            format!("--metadata-endpoint={}", emu.base_url()),
+            "--poll-interval=200ms".into(),
+            "--checkpoint-timeout=60s".into(),
+            format!("--checkpoint-dir={}", self.base.join("ckpt").display()),
+            format!("--state-dir={}", self.base.join("state").display()),
+            format!(
+                "--checkpoint-pidfile={}",
+                self.base.join("trainer.pid").display()
+            ),
+            "--metrics-addr=127.0.0.1:0".into(),
+            "--gpu=off".into(),
+            "--log-level=warn".into(),
+            "--shutdown-grace=2s".into(),
+        ];
+        let args = spotguard::config::parse_run_args(argv).unwrap_or_else(|text| panic!("{text}"));
+        let cfg = spotguard::config::Config::resolve(args, &spotguard::config::ProcessEnv).unwrap();
+        let cancel = tokio_util::sync::CancellationToken::new();
+        let app = spotguard::app::start(cfg, cancel.clone()).await.unwrap();
+        (app, cancel)
+    }
+}
+
+/// Wait (the deadline only bounds a failure) until `probe` finds something.
+async fn until<T>(what: &str, limit: Duration, mut probe: impl FnMut() -> Option<T>) -> T {
+    let deadline = std::time::Instant::now() + limit;
+    loop {
+        if let Some(v) = probe() {
+            return v;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "timed out waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn recoveries(log: &Path) -> Vec<spotguard::goodput::event::Recovery> {
+    std::fs::read_to_string(log)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| {
+            match serde_json::from_str::<spotguard::goodput::event::LogLine>(l).ok()? {
+                spotguard::goodput::event::LogLine::Recovery { recovery } => Some(recovery),
+                _ => None,
+            }
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_resumed_on_another_machine_reports_its_recovery_once() {
+    let tmp = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(tmp.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    // The checkpoint storage both machines see (a shared filesystem).
+    let store = tmp.path().join("storage");
+    std::fs::create_dir(&store).unwrap();
+    std::fs::set_permissions(&store, std::fs::Permissions::from_mode(0o1777)).unwrap();
+    let (a, b) = (
+        Machine::new(tmp.path(), "machine-a"),
+        Machine::new(tmp.path(), "machine-b"),
+    );
+
+    // Machine A: its trainer is interrupted, saves into the storage and acks `done`.
+    let ready = store.join("ready-a");
+    let _trainer_a = a.trainer(INTERRUPTED, &[("STORE", &store), ("READY", &ready)]);
+    until("trainer A to train", Duration::from_secs(60), || {
+        ready.exists().then_some(())
+    })
+    .await;
+    let emu_a = emulator::start(EmulatorConfig::new(Cloud::Aws))
+        .await
+        .unwrap();
+    let (app_a, cancel_a) = a.agent(&emu_a).await;
+    let mut events_a = app_a.events;
+    emu_a.raise(EmulatedNotice::interruption()).unwrap();
+    spotguard_testkit::wait_for_event(&mut events_a, Duration::from_secs(60), |e| {
+        matches!(e, PlanEvent::Done { .. }).then_some(())
+    })
+    .await;
+    let truth_a = until("trainer A's ground truth", Duration::from_secs(30), || {
+        read_json(&store.join("truth-a.json"))
+    })
+    .await;
+    let interrupted = logged(&a.base).await;
+    assert_eq!(interrupted.targets[0].outcome, "acked");
+    let ckpt = PathBuf::from(truth_a["path"].as_str().unwrap());
+
+    // Machine B: a new trainer resumes from that checkpoint and trains.
+    let _trainer_b = b.trainer(RESUMING, &[("CKPT", &ckpt)]);
+    let emu_b = emulator::start(EmulatorConfig::new(Cloud::Aws))
+        .await
+        .unwrap();
+    let (app_b, cancel_b) = b.agent(&emu_b).await;
+    let log_b = b
+        .base
+        .join("state")
+        .join(spotguard::goodput::report::LOG_FILE);
+    let got = until("machine B's recovery line", Duration::from_secs(60), || {
+        recoveries(&log_b).into_iter().next()
+    })
+    .await;
+    let truth_b = read_json(&b.base.join("ckpt/truth-b.json")).expect("trainer B's ground truth");
+
+    // Linked to A's interruption, without a central store.
+    assert_eq!(got.notice_id, interrupted.notice_id);
+    assert_eq!(got.from_node.as_deref(), Some("machine-a"));
+    assert_eq!(got.node, "machine-b");
+    assert_eq!(
+        got.target,
+        format!("pidfile:{}", b.base.join("trainer.pid").display())
+    );
+    assert_eq!(Some(got.step), truth_a["step"].as_u64());
+    // recovery_seconds = B's first step − A's save, each bracketed by the trainers' own clocks:
+    // A's save lies between the wall clock just before and just after its ack, B's first step
+    // between the wall clock just before and after its first should_checkpoint(). The tolerance
+    // is those brackets (milliseconds), nothing more.
+    let f = |v: &serde_json::Value, k: &str| v[k].as_f64().unwrap();
+    let lo = f(&truth_b, "first_before") - f(&truth_a, "ack_after");
+    let hi = f(&truth_b, "first_after") - f(&truth_a, "ack_before");
+    assert!(
+        lo - 1e-3 <= got.recovery_seconds && got.recovery_seconds <= hi + 1e-3,
+        "recovery {} s outside the trainers' own [{lo}, {hi}]",
+        got.recovery_seconds
+    );
+    let restore = f(&truth_b, "restore");
+    eprintln!(
+        "recovery {:.3} s (trainers' own bracket [{lo:.3}, {hi:.3}]), restore {restore:.3} s",
+        got.recovery_seconds
+    );
+    assert_eq!(got.restore_seconds, Some(restore));
+    assert!(restore >= 0.3);
+
+    // The metrics of machine B; once only, even after more passes.
+    let m = spotguard_testkit::metrics_text(app_b.admin_addr).await;
+    assert_eq!(metric(&m, "spotguard_recoveries_total"), 1.0);
+    let infra = metric(
+        &m,
+        "spotguard_badput_seconds_total{category=\"infrastructure_recovery\"}",
+    );
+    assert!(
+        (infra - (got.recovery_seconds - restore)).abs() < 1e-6,
+        "{infra}"
+    );
+    let booked = metric(
+        &m,
+        "spotguard_badput_seconds_total{category=\"checkpoint_restore\"}",
+    );
+    assert!((booked - restore).abs() < 1e-6, "{booked} vs {restore}");
+    let m_a = spotguard_testkit::metrics_text(app_a.admin_addr).await;
+    assert_eq!(metric(&m_a, "spotguard_recoveries_total"), 0.0);
+
+    assert_eq!(recoveries(&log_b).len(), 1);
+
+    for (cancel, join) in [(cancel_a, app_a.join), (cancel_b, app_b.join)] {
+        cancel.cancel();
+        let _ = tokio::time::timeout(Duration::from_secs(5), join).await;
+    }
+    emu_a.shutdown().await;
+    emu_b.shutdown().await;
 }

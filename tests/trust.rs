@@ -1017,6 +1017,7 @@ async fn the_restart_path_gives_each_group_its_own_deadline() {
     ];
     let prior = Prior {
         life: Some("boot-1".into()),
+        node: None,
         signalled_at: Some(Timestamp::now() - SignedDuration::from_secs(1)),
         signalled: Signalled::Unlisted,
     };

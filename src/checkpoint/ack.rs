@@ -473,7 +473,7 @@ impl CheckpointDir {
     /// Read a small regular file in the dir: `None` when it (or the dir) does not exist. Opened
     /// with `O_NOFOLLOW | O_NONBLOCK` (a symlink is refused, a FIFO does not block), then checked
     /// with `fstat` before anything is read.
-    fn read_file(&self, name: &str) -> Result<Option<(Vec<u8>, FileStamp)>, Error> {
+    pub fn read_file(&self, name: &str) -> Result<Option<(Vec<u8>, FileStamp)>, Error> {
         self.read_file_in(name, false)
     }
 
@@ -585,6 +585,7 @@ mod tests {
             checkpoint_deadline_unix: 1_700_000_095,
             signal: "SIGUSR1".into(),
             life: None,
+            node: None,
         }
     }
 

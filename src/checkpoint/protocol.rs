@@ -83,6 +83,11 @@ pub struct NoticeFile {
     /// hibernation): a `notice.json` of another life is a leftover.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub life: Option<String>,
+    /// The node (host) whose agent wrote it: the helper copies it into the interruption sidecar
+    /// of a checkpoint saved after the notice, so that the node the job resumes on can name the
+    /// node it came from (docs/goodput.md).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node: Option<String>,
 }
 
 /// `state` of an `ack-<pid>.json`.

@@ -7,6 +7,8 @@
 //!   metrics, its Event text and its line in the goodput log.
 //! * [`event`]: the records beyond this agent: the goodput Events' annotation and the log's
 //!   lines, recoveries included.
+//! * [`recovery`]: the node a job resumed on reports how long it was away after an
+//!   interruption (the helper's resume record names the interruption; no central store).
 //! * [`report`]: `spotguard goodput`, the table (or JSON) a person reads, from that log.
 //!
 //! Categories and Google's ml-goodput-measurement names where they mean the same:
@@ -18,6 +20,7 @@
 pub mod event;
 pub mod progress;
 pub mod record;
+pub mod recovery;
 pub mod report;
 
 /// Errors of this module.
@@ -26,6 +29,9 @@ pub enum Error {
     /// A progress record that is not the helper's format.
     #[error("progress record: {0}")]
     Progress(String),
+    /// A resume record that is not the helper's format.
+    #[error("resume record: {0}")]
+    Resume(String),
     /// The goodput log cannot be read or written.
     #[error("goodput log {path}: {source}")]
     Log {

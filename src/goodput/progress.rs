@@ -40,7 +40,7 @@ struct Raw {
 }
 
 /// A Unix time no earlier than 2001 and no later than 2200: anything else is not a clock.
-fn sane_time(t: f64) -> bool {
+pub(crate) fn sane_time(t: f64) -> bool {
     t.is_finite() && (1.0e9..7.3e9).contains(&t)
 }
 

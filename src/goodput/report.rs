@@ -43,7 +43,7 @@ pub struct GoodputArgs {
 
 /// Append `i` to the log at `path` (rotating it past [`MAX_LOG_BYTES`]). Blocking: run it off
 /// the async workers.
-pub fn append(path: &Path, i: &Interruption) -> Result<(), Error> {
+pub fn append<T: Serialize + ?Sized>(path: &Path, i: &T) -> Result<(), Error> {
     let err = |source| Error::Log {
         path: path.display().to_string(),
         source,

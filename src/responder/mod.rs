@@ -81,6 +81,9 @@ pub struct ResponderConfig {
     /// How long the handled interruption must stay away after its action time to count as a
     /// resume from hibernation ([`resume_hold`] of the poll interval).
     pub resume_hold: Duration,
+    /// This node's (host's) name, written into `notice.json` (`node`) for the helper's
+    /// interruption sidecar.
+    pub node_name: Option<String>,
 }
 
 impl ResponderConfig {

@@ -96,6 +96,7 @@ mod tests {
             dry_run: false,
             shutdown_grace: Duration::from_secs(5),
             resume_hold: Duration::from_secs(10),
+            node_name: None,
         }
     }
 

@@ -241,6 +241,7 @@ impl Seam {
                 dry_run: false,
                 shutdown_grace: Duration::ZERO,
                 resume_hold: spotguard::responder::resume_hold(Duration::from_millis(200)),
+                node_name: Some("plan-node".into()),
             },
         }
     }

@@ -370,7 +370,7 @@ fn stage_group<'g>(
 ) -> Staged<'g> {
     let span = group_span(req, &group.name);
     let _enter = span.enter();
-    let notice = req.notice(group.signal, prior.life.clone());
+    let notice = req.notice(group.signal, prior);
     let boot = prior.signalled_at.and_then(|_| proc.boot_time().ok());
     let mut staged: Vec<(ContainerDelivery, Vec<Prepared>)> = Vec::new();
     let mut jobs: Vec<Option<PendingFile>> = Vec::new();

@@ -370,6 +370,7 @@ mod tests {
             checkpoint_deadline_unix: 0,
             signal: "SIGUSR1".into(),
             life: life.map(str::to_string),
+            node: None,
         }
     }
 

@@ -87,7 +87,7 @@ pub struct CheckpointRequest {
 }
 
 impl CheckpointRequest {
-    fn notice(&self, signal: Signal, life: Option<String>) -> NoticeFile {
+    fn notice(&self, signal: Signal, prior: &Prior) -> NoticeFile {
         NoticeFile {
             notice_id: self.notice_id.clone(),
             source: self.source.clone(),
@@ -95,7 +95,8 @@ impl CheckpointRequest {
             deadline_unix: self.deadline.map(|d| d.as_second()),
             checkpoint_deadline_unix: self.checkpoint_deadline.as_second(),
             signal: signal.name(),
-            life,
+            life: prior.life.clone(),
+            node: prior.node.clone(),
         }
     }
 }
@@ -123,6 +124,8 @@ pub struct Prior {
     /// The machine's life (`crate::life`), written into `notice.json`: a `notice.json` of another
     /// life never counts as this notice.
     pub life: Option<String>,
+    /// This agent's node (host) name, written into `notice.json` (`node`).
+    pub node: Option<String>,
     /// When the record says the notice was signalled: a process that started later was never
     /// signalled for it and is left out.
     pub signalled_at: Option<Timestamp>,

@@ -162,6 +162,7 @@ fn prior(run: &Run) -> Prior {
     };
     Prior {
         life: plan.deps.life.id(),
+        node: plan.cfg.node_name.clone(),
         signalled_at: run.state.signalled_at,
         signalled,
     }

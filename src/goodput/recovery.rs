@@ -1,0 +1,813 @@
+//! Recovery, linked across nodes: the agent of the node a job resumed on reports how long the
+//! job was away after an interruption, from the helper's resume record.
+//!
+//! The interrupted trainer's helper left an interruption sidecar beside the checkpoint it saved
+//! after the notice (or the staged manifest carries the notice); on this node the helper's
+//! `resumed(step, checkpoint=…, restore_seconds=…)` copies it into `<dir>/resume-<pid>.json` as
+//! `interruption`, and stamps `first_step_ts` at the first training step. A background task here
+//! ([`run`]; never on the signal path) reads the opted-in targets' resume records every
+//! [`PASS_EVERY`], within [`PASS_BUDGET`] a pass, through the guarded reader the acks use (inside
+//! the process's root, no symlink, one link, owned by the process's user, at most
+//! [`MAX_RESUME_BYTES`], a strict [`parse`]), and reports each recovery once: the
+//! `infrastructure_recovery` and `checkpoint_restore` badput, `spotguard_recoveries_total`, an
+//! `InterruptionRecovered` pod Event carrying the [`Recovery`], a `{"recovery": …}` line in
+//! `<state-dir>/goodput.jsonl`, a log line.
+//!
+//! Once means once per target (pod or host selector) and notice: the ranks of one job resume
+//! from the same checkpoint, and the interruption's badput is per target too. The goodput log is
+//! the record of what was reported: read back at start, it keeps a restarted agent from
+//! reporting a recovery twice.
+
+use std::collections::{HashMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use jiff::Timestamp;
+use serde::Deserialize;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+use super::event::{EventRecord, LogLine, Recovery};
+use super::record::category;
+use super::Error;
+use crate::checkpoint::ack::CheckpointDir;
+use crate::checkpoint::procfs::ProcFs;
+use crate::checkpoint::{TargetDiscovery, TargetGroup};
+use crate::metrics::{CategoryLabels, Metrics};
+use crate::node::{EventType, NodeOps, PodRef};
+
+/// The reason of the pod Event a recovery posts (`outcome::reason::RECOVERED`).
+pub const REASON: &str = "InterruptionRecovered";
+
+/// How often the resume records are read.
+pub const PASS_EVERY: Duration = Duration::from_secs(5);
+/// The most one pass (discovery and the file reads) may take; a pass past it is abandoned (its
+/// thread finishes on its own, and no pass starts while it runs).
+pub const PASS_BUDGET: Duration = Duration::from_secs(4);
+/// The largest resume record read (bytes): the helper's is a few hundred.
+pub const MAX_RESUME_BYTES: u64 = 4096;
+/// Processes looked at per pass: a pod with a fork bomb costs bounded work.
+const MAX_PROCESSES: usize = 4096;
+/// Refused records remembered (warned about and counted once each) before the memory is reset.
+const MAX_REFUSED: usize = 4096;
+/// Longest notice id, node, kind or source taken from a record.
+const MAX_TEXT: usize = 256;
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawInterruption {
+    notice_id: String,
+    node: Option<String>,
+    kind: String,
+    source: String,
+    step: u64,
+    saved_ts: f64,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawResume {
+    step: u64,
+    ts: f64,
+    rank: Option<i64>,
+    world_size: Option<i64>,
+    // `spotguard drill --elastic --node-env VAR`: the value of $VAR, or null.
+    #[serde(default, rename = "node")]
+    _node: Option<String>,
+    #[serde(default)]
+    last_step: Option<u64>,
+    #[serde(default)]
+    last_ts: Option<f64>,
+    #[serde(default)]
+    interruption: Option<RawInterruption>,
+    #[serde(default)]
+    restore_seconds: Option<f64>,
+    #[serde(default)]
+    first_step_ts: Option<f64>,
+}
+
+/// A resume record that names an interruption and the first step after it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Resumed {
+    /// The step training resumed from.
+    pub step: u64,
+    pub notice_id: String,
+    /// The node the interruption hit (its `notice.json`'s `node`).
+    pub from_node: Option<String>,
+    /// When the interrupted trainer made the checkpoint durable (Unix seconds, its clock).
+    pub saved_ts: f64,
+    /// The end of the first step trained after the resume (Unix seconds, this node's clock).
+    pub first_step_ts: f64,
+    pub restore_seconds: Option<f64>,
+}
+
+fn plain_text(s: &str) -> bool {
+    !s.is_empty() && s.len() <= MAX_TEXT && !s.chars().any(char::is_control)
+}
+
+/// Parse a resume record strictly: the helper's exact shape, sane times, texts without control
+/// characters. `Ok(None)` for a record that names no interruption or has no first step yet
+/// (nothing to report); `Err` for anything that is not the helper's record.
+pub fn parse(data: &[u8]) -> Result<Option<Resumed>, Error> {
+    let bad = |why: &str| Error::Resume(why.to_string());
+    if data.len() as u64 > MAX_RESUME_BYTES {
+        return Err(bad("too large"));
+    }
+    let raw: RawResume = serde_json::from_slice(data).map_err(|e| Error::Resume(e.to_string()))?;
+    let _ = (raw.rank, raw.world_size, raw.last_step);
+    if !super::progress::sane_time(raw.ts)
+        || raw.last_ts.is_some_and(|t| !super::progress::sane_time(t))
+    {
+        return Err(bad("ts is not a Unix time"));
+    }
+    if let Some(r) = raw.restore_seconds {
+        if !(r.is_finite() && (0.0..1.0e7).contains(&r)) {
+            return Err(bad("restore_seconds is not a duration"));
+        }
+    }
+    let (Some(i), Some(first)) = (raw.interruption, raw.first_step_ts) else {
+        return Ok(None);
+    };
+    if !super::progress::sane_time(first) || !super::progress::sane_time(i.saved_ts) {
+        return Err(bad("first_step_ts or saved_ts is not a Unix time"));
+    }
+    if !(plain_text(&i.notice_id) && plain_text(&i.kind) && plain_text(&i.source))
+        || i.node.as_deref().is_some_and(|n| !plain_text(n))
+    {
+        return Err(bad("notice_id, node, kind or source is not plain text"));
+    }
+    if i.step != raw.step {
+        return Err(bad("the interruption's step is not the resumed step"));
+    }
+    Ok(Some(Resumed {
+        step: raw.step,
+        notice_id: i.notice_id,
+        from_node: i.node,
+        saved_ts: i.saved_ts,
+        first_step_ts: first,
+        restore_seconds: raw.restore_seconds,
+    }))
+}
+
+fn at(unix: f64) -> Timestamp {
+    Timestamp::from_microsecond((unix * 1e6) as i64).unwrap_or(Timestamp::UNIX_EPOCH)
+}
+
+impl Resumed {
+    /// The recovery this record reports, for `target` on `node`.
+    pub fn recovery(&self, target: &str, node: &str) -> Recovery {
+        Recovery {
+            notice_id: self.notice_id.clone(),
+            from_node: self.from_node.clone(),
+            node: node.to_string(),
+            target: target.to_string(),
+            step: self.step,
+            saved_at: at(self.saved_ts),
+            first_step_at: at(self.first_step_ts),
+            // Two machines' clocks: a first step "before" the save is skew, not negative time.
+            recovery_seconds: (self.first_step_ts - self.saved_ts).max(0.0),
+            restore_seconds: self.restore_seconds,
+        }
+    }
+}
+
+/// The name of a process's resume record (`pid` as the process sees it).
+pub fn resume_file_name(ns_pid: i32) -> String {
+    format!("resume-{ns_pid}.json")
+}
+
+/// What has been reported: (target, notice id).
+type Key = (String, String);
+
+/// The recoveries already in the goodput log at `path` (and its rotated predecessor). Lines that
+/// are not recoveries, or not the agent's, are passed over.
+pub fn reported_in_log(path: &Path) -> Result<HashSet<Key>, Error> {
+    use std::io::BufRead;
+    let mut out = HashSet::new();
+    let mut old = path.as_os_str().to_owned();
+    old.push(".1");
+    for p in [PathBuf::from(old), path.to_path_buf()] {
+        let f = match std::fs::File::open(&p) {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(source) => {
+                return Err(Error::Log {
+                    path: p.display().to_string(),
+                    source,
+                })
+            }
+        };
+        for line in std::io::BufReader::new(f).split(b'\n') {
+            let line = line.map_err(|source| Error::Log {
+                path: p.display().to_string(),
+                source,
+            })?;
+            if let Ok(LogLine::Recovery { recovery }) = serde_json::from_slice::<LogLine>(&line) {
+                out.insert((recovery.target, recovery.notice_id));
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// One resume record found in a pass.
+#[derive(Clone, Debug)]
+struct Found {
+    target: String,
+    pod: Option<PodRef>,
+    record: Resumed,
+}
+
+/// A record refused in a pass: where, and why.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+struct Refused {
+    target: String,
+    file: String,
+    why: String,
+}
+
+/// A checkpoint dir kept open between passes: its group, its root process (pid, start time;
+/// `None` on the host) and its path.
+type DirKey = (String, Option<(i32, u64)>, PathBuf);
+
+/// What a pass reads: every opted-in target's live processes' resume records.
+#[derive(Default)]
+struct Reader {
+    dirs: HashMap<DirKey, CheckpointDir>,
+}
+
+impl Reader {
+    fn pass(&mut self, groups: &[TargetGroup], skip: &HashSet<Key>) -> (Vec<Found>, Vec<Refused>) {
+        let mut found = Vec::new();
+        let mut refused = Vec::new();
+        let mut used = HashSet::new();
+        let mut looked = 0usize;
+        for g in groups {
+            let proc = ProcFs::new(g.proc_root.clone());
+            for c in &g.containers {
+                let root = c.root_pid.and_then(|pid| {
+                    let p = c.processes.iter().find(|p| p.pid == pid)?;
+                    Some((pid, p.start_time))
+                });
+                if c.root_pid.is_some() && root.is_none() {
+                    continue;
+                }
+                let key = (g.name.clone(), root, g.dir.clone());
+                let dir = match self.dirs.entry(key.clone()) {
+                    std::collections::hash_map::Entry::Occupied(d) => d.into_mut(),
+                    std::collections::hash_map::Entry::Vacant(v) => {
+                        let opened = match root {
+                            None => CheckpointDir::host(&g.dir),
+                            Some((pid, start)) => {
+                                CheckpointDir::in_root_of(&proc, pid, start, &g.dir)
+                            }
+                        };
+                        match opened {
+                            Ok(d) => v.insert(d),
+                            Err(e) => {
+                                debug!(target = %g.name, error = %e, "resume records: checkpoint dir not opened");
+                                continue;
+                            }
+                        }
+                    }
+                };
+                used.insert(key);
+                for p in &c.processes {
+                    looked += 1;
+                    if looked > MAX_PROCESSES {
+                        break;
+                    }
+                    let Ok(status) = proc.status(p.pid) else {
+                        continue;
+                    };
+                    let ns_pid = status.ns_pid().unwrap_or(p.pid);
+                    let name = resume_file_name(ns_pid);
+                    let refuse = |why: String| Refused {
+                        target: g.name.clone(),
+                        file: format!("{} ({name})", dir.display()),
+                        why,
+                    };
+                    match dir.read_file(&name) {
+                        Ok(None) => {}
+                        Ok(Some((_, stamp))) if !status.uids.contains(&stamp.uid) => {
+                            refused.push(refuse(format!(
+                                "owned by uid {}, not the process's user",
+                                stamp.uid
+                            )));
+                        }
+                        Ok(Some((_, stamp))) if stamp.size > MAX_RESUME_BYTES => {
+                            refused.push(refuse(format!(
+                                "{} bytes, more than {MAX_RESUME_BYTES}",
+                                stamp.size
+                            )));
+                        }
+                        Ok(Some((data, _))) => match parse(&data) {
+                            Ok(Some(record)) => {
+                                if !skip.contains(&(g.name.clone(), record.notice_id.clone())) {
+                                    found.push(Found {
+                                        target: g.name.clone(),
+                                        pod: g.pod.clone(),
+                                        record,
+                                    });
+                                }
+                            }
+                            Ok(None) => {}
+                            Err(e) => refused.push(refuse(e.to_string())),
+                        },
+                        Err(e) => refused.push(refuse(e.to_string())),
+                    }
+                }
+            }
+        }
+        self.dirs.retain(|k, _| used.contains(k));
+        (found, refused)
+    }
+}
+
+/// Where a recovery is reported.
+#[derive(Clone)]
+pub struct Sinks {
+    pub metrics: Arc<Metrics>,
+    /// Pod Events (Kubernetes); a host target has no pod.
+    pub node: Option<Arc<dyn NodeOps>>,
+    /// This node's (host's) name.
+    pub node_name: String,
+    /// `<state-dir>/goodput.jsonl`; `None` in a dry run (nothing written, dedup in memory).
+    pub goodput_log: Option<PathBuf>,
+}
+
+/// The recovery task: a pass every [`PASS_EVERY`] until `cancel`.
+pub async fn run(discovery: Arc<dyn TargetDiscovery>, sinks: Sinks, cancel: CancellationToken) {
+    let mut watch = Watch::start(sinks).await;
+    loop {
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = tokio::time::sleep(PASS_EVERY) => {}
+        }
+        watch.pass(discovery.as_ref()).await;
+    }
+}
+
+/// The recovery task's state: what was reported, the reader, the refused records seen.
+pub struct Watch {
+    sinks: Sinks,
+    reported: HashSet<Key>,
+    refused: HashSet<Refused>,
+    reader: Option<Reader>,
+    busy: Arc<AtomicBool>,
+}
+
+impl Watch {
+    /// Read back what the goodput log says was reported (a log that cannot be read is counted,
+    /// and the task goes on from nothing).
+    pub async fn start(sinks: Sinks) -> Watch {
+        let reported = match sinks.goodput_log.clone() {
+            Some(path) => tokio::task::spawn_blocking(move || reported_in_log(&path))
+                .await
+                .unwrap_or_else(|e| Err(Error::Resume(e.to_string()))),
+            None => Ok(HashSet::new()),
+        };
+        let reported = reported.unwrap_or_else(|e| {
+            sinks.metrics.error("goodput", "goodput_log");
+            warn!(error = %e, "cannot read the goodput log back: recoveries already reported may be reported again");
+            HashSet::new()
+        });
+        Watch {
+            sinks,
+            reported,
+            refused: HashSet::new(),
+            reader: Some(Reader::default()),
+            busy: Arc::new(AtomicBool::new(false)),
+        }
+    }
+
+    /// One pass: discovery, the reads (on a thread of their own), the reports. Within
+    /// [`PASS_BUDGET`]; a pass still reading from the last one makes this one a no-op.
+    pub async fn pass(&mut self, discovery: &dyn TargetDiscovery) {
+        if self.busy.load(Ordering::Acquire) {
+            return;
+        }
+        let Ok(groups) = tokio::time::timeout(PASS_BUDGET, discovery.discover()).await else {
+            debug!("resume records: discovery took longer than the pass budget");
+            return;
+        };
+        let groups = match groups {
+            Ok(g) => g,
+            Err(e) => {
+                debug!(error = %e, "resume records: discovery failed");
+                return;
+            }
+        };
+        let Some(mut reader) = self.reader.take() else {
+            return;
+        };
+        let skip = self.reported.clone();
+        let busy = self.busy.clone();
+        busy.store(true, Ordering::Release);
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let thread = std::thread::Builder::new()
+            .name("sg-recovery".into())
+            .spawn(move || {
+                let out = reader.pass(&groups, &skip);
+                busy.store(false, Ordering::Release);
+                let _ = tx.send((reader, out));
+            });
+        if thread.is_err() {
+            self.busy.store(false, Ordering::Release);
+            self.reader = Some(Reader::default());
+            return;
+        }
+        let (found, refused) = match tokio::time::timeout(PASS_BUDGET, rx).await {
+            Ok(Ok((reader, out))) => {
+                self.reader = Some(reader);
+                out
+            }
+            _ => {
+                // Abandoned: the thread ends on its own (the next pass waits for it) and its
+                // open dirs go with it.
+                warn!("resume records: a pass took longer than its budget; abandoned");
+                self.reader = Some(Reader::default());
+                return;
+            }
+        };
+        for r in refused {
+            if self.refused.contains(&r) {
+                continue;
+            }
+            self.sinks.metrics.error("goodput", "resume_record");
+            warn!(target = %r.target, file = %r.file, reason = %r.why, "ignoring a resume record that is not the helper's");
+            if self.refused.len() >= MAX_REFUSED {
+                self.refused.clear();
+            }
+            self.refused.insert(r);
+        }
+        for f in found {
+            let key = (f.target.clone(), f.record.notice_id.clone());
+            if self.reported.insert(key) {
+                report(&self.sinks, &f).await;
+            }
+        }
+    }
+}
+
+/// Report one recovery: the goodput log first (it is the record of what was reported), then the
+/// metrics, the pod Event and the log line.
+async fn report(sinks: &Sinks, f: &Found) {
+    let r = f.record.recovery(&f.target, &sinks.node_name);
+    if let Some(path) = sinks.goodput_log.clone() {
+        let line = LogLine::Recovery {
+            recovery: r.clone(),
+        };
+        let written =
+            tokio::task::spawn_blocking(move || super::report::append(&path, &line)).await;
+        if !matches!(written, Ok(Ok(()))) {
+            sinks.metrics.error("goodput", "goodput_log");
+            warn!("cannot append the recovery to the goodput log");
+        }
+    }
+    let m = &sinks.metrics;
+    for (cat, seconds) in [
+        (
+            category::INFRASTRUCTURE_RECOVERY,
+            r.infrastructure_seconds(),
+        ),
+        (
+            category::CHECKPOINT_RESTORE,
+            r.restore_seconds.unwrap_or(0.0),
+        ),
+    ] {
+        m.badput_seconds
+            .get_or_create(&CategoryLabels {
+                category: cat.to_string(),
+            })
+            .inc_by(seconds);
+    }
+    m.recoveries.inc();
+    let message = summary(&r);
+    info!(
+        notice_id = %r.notice_id,
+        from_node = r.from_node.as_deref().unwrap_or("-"),
+        target = %r.target,
+        step = r.step,
+        recovery_seconds = r.recovery_seconds,
+        restore_seconds = r.restore_seconds,
+        infrastructure_seconds = r.infrastructure_seconds(),
+        "interruption recovered"
+    );
+    if let (Some(node), Some(pod)) = (&sinks.node, &f.pod) {
+        if let Err(e) = node
+            .pod_record_event(
+                pod,
+                EventType::Normal,
+                REASON,
+                &message,
+                &EventRecord::Recovery(r.clone()),
+            )
+            .await
+        {
+            sinks.metrics.error("goodput", e.metric_label());
+            warn!(error = %e, "cannot post the recovery Event");
+        }
+    }
+}
+
+/// The Event's text.
+pub fn summary(r: &Recovery) -> String {
+    let restore = r
+        .restore_seconds
+        .map(|s| format!(", restore {s:.1}s"))
+        .unwrap_or_default();
+    format!(
+        "resumed at step {} after interruption {} on {}: away {:.1}s (infrastructure {:.1}s{restore})",
+        r.step,
+        r.notice_id,
+        r.from_node.as_deref().unwrap_or("an unknown node"),
+        r.recovery_seconds,
+        r.infrastructure_seconds(),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::PermissionsExt;
+
+    use async_trait::async_trait;
+    use prometheus_client::registry::Registry;
+
+    use super::*;
+    use crate::checkpoint::{Signal, TargetContainer, TargetMode, TargetProcess};
+    use crate::metrics::ModuleErrorLabels;
+
+    const RECORD: &str = r#"{"step":120,"ts":1700000100.0,"rank":0,"world_size":2,"last_step":120,"last_ts":1700000100.0,"interruption":{"notice_id":"aws-1","node":"spot-a","kind":"interruption","source":"aws","step":120,"saved_ts":1700000090.0},"restore_seconds":2.5,"first_step_ts":1700000104.0}"#;
+
+    #[test]
+    fn the_helpers_record_parses_into_a_recovery() {
+        let r = parse(RECORD.as_bytes()).unwrap().unwrap();
+        assert_eq!((r.step, r.notice_id.as_str()), (120, "aws-1"));
+        let rec = r.recovery("ml/job-0", "spot-b");
+        assert_eq!(rec.recovery_seconds, 14.0);
+        assert_eq!(rec.infrastructure_seconds(), 11.5);
+        assert_eq!(rec.from_node.as_deref(), Some("spot-a"));
+        assert_eq!(rec.saved_at.as_second(), 1_700_000_090);
+        // A resume that names no interruption, or has no first step yet: nothing to report.
+        for nothing in [
+            r#"{"step":0,"ts":1700000100.0,"rank":null,"world_size":null,"last_step":0,"last_ts":1700000100.0}"#,
+            r#"{"step":0,"ts":1700000100.0,"rank":null,"world_size":null,"last_step":0,"last_ts":1700000100.0,"first_step_ts":1700000101.0}"#,
+            &RECORD.replace(r#","first_step_ts":1700000104.0"#, ""),
+        ] {
+            assert_eq!(parse(nothing.as_bytes()).unwrap(), None, "{nothing}");
+        }
+    }
+
+    #[test]
+    fn anything_but_the_helpers_record_is_refused() {
+        for bad in [
+            RECORD.replace(r#""step":120,"ts""#, r#""step":-1,"ts""#),
+            RECORD.replace(r#""step":120,"saved_ts""#, r#""step":119,"saved_ts""#),
+            RECORD.replace(r#""saved_ts":1700000090.0"#, r#""saved_ts":1e300"#),
+            RECORD.replace(
+                r#""first_step_ts":1700000104.0"#,
+                r#""first_step_ts":"soon""#,
+            ),
+            RECORD.replace(r#""restore_seconds":2.5"#, r#""restore_seconds":-1"#),
+            RECORD.replace(r#""notice_id":"aws-1""#, r#""notice_id":"""#),
+            RECORD.replace(r#""notice_id":"aws-1""#, r#""notice_id":"a\nb""#),
+            RECORD.replace(r#""node":"spot-a""#, r#""node":5"#),
+            RECORD.replace(r#""rank":0"#, r#""rank":0,"extra":1"#),
+            format!(r#"{RECORD:.50}"#),
+            "[]".into(),
+            "not json".into(),
+            RECORD.replace(
+                r#""node":"spot-a""#,
+                &format!(r#""node":"{}""#, "x".repeat(5000)),
+            ),
+        ] {
+            assert!(parse(bad.as_bytes()).is_err(), "{bad}");
+        }
+    }
+
+    /// Discovery that finds one host group: this test process, its checkpoint dir `dir`.
+    struct Fixed(Vec<TargetGroup>);
+
+    #[async_trait]
+    impl TargetDiscovery for Fixed {
+        async fn discover(&self) -> Result<Vec<TargetGroup>, crate::checkpoint::Error> {
+            Ok(self.0.clone())
+        }
+    }
+
+    fn discovery(dir: &Path) -> Fixed {
+        let pid = std::process::id() as i32;
+        let proc = ProcFs::new("/proc");
+        Fixed(vec![TargetGroup {
+            name: "cmdline:train".into(),
+            pod: None,
+            containers: vec![TargetContainer {
+                name: "cmdline:train".into(),
+                root_pid: None,
+                init_pid: None,
+                processes: vec![TargetProcess {
+                    pid,
+                    start_time: proc.start_time(pid).unwrap(),
+                }],
+            }],
+            mode: TargetMode::Handlers,
+            signal: Signal(libc::SIGUSR1),
+            dir: dir.to_path_buf(),
+            timeout: Duration::from_secs(5),
+            proc_root: "/proc".into(),
+        }])
+    }
+
+    fn sinks(log: &Path) -> (Sinks, Registry) {
+        let mut registry = Registry::default();
+        let metrics = Arc::new(Metrics::register(&mut registry));
+        let sinks = Sinks {
+            metrics,
+            node: None,
+            node_name: "spot-b".into(),
+            goodput_log: Some(log.to_path_buf()),
+        };
+        (sinks, registry)
+    }
+
+    fn refused(m: &Metrics) -> u64 {
+        m.errors
+            .get_or_create(&ModuleErrorLabels {
+                module: "goodput".into(),
+                error: "resume_record".into(),
+            })
+            .get()
+    }
+
+    fn log_recoveries(log: &Path) -> Vec<Recovery> {
+        std::fs::read_to_string(log)
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| match serde_json::from_str::<LogLine>(l) {
+                Ok(LogLine::Recovery { recovery }) => Some(recovery),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn own_record(dir: &Path) -> PathBuf {
+        dir.join(resume_file_name(std::process::id() as i32))
+    }
+
+    #[tokio::test]
+    async fn a_recovery_is_reported_once_even_across_a_restart() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (dir, log) = (tmp.path().join("ckpt"), tmp.path().join("goodput.jsonl"));
+        std::fs::create_dir(&dir).unwrap();
+        std::fs::write(own_record(&dir), RECORD).unwrap();
+        let d = discovery(&dir);
+        let (s, _r) = sinks(&log);
+        let mut w = Watch::start(s.clone()).await;
+        w.pass(&d).await;
+        w.pass(&d).await;
+        assert_eq!(s.metrics.recoveries.get(), 1);
+        let infra = s
+            .metrics
+            .badput_seconds
+            .get_or_create(&CategoryLabels {
+                category: category::INFRASTRUCTURE_RECOVERY.into(),
+            })
+            .get();
+        assert_eq!(infra, 11.5);
+        let lines = log_recoveries(&log);
+        assert_eq!(lines.len(), 1);
+        assert_eq!(
+            (
+                lines[0].notice_id.as_str(),
+                lines[0].target.as_str(),
+                lines[0].node.as_str()
+            ),
+            ("aws-1", "cmdline:train", "spot-b")
+        );
+        // A restarted agent reads the log back: nothing is reported again.
+        let (s2, _r2) = sinks(&log);
+        let mut w2 = Watch::start(s2.clone()).await;
+        w2.pass(&d).await;
+        assert_eq!(s2.metrics.recoveries.get(), 0);
+        assert_eq!(log_recoveries(&log).len(), 1);
+        // Another notice for the same target is another recovery.
+        std::fs::write(own_record(&dir), RECORD.replace("aws-1", "aws-2")).unwrap();
+        w2.pass(&d).await;
+        assert_eq!(s2.metrics.recoveries.get(), 1);
+        assert_eq!(log_recoveries(&log).len(), 2);
+        assert_eq!(refused(&s2.metrics), 0);
+    }
+
+    #[tokio::test]
+    async fn records_without_an_interruption_or_a_first_step_are_skipped() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (dir, log) = (tmp.path().join("ckpt"), tmp.path().join("goodput.jsonl"));
+        std::fs::create_dir(&dir).unwrap();
+        let d = discovery(&dir);
+        let (s, _r) = sinks(&log);
+        let mut w = Watch::start(s.clone()).await;
+        for text in [
+            r#"{"step":0,"ts":1700000100.0,"rank":null,"world_size":null,"last_step":0,"last_ts":1700000100.0,"first_step_ts":1700000101.0}"#.to_string(),
+            RECORD.replace(r#","first_step_ts":1700000104.0"#, ""),
+        ] {
+            std::fs::write(own_record(&dir), &text).unwrap();
+            w.pass(&d).await;
+        }
+        assert_eq!(s.metrics.recoveries.get(), 0);
+        assert_eq!(refused(&s.metrics), 0);
+        assert!(log_recoveries(&log).is_empty());
+        // The same record once its first step is stamped: reported.
+        std::fs::write(own_record(&dir), RECORD).unwrap();
+        w.pass(&d).await;
+        assert_eq!(s.metrics.recoveries.get(), 1);
+    }
+
+    #[tokio::test]
+    async fn hostile_records_are_refused_and_counted_once_each() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (dir, log) = (tmp.path().join("ckpt"), tmp.path().join("goodput.jsonl"));
+        std::fs::create_dir(&dir).unwrap();
+        let elsewhere = tmp.path().join("elsewhere.json");
+        std::fs::write(&elsewhere, RECORD).unwrap();
+        let path = own_record(&dir);
+        let d = discovery(&dir);
+        let (s, _r) = sinks(&log);
+        let mut w = Watch::start(s.clone()).await;
+        type Plant = Box<dyn Fn(&Path)>;
+        let target = elsewhere.clone();
+        let mut plants: Vec<(&str, Plant)> = vec![
+            (
+                "symlink",
+                Box::new(move |p| std::os::unix::fs::symlink(&target, p).unwrap()),
+            ),
+            (
+                "hard link",
+                Box::new({
+                    let e = elsewhere.clone();
+                    move |p| std::fs::hard_link(&e, p).unwrap()
+                }),
+            ),
+            (
+                "fifo",
+                Box::new(|p| {
+                    rustix::fs::mknodat(
+                        rustix::fs::CWD,
+                        p,
+                        rustix::fs::FileType::Fifo,
+                        rustix::fs::Mode::from_raw_mode(0o644),
+                        0,
+                    )
+                    .unwrap()
+                }),
+            ),
+            (
+                "huge",
+                Box::new(|p| {
+                    std::fs::write(p, RECORD.replace("spot-a", &"a".repeat(200)).repeat(30))
+                        .unwrap()
+                }),
+            ),
+            (
+                "bad json",
+                Box::new(|p| std::fs::write(p, "{\"step\": 1,").unwrap()),
+            ),
+            (
+                "world-writable",
+                Box::new(|p| {
+                    std::fs::write(p, RECORD).unwrap();
+                    std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o666)).unwrap();
+                }),
+            ),
+        ];
+        if rustix::process::geteuid().is_root() {
+            plants.push((
+                "another user's",
+                Box::new(|p| {
+                    std::fs::write(p, RECORD).unwrap();
+                    std::os::unix::fs::chown(p, Some(4242), None).unwrap();
+                }),
+            ));
+        }
+        for (i, (what, plant)) in plants.iter().enumerate() {
+            let _ = std::fs::remove_file(&path);
+            plant(&path);
+            w.pass(&d).await;
+            w.pass(&d).await;
+            assert_eq!(
+                refused(&s.metrics),
+                i as u64 + 1,
+                "{what}: refused once, counted once"
+            );
+            assert_eq!(s.metrics.recoveries.get(), 0, "{what}");
+        }
+        assert!(log_recoveries(&log).is_empty());
+        // The control: the helper's own record, plainly written, is taken.
+        std::fs::remove_file(&path).unwrap();
+        std::fs::write(&path, RECORD).unwrap();
+        w.pass(&d).await;
+        assert_eq!(s.metrics.recoveries.get(), 1);
+    }
+}
