@@ -56,8 +56,9 @@ pub enum Command {
     Upload(Box<crate::upload::cli::UploadArgs>),
     /// One-shot GPU health report (exit 0 healthy, 1 unhealthy, 2 NVML unavailable).
     Gpu(crate::gpu::GpuArgs),
-    /// What interruptions cost: goodput and badput by category, from the agent's goodput log.
-    Goodput(crate::goodput::report::GoodputArgs),
+    /// What interruptions cost: goodput and badput by category, from a Job's, JobSet's or pod
+    /// owner's goodput Events, or from the agent's goodput log on a host.
+    Goodput(Box<crate::goodput::report::GoodputArgs>),
     /// Check a configuration without starting the agent.
     #[command(subcommand)]
     Config(ConfigCommand),

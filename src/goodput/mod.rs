@@ -9,7 +9,8 @@
 //!   lines, recoveries included.
 //! * [`recovery`]: the node a job resumed on reports how long it was away after an
 //!   interruption (the helper's resume record names the interruption; no central store).
-//! * [`report`]: `spotguard goodput`, the table (or JSON) a person reads, from that log.
+//! * [`report`]: `spotguard goodput`, the table (or JSON) a person reads: per interruption and in
+//!   total, from a host's goodput log(s) or ([`kube_report`]) a Kubernetes owner's Events.
 //!
 //! Categories and Google's ml-goodput-measurement names where they mean the same:
 //! `checkpoint_save` = `UNPRODUCTIVE_CHECKPOINT_SAVE_TIME` (signal → ack: the trainer saves
@@ -18,6 +19,7 @@
 //! saw it; no Google counterpart: the library cannot see the notice). See docs/goodput.md.
 
 pub mod event;
+pub mod kube_report;
 pub mod progress;
 pub mod record;
 pub mod recovery;

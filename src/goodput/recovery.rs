@@ -461,7 +461,7 @@ async fn report(sinks: &Sinks, f: &Found) {
             recovery: r.clone(),
         };
         let written =
-            tokio::task::spawn_blocking(move || super::report::append(&path, &line)).await;
+            tokio::task::spawn_blocking(move || super::report::append_line(&path, &line)).await;
         if !matches!(written, Ok(Ok(()))) {
             sinks.metrics.error("goodput", "goodput_log");
             warn!("cannot append the recovery to the goodput log");

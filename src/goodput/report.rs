@@ -1,18 +1,26 @@
-//! `spotguard goodput`: the goodput log (`<state-dir>/goodput.jsonl`, one
-//! [`Interruption`] a line, appended by the agent as each plan ends) read back as a report:
-//! per interruption and in total, paid time, productive time, each badput category, goodput %,
-//! the steps lost. `--json` for machines.
+//! `spotguard goodput`: what interruptions cost, as a report a person reads (or JSON): per
+//! interruption and in total, paid time, productive time, each badput category, goodput %, the
+//! steps lost. Two sources, one report:
 //!
-//! Paid time is the report's window (`--since` → `--until`; by default the first interruption's
-//! detection → now) times the targets seen in it: each target holds its accelerators for the
-//! whole window. Productive = paid − badput; goodput % = productive / paid.
+//! * A host's goodput log (`<state-dir>/goodput.jsonl`, or several `--log` files: one line per
+//!   interruption, appended by the agent as each plan ends, and `{"recovery": …}` lines from the
+//!   agent of the host a job resumed on). Paid time is the report's window (`--since` →
+//!   `--until`; by default the first interruption's detection → now) times the targets seen in
+//!   it: each target holds its accelerators for the whole window.
+//! * A Kubernetes owner's Events ([`super::kube_report`]): paid time is the owner's start → end.
+//!
+//! Recoveries join their interruption by notice id. Productive = paid − checkpoint save − wasted
+//! progress − infrastructure recovery − checkpoint restore; goodput % = productive / paid.
+//! Start-up before the first step and the time after the last step are not charged.
 
+use std::collections::BTreeSet;
 use std::io::{BufRead, Write};
 use std::path::{Path, PathBuf};
 
 use jiff::Timestamp;
 use serde::Serialize;
 
+use super::event::{LogLine, Recovery};
 use super::record::{category, Interruption};
 use super::Error;
 
@@ -23,6 +31,18 @@ pub const LOG_FILE: &str = "goodput.jsonl";
 pub const MAX_LOG_BYTES: u64 = 4 << 20;
 /// Lines longer than this are not the agent's (skipped, counted).
 const MAX_LINE_BYTES: usize = 256 << 10;
+/// Every badput category the report totals, in this order.
+pub const CATEGORIES: [&str; 4] = [
+    category::CHECKPOINT_SAVE,
+    category::WASTED_PROGRESS,
+    category::INFRASTRUCTURE_RECOVERY,
+    category::CHECKPOINT_RESTORE,
+];
+/// Exit code of a usage error (`EX_USAGE`, as every spotguard command).
+const EXIT_USAGE: i32 = 64;
+/// What the table's footer says is not charged.
+pub const NOT_CHARGED: &str =
+    "not charged: start-up before the first training step, and the time after the last step";
 
 /// `spotguard goodput` arguments.
 #[derive(Clone, Debug, clap::Args)]
@@ -30,20 +50,32 @@ pub struct GoodputArgs {
     /// The agent's state dir (its `--state-dir`), where it keeps goodput.jsonl.
     #[arg(long, value_name = "DIR", default_value = "/var/lib/spotguard")]
     pub state_dir: PathBuf,
-    /// Start of the window (RFC 3339); default: the first interruption's detection.
-    #[arg(long, value_name = "TIME")]
+    /// A goodput log to read instead of the state dir's (repeat for several hosts' logs:
+    /// recoveries on one host join interruptions on another by notice id).
+    #[arg(long = "log", value_name = "FILE", conflicts_with = "namespace")]
+    pub logs: Vec<PathBuf>,
+    /// Start of the window (RFC 3339; log source); default: the first interruption's detection.
+    #[arg(long, value_name = "TIME", conflicts_with = "namespace")]
     pub since: Option<Timestamp>,
-    /// End of the window (RFC 3339); default: now.
-    #[arg(long, value_name = "TIME")]
+    /// End of the window (RFC 3339; log source); default: now.
+    #[arg(long, value_name = "TIME", conflicts_with = "namespace")]
     pub until: Option<Timestamp>,
     /// Print JSON instead of a table.
     #[arg(long)]
     pub json: bool,
+    #[command(flatten)]
+    pub kube: super::kube_report::KubeArgs,
 }
 
 /// Append `i` to the log at `path` (rotating it past [`MAX_LOG_BYTES`]). Blocking: run it off
 /// the async workers.
-pub fn append<T: Serialize + ?Sized>(path: &Path, i: &T) -> Result<(), Error> {
+pub fn append(path: &Path, i: &Interruption) -> Result<(), Error> {
+    append_line(path, &LogLine::Interruption(i.clone()))
+}
+
+/// Append one log line (an interruption or a recovery) to the log at `path`, rotating it past
+/// [`MAX_LOG_BYTES`]. Blocking: run it off the async workers.
+pub fn append_line(path: &Path, line: &LogLine) -> Result<(), Error> {
     let err = |source| Error::Log {
         path: path.display().to_string(),
         source,
@@ -53,21 +85,35 @@ pub fn append<T: Serialize + ?Sized>(path: &Path, i: &T) -> Result<(), Error> {
         old.push(".1");
         std::fs::rename(path, old).map_err(err)?;
     }
-    let mut line = serde_json::to_vec(i).map_err(|e| err(e.into()))?;
-    line.push(b'\n');
+    let mut text = serde_json::to_vec(line).map_err(|e| err(e.into()))?;
+    text.push(b'\n');
     let mut f = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
         .open(path)
         .map_err(err)?;
-    f.write_all(&line).map_err(err)
+    f.write_all(&text).map_err(err)
+}
+
+/// What a goodput log holds: its interruptions (oldest first), its recoveries, and the number of
+/// lines that were not the agent's.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Logged {
+    pub interruptions: Vec<Interruption>,
+    pub recoveries: Vec<Recovery>,
+    pub skipped: usize,
 }
 
 /// Every interruption of the log at `path` (and its rotated predecessor), oldest first, and the
-/// number of lines that were not the agent's.
+/// number of lines that were not the agent's (recovery lines are neither).
 pub fn load(path: &Path) -> Result<(Vec<Interruption>, usize), Error> {
-    let mut out = Vec::new();
-    let mut bad = 0;
+    let l = load_all(path)?;
+    Ok((l.interruptions, l.skipped))
+}
+
+/// Every line of the log at `path` and its rotated predecessor.
+pub fn load_all(path: &Path) -> Result<Logged, Error> {
+    let mut out = Logged::default();
     let mut old = path.as_os_str().to_owned();
     old.push(".1");
     for (p, required) in [(PathBuf::from(old), false), (path.to_path_buf(), true)] {
@@ -90,94 +136,332 @@ pub fn load(path: &Path) -> Result<(Vec<Interruption>, usize), Error> {
                 continue;
             }
             match (line.len() <= MAX_LINE_BYTES)
-                .then(|| serde_json::from_slice::<Interruption>(&line).ok())
+                .then(|| serde_json::from_slice::<LogLine>(&line).ok())
                 .flatten()
             {
-                Some(i) => out.push(i),
-                None => bad += 1,
+                Some(LogLine::Interruption(i)) => out.interruptions.push(i),
+                Some(LogLine::Recovery { recovery }) => out.recoveries.push(recovery),
+                None => out.skipped += 1,
             }
         }
     }
-    out.sort_by_key(|i| i.done_at);
-    Ok((out, bad))
+    out.interruptions.sort_by_key(|i| i.done_at);
+    Ok(out)
 }
 
-/// Totals over a window.
+/// Every line of the logs at `paths` (several hosts' logs: a recovery on one joins its
+/// interruption on another), interruptions oldest first; a log's lines that are not the agent's
+/// are reported on stderr and counted.
+pub fn load_logs(paths: &[PathBuf]) -> Result<Logged, Error> {
+    let mut all = Logged::default();
+    for path in paths {
+        let l = load_all(path)?;
+        if l.skipped > 0 {
+            eprintln!(
+                "spotguard goodput: skipped {} line(s) of {} that are not the agent's",
+                l.skipped,
+                path.display()
+            );
+        }
+        all.interruptions.extend(l.interruptions);
+        all.recoveries.extend(l.recoveries);
+        all.skipped += l.skipped;
+    }
+    all.interruptions.sort_by_key(|i| i.done_at);
+    Ok(all)
+}
+
+/// One interruption as the report shows it: what it cost each target it hit (its badput
+/// records, joined by notice id) and the recoveries from it. The flat fields sum its targets'
+/// badput (`downtime_seconds` / `upload_seconds`: the longest) and its recoveries'.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Row {
+    pub notice_id: String,
+    /// When it was seen (its record's `seen_at`, else `done_at`); for a recovery whose
+    /// interruption has no record here: when that interruption's checkpoint was saved.
+    pub at: Timestamp,
+    /// The node (host) it hit.
+    pub node: Option<String>,
+    pub kind: Option<String>,
+    /// The targets it hit (`namespace/pod` in Kubernetes, the selector's name on a host).
+    pub targets: Vec<String>,
+    /// Their checkpoint outcomes (`acked`, `exited`, …; several joined with `+`).
+    pub outcome: Option<String>,
+    pub detection_seconds: Option<f64>,
+    pub save_seconds: Option<f64>,
+    pub downtime_seconds: Option<f64>,
+    pub upload_seconds: Option<f64>,
+    pub wasted_seconds: Option<f64>,
+    pub steps_lost: Option<u64>,
+    pub drain_margin_seconds: Option<f64>,
+    /// The nodes (hosts) the job resumed on.
+    pub recovered_on: Vec<String>,
+    /// `infrastructure_recovery`: the interrupted trainer's checkpoint → the first step after the
+    /// resume, less the restore (none: no recovery reported yet).
+    pub recovery_seconds: Option<f64>,
+    /// `checkpoint_restore`: loading the checkpoint on the new node, as the trainer timed it.
+    pub restore_seconds: Option<f64>,
+    /// The badput records as written (targets merged), if any reached this report.
+    pub interruption: Option<Interruption>,
+    pub recoveries: Vec<Recovery>,
+}
+
+impl Row {
+    /// Seconds of each of [`CATEGORIES`].
+    pub fn badput(&self) -> [f64; 4] {
+        [
+            self.save_seconds.unwrap_or(0.0),
+            self.wasted_seconds.unwrap_or(0.0),
+            self.recovery_seconds.unwrap_or(0.0),
+            self.restore_seconds.unwrap_or(0.0),
+        ]
+    }
+}
+
+fn sum(v: impl Iterator<Item = Option<f64>>) -> Option<f64> {
+    v.flatten().reduce(|a, b| a + b)
+}
+
+fn max(v: impl Iterator<Item = Option<f64>>) -> Option<f64> {
+    v.flatten().reduce(f64::max)
+}
+
+/// Join badput records and recoveries by notice id: one [`Row`] per interruption, oldest first.
+/// Records of one notice for several targets (one Event per pod) merge (a target seen twice
+/// counts once); a recovery reported twice (same target and notice) counts once; a recovery
+/// whose interruption has no record here gets a row of its own; an interruption without a
+/// recovery has none in its row.
+pub fn join(badput: Vec<Interruption>, recoveries: Vec<Recovery>) -> Vec<Row> {
+    let mut merged: Vec<Interruption> = Vec::new();
+    for i in badput {
+        match merged.iter_mut().find(|m| m.notice_id == i.notice_id) {
+            Some(m) => {
+                for t in i.targets {
+                    if !m.targets.iter().any(|k| k.target == t.target) {
+                        m.targets.push(t);
+                    }
+                }
+            }
+            None => {
+                let mut i = i;
+                let mut seen = BTreeSet::new();
+                i.targets.retain(|t| seen.insert(t.target.clone()));
+                merged.push(i);
+            }
+        }
+    }
+    let mut recs: Vec<Recovery> = Vec::new();
+    for r in recoveries {
+        if !recs
+            .iter()
+            .any(|k| k.notice_id == r.notice_id && k.target == r.target)
+        {
+            recs.push(r);
+        }
+    }
+    let mut rows: Vec<Row> = merged
+        .into_iter()
+        .map(|i| {
+            let mine: Vec<Recovery> = recs
+                .iter()
+                .filter(|r| r.notice_id == i.notice_id)
+                .cloned()
+                .collect();
+            row(Some(i), mine)
+        })
+        .collect();
+    let mut orphans: Vec<Recovery> = recs
+        .into_iter()
+        .filter(|r| !rows.iter().any(|row| row.notice_id == r.notice_id))
+        .collect();
+    while let Some(first) = orphans.first() {
+        let id = first.notice_id.clone();
+        let (mine, rest): (Vec<Recovery>, Vec<Recovery>) =
+            orphans.into_iter().partition(|r| r.notice_id == id);
+        orphans = rest;
+        rows.push(row(None, mine));
+    }
+    rows.sort_by_key(|r| r.at);
+    rows
+}
+
+fn row(i: Option<Interruption>, recoveries: Vec<Recovery>) -> Row {
+    let targets = i.as_ref().map(|i| i.targets.as_slice()).unwrap_or_default();
+    let mut outcomes: Vec<&str> = targets.iter().map(|t| t.outcome.as_str()).collect();
+    outcomes.dedup();
+    let mut on: Vec<String> = recoveries.iter().map(|r| r.node.clone()).collect();
+    on.sort();
+    on.dedup();
+    let at = match &i {
+        Some(i) => i.seen_at.unwrap_or(i.done_at),
+        None => recoveries
+            .iter()
+            .map(|r| r.saved_at)
+            .min()
+            .unwrap_or_default(),
+    };
+    Row {
+        notice_id: i
+            .as_ref()
+            .map(|i| i.notice_id.clone())
+            .or_else(|| recoveries.first().map(|r| r.notice_id.clone()))
+            .unwrap_or_default(),
+        at,
+        node: i
+            .as_ref()
+            .map(|i| i.node.clone())
+            .or_else(|| recoveries.iter().find_map(|r| r.from_node.clone())),
+        kind: i.as_ref().map(|i| i.kind.clone()).filter(|k| !k.is_empty()),
+        targets: targets.iter().map(|t| t.target.clone()).collect(),
+        outcome: (!outcomes.is_empty()).then(|| outcomes.join("+")),
+        detection_seconds: i.as_ref().and_then(Interruption::detection_seconds),
+        save_seconds: sum(targets.iter().map(|t| t.save_seconds)),
+        downtime_seconds: max(targets.iter().map(|t| t.downtime_seconds)),
+        upload_seconds: max(targets.iter().map(|t| t.upload_seconds)),
+        wasted_seconds: sum(targets.iter().map(|t| t.wasted_seconds)),
+        steps_lost: targets
+            .iter()
+            .filter_map(|t| t.wasted_steps)
+            .reduce(|a, b| a + b),
+        drain_margin_seconds: i.as_ref().and_then(Interruption::drain_margin_seconds),
+        recovered_on: on,
+        recovery_seconds: sum(recoveries.iter().map(|r| Some(r.infrastructure_seconds()))),
+        restore_seconds: sum(recoveries.iter().map(|r| r.restore_seconds)),
+        interruption: i,
+        recoveries,
+    }
+}
+
+/// Totals over the report's paid time.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Totals {
+    /// Start of the paid time (the window's start; the owner's start in Kubernetes).
     pub since: Timestamp,
+    /// Its end (the window's end; the owner's end, or now while it runs).
     pub until: Timestamp,
+    /// Targets seen in the badput records.
     pub targets: usize,
     pub paid_seconds: f64,
     pub productive_seconds: f64,
-    /// (category, seconds), every category.
+    /// (category, seconds), every one of [`CATEGORIES`] in that order.
     pub badput_seconds: Vec<(String, f64)>,
     pub goodput_percent: f64,
     pub steps_lost: u64,
     pub interruptions: usize,
+    pub recoveries: usize,
 }
 
-/// The report: the interruptions in the window and the totals.
+/// The owner a Kubernetes report is about.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Owner {
+    pub namespace: String,
+    pub kind: String,
+    pub name: String,
+    /// Still running: the paid time ends now.
+    pub running: bool,
+}
+
+/// The report: the interruptions, the totals, what was skipped.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Report {
-    pub interruptions: Vec<Interruption>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub owner: Option<Owner>,
+    pub interruptions: Vec<Row>,
     pub totals: Totals,
+    /// Log lines, or Events, that should have held a record and did not hold a readable one.
+    pub skipped: usize,
 }
 
-/// The report over `[since, until]` (defaults: the first interruption's detection, `now`).
-pub fn compute(
-    all: Vec<Interruption>,
-    since: Option<Timestamp>,
-    until: Option<Timestamp>,
-    now: Timestamp,
+/// The report over `rows` for paid time `since` → `until` times `paid_targets` (at least 1).
+pub fn summarize(
+    rows: Vec<Row>,
+    since: Timestamp,
+    until: Timestamp,
+    paid_targets: usize,
+    skipped: usize,
 ) -> Report {
-    let until = until.unwrap_or(now);
-    let first = all.iter().map(|i| i.seen_at.unwrap_or(i.done_at)).min();
-    let since = since.or(first).unwrap_or(until);
-    let interruptions: Vec<Interruption> = all
-        .into_iter()
-        .filter(|i| i.done_at >= since && i.done_at <= until)
-        .collect();
-    let mut names: Vec<&str> = interruptions
-        .iter()
-        .flat_map(|i| i.targets.iter().map(|t| t.target.as_str()))
-        .collect();
-    names.sort_unstable();
-    names.dedup();
-    let targets = names.len().max(1);
     let window = until.duration_since(since).as_secs_f64().max(0.0);
-    let paid = window * targets as f64;
-    let mut badput: Vec<(String, f64)> = [category::CHECKPOINT_SAVE, category::WASTED_PROGRESS]
-        .iter()
-        .map(|c| (c.to_string(), 0.0))
-        .collect();
-    for i in &interruptions {
-        for (c, s) in i.badput() {
-            if let Some(slot) = badput.iter_mut().find(|(k, _)| k == c) {
-                slot.1 += s;
-            }
+    let paid = window * paid_targets.max(1) as f64;
+    let mut badput = [0.0; 4];
+    for r in &rows {
+        for (slot, s) in badput.iter_mut().zip(r.badput()) {
+            *slot += s;
         }
     }
-    let lost: f64 = badput.iter().map(|(_, s)| s).sum();
+    let lost: f64 = badput.iter().sum();
     let productive = (paid - lost).max(0.0);
+    let targets: BTreeSet<&str> = rows
+        .iter()
+        .flat_map(|r| r.targets.iter().map(String::as_str))
+        .collect();
     Report {
+        owner: None,
         totals: Totals {
             since,
             until,
-            targets,
+            targets: targets.len(),
             paid_seconds: paid,
             productive_seconds: productive,
-            badput_seconds: badput,
+            badput_seconds: CATEGORIES
+                .iter()
+                .zip(badput)
+                .map(|(c, s)| (c.to_string(), s))
+                .collect(),
             goodput_percent: if paid > 0.0 {
                 100.0 * productive / paid
             } else {
                 100.0
             },
-            steps_lost: interruptions.iter().map(Interruption::steps_lost).sum(),
-            interruptions: interruptions.len(),
+            steps_lost: rows.iter().filter_map(|r| r.steps_lost).sum(),
+            interruptions: rows.iter().filter(|r| r.interruption.is_some()).count(),
+            recoveries: rows.iter().map(|r| r.recoveries.len()).sum(),
         },
-        interruptions,
+        interruptions: rows,
+        skipped,
     }
+}
+
+/// The report of a host log over `[since, until]` (defaults: the first interruption's
+/// detection, `now`): interruptions that ended in it, recoveries whose first step was in it.
+pub fn compute(
+    logged: Logged,
+    since: Option<Timestamp>,
+    until: Option<Timestamp>,
+    now: Timestamp,
+) -> Report {
+    let until = until.unwrap_or(now);
+    let first = logged
+        .interruptions
+        .iter()
+        .map(|i| i.seen_at.unwrap_or(i.done_at))
+        .chain(logged.recoveries.iter().map(|r| r.saved_at))
+        .min();
+    let since = since.or(first).unwrap_or(until);
+    let inside = |t: Timestamp| t >= since && t <= until;
+    let badput: Vec<Interruption> = logged
+        .interruptions
+        .into_iter()
+        .filter(|i| inside(i.done_at))
+        .collect();
+    let recoveries: Vec<Recovery> = logged
+        .recoveries
+        .into_iter()
+        .filter(|r| inside(r.first_step_at))
+        .collect();
+    let mut names: Vec<&str> = badput
+        .iter()
+        .flat_map(|i| i.targets.iter().map(|t| t.target.as_str()))
+        .collect();
+    names.sort_unstable();
+    names.dedup();
+    let paid_targets = names.len();
+    summarize(
+        join(badput, recoveries),
+        since,
+        until,
+        paid_targets,
+        logged.skipped,
+    )
 }
 
 fn opt(v: Option<f64>) -> String {
@@ -187,68 +471,71 @@ fn opt(v: Option<f64>) -> String {
 /// The table a person reads.
 pub fn table(r: &Report) -> String {
     let mut s = String::new();
+    if let Some(o) = &r.owner {
+        s.push_str(&format!(
+            "{} {}/{}{}\n\n",
+            o.kind,
+            o.namespace,
+            o.name,
+            if o.running { " (running)" } else { "" }
+        ));
+    }
     s.push_str(
-        "WHEN                      NODE                TARGET                OUTCOME   DETECT_S  SAVE_S  DOWN_S  UPLOAD_S  WASTED_S  STEPS_LOST  DRAIN_MARGIN_S\n",
+        "WHEN                      NODE                TARGET                OUTCOME   DETECT_S  SAVE_S  DOWN_S  UPLOAD_S  WASTED_S  STEPS_LOST  DRAIN_MARGIN_S  RECOVERY_S  RESTORE_S\n",
     );
-    for i in &r.interruptions {
-        let when = i
-            .seen_at
-            .unwrap_or(i.done_at)
-            .round(jiff::Unit::Second)
-            .unwrap_or(i.done_at);
-        for t in &i.targets {
-            s.push_str(&format!(
-                "{:<25} {:<19} {:<21} {:<9} {:>8}  {:>6}  {:>6}  {:>8}  {:>8}  {:>10}  {:>14}\n",
-                when.to_string(),
-                i.node,
-                t.target,
-                t.outcome,
-                opt(i.detection_seconds()),
-                opt(t.save_seconds),
-                opt(t.downtime_seconds),
-                opt(t.upload_seconds),
-                opt(t.wasted_seconds),
-                t.wasted_steps
-                    .map(|n| n.to_string())
-                    .unwrap_or_else(|| "-".into()),
-                opt(i.drain_margin_seconds()),
-            ));
-        }
+    for row in &r.interruptions {
+        let when = row.at.round(jiff::Unit::Second).unwrap_or(row.at);
+        let target = match row.targets.as_slice() {
+            [] => "-".to_string(),
+            [one] => one.clone(),
+            many => format!("{} targets", many.len()),
+        };
+        s.push_str(&format!(
+            "{:<25} {:<19} {:<21} {:<9} {:>8}  {:>6}  {:>6}  {:>8}  {:>8}  {:>10}  {:>14}  {:>10}  {:>9}\n",
+            when.to_string(),
+            row.node.as_deref().unwrap_or("-"),
+            target,
+            row.outcome.as_deref().unwrap_or("-"),
+            opt(row.detection_seconds),
+            opt(row.save_seconds),
+            opt(row.downtime_seconds),
+            opt(row.upload_seconds),
+            opt(row.wasted_seconds),
+            row.steps_lost
+                .map(|n| n.to_string())
+                .unwrap_or_else(|| "-".into()),
+            opt(row.drain_margin_seconds),
+            opt(row.recovery_seconds),
+            opt(row.restore_seconds),
+        ));
     }
     let t = &r.totals;
     s.push_str(&format!(
-        "\nwindow {} → {} ({} interruption(s), {} target(s))\npaid        {:>12.1} s\nproductive  {:>12.1} s\n",
-        t.since, t.until, t.interruptions, t.targets, t.paid_seconds, t.productive_seconds
+        "\npaid time {} → {} ({} interruption(s), {} recovery(ies), {} target(s))\npaid        {:>12.1} s\nproductive  {:>12.1} s\n",
+        t.since, t.until, t.interruptions, t.recoveries, t.targets, t.paid_seconds, t.productive_seconds
     ));
     for (c, v) in &t.badput_seconds {
-        s.push_str(&format!("badput {:<16} {:>8.1} s\n", c, v));
+        s.push_str(&format!("badput {:<23} {:>8.1} s\n", c, v));
     }
     s.push_str(&format!(
         "goodput     {:>12.2} %\nsteps lost  {:>12}\n",
         t.goodput_percent, t.steps_lost
     ));
+    if r.skipped > 0 {
+        s.push_str(&format!(
+            "skipped {} record(s) that could not be read\n",
+            r.skipped
+        ));
+    }
+    s.push_str(NOT_CHARGED);
+    s.push('\n');
     s
 }
 
-/// `spotguard goodput`: print the report; 0, or 1 when the log cannot be read.
-pub fn run_cli(args: GoodputArgs) -> i32 {
-    let path = args.state_dir.join(LOG_FILE);
-    let (all, bad) = match load(&path) {
-        Ok(x) => x,
-        Err(e) => {
-            eprintln!("spotguard goodput: {e}");
-            return 1;
-        }
-    };
-    if bad > 0 {
-        eprintln!(
-            "spotguard goodput: skipped {bad} line(s) of {} that are not the agent's",
-            path.display()
-        );
-    }
-    let report = compute(all, args.since, args.until, Timestamp::now());
-    if args.json {
-        match serde_json::to_string_pretty(&report) {
+/// Print `report` as a table or JSON; 0, or 1 when it cannot be written.
+pub fn print(report: &Report, json: bool) -> i32 {
+    if json {
+        match serde_json::to_string_pretty(report) {
             Ok(j) => println!("{j}"),
             Err(e) => {
                 eprintln!("spotguard goodput: {e}");
@@ -256,9 +543,51 @@ pub fn run_cli(args: GoodputArgs) -> i32 {
             }
         }
     } else {
-        print!("{}", table(&report));
+        print!("{}", table(report));
     }
     0
+}
+
+/// `spotguard goodput`: print the report of a Kubernetes owner (`--namespace` and a subject,
+/// [`super::kube_report`]) or of host logs; 0, 1 when the report cannot be made, 64 on a usage
+/// error.
+pub fn run_cli(args: GoodputArgs) -> i32 {
+    match args.kube.subject() {
+        Ok(None) => {}
+        Ok(Some((namespace, subject))) => {
+            let rt = match tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            {
+                Ok(rt) => rt,
+                Err(e) => {
+                    eprintln!("spotguard goodput: {e}");
+                    return 1;
+                }
+            };
+            return rt.block_on(super::kube_report::run_cli(
+                &args.kube, &namespace, &subject, args.json,
+            ));
+        }
+        Err(e) => {
+            eprintln!("spotguard goodput: {e}");
+            return EXIT_USAGE;
+        }
+    }
+    let paths = if args.logs.is_empty() {
+        vec![args.state_dir.join(LOG_FILE)]
+    } else {
+        args.logs.clone()
+    };
+    let all = match load_logs(&paths) {
+        Ok(all) => all,
+        Err(e) => {
+            eprintln!("spotguard goodput: {e}");
+            return 1;
+        }
+    };
+    let report = compute(all, args.since, args.until, Timestamp::now());
+    print(&report, args.json)
 }
 
 #[cfg(test)]
@@ -288,6 +617,33 @@ mod tests {
         }
     }
 
+    fn recovery(
+        notice: &str,
+        target: &str,
+        saved: i64,
+        gap: f64,
+        restore: Option<f64>,
+    ) -> Recovery {
+        Recovery {
+            notice_id: notice.into(),
+            from_node: Some("h".into()),
+            node: "h2".into(),
+            target: target.into(),
+            step: 10,
+            saved_at: at(saved),
+            first_step_at: at(saved) + std::time::Duration::from_secs_f64(gap),
+            recovery_seconds: gap,
+            restore_seconds: restore,
+        }
+    }
+
+    fn logged(interruptions: Vec<Interruption>) -> Logged {
+        Logged {
+            interruptions,
+            ..Logged::default()
+        }
+    }
+
     #[test]
     fn the_log_round_trips_rotates_and_skips_what_is_not_the_agents() {
         let dir = tempfile::tempdir().unwrap();
@@ -300,9 +656,18 @@ mod tests {
             .write_all(b"{\"not\":1}\n\n")
             .unwrap();
         append(&path, &interruption(100, 5.0, (3, 1.5))).unwrap();
+        let r = recovery("n100", "trainer", 150, 9.0, Some(2.0));
+        append_line(
+            &path,
+            &LogLine::Recovery {
+                recovery: r.clone(),
+            },
+        )
+        .unwrap();
         let (all, bad) = load(&path).unwrap();
         assert_eq!((all.len(), bad), (2, 1));
         assert_eq!(all[1], interruption(100, 5.0, (3, 1.5)));
+        assert_eq!(load_all(&path).unwrap().recoveries, vec![r]);
         // Past the cap the log moves aside, and both files are read.
         let big = std::fs::File::options().append(true).open(&path).unwrap();
         big.set_len(MAX_LOG_BYTES + 1).unwrap();
@@ -312,12 +677,39 @@ mod tests {
     }
 
     #[test]
+    fn a_recovery_in_another_hosts_log_joins_its_interruption() {
+        let dir = tempfile::tempdir().unwrap();
+        let (a, b) = (dir.path().join("a.jsonl"), dir.path().join("b.jsonl"));
+        append(&a, &interruption(500, 5.0, (0, 0.0))).unwrap();
+        append(&a, &interruption(0, 10.0, (0, 0.0))).unwrap();
+        let r = recovery("n0", "trainer", 60, 9.0, Some(2.0));
+        append_line(&b, &LogLine::Recovery { recovery: r }).unwrap();
+        std::fs::OpenOptions::new()
+            .append(true)
+            .open(&b)
+            .unwrap()
+            .write_all(b"not json\n")
+            .unwrap();
+        let all = load_logs(&[a.clone(), b]).unwrap();
+        assert_eq!(
+            (all.interruptions.len(), all.recoveries.len(), all.skipped),
+            (2, 1, 1)
+        );
+        assert_eq!(all.interruptions[0].notice_id, "n0");
+        let rep = compute(all, Some(at(0)), Some(at(1000)), at(1000));
+        assert_eq!(rep.interruptions[0].recovery_seconds, Some(7.0));
+        assert_eq!(rep.totals.recoveries, 1);
+        assert_eq!(rep.skipped, 1);
+        assert!(load_logs(&[a, dir.path().join("missing")]).is_err());
+    }
+
+    #[test]
     fn goodput_is_the_share_of_paid_time_not_lost() {
         let r = compute(
-            vec![
+            logged(vec![
                 interruption(0, 10.0, (0, 0.0)),
                 interruption(500, 20.0, (40, 30.0)),
-            ],
+            ]),
             Some(at(0)),
             Some(at(1000)),
             at(5000),
@@ -329,7 +721,9 @@ mod tests {
             t.badput_seconds,
             vec![
                 ("checkpoint_save".to_string(), 30.0),
-                ("wasted_progress".to_string(), 30.0)
+                ("wasted_progress".to_string(), 30.0),
+                ("infrastructure_recovery".to_string(), 0.0),
+                ("checkpoint_restore".to_string(), 0.0)
             ]
         );
         assert_eq!(t.productive_seconds, 940.0);
@@ -341,12 +735,163 @@ mod tests {
         );
         // The window leaves out what ended outside it.
         let r = compute(
-            vec![interruption(0, 10.0, (0, 0.0))],
+            logged(vec![interruption(0, 10.0, (0, 0.0))]),
             Some(at(100)),
             Some(at(200)),
             at(0),
         );
         assert_eq!(r.totals.interruptions, 0);
         assert_eq!(r.totals.goodput_percent, 100.0);
+    }
+
+    #[test]
+    fn recoveries_join_their_interruption_by_notice_id_and_are_charged() {
+        // n0: recovered (9 s gap, 2 s of it the restore); n500: not recovered (yet); a recovery
+        // from n900, whose record is not in this log: a row of its own, still charged; the
+        // same recovery reported twice counts once.
+        let rows = join(
+            vec![
+                interruption(0, 10.0, (0, 0.0)),
+                interruption(500, 20.0, (40, 30.0)),
+            ],
+            vec![
+                recovery("n0", "trainer-2", 70, 9.0, Some(2.0)),
+                recovery("n900", "trainer-3", 900, 5.0, None),
+                recovery("n0", "trainer-2", 70, 9.0, Some(2.0)),
+            ],
+        );
+        assert_eq!(rows.len(), 3, "{rows:#?}");
+        assert_eq!(
+            (
+                rows[0].notice_id.as_str(),
+                rows[0].recovery_seconds,
+                rows[0].restore_seconds
+            ),
+            ("n0", Some(7.0), Some(2.0))
+        );
+        assert_eq!(rows[0].recovered_on, vec!["h2".to_string()]);
+        assert_eq!(rows[0].badput(), [10.0, 0.0, 7.0, 2.0]);
+        assert_eq!(
+            (
+                rows[1].notice_id.as_str(),
+                rows[1].recovery_seconds,
+                rows[1].steps_lost
+            ),
+            ("n500", None, Some(40))
+        );
+        assert_eq!(
+            (
+                rows[2].notice_id.as_str(),
+                rows[2].interruption.is_none(),
+                rows[2].node.as_deref(),
+                rows[2].recovery_seconds,
+                rows[2].outcome.as_deref()
+            ),
+            ("n900", true, Some("h"), Some(5.0), None)
+        );
+        let r = summarize(rows, at(0), at(1000), 1, 2);
+        let t = &r.totals;
+        assert_eq!((t.interruptions, t.recoveries, r.skipped), (2, 2, 2));
+        assert_eq!(
+            t.badput_seconds.iter().map(|(_, s)| *s).collect::<Vec<_>>(),
+            vec![30.0, 30.0, 12.0, 2.0]
+        );
+        assert_eq!(t.productive_seconds, 1000.0 - 74.0);
+        assert!((t.goodput_percent - 92.6).abs() < 1e-9);
+    }
+
+    #[test]
+    fn the_records_of_one_notice_for_several_targets_make_one_row() {
+        // One Event per pod: three records of notice n0, one of them repeated.
+        let mut a = interruption(0, 10.0, (0, 0.0));
+        a.targets[0].target = "ml/a".into();
+        a.targets[0].downtime_seconds = Some(12.0);
+        let mut b = interruption(0, 4.0, (5, 2.5));
+        b.targets[0].target = "ml/b".into();
+        b.targets[0].outcome = "exited".into();
+        b.targets[0].downtime_seconds = Some(3.0);
+        let rows = join(
+            vec![a.clone(), b, a],
+            vec![
+                recovery("n0", "ml/a2", 70, 9.0, Some(1.0)),
+                recovery("n0", "ml/b2", 70, 6.0, None),
+            ],
+        );
+        let [row] = rows.as_slice() else {
+            panic!("one row expected: {rows:#?}")
+        };
+        assert_eq!(row.targets, vec!["ml/a".to_string(), "ml/b".to_string()]);
+        assert_eq!(row.outcome.as_deref(), Some("acked+exited"));
+        assert_eq!(
+            (
+                row.save_seconds,
+                row.wasted_seconds,
+                row.steps_lost,
+                row.downtime_seconds
+            ),
+            (Some(14.0), Some(2.5), Some(5), Some(12.0))
+        );
+        assert_eq!(
+            (row.recovery_seconds, row.restore_seconds),
+            (Some(14.0), Some(1.0))
+        );
+        let r = summarize(rows, at(0), at(100), 1, 0);
+        assert_eq!(r.totals.targets, 2);
+        assert_eq!(r.totals.productive_seconds, 100.0 - 14.0 - 2.5 - 14.0 - 1.0);
+    }
+
+    #[test]
+    fn the_table_and_the_json_show_every_column_and_the_footer() {
+        let r = summarize(
+            join(
+                vec![interruption(0, 10.0, (3, 1.5))],
+                vec![recovery("n0", "trainer-2", 70, 9.0, Some(2.0))],
+            ),
+            at(0),
+            at(1000),
+            1,
+            1,
+        );
+        let text = table(&r);
+        for want in [
+            "RECOVERY_S",
+            "RESTORE_S",
+            "infrastructure_recovery",
+            "checkpoint_restore",
+            "skipped 1 record(s)",
+            NOT_CHARGED,
+        ] {
+            assert!(text.contains(want), "{want} missing:\n{text}");
+        }
+        let line = text.lines().nth(1).unwrap();
+        let cols: Vec<&str> = line.split_whitespace().collect();
+        assert_eq!(
+            cols[1..],
+            ["h", "trainer", "acked", "-", "10.0", "-", "-", "1.5", "3", "-", "7.0", "2.0"],
+            "{line}"
+        );
+        let j = serde_json::to_value(&r).unwrap();
+        let row = &j["interruptions"][0];
+        for (k, v) in [
+            ("notice_id", serde_json::json!("n0")),
+            ("node", serde_json::json!("h")),
+            ("targets", serde_json::json!(["trainer"])),
+            ("outcome", serde_json::json!("acked")),
+            ("save_seconds", serde_json::json!(10.0)),
+            ("wasted_seconds", serde_json::json!(1.5)),
+            ("steps_lost", serde_json::json!(3)),
+            ("recovery_seconds", serde_json::json!(7.0)),
+            ("restore_seconds", serde_json::json!(2.0)),
+            ("recovered_on", serde_json::json!(["h2"])),
+        ] {
+            assert_eq!(row[k], v, "{k}: {row}");
+        }
+        assert_eq!(j["skipped"], 1);
+        assert_eq!(
+            j["totals"]["badput_seconds"][2][0],
+            "infrastructure_recovery"
+        );
+        assert_eq!(j["totals"]["recoveries"], 1);
+        assert!(j.get("owner").is_none());
     }
 }

@@ -1,10 +1,11 @@
 //! `events.k8s.io/v1` Events on the Node (namespace `default`) or on a Pod, reported by
 //! `spotguard.io/agent`; a repeat of the same event within a few minutes bumps its `series`.
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use jiff::Timestamp;
-use k8s_openapi::api::core::v1::ObjectReference;
+use k8s_openapi::api::core::v1::{ObjectReference, Pod};
 use k8s_openapi::api::events::v1::{Event, EventSeries};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
 use kube::api::{Api, Patch, PatchParams, PostParams};
@@ -32,6 +33,16 @@ pub(super) struct EventKey {
     type_: &'static str,
     reason: String,
     note: String,
+    /// The annotations of a record Event: two different records never share one Event.
+    annotations: Option<BTreeMap<String, String>>,
+}
+
+/// What an Event carries beyond its text: the machine-readable record of a goodput Event
+/// (annotations) and the object it is also about (`related`: the pod's controller).
+#[derive(Clone, Debug, Default)]
+pub(super) struct Extra {
+    pub(super) annotations: Option<BTreeMap<String, String>>,
+    pub(super) related: Option<ObjectReference>,
 }
 
 pub(super) struct SeriesEntry {
@@ -52,7 +63,43 @@ pub(super) fn pod_reference(pod: &PodRef) -> ObjectReference {
     }
 }
 
+/// What `pod`'s controller ownerReference names (a Job, a ReplicaSet, …), in `pod`'s namespace:
+/// a goodput Event's `related`, so that a report can gather a job's Events after its pods are
+/// gone.
+pub(super) fn controller_reference(pod: &Pod) -> Option<ObjectReference> {
+    let owner = pod
+        .metadata
+        .owner_references
+        .as_ref()?
+        .iter()
+        .find(|r| r.controller == Some(true) && !r.kind.is_empty() && !r.name.is_empty())?;
+    Some(ObjectReference {
+        api_version: Some(owner.api_version.clone()),
+        kind: Some(owner.kind.clone()),
+        name: Some(owner.name.clone()),
+        namespace: pod.metadata.namespace.clone(),
+        uid: (!owner.uid.is_empty()).then(|| owner.uid.clone()),
+        ..Default::default()
+    })
+}
+
 impl KubeNodeOps {
+    /// `pod`'s controller, from one bounded GET of the pod (none when the pod is gone, is
+    /// another pod of the same name, or the read fails: the Event goes out without it).
+    pub(super) async fn pod_controller(&self, pod: &PodRef) -> Option<ObjectReference> {
+        let api: Api<Pod> = Api::namespaced(self.client.clone(), &pod.namespace);
+        match with_timeout(api.get_opt(&pod.name)).await {
+            Ok(Some(p)) if pod.uid.is_empty() || p.metadata.uid.as_deref() == Some(&pod.uid) => {
+                controller_reference(&p)
+            }
+            Ok(_) => None,
+            Err(e) => {
+                tracing::debug!(pod = %format!("{}/{}", pod.namespace, pod.name), error = %e, "reading the pod's controller failed; the Event names none");
+                None
+            }
+        }
+    }
+
     /// Emit an Event on this node.
     pub(super) async fn emit_node_event(
         &self,
@@ -89,6 +136,28 @@ impl KubeNodeOps {
         reason: &str,
         message: &str,
     ) -> Result<(), Error> {
+        self.emit_with(
+            namespace,
+            regarding,
+            Extra::default(),
+            kind,
+            reason,
+            message,
+        )
+        .await
+    }
+
+    /// [`Self::emit`] with annotations and a `related` object (the goodput Events). A repeat
+    /// bumps the series only when the annotations are the same too.
+    pub(super) async fn emit_with(
+        &self,
+        namespace: &str,
+        regarding: ObjectReference,
+        extra: Extra,
+        kind: EventType,
+        reason: &str,
+        message: &str,
+    ) -> Result<(), Error> {
         let type_ = match kind {
             EventType::Normal => "Normal",
             EventType::Warning => "Warning",
@@ -101,7 +170,14 @@ impl KubeNodeOps {
             regarding.name.as_deref().unwrap_or("")
         );
         if self.dry_run {
-            tracing::info!(node = %self.node_name, target = %target, reason, event_type = type_, "dry-run: would emit event: {note}");
+            let related = extra.related.as_ref().map(|r| {
+                format!(
+                    "{}/{}",
+                    r.kind.as_deref().unwrap_or(""),
+                    r.name.as_deref().unwrap_or("")
+                )
+            });
+            tracing::info!(node = %self.node_name, target = %target, reason, event_type = type_, related, annotations = ?extra.annotations, "dry-run: would emit event: {note}");
             return Ok(());
         }
         let key = EventKey {
@@ -110,9 +186,10 @@ impl KubeNodeOps {
             type_,
             reason: reason.to_string(),
             note: note.to_string(),
+            annotations: extra.annotations.clone(),
         };
         let result = self
-            .emit_inner(namespace, regarding, key, reason, note)
+            .emit_inner(namespace, regarding, extra.related, key, reason, note)
             .await;
         self.count("event", &result);
         result
@@ -122,6 +199,7 @@ impl KubeNodeOps {
         &self,
         namespace: &str,
         regarding: ObjectReference,
+        related: Option<ObjectReference>,
         key: EventKey,
         reason: &str,
         note: &str,
@@ -131,7 +209,9 @@ impl KubeNodeOps {
         if self.bump_series(&api, &key, now).await {
             return Ok(());
         }
-        let event = self.new_event(namespace, regarding, key.type_, reason, note, now);
+        let mut event = self.new_event(namespace, regarding, key.type_, reason, note, now);
+        event.metadata.annotations = key.annotations.clone();
+        event.related = related;
         let name = event.metadata.name.clone().unwrap_or_default();
         let mut backoff = API_BACKOFF;
         loop {
@@ -295,6 +375,50 @@ mod tests {
             truncate(&"x".repeat(2000), EVENT_NOTE_MAX_BYTES).len(),
             1024
         );
+    }
+
+    #[test]
+    fn the_related_object_is_the_pods_controller() {
+        use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
+        let owner = |kind: &str, name: &str, controller| OwnerReference {
+            api_version: "batch/v1".into(),
+            kind: kind.into(),
+            name: name.into(),
+            uid: format!("uid-{name}"),
+            controller,
+            ..Default::default()
+        };
+        let mut pod = Pod {
+            metadata: ObjectMeta {
+                name: Some("p".into()),
+                namespace: Some("ml".into()),
+                owner_references: Some(vec![
+                    owner("Thing", "not-the-controller", None),
+                    owner("Job", "train", Some(true)),
+                ]),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        let r = controller_reference(&pod).unwrap();
+        assert_eq!(
+            (
+                r.kind.as_deref(),
+                r.name.as_deref(),
+                r.namespace.as_deref(),
+                r.uid.as_deref(),
+                r.api_version.as_deref()
+            ),
+            (
+                Some("Job"),
+                Some("train"),
+                Some("ml"),
+                Some("uid-train"),
+                Some("batch/v1")
+            )
+        );
+        pod.metadata.owner_references = Some(vec![owner("Job", "x", Some(false))]);
+        assert_eq!(controller_reference(&pod), None);
     }
 
     #[test]

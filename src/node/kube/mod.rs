@@ -220,6 +220,35 @@ impl NodeOps for KubeNodeOps {
             .await
     }
 
+    /// The pod Event with `record` in its annotation [`crate::goodput::event::ANNOTATION`] and
+    /// the pod's controller (one GET of the pod) as `related`.
+    async fn pod_record_event(
+        &self,
+        pod: &PodRef,
+        kind: EventType,
+        reason: &str,
+        message: &str,
+        record: &crate::goodput::event::EventRecord,
+    ) -> Result<(), Error> {
+        let annotations = match serde_json::to_string(record) {
+            Ok(text) => Some(std::collections::BTreeMap::from([(
+                crate::goodput::event::ANNOTATION.to_string(),
+                text,
+            )])),
+            Err(e) => {
+                tracing::warn!(reason, error = %e, "goodput record not serializable; the Event goes out without it");
+                None
+            }
+        };
+        let extra = events::Extra {
+            annotations,
+            related: self.pod_controller(pod).await,
+        };
+        let regarding = events::pod_reference(pod);
+        self.emit_with(&pod.namespace, regarding, extra, kind, reason, message)
+            .await
+    }
+
     async fn load_state(&self) -> Result<Option<String>, Error> {
         let node = self.get_node().await?;
         let Some(raw) = node

@@ -1,0 +1,523 @@
+//! Goodput in Kubernetes (docs/goodput.md): the agent's goodput Events against the real control
+//! plane, through the shipped ServiceAccount (`KubeNodeOps::pod_record_event`: the record in the
+//! annotation, the pod's Job in `related`), and `spotguard goodput --namespace NS --job` /
+//! `--jobset` (the built binary, with the admin's kubeconfig) over those Events.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use jiff::Timestamp;
+use k8s_openapi::api::batch::v1::Job;
+use k8s_openapi::api::core::v1::{ObjectReference, Pod};
+use k8s_openapi::api::events::v1::Event;
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta, OwnerReference};
+use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
+use prometheus_client::registry::Registry;
+use serde_json::{json, Value};
+use spotguard::goodput::event::{EventRecord, Recovery, ANNOTATION};
+use spotguard::goodput::kube_report::{JOBSET_NAME_LABEL, REASONS};
+use spotguard::goodput::record::{Interruption, TargetBadput};
+use spotguard::metrics::Metrics;
+use spotguard::node::kube::KubeNodeOps;
+use spotguard::node::{EventType, NodeOps, PodRef};
+use spotguard_testkit::k8s::{assets, fixtures, TestCluster, TestPod};
+use spotguard_testkit::wait::until;
+
+const WAIT: Duration = Duration::from_secs(60);
+
+fn at(s: i64) -> Timestamp {
+    Timestamp::from_second(1_700_000_000 + s).unwrap()
+}
+
+/// The agent's node operations as the shipped ServiceAccount (through the proxy).
+fn agent_ops(k: &TestCluster) -> KubeNodeOps {
+    let metrics = Arc::new(Metrics::register(&mut Registry::default()));
+    KubeNodeOps::new(k.agent_client(), k.name("gp-node"), None, false, metrics)
+}
+
+/// A Job run by the real Job controller whose one pod is never scheduled (no node matches), and
+/// that pod, once the controller made it and started the Job.
+async fn job_with_pod(k: &TestCluster, ns: &str, name: &str) -> (Job, Pod) {
+    let jobs: Api<Job> = Api::namespaced(k.admin(), ns);
+    let job: Job = serde_json::from_value(json!({
+        "metadata": {"name": name, "namespace": ns},
+        "spec": {
+            "backoffLimit": 0,
+            "template": {"spec": {
+                "restartPolicy": "Never",
+                "nodeSelector": {"testkit.spotguard.io/no-such-node": "x"},
+                "containers": [{"name": "main", "image": "registry.example/trainer:1"}]
+            }}
+        }
+    }))
+    .unwrap();
+    jobs.create(&PostParams::default(), &job).await.unwrap();
+    let pods: Api<Pod> = Api::namespaced(k.admin(), ns);
+    let selector = format!("batch.kubernetes.io/job-name={name}");
+    until(
+        &format!("Job {name} started, with its pod"),
+        WAIT,
+        || async {
+            let job = jobs.get(name).await.ok()?;
+            job.status.as_ref()?.start_time.as_ref()?;
+            let pod = pods
+                .list(&ListParams::default().labels(&selector))
+                .await
+                .ok()?
+                .items
+                .into_iter()
+                .next()?;
+            Some((job, pod))
+        },
+    )
+    .await
+}
+
+fn pod_ref(pod: &Pod) -> PodRef {
+    PodRef {
+        namespace: pod.metadata.namespace.clone().unwrap(),
+        name: pod.metadata.name.clone().unwrap(),
+        uid: pod.metadata.uid.clone().unwrap(),
+    }
+}
+
+fn badput(notice: &str, node: &str, target: &str, save: f64, wasted: (u64, f64)) -> EventRecord {
+    EventRecord::Badput(Interruption {
+        notice_id: notice.into(),
+        node: node.into(),
+        kind: "spot-interruption".into(),
+        source: "aws".into(),
+        seen_at: Some(at(0)),
+        done_at: at(60),
+        targets: vec![TargetBadput {
+            target: target.into(),
+            outcome: "acked".into(),
+            step: Some(100),
+            save_seconds: Some(save),
+            downtime_seconds: Some(save + 1.0),
+            wasted_steps: Some(wasted.0),
+            wasted_seconds: Some(wasted.1),
+            ..TargetBadput::default()
+        }],
+        ..Interruption::default()
+    })
+}
+
+fn recovery(notice: &str, from: &str, target: &str, gap: f64, restore: f64) -> EventRecord {
+    EventRecord::Recovery(Recovery {
+        notice_id: notice.into(),
+        from_node: Some(from.into()),
+        node: "spot-b".into(),
+        target: target.into(),
+        step: 100,
+        saved_at: at(60),
+        first_step_at: at(60) + Duration::from_secs_f64(gap),
+        recovery_seconds: gap,
+        restore_seconds: Some(restore),
+    })
+}
+
+async fn post(ops: &KubeNodeOps, pod: &Pod, reason: &str, record: &EventRecord) {
+    ops.pod_record_event(&pod_ref(pod), EventType::Normal, reason, "goodput", record)
+        .await
+        .unwrap_or_else(|e| panic!("posting {reason}: {e}"));
+}
+
+/// The goodput Events of `ns` as stored.
+async fn goodput_events(k: &TestCluster, ns: &str) -> Vec<Event> {
+    let api: Api<Event> = Api::namespaced(k.admin(), ns);
+    api.list(&ListParams::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .filter(|e| e.reason.as_deref().is_some_and(|r| REASONS.contains(&r)))
+        .collect()
+}
+
+/// An Event about `pod` related to `job`, posted as admin with `annotation` (or none): what an
+/// older agent, or anything else able to write Events, might leave.
+async fn foreign_event(k: &TestCluster, pod: &Pod, job: &Job, annotation: Option<&str>) {
+    let ns = pod.metadata.namespace.clone().unwrap();
+    let api: Api<Event> = Api::namespaced(k.admin(), &ns);
+    let e = Event {
+        metadata: ObjectMeta {
+            generate_name: Some("foreign-".into()),
+            annotations: annotation.map(|a| BTreeMap::from([(ANNOTATION.into(), a.into())])),
+            ..Default::default()
+        },
+        event_time: Some(MicroTime(Timestamp::now())),
+        reporting_controller: Some("example.com/other".into()),
+        reporting_instance: Some("x".into()),
+        action: Some("Notify".into()),
+        reason: Some(REASONS[0].into()),
+        note: Some("no record".into()),
+        type_: Some("Normal".into()),
+        regarding: Some(ObjectReference {
+            kind: Some("Pod".into()),
+            name: pod.metadata.name.clone(),
+            namespace: Some(ns.clone()),
+            ..Default::default()
+        }),
+        related: Some(ObjectReference {
+            api_version: Some("batch/v1".into()),
+            kind: Some("Job".into()),
+            name: job.metadata.name.clone(),
+            namespace: Some(ns),
+            uid: job.metadata.uid.clone(),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    api.create(&PostParams::default(), &e).await.unwrap();
+}
+
+/// `spotguard goodput ARGS --json --kubeconfig <admin>`: the report.
+fn goodput(k: &TestCluster, args: &[&str]) -> Value {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_spotguard"))
+        .arg("goodput")
+        .args(args)
+        .arg("--json")
+        .arg("--kubeconfig")
+        .arg(&k.cp.admin_kubeconfig)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "spotguard goodput {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+fn f(v: &Value) -> f64 {
+    v.as_f64().unwrap_or_else(|| panic!("not a number: {v}"))
+}
+
+fn ts(v: &Value) -> Timestamp {
+    v.as_str().unwrap().parse().unwrap()
+}
+
+#[test]
+fn the_reasons_read_are_the_ones_the_agent_writes() {
+    assert_eq!(
+        REASONS,
+        [
+            spotguard::outcome::reason::BADPUT,
+            spotguard::outcome::reason::RECOVERED
+        ]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_agents_goodput_event_carries_its_record_and_names_the_pods_job() {
+    let k = TestCluster::new().await;
+    let ns = k.namespace("gp-event").await;
+    let (job, pod) = job_with_pod(&k, &ns, "train").await;
+    let record = badput("aws-1", "spot-a", &format!("{ns}/train-x"), 12.5, (0, 0.0));
+    post(&agent_ops(&k), &pod, REASONS[0], &record).await;
+    let events = goodput_events(&k, &ns).await;
+    let [e] = events.as_slice() else {
+        panic!("one goodput Event expected: {events:#?}")
+    };
+    let text = e
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(ANNOTATION))
+        .unwrap_or_else(|| panic!("no {ANNOTATION} annotation: {e:#?}"));
+    assert_eq!(serde_json::from_str::<EventRecord>(text).unwrap(), record);
+    let related = e.related.as_ref().expect("no related object");
+    assert_eq!(
+        (
+            related.kind.as_deref(),
+            related.name.as_deref(),
+            related.uid.as_ref(),
+            related.api_version.as_deref()
+        ),
+        (
+            Some("Job"),
+            Some("train"),
+            job.metadata.uid.as_ref(),
+            Some("batch/v1")
+        )
+    );
+    let regarding = e.regarding.as_ref().unwrap();
+    assert_eq!(regarding.name, pod.metadata.name);
+    // A different record with the same text is an Event of its own, not a repeat.
+    let other = badput("aws-2", "spot-a", &format!("{ns}/train-x"), 12.5, (0, 0.0));
+    post(&agent_ops(&k), &pod, REASONS[0], &other).await;
+    assert_eq!(goodput_events(&k, &ns).await.len(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spotguard_goodput_reports_a_jobs_interruptions_recoveries_and_paid_time() {
+    let k = TestCluster::new().await;
+    let ns = k.namespace("gp-job").await;
+    let (job, pod) = job_with_pod(&k, &ns, "llm").await;
+    let (_, other_pod) = job_with_pod(&k, &ns, "other").await;
+    let ops = agent_ops(&k);
+    let t1 = format!("{ns}/llm-a");
+    let t2 = format!("{ns}/llm-b");
+    // Interruption 1 (acked, recovered on spot-b: 20 s of which 4 s restore), interruption 2
+    // (a trainer that threw 30 steps / 15 s away; no recovery yet).
+    post(
+        &ops,
+        &pod,
+        REASONS[0],
+        &badput("n1", "spot-a", &t1, 10.0, (0, 0.0)),
+    )
+    .await;
+    post(
+        &ops,
+        &pod,
+        REASONS[1],
+        &recovery("n1", "spot-a", &t2, 20.0, 4.0),
+    )
+    .await;
+    post(
+        &ops,
+        &pod,
+        REASONS[0],
+        &badput("n2", "spot-b", &t2, 6.0, (30, 15.0)),
+    )
+    .await;
+    // Another Job's interruption in the same namespace.
+    post(
+        &ops,
+        &other_pod,
+        REASONS[0],
+        &badput(
+            "n3",
+            "spot-c",
+            &format!("{ns}/other-a"),
+            100.0,
+            (500, 300.0),
+        ),
+    )
+    .await;
+    // A goodput Event with no record, one with a record that is not one.
+    foreign_event(&k, &pod, &job, None).await;
+    foreign_event(&k, &pod, &job, Some("{\"type\":\"badput\",")).await;
+
+    let before = Timestamp::now();
+    let r = goodput(&k, &["--namespace", &ns, "--job", "llm"]);
+    let after = Timestamp::now();
+    assert_eq!(r["owner"]["kind"], "Job", "{r:#}");
+    assert_eq!(r["owner"]["name"], "llm");
+    assert_eq!(r["owner"]["running"], true);
+    assert_eq!(r["skipped"], 2, "{r:#}");
+    let rows = r["interruptions"].as_array().unwrap();
+    assert_eq!(rows.len(), 2, "{r:#}");
+    let row = |id: &str| rows.iter().find(|x| x["notice_id"] == id).unwrap();
+    let n1 = row("n1");
+    assert_eq!(n1["node"], "spot-a");
+    assert_eq!(n1["targets"], json!([t1]));
+    assert_eq!(n1["outcome"], "acked");
+    assert_eq!(f(&n1["save_seconds"]), 10.0);
+    assert_eq!(f(&n1["downtime_seconds"]), 11.0);
+    assert_eq!(f(&n1["wasted_seconds"]), 0.0);
+    assert_eq!(n1["steps_lost"], 0);
+    assert_eq!(f(&n1["recovery_seconds"]), 16.0);
+    assert_eq!(f(&n1["restore_seconds"]), 4.0);
+    assert_eq!(n1["recovered_on"], json!(["spot-b"]));
+    let n2 = row("n2");
+    assert_eq!(
+        (
+            f(&n2["save_seconds"]),
+            f(&n2["wasted_seconds"]),
+            &n2["steps_lost"]
+        ),
+        (6.0, 15.0, &json!(30))
+    );
+    assert!(n2["recovery_seconds"].is_null(), "{n2}");
+
+    // Paid time: the Job's startTime → now (it runs).
+    let t = &r["totals"];
+    let start = job.status.as_ref().unwrap().start_time.as_ref().unwrap().0;
+    assert_eq!(ts(&t["since"]), start);
+    let until = ts(&t["until"]);
+    assert!(
+        before <= until && until <= after,
+        "{until} not in {before}..{after}"
+    );
+    let paid = f(&t["paid_seconds"]);
+    assert!((paid - until.duration_since(start).as_secs_f64()).abs() < 1e-6);
+    let cats: Vec<(String, f64)> = serde_json::from_value(t["badput_seconds"].clone()).unwrap();
+    assert_eq!(
+        cats,
+        vec![
+            ("checkpoint_save".to_string(), 16.0),
+            ("wasted_progress".to_string(), 15.0),
+            ("infrastructure_recovery".to_string(), 16.0),
+            ("checkpoint_restore".to_string(), 4.0)
+        ]
+    );
+    let productive = f(&t["productive_seconds"]);
+    assert!((productive - (paid - 51.0).max(0.0)).abs() < 1e-6);
+    assert!((f(&t["goodput_percent"]) - 100.0 * productive / paid).abs() < 1e-9);
+    assert_eq!(
+        (&t["steps_lost"], &t["interruptions"], &t["recoveries"]),
+        (&json!(30), &json!(2), &json!(1))
+    );
+
+    // The same through `--owner KIND/NAME` (the kind found through the Events' apiVersion) and
+    // through the pod the Events are about.
+    let pod_name = pod.metadata.name.clone().unwrap();
+    for args in [["--owner", "Job/llm"], ["--pod", pod_name.as_str()]] {
+        let r = goodput(&k, &["--namespace", &ns, args[0], args[1]]);
+        assert_eq!(
+            r["interruptions"].as_array().unwrap().len(),
+            2,
+            "{args:?}: {r:#}"
+        );
+        assert_eq!(r["skipped"], 2, "{args:?}");
+        assert_eq!(
+            r["totals"]["badput_seconds"], t["badput_seconds"],
+            "{args:?}"
+        );
+    }
+
+    // The other Job sees only its own.
+    let r = goodput(&k, &["--namespace", &ns, "--job", "other"]);
+    assert_eq!(r["interruptions"].as_array().unwrap().len(), 1);
+    assert_eq!(r["totals"]["badput_seconds"][0][1], 100.0);
+    assert_eq!(r["skipped"], 0);
+}
+
+/// The JobSet CRD of `../shared/k8s/crds`, installed (idempotent) and Established.
+async fn install_jobset_crd(k: &TestCluster) {
+    let path = assets::shared_dir()
+        .join("crds")
+        .join("jobset.x-k8s.io_jobsets.yaml");
+    let text = std::fs::read_to_string(&path).unwrap();
+    let docs = fixtures::yaml_documents(&text).unwrap();
+    let crd: CustomResourceDefinition = serde_json::from_value(docs[0].clone()).unwrap();
+    let api: Api<CustomResourceDefinition> = Api::all(k.admin());
+    let name = crd.metadata.name.clone().unwrap();
+    api.patch(
+        &name,
+        &PatchParams::apply("spotguard-goodput-test").force(),
+        &Patch::Apply(&crd),
+    )
+    .await
+    .unwrap();
+    until("the JobSet CRD Established", WAIT, || async {
+        let crd = api.get(&name).await.ok()?;
+        crd.status?
+            .conditions?
+            .iter()
+            .any(|c| c.type_ == "Established" && c.status == "True")
+            .then_some(())
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spotguard_goodput_reports_a_jobset_through_its_jobs() {
+    let k = TestCluster::new().await;
+    install_jobset_crd(&k).await;
+    let ns = k.namespace("gp-jobset").await;
+    // A JobSet (no JobSet controller runs: the test makes its Jobs), its two Jobs and a Job of
+    // another JobSet, each with a pod of its own.
+    let jobsets = kube::Api::<kube::api::DynamicObject>::namespaced_with(
+        k.admin(),
+        &ns,
+        &kube::api::ApiResource::from_gvk_with_plural(
+            &kube::api::GroupVersionKind::gvk("jobset.x-k8s.io", "v1alpha2", "JobSet"),
+            "jobsets",
+        ),
+    );
+    let js: kube::api::DynamicObject = serde_json::from_value(json!({
+        "apiVersion": "jobset.x-k8s.io/v1alpha2",
+        "kind": "JobSet",
+        "metadata": {"name": "pretrain", "namespace": ns},
+        "spec": {"replicatedJobs": [{"name": "workers", "replicas": 2, "template": {"spec": {
+            "template": {"spec": {"restartPolicy": "Never",
+                "containers": [{"name": "main", "image": "registry.example/trainer:1"}]}}}}}]}
+    }))
+    .unwrap();
+    let js = jobsets.create(&PostParams::default(), &js).await.unwrap();
+    let jobs: Api<Job> = Api::namespaced(k.admin(), &ns);
+    let ops = agent_ops(&k);
+    let mut pods = Vec::new();
+    for (job_name, jobset) in [
+        ("pretrain-workers-0", "pretrain"),
+        ("pretrain-workers-1", "pretrain"),
+        ("eval-workers-0", "eval"),
+    ] {
+        let job: Job = serde_json::from_value(json!({
+            "metadata": {"name": job_name, "labels": {JOBSET_NAME_LABEL: jobset}},
+            "spec": {"suspend": true, "template": {"spec": {"restartPolicy": "Never",
+                "containers": [{"name": "main", "image": "registry.example/trainer:1"}]}}}
+        }))
+        .unwrap();
+        let job = jobs.create(&PostParams::default(), &job).await.unwrap();
+        let owner = OwnerReference {
+            api_version: "batch/v1".into(),
+            kind: "Job".into(),
+            name: job_name.into(),
+            uid: job.metadata.uid.clone().unwrap(),
+            controller: Some(true),
+            block_owner_deletion: None,
+        };
+        let pod = TestPod::new(&ns, &format!("{job_name}-p"), &k.name("nowhere"))
+            .owned_by(owner)
+            .build();
+        pods.push(k.create_pod(&pod).await);
+    }
+    post(
+        &ops,
+        &pods[0],
+        REASONS[0],
+        &badput("n1", "spot-a", "w0", 3.0, (0, 0.0)),
+    )
+    .await;
+    post(
+        &ops,
+        &pods[1],
+        REASONS[0],
+        &badput("n1", "spot-a", "w1", 5.0, (0, 0.0)),
+    )
+    .await;
+    post(
+        &ops,
+        &pods[1],
+        REASONS[1],
+        &recovery("n1", "spot-a", "w1b", 8.0, 2.0),
+    )
+    .await;
+    post(
+        &ops,
+        &pods[2],
+        REASONS[0],
+        &badput("n9", "spot-z", "e0", 50.0, (0, 0.0)),
+    )
+    .await;
+
+    let r = goodput(&k, &["--namespace", &ns, "--jobset", "pretrain"]);
+    assert_eq!(r["owner"]["kind"], "JobSet", "{r:#}");
+    let rows = r["interruptions"].as_array().unwrap();
+    let [row] = rows.as_slice() else {
+        panic!("one interruption expected: {r:#}")
+    };
+    assert_eq!(row["notice_id"], "n1");
+    assert_eq!(row["targets"], json!(["w0", "w1"]));
+    assert_eq!(f(&row["save_seconds"]), 8.0);
+    assert_eq!(f(&row["recovery_seconds"]), 6.0);
+    let t = &r["totals"];
+    // Paid time: the JobSet's creation → now (it has no terminal condition).
+    let created = js.metadata.creation_timestamp.clone().unwrap().0;
+    assert_eq!(ts(&t["since"]), created);
+    assert_eq!(r["owner"]["running"], true);
+    let lost: f64 = t["badput_seconds"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| f(&c[1]))
+        .sum();
+    assert_eq!(lost, 16.0);
+    assert_eq!(t["targets"], 2);
+}
