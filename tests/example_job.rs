@@ -487,12 +487,15 @@ mod tolerance {
 }
 
 /// `agent` (what the agent reported) against `truth` (the trainer's own clock): at least
-/// `truth - below`, at most `truth + above`.
+/// `truth - below`, at most `truth + above`. `what`'s first line names the figure; the rest
+/// (the run's logs) follows the numbers in a failure.
 fn close(what: &str, agent: Option<f64>, truth: f64, below: f64, above: f64) {
-    let agent = agent.unwrap_or_else(|| panic!("{what}: not reported (truth {truth:.3}s)"));
+    let (name, context) = what.split_once('\n').unwrap_or((what, ""));
+    let agent =
+        agent.unwrap_or_else(|| panic!("{name}: not reported (truth {truth:.3}s)\n{context}"));
     assert!(
         agent >= truth - below && agent <= truth + above,
-        "{what}: agent {agent:.3}s, trainer's own clock {truth:.3}s (allowed -{below}s/+{above}s)"
+        "{name}: agent {agent:.3}s, trainer's own clock {truth:.3}s (allowed -{below}s/+{above}s)\n{context}"
     );
 }
 
