@@ -13,8 +13,10 @@ and of its mean (the mean carries the record's refresh every 5 s).
 
     python3 bench/helper_overhead.py --baseline /tmp/old/clients/python --rounds 7
 
-Needs torch (scripts/test-frameworks.sh installs it in target/frameworks-venv). Prints a table
-and, with ``--json``, the numbers.
+Needs torch (scripts/test-frameworks.sh installs it in target/frameworks-venv). ``--step python``
+runs without torch instead: a fixed pure-Python step of about 10 us and no process group (so
+``every`` changes nothing but the argument), which shows the helper's own per-call cost against a
+step far shorter than any real one. Prints a table and, with ``--json``, the numbers.
 """
 
 from __future__ import annotations
@@ -73,7 +75,36 @@ print(json.dumps({"median_us": statistics.median(times) / 1000, "mean_us": stati
 """
 
 
-def run(helper: str | None, every: int, seconds: float, guard: str) -> dict:
+CHILD_PYTHON = r"""
+import json, os, statistics, sys, time
+helper = os.environ.get("BENCH_HELPER")
+if helper:
+    sys.path.insert(0, helper)
+    import spotguard
+every = int(os.environ["BENCH_EVERY"])
+seconds = float(os.environ["BENCH_SECONDS"])
+if helper:
+    spotguard.install()
+    spotguard.resumed(0)
+def step():
+    return sum(i * i for i in range(200))
+for i in range(2000):
+    step()
+    if helper:
+        spotguard.should_checkpoint(every=every)
+times = []
+end = time.monotonic() + seconds
+while time.monotonic() < end:
+    t0 = time.perf_counter_ns()
+    step()
+    if helper:
+        spotguard.should_checkpoint(every=every)
+    times.append(time.perf_counter_ns() - t0)
+print(json.dumps({"median_us": statistics.median(times) / 1000, "mean_us": statistics.fmean(times) / 1000, "steps": len(times)}))
+"""
+
+
+def run(helper: str | None, every: int, seconds: float, guard: str, child: str = CHILD) -> dict:
     env = dict(os.environ, BENCH_EVERY=str(every), BENCH_SECONDS=str(seconds),
                SPOTGUARD_DIR=guard, OMP_NUM_THREADS="1")
     env.pop("SPOTGUARD_PROGRESS", None)
@@ -81,7 +112,7 @@ def run(helper: str | None, every: int, seconds: float, guard: str) -> dict:
         env["BENCH_HELPER"] = helper
     else:
         env.pop("BENCH_HELPER", None)
-    out = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True,
                          check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -93,6 +124,8 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=12.0,
                     help="timed seconds per run (more than the record's 5 s refresh)")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--step", choices=("torch", "python"), default="torch",
+                    help="the training step: a small torch MLP (default) or pure Python, no torch")
     args = ap.parse_args()
     variants = [("none", None)]
     if args.baseline:
@@ -103,7 +136,8 @@ def main() -> int:
         for r in range(args.rounds):
             for every in (1, 10):
                 for name, helper in variants:
-                    got = run(helper, every, args.seconds, guard)
+                    got = run(helper, every, args.seconds, guard,
+                              CHILD if args.step == "torch" else CHILD_PYTHON)
                     results.setdefault(f"{name} every={every}", []).append(got)
             # Partial results survive an interrupted run.
             print(f"round {r + 1}/{args.rounds}: {json.dumps(results)}", file=sys.stderr, flush=True)

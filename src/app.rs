@@ -116,7 +116,7 @@ pub async fn start_with_client(
     let kernel = probe_kernel();
     let mut tasks = Tasks::default();
 
-    let (node, discovery, pod_location) =
+    let (node, discovery, pod_location, discovery_ready) =
         node_and_discovery(&cfg, client, &metrics, &mut tasks, &cancel).await?;
     let upload = upload_service(&cfg, &telemetry, pod_location, &cancel).await;
     let inputs = spawn_notice_sources(&cfg, &telemetry, &mut tasks, &cancel)?;
@@ -148,7 +148,7 @@ pub async fn start_with_client(
     };
     tasks.spawn(
         "recovery reports",
-        crate::goodput::recovery::run(discovery, recovery, cancel.child_token()),
+        crate::goodput::recovery::run(discovery, discovery_ready, recovery, cancel.child_token()),
     );
     spawn_outcome_follower(
         &responder,
@@ -310,7 +310,7 @@ async fn node_and_discovery(
                 "checkpoint candidates",
                 discovery.clone().keep_warm(cancel.clone()),
             );
-            Ok((node, discovery, None))
+            Ok((node, discovery, None, Arc::new(|| true)))
         }
         Mode::Kubernetes => {
             let client = match client {
@@ -349,17 +349,25 @@ async fn node_and_discovery(
             let cache = discovery.clone();
             let pod_location: crate::upload::service::PodLocation =
                 Arc::new(move |pod| cache.upload_location(pod));
-            Ok((ops, discovery, Some(pod_location)))
+            let synced = discovery.clone();
+            Ok((
+                ops,
+                discovery,
+                Some(pod_location),
+                Arc::new(move || synced.synced()),
+            ))
         }
     }
 }
 
-/// Node operations, checkpoint discovery, and (Kubernetes) where a pod's annotation says its
-/// staged checkpoints go.
+/// Node operations, checkpoint discovery, (Kubernetes) where a pod's annotation says its
+/// staged checkpoints go, and whether discovery answers from its cache (the recovery task's
+/// passes wait for that: never an API list of their own).
 type NodeAndDiscovery = (
     Arc<dyn NodeOps>,
     Arc<dyn TargetDiscovery>,
     Option<crate::upload::service::PodLocation>,
+    crate::goodput::recovery::Ready,
 );
 
 /// The staged checkpoint upload service (its own runtime), and the uploads an earlier run left

@@ -342,6 +342,53 @@ while True:
         os.rename(os.path.join(d, "truth-b.tmp"), os.path.join(d, "truth-b.json"))
 "#;
 
+/// The agents' log lines (JSON), for the one test that reads them: the in-process agent logs
+/// through the global subscriber.
+#[derive(Clone, Default)]
+struct Captured(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Captured {
+    type Writer = Captured;
+    fn make_writer(&'a self) -> Captured {
+        self.clone()
+    }
+}
+
+impl Captured {
+    fn install() -> Captured {
+        let c = Captured::default();
+        tracing_subscriber::fmt()
+            .json()
+            .flatten_event(true)
+            .with_env_filter(tracing_subscriber::EnvFilter::new(
+                "warn,spotguard::goodput=info",
+            ))
+            .with_writer(c.clone())
+            .try_init()
+            .expect("the only global subscriber of this test binary");
+        c
+    }
+
+    /// The log lines with message `message`.
+    fn lines(&self, message: &str) -> Vec<serde_json::Value> {
+        String::from_utf8_lossy(&self.0.lock().unwrap())
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter(|v| v["message"] == message)
+            .collect()
+    }
+}
+
 /// The trainers run as this uid, as trainers do on a node.
 const TRAINER_UID: u32 = 1000;
 
@@ -438,6 +485,7 @@ fn recoveries(log: &Path) -> Vec<spotguard::goodput::event::Recovery> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_job_resumed_on_another_machine_reports_its_recovery_once() {
+    let logs = Captured::install();
     let tmp = tempfile::tempdir().unwrap();
     std::fs::set_permissions(tmp.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
     // The checkpoint storage both machines see (a shared filesystem).
@@ -539,6 +587,19 @@ async fn a_job_resumed_on_another_machine_reports_its_recovery_once() {
     assert_eq!(metric(&m_a, "spotguard_recoveries_total"), 0.0);
 
     assert_eq!(recoveries(&log_b).len(), 1);
+    // The log line, after the goodput log's.
+    let line = until("the recovery's log line", Duration::from_secs(10), || {
+        logs.lines("interruption recovered").into_iter().next()
+    })
+    .await;
+    assert_eq!(line["notice_id"], interrupted.notice_id.as_str());
+    assert_eq!(line["from_node"], "machine-a");
+    assert_eq!(
+        line["recovery_seconds"].as_f64(),
+        Some(got.recovery_seconds)
+    );
+    assert_eq!(line["restore_seconds"].as_f64(), Some(restore));
+    assert_eq!(logs.lines("interruption recovered").len(), 1);
 
     for (cancel, join) in [(cancel_a, app_a.join), (cancel_b, app_b.join)] {
         cancel.cancel();

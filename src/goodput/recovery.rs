@@ -338,15 +338,27 @@ pub struct Sinks {
     pub goodput_log: Option<PathBuf>,
 }
 
-/// The recovery task: a pass every [`PASS_EVERY`] until `cancel`.
-pub async fn run(discovery: Arc<dyn TargetDiscovery>, sinks: Sinks, cancel: CancellationToken) {
+/// Whether discovery answers from its cache now (Kubernetes: the pod cache synced; a host:
+/// always). A pass skips otherwise: discovery would list the node's pods from the API server,
+/// which is for a notice, not for a report.
+pub type Ready = Arc<dyn Fn() -> bool + Send + Sync>;
+
+/// The recovery task: a pass every [`PASS_EVERY`] (while `ready`) until `cancel`.
+pub async fn run(
+    discovery: Arc<dyn TargetDiscovery>,
+    ready: Ready,
+    sinks: Sinks,
+    cancel: CancellationToken,
+) {
     let mut watch = Watch::start(sinks).await;
     loop {
         tokio::select! {
             _ = cancel.cancelled() => return,
             _ = tokio::time::sleep(PASS_EVERY) => {}
         }
-        watch.pass(discovery.as_ref()).await;
+        if ready() {
+            watch.pass(discovery.as_ref()).await;
+        }
     }
 }
 
@@ -699,6 +711,102 @@ mod tests {
         assert_eq!(s2.metrics.recoveries.get(), 1);
         assert_eq!(log_recoveries(&log).len(), 2);
         assert_eq!(refused(&s2.metrics), 0);
+    }
+
+    /// Records the pod Events posted with a record.
+    #[derive(Default)]
+    struct Events(std::sync::Mutex<Vec<(String, String, String, EventRecord)>>);
+
+    #[async_trait]
+    impl NodeOps for Events {
+        async fn protect(
+            &self,
+            _: &crate::node::Protection,
+        ) -> Result<crate::node::Applied, crate::node::Error> {
+            Ok(Default::default())
+        }
+        async fn unprotect(&self, _: &crate::node::Applied) -> Result<(), crate::node::Error> {
+            Ok(())
+        }
+        async fn event(&self, _: EventType, _: &str, _: &str) -> Result<(), crate::node::Error> {
+            Ok(())
+        }
+        async fn pod_event(
+            &self,
+            _: &PodRef,
+            _: EventType,
+            _: &str,
+            _: &str,
+        ) -> Result<(), crate::node::Error> {
+            panic!("a goodput Event goes through pod_record_event")
+        }
+        async fn pod_record_event(
+            &self,
+            pod: &PodRef,
+            _: EventType,
+            reason: &str,
+            message: &str,
+            record: &EventRecord,
+        ) -> Result<(), crate::node::Error> {
+            self.0.lock().unwrap().push((
+                format!("{}/{}", pod.namespace, pod.name),
+                reason.to_string(),
+                message.to_string(),
+                record.clone(),
+            ));
+            Ok(())
+        }
+        async fn drain(
+            &self,
+            _: &crate::node::DrainRequest,
+        ) -> Result<crate::node::DrainReport, crate::node::Error> {
+            Ok(Default::default())
+        }
+        async fn gpu_conditions(&self) -> Result<crate::node::GpuConditions, crate::node::Error> {
+            Ok(Default::default())
+        }
+        async fn set_gpu_conditions(
+            &self,
+            _: &crate::node::GpuConditions,
+        ) -> Result<(), crate::node::Error> {
+            Ok(())
+        }
+    }
+
+    #[tokio::test]
+    async fn the_resumed_pod_gets_one_event_with_the_record() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (dir, log) = (tmp.path().join("ckpt"), tmp.path().join("goodput.jsonl"));
+        std::fs::create_dir(&dir).unwrap();
+        std::fs::write(own_record(&dir), RECORD).unwrap();
+        let mut d = discovery(&dir);
+        d.0[0].name = "ml/job-0".into();
+        d.0[0].pod = Some(PodRef {
+            namespace: "ml".into(),
+            name: "job-0".into(),
+            uid: "u-1".into(),
+        });
+        let events = Arc::new(Events::default());
+        let (mut s, _r) = sinks(&log);
+        s.node = Some(events.clone());
+        let mut w = Watch::start(s).await;
+        w.pass(&d).await;
+        w.pass(&d).await;
+        let posted = events.0.lock().unwrap().clone();
+        let [(pod, reason, message, EventRecord::Recovery(r))] = posted.as_slice() else {
+            panic!("one recovery Event expected: {posted:?}")
+        };
+        assert_eq!((pod.as_str(), reason.as_str()), ("ml/job-0", REASON));
+        assert_eq!(
+            (r.target.as_str(), r.notice_id.as_str()),
+            ("ml/job-0", "aws-1")
+        );
+        assert_eq!(r.recovery_seconds, 14.0);
+        assert!(
+            message.contains("aws-1") && message.contains("spot-a"),
+            "{message}"
+        );
+        assert_eq!(log_recoveries(&log), vec![r.clone()]);
     }
 
     #[tokio::test]
