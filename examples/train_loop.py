@@ -9,12 +9,17 @@ your model, optimizer and torch.save; the control flow stays the same.
 
 What happens:
   start   resume from the newest checkpoint in --ckpt-dir (default $CHECKPOINT_DIR, else
-          ./checkpoints: storage that outlives the node, never SPOTGUARD_DIR's small emptyDir)
+          ./checkpoints: storage that outlives the node, never SPOTGUARD_DIR's small emptyDir);
+          tell the helper the step, the checkpoint and how long loading it took (the agent
+          reports the recovery from the interruption that saved it)
   signal  SIGUSR1 (spotguard) or SIGTERM (kubelet): the helper sets a flag and acks "received"
   step    the current step finishes; the loop sees the flag at the step boundary
   save    write the checkpoint atomically, ack "done" with the step and path (or "skipped" when
           the save cannot fit before the notice's checkpoint deadline)
   exit    143, so Kubeflow's ExitCode restart policy / a Job podFailurePolicy retries elsewhere
+
+With --timeline it also prints each of these moments on its own clock ("timeline saved
+at=1764316800.123456 step=57"), to check what `spotguard goodput` reports against.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=600, help="total steps to train (default 600)")
     p.add_argument("--step-time", type=float, default=0.1, help="seconds per simulated step")
     p.add_argument("--save-time", type=float, default=0.3, help="seconds a simulated save takes")
+    p.add_argument("--load-time", type=float, default=0.2, help="seconds a simulated restore takes")
     p.add_argument(
         "--ckpt-dir",
         type=Path,
@@ -52,10 +58,27 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
         "on network storage or an object-store mount",
     )
     p.add_argument("--log-every", type=int, default=50, help="print progress every N steps")
+    p.add_argument(
+        "--timeline",
+        action="store_true",
+        help="also print the run's timeline on the trainer's own clock, one line per event: "
+        "'timeline EVENT at=UNIX_SECONDS key=value ...' (restored, first_step, signal, saved, "
+        "exit, finished): the ground truth to check `spotguard goodput` against",
+    )
     return p.parse_args(argv)
 
 
-def latest_checkpoint(ckpt_dir: Path) -> Optional[Tuple[int, Path, dict]]:
+_timeline = False
+
+
+def mark(event: str, at: Optional[float] = None, **fields: object) -> None:
+    """One timeline line (with --timeline): the event, its wall-clock time, its fields."""
+    if _timeline:
+        extra = "".join(f" {k}={v}" for k, v in fields.items())
+        print(f"timeline {event} at={time.time() if at is None else at:.6f}{extra}")
+
+
+def latest_checkpoint(ckpt_dir: Path, load_time: float = 0.0) -> Optional[Tuple[int, Path, dict]]:
     """The newest readable checkpoint as (step, path, state), or None."""
     best: Optional[Tuple[int, Path, dict]] = None
     if not ckpt_dir.is_dir():
@@ -69,6 +92,8 @@ def latest_checkpoint(ckpt_dir: Path) -> Optional[Tuple[int, Path, dict]]:
             continue
         if best is None or step > best[0]:
             best = (step, path, state)
+    if best is not None:
+        time.sleep(load_time)  # stands in for torch.load of a real model
     return best
 
 
@@ -92,25 +117,37 @@ def loss_at(step: int) -> float:
 
 
 def main(argv: Optional[list] = None) -> int:
+    global _timeline
     args = parse_args(argv)
+    _timeline = args.timeline
     guard_dir = spotguard.install()  # SIGUSR1 + SIGTERM; main thread, before the loop
     ckpt_dir = (args.ckpt_dir or Path(os.environ.get("CHECKPOINT_DIR") or "checkpoints")).resolve()
 
-    start = 0
-    found = latest_checkpoint(ckpt_dir)
+    start, loaded = 0, None
+    began = time.monotonic()
+    found = latest_checkpoint(ckpt_dir, args.load_time)
+    restore_seconds = time.monotonic() - began
     if found is not None:
-        start = found[0]
-        print(f"resumed from step {start} ({found[1]})")
+        start, loaded = found[0], found[1]
+        print(f"resumed from step {start} ({loaded})")
+        mark("restored", step=start, seconds=f"{restore_seconds:.6f}")
     if start >= args.steps:
         print(f"already trained {start} steps; nothing to do")
         return 0
     print(f"training steps {start + 1}..{args.steps} (pid {os.getpid()}, SPOTGUARD_DIR={guard_dir})")
     # Training starts here: from now on SIGTERM means "checkpoint" (before, it ends the process at
-    # once: nothing to save yet); the resume record tells `spotguard drill --elastic` the step.
-    spotguard.resumed(start)
+    # once: nothing to save yet). The resume record tells `spotguard drill --elastic` the step,
+    # and, naming the checkpoint and how long loading it took, lets the agent of this node report
+    # the recovery from the interruption that saved it (`spotguard goodput`).
+    if loaded is None:
+        spotguard.resumed(start)
+    else:
+        spotguard.resumed(start, checkpoint=loaded, restore_seconds=restore_seconds)
 
     for step in range(start + 1, args.steps + 1):
         time.sleep(args.step_time)  # forward, backward, optimizer.step()
+        if step == start + 1:
+            mark("first_step", step=step)
         if args.log_every > 0 and step % args.log_every == 0:
             print(f"step {step}  loss {loss_at(step):.3f}")
 
@@ -122,6 +159,7 @@ def main(argv: Optional[list] = None) -> int:
         left = spotguard.time_left()
         budget = f"{left:.0f}s left" if left is not None else "no notice.json"
         print(f"{name} received; checkpointing after step {step} ({budget})")
+        mark("signal", at=spotguard.received_at(), step=step)
         if left is not None and left < args.save_time:
             spotguard.ack("skipped", step=step)
             print("no time to save before the deadline: acked skipped; exiting 143")
@@ -133,9 +171,12 @@ def main(argv: Optional[list] = None) -> int:
             print(f"checkpoint failed: {err}; acked failed; exiting 143", file=sys.stderr)
             spotguard.exit_after_checkpoint()
         spotguard.ack("done", step=step, checkpoint=path)
+        mark("saved", step=step)
         print(f"saved {path}; acked done; exiting 143 so the job is retried")
+        mark("exit", code=143)
         spotguard.exit_after_checkpoint()
 
+    mark("finished", step=args.steps)
     print(f"training finished at step {args.steps}")
     return 0
 

@@ -3,7 +3,11 @@
 //! Python helper's launcher) checkpoints on each spot interruption of the node under it, and a
 //! fresh node with its own agent takes over, four times (more than the Job's `backoffLimit`).
 //! The Job completes, every resume starts from exactly the step saved at the notice, no step is
-//! lost, and no retry counts against `backoffLimit`.
+//! lost, and no retry counts against `backoffLimit`. What each interruption cost, as the agents
+//! report it (the `InterruptionBadput` / `InterruptionRecovered` Events' records), and the
+//! Job's goodput (`spotguard goodput --job`) agree with the harness's ground truth: the
+//! trainer's own timeline (`train_loop.py --timeline`), the times it raised each notice, and
+//! the Job's start and completion.
 //!
 //! Only what the harness cannot run is replaced in the example: the trainer's image (and with
 //! it the command), and the checkpoint PersistentVolumeClaim (a hostPath every node maps to the
@@ -15,20 +19,28 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use jiff::Timestamp;
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::events::v1::Event;
 use kube::api::{Api, ListParams, PostParams};
 use serde_json::{json, Value};
 use spotguard::app;
 use spotguard::config::{self, Config};
 use spotguard::emulator::{self, Cloud, EmulatedNotice, EmulatorConfig};
+use spotguard::goodput::event::{EventRecord, Recovery, ANNOTATION};
+use spotguard::goodput::record::category;
+use spotguard::outcome;
 use spotguard::responder::PlanEvent;
 use spotguard_testkit::k8s::fixtures::yaml_documents;
 use spotguard_testkit::k8s::{Image, Kubelet, TestCluster};
 use spotguard_testkit::wait_for_event as wait_for;
+use tokio::sync::broadcast::Receiver;
 use tokio_util::sync::CancellationToken;
 
-const STEPS: u64 = 200;
+/// Enough that the last run, after four interruptions, trains for several of its agent's
+/// recovery passes (it reports the recovery from a running trainer's resume record).
+const STEPS: u64 = 600;
 /// The tests of this file one at a time: their nodes map the same checkpoint path
 /// ([`CHECKPOINT_HOST_PATH`]), each to its own storage, and each drives its Job through the
 /// Job controller's backoff on 2 cores.
@@ -117,8 +129,11 @@ fn example_job(k: &TestCluster, namespace: &str) -> Job {
         "0.05",
         "--save-time",
         "0.1",
+        "--load-time",
+        "0.1",
         "--log-every",
-        "20"
+        "20",
+        "--timeline"
     ]);
     let volumes = spec["volumes"].as_array_mut().unwrap();
     let pvc = volumes
@@ -207,6 +222,22 @@ impl Machine {
             _dirs: dirs,
         }
     }
+
+    /// A spot interruption notice on this instance's metadata service: when the harness raised
+    /// it, and the agent's plan events from then on.
+    fn raise_interruption(&mut self) -> (Timestamp, Receiver<PlanEvent>) {
+        let events = std::mem::replace(&mut self.app.events, tokio::sync::broadcast::channel(1).1);
+        let at = Timestamp::now();
+        self.emu.raise(EmulatedNotice::interruption()).unwrap();
+        (at, events)
+    }
+
+    /// The instance goes: its agent stops, its node is deleted.
+    async fn stop(self) {
+        self.cancel.cancel();
+        let _ = tokio::time::timeout(Duration::from_secs(10), self.app.join).await;
+        self.kubelet.delete_node();
+    }
 }
 
 async fn job_pods(k: &TestCluster, ns: &str) -> Vec<Pod> {
@@ -246,17 +277,267 @@ fn numbers_after(log: &str, prefix: &str) -> Vec<u64> {
         .collect()
 }
 
+/// The checkpoint storage every node mounts, writable by the Job's uid (the PVC with its
+/// fsGroup 1000).
+fn checkpoint_storage() -> tempfile::TempDir {
+    let checkpoints = tempfile::tempdir().unwrap();
+    std::os::unix::fs::chown(checkpoints.path(), Some(1000), Some(1000)).unwrap();
+    chmod(checkpoints.path(), 0o775);
+    checkpoints
+}
+
+/// The Job's pod running on `machine`'s node whose trainer log satisfies `progressing`: its
+/// name. Fails after `limit` (`what`: which interruption or attempt waits).
+async fn trainer_on(
+    k: &TestCluster,
+    ns: &str,
+    machine: &Machine,
+    what: &str,
+    limit: Duration,
+    progressing: impl Fn(&str) -> bool,
+) -> String {
+    let start = Instant::now();
+    loop {
+        let on_node = job_pods(k, ns).await.into_iter().find(|p| {
+            phase(p) == "Running"
+                && p.spec.as_ref().and_then(|s| s.node_name.as_deref())
+                    == Some(machine.kubelet.name())
+        });
+        if let Some(p) = on_node {
+            let name = p.metadata.name.clone().unwrap();
+            if progressing(&machine.kubelet.logs(ns, &name, "trainer")) {
+                return name;
+            }
+        }
+        assert!(
+            start.elapsed() < limit,
+            "{what}: no trainer making progress on {}: {:?}",
+            machine.kubelet.name(),
+            job_pods(k, ns)
+                .await
+                .iter()
+                .map(|p| (
+                    p.metadata.name.clone(),
+                    p.spec.as_ref().and_then(|s| s.node_name.clone()),
+                    phase(p).to_string()
+                ))
+                .collect::<Vec<_>>()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Waits until `pod` has finished (or is gone: a pod the drain evicted between its ack and its
+/// exit is deleted); its last state.
+async fn wait_finished(k: &TestCluster, ns: &str, pod: &str) -> Option<Pod> {
+    k.wait_pod(ns, pod, "finished", Duration::from_secs(60), |p| {
+        p.is_none_or(|p| matches!(phase(p), "Failed" | "Succeeded"))
+    })
+    .await
+}
+
+/// Waits for the plan's `Done` event.
+async fn wait_done(events: &mut Receiver<PlanEvent>, limit: Duration) {
+    wait_for(events, limit, |e| {
+        matches!(e, PlanEvent::Done { .. }).then_some(())
+    })
+    .await
+}
+
+// ---------------------------------------------------------------------------------------------
+// Ground truth and what the agents reported.
+
+/// The trainer's own timeline (`train_loop.py --timeline`: `timeline EVENT at=UNIX key=value`),
+/// on its clock (the host's: every node of the harness is this machine).
+#[derive(Debug, Default)]
+struct TrainerTimeline {
+    /// (checkpoint step, seconds its load took).
+    restored: Option<(u64, f64)>,
+    /// (step, when it finished): the first step trained in this run.
+    first_step: Option<(u64, f64)>,
+    /// (step, when the signal arrived): the last step trained.
+    signal: Option<(u64, f64)>,
+    /// (step, when the `done` ack was written).
+    saved: Option<(u64, f64)>,
+    /// Right before the process exited 143.
+    exit: Option<f64>,
+    /// (step, when): trained to the end.
+    finished: Option<(u64, f64)>,
+}
+
+fn trainer_timeline(log: &str) -> TrainerTimeline {
+    let mut t = TrainerTimeline::default();
+    for line in log.lines() {
+        let mut words = line.split_whitespace();
+        if words.next() != Some("timeline") {
+            continue;
+        }
+        let Some(event) = words.next() else { continue };
+        let fields: BTreeMap<&str, &str> = words.filter_map(|w| w.split_once('=')).collect();
+        let num = |k: &str| -> f64 {
+            fields
+                .get(k)
+                .and_then(|v| v.parse().ok())
+                .unwrap_or_else(|| panic!("timeline line without {k}: {line:?}"))
+        };
+        let step = || num("step") as u64;
+        match event {
+            "restored" => t.restored = Some((step(), num("seconds"))),
+            "first_step" => t.first_step = Some((step(), num("at"))),
+            "signal" => t.signal = Some((step(), num("at"))),
+            "saved" => t.saved = Some((step(), num("at"))),
+            "exit" => t.exit = Some(num("at")),
+            "finished" => t.finished = Some((step(), num("at"))),
+            other => panic!("unknown timeline event {other:?} in {line:?}"),
+        }
+    }
+    t
+}
+
+fn unix(t: Timestamp) -> f64 {
+    t.as_nanosecond() as f64 / 1e9
+}
+
+/// One goodput Event: its reason, the pod it regards, its record.
+#[derive(Debug)]
+struct GoodputEvent {
+    reason: String,
+    pod: String,
+    record: EventRecord,
+}
+
+/// The goodput Events of `ns` (`InterruptionBadput`, `InterruptionRecovered`) with their
+/// `spotguard.io/goodput` records, read as an admin.
+async fn goodput_events(k: &TestCluster, ns: &str) -> Vec<GoodputEvent> {
+    let api: Api<Event> = Api::namespaced(k.admin(), ns);
+    let list = api.list(&ListParams::default()).await.unwrap();
+    list.items
+        .into_iter()
+        .filter(|e| {
+            matches!(
+                e.reason.as_deref(),
+                Some(outcome::reason::BADPUT | outcome::reason::RECOVERED)
+            )
+        })
+        .map(|e| {
+            let text = e
+                .metadata
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get(ANNOTATION))
+                .unwrap_or_else(|| panic!("goodput Event without {ANNOTATION}: {e:?}"));
+            GoodputEvent {
+                reason: e.reason.clone().unwrap_or_default(),
+                pod: e
+                    .regarding
+                    .as_ref()
+                    .and_then(|r| r.name.clone())
+                    .unwrap_or_default(),
+                record: serde_json::from_str(text)
+                    .unwrap_or_else(|err| panic!("{ANNOTATION} {text:?}: {err}")),
+            }
+        })
+        .collect()
+}
+
+/// Waits until the agent of `pod`'s node reported its recovery (an `InterruptionRecovered`
+/// Event on it): the trainer must still run then, since the agent reads its resume record.
+async fn wait_recovered(k: &TestCluster, ns: &str, pod: &str, limit: Duration) -> Recovery {
+    let start = Instant::now();
+    loop {
+        let found = goodput_events(k, ns)
+            .await
+            .into_iter()
+            .find_map(|e| match e {
+                GoodputEvent {
+                    pod: p,
+                    record: EventRecord::Recovery(r),
+                    ..
+                } if p == pod => Some(r),
+                _ => None,
+            });
+        if let Some(r) = found {
+            return r;
+        }
+        assert!(
+            start.elapsed() < limit,
+            "no {} Event on {pod} in {limit:?}: {:?}",
+            outcome::reason::RECOVERED,
+            goodput_events(k, ns).await
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// How far the agents' figures may be from the trainer's own clock, and why.
+mod tolerance {
+    /// Two clock reads of one process a few statements apart (the helper's timestamps vs the
+    /// trainer's `timeline` lines around the same call), on 2 cores shared with the control
+    /// plane, five kubelets and their agents: a Python process can be descheduled for tens of
+    /// ms between two statements.
+    pub const SAME_PROCESS: f64 = 0.1;
+    /// The agent's view of a trainer's ack (or exit) lags it by at most one watcher poll
+    /// (`checkpoint::run::POLL_INTERVAL`, 50 ms), and its signal reaches the trainer through
+    /// the launcher's forwarding; both are threads or processes waiting for a CPU on the same
+    /// loaded 2 cores.
+    pub const AGENT_VIEW: f64 = 0.5;
+    /// The agent sees a notice within one metadata poll (`--poll-interval=200ms`) of the
+    /// harness raising it, plus the same scheduling slack.
+    pub const DETECTION: f64 = 0.2 + AGENT_VIEW;
+}
+
+/// `agent` (what the agent reported) against `truth` (the trainer's own clock): at least
+/// `truth - below`, at most `truth + above`. `what`'s first line names the figure; the rest
+/// (the run's logs) follows the numbers in a failure.
+fn close(what: &str, agent: Option<f64>, truth: f64, below: f64, above: f64) {
+    let (name, context) = what.split_once('\n').unwrap_or((what, ""));
+    let agent =
+        agent.unwrap_or_else(|| panic!("{name}: not reported (truth {truth:.3}s)\n{context}"));
+    assert!(
+        agent >= truth - below && agent <= truth + above,
+        "{name}: agent {agent:.3}s, trainer's own clock {truth:.3}s (allowed -{below}s/+{above}s)\n{context}"
+    );
+}
+
+/// Interruption `i` as the harness saw it.
+struct Raised {
+    /// When the harness raised the notice (its clock).
+    at: Timestamp,
+    /// The step in the agent's `Checkpointed` result.
+    acked_step: Option<u64>,
+}
+
+/// Raises a spot interruption on `machine` and follows its plan to the end: the trainer
+/// `pod` acks (its step returned), the plan is done, the pod has finished.
+async fn interrupt(k: &TestCluster, ns: &str, machine: &mut Machine, pod: &str) -> Raised {
+    let (at, mut events) = machine.raise_interruption();
+    let results = wait_for(&mut events, Duration::from_secs(60), |e| match e {
+        PlanEvent::Checkpointed { results, .. } => Some(results.clone()),
+        _ => None,
+    })
+    .await;
+    assert_eq!(results.len(), 1, "{results:?}");
+    assert_eq!(
+        results[0].outcome.as_str(),
+        "acked",
+        "{results:?}\ntrainer log:\n{}",
+        machine.kubelet.logs(ns, pod, "trainer")
+    );
+    // "… step=N …" in the group's detail.
+    let acked_step = numbers_after(&results[0].detail, "step=").first().copied();
+    wait_done(&mut events, Duration::from_secs(60)).await;
+    // The trainer's pod has finished on the old node.
+    wait_finished(k, ns, pod).await;
+    Raised { at, acked_step }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_example_job_survives_more_interruptions_than_its_backoff_limit_losing_no_step() {
     let _one = ONE_AT_A_TIME.lock().await;
     let k = TestCluster::new().await;
     let ns = k.namespace("ml").await;
     let (_image_dir, image) = trainer_image();
-    // The checkpoint storage every node mounts, writable by the Job's uid (the PVC with its
-    // fsGroup 1000).
-    let checkpoints = tempfile::tempdir().unwrap();
-    std::os::unix::fs::chown(checkpoints.path(), Some(1000), Some(1000)).unwrap();
-    chmod(checkpoints.path(), 0o775);
+    let checkpoints = checkpoint_storage();
 
     let job = example_job(&k, &ns);
     let backoff_limit = job.spec.as_ref().and_then(|s| s.backoff_limit).unwrap();
@@ -274,89 +555,37 @@ async fn the_example_job_survives_more_interruptions_than_its_backoff_limit_losi
     let mut logs: BTreeMap<String, String> = BTreeMap::new();
     // The trainers' pods in the order they trained.
     let mut order: Vec<String> = Vec::new();
-    let mut acked_steps = Vec::new();
+    let mut raised: Vec<Raised> = Vec::new();
     for i in 1..=INTERRUPTIONS {
         // The trainer trains on this machine's node.
-        let start = Instant::now();
-        let pod = loop {
-            let on_node = job_pods(&k, &ns).await.into_iter().find(|p| {
-                phase(p) == "Running"
-                    && p.spec.as_ref().and_then(|s| s.node_name.as_deref())
-                        == Some(machine.kubelet.name())
-            });
-            if let Some(p) = on_node {
-                let name = p.metadata.name.clone().unwrap();
-                if machine
-                    .kubelet
-                    .logs(&ns, &name, "trainer")
-                    .contains("step 20 ")
-                    || machine
-                        .kubelet
-                        .logs(&ns, &name, "trainer")
-                        .contains("  loss")
-                {
-                    break name;
-                }
-            }
-            assert!(
-                start.elapsed() < Duration::from_secs(90),
-                "interruption {i}: no trainer making progress on {}: {:?}",
-                machine.kubelet.name(),
-                job_pods(&k, &ns)
-                    .await
-                    .iter()
-                    .map(|p| (
-                        p.metadata.name.clone(),
-                        p.spec.as_ref().and_then(|s| s.node_name.clone()),
-                        phase(p).to_string()
-                    ))
-                    .collect::<Vec<_>>()
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        };
+        let pod = trainer_on(
+            &k,
+            &ns,
+            &machine,
+            &format!("interruption {i}"),
+            Duration::from_secs(90),
+            |log| log.contains("step 20 ") || log.contains("  loss"),
+        )
+        .await;
         // A fresh machine joins; the spot interruption hits the current one.
         let next = Machine::start(&k, i, &image, checkpoints.path()).await;
-        let mut events = std::mem::replace(
-            &mut machine.app.events,
-            tokio::sync::broadcast::channel(1).1,
-        );
-        machine.emu.raise(EmulatedNotice::interruption()).unwrap();
-        let results = wait_for(&mut events, Duration::from_secs(60), |e| match e {
-            PlanEvent::Checkpointed { results, .. } => Some(results.clone()),
-            _ => None,
-        })
-        .await;
-        assert_eq!(results.len(), 1, "{results:?}");
-        assert_eq!(
-            results[0].outcome.as_str(),
-            "acked",
-            "{results:?}\ntrainer log:\n{}",
-            machine.kubelet.logs(&ns, &pod, "trainer")
-        );
-        // "… step=N …" in the group's detail.
-        acked_steps.push(numbers_after(&results[0].detail, "step=").first().copied());
-        wait_for(&mut events, Duration::from_secs(60), |e| {
-            matches!(e, PlanEvent::Done { .. }).then_some(())
-        })
-        .await;
-        // The trainer's pod has finished on the old node; keep its log, then the instance goes.
-        k.wait_pod(&ns, &pod, "finished", Duration::from_secs(60), |p| {
-            p.is_none_or(|p| matches!(phase(p), "Failed" | "Succeeded"))
-        })
-        .await;
-        // By its name: a pod the drain evicted between its ack and its exit is gone from the
-        // API (deleted), its log is still the kubelet's.
+        if i > 1 {
+            // This node's agent has told the recovery from the last interruption (it reads the
+            // resume record of a running trainer only).
+            wait_recovered(&k, &ns, &pod, Duration::from_secs(60)).await;
+        }
+        raised.push(interrupt(&k, &ns, &mut machine, &pod).await);
+        // Keep its log (by its name: a pod the drain evicted between its ack and its exit is
+        // gone from the API, its log is still the kubelet's), then the instance goes.
         order.push(pod.clone());
         logs.insert(pod.clone(), machine.kubelet.logs(&ns, &pod, "trainer"));
-        machine.cancel.cancel();
-        let _ = tokio::time::timeout(Duration::from_secs(10), machine.app.join).await;
-        machine.kubelet.delete_node();
+        machine.stop().await;
         machine = next;
     }
 
     // The last machine trains to the end: the Job completes.
     let start = Instant::now();
-    let done = loop {
+    let (done, job_times) = loop {
         let j = jobs.get("llm-finetune").await.unwrap();
         let status = j.status.clone().unwrap_or_default();
         let cond = |t: &str| {
@@ -367,7 +596,11 @@ async fn the_example_job_survives_more_interruptions_than_its_backoff_limit_losi
                 .any(|c| c.type_ == t && c.status == "True")
         };
         if cond("Complete") {
-            break status;
+            let times = (
+                status.start_time.clone().expect("startTime").0,
+                status.completion_time.clone().expect("completionTime").0,
+            );
+            break (status, times);
         }
         assert!(!cond("Failed"), "the Job failed: {:?}", status.conditions);
         assert!(
@@ -416,8 +649,8 @@ async fn the_example_job_survives_more_interruptions_than_its_backoff_limit_losi
         }
     }
     let mut chain: Vec<(String, u64, Option<u64>)> = Vec::new();
-    for name in order {
-        let Some(log) = logs.get(&name) else { continue };
+    for name in &order {
+        let Some(log) = logs.get(name) else { continue };
         let resumed = numbers_after(log, "resumed from step")
             .first()
             .copied()
@@ -425,8 +658,9 @@ async fn the_example_job_survives_more_interruptions_than_its_backoff_limit_losi
         let saved = numbers_after(log, "saved /checkpoints/step-")
             .last()
             .copied();
-        chain.push((name, resumed, saved));
+        chain.push((name.clone(), resumed, saved));
     }
+    let acked_steps: Vec<Option<u64>> = raised.iter().map(|r| r.acked_step).collect();
     let summary = format!("{chain:?}\nacked steps {acked_steps:?}\nlogs: {logs:#?}");
     assert_eq!(chain.len(), INTERRUPTIONS + 1, "{summary}");
     assert_eq!(
@@ -451,6 +685,292 @@ async fn the_example_job_survives_more_interruptions_than_its_backoff_limit_losi
         last.contains(&format!("training finished at step {STEPS}")),
         "{summary}"
     );
+
+    // What each interruption cost, as the agents reported it, against the trainers' own clock.
+    let timelines: Vec<TrainerTimeline> = chain
+        .iter()
+        .map(|(name, ..)| trainer_timeline(&logs[name]))
+        .collect();
+    let events = goodput_events(&k, &ns).await;
+    // The trainers' sums over the Job (seconds): signal → ack, ack → the next first step
+    // (restore included), the restores.
+    #[derive(Default)]
+    struct Sums {
+        save: f64,
+        recovery: f64,
+        restore: f64,
+    }
+    let mut truth = Sums::default();
+    for i in 0..INTERRUPTIONS {
+        let (pod, next_pod) = (&chain[i].0, &chain[i + 1].0);
+        let (t, next) = (&timelines[i], &timelines[i + 1]);
+        let what = |m: &str| format!("interruption {}: {m}\n{summary}", i + 1);
+        let (Some((stopped, signal_at)), Some((saved_step, saved_at)), Some(exit_at)) =
+            (t.signal, t.saved, t.exit)
+        else {
+            panic!(
+                "{}",
+                what(&format!("{pod}'s timeline is incomplete: {t:?}"))
+            );
+        };
+        let (Some((restored_step, restore)), Some((first, first_at))) =
+            (next.restored, next.first_step)
+        else {
+            panic!(
+                "{}",
+                what(&format!("{next_pod}'s timeline is incomplete: {next:?}"))
+            );
+        };
+        assert_eq!(first, restored_step + 1, "{}", what("first step"));
+        // Ground truth: thrown away = trained on the old node, not resumed from.
+        let truth_lost = stopped - restored_step;
+        let badput = events
+            .iter()
+            .find_map(|e| match &e.record {
+                EventRecord::Badput(b) if e.pod == *pod && e.reason == outcome::reason::BADPUT => {
+                    Some(b)
+                }
+                _ => None,
+            })
+            .unwrap_or_else(|| {
+                panic!("{}", what(&format!("no badput Event on {pod}: {events:?}")))
+            });
+        let recovery = events
+            .iter()
+            .find_map(|e| match &e.record {
+                EventRecord::Recovery(r) if e.pod == *next_pod => Some(r),
+                _ => None,
+            })
+            .unwrap_or_else(|| {
+                panic!(
+                    "{}",
+                    what(&format!("no recovery Event on {next_pod}: {events:?}"))
+                )
+            });
+        assert_eq!(badput.targets.len(), 1, "{}", what(&format!("{badput:?}")));
+        let target = &badput.targets[0];
+        let opt = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.3}"));
+        eprintln!(
+            "interruption {} (trainer's clock / agent's): save {:.3}/{}s, down {:.3}/{}s, \
+             recovery {:.3}/{:.3}s, restore {restore:.3}/{}s, steps lost {truth_lost}/{:?}",
+            i + 1,
+            saved_at - signal_at,
+            opt(target.save_seconds),
+            exit_at - signal_at,
+            opt(target.downtime_seconds),
+            first_at - saved_at,
+            recovery.recovery_seconds,
+            opt(recovery.restore_seconds),
+            target.wasted_steps,
+        );
+        assert_eq!(target.target, format!("{ns}/{pod}"), "{}", what("target"));
+        assert_eq!(target.outcome, "acked", "{}", what("outcome"));
+        assert_eq!(target.step, Some(saved_step), "{}", what("acked step"));
+        assert_eq!(
+            recovery.notice_id,
+            badput.notice_id,
+            "{}",
+            what("the recovery names its interruption")
+        );
+        assert_eq!(
+            recovery.from_node.as_deref(),
+            Some(badput.node.as_str()),
+            "{}",
+            what("from node")
+        );
+        assert_eq!(recovery.step, restored_step, "{}", what("resumed step"));
+        // The harness's own clock: the notice raised → seen → signalled → the trainer's signal.
+        let seen = badput
+            .seen_at
+            .unwrap_or_else(|| panic!("{}", what("no seen_at")));
+        let signalled = badput
+            .signalled_at
+            .unwrap_or_else(|| panic!("{}", what("no signalled_at")));
+        close(
+            &what("detection (harness raised → agent saw)"),
+            Some(unix(seen) - unix(raised[i].at)),
+            0.0,
+            0.0,
+            tolerance::DETECTION,
+        );
+        assert!(signalled >= seen, "{}", what("signalled before seen"));
+        close(
+            &what("signal delivery (agent signalled → trainer caught)"),
+            Some(signal_at - unix(signalled)),
+            0.0,
+            tolerance::SAME_PROCESS,
+            tolerance::AGENT_VIEW,
+        );
+        // Save (signal → ack) and downtime (signal → exit): from the agent's signal to its
+        // view of the ack, so never shorter than the trainer's own, by at most its view's lag.
+        close(
+            &what("save"),
+            target.save_seconds,
+            saved_at - signal_at,
+            tolerance::SAME_PROCESS,
+            tolerance::AGENT_VIEW,
+        );
+        close(
+            &what("downtime"),
+            target.downtime_seconds,
+            exit_at - signal_at,
+            tolerance::SAME_PROCESS,
+            tolerance::AGENT_VIEW,
+        );
+        assert_eq!(
+            truth_lost,
+            0,
+            "{}",
+            what("every trainer acks the step it stopped at")
+        );
+        assert_eq!(
+            target.wasted_steps,
+            Some(truth_lost),
+            "{}",
+            what("steps thrown away")
+        );
+        assert_eq!(
+            target.wasted_seconds,
+            Some(0.0),
+            "{}",
+            what("seconds thrown away")
+        );
+        // Recovery (old trainer's ack → first step of the next) and restore: the helper's clock
+        // reads, in the same processes as the trainer's lines around them.
+        close(
+            &what("recovery"),
+            Some(recovery.recovery_seconds),
+            first_at - saved_at,
+            tolerance::SAME_PROCESS,
+            tolerance::SAME_PROCESS,
+        );
+        close(
+            &what("restore"),
+            recovery.restore_seconds,
+            restore,
+            1e-3,
+            1e-3,
+        );
+        truth.save += saved_at - signal_at;
+        truth.recovery += first_at - saved_at;
+        truth.restore += restore;
+    }
+
+    assert_eq!(
+        timelines[INTERRUPTIONS].finished.map(|f| f.0),
+        Some(STEPS),
+        "the last trainer's timeline ends at the last step: {summary}"
+    );
+
+    // The whole Job: `spotguard goodput` (the built binary, an admin's kubeconfig) against the
+    // harness's figure with the same definition (paid: the Job's startTime → completionTime;
+    // badput: save + thrown away + recovery (restore included); start-up before the first step
+    // and the time after the last one are not charged).
+    let paid = unix(job_times.1) - unix(job_times.0);
+    let truth_badput = truth.save + truth.recovery;
+    let truth_goodput = 100.0 * (paid - truth_badput) / paid;
+    let report = goodput_report(&k, &ns, true);
+    let table = goodput_report(&k, &ns, false);
+    eprintln!(
+        "spotguard goodput --namespace {ns} --job llm-finetune\n{}",
+        table.as_str().unwrap_or("")
+    );
+    let totals = &report["totals"];
+    let number = |key: &str| {
+        totals[key]
+            .as_f64()
+            .unwrap_or_else(|| panic!("no totals.{key} in {report:#}"))
+    };
+    // Paid time: the same two fields of the same Job, read by both.
+    assert!(
+        (number("paid_seconds") - paid).abs() < 1e-6,
+        "paid: the harness {paid}s (the Job's startTime → completionTime): {report:#}"
+    );
+    assert_eq!(totals["steps_lost"], 0, "no step thrown away: {report:#}");
+    assert_eq!(
+        (&totals["interruptions"], &totals["recoveries"]),
+        (&json!(INTERRUPTIONS), &json!(INTERRUPTIONS)),
+        "{report:#}"
+    );
+    // Each category over the Job against the trainers' sums, with the per-interruption
+    // tolerances added up.
+    let category = |name: &str| {
+        totals["badput_seconds"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|c| c[0] == name)
+            .and_then(|c| c[1].as_f64())
+            .unwrap_or_else(|| panic!("no {name} in totals.badput_seconds: {report:#}"))
+    };
+    let n = INTERRUPTIONS as f64;
+    close(
+        "the Job's checkpoint_save",
+        Some(category(category::CHECKPOINT_SAVE)),
+        truth.save,
+        n * tolerance::SAME_PROCESS,
+        n * tolerance::AGENT_VIEW,
+    );
+    close(
+        "the Job's wasted_progress",
+        Some(category(category::WASTED_PROGRESS)),
+        0.0,
+        0.0,
+        0.0,
+    );
+    close(
+        "the Job's checkpoint_restore",
+        Some(category(category::CHECKPOINT_RESTORE)),
+        truth.restore,
+        n * 1e-3,
+        n * 1e-3,
+    );
+    close(
+        "the Job's infrastructure_recovery + checkpoint_restore",
+        Some(category(category::INFRASTRUCTURE_RECOVERY) + category(category::CHECKPOINT_RESTORE)),
+        truth.recovery,
+        n * tolerance::SAME_PROCESS,
+        n * tolerance::SAME_PROCESS,
+    );
+    let reported = number("goodput_percent");
+    // Each interruption's save may read up to AGENT_VIEW longer than the trainer's own; the
+    // recoveries are the helper's clock reads (SAME_PROCESS each).
+    let allowed =
+        100.0 * (INTERRUPTIONS as f64 * (tolerance::AGENT_VIEW + tolerance::SAME_PROCESS)) / paid;
+    eprintln!(
+        "goodput: harness {truth_goodput:.2}% (paid {paid:.0}s, badput {truth_badput:.2}s), spotguard goodput {reported:.2}%"
+    );
+    assert!(
+        (reported - truth_goodput).abs() <= allowed,
+        "spotguard goodput says {reported:.2}%, the harness {truth_goodput:.2}% (allowed ±{allowed:.2}): {report:#}"
+    );
+}
+
+/// `spotguard goodput --namespace NS --job llm-finetune` (`--json`: parsed; else the table as a
+/// string), the built binary with an admin's kubeconfig.
+fn goodput_report(k: &TestCluster, ns: &str, json: bool) -> Value {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_spotguard"))
+        .args(["goodput", "--namespace", ns, "--job", "llm-finetune"])
+        .args(json.then_some("--json"))
+        .arg("--kubeconfig")
+        .arg(&k.cp.admin_kubeconfig)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "spotguard goodput: {}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    if !json {
+        return Value::String(String::from_utf8_lossy(&out.stdout).into_owned());
+    }
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "spotguard goodput --json: {e}\n{}",
+            String::from_utf8_lossy(&out.stdout)
+        )
+    })
 }
 
 /// The trainer of [`the_example_jobs_rules_ignore_every_kind_of_preemption_and_fail_a_real_failure`]:
@@ -519,9 +1039,7 @@ async fn the_example_jobs_rules_ignore_every_kind_of_preemption_and_fail_a_real_
     let k = TestCluster::new().await;
     let ns = k.namespace("ml").await;
     let (_image_dir, image) = trainer_image();
-    let checkpoints = tempfile::tempdir().unwrap();
-    std::os::unix::fs::chown(checkpoints.path(), Some(1000), Some(1000)).unwrap();
-    chmod(checkpoints.path(), 0o775);
+    let checkpoints = checkpoint_storage();
     let mut machine = Machine::start(&k, 0, &image, checkpoints.path()).await;
     let jobs: Api<Job> = Api::namespaced(k.admin(), &ns);
     jobs.create(
@@ -532,30 +1050,15 @@ async fn the_example_jobs_rules_ignore_every_kind_of_preemption_and_fail_a_real_
     .expect("the Job is accepted");
 
     for attempt in 1..=3 {
-        let start = Instant::now();
-        let pod = loop {
-            let on_node = job_pods(&k, &ns).await.into_iter().find(|p| {
-                phase(p) == "Running"
-                    && p.spec.as_ref().and_then(|s| s.node_name.as_deref())
-                        == Some(machine.kubelet.name())
-            });
-            if let Some(p) = on_node {
-                let name = p.metadata.name.clone().unwrap();
-                if machine
-                    .kubelet
-                    .logs(&ns, &name, "trainer")
-                    .contains("training")
-                {
-                    break name;
-                }
-            }
-            assert!(
-                start.elapsed() < Duration::from_secs(120),
-                "attempt {attempt}: no trainer on {}",
-                machine.kubelet.name()
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        };
+        let pod = trainer_on(
+            &k,
+            &ns,
+            &machine,
+            &format!("attempt {attempt}"),
+            Duration::from_secs(120),
+            |log| log.contains("training"),
+        )
+        .await;
         let run = machine
             .kubelet
             .wait_run(&ns, &pod, "trainer", Duration::from_secs(10))
@@ -564,11 +1067,7 @@ async fn the_example_jobs_rules_ignore_every_kind_of_preemption_and_fail_a_real_
             assert!(spotguard_testkit::process::wait_catches_usr1(run.pid).await);
         }
         let next = Machine::start(&k, attempt, &image, checkpoints.path()).await;
-        let mut events = std::mem::replace(
-            &mut machine.app.events,
-            tokio::sync::broadcast::channel(1).1,
-        );
-        machine.emu.raise(EmulatedNotice::interruption()).unwrap();
+        let (_, mut events) = machine.raise_interruption();
         if attempt == 2 {
             // The power-off, after the agent marked the pod: the trainer dies without an ack.
             k.wait_pod(
@@ -587,15 +1086,8 @@ async fn the_example_jobs_rules_ignore_every_kind_of_preemption_and_fail_a_real_
                 libc::kill(run.pid as i32, libc::SIGKILL);
             }
         }
-        wait_for(&mut events, Duration::from_secs(120), |e| {
-            matches!(e, PlanEvent::Done { .. }).then_some(())
-        })
-        .await;
-        let finished = k
-            .wait_pod(&ns, &pod, "finished", Duration::from_secs(60), |p| {
-                p.is_none_or(|p| matches!(phase(p), "Failed" | "Succeeded"))
-            })
-            .await;
+        wait_done(&mut events, Duration::from_secs(120)).await;
+        let finished = wait_finished(&k, &ns, &pod).await;
         let code = finished
             .as_ref()
             .and_then(|p| p.status.as_ref()?.container_statuses.as_ref())
@@ -606,9 +1098,7 @@ async fn the_example_jobs_rules_ignore_every_kind_of_preemption_and_fail_a_real_
         if attempt == 2 {
             assert_eq!(code, Some(137), "killed at the power-off");
         }
-        machine.cancel.cancel();
-        let _ = tokio::time::timeout(Duration::from_secs(10), machine.app.join).await;
-        machine.kubelet.delete_node();
+        machine.stop().await;
         machine = next;
     }
     let (outcome, job) = job_condition(&jobs, "llm-finetune", Duration::from_secs(180)).await;
@@ -638,6 +1128,5 @@ async fn the_example_jobs_rules_ignore_every_kind_of_preemption_and_fail_a_real_
         .find(|c| c.type_ == "Failed")
         .and_then(|c| c.reason.clone());
     assert_eq!(reason.as_deref(), Some("PodFailurePolicy"), "{status:?}");
-    machine.cancel.cancel();
-    let _ = tokio::time::timeout(Duration::from_secs(10), machine.app.join).await;
+    machine.stop().await;
 }

@@ -116,3 +116,59 @@ def test_skips_when_the_save_cannot_fit(tmp_path: Path) -> None:
     ack = read_json(guard / f"ack-{proc.pid}.json")
     assert ack is not None and ack["state"] == "skipped" and ack["checkpoint"] is None
     assert not (guard / "checkpoints").exists()
+
+
+def timeline(out: str) -> dict:
+    """``--timeline`` lines (``timeline EVENT at=UNIX key=value ...``) by event."""
+    events = {}
+    for line in out.splitlines():
+        words = line.split()
+        if words[:1] == ["timeline"]:
+            events[words[1]] = dict(w.split("=", 1) for w in words[2:])
+    return events
+
+
+def test_timeline_is_the_runs_own_clock_and_the_resume_names_its_checkpoint(tmp_path: Path) -> None:
+    guard = tmp_path / "guard"
+    before = time.time()
+    proc = start(guard, "--steps", "100000", "--timeline")
+    signal_when_caught(proc, signal.SIGUSR1, notice=(guard, 90))
+    rc, out, err = finish(proc)
+    assert rc == 143, (out, err)
+    ack = read_json(guard / f"ack-{proc.pid}.json")
+    assert ack is not None and ack["state"] == "done"
+    t = timeline(out)
+    assert set(t) == {"first_step", "signal", "saved", "exit"}, out
+    assert t["first_step"]["step"] == "1" and t["signal"]["step"] == t["saved"]["step"] == str(ack["step"])
+    at = {k: float(v["at"]) for k, v in t.items()}
+    # The signal's arrival (the helper's; it may come during the first step), then the ack
+    # written, then the exit: in order, and the save took at least --save-time (0.05 s).
+    assert before <= at["signal"] <= float(ack["ts"]) <= at["saved"] <= at["exit"], t
+    assert before <= at["first_step"] <= at["saved"], t
+    assert at["saved"] - at["signal"] >= 0.05, t
+
+    # The next run loads that checkpoint (for at least --load-time), times it, and tells the
+    # helper: the resume record carries the restore time.
+    again = start(guard, "--steps", str(ack["step"] + 3), "--load-time", "0.2", "--timeline")
+    rc, out, err = finish(again)
+    assert rc == 0, (out, err)
+    t = timeline(out)
+    assert set(t) == {"restored", "first_step", "finished"}, out
+    assert t["restored"]["step"] == str(ack["step"])
+    assert t["first_step"]["step"] == str(ack["step"] + 1)
+    restore = float(t["restored"]["seconds"])
+    assert restore >= 0.2, t
+    record = read_json(guard / f"resume-{again.pid}.json")
+    assert record is not None and record["step"] == ack["step"], record
+    assert abs(record["restore_seconds"] - restore) < 1e-5, (record, t)
+    # ... and names the interruption that saved it (the helper's sidecar next to the checkpoint).
+    assert record["interruption"]["notice_id"] == "drill-1", record
+    assert record["interruption"]["step"] == ack["step"], record
+    # Without --timeline the output is unchanged.
+    assert timeline(start_and_finish(guard, "--steps", str(ack["step"] + 4))) == {}
+
+
+def start_and_finish(guard: Path, *args: str) -> str:
+    rc, out, err = finish(start(guard, *args))
+    assert rc == 0, (out, err)
+    return out
