@@ -509,9 +509,10 @@ def _note_first_step() -> None:
         _warn_stderr(f"cannot write the resume record's first_step_ts: {err}")
 
 
-#: The name of a directory checkpoint's sidecar (inside it); a file checkpoint's sidecar is the
-#: file's path plus this suffix.
-SIDECAR_NAME = ".spotguard.json"
+#: The hidden directory beside a checkpoint that holds its interruption sidecar
+#: (``<parent>/.spotguard/<name>.json``). Nothing is written inside the checkpoint, nor next to it
+#: under a name a trainer's own ``glob("step-*")`` could take for another checkpoint.
+SIDECAR_DIR = ".spotguard"
 
 #: Sidecars larger than this (bytes) are ignored.
 MAX_SIDECAR_BYTES = 4096
@@ -520,12 +521,11 @@ _SCHEMES = ("s3://", "gs://", "file://", "http://", "https://")
 
 
 def sidecar_path(checkpoint: Union[str, "os.PathLike[str]"]) -> Path:
-    """Where the interruption sidecar of a local checkpoint lives: ``<checkpoint>/.spotguard.json``
-    for a directory, ``<checkpoint>.spotguard.json`` for a file."""
-    where = os.fspath(checkpoint)
-    if os.path.isdir(where):
-        return Path(where) / SIDECAR_NAME
-    return Path(where + SIDECAR_NAME)
+    """Where the interruption sidecar of a local checkpoint (a file or a directory) lives:
+    ``<parent>/.spotguard/<name>.json``, e.g. ``/ckpt/.spotguard/step-120.pt.json`` for
+    ``/ckpt/step-120.pt``."""
+    where = Path(os.path.normpath(os.fspath(checkpoint)))
+    return where.parent / SIDECAR_DIR / f"{where.name}.json"
 
 
 def _warn_stderr(text: str) -> None:
@@ -558,7 +558,9 @@ def _write_sidecar(step: int, where: Optional[str]) -> None:
             "signal_ts": _received_at,
             "saved_ts": time.time(),
         }
-        _write_atomic(sidecar_path(where), json.dumps(body, separators=(",", ":")).encode())
+        path = sidecar_path(where)
+        path.parent.mkdir(exist_ok=True)
+        _write_atomic(path, json.dumps(body, separators=(",", ":")).encode())
     except (OSError, ValueError, TypeError) as err:
         _warn_stderr(f"cannot write the checkpoint's interruption sidecar for {where}: {err}")
 

@@ -98,8 +98,8 @@ print(json.dumps({"before": before, "first": first, "after": json.loads(path.rea
 
 def test_a_checkpoint_saved_after_a_notice_gets_its_sidecar(tmp_path: Path, guard_dir: Path, spawn) -> None:
     got = _save_after_notice(guard_dir, tmp_path / "store", spawn)
-    for ckpt, sidecar in ((got["dir"], Path(got["dir"]) / ".spotguard.json"),
-                          (got["file"], Path(got["file"] + ".spotguard.json"))):
+    for ckpt in (got["dir"], got["file"]):
+        sidecar = Path(ckpt).parent / ".spotguard" / (Path(ckpt).name + ".json")
         assert spotguard.sidecar_path(ckpt) == sidecar
         body = read_json(sidecar)
         assert body is not None, f"no sidecar for {ckpt}"
@@ -109,6 +109,11 @@ def test_a_checkpoint_saved_after_a_notice_gets_its_sidecar(tmp_path: Path, guar
         assert body["signal_ts"] == got["signal_ts"]
         assert got["before"] <= body["saved_ts"] <= got["after"]
         assert body["signal_ts"] <= body["saved_ts"]
+        # Nothing inside the checkpoint, nothing beside it that a trainer's own listing of its
+        # checkpoints (`glob("step-*")`, `*.json`, …) could take for one: only the hidden dir.
+        parent = Path(ckpt).parent
+        assert [p.name for p in parent.iterdir() if "spotguard" in p.name] == [".spotguard"]
+    assert not [n for n in os.listdir(got["dir"]) if "spotguard" in n]
 
 
 def test_no_sidecar_without_a_notice(tmp_path: Path, guard_dir: Path, spawn) -> None:
@@ -127,7 +132,7 @@ print("ok")
 """, guard_dir, args=(str(store),))
     rc, out, err = child.wait()
     assert rc == 0 and out.strip() == "ok", err
-    assert not (store / "step-5" / ".spotguard.json").exists()
+    assert not (store / ".spotguard").exists()
 
 
 def test_resumed_names_the_interruption_and_the_first_step_once(tmp_path: Path, guard_dir: Path, spawn) -> None:
@@ -171,18 +176,19 @@ def test_hostile_sidecars_are_ignored_without_raising(tmp_path: Path, guard_dir:
     }
     store = tmp_path / "store"
     store.mkdir()
+    (store / ".spotguard").mkdir()
     for name, data in cases.items():
         (store / name).mkdir()
-        (store / name / ".spotguard.json").write_bytes(data)
+        spotguard.sidecar_path(store / name).write_bytes(data)
     # A symlink to a valid sidecar elsewhere, and a FIFO (a blocking open would hang resumed()).
     (store / "elsewhere.json").write_text(json.dumps(good))
     (store / "symlink").mkdir()
-    os.symlink(store / "elsewhere.json", store / "symlink" / ".spotguard.json")
+    os.symlink(store / "elsewhere.json", spotguard.sidecar_path(store / "symlink"))
     (store / "fifo").mkdir()
-    os.mkfifo(store / "fifo" / ".spotguard.json")
+    os.mkfifo(spotguard.sidecar_path(store / "fifo"))
     # The control: the same content as a plain file is taken.
     (store / "control").mkdir()
-    (store / "control" / ".spotguard.json").write_text(json.dumps(good))
+    spotguard.sidecar_path(store / "control").write_text(json.dumps(good))
     names = sorted(cases) + ["symlink", "fifo", "control"]
     child = spawn("""
 import json, sys, warnings
