@@ -269,6 +269,34 @@ fn proc_rss_kib(pid: u32, key: &str) -> u64 {
         .unwrap_or(0)
 }
 
+/// Resident KiB of `pid` by what is mapped (`/proc/PID/smaps`): the executable's own pages (its
+/// code and read-only data, plus its relocated data once written), the shared libraries' (libc,
+/// libm, the loader, libgcc_s) and the rest (heap, stacks, other anonymous memory).
+fn proc_rss_by_mapping(pid: u32) -> (u64, u64, u64) {
+    let exe = std::fs::read_link(format!("/proc/{pid}/exe")).unwrap_or_default();
+    let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps")).unwrap_or_default();
+    let (mut own, mut libs, mut rest) = (0, 0, 0);
+    let mut path = String::new();
+    for line in smaps.lines() {
+        let mut f = line.split_whitespace();
+        let first = f.next().unwrap_or("");
+        if first.contains('-') && !first.ends_with(':') {
+            // A mapping's header: address range, perms, offset, dev, inode, then the path.
+            path = f.nth(4).unwrap_or("").to_string();
+        } else if first == "Rss:" {
+            let kib: u64 = f.next().and_then(|v| v.parse().ok()).unwrap_or(0);
+            if std::path::Path::new(&path) == exe {
+                own += kib;
+            } else if path.starts_with('/') {
+                libs += kib;
+            } else {
+                rest += kib;
+            }
+        }
+    }
+    (own, libs, rest)
+}
+
 fn proc_cpu_ticks(pid: u32) -> u64 {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
     let after = stat.rsplit(')').next().unwrap_or("");
@@ -354,6 +382,7 @@ async fn idle_footprint(secs: u64, kube_pods: Option<usize>) {
     // What of it is the agent's own (anonymous) and what the binary's shared file pages; and
     // the spare checkpoint-dir helper (`__pod-fs`), a process of its own in the same cgroup.
     let (anon, file) = (proc_rss_kib(pid, "RssAnon:"), proc_rss_kib(pid, "RssFile:"));
+    let (own, libs, rest) = proc_rss_by_mapping(pid);
     let helpers: Vec<u32> = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
         .unwrap_or_default()
         .split_whitespace()
@@ -392,6 +421,12 @@ async fn idle_footprint(secs: u64, kube_pods: Option<usize>) {
         helpers.len(),
         helper_rss as f64 / 1024.0,
         helper_anon as f64 / 1024.0
+    );
+    println!(
+        "  by mapping: the spotguard executable {:.1} MiB (code, read-only data, relocated data), shared libraries {:.1} MiB (libc, libm, ld.so, libgcc_s), heap/stacks/other {:.1} MiB",
+        own as f64 / 1024.0,
+        libs as f64 / 1024.0,
+        rest as f64 / 1024.0
     );
     let _ = agent.start_kill();
     let _ = agent.wait().await;
