@@ -480,21 +480,33 @@ pub fn table(r: &Report) -> String {
             if o.running { " (running)" } else { "" }
         ));
     }
-    s.push_str(
-        "WHEN                      NODE                TARGET                OUTCOME   DETECT_S  SAVE_S  DOWN_S  UPLOAD_S  WASTED_S  STEPS_LOST  DRAIN_MARGIN_S  RECOVERY_S  RESTORE_S\n",
-    );
+    let target_of = |row: &Row| match row.targets.as_slice() {
+        [] => "-".to_string(),
+        [one] => one.clone(),
+        many => format!("{} targets", many.len()),
+    };
+    // NODE and TARGET as wide as their longest value (pod names vary in length).
+    let node_w = r
+        .interruptions
+        .iter()
+        .map(|row| row.node.as_deref().unwrap_or("-").len())
+        .fold(19, usize::max);
+    let target_w = r
+        .interruptions
+        .iter()
+        .map(|row| target_of(row).len())
+        .fold(21, usize::max);
+    s.push_str(&format!(
+        "{:<25} {:<node_w$} {:<target_w$} OUTCOME   DETECT_S  SAVE_S  DOWN_S  UPLOAD_S  WASTED_S  STEPS_LOST  DRAIN_MARGIN_S  RECOVERY_S  RESTORE_S\n",
+        "WHEN", "NODE", "TARGET",
+    ));
     for row in &r.interruptions {
         let when = row.at.round(jiff::Unit::Second).unwrap_or(row.at);
-        let target = match row.targets.as_slice() {
-            [] => "-".to_string(),
-            [one] => one.clone(),
-            many => format!("{} targets", many.len()),
-        };
         s.push_str(&format!(
-            "{:<25} {:<19} {:<21} {:<9} {:>8}  {:>6}  {:>6}  {:>8}  {:>8}  {:>10}  {:>14}  {:>10}  {:>9}\n",
+            "{:<25} {:<node_w$} {:<target_w$} {:<9} {:>8}  {:>6}  {:>6}  {:>8}  {:>8}  {:>10}  {:>14}  {:>10}  {:>9}\n",
             when.to_string(),
             row.node.as_deref().unwrap_or("-"),
-            target,
+            target_of(row),
             row.outcome.as_deref().unwrap_or("-"),
             opt(row.detection_seconds),
             opt(row.save_seconds),
