@@ -184,32 +184,12 @@ type Key = (String, String);
 /// The recoveries already in the goodput log at `path` (and its rotated predecessor). Lines that
 /// are not recoveries, or not the agent's, are passed over.
 pub fn reported_in_log(path: &Path) -> Result<HashSet<Key>, Error> {
-    use std::io::BufRead;
-    let mut out = HashSet::new();
-    let mut old = path.as_os_str().to_owned();
-    old.push(".1");
-    for p in [PathBuf::from(old), path.to_path_buf()] {
-        let f = match std::fs::File::open(&p) {
-            Ok(f) => f,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
-            Err(source) => {
-                return Err(Error::Log {
-                    path: p.display().to_string(),
-                    source,
-                })
-            }
-        };
-        for line in std::io::BufReader::new(f).split(b'\n') {
-            let line = line.map_err(|source| Error::Log {
-                path: p.display().to_string(),
-                source,
-            })?;
-            if let Ok(LogLine::Recovery { recovery }) = serde_json::from_slice::<LogLine>(&line) {
-                out.insert((recovery.target, recovery.notice_id));
-            }
-        }
-    }
-    Ok(out)
+    let logged = super::report::load_existing(path)?;
+    Ok(logged
+        .recoveries
+        .into_iter()
+        .map(|r| (r.target, r.notice_id))
+        .collect())
 }
 
 /// One resume record found in a pass.

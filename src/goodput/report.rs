@@ -111,12 +111,23 @@ pub fn load(path: &Path) -> Result<(Vec<Interruption>, usize), Error> {
     Ok((l.interruptions, l.skipped))
 }
 
-/// Every line of the log at `path` and its rotated predecessor.
+/// Every line of the log at `path` and its rotated predecessor; an error when there is no log
+/// at `path`.
 pub fn load_all(path: &Path) -> Result<Logged, Error> {
+    read_log(path, true)
+}
+
+/// [`load_all`], where a log not written yet (no file at `path`) holds nothing: the agent's own
+/// read-back at start-up.
+pub fn load_existing(path: &Path) -> Result<Logged, Error> {
+    read_log(path, false)
+}
+
+fn read_log(path: &Path, required: bool) -> Result<Logged, Error> {
     let mut out = Logged::default();
     let mut old = path.as_os_str().to_owned();
     old.push(".1");
-    for (p, required) in [(PathBuf::from(old), false), (path.to_path_buf(), true)] {
+    for (p, required) in [(PathBuf::from(old), false), (path.to_path_buf(), required)] {
         let f = match std::fs::File::open(&p) {
             Ok(f) => f,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound && !required => continue,
