@@ -84,11 +84,14 @@ async fn start_trainer(ack: bool) -> Run {
     Run { dir, trainer }
 }
 
+/// An in-process host-mode agent over `dir` (its checkpoint dir, state dir and trainer pidfile),
+/// named `node` when given.
 async fn agent(
     dir: &Path,
     emu: &emulator::EmulatorHandle,
+    node: Option<&str>,
 ) -> (spotguard::app::App, tokio_util::sync::CancellationToken) {
-    let argv: Vec<String> = vec![
+    let mut argv: Vec<String> = vec![
         "--mode=host".into(),
         "--cloud=aws".into(),
         format!("--metadata-endpoint={}", emu.base_url()),
@@ -102,6 +105,9 @@ async fn agent(
         "--log-level=warn".into(),
         "--shutdown-grace=2s".into(),
     ];
+    if let Some(node) = node {
+        argv.push(format!("--node-name={node}"));
+    }
     let args = spotguard::config::parse_run_args(argv).unwrap_or_else(|text| panic!("{text}"));
     let cfg = spotguard::config::Config::resolve(args, &spotguard::config::ProcessEnv).unwrap();
     let cancel = tokio_util::sync::CancellationToken::new();
@@ -145,7 +151,7 @@ async fn a_trainer_that_acks_costs_its_save_and_throws_nothing_away() {
     let emu = emulator::start(EmulatorConfig::new(Cloud::Aws))
         .await
         .unwrap();
-    let (app, cancel) = agent(&dir, &emu).await;
+    let (app, cancel) = agent(&dir, &emu, None).await;
     let mut events = app.events;
     emu.raise(EmulatedNotice::interruption()).unwrap();
     let signalled =
@@ -211,7 +217,7 @@ async fn a_trainer_powered_off_before_acking_reports_what_it_threw_away() {
     let emu = emulator::start(EmulatorConfig::new(Cloud::Aws))
         .await
         .unwrap();
-    let (app, cancel) = agent(&dir, &emu).await;
+    let (app, cancel) = agent(&dir, &emu, None).await;
     let mut events = app.events;
     emu.raise(EmulatedNotice::interruption()).unwrap();
     // The trainer saw the signal and started its (endless) save: power it off.
@@ -429,44 +435,7 @@ impl Machine {
         &self,
         emu: &emulator::EmulatorHandle,
     ) -> (spotguard::app::App, tokio_util::sync::CancellationToken) {
-        let argv: Vec<String> = vec![
-            "--mode=host".into(),
-            "--cloud=aws".into(),
-            format!("--node-name={}", self.name),
-            format!("--metadata-endpoint={}", emu.base_url()),
-            "--poll-interval=200ms".into(),
-            "--checkpoint-timeout=60s".into(),
-            format!("--checkpoint-dir={}", self.base.join("ckpt").display()),
-            format!("--state-dir={}", self.base.join("state").display()),
-            format!(
-                "--checkpoint-pidfile={}",
-                self.base.join("trainer.pid").display()
-            ),
-            "--metrics-addr=127.0.0.1:0".into(),
-            "--gpu=off".into(),
-            "--log-level=warn".into(),
-            "--shutdown-grace=2s".into(),
-        ];
-        let args = spotguard::config::parse_run_args(argv).unwrap_or_else(|text| panic!("{text}"));
-        let cfg = spotguard::config::Config::resolve(args, &spotguard::config::ProcessEnv).unwrap();
-        let cancel = tokio_util::sync::CancellationToken::new();
-        let app = spotguard::app::start(cfg, cancel.clone()).await.unwrap();
-        (app, cancel)
-    }
-}
-
-/// Wait (the deadline only bounds a failure) until `probe` finds something.
-async fn until<T>(what: &str, limit: Duration, mut probe: impl FnMut() -> Option<T>) -> T {
-    let deadline = std::time::Instant::now() + limit;
-    loop {
-        if let Some(v) = probe() {
-            return v;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "timed out waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        agent(&self.base, emu, Some(self.name)).await
     }
 }
 
@@ -500,8 +469,8 @@ async fn a_job_resumed_on_another_machine_reports_its_recovery_once() {
     // Machine A: its trainer is interrupted, saves into the storage and acks `done`.
     let ready = store.join("ready-a");
     let _trainer_a = a.trainer(INTERRUPTED, &[("STORE", &store), ("READY", &ready)]);
-    until("trainer A to train", Duration::from_secs(60), || {
-        ready.exists().then_some(())
+    spotguard_testkit::wait::until("trainer A to train", Duration::from_secs(60), || {
+        std::future::ready(ready.exists().then_some(()))
     })
     .await;
     let emu_a = emulator::start(EmulatorConfig::new(Cloud::Aws))
@@ -514,10 +483,11 @@ async fn a_job_resumed_on_another_machine_reports_its_recovery_once() {
         matches!(e, PlanEvent::Done { .. }).then_some(())
     })
     .await;
-    let truth_a = until("trainer A's ground truth", Duration::from_secs(30), || {
-        read_json(&store.join("truth-a.json"))
-    })
-    .await;
+    let truth_a =
+        spotguard_testkit::wait::until("trainer A's ground truth", Duration::from_secs(30), || {
+            std::future::ready(read_json(&store.join("truth-a.json")))
+        })
+        .await;
     let interrupted = logged(&a.base).await;
     assert_eq!(interrupted.targets[0].outcome, "acked");
     let ckpt = PathBuf::from(truth_a["path"].as_str().unwrap());
@@ -532,9 +502,11 @@ async fn a_job_resumed_on_another_machine_reports_its_recovery_once() {
         .base
         .join("state")
         .join(spotguard::goodput::report::LOG_FILE);
-    let got = until("machine B's recovery line", Duration::from_secs(60), || {
-        recoveries(&log_b).into_iter().next()
-    })
+    let got = spotguard_testkit::wait::until(
+        "machine B's recovery line",
+        Duration::from_secs(60),
+        || std::future::ready(recoveries(&log_b).into_iter().next()),
+    )
     .await;
     let truth_b = read_json(&b.base.join("ckpt/truth-b.json")).expect("trainer B's ground truth");
 
@@ -588,10 +560,11 @@ async fn a_job_resumed_on_another_machine_reports_its_recovery_once() {
 
     assert_eq!(recoveries(&log_b).len(), 1);
     // The log line, after the goodput log's.
-    let line = until("the recovery's log line", Duration::from_secs(10), || {
-        logs.lines("interruption recovered").into_iter().next()
-    })
-    .await;
+    let line =
+        spotguard_testkit::wait::until("the recovery's log line", Duration::from_secs(10), || {
+            std::future::ready(logs.lines("interruption recovered").into_iter().next())
+        })
+        .await;
     assert_eq!(line["notice_id"], interrupted.notice_id.as_str());
     assert_eq!(line["from_node"], "machine-a");
     assert_eq!(
