@@ -9,7 +9,7 @@
 //!   watches, with the prefetcher's round every second, so a list (or anything else) per round
 //!   shows at once.
 //! - A spot interruption's drain asks nothing per pod while the agent's pod watch is healthy:
-//!   no pod GET between the notice and the node drained.
+//!   no pod GET between the notice and the node drained, nor for the badput Event after it.
 //!
 //! `SPOTGUARD_FLEET_BIN` runs another build of `spotguard` (to compare builds).
 
@@ -183,6 +183,18 @@ async fn a_small_fleet_stays_in_its_api_budget_and_drains_without_polling() {
             .to_string();
         state.contains("\"phase\":\"drained\"") || state.contains("\"phase\":\"done\"")
     })
+    .await;
+    // And posts the trainer's badput Event, naming its controller from the watch, not from a
+    // GET of a pod the drain just deleted.
+    eventually(
+        "the trainer's badput Event",
+        Duration::from_secs(20),
+        || async {
+            k.events().await.iter().any(|e| {
+                e.reason == spotguard::outcome::reason::BADPUT && e.regarding_name == "trainer-0"
+            })
+        },
+    )
     .await;
     let requests = k.proxy().requests();
     let evictions = requests

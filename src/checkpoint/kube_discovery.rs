@@ -26,7 +26,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{ObjectReference, Pod};
 use kube::api::{Api, ListParams, WatchEvent, WatchParams};
 use tokio::sync::watch;
 use tokio::time::Instant;
@@ -39,6 +39,7 @@ use crate::checkpoint::pods::{is_candidate, pod_checkpoint_spec, PodCheckpointSp
 use crate::checkpoint::{Error, Signal, TargetDiscovery, TargetGroup};
 use crate::metrics::Metrics;
 use crate::node::drain::{PodPresence, PodWatch};
+use crate::node::kube::controller_reference;
 use crate::node::{reason, EventType, NodeOps, PodRef};
 
 /// Bound on the one list discovery makes when the cache never synced.
@@ -82,13 +83,30 @@ struct CacheState {
     gone: HashMap<String, Instant>,
     /// `(pod uid, problem)` already reported with an Event.
     reported: HashSet<(String, String)>,
+    /// Each opted-in pod's controller as last seen (`None`: it has none), kept while the pod is
+    /// cached or remembered gone: a goodput Event's `related` after the drain deleted the pod.
+    controllers: HashMap<String, Option<ObjectReference>>,
 }
 
 impl CacheState {
     fn mark_gone(&mut self, uid: String, now: Instant) {
-        self.gone
-            .retain(|_, at| now.saturating_duration_since(*at) < GONE_MEMORY);
+        let (pods, controllers) = (&self.pods, &mut self.controllers);
+        self.gone.retain(|uid, at| {
+            let keep = now.saturating_duration_since(*at) < GONE_MEMORY;
+            if !keep && !pods.contains_key(uid) {
+                controllers.remove(uid);
+            }
+            keep
+        });
         self.gone.insert(uid, now);
+    }
+
+    /// Remember `pod`'s controller when it is a target.
+    fn note_controller(&mut self, uid: &str, pod: &Pod, entry: &Cached) {
+        if matches!(entry, Cached::Target(_)) {
+            self.controllers
+                .insert(uid.to_string(), controller_reference(pod));
+        }
     }
 }
 
@@ -273,7 +291,10 @@ impl KubeDiscovery {
             return;
         };
         let entry = self.classify(pod);
-        self.state().pods.insert(uid, entry);
+        let mut st = self.state();
+        st.note_controller(&uid, pod, &entry);
+        st.pods.insert(uid, entry);
+        drop(st);
         self.changes.send_replace(());
     }
 
@@ -347,6 +368,16 @@ impl KubeDiscovery {
             let now = Instant::now();
             for uid in missing {
                 st.mark_gone(uid, now);
+            }
+            for p in &list.items {
+                if let Some((uid, entry)) = p
+                    .metadata
+                    .uid
+                    .as_ref()
+                    .and_then(|u| Some((u, fresh.get(u)?)))
+                {
+                    st.note_controller(uid, p, entry);
+                }
             }
             st.pods = fresh;
             st.synced = true;
@@ -465,6 +496,10 @@ impl PodWatch for KubeDiscovery {
     fn changes(&self) -> watch::Receiver<()> {
         self.changes.subscribe()
     }
+
+    fn controller(&self, uid: &str) -> Option<Option<ObjectReference>> {
+        self.state().controllers.get(uid).cloned()
+    }
 }
 
 fn on_node(node: &str) -> ListParams {
@@ -545,4 +580,75 @@ fn pod_ref(pod: &Pod) -> Option<PodRef> {
         name: pod.metadata.name.clone()?,
         uid: pod.metadata.uid.clone().unwrap_or_default(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+
+    use super::*;
+    use crate::checkpoint::pods::PodOwner;
+
+    fn target(uid: &str) -> (Pod, Cached) {
+        let pod = Pod {
+            metadata: ObjectMeta {
+                namespace: Some("ml".into()),
+                name: Some(format!("train-{uid}")),
+                uid: Some(uid.into()),
+                owner_references: Some(vec![OwnerReference {
+                    api_version: "batch/v1".into(),
+                    kind: "Job".into(),
+                    name: "train".into(),
+                    uid: "job-uid".into(),
+                    controller: Some(true),
+                    ..Default::default()
+                }]),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        let spec = PodCheckpointSpec {
+            pod: PodRef {
+                namespace: "ml".into(),
+                name: format!("train-{uid}"),
+                uid: uid.into(),
+            },
+            signal: Signal::USR1,
+            mode: Default::default(),
+            containers: vec![],
+            dir: PathBuf::from("/ckpt"),
+            timeout: Duration::from_secs(1),
+            upload: None,
+            owner: PodOwner::of(&pod),
+        };
+        (pod, Cached::Target(Box::new(spec)))
+    }
+
+    #[test]
+    fn a_targets_controller_outlives_the_pod_for_as_long_as_it_is_remembered_gone() {
+        let mut st = CacheState::default();
+        let t0 = Instant::now();
+        for uid in ["a", "b"] {
+            let (pod, entry) = target(uid);
+            st.note_controller(uid, &pod, &entry);
+            st.pods.insert(uid.into(), entry);
+        }
+        // Another pod that is not a target is not remembered.
+        let (other, _) = target("c");
+        st.note_controller("c", &other, &Cached::Other);
+        assert_eq!(st.controllers.get("c"), None);
+        // Both deleted in one relist: both controllers are still known.
+        st.pods.clear();
+        st.mark_gone("a".into(), t0);
+        st.mark_gone("b".into(), t0);
+        for uid in ["a", "b"] {
+            let known = st.controllers.get(uid).cloned().flatten().unwrap();
+            assert_eq!(known.kind.as_deref(), Some("Job"));
+            assert_eq!(known.name.as_deref(), Some("train"));
+            assert_eq!(known.uid.as_deref(), Some("job-uid"));
+        }
+        // Once forgotten as gone, forgotten as a controller too.
+        st.mark_gone("z".into(), t0 + GONE_MEMORY + Duration::from_secs(1));
+        assert!(st.controllers.is_empty(), "{:?}", st.controllers);
+    }
 }

@@ -3,6 +3,7 @@
 //! is gone, and the one-line summary of a [`DrainReport`]. The Eviction API drain itself is
 //! Kubernetes-only and lives in `node::kube::drain`.
 
+use k8s_openapi::api::core::v1::ObjectReference;
 use tokio::time::Instant;
 
 use super::DrainReport;
@@ -29,6 +30,12 @@ pub trait PodWatch: Send + Sync {
     fn presence(&self, uid: &str, listed_at: Instant) -> PodPresence;
     /// Marked changed after every update the watch applies and every change of its health.
     fn changes(&self) -> tokio::sync::watch::Receiver<()>;
+    /// The controller (ownerReference with `controller: true`) of the pod with `uid` as the
+    /// watch last saw it, kept a while after the pod is gone: a goodput Event's `related`
+    /// without reading the pod (a drained pod is gone by the time its Event is posted).
+    /// `Some(None)`: the watch saw the pod and it has no controller; `None`: the watch never saw
+    /// it (the caller may ask the API server).
+    fn controller(&self, uid: &str) -> Option<Option<ObjectReference>>;
 }
 
 /// One line for a `DrainBlocked` Event or log: every pod still on the node, the PDBs that held

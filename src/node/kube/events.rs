@@ -66,7 +66,7 @@ pub(super) fn pod_reference(pod: &PodRef) -> ObjectReference {
 /// What `pod`'s controller ownerReference names (a Job, a ReplicaSet, …), in `pod`'s namespace:
 /// a goodput Event's `related`, so that a report can gather a job's Events after its pods are
 /// gone.
-pub(super) fn controller_reference(pod: &Pod) -> Option<ObjectReference> {
+pub fn controller_reference(pod: &Pod) -> Option<ObjectReference> {
     let owner = pod
         .metadata
         .owner_references
@@ -84,9 +84,13 @@ pub(super) fn controller_reference(pod: &Pod) -> Option<ObjectReference> {
 }
 
 impl KubeNodeOps {
-    /// `pod`'s controller, from one bounded GET of the pod (none when the pod is gone, is
-    /// another pod of the same name, or the read fails: the Event goes out without it).
+    /// `pod`'s controller: what the pod watch saw, else (the watch never saw the pod) one
+    /// bounded GET of the pod (none when the pod is gone, is another pod of the same name, or
+    /// the read fails: the Event goes out without it).
     pub(super) async fn pod_controller(&self, pod: &PodRef) -> Option<ObjectReference> {
+        if let Some(known) = self.pod_watch.get().and_then(|w| w.controller(&pod.uid)) {
+            return known;
+        }
         let api: Api<Pod> = Api::namespaced(self.client.clone(), &pod.namespace);
         match with_timeout(api.get_opt(&pod.name)).await {
             Ok(Some(p)) if pod.uid.is_empty() || p.metadata.uid.as_deref() == Some(&pod.uid) => {

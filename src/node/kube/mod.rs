@@ -27,6 +27,8 @@ mod disruption;
 mod drain;
 mod events;
 
+pub use events::controller_reference;
+
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -221,7 +223,8 @@ impl NodeOps for KubeNodeOps {
     }
 
     /// The pod Event with `record` in its annotation [`super::RECORD_ANNOTATION`] and the pod's
-    /// controller (one GET of the pod) as `related`.
+    /// controller as `related` (from the pod watch; one GET of the pod when the watch never saw
+    /// it).
     async fn pod_record_event(
         &self,
         pod: &PodRef,
