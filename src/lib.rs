@@ -17,6 +17,7 @@ pub mod fsutil;
 pub mod goodput;
 pub mod gpu;
 pub mod life;
+pub mod loader_pages;
 pub mod metrics;
 pub mod node;
 pub mod notice;

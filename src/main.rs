@@ -11,6 +11,8 @@ use spotguard::{app, drill, emulator, gpu, prefetch, shutdown, telemetry, upload
 
 fn main() -> ExitCode {
     limit_malloc_arenas();
+    // Best effort: a binary without the table (static, another loader) keeps its pages.
+    let _ = spotguard::loader_pages::release();
     if let Some(code) = serve_hidden_command() {
         return code;
     }
