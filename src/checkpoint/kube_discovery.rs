@@ -18,6 +18,8 @@
 //! remembers the uids it saw deleted (or that a relist no longer had) for
 //! [`GONE_MEMORY`], knows whether it is healthy (synced, and no list or watch failing since),
 //! and marks a change after every update, so the drain waits on it without a request per pod.
+//! It also keeps each opted-in pod's controller for as long ([`PodWatch::controller`]): a goodput
+//! Event names it after the drain deleted the pod, without reading the pod.
 
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
