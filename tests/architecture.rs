@@ -13,6 +13,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
     ("backoff", &[]),
     ("duration", &[]),
     ("fsutil", &[]),
+    ("loader_pages", &[]),
     ("metrics", &[]),
     ("shutdown", &[]),
     ("sync", &[]),
