@@ -280,19 +280,7 @@ async fn probe(addr: SocketAddr, from: std::net::IpAddr, path: &str) -> Result<u
         .send()
         .await
         .map(|r| r.status().as_u16())
-        .map_err(|e| chain(&e))
-}
-
-/// An error with its causes (a reset connection and a timeout print alike at the top).
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut cause = e.source();
-    while let Some(c) = cause {
-        text.push_str(": ");
-        text.push_str(&c.to_string());
-        cause = c.source();
-    }
-    text
+        .map_err(|e| spotguard::words::chain(&e))
 }
 
 /// `n` connections from `from`, each sending half a request head and reopened as soon as the

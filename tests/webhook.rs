@@ -2,7 +2,6 @@
 //! rendering and escaping, retries, bounds, and that a slow receiver never blocks the caller.
 
 use std::collections::VecDeque;
-use std::error::Error as _;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -451,12 +450,7 @@ async fn https_urls_are_supported_by_this_build() {
     };
     let hook = s.webhook(format!("https://{addr}/hook/x"), None, policy);
     let err = hook.send(&fields()).await.unwrap_err();
-    let mut chain = format!("{err}");
-    let mut source = err.source();
-    while let Some(e) = source {
-        chain.push_str(&format!(" / {e}"));
-        source = e.source();
-    }
+    let chain = spotguard::words::chain(&err);
     assert!(
         !chain.contains("scheme is not http"),
         "no TLS support: {chain}"
