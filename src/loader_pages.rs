@@ -46,20 +46,17 @@ struct Dyn {
 }
 
 /// Where the main executable's relocation table is: `(address, size)`.
-#[derive(Default)]
-struct Found {
-    table: Option<(usize, usize)>,
-}
+type Table = Option<(usize, usize)>;
 
 /// Unmap the executable's relocation table (see the module's text). Idempotent.
 pub fn release() -> Result<Released, Error> {
-    let mut found = Found::default();
+    let mut table: Table = None;
     // SAFETY: the callback only reads the program headers and the dynamic section the loader
-    // hands it, while it runs; `data` is the `Found` above, alive for the whole call.
+    // hands it, while it runs; `data` is the `Table` above, alive for the whole call.
     unsafe {
-        libc::dl_iterate_phdr(Some(main_program), (&mut found as *mut Found).cast());
+        libc::dl_iterate_phdr(Some(main_program), (&mut table as *mut Table).cast());
     }
-    let (addr, size) = found.table.ok_or(Error::NoTable)?;
+    let (addr, size) = table.ok_or(Error::NoTable)?;
     let page = rustix::param::page_size();
     let start = addr.next_multiple_of(page);
     let end = (addr + size) / page * page;
@@ -87,8 +84,8 @@ unsafe extern "C" fn main_program(
     _size: libc::size_t,
     data: *mut std::ffi::c_void,
 ) -> c_int {
-    // SAFETY: the loader passes a valid `dl_phdr_info` and our `Found`.
-    let (info, found) = unsafe { (&*info, &mut *data.cast::<Found>()) };
+    // SAFETY: the loader passes a valid `dl_phdr_info` and our `Table`.
+    let (info, table) = unsafe { (&*info, &mut *data.cast::<Table>()) };
     if info.dlpi_phdr.is_null() {
         return 1;
     }
@@ -126,7 +123,7 @@ unsafe extern "C" fn main_program(
             .iter()
             .any(|&(s, len)| addr >= s && addr.saturating_add(size) <= s + len)
     };
-    found.table = [rela, base.wrapping_add(rela)]
+    *table = [rela, base.wrapping_add(rela)]
         .into_iter()
         .find(|&a| inside(a))
         .map(|a| (a, size));
