@@ -179,7 +179,11 @@ pub async fn run_serve(args: ServeArgs, cancel: CancellationToken) -> i32 {
     );
     let mut registry = Registry::default();
     let metrics = Arc::new(PrefetchMetrics::register(&mut registry));
-    let agent_metrics = Arc::new(crate::metrics::Metrics::register(&mut registry));
+    // The node ops below only post pod Events, which count nothing; the agent's families are the
+    // agent's: registered here they would be served at 0 beside the prefetcher's (a
+    // `spotguard_metadata_polls_total` that never rises makes `SpotguardAgentBlind` fire for this
+    // target). Their registry is not served.
+    let agent_metrics = Arc::new(crate::metrics::Metrics::register(&mut Registry::default()));
     let prefetcher = Prefetcher::new(
         args.cache_dir.clone(),
         limit,
