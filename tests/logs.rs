@@ -1,6 +1,7 @@
 //! The agent's logs as a log pipeline sees them: JSON values are typed (numbers, booleans,
 //! RFC 3339 times, no Rust Debug strings), text has no ANSI escapes when stderr is not a terminal,
-//! a fatal error is one line, and the first line is the effective configuration.
+//! a fatal error is one line, the first line is the effective configuration, and every line of a
+//! whole plan is one JSON object with unique keys (no field of ours named `target`).
 
 use std::process::{Command, Output, Stdio};
 use std::time::Duration;
@@ -252,4 +253,272 @@ async fn notice_accepted_names_the_clouds_event_id_where_it_sends_one() {
             );
         }
     }
+}
+
+/// A JSON value whose every object has unique keys: a log pipeline's parser keeps one of two
+/// equal keys, so a line with two (`target` beside tracing's own) loses one.
+struct UniqueKeys;
+
+impl<'de> serde::Deserialize<'de> for UniqueKeys {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(UniqueKeys)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for UniqueKeys {
+    type Value = UniqueKeys;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a JSON value")
+    }
+    fn visit_bool<E>(self, _: bool) -> Result<Self, E> {
+        Ok(UniqueKeys)
+    }
+    fn visit_i64<E>(self, _: i64) -> Result<Self, E> {
+        Ok(UniqueKeys)
+    }
+    fn visit_u64<E>(self, _: u64) -> Result<Self, E> {
+        Ok(UniqueKeys)
+    }
+    fn visit_f64<E>(self, _: f64) -> Result<Self, E> {
+        Ok(UniqueKeys)
+    }
+    fn visit_str<E>(self, _: &str) -> Result<Self, E> {
+        Ok(UniqueKeys)
+    }
+    fn visit_unit<E>(self) -> Result<Self, E> {
+        Ok(UniqueKeys)
+    }
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Self, A::Error> {
+        while seq.next_element::<UniqueKeys>()?.is_some() {}
+        Ok(UniqueKeys)
+    }
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Self, A::Error> {
+        let mut seen = std::collections::HashSet::new();
+        while let Some(key) = map.next_key::<String>()? {
+            if !seen.insert(key.clone()) {
+                return Err(serde::de::Error::custom(format!("duplicate key {key:?}")));
+            }
+            map.next_value::<UniqueKeys>()?;
+        }
+        Ok(UniqueKeys)
+    }
+}
+
+/// A log line that is one JSON object with unique keys at every level; the error says why not.
+fn strict_object(line: &str) -> Result<(), String> {
+    let v: serde_json::Value = serde_json::from_str(line).map_err(|e| e.to_string())?;
+    if !v.is_object() {
+        return Err("not an object".into());
+    }
+    serde_json::from_str::<UniqueKeys>(line)
+        .map(|_| ())
+        .map_err(|e| e.to_string())
+}
+
+#[test]
+fn the_strict_parse_refuses_a_duplicate_key() {
+    assert!(strict_object(r#"{"target":"spotguard::x","a":{"b":1,"c":[{"d":2}]}}"#).is_ok());
+    let e = strict_object(r#"{"target":"spotguard::x","fields":1,"target":"ns/pod"}"#).unwrap_err();
+    assert!(e.contains("duplicate key \"target\""), "{e}");
+    assert!(strict_object(r#"{"a":[{"k":1,"k":2}]}"#).is_err());
+    assert!(strict_object("[1]").is_err());
+}
+
+/// An agent taken through a whole plan with JSON logs (a notice, a trainer signalled, its
+/// checkpoint's end, the plan's end): every line it writes is one JSON object with unique keys,
+/// and the checkpoint's lines name the target group as `target_group`, beside tracing's `target`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_json_line_of_a_plan_has_unique_keys() {
+    use spotguard::emulator::{self, Cloud, EmulatedNotice, EmulatorConfig};
+    use spotguard_testkit::process::{catches_usr1, Kid};
+    use spotguard_testkit::wait::eventually_blocking;
+    use std::io::BufRead;
+
+    // A trainer that catches the signal and exits on it. The regex below matches its command
+    // line and not the agent's own (where the parenthesis is escaped).
+    let mut trainer = Command::new("sh");
+    trainer.args([
+        "-c",
+        "trap 'exit 0' USR1; : 'logs-trainer(x)'; while :; do sleep 0.1; done",
+    ]);
+    let mut trainer = Kid::spawn(trainer);
+    let pid = trainer.pid();
+    eventually_blocking("the trainer's USR1 trap", Duration::from_secs(10), || {
+        catches_usr1(pid)
+    });
+
+    let emu = emulator::start(EmulatorConfig::new(Cloud::Aws))
+        .await
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let mut args: Vec<String> = base(dir.path())
+        .into_iter()
+        .filter(|a| {
+            !a.starts_with("--cloud=")
+                && !a.starts_with("--metadata-endpoint=")
+                && !a.starts_with("--checkpoint-cmdline=")
+        })
+        .collect();
+    args.extend([
+        "--cloud=aws".into(),
+        format!("--metadata-endpoint={}", emu.base_url()),
+        "--poll-interval=200ms".into(),
+        r"--checkpoint-cmdline=logs-trainer\(x\)".into(),
+        "--log-format=json".into(),
+        "--log-level=debug".into(),
+        "--metrics-addr=127.0.0.1:0".into(),
+    ]);
+    let mut child = command(&args).spawn().unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel::<String>();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+        {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let mut lines: Vec<String> = Vec::new();
+    let next = |lines: &mut Vec<String>, what: &str| {
+        let line = rx
+            .recv_timeout(Duration::from_secs(60))
+            .unwrap_or_else(|_| panic!("no {what} line in {lines:#?}"));
+        lines.push(line);
+    };
+    while !lines.iter().any(|l| l.contains("\"spotguard started\"")) {
+        next(&mut lines, "start");
+    }
+    emu.raise(EmulatedNotice::interruption()).unwrap();
+    while !lines.iter().any(|l| l.contains("\"checkpoint finished\"")) {
+        next(&mut lines, "checkpoint finished");
+    }
+    trainer.wait();
+    // The plan goes on to its end; the agent then exits, or is told to.
+    unsafe {
+        libc::kill(child.id() as i32, libc::SIGTERM);
+    }
+    lines.extend(rx.iter());
+    let _ = child.wait();
+    emu.shutdown().await;
+
+    let bad: Vec<String> = lines
+        .iter()
+        .filter_map(|l| strict_object(l).err().map(|e| format!("{e}: {l}")))
+        .collect();
+    assert!(
+        bad.is_empty(),
+        "log lines a pipeline misreads:\n{}",
+        bad.join("\n")
+    );
+    for message in ["checkpoint signal sent", "checkpoint finished"] {
+        let v: serde_json::Value = lines
+            .iter()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+            .find(|v| v["message"] == message)
+            .unwrap_or_else(|| panic!("no {message:?} line in {lines:#?}"));
+        // The checkpoint span's fields (JSON logs: the current span, under `span`).
+        let group = v["span"]["target_group"]
+            .as_str()
+            .unwrap_or_else(|| panic!("{message:?} without span.target_group: {v}"));
+        assert!(group.starts_with("cmdline:"), "{v}");
+        assert!(
+            v["target"].as_str().unwrap().starts_with("spotguard"),
+            "{v}"
+        );
+    }
+}
+
+/// A tracing field named `target` (`target = …` or the shorthand `target,`) in any macro under
+/// src/ collides with tracing's own `target` (the module path) in every JSON line: the target
+/// group is `target_group`. (`target: "…"`, the macro's own target, is tracing's and allowed.)
+#[test]
+fn no_tracing_field_is_named_target() {
+    let field = regex::Regex::new(r"(?:^|[(,{]\s*)[%?]?target\s*(?:=[^=]|[,)}])").unwrap();
+    let macro_start = regex::Regex::new(
+        r"\b(?:trace|debug|info|warn|error|event|span|trace_span|debug_span|info_span|warn_span|error_span)!\s*\(|\bfields\s*\(",
+    )
+    .unwrap();
+    let mut found = Vec::new();
+    let mut stack = vec![spotguard_testkit::assets::repo_root().join("src")];
+    while let Some(dir) = stack.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                stack.push(path);
+                continue;
+            }
+            if path.extension().is_none_or(|e| e != "rs") {
+                continue;
+            }
+            let text = std::fs::read_to_string(&path).unwrap();
+            for m in macro_start.find_iter(&text) {
+                let args = balanced(&text[m.end()..]);
+                if field.is_match(&without_strings(args)) {
+                    let line = text[..m.start()].lines().count().max(1);
+                    found.push(format!("{}:{line}: {}", path.display(), m.as_str()));
+                }
+            }
+        }
+    }
+    assert!(
+        found.is_empty(),
+        "tracing fields named `target` (name it `target_group`):\n{}",
+        found.join("\n")
+    );
+}
+
+/// The text up to the parenthesis that closes the one just opened.
+fn balanced(text: &str) -> &str {
+    let mut depth = 1;
+    let mut in_str = false;
+    let mut escaped = false;
+    for (i, c) in text.char_indices() {
+        match c {
+            _ if escaped => escaped = false,
+            '\\' if in_str => escaped = true,
+            '"' => in_str = !in_str,
+            '(' if !in_str => depth += 1,
+            ')' if !in_str => {
+                depth -= 1;
+                if depth == 0 {
+                    return &text[..i];
+                }
+            }
+            _ => {}
+        }
+    }
+    text
+}
+
+/// `text` with the contents of its string literals and its `//` comments blanked (a message or
+/// a comment may say "target =", and a comment line may stand between two fields).
+fn without_strings(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut in_str = false;
+    let mut escaped = false;
+    let mut comment = false;
+    let mut chars = text.chars().peekable();
+    while let Some(c) = chars.next() {
+        match c {
+            '\n' if comment => {
+                comment = false;
+                out.push(c);
+            }
+            _ if comment => {}
+            _ if escaped => escaped = false,
+            '\\' if in_str => escaped = true,
+            '"' => {
+                in_str = !in_str;
+                out.push('"');
+            }
+            _ if in_str => {}
+            '/' if chars.peek() == Some(&'/') => comment = true,
+            _ => out.push(c),
+        }
+    }
+    out
 }

@@ -160,6 +160,6 @@ fn group_span(req: &CheckpointRequest, group: &str) -> tracing::Span {
         notice_id = %req.notice_id,
         source = %req.source,
         // A pod's namespace/name, or a host target (unit:NAME, pidfile:PATH, cmdline:REGEX).
-        target = %group
+        target_group = %group
     )
 }

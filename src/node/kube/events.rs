@@ -181,7 +181,7 @@ impl KubeNodeOps {
                     r.name.as_deref().unwrap_or("")
                 )
             });
-            tracing::info!(node = %self.node_name, target = %target, reason, event_type = type_, related, annotations = ?extra.annotations, "dry-run: would emit event: {note}");
+            tracing::info!(node = %self.node_name, involved = %target, reason, event_type = type_, related, annotations = ?extra.annotations, "dry-run: would emit event: {note}");
             return Ok(());
         }
         let key = EventKey {
