@@ -1,6 +1,7 @@
 //! Documentation drift: every metric family registered in the source appears in docs/metrics.md,
 //! and what a fresh agent and a host-mode plan export matches it; every log field the docs name
-//! is on a real log line of that plan, in the shape the docs give.
+//! is on a real log line of that plan, in the shape the docs give; every `drill` message that
+//! troubleshooting.md quotes is text the binary prints.
 
 use std::path::Path;
 
@@ -900,4 +901,88 @@ async fn a_plan_exports_and_logs_what_the_docs_name() {
             "{at} names the log field {field:?}, which no test checks: add it to LOG_FIELDS"
         );
     }
+}
+
+/// The messages a table cell quotes: its code spans (`` `…` `` or ``` ``…`` ```, the second for a
+/// message that holds backticks); a `verdict` or `warning` word before one is not part of it.
+fn quoted(cell: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut rest = cell;
+    while let Some(i) = rest.find('`') {
+        let fence = if rest[i..].starts_with("``") {
+            "``"
+        } else {
+            "`"
+        };
+        let body = &rest[i + fence.len()..];
+        let Some(j) = body.find(fence) else { break };
+        out.push(body[..j].trim().to_string());
+        rest = &body[j + fence.len()..];
+    }
+    out
+}
+
+/// Every message troubleshooting.md's `spotguard drill` table quotes is one the binary prints:
+/// split at what varies (`…`, `{name}`, `N`, `M`, a signal's name), each fixed piece is text of
+/// the source under src/. A user who searches the docs for the line in front of them finds it.
+#[test]
+fn drill_messages_in_troubleshooting_are_the_binarys() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut files = Vec::new();
+    rust_files(&root.join("src"), &mut files);
+    let source: String = files
+        .iter()
+        .map(|f| std::fs::read_to_string(f).unwrap())
+        .collect();
+    let doc = std::fs::read_to_string(root.join("docs/troubleshooting.md")).unwrap();
+    let (_, section) = doc
+        .split_once("### `spotguard drill`\n")
+        .expect("troubleshooting.md has no `spotguard drill` section");
+    let section = section.split("\n#").next().unwrap();
+    let varies = regex::Regex::new(r"…|\{[a-z_]+\}|\bN\b|\bM\b|\bSIG[A-Z0-9]+\b").unwrap();
+    let mut checked = 0;
+    let mut missing = Vec::new();
+    for row in section.lines().filter(|l| l.starts_with("| ")) {
+        let cell = row[2..].split(" | ").next().unwrap();
+        for message in quoted(cell) {
+            if message == "message" {
+                continue;
+            }
+            checked += 1;
+            for piece in varies.split(&message).map(str::trim) {
+                if piece.chars().count() >= 3 && !source.contains(piece) {
+                    missing.push(format!("{message:?}: {piece:?}"));
+                }
+            }
+        }
+    }
+    assert!(checked >= 20, "only {checked} messages quoted");
+    assert!(
+        missing.is_empty(),
+        "troubleshooting.md quotes text the binary does not print:\n{}",
+        missing.join("\n")
+    );
+}
+
+/// Where the chart's install notes send a reader (`docs/FILE.md ("Section")`), that section is.
+#[test]
+fn the_charts_notes_point_to_sections_that_exist() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let notes = std::fs::read_to_string(root.join("charts/spotguard/templates/NOTES.txt")).unwrap();
+    let reference = regex::Regex::new(r#"(docs/[a-z-]+\.md) \("([^"]+)"\)"#).unwrap();
+    let mut checked = 0;
+    for c in reference.captures_iter(&notes) {
+        checked += 1;
+        let doc = std::fs::read_to_string(root.join(&c[1]))
+            .unwrap_or_else(|e| panic!("NOTES.txt names {}: {e}", &c[1]));
+        let heading = doc
+            .lines()
+            .any(|l| l.starts_with('#') && l.trim_start_matches('#').trim() == &c[2]);
+        assert!(
+            heading,
+            "NOTES.txt points to {} (\"{}\"), which has no such section",
+            &c[1], &c[2]
+        );
+    }
+    assert!(checked > 0, "NOTES.txt names no section");
 }
