@@ -279,6 +279,7 @@ async fn a_healthy_node_pages_nobody_on_both_targets_real_scrapes() {
     let (h0, h1, h_secs) = two_scrapes(healthy_addr, "spotguard_metadata_polls_total").await;
     let (b0, b1, b_secs) = two_scrapes(blind_addr, "spotguard_metadata_errors_total").await;
     let (p0, p1, p_secs) = two_scrapes(prefetch_addr, "").await;
+    // Each process exports its own families only.
     let foreign: Vec<&str> = p1
         .lines()
         .filter(|l| l.starts_with("spotguard_") && !l.starts_with("spotguard_prefetch_"))
@@ -286,6 +287,15 @@ async fn a_healthy_node_pages_nobody_on_both_targets_real_scrapes() {
     assert!(
         foreign.is_empty(),
         "the prefetcher exports the agent's families:\n{}",
+        foreign.join("\n")
+    );
+    let foreign: Vec<&str> = h1
+        .lines()
+        .filter(|l| l.starts_with("spotguard_prefetch_"))
+        .collect();
+    assert!(
+        foreign.is_empty(),
+        "the agent exports the prefetcher's families:\n{}",
         foreign.join("\n")
     );
 
