@@ -299,6 +299,7 @@ async fn node_and_discovery(
                     units: cfg.args.checkpoint_unit.clone(),
                     pidfiles: cfg.args.checkpoint_pidfile.clone(),
                     cmdlines: cfg.args.checkpoint_cmdline.clone(),
+                    cmdline_uids: cfg.args.checkpoint_cmdline_uid.clone(),
                     dir: cfg.args.checkpoint_dir.clone(),
                     signal: cfg.args.checkpoint_signal,
                     timeout: cfg.args.checkpoint_timeout,

@@ -652,6 +652,7 @@ fn targets(dir: &Path) -> HostTargets {
         units: Vec::new(),
         pidfiles: Vec::new(),
         cmdlines: Vec::new(),
+        cmdline_uids: Vec::new(),
         dir: dir.to_path_buf(),
         signal: Signal::USR1,
         timeout: LONG,

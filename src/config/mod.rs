@@ -232,21 +232,24 @@ fn resolve_node_name(args: &RunArgs, env: &dyn Env, mode: Mode) -> Result<Option
     Ok(node_name)
 }
 
-/// The values judged alone: the log filter, the drain reserve against the cloud's notice, the
-/// checkpoint units' names.
+/// The values judged alone or together: the log filter, the timings against each other and the
+/// cloud's notice ([`check::timings`]), the checkpoint units' names.
 fn check_values(args: &RunArgs) -> Result<(), Error> {
     check::log_filter(&args.log_level).map_err(|reason| Error::Invalid {
         key: "log-level",
         reason,
     })?;
-    if let Some(reserve) = args.drain_reserve {
-        check::drain_reserve(reserve, args.cloud.0, args.gce_preemption_notice).map_err(
-            |reason| Error::Invalid {
-                key: "drain-reserve",
-                reason,
-            },
-        )?;
-    }
+    check::timings(&check::Timings {
+        cloud: args.cloud.0,
+        gce_notice: args.gce_preemption_notice,
+        poll_interval: args.poll_interval,
+        drain_reserve: args.drain_reserve,
+        maintenance_lead: args.maintenance_lead,
+        maintenance_drains: args.on_maintenance == MaintenanceAction::Drain,
+        rebalance_expiry: args.rebalance_expiry,
+        rebalance_acts: args.on_rebalance != RebalanceAction::Ignore,
+    })
+    .map_err(|(key, reason)| Error::Invalid { key, reason })?;
     for unit in &args.checkpoint_unit {
         check::unit_name(unit).map_err(|reason| Error::Invalid {
             key: "checkpoint-unit",
