@@ -250,6 +250,14 @@ fn check_values(args: &RunArgs) -> Result<(), Error> {
         rebalance_acts: args.on_rebalance != RebalanceAction::Ignore,
     })
     .map_err(|(key, reason)| Error::Invalid { key, reason })?;
+    if !args.checkpoint_cmdline_uid.is_empty() && args.checkpoint_cmdline.is_empty() {
+        return Err(Error::Invalid {
+            key: "checkpoint-cmdline-uid",
+            reason:
+                "narrows --checkpoint-cmdline, which is not set: give the trainers' pattern too"
+                    .into(),
+        });
+    }
     for unit in &args.checkpoint_unit {
         check::unit_name(unit).map_err(|reason| Error::Invalid {
             key: "checkpoint-unit",
@@ -469,6 +477,28 @@ mod tests {
         assert_eq!(c.drain_reserve(Cloud::Aws), Duration::from_secs(25));
         assert_eq!(c.drain_reserve(Cloud::Gce), Duration::from_secs(8));
         assert_eq!(c.drain_reserve(Cloud::Azure), Duration::from_secs(8));
+    }
+
+    #[test]
+    fn a_cmdline_uid_needs_a_cmdline() {
+        let a = run_args(&[
+            "--checkpoint-unit",
+            "train",
+            "--checkpoint-cmdline-uid",
+            "1000",
+        ])
+        .unwrap();
+        let e = Config::resolve(a, &TestEnv(vec![])).unwrap_err();
+        assert!(e.to_string().starts_with("checkpoint-cmdline-uid:"), "{e}");
+        let a = run_args(&[
+            "--checkpoint-cmdline",
+            "sgtrain",
+            "--checkpoint-cmdline-uid",
+            "1000,1001",
+        ])
+        .unwrap();
+        assert_eq!(a.checkpoint_cmdline_uid, [1000, 1001]);
+        Config::resolve(a, &TestEnv(vec![])).unwrap();
     }
 
     #[test]
