@@ -22,7 +22,7 @@ pub(super) struct Delivery {
 /// Check a webhook URL: http or https, with a host.
 pub(super) fn parse_url(url: &str) -> Result<reqwest::Url, Error> {
     let parsed = reqwest::Url::parse(url.trim()).map_err(|e| Error::Url {
-        url: url.to_string(),
+        url: crate::words::without_credentials(url),
         reason: e.to_string(),
     })?;
     if !matches!(parsed.scheme(), "http" | "https") {
