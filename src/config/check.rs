@@ -313,8 +313,9 @@ fn notice_of(cloud: Cloud, gce_notice: Duration) -> Duration {
 
 /// Timings that contradict each other or the cloud's notice, each refused naming the setting
 /// blamed (returned), the other setting and the cloud's figure. With `--cloud auto` each is
-/// judged against the cloud that forgives it most (the agent does not know yet where it runs):
-/// naming the cloud has it judged against that cloud.
+/// judged against the cloud that forgives it most (the agent does not know yet where it runs;
+/// the agent judges them again once it has detected the cloud): naming the cloud has it judged
+/// against that cloud.
 ///
 /// - the drain reserve (given, or the cloud's default) is at least the notice: no time is left
 ///   to checkpoint;

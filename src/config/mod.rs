@@ -80,6 +80,13 @@ impl Config {
     pub fn drain_reserve(&self, cloud: Cloud) -> Duration {
         cloud.drain_reserve(self.args.drain_reserve)
     }
+
+    /// The timings judged against `cloud`'s notice: with `--cloud auto` they were judged at
+    /// start against the cloud that forgives them most, and are judged again against the
+    /// detected one.
+    pub fn check_timings_on(&self, cloud: Cloud) -> Result<(), Error> {
+        check_timings(&self.args, Some(cloud))
+    }
 }
 
 /// A configuration error: names the key and what is wrong.
@@ -239,17 +246,7 @@ fn check_values(args: &RunArgs) -> Result<(), Error> {
         key: "log-level",
         reason,
     })?;
-    check::timings(&check::Timings {
-        cloud: args.cloud.0,
-        gce_notice: args.gce_preemption_notice,
-        poll_interval: args.poll_interval,
-        drain_reserve: args.drain_reserve,
-        maintenance_lead: args.maintenance_lead,
-        maintenance_drains: args.on_maintenance == MaintenanceAction::Drain,
-        rebalance_expiry: args.rebalance_expiry,
-        rebalance_acts: args.on_rebalance != RebalanceAction::Ignore,
-    })
-    .map_err(|(key, reason)| Error::Invalid { key, reason })?;
+    check_timings(args, args.cloud.0)?;
     if !args.checkpoint_cmdline_uid.is_empty() && args.checkpoint_cmdline.is_empty() {
         return Err(Error::Invalid {
             key: "checkpoint-cmdline-uid",
@@ -265,6 +262,21 @@ fn check_values(args: &RunArgs) -> Result<(), Error> {
         })?;
     }
     Ok(())
+}
+
+/// The timings against each other and `cloud`'s notice ([`check::timings`]; `None`: `auto`).
+fn check_timings(args: &RunArgs, cloud: Option<Cloud>) -> Result<(), Error> {
+    check::timings(&check::Timings {
+        cloud,
+        gce_notice: args.gce_preemption_notice,
+        poll_interval: args.poll_interval,
+        drain_reserve: args.drain_reserve,
+        maintenance_lead: args.maintenance_lead,
+        maintenance_drains: args.on_maintenance == MaintenanceAction::Drain,
+        rebalance_expiry: args.rebalance_expiry,
+        rebalance_acts: args.on_rebalance != RebalanceAction::Ignore,
+    })
+    .map_err(|(key, reason)| Error::Invalid { key, reason })
 }
 
 /// The webhook settings: a template needs a URL and must render, PagerDuty needs a routing key.
@@ -477,6 +489,18 @@ mod tests {
         assert_eq!(c.drain_reserve(Cloud::Aws), Duration::from_secs(25));
         assert_eq!(c.drain_reserve(Cloud::Gce), Duration::from_secs(8));
         assert_eq!(c.drain_reserve(Cloud::Azure), Duration::from_secs(8));
+    }
+
+    #[test]
+    fn with_cloud_auto_the_timings_are_judged_again_on_the_detected_cloud() {
+        let a = run_args(&["--checkpoint-unit", "train", "--poll-interval", "25s"]).unwrap();
+        let c = Config::resolve(a, &TestEnv(vec![])).expect("auto: aws could honour it");
+        c.check_timings_on(Cloud::Aws).unwrap();
+        let e = c.check_timings_on(Cloud::Azure).unwrap_err().to_string();
+        assert!(
+            e.starts_with("poll-interval:") && e.contains("azure"),
+            "{e}"
+        );
     }
 
     #[test]
