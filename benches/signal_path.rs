@@ -173,6 +173,7 @@ fn host_mode(dir: &Path, trials: usize, n: usize) -> Vec<(String, f64, f64)> {
         units: Vec::new(),
         pidfiles: Vec::new(),
         cmdlines: vec![regex::Regex::new(&token).expect("regex")],
+        cmdline_uids: Vec::new(),
         dir: dir.join("ckpt"),
         signal: Signal::USR1,
         timeout: Duration::from_secs(5),

@@ -299,6 +299,7 @@ async fn node_and_discovery(
                     units: cfg.args.checkpoint_unit.clone(),
                     pidfiles: cfg.args.checkpoint_pidfile.clone(),
                     cmdlines: cfg.args.checkpoint_cmdline.clone(),
+                    cmdline_uids: cfg.args.checkpoint_cmdline_uid.clone(),
                     dir: cfg.args.checkpoint_dir.clone(),
                     signal: cfg.args.checkpoint_signal,
                     timeout: cfg.args.checkpoint_timeout,
@@ -530,6 +531,12 @@ async fn detect_and_monitor(
         }
     };
     info!(cloud = source.as_str(), "cloud detected");
+    // Judged at start against the cloud that forgives them most; now against this one. Said and
+    // counted, never fatal: the agent keeps watching as well as its settings allow.
+    if let Err(e) = cfg.check_timings_on(source) {
+        metrics.error("detect", e.metric_label());
+        error!(cloud = source.as_str(), error = %e, "the settings cannot keep the agent's promise on the detected cloud: set --cloud and fix them");
+    }
     match build_source(&cfg, source, &metrics, &own_metrics) {
         Ok(s) => run_monitor(s, tx, metrics, health, cancel).await,
         Err(e) => error!(error = %e, "cannot watch the detected cloud"),

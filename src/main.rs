@@ -173,12 +173,19 @@ fn config_check(args: config::RunArgs) -> i32 {
         }
     }
     let mut out = String::new();
+    // Each value as the agent read it (durations in seconds, sizes in bytes), and as given when
+    // that differs.
     for s in &cfg.args.settings {
+        let given = if s.read == s.value {
+            String::new()
+        } else {
+            format!(" (given: {})", s.value)
+        };
         out.push_str(&format!(
-            "{:<28} {:<8} {}\n",
+            "{:<28} {:<8} {}{given}\n",
             s.key,
             s.origin.as_str(),
-            s.value
+            s.read
         ));
     }
     out.push_str(&format!(
@@ -195,6 +202,7 @@ fn config_check(args: config::RunArgs) -> i32 {
 
 async fn run(cfg: Config) -> anyhow::Result<()> {
     let cancel = shutdown::install().context("installing signal handlers")?;
+    shutdown::ignore_hangup().context("installing signal handlers")?;
     let app = app::start(cfg, cancel).await.context("starting")?;
     app.join.await.context("agent task")??;
     Ok(())

@@ -1,5 +1,6 @@
 //! Shutdown is owned here and only here: the first SIGTERM or SIGINT cancels the root token; a
-//! second one forces an immediate exit.
+//! second one forces an immediate exit. The agent's SIGHUP is here too: logged and ignored
+//! ([`ignore_hangup`]).
 
 use tokio::signal::unix::{signal, SignalKind};
 use tokio_util::sync::CancellationToken;
@@ -28,4 +29,21 @@ pub fn install() -> std::io::Result<CancellationToken> {
         std::process::exit(130);
     });
     Ok(token)
+}
+
+/// The agent's SIGHUP (`kill -HUP`, a closed terminal): settings are read once, at start, and
+/// reloading is not supported (the systemd unit has no `ExecReload=`), so a SIGHUP changes
+/// nothing: it is logged and the agent keeps running, where the signal's default action would end
+/// it without a word (exit 129).
+pub fn ignore_hangup() -> std::io::Result<()> {
+    let mut hup = signal(SignalKind::hangup())?;
+    tokio::spawn(async move {
+        while hup.recv().await.is_some() {
+            tracing::warn!(
+                signal = "SIGHUP",
+                "reloading settings is not supported (they are read once, at start): nothing changed, the agent keeps running; restart it to apply new settings"
+            );
+        }
+    });
+    Ok(())
 }

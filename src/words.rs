@@ -3,11 +3,80 @@
 //! such, with the address; a credential provider that found nothing is said as "no credentials"
 //! (never as a denial by the bucket, which was not reached); anything else keeps its status and
 //! the innermost cause, without the libraries' wrappers ("error sending request for url").
+//! And the one redaction of URLs: a URL's user name and password (`http://admin:S3CRET@host`)
+//! never reach a log line, a message or `config check`'s table.
 
 use std::error::Error;
 
-/// Every message of `e`'s source chain, joined with ": ".
+/// How much of a URL a log line or message shows ([`url`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum UrlShown {
+    /// Scheme, host and port only: a webhook's path and query often are its secret.
+    Origin,
+    /// Everything but the user name and password (`redacted@`) and the query (`?…`).
+    Path,
+}
+
+/// `url` as logs show it.
+pub fn url(url: &reqwest::Url, shown: UrlShown) -> String {
+    match shown {
+        UrlShown::Origin => match url.host_str() {
+            Some(host) => match url.port() {
+                Some(port) => format!("{}://{host}:{port}/…", url.scheme()),
+                None => format!("{}://{host}/…", url.scheme()),
+            },
+            None => format!("{}:…", url.scheme()),
+        },
+        UrlShown::Path => {
+            let mut u = url.clone();
+            let query = u.query().is_some();
+            u.set_query(None);
+            u.set_fragment(None);
+            let text = without_credentials(u.as_str());
+            if query {
+                format!("{text}?…")
+            } else {
+                text
+            }
+        }
+    }
+}
+
+/// `text` with the credentials of every URL in it replaced: `scheme://USER:PASSWORD@host…`
+/// becomes `scheme://redacted@host…` (a URL's text, an error chain that quotes one, a setting's
+/// value). Everything else is left as it is.
+pub fn without_credentials(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(i) = rest.find("://") {
+        let (head, tail) = rest.split_at(i + 3);
+        out.push_str(head);
+        // The authority ends at the path, query, fragment, or where the text stops being a URL.
+        let end = tail
+            .find(|c: char| {
+                matches!(c, '/' | '?' | '#' | ')' | '(' | '"' | '\'' | ',') || c.is_whitespace()
+            })
+            .unwrap_or(tail.len());
+        let authority = &tail[..end];
+        match authority.rfind('@') {
+            Some(at) => {
+                out.push_str("redacted");
+                out.push_str(&authority[at..]);
+            }
+            None => out.push_str(authority),
+        }
+        rest = &tail[end..];
+    }
+    out.push_str(rest);
+    out
+}
+
+/// Every message of `e`'s source chain, joined with ": " (URL credentials redacted).
 pub fn chain(e: &(dyn Error + 'static)) -> String {
+    without_credentials(&chain_as_is(e))
+}
+
+fn chain_as_is(e: &(dyn Error + 'static)) -> String {
     let mut s = e.to_string();
     let mut cur = e.source();
     while let Some(inner) = cur {
@@ -21,7 +90,7 @@ pub fn chain(e: &(dyn Error + 'static)) -> String {
     s
 }
 
-/// The innermost message of `e`'s source chain.
+/// The innermost message of `e`'s source chain (URL credentials redacted).
 fn innermost(e: &(dyn Error + 'static)) -> String {
     let mut last = e.to_string();
     let mut cur = e.source();
@@ -29,7 +98,7 @@ fn innermost(e: &(dyn Error + 'static)) -> String {
         last = inner.to_string();
         cur = inner.source();
     }
-    last
+    without_credentials(&last)
 }
 
 /// `host:port` of the first http(s) URL in `text`.
@@ -40,7 +109,12 @@ fn first_host(text: &str) -> Option<String> {
     let end = rest
         .find(|c: char| c == '/' || c == ')' || c == '?' || c.is_whitespace())
         .unwrap_or(rest.len());
-    Some(rest[..end].to_string())
+    let authority = &rest[..end];
+    // Never the user name and password.
+    Some(match authority.rfind('@') {
+        Some(at) => authority[at + 1..].to_string(),
+        None => authority.to_string(),
+    })
 }
 
 /// An HTTP status named in `text` ("403 Forbidden"), if any.
@@ -164,6 +238,41 @@ mod tests {
         fn source(&self) -> Option<&(dyn Error + 'static)> {
             self.1.as_deref().map(|e| e as _)
         }
+    }
+
+    #[test]
+    fn credentials_in_urls_are_never_shown() {
+        let text = "request to http://admin:S3CRET@127.0.0.1:1/latest/api/token failed (see https://u@h/x?y), s3://b/k";
+        let shown = without_credentials(text);
+        assert_eq!(
+            shown,
+            "request to http://redacted@127.0.0.1:1/latest/api/token failed (see https://redacted@h/x?y), s3://b/k"
+        );
+        let u = reqwest::Url::parse("http://admin:S3CRET@[fd00:ec2::254]:80/p/?token=T").unwrap();
+        assert_eq!(
+            url(&u, UrlShown::Path),
+            "http://redacted@[fd00:ec2::254]/p/?…"
+        );
+        assert_eq!(url(&u, UrlShown::Origin), "http://[fd00:ec2::254]/…");
+        let u = reqwest::Url::parse("https://hooks.slack.com/services/T/B/X").unwrap();
+        assert_eq!(url(&u, UrlShown::Origin), "https://hooks.slack.com/…");
+        let u = reqwest::Url::parse("http://127.0.0.1:8080/x?k=v").unwrap();
+        assert_eq!(url(&u, UrlShown::Origin), "http://127.0.0.1:8080/…");
+        let e = E(
+            "error sending request for url (http://admin:S3CRET@127.0.0.1:1/latest/api/token)",
+            Some(Box::new(E(
+                "tcp connect error: Connection refused (os error 111)",
+                None,
+            ))),
+        );
+        for w in [chain(&e), transport(&e)] {
+            assert!(!w.contains("S3CRET") && !w.contains("admin"), "{w}");
+        }
+        assert!(
+            transport(&e).contains("by 127.0.0.1:1"),
+            "{}",
+            transport(&e)
+        );
     }
 
     #[test]

@@ -29,7 +29,10 @@ const ALLOWED: &[(&str, &[&str])] = &[
         "notice",
         &["backoff", "duration", "metrics", "sync", "words"],
     ),
-    ("webhook", &["backoff", "duration", "metrics", "notice"]),
+    (
+        "webhook",
+        &["backoff", "duration", "metrics", "notice", "words"],
+    ),
     ("emulator", &["duration", "notice", "sync"]),
     ("gpu", &["backoff", "duration", "life", "node", "sync"]),
     (
@@ -77,6 +80,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
             "units",
             "upload",
             "webhook",
+            "words",
         ],
     ),
     ("telemetry", &["config"]),

@@ -652,6 +652,7 @@ fn targets(dir: &Path) -> HostTargets {
         units: Vec::new(),
         pidfiles: Vec::new(),
         cmdlines: Vec::new(),
+        cmdline_uids: Vec::new(),
         dir: dir.to_path_buf(),
         signal: Signal::USR1,
         timeout: LONG,
@@ -779,6 +780,51 @@ async fn cmdline_selects_matching_processes_but_never_spotguard() {
     )
     .await;
     assert_eq!(results[0].outcome, Outcome::Acked, "{}", results[0].detail);
+}
+
+/// In host mode any local user can start a process whose command line matches: with
+/// `--checkpoint-cmdline-uid` only the named user's matching process is selected and signalled,
+/// another uid's, matching the same pattern and catching the signal too, never.
+#[tokio::test]
+async fn cmdline_with_a_uid_selects_only_that_users_processes() {
+    use std::os::unix::fs::PermissionsExt;
+    let tmp = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(tmp.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
+    let token = format!("sg-uid-{}", fastrand::u64(..));
+    let as_uid = |uid: u32| {
+        let mut cmd = Command::new("sh");
+        cmd.args(["-c", HANDLER, &token]).env("DIR", tmp.path());
+        spotguard_testkit::process::as_user(&mut cmd, uid);
+        let kid = Kid::spawn(cmd);
+        wait_for_handler(kid.pid());
+        kid
+    };
+    let trainer = as_uid(1000);
+    let squatter = as_uid(1001);
+    let mut t = targets(tmp.path());
+    t.cmdlines = vec![regex::Regex::new(&token).unwrap()];
+    let mut both = vec![trainer.pid(), squatter.pid()];
+    both.sort_unstable();
+    let groups = HostDiscovery::new(t.clone()).discover().await.unwrap();
+    assert_eq!(pids_of(&groups[0]), both, "the pattern alone matches both");
+    t.cmdline_uids = vec![1000];
+    let groups = HostDiscovery::new(t).discover().await.unwrap();
+    assert_eq!(pids_of(&groups[0]), vec![trainer.pid()]);
+    let req = request(false);
+    let (_r, m) = metrics();
+    let deliveries = deliver(&groups, &req, &m);
+    assert_eq!(deliveries[0].signalled_pids(), vec![trainer.pid()]);
+    let marker = |pid: i32| tmp.path().join(format!("marker-{pid}"));
+    eventually_blocking("the trainer's marker", Duration::from_secs(10), || {
+        marker(trainer.pid()).exists()
+    });
+    assert!(
+        !marker(squatter.pid()).exists(),
+        "another uid's process was signalled"
+    );
+    let done = CancellationToken::new();
+    done.cancel();
+    wait(deliveries, &req, &m, &done).await;
 }
 
 /// A cgroup directory created for a test, removed on drop (after its processes are gone).

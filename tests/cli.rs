@@ -282,6 +282,24 @@ fn config_check_validates_without_starting() {
     assert_eq!(origin("drain-concurrency"), "default");
     assert!(!out.contains("SECRET"), "a secret was printed: {out}");
     assert!(out.contains("configuration OK (mode host"), "{out}");
+    // Each value as read: durations in seconds, sizes in bytes, lists as lists.
+    let read = |key: &str| -> String {
+        let line = out
+            .lines()
+            .find(|l| l.split_whitespace().next() == Some(key))
+            .unwrap_or_else(|| panic!("{key} not in {out}"));
+        line.split_whitespace()
+            .skip(2)
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    assert_eq!(read("maintenance-lead"), "600s (given: 10m)");
+    assert_eq!(read("checkpoint-timeout"), "45s");
+    assert_eq!(
+        read("upload-max-bytes"),
+        "1099511627776 bytes (given: 1TiB)"
+    );
+    assert_eq!(read("checkpoint-unit"), "[\"train\"] (given: train)");
 
     // Invalid: exit 64 naming the key; nothing is bound or started.
     let o = spotguard(
@@ -508,6 +526,60 @@ fn bad_settings_are_refused_at_start_naming_the_setting() {
         (
             vec![("--checkpoint-unit", String::new())],
             &["checkpoint-unit", "no checkpoint target"],
+        ),
+        // Durations are bounded.
+        (
+            vec![("--maintenance-lead", "1000000000000h".into())],
+            &["--maintenance-lead", "above the most allowed, 720h"],
+        ),
+        (
+            vec![("--poll-interval", "2h".into())],
+            &["--poll-interval", "above the most allowed, 1m"],
+        ),
+        // Timings that contradict each other or the cloud's notice: both settings and the
+        // cloud's figure named.
+        (
+            vec![
+                ("--cloud", "azure".into()),
+                ("--poll-interval", "25s".into()),
+            ],
+            &["poll-interval", "25s", "azure", "30s", "--drain-reserve 8s"],
+        ),
+        (
+            vec![
+                ("--poll-interval", "1m".into()),
+                ("--drain-reserve", "1m".into()),
+            ],
+            &["poll-interval", "aws", "2m", "--drain-reserve 1m"],
+        ),
+        (
+            vec![
+                ("--cloud", "gce".into()),
+                ("--gce-preemption-notice", "5s".into()),
+            ],
+            &["gce-preemption-notice", "5s", "--drain-reserve", "8s"],
+        ),
+        (
+            vec![("--maintenance-lead", "20s".into())],
+            &[
+                "maintenance-lead",
+                "20s",
+                "--on-maintenance drain",
+                "--drain-reserve 25s",
+                "aws",
+            ],
+        ),
+        (
+            vec![
+                ("--rebalance-expiry", "1s".into()),
+                ("--poll-interval", "2s".into()),
+            ],
+            &["rebalance-expiry", "1s", "--poll-interval (2s)"],
+        ),
+        // A selector that selects the world.
+        (
+            vec![("--checkpoint-cmdline", ".*".into())],
+            &["--checkpoint-cmdline", "matches every command line"],
         ),
     ];
     let limit = std::time::Duration::from_secs(30);
@@ -877,4 +949,162 @@ fn the_agent_says_refused_once_and_plainly() {
         .find(|l| l.contains("spotguard stopped"))
         .unwrap_or_else(|| panic!("the agent did not stop:\n{log}"));
     assert_eq!(line.matches("Address already in use").count(), 1, "{line}");
+}
+
+/// `--checkpoint-cmdline`'s list form is a list wherever the docs promise one (the environment
+/// included), and a pattern that matches every command line is refused, named.
+#[test]
+fn checkpoint_cmdline_is_a_list_and_never_selects_the_world() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state").display().to_string();
+    let ckpt = dir.path().join("ckpt").display().to_string();
+    let base = [
+        "config",
+        "check",
+        "--mode",
+        "host",
+        "--cloud",
+        "aws",
+        "--state-dir",
+        &state,
+        "--checkpoint-dir",
+        &ckpt,
+    ];
+    let o = spotguard(
+        &base,
+        &[("SPOTGUARD_CHECKPOINT_CMDLINE", "sgtrain,torchrun")],
+    );
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let line = out
+        .lines()
+        .find(|l| l.starts_with("checkpoint-cmdline "))
+        .unwrap_or_else(|| panic!("{out}"));
+    assert!(
+        line.contains("env") && line.contains(r#"["sgtrain", "torchrun"]"#),
+        "{line}"
+    );
+    for (args, env) in [
+        (vec!["--checkpoint-cmdline", ""], vec![]),
+        (vec!["--checkpoint-cmdline", "^"], vec![]),
+        (vec!["--checkpoint-cmdline", "sgtrain,"], vec![]),
+        (vec![], vec![("SPOTGUARD_CHECKPOINT_CMDLINE", "sgtrain,.?")]),
+    ] {
+        let argv: Vec<&str> = base.iter().copied().chain(args.iter().copied()).collect();
+        let o = spotguard(&argv, &env);
+        assert_eq!(
+            o.status.code(),
+            Some(64),
+            "{args:?} {env:?}: {}",
+            stderr(&o)
+        );
+        assert!(
+            stderr(&o).contains("matches every command line"),
+            "{args:?} {env:?}: {}",
+            stderr(&o)
+        );
+    }
+}
+
+/// The config file: anything but a regular file is refused at once (a FIFO without a writer
+/// never holds start-up), and a key given under both spellings is refused naming both.
+#[test]
+fn config_file_is_a_regular_file_with_each_key_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let fifo = dir.path().join("spotguard.toml");
+    let made = Command::new("mkfifo").arg(&fifo).status().unwrap();
+    assert!(made.success());
+    let limit = std::time::Duration::from_secs(30);
+    for (path, what) in [
+        (fifo.display().to_string(), "is a FIFO"),
+        (dir.path().display().to_string(), "is a directory"),
+        ("/dev/zero".to_string(), "is a device"),
+    ] {
+        let argv: Vec<String> = ["config", "check", "--config", &path]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        let o = spotguard_within(&argv, &[], limit)
+            .unwrap_or_else(|| panic!("--config {path}: still waiting after 30s"));
+        assert_eq!(o.status.code(), Some(64), "{path}: {}", stderr(&o));
+        assert!(stderr(&o).contains(what), "{path}: {}", stderr(&o));
+    }
+    let f = dir.path().join("twice.toml");
+    std::fs::write(&f, "poll-interval = \"2s\"\npoll_interval = \"3s\"\n").unwrap();
+    let o = spotguard(&["config", "check", "--config", f.to_str().unwrap()], &[]);
+    assert_eq!(o.status.code(), Some(64), "{}", stderr(&o));
+    let e = stderr(&o);
+    assert!(
+        e.contains("`poll-interval`") && e.contains("`poll_interval`"),
+        "{e}"
+    );
+}
+
+/// A user name and password in a URL never reach the logs or `config check`: the
+/// effective-configuration line, the metadata poll's warning, the table.
+#[test]
+fn credentials_in_urls_are_never_shown() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut args = agent_args(dir.path(), "127.0.0.1:0");
+    args.retain(|a| !a.starts_with("--metadata-endpoint="));
+    args.push("--metadata-endpoint=http://admin:S3CRET@127.0.0.1:1".into());
+    args.push("--upload-endpoint=http://key:S3CRET@127.0.0.1:2".into());
+    let log = agent_until(&args, |l| l.contains("metadata poll failed"));
+    assert!(log.contains("effective configuration"), "{log}");
+    assert!(log.contains("metadata poll failed"), "{log}");
+    assert!(!log.contains("S3CRET"), "a password was logged:\n{log}");
+    assert!(log.contains("http://redacted@127.0.0.1:1"), "{log}");
+    let mut check: Vec<String> = vec!["config".into(), "check".into()];
+    check.extend(args.into_iter().skip(1));
+    check.push("--prefetch-endpoint=http://key:S3CRET@127.0.0.1:3".into());
+    let argv: Vec<&str> = check.iter().map(String::as_str).collect();
+    let o = spotguard(&argv, &[]);
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(!out.contains("S3CRET"), "a password was printed:\n{out}");
+    assert!(out.contains("http://redacted@127.0.0.1:3"), "{out}");
+}
+
+/// SIGHUP: the agent says it does not reload and keeps running (it used to die with 129 without
+/// a word); a SIGTERM after it still stops it cleanly.
+#[test]
+fn sighup_is_said_and_the_agent_keeps_running() {
+    use std::io::BufRead;
+    let dir = tempfile::tempdir().unwrap();
+    let mut c = Command::new(env!("CARGO_BIN_EXE_spotguard"));
+    c.args(agent_args(dir.path(), "127.0.0.1:0"));
+    for (k, _) in std::env::vars() {
+        if k.starts_with("SPOTGUARD_") || k == "RUST_LOG" {
+            c.env_remove(k);
+        }
+    }
+    let mut child = c
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = rustix::process::Pid::from_raw(child.id() as i32).unwrap();
+    let mut lines = std::io::BufReader::new(child.stderr.take().unwrap()).lines();
+    let mut log = String::new();
+    let mut next_until = |what: &str, log: &mut String| {
+        for line in lines.by_ref() {
+            let line = line.unwrap();
+            log.push_str(&line);
+            log.push('\n');
+            if line.contains(what) {
+                return true;
+            }
+        }
+        false
+    };
+    // Running: its first poll (the signal handlers are installed before the sources start).
+    assert!(next_until("metadata poll failed", &mut log), "{log}");
+    rustix::process::kill_process(pid, rustix::process::Signal::HUP).unwrap();
+    assert!(
+        next_until("reloading settings is not supported", &mut log),
+        "no word on SIGHUP:\n{log}"
+    );
+    rustix::process::kill_process(pid, rustix::process::Signal::TERM).unwrap();
+    let status = child.wait().unwrap();
+    assert_eq!(status.code(), Some(0), "{status}:\n{log}");
 }

@@ -398,7 +398,8 @@ async fn one_uids_uploads_never_starve_another_uids_staged_ack_of_descriptors() 
     // delivery had just written as proof of an earlier delivery and leave its trainer
     // unsignalled (a delivery race of its own, seen under load; see the closing note of the
     // trust round), which is not what this test is about.
-    .arg("--checkpoint-cmdline=ack_staged\\(path, step=int")
+    // A comma inside a pattern is `\x2C`: the flag takes a comma-separated list.
+    .arg("--checkpoint-cmdline=ack_staged\\(path\\x2C step=int")
     .envs(spotguard_testkit::s3::S3Server::client_env())
     .stdin(Stdio::null())
     .stdout(Stdio::null())

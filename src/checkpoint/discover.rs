@@ -16,7 +16,9 @@
 //!   pidfile older than its process's start (the PID was recycled since the file was written)
 //!   selects nothing. Each refusal is logged with its reason and the group ends `no_handler`.
 //! - **cmdline** `REGEX`: every process whose arguments joined by spaces match; kernel threads
-//!   (empty cmdline) and spotguard itself never match.
+//!   (empty cmdline) and spotguard itself never match. Any local user can start a process whose
+//!   command line matches, so `--checkpoint-cmdline-uid` narrows every cmdline selector to the
+//!   processes of the given users (the real uid in `/proc/PID/status`).
 //!
 //! A selector that matches nothing still yields its group (with no processes), so the operator sees
 //! `no_handler` for it rather than silence; why it matched nothing is logged.
@@ -56,6 +58,9 @@ pub struct HostTargets {
     pub units: Vec<String>,
     pub pidfiles: Vec<PathBuf>,
     pub cmdlines: Vec<regex::Regex>,
+    /// `--checkpoint-cmdline-uid`: when not empty, a cmdline selector matches only processes
+    /// running as one of these uids.
+    pub cmdline_uids: Vec<u32>,
     /// `--checkpoint-dir` (host path).
     pub dir: PathBuf,
     /// `--checkpoint-signal`.
@@ -457,7 +462,14 @@ impl HostDiscovery {
             .keys()
             .copied()
             .filter(|pid| match self.proc.cmdline(*pid) {
-                Ok(args) if !args.is_empty() => re.is_match(&args.join(" ")),
+                Ok(args) if !args.is_empty() => {
+                    re.is_match(&args.join(" "))
+                        && (self.targets.cmdline_uids.is_empty()
+                            || self
+                                .proc
+                                .status(*pid)
+                                .is_ok_and(|s| self.targets.cmdline_uids.contains(&s.uid)))
+                }
                 _ => false,
             })
             .collect();

@@ -109,8 +109,8 @@ pub struct RunArgs {
     #[arg(long, env = "SPOTGUARD_METADATA_ENDPOINT", value_name = "URL", value_parser = parse_endpoint, help_heading = NOTICES)]
     pub metadata_endpoint: Option<reqwest::Url>,
 
-    /// EC2 and Azure polling cadence (GCE uses hanging GETs).
-    #[arg(long, env = "SPOTGUARD_POLL_INTERVAL", value_name = "DURATION", default_value = "1s", value_parser = parse_positive_duration, help_heading = NOTICES)]
+    /// EC2 and Azure polling cadence (GCE uses hanging GETs); more than 0, at most 1m.
+    #[arg(long, env = "SPOTGUARD_POLL_INTERVAL", value_name = "DURATION", default_value = "1s", value_parser = parse_poll_interval, help_heading = NOTICES)]
     pub poll_interval: Duration,
 
     /// Kubernetes node to act on (default: env NODE_NAME).
@@ -127,8 +127,8 @@ pub struct RunArgs {
     )]
     pub on_rebalance: RebalanceAction,
 
-    /// Undo a rebalance cordon/taint if no interruption follows within this time.
-    #[arg(long, env = "SPOTGUARD_REBALANCE_EXPIRY", value_name = "DURATION", default_value = "30m", value_parser = parse_positive_duration, help_heading = NOTICES)]
+    /// Undo a rebalance cordon/taint if no interruption follows within this time; more than 0, at most 7d.
+    #[arg(long, env = "SPOTGUARD_REBALANCE_EXPIRY", value_name = "DURATION", default_value = "30m", value_parser = parse_rebalance_expiry, help_heading = NOTICES)]
     pub rebalance_expiry: Duration,
 
     /// Action on scheduled maintenance / GCE TERMINATE_ON_HOST_MAINTENANCE.
@@ -151,20 +151,20 @@ pub struct RunArgs {
     )]
     pub on_azure_freeze: MaintenanceAction,
 
-    /// Start handling a scheduled event this long before its NotBefore.
-    #[arg(long, env = "SPOTGUARD_MAINTENANCE_LEAD", value_name = "DURATION", default_value = "10m", value_parser = parse_duration, help_heading = NOTICES)]
+    /// Start handling a scheduled event this long before its NotBefore; at most 30d.
+    #[arg(long, env = "SPOTGUARD_MAINTENANCE_LEAD", value_name = "DURATION", default_value = "10m", value_parser = parse_maintenance_lead, help_heading = NOTICES)]
     pub maintenance_lead: Duration,
 
     /// Signal sent to checkpoint targets.
     #[arg(long, env = "SPOTGUARD_CHECKPOINT_SIGNAL", value_name = "SIGNAL", default_value = "SIGUSR1", value_parser = parse_signal, help_heading = CHECKPOINT)]
     pub checkpoint_signal: Signal,
 
-    /// Upper bound on waiting for checkpoint acks.
-    #[arg(long, env = "SPOTGUARD_CHECKPOINT_TIMEOUT", value_name = "DURATION", default_value = "90s", value_parser = parse_positive_duration, help_heading = CHECKPOINT)]
+    /// Upper bound on waiting for checkpoint acks; more than 0, at most 1h.
+    #[arg(long, env = "SPOTGUARD_CHECKPOINT_TIMEOUT", value_name = "DURATION", default_value = "90s", value_parser = parse_nonzero_hour, help_heading = CHECKPOINT)]
     pub checkpoint_timeout: Duration,
 
-    /// Time kept before the deadline for evictions [default: 25s on aws, 8s on gce and azure].
-    #[arg(long, env = "SPOTGUARD_DRAIN_RESERVE", value_name = "DURATION", value_parser = parse_duration, help_heading = DRAIN)]
+    /// Time kept before the deadline for evictions, at most 1h and below the cloud's notice [default: 25s on aws, 8s on gce and azure].
+    #[arg(long, env = "SPOTGUARD_DRAIN_RESERVE", value_name = "DURATION", value_parser = parse_hour, help_heading = DRAIN)]
     pub drain_reserve: Option<Duration>,
 
     /// Delete pods still blocked by a PDB 5 s before the deadline (opt-in; needs pods delete RBAC).
@@ -261,9 +261,13 @@ pub struct RunArgs {
     )]
     pub checkpoint_pidfile: Vec<PathBuf>,
 
-    /// Host mode target: processes whose command line matches (repeatable).
-    #[arg(long, env = "SPOTGUARD_CHECKPOINT_CMDLINE", value_name = "REGEX", value_parser = parse_regex, help_heading = HOST_MODE)]
+    /// Host mode target: processes whose command line matches (repeatable; a pattern that matches every command line, such as '' or '.*', is refused; write a comma in a pattern as \x2C). Any local user can start a matching process: add --checkpoint-cmdline-uid.
+    #[arg(long, env = "SPOTGUARD_CHECKPOINT_CMDLINE", value_name = "REGEX", value_delimiter = ',', value_parser = parse_cmdline_regex, help_heading = HOST_MODE)]
     pub checkpoint_cmdline: Vec<Regex>,
+
+    /// Host mode: --checkpoint-cmdline selects only processes running as these uids (repeatable), e.g. the trainers' user.
+    #[arg(long, env = "SPOTGUARD_CHECKPOINT_CMDLINE_UID", value_name = "UID", value_delimiter = ',', help_heading = HOST_MODE)]
+    pub checkpoint_cmdline_uid: Vec<u32>,
 
     /// Host mode: where notice.json is written and acks are read.
     #[arg(long, env = "SPOTGUARD_CHECKPOINT_DIR", value_name = "DIR", default_value = "/run/spotguard", value_parser = parse_abs_path, help_heading = HOST_MODE)]
@@ -277,8 +281,8 @@ pub struct RunArgs {
     #[arg(long, env = "SPOTGUARD_IMDS_V1_FALLBACK", action = ArgAction::SetTrue, value_parser = parse_bool, help_heading = NOTICES)]
     pub imds_v1_fallback: bool,
 
-    /// GCE: time from preempted=TRUE to power-off (120s with extended preemption notice).
-    #[arg(long, env = "SPOTGUARD_GCE_PREEMPTION_NOTICE", value_name = "DURATION", default_value = "30s", value_parser = parse_positive_duration, help_heading = NOTICES)]
+    /// GCE: time from preempted=TRUE to power-off (120s with extended preemption notice); more than 0, at most 1h.
+    #[arg(long, env = "SPOTGUARD_GCE_PREEMPTION_NOTICE", value_name = "DURATION", default_value = "30s", value_parser = parse_nonzero_hour, help_heading = NOTICES)]
     pub gce_preemption_notice: Duration,
 
     /// Azure: this VM's name for filtering scheduled events [default: IMDS compute/name].
@@ -386,8 +390,8 @@ pub struct RunArgs {
     #[arg(long, env = "SPOTGUARD_DRAIN_CONCURRENCY", value_name = "N", default_value_t = 32, value_parser = clap::value_parser!(u16).range(1..=1024), help_heading = DRAIN)]
     pub drain_concurrency: u16,
 
-    /// On SIGTERM, time an in-flight plan gets to finish (still bounded by its deadline).
-    #[arg(long, env = "SPOTGUARD_SHUTDOWN_GRACE", value_name = "DURATION", default_value = "120s", value_parser = parse_duration)]
+    /// On SIGTERM, time an in-flight plan gets to finish (still bounded by its deadline); at most 1h.
+    #[arg(long, env = "SPOTGUARD_SHUTDOWN_GRACE", value_name = "DURATION", default_value = "120s", value_parser = parse_hour)]
     pub shutdown_grace: Duration,
 
     /// Directory of DMI identifiers used by cloud auto-detection.

@@ -281,6 +281,134 @@ pub fn drain_reserve(
     Ok(())
 }
 
+/// The timings judged together, against each other and against the notice of the cloud the
+/// agent watches ([`timings`]).
+#[derive(Clone, Copy, Debug)]
+pub struct Timings {
+    /// `--cloud`; `None`: `auto`.
+    pub cloud: Option<Cloud>,
+    /// `--gce-preemption-notice`.
+    pub gce_notice: Duration,
+    /// `--poll-interval`.
+    pub poll_interval: Duration,
+    /// `--drain-reserve`; `None`: the cloud's default.
+    pub drain_reserve: Option<Duration>,
+    /// `--maintenance-lead`.
+    pub maintenance_lead: Duration,
+    /// `--on-maintenance drain`: the plan checkpoints and drains before the window.
+    pub maintenance_drains: bool,
+    /// `--rebalance-expiry`.
+    pub rebalance_expiry: Duration,
+    /// `--on-rebalance` is not `ignore`.
+    pub rebalance_acts: bool,
+}
+
+/// The interruption notice of `cloud` (GCE's is `--gce-preemption-notice`).
+fn notice_of(cloud: Cloud, gce_notice: Duration) -> Duration {
+    match cloud {
+        Cloud::Gce => gce_notice,
+        c => c.facts().interruption_notice,
+    }
+}
+
+/// Timings that contradict each other or the cloud's notice, each refused naming the setting
+/// blamed (returned), the other setting and the cloud's figure. With `--cloud auto` each is
+/// judged against the cloud that forgives it most (the agent does not know yet where it runs;
+/// the agent judges them again once it has detected the cloud): naming the cloud has it judged
+/// against that cloud.
+///
+/// - the drain reserve (given, or the cloud's default) is at least the notice: no time is left
+///   to checkpoint;
+/// - EC2 and Azure are polled: the poll interval and the drain reserve together are at least the
+///   notice, so a notice first seen one poll late leaves no time to checkpoint (GCE's hanging GET
+///   answers at the change, whatever the interval);
+/// - `--on-maintenance drain` with a maintenance lead no longer than the drain reserve: the plan
+///   starts with no time to checkpoint before the window;
+/// - an EC2 rebalance action undone (`--rebalance-expiry`) within one poll: before the agent
+///   could see the interruption that may follow.
+pub fn timings(t: &Timings) -> Result<(), (&'static str, String)> {
+    let d = crate::duration::display;
+    if let Some(reserve) = t.drain_reserve {
+        drain_reserve(reserve, t.cloud, t.gce_notice).map_err(|r| ("drain-reserve", r))?;
+    } else if let Some(Cloud::Gce) = t.cloud {
+        let reserve = Cloud::Gce.facts().drain_reserve;
+        if reserve >= t.gce_notice {
+            return Err((
+                "gce-preemption-notice",
+                format!(
+                    "{} leaves no time to checkpoint: gce's default drain reserve (--drain-reserve) is {}; give the VM's real notice (30s, or 120s with extended preemption notice), or a smaller --drain-reserve",
+                    d(t.gce_notice),
+                    d(reserve)
+                ),
+            ));
+        }
+    }
+    let reserve_of = |c: Cloud| c.drain_reserve(t.drain_reserve);
+    let reserve_words = |c: Cloud| match t.drain_reserve {
+        Some(r) => format!("--drain-reserve {}", d(r)),
+        None => format!(
+            "{c}'s default --drain-reserve {}",
+            d(c.facts().drain_reserve)
+        ),
+    };
+    // The clouds judged: the chosen one, else the most forgiving.
+    let judged = |applies: &dyn Fn(Cloud) -> bool, slack: &dyn Fn(Cloud) -> i128| match t.cloud {
+        Some(c) => applies(c).then_some(c),
+        None => Cloud::ALL
+            .iter()
+            .copied()
+            .filter(|c| applies(*c))
+            .max_by_key(|c| slack(*c)),
+    };
+    let polled = |c: Cloud| c != Cloud::Gce;
+    let poll_slack = |c: Cloud| {
+        notice_of(c, t.gce_notice).as_nanos() as i128
+            - (t.poll_interval + reserve_of(c)).as_nanos() as i128
+    };
+    if let Some(c) = judged(&polled, &poll_slack) {
+        let notice = notice_of(c, t.gce_notice);
+        if t.poll_interval + reserve_of(c) >= notice {
+            return Err((
+                "poll-interval",
+                format!(
+                    "{} with {} leaves no time to checkpoint on {c}, whose notice is {}: a notice first seen one poll late has {} left, all of it the drain's; poll more often (default 1s) or keep less for the drain",
+                    d(t.poll_interval),
+                    reserve_words(c),
+                    d(notice),
+                    d(notice.saturating_sub(t.poll_interval)),
+                ),
+            ));
+        }
+    }
+    if t.maintenance_drains {
+        let lead_slack =
+            |c: Cloud| t.maintenance_lead.as_nanos() as i128 - reserve_of(c).as_nanos() as i128;
+        if let Some(c) = judged(&|_| true, &lead_slack) {
+            if t.maintenance_lead <= reserve_of(c) {
+                return Err((
+                    "maintenance-lead",
+                    format!(
+                        "{} with --on-maintenance drain and {} on {c} leaves no time to checkpoint before the maintenance window: the lead must be longer than the drain reserve (default lead 10m)",
+                        d(t.maintenance_lead),
+                        reserve_words(c),
+                    ),
+                ));
+            }
+        }
+    }
+    if t.rebalance_acts && t.cloud == Some(Cloud::Aws) && t.rebalance_expiry <= t.poll_interval {
+        return Err((
+            "rebalance-expiry",
+            format!(
+                "{} undoes a rebalance action within one --poll-interval ({}): before the agent could see the interruption that may follow; give it longer than the poll interval (default 30m)",
+                d(t.rebalance_expiry),
+                d(t.poll_interval),
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// A file a command will write at its end (`--junit`): checked before the command runs, so a
 /// typo costs no run. The file may exist (it is replaced) but is no directory; its directory
 /// exists and accepts a new file.
@@ -340,6 +468,116 @@ mod tests {
             assert!(unit_name(bad).is_err(), "{bad:?} accepted");
         }
         assert!(unit_name(&"a".repeat(250)).is_err());
+    }
+
+    #[test]
+    fn contradictory_timings_are_refused_naming_the_setting() {
+        let ok = Timings {
+            cloud: Some(Cloud::Azure),
+            gce_notice: Duration::from_secs(30),
+            poll_interval: Duration::from_secs(1),
+            drain_reserve: None,
+            maintenance_lead: Duration::from_secs(600),
+            maintenance_drains: true,
+            rebalance_expiry: Duration::from_secs(1800),
+            rebalance_acts: true,
+        };
+        let s = Duration::from_secs;
+        for cloud in [None, Some(Cloud::Aws), Some(Cloud::Gce), Some(Cloud::Azure)] {
+            timings(&Timings { cloud, ..ok }).unwrap_or_else(|e| panic!("{cloud:?}: {e:?}"));
+        }
+        for (bad, key, words) in [
+            (
+                Timings {
+                    poll_interval: s(25),
+                    ..ok
+                },
+                "poll-interval",
+                &["25s", "azure", "30s", "--drain-reserve 8s"][..],
+            ),
+            (
+                Timings {
+                    cloud: Some(Cloud::Aws),
+                    poll_interval: s(60),
+                    drain_reserve: Some(s(60)),
+                    ..ok
+                },
+                "poll-interval",
+                &["1m", "aws", "2m", "--drain-reserve 1m"],
+            ),
+            (
+                Timings {
+                    cloud: Some(Cloud::Gce),
+                    gce_notice: s(5),
+                    ..ok
+                },
+                "gce-preemption-notice",
+                &["5s", "8s", "--drain-reserve"],
+            ),
+            (
+                Timings {
+                    drain_reserve: Some(s(30)),
+                    ..ok
+                },
+                "drain-reserve",
+                &["azure", "30s"],
+            ),
+            (
+                Timings {
+                    maintenance_lead: s(8),
+                    ..ok
+                },
+                "maintenance-lead",
+                &[
+                    "8s",
+                    "--on-maintenance drain",
+                    "--drain-reserve 8s",
+                    "azure",
+                ],
+            ),
+            (
+                Timings {
+                    cloud: Some(Cloud::Aws),
+                    rebalance_expiry: s(1),
+                    ..ok
+                },
+                "rebalance-expiry",
+                &["1s", "--poll-interval"],
+            ),
+        ] {
+            let (k, why) = timings(&bad).expect_err(key);
+            assert_eq!(k, key, "{why}");
+            for w in words {
+                assert!(why.contains(w), "{key}: {w:?} not in {why}");
+            }
+        }
+        // Accepted: GCE is not polled; auto forgives what some cloud honours; no drain on
+        // maintenance; rebalance ignored.
+        timings(&Timings {
+            cloud: Some(Cloud::Gce),
+            poll_interval: s(60),
+            ..ok
+        })
+        .unwrap();
+        timings(&Timings {
+            cloud: None,
+            poll_interval: s(60),
+            ..ok
+        })
+        .unwrap();
+        timings(&Timings {
+            maintenance_lead: s(0),
+            maintenance_drains: false,
+            ..ok
+        })
+        .unwrap();
+        timings(&Timings {
+            cloud: Some(Cloud::Aws),
+            rebalance_expiry: s(1),
+            rebalance_acts: false,
+            ..ok
+        })
+        .unwrap();
     }
 
     #[test]

@@ -84,6 +84,8 @@ fn config_file_args(
     let file = path.display().to_string();
     let table = read_table(path)?;
     let mut out = Vec::new();
+    // Each setting once: `poll-interval` and `poll_interval` are one key.
+    let mut spelled: std::collections::HashMap<String, &str> = std::collections::HashMap::new();
     for (raw_key, value) in &table {
         if STRUCTURED_KEYS.contains(&raw_key.as_str()) {
             continue;
@@ -93,6 +95,11 @@ fn config_file_args(
             key: raw_key,
         };
         let key = raw_key.replace('_', "-");
+        if let Some(other) = spelled.insert(key.clone(), raw_key) {
+            return Err(at.error(format!(
+                "the same setting as `{other}` (`-` and `_` are one): give it once"
+            )));
+        }
         let arg = cmd
             .get_arguments()
             .find(|a| {
@@ -121,13 +128,51 @@ fn config_file_args(
     Ok(out)
 }
 
-/// The config file at `path`, read and parsed as a TOML table.
+/// Largest config file read: real ones are a few KiB.
+const MAX_FILE: u64 = 1024 * 1024;
+
+/// The config file at `path`, read and parsed as a TOML table. Only a regular file is read: it is
+/// opened without blocking (`O_NONBLOCK`: a FIFO with no writer would hold start-up forever) and
+/// anything else (a FIFO, a device, a directory, a socket) is refused at once, as is a file
+/// larger than [`MAX_FILE`].
 fn read_table(path: &Path) -> Result<toml::Table, Error> {
+    use std::io::Read;
+    use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
     let file = path.display().to_string();
-    let text = std::fs::read_to_string(path).map_err(|e| Error::File {
+    let error = |reason: String| Error::File {
         path: file.clone(),
-        reason: e.to_string(),
-    })?;
+        reason,
+    };
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)
+        .map_err(|e| error(e.to_string()))?;
+    let meta = f.metadata().map_err(|e| error(e.to_string()))?;
+    let t = meta.file_type();
+    if !t.is_file() {
+        let what = if t.is_fifo() {
+            "a FIFO"
+        } else if t.is_dir() {
+            "a directory"
+        } else if t.is_char_device() || t.is_block_device() {
+            "a device"
+        } else if t.is_socket() {
+            "a socket"
+        } else {
+            "not a regular file"
+        };
+        return Err(error(format!("is {what}: give a regular file")));
+    }
+    if meta.len() > MAX_FILE {
+        return Err(error(format!(
+            "is larger than {MAX_FILE} bytes: not a config file"
+        )));
+    }
+    let mut text = String::new();
+    f.take(MAX_FILE + 1)
+        .read_to_string(&mut text)
+        .map_err(|e| error(e.to_string()))?;
     text.parse().map_err(|e: toml::de::Error| Error::File {
         path: file,
         reason: e.to_string().trim().to_string(),

@@ -80,6 +80,13 @@ impl Config {
     pub fn drain_reserve(&self, cloud: Cloud) -> Duration {
         cloud.drain_reserve(self.args.drain_reserve)
     }
+
+    /// The timings judged against `cloud`'s notice: with `--cloud auto` they were judged at
+    /// start against the cloud that forgives them most, and are judged again against the
+    /// detected one.
+    pub fn check_timings_on(&self, cloud: Cloud) -> Result<(), Error> {
+        check_timings(&self.args, Some(cloud))
+    }
 }
 
 /// A configuration error: names the key and what is wrong.
@@ -232,20 +239,21 @@ fn resolve_node_name(args: &RunArgs, env: &dyn Env, mode: Mode) -> Result<Option
     Ok(node_name)
 }
 
-/// The values judged alone: the log filter, the drain reserve against the cloud's notice, the
-/// checkpoint units' names.
+/// The values judged alone or together: the log filter, the timings against each other and the
+/// cloud's notice ([`check::timings`]), the checkpoint units' names.
 fn check_values(args: &RunArgs) -> Result<(), Error> {
     check::log_filter(&args.log_level).map_err(|reason| Error::Invalid {
         key: "log-level",
         reason,
     })?;
-    if let Some(reserve) = args.drain_reserve {
-        check::drain_reserve(reserve, args.cloud.0, args.gce_preemption_notice).map_err(
-            |reason| Error::Invalid {
-                key: "drain-reserve",
-                reason,
-            },
-        )?;
+    check_timings(args, args.cloud.0)?;
+    if !args.checkpoint_cmdline_uid.is_empty() && args.checkpoint_cmdline.is_empty() {
+        return Err(Error::Invalid {
+            key: "checkpoint-cmdline-uid",
+            reason:
+                "narrows --checkpoint-cmdline, which is not set: give the trainers' pattern too"
+                    .into(),
+        });
     }
     for unit in &args.checkpoint_unit {
         check::unit_name(unit).map_err(|reason| Error::Invalid {
@@ -254,6 +262,21 @@ fn check_values(args: &RunArgs) -> Result<(), Error> {
         })?;
     }
     Ok(())
+}
+
+/// The timings against each other and `cloud`'s notice ([`check::timings`]; `None`: `auto`).
+fn check_timings(args: &RunArgs, cloud: Option<Cloud>) -> Result<(), Error> {
+    check::timings(&check::Timings {
+        cloud,
+        gce_notice: args.gce_preemption_notice,
+        poll_interval: args.poll_interval,
+        drain_reserve: args.drain_reserve,
+        maintenance_lead: args.maintenance_lead,
+        maintenance_drains: args.on_maintenance == MaintenanceAction::Drain,
+        rebalance_expiry: args.rebalance_expiry,
+        rebalance_acts: args.on_rebalance != RebalanceAction::Ignore,
+    })
+    .map_err(|(key, reason)| Error::Invalid { key, reason })
 }
 
 /// The webhook settings: a template needs a URL and must render, PagerDuty needs a routing key.
@@ -466,6 +489,40 @@ mod tests {
         assert_eq!(c.drain_reserve(Cloud::Aws), Duration::from_secs(25));
         assert_eq!(c.drain_reserve(Cloud::Gce), Duration::from_secs(8));
         assert_eq!(c.drain_reserve(Cloud::Azure), Duration::from_secs(8));
+    }
+
+    #[test]
+    fn with_cloud_auto_the_timings_are_judged_again_on_the_detected_cloud() {
+        let a = run_args(&["--checkpoint-unit", "train", "--poll-interval", "25s"]).unwrap();
+        let c = Config::resolve(a, &TestEnv(vec![])).expect("auto: aws could honour it");
+        c.check_timings_on(Cloud::Aws).unwrap();
+        let e = c.check_timings_on(Cloud::Azure).unwrap_err().to_string();
+        assert!(
+            e.starts_with("poll-interval:") && e.contains("azure"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_cmdline_uid_needs_a_cmdline() {
+        let a = run_args(&[
+            "--checkpoint-unit",
+            "train",
+            "--checkpoint-cmdline-uid",
+            "1000",
+        ])
+        .unwrap();
+        let e = Config::resolve(a, &TestEnv(vec![])).unwrap_err();
+        assert!(e.to_string().starts_with("checkpoint-cmdline-uid:"), "{e}");
+        let a = run_args(&[
+            "--checkpoint-cmdline",
+            "sgtrain",
+            "--checkpoint-cmdline-uid",
+            "1000,1001",
+        ])
+        .unwrap();
+        assert_eq!(a.checkpoint_cmdline_uid, [1000, 1001]);
+        Config::resolve(a, &TestEnv(vec![])).unwrap();
     }
 
     #[test]

@@ -45,8 +45,12 @@ impl Origin {
 pub struct Setting {
     /// The flag's name without dashes, e.g. `poll-interval`.
     pub key: String,
-    /// The value as given (secrets redacted), lists joined with `,`.
+    /// The value as given (secrets and URL credentials redacted), lists joined with `,`.
     pub value: String,
+    /// The value as the agent read it: a duration in seconds (`600s` for `10m`), a size in bytes
+    /// (`500000000000 bytes` for `500G`), a list as its items (`["a", "b"]`); anything else as
+    /// given.
+    pub read: String,
     pub origin: Origin,
 }
 
@@ -127,30 +131,67 @@ pub(super) fn settings_of(
             continue;
         };
         let origin = Origin::of(source, from_file.contains(&long));
-        let value = if SECRET_KEYS.contains(&long) {
-            "<redacted>".to_string()
-        } else {
-            matches
-                .get_raw(id)
-                .map(|vals| {
-                    vals.map(|v| v.to_string_lossy().into_owned())
-                        .collect::<Vec<_>>()
-                        .join(",")
-                })
-                .unwrap_or_default()
+        let secret = SECRET_KEYS.contains(&long);
+        let raw: Vec<String> = matches
+            .get_raw(id)
+            .map(|vals| {
+                vals.map(|v| crate::words::without_credentials(&v.to_string_lossy()))
+                    .collect()
+            })
+            .unwrap_or_default();
+        let shown = |vals: &[String]| {
+            if secret {
+                "<redacted>".to_string()
+            } else {
+                vals.join(",")
+            }
         };
+        let value = shown(&raw);
         let value = if value.is_empty() && matches!(a.get_action(), ArgAction::SetTrue) {
             "true".to_string()
         } else {
             value
         };
+        let unit = a
+            .get_value_names()
+            .and_then(|n| n.first())
+            .map(|n| n.as_str());
+        let items: Vec<String> = raw.iter().map(|v| as_read(v, unit)).collect();
+        let read = if secret {
+            value.clone()
+        } else if matches!(a.get_action(), ArgAction::Append) {
+            // A list as the list it was read as: `["sgtrain", "torchrun"]`.
+            format!("{items:?}")
+        } else if matches!(unit, Some("DURATION") | Some("BYTES")) {
+            items.join(",")
+        } else {
+            value.clone()
+        };
         out.push(Setting {
             key: long.to_string(),
             value,
+            read,
             origin,
         });
     }
     out
+}
+
+/// A duration (`unit` `DURATION`) in seconds, a size (`BYTES`) in bytes, as the parsers read
+/// `v` (which clap has already accepted).
+fn as_read(v: &str, unit: Option<&str>) -> String {
+    match unit {
+        Some("DURATION") => match crate::duration::parse(v) {
+            Ok(d) if d.subsec_nanos() == 0 => format!("{}s", d.as_secs()),
+            Ok(d) => format!("{}s", d.as_secs_f64()),
+            Err(_) => v.to_string(),
+        },
+        Some("BYTES") => match crate::units::parse_limit(v) {
+            Ok(n) => format!("{n} bytes"),
+            Err(_) => v.to_string(),
+        },
+        _ => v.to_string(),
+    }
 }
 
 /// `key=value (origin)` for every setting, space-separated: the effective-configuration line.

@@ -43,7 +43,14 @@ fn flag_rows(cmd: &clap::Command) -> String {
         if a.get_num_args().is_some_and(|n| n.max_values() > 1)
             || matches!(a.get_action(), ArgAction::Append)
         {
-            help.push_str(" Repeatable; the environment variable takes a comma-separated list.");
+            // Only what the parser does: a list form splits at the delimiter, flag and
+            // environment alike.
+            match a.get_value_delimiter() {
+                Some(',') => help.push_str(
+                    " Repeatable; the environment variable takes a comma-separated list.",
+                ),
+                _ => help.push_str(" Repeatable; the environment variable holds one value."),
+            }
         }
         let default = if default.is_empty() {
             "—".to_string()
@@ -71,6 +78,7 @@ pub fn reference_markdown() -> String {
     out.push_str("\n## Config file\n\n");
     out.push_str("`--config FILE` reads TOML with the same keys as the flags (kebab-case or snake_case) plus structured parts:\n\n");
     out.push_str("```toml\ncloud = \"aws\"\npoll-interval = \"1s\"\ncheckpoint-timeout = \"90s\"\ncheckpoint-cmdline = [\"python.*train\\\\.py\"]\n\n[[datasets]]\nname = \"imagenet\"\nurl = \"s3://my-bucket/imagenet/\"\n\n[gpu.thresholds]\n# see docs/gpu-health.md\n```\n");
+    out.push_str(&checked_at_start());
     let serve =
         crate::prefetch::serve::ServeArgs::augment_args(clap::Command::new("prefetch-serve"));
     out.push_str("\n## `spotguard prefetch-serve`\n\n");
@@ -80,9 +88,71 @@ pub fn reference_markdown() -> String {
     out
 }
 
+/// The smallest open-file limit (`RLIMIT_NOFILE`, once the agent has raised its soft limit to
+/// the hard one) at which `max_files` draws no warning at start: the upload budget
+/// ([`crate::upload::budget::Budget::for_limit`]) must hold at least twice `max_files`.
+pub fn quiet_open_file_limit(max_files: u64) -> u64 {
+    let quiet =
+        |limit: u64| max_files <= crate::upload::budget::Budget::for_limit(limit).total() / 2;
+    // The budget grows with the limit: the least quiet limit by bisection.
+    let (mut lo, mut hi) = (1u64, 1u64 << 40);
+    while lo < hi {
+        let mid = lo + (hi - lo) / 2;
+        if quiet(mid) {
+            hi = mid;
+        } else {
+            lo = mid + 1;
+        }
+    }
+    lo
+}
+
+/// The hand-written part: what is checked when `run` or `config check` starts.
+fn checked_at_start() -> String {
+    let max_files: u64 = run_command()
+        .get_arguments()
+        .find(|a| a.get_long() == Some("upload-max-files"))
+        .and_then(|a| a.get_default_values().first().cloned())
+        .and_then(|v| v.to_str().and_then(|v| v.parse().ok()))
+        .unwrap_or(0);
+    let quiet = quiet_open_file_limit(max_files);
+    format!(
+        "\n## Checked at start\n\n\
+`spotguard run` and `spotguard config check` judge every setting before anything starts; a refusal exits 64 naming the setting. `config check` prints each setting as the agent read it (durations in seconds, sizes in bytes, lists as lists), where it came from (`flag`, `env`, `file`, `default`) and, where it differs, the value as given.\n\n\
+- **Durations** are bounded: each flag above names its bounds (`--maintenance-lead 1000000000000h` is refused).\n\
+- **Timings that contradict each other or the cloud's notice** are refused, naming both settings and the cloud's figure. The notice is the chosen cloud's interruption notice (aws 2m, azure 30s, gce `--gce-preemption-notice`); with `--cloud auto` each rule is judged against the cloud that forgives it most, since the agent does not know yet where it runs; once it has detected the cloud it judges them again against that cloud and, on a contradiction, logs an error naming both settings (counted as `spotguard_errors_total{{module=\"detect\",error=\"config\"}}`) and keeps watching. Set `--cloud` to have them refused at start instead.\n\
+  - `--drain-reserve` (given, or the cloud's default: 25s on aws, 8s on gce and azure) at least the notice: no time is left to checkpoint (on gce this is also a `--gce-preemption-notice` at or below the default reserve);\n\
+  - on aws and azure, which are polled, `--poll-interval` plus the drain reserve at least the notice: a notice first seen one poll late leaves no time to checkpoint (gce's hanging GET answers at the change, whatever the interval);\n\
+  - `--on-maintenance drain` with `--maintenance-lead` no longer than the drain reserve: the plan would start with no time to checkpoint before the window;\n\
+  - on aws, a rebalance action (`--on-rebalance` other than `ignore`) with `--rebalance-expiry` no longer than `--poll-interval`: it would be undone before the agent could see the interruption that may follow.\n\
+\n\
+  Not contradictions, so accepted: a `--checkpoint-timeout` longer than the notice (the ack wait ends at `min(now + checkpoint-timeout, deadline − drain-reserve)`), a `--shutdown-grace` longer than the notice (an in-flight plan is still bounded by its deadline), a `--maintenance-lead` shorter than `--poll-interval` (a maintenance plan starts on a timer at NotBefore − lead, not at a poll), and sizes (`--upload-part-size` above `--upload-max-bytes` only makes every file one PUT).\n\
+- **`--checkpoint-cmdline`** patterns that match every command line are refused: one that matches the empty string (`''`, `.*`, `^`, `.?`, `train|`: the search is unanchored, so it matches everything) or any single character (`.`, `\\S`). The flag and `SPOTGUARD_CHECKPOINT_CMDLINE` take a comma-separated list (write a comma inside a pattern as `\\x2C`). In host mode any local user can start a process whose command line matches: add `--checkpoint-cmdline-uid` with the trainers' uid, or select by `--checkpoint-unit`, whose cgroup only root places processes in.\n\
+- **The config file** must be a regular file of at most 1 MiB (a FIFO, a device or a directory is refused at once, never waited on), and gives each key once: `poll-interval` and `poll_interval` are one key, and both in one file are refused naming both.\n\
+- **URLs** are shown without their user name and password (`http://redacted@host/…`) in the effective-configuration log line, `config check`, and every metadata poll warning or error; the webhook URL shows only its scheme and host.\n\
+- **Open files**: each file of a staged checkpoint is held open until uploaded, so the agent warns at start when `--upload-max-files` is more than half its upload descriptor budget (the open-file limit less a reserve of 1/8, at least 256). With the default of {max_files} files that is any open-file limit below {quiet}: the shipped systemd unit sets `LimitNOFILE=65536` and container runtimes usually give 1048576, both quiet; on a machine with a lower limit raise it (`LimitNOFILE=`) or lower `--upload-max-files`.\n\
+- **SIGHUP** is logged and ignored: settings are read once, at start, and reloading is not supported (the systemd unit has no `ExecReload=`); restart the agent to apply new settings.\n"
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_default_upload_max_files_is_quiet_on_common_open_file_limits() {
+        let quiet = quiet_open_file_limit(10_000);
+        assert!(
+            crate::upload::budget::Budget::for_limit(quiet).total() / 2 >= 10_000
+                && crate::upload::budget::Budget::for_limit(quiet - 1).total() / 2 < 10_000
+        );
+        let md = reference_markdown();
+        assert!(
+            md.contains(&format!("any open-file limit below {quiet}")),
+            "configuration.md does not say when the default warns"
+        );
+        assert!(quiet <= 65_536, "the systemd unit's LimitNOFILE would warn");
+    }
 
     #[test]
     fn reference_lists_every_visible_flag() {

@@ -22,7 +22,14 @@ pub(crate) fn endpoint_url(base: &Url, path: &str) -> Result<Url, Error> {
     })
 }
 
-pub(crate) fn request_error(url: &Url, source: reqwest::Error) -> Error {
+pub(crate) fn request_error(url: &Url, mut source: reqwest::Error) -> Error {
+    // The library's error quotes the URL: never with its user name and password.
+    if let Some(u) = source.url_mut() {
+        let _ = u.set_password(None);
+        if !u.username().is_empty() {
+            let _ = u.set_username("redacted");
+        }
+    }
     Error::Request {
         url: url.to_string(),
         source,

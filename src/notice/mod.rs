@@ -166,24 +166,30 @@ impl<T: NoticeSource + ?Sized> NoticeSource for std::sync::Arc<T> {
 /// Errors from notice sources. Never fatal: the monitor counts, logs and backs off.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    #[error("request to {url} failed: {}", crate::words::transport(.source))]
+    #[error("request to {} failed: {}", shown(.url), crate::words::transport(.source))]
     Request {
         url: String,
         #[source]
         source: reqwest::Error,
     },
-    #[error("{url} answered HTTP {status}")]
+    #[error("{} answered HTTP {status}", shown(.url))]
     Status { url: String, status: u16 },
-    #[error("IMDSv2 token request to {url} failed (HTTP {status}); IMDSv1 fallback is off (--imds-v1-fallback)")]
+    #[error("IMDSv2 token request to {} failed (HTTP {status}); IMDSv1 fallback is off (--imds-v1-fallback)", shown(.url))]
     Token { url: String, status: u16 },
-    #[error("cannot parse answer from {url}: {reason}")]
+    #[error("cannot parse answer from {}: {reason}", shown(.url))]
     Parse { url: String, reason: String },
-    #[error("answer from {url} is larger than {limit} bytes: refused")]
+    #[error("answer from {} is larger than {limit} bytes: refused", shown(.url))]
     TooLarge { url: String, limit: usize },
     #[error("acknowledging event {event_id} failed: {reason}")]
     Acknowledge { event_id: String, reason: String },
     #[error("could not detect the cloud: {0}")]
     Detect(String),
+}
+
+/// A metadata URL as messages show it: an endpoint override's user name and password never
+/// (`--metadata-endpoint http://admin:S3CRET@…`).
+fn shown(url: &str) -> String {
+    crate::words::without_credentials(url)
 }
 
 impl Error {

@@ -22,7 +22,7 @@ pub(super) struct Delivery {
 /// Check a webhook URL: http or https, with a host.
 pub(super) fn parse_url(url: &str) -> Result<reqwest::Url, Error> {
     let parsed = reqwest::Url::parse(url.trim()).map_err(|e| Error::Url {
-        url: url.to_string(),
+        url: crate::words::without_credentials(url),
         reason: e.to_string(),
     })?;
     if !matches!(parsed.scheme(), "http" | "https") {
@@ -152,13 +152,7 @@ pub fn parse_header(text: &str) -> Result<(http::HeaderName, http::HeaderValue),
 
 /// Scheme and host of a URL, for logs: webhook URLs often carry a secret in the path or query.
 fn redact(url: &reqwest::Url) -> String {
-    match url.host_str() {
-        Some(host) => match url.port() {
-            Some(port) => format!("{}://{host}:{port}/…", url.scheme()),
-            None => format!("{}://{host}/…", url.scheme()),
-        },
-        None => format!("{}:…", url.scheme()),
-    }
+    crate::words::url(url, crate::words::UrlShown::Origin)
 }
 
 /// How hard to try.

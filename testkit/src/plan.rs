@@ -302,6 +302,7 @@ impl Seam {
             )])
             .unwrap_or_else(|text| panic!("{text}"))
             .checkpoint_cmdline,
+            cmdline_uids: Vec::new(),
             dir: self.checkpoint_dir(),
             signal: Signal::USR1,
             timeout: self.cfg.checkpoint_timeout,
