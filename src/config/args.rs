@@ -353,8 +353,9 @@ pub struct RunArgs {
     pub prefetch_endpoint: Option<String>,
 
     /// Where staged checkpoints may be uploaded, with the agent's own identity (repeatable):
-    /// s3://BUCKET[/PREFIX], gs://BUCKET[/PREFIX] or an absolute directory. None: staged
-    /// checkpoints are refused.
+    /// s3://BUCKET[/PREFIX], gs://BUCKET[/PREFIX] or an absolute directory; `{namespace}` as a
+    /// whole path segment is the uploading pod's namespace (s3://ckpt/{namespace}: each pod only
+    /// its own namespace's prefix). None: staged checkpoints are refused.
     #[arg(long, env = "SPOTGUARD_UPLOAD_ALLOW", value_name = "PATTERN", value_delimiter = ',', value_parser = crate::upload::AllowUpload::parse, help_heading = UPLOAD)]
     pub upload_allow: Vec<crate::upload::AllowUpload>,
 
