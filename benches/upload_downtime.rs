@@ -307,6 +307,7 @@ fn run_trial(
         let binding = ack::Binding {
             location: Some("s3://bench".into()),
             writer: None,
+            namespace: None,
         };
         let store_opts = spotguard::store::StoreOptions {
             endpoint: Some(endpoint.to_string()),

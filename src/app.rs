@@ -411,7 +411,12 @@ async fn upload_service(
         }
     };
     if cfg.args.upload_allow.is_empty() {
-        info!("no --upload-allow: staged checkpoints are refused");
+        match &cfg.args.checkpoint_upload {
+            Some(location) => {
+                warn!(location = %location, "--checkpoint-upload is set but there is no --upload-allow: uploads are off, staged checkpoints are refused")
+            }
+            None => info!("no --upload-allow: staged checkpoints are refused"),
+        }
     }
     let recovering = service.clone();
     let cancel = cancel.clone();

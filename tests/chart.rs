@@ -1046,3 +1046,259 @@ async fn the_charts_daemonset_runs_and_its_agent_handles_a_notice() {
     drop(node);
     emu.shutdown().await;
 }
+
+/// Issue 42 item 3: a name Kubernetes would refuse never reaches the policy's CEL expression.
+/// `--set-string serviceAccount.name='spotguard '` (YAML trims the space everywhere but inside
+/// the CEL string, so the policy matched no request and was off) and a namespace that is not a
+/// namespace name fail the render, with both Helm majors.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn names_kubernetes_would_refuse_fail_the_render() {
+    let home = tempfile::tempdir().unwrap();
+    let chart = chart();
+    for helm in helms() {
+        for (args, says) in [
+            (
+                vec!["--set-string", "serviceAccount.name=spotguard "],
+                "serviceAccount",
+            ),
+            (
+                vec![
+                    "--set",
+                    "serviceAccount.create=false",
+                    "--set-string",
+                    "serviceAccount.name=Spotguard",
+                ],
+                "serviceAccount",
+            ),
+            (
+                vec!["--set-string", "fullnameOverride=spot guard"],
+                "fullnameOverride",
+            ),
+            (
+                vec![
+                    "--set-string",
+                    "metrics.grafanaDashboard.namespace=mon itoring",
+                ],
+                "namespace",
+            ),
+            (vec!["--set-string", "nodeSelector.gpu=a b"], "nodeSelector"),
+            (vec!["--namespace", "spot guard"], "namespace"),
+        ] {
+            let mut all = vec!["template", "x", chart.as_str()];
+            all.extend(&args);
+            let ran = run(&helm.bin, &all, None, home.path()).await;
+            assert!(!ran.ok, "helm v{} accepted {args:?}", helm.major);
+            assert!(
+                ran.stderr.contains(says),
+                "helm v{} {args:?}: {}",
+                helm.major,
+                ran.stderr
+            );
+        }
+    }
+}
+
+/// Issue 42 items 2 and 3: the chart's own-node policy, rendered by the chart with its default
+/// ServiceAccount name and applied to the real control plane, matches the agent's identity: a
+/// token bound to the agent's pod on node A does its own node's things (taint and cordon, its
+/// Events, a repeat patched into its series) and is refused node B's (taint, an Event about B,
+/// a patch of B's agent's Event). The release's ServiceAccount is not the shipped one the
+/// control plane's own policy names, so only the chart's policy holds it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_charts_policy_holds_the_agents_token_to_its_own_node() {
+    use k8s_openapi::api::core::v1::ServiceAccount;
+    use k8s_openapi::api::rbac::v1::{ClusterRoleBinding, RoleRef, Subject};
+    use spotguard::node::kube::KubeNodeOps;
+    use spotguard::node::{reason, EventType, NodeOps, Protection, TaintEffect};
+    use spotguard_testkit::k8s::controlplane::AGENT_NAMESPACE;
+
+    let _cluster_wide = CLUSTER_WIDE.lock().await;
+    let t = Tools::start().await;
+    let helm = helms().pop().unwrap();
+    let release = format!("pol-{}", t.k.id());
+    let rendered = template(
+        &t,
+        &helm,
+        AGENT_NAMESPACE,
+        &[
+            "--set",
+            &format!("fullnameOverride={release}"),
+            "--show-only",
+            "templates/validatingadmissionpolicy.yaml",
+        ],
+    )
+    .await
+    .unwrap();
+    assert!(
+        rendered.contains(&format!(
+            "system:serviceaccount:{AGENT_NAMESPACE}:{release}"
+        )),
+        "{rendered}"
+    );
+    let ran = t
+        .kubectl(
+            &[
+                "apply",
+                "--server-side",
+                "--field-manager=spotguard-chart-test",
+                "-f",
+                "-",
+            ],
+            Some(&rendered),
+        )
+        .await;
+    assert!(ran.ok, "applying the chart's policy: {}", ran.stderr);
+
+    // The release's ServiceAccount, with the shipped ClusterRole's rights.
+    let admin = t.k.admin();
+    let sa = ServiceAccount {
+        metadata: kube::api::ObjectMeta {
+            name: Some(release.clone()),
+            namespace: Some(AGENT_NAMESPACE.into()),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    Api::<ServiceAccount>::namespaced(admin.clone(), AGENT_NAMESPACE)
+        .create(&Default::default(), &sa)
+        .await
+        .unwrap();
+    let binding = ClusterRoleBinding {
+        metadata: kube::api::ObjectMeta {
+            name: Some(release.clone()),
+            ..Default::default()
+        },
+        role_ref: RoleRef {
+            api_group: "rbac.authorization.k8s.io".into(),
+            kind: "ClusterRole".into(),
+            name: "spotguard".into(),
+        },
+        subjects: Some(vec![Subject {
+            kind: "ServiceAccount".into(),
+            name: release.clone(),
+            namespace: Some(AGENT_NAMESPACE.into()),
+            ..Default::default()
+        }]),
+    };
+    let bindings = Api::<ClusterRoleBinding>::all(admin.clone());
+    bindings
+        .create(&Default::default(), &binding)
+        .await
+        .unwrap();
+
+    let node_a = t.k.node(t.k.node_config("chart-a")).await;
+    let node_b = t.k.node(t.k.node_config("chart-b")).await;
+    let (a, b) = (node_a.name().to_string(), node_b.name().to_string());
+    let client_a =
+        t.k.pod_bound_client(&a, AGENT_NAMESPACE, &format!("{release}-a"), &release)
+            .await;
+    let client_b =
+        t.k.pod_bound_client(&b, AGENT_NAMESPACE, &format!("{release}-b"), &release)
+            .await;
+    let ops = |client: &kube::Client, node: &str| {
+        let metrics = std::sync::Arc::new(spotguard::metrics::Metrics::register(
+            &mut prometheus_client::registry::Registry::default(),
+        ));
+        KubeNodeOps::new(client.clone(), node.to_string(), None, false, metrics)
+    };
+    let (ops_a, ops_b) = (ops(&client_a, &a), ops(&client_b, &b));
+    let policy = format!("{release}-own-node");
+    // The API server takes up a new policy in the background: wait until a dry run of node
+    // B's taint is refused by it (a dry run passes admission and changes nothing).
+    let nodes_a: Api<k8s_openapi::api::core::v1::Node> = Api::all(client_a.clone());
+    let dry = kube::api::PatchParams {
+        dry_run: true,
+        ..Default::default()
+    };
+    let taint = serde_json::json!({ "metadata": { "labels": { "held": "no" } } });
+    until_described(
+        "the chart's policy refusing node A's token a change of node B",
+        Duration::from_secs(30),
+        |seen: &String| Some(seen.clone()),
+        || async {
+            match nodes_a
+                .patch(&b, &dry, &kube::api::Patch::Merge(&taint))
+                .await
+            {
+                Err(e) if e.to_string().contains(&policy) => Ok(()),
+                other => Err(format!("{:?}", other.map(|_| "allowed"))),
+            }
+        },
+    )
+    .await;
+
+    let protection = Protection {
+        taint_value: "interruption".into(),
+        effect: TaintEffect::NoSchedule,
+        cordon: true,
+    };
+    ops_a.protect(&protection).await.expect("its own node");
+    for _ in 0..2 {
+        ops_a
+            .event(EventType::Warning, reason::SPOT_INTERRUPTION, "notice")
+            .await
+            .expect("its own node's Event, then its series");
+    }
+    ops_b
+        .event(EventType::Warning, reason::SPOT_INTERRUPTION, "notice")
+        .await
+        .expect("node B's agent's own Event");
+    let refused = |what: &str, e: String| {
+        assert!(e.contains(&policy) && e.contains(&a), "{what}: {e}");
+    };
+    let other = ops(&client_a, &b);
+    refused(
+        "node B's taint",
+        other.protect(&protection).await.unwrap_err().to_string(),
+    );
+    // The agent's own Event code, pointed at node B: an Event about B.
+    refused(
+        "an Event about node B",
+        other
+            .event(EventType::Warning, reason::SPOT_INTERRUPTION, "forged")
+            .await
+            .unwrap_err()
+            .to_string(),
+    );
+    let events = t.k.events().await;
+    let theirs = events
+        .iter()
+        .find(|e| e.regarding_name == b && e.reason == "SpotInterruption")
+        .unwrap_or_else(|| panic!("{events:?}"));
+    let mine = events
+        .iter()
+        .find(|e| e.regarding_name == a && e.reason == "SpotInterruption")
+        .unwrap_or_else(|| panic!("{events:?}"));
+    assert_eq!(mine.count, 2, "{mine:?}");
+    let ev: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(client_a.clone(), "default");
+    let patched = ev
+        .patch(
+            &theirs.name,
+            &Default::default(),
+            &kube::api::Patch::Merge(&serde_json::json!({
+                "metadata": { "annotations": { "spotguard.io/save-seconds": "50000" } }
+            })),
+        )
+        .await;
+    refused(
+        "a patch of node B's agent's Event",
+        patched.unwrap_err().to_string(),
+    );
+
+    // The policy and its binding carry the chart's labels: gone before another test lists them.
+    let ran = t
+        .kubectl(
+            &[
+                "delete",
+                "validatingadmissionpolicybinding,validatingadmissionpolicy",
+                &policy,
+            ],
+            None,
+        )
+        .await;
+    assert!(ran.ok, "{}", ran.stderr);
+    bindings
+        .delete(&release, &Default::default())
+        .await
+        .unwrap();
+}

@@ -1057,6 +1057,12 @@ async fn the_agents_pod_bound_token_writes_only_to_its_own_node() {
         m.contains(r#"spotguard_node_actions_total{action="disruption_target",outcome="ok"} 5"#),
         "{m}"
     );
+    // Every Event of the plan (the node's, the pods') passed the policy's Event rules.
+    assert!(
+        !m.contains(r#"spotguard_node_actions_total{action="event",outcome="ok"} 0"#)
+            && m.contains(r#"spotguard_node_actions_total{action="event",outcome="error"} 0"#),
+        "{m}"
+    );
     cancel.cancel();
     let _ = tokio::time::timeout(Duration::from_secs(5), app.join).await;
 

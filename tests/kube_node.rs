@@ -1454,3 +1454,161 @@ async fn gpu_condition_is_a_strategic_status_patch_with_only_spotguards_types() 
     event.reply(201, echo);
     task.await.expect("task").expect("conditions");
 }
+
+// === the own-node policy: Events ===
+
+/// An Event body of either API group, as the attacker writes it (raw JSON: every field its own).
+fn forged_event(api: &str, name: &str, node: &str, instance: &str) -> Value {
+    let now = Timestamp::now().to_string();
+    if api == "core" {
+        json!({
+            "apiVersion": "v1", "kind": "Event",
+            "metadata": { "name": name, "namespace": "default" },
+            "involvedObject": { "apiVersion": "v1", "kind": "Node", "name": node },
+            "reason": "SpotInterruption", "type": "Warning", "message": "forged",
+            "source": { "component": "spotguard.io/agent", "host": node },
+            "reportingComponent": "spotguard.io/agent", "reportingInstance": instance,
+            "firstTimestamp": now, "lastTimestamp": now, "count": 1,
+        })
+    } else {
+        json!({
+            "apiVersion": "events.k8s.io/v1", "kind": "Event",
+            "metadata": { "name": name, "namespace": "default" },
+            "regarding": { "apiVersion": "v1", "kind": "Node", "name": node },
+            "reason": "SpotInterruption", "type": "Warning", "note": "forged", "action": "Protect",
+            "reportingController": "spotguard.io/agent", "reportingInstance": instance,
+            "eventTime": Timestamp::now().strftime("%Y-%m-%dT%H:%M:%S%.6fZ").to_string(),
+        })
+    }
+}
+
+/// Create `body` as `client` (core/v1 or events.k8s.io/v1 by its apiVersion).
+async fn create_event(client: &kube::Client, body: &Value) -> Result<(), String> {
+    let core = body["apiVersion"] == "v1";
+    let (group, version, resource) = if core {
+        ("", "v1", "events")
+    } else {
+        ("events.k8s.io", "v1", "events")
+    };
+    let gvk = kube::api::GroupVersionKind::gvk(group, version, "Event");
+    let ar = kube::api::ApiResource::from_gvk_with_plural(&gvk, resource);
+    let api: kube::Api<kube::api::DynamicObject> =
+        kube::Api::namespaced_with(client.clone(), "default", &ar);
+    let obj: kube::api::DynamicObject = serde_json::from_value(body.clone()).unwrap();
+    api.create(&kube::api::PostParams::default(), &obj)
+        .await
+        .map(drop)
+        .map_err(|e| e.to_string())
+}
+
+/// Issue 42 item 2: a token bound to the agent's pod on node A writes the Events the agent
+/// itself writes (about its node, about a pod, a repeat folded into its series), and is refused
+/// — by the shipped policy — an Event about node B (either API group, B's `source.host`, B's
+/// agent's reporting instance or its own) and a patch of B's agent's Event.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_bound_token_writes_events_only_about_its_own_node() {
+    let k = TestCluster::new().await;
+    let node_a = k.node(k.node_config("events-a")).await;
+    let node_b = k.node(k.node_config("events-b")).await;
+    let (a, b) = (node_a.name().to_string(), node_b.name().to_string());
+    let team = k.namespace("team-a").await;
+    let (_, client_a) = k.agent_on(&a).await;
+    let (_, client_b) = k.agent_on(&b).await;
+    let ops = |client: &kube::Client, node: &str| {
+        let metrics = Arc::new(Metrics::register(&mut Registry::default()));
+        KubeNodeOps::new(client.clone(), node.to_string(), None, false, metrics)
+    };
+    let (ops_a, ops_b) = (ops(&client_a, &a), ops(&client_b, &b));
+
+    // What the agent writes, allowed: its node's Event twice (the second patches its series),
+    // and an Event on a pod.
+    let msg = "EC2 spot interruption: terminate at 2030-01-02T03:04:05Z";
+    for _ in 0..2 {
+        ops_a
+            .event(EventType::Warning, reason::SPOT_INTERRUPTION, msg)
+            .await
+            .expect("its own node's Event");
+    }
+    let pod = spotguard::checkpoint::PodRef {
+        namespace: team.clone(),
+        name: "trainer-0".into(),
+        uid: String::new(),
+    };
+    ops_a
+        .pod_event(&pod, EventType::Normal, reason::CHECKPOINT_ACKED, "saved")
+        .await
+        .expect("an Event on a pod");
+    ops_b
+        .event(EventType::Warning, reason::SPOT_INTERRUPTION, msg)
+        .await
+        .expect("node B's agent's own Event");
+    let events = k.events().await;
+    let own = events
+        .iter()
+        .find(|e| e.regarding_name == a && e.reason == "SpotInterruption")
+        .unwrap_or_else(|| panic!("{events:?}"));
+    assert_eq!(own.count, 2, "the repeat patched its series: {own:?}");
+    let theirs = events
+        .iter()
+        .find(|e| e.regarding_name == b)
+        .unwrap_or_else(|| panic!("{events:?}"))
+        .clone();
+
+    // Forgeries, refused by the policy (not by RBAC: the ClusterRole grants events create and
+    // patch in both groups, cluster-wide).
+    let refused = |what: &str, r: Result<(), String>| {
+        let e = r.expect_err(what);
+        assert!(
+            e.contains("spotguard-own-node") && e.contains(&a),
+            "{what}: {e}"
+        );
+    };
+    let instance = |node: &str| format!("spotguard.io/agent-{node}");
+    for api in ["core", "events"] {
+        for (n, inst) in [(0, instance(&b)), (1, instance(&a))] {
+            let body = forged_event(api, &format!("{b}.forged-{api}-{n}"), &b, &inst);
+            refused(
+                &format!("{api} Event about node B as {inst}"),
+                create_event(&client_a, &body).await,
+            );
+        }
+    }
+    // Its own node, but another node's reporting instance (core: the source host).
+    refused(
+        "an Event about its node as node B's agent",
+        create_event(
+            &client_a,
+            &forged_event("events", &format!("{a}.forged-as-b"), &a, &instance(&b)),
+        )
+        .await,
+    );
+    let mut core = forged_event("core", &format!("{a}.forged-host"), &a, &instance(&a));
+    core["source"]["host"] = json!(b);
+    refused(
+        "a core Event with node B's source.host",
+        create_event(&client_a, &core).await,
+    );
+
+    // Node B's agent's Event: its series patched by node A's token.
+    let ev: kube::Api<k8s_openapi::api::events::v1::Event> =
+        kube::Api::namespaced(client_a.clone(), "default");
+    let patched = ev
+        .patch(
+            &theirs.name,
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(&json!({
+                "metadata": { "annotations": { "spotguard.io/save-seconds": "50000" } }
+            })),
+        )
+        .await
+        .map(drop)
+        .map_err(|e| e.to_string());
+    refused("a patch of node B's agent's Event", patched);
+    let events = k.events().await;
+    assert!(
+        events
+            .iter()
+            .all(|e| !e.raw.to_string().contains("forged") && !e.message.contains("50000")),
+        "{events:?}"
+    );
+}

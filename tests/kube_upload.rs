@@ -32,7 +32,7 @@ path = os.environ["STAGED"]
 os.makedirs(path)
 with open(os.path.join(path, "__0_0.distcp"), "wb") as f:
     f.write(os.urandom(int(os.environ["STAGED_MIB"]) << 20))
-answer = spotguard.ack_staged(path, step=3)
+answer = spotguard.ack_staged(path, step=int(os.environ.get("STEP", "3")))
 with open(os.environ["RESULT"], "w") as f:
     f.write(answer.state)
 spotguard.exit_after_checkpoint()
@@ -42,6 +42,67 @@ fn position(reqs: &[RecordedRequest], what: &str, f: impl Fn(&RecordedRequest) -
     reqs.iter()
         .position(f)
         .unwrap_or_else(|| panic!("no {what} among the API requests"))
+}
+
+/// The agent (the real binary, as the shipped ServiceAccount through the fault proxy) on `node`,
+/// uploading under `allow` to `endpoint`, once it serves /metrics and watches the node's pods
+/// (the pods' annotations are read from that cache).
+async fn start_agent(
+    k: &TestCluster,
+    node: &str,
+    own: &str,
+    work: &std::path::Path,
+    metadata: &str,
+    allow: &str,
+    endpoint: &str,
+) -> Kid {
+    let kubeconfig = work.join("kubeconfig");
+    std::fs::write(&kubeconfig, k.agent_kubeconfig()).unwrap();
+    let port = free_port();
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_spotguard"));
+    cmd.args([
+        "run".to_string(),
+        "--mode=kubernetes".into(),
+        format!("--node-name={node}"),
+        "--cloud=aws".into(),
+        format!("--metadata-endpoint={metadata}"),
+        "--poll-interval=200ms".into(),
+        format!("--state-dir={}", work.join("state").display()),
+        format!("--metrics-addr=127.0.0.1:{port}"),
+        "--gpu=off".into(),
+        "--log-level=warn".into(),
+        "--shutdown-grace=0s".into(),
+        format!("--upload-allow={allow}"),
+        format!("--upload-endpoint={endpoint}"),
+    ])
+    .env("KUBECONFIG", &kubeconfig)
+    .env("POD_NAME", OWN_POD)
+    .env("POD_NAMESPACE", own)
+    .envs(S3Server::client_env())
+    .stdin(Stdio::null())
+    .stdout(Stdio::null())
+    .stderr(Stdio::null());
+    let agent = Kid::spawn(cmd);
+    let metrics = format!("http://127.0.0.1:{port}/metrics");
+    eventually(
+        "the agent serving /metrics",
+        Duration::from_secs(30),
+        || async {
+            reqwest::get(&metrics)
+                .await
+                .is_ok_and(|r| r.status().is_success())
+        },
+    )
+    .await;
+    let selector = format!("spec.nodeName={node}");
+    eventually("the agent's pod watch", Duration::from_secs(30), || async {
+        k.proxy().requests().iter().any(|r| {
+            r.kind == RequestKind::PodWatch
+                && r.query_param("fieldSelector").as_deref() == Some(selector.as_str())
+        })
+    })
+    .await;
+    agent
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -97,54 +158,15 @@ async fn an_uploading_pod_is_evicted_after_its_upload_and_the_others_at_once() {
     let emu = emulator::start(EmulatorConfig::new(Cloud::Aws))
         .await
         .unwrap();
-    let kubeconfig = work.path().join("kubeconfig");
-    std::fs::write(&kubeconfig, k.agent_kubeconfig()).unwrap();
-    let port = free_port();
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_spotguard"));
-    cmd.args([
-        "run".to_string(),
-        "--mode=kubernetes".into(),
-        format!("--node-name={}", node.name()),
-        "--cloud=aws".into(),
-        format!("--metadata-endpoint={}", emu.base_url()),
-        "--poll-interval=200ms".into(),
-        format!("--state-dir={}", work.path().join("state").display()),
-        format!("--metrics-addr=127.0.0.1:{port}"),
-        "--gpu=off".into(),
-        "--log-level=warn".into(),
-        "--shutdown-grace=0s".into(),
-        format!("--upload-allow=s3://{BUCKET}"),
-        format!("--upload-endpoint={}", slow.endpoint()),
-    ])
-    .env("KUBECONFIG", &kubeconfig)
-    .env("POD_NAME", OWN_POD)
-    .env("POD_NAMESPACE", &own)
-    .envs(S3Server::client_env())
-    .stdin(Stdio::null())
-    .stdout(Stdio::null())
-    .stderr(Stdio::null());
-    let agent = Kid::spawn(cmd);
-    let _agent = agent;
-    let metrics = format!("http://127.0.0.1:{port}/metrics");
-    eventually(
-        "the agent serving /metrics",
-        Duration::from_secs(30),
-        || async {
-            reqwest::get(&metrics)
-                .await
-                .is_ok_and(|r| r.status().is_success())
-        },
+    let _agent = start_agent(
+        &k,
+        node.name(),
+        &own,
+        work.path(),
+        &emu.base_url(),
+        &format!("s3://{BUCKET}"),
+        &slow.endpoint(),
     )
-    .await;
-    // The pod cache synced (the annotation is read from it): the agent watches this node's
-    // pods once its first list is in the cache.
-    let selector = format!("spec.nodeName={}", node.name());
-    eventually("the agent's pod watch", Duration::from_secs(30), || async {
-        k.proxy().requests().iter().any(|r| {
-            r.kind == RequestKind::PodWatch
-                && r.query_param("fieldSelector").as_deref() == Some(selector.as_str())
-        })
-    })
     .await;
     emu.raise(EmulatedNotice::interruption()).unwrap();
 
@@ -219,4 +241,142 @@ async fn an_uploading_pod_is_evicted_after_its_upload_and_the_others_at_once() {
     )
     .unwrap();
     assert_eq!(manifest["writer"], writer.as_str(), "{manifest}");
+}
+
+/// Issue 42 item 1: with `--upload-allow=s3://ckpt/{namespace}` a pod of namespace B that claims
+/// namespace A's JobSet and names A's location is refused (answered `refused`, nothing written
+/// under A's prefix), while A's own trainer uploads. A second user of namespace A who labels a
+/// pod with the victim's JobSet name writes as the victim's writer: the writer identity guards
+/// against two jobs configured alike, not against the namespace's own users (the namespace is
+/// the boundary; docs/checkpoint-upload.md, "Whose a location is").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_never_reaches_another_namespaces_location() {
+    let server = S3Server::s3s_fs(&[BUCKET]);
+    let k = TestCluster::new().await;
+    let node = k.node(k.node_config("gpu-node-1")).await;
+    let victim_ns = k.namespace("team-a").await;
+    let other_ns = k.namespace("team-b").await;
+    let own = k.namespace("spotguard").await;
+    let work = tempfile::tempdir().unwrap();
+    let location = format!("s3://{BUCKET}/{victim_ns}/run1");
+    // (pod namespace, pod name, step): the victim, a user of its namespace, another namespace.
+    let pods = [
+        (victim_ns.as_str(), "victim-0", 3),
+        (victim_ns.as_str(), "squatter-0", 900),
+        (other_ns.as_str(), "intruder-0", 901),
+    ];
+    let mut specs = Vec::new();
+    for (ns, name, step) in pods {
+        let dir = work.path().join(name);
+        let ckpt = dir.join("ckpt");
+        std::fs::create_dir_all(&ckpt).unwrap();
+        std::fs::create_dir_all(dir.join("local")).unwrap();
+        specs.push(
+            TestPod::new(ns, name, node.name())
+                .label("jobset.sigs.k8s.io/jobset-name", "victim-js")
+                .annotation("spotguard.io/checkpoint", "true")
+                .annotation("spotguard.io/checkpoint-dir", &ckpt.display().to_string())
+                .annotation("spotguard.io/checkpoint-timeout", "20s")
+                .annotation("spotguard.io/checkpoint-upload", &location)
+                .command(&["python3", "-c", TRAINER])
+                .env(
+                    "PYTHONPATH",
+                    &repo_root().join("clients/python").display().to_string(),
+                )
+                .env("SPOTGUARD_DIR", &ckpt.display().to_string())
+                .env(
+                    "STAGED",
+                    &dir.join(format!("local/step-{step}")).display().to_string(),
+                )
+                .env("STAGED_MIB", "1")
+                .env("STEP", &step.to_string())
+                .env("RESULT", &dir.join("result").display().to_string())
+                .build(),
+        );
+    }
+    specs.push(TestPod::new(&own, OWN_POD, node.name()).build());
+    k.run_pods(&specs).await;
+    for (ns, name, _) in pods {
+        let run = node
+            .wait_run(ns, name, "main", Duration::from_secs(30))
+            .await;
+        assert!(
+            process::wait_catches_usr1(run.pid).await,
+            "{ns}/{name} did not install its handler"
+        );
+    }
+    let emu = emulator::start(EmulatorConfig::new(Cloud::Aws))
+        .await
+        .unwrap();
+    let _agent = start_agent(
+        &k,
+        node.name(),
+        &own,
+        work.path(),
+        &emu.base_url(),
+        &format!("s3://{BUCKET}/{{namespace}}"),
+        &server.endpoint(),
+    )
+    .await;
+    emu.raise(EmulatedNotice::interruption()).unwrap();
+
+    let answer = |name: &str| std::fs::read_to_string(work.path().join(name).join("result")).ok();
+    let answers = until_described(
+        "every trainer answered",
+        Duration::from_secs(60),
+        |seen: &Vec<Option<String>>| Some(format!("{seen:?}")),
+        || async {
+            let seen: Vec<Option<String>> = pods.iter().map(|(_, n, _)| answer(n)).collect();
+            if seen.iter().all(Option::is_some) {
+                Ok(seen)
+            } else {
+                Err(seen)
+            }
+        },
+    )
+    .await;
+    let manifest = |step: u32| {
+        server.object_path(
+            BUCKET,
+            &format!("{victim_ns}/run1/step-{step}/manifest.json"),
+        )
+    };
+    // Another namespace: refused before anything is taken, nothing under A's prefix.
+    assert_eq!(answers[2].as_deref(), Some("refused"), "{answers:?}");
+    // The victim's own upload, and the squatter's under the victim's writer (the namespace's
+    // own users are not kept apart).
+    assert_eq!(answers[0].as_deref(), Some("taken"), "{answers:?}");
+    assert_eq!(answers[1].as_deref(), Some("taken"), "{answers:?}");
+    let writer = format!("k8s:{victim_ns}/JobSet/victim-js");
+    for step in [3, 900] {
+        eventually(
+            &format!("step-{step} published"),
+            Duration::from_secs(60),
+            || async { manifest(step).exists() },
+        )
+        .await;
+        let m: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(manifest(step)).unwrap()).unwrap();
+        assert_eq!(m["writer"], writer.as_str(), "{m}");
+    }
+    let written: Vec<String> = walk(&server.object_path(BUCKET, &victim_ns))
+        .into_iter()
+        .filter(|p| p.contains("step-901"))
+        .collect();
+    assert!(written.is_empty(), "{written:?}");
+    assert!(!server.object_path(BUCKET, &other_ns).exists());
+}
+
+/// Every file below `dir`.
+fn walk(dir: &std::path::Path) -> Vec<String> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            out.extend(walk(&p));
+        } else {
+            out.push(p.display().to_string());
+        }
+    }
+    out
 }

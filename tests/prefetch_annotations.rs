@@ -294,3 +294,149 @@ async fn opt_in_allow_listed_evented_and_leased() {
     let report = cache::make_room(cache_dir.path(), "new", 1 << 20, 1 << 20, window).unwrap();
     assert_eq!(report.evicted, vec!["c4"]);
 }
+
+/// Issue 42 item 1: with `--allow=s3://private/{namespace}` a pod fetches only under its own
+/// namespace's prefix, into a name of its namespace's own (`<namespace>--NAME`): a pod of
+/// another namespace naming the first's prefix is refused, nothing is fetched for it, and its
+/// request for the same NAME under its own prefix is a copy of its own, never the first's.
+#[test]
+fn a_pod_never_gets_another_namespaces_dataset() {
+    in_child_with_env(
+        "a_pod_never_gets_another_namespaces_dataset",
+        &S3Server::client_env(),
+        namespaces_own_datasets(),
+    );
+}
+
+async fn namespaces_own_datasets() {
+    let s3 = S3Server::s3s_fs(&["private"]);
+    let endpoint = s3.endpoint();
+    let k = TestCluster::new().await;
+    let node = k.node(k.node_config("gpu-node-1")).await;
+    let a = k.namespace("team-a").await;
+    let b = k.namespace("team-b").await;
+    let private = store(&endpoint, "private");
+    for (ns, byte) in [(&a, 1u8), (&b, 2u8)] {
+        private
+            .put(
+                &ObjectPath::from(format!("{ns}/weights/shard-0")),
+                PutPayload::from(vec![byte; 10_000]),
+            )
+            .await
+            .unwrap();
+    }
+    k.run_pods(&[
+        pod(
+            &a,
+            "owner",
+            node.name(),
+            &format!("w=s3://private/{a}/weights/"),
+        )
+        .build(),
+        pod(
+            &b,
+            "intruder",
+            node.name(),
+            &format!("w=s3://private/{a}/weights/"),
+        )
+        .build(),
+        pod(
+            &b,
+            "neighbour",
+            node.name(),
+            &format!("w=s3://private/{b}/weights/"),
+        )
+        .build(),
+        pod(
+            &b,
+            "squatter",
+            node.name(),
+            &format!("{a}--w=s3://private/{b}/weights/"),
+        )
+        .build(),
+    ])
+    .await;
+    let cache_dir = tempfile::tempdir().unwrap();
+    let mut registry = Registry::default();
+    let metrics = Arc::new(PrefetchMetrics::register(&mut registry));
+    let prefetcher = Prefetcher::new(
+        cache_dir.path().to_path_buf(),
+        None,
+        PrefetchDefaults {
+            store: StoreOptions {
+                endpoint: Some(endpoint.clone()),
+                ..Default::default()
+            },
+            ..Default::default()
+        },
+        metrics.clone(),
+        CancellationToken::new(),
+    );
+    let watcher = AnnotationWatcher {
+        pods: kube::Api::all(k.agent_client()),
+        node_name: node.name().to_string(),
+        prefetcher: prefetcher.clone(),
+        policy: AnnotationPolicy {
+            enabled: true,
+            allow: vec![AllowPattern::parse("s3://private/{namespace}").unwrap()],
+        },
+        events: Arc::new(KubeNodeOps::new(
+            k.agent_client(),
+            node.name().to_string(),
+            None,
+            false,
+            Arc::new(Metrics::register(&mut Registry::default())),
+        )),
+        metrics: metrics.clone(),
+        interval: Duration::from_millis(200),
+    };
+    let requests = Arc::new(Requests::default());
+    let cancel = CancellationToken::new();
+    tokio::spawn(watcher.run(requests.clone(), cancel.clone()));
+    eventually("two rounds", Duration::from_secs(30), || async {
+        requests.synced() && requests.rounds() >= 2
+    })
+    .await;
+    let (own_a, own_b) = (format!("{a}--w"), format!("{b}--w"));
+    let mut referenced: Vec<String> = requests.referenced().into_iter().collect();
+    referenced.sort();
+    let mut want = vec![own_a.clone(), own_b.clone()];
+    want.sort();
+    assert_eq!(referenced, want);
+    for (name, byte) in [(&own_a, 1u8), (&own_b, 2u8)] {
+        let st = tokio::time::timeout(Duration::from_secs(30), prefetcher.wait(name))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(st.state, DatasetState::Complete, "{st:?}");
+        assert_eq!(
+            std::fs::read(cache_dir.path().join(name).join("shard-0")).unwrap(),
+            vec![byte; 10_000],
+            "{name}"
+        );
+    }
+    assert!(!cache_dir.path().join("w").exists());
+    let refusals = |pod: &'static str| {
+        let k = &k;
+        async move {
+            k.events()
+                .await
+                .into_iter()
+                .filter(|e| e.reason == REFUSED_REASON && e.regarding_name == pod)
+                .map(|e| e.message)
+                .collect::<Vec<String>>()
+        }
+    };
+    let intruder = refusals("intruder").await;
+    assert!(
+        intruder.len() == 1 && intruder[0].contains(&format!("for namespace {b}")),
+        "{intruder:?}"
+    );
+    let squatter = refusals("squatter").await;
+    assert!(
+        squatter.len() == 1 && squatter[0].contains("may not hold \"--\""),
+        "{squatter:?}"
+    );
+    assert!(refusals("owner").await.is_empty() && refusals("neighbour").await.is_empty());
+    cancel.cancel();
+}

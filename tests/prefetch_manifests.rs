@@ -93,7 +93,8 @@ fn the_example_job_reads_the_dataset_its_annotation_names_and_waits_for_it() {
         enabled: true,
         allow: vec![AllowPattern::parse("s3://example-datasets/tokenized").unwrap()],
     };
-    let (name, url) = policy.check(entries[0]).unwrap();
+    let namespace = job["metadata"]["namespace"].as_str().unwrap_or("default");
+    let (name, url) = policy.check(entries[0], namespace).unwrap();
 
     let spec = &template["spec"];
     let cache_volume = spec["volumes"]

@@ -254,6 +254,7 @@ fn a_root_trainers_staged_tree_must_be_roots_like_anyones_must_be_theirs() {
     let binding = Binding {
         location: Some(dest.join("run").display().to_string()),
         writer: None,
+        namespace: None,
     };
     drop(cdir);
     let sg = cdir_path.clone();
@@ -383,6 +384,7 @@ impl Host {
         let binding = Binding {
             location: Some(self.location.clone()),
             writer: None,
+            namespace: None,
         };
         let (policy, store) = (self.policy.clone(), self.store.clone());
         let taken = with_shipped_capabilities(move || {

@@ -1083,6 +1083,7 @@ async fn a_taken_checkpoint_uploads_after_the_trainer_and_its_files_are_gone() {
         &ack::Binding {
             location: Some(default.clone()),
             writer: None,
+            namespace: None,
         },
         &policy,
         &Limits::default(),
@@ -1296,6 +1297,7 @@ print(json.dumps({{"state": a.state, "files": a.files, "error": a.error, "at": t
     let binding = ack::Binding {
         location: Some(dest.path().display().to_string()),
         writer: None,
+        namespace: None,
     };
     let deadline = Instant::now() + Duration::from_secs(60);
     let req = loop {

@@ -357,12 +357,13 @@ pub struct RunArgs {
     pub prefetch_endpoint: Option<String>,
 
     /// Where staged checkpoints may be uploaded, with the agent's own identity (repeatable):
-    /// s3://BUCKET[/PREFIX], gs://BUCKET[/PREFIX] or an absolute directory. None: staged
-    /// checkpoints are refused.
+    /// s3://BUCKET[/PREFIX], gs://BUCKET[/PREFIX] or an absolute directory; `{namespace}` as a
+    /// whole path segment is the uploading pod's namespace (s3://ckpt/{namespace}: each pod only
+    /// its own namespace's prefix). None: staged checkpoints are refused.
     #[arg(long, env = "SPOTGUARD_UPLOAD_ALLOW", value_name = "PATTERN", value_delimiter = ',', value_parser = crate::upload::AllowUpload::parse, help_heading = UPLOAD)]
     pub upload_allow: Vec<crate::upload::AllowUpload>,
 
-    /// Host mode: the location bound to this host's trainers (s3://, gs://, file:// or a directory; each checkpoint in LOCATION/<name>, or below LOCATION where the ack's `upload` says). None: staged checkpoints are refused.
+    /// Host mode: the location bound to this host's trainers (s3://, gs://, file:// or a directory; each checkpoint in LOCATION/<name>, or below LOCATION where the ack's `upload` says); it must lie under --upload-allow (checked at start). None: staged checkpoints are refused.
     #[arg(long, env = "SPOTGUARD_CHECKPOINT_UPLOAD", value_name = "LOCATION", value_parser = parse_upload_location, help_heading = UPLOAD)]
     pub checkpoint_upload: Option<String>,
 

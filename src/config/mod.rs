@@ -261,7 +261,28 @@ fn check_values(args: &RunArgs) -> Result<(), Error> {
             reason,
         })?;
     }
-    Ok(())
+    check_host_upload(args)
+}
+
+/// Host mode's fixed destination (`--checkpoint-upload`) lies under `--upload-allow`, judged for
+/// no pod (a `{namespace}` pattern allows it nothing). No allow-list at all: uploads are off,
+/// which the agent says at start.
+fn check_host_upload(args: &RunArgs) -> Result<(), Error> {
+    let (Some(location), false) = (&args.checkpoint_upload, args.upload_allow.is_empty()) else {
+        return Ok(());
+    };
+    let invalid = |reason: String| Error::Invalid {
+        key: "checkpoint-upload",
+        reason,
+    };
+    let location = crate::upload::Location::parse(location).map_err(|e| invalid(e.to_string()))?;
+    let policy = crate::upload::UploadPolicy {
+        allow: args.upload_allow.clone(),
+        own_dirs: Vec::new(),
+    };
+    policy
+        .check_location(&location)
+        .map_err(|e| invalid(format!("outside --upload-allow: {e}")))
 }
 
 /// The timings against each other and `cloud`'s notice ([`check::timings`]; `None`: `auto`).
@@ -609,5 +630,40 @@ mod tests {
         )
         .expect_err("kubelet's condition");
         assert!(err.to_string().contains("gpu-unhealthy-condition"), "{err}");
+    }
+
+    #[test]
+    fn a_host_upload_location_outside_the_allow_list_is_refused_at_start() {
+        let env = TestEnv(vec![]);
+        let resolve = |extra: &[&str]| {
+            let mut args = vec!["--mode", "host", "--checkpoint-unit", "train"];
+            args.extend_from_slice(extra);
+            Config::resolve(run_args(&args).unwrap(), &env)
+        };
+        for (allow, location) in [
+            ("s3://ckpt/host", "s3://ckpt/other"),
+            ("s3://ckpt/host", "s3://ckpt/host-evil"),
+            ("/mnt/efs/ckpt", "/mnt/efs/other"),
+            // `{namespace}` is a pod's; the host's location is for no pod.
+            ("s3://ckpt/{namespace}", "s3://ckpt/ml"),
+        ] {
+            let e = resolve(&["--upload-allow", allow, "--checkpoint-upload", location])
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.starts_with("checkpoint-upload:") && e.contains("outside --upload-allow"),
+                "{allow} {location}: {e}"
+            );
+        }
+        for (allow, location) in [
+            ("s3://ckpt/host", "s3://ckpt/host"),
+            ("s3://ckpt/host", "s3://ckpt/host/run1"),
+            ("/mnt/efs/ckpt", "/mnt/efs/ckpt"),
+        ] {
+            resolve(&["--upload-allow", allow, "--checkpoint-upload", location])
+                .unwrap_or_else(|e| panic!("{allow} {location}: {e}"));
+        }
+        // No allow-list: uploads are off (said at start), nothing to judge the location by.
+        resolve(&["--checkpoint-upload", "s3://ckpt/x"]).unwrap();
     }
 }

@@ -241,7 +241,7 @@ impl AnnotationWatcher {
     async fn evaluate(&self, pod: &PodRef, value: &str) -> Vec<(String, String)> {
         let mut accepted = Vec::new();
         for spec in annotation_entries(value) {
-            let checked = self.policy.check(spec).and_then(|(name, url)| {
+            let checked = self.policy.check(spec, &pod.namespace).and_then(|(name, url)| {
                 match self.prefetcher.ensure(&name, &url) {
                     Ok(how) => {
                         info!(pod = %format!("{}/{}", pod.namespace, pod.name), dataset = %name, url = %url, how = how.as_str(), "prefetch requested by pod annotation");

@@ -92,7 +92,7 @@ pub struct ServeArgs {
     #[arg(long, env = "SPOTGUARD_PREFETCH_ANNOTATIONS", value_name = "BOOL", num_args = 0..=1, default_value = "false", default_missing_value = "true", value_parser = parse_flag)]
     pub annotations: bool,
 
-    /// What pods may request: s3://BUCKET[/PREFIX] or gs://BUCKET[/PREFIX] ('*' in BUCKET), comma-separated.
+    /// What pods may request: s3://BUCKET[/PREFIX] or gs://BUCKET[/PREFIX] ('*' in BUCKET; '{namespace}' as a whole segment: the requesting pod's namespace, its dataset cached as <namespace>--NAME), comma-separated.
     #[arg(long, env = "SPOTGUARD_PREFETCH_ALLOW", value_name = "PATTERN", value_delimiter = ',', value_parser = parse_allow)]
     pub allow: Vec<AllowPattern>,
 

@@ -119,13 +119,15 @@ pub struct Resolved {
 
 /// Resolve the destination of `req`: the job's `bound` location (the pod's annotation or the
 /// host flag), or the location the ack's `upload` names at or below it, joined with the
-/// checkpoint's name, checked against `policy`; the ack's step checked against the name.
+/// checkpoint's name, checked against `policy` for the pod's `namespace`; the ack's step checked
+/// against the name.
 /// Without a bound location nothing is uploaded: a trainer never chooses where its checkpoint
 /// goes, only where below its job's location.
 pub fn resolve(
     req: &StagedRequest,
     bound: Option<&str>,
     policy: &UploadPolicy,
+    namespace: Option<&str>,
 ) -> Result<Resolved, Error> {
     let bound_text = bound.ok_or_else(|| Error::InvalidDestination {
         dest: req.upload.clone().unwrap_or_default(),
@@ -158,7 +160,7 @@ pub fn resolve(
         reason,
     })?;
     let destination = location.join(&name);
-    let granted = policy.check(&destination)?;
+    let granted = policy.check(&destination, namespace)?;
     Ok(Resolved {
         destination,
         location,
@@ -247,6 +249,9 @@ pub struct Taken {
 pub struct Binding {
     pub location: Option<String>,
     pub writer: Option<Writer>,
+    /// The pod's namespace (Kubernetes; host mode: `None`): what `{namespace}` in the
+    /// allow-list stands for.
+    pub namespace: Option<String>,
 }
 
 impl std::fmt::Debug for Taken {
@@ -289,7 +294,12 @@ pub fn take(
     store: &StoreOptions,
 ) -> Result<Taken, Error> {
     let result = (|| {
-        let resolved = resolve(req, binding.location.as_deref(), policy)?;
+        let resolved = resolve(
+            req,
+            binding.location.as_deref(),
+            policy,
+            binding.namespace.as_deref(),
+        )?;
         let root = Root::of_process(proc, acker.pid, acker.start_time)?;
         let writer = match (&binding.writer, root.uid) {
             (Some(w), _) => w.clone(),
@@ -371,12 +381,12 @@ mod tests {
             own_dirs: Vec::new(),
         };
         // The ack's `upload` at or below the job's location.
-        let r = resolve(&req, Some("s3://ck/run1"), &policy).unwrap();
+        let r = resolve(&req, Some("s3://ck/run1"), &policy, None).unwrap();
         assert_eq!(r.destination.display(), "s3://ck/run1/step-1200");
         assert_eq!(r.location.display(), "s3://ck/run1");
         assert_eq!(r.step, Some(1200));
         assert_eq!(
-            resolve(&req, Some("s3://ck"), &policy)
+            resolve(&req, Some("s3://ck"), &policy, None)
                 .unwrap()
                 .destination
                 .display(),
@@ -390,7 +400,7 @@ mod tests {
             "gs://ck/run1",
         ] {
             assert_eq!(
-                resolve(&req, Some(bound), &policy)
+                resolve(&req, Some(bound), &policy, None)
                     .unwrap_err()
                     .metric_label(),
                 "not_allowed",
@@ -398,32 +408,34 @@ mod tests {
             );
         }
         assert_eq!(
-            resolve(&req, None, &policy).unwrap_err().metric_label(),
+            resolve(&req, None, &policy, None)
+                .unwrap_err()
+                .metric_label(),
             "invalid_destination"
         );
         // The bound location when the ack names nothing; refused when not allowed.
         let mut bare = req.clone();
         bare.upload = None;
         assert_eq!(
-            resolve(&bare, Some("s3://ck/run2"), &policy)
+            resolve(&bare, Some("s3://ck/run2"), &policy, None)
                 .unwrap()
                 .destination
                 .display(),
             "s3://ck/run2/step-1200"
         );
         assert_eq!(
-            resolve(&bare, Some("s3://other/x"), &policy)
+            resolve(&bare, Some("s3://other/x"), &policy, None)
                 .unwrap_err()
                 .metric_label(),
             "not_allowed"
         );
-        assert!(resolve(&bare, None, &policy).is_err());
+        assert!(resolve(&bare, None, &policy, None).is_err());
         // The step is the name's: an absurd or disagreeing one is refused.
         for step in [u64::MAX, 1201, 0] {
             let mut forged = bare.clone();
             forged.step = Some(step);
             assert_eq!(
-                resolve(&forged, Some("s3://ck/run2"), &policy)
+                resolve(&forged, Some("s3://ck/run2"), &policy, None)
                     .unwrap_err()
                     .metric_label(),
                 "step",
@@ -435,12 +447,12 @@ mod tests {
         ))
         .unwrap()
         .unwrap();
-        assert!(resolve(&negative, Some("s3://ck/run2"), &policy).is_err());
+        assert!(resolve(&negative, Some("s3://ck/run2"), &policy, None).is_err());
         let mut unnumbered = bare.clone();
         unnumbered.staged = PathBuf::from("/local/ckpt/final");
         unnumbered.step = None;
         assert_eq!(
-            resolve(&unnumbered, Some("s3://ck/run2"), &policy)
+            resolve(&unnumbered, Some("s3://ck/run2"), &policy, None)
                 .unwrap()
                 .step,
             None
@@ -483,6 +495,7 @@ mod tests {
         let binding = Binding {
             location: req.upload.clone(),
             writer: None,
+            namespace: None,
         };
         let store = StoreOptions::default();
         let taken = take(

@@ -220,7 +220,7 @@ fn grant(
         allow: args.allow.clone(),
         own_dirs: Vec::new(),
     };
-    policy.check(destination).map_err(|e| {
+    policy.check(destination, None).map_err(|e| {
         eprintln!("spotguard upload: {e}");
         EXIT_REFUSED
     })

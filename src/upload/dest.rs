@@ -2,11 +2,12 @@
 //! `gs://bucket/run1`, `file:///mnt/efs/run1` or `/mnt/efs/run1`), each checkpoint in a
 //! directory of its own under it (`<location>/<name>/…`, `<name>/manifest.json` last), and the
 //! operator's `--upload-allow` list that says which locations the agent may write with its own
-//! identity.
+//! identity, for the pod of which namespace (a pattern may name `{namespace}`: each pod's own).
 //!
 //! Object-store patterns are the allow-list patterns of the store floor ([`crate::store::AllowPattern`]:
-//! `s3://BUCKET[/PREFIX]`, `*` in BUCKET, PREFIX on whole segments); filesystem patterns are
-//! absolute directories, matched on whole path components. A filesystem destination is opened
+//! `s3://BUCKET[/PREFIX]`, `*` in BUCKET, PREFIX on whole segments, `{namespace}` a whole
+//! segment); filesystem patterns are absolute directories, matched on whole path components
+//! (`{namespace}` a whole component, replaced by the same [`crate::store::allow::with_namespace`]). A filesystem destination is opened
 //! *from* the allowed directory with `RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS`, so a symlink that
 //! someone with write access to a shared filesystem plants below it can never redirect the
 //! agent's writes.
@@ -15,7 +16,7 @@ use std::path::{Component, Path, PathBuf};
 
 use super::Error;
 use crate::store::url::{Scheme, SourceUrl};
-use crate::store::AllowPattern;
+use crate::store::{allow, AllowPattern};
 
 /// A job's checkpoint root, or one checkpoint's directory ([`Location::join`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -133,7 +134,8 @@ pub fn validate_checkpoint_name(name: &str) -> Result<(), Error> {
 pub enum AllowUpload {
     /// `s3://BUCKET[/PREFIX]` or `gs://BUCKET[/PREFIX]`.
     Store(AllowPattern),
-    /// An absolute directory: it and everything below it.
+    /// An absolute directory: it and everything below it (a `{namespace}` component: the pod's
+    /// namespace).
     Dir(PathBuf),
 }
 
@@ -149,7 +151,11 @@ impl AllowUpload {
                 "upload allow pattern {text:?}: name a directory (allowing / would let a pod \
                  make the agent write anywhere on the node)"
             )),
-            Ok(Location::Dir(p)) => Ok(AllowUpload::Dir(p)),
+            Ok(Location::Dir(p)) => {
+                allow::check_placeholder(&p.to_string_lossy(), '/')
+                    .map_err(|reason| format!("upload allow pattern {text:?}: {reason}"))?;
+                Ok(AllowUpload::Dir(p))
+            }
             Ok(Location::Store(_)) | Err(_) => Err(format!(
                 "upload allow pattern {text:?}: expected s3://BUCKET[/PREFIX], \
                  gs://BUCKET[/PREFIX] or an absolute directory"
@@ -190,8 +196,10 @@ pub struct UploadPolicy {
 }
 
 impl UploadPolicy {
-    /// Whether `dest` (a checkpoint's directory) may be written; [`Error::NotAllowed`] if not.
-    pub fn check(&self, dest: &Location) -> Result<Granted, Error> {
+    /// Whether `dest` (a checkpoint's directory) may be written for a pod of `namespace` (`None`:
+    /// for no pod, host mode; a pattern naming `{namespace}` then allows nothing);
+    /// [`Error::NotAllowed`] if not.
+    pub fn check(&self, dest: &Location, namespace: Option<&str>) -> Result<Granted, Error> {
         let refuse = |reason: String| Error::NotAllowed {
             dest: dest.display(),
             reason,
@@ -205,16 +213,21 @@ impl UploadPolicy {
         }
         for pattern in &self.allow {
             match (pattern, dest) {
-                (AllowUpload::Store(p), Location::Store(url)) if p.allows(url) => {
+                (AllowUpload::Store(p), Location::Store(url)) if p.allows(url, namespace) => {
                     return Ok(Granted::Store)
                 }
                 (AllowUpload::Dir(base), Location::Dir(path)) => {
-                    if let Ok(below) = path.strip_prefix(base) {
+                    let Some(base) = allow::with_namespace(&base.to_string_lossy(), namespace)
+                        .map(PathBuf::from)
+                    else {
+                        continue;
+                    };
+                    if let Ok(below) = path.strip_prefix(&base) {
                         if below.as_os_str().is_empty() {
                             continue;
                         }
                         return Ok(Granted::Dir {
-                            base: base.clone(),
+                            base,
                             below: below.to_path_buf(),
                             own: self.own_dirs.clone(),
                         });
@@ -224,10 +237,20 @@ impl UploadPolicy {
             }
         }
         let allowed: Vec<String> = self.allow.iter().map(|p| p.to_string()).collect();
+        let whose = match namespace {
+            Some(ns) => format!(" for namespace {ns}"),
+            None => String::new(),
+        };
         Err(refuse(format!(
-            "not under any allowed location ({})",
+            "not under any allowed location{whose} ({})",
             allowed.join(", ")
         )))
+    }
+
+    /// Whether checkpoints may be written under `location` for no pod (host mode's
+    /// `--checkpoint-upload`, judged at start): a checkpoint directory below it is checked.
+    pub fn check_location(&self, location: &Location) -> Result<(), Error> {
+        self.check(&location.join("step-0"), None).map(|_| ())
     }
 }
 
@@ -311,12 +334,12 @@ mod tests {
         let p = policy(&["s3://ckpt-*/runs", "/mnt/efs/ckpt"]);
         for ok in ["s3://ckpt-a/runs/r1/step-1", "s3://ckpt-b/runs/x"] {
             assert_eq!(
-                p.check(&Location::parse(ok).unwrap()).unwrap(),
+                p.check(&Location::parse(ok).unwrap(), None).unwrap(),
                 Granted::Store
             );
         }
         assert_eq!(
-            p.check(&Location::parse("/mnt/efs/ckpt/r1/step-1").unwrap())
+            p.check(&Location::parse("/mnt/efs/ckpt/r1/step-1").unwrap(), None)
                 .unwrap(),
             Granted::Dir {
                 base: PathBuf::from("/mnt/efs/ckpt"),
@@ -332,17 +355,61 @@ mod tests {
             "/mnt/efs/ckpt",
             "/etc/cron.d",
         ] {
-            let e = p.check(&Location::parse(bad).unwrap()).unwrap_err();
+            let e = p.check(&Location::parse(bad).unwrap(), None).unwrap_err();
             assert_eq!(e.metric_label(), "not_allowed", "{bad}");
         }
         let off = UploadPolicy::default();
         assert!(off
-            .check(&Location::parse("s3://b/x").unwrap())
+            .check(&Location::parse("s3://b/x").unwrap(), None)
             .unwrap_err()
             .to_string()
             .contains("off"));
-        for bad in ["/", "file:///", "s3://*", "relative", "http://x"] {
+        for bad in [
+            "/",
+            "file:///",
+            "s3://*",
+            "relative",
+            "http://x",
+            "/mnt/efs/x-{namespace}",
+        ] {
             assert!(AllowUpload::parse(bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn a_namespace_pattern_grants_each_pod_only_its_namespaces_location() {
+        let p = policy(&["s3://ckpt/{namespace}", "/mnt/efs/{namespace}/ckpt"]);
+        let check = |dest: &str, ns| p.check(&Location::parse(dest).unwrap(), ns);
+        assert_eq!(
+            check("s3://ckpt/ml/run1/step-1", Some("ml")).unwrap(),
+            Granted::Store
+        );
+        assert_eq!(
+            check("/mnt/efs/ml/ckpt/run1/step-1", Some("ml")).unwrap(),
+            Granted::Dir {
+                base: PathBuf::from("/mnt/efs/ml/ckpt"),
+                below: PathBuf::from("run1/step-1"),
+                own: Vec::new(),
+            }
+        );
+        for (dest, ns) in [
+            ("s3://ckpt/ml/run1/step-1", Some("other")),
+            ("s3://ckpt/ml/run1/step-1", None),
+            ("/mnt/efs/ml/ckpt/run1/step-1", Some("other")),
+            ("/mnt/efs/ml/ckpt/run1/step-1", None),
+        ] {
+            let e = check(dest, ns).unwrap_err();
+            assert_eq!(e.metric_label(), "not_allowed", "{dest} for {ns:?}");
+        }
+        assert!(check("s3://ckpt/ml/x/step-1", Some("other"))
+            .unwrap_err()
+            .to_string()
+            .contains("for namespace other"));
+        assert!(p
+            .check_location(&Location::parse("s3://ckpt/ml/run1").unwrap())
+            .is_err());
+        assert!(policy(&["s3://ckpt/host"])
+            .check_location(&Location::parse("s3://ckpt/host").unwrap())
+            .is_ok());
     }
 }

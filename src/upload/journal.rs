@@ -103,6 +103,10 @@ pub struct Record {
     /// wall-clock time, RFC 3339): a resumed upload keeps it.
     #[serde(default)]
     pub deadline: Option<String>,
+    /// The namespace of the pod the checkpoint is for (Kubernetes; host mode: none): a resumed
+    /// upload is allowed for it again, `{namespace}` in the allow-list standing for it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub namespace: Option<String>,
 }
 
 impl Record {
@@ -142,6 +146,10 @@ pub struct OpenUpload {
     /// The file's path below it.
     pub path: String,
     pub upload_id: String,
+    /// The namespace of the pod it is for (Kubernetes): what the allow-list's `{namespace}`
+    /// stood for when it was allowed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub namespace: Option<String>,
 }
 
 /// Append `upload` to the side file of the journal at `journal`, synced (the directory too
@@ -335,6 +343,11 @@ impl Journal {
         self.dirty.store(true, Ordering::Release);
     }
 
+    /// The namespace the upload is for ([`Record::namespace`]).
+    pub fn namespace(&self) -> Option<String> {
+        crate::sync::lock(&self.record).namespace.clone()
+    }
+
     /// A copy of the record.
     pub fn snapshot(&self) -> Record {
         crate::sync::lock(&self.record).clone()
@@ -424,6 +437,7 @@ mod tests {
             step: Some(1),
             part: None,
             deadline: Some("2026-01-01T00:01:00Z".into()),
+            namespace: None,
         }
     }
 
@@ -463,6 +477,7 @@ mod side_file_tests {
         let tmp = tempfile::tempdir().unwrap();
         let journal = path_for(tmp.path(), "s3://b/run/step-1");
         let up = |p: &str, id: &str| OpenUpload {
+            namespace: None,
             destination: "s3://b/run/step-1".into(),
             path: p.into(),
             upload_id: id.into(),

@@ -36,10 +36,19 @@ pub(super) async fn journal_for(
     };
     let key = format!("{}#{manifest_file}", target.display());
     let (j, prev) = open_journal(dir, &key, tree, target, root, options, started_at).await?;
+    // The pod's namespace; a resumed upload (no pod) keeps the one its first run recorded.
+    let namespace = meta
+        .origin
+        .pod
+        .as_deref()
+        .and_then(|p| p.split_once('/'))
+        .map(|(ns, _)| ns.to_string())
+        .or_else(|| prev.as_ref().and_then(|p| p.namespace.clone()));
     j.update(|r| {
         r.name = meta.name.clone();
         r.step = meta.step;
         r.part = meta.part;
+        r.namespace = namespace;
     });
     Ok((Some(j), prev))
 }
@@ -76,7 +85,8 @@ async fn open_journal(
         same
     });
     let files = file_records(tree, previous.as_ref(), options, &destination);
-    let keep = still_open(&files, &destination);
+    let namespace = previous.as_ref().and_then(|p| p.namespace.clone());
+    let keep = still_open(&files, &destination, namespace.as_deref());
     known.sort();
     known.dedup();
     known.retain(|(p, id)| !keep.iter().any(|k| &k.path == p && &k.upload_id == id));
@@ -97,6 +107,7 @@ async fn open_journal(
         step: None,
         part: None,
         deadline: options.deadline.and_then(wall_clock),
+        namespace,
     };
     let resumed_from = previous.map(|_| record.clone());
     Ok((Journal::new(path, record), resumed_from))
@@ -174,12 +185,17 @@ fn file_records(
 }
 
 /// The multipart uploads the new record reuses (open, of files not done).
-fn still_open(files: &BTreeMap<String, FileRecord>, destination: &str) -> Vec<OpenUpload> {
+fn still_open(
+    files: &BTreeMap<String, FileRecord>,
+    destination: &str,
+    namespace: Option<&str>,
+) -> Vec<OpenUpload> {
     files
         .iter()
         .filter(|(_, r)| r.done.is_none())
         .filter_map(|(p, r)| {
             r.upload_id.clone().map(|id| OpenUpload {
+                namespace: namespace.map(str::to_string),
                 destination: destination.to_string(),
                 path: p.clone(),
                 upload_id: id,

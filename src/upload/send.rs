@@ -483,6 +483,7 @@ async fn create_recorded(
         destination: shared.target.display().to_string(),
         path: file.path.clone(),
         upload_id: id.clone(),
+        namespace: j.namespace(),
     };
     let jp = j.path().to_path_buf();
     let appended = tokio::task::spawn_blocking(move || journal::append_upload(&jp, &open))

@@ -226,12 +226,14 @@ impl Service {
                         &b.owner.kind,
                         &b.owner.name,
                     )),
+                    namespace: Some(p.namespace.clone()),
                 })
                 .unwrap_or_default(),
             (Some(_), None) => Binding::default(),
             (None, _) => Binding {
                 location: self.settings.host_location.clone(),
                 writer: None,
+                namespace: None,
             },
         }
     }
@@ -329,7 +331,11 @@ impl Service {
         deadline: Option<tokio::time::Instant>,
         cancel: &CancellationToken,
     ) -> Option<Job> {
-        let granted = match self.settings.policy.check(destination) {
+        let granted = match self
+            .settings
+            .policy
+            .check(destination, record.namespace.as_deref())
+        {
             Ok(g) => g,
             Err(e) => {
                 warn!(destination = %record.destination, error = %e, "not resuming an upload");

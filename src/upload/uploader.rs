@@ -139,7 +139,14 @@ pub async fn recover(
                         uploads.push(pair);
                     }
                 }
-                abort(&record.destination, &uploads, policy, store).await;
+                abort(
+                    &record.destination,
+                    record.namespace.as_deref(),
+                    &uploads,
+                    policy,
+                    store,
+                )
+                .await;
                 journal::remove_all(&path);
                 info!(
                     destination = %record.destination,
@@ -151,18 +158,18 @@ pub async fn recover(
         }
     }
     for (path, error) in unreadable {
-        let mut by_dest: std::collections::BTreeMap<String, Vec<(String, String)>> =
-            Default::default();
+        type ByDest = std::collections::BTreeMap<(String, Option<String>), Vec<(String, String)>>;
+        let mut by_dest = ByDest::default();
         let side = journal::read_uploads(&path);
         let aborted = side.len();
         for u in side {
             by_dest
-                .entry(u.destination)
+                .entry((u.destination, u.namespace))
                 .or_default()
                 .push((u.path, u.upload_id));
         }
-        for (dest, uploads) in by_dest {
-            abort(&dest, &uploads, policy, store).await;
+        for ((dest, namespace), uploads) in by_dest {
+            abort(&dest, namespace.as_deref(), &uploads, policy, store).await;
         }
         journal::remove_all(&path);
         warn!(journal = %path.display(), error = %error, aborted, "removed an unreadable upload journal after aborting the multipart uploads it recorded");
@@ -204,7 +211,8 @@ fn try_resume(
     };
     let destination = Location::parse(&record.destination).map_err(|e| e.to_string())?;
     if let Some(p) = policy {
-        p.check(&destination).map_err(|e| e.to_string())?;
+        p.check(&destination, record.namespace.as_deref())
+            .map_err(|e| e.to_string())?;
     }
     let root = match &record.root {
         RootRecord::Host { owner } => {
@@ -287,6 +295,7 @@ fn same_files(record: &Record, tree: &StagedTree) -> Result<(), String> {
 /// Abort the multipart uploads `uploads` (path, id) under `destination` (best effort).
 async fn abort(
     destination: &str,
+    namespace: Option<&str>,
     uploads: &[(String, String)],
     policy: Option<&UploadPolicy>,
     store: &StoreOptions,
@@ -302,7 +311,7 @@ async fn abort(
         return;
     };
     let granted = match policy {
-        Some(p) => match p.check(&dest) {
+        Some(p) => match p.check(&dest, namespace) {
             Ok(g) => g,
             Err(e) => {
                 warn!(destination, error = %e, "not aborting the uploads of an abandoned journal");
@@ -354,6 +363,7 @@ mod tests {
             step: Some(1),
             part: None,
             deadline: None,
+            namespace: None,
         }
     }
 

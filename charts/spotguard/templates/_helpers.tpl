@@ -25,12 +25,24 @@ app.kubernetes.io/name: spotguard
 app.kubernetes.io/component: agent
 {{- end -}}
 
+{{/* The ServiceAccount's name, and the namespace, as the own-node policy's CEL expression and
+the ClusterRoleBinding's subject name them: a name Kubernetes would refuse (a stray space, say)
+matches no request and switches the policy off silently, so it fails the render instead (the
+schema's patterns catch the values; this catches the release namespace and the default too). */}}
 {{- define "spotguard.serviceAccountName" -}}
+{{- $name := "" -}}
 {{- if .Values.serviceAccount.create -}}
-{{- default (include "spotguard.fullname" .) .Values.serviceAccount.name -}}
+{{- $name = default (include "spotguard.fullname" .) .Values.serviceAccount.name -}}
 {{- else -}}
-{{- required "serviceAccount.name is required when serviceAccount.create is false" .Values.serviceAccount.name -}}
+{{- $name = required "serviceAccount.name is required when serviceAccount.create is false" .Values.serviceAccount.name -}}
 {{- end -}}
+{{- if not (regexMatch "^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$" $name) -}}
+{{- fail (printf "serviceAccount.name %q is not a Kubernetes name (DNS-1123 subdomain: lower-case letters, digits, '-' and '.')" $name) -}}
+{{- end -}}
+{{- if not (regexMatch "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$" .Release.Namespace) -}}
+{{- fail (printf "namespace %q is not a Kubernetes namespace name (DNS-1123 label)" .Release.Namespace) -}}
+{{- end -}}
+{{- $name -}}
 {{- end -}}
 
 {{/* repository:tag, or repository@digest when a digest is given. */}}

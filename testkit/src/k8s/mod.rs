@@ -162,21 +162,37 @@ impl TestCluster {
     /// the pod (`namespace`, `name`) and the client.
     pub async fn agent_on(&self, node: &str) -> ((String, String), kube::Client) {
         let name = self.name(&format!("spotguard-{node}"));
-        let mut pod = TestPod::new(controlplane::AGENT_NAMESPACE, &name, node)
-            .daemonset()
-            .build();
+        let client = self
+            .pod_bound_client(
+                node,
+                controlplane::AGENT_NAMESPACE,
+                &name,
+                controlplane::AGENT_SERVICE_ACCOUNT,
+            )
+            .await;
+        ((controlplane::AGENT_NAMESPACE.to_string(), name), client)
+    }
+
+    /// A DaemonSet-like pod `namespace/name` of `service_account` bound to `node`, and a client
+    /// through the proxy with a token bound to it (its user info names the node), as
+    /// [`Self::agent_on`] makes for the shipped ServiceAccount.
+    pub async fn pod_bound_client(
+        &self,
+        node: &str,
+        namespace: &str,
+        name: &str,
+        service_account: &str,
+    ) -> kube::Client {
+        let mut pod = TestPod::new(namespace, name, node).daemonset().build();
         if let Some(spec) = pod.spec.as_mut() {
-            spec.service_account_name = Some(controlplane::AGENT_SERVICE_ACCOUNT.into());
+            spec.service_account_name = Some(service_account.into());
         }
         let pod = self.create_pod(&pod).await;
         let token = match controlplane::mint_pod_token(&self.admin(), &pod).await {
             Ok(t) => t,
             Err(e) => panic!("{e}"),
         };
-        (
-            (controlplane::AGENT_NAMESPACE.to_string(), name),
-            self.proxy.client_with_token(self.cp, &token),
-        )
+        self.proxy.client_with_token(self.cp, &token)
     }
 
     /// A client through the proxy as `identity`.
