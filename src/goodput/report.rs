@@ -13,7 +13,7 @@
 //! progress − infrastructure recovery − checkpoint restore; goodput % = productive / paid.
 //! Start-up before the first step and the time after the last step are not charged.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::io::{BufRead, Write};
 use std::path::{Path, PathBuf};
 
@@ -81,9 +81,7 @@ pub fn append_line(path: &Path, line: &LogLine) -> Result<(), Error> {
         source,
     };
     if std::fs::metadata(path).is_ok_and(|m| m.len() > MAX_LOG_BYTES) {
-        let mut old = path.as_os_str().to_owned();
-        old.push(".1");
-        std::fs::rename(path, old).map_err(err)?;
+        rotate(path).map_err(err)?;
     }
     let mut text = serde_json::to_vec(line).map_err(|e| err(e.into()))?;
     text.push(b'\n');
@@ -93,6 +91,53 @@ pub fn append_line(path: &Path, line: &LogLine) -> Result<(), Error> {
         .open(path)
         .map_err(err)?;
     f.write_all(&text).map_err(err)
+}
+
+/// Move the log at `path` to `<path>.1`, dropping the previous `<path>.1` but for its
+/// interruptions: they lead the new `<path>.1` (the newest of them, up to half of
+/// [`MAX_LOG_BYTES`]), so that a run of recoveries never rotates the interruptions they are
+/// checked against out of the log. `<path>.1` is replaced atomically; `path` starts afresh.
+fn rotate(path: &Path) -> std::io::Result<()> {
+    let mut old = path.as_os_str().to_owned();
+    old.push(".1");
+    let old = PathBuf::from(old);
+    let mut kept: Vec<Vec<u8>> = Vec::new();
+    match std::fs::File::open(&old) {
+        Ok(f) => {
+            for line in std::io::BufReader::new(f).split(b'\n') {
+                let line = line?;
+                if line.len() <= MAX_LINE_BYTES
+                    && matches!(
+                        serde_json::from_slice::<LogLine>(&line),
+                        Ok(LogLine::Interruption(_))
+                    )
+                {
+                    kept.push(line);
+                }
+            }
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    let mut budget = (MAX_LOG_BYTES / 2) as usize;
+    let start = kept
+        .iter()
+        .rposition(|l| match budget.checked_sub(l.len() + 1) {
+            Some(left) => {
+                budget = left;
+                false
+            }
+            None => true,
+        })
+        .map_or(0, |k| k + 1);
+    let mut data = Vec::new();
+    for line in &kept[start..] {
+        data.extend_from_slice(line);
+        data.push(b'\n');
+    }
+    data.extend_from_slice(&std::fs::read(path)?);
+    crate::fsutil::write_atomic_with(&old, &data, 0o644, crate::fsutil::Durability::File)?;
+    std::fs::remove_file(path)
 }
 
 /// What a goodput log holds: its interruptions (oldest first), its recoveries, and the number of
@@ -237,61 +282,89 @@ fn max(v: impl Iterator<Item = Option<f64>>) -> Option<f64> {
     v.flatten().reduce(f64::max)
 }
 
+/// Whether `r`'s figures can be summed: durations within bounds, the first step not before the
+/// save, the restore within the recovery. A record read from an Event or a log line is anyone's
+/// text until checked.
+pub fn sane_recovery(r: &Recovery) -> bool {
+    let slack = super::recovery::CLOCK_SLACK;
+    let gap = r.first_step_at.duration_since(r.saved_at).as_secs_f64();
+    super::record::sane_seconds(r.recovery_seconds)
+        && r.restore_seconds
+            .is_none_or(|s| super::record::sane_seconds(s) && s <= r.recovery_seconds + slack)
+        && gap >= -slack
+        && (gap.max(0.0) - r.recovery_seconds).abs() <= slack
+}
+
 /// Join badput records and recoveries by notice id: one [`Row`] per interruption, oldest first.
 /// Records of one notice for several targets (one Event per pod) merge (a target seen twice
 /// counts once); a recovery reported twice (same target and notice) counts once; a recovery
 /// whose interruption has no record here gets a row of its own; an interruption without a
-/// recovery has none in its row.
+/// recovery has none in its row. Records whose figures cannot be summed
+/// ([`Interruption::insane`], [`sane_recovery`]) and recoveries saved before their
+/// interruption's signal are left out. Linear in the records (hash maps, no search).
 pub fn join(badput: Vec<Interruption>, recoveries: Vec<Recovery>) -> Vec<Row> {
-    let mut merged: Vec<Interruption> = Vec::new();
-    for i in badput {
-        match merged.iter_mut().find(|m| m.notice_id == i.notice_id) {
-            Some(m) => {
+    let mut merged: Vec<(Interruption, HashSet<String>)> = Vec::new();
+    let mut by_id: HashMap<String, usize> = HashMap::new();
+    for mut i in badput {
+        if i.insane().is_some() {
+            continue;
+        }
+        match by_id.get(&i.notice_id) {
+            Some(&k) => {
+                let (m, seen) = &mut merged[k];
                 for t in i.targets {
-                    if !m.targets.iter().any(|k| k.target == t.target) {
+                    if seen.insert(t.target.clone()) {
                         m.targets.push(t);
                     }
                 }
             }
             None => {
-                let mut i = i;
-                let mut seen = BTreeSet::new();
+                let mut seen = HashSet::new();
                 i.targets.retain(|t| seen.insert(t.target.clone()));
-                merged.push(i);
+                by_id.insert(i.notice_id.clone(), merged.len());
+                merged.push((i, seen));
             }
         }
     }
-    let mut recs: Vec<Recovery> = Vec::new();
+    // The recoveries of each notice, in the order the notices first appear.
+    let mut groups: Vec<Vec<Recovery>> = Vec::new();
+    let mut group_of: HashMap<String, usize> = HashMap::new();
+    let mut once: HashSet<(String, String)> = HashSet::new();
+    let slack = super::recovery::CLOCK_SLACK;
     for r in recoveries {
-        if !recs
-            .iter()
-            .any(|k| k.notice_id == r.notice_id && k.target == r.target)
-        {
-            recs.push(r);
+        if !sane_recovery(&r) {
+            continue;
         }
+        if let Some(&k) = by_id.get(&r.notice_id) {
+            let i = &merged[k].0;
+            let signalled = i.signalled_at.or(i.seen_at).unwrap_or(i.done_at);
+            if signalled.duration_since(r.saved_at).as_secs_f64() > slack {
+                continue;
+            }
+        }
+        if !once.insert((r.notice_id.clone(), r.target.clone())) {
+            continue;
+        }
+        let k = *group_of.entry(r.notice_id.clone()).or_insert_with(|| {
+            groups.push(Vec::new());
+            groups.len() - 1
+        });
+        groups[k].push(r);
     }
-    let mut rows: Vec<Row> = merged
-        .into_iter()
-        .map(|i| {
-            let mine: Vec<Recovery> = recs
-                .iter()
-                .filter(|r| r.notice_id == i.notice_id)
-                .cloned()
-                .collect();
-            row(Some(i), mine)
-        })
-        .collect();
-    let mut orphans: Vec<Recovery> = recs
-        .into_iter()
-        .filter(|r| !rows.iter().any(|row| row.notice_id == r.notice_id))
-        .collect();
-    while let Some(first) = orphans.first() {
-        let id = first.notice_id.clone();
-        let (mine, rest): (Vec<Recovery>, Vec<Recovery>) =
-            orphans.into_iter().partition(|r| r.notice_id == id);
-        orphans = rest;
-        rows.push(row(None, mine));
+    let mut rows: Vec<Row> = Vec::with_capacity(merged.len() + groups.len());
+    for (i, _) in merged {
+        let mine = group_of
+            .remove(&i.notice_id)
+            .map(|k| std::mem::take(&mut groups[k]))
+            .unwrap_or_default();
+        rows.push(row(Some(i), mine));
     }
+    rows.extend(
+        groups
+            .into_iter()
+            .filter(|g| !g.is_empty())
+            .map(|g| row(None, g)),
+    );
     rows.sort_by_key(|r| r.at);
     rows
 }
@@ -333,7 +406,7 @@ fn row(i: Option<Interruption>, recoveries: Vec<Recovery>) -> Row {
         steps_lost: targets
             .iter()
             .filter_map(|t| t.wasted_steps)
-            .reduce(|a, b| a + b),
+            .reduce(u64::saturating_add),
         drain_margin_seconds: i.as_ref().and_then(Interruption::drain_margin_seconds),
         recovered_on: on,
         recovery_seconds: sum(recoveries.iter().map(|r| Some(r.infrastructure_seconds()))),
@@ -423,7 +496,10 @@ pub fn summarize(
             } else {
                 100.0
             },
-            steps_lost: rows.iter().filter_map(|r| r.steps_lost).sum(),
+            steps_lost: rows
+                .iter()
+                .filter_map(|r| r.steps_lost)
+                .fold(0, u64::saturating_add),
             interruptions: rows.iter().filter(|r| r.interruption.is_some()).count(),
             recoveries: rows.iter().map(|r| r.recoveries.len()).sum(),
         },
@@ -432,8 +508,10 @@ pub fn summarize(
     }
 }
 
-/// The report of a host log over `[since, until]` (defaults: the first interruption's
-/// detection, `now`): interruptions that ended in it, recoveries whose first step was in it.
+/// The report of a host log over `[since, until]`: interruptions that ended in it, recoveries
+/// whose first step was in it. `until` defaults to `now`; `since` to the earliest row the report
+/// shows (a record that no row shows cannot widen the window). Records whose figures cannot be
+/// summed are counted as skipped.
 pub fn compute(
     logged: Logged,
     since: Option<Timestamp>,
@@ -441,23 +519,29 @@ pub fn compute(
     now: Timestamp,
 ) -> Report {
     let until = until.unwrap_or(now);
-    let first = logged
-        .interruptions
-        .iter()
-        .map(|i| i.seen_at.unwrap_or(i.done_at))
-        .chain(logged.recoveries.iter().map(|r| r.saved_at))
-        .min();
-    let since = since.or(first).unwrap_or(until);
-    let inside = |t: Timestamp| t >= since && t <= until;
+    let inside = |t: Timestamp| since.is_none_or(|s| t >= s) && t <= until;
+    let mut skipped = logged.skipped;
     let badput: Vec<Interruption> = logged
         .interruptions
         .into_iter()
         .filter(|i| inside(i.done_at))
+        .filter(|i| {
+            i.insane().is_none() || {
+                skipped += 1;
+                false
+            }
+        })
         .collect();
     let recoveries: Vec<Recovery> = logged
         .recoveries
         .into_iter()
         .filter(|r| inside(r.first_step_at))
+        .filter(|r| {
+            sane_recovery(r) || {
+                skipped += 1;
+                false
+            }
+        })
         .collect();
     let mut names: Vec<&str> = badput
         .iter()
@@ -466,13 +550,11 @@ pub fn compute(
     names.sort_unstable();
     names.dedup();
     let paid_targets = names.len();
-    summarize(
-        join(badput, recoveries),
-        since,
-        until,
-        paid_targets,
-        logged.skipped,
-    )
+    let rows = join(badput, recoveries);
+    let since = since
+        .or_else(|| rows.iter().map(|r| r.at).min())
+        .unwrap_or(until);
+    summarize(rows, since, until, paid_targets, skipped)
 }
 
 fn opt(v: Option<f64>) -> String {
