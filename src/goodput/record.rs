@@ -376,4 +376,38 @@ mod tests {
         let line = serde_json::to_string(&i).unwrap();
         assert_eq!(serde_json::from_str::<Interruption>(&line).unwrap(), i);
     }
+
+    #[test]
+    fn a_progress_record_past_the_bounds_throws_nothing_away() {
+        // A trainer's progress record claiming 2^64-400 steps since its durable one, or a
+        // durable time far in its past: refused, never summed.
+        let at = Timestamp::from_second(1_700_000_030).unwrap();
+        for progress in [
+            format!(
+                r#"{{"v":1,"step":{},"ts":1700000001.0,"durable_step":0,"durable_ts":1699999971.0}}"#,
+                u64::MAX - 400
+            ),
+            r#"{"v":1,"step":130,"ts":1700000001.0,"durable_step":100,"durable_ts":1000000001.0}"#
+                .to_string(),
+        ] {
+            let exits = vec![ExitSeen {
+                ns_pid: 7,
+                at,
+                progress: Some(progress.clone().into_bytes()),
+            }];
+            let t = target(&result(Outcome::Exited, None, exits), None, None);
+            assert_eq!(
+                (t.wasted_steps, t.wasted_seconds),
+                (None, None),
+                "{progress}"
+            );
+            assert_eq!(t.insane(), None);
+        }
+        let forged = TargetBadput {
+            wasted_steps: Some(u64::MAX - 399),
+            wasted_seconds: Some(-20.0),
+            ..TargetBadput::default()
+        };
+        assert!(forged.insane().is_some());
+    }
 }

@@ -999,4 +999,115 @@ mod tests {
         assert_eq!(j["totals"]["recoveries"], 1);
         assert!(j.get("owner").is_none());
     }
+
+    #[test]
+    fn wrapped_negative_and_forged_figures_are_skipped_never_summed() {
+        // The attack as run: one record of 2^64-400 wasted steps and -20 wasted seconds beside
+        // a real record of 400 lost steps; one of 10^9 s; a recovery naming the real notice
+        // with a save from 2001 (before its signal) and one whose restore exceeds its recovery.
+        let real = interruption(0, 10.0, (400, 200.0));
+        let mut wrapped = interruption(10, 0.0, (0, 0.0));
+        wrapped.targets[0].wasted_steps = Some(u64::MAX - 399);
+        wrapped.targets[0].wasted_seconds = Some(-20.0);
+        let mut huge = interruption(20, 1_000_000_000.0, (0, 0.0));
+        huge.targets[0].target = "victim".into();
+        let mut forged = recovery("n0", "trainer", 0, 5.0, None);
+        forged.saved_at = Timestamp::from_second(1_000_000_001).unwrap();
+        forged.first_step_at = at(60);
+        forged.recovery_seconds = at(60).duration_since(forged.saved_at).as_secs_f64();
+        let mut restore = recovery("n0", "trainer-3", 70, 9.0, Some(9_999_999.0));
+        restore.target = "trainer-3".into();
+        let r = compute(
+            Logged {
+                interruptions: vec![real, wrapped, huge],
+                recoveries: vec![forged, restore],
+                skipped: 0,
+            },
+            Some(at(-100)),
+            Some(at(1000)),
+            at(1000),
+        );
+        let t = &r.totals;
+        assert_eq!((t.interruptions, t.recoveries, t.steps_lost), (1, 0, 400));
+        // The forged recovery: 7e8 s away is past any recovery too.
+        assert_eq!(
+            r.skipped, 4,
+            "the wrapped, the huge, the forged, the restore: {r:#?}"
+        );
+        assert_eq!(
+            t.badput_seconds.iter().map(|(_, s)| *s).collect::<Vec<_>>(),
+            vec![10.0, 200.0, 0.0, 0.0]
+        );
+        // Sums never wrap even where records are summed as they come (an Event's).
+        let mut a = interruption(0, 1.0, (u64::MAX / 2 + 1, 1.0));
+        a.targets.push(TargetBadput {
+            target: "other".into(),
+            wasted_steps: Some(u64::MAX / 2 + 1),
+            ..TargetBadput::default()
+        });
+        assert_eq!(a.steps_lost(), u64::MAX);
+    }
+
+    #[test]
+    fn the_default_window_starts_at_what_the_report_shows() {
+        // A recovery of the real notice saved in 2001 (a forged one from a log written before
+        // recoveries were checked): not charged, and the window does not move to 2001.
+        let mut forged = recovery("n100", "trainer", 0, 5.0, None);
+        forged.saved_at = Timestamp::from_second(1_000_000_001).unwrap();
+        forged.first_step_at = at(200);
+        forged.recovery_seconds = at(200).duration_since(forged.saved_at).as_secs_f64();
+        let r = compute(
+            Logged {
+                interruptions: vec![interruption(100, 10.0, (0, 0.0))],
+                recoveries: vec![forged],
+                skipped: 0,
+            },
+            None,
+            None,
+            at(1100),
+        );
+        assert_eq!(r.totals.since, at(100));
+        assert_eq!(r.totals.paid_seconds, 1000.0);
+        assert!((r.totals.goodput_percent - 99.0).abs() < 1e-9);
+        assert_eq!(r.totals.recoveries, 0);
+    }
+
+    #[test]
+    fn rotation_keeps_the_interruptions_of_the_file_it_drops() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(LOG_FILE);
+        append(&path, &interruption(0, 10.0, (0, 0.0))).unwrap();
+        let line = LogLine::Recovery {
+            recovery: recovery("n0", "trainer", 60, 9.0, None),
+        };
+        // A full file of recovery lines, twice: two rotations, the first interruption's file
+        // dropped by the second.
+        let mut full = serde_json::to_vec(&line).unwrap();
+        full.push(b'\n');
+        let full = full.repeat((MAX_LOG_BYTES as usize / full.len()) + 1);
+        for _ in 0..2 {
+            std::fs::OpenOptions::new()
+                .append(true)
+                .open(&path)
+                .unwrap()
+                .write_all(&full)
+                .unwrap();
+            append_line(&path, &line).unwrap();
+        }
+        append(&path, &interruption(500, 5.0, (0, 0.0))).unwrap();
+        let logged = load_all(&path).unwrap();
+        assert_eq!(
+            logged
+                .interruptions
+                .iter()
+                .map(|i| i.notice_id.as_str())
+                .collect::<Vec<_>>(),
+            vec!["n0", "n500"]
+        );
+        let mut old = path.as_os_str().to_owned();
+        old.push(".1");
+        for p in [PathBuf::from(old), path.clone()] {
+            assert!(std::fs::metadata(&p).unwrap().len() <= MAX_LOG_BYTES + 4096);
+        }
+    }
 }
