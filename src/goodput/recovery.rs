@@ -119,6 +119,8 @@ pub struct LogLedger {
     read: Option<Vec<Option<(u64, std::time::SystemTime)>>>,
     /// (target, notice id) → the record.
     by_target: HashMap<(String, String), RecordedInterruption>,
+    /// (namespace, notice id) → the record, for the targets that are pods (`namespace/pod`).
+    by_namespace: HashMap<(String, String), RecordedInterruption>,
 }
 
 impl LogLedger {
@@ -153,9 +155,14 @@ impl Ledger for LogLedger {
         match super::report::load_existing(path) {
             Ok(logged) => {
                 self.by_target.clear();
+                self.by_namespace.clear();
                 for i in &logged.interruptions {
                     let rec = RecordedInterruption::of(i);
                     for t in &i.targets {
+                        if let Some((ns, _)) = t.target.split_once('/') {
+                            self.by_namespace
+                                .insert((ns.to_string(), i.notice_id.clone()), rec.clone());
+                        }
                         self.by_target
                             .insert((t.target.clone(), i.notice_id.clone()), rec.clone());
                     }
@@ -174,10 +181,9 @@ impl Ledger for LogLedger {
             return Some(r.clone());
         }
         let ns = &job.pod?.namespace;
-        self.by_target
-            .iter()
-            .find(|((t, n), _)| n == notice_id && t.split_once('/').is_some_and(|(t, _)| t == ns))
-            .map(|(_, r)| r.clone())
+        self.by_namespace
+            .get(&(ns.clone(), notice_id.to_string()))
+            .cloned()
     }
 }
 
@@ -565,7 +571,20 @@ pub async fn run(
     sinks: Sinks,
     cancel: CancellationToken,
 ) {
-    let mut watch = Watch::start(sinks).await;
+    let ledger = log_ledger(sinks.goodput_log.clone());
+    run_with(discovery, ready, sinks, ledger, cancel).await
+}
+
+/// [`run`] with recoveries checked against `ledger`'s records (Kubernetes: a cluster-wide record
+/// of interruptions instead of this agent's own log).
+pub async fn run_with(
+    discovery: Arc<dyn TargetDiscovery>,
+    ready: Ready,
+    sinks: Sinks,
+    ledger: LedgerFactory,
+    cancel: CancellationToken,
+) {
+    let mut watch = Watch::with_ledger(sinks, ledger).await;
     loop {
         tokio::select! {
             _ = cancel.cancelled() => return,
@@ -579,6 +598,11 @@ pub async fn run(
 
 /// Makes the ledger a reader checks recoveries against (a new one after an abandoned pass).
 pub type LedgerFactory = Arc<dyn Fn() -> Box<dyn Ledger> + Send + Sync>;
+
+/// The factory of [`LogLedger`]s over the goodput log at `path`.
+pub fn log_ledger(path: Option<PathBuf>) -> LedgerFactory {
+    Arc::new(move || Box::new(LogLedger::new(path.clone())) as Box<dyn Ledger>)
+}
 
 /// The recovery task's state: what was reported, the reader, the refusals logged.
 pub struct Watch {
@@ -594,12 +618,8 @@ pub struct Watch {
 impl Watch {
     /// [`Watch::with_ledger`] over the agent's own goodput log.
     pub async fn start(sinks: Sinks) -> Watch {
-        let path = sinks.goodput_log.clone();
-        Watch::with_ledger(
-            sinks,
-            Arc::new(move || Box::new(LogLedger::new(path.clone())) as Box<dyn Ledger>),
-        )
-        .await
+        let ledger = log_ledger(sinks.goodput_log.clone());
+        Watch::with_ledger(sinks, ledger).await
     }
 
     /// Read back what the goodput log says was reported (a log that cannot be read is counted,
