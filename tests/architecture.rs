@@ -97,7 +97,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
             "upload",
         ],
     ),
-    ("goodput", &["checkpoint", "metrics", "node"]),
+    ("goodput", &["checkpoint", "fsutil", "metrics", "node"]),
     (
         "outcome",
         &[
