@@ -5,7 +5,7 @@
 //! * A host's goodput log (`<state-dir>/goodput.jsonl`, or several `--log` files: one line per
 //!   interruption, appended by the agent as each plan ends, and `{"recovery": …}` lines from the
 //!   agent of the host a job resumed on). Paid time is the report's window (`--since` →
-//!   `--until`; by default the first interruption's detection → now) times the targets seen in
+//!   `--until`; by default the earliest row shown → now) times the targets seen in
 //!   it: each target holds its accelerators for the whole window.
 //! * A Kubernetes owner's Events ([`super::kube_report`]): paid time is the owner's start → end.
 //!
@@ -54,7 +54,7 @@ pub struct GoodputArgs {
     /// recoveries on one host join interruptions on another by notice id).
     #[arg(long = "log", value_name = "FILE", conflicts_with = "namespace")]
     pub logs: Vec<PathBuf>,
-    /// Start of the window (RFC 3339; log source); default: the first interruption's detection.
+    /// Start of the window (RFC 3339; log source); default: the earliest row the report shows.
     #[arg(long, value_name = "TIME", conflicts_with = "namespace")]
     pub since: Option<Timestamp>,
     /// End of the window (RFC 3339; log source); default: now.
