@@ -83,13 +83,17 @@ class SpotguardSnapshot(training.Extension):
 
     def initialize(self, trainer: training.Trainer) -> None:
         spotguard.install()  # main thread, before the first iteration
+        t0 = time.monotonic()
         found = latest_complete(self.ckpt_dir) if self.comm.rank == 0 else None
         found = self.comm.mpi_comm.bcast(found, root=0)
+        path = None
         if found is not None:
             path = snapshot_dir(self.ckpt_dir, found) / f"rank-{self.comm.rank}.npz"
             chainer.serializers.load_npz(str(path), trainer)
             print(f"rank {self.comm.rank}: resumed from iteration {found} ({path})", flush=True)
-        spotguard.resumed(trainer.updater.iteration)
+        # The file this rank acked: the agent reports the recovery from its interruption.
+        spotguard.resumed(trainer.updater.iteration, checkpoint=path,
+                          restore_seconds=time.monotonic() - t0)
 
     def __call__(self, trainer: training.Trainer) -> None:
         mine = spotguard.should_checkpoint()  # this rank's flag (no torch.distributed here)

@@ -63,6 +63,7 @@ def train(ckpt_root: str, run_name: str, steps: int, step_time: float) -> int:
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     step = 0
+    t0 = time.monotonic()
     found = sorted(ckpt.glob("step-*.pt"))
     if found:
         state = torch.load(found[-1], weights_only=True)
@@ -70,7 +71,9 @@ def train(ckpt_root: str, run_name: str, steps: int, step_time: float) -> int:
         opt.load_state_dict(state["opt"])
         step = state["step"]
         print(f"resumed from step {step} ({found[-1]})", flush=True)
-    spotguard.resumed(step)
+    # The checkpoint and its load time: the agent reports the recovery from its interruption.
+    spotguard.resumed(step, checkpoint=found[-1] if found else None,
+                      restore_seconds=time.monotonic() - t0)
     while step < steps:
         batch = torch.Generator().manual_seed(step)  # step N's batch, whichever attempt runs it
         x = torch.randn(64, 16, generator=batch)

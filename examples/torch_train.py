@@ -64,6 +64,7 @@ def main() -> int:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     epoch, batch_in_epoch, step = 0, 0, 0
+    t0 = time.monotonic()
     found = latest(args.ckpt_dir)
     if found is not None:
         state = torch.load(found, weights_only=True)
@@ -71,6 +72,9 @@ def main() -> int:
         opt.load_state_dict(state["opt"])
         epoch, batch_in_epoch, step = state["epoch"], state["batch_in_epoch"], state["step"]
         print(f"resumed from step {step} (epoch {epoch}, batch {batch_in_epoch}) {found}", flush=True)
+    # Where training restarts, from which checkpoint, and how long its load took: the agent
+    # reports the recovery from the interruption that saved it (docs/goodput.md).
+    spotguard.resumed(step, checkpoint=found, restore_seconds=time.monotonic() - t0)
     print(f"training (pid {os.getpid()}, SPOTGUARD_DIR={spotguard.checkpoint_dir()})", flush=True)
 
     while epoch < args.epochs:

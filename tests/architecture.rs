@@ -101,7 +101,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
             "upload",
         ],
     ),
-    ("goodput", &["checkpoint", "metrics", "node"]),
+    ("goodput", &["checkpoint", "fsutil", "metrics", "node"]),
     (
         "outcome",
         &[

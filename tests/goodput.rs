@@ -91,6 +91,18 @@ async fn agent(
     emu: &emulator::EmulatorHandle,
     node: Option<&str>,
 ) -> (spotguard::app::App, tokio_util::sync::CancellationToken) {
+    let pidfile = format!("--checkpoint-pidfile={}", dir.join("trainer.pid").display());
+    agent_selecting(dir, emu, node, &pidfile).await
+}
+
+/// [`agent`] with the trainer selector `selector` (`--checkpoint-pidfile=…`,
+/// `--checkpoint-cmdline=…`).
+async fn agent_selecting(
+    dir: &Path,
+    emu: &emulator::EmulatorHandle,
+    node: Option<&str>,
+    selector: &str,
+) -> (spotguard::app::App, tokio_util::sync::CancellationToken) {
     let mut argv: Vec<String> = vec![
         "--mode=host".into(),
         "--cloud=aws".into(),
@@ -99,7 +111,7 @@ async fn agent(
         "--checkpoint-timeout=60s".into(),
         format!("--checkpoint-dir={}", dir.join("ckpt").display()),
         format!("--state-dir={}", dir.join("state").display()),
-        format!("--checkpoint-pidfile={}", dir.join("trainer.pid").display()),
+        selector.into(),
         "--metrics-addr=127.0.0.1:0".into(),
         "--gpu=off".into(),
         "--log-level=warn".into(),
@@ -397,6 +409,38 @@ impl Captured {
 
 /// The trainers run as this uid, as trainers do on a node.
 const TRAINER_UID: u32 = 1000;
+/// Another local user.
+const OTHER_UID: u32 = 1001;
+/// The last argument of every trainer's command line, which the agents select on.
+const JOB_ARG: &str = "sgtrain-x";
+
+/// Another local user's processes, matching the agent's `--checkpoint-cmdline` (in host mode any
+/// user's are targets): four of them, each rewriting its resume record every 50 ms with a fresh
+/// invented notice id, a save in 2001 and a restore of 9 999 999 s; the first uses the real
+/// notice id `$REAL` (world-readable in `notice.json`) instead, with the same save from 2001.
+const FORGER: &str = r#"
+import json, os, time
+d, real = os.environ["SPOTGUARD_DIR"], os.environ["REAL"]
+first = True
+for _ in range(3):
+    if os.fork() == 0:
+        first = False
+        break
+n = 0
+while True:
+    n += 1
+    now = time.time()
+    notice = real if first else f"forged-{os.getpid()}-{n}"
+    rec = {"step": 120, "ts": now, "rank": 0, "world_size": 1, "last_step": 120, "last_ts": now,
+           "interruption": {"notice_id": notice, "node": "machine-a", "kind": "interruption",
+                            "source": "aws", "step": 120, "saved_ts": 1000000001.0},
+           "restore_seconds": 9999999, "first_step_ts": now}
+    tmp = os.path.join(d, f".resume-{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(rec, f)
+    os.rename(tmp, os.path.join(d, f"resume-{os.getpid()}.json"))
+    time.sleep(0.05)
+"#;
 
 /// One machine: its checkpoint dir (`ckpt`), state dir, pidfile, and metadata emulator.
 struct Machine {
@@ -414,10 +458,18 @@ impl Machine {
         Machine { base, name }
     }
 
-    fn trainer(&self, script: &str, env: &[(&str, &Path)]) -> spotguard_testkit::process::Kid {
+    /// A trainer running `script` as `uid`, its command line ending in [`JOB_ARG`] (what the
+    /// agents select).
+    fn trainer_as(
+        &self,
+        uid: u32,
+        script: &str,
+        env: &[(&str, &Path)],
+    ) -> spotguard_testkit::process::Kid {
         let mut cmd = std::process::Command::new("python3");
         cmd.arg("-c")
             .arg(script)
+            .arg(JOB_ARG)
             .env("PYTHONPATH", helper_dir())
             .env("PYTHONDONTWRITEBYTECODE", "1")
             .env("SPOTGUARD_DIR", self.base.join("ckpt"))
@@ -425,17 +477,27 @@ impl Machine {
         for (k, v) in env {
             cmd.env(k, v);
         }
-        spotguard_testkit::process::as_user(&mut cmd, TRAINER_UID);
-        let kid = spotguard_testkit::process::Kid::spawn(cmd);
-        std::fs::write(self.base.join("trainer.pid"), kid.pid().to_string()).unwrap();
-        kid
+        spotguard_testkit::process::as_user(&mut cmd, uid);
+        spotguard_testkit::process::Kid::spawn(cmd)
     }
 
+    fn trainer(&self, script: &str, env: &[(&str, &Path)]) -> spotguard_testkit::process::Kid {
+        self.trainer_as(TRAINER_UID, script, env)
+    }
+
+    /// This machine's agent, selecting every process whose command line has [`JOB_ARG`]: in
+    /// host mode any local user's.
     async fn agent(
         &self,
         emu: &emulator::EmulatorHandle,
     ) -> (spotguard::app::App, tokio_util::sync::CancellationToken) {
-        agent(&self.base, emu, Some(self.name)).await
+        agent_selecting(
+            &self.base,
+            emu,
+            Some(self.name),
+            &format!("--checkpoint-cmdline={JOB_ARG}"),
+        )
+        .await
     }
 }
 
@@ -452,21 +514,29 @@ fn recoveries(log: &Path) -> Vec<spotguard::goodput::event::Recovery> {
         .collect()
 }
 
+/// A metric's value, or `None` while the series is not there.
+fn metric_opt(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
+}
+
+/// The job is interrupted on a host, the host comes back (a spot VM stopped and restarted on its
+/// own disk: a new agent over the same state dir), and the job resumes there. Meanwhile another
+/// local user's processes, matching the agent's selector, write resume records naming invented
+/// notices and the real one with a forged save: none of them is reported, none reaches the
+/// goodput log, the report or the metrics; the real recovery is reported once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_job_resumed_on_another_machine_reports_its_recovery_once() {
+async fn a_job_resumed_on_its_host_reports_its_recovery_once_and_forged_ones_never() {
     let logs = Captured::install();
     let tmp = tempfile::tempdir().unwrap();
     std::fs::set_permissions(tmp.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
-    // The checkpoint storage both machines see (a shared filesystem).
+    // The checkpoint storage (a shared filesystem).
     let store = tmp.path().join("storage");
     std::fs::create_dir(&store).unwrap();
     std::fs::set_permissions(&store, std::fs::Permissions::from_mode(0o1777)).unwrap();
-    let (a, b) = (
-        Machine::new(tmp.path(), "machine-a"),
-        Machine::new(tmp.path(), "machine-b"),
-    );
+    let a = Machine::new(tmp.path(), "machine-a");
 
-    // Machine A: its trainer is interrupted, saves into the storage and acks `done`.
+    // The trainer is interrupted, saves into the storage and acks `done`.
     let ready = store.join("ready-a");
     let _trainer_a = a.trainer(INTERRUPTED, &[("STORE", &store), ("READY", &ready)]);
     spotguard_testkit::wait::until("trainer A to train", Duration::from_secs(60), || {
@@ -491,33 +561,51 @@ async fn a_job_resumed_on_another_machine_reports_its_recovery_once() {
     let interrupted = logged(&a.base).await;
     assert_eq!(interrupted.targets[0].outcome, "acked");
     let ckpt = PathBuf::from(truth_a["path"].as_str().unwrap());
+    cancel_a.cancel();
+    let _ = tokio::time::timeout(Duration::from_secs(5), app_a.join).await;
+    emu_a.shutdown().await;
 
-    // Machine B: a new trainer resumes from that checkpoint and trains.
-    let _trainer_b = b.trainer(RESUMING, &[("CKPT", &ckpt)]);
+    // The host is back: a new agent on the same state dir; no notice now.
     let emu_b = emulator::start(EmulatorConfig::new(Cloud::Aws))
         .await
         .unwrap();
-    let (app_b, cancel_b) = b.agent(&emu_b).await;
-    let log_b = b
+    let (app_b, cancel_b) = a.agent(&emu_b).await;
+    let log = a
         .base
         .join("state")
         .join(spotguard::goodput::report::LOG_FILE);
-    let got = spotguard_testkit::wait::until(
-        "machine B's recovery line",
-        Duration::from_secs(60),
-        || std::future::ready(recoveries(&log_b).into_iter().next()),
-    )
-    .await;
-    let truth_b = read_json(&b.base.join("ckpt/truth-b.json")).expect("trainer B's ground truth");
+    let log_before = std::fs::read(&log).unwrap();
 
-    // Linked to A's interruption, without a central store.
+    // The other user's processes, before the job resumes: refused (counted once per reason).
+    let real = PathBuf::from(&interrupted.notice_id);
+    let forger = a.trainer_as(OTHER_UID, FORGER, &[("REAL", &real)]);
+    let refused =
+        |reason: &str| format!("spotguard_errors_total{{module=\"goodput\",error=\"{reason}\"}}");
+    spotguard_testkit::wait::until("both refusals counted", Duration::from_secs(60), || async {
+        let m = spotguard_testkit::metrics_text(app_b.admin_addr).await;
+        (metric_opt(&m, &refused("recovery_not_recorded")).is_some()
+            && metric_opt(&m, &refused("recovery_inconsistent")).is_some())
+        .then_some(())
+    })
+    .await;
+    assert_eq!(std::fs::read(&log).unwrap(), log_before, "nothing written");
+
+    // The job resumes on this host.
+    let _trainer_b = a.trainer(RESUMING, &[("CKPT", &ckpt)]);
+    let got = spotguard_testkit::wait::until("the recovery line", Duration::from_secs(60), || {
+        std::future::ready(recoveries(&log).into_iter().next())
+    })
+    .await;
+    let truth_b = read_json(&a.base.join("ckpt/truth-b.json")).expect("trainer B's ground truth");
+    // Several more passes with the forgers still writing.
+    let m = spotguard_testkit::metrics_text(app_b.admin_addr).await;
+    let refusals = metric(&m, &refused("recovery_not_recorded"));
+    drop(forger);
+
     assert_eq!(got.notice_id, interrupted.notice_id);
     assert_eq!(got.from_node.as_deref(), Some("machine-a"));
-    assert_eq!(got.node, "machine-b");
-    assert_eq!(
-        got.target,
-        format!("pidfile:{}", b.base.join("trainer.pid").display())
-    );
+    assert_eq!(got.node, "machine-a");
+    assert_eq!(got.target, format!("cmdline:{JOB_ARG}"));
     assert_eq!(Some(got.step), truth_a["step"].as_u64());
     // recovery_seconds = B's first step − A's save, each bracketed by the trainers' own clocks:
     // A's save lies between the wall clock just before and just after its ack, B's first step
@@ -539,7 +627,8 @@ async fn a_job_resumed_on_another_machine_reports_its_recovery_once() {
     assert_eq!(got.restore_seconds, Some(restore));
     assert!(restore >= 0.3);
 
-    // The metrics of machine B; once only, even after more passes.
+    // The metrics: the real recovery once; the forged ones counted once per reason, not per
+    // record or pass.
     let m = spotguard_testkit::metrics_text(app_b.admin_addr).await;
     assert_eq!(metric(&m, "spotguard_recoveries_total"), 1.0);
     let infra = metric(
@@ -555,11 +644,24 @@ async fn a_job_resumed_on_another_machine_reports_its_recovery_once() {
         "spotguard_badput_seconds_total{category=\"checkpoint_restore\"}",
     );
     assert!((booked - restore).abs() < 1e-6, "{booked} vs {restore}");
-    let m_a = spotguard_testkit::metrics_text(app_a.admin_addr).await;
-    assert_eq!(metric(&m_a, "spotguard_recoveries_total"), 0.0);
+    assert_eq!(refusals, 1.0);
+    assert_eq!(metric(&m, &refused("recovery_not_recorded")), 1.0);
+    assert_eq!(metric(&m, &refused("recovery_inconsistent")), 1.0);
 
-    assert_eq!(recoveries(&log_b).len(), 1);
-    // The log line, after the goodput log's.
+    // The log: the interruption and the one recovery; the report over it shows only them.
+    assert_eq!(recoveries(&log).len(), 1);
+    let all = spotguard::goodput::report::load_all(&log).unwrap();
+    assert_eq!((all.interruptions.len(), all.recoveries.len()), (1, 1));
+    let report = spotguard::goodput::report::compute(all, None, None, jiff::Timestamp::now());
+    assert_eq!(
+        (report.totals.interruptions, report.totals.recoveries),
+        (1, 1)
+    );
+    assert_eq!(report.interruptions[0].notice_id, interrupted.notice_id);
+    // The default window starts at what the report shows: the interruption.
+    assert_eq!(report.totals.since, report.interruptions[0].at);
+
+    // The log lines: one recovery; the refusals once each, naming the target group.
     let line =
         spotguard_testkit::wait::until("the recovery's log line", Duration::from_secs(10), || {
             std::future::ready(logs.lines("interruption recovered").into_iter().next())
@@ -567,17 +669,20 @@ async fn a_job_resumed_on_another_machine_reports_its_recovery_once() {
         .await;
     assert_eq!(line["notice_id"], interrupted.notice_id.as_str());
     assert_eq!(line["from_node"], "machine-a");
+    assert_eq!(line["target_group"], format!("cmdline:{JOB_ARG}"));
     assert_eq!(
         line["recovery_seconds"].as_f64(),
         Some(got.recovery_seconds)
     );
     assert_eq!(line["restore_seconds"].as_f64(), Some(restore));
     assert_eq!(logs.lines("interruption recovered").len(), 1);
+    assert_eq!(
+        logs.lines("ignoring a recovery that no recorded interruption backs")
+            .len(),
+        2
+    );
 
-    for (cancel, join) in [(cancel_a, app_a.join), (cancel_b, app_b.join)] {
-        cancel.cancel();
-        let _ = tokio::time::timeout(Duration::from_secs(5), join).await;
-    }
-    emu_a.shutdown().await;
+    cancel_b.cancel();
+    let _ = tokio::time::timeout(Duration::from_secs(5), app_b.join).await;
     emu_b.shutdown().await;
 }

@@ -587,6 +587,18 @@ fn upload_row(t: &mut Table, v: &Verdict) {
     }
 }
 
+/// A result's badput record (the table's `badput` row) as JSON: the record's fields
+/// (`target`, `outcome`, `save_seconds`, `downtime_seconds`, `wasted_steps`, `wasted_seconds`,
+/// `durable_step`, where known) and `summary`, the row's text.
+fn badput_json(r: &crate::checkpoint::run::GroupResult) -> Value {
+    let badput = crate::goodput::record::target(r, None, None);
+    let mut j = serde_json::to_value(&badput).unwrap_or_else(|_| json!({}));
+    if let Some(o) = j.as_object_mut() {
+        o.insert("summary".into(), Value::String(badput.summary()));
+    }
+    j
+}
+
 /// One run as JSON (`--json`).
 pub fn to_json(v: &Verdict, timeout: Duration, signal: &str) -> Value {
     let t0 = v.raised_at;
@@ -621,6 +633,7 @@ pub fn to_json(v: &Verdict, timeout: Duration, signal: &str) -> Value {
         "result_s": rel_secs(v.plan.result_at, t0),
         "results": v.plan.results.iter().map(|r| json!({
             "group": r.group, "outcome": r.outcome.as_str(), "signalled": r.signalled, "detail": r.detail,
+            "badput": badput_json(r),
         })).collect::<Vec<_>>(),
         "acks": v.acks.iter().map(|a| json!({
             "file": a.file, "state": a.state, "step": a.step, "checkpoint": a.checkpoint,
@@ -761,5 +774,43 @@ mod tests {
         );
         assert!(xml.contains("<system-out>ok?</system-out>"), "{xml}");
         assert_eq!(xml.matches("<testcase").count(), 2);
+    }
+
+    #[test]
+    fn the_json_carries_the_badput_record_the_table_prints() {
+        let mut v = Verdict::started(
+            Cloud::Aws,
+            "python3 train.py".into(),
+            PathBuf::from("/tmp/x"),
+            HandlerWait::NotWaited,
+            Timestamp::now(),
+        );
+        v.plan.results.push(crate::checkpoint::run::GroupResult {
+            group: "cmdline:train".into(),
+            pod: None,
+            outcome: Outcome::Acked,
+            signalled: 1,
+            signalled_at: Some(Timestamp::from_second(1_700_000_000).unwrap()),
+            ack_latency: Some(Duration::from_millis(12_300)),
+            detail: "done at step 40".into(),
+            exits: vec![],
+        });
+        let text = table(&v, Duration::from_secs(30), "SIGUSR1");
+        let j = to_json(&v, Duration::from_secs(30), "SIGUSR1");
+        let b = &j["results"][0]["badput"];
+        assert_eq!(b["target"], "cmdline:train", "{j}");
+        assert_eq!(b["outcome"], "acked");
+        assert_eq!(b["save_seconds"], 12.3);
+        assert_eq!(b["downtime_seconds"], 12.3);
+        assert_eq!(
+            (b["wasted_steps"].as_u64(), b["wasted_seconds"].as_f64()),
+            (Some(0), Some(0.0))
+        );
+        let summary = b["summary"].as_str().unwrap();
+        assert!(
+            summary.starts_with("badput: checkpoint save 12.3s"),
+            "{summary}"
+        );
+        assert!(text.contains(summary), "{summary} not in\n{text}");
     }
 }

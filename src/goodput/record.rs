@@ -36,6 +36,17 @@ pub mod category {
     pub const CHECKPOINT_RESTORE: &str = "checkpoint_restore";
 }
 
+/// The most steps one interruption may throw away for one target: more is not a training run's
+/// count (a record past it is refused, never summed).
+pub const MAX_STEPS: u64 = 1 << 40;
+/// The longest duration a record may hold (seconds, ~115 days): more is not a measured time.
+pub const MAX_SECONDS: f64 = 1.0e7;
+
+/// Whether `s` is a duration a record may hold: finite, 0 to [`MAX_SECONDS`].
+pub fn sane_seconds(s: f64) -> bool {
+    s.is_finite() && (0.0..=MAX_SECONDS).contains(&s)
+}
+
 /// What one interruption cost one target.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct TargetBadput {
@@ -134,11 +145,15 @@ pub fn target(r: &GroupResult, step: Option<u64>, upload_seconds: Option<f64>) -
             let p = match progress::parse(e.progress.as_deref()?) {
                 Ok(p) => p,
                 Err(err) => {
-                    tracing::debug!(target = %r.group, pid = e.ns_pid, error = %err, "progress record refused");
+                    tracing::debug!(target_group = %r.group, pid = e.ns_pid, error = %err, "progress record refused");
                     return None;
                 }
             };
             let (steps, secs) = p.thrown_away()?;
+            if steps > MAX_STEPS || !sane_seconds(secs) {
+                tracing::debug!(target_group = %r.group, pid = e.ns_pid, "progress record refused: figures out of bounds");
+                return None;
+            }
             Some((steps, secs, p.durable_step))
         })
         .collect();
@@ -170,9 +185,38 @@ impl Interruption {
         ]
     }
 
-    /// Steps thrown away over every target.
+    /// Steps thrown away over every target (saturating: never wraps).
     pub fn steps_lost(&self) -> u64 {
-        self.targets.iter().filter_map(|t| t.wasted_steps).sum()
+        self.targets
+            .iter()
+            .filter_map(|t| t.wasted_steps)
+            .fold(0, u64::saturating_add)
+    }
+
+    /// Why this record cannot be summed (a figure out of bounds: negative, not finite, past
+    /// [`MAX_SECONDS`] or [`MAX_STEPS`]), if so. A record read from an Event or a log line is
+    /// anyone's text until checked.
+    pub fn insane(&self) -> Option<&'static str> {
+        self.targets.iter().find_map(TargetBadput::insane)
+    }
+}
+
+impl TargetBadput {
+    /// [`Interruption::insane`] for one target.
+    pub fn insane(&self) -> Option<&'static str> {
+        let seconds = [
+            self.save_seconds,
+            self.downtime_seconds,
+            self.upload_seconds,
+            self.wasted_seconds,
+        ];
+        if seconds.iter().flatten().any(|s| !sane_seconds(*s)) {
+            return Some("a duration that is negative, not finite or too long");
+        }
+        if self.wasted_steps.is_some_and(|n| n > MAX_STEPS) {
+            return Some("more steps thrown away than a run trains");
+        }
+        None
     }
 }
 
@@ -331,5 +375,39 @@ mod tests {
         assert_eq!(i.steps_lost(), 7);
         let line = serde_json::to_string(&i).unwrap();
         assert_eq!(serde_json::from_str::<Interruption>(&line).unwrap(), i);
+    }
+
+    #[test]
+    fn a_progress_record_past_the_bounds_throws_nothing_away() {
+        // A trainer's progress record claiming 2^64-400 steps since its durable one, or a
+        // durable time far in its past: refused, never summed.
+        let at = Timestamp::from_second(1_700_000_030).unwrap();
+        for progress in [
+            format!(
+                r#"{{"v":1,"step":{},"ts":1700000001.0,"durable_step":0,"durable_ts":1699999971.0}}"#,
+                u64::MAX - 400
+            ),
+            r#"{"v":1,"step":130,"ts":1700000001.0,"durable_step":100,"durable_ts":1000000001.0}"#
+                .to_string(),
+        ] {
+            let exits = vec![ExitSeen {
+                ns_pid: 7,
+                at,
+                progress: Some(progress.clone().into_bytes()),
+            }];
+            let t = target(&result(Outcome::Exited, None, exits), None, None);
+            assert_eq!(
+                (t.wasted_steps, t.wasted_seconds),
+                (None, None),
+                "{progress}"
+            );
+            assert_eq!(t.insane(), None);
+        }
+        let forged = TargetBadput {
+            wasted_steps: Some(u64::MAX - 399),
+            wasted_seconds: Some(-20.0),
+            ..TargetBadput::default()
+        };
+        assert!(forged.insane().is_some());
     }
 }

@@ -8,17 +8,24 @@
 //! ([`run`]; never on the signal path) reads the opted-in targets' resume records every
 //! [`PASS_EVERY`], within [`PASS_BUDGET`] a pass, through the guarded reader the acks use (inside
 //! the process's root, no symlink, one link, owned by the process's user, at most
-//! [`MAX_RESUME_BYTES`], a strict [`parse`]), and reports each recovery once: the
-//! `infrastructure_recovery` and `checkpoint_restore` badput, `spotguard_recoveries_total`, an
-//! `InterruptionRecovered` pod Event carrying the [`Recovery`], a `{"recovery": …}` line in
+//! [`MAX_RESUME_BYTES`], a strict [`parse`]).
+//!
+//! The record is the trainer's, so the notice it names is free text: a recovery counts only
+//! against an interruption an agent recorded for the same job ([`Ledger::recorded`]; on a host,
+//! and in Kubernetes until a cluster-wide record is plugged in, the agent's own goodput log:
+//! [`LogLedger`]), and only with times consistent with that record ([`check`]). A refused record
+//! is counted and logged once per target group and reason. An accepted one is reported once:
+//! the `infrastructure_recovery` and `checkpoint_restore` badput, `spotguard_recoveries_total`,
+//! an `InterruptionRecovered` pod Event carrying the [`Recovery`], a `{"recovery": …}` line in
 //! `<state-dir>/goodput.jsonl`, a log line.
 //!
 //! Once means once per target (pod or host selector) and notice: the ranks of one job resume
 //! from the same checkpoint, and the interruption's badput is per target too. The goodput log is
 //! the record of what was reported: read back at start, it keeps a restarted agent from
-//! reporting a recovery twice.
+//! reporting a recovery twice. The set of reported keys is bounded ([`MAX_REPORTED`], oldest
+//! first out); only recorded interruptions enter it.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -30,7 +37,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use super::event::{EventRecord, LogLine, Recovery};
-use super::record::category;
+use super::record::{category, Interruption};
 use super::Error;
 use crate::checkpoint::ack::CheckpointDir;
 use crate::checkpoint::procfs::ProcFs;
@@ -54,6 +61,181 @@ const MAX_PROCESSES: usize = 4096;
 const MAX_REFUSED: usize = 4096;
 /// Longest notice id, node, kind or source taken from a record.
 const MAX_TEXT: usize = 256;
+/// (target, notice) keys of reported recoveries kept in memory; the oldest go first.
+pub const MAX_REPORTED: usize = 4096;
+/// Clock skew tolerated between the trainer that saved and the one that resumed (two machines'
+/// clocks), and between a record and this node's clock (seconds).
+pub const CLOCK_SLACK: f64 = 2.0;
+
+/// An interruption an agent recorded for a job: what a recovery from it is checked against.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RecordedInterruption {
+    pub notice_id: String,
+    /// The node (host) it hit.
+    pub node: String,
+    /// When the agent signalled the job (else when it saw the notice, else when its plan ended).
+    pub signalled_at: Timestamp,
+    /// When its plan ended.
+    pub done_at: Timestamp,
+}
+
+impl RecordedInterruption {
+    /// The record of `i`, as the goodput log (or an Event) holds it.
+    pub fn of(i: &Interruption) -> RecordedInterruption {
+        RecordedInterruption {
+            notice_id: i.notice_id.clone(),
+            node: i.node.clone(),
+            signalled_at: i.signalled_at.or(i.seen_at).unwrap_or(i.done_at),
+            done_at: i.done_at,
+        }
+    }
+}
+
+/// The job a resume record was found for: its target group (`namespace/pod` in Kubernetes, the
+/// selector's name on a host) and, in Kubernetes, its pod.
+#[derive(Clone, Copy, Debug)]
+pub struct Job<'a> {
+    pub target_group: &'a str,
+    pub pod: Option<&'a PodRef>,
+}
+
+/// Where the interruptions agents recorded are looked up: the only source of a recovery's
+/// interruption (the resume record's notice id is the trainer's free text).
+pub trait Ledger: Send {
+    /// Bring the view up to date; called once per pass, on the pass's thread (may block,
+    /// bounded).
+    fn refresh(&mut self) {}
+    /// The interruption `notice_id` an agent recorded for `job`, if any.
+    fn recorded(&self, job: &Job<'_>, notice_id: &str) -> Option<RecordedInterruption>;
+}
+
+/// The interruptions in this agent's goodput log (and its rotated predecessor), re-read when
+/// the files change: a host's record of its own interruptions. For a pod (no cluster-wide
+/// record plugged in) an interruption of a pod of the same namespace that this agent recorded.
+#[derive(Debug, Default)]
+pub struct LogLedger {
+    path: Option<PathBuf>,
+    /// The files' (length, modification time) when last read.
+    read: Option<Vec<Option<(u64, std::time::SystemTime)>>>,
+    /// (target, notice id) → the record.
+    by_target: HashMap<(String, String), RecordedInterruption>,
+    /// (namespace, notice id) → the record, for the targets that are pods (`namespace/pod`).
+    by_namespace: HashMap<(String, String), RecordedInterruption>,
+}
+
+impl LogLedger {
+    /// The ledger of the goodput log at `path` (`None`: a dry run, nothing recorded).
+    pub fn new(path: Option<PathBuf>) -> LogLedger {
+        LogLedger {
+            path,
+            ..LogLedger::default()
+        }
+    }
+
+    fn stamps(path: &Path) -> Vec<Option<(u64, std::time::SystemTime)>> {
+        let mut old = path.as_os_str().to_owned();
+        old.push(".1");
+        [PathBuf::from(old), path.to_path_buf()]
+            .iter()
+            .map(|p| {
+                let m = std::fs::metadata(p).ok()?;
+                Some((m.len(), m.modified().ok()?))
+            })
+            .collect()
+    }
+}
+
+impl Ledger for LogLedger {
+    fn refresh(&mut self) {
+        let Some(path) = &self.path else { return };
+        let now = Self::stamps(path);
+        if self.read.as_ref() == Some(&now) {
+            return;
+        }
+        match super::report::load_existing(path) {
+            Ok(logged) => {
+                self.by_target.clear();
+                self.by_namespace.clear();
+                for i in &logged.interruptions {
+                    let rec = RecordedInterruption::of(i);
+                    for t in &i.targets {
+                        if let Some((ns, _)) = t.target.split_once('/') {
+                            self.by_namespace
+                                .insert((ns.to_string(), i.notice_id.clone()), rec.clone());
+                        }
+                        self.by_target
+                            .insert((t.target.clone(), i.notice_id.clone()), rec.clone());
+                    }
+                }
+                self.read = Some(now);
+            }
+            Err(e) => debug!(error = %e, "recovery ledger: the goodput log cannot be read"),
+        }
+    }
+
+    fn recorded(&self, job: &Job<'_>, notice_id: &str) -> Option<RecordedInterruption> {
+        if let Some(r) = self
+            .by_target
+            .get(&(job.target_group.to_string(), notice_id.to_string()))
+        {
+            return Some(r.clone());
+        }
+        let ns = &job.pod?.namespace;
+        self.by_namespace
+            .get(&(ns.clone(), notice_id.to_string()))
+            .cloned()
+    }
+}
+
+/// Why a recovery was refused: its metric label (`spotguard_errors_total{module="goodput"}`)
+/// and the words of its log line.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Refusal {
+    pub label: &'static str,
+    pub why: &'static str,
+}
+
+/// The record names no interruption an agent recorded for this job.
+pub const NOT_RECORDED: &str = "recovery_not_recorded";
+/// The record's times do not fit the recorded interruption or this node's clock.
+pub const INCONSISTENT: &str = "recovery_inconsistent";
+
+/// Whether `r` may count as a recovery from `recorded` (the interruption an agent recorded for
+/// the job under the record's notice id, if any) at `now` (Unix seconds): saved after the
+/// signal, first step after the save, the restore within the recovery, nothing in the future.
+pub fn check(
+    r: &Resumed,
+    recorded: Option<&RecordedInterruption>,
+    now: f64,
+) -> Result<(), Refusal> {
+    let inconsistent = |why| {
+        Err(Refusal {
+            label: INCONSISTENT,
+            why,
+        })
+    };
+    let Some(rec) = recorded else {
+        return Err(Refusal {
+            label: NOT_RECORDED,
+            why: "no interruption with this notice id was recorded for this job",
+        });
+    };
+    let signalled = rec.signalled_at.as_microsecond() as f64 / 1e6;
+    if r.saved_ts > now + CLOCK_SLACK || r.first_step_ts > now + CLOCK_SLACK {
+        return inconsistent("saved_ts or first_step_ts is in the future");
+    }
+    if r.saved_ts + CLOCK_SLACK < signalled {
+        return inconsistent("saved before the interruption's signal");
+    }
+    if r.first_step_ts + CLOCK_SLACK < r.saved_ts {
+        return inconsistent("first step before the save");
+    }
+    let away = (r.first_step_ts - r.saved_ts).max(0.0);
+    if r.restore_seconds.is_some_and(|s| s > away + CLOCK_SLACK) {
+        return inconsistent("restore_seconds longer than the recovery");
+    }
+    Ok(())
+}
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -200,30 +382,47 @@ struct Found {
     record: Resumed,
 }
 
-/// A record refused in a pass: where, and why.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+/// A record refused in a pass: where, and why. It is counted and logged once per target group
+/// and reason (`label`, `why`); `file` and `notice_id` only go to the log line.
+#[derive(Clone, Debug)]
 struct Refused {
     target: String,
-    file: String,
+    label: &'static str,
     why: String,
+    file: String,
+    notice_id: Option<String>,
 }
 
 /// A checkpoint dir kept open between passes: its group, its root process (pid, start time;
 /// `None` on the host) and its path.
 type DirKey = (String, Option<(i32, u64)>, PathBuf);
 
-/// What a pass reads: every opted-in target's live processes' resume records.
-#[derive(Default)]
+/// What a pass reads: every opted-in target's live processes' resume records, checked against
+/// the ledger.
 struct Reader {
     dirs: HashMap<DirKey, CheckpointDir>,
+    ledger: Box<dyn Ledger>,
+}
+
+fn unix_now() -> f64 {
+    Timestamp::now().as_microsecond() as f64 / 1e6
 }
 
 impl Reader {
+    fn new(ledger: Box<dyn Ledger>) -> Reader {
+        Reader {
+            dirs: HashMap::new(),
+            ledger,
+        }
+    }
+
     fn pass(&mut self, groups: &[TargetGroup], skip: &HashSet<Key>) -> (Vec<Found>, Vec<Refused>) {
         let mut found = Vec::new();
         let mut refused = Vec::new();
         let mut used = HashSet::new();
         let mut looked = 0usize;
+        self.ledger.refresh();
+        let now = unix_now();
         for g in groups {
             let proc = ProcFs::new(g.proc_root.clone());
             for c in &g.containers {
@@ -247,7 +446,7 @@ impl Reader {
                         match opened {
                             Ok(d) => v.insert(d),
                             Err(e) => {
-                                debug!(target = %g.name, error = %e, "resume records: checkpoint dir not opened");
+                                debug!(target_group = %g.name, error = %e, "resume records: checkpoint dir not opened");
                                 continue;
                             }
                         }
@@ -264,45 +463,86 @@ impl Reader {
                     };
                     let ns_pid = status.ns_pid().unwrap_or(p.pid);
                     let name = resume_file_name(ns_pid);
-                    let refuse = |why: String| Refused {
-                        target: g.name.clone(),
-                        file: format!("{} ({name})", dir.display()),
-                        why,
-                    };
+                    let refuse =
+                        |label: &'static str, why: String, notice_id: Option<String>| Refused {
+                            target: g.name.clone(),
+                            label,
+                            why,
+                            file: format!("{} ({name})", dir.display()),
+                            notice_id,
+                        };
+                    let not_helpers = |why: String| refuse("resume_record", why, None);
                     match dir.read_file(&name) {
                         Ok(None) => {}
                         Ok(Some((_, stamp))) if !status.uids.contains(&stamp.uid) => {
-                            refused.push(refuse(format!(
+                            refused.push(not_helpers(format!(
                                 "owned by uid {}, not the process's user",
                                 stamp.uid
                             )));
                         }
                         Ok(Some((_, stamp))) if stamp.size > MAX_RESUME_BYTES => {
-                            refused.push(refuse(format!(
+                            refused.push(not_helpers(format!(
                                 "{} bytes, more than {MAX_RESUME_BYTES}",
                                 stamp.size
                             )));
                         }
                         Ok(Some((data, _))) => match parse(&data) {
                             Ok(Some(record)) => {
-                                if !skip.contains(&(g.name.clone(), record.notice_id.clone())) {
-                                    found.push(Found {
+                                if skip.contains(&(g.name.clone(), record.notice_id.clone())) {
+                                    continue;
+                                }
+                                let job = Job {
+                                    target_group: &g.name,
+                                    pod: g.pod.as_ref(),
+                                };
+                                let recorded = self.ledger.recorded(&job, &record.notice_id);
+                                match check(&record, recorded.as_ref(), now) {
+                                    Ok(()) => found.push(Found {
                                         target: g.name.clone(),
                                         pod: g.pod.clone(),
                                         record,
-                                    });
+                                    }),
+                                    Err(r) => refused.push(refuse(
+                                        r.label,
+                                        r.why.to_string(),
+                                        Some(record.notice_id),
+                                    )),
                                 }
                             }
                             Ok(None) => {}
-                            Err(e) => refused.push(refuse(e.to_string())),
+                            Err(e) => refused.push(not_helpers(e.to_string())),
                         },
-                        Err(e) => refused.push(refuse(e.to_string())),
+                        Err(e) => refused.push(not_helpers(e.to_string())),
                     }
                 }
             }
         }
         self.dirs.retain(|k, _| used.contains(k));
         (found, refused)
+    }
+}
+
+/// The (target, notice) keys of the recoveries reported, at most [`MAX_REPORTED`] (the oldest
+/// go first).
+#[derive(Debug, Default)]
+struct Reported {
+    keys: HashSet<Key>,
+    order: VecDeque<Key>,
+}
+
+impl Reported {
+    /// Add `key`: `false` when it was there already.
+    fn insert(&mut self, key: Key) -> bool {
+        if !self.keys.insert(key.clone()) {
+            return false;
+        }
+        self.order.push_back(key);
+        while self.order.len() > MAX_REPORTED {
+            if let Some(old) = self.order.pop_front() {
+                self.keys.remove(&old);
+            }
+        }
+        true
     }
 }
 
@@ -323,14 +563,28 @@ pub struct Sinks {
 /// which is for a notice, not for a report.
 pub type Ready = Arc<dyn Fn() -> bool + Send + Sync>;
 
-/// The recovery task: a pass every [`PASS_EVERY`] (while `ready`) until `cancel`.
+/// The recovery task: a pass every [`PASS_EVERY`] (while `ready`) until `cancel`; recoveries
+/// are checked against the agent's own goodput log ([`LogLedger`]).
 pub async fn run(
     discovery: Arc<dyn TargetDiscovery>,
     ready: Ready,
     sinks: Sinks,
     cancel: CancellationToken,
 ) {
-    let mut watch = Watch::start(sinks).await;
+    let ledger = log_ledger(sinks.goodput_log.clone());
+    run_with(discovery, ready, sinks, ledger, cancel).await
+}
+
+/// [`run`] with recoveries checked against `ledger`'s records (Kubernetes: a cluster-wide record
+/// of interruptions instead of this agent's own log).
+pub async fn run_with(
+    discovery: Arc<dyn TargetDiscovery>,
+    ready: Ready,
+    sinks: Sinks,
+    ledger: LedgerFactory,
+    cancel: CancellationToken,
+) {
+    let mut watch = Watch::with_ledger(sinks, ledger).await;
     loop {
         tokio::select! {
             _ = cancel.cancelled() => return,
@@ -342,41 +596,62 @@ pub async fn run(
     }
 }
 
-/// The recovery task's state: what was reported, the reader, the refused records seen.
+/// Makes the ledger a reader checks recoveries against (a new one after an abandoned pass).
+pub type LedgerFactory = Arc<dyn Fn() -> Box<dyn Ledger> + Send + Sync>;
+
+/// The factory of [`LogLedger`]s over the goodput log at `path`.
+pub fn log_ledger(path: Option<PathBuf>) -> LedgerFactory {
+    Arc::new(move || Box::new(LogLedger::new(path.clone())) as Box<dyn Ledger>)
+}
+
+/// The recovery task's state: what was reported, the reader, the refusals logged.
 pub struct Watch {
     sinks: Sinks,
-    reported: HashSet<Key>,
-    refused: HashSet<Refused>,
+    reported: Reported,
+    /// (target group, reason label, reason) of the refusals counted and logged.
+    refused: HashSet<(String, &'static str, String)>,
     reader: Option<Reader>,
+    ledger: LedgerFactory,
     busy: Arc<AtomicBool>,
 }
 
 impl Watch {
-    /// Read back what the goodput log says was reported (a log that cannot be read is counted,
-    /// and the task goes on from nothing).
+    /// [`Watch::with_ledger`] over the agent's own goodput log.
     pub async fn start(sinks: Sinks) -> Watch {
-        let reported = match sinks.goodput_log.clone() {
+        let ledger = log_ledger(sinks.goodput_log.clone());
+        Watch::with_ledger(sinks, ledger).await
+    }
+
+    /// Read back what the goodput log says was reported (a log that cannot be read is counted,
+    /// and the task goes on from nothing); recoveries are checked against `ledger`'s records.
+    pub async fn with_ledger(sinks: Sinks, ledger: LedgerFactory) -> Watch {
+        let logged = match sinks.goodput_log.clone() {
             Some(path) => tokio::task::spawn_blocking(move || reported_in_log(&path))
                 .await
                 .unwrap_or_else(|e| Err(Error::Resume(e.to_string()))),
             None => Ok(HashSet::new()),
         };
-        let reported = reported.unwrap_or_else(|e| {
+        let logged = logged.unwrap_or_else(|e| {
             sinks.metrics.error("goodput", "goodput_log");
             warn!(error = %e, "cannot read the goodput log back: recoveries already reported may be reported again");
             HashSet::new()
         });
+        let mut reported = Reported::default();
+        for key in logged {
+            reported.insert(key);
+        }
         Watch {
             sinks,
             reported,
             refused: HashSet::new(),
-            reader: Some(Reader::default()),
+            reader: Some(Reader::new(ledger())),
+            ledger,
             busy: Arc::new(AtomicBool::new(false)),
         }
     }
 
-    /// One pass: discovery, the reads (on a thread of their own), the reports. Within
-    /// [`PASS_BUDGET`]; a pass still reading from the last one makes this one a no-op.
+    /// One pass: discovery, the reads and checks (on a thread of their own), the reports.
+    /// Within [`PASS_BUDGET`]; a pass still reading from the last one makes this one a no-op.
     pub async fn pass(&mut self, discovery: &dyn TargetDiscovery) {
         if self.busy.load(Ordering::Acquire) {
             return;
@@ -395,7 +670,7 @@ impl Watch {
         let Some(mut reader) = self.reader.take() else {
             return;
         };
-        let skip = self.reported.clone();
+        let skip = self.reported.keys.clone();
         let busy = self.busy.clone();
         busy.store(true, Ordering::Release);
         let (tx, rx) = tokio::sync::oneshot::channel();
@@ -408,7 +683,7 @@ impl Watch {
             });
         if thread.is_err() {
             self.busy.store(false, Ordering::Release);
-            self.reader = Some(Reader::default());
+            self.reader = Some(Reader::new((self.ledger)()));
             return;
         }
         let (found, refused) = match tokio::time::timeout(PASS_BUDGET, rx).await {
@@ -420,20 +695,31 @@ impl Watch {
                 // Abandoned: the thread ends on its own (the next pass waits for it) and its
                 // open dirs go with it.
                 warn!("resume records: a pass took longer than its budget; abandoned");
-                self.reader = Some(Reader::default());
+                self.reader = Some(Reader::new((self.ledger)()));
                 return;
             }
         };
         for r in refused {
-            if self.refused.contains(&r) {
+            let key = (r.target.clone(), r.label, r.why.clone());
+            if self.refused.contains(&key) {
                 continue;
             }
-            self.sinks.metrics.error("goodput", "resume_record");
-            warn!(target = %r.target, file = %r.file, reason = %r.why, "ignoring a resume record that is not the helper's");
+            self.sinks.metrics.error("goodput", r.label);
+            if r.label == "resume_record" {
+                warn!(target_group = %r.target, file = %r.file, reason = %r.why, "ignoring a resume record that is not the helper's");
+            } else {
+                warn!(
+                    target_group = %r.target,
+                    file = %r.file,
+                    notice_id = r.notice_id.as_deref().unwrap_or("-"),
+                    reason = %r.why,
+                    "ignoring a recovery that no recorded interruption backs"
+                );
+            }
             if self.refused.len() >= MAX_REFUSED {
                 self.refused.clear();
             }
-            self.refused.insert(r);
+            self.refused.insert(key);
         }
         for f in found {
             let key = (f.target.clone(), f.record.notice_id.clone());
@@ -481,7 +767,7 @@ async fn report(sinks: &Sinks, f: &Found) {
     info!(
         notice_id = %r.notice_id,
         from_node = r.from_node.as_deref().unwrap_or("-"),
-        target = %r.target,
+        target_group = %r.target,
         step = r.step,
         recovery_seconds = r.recovery_seconds,
         restore_seconds = r.restore_seconds,
@@ -649,12 +935,44 @@ mod tests {
         dir.join(resume_file_name(std::process::id() as i32))
     }
 
+    /// The agent of the interrupted node recorded `notice` for `target` in `log`: signalled at
+    /// 1700000080, RECORD's save 10 s later.
+    fn recorded(log: &Path, notice: &str, target: &str) {
+        let t0 = Timestamp::from_second(1_700_000_080).unwrap();
+        super::super::report::append(
+            log,
+            &Interruption {
+                notice_id: notice.into(),
+                node: "spot-a".into(),
+                signalled_at: Some(t0),
+                done_at: t0 + Duration::from_secs(30),
+                targets: vec![super::super::record::TargetBadput {
+                    target: target.into(),
+                    outcome: "acked".into(),
+                    ..Default::default()
+                }],
+                ..Interruption::default()
+            },
+        )
+        .unwrap();
+    }
+
+    fn refusals(m: &Metrics, label: &str) -> u64 {
+        m.errors
+            .get_or_create(&ModuleErrorLabels {
+                module: "goodput".into(),
+                error: label.into(),
+            })
+            .get()
+    }
+
     #[tokio::test]
     async fn a_recovery_is_reported_once_even_across_a_restart() {
         let tmp = tempfile::tempdir().unwrap();
         let (dir, log) = (tmp.path().join("ckpt"), tmp.path().join("goodput.jsonl"));
         std::fs::create_dir(&dir).unwrap();
         std::fs::write(own_record(&dir), RECORD).unwrap();
+        recorded(&log, "aws-1", "cmdline:train");
         let d = discovery(&dir);
         let (s, _r) = sinks(&log);
         let mut w = Watch::start(s.clone()).await;
@@ -685,7 +1003,8 @@ mod tests {
         w2.pass(&d).await;
         assert_eq!(s2.metrics.recoveries.get(), 0);
         assert_eq!(log_recoveries(&log).len(), 1);
-        // Another notice for the same target is another recovery.
+        // Another recorded notice for the same target is another recovery.
+        recorded(&log, "aws-2", "cmdline:train");
         std::fs::write(own_record(&dir), RECORD.replace("aws-1", "aws-2")).unwrap();
         w2.pass(&d).await;
         assert_eq!(s2.metrics.recoveries.get(), 1);
@@ -759,6 +1078,9 @@ mod tests {
         let (dir, log) = (tmp.path().join("ckpt"), tmp.path().join("goodput.jsonl"));
         std::fs::create_dir(&dir).unwrap();
         std::fs::write(own_record(&dir), RECORD).unwrap();
+        // The interrupted pod was another of the namespace (no cluster-wide record plugged in:
+        // the agent's own log, by namespace).
+        recorded(&log, "aws-1", "ml/job-old");
         let mut d = discovery(&dir);
         d.0[0].name = "ml/job-0".into();
         d.0[0].pod = Some(PodRef {
@@ -794,6 +1116,7 @@ mod tests {
         let tmp = tempfile::tempdir().unwrap();
         let (dir, log) = (tmp.path().join("ckpt"), tmp.path().join("goodput.jsonl"));
         std::fs::create_dir(&dir).unwrap();
+        recorded(&log, "aws-1", "cmdline:train");
         let d = discovery(&dir);
         let (s, _r) = sinks(&log);
         let mut w = Watch::start(s.clone()).await;
@@ -821,6 +1144,7 @@ mod tests {
         let elsewhere = tmp.path().join("elsewhere.json");
         std::fs::write(&elsewhere, RECORD).unwrap();
         let path = own_record(&dir);
+        recorded(&log, "aws-1", "cmdline:train");
         let d = discovery(&dir);
         let (s, _r) = sinks(&log);
         let mut w = Watch::start(s.clone()).await;
@@ -897,5 +1221,159 @@ mod tests {
         std::fs::write(&path, RECORD).unwrap();
         w.pass(&d).await;
         assert_eq!(s.metrics.recoveries.get(), 1);
+    }
+
+    #[tokio::test]
+    async fn invented_notice_ids_report_nothing_and_are_logged_once() {
+        // The attack as run: the record rewritten with a fresh notice id every pass, saved in
+        // 2001, a restore of 9 999 999 s; and one with the real notice id but a save from
+        // before the signal.
+        let tmp = tempfile::tempdir().unwrap();
+        let (dir, log) = (tmp.path().join("ckpt"), tmp.path().join("goodput.jsonl"));
+        std::fs::create_dir(&dir).unwrap();
+        recorded(&log, "aws-1", "cmdline:train");
+        let before = std::fs::read(&log).unwrap();
+        let d = discovery(&dir);
+        let (s, _r) = sinks(&log);
+        let mut w = Watch::start(s.clone()).await;
+        for n in 0..20 {
+            let forged = RECORD
+                .replace("aws-1", &format!("forged-{n}"))
+                .replace("1700000090.0", "1000000001.0")
+                .replace(r#""restore_seconds":2.5"#, r#""restore_seconds":9999999"#);
+            std::fs::write(own_record(&dir), forged).unwrap();
+            w.pass(&d).await;
+        }
+        std::fs::write(
+            own_record(&dir),
+            RECORD.replace("1700000090.0", "1600000000.0"),
+        )
+        .unwrap();
+        w.pass(&d).await;
+        w.pass(&d).await;
+        assert_eq!(s.metrics.recoveries.get(), 0);
+        let infra = s
+            .metrics
+            .badput_seconds
+            .get_or_create(&CategoryLabels {
+                category: category::INFRASTRUCTURE_RECOVERY.into(),
+            })
+            .get();
+        assert_eq!(infra, 0.0);
+        // Counted once per target group and reason, not per record or pass.
+        assert_eq!(refusals(&s.metrics, NOT_RECORDED), 1);
+        assert_eq!(refusals(&s.metrics, INCONSISTENT), 1);
+        // Nothing written: a refused record never reaches the goodput log.
+        assert_eq!(std::fs::read(&log).unwrap(), before);
+        // The memory of reported recoveries did not grow either.
+        assert!(w.reported.keys.is_empty());
+        // The real record is still taken.
+        std::fs::write(own_record(&dir), RECORD).unwrap();
+        w.pass(&d).await;
+        assert_eq!(s.metrics.recoveries.get(), 1);
+    }
+
+    #[test]
+    fn a_recovery_must_fit_its_recorded_interruption() {
+        let r = parse(RECORD.as_bytes()).unwrap().unwrap();
+        let t0 = Timestamp::from_second(1_700_000_080).unwrap();
+        let rec = RecordedInterruption {
+            notice_id: "aws-1".into(),
+            node: "spot-a".into(),
+            signalled_at: t0,
+            done_at: t0 + Duration::from_secs(30),
+        };
+        let now = 1_700_000_200.0;
+        assert_eq!(check(&r, Some(&rec), now), Ok(()));
+        assert_eq!(check(&r, None, now).unwrap_err().label, NOT_RECORDED);
+        let with = |f: &dyn Fn(&mut Resumed)| {
+            let mut x = r.clone();
+            f(&mut x);
+            x
+        };
+        for (what, bad, at) in [
+            (
+                "saved before the signal",
+                with(&|x| x.saved_ts = 1_000_000_001.0),
+                now,
+            ),
+            (
+                "first step before the save",
+                with(&|x| x.first_step_ts = 1_700_000_085.0),
+                now,
+            ),
+            (
+                "restore longer than the recovery",
+                with(&|x| x.restore_seconds = Some(9_999_999.0)),
+                now,
+            ),
+            (
+                "first step in the future",
+                with(&|x| x.first_step_ts = now + 60.0),
+                now,
+            ),
+            ("save in the future", r.clone(), 1_700_000_050.0),
+        ] {
+            assert_eq!(
+                check(&bad, Some(&rec), at).unwrap_err().label,
+                INCONSISTENT,
+                "{what}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_reported_set_keeps_the_newest_keys_only() {
+        let mut r = Reported::default();
+        for n in 0..MAX_REPORTED + 100 {
+            assert!(r.insert(("t".into(), format!("n{n}"))));
+        }
+        assert_eq!((r.keys.len(), r.order.len()), (MAX_REPORTED, MAX_REPORTED));
+        assert!(!r.keys.contains(&("t".into(), "n0".into())));
+        assert!(!r.insert(("t".into(), format!("n{}", MAX_REPORTED + 99))));
+    }
+
+    #[test]
+    fn the_log_ledger_follows_the_log_and_matches_the_job() {
+        let tmp = tempfile::tempdir().unwrap();
+        let log = tmp.path().join("goodput.jsonl");
+        let mut l = LogLedger::new(Some(log.clone()));
+        l.refresh();
+        let host = Job {
+            target_group: "cmdline:train",
+            pod: None,
+        };
+        assert_eq!(l.recorded(&host, "aws-1"), None);
+        recorded(&log, "aws-1", "cmdline:train");
+        recorded(&log, "aws-2", "ml/job-old");
+        l.refresh();
+        assert_eq!(l.recorded(&host, "aws-1").unwrap().node, "spot-a");
+        // Another job's interruption is not this one's.
+        let other = Job {
+            target_group: "cmdline:other",
+            pod: None,
+        };
+        assert_eq!(l.recorded(&other, "aws-1"), None);
+        assert_eq!(l.recorded(&host, "aws-2"), None);
+        let pod = PodRef {
+            namespace: "ml".into(),
+            name: "job-new".into(),
+            uid: "u".into(),
+        };
+        let in_ml = Job {
+            target_group: "ml/job-new",
+            pod: Some(&pod),
+        };
+        assert!(l.recorded(&in_ml, "aws-2").is_some());
+        assert_eq!(l.recorded(&in_ml, "aws-1"), None);
+        let elsewhere = PodRef {
+            namespace: "other".into(),
+            ..pod.clone()
+        };
+        let other_ns = Job {
+            target_group: "other/job-new",
+            pod: Some(&elsewhere),
+        };
+        assert_eq!(l.recorded(&other_ns, "aws-2"), None);
     }
 }

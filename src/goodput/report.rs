@@ -5,7 +5,7 @@
 //! * A host's goodput log (`<state-dir>/goodput.jsonl`, or several `--log` files: one line per
 //!   interruption, appended by the agent as each plan ends, and `{"recovery": …}` lines from the
 //!   agent of the host a job resumed on). Paid time is the report's window (`--since` →
-//!   `--until`; by default the first interruption's detection → now) times the targets seen in
+//!   `--until`; by default the earliest row shown → now) times the targets seen in
 //!   it: each target holds its accelerators for the whole window.
 //! * A Kubernetes owner's Events ([`super::kube_report`]): paid time is the owner's start → end.
 //!
@@ -13,7 +13,7 @@
 //! progress − infrastructure recovery − checkpoint restore; goodput % = productive / paid.
 //! Start-up before the first step and the time after the last step are not charged.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::io::{BufRead, Write};
 use std::path::{Path, PathBuf};
 
@@ -54,7 +54,7 @@ pub struct GoodputArgs {
     /// recoveries on one host join interruptions on another by notice id).
     #[arg(long = "log", value_name = "FILE", conflicts_with = "namespace")]
     pub logs: Vec<PathBuf>,
-    /// Start of the window (RFC 3339; log source); default: the first interruption's detection.
+    /// Start of the window (RFC 3339; log source); default: the earliest row the report shows.
     #[arg(long, value_name = "TIME", conflicts_with = "namespace")]
     pub since: Option<Timestamp>,
     /// End of the window (RFC 3339; log source); default: now.
@@ -81,9 +81,7 @@ pub fn append_line(path: &Path, line: &LogLine) -> Result<(), Error> {
         source,
     };
     if std::fs::metadata(path).is_ok_and(|m| m.len() > MAX_LOG_BYTES) {
-        let mut old = path.as_os_str().to_owned();
-        old.push(".1");
-        std::fs::rename(path, old).map_err(err)?;
+        rotate(path).map_err(err)?;
     }
     let mut text = serde_json::to_vec(line).map_err(|e| err(e.into()))?;
     text.push(b'\n');
@@ -93,6 +91,53 @@ pub fn append_line(path: &Path, line: &LogLine) -> Result<(), Error> {
         .open(path)
         .map_err(err)?;
     f.write_all(&text).map_err(err)
+}
+
+/// Move the log at `path` to `<path>.1`, dropping the previous `<path>.1` but for its
+/// interruptions: they lead the new `<path>.1` (the newest of them, up to half of
+/// [`MAX_LOG_BYTES`]), so that a run of recoveries never rotates the interruptions they are
+/// checked against out of the log. `<path>.1` is replaced atomically; `path` starts afresh.
+fn rotate(path: &Path) -> std::io::Result<()> {
+    let mut old = path.as_os_str().to_owned();
+    old.push(".1");
+    let old = PathBuf::from(old);
+    let mut kept: Vec<Vec<u8>> = Vec::new();
+    match std::fs::File::open(&old) {
+        Ok(f) => {
+            for line in std::io::BufReader::new(f).split(b'\n') {
+                let line = line?;
+                if line.len() <= MAX_LINE_BYTES
+                    && matches!(
+                        serde_json::from_slice::<LogLine>(&line),
+                        Ok(LogLine::Interruption(_))
+                    )
+                {
+                    kept.push(line);
+                }
+            }
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    let mut budget = (MAX_LOG_BYTES / 2) as usize;
+    let start = kept
+        .iter()
+        .rposition(|l| match budget.checked_sub(l.len() + 1) {
+            Some(left) => {
+                budget = left;
+                false
+            }
+            None => true,
+        })
+        .map_or(0, |k| k + 1);
+    let mut data = Vec::new();
+    for line in &kept[start..] {
+        data.extend_from_slice(line);
+        data.push(b'\n');
+    }
+    data.extend_from_slice(&std::fs::read(path)?);
+    crate::fsutil::write_atomic_with(&old, &data, 0o644, crate::fsutil::Durability::File)?;
+    std::fs::remove_file(path)
 }
 
 /// What a goodput log holds: its interruptions (oldest first), its recoveries, and the number of
@@ -237,61 +282,89 @@ fn max(v: impl Iterator<Item = Option<f64>>) -> Option<f64> {
     v.flatten().reduce(f64::max)
 }
 
+/// Whether `r`'s figures can be summed: durations within bounds, the first step not before the
+/// save, the restore within the recovery. A record read from an Event or a log line is anyone's
+/// text until checked.
+pub fn sane_recovery(r: &Recovery) -> bool {
+    let slack = super::recovery::CLOCK_SLACK;
+    let gap = r.first_step_at.duration_since(r.saved_at).as_secs_f64();
+    super::record::sane_seconds(r.recovery_seconds)
+        && r.restore_seconds
+            .is_none_or(|s| super::record::sane_seconds(s) && s <= r.recovery_seconds + slack)
+        && gap >= -slack
+        && (gap.max(0.0) - r.recovery_seconds).abs() <= slack
+}
+
 /// Join badput records and recoveries by notice id: one [`Row`] per interruption, oldest first.
 /// Records of one notice for several targets (one Event per pod) merge (a target seen twice
 /// counts once); a recovery reported twice (same target and notice) counts once; a recovery
 /// whose interruption has no record here gets a row of its own; an interruption without a
-/// recovery has none in its row.
+/// recovery has none in its row. Records whose figures cannot be summed
+/// ([`Interruption::insane`], [`sane_recovery`]) and recoveries saved before their
+/// interruption's signal are left out. Linear in the records (hash maps, no search).
 pub fn join(badput: Vec<Interruption>, recoveries: Vec<Recovery>) -> Vec<Row> {
-    let mut merged: Vec<Interruption> = Vec::new();
-    for i in badput {
-        match merged.iter_mut().find(|m| m.notice_id == i.notice_id) {
-            Some(m) => {
+    let mut merged: Vec<(Interruption, HashSet<String>)> = Vec::new();
+    let mut by_id: HashMap<String, usize> = HashMap::new();
+    for mut i in badput {
+        if i.insane().is_some() {
+            continue;
+        }
+        match by_id.get(&i.notice_id) {
+            Some(&k) => {
+                let (m, seen) = &mut merged[k];
                 for t in i.targets {
-                    if !m.targets.iter().any(|k| k.target == t.target) {
+                    if seen.insert(t.target.clone()) {
                         m.targets.push(t);
                     }
                 }
             }
             None => {
-                let mut i = i;
-                let mut seen = BTreeSet::new();
+                let mut seen = HashSet::new();
                 i.targets.retain(|t| seen.insert(t.target.clone()));
-                merged.push(i);
+                by_id.insert(i.notice_id.clone(), merged.len());
+                merged.push((i, seen));
             }
         }
     }
-    let mut recs: Vec<Recovery> = Vec::new();
+    // The recoveries of each notice, in the order the notices first appear.
+    let mut groups: Vec<Vec<Recovery>> = Vec::new();
+    let mut group_of: HashMap<String, usize> = HashMap::new();
+    let mut once: HashSet<(String, String)> = HashSet::new();
+    let slack = super::recovery::CLOCK_SLACK;
     for r in recoveries {
-        if !recs
-            .iter()
-            .any(|k| k.notice_id == r.notice_id && k.target == r.target)
-        {
-            recs.push(r);
+        if !sane_recovery(&r) {
+            continue;
         }
+        if let Some(&k) = by_id.get(&r.notice_id) {
+            let i = &merged[k].0;
+            let signalled = i.signalled_at.or(i.seen_at).unwrap_or(i.done_at);
+            if signalled.duration_since(r.saved_at).as_secs_f64() > slack {
+                continue;
+            }
+        }
+        if !once.insert((r.notice_id.clone(), r.target.clone())) {
+            continue;
+        }
+        let k = *group_of.entry(r.notice_id.clone()).or_insert_with(|| {
+            groups.push(Vec::new());
+            groups.len() - 1
+        });
+        groups[k].push(r);
     }
-    let mut rows: Vec<Row> = merged
-        .into_iter()
-        .map(|i| {
-            let mine: Vec<Recovery> = recs
-                .iter()
-                .filter(|r| r.notice_id == i.notice_id)
-                .cloned()
-                .collect();
-            row(Some(i), mine)
-        })
-        .collect();
-    let mut orphans: Vec<Recovery> = recs
-        .into_iter()
-        .filter(|r| !rows.iter().any(|row| row.notice_id == r.notice_id))
-        .collect();
-    while let Some(first) = orphans.first() {
-        let id = first.notice_id.clone();
-        let (mine, rest): (Vec<Recovery>, Vec<Recovery>) =
-            orphans.into_iter().partition(|r| r.notice_id == id);
-        orphans = rest;
-        rows.push(row(None, mine));
+    let mut rows: Vec<Row> = Vec::with_capacity(merged.len() + groups.len());
+    for (i, _) in merged {
+        let mine = group_of
+            .remove(&i.notice_id)
+            .map(|k| std::mem::take(&mut groups[k]))
+            .unwrap_or_default();
+        rows.push(row(Some(i), mine));
     }
+    rows.extend(
+        groups
+            .into_iter()
+            .filter(|g| !g.is_empty())
+            .map(|g| row(None, g)),
+    );
     rows.sort_by_key(|r| r.at);
     rows
 }
@@ -333,7 +406,7 @@ fn row(i: Option<Interruption>, recoveries: Vec<Recovery>) -> Row {
         steps_lost: targets
             .iter()
             .filter_map(|t| t.wasted_steps)
-            .reduce(|a, b| a + b),
+            .reduce(u64::saturating_add),
         drain_margin_seconds: i.as_ref().and_then(Interruption::drain_margin_seconds),
         recovered_on: on,
         recovery_seconds: sum(recoveries.iter().map(|r| Some(r.infrastructure_seconds()))),
@@ -423,7 +496,10 @@ pub fn summarize(
             } else {
                 100.0
             },
-            steps_lost: rows.iter().filter_map(|r| r.steps_lost).sum(),
+            steps_lost: rows
+                .iter()
+                .filter_map(|r| r.steps_lost)
+                .fold(0, u64::saturating_add),
             interruptions: rows.iter().filter(|r| r.interruption.is_some()).count(),
             recoveries: rows.iter().map(|r| r.recoveries.len()).sum(),
         },
@@ -432,8 +508,10 @@ pub fn summarize(
     }
 }
 
-/// The report of a host log over `[since, until]` (defaults: the first interruption's
-/// detection, `now`): interruptions that ended in it, recoveries whose first step was in it.
+/// The report of a host log over `[since, until]`: interruptions that ended in it, recoveries
+/// whose first step was in it. `until` defaults to `now`; `since` to the earliest row the report
+/// shows (a record that no row shows cannot widen the window). Records whose figures cannot be
+/// summed are counted as skipped.
 pub fn compute(
     logged: Logged,
     since: Option<Timestamp>,
@@ -441,23 +519,29 @@ pub fn compute(
     now: Timestamp,
 ) -> Report {
     let until = until.unwrap_or(now);
-    let first = logged
-        .interruptions
-        .iter()
-        .map(|i| i.seen_at.unwrap_or(i.done_at))
-        .chain(logged.recoveries.iter().map(|r| r.saved_at))
-        .min();
-    let since = since.or(first).unwrap_or(until);
-    let inside = |t: Timestamp| t >= since && t <= until;
+    let inside = |t: Timestamp| since.is_none_or(|s| t >= s) && t <= until;
+    let mut skipped = logged.skipped;
     let badput: Vec<Interruption> = logged
         .interruptions
         .into_iter()
         .filter(|i| inside(i.done_at))
+        .filter(|i| {
+            i.insane().is_none() || {
+                skipped += 1;
+                false
+            }
+        })
         .collect();
     let recoveries: Vec<Recovery> = logged
         .recoveries
         .into_iter()
         .filter(|r| inside(r.first_step_at))
+        .filter(|r| {
+            sane_recovery(r) || {
+                skipped += 1;
+                false
+            }
+        })
         .collect();
     let mut names: Vec<&str> = badput
         .iter()
@@ -466,13 +550,11 @@ pub fn compute(
     names.sort_unstable();
     names.dedup();
     let paid_targets = names.len();
-    summarize(
-        join(badput, recoveries),
-        since,
-        until,
-        paid_targets,
-        logged.skipped,
-    )
+    let rows = join(badput, recoveries);
+    let since = since
+        .or_else(|| rows.iter().map(|r| r.at).min())
+        .unwrap_or(until);
+    summarize(rows, since, until, paid_targets, skipped)
 }
 
 fn opt(v: Option<f64>) -> String {
@@ -916,5 +998,116 @@ mod tests {
         );
         assert_eq!(j["totals"]["recoveries"], 1);
         assert!(j.get("owner").is_none());
+    }
+
+    #[test]
+    fn wrapped_negative_and_forged_figures_are_skipped_never_summed() {
+        // The attack as run: one record of 2^64-400 wasted steps and -20 wasted seconds beside
+        // a real record of 400 lost steps; one of 10^9 s; a recovery naming the real notice
+        // with a save from 2001 (before its signal) and one whose restore exceeds its recovery.
+        let real = interruption(0, 10.0, (400, 200.0));
+        let mut wrapped = interruption(10, 0.0, (0, 0.0));
+        wrapped.targets[0].wasted_steps = Some(u64::MAX - 399);
+        wrapped.targets[0].wasted_seconds = Some(-20.0);
+        let mut huge = interruption(20, 1_000_000_000.0, (0, 0.0));
+        huge.targets[0].target = "victim".into();
+        let mut forged = recovery("n0", "trainer", 0, 5.0, None);
+        forged.saved_at = Timestamp::from_second(1_000_000_001).unwrap();
+        forged.first_step_at = at(60);
+        forged.recovery_seconds = at(60).duration_since(forged.saved_at).as_secs_f64();
+        let mut restore = recovery("n0", "trainer-3", 70, 9.0, Some(9_999_999.0));
+        restore.target = "trainer-3".into();
+        let r = compute(
+            Logged {
+                interruptions: vec![real, wrapped, huge],
+                recoveries: vec![forged, restore],
+                skipped: 0,
+            },
+            Some(at(-100)),
+            Some(at(1000)),
+            at(1000),
+        );
+        let t = &r.totals;
+        assert_eq!((t.interruptions, t.recoveries, t.steps_lost), (1, 0, 400));
+        // The forged recovery: 7e8 s away is past any recovery too.
+        assert_eq!(
+            r.skipped, 4,
+            "the wrapped, the huge, the forged, the restore: {r:#?}"
+        );
+        assert_eq!(
+            t.badput_seconds.iter().map(|(_, s)| *s).collect::<Vec<_>>(),
+            vec![10.0, 200.0, 0.0, 0.0]
+        );
+        // Sums never wrap even where records are summed as they come (an Event's).
+        let mut a = interruption(0, 1.0, (u64::MAX / 2 + 1, 1.0));
+        a.targets.push(TargetBadput {
+            target: "other".into(),
+            wasted_steps: Some(u64::MAX / 2 + 1),
+            ..TargetBadput::default()
+        });
+        assert_eq!(a.steps_lost(), u64::MAX);
+    }
+
+    #[test]
+    fn the_default_window_starts_at_what_the_report_shows() {
+        // A recovery of the real notice saved in 2001 (a forged one from a log written before
+        // recoveries were checked): not charged, and the window does not move to 2001.
+        let mut forged = recovery("n100", "trainer", 0, 5.0, None);
+        forged.saved_at = Timestamp::from_second(1_000_000_001).unwrap();
+        forged.first_step_at = at(200);
+        forged.recovery_seconds = at(200).duration_since(forged.saved_at).as_secs_f64();
+        let r = compute(
+            Logged {
+                interruptions: vec![interruption(100, 10.0, (0, 0.0))],
+                recoveries: vec![forged],
+                skipped: 0,
+            },
+            None,
+            None,
+            at(1100),
+        );
+        assert_eq!(r.totals.since, at(100));
+        assert_eq!(r.totals.paid_seconds, 1000.0);
+        assert!((r.totals.goodput_percent - 99.0).abs() < 1e-9);
+        assert_eq!(r.totals.recoveries, 0);
+    }
+
+    #[test]
+    fn rotation_keeps_the_interruptions_of_the_file_it_drops() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(LOG_FILE);
+        append(&path, &interruption(0, 10.0, (0, 0.0))).unwrap();
+        let line = LogLine::Recovery {
+            recovery: recovery("n0", "trainer", 60, 9.0, None),
+        };
+        // A full file of recovery lines, twice: two rotations, the first interruption's file
+        // dropped by the second.
+        let mut full = serde_json::to_vec(&line).unwrap();
+        full.push(b'\n');
+        let full = full.repeat((MAX_LOG_BYTES as usize / full.len()) + 1);
+        for _ in 0..2 {
+            std::fs::OpenOptions::new()
+                .append(true)
+                .open(&path)
+                .unwrap()
+                .write_all(&full)
+                .unwrap();
+            append_line(&path, &line).unwrap();
+        }
+        append(&path, &interruption(500, 5.0, (0, 0.0))).unwrap();
+        let logged = load_all(&path).unwrap();
+        assert_eq!(
+            logged
+                .interruptions
+                .iter()
+                .map(|i| i.notice_id.as_str())
+                .collect::<Vec<_>>(),
+            vec!["n0", "n500"]
+        );
+        let mut old = path.as_os_str().to_owned();
+        old.push(".1");
+        for p in [PathBuf::from(old), path.clone()] {
+            assert!(std::fs::metadata(&p).unwrap().len() <= MAX_LOG_BYTES + 4096);
+        }
     }
 }

@@ -57,6 +57,7 @@ import json
 import operator
 import os
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -559,10 +560,61 @@ def _write_sidecar(step: int, where: Optional[str]) -> None:
             "saved_ts": time.time(),
         }
         path = sidecar_path(where)
-        path.parent.mkdir(exist_ok=True)
+        try:
+            os.mkdir(path.parent, 0o755)
+        except FileExistsError:
+            pass
+        if not _own_sidecar_dir(os.fspath(path.parent)):
+            _warn_stderr(f"not writing the interruption sidecar for {where}: {path.parent} is not "
+                         "this user's own directory (another user's, or writable by others)")
+            return
         _write_atomic(path, json.dumps(body, separators=(",", ":")).encode())
     except (OSError, ValueError, TypeError) as err:
         _warn_stderr(f"cannot write the checkpoint's interruption sidecar for {where}: {err}")
+
+
+def _trusted_dir_stat(st: os.stat_result) -> bool:
+    """A sidecar directory this process may trust: a directory of its own user that neither its
+    group nor others can write (in a shared 1777 checkpoint directory another user could have
+    created ``.spotguard`` first, or put a sidecar in it)."""
+    return (stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid()
+            and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH))
+
+
+def _own_sidecar_dir(path: str) -> bool:
+    try:
+        return _trusted_dir_stat(os.lstat(path))
+    except OSError:
+        return False
+
+
+def _read_own_sidecar(path: Path) -> Optional[bytes]:
+    """A sidecar's bytes, only from this process's own user in a directory of its own
+    (:func:`_trusted_dir_stat`): the directory opened without following a symlink, the file
+    inside it likewise, a regular file owned by this user, at most :data:`MAX_SIDECAR_BYTES`.
+    None otherwise."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        dfd = os.open(os.fspath(path.parent), flags | os.O_DIRECTORY)
+    except OSError:
+        return None
+    try:
+        if not _trusted_dir_stat(os.fstat(dfd)):
+            return None
+        fd = os.open(path.name, flags | os.O_NONBLOCK, dir_fd=dfd)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_nlink != 1:
+                return None
+            with os.fdopen(fd, "rb", closefd=False) as f:
+                data = f.read(MAX_SIDECAR_BYTES + 1)
+            return data if len(data) <= MAX_SIDECAR_BYTES else None
+        finally:
+            os.close(fd)
+    except OSError:
+        return None
+    finally:
+        os.close(dfd)
 
 
 def _sane_time(t: Any) -> bool:
@@ -595,7 +647,7 @@ def _interruption_of(checkpoint: Any, step: int) -> Optional[Dict[str, Any]]:
     """The interruption a loaded checkpoint was saved at: from a staged checkpoint's manifest, or
     from a local checkpoint's sidecar (read without following a symlink, at most
     :data:`MAX_SIDECAR_BYTES`). None for anything else; never raises."""
-    from .staged import LatestCheckpoint, _read_capped
+    from .staged import LatestCheckpoint
 
     try:
         if isinstance(checkpoint, LatestCheckpoint):
@@ -603,7 +655,7 @@ def _interruption_of(checkpoint: Any, step: int) -> Optional[Dict[str, Any]]:
         where = os.fspath(checkpoint)
         if where.startswith(_SCHEMES):
             return None
-        _, data = _read_capped(os.fspath(sidecar_path(where)), MAX_SIDECAR_BYTES)
+        data = _read_own_sidecar(sidecar_path(where))
         if data is None:
             return None
         return _valid_interruption(json.loads(data.decode("utf-8")), step)

@@ -242,3 +242,67 @@ print(spotguard.resumed(3).read_text())
     rec = json.loads(out)
     assert set(rec) == {"step", "ts", "rank", "world_size", "last_step", "last_ts"}
     assert rec["step"] == 3
+
+
+# Another local user (uid 1001) plants files as `setpriv` runs it; the test itself runs as root.
+PLANTER = """
+import json, os, sys
+store, body = sys.argv[1], json.loads(sys.argv[2])
+d = os.path.join(store, ".spotguard")
+os.makedirs(d, exist_ok=True)
+os.chmod(d, 0o777)
+for step in range(1, 1000):
+    with open(os.path.join(d, f"step-{step}.json"), "w") as f:
+        f.write(json.dumps(dict(body, step=step)))
+"""
+
+
+def _as_uid(uid: int, script: str, *args: str) -> None:
+    import subprocess
+    import sys
+
+    subprocess.run(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
+                    sys.executable, "-c", script, *args], check=True, timeout=30)
+
+
+def test_a_sidecar_planted_by_another_user_is_not_taken(guard_dir: Path, spawn) -> None:
+    """The attack as run: in a shared 1777 checkpoint dir uid 1001 created
+    `.spotguard/<name>.json` first, with a forged interruption; the victim saves its checkpoint
+    there after a real notice and resumes from it. The forged interruption is not taken, and the
+    victim's own sidecar is not written into the other user's directory."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(dir="/tmp") as top:
+        os.chmod(top, 0o755)
+        store = Path(top) / "shared"
+        store.mkdir()
+        os.chmod(store, 0o1777)
+        forged = {"v": 1, "notice_id": "forged-1", "node": "spot-x", "kind": "interruption",
+                  "source": "aws", "step": 20, "signal_ts": 1000000000.0,
+                  "saved_ts": 1000000001.0}
+        # First: the other user's directory, a forged sidecar for every step the victim may save.
+        _as_uid(1001, PLANTER, str(store), json.dumps(forged))
+        saved = _save_after_notice(guard_dir / "a", store, spawn)
+        assert 20 <= saved["step"] < 1000
+        # The victim did not write into the other user's directory (it warned instead).
+        assert read_json(spotguard.sidecar_path(saved["dir"]))["notice_id"] == "forged-1"
+        got = _resume(guard_dir / "b", spawn, saved["step"], saved["dir"])
+        assert "interruption" not in got["after"], got["after"]
+        # The control: the same forged body in the victim's own directory is taken (the check is
+        # the owner, not the content).
+        own = Path(top) / "own"
+        own.mkdir()
+        (own / "step-20").mkdir()
+        (own / ".spotguard").mkdir(mode=0o755)
+        spotguard.sidecar_path(own / "step-20").write_text(json.dumps(forged))
+        got = _resume(guard_dir / "c", spawn, 20, own / "step-20", name="control.py")
+        assert got["after"]["interruption"]["notice_id"] == "forged-1"
+        # The victim's own directory made writable by others, or the sidecar another user's:
+        # not taken either.
+        os.chmod(own / ".spotguard", 0o775)
+        got = _resume(guard_dir / "d", spawn, 20, own / "step-20", name="group.py")
+        assert "interruption" not in got["after"]
+        os.chmod(own / ".spotguard", 0o755)
+        os.chown(spotguard.sidecar_path(own / "step-20"), 1001, 1001)
+        got = _resume(guard_dir / "e", spawn, 20, own / "step-20", name="owner.py")
+        assert "interruption" not in got["after"]
