@@ -330,7 +330,8 @@ async fn node_and_discovery(
                     cfg.args.dry_run,
                     metrics.clone(),
                 )
-                .with_gpu_condition_types(cfg.gpu.conditions.clone()),
+                .with_gpu_condition_types(cfg.gpu.conditions.clone())
+                .with_record_ttl(cfg.args.goodput_record_ttl),
             );
             let discovery = Arc::new(kube_discovery::KubeDiscovery::new(
                 client,

@@ -29,6 +29,7 @@ use k8s_openapi::api::core::v1::{
     ResourceQuota, Service, ServiceAccount,
 };
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::api::{Api, PostParams};
 use serde::de::DeserializeOwned;
@@ -293,6 +294,7 @@ fn check_object(obj: &Value) -> Result<(), String> {
         "ValidatingAdmissionPolicyBinding" => {
             strict::<ValidatingAdmissionPolicyBinding>(obj).map(drop)
         }
+        "CustomResourceDefinition" => strict::<CustomResourceDefinition>(obj).map(drop),
         k if CRD_KINDS.contains(&k) => Ok(()),
         other => Err(format!(
             "kind {other:?} has no strict check: add it to check_object"
@@ -448,6 +450,8 @@ async fn kustomize_base_renders_the_whole_install() {
         "ResourceQuota/spotguard-critical-pods",
         "ClusterRole/spotguard",
         "ClusterRoleBinding/spotguard",
+        "ClusterRole/spotguard-interruptions-view",
+        "CustomResourceDefinition/interruptions.spotguard.io",
         "ValidatingAdmissionPolicy/spotguard-own-node",
         "ValidatingAdmissionPolicyBinding/spotguard-own-node",
         "DaemonSet/spotguard",
@@ -576,6 +580,10 @@ fn least_privilege() -> BTreeSet<Rule> {
         ("", "events", "patch"),
         ("events.k8s.io", "events", "create"),
         ("events.k8s.io", "events", "patch"),
+        ("spotguard.io", "interruptions", "create"),
+        ("spotguard.io", "interruptions", "get"),
+        ("spotguard.io", "interruptions", "list"),
+        ("spotguard.io", "interruptions", "delete"),
     ]
     .into_iter()
     .map(|(g, r, v)| (g.to_string(), r.to_string(), v.to_string()))
