@@ -190,8 +190,13 @@ pub async fn records(
 }
 
 /// [`report::join`] in linear time: the records grouped by notice id, each group joined on its
-/// own, the rows oldest first.
-pub fn join(badput: Vec<Interruption>, recoveries: Vec<Recovery>) -> Vec<Row> {
+/// own, the rows oldest first. The API lists objects by name (a hash): the records are put in
+/// time order, then target order, first, so that a row's targets read the same every time.
+pub fn join(mut badput: Vec<Interruption>, recoveries: Vec<Recovery>) -> Vec<Row> {
+    badput.sort_by(|a, b| {
+        let key = |i: &Interruption| (i.done_at, i.targets.first().map(|t| t.target.clone()));
+        key(a).cmp(&key(b))
+    });
     let mut groups: HashMap<String, (Vec<Interruption>, Vec<Recovery>)> = HashMap::new();
     let mut order: Vec<String> = Vec::new();
     for i in badput {
