@@ -857,3 +857,69 @@ async fn an_agent_writes_only_its_own_nodes_records() {
     );
     assert_eq!(ledger(&k, &ns).await.len(), 1);
 }
+
+/// A bare pod's records expire: they carry `spec.expiresAt` (the agent's record TTL) and no
+/// owner, and the agent of their node deletes them once expired (when it writes a record), never
+/// another node's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bare_pods_records_expire_and_their_agent_deletes_them() {
+    let k = cluster().await;
+    let ns = k.namespace("gp-bare").await;
+    let pod = k
+        .create_pod(
+            &TestPod::new(&ns, "bare", &k.name("nowhere"))
+                .orphan()
+                .build(),
+        )
+        .await;
+    let metrics = || Arc::new(Metrics::register(&mut Registry::default()));
+    let node = k.name("gp-node");
+    // Written with a millisecond to live: expired by the next write (which comes after the
+    // API server answered this one).
+    let short = KubeNodeOps::new(k.agent_client(), node.clone(), None, false, metrics())
+        .with_record_ttl(Duration::from_millis(1));
+    let target = target_of(&pod);
+    post(
+        &short,
+        &pod,
+        REASONS[0],
+        &badput("old", &node, &target, 1.0, (0, 0.0)),
+    )
+    .await;
+    let records = ledger(&k, &ns).await;
+    let [old] = records.as_slice() else {
+        panic!("one record expected: {records:#?}")
+    };
+    assert!(old.metadata.owner_references.is_none());
+    assert!(!old.data["spec"]["expiresAt"].is_null(), "{old:#?}");
+    // Another node's expired record, which this agent must leave.
+    let other_node = k.name("gp-other");
+    let spec = spotguard::node::kube::ledger::spec_for(
+        &badput("theirs", &other_node, &target, 1.0, (0, 0.0)).to_annotation(),
+        &other_node,
+        &pod_ref(&pod),
+    )
+    .unwrap();
+    let theirs =
+        spotguard::node::kube::ledger::object(spec, &ns, None, Timestamp::now(), Duration::ZERO);
+    Api::<DynamicObject>::namespaced_with(k.admin(), &ns, &api_resource())
+        .create(&PostParams::default(), &theirs)
+        .await
+        .unwrap();
+    // The agent (restarted: its first write looks for expired records) writes a new one.
+    let agent = agent_ops(&k);
+    post(
+        &agent,
+        &pod,
+        REASONS[0],
+        &badput("new", &node, &target, 1.0, (0, 0.0)),
+    )
+    .await;
+    let mut left: Vec<String> = ledger(&k, &ns)
+        .await
+        .iter()
+        .map(|o| o.data["spec"]["noticeId"].as_str().unwrap().to_string())
+        .collect();
+    left.sort();
+    assert_eq!(left, ["new", "theirs"]);
+}

@@ -216,7 +216,9 @@ impl KubeNodeOps {
     ) -> Result<(), Error> {
         let Some(spec) = spec_for(record, &self.node_name, pod) else {
             tracing::warn!(pod = %format!("{}/{}", pod.namespace, pod.name), "a goodput record that does not fit the ledger's schema was not written");
-            self.metrics.action("record", false);
+            if !self.dry_run {
+                self.metrics.action("record", false);
+            }
             return Ok(());
         };
         if self.dry_run {

@@ -18,7 +18,8 @@
 //!
 //! Files: this one holds [`KubeNodeOps`] and the plan state, protection and drain parts of
 //! [`NodeOps`]; `api` the bounded API call and the node's reads and resourceVersion-guarded writes
-//! (retries through [`crate::backoff`]); `events` the Events and their series; `conditions` the
+//! (retries through [`crate::backoff`]); `events` the Events and their series; `ledger` the goodput
+//! records (`Interruption` objects) written beside the goodput Events; `conditions` the
 //! GPU conditions and taint; `drain` the deadline-bounded drain through the Eviction API.
 
 mod api;
