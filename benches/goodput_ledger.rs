@@ -117,6 +117,8 @@ struct Sample {
 
 /// One `spotguard goodput --json` run: its wall time, peak RSS (`wait4`'s, of that process
 /// alone) and rows.
+// The child is reaped by `wait4` (for its rusage), which clippy does not see.
+#[allow(clippy::zombie_processes)]
 fn report(k: &TestCluster, ns: &str) -> Sample {
     use std::io::Read;
     let started = Instant::now();

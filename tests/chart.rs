@@ -567,6 +567,7 @@ async fn helm_package_gives_the_archive_the_release_pushes() {
                     "values.schema.json",
                     "files/grafana-dashboard.json",
                     "files/prometheusrule.yaml",
+                    "crds/interruptions.spotguard.io.yaml",
                 ]
                 .map(String::from),
             )
