@@ -255,6 +255,8 @@ fn lost_fields(path: &str, original: &Value, back: &Value, out: &mut Vec<String>
         _ if original == back => {}
         // Quantities and int-or-strings written as bare numbers come back as strings.
         (Value::Number(n), Value::String(s)) if n.to_string() == *s => {}
+        // Numbers typed as floats (a CRD schema's minimum / maximum) come back with a fraction.
+        (Value::Number(a), Value::Number(b)) if a.as_f64() == b.as_f64() => {}
         _ => out.push(format!("{path} ({original} became {back})")),
     }
 }
