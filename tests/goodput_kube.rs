@@ -635,6 +635,43 @@ async fn a_jobs_interruptions_outlive_their_events_and_its_gone_pod_still_report
     };
     check(&goodput(&k, &["--namespace", &ns, "--job", "day"]), "--job");
 
+    // What `kubectl get interruptions` shows (the CRD's printer columns): one row per record.
+    let kubectl = spotguard_testkit::k8s::tools::find_on_path("kubectl")
+        .expect("kubectl (scripts/deps/kubectl.sh)");
+    let home = tempfile::tempdir().unwrap();
+    std::fs::copy(&k.cp.admin_kubeconfig, home.path().join("config")).unwrap();
+    let ran = spotguard_testkit::k8s::tools::run_tool(
+        &kubectl,
+        &["get", "interruptions", "-n", &ns],
+        None,
+        home.path(),
+        WAIT,
+    )
+    .await;
+    assert!(ran.ok, "kubectl get interruptions: {}", ran.stderr);
+    eprintln!("{}", ran.stdout);
+    let mut lines = ran.stdout.lines();
+    let header: Vec<&str> = lines
+        .next()
+        .unwrap_or_default()
+        .split_whitespace()
+        .collect();
+    assert_eq!(
+        header,
+        [
+            "NAME",
+            "TYPE",
+            "NODE",
+            "TARGET",
+            "OUTCOME",
+            "SAVE_S",
+            "STEPS_LOST",
+            "RECOVERY_S",
+            "AGE"
+        ]
+    );
+    assert_eq!(lines.count(), 6, "{}", ran.stdout);
+
     // The pod is gone (evicted, deleted): its records still report, over their own span.
     let pod_name = pod.metadata.name.clone().unwrap();
     let pods: Api<Pod> = Api::namespaced(k.admin(), &ns);
