@@ -8,8 +8,9 @@
 //! * Retention follows the job: the object is owned (an ownerReference, not a controller one) by
 //!   the pod's controller, as the pod watch knows it, so the garbage collector deletes it with the
 //!   job. A bare pod's record carries `spec.expiresAt` (now + the record TTL) and the label
-//!   [`EXPIRES_LABEL`]; this agent deletes its own node's expired records, at most once per
-//!   [`SWEEP_EVERY`], when it writes one.
+//!   [`EXPIRES_LABEL`]; this agent deletes its own node's expired records every [`SWEEP_EVERY`]
+//!   (its task, [`KubeNodeOps::expire_records`]) and when it writes one (at most once per
+//!   [`SWEEP_EVERY`] in all).
 //! * Off the signal path: written by the outcome follower and the recovery task after the Event,
 //!   with the API backoff; a failure is logged and counted (`spotguard_node_actions_total{action="record"}`).
 
@@ -25,6 +26,7 @@ use kube::api::{
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 
 use super::api::{with_timeout, API_BACKOFF};
 use super::{KubeNodeOps, FIELD_MANAGER};
@@ -257,9 +259,25 @@ impl KubeNodeOps {
         result
     }
 
+    /// Every [`SWEEP_EVERY`] from the start until `cancel`: [`Self::sweep_expired_records`] (the
+    /// agent's task, so that expired records go even when the node writes no new one).
+    pub async fn expire_records(self: std::sync::Arc<Self>, cancel: CancellationToken) {
+        loop {
+            self.sweep_expired_records(Timestamp::now()).await;
+            tokio::select! {
+                _ = cancel.cancelled() => return,
+                _ = tokio::time::sleep(SWEEP_EVERY) => {}
+            }
+        }
+    }
+
     /// Delete this node's bare-pod records past their `expiresAt`, at most once per
-    /// [`SWEEP_EVERY`] (the first call sweeps). Failures are logged; the next sweep retries.
+    /// [`SWEEP_EVERY`] (the first call sweeps; in dry-run, never). Failures are logged; the next
+    /// sweep retries.
     pub async fn sweep_expired_records(&self, now: Timestamp) {
+        if self.dry_run {
+            return;
+        }
         {
             let Ok(mut last) = self.last_sweep.lock() else {
                 return;
