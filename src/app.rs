@@ -331,7 +331,8 @@ async fn node_and_discovery(
                     cfg.args.dry_run,
                     metrics.clone(),
                 )
-                .with_gpu_condition_types(cfg.gpu.conditions.clone()),
+                .with_gpu_condition_types(cfg.gpu.conditions.clone())
+                .with_record_ttl(cfg.args.goodput_record_ttl),
             );
             let discovery = Arc::new(kube_discovery::KubeDiscovery::new(
                 client,
@@ -347,6 +348,11 @@ async fn node_and_discovery(
             // The same watch tells the drain when an evicted pod is gone.
             ops.set_pod_watch(discovery.clone());
             tasks.spawn("pod cache", discovery.clone().keep_warm(cancel.clone()));
+            // Bare pods' goodput records past their time to live: deleted hourly.
+            tasks.spawn(
+                "goodput record expiry",
+                ops.clone().expire_records(cancel.clone()),
+            );
             let cache = discovery.clone();
             let pod_location: crate::upload::service::PodLocation =
                 Arc::new(move |pod| cache.upload_location(pod));

@@ -135,6 +135,7 @@ pub mod known {
         "condition",
         "disruption_target",
         "event",
+        "record",
         "acknowledge",
         "drain",
     ];

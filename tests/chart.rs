@@ -31,6 +31,8 @@ use spotguard_testkit::k8s::tools::{find_on_path, run_tool, Kubectl, Ran, Server
 use spotguard_testkit::wait::{eventually, until_described};
 
 const HELM_DEPS: &str = "scripts/deps/helm.sh";
+/// The goodput ledger's CRD, in the chart's crds/.
+const LEDGER_CRD: &str = "interruptions.spotguard.io";
 /// How long one run of kubectl or helm may take.
 const TOOL_LIMIT: Duration = Duration::from_secs(180);
 
@@ -349,7 +351,15 @@ fn equivalence(kustomized: &str, helm: &str) -> Vec<String> {
 
 async fn template(t: &Tools, helm: &Helm, ns: &str, extra: &[&str]) -> Result<String, String> {
     let chart = chart();
-    let mut args = vec!["template", "spotguard", chart.as_str(), "--namespace", ns];
+    // With the chart's crds/ (the ledger's CRD), which the kustomize base holds too.
+    let mut args = vec![
+        "template",
+        "spotguard",
+        chart.as_str(),
+        "--namespace",
+        ns,
+        "--include-crds",
+    ];
     args.extend(extra);
     let ran = t.helm(helm, &args).await;
     if ran.ok {
@@ -401,6 +411,10 @@ async fn the_charts_default_rendering_is_the_kustomize_base() {
         (
             "charts/spotguard/files/grafana-dashboard.json",
             "daemonset/monitoring/grafana-dashboard.json",
+        ),
+        (
+            "charts/spotguard/crds/interruptions.spotguard.io.yaml",
+            "daemonset/crds/interruptions.spotguard.io.yaml",
         ),
     ] {
         assert_eq!(
@@ -553,6 +567,7 @@ async fn helm_package_gives_the_archive_the_release_pushes() {
                     "values.schema.json",
                     "files/grafana-dashboard.json",
                     "files/prometheusrule.yaml",
+                    "crds/interruptions.spotguard.io.yaml",
                 ]
                 .map(String::from),
             )
@@ -673,6 +688,14 @@ async fn helm_install_upgrade_uninstall_leave_nothing_behind() {
         let ns = t.k.namespace(&format!("helm{}", helm.major)).await;
         let release = format!("spotguard-v{}-{}", helm.major, t.k.id());
         let selector = format!("app.kubernetes.io/instance={release}");
+        // The ledger's CRD comes from the chart's crds/ (the control plane's copy goes first).
+        let ran = t
+            .kubectl(
+                &["delete", "crd", LEDGER_CRD, "--ignore-not-found", "--wait"],
+                None,
+            )
+            .await;
+        assert!(ran.ok, "{}", ran.stderr);
         // Every value set, on no node of this shared cluster.
         let ran = t
             .helm(
@@ -694,6 +717,24 @@ async fn helm_install_upgrade_uninstall_leave_nothing_behind() {
             .await;
         assert!(ran.ok, "helm v{} install: {}", helm.major, ran.stderr);
         assert!(ran.stdout.contains("DESIRED"), "NOTES.txt: {}", ran.stdout);
+        let ran = t
+            .kubectl(
+                &[
+                    "wait",
+                    "--for=condition=Established",
+                    "--timeout=60s",
+                    &format!("crd/{LEDGER_CRD}"),
+                ],
+                None,
+            )
+            .await;
+        assert!(
+            ran.ok,
+            "helm v{}: the ledger's CRD: {}",
+            helm.major, ran.stderr
+        );
+        let ran = t.kubectl(&["get", "interruptions", "-n", &ns], None).await;
+        assert!(ran.ok, "kubectl get interruptions: {}", ran.stderr);
         let installed = t.leftovers(&selector).await;
         for want in [
             format!("DaemonSet/{ns}/{release}"),
@@ -804,6 +845,15 @@ async fn helm_install_upgrade_uninstall_leave_nothing_behind() {
             )
             .await;
         assert!(ran.ok, "helm v{} uninstall: {}", helm.major, ran.stderr);
+        // Helm never deletes what crds/ installed: the ledger outlives the release.
+        let ran = t
+            .kubectl(&["get", "crd", LEDGER_CRD, "-o", "name"], None)
+            .await;
+        assert!(
+            ran.ok,
+            "helm v{}: the ledger's CRD went with the release: {}",
+            helm.major, ran.stderr
+        );
         assert_eq!(
             t.leftovers(&selector).await,
             vec![format!("ClusterRole/{stray}")],

@@ -1,7 +1,9 @@
-//! Goodput in Kubernetes (docs/goodput.md): the agent's goodput Events against the real control
-//! plane, through the shipped ServiceAccount (`KubeNodeOps::pod_record_event`: the record in the
-//! annotation, the pod's Job in `related`), and `spotguard goodput --namespace NS --job` /
-//! `--jobset` (the built binary, with the admin's kubeconfig) over those Events.
+//! Goodput in Kubernetes (docs/goodput.md): the agent's goodput Events and ledger records against
+//! the real control plane, through the shipped ServiceAccount (`KubeNodeOps::pod_record_event`:
+//! the Event with the record in its annotation and the pod's Job in `related`, and the
+//! `Interruption` object owned by that Job), and `spotguard goodput --namespace NS --job` /
+//! `--jobset` / `--pod` (the built binary, with the admin's kubeconfig) over those records. The
+//! API server keeps Events only [`EVENT_TTL`]: the report must not need them.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -13,19 +15,28 @@ use k8s_openapi::api::core::v1::{ObjectReference, Pod};
 use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta, OwnerReference};
-use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
+use kube::api::{Api, DynamicObject, ListParams, Patch, PatchParams, PostParams};
 use prometheus_client::registry::Registry;
 use serde_json::{json, Value};
 use spotguard::goodput::event::{EventRecord, Recovery, ANNOTATION};
 use spotguard::goodput::kube_report::{JOBSET_NAME_LABEL, REASONS};
 use spotguard::goodput::record::{Interruption, TargetBadput};
 use spotguard::metrics::Metrics;
+use spotguard::node::kube::ledger::api_resource;
 use spotguard::node::kube::KubeNodeOps;
 use spotguard::node::{EventType, NodeOps, PodRef};
 use spotguard_testkit::k8s::{assets, fixtures, TestCluster, TestPod};
 use spotguard_testkit::wait::until;
 
 const WAIT: Duration = Duration::from_secs(60);
+/// `--event-ttl` of this binary's API server: the goodput Events expire while a test runs.
+const EVENT_TTL: Duration = Duration::from_secs(15);
+
+/// This test's slice of the binary's control plane (whose API server drops Events after
+/// [`EVENT_TTL`]).
+async fn cluster() -> TestCluster {
+    TestCluster::with_event_ttl(EVENT_TTL).await
+}
 
 fn at(s: i64) -> Timestamp {
     Timestamp::from_second(1_700_000_000 + s).unwrap()
@@ -83,6 +94,15 @@ fn pod_ref(pod: &Pod) -> PodRef {
     }
 }
 
+/// `namespace/pod`: the target the agent names a pod's group by.
+fn target_of(pod: &Pod) -> String {
+    format!(
+        "{}/{}",
+        pod.metadata.namespace.as_deref().unwrap(),
+        pod.metadata.name.as_deref().unwrap()
+    )
+}
+
 fn badput(notice: &str, node: &str, target: &str, save: f64, wasted: (u64, f64)) -> EventRecord {
     EventRecord::Badput(Interruption {
         notice_id: notice.into(),
@@ -105,11 +125,18 @@ fn badput(notice: &str, node: &str, target: &str, save: f64, wasted: (u64, f64))
     })
 }
 
-fn recovery(notice: &str, from: &str, target: &str, gap: f64, restore: f64) -> EventRecord {
+fn recovery(
+    notice: &str,
+    from: &str,
+    node: &str,
+    target: &str,
+    gap: f64,
+    restore: f64,
+) -> EventRecord {
     EventRecord::Recovery(Recovery {
         notice_id: notice.into(),
         from_node: Some(from.into()),
-        node: "spot-b".into(),
+        node: node.into(),
         target: target.into(),
         step: 100,
         saved_at: at(60),
@@ -141,6 +168,12 @@ async fn goodput_events(k: &TestCluster, ns: &str) -> Vec<Event> {
         .into_iter()
         .filter(|e| e.reason.as_deref().is_some_and(|r| REASONS.contains(&r)))
         .collect()
+}
+
+/// The ledger's records in `ns` as stored.
+async fn ledger(k: &TestCluster, ns: &str) -> Vec<DynamicObject> {
+    let api: Api<DynamicObject> = Api::namespaced_with(k.admin(), ns, &api_resource());
+    api.list(&ListParams::default()).await.unwrap().items
 }
 
 /// An Event about `pod` related to `job`, posted as admin with `annotation` (or none): what an
@@ -219,11 +252,12 @@ fn the_reasons_read_are_the_ones_the_agent_writes() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_agents_goodput_event_carries_its_record_and_names_the_pods_job() {
-    let k = TestCluster::new().await;
+    let k = cluster().await;
     let ns = k.namespace("gp-event").await;
     let (job, pod) = job_with_pod(&k, &ns, "train").await;
-    let record = badput("aws-1", "spot-a", &format!("{ns}/train-x"), 12.5, (0, 0.0));
-    post(&agent_ops(&k), &pod, REASONS[0], &record).await;
+    let ops = agent_ops(&k);
+    let record = badput("aws-1", ops.node_name(), &target_of(&pod), 12.5, (0, 0.0));
+    post(&ops, &pod, REASONS[0], &record).await;
     let events = goodput_events(&k, &ns).await;
     let [e] = events.as_slice() else {
         panic!("one goodput Event expected: {events:#?}")
@@ -253,41 +287,57 @@ async fn the_agents_goodput_event_carries_its_record_and_names_the_pods_job() {
     let regarding = e.regarding.as_ref().unwrap();
     assert_eq!(regarding.name, pod.metadata.name);
     // A different record with the same text is an Event of its own, not a repeat.
-    let other = badput("aws-2", "spot-a", &format!("{ns}/train-x"), 12.5, (0, 0.0));
-    post(&agent_ops(&k), &pod, REASONS[0], &other).await;
+    let other = badput("aws-2", ops.node_name(), &target_of(&pod), 12.5, (0, 0.0));
+    post(&ops, &pod, REASONS[0], &other).await;
     assert_eq!(goodput_events(&k, &ns).await.len(), 2);
+    // Each record is also an object of the ledger, owned (not controlled) by the pod's Job.
+    let records = ledger(&k, &ns).await;
+    assert_eq!(records.len(), 2, "{records:#?}");
+    for r in &records {
+        let owner = &r.metadata.owner_references.as_ref().unwrap()[0];
+        assert_eq!(
+            (owner.kind.as_str(), Some(&owner.uid), owner.controller),
+            ("Job", job.metadata.uid.as_ref(), None)
+        );
+        assert_eq!(r.data["spec"]["node"], ops.node_name());
+        assert!(r.data["spec"]["expiresAt"].is_null());
+    }
+    // Written again (a retry, a restarted agent): still one object per record.
+    post(&ops, &pod, REASONS[0], &other).await;
+    assert_eq!(ledger(&k, &ns).await.len(), 2);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn spotguard_goodput_reports_a_jobs_interruptions_recoveries_and_paid_time() {
-    let k = TestCluster::new().await;
+    let k = cluster().await;
     let ns = k.namespace("gp-job").await;
     let (job, pod) = job_with_pod(&k, &ns, "llm").await;
     let (_, other_pod) = job_with_pod(&k, &ns, "other").await;
     let ops = agent_ops(&k);
-    let t1 = format!("{ns}/llm-a");
-    let t2 = format!("{ns}/llm-b");
-    // Interruption 1 (acked, recovered on spot-b: 20 s of which 4 s restore), interruption 2
-    // (a trainer that threw 30 steps / 15 s away; no recovery yet).
+    let node = ops.node_name().to_string();
+    let t1 = target_of(&pod);
+    let t2 = t1.clone();
+    // Interruption 1 (acked, recovered: 20 s of which 4 s restore), interruption 2 (a trainer
+    // that threw 30 steps / 15 s away; no recovery yet).
     post(
         &ops,
         &pod,
         REASONS[0],
-        &badput("n1", "spot-a", &t1, 10.0, (0, 0.0)),
+        &badput("n1", &node, &t1, 10.0, (0, 0.0)),
     )
     .await;
     post(
         &ops,
         &pod,
         REASONS[1],
-        &recovery("n1", "spot-a", &t2, 20.0, 4.0),
+        &recovery("n1", "spot-a", &node, &t2, 20.0, 4.0),
     )
     .await;
     post(
         &ops,
         &pod,
         REASONS[0],
-        &badput("n2", "spot-b", &t2, 6.0, (30, 15.0)),
+        &badput("n2", &node, &t2, 6.0, (30, 15.0)),
     )
     .await;
     // Another Job's interruption in the same namespace.
@@ -295,18 +345,15 @@ async fn spotguard_goodput_reports_a_jobs_interruptions_recoveries_and_paid_time
         &ops,
         &other_pod,
         REASONS[0],
-        &badput(
-            "n3",
-            "spot-c",
-            &format!("{ns}/other-a"),
-            100.0,
-            (500, 300.0),
-        ),
+        &badput("n3", &node, &target_of(&other_pod), 100.0, (500, 300.0)),
     )
     .await;
-    // A goodput Event with no record, one with a record that is not one.
+    // Goodput Events anyone who can write Events might leave: no record, a broken one, a
+    // forged one. The report reads the ledger, not Events: none of them counts.
     foreign_event(&k, &pod, &job, None).await;
     foreign_event(&k, &pod, &job, Some("{\"type\":\"badput\",")).await;
+    let forged = badput("x1", &node, &t1, 1_000_000.0, (0, 0.0)).to_annotation();
+    foreign_event(&k, &pod, &job, Some(&forged)).await;
 
     let before = Timestamp::now();
     let r = goodput(&k, &["--namespace", &ns, "--job", "llm"]);
@@ -314,12 +361,12 @@ async fn spotguard_goodput_reports_a_jobs_interruptions_recoveries_and_paid_time
     assert_eq!(r["owner"]["kind"], "Job", "{r:#}");
     assert_eq!(r["owner"]["name"], "llm");
     assert_eq!(r["owner"]["running"], true);
-    assert_eq!(r["skipped"], 2, "{r:#}");
+    assert_eq!(r["skipped"], 0, "{r:#}");
     let rows = r["interruptions"].as_array().unwrap();
     assert_eq!(rows.len(), 2, "{r:#}");
     let row = |id: &str| rows.iter().find(|x| x["notice_id"] == id).unwrap();
     let n1 = row("n1");
-    assert_eq!(n1["node"], "spot-a");
+    assert_eq!(n1["node"], node);
     assert_eq!(n1["targets"], json!([t1]));
     assert_eq!(n1["outcome"], "acked");
     assert_eq!(f(&n1["save_seconds"]), 10.0);
@@ -328,7 +375,7 @@ async fn spotguard_goodput_reports_a_jobs_interruptions_recoveries_and_paid_time
     assert_eq!(n1["steps_lost"], 0);
     assert_eq!(f(&n1["recovery_seconds"]), 16.0);
     assert_eq!(f(&n1["restore_seconds"]), 4.0);
-    assert_eq!(n1["recovered_on"], json!(["spot-b"]));
+    assert_eq!(n1["recovered_on"], json!([node]));
     let n2 = row("n2");
     assert_eq!(
         (
@@ -379,7 +426,7 @@ async fn spotguard_goodput_reports_a_jobs_interruptions_recoveries_and_paid_time
             2,
             "{args:?}: {r:#}"
         );
-        assert_eq!(r["skipped"], 2, "{args:?}");
+        assert_eq!(r["skipped"], 0, "{args:?}");
         assert_eq!(
             r["totals"]["badput_seconds"], t["badput_seconds"],
             "{args:?}"
@@ -423,7 +470,7 @@ async fn install_jobset_crd(k: &TestCluster) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn spotguard_goodput_reports_a_jobset_through_its_jobs() {
-    let k = TestCluster::new().await;
+    let k = cluster().await;
     install_jobset_crd(&k).await;
     let ns = k.namespace("gp-jobset").await;
     // A JobSet (no JobSet controller runs: the test makes its Jobs), its two Jobs and a Job of
@@ -474,32 +521,34 @@ async fn spotguard_goodput_reports_a_jobset_through_its_jobs() {
             .build();
         pods.push(k.create_pod(&pod).await);
     }
+    let node = ops.node_name().to_string();
+    let w: Vec<String> = pods.iter().map(target_of).collect();
     post(
         &ops,
         &pods[0],
         REASONS[0],
-        &badput("n1", "spot-a", "w0", 3.0, (0, 0.0)),
+        &badput("n1", &node, &w[0], 3.0, (0, 0.0)),
     )
     .await;
     post(
         &ops,
         &pods[1],
         REASONS[0],
-        &badput("n1", "spot-a", "w1", 5.0, (0, 0.0)),
+        &badput("n1", &node, &w[1], 5.0, (0, 0.0)),
     )
     .await;
     post(
         &ops,
         &pods[1],
         REASONS[1],
-        &recovery("n1", "spot-a", "w1b", 8.0, 2.0),
+        &recovery("n1", "spot-a", &node, &w[1], 8.0, 2.0),
     )
     .await;
     post(
         &ops,
         &pods[2],
         REASONS[0],
-        &badput("n9", "spot-z", "e0", 50.0, (0, 0.0)),
+        &badput("n9", &node, &w[2], 50.0, (0, 0.0)),
     )
     .await;
 
@@ -510,7 +559,7 @@ async fn spotguard_goodput_reports_a_jobset_through_its_jobs() {
         panic!("one interruption expected: {r:#}")
     };
     assert_eq!(row["notice_id"], "n1");
-    assert_eq!(row["targets"], json!(["w0", "w1"]));
+    assert_eq!(row["targets"], json!([w[0], w[1]]));
     assert_eq!(f(&row["save_seconds"]), 8.0);
     assert_eq!(f(&row["recovery_seconds"]), 6.0);
     let t = &r["totals"];
@@ -526,4 +575,388 @@ async fn spotguard_goodput_reports_a_jobset_through_its_jobs() {
         .sum();
     assert_eq!(lost, 16.0);
     assert_eq!(t["targets"], 2);
+}
+
+/// Issue 45: a Job interrupted three times over a simulated day. The goodput Events expire
+/// (this binary's API server keeps Events [`EVENT_TTL`]); the report, from the ledger, still has
+/// every interruption and recovery, and so does `--pod` once the pod is gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_jobs_interruptions_outlive_their_events_and_its_gone_pod_still_reports() {
+    let k = cluster().await;
+    let ns = k.namespace("gp-ttl").await;
+    let (_, pod) = job_with_pod(&k, &ns, "day").await;
+    let ops = agent_ops(&k);
+    let node = ops.node_name().to_string();
+    let target = target_of(&pod);
+    for (n, hour) in [(1, 2), (2, 10), (3, 20)] {
+        let notice = format!("aws-{n}");
+        let EventRecord::Badput(mut i) = badput(&notice, &node, &target, n as f64, (n, 0.5)) else {
+            unreachable!()
+        };
+        i.seen_at = Some(at(hour * 3600));
+        i.done_at = at(hour * 3600 + 60);
+        post(&ops, &pod, REASONS[0], &EventRecord::Badput(i)).await;
+        let EventRecord::Recovery(mut r) = recovery(&notice, "spot-a", &node, &target, 30.0, 3.0)
+        else {
+            unreachable!()
+        };
+        r.saved_at = at(hour * 3600 + 60);
+        r.first_step_at = at(hour * 3600 + 90);
+        post(&ops, &pod, REASONS[1], &EventRecord::Recovery(r)).await;
+    }
+    assert_eq!(goodput_events(&k, &ns).await.len(), 6);
+    until(
+        "the goodput Events expired (--event-ttl)",
+        EVENT_TTL * 8,
+        || async { goodput_events(&k, &ns).await.is_empty().then_some(()) },
+    )
+    .await;
+
+    let check = |r: &Value, what: &str| {
+        let rows = r["interruptions"].as_array().unwrap();
+        let ids: Vec<&str> = rows
+            .iter()
+            .map(|x| x["notice_id"].as_str().unwrap())
+            .collect();
+        assert_eq!(ids, ["aws-1", "aws-2", "aws-3"], "{what}: {r:#}");
+        for (n, row) in rows.iter().enumerate() {
+            assert_eq!(f(&row["save_seconds"]), (n + 1) as f64, "{what}");
+            assert_eq!(row["steps_lost"], json!(n + 1), "{what}");
+            assert_eq!(f(&row["recovery_seconds"]), 27.0, "{what}");
+            assert_eq!(f(&row["restore_seconds"]), 3.0, "{what}");
+        }
+        let t = &r["totals"];
+        assert_eq!(
+            (&t["interruptions"], &t["recoveries"], &t["steps_lost"]),
+            (&json!(3), &json!(3), &json!(6)),
+            "{what}"
+        );
+        assert_eq!(r["skipped"], 0, "{what}");
+    };
+    check(&goodput(&k, &["--namespace", &ns, "--job", "day"]), "--job");
+
+    // What `kubectl get interruptions` shows (the CRD's printer columns): one row per record.
+    let kubectl = spotguard_testkit::k8s::tools::find_on_path("kubectl")
+        .expect("kubectl (scripts/deps/kubectl.sh)");
+    let home = tempfile::tempdir().unwrap();
+    std::fs::copy(&k.cp.admin_kubeconfig, home.path().join("config")).unwrap();
+    let ran = spotguard_testkit::k8s::tools::run_tool(
+        &kubectl,
+        &["get", "interruptions", "-n", &ns],
+        None,
+        home.path(),
+        WAIT,
+    )
+    .await;
+    assert!(ran.ok, "kubectl get interruptions: {}", ran.stderr);
+    eprintln!("{}", ran.stdout);
+    let mut lines = ran.stdout.lines();
+    let header: Vec<&str> = lines
+        .next()
+        .unwrap_or_default()
+        .split_whitespace()
+        .collect();
+    assert_eq!(
+        header,
+        [
+            "NAME",
+            "TYPE",
+            "NODE",
+            "TARGET",
+            "OUTCOME",
+            "SAVE_S",
+            "STEPS_LOST",
+            "RECOVERY_S",
+            "AGE"
+        ]
+    );
+    assert_eq!(lines.count(), 6, "{}", ran.stdout);
+
+    // The pod is gone (evicted, deleted): its records still report, over their own span.
+    let pod_name = pod.metadata.name.clone().unwrap();
+    let pods: Api<Pod> = Api::namespaced(k.admin(), &ns);
+    pods.delete(
+        &pod_name,
+        &kube::api::DeleteParams::default().grace_period(0),
+    )
+    .await
+    .unwrap();
+    until("the pod gone", WAIT, || async {
+        pods.get_opt(&pod_name).await.ok()?.is_none().then_some(())
+    })
+    .await;
+    let r = goodput(&k, &["--namespace", &ns, "--pod", &pod_name]);
+    check(&r, "--pod of a gone pod");
+    assert_eq!(ts(&r["totals"]["since"]), at(2 * 3600));
+    assert_eq!(ts(&r["totals"]["until"]), at(20 * 3600 + 90));
+}
+
+/// A namespace user with `create` on Events only (a right many controllers' ServiceAccounts
+/// hold): a Role of its own in the job's namespace, a token of its ServiceAccount.
+async fn events_only_user(k: &TestCluster, ns: &str) -> kube::Client {
+    use k8s_openapi::api::core::v1::ServiceAccount;
+    use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+    let sa: ServiceAccount =
+        serde_json::from_value(json!({"metadata": {"name": "mallory"}})).unwrap();
+    Api::<ServiceAccount>::namespaced(k.admin(), ns)
+        .create(&PostParams::default(), &sa)
+        .await
+        .unwrap();
+    let role: Role = serde_json::from_value(json!({
+        "metadata": {"name": "events-writer"},
+        "rules": [{"apiGroups": ["", "events.k8s.io"], "resources": ["events"], "verbs": ["create"]}]
+    }))
+    .unwrap();
+    Api::<Role>::namespaced(k.admin(), ns)
+        .create(&PostParams::default(), &role)
+        .await
+        .unwrap();
+    let binding: RoleBinding = serde_json::from_value(json!({
+        "metadata": {"name": "events-writer"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "events-writer"},
+        "subjects": [{"kind": "ServiceAccount", "name": "mallory", "namespace": ns}]
+    }))
+    .unwrap();
+    Api::<RoleBinding>::namespaced(k.admin(), ns)
+        .create(&PostParams::default(), &binding)
+        .await
+        .unwrap();
+    let token = spotguard_testkit::k8s::controlplane::mint_token(&k.admin(), ns, "mallory")
+        .await
+        .unwrap();
+    k.proxy().client_with_token(k.cp, &token)
+}
+
+/// Issue 45 as it was run: with only `create` on events.k8s.io Events, Events naming the victim
+/// Job without a uid, one of 1 000 000 s of wasted progress and one of negative seconds and
+/// 2^64−400 steps, change nothing in the victim's report; the same user cannot write the
+/// ledger; a record that reached the ledger with such figures (an admin's) is skipped, counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forged_events_and_writers_without_rights_change_nothing() {
+    let k = cluster().await;
+    let ns = k.namespace("gp-forge").await;
+    let (_, pod) = job_with_pod(&k, &ns, "victim").await;
+    let ops = agent_ops(&k);
+    let node = ops.node_name().to_string();
+    let target = target_of(&pod);
+    post(
+        &ops,
+        &pod,
+        REASONS[0],
+        &badput("real", &node, &target, 10.0, (400, 20.0)),
+    )
+    .await;
+    let before = goodput(&k, &["--namespace", &ns, "--job", "victim"]);
+
+    let mallory = events_only_user(&k, &ns).await;
+    let events: Api<Event> = Api::namespaced(mallory.clone(), &ns);
+    let forged = |annotation: String| Event {
+        metadata: ObjectMeta {
+            generate_name: Some("forged-".into()),
+            annotations: Some(BTreeMap::from([(ANNOTATION.into(), annotation)])),
+            ..Default::default()
+        },
+        event_time: Some(MicroTime(Timestamp::now())),
+        reporting_controller: Some("spotguard.io/agent".into()),
+        reporting_instance: Some("spotguard.io/agent-x".into()),
+        action: Some("Notify".into()),
+        reason: Some(REASONS[0].into()),
+        note: Some("badput".into()),
+        type_: Some("Normal".into()),
+        regarding: Some(ObjectReference {
+            kind: Some("Pod".into()),
+            name: pod.metadata.name.clone(),
+            namespace: Some(ns.clone()),
+            ..Default::default()
+        }),
+        // The victim by name, no uid.
+        related: Some(ObjectReference {
+            api_version: Some("batch/v1".into()),
+            kind: Some("Job".into()),
+            name: Some("victim".into()),
+            namespace: Some(ns.clone()),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let huge = badput("forged-1", &node, &target, 0.0, (0, 1_000_000.0)).to_annotation();
+    let wrap = badput("forged-2", &node, &target, 0.0, (u64::MAX - 399, 0.0))
+        .to_annotation()
+        .replace("\"wasted_seconds\":0.0", "\"wasted_seconds\":-20.0");
+    for a in [huge.clone(), wrap.clone()] {
+        events
+            .create(&PostParams::default(), &forged(a))
+            .await
+            .unwrap_or_else(|e| panic!("the events-only user may create Events: {e}"));
+    }
+    // The same user cannot write the ledger.
+    let spec = |record: &str| {
+        spotguard::node::kube::ledger::spec_for(
+            record,
+            &node,
+            &spotguard::node::PodRef {
+                namespace: ns.clone(),
+                name: pod.metadata.name.clone().unwrap(),
+                uid: String::new(),
+            },
+        )
+        .unwrap()
+    };
+    let obj = spotguard::node::kube::ledger::object(
+        spec(&huge),
+        &ns,
+        None,
+        Timestamp::now(),
+        Duration::from_secs(60),
+    );
+    let records: Api<DynamicObject> = Api::namespaced_with(mallory, &ns, &api_resource());
+    match records.create(&PostParams::default(), &obj).await {
+        Err(kube::Error::Api(s)) => assert_eq!(s.code, 403, "{s:?}"),
+        other => panic!("the events-only user wrote the ledger: {other:?}"),
+    }
+    let after = goodput(&k, &["--namespace", &ns, "--job", "victim"]);
+    assert_eq!(after["interruptions"], before["interruptions"]);
+    assert_eq!(
+        after["totals"]["badput_seconds"],
+        before["totals"]["badput_seconds"]
+    );
+    assert_eq!(after["totals"]["steps_lost"], json!(400));
+    assert_eq!(after["skipped"], 0);
+
+    // Figures out of bounds that reached the ledger anyway (written as the admin, owned by the
+    // victim): skipped and counted, never summed.
+    let admin_records: Api<DynamicObject> = Api::namespaced_with(k.admin(), &ns, &api_resource());
+    let victim: Job = Api::namespaced(k.admin(), &ns).get("victim").await.unwrap();
+    let owner = ObjectReference {
+        api_version: Some("batch/v1".into()),
+        kind: Some("Job".into()),
+        name: Some("victim".into()),
+        uid: victim.metadata.uid.clone(),
+        ..Default::default()
+    };
+    let mut s = spec(&wrap);
+    s.steps_lost = None;
+    let obj = spotguard::node::kube::ledger::object(
+        s,
+        &ns,
+        Some(&owner),
+        Timestamp::now(),
+        Duration::ZERO,
+    );
+    admin_records
+        .create(&PostParams::default(), &obj)
+        .await
+        .unwrap();
+    let r = goodput(&k, &["--namespace", &ns, "--job", "victim"]);
+    assert_eq!(r["interruptions"], before["interruptions"]);
+    assert_eq!(r["totals"]["steps_lost"], json!(400));
+    assert_eq!(r["skipped"], 1, "{r:#}");
+}
+
+/// The own-node policy: an agent whose token is bound to its pod on node A writes records of
+/// node A, and is refused a record of node B (an agent on B, or anyone holding A's token).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_writes_only_its_own_nodes_records() {
+    let k = cluster().await;
+    let node_a = k.node(k.node_config("gp-a")).await;
+    let ns = k.namespace("gp-own").await;
+    let (_, pod) = job_with_pod(&k, &ns, "train").await;
+    let (_, client) = k.agent_on(node_a.name()).await;
+    let metrics = || Arc::new(Metrics::register(&mut Registry::default()));
+    let own = KubeNodeOps::new(
+        client.clone(),
+        node_a.name().to_string(),
+        None,
+        false,
+        metrics(),
+    );
+    let record = badput("n1", node_a.name(), &target_of(&pod), 1.0, (0, 0.0));
+    post(&own, &pod, REASONS[0], &record).await;
+    assert_eq!(ledger(&k, &ns).await.len(), 1);
+
+    let node_b = k.name("gp-b");
+    let other = KubeNodeOps::new(client, node_b.clone(), None, false, metrics());
+    let forged = badput("n2", &node_b, &target_of(&pod), 1.0, (0, 0.0));
+    let e = other
+        .pod_record_event(
+            &pod_ref(&pod),
+            EventType::Normal,
+            REASONS[0],
+            "goodput",
+            &forged.to_annotation(),
+        )
+        .await
+        .expect_err("a record of another node was written");
+    let text = spotguard::words::chain(&e);
+    assert!(
+        text.contains("spotguard-own-node") && text.contains("its own node"),
+        "{text}"
+    );
+    assert_eq!(ledger(&k, &ns).await.len(), 1);
+}
+
+/// A bare pod's records expire: they carry `spec.expiresAt` (the agent's record TTL) and no
+/// owner, and the agent of their node deletes them once expired (when it writes a record), never
+/// another node's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bare_pods_records_expire_and_their_agent_deletes_them() {
+    let k = cluster().await;
+    let ns = k.namespace("gp-bare").await;
+    let pod = k
+        .create_pod(
+            &TestPod::new(&ns, "bare", &k.name("nowhere"))
+                .orphan()
+                .build(),
+        )
+        .await;
+    let metrics = || Arc::new(Metrics::register(&mut Registry::default()));
+    let node = k.name("gp-node");
+    // Written with a millisecond to live: expired by the next write (which comes after the
+    // API server answered this one).
+    let short = KubeNodeOps::new(k.agent_client(), node.clone(), None, false, metrics())
+        .with_record_ttl(Duration::from_millis(1));
+    let target = target_of(&pod);
+    post(
+        &short,
+        &pod,
+        REASONS[0],
+        &badput("old", &node, &target, 1.0, (0, 0.0)),
+    )
+    .await;
+    let records = ledger(&k, &ns).await;
+    let [old] = records.as_slice() else {
+        panic!("one record expected: {records:#?}")
+    };
+    assert!(old.metadata.owner_references.is_none());
+    assert!(!old.data["spec"]["expiresAt"].is_null(), "{old:#?}");
+    // Another node's expired record, which this agent must leave.
+    let other_node = k.name("gp-other");
+    let spec = spotguard::node::kube::ledger::spec_for(
+        &badput("theirs", &other_node, &target, 1.0, (0, 0.0)).to_annotation(),
+        &other_node,
+        &pod_ref(&pod),
+    )
+    .unwrap();
+    let theirs =
+        spotguard::node::kube::ledger::object(spec, &ns, None, Timestamp::now(), Duration::ZERO);
+    Api::<DynamicObject>::namespaced_with(k.admin(), &ns, &api_resource())
+        .create(&PostParams::default(), &theirs)
+        .await
+        .unwrap();
+    // The agent (restarted: its first write looks for expired records) writes a new one.
+    let agent = agent_ops(&k);
+    post(
+        &agent,
+        &pod,
+        REASONS[0],
+        &badput("new", &node, &target, 1.0, (0, 0.0)),
+    )
+    .await;
+    let mut left: Vec<String> = ledger(&k, &ns)
+        .await
+        .iter()
+        .map(|o| o.data["spec"]["noticeId"].as_str().unwrap().to_string())
+        .collect();
+    left.sort();
+    assert_eq!(left, ["new", "theirs"]);
 }

@@ -29,6 +29,7 @@ use k8s_openapi::api::core::v1::{
     ResourceQuota, Service, ServiceAccount,
 };
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::api::{Api, PostParams};
 use serde::de::DeserializeOwned;
@@ -254,6 +255,8 @@ fn lost_fields(path: &str, original: &Value, back: &Value, out: &mut Vec<String>
         _ if original == back => {}
         // Quantities and int-or-strings written as bare numbers come back as strings.
         (Value::Number(n), Value::String(s)) if n.to_string() == *s => {}
+        // Numbers typed as floats (a CRD schema's minimum / maximum) come back with a fraction.
+        (Value::Number(a), Value::Number(b)) if a.as_f64() == b.as_f64() => {}
         _ => out.push(format!("{path} ({original} became {back})")),
     }
 }
@@ -293,6 +296,7 @@ fn check_object(obj: &Value) -> Result<(), String> {
         "ValidatingAdmissionPolicyBinding" => {
             strict::<ValidatingAdmissionPolicyBinding>(obj).map(drop)
         }
+        "CustomResourceDefinition" => strict::<CustomResourceDefinition>(obj).map(drop),
         k if CRD_KINDS.contains(&k) => Ok(()),
         other => Err(format!(
             "kind {other:?} has no strict check: add it to check_object"
@@ -448,6 +452,8 @@ async fn kustomize_base_renders_the_whole_install() {
         "ResourceQuota/spotguard-critical-pods",
         "ClusterRole/spotguard",
         "ClusterRoleBinding/spotguard",
+        "ClusterRole/spotguard-interruptions-view",
+        "CustomResourceDefinition/interruptions.spotguard.io",
         "ValidatingAdmissionPolicy/spotguard-own-node",
         "ValidatingAdmissionPolicyBinding/spotguard-own-node",
         "DaemonSet/spotguard",
@@ -576,6 +582,10 @@ fn least_privilege() -> BTreeSet<Rule> {
         ("", "events", "patch"),
         ("events.k8s.io", "events", "create"),
         ("events.k8s.io", "events", "patch"),
+        ("spotguard.io", "interruptions", "create"),
+        ("spotguard.io", "interruptions", "get"),
+        ("spotguard.io", "interruptions", "list"),
+        ("spotguard.io", "interruptions", "delete"),
     ]
     .into_iter()
     .map(|(g, r, v)| (g.to_string(), r.to_string(), v.to_string()))

@@ -171,6 +171,11 @@ pub struct RunArgs {
     #[arg(long, env = "SPOTGUARD_FORCE_DELETE_AT_DEADLINE", action = ArgAction::SetTrue, value_parser = parse_bool, help_heading = DRAIN)]
     pub force_delete_at_deadline: bool,
 
+    /// How long the goodput record of a pod without a controller is kept (Kubernetes; a job's
+    /// records go with the job).
+    #[arg(long, env = "SPOTGUARD_GOODPUT_RECORD_TTL", value_name = "DURATION", default_value = "7d", value_parser = parse_positive_duration, help_heading = OBSERVABILITY)]
+    pub goodput_record_ttl: Duration,
+
     /// Log every action it would take; mutate nothing, signal nothing.
     #[arg(long, env = "SPOTGUARD_DRY_RUN", action = ArgAction::SetTrue, value_parser = parse_bool)]
     pub dry_run: bool,

@@ -170,6 +170,7 @@ mod tests {
             "--checkpoint-timeout",
             "--drain-reserve",
             "--force-delete-at-deadline",
+            "--goodput-record-ttl",
             "--dry-run",
             "--metrics-addr",
             "--gpu",

@@ -1,18 +1,20 @@
 //! `spotguard goodput --namespace NS (--job | --jobset | --owner | --pod)`: the report of one
-//! Kubernetes owner, from the goodput Events the agents posted on its pods
-//! (`InterruptionBadput` on the node an interruption hit, `InterruptionRecovered` on the node
-//! the job resumed on), each holding its record in the annotation [`ANNOTATION`] and naming the
-//! pod's controller in `related`. No central store: the Events are the record (they live as
-//! long as the API server keeps Events, one hour by default: `--event-ttl`).
+//! Kubernetes owner, from the goodput records the agents wrote to the ledger
+//! ([`super::ledger`]: `Interruption` objects of `spotguard.io/v1alpha1` in the job's namespace,
+//! owned by the pod's controller, which only the agents can write). The goodput Events
+//! (`InterruptionBadput`, `InterruptionRecovered`) are notifications: the report does not read
+//! them, so an Event anyone wrote changes nothing and an Event the API server dropped
+//! (`--event-ttl`) loses nothing.
 //!
-//! * Which Events: `events.k8s.io/v1` Events in the namespace whose `related` is the owner (for
-//!   `--jobset NAME`: any of its Jobs, found by the label `jobset.sigs.k8s.io/jobset-name=NAME`;
-//!   for `--pod`: whose `regarding` is the pod) and whose reason is one of [`REASONS`] or that
-//!   carry the annotation. One without a readable record is skipped and counted.
+//! * Which records: those owned by the owner (for `--job NAME`: by that Job's uid; for
+//!   `--jobset NAME`: by any of its Jobs, found by the label `jobset.sigs.k8s.io/jobset-name=NAME`;
+//!   for `--pod`: about the pod, even once it is gone). One that does not check out is skipped
+//!   and counted.
 //! * Paid time: the owner's start → end. Job: `status.startTime` → `completionTime` (or the
 //!   `Failed` condition's time, or now while it runs); JobSet and other owners:
 //!   `creationTimestamp` → the terminal condition's `lastTransitionTime` (or now); a pod: its
-//!   `startTime` → its containers' last finish (or now).
+//!   `startTime` → its containers' last finish (or now); a pod that is gone: its first record →
+//!   its last.
 
 use std::collections::BTreeSet;
 use std::path::PathBuf;
@@ -20,13 +22,11 @@ use std::path::PathBuf;
 use jiff::Timestamp;
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::Pod;
-use k8s_openapi::api::events::v1::Event;
 use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind, ListParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::Client;
 
-use super::event::{EventRecord, Recovery, ANNOTATION};
-use super::record::Interruption;
+use super::ledger::{self, Matcher};
 use super::report::{self, Owner, Report};
 
 /// The reasons of the goodput Events (the outcome follower's `InterruptionBadput` and the
@@ -34,14 +34,12 @@ use super::report::{self, Owner, Report};
 pub const REASONS: [&str; 2] = ["InterruptionBadput", "InterruptionRecovered"];
 /// The label JobSet puts on its Jobs.
 pub const JOBSET_NAME_LABEL: &str = "jobset.sigs.k8s.io/jobset-name";
-/// Events listed per request.
-const PAGE: u32 = 500;
 
 /// The Kubernetes source of `spotguard goodput`.
 #[derive(Clone, Debug, Default, clap::Args)]
 pub struct KubeArgs {
     /// Report a Kubernetes owner (with --job, --jobset, --owner or --pod) from its goodput
-    /// Events in this namespace, instead of a host's log.
+    /// records (interruptions.spotguard.io) in this namespace, instead of a host's log.
     #[arg(long, value_name = "NAMESPACE")]
     pub namespace: Option<String>,
     /// The Job to report (with --namespace).
@@ -127,6 +125,8 @@ pub enum Error {
     },
     #[error("{0} not found (its paid time is unknown)")]
     NotFound(String),
+    #[error(transparent)]
+    Ledger(#[from] ledger::Error),
 }
 
 fn api_err(what: impl Into<String>) -> impl FnOnce(kube::Error) -> Error {
@@ -157,82 +157,6 @@ pub async fn client(args: &KubeArgs) -> Result<Client, Error> {
             .map_err(|e| Error::Client(e.to_string()))?,
     };
     Client::try_from(config).map_err(|e| Error::Client(e.to_string()))
-}
-
-/// Which Events belong to the subject.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Matcher {
-    /// `related` of this kind with one of these names; when `uid` is known, an Event naming
-    /// another uid (an earlier object of the same name) is not this one's.
-    Related {
-        kind: String,
-        names: BTreeSet<String>,
-        uid: Option<String>,
-    },
-    /// `regarding` is this pod.
-    Pod(String),
-}
-
-impl Matcher {
-    fn matches(&self, e: &Event) -> bool {
-        match self {
-            Matcher::Related { kind, names, uid } => e.related.as_ref().is_some_and(|r| {
-                r.kind.as_deref() == Some(kind)
-                    && r.name.as_ref().is_some_and(|n| names.contains(n))
-                    && match (uid, &r.uid) {
-                        (Some(want), Some(got)) => want == got,
-                        _ => true,
-                    }
-            }),
-            Matcher::Pod(name) => e.regarding.as_ref().is_some_and(|r| {
-                r.kind.as_deref() == Some("Pod") && r.name.as_deref() == Some(name)
-            }),
-        }
-    }
-}
-
-/// The goodput Events' records among `events` that `matcher` keeps: badput records, recoveries,
-/// and the number of its Events (a goodput reason, or the annotation) whose record could not be
-/// read.
-pub fn select(events: &[Event], matcher: &Matcher) -> (Vec<Interruption>, Vec<Recovery>, usize) {
-    let mut badput = Vec::new();
-    let mut recoveries = Vec::new();
-    let mut skipped = 0;
-    for e in events {
-        let annotation = e
-            .metadata
-            .annotations
-            .as_ref()
-            .and_then(|a| a.get(ANNOTATION));
-        let goodput_reason = e.reason.as_deref().is_some_and(|r| REASONS.contains(&r));
-        if !(goodput_reason || annotation.is_some()) || !matcher.matches(e) {
-            continue;
-        }
-        match annotation.and_then(|a| serde_json::from_str::<EventRecord>(a).ok()) {
-            Some(EventRecord::Badput(i)) => badput.push(i),
-            Some(EventRecord::Recovery(r)) => recoveries.push(r),
-            None => skipped += 1,
-        }
-    }
-    (badput, recoveries, skipped)
-}
-
-/// Every Event of `namespace`, page by page.
-async fn events(client: &Client, namespace: &str) -> Result<Vec<Event>, Error> {
-    let api: Api<Event> = Api::namespaced(client.clone(), namespace);
-    let mut out = Vec::new();
-    let mut params = ListParams::default().limit(PAGE);
-    loop {
-        let page = api
-            .list(&params)
-            .await
-            .map_err(api_err(format!("listing Events in {namespace}")))?;
-        out.extend(page.items);
-        match page.metadata.continue_ {
-            Some(c) if !c.is_empty() => params = params.continue_token(&c),
-            _ => return Ok(out),
-        }
-    }
 }
 
 /// The `lastTransitionTime` of the first condition of `types` that is True, in an object's
@@ -308,8 +232,7 @@ pub async fn report(
     subject: &Subject,
     now: Timestamp,
 ) -> Result<Report, Error> {
-    let all = events(client, namespace).await?;
-    let (kind, name, matcher, (since, until, running)) = match subject {
+    let (kind, name, records, (since, until, running)) = match subject {
         Subject::Job(name) => {
             let api: Api<Job> = Api::namespaced(client.clone(), namespace);
             let job = api
@@ -317,12 +240,13 @@ pub async fn report(
                 .await
                 .map_err(api_err(format!("reading Job {namespace}/{name}")))?
                 .ok_or_else(|| Error::NotFound(format!("Job {namespace}/{name}")))?;
-            let matcher = Matcher::Related {
+            let matcher = Matcher::Owner {
                 kind: "Job".into(),
                 names: BTreeSet::from([name.clone()]),
                 uid: job.metadata.uid.clone(),
             };
-            ("Job", name, matcher, job_paid(&job, now))
+            let records = ledger::records(client, namespace, &matcher).await?;
+            ("Job", name, records, job_paid(&job, now))
         }
         Subject::JobSet(name) => {
             let (group, version, kind, plural) = JOBSET;
@@ -348,45 +272,62 @@ pub async fn report(
                 .into_iter()
                 .filter_map(|j| j.metadata.name)
                 .collect();
-            // By name only: a JobSet that restarts recreates its Jobs under the same names.
-            let matcher = Matcher::Related {
+            // By name: a JobSet that restarts recreates its Jobs under the same names (the
+            // records of a deleted Job went with it).
+            let matcher = Matcher::Owner {
                 kind: "Job".into(),
                 names,
                 uid: None,
             };
-            ("JobSet", name, matcher, object_paid(&js, now))
+            let records = ledger::records(client, namespace, &matcher).await?;
+            ("JobSet", name, records, object_paid(&js, now))
         }
         Subject::Owner { kind, name } => {
-            let matcher = Matcher::Related {
+            let by_name = Matcher::Owner {
                 kind: kind.clone(),
                 names: BTreeSet::from([name.clone()]),
                 uid: None,
             };
-            let api_version = all
-                .iter()
-                .filter(|e| matcher.matches(e))
-                .find_map(|e| e.related.as_ref().and_then(|r| r.api_version.clone()));
-            let obj = owner_object(client, namespace, kind, name, api_version).await?;
+            let found = ledger::records(client, namespace, &by_name).await?;
+            let obj = owner_object(
+                client,
+                namespace,
+                kind,
+                name,
+                found.owner_api_version.clone(),
+            )
+            .await?;
             let paid = object_paid(&obj, now);
-            let matcher = Matcher::Related {
+            let matcher = Matcher::Owner {
                 kind: kind.clone(),
                 names: BTreeSet::from([name.clone()]),
                 uid: obj.metadata.uid.clone(),
             };
-            (kind.as_str(), name, matcher, paid)
+            let records = ledger::records(client, namespace, &matcher).await?;
+            (kind.as_str(), name, records, paid)
         }
         Subject::Pod(name) => {
             let api: Api<Pod> = Api::namespaced(client.clone(), namespace);
             let pod = api
                 .get_opt(name)
                 .await
-                .map_err(api_err(format!("reading Pod {namespace}/{name}")))?
-                .ok_or_else(|| Error::NotFound(format!("Pod {namespace}/{name}")))?;
-            ("Pod", name, Matcher::Pod(name.clone()), pod_paid(&pod, now))
+                .map_err(api_err(format!("reading Pod {namespace}/{name}")))?;
+            let records = ledger::records(client, namespace, &Matcher::Pod(name.clone())).await?;
+            let paid = match &pod {
+                Some(pod) => pod_paid(pod, now),
+                None => records_span(&records)
+                    .ok_or_else(|| Error::NotFound(format!("Pod {namespace}/{name}")))?,
+            };
+            ("Pod", name, records, paid)
         }
     };
-    let (badput, recoveries, skipped) = select(&all, &matcher);
-    let mut r = report::summarize(report::join(badput, recoveries), since, until, 1, skipped);
+    let ledger::Records {
+        badput,
+        recoveries,
+        skipped,
+        ..
+    } = records;
+    let mut r = report::summarize(ledger::join(badput, recoveries), since, until, 1, skipped);
     r.owner = Some(Owner {
         namespace: namespace.to_string(),
         kind: kind.to_string(),
@@ -394,6 +335,22 @@ pub async fn report(
         running,
     });
     Ok(r)
+}
+
+/// The paid time of a pod that is gone: its first record (seen, or saved for a recovery) → its
+/// last (done, or the first step after a resume); `None` without a record.
+fn records_span(r: &ledger::Records) -> Option<(Timestamp, Timestamp, bool)> {
+    let starts = r
+        .badput
+        .iter()
+        .map(|i| i.seen_at.unwrap_or(i.done_at))
+        .chain(r.recoveries.iter().map(|x| x.saved_at));
+    let ends = r
+        .badput
+        .iter()
+        .map(|i| i.done_at)
+        .chain(r.recoveries.iter().map(|x| x.first_step_at));
+    Some((starts.min()?, ends.max()?, false))
 }
 
 /// The owner `kind`/`name`: through `api_version` (from an Event's `related`) when known, else
@@ -443,7 +400,7 @@ pub async fn run_cli(args: &KubeArgs, namespace: &str, subject: &Subject, json: 
         Ok(r) => {
             if r.skipped > 0 {
                 eprintln!(
-                    "spotguard goodput: skipped {} goodput Event(s) without a readable {ANNOTATION} record",
+                    "spotguard goodput: skipped {} goodput record(s) that do not check out",
                     r.skipped
                 );
             }
@@ -459,80 +416,6 @@ pub async fn run_cli(args: &KubeArgs, namespace: &str, subject: &Subject, json: 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use k8s_openapi::api::core::v1::ObjectReference;
-    use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-    use std::collections::BTreeMap;
-
-    fn related(kind: &str, name: &str, uid: Option<&str>) -> ObjectReference {
-        ObjectReference {
-            kind: Some(kind.into()),
-            name: Some(name.into()),
-            uid: uid.map(Into::into),
-            ..Default::default()
-        }
-    }
-
-    fn event(reason: &str, related_to: Option<ObjectReference>, annotation: Option<&str>) -> Event {
-        Event {
-            metadata: ObjectMeta {
-                annotations: annotation
-                    .map(|a| BTreeMap::from([(ANNOTATION.to_string(), a.to_string())])),
-                ..Default::default()
-            },
-            reason: Some(reason.into()),
-            related: related_to,
-            regarding: Some(ObjectReference {
-                kind: Some("Pod".into()),
-                name: Some("p-1".into()),
-                ..Default::default()
-            }),
-            ..Default::default()
-        }
-    }
-
-    #[test]
-    fn only_the_owners_goodput_events_count_and_unreadable_ones_are_skipped() {
-        let badput = serde_json::to_string(&EventRecord::Badput(Interruption {
-            notice_id: "n1".into(),
-            ..Default::default()
-        }))
-        .unwrap();
-        let recovery = serde_json::to_string(&EventRecord::Recovery(Recovery {
-            notice_id: "n1".into(),
-            ..Default::default()
-        }))
-        .unwrap();
-        let mine = Some(related("Job", "train", Some("u1")));
-        let events = vec![
-            event(REASONS[0], mine.clone(), Some(&badput)),
-            event(REASONS[1], mine.clone(), Some(&recovery)),
-            // Another Job, an earlier Job of the same name, an Event not about goodput.
-            event(
-                REASONS[0],
-                Some(related("Job", "other", Some("u2"))),
-                Some(&badput),
-            ),
-            event(
-                REASONS[0],
-                Some(related("Job", "train", Some("u0"))),
-                Some(&badput),
-            ),
-            event("CheckpointAcked", mine.clone(), None),
-            // Missing and bad records.
-            event(REASONS[0], mine.clone(), None),
-            event(REASONS[1], mine.clone(), Some("{\"type\":\"recovery\"")),
-            event("Anything", mine, Some("[]")),
-        ];
-        let m = Matcher::Related {
-            kind: "Job".into(),
-            names: BTreeSet::from(["train".to_string()]),
-            uid: Some("u1".into()),
-        };
-        let (b, r, skipped) = select(&events, &m);
-        assert_eq!((b.len(), r.len(), skipped), (1, 1, 3));
-        let (b, _, _) = select(&events, &Matcher::Pod("p-1".into()));
-        assert_eq!(b.len(), 3);
-    }
 
     #[test]
     fn paid_time_is_the_owners_start_to_its_end_or_now() {

@@ -10,7 +10,9 @@
 //! * [`recovery`]: the node a job resumed on reports how long it was away after an
 //!   interruption (the helper's resume record names the interruption; no central store).
 //! * [`report`]: `spotguard goodput`, the table (or JSON) a person reads: per interruption and in
-//!   total, from a host's goodput log(s) or ([`kube_report`]) a Kubernetes owner's Events.
+//!   total, from a host's goodput log(s) or ([`kube_report`]) a Kubernetes owner's records.
+//! * [`ledger`]: those records, the `Interruption` objects (`spotguard.io/v1alpha1`) the agents
+//!   write beside their goodput Events: read page by page, checked, joined in linear time.
 //!
 //! Categories and Google's ml-goodput-measurement names where they mean the same:
 //! `checkpoint_save` = `UNPRODUCTIVE_CHECKPOINT_SAVE_TIME` (signal → ack: the trainer saves
@@ -20,6 +22,7 @@
 
 pub mod event;
 pub mod kube_report;
+pub mod ledger;
 pub mod progress;
 pub mod record;
 pub mod recovery;

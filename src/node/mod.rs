@@ -439,6 +439,12 @@ pub enum Error {
         #[source]
         source: ::kube::Error,
     },
+    #[error("writing goodput record {name}: {source}")]
+    Record {
+        name: String,
+        #[source]
+        source: ::kube::Error,
+    },
     #[error("conflicting updates to node {node} did not settle after {attempts} attempts")]
     Conflict { node: String, attempts: u32 },
     #[error("deadline passed while {0}")]
@@ -455,7 +461,8 @@ impl Error {
             | Error::Evict { source, .. }
             | Error::PatchPod { source, .. }
             | Error::DeletePod { source, .. }
-            | Error::Event { source, .. } => kube_retryable(source),
+            | Error::Event { source, .. }
+            | Error::Record { source, .. } => kube_retryable(source),
             Error::Conflict { .. } => true,
             Error::Deadline(_) => false,
         }
@@ -471,6 +478,7 @@ impl Error {
             Error::PatchPod { .. } => "patch_pod",
             Error::DeletePod { .. } => "delete_pod",
             Error::Event { .. } => "event",
+            Error::Record { .. } => "record",
             Error::Conflict { .. } => "conflict",
             Error::Deadline(_) => "deadline",
         }

@@ -18,7 +18,8 @@
 //!
 //! Files: this one holds [`KubeNodeOps`] and the plan state, protection and drain parts of
 //! [`NodeOps`]; `api` the bounded API call and the node's reads and resourceVersion-guarded writes
-//! (retries through [`crate::backoff`]); `events` the Events and their series; `conditions` the
+//! (retries through [`crate::backoff`]); `events` the Events and their series; `ledger` the goodput
+//! records (`Interruption` objects) written beside the goodput Events; `conditions` the
 //! GPU conditions and taint; `drain` the deadline-bounded drain through the Eviction API.
 
 mod api;
@@ -26,6 +27,7 @@ mod conditions;
 mod disruption;
 mod drain;
 mod events;
+pub mod ledger;
 
 pub use events::controller_reference;
 
@@ -79,6 +81,10 @@ pub struct KubeNodeOps {
     /// Set once by the app after the pod cache that feeds it was built (the cache reports
     /// through these node operations, so it comes second).
     pod_watch: OnceLock<Arc<dyn PodWatch>>,
+    /// How long a bare pod's goodput record is kept (`ledger`).
+    record_ttl: std::time::Duration,
+    /// When this agent last looked for its expired goodput records.
+    last_sweep: Mutex<Option<tokio::time::Instant>>,
 }
 
 #[derive(Clone, Copy, Debug, Default)]
@@ -106,7 +112,15 @@ impl KubeNodeOps {
             series: Mutex::new(HashMap::new()),
             gpu_types: GpuConditionTypes::default(),
             pod_watch: OnceLock::new(),
+            record_ttl: ledger::DEFAULT_RECORD_TTL,
+            last_sweep: Mutex::new(None),
         }
+    }
+
+    /// Keep a bare pod's goodput records this long (default [`ledger::DEFAULT_RECORD_TTL`]).
+    pub fn with_record_ttl(mut self, ttl: std::time::Duration) -> Self {
+        self.record_ttl = ttl;
+        self
     }
 
     /// Let the drain learn from `watch` (the agent's watch of this node's pods) when an evicted
@@ -237,13 +251,19 @@ impl NodeOps for KubeNodeOps {
             super::RECORD_ANNOTATION.to_string(),
             record.to_string(),
         )]));
+        let related = self.pod_controller(pod).await;
         let extra = events::Extra {
             annotations,
-            related: self.pod_controller(pod).await,
+            related: related.clone(),
         };
         let regarding = events::pod_reference(pod);
-        self.emit_with(&pod.namespace, regarding, extra, kind, reason, message)
-            .await
+        // The Event is the notification; the ledger's object is the record that lasts. One
+        // failing does not keep the other from being written.
+        let event = self
+            .emit_with(&pod.namespace, regarding, extra, kind, reason, message)
+            .await;
+        let record = self.write_record(pod, record, related.as_ref()).await;
+        event.and(record)
     }
 
     async fn load_state(&self) -> Result<Option<String>, Error> {

@@ -24,6 +24,7 @@ pub async fn start(
     etcd_url: &str,
     pki: &Pki,
     admin_token: &str,
+    event_ttl: Option<Duration>,
 ) -> Result<ApiServer, String> {
     let port = free_port().map_err(|e| e.to_string())?;
     let tokens = dir.join("tokens.csv");
@@ -32,7 +33,7 @@ pub async fn start(
         format!("{admin_token},admin,admin-uid,\"system:masters\"\n"),
     )
     .map_err(|e| e.to_string())?;
-    let args = vec![
+    let mut args = vec![
         format!("--etcd-servers={etcd_url}"),
         "--bind-address=127.0.0.1".to_string(),
         "--advertise-address=127.0.0.1".to_string(),
@@ -54,6 +55,9 @@ pub async fn start(
         "--profiling=false".to_string(),
         "--v=0".to_string(),
     ];
+    if let Some(ttl) = event_ttl {
+        args.push(format!("--event-ttl={}s", ttl.as_secs().max(1)));
+    }
     let mut daemon = Daemon::start("kube-apiserver", bin, &args, dir)?;
     let ca = reqwest::Certificate::from_pem(pki.ca_pem.as_bytes()).map_err(|e| e.to_string())?;
     let http = reqwest::Client::builder()

@@ -4,7 +4,8 @@
 //! name ([`super::TestCluster`]).
 //!
 //! At start it applies the shipped RBAC (`daemonset/namespace.yaml`, `serviceaccount.yaml`,
-//! `clusterrole.yaml`, `clusterrolebinding.yaml`, and the force-delete component's role) and
+//! `clusterrole.yaml`, `clusterrolebinding.yaml`, `clusterrole-interruptions-view.yaml`, and the
+//! force-delete component's role), the goodput ledger's CRD (`daemonset/crds/`), and
 //! mints ServiceAccount tokens with the TokenRequest API: the agent under test talks to the API
 //! server as the shipped ServiceAccount with the shipped ClusterRole, never as an admin.
 
@@ -62,10 +63,20 @@ pub struct ControlPlane {
     force_delete_token: String,
     /// kubeconfig (admin) for kubectl and the controllers.
     pub admin_kubeconfig: PathBuf,
+    /// The API server's `--event-ttl`, when the test binary asked for one ([`set_event_ttl`]).
+    pub event_ttl: Option<Duration>,
     daemons: Mutex<Vec<Daemon>>,
 }
 
 static SHARED: OnceLock<Result<ControlPlane, String>> = OnceLock::new();
+static EVENT_TTL: OnceLock<Duration> = OnceLock::new();
+
+/// Start this test binary's API server with `--event-ttl=ttl` (Events expire after it), when it
+/// has not started yet: every test of a binary that needs it calls this first (the first call
+/// wins; see `TestCluster::with_event_ttl`, which checks that it took).
+pub fn set_event_ttl(ttl: Duration) {
+    let _ = EVENT_TTL.set(ttl);
+}
 
 impl ControlPlane {
     /// The control plane of this test binary, started on first use. Panics with a message that
@@ -248,8 +259,16 @@ fn start() -> Result<ControlPlane, String> {
         let etcd = etcd::start(&assets.etcd, &dir).await?;
         let etcd_url = etcd.url.clone();
         daemons.push(etcd.daemon);
-        let api =
-            apiserver::start(&assets.kube_apiserver, &dir, &etcd_url, &pki, &admin_token).await?;
+        let event_ttl = EVENT_TTL.get().copied();
+        let api = apiserver::start(
+            &assets.kube_apiserver,
+            &dir,
+            &etcd_url,
+            &pki,
+            &admin_token,
+            event_ttl,
+        )
+        .await?;
         let port = api.port;
         daemons.push(api.daemon);
         let url = format!("https://127.0.0.1:{port}");
@@ -263,6 +282,7 @@ fn start() -> Result<ControlPlane, String> {
             agent_token: String::new(),
             force_delete_token: String::new(),
             admin_kubeconfig: admin_kubeconfig.clone(),
+            event_ttl,
             daemons: Mutex::new(Vec::new()),
         };
         std::fs::write(&admin_kubeconfig, cp.kubeconfig(&url, Identity::Admin))
@@ -490,6 +510,8 @@ async fn bootstrap_rbac(client: &kube::Client) -> Result<(), String> {
         .unwrap_or_else(|| AGENT_NAMESPACE.into());
     apply(&Api::namespaced(client.clone(), &ns), &name_of(&sa), &sa).await?;
     apply_manifest::<ClusterRole>(client, "daemonset/clusterrole.yaml").await?;
+    apply_manifest::<ClusterRole>(client, "daemonset/clusterrole-interruptions-view.yaml").await?;
+    install_ledger_crd(client).await?;
     let base_binding: ClusterRoleBinding =
         apply_manifest(client, "daemonset/clusterrolebinding.yaml").await?;
     // The policy that holds a pod-bound token of the agent to its own node, as the manifests
@@ -556,6 +578,33 @@ async fn bootstrap_rbac(client: &kube::Client) -> Result<(), String> {
     }
     Ok(())
 }
+
+/// The goodput ledger's CRD as the manifests ship it, installed and Established (the agents
+/// write their goodput records there).
+async fn install_ledger_crd(client: &kube::Client) -> Result<(), String> {
+    use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+    apply_as_written::<CustomResourceDefinition>(client, LEDGER_CRD).await?;
+    let api: Api<CustomResourceDefinition> = Api::all(client.clone());
+    crate::wait::until(
+        "the goodput ledger's CRD Established",
+        Duration::from_secs(60),
+        || async {
+            api.get("interruptions.spotguard.io")
+                .await
+                .ok()?
+                .status?
+                .conditions?
+                .iter()
+                .any(|c| c.type_ == "Established" && c.status == "True")
+                .then_some(())
+        },
+    )
+    .await;
+    Ok(())
+}
+
+/// The goodput ledger's CRD in the kustomize base (the chart ships the same file in `crds/`).
+pub const LEDGER_CRD: &str = "daemonset/crds/interruptions.spotguard.io.yaml";
 
 /// A day-long token of ServiceAccount `namespace/name` (TokenRequest API).
 pub async fn mint_token(

@@ -131,6 +131,21 @@ impl TestCluster {
         }
     }
 
+    /// [`TestCluster::new`] on a control plane whose API server keeps Events only `ttl`
+    /// (`--event-ttl`). Every test of the binary must start this way (one control plane per
+    /// binary): panics when the control plane already runs without that TTL.
+    pub async fn with_event_ttl(ttl: std::time::Duration) -> TestCluster {
+        controlplane::set_event_ttl(ttl);
+        let k = TestCluster::new().await;
+        assert_eq!(
+            k.cp.event_ttl,
+            Some(ttl),
+            "the control plane of this test binary started without --event-ttl={ttl:?}: every test \
+             of the binary must use TestCluster::with_event_ttl"
+        );
+        k
+    }
+
     /// This test's id (`t7`), the suffix of its names.
     pub fn id(&self) -> &str {
         &self.id

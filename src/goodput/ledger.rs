@@ -1,0 +1,384 @@
+//! The goodput ledger, read: the `Interruption` objects (`spotguard.io/v1alpha1`) the agents
+//! write beside their goodput Events (`crate::node::kube::ledger`), which outlive the Events and
+//! which only the agents can write. `spotguard goodput --namespace` reads them
+//! ([`super::kube_report`]); recovery validation asks [`recorded_interruption`].
+//!
+//! * Paged: the namespace's records are listed `limit`/`continue` ([`PAGE`] a request), and only
+//!   the subject's are kept; a Job's are selected by its uid's label.
+//! * Checked on read: a record whose spec does not parse, whose record is not a goodput record,
+//!   does not name the node and target the object names, or carries a figure out of bounds
+//!   (negative, not finite, over a year of seconds, over 10^12 steps) is skipped and counted.
+//! * Joined in linear time: records are grouped by notice id first (a hash map), and each
+//!   interruption's handful of targets and recoveries is joined on its own.
+
+use std::collections::HashMap;
+
+use kube::api::{Api, DynamicObject, ListParams};
+use kube::Client;
+
+use super::event::{EventRecord, Recovery};
+use super::record::Interruption;
+use super::report::{self, Row};
+use crate::node::kube::ledger::{api_resource, bounds, InterruptionSpec, OWNER_UID_LABEL};
+
+/// Records listed per request.
+pub const PAGE: u32 = 500;
+
+/// Errors of the ledger's reads.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("listing the goodput records (interruptions.spotguard.io) in {namespace}: {source}")]
+    List {
+        namespace: String,
+        #[source]
+        source: kube::Error,
+    },
+}
+
+/// Which records belong to a report's subject.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Matcher {
+    /// Owned by an object of this kind with one of these names; when `uid` is known, only by that
+    /// object (an earlier one of the same name is not this one).
+    Owner {
+        kind: String,
+        names: std::collections::BTreeSet<String>,
+        uid: Option<String>,
+    },
+    /// About this pod.
+    Pod(String),
+}
+
+impl Matcher {
+    /// Whether `obj` (with `spec`) is the subject's.
+    pub fn matches(&self, obj: &DynamicObject, spec: &InterruptionSpec) -> bool {
+        match self {
+            Matcher::Owner { kind, names, uid } => {
+                obj.metadata.owner_references.iter().flatten().any(|o| {
+                    &o.kind == kind
+                        && names.contains(&o.name)
+                        && uid.as_ref().is_none_or(|u| u == &o.uid)
+                })
+            }
+            Matcher::Pod(name) => &spec.pod == name,
+        }
+    }
+
+    /// The label selector that narrows the list on the server, where there is one.
+    fn selector(&self) -> Option<String> {
+        match self {
+            Matcher::Owner {
+                uid: Some(uid),
+                names,
+                ..
+            } if names.len() == 1 => Some(format!("{OWNER_UID_LABEL}={uid}")),
+            _ => None,
+        }
+    }
+}
+
+/// The subject's records: interruptions, recoveries, the records skipped as unreadable, and the
+/// `apiVersion` of the first owner that matched (to find the owner's kind).
+#[derive(Clone, Debug, Default)]
+pub struct Records {
+    pub badput: Vec<Interruption>,
+    pub recoveries: Vec<Recovery>,
+    pub skipped: usize,
+    pub owner_api_version: Option<String>,
+}
+
+fn seconds_ok(s: Option<f64>) -> bool {
+    s.is_none_or(|s| s.is_finite() && (0.0..=bounds::SECONDS).contains(&s))
+}
+
+fn steps_ok(s: Option<u64>) -> bool {
+    s.is_none_or(|s| s <= bounds::STEPS)
+}
+
+/// The record `spec` holds, if it is a goodput record consistent with its object: written by
+/// the node the object names, about the target it names, its figures within bounds.
+pub fn check(spec: &InterruptionSpec) -> Option<EventRecord> {
+    if spec.record.len() > bounds::RECORD {
+        return None;
+    }
+    let record: EventRecord = serde_json::from_str(&spec.record).ok()?;
+    let ok = match &record {
+        EventRecord::Badput(i) => {
+            spec.type_ == "badput"
+                && i.notice_id == spec.notice_id
+                && i.node == spec.node
+                && i.targets.len() == 1
+                && i.targets.iter().all(|t| {
+                    t.target == spec.target
+                        && seconds_ok(t.save_seconds)
+                        && seconds_ok(t.wasted_seconds)
+                        && seconds_ok(t.downtime_seconds)
+                        && seconds_ok(t.upload_seconds)
+                        && steps_ok(t.wasted_steps)
+                        && steps_ok(t.step)
+                        && steps_ok(t.durable_step)
+                })
+                && i.detection_seconds().is_none_or(|s| seconds_ok(Some(s)))
+                && i.drain_margin_seconds()
+                    .is_none_or(|s| s.is_finite() && s.abs() <= bounds::SECONDS)
+        }
+        EventRecord::Recovery(r) => {
+            spec.type_ == "recovery"
+                && r.notice_id == spec.notice_id
+                && r.node == spec.node
+                && r.target == spec.target
+                && seconds_ok(Some(r.recovery_seconds))
+                && seconds_ok(r.restore_seconds)
+                && r.restore_seconds.is_none_or(|s| s <= r.recovery_seconds)
+                && steps_ok(Some(r.step))
+                && r.first_step_at >= r.saved_at
+        }
+    };
+    ok.then_some(record)
+}
+
+/// Sort one listed object into `out` if `matcher` keeps it.
+pub fn take(obj: &DynamicObject, matcher: &Matcher, out: &mut Records) {
+    let Ok(spec) = serde_json::from_value::<InterruptionSpec>(obj.data["spec"].clone()) else {
+        out.skipped += 1;
+        return;
+    };
+    if !matcher.matches(obj, &spec) {
+        return;
+    }
+    if out.owner_api_version.is_none() {
+        out.owner_api_version = obj
+            .metadata
+            .owner_references
+            .iter()
+            .flatten()
+            .next()
+            .map(|o| o.api_version.clone());
+    }
+    match check(&spec) {
+        Some(EventRecord::Badput(i)) => out.badput.push(i),
+        Some(EventRecord::Recovery(r)) => out.recoveries.push(r),
+        None => out.skipped += 1,
+    }
+}
+
+/// The records of `namespace` that `matcher` keeps, page by page (only the kept ones are held).
+pub async fn records(
+    client: &Client,
+    namespace: &str,
+    matcher: &Matcher,
+) -> Result<Records, Error> {
+    let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), namespace, &api_resource());
+    let mut params = ListParams::default().limit(PAGE);
+    if let Some(s) = matcher.selector() {
+        params = params.labels(&s);
+    }
+    let mut out = Records::default();
+    loop {
+        let page = api.list(&params).await.map_err(|source| Error::List {
+            namespace: namespace.to_string(),
+            source,
+        })?;
+        for obj in &page.items {
+            take(obj, matcher, &mut out);
+        }
+        match page.metadata.continue_ {
+            Some(c) if !c.is_empty() => params = params.continue_token(&c),
+            _ => return Ok(out),
+        }
+    }
+}
+
+/// [`report::join`] in linear time: the records grouped by notice id, each group joined on its
+/// own, the rows oldest first. The API lists objects by name (a hash): the records are put in
+/// time order, then target order, first, so that a row's targets read the same every time.
+pub fn join(mut badput: Vec<Interruption>, recoveries: Vec<Recovery>) -> Vec<Row> {
+    badput.sort_by(|a, b| {
+        let key = |i: &Interruption| (i.done_at, i.targets.first().map(|t| t.target.clone()));
+        key(a).cmp(&key(b))
+    });
+    let mut groups: HashMap<String, (Vec<Interruption>, Vec<Recovery>)> = HashMap::new();
+    let mut order: Vec<String> = Vec::new();
+    for i in badput {
+        let g = groups.entry(i.notice_id.clone()).or_insert_with(|| {
+            order.push(i.notice_id.clone());
+            Default::default()
+        });
+        g.0.push(i);
+    }
+    for r in recoveries {
+        let g = groups.entry(r.notice_id.clone()).or_insert_with(|| {
+            order.push(r.notice_id.clone());
+            Default::default()
+        });
+        g.1.push(r);
+    }
+    let mut rows: Vec<Row> = order
+        .into_iter()
+        .filter_map(|id| groups.remove(&id))
+        .flat_map(|(b, r)| report::join(b, r))
+        .collect();
+    rows.sort_by_key(|r| r.at);
+    rows
+}
+
+/// Whether an agent recorded the interruption `notice_id` for the job owned by `owner_uid` (the
+/// pod's controller's uid) in `namespace`: its badput record, if any. What recovery validation
+/// asks in Kubernetes before it counts a recovery naming that notice.
+pub async fn recorded_interruption(
+    client: &Client,
+    namespace: &str,
+    owner_uid: &str,
+    notice_id: &str,
+) -> Result<Option<Interruption>, Error> {
+    let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), namespace, &api_resource());
+    let mut params = ListParams::default()
+        .limit(PAGE)
+        .labels(&format!("{OWNER_UID_LABEL}={owner_uid}"));
+    loop {
+        let page = api.list(&params).await.map_err(|source| Error::List {
+            namespace: namespace.to_string(),
+            source,
+        })?;
+        for obj in &page.items {
+            let owned = obj
+                .metadata
+                .owner_references
+                .iter()
+                .flatten()
+                .any(|o| o.uid == owner_uid);
+            let Ok(spec) = serde_json::from_value::<InterruptionSpec>(obj.data["spec"].clone())
+            else {
+                continue;
+            };
+            if !owned || spec.notice_id != notice_id {
+                continue;
+            }
+            if let Some(EventRecord::Badput(i)) = check(&spec) {
+                return Ok(Some(i));
+            }
+        }
+        match page.metadata.continue_ {
+            Some(c) if !c.is_empty() => params = params.continue_token(&c),
+            _ => return Ok(None),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::goodput::record::TargetBadput;
+    use crate::node::kube::ledger::{object, spec_for, DEFAULT_RECORD_TTL};
+    use crate::node::PodRef;
+    use jiff::Timestamp;
+    use k8s_openapi::api::core::v1::ObjectReference;
+
+    fn t(s: i64) -> Timestamp {
+        Timestamp::from_second(1_700_000_000 + s).unwrap()
+    }
+
+    fn pod(name: &str) -> PodRef {
+        PodRef {
+            namespace: "ml".into(),
+            name: name.into(),
+            uid: format!("uid-{name}"),
+        }
+    }
+
+    fn badput(notice: &str, node: &str, pod: &str, save: f64, steps: u64) -> EventRecord {
+        EventRecord::Badput(Interruption {
+            notice_id: notice.into(),
+            node: node.into(),
+            seen_at: Some(t(0)),
+            done_at: t(60),
+            targets: vec![TargetBadput {
+                target: format!("ml/{pod}"),
+                outcome: "acked".into(),
+                save_seconds: Some(save),
+                wasted_steps: Some(steps),
+                wasted_seconds: Some(0.0),
+                ..TargetBadput::default()
+            }],
+            ..Interruption::default()
+        })
+    }
+
+    fn stored(record: &EventRecord, node: &str, pod_name: &str, job: &str) -> DynamicObject {
+        let text = record.to_annotation();
+        let spec = spec_for(&text, node, &pod(pod_name)).unwrap();
+        let owner = ObjectReference {
+            api_version: Some("batch/v1".into()),
+            kind: Some("Job".into()),
+            name: Some(job.into()),
+            uid: Some(format!("uid-{job}")),
+            ..Default::default()
+        };
+        object(spec, "ml", Some(&owner), t(0), DEFAULT_RECORD_TTL)
+    }
+
+    fn job(name: &str) -> Matcher {
+        Matcher::Owner {
+            kind: "Job".into(),
+            names: [name.to_string()].into(),
+            uid: Some(format!("uid-{name}")),
+        }
+    }
+
+    #[test]
+    fn only_the_owners_consistent_records_in_bounds_count() {
+        let mut out = Records::default();
+        let objs = [
+            stored(&badput("n1", "a", "p1", 3.0, 0), "a", "p1", "train"),
+            // Another job's.
+            stored(&badput("n2", "a", "p2", 9.0, 0), "a", "p2", "other"),
+            // A record naming another node than its writer's, another target, a negative
+            // figure, steps past the bound: skipped.
+            stored(&badput("n3", "b", "p1", 3.0, 0), "a", "p1", "train"),
+            stored(&badput("n4", "a", "p9", 3.0, 0), "a", "p1", "train"),
+            stored(&badput("n5", "a", "p1", -20.0, 0), "a", "p1", "train"),
+            stored(
+                &badput("n6", "a", "p1", 1.0, u64::MAX - 399),
+                "a",
+                "p1",
+                "train",
+            ),
+        ];
+        for o in &objs {
+            take(o, &job("train"), &mut out);
+        }
+        assert_eq!((out.badput.len(), out.skipped), (1, 4));
+        assert_eq!(out.owner_api_version.as_deref(), Some("batch/v1"));
+        let mut by_pod = Records::default();
+        for o in &objs {
+            take(o, &Matcher::Pod("p2".into()), &mut by_pod);
+        }
+        assert_eq!(by_pod.badput.len(), 1);
+    }
+
+    #[test]
+    fn the_linear_join_gives_what_the_report_join_gives() {
+        let mut b = Vec::new();
+        let mut r = Vec::new();
+        for n in 0..50 {
+            for p in 0..3 {
+                if let EventRecord::Badput(mut i) =
+                    badput(&format!("n{n}"), "a", &format!("p{p}"), 1.0, 2)
+                {
+                    i.seen_at = Some(t(n * 100));
+                    b.push(i);
+                }
+            }
+            r.push(Recovery {
+                notice_id: format!("n{}", n * 2),
+                node: "b".into(),
+                target: "ml/q".into(),
+                saved_at: t(n),
+                first_step_at: t(n + 5),
+                recovery_seconds: 5.0,
+                ..Recovery::default()
+            });
+        }
+        assert_eq!(join(b.clone(), r.clone()), report::join(b, r));
+    }
+}
