@@ -116,7 +116,7 @@ pub async fn start_with_client(
     let kernel = probe_kernel();
     let mut tasks = Tasks::default();
 
-    let (node, discovery, pod_location, discovery_ready) =
+    let (node, discovery, pod_location, discovery_ready, cluster_ledger) =
         node_and_discovery(&cfg, client, &metrics, &mut tasks, &cancel).await?;
     let upload = upload_service(&cfg, &telemetry, pod_location, &cancel).await;
     let inputs = spawn_notice_sources(&cfg, &telemetry, &mut tasks, &cancel)?;
@@ -146,9 +146,23 @@ pub async fn start_with_client(
         node_name: who.node_name.clone(),
         goodput_log: goodput_log.clone(),
     };
+    // What a recovery is checked against: the interruptions this agent logged, and in
+    // Kubernetes those any agent recorded in the ledger for the pod's controller.
+    let ledger = match cluster_ledger {
+        Some((client, pods)) => {
+            crate::goodput::ledger::KubeLedger::factory(client, pods, goodput_log.clone())
+        }
+        None => crate::goodput::recovery::log_ledger(goodput_log.clone()),
+    };
     tasks.spawn(
         "recovery reports",
-        crate::goodput::recovery::run(discovery, discovery_ready, recovery, cancel.child_token()),
+        crate::goodput::recovery::run_with(
+            discovery,
+            discovery_ready,
+            recovery,
+            ledger,
+            cancel.child_token(),
+        ),
     );
     spawn_outcome_follower(
         &responder,
@@ -311,7 +325,7 @@ async fn node_and_discovery(
                 "checkpoint candidates",
                 discovery.clone().keep_warm(cancel.clone()),
             );
-            Ok((node, discovery, None, Arc::new(|| true)))
+            Ok((node, discovery, None, Arc::new(|| true), None))
         }
         Mode::Kubernetes => {
             let client = match client {
@@ -334,6 +348,7 @@ async fn node_and_discovery(
                 .with_gpu_condition_types(cfg.gpu.conditions.clone())
                 .with_record_ttl(cfg.args.goodput_record_ttl),
             );
+            let ledger_client = client.clone();
             let discovery = Arc::new(kube_discovery::KubeDiscovery::new(
                 client,
                 node_name,
@@ -357,11 +372,13 @@ async fn node_and_discovery(
             let pod_location: crate::upload::service::PodLocation =
                 Arc::new(move |pod| cache.upload_location(pod));
             let synced = discovery.clone();
+            let pods: Arc<dyn crate::node::drain::PodWatch> = discovery.clone();
             Ok((
                 ops,
                 discovery,
                 Some(pod_location),
                 Arc::new(move || synced.synced()),
+                Some((ledger_client, pods)),
             ))
         }
     }
@@ -369,12 +386,14 @@ async fn node_and_discovery(
 
 /// Node operations, checkpoint discovery, (Kubernetes) where a pod's annotation says its
 /// staged checkpoints go, and whether discovery answers from its cache (the recovery task's
-/// passes wait for that: never an API list of their own).
+/// passes wait for that: never an API list of their own), and (Kubernetes) the client and pod
+/// watch a recovery's ledger lookups use.
 type NodeAndDiscovery = (
     Arc<dyn NodeOps>,
     Arc<dyn TargetDiscovery>,
     Option<crate::upload::service::PodLocation>,
     crate::goodput::recovery::Ready,
+    Option<(kube::Client, Arc<dyn crate::node::drain::PodWatch>)>,
 );
 
 /// The staged checkpoint upload service (its own runtime), and the uploads an earlier run left

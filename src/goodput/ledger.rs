@@ -11,14 +11,21 @@
 //! * Joined in linear time: records are grouped by notice id first (a hash map), and each
 //!   interruption's handful of targets and recoveries is joined on its own.
 
+use std::cell::RefCell;
 use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use kube::api::{Api, DynamicObject, ListParams};
 use kube::Client;
+use tracing::debug;
 
 use super::event::{EventRecord, Recovery};
 use super::record::Interruption;
+use super::recovery::{Job, Ledger, LedgerFactory, LogLedger, RecordedInterruption};
 use super::report::{self, Row};
+use crate::node::drain::PodWatch;
 use crate::node::kube::ledger::{api_resource, bounds, InterruptionSpec, OWNER_UID_LABEL};
 
 /// Records listed per request.
@@ -262,6 +269,120 @@ pub async fn recorded_interruption(
             Some(c) if !c.is_empty() => params = params.continue_token(&c),
             _ => return Ok(None),
         }
+    }
+}
+
+/// How long the ledger's "no such interruption" is believed before it is asked again (a record
+/// written by the interrupted node's agent may land after the job resumed here).
+const NOT_FOUND_FOR: Duration = Duration::from_secs(30);
+/// The most one ledger lookup may take (a recovery pass has [`PASS_BUDGET`] in all).
+///
+/// [`PASS_BUDGET`]: super::recovery::PASS_BUDGET
+const LOOKUP_LIMIT: Duration = Duration::from_secs(2);
+
+/// The recovery task's [`Ledger`] in Kubernetes: an interruption this agent logged itself (its
+/// own goodput log, [`LogLedger`]), else one an agent recorded in the cluster's ledger for the
+/// pod's controller (the job: a resumed pod has the same controller as the interrupted one).
+/// The controller comes from the agent's pod watch, never from the pod's labels; a pod without
+/// one (a bare pod is its own job and does not resume elsewhere) has only the local log. Answers
+/// are cached (a found record never changes; "not found" for [`NOT_FOUND_FOR`]), so a pod
+/// rewriting its resume record costs at most one list per notice id it names and period.
+pub struct KubeLedger {
+    log: LogLedger,
+    client: Client,
+    runtime: tokio::runtime::Handle,
+    pods: Arc<dyn PodWatch>,
+    /// (namespace, owner uid, notice id) → the answer and when it was had.
+    asked: RefCell<HashMap<Asked, (Option<RecordedInterruption>, Instant)>>,
+}
+
+impl KubeLedger {
+    /// The factory the recovery task makes its ledgers with (called in the runtime: the ledger
+    /// blocks on it from the recovery pass's thread).
+    pub fn factory(
+        client: Client,
+        pods: Arc<dyn PodWatch>,
+        goodput_log: Option<PathBuf>,
+    ) -> LedgerFactory {
+        let runtime = tokio::runtime::Handle::current();
+        Arc::new(move || {
+            Box::new(KubeLedger {
+                log: LogLedger::new(goodput_log.clone()),
+                client: client.clone(),
+                runtime: runtime.clone(),
+                pods: pods.clone(),
+                asked: RefCell::new(HashMap::new()),
+            }) as Box<dyn Ledger>
+        })
+    }
+
+    fn ask(
+        &self,
+        namespace: &str,
+        owner_uid: &str,
+        notice_id: &str,
+    ) -> Option<RecordedInterruption> {
+        let key = (
+            namespace.to_string(),
+            owner_uid.to_string(),
+            notice_id.to_string(),
+        );
+        if let Some((answer, at)) = self.asked.borrow().get(&key) {
+            if answer.is_some() || at.elapsed() < NOT_FOUND_FOR {
+                return answer.clone();
+            }
+        }
+        let asked = self.runtime.block_on(tokio::time::timeout(
+            LOOKUP_LIMIT,
+            recorded_interruption(&self.client, namespace, owner_uid, notice_id),
+        ));
+        let answer = match asked {
+            Ok(Ok(found)) => found.as_ref().map(RecordedInterruption::of),
+            Ok(Err(e)) => {
+                debug!(error = %e, "recovery ledger: the goodput records could not be listed");
+                None
+            }
+            Err(_) => {
+                debug!(
+                    namespace,
+                    "recovery ledger: listing the goodput records took too long"
+                );
+                None
+            }
+        };
+        let mut asked = self.asked.borrow_mut();
+        if asked.len() >= MAX_ASKED {
+            asked.retain(|_, (a, at)| a.is_some() && at.elapsed() < KEEP_FOUND);
+            if asked.len() >= MAX_ASKED {
+                asked.clear();
+            }
+        }
+        asked.insert(key, (answer.clone(), Instant::now()));
+        answer
+    }
+}
+
+/// A [`KubeLedger`] question: (namespace, owner uid, notice id).
+type Asked = (String, String, String);
+
+/// Answers a [`KubeLedger`] keeps at most.
+const MAX_ASKED: usize = 4096;
+/// How long a found record is kept once the cache is full.
+const KEEP_FOUND: Duration = Duration::from_secs(3600);
+
+impl Ledger for KubeLedger {
+    fn refresh(&mut self) {
+        self.log.refresh();
+    }
+
+    fn recorded(&self, job: &Job<'_>, notice_id: &str) -> Option<RecordedInterruption> {
+        if let Some(found) = self.log.recorded(job, notice_id) {
+            return Some(found);
+        }
+        let pod = job.pod?;
+        let owner = self.pods.controller(&pod.uid)??;
+        let owner_uid = owner.uid?;
+        self.ask(&pod.namespace, &owner_uid, notice_id)
     }
 }
 

@@ -11,9 +11,9 @@
 //! [`MAX_RESUME_BYTES`], a strict [`parse`]).
 //!
 //! The record is the trainer's, so the notice it names is free text: a recovery counts only
-//! against an interruption an agent recorded for the same job ([`Ledger::recorded`]; on a host,
-//! and in Kubernetes until a cluster-wide record is plugged in, the agent's own goodput log:
-//! [`LogLedger`]), and only with times consistent with that record ([`check`]). A refused record
+//! against an interruption an agent recorded for the same job ([`Ledger::recorded`]: on a host
+//! the agent's own goodput log, [`LogLedger`]; in Kubernetes that log, then the cluster's ledger
+//! of the pod's controller, `super::ledger::KubeLedger`), and only with times consistent with that record ([`check`]). A refused record
 //! is counted and logged once per target group and reason. An accepted one is reported once:
 //! the `infrastructure_recovery` and `checkpoint_restore` badput, `spotguard_recoveries_total`,
 //! an `InterruptionRecovered` pod Event carrying the [`Recovery`], a `{"recovery": …}` line in
