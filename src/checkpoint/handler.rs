@@ -9,9 +9,10 @@
 //!   shell that also catches a signal no script traps (SIGILL, SIGTRAP, SIGBUS, SIGFPE, SIGSEGV,
 //!   SIGXCPU, SIGXFSZ, SIGSYS: [`CATCH_ALL`]) is never signalled; a shell that traps the signal by
 //!   name (`trap save USR1`) catches it and nothing of that set, and is;
-//! - a **known launcher** (tini, dumb-init, catatonit) is never a handler: it forwards what it
-//!   catches to its children, which are signalled themselves (`pid1` is the mode for a launcher
-//!   that should forward).
+//! - a **known launcher** ([`LAUNCHERS`]: tini, dumb-init, catatonit, mpirun, srun, uv, …) is never
+//!   a handler: it forwards what it catches to its children, which are signalled themselves, so
+//!   signalling it too would deliver the signal twice (`pid1` is the mode for a launcher that
+//!   should forward).
 //!
 //! Shells and launchers are told by their executable, the file name of `/proc/PID/exe`'s target
 //! (set by `execve`; `comm`, which any process can set with `PR_SET_NAME`, is only the fallback when
@@ -49,7 +50,19 @@ pub const SHELLS: &[&str] = &[
 ];
 
 /// Executables that are init launchers that forward signals (by file name).
-pub const LAUNCHERS: &[&str] = &["tini", "tini-static", "dumb-init", "catatonit"];
+pub const LAUNCHERS: &[&str] = &[
+    "tini",
+    "tini-static",
+    "dumb-init",
+    "catatonit",
+    "mpirun",
+    "mpiexec",
+    "mpiexec.hydra",
+    "orterun",
+    "prterun",
+    "srun",
+    "uv",
+];
 
 /// Signals no script traps, which bash, ksh and zsh catch when an `EXIT` trap is set.
 pub const CATCH_ALL: &[i32] = &[
