@@ -318,7 +318,8 @@ async fn node_and_discovery(
                     signal: cfg.args.checkpoint_signal,
                     timeout: cfg.args.checkpoint_timeout,
                 })
-                .with_proc(ProcFs::new(cfg.args.proc_root.clone())),
+                .with_proc(ProcFs::new(cfg.args.proc_root.clone()))
+                .with_target_mode(cfg.args.checkpoint_target),
             );
             // The notice re-reads only the candidates kept warm here.
             tasks.spawn(

@@ -13,7 +13,10 @@
 //!   - the responder seeing the interruption it handled disappear from the metadata service after
 //!     the interruption's action time and stay away for the resume hold (the machine went
 //!     through the action and came back; one missing answer is no proof, see
-//!     `responder::resume_hold`).
+//!     `responder::resume_hold`), or
+//!   - the responder being served another interruption (other content) after the handled one's
+//!     action time, also after a restart that restored the handled one's record
+//!     (`responder::store`).
 //!
 //! The life's identity is the boot id in the first life of a boot and `<boot id>+<n>` after the
 //! n-th resume; it is what plan records and `notice.json` carry (field `boot_id` / `life`). The

@@ -105,6 +105,7 @@ pub mod known {
     pub const NOTICE_DECISIONS: &[&str] = &[
         "start_interruption",
         "deadline_moved",
+        "new_interruption",
         "new",
         "updated",
         "cancel",

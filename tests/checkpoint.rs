@@ -3,7 +3,7 @@
 
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use jiff::Timestamp;
@@ -20,7 +20,7 @@ use spotguard::checkpoint::{
     Outcome, Signal, TargetContainer, TargetDiscovery, TargetGroup, TargetMode, TargetProcess,
 };
 use spotguard::metrics::{encode, Metrics};
-use spotguard_testkit::process::Kid;
+use spotguard_testkit::process::{as_user, Kid};
 use spotguard_testkit::wait::eventually_blocking;
 use tokio_util::sync::CancellationToken;
 
@@ -979,6 +979,191 @@ async fn pidfile_descendants_are_only_those_of_the_same_user() {
         );
     }
     assert!(pids.contains(&launcher.pid()));
+}
+
+// === what counts as a handler (issue 42 item 5) ===
+
+/// A trainer's user (`setpriv`/`as_user`), so the processes are not root's.
+const TRAINER_UID: u32 = 1000;
+
+/// A work dir the trainer's user owns, with `scratch/part-0` in it (what a launcher's EXIT trap
+/// deletes) and `ckpt/`.
+fn trainer_workdir() -> (tempfile::TempDir, PathBuf) {
+    let tmp = tempfile::tempdir().unwrap();
+    let work = tmp.path().join("work");
+    std::fs::create_dir_all(work.join("scratch")).unwrap();
+    std::fs::create_dir_all(work.join("ckpt")).unwrap();
+    std::fs::write(work.join("scratch/part-0"), b"saved").unwrap();
+    for p in [&work, &work.join("scratch"), &work.join("ckpt")] {
+        std::os::unix::fs::chown(p, Some(TRAINER_UID), Some(TRAINER_UID)).unwrap();
+    }
+    std::fs::set_permissions(
+        tmp.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    (tmp, work)
+}
+
+/// The child of `parent` that runs `sh` and catches SIGUSR1 (the trainer), once there is one
+/// (not bash's fork before its exec, which still has bash's handlers).
+fn trainer_of(parent: i32) -> i32 {
+    let proc = ProcFs::default();
+    let mut found = None;
+    eventually_blocking("the trainer", Duration::from_secs(10), || {
+        found = proc.pids().unwrap().into_iter().find(|p| {
+            proc.status(*p)
+                .is_ok_and(|s| s.ppid == parent && s.name == "sh" && s.catches(Signal::USR1))
+        });
+        found.is_some()
+    });
+    found.unwrap()
+}
+
+/// bash with an `EXIT` trap catches SIGUSR1 (it catches every terminating signal to run the trap)
+/// and dies of it: a launcher `trap 'rm -rf $SCRATCH' EXIT; <trainer>` selected with a pidfile is
+/// not signalled; its trainer is, and acks; the scratch dir survives.
+#[tokio::test]
+async fn a_launcher_with_an_exit_trap_is_not_signalled_its_trainer_is() {
+    let (_tmp, work) = trainer_workdir();
+    let dir = work.join("ckpt");
+    let pf = work.join("train.pid");
+    let mut cmd = Command::new("bash");
+    cmd.arg("-c")
+        .arg(r#"trap 'rm -rf "$SCRATCH"' EXIT; echo $$ > "$PF"; sh -c "$HANDLER"; true"#)
+        .env("SCRATCH", work.join("scratch"))
+        .env("PF", &pf)
+        .env("HANDLER", HANDLER)
+        .env("DIR", &dir)
+        .env("STATE", "done")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    as_user(&mut cmd, TRAINER_UID);
+    let mut launcher = Kid::spawn(cmd);
+    let trainer = trainer_of(launcher.pid());
+    eventually_blocking("the pidfile", Duration::from_secs(10), || pf.exists());
+    let proc = ProcFs::default();
+    assert!(
+        proc.status(launcher.pid()).unwrap().catches(Signal::USR1),
+        "bash with an EXIT trap shows SIGUSR1 in SigCgt"
+    );
+    let mut t = targets(&dir);
+    t.pidfiles = vec![pf];
+    let groups = HostDiscovery::new(t).discover().await.unwrap();
+    assert!(pids_of(&groups[0]).contains(&launcher.pid()));
+    let req = request(false);
+    let (_r, m) = metrics();
+    let deliveries = deliver(&groups, &req, &m);
+    assert_eq!(
+        deliveries[0].signalled_pids(),
+        vec![trainer],
+        "{:?}",
+        deliveries[0].containers[0].skipped
+    );
+    assert!(
+        deliveries[0].containers[0].skipped.iter().any(|s| {
+            s.pid == launcher.pid() && matches!(s.reason, NotSignalled::NotAHandler(_))
+        }),
+        "{:?}",
+        deliveries[0].containers[0].skipped
+    );
+    let results = wait(deliveries, &req, &m, &CancellationToken::new()).await;
+    assert_eq!(results[0].outcome, Outcome::Acked, "{}", results[0].detail);
+    assert!(launcher.running(), "the launcher lives on");
+    assert!(
+        work.join("scratch/part-0").exists(),
+        "the launcher's EXIT trap never ran"
+    );
+}
+
+/// A container whose entrypoint is a bash script with an `EXIT` trap: bash is PID 1 of its own PID
+/// namespace (as uid 1000), and a notice for the container signals its trainer, never PID 1 (whose
+/// death would take the whole namespace down).
+#[tokio::test]
+async fn a_bash_pid1_with_an_exit_trap_survives_the_notice() {
+    let (_tmp, work) = trainer_workdir();
+    let dir = work.join("ckpt");
+    let mut cmd = Command::new("unshare");
+    cmd.args([
+        "--pid",
+        "--fork",
+        "--kill-child",
+        "setpriv",
+        "--reuid=1000",
+        "--regid=1000",
+        "--clear-groups",
+        "bash",
+        "-c",
+        r#"trap 'rm -rf "$SCRATCH"' EXIT; sh -c "$HANDLER"; true"#,
+    ])
+    .env("SCRATCH", work.join("scratch"))
+    .env("HANDLER", HANDLER)
+    .env("DIR", &dir)
+    .env("STATE", "done")
+    .stdout(Stdio::null())
+    .stderr(Stdio::null());
+    let outer = Kid::spawn(cmd);
+    let proc = ProcFs::default();
+    let mut init = None;
+    eventually_blocking("the namespace's bash", Duration::from_secs(10), || {
+        init = proc.pids().unwrap().into_iter().find(|p| {
+            proc.status(*p).is_ok_and(|s| {
+                s.ppid == outer.pid() && s.ns_pid() == Some(1) && s.catches(Signal::USR1)
+            })
+        });
+        init.is_some()
+    });
+    let init = init.unwrap();
+    let init_start = target(init).start_time;
+    let trainer = trainer_of(init);
+    let mut group = host_group("ns", &dir, vec![target(init), target(trainer)], LONG);
+    group.containers[0].root_pid = Some(init);
+    let req = request(false);
+    let (_r, m) = metrics();
+    let deliveries = deliver(&[group], &req, &m);
+    assert_eq!(
+        deliveries[0].signalled_pids(),
+        vec![trainer],
+        "{:?}",
+        deliveries[0].containers[0].skipped
+    );
+    let results = wait(deliveries, &req, &m, &CancellationToken::new()).await;
+    assert_eq!(results[0].outcome, Outcome::Acked, "{}", results[0].detail);
+    assert!(proc.alive(init, init_start).unwrap(), "PID 1 lives");
+    assert!(work.join("scratch/part-0").exists());
+}
+
+/// A bash script that traps SIGUSR1 itself *and* has an `EXIT` trap cannot be told from a
+/// launcher by its masks: `handlers` leaves it alone (`no_handler`), and the operator's explicit
+/// `caught` signals it; it handles the signal and lives on.
+#[tokio::test]
+async fn the_caught_mode_signals_a_shell_that_handlers_leaves_alone() {
+    let (_tmp, work) = trainer_workdir();
+    let dir = work.join("ckpt");
+    let mut cmd = Command::new("bash");
+    cmd.arg("-c")
+        .arg(format!(r#"trap 'rm -rf "$SCRATCH"' EXIT{HANDLER}"#))
+        .env("SCRATCH", work.join("scratch"))
+        .env("DIR", &dir)
+        .env("STATE", "done")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    as_user(&mut cmd, TRAINER_UID);
+    let mut script = Kid::spawn(cmd);
+    wait_for_handler(script.pid());
+    let req = request(false);
+    let (_r, m) = metrics();
+    let group = host_group("script", &dir, vec![target(script.pid())], LONG);
+    let deliveries = deliver(std::slice::from_ref(&group), &req, &m);
+    assert_eq!(deliveries[0].state, DeliveryState::NoHandler);
+    let mut caught = group.clone();
+    caught.mode = TargetMode::Caught;
+    let deliveries = deliver(&[caught], &req, &m);
+    assert_eq!(deliveries[0].signalled_pids(), vec![script.pid()]);
+    let results = wait(deliveries, &req, &m, &CancellationToken::new()).await;
+    assert_eq!(results[0].outcome, Outcome::Acked, "{}", results[0].detail);
+    assert!(script.running());
+    assert!(work.join("scratch/part-0").exists());
 }
 
 // === host mode: warm candidates ===

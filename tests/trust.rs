@@ -8,6 +8,8 @@
 //! - one signal per notice whatever is lost: `notice.json` not writable (a full tmpfs), the plan
 //!   record not writable (a full tmpfs) or found truncated, each across an agent restart;
 //! - hibernate re-arms: the agent frozen (SIGSTOP) while the hibernate notice disappears;
+//!   another notice served during the resume hold, or after a restart that restored the handled
+//!   one's record, is signalled (issue 42);
 //! - bounded metadata bodies: an endless `instance-action` under the shipped 64 MiB memory limit;
 //! - SIGTERM after a restart with a hung (FUSE) checkpoint dir exits within the shutdown grace;
 //! - "notice accepted" logs the deadline the plan uses.
@@ -667,6 +669,86 @@ async fn one_404_after_the_action_time_never_handles_the_notice_again() {
     assert!(
         log.contains("no longer served after its action time"),
         "the 404 was never seen; log:\n{log}"
+    );
+}
+
+/// Issue 42 item 4, the resume variant: a hibernate notice is handled and leaves the metadata
+/// service (the resume hold starts); a *different* notice (a spot terminate for another time,
+/// another id) served during the hold is signalled at once, as a new life, not swallowed by the
+/// hold that only the same notice coming back may end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_notice_during_the_resume_hold_is_signalled_at_once() {
+    let h = Host::new();
+    let _t = h.trainer(true, 0.0, 0.0);
+    let emu = aws().await;
+    let agent = h.agent(&emu.base_url(), &["--checkpoint-timeout=5s"]);
+    agent.polling().await;
+    emu.raise(EmulatedNotice::interruption().action(Ec2Action::Hibernate))
+        .unwrap();
+    agent
+        .wait_log("\"plan outcome\"", Duration::from_secs(20))
+        .await;
+    emu.clear();
+    // The hold runs: the handled notice is gone after its action time.
+    agent
+        .wait_log(
+            "no longer served after its action time",
+            Duration::from_secs(20),
+        )
+        .await;
+    emu.raise(EmulatedNotice::interruption()).unwrap();
+    agent
+        .wait_metric(SIGNALS, 2.0, Duration::from_secs(30))
+        .await;
+    assert_eq!(h.signals(), 2, "the terminate is signalled");
+    let log = agent.log_text();
+    assert!(
+        log.contains("is served after the action time of the one it handled"),
+        "taken as a new notice, not as the end of the hold; log:\n{log}"
+    );
+    assert!(
+        !log.contains("stayed away for"),
+        "signalled only after the hold ran out; log:\n{log}"
+    );
+}
+
+/// Issue 42 item 4, the restart variant: the agent restarts after a handled hibernate notice left
+/// the metadata service (its record says the interruption was handled in this life); a different
+/// notice served then is signalled, the persisted record notwithstanding.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_restart_another_notice_than_the_recorded_one_is_signalled() {
+    let h = Host::new();
+    let _t = h.trainer(true, 0.0, 0.0);
+    let emu = aws().await;
+    let mut agent = h.agent(&emu.base_url(), &["--checkpoint-timeout=5s"]);
+    agent.polling().await;
+    emu.raise(EmulatedNotice::interruption().action(Ec2Action::Hibernate))
+        .unwrap();
+    agent
+        .wait_log("\"plan outcome\"", Duration::from_secs(20))
+        .await;
+    assert!(agent.terminate(Duration::from_secs(10)).is_some());
+    emu.clear();
+    let again = h.agent(&emu.base_url(), &["--checkpoint-timeout=5s"]);
+    again
+        .wait_log("found persisted plan state", Duration::from_secs(20))
+        .await;
+    again.polling().await;
+    emu.raise(EmulatedNotice::interruption()).unwrap();
+    again
+        .wait_metric(SIGNALS, 1.0, Duration::from_secs(30))
+        .await;
+    assert_eq!(
+        h.signals(),
+        2,
+        "the terminate is signalled after the restart"
+    );
+    assert!(
+        again
+            .log_text()
+            .contains("is served after the action time of the one it handled"),
+        "log:\n{}",
+        again.log_text()
     );
 }
 

@@ -9,7 +9,8 @@
 //!   `systemctl`.
 //! - **pidfile** `PATH`: the process whose PID the file holds *and its descendants running as the
 //!   same user* (a launcher such as torchrun or a shell script and its workers; with the `handlers`
-//!   target mode only those that catch the signal are hit). The pidfile is hostile input (host
+//!   target mode only the handlers among them are hit: never a shell catching every terminating
+//!   signal for an `EXIT` trap, see [`super::handler`]). The pidfile is hostile input (host
 //!   mode's checkpoint dir is often world-writable): it must be a regular file (opened with
 //!   `O_NOFOLLOW | O_NONBLOCK`, so a symlink or FIFO is refused, never followed or waited on) of at
 //!   most 64 bytes, owned by root or by the user the process runs as; PID 1 is never selected. A
@@ -74,6 +75,8 @@ pub struct HostTargets {
 pub struct HostDiscovery {
     targets: HostTargets,
     proc: ProcFs,
+    /// `--checkpoint-target`: which selected processes get the signal.
+    mode: TargetMode,
     /// The candidates of the latest background refresh (shared by clones).
     warm: Arc<Mutex<Option<Arc<Warm>>>>,
 }
@@ -123,6 +126,7 @@ impl HostDiscovery {
         HostDiscovery {
             targets,
             proc: ProcFs::default(),
+            mode: TargetMode::Handlers,
             warm: Arc::new(Mutex::new(None)),
         }
     }
@@ -318,6 +322,12 @@ impl HostDiscovery {
         self
     }
 
+    /// Signal the selected processes by `mode` (`--checkpoint-target`; `handlers` by default).
+    pub fn with_target_mode(mut self, mode: TargetMode) -> Self {
+        self.mode = mode;
+        self
+    }
+
     /// Blocking discovery (reads `/proc`); [`TargetDiscovery::discover`] runs it on a thread of
     /// its own.
     pub fn discover_blocking(&self) -> Result<Vec<TargetGroup>, Error> {
@@ -433,7 +443,7 @@ impl HostDiscovery {
                 init_pid,
                 processes,
             }],
-            mode: TargetMode::Handlers,
+            mode: self.mode,
             signal: self.targets.signal,
             dir: self.targets.dir.clone(),
             timeout: self.targets.timeout,

@@ -12,6 +12,7 @@ pub mod ack;
 pub mod cgroup;
 pub mod child;
 pub mod discover;
+pub mod handler;
 pub mod kube_discovery;
 pub mod podfs;
 pub mod pods;
@@ -32,9 +33,14 @@ pub use crate::node::PodRef;
 /// Which processes of a target get the signal.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum TargetMode {
-    /// Every process whose `SigCgt` has the signal and whose `SigIgn` does not.
+    /// Every handler ([`handler::judge`]): a process whose `SigCgt` has the signal and whose
+    /// `SigIgn` does not, unless it is a shell that catches every terminating signal (an `EXIT`
+    /// trap) or a launcher.
     #[default]
     Handlers,
+    /// Every process whose `SigCgt` has the signal and whose `SigIgn` does not, shells and
+    /// launchers included (the operator knows they handle it).
+    Caught,
     /// The container's init process (for launchers that forward signals).
     Pid1,
     /// Every process.
@@ -46,10 +52,11 @@ impl std::str::FromStr for TargetMode {
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         match s.trim() {
             "handlers" => Ok(TargetMode::Handlers),
+            "caught" => Ok(TargetMode::Caught),
             "pid1" => Ok(TargetMode::Pid1),
             "all" => Ok(TargetMode::All),
             other => Err(format!(
-                "unknown checkpoint target {other:?} (expected handlers, pid1 or all)"
+                "unknown checkpoint target {other:?} (expected handlers, caught, pid1 or all)"
             )),
         }
     }

@@ -584,6 +584,7 @@ mod tests {
             (SIGNAL, "SIGINT", |s| s.signal == Signal(libc::SIGINT)),
             (TARGET, "pid1", |s| s.mode == TargetMode::Pid1),
             (TARGET, "all", |s| s.mode == TargetMode::All),
+            (TARGET, "caught", |s| s.mode == TargetMode::Caught),
             (TARGET, "handlers", |s| s.mode == TargetMode::Handlers),
             (DIR, "/var/run/spotguard", |s| {
                 s.dir == Path::new("/var/run/spotguard")

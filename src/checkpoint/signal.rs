@@ -11,14 +11,18 @@ use std::os::fd::OwnedFd;
 
 use rustix::process::{pidfd_open, pidfd_send_signal, Pid, PidfdFlags};
 
+use super::handler::{self, Check, NotHandler};
 use super::procfs::{io_gone, is_gone, ProcFs};
 use super::{Error, Signal, TargetProcess};
 
 /// Why a discovered process was not signalled.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum NotSignalled {
-    /// `handlers` mode and the process does not catch the signal (or ignores it).
+    /// `handlers` or `caught` mode and the process does not catch the signal (or ignores it).
     NoHandler,
+    /// `handlers` mode and the process catches the signal but is no handler (a shell with an
+    /// `EXIT` trap, a launcher: [`super::handler`]); why.
+    NotAHandler(String),
     /// The process exited before it could be signalled.
     Gone,
     /// The PID now belongs to another process (start time differs).
@@ -39,6 +43,7 @@ impl NotSignalled {
     pub fn as_str(&self) -> &'static str {
         match self {
             NotSignalled::NoHandler => "no_handler",
+            NotSignalled::NotAHandler(_) => "not_a_handler",
             NotSignalled::Gone => "gone",
             NotSignalled::Recycled { .. } => "recycled",
             NotSignalled::Spotguard => "self",
@@ -56,6 +61,7 @@ impl fmt::Display for NotSignalled {
                 write!(f, "recycled (start time {found}, expected {expected})")
             }
             NotSignalled::Failed(reason) => write!(f, "error: {reason}"),
+            NotSignalled::NotAHandler(why) => write!(f, "not a handler: {why}"),
             other => f.write_str(other.as_str()),
         }
     }
@@ -90,13 +96,14 @@ fn rustix_signal(sig: Signal) -> Option<rustix::process::Signal> {
     None
 }
 
-/// Open a pidfd for `target`, re-check its start time and (when `require_handler`) that it
-/// catches `sig`. Reads `/proc` through `proc`; the pidfd is for the PID in this namespace.
+/// Open a pidfd for `target`, re-check its start time and what `check` asks (that it catches
+/// `sig`, or is a handler of it). Reads `/proc` through `proc`; the pidfd is for the PID in this
+/// namespace.
 pub fn prepare(
     proc: &ProcFs,
     target: &TargetProcess,
     sig: Signal,
-    require_handler: bool,
+    check: Check,
 ) -> Result<Prepared, NotSignalled> {
     if u32::try_from(target.pid).ok() == Some(std::process::id()) {
         return Err(NotSignalled::Spotguard);
@@ -132,8 +139,16 @@ pub fn prepare(
         return Err(NotSignalled::Gone);
     }
     let status = proc.status(target.pid).map_err(failed)?;
-    if require_handler && !status.catches(sig) {
-        return Err(NotSignalled::NoHandler);
+    match check {
+        Check::None => {}
+        Check::Caught if !status.catches(sig) => return Err(NotSignalled::NoHandler),
+        Check::Caught => {}
+        // The pidfd pins the process: its exe is the one checked.
+        Check::Handler => match handler::judge(proc, target.pid, &status, sig) {
+            Ok(()) => {}
+            Err(NotHandler::NotCaught) => return Err(NotSignalled::NoHandler),
+            Err(why) => return Err(NotSignalled::NotAHandler(why.to_string())),
+        },
     }
     Ok(Prepared {
         pid: target.pid,
@@ -201,7 +216,7 @@ mod tests {
             start_time: start,
         };
         assert_eq!(
-            prepare(&proc, &t, Signal::USR1, false).unwrap_err(),
+            prepare(&proc, &t, Signal::USR1, Check::None).unwrap_err(),
             NotSignalled::Spotguard
         );
 
@@ -217,7 +232,7 @@ mod tests {
             start_time: start + 1,
         };
         assert!(matches!(
-            prepare(&proc, &wrong, Signal::TERM, false),
+            prepare(&proc, &wrong, Signal::TERM, Check::None),
             Err(NotSignalled::Recycled { .. })
         ));
         let right = TargetProcess {
@@ -226,10 +241,10 @@ mod tests {
         };
         // `sleep` has no handler for SIGUSR1
         assert_eq!(
-            prepare(&proc, &right, Signal::USR1, true).unwrap_err(),
+            prepare(&proc, &right, Signal::USR1, Check::Handler).unwrap_err(),
             NotSignalled::NoHandler
         );
-        let p = prepare(&proc, &right, Signal::TERM, false).unwrap();
+        let p = prepare(&proc, &right, Signal::TERM, Check::None).unwrap();
         assert_eq!(p.ns_pid, pid);
         send(&p, Signal::TERM).unwrap();
         let status = child.wait().unwrap();
@@ -239,7 +254,7 @@ mod tests {
         let err = send(&p, Signal::TERM).unwrap_err();
         assert_eq!(send_failure(&err), NotSignalled::Gone);
         assert!(matches!(
-            prepare(&proc, &right, Signal::TERM, false),
+            prepare(&proc, &right, Signal::TERM, Check::None),
             Err(NotSignalled::Gone | NotSignalled::Recycled { .. })
         ));
     }

@@ -9,7 +9,7 @@ use regex::Regex;
 
 use super::parse::*;
 use super::{Dataset, GpuMode, Setting};
-use crate::checkpoint::Signal;
+use crate::checkpoint::{Signal, TargetMode};
 use crate::notice::Cloud;
 
 /// Mode of operation.
@@ -277,6 +277,12 @@ pub struct RunArgs {
     /// Host mode: where notice.json is written and acks are read.
     #[arg(long, env = "SPOTGUARD_CHECKPOINT_DIR", value_name = "DIR", default_value = "/run/spotguard", value_parser = parse_abs_path, help_heading = HOST_MODE)]
     pub checkpoint_dir: PathBuf,
+
+    /// Host mode: which selected processes get the signal: `handlers` (those that catch it, but
+    /// never a shell catching every terminating signal for an EXIT trap, nor a launcher) or
+    /// `caught` (every one that catches it, shells and launchers included).
+    #[arg(long, env = "SPOTGUARD_CHECKPOINT_TARGET", value_name = "MODE", default_value = "handlers", value_parser = parse_host_target, help_heading = HOST_MODE)]
+    pub checkpoint_target: TargetMode,
 
     /// Host mode: persisted state (notice id, phase).
     #[arg(long, env = "SPOTGUARD_STATE_DIR", value_name = "DIR", default_value = "/var/lib/spotguard", value_parser = parse_abs_path, help_heading = HOST_MODE)]

@@ -6,7 +6,7 @@ use std::time::Duration;
 use regex::Regex;
 
 use super::{Dataset, WebhookHeader};
-use crate::checkpoint::Signal;
+use crate::checkpoint::{Signal, TargetMode};
 
 pub(super) fn parse_webhook_header(s: &str) -> Result<WebhookHeader, String> {
     crate::webhook::parse_header(s).map(|(n, v)| WebhookHeader(n, v))
@@ -99,6 +99,18 @@ pub(super) fn parse_cmdline_regex(s: &str) -> Result<Regex, String> {
             "{s:?} matches every command line ({why}): a notice would signal every process on the host; name the trainer, e.g. 'torchrun|train\\.py'"
         )),
         None => Ok(re),
+    }
+}
+
+/// `--checkpoint-target`: the target modes host mode has (`pid1` and `all` name a container's
+/// processes, a pod annotation's business).
+pub(super) fn parse_host_target(s: &str) -> Result<TargetMode, String> {
+    match s.trim() {
+        "handlers" => Ok(TargetMode::Handlers),
+        "caught" => Ok(TargetMode::Caught),
+        other => Err(format!(
+            "unknown host checkpoint target {other:?}: use handlers (the default) or caught"
+        )),
     }
 }
 
@@ -210,5 +222,18 @@ mod tests {
         assert!(parse_dataset("s3://b/p").is_ok(), "bare URL: name derived");
         assert!(parse_dataset("../x=s3://b/p").is_err());
         assert!(parse_dataset("n=http://b/p").is_err());
+    }
+
+    #[test]
+    fn host_targets_are_handlers_or_caught() {
+        assert_eq!(parse_host_target("handlers"), Ok(TargetMode::Handlers));
+        assert_eq!(parse_host_target(" caught "), Ok(TargetMode::Caught));
+        for other in ["pid1", "all", "", "HANDLERS"] {
+            let err = parse_host_target(other).unwrap_err();
+            assert!(
+                err.contains("use handlers (the default) or caught"),
+                "{err}"
+            );
+        }
     }
 }

@@ -1,7 +1,9 @@
 //! Waiting for the training program: the drill raises its notice only after some process in the
-//! command's tree catches the checkpoint signal (`SigCgt` has it, `SigIgn` does not — what the
-//! agent's `handlers` mode checks), so a slow start-up (`import torch`, torchrun spawning workers)
-//! is never mistaken for a missing handler.
+//! command's tree is a handler of the checkpoint signal (what the agent's `handlers` mode checks:
+//! `SigCgt` has it, `SigIgn` does not, and it is not a shell catching everything for an `EXIT` trap
+//! nor a launcher, see `checkpoint::handler`), so a slow start-up (`import torch`, torchrun
+//! spawning workers) is never mistaken for a missing handler, and a launcher script's `EXIT` trap is
+//! not taken for one.
 
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
@@ -55,7 +57,7 @@ pub fn tree(proc: &ProcFs, root: i32) -> Vec<i32> {
     out
 }
 
-/// The first process of `root`'s tree (root first) that catches `sig`.
+/// The first process of `root`'s tree (root first) that is a handler of `sig`.
 pub fn find_handler(proc: &ProcFs, root: i32, sig: Signal) -> Option<Handler> {
     let mut pids = tree(proc, root);
     pids.sort_unstable();
@@ -65,9 +67,7 @@ pub fn find_handler(proc: &ProcFs, root: i32, sig: Signal) -> Option<Handler> {
     }
     pids.into_iter().find_map(|pid| {
         let status = proc.status(pid).ok()?;
-        if !status.catches(sig) {
-            return None;
-        }
+        crate::checkpoint::handler::judge(proc, pid, &status, sig).ok()?;
         let argv = proc.cmdline(pid).unwrap_or_default();
         let command = if argv.is_empty() {
             status.name.clone()
@@ -155,6 +155,34 @@ mod tests {
         assert!(found.command.contains("-c import signal"), "{found:?}");
         assert!(!proc.status(root).unwrap().catches(Signal::USR1));
         assert!(tree(&proc, root).contains(&found.pid));
+        let _ = child.kill();
+        // SAFETY: kill(2) of the grandchild we found (still ours to clean up).
+        unsafe { libc::kill(found.pid, libc::SIGKILL) };
+        let _ = child.wait();
+    }
+
+    #[test]
+    fn a_launcher_script_with_an_exit_trap_is_not_taken_for_the_handler() {
+        let proc = ProcFs::new("/proc");
+        // bash catches SIGUSR1 for its EXIT trap (and would die of it); its python child handles it.
+        let mut child = Command::new("bash")
+            .arg("-c")
+            .arg("trap 'true' EXIT; python3 -c 'import signal,time; signal.signal(signal.SIGUSR1, lambda *a: None); time.sleep(30)'; true")
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .expect("spawn bash");
+        let root = child.id() as i32;
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        let found = loop {
+            if let Some(h) = find_handler(&proc, root, Signal::USR1) {
+                break h;
+            }
+            assert!(std::time::Instant::now() < deadline, "no handler found");
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        assert!(proc.status(root).unwrap().catches(Signal::USR1));
+        assert_ne!(found.pid, root, "bash with an EXIT trap is no handler");
+        assert!(found.command.contains("-c import signal"), "{found:?}");
         let _ = child.kill();
         // SAFETY: kill(2) of the grandchild we found (still ours to clean up).
         unsafe { libc::kill(found.pid, libc::SIGKILL) };

@@ -342,6 +342,7 @@ impl Responder {
                 "the interruption it handled is no longer served after its action time: a resume from hibernation if it stays away for the hold"
             ),
             Decision::StartInterruption(n) => self.on_interruption(st, n).await,
+            Decision::NewInterruption(n) => self.on_new_interruption(st, n, now).await,
             Decision::DeadlineMoved(d) => self.on_deadline_moved(st, d),
             Decision::New(n) => self.on_new_notice(st, n, false, now).await,
             Decision::Updated(n) => self.on_new_notice(st, n, true, now).await,
@@ -547,6 +548,23 @@ impl Responder {
         }
     }
 
+    /// Another interruption after the handled one's action time: the machine went through that
+    /// one, so this is a new life (whatever hold was running or record was restored), and the new
+    /// notice is its first interruption, started at once.
+    async fn on_new_interruption(&self, st: &mut Loop, n: Notice, now: Timestamp) {
+        let why = format!(
+            "another interruption ({}) is served after the action time of the one it handled",
+            n.id
+        );
+        self.on_resumed(st, &why, true).await;
+        match st.store.accept(&n, now) {
+            Decision::StartInterruption(n) => self.on_interruption(st, n).await,
+            other => {
+                warn!(notice_id = %n.id, decision = other.label(), "a new life's store did not start its first interruption")
+            }
+        }
+    }
+
     /// Shutdown: monitors have stopped; an in-flight plan gets the grace period.
     async fn shut_down(&self, mut st: Loop) {
         for (_, s) in st.scheduled.drain() {
@@ -620,7 +638,10 @@ impl Responder {
     /// clamped into EC2's two minutes after first sight, or "now" when past).
     fn count_notice(&self, notice: &Notice, decision: &Decision, now: Timestamp) {
         let notice = match decision {
-            Decision::StartInterruption(n) | Decision::New(n) | Decision::Updated(n) => n,
+            Decision::StartInterruption(n)
+            | Decision::NewInterruption(n)
+            | Decision::New(n)
+            | Decision::Updated(n) => n,
             Decision::Cancel(_) | Decision::GoneAfterAction(_) => notice,
             Decision::DeadlineMoved(_) | Decision::Duplicate => return,
         };

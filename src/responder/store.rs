@@ -8,8 +8,18 @@
 //!   staying away, means the machine went through the action and came back (an EC2 spot
 //!   hibernation): a new life ([`NoticeStore::resume_due`] names it once the absence has held for
 //!   the hold the responder gives, see [`resume_hold`]). One missing answer is no proof: any
-//!   interruption served again before then ends the absence and is the same notice. Before its
-//!   action time a disappearance is nothing (an interruption is terminal).
+//!   interruption served again before then ends the absence. Before its action time a
+//!   disappearance is nothing (an interruption is terminal).
+//! - After the handled interruption's action time, only the *same* notice is swallowed: an
+//!   interruption with other content (another id: another action or another time) means the
+//!   machine went through the handled one and this is a new interruption
+//!   ([`Decision::NewInterruption`]), whatever hold is running or record was restored. It is
+//!   taken at its first answer when the handled notice was seen unchanged for at least
+//!   [`RESTAMP_GRAIN`] (its source gives each notice a fixed content); otherwise (an agent restarted
+//!   with only the record, or a notice seen for less than that) once the new content is served
+//!   again unchanged at least [`RESTAMP_GRAIN`] later. A source that re-stamps the `time` on every
+//!   answer (AWS's ec2-metadata-mock) never serves one content that long, so its answers stay the
+//!   one interruption handled.
 //! - One rebalance recommendation per life: the first starts its plan, every later rebalance
 //!   notice of the same life is a duplicate, whatever its `noticeTime` (AWS's own metadata mock
 //!   stamps it with the request time on every poll).
@@ -39,6 +49,9 @@ pub enum Decision {
     StartInterruption(Notice),
     /// A later interruption notice with an earlier deadline.
     DeadlineMoved(Timestamp),
+    /// An interruption with other content than the one handled, served after the handled one's
+    /// action time: the machine went through that one (a new life), and this one starts its plan.
+    NewInterruption(Notice),
     /// A new rebalance or maintenance notice.
     New(Notice),
     /// A known maintenance notice whose window changed.
@@ -59,6 +72,7 @@ impl Decision {
         match self {
             Decision::StartInterruption(_) => "start_interruption",
             Decision::DeadlineMoved(_) => "deadline_moved",
+            Decision::NewInterruption(_) => "new_interruption",
             Decision::New(_) => "new",
             Decision::Updated(_) => "updated",
             Decision::Cancel(_) => "cancel",
@@ -83,15 +97,41 @@ struct Seen {
 #[derive(Debug, Default)]
 pub struct NoticeStore {
     interruption: Option<(String, Timestamp)>,
-    /// The id under which the source last served the interruption (it may change on every poll).
+    /// The id under which the source last served an interruption (it may change on every poll).
     interruption_last_id: Option<String>,
+    /// The id under which the source last served the handled interruption's content.
+    handled_last_id: Option<String>,
     /// The rebalance recommendation of this life, once one was accepted.
     rebalance: Option<String>,
     seen: HashMap<String, Seen>,
     /// The handled interruption left its source after its action time: its id and since when
     /// (by the responder's clock). Cleared by any interruption served again.
     gone: Option<(String, Timestamp)>,
+    /// What the source's answers showed of the handled interruption's content.
+    content: Content,
+    /// An interruption with other content after the handled one's action time, waiting to be
+    /// served again unchanged: its id and when it was first answered.
+    candidate: Option<(String, Timestamp)>,
 }
+
+/// Whether the handled interruption's id names its content ([`NoticeStore::accept`]).
+#[derive(Debug, Default)]
+enum Content {
+    /// Not known (no answer yet in this run, or answers less than [`RESTAMP_GRAIN`] apart).
+    #[default]
+    Unknown,
+    /// One id since `since`; fixed once seen unchanged for [`RESTAMP_GRAIN`].
+    Served { id: String, since: Timestamp },
+    /// The same id in answers at least [`RESTAMP_GRAIN`] apart, never another: fixed content.
+    Fixed,
+    /// Served under another id without leaving: the source re-stamps its answers.
+    Restamped,
+}
+
+/// How long one content must be served unchanged to show that its source does not re-stamp it:
+/// ec2-metadata-mock stamps the `time` with the request's second, so any two of its answers a
+/// second apart differ; two seconds leave a second for an answer's way to the store.
+pub const RESTAMP_GRAIN: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// The least time the handled interruption must stay away after its action time before its
 /// absence counts as a resume from hibernation, whatever the poll interval.
@@ -120,9 +160,14 @@ impl NoticeStore {
         self.interruption.as_ref().map(|(id, d)| (id.as_str(), *d))
     }
 
-    /// Restore an interruption plan persisted by an earlier run of the agent.
+    /// Restore an interruption plan persisted by an earlier run of the agent. What its source
+    /// serves is not known yet: other content is taken only once served unchanged for
+    /// [`RESTAMP_GRAIN`].
     pub fn restore_interruption(&mut self, id: &str, deadline: Timestamp) {
         self.interruption = Some((id.to_string(), deadline));
+        self.handled_last_id = Some(id.to_string());
+        self.content = Content::Unknown;
+        self.candidate = None;
     }
 
     /// Restore a rebalance/maintenance notice persisted by an earlier run (so re-polls dedupe).
@@ -211,22 +256,76 @@ impl NoticeStore {
         // Served again: whatever went missing in between was not a resume.
         self.gone = None;
         let deadline = crate::duration::effective_deadline(checked_deadline(notice), now);
+        let Some((handled, current)) = &mut self.interruption else {
+            self.interruption = Some((notice.id.clone(), deadline));
+            self.interruption_last_id = Some(notice.id.clone());
+            self.handled_last_id = Some(notice.id.clone());
+            self.content = Content::Served {
+                id: notice.id.clone(),
+                since: now,
+            };
+            let mut n = notice.clone();
+            n.deadline = Some(deadline);
+            return Decision::StartInterruption(n);
+        };
         self.interruption_last_id = Some(notice.id.clone());
-        match &mut self.interruption {
-            None => {
-                self.interruption = Some((notice.id.clone(), deadline));
-                let mut n = notice.clone();
-                n.deadline = Some(deadline);
-                Decision::StartInterruption(n)
-            }
-            // Restated a hair earlier (a deadline the source computes again on each answer, to
-            // the millisecond) is the same deadline: only a real move counts.
-            Some((_, current)) if crate::duration::until(*current, deadline) >= DEADLINE_MOVE => {
-                *current = deadline;
-                Decision::DeadlineMoved(deadline)
-            }
-            Some(_) => Decision::Duplicate,
+        let same = notice.id == *handled || self.handled_last_id.as_ref() == Some(&notice.id);
+        if !same && now >= *current {
+            // After the handled one's action time: other content is another interruption, once
+            // its source is known to give a notice one content.
+            return self.other_content(notice, now);
         }
+        self.candidate = None;
+        self.content = match std::mem::take(&mut self.content) {
+            Content::Unknown => Content::Served {
+                id: notice.id.clone(),
+                since: now,
+            },
+            Content::Served { id, .. } if id != notice.id => Content::Restamped,
+            Content::Served { id, since } => {
+                if crate::duration::until(now, since) >= RESTAMP_GRAIN {
+                    Content::Fixed
+                } else {
+                    Content::Served { id, since }
+                }
+            }
+            Content::Fixed if self.handled_last_id.as_ref() != Some(&notice.id) => {
+                Content::Restamped
+            }
+            other => other,
+        };
+        self.handled_last_id = Some(notice.id.clone());
+        // Restated a hair earlier (a deadline the source computes again on each answer, to
+        // the millisecond) is the same deadline: only a real move counts.
+        if crate::duration::until(*current, deadline) >= DEADLINE_MOVE {
+            *current = deadline;
+            return Decision::DeadlineMoved(deadline);
+        }
+        Decision::Duplicate
+    }
+
+    /// `notice` has other content than the handled interruption, whose action time has passed.
+    fn other_content(&mut self, notice: &Notice, now: Timestamp) -> Decision {
+        let new = match (&self.content, &self.candidate) {
+            (Content::Restamped, _) => false,
+            (Content::Fixed, _) => true,
+            (_, Some((id, since))) if *id == notice.id => {
+                crate::duration::until(now, *since) >= RESTAMP_GRAIN
+            }
+            _ => {
+                self.candidate = Some((notice.id.clone(), now));
+                false
+            }
+        };
+        if !new {
+            return Decision::Duplicate;
+        }
+        let mut n = notice.clone();
+        n.deadline = Some(crate::duration::effective_deadline(
+            checked_deadline(notice),
+            now,
+        ));
+        Decision::NewInterruption(n)
     }
 
     fn accept_other(&mut self, notice: &Notice) -> Decision {
@@ -344,6 +443,7 @@ mod tests {
         let all = [
             Decision::StartInterruption(n.clone()),
             Decision::DeadlineMoved(ts(1)),
+            Decision::NewInterruption(n.clone()),
             Decision::New(n.clone()),
             Decision::Updated(n),
             Decision::Cancel("a".into()),
@@ -475,6 +575,111 @@ mod tests {
         assert_eq!(s.accept(&n, ts(41)), Decision::Duplicate);
         assert_eq!(s.resume_due(ts(1000), hold), None);
         assert_eq!(s.interruption().map(|(id, _)| id), Some("i-1"));
+    }
+
+    /// The handled interruption, served unchanged for longer than [`RESTAMP_GRAIN`] from ts(0)
+    /// (its action time ts(30)), then gone at ts(40): the resume hold runs.
+    fn handled_and_gone() -> (NoticeStore, Notice) {
+        let mut s = NoticeStore::new();
+        let n = notice("i-hibernate", NoticeKind::Interruption, Some(30));
+        assert!(matches!(
+            s.accept(&n, ts(0)),
+            Decision::StartInterruption(_)
+        ));
+        for at in 1..=5 {
+            assert_eq!(s.accept(&n, ts(at)), Decision::Duplicate);
+        }
+        let gone = notice("x", NoticeKind::Cancelled("i-hibernate".into()), None);
+        assert_eq!(
+            s.accept(&gone, ts(40)),
+            Decision::GoneAfterAction("i-hibernate".into())
+        );
+        (s, n)
+    }
+
+    #[test]
+    fn another_interruption_during_the_resume_hold_is_new_at_once() {
+        let (mut s, handled) = handled_and_gone();
+        let mut other = notice("i-terminate", NoticeKind::Interruption, Some(100));
+        other.observed_at = ts(43);
+        match s.accept(&other, ts(43)) {
+            Decision::NewInterruption(n) => {
+                assert_eq!(n.id, "i-terminate");
+                assert_eq!(n.deadline, Some(ts(100)));
+            }
+            d => panic!("{d:?}"),
+        }
+        // The same notice coming back instead is still swallowed, and no resume.
+        let (mut s, _) = handled_and_gone();
+        assert_eq!(s.accept(&handled, ts(41)), Decision::Duplicate);
+        assert_eq!(s.resume_due(ts(1000), Duration::from_secs(10)), None);
+    }
+
+    #[test]
+    fn after_a_restart_another_interruption_is_new_once_served_unchanged() {
+        let mut s = NoticeStore::new();
+        s.restore_interruption("i-hibernate", ts(30));
+        let mut other = notice("i-terminate", NoticeKind::Interruption, Some(200));
+        other.observed_at = ts(41);
+        // The restored one again: the same notice.
+        let handled = notice("i-hibernate", NoticeKind::Interruption, Some(30));
+        assert_eq!(s.accept(&handled, ts(40)), Decision::Duplicate);
+        assert_eq!(
+            s.accept(&other, ts(41)),
+            Decision::Duplicate,
+            "first answer"
+        );
+        assert_eq!(
+            s.accept(&other, ts(42)),
+            Decision::Duplicate,
+            "within the grain"
+        );
+        assert!(matches!(
+            s.accept(&other, ts(43)),
+            Decision::NewInterruption(ref n) if n.id == "i-terminate"
+        ));
+        // Before the handled one's action time, other content is the same interruption.
+        let mut s = NoticeStore::new();
+        s.restore_interruption("i-1", ts(100));
+        for at in [1, 5, 10] {
+            assert_eq!(
+                s.accept(&notice("i-2", NoticeKind::Interruption, Some(120)), ts(at)),
+                Decision::Duplicate
+            );
+        }
+    }
+
+    #[test]
+    fn a_source_that_restamps_its_answers_never_looks_new() {
+        // Every answer another id (a `time` of the request's second), the action time passed.
+        let mut s = NoticeStore::new();
+        let answer = |t: i64| {
+            let mut n = notice(&format!("i-{t}"), NoticeKind::Interruption, Some(t));
+            n.observed_at = ts(t);
+            n
+        };
+        assert!(matches!(
+            s.accept(&answer(0), ts(0)),
+            Decision::StartInterruption(_)
+        ));
+        for t in 1..60 {
+            assert_eq!(s.accept(&answer(t), ts(t)), Decision::Duplicate, "at {t}");
+        }
+        // A 404 between answers (the flap): still the one interruption.
+        let gone = notice("x", NoticeKind::Cancelled("i-59".into()), None);
+        assert_eq!(
+            s.accept(&gone, ts(60)),
+            Decision::GoneAfterAction("i-59".into())
+        );
+        for t in 61..70 {
+            assert_eq!(s.accept(&answer(t), ts(t)), Decision::Duplicate, "at {t}");
+        }
+        // After a restart too: a re-stamped answer changes before it could be taken.
+        let mut s = NoticeStore::new();
+        s.restore_interruption("i-0", ts(0));
+        for t in 100..110 {
+            assert_eq!(s.accept(&answer(t), ts(t)), Decision::Duplicate, "at {t}");
+        }
     }
 
     #[test]

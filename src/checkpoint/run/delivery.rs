@@ -17,6 +17,7 @@ use jiff::Timestamp;
 use super::dir::{file_job, Claimed, DirSlot, FileJob, FileTask, Tell, Told};
 use super::threads::{count_stuck, spawn_thread, Counters};
 use super::{group_span, CheckpointRequest, Prior, Signalled, DELIVER_BUDGET, NOTICE_BUDGET};
+use crate::checkpoint::handler::Check;
 use crate::checkpoint::procfs::{clock_ticks_per_second, ProcFs};
 use crate::checkpoint::protocol::NoticeFile;
 use crate::checkpoint::signal::{self, NotSignalled, Prepared};
@@ -339,7 +340,9 @@ struct PendingFile {
 /// The processes of a container to consider, by target mode.
 fn candidates(c: &TargetContainer, mode: TargetMode) -> Result<Vec<&TargetProcess>, String> {
     match mode {
-        TargetMode::Handlers | TargetMode::All => Ok(c.processes.iter().collect()),
+        TargetMode::Handlers | TargetMode::Caught | TargetMode::All => {
+            Ok(c.processes.iter().collect())
+        }
         TargetMode::Pid1 => {
             let init = c.init_pid.ok_or_else(|| {
                 "target pid1: the container's init process is unknown".to_string()
@@ -444,17 +447,20 @@ fn prepare_container(
         error: None,
         dir: DirSlot::None,
     };
-    let require_handler = group.mode == TargetMode::Handlers;
+    let check = Check::of(group.mode);
     let mut prepared = Vec::new();
     match candidates(c, group.mode) {
         Ok(targets) => {
             for t in targets {
-                match signal::prepare(proc, t, group.signal, require_handler) {
+                match signal::prepare(proc, t, group.signal, check) {
                     Ok(p) => prepared.push(p),
                     Err(reason) => {
                         if let NotSignalled::Failed(e) = &reason {
                             tracing::warn!(pid = t.pid, error = %e, "cannot check checkpoint target");
                             counters.error("prepare");
+                        }
+                        if let NotSignalled::NotAHandler(why) = &reason {
+                            tracing::info!(pid = t.pid, group = %group.name, "not signalled: {why} (target mode `caught` signals it)");
                         }
                         cd.skipped.push(SkippedProcess { pid: t.pid, reason });
                     }
