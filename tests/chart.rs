@@ -1200,7 +1200,23 @@ async fn the_charts_policy_holds_the_agents_token_to_its_own_node() {
         .await;
     assert!(ran.ok, "applying the chart's policy: {}", ran.stderr);
 
-    // The release's ServiceAccount, with the shipped ClusterRole's rights.
+    // The release's ServiceAccount, with the shipped ClusterRole's rights (applied again: the
+    // kustomize removal test deletes every object labelled as spotguard's).
+    let clusterrole = repo_root().join("daemonset/clusterrole.yaml");
+    let ran = t
+        .kubectl(
+            &[
+                "apply",
+                "--server-side",
+                "--force-conflicts",
+                "--field-manager=spotguard-chart-test",
+                "-f",
+                &clusterrole.display().to_string(),
+            ],
+            None,
+        )
+        .await;
+    assert!(ran.ok, "applying the shipped ClusterRole: {}", ran.stderr);
     let admin = t.k.admin();
     let sa = ServiceAccount {
         metadata: kube::api::ObjectMeta {
