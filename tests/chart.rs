@@ -1160,16 +1160,19 @@ async fn the_charts_policy_holds_the_agents_token_to_its_own_node() {
     use k8s_openapi::api::rbac::v1::{ClusterRoleBinding, RoleRef, Subject};
     use spotguard::node::kube::KubeNodeOps;
     use spotguard::node::{reason, EventType, NodeOps, Protection, TaintEffect};
-    use spotguard_testkit::k8s::controlplane::AGENT_NAMESPACE;
 
     let _cluster_wide = CLUSTER_WIDE.lock().await;
     let t = Tools::start().await;
     let helm = helms().pop().unwrap();
     let release = format!("pol-{}", t.k.id());
+    // A namespace of its own: the kustomize removal test deletes the agents' namespace, which
+    // goes on terminating after it (the policy names whatever namespace it is rendered for).
+    let agent_ns = t.k.namespace("pol").await;
+    let agent_ns = agent_ns.as_str();
     let rendered = template(
         &t,
         &helm,
-        AGENT_NAMESPACE,
+        agent_ns,
         &[
             "--set",
             &format!("fullnameOverride={release}"),
@@ -1180,9 +1183,7 @@ async fn the_charts_policy_holds_the_agents_token_to_its_own_node() {
     .await
     .unwrap();
     assert!(
-        rendered.contains(&format!(
-            "system:serviceaccount:{AGENT_NAMESPACE}:{release}"
-        )),
+        rendered.contains(&format!("system:serviceaccount:{agent_ns}:{release}")),
         "{rendered}"
     );
     let ran = t
@@ -1204,12 +1205,12 @@ async fn the_charts_policy_holds_the_agents_token_to_its_own_node() {
     let sa = ServiceAccount {
         metadata: kube::api::ObjectMeta {
             name: Some(release.clone()),
-            namespace: Some(AGENT_NAMESPACE.into()),
+            namespace: Some(agent_ns.into()),
             ..Default::default()
         },
         ..Default::default()
     };
-    Api::<ServiceAccount>::namespaced(admin.clone(), AGENT_NAMESPACE)
+    Api::<ServiceAccount>::namespaced(admin.clone(), agent_ns)
         .create(&Default::default(), &sa)
         .await
         .unwrap();
@@ -1226,7 +1227,7 @@ async fn the_charts_policy_holds_the_agents_token_to_its_own_node() {
         subjects: Some(vec![Subject {
             kind: "ServiceAccount".into(),
             name: release.clone(),
-            namespace: Some(AGENT_NAMESPACE.into()),
+            namespace: Some(agent_ns.into()),
             ..Default::default()
         }]),
     };
@@ -1240,10 +1241,10 @@ async fn the_charts_policy_holds_the_agents_token_to_its_own_node() {
     let node_b = t.k.node(t.k.node_config("chart-b")).await;
     let (a, b) = (node_a.name().to_string(), node_b.name().to_string());
     let client_a =
-        t.k.pod_bound_client(&a, AGENT_NAMESPACE, &format!("{release}-a"), &release)
+        t.k.pod_bound_client(&a, agent_ns, &format!("{release}-a"), &release)
             .await;
     let client_b =
-        t.k.pod_bound_client(&b, AGENT_NAMESPACE, &format!("{release}-b"), &release)
+        t.k.pod_bound_client(&b, agent_ns, &format!("{release}-b"), &release)
             .await;
     let ops = |client: &kube::Client, node: &str| {
         let metrics = std::sync::Arc::new(spotguard::metrics::Metrics::register(

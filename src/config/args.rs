@@ -172,8 +172,8 @@ pub struct RunArgs {
     pub force_delete_at_deadline: bool,
 
     /// How long the goodput record of a pod without a controller is kept (Kubernetes; a job's
-    /// records go with the job).
-    #[arg(long, env = "SPOTGUARD_GOODPUT_RECORD_TTL", value_name = "DURATION", default_value = "7d", value_parser = parse_positive_duration, help_heading = OBSERVABILITY)]
+    /// records go with the job); at least 1h, at most 366d.
+    #[arg(long, env = "SPOTGUARD_GOODPUT_RECORD_TTL", value_name = "DURATION", default_value = "7d", value_parser = parse_record_ttl, help_heading = OBSERVABILITY)]
     pub goodput_record_ttl: Duration,
 
     /// Log every action it would take; mutate nothing, signal nothing.

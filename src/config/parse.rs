@@ -69,6 +69,11 @@ pub(super) fn parse_nonzero_hour(s: &str) -> Result<Duration, String> {
     within(s, NONZERO, HOUR)
 }
 
+/// `--goodput-record-ttl`: 1h to 366d.
+pub(super) fn parse_record_ttl(s: &str) -> Result<Duration, String> {
+    within(s, HOUR, 366 * DAY)
+}
+
 /// `--drain-reserve`, `--shutdown-grace`: 0 to 1h.
 pub(super) fn parse_hour(s: &str) -> Result<Duration, String> {
     within(s, Duration::ZERO, HOUR)

@@ -332,10 +332,14 @@ impl KubeLedger {
                 return answer.clone();
             }
         }
-        let asked = self.runtime.block_on(tokio::time::timeout(
-            LOOKUP_LIMIT,
-            recorded_interruption(&self.client, namespace, owner_uid, notice_id),
-        ));
+        // The timer is made inside the runtime (block_on enters it): this is the pass's thread.
+        let asked = self.runtime.block_on(async {
+            tokio::time::timeout(
+                LOOKUP_LIMIT,
+                recorded_interruption(&self.client, namespace, owner_uid, notice_id),
+            )
+            .await
+        });
         let answer = match asked {
             Ok(Ok(found)) => found.as_ref().map(RecordedInterruption::of),
             Ok(Err(e)) => {

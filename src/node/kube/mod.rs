@@ -258,12 +258,13 @@ impl NodeOps for KubeNodeOps {
         };
         let regarding = events::pod_reference(pod);
         // The Event is the notification; the ledger's object is the record that lasts. One
-        // failing does not keep the other from being written.
+        // failing does not keep the other from being written; the record's failure is the one
+        // reported when both fail.
         let event = self
             .emit_with(&pod.namespace, regarding, extra, kind, reason, message)
             .await;
         let record = self.write_record(pod, record, related.as_ref()).await;
-        event.and(record)
+        record.and(event)
     }
 
     async fn load_state(&self) -> Result<Option<String>, Error> {
