@@ -6,7 +6,9 @@
 //!
 //! - host mode: a `--checkpoint-cmdline` target; `warm` re-reads the candidates a background
 //!   refresh kept (`HostDiscovery::discover_with`, the refresh itself made before the trial, as
-//!   the agent's background task makes it), `full` reads every process (`discover_full`);
+//!   the agent's background task makes it), `full` reads every process (`discover_full`); with
+//!   the other processes started 2 s before the trials (recent: a notice soon after a burst of new
+//!   processes) and long before them (older than `RECENT`);
 //! - Kubernetes mode: the target in a kubelet-shaped container cgroup (systemd driver, Burstable);
 //!   `cgroup` reads that container's `cgroup.procs` at its located directory (`find_containers`),
 //!   `full` scans every `/proc/*/cgroup` (`ProcIndex::scan`).
@@ -167,7 +169,7 @@ fn trial(
     drop(kid);
 }
 
-fn host_mode(dir: &Path, trials: usize, n: usize) -> Vec<(String, f64, f64)> {
+fn host_mode(dir: &Path, trials: usize, n: usize, when: &str) -> Vec<(String, f64, f64)> {
     let token = format!("sg-bench-{:016x}", fastrand::u64(..));
     let d = HostDiscovery::new(HostTargets {
         units: Vec::new(),
@@ -210,8 +212,8 @@ fn host_mode(dir: &Path, trials: usize, n: usize) -> Vec<(String, f64, f64)> {
             }
         }
     }
-    let (wp99, wcpu) = warm.row(&format!("host, {n} others, warm (new)"));
-    let (fp99, fcpu) = full.row(&format!("host, {n} others, full scan (old)"));
+    let (wp99, wcpu) = warm.row(&format!("host, {n} others started {when}, warm (new)"));
+    let (fp99, fcpu) = full.row(&format!("host, {n} others started {when}, full scan (old)"));
     refresh_cpu.sort_by(f64::total_cmp);
     println!(
         "|   background refresh, per run (every ≥ {} s) | | | {:.2} | {:.2} |",
@@ -220,8 +222,8 @@ fn host_mode(dir: &Path, trials: usize, n: usize) -> Vec<(String, f64, f64)> {
         percentile(&refresh_cpu, 99.0)
     );
     vec![
-        (format!("host {n} new"), wp99, wcpu),
-        (format!("host {n} old"), fp99, fcpu),
+        (format!("host {n} started {when} new"), wp99, wcpu),
+        (format!("host {n} started {when} old"), fp99, fcpu),
     ]
 }
 
@@ -336,9 +338,15 @@ fn main() {
             "{n} sleepers do not fit under pid_max {pid_max}"
         );
         let others = sleepers(n, dir.path());
-        // the sleepers are not recent any more (host mode re-reads recent processes)
-        std::thread::sleep(spotguard::checkpoint::discover::RECENT + Duration::from_secs(1));
-        summary.extend(host_mode(dir.path(), trials, n));
+        let started = std::time::Instant::now();
+        // a burst of processes just before the notices (the notice of an agent started beside
+        // them, 2–7 s later): recent, but settled (forks that never exec'd, past SETTLE_AGE)
+        std::thread::sleep(Duration::from_secs(2));
+        summary.extend(host_mode(dir.path(), trials, n, "2 s before"));
+        // ... and long before: not recent any more
+        let old = spotguard::checkpoint::discover::RECENT + Duration::from_secs(1);
+        std::thread::sleep(old.saturating_sub(started.elapsed()));
+        summary.extend(host_mode(dir.path(), trials, n, "long before"));
         summary.extend(kube_mode(dir.path(), trials, n));
         drop(others);
     }

@@ -1331,3 +1331,37 @@ async fn stale_warm_candidates_fall_back_to_the_full_scan() {
     );
     assert_eq!(pids_of(&last.unwrap()[0]), vec![kid.pid()]);
 }
+
+/// A launcher started just before the refresh (a shell: recent and unsettled) that, after the
+/// refresh, execs into a matching command line is found by the notice's warm re-read, as a full
+/// scan finds it. (The recent processes that have become their program are not re-read: the
+/// `signal_path` bench's "started 2 s before" rows.)
+#[tokio::test]
+async fn a_recent_launcher_that_execs_into_a_match_after_the_refresh_is_found_warm() {
+    use spotguard::checkpoint::discover::{HostFoundBy, WARM_INTERVAL};
+    let tmp = tempfile::tempdir().unwrap();
+    let token = format!("sg-exec-{}", fastrand::u64(..));
+    let go = tmp.path().join("go");
+    assert!(Command::new("mkfifo").arg(&go).status().unwrap().success());
+    // its own command line does not name the token; the program it execs into does
+    let mut cmd = Command::new("sh");
+    cmd.arg("-c")
+        .arg("read _ < \"$GO\"; exec sh -c \"$HANDLER\" \"$TOKEN\"")
+        .env("GO", &go)
+        .env("HANDLER", HANDLER)
+        .env("TOKEN", &token)
+        .env("DIR", tmp.path());
+    let launcher = Kid::spawn(cmd);
+    let mut t = targets(tmp.path());
+    t.cmdlines = vec![regex::Regex::new(&token).unwrap()];
+    let d = HostDiscovery::new(t);
+    d.refresh_warm(WARM_INTERVAL).unwrap();
+    let (before, _) = d.discover_with().unwrap();
+    assert!(pids_of(&before[0]).is_empty(), "not a match yet");
+    std::fs::write(&go, "go\n").unwrap();
+    wait_for_handler(launcher.pid());
+    let (groups, how) = d.discover_with().unwrap();
+    assert_eq!(how, HostFoundBy::Warm, "the warm set is still trusted");
+    assert_eq!(pids_of(&groups[0]), vec![launcher.pid()]);
+    assert_eq!(processes_of(&groups), processes_of(&d.discover_full().unwrap()));
+}

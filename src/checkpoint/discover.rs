@@ -29,15 +29,25 @@
 //! background, rate-limited (at most every [`WARM_INTERVAL`], and never more often than 50 times its
 //! own duration: ≤ 2 % of a core), and keeps the candidates with the kernel's last allocated PID at
 //! the time. At the notice only these are re-read, with the same rules: the warm candidates, every
-//! PID allocated since (`/proc/loadavg`'s last PID; PIDs not reused in between), processes started
-//! within [`RECENT`] of the refresh (they may have exec'd into a match since), and the pidfiles'
-//! processes and their descendants; the pidfd, start time and `SigCgt` checks then happen at the
-//! signal as always. It falls back to the full scan when the warm set cannot be trusted: none yet,
-//! older than three refresh periods (the refresh is failing or starved), more than
-//! [`MAX_NEW_PIDS`] PIDs allocated since (or the last PID unreadable), or a proc root other than
-//! this process's own `/proc`. What it does not see: a process older than [`RECENT`] at the refresh
-//! that, since the refresh, exec'd into a matching command line or was moved into a unit's cgroup
-//! without forking — found by the next refresh.
+//! PID allocated since (`/proc/loadavg`'s last PID; PIDs not reused in between), the processes
+//! started within [`RECENT`] of the refresh that may still exec into a match (*unsettled*, below),
+//! and the pidfiles' processes and their descendants; the pidfd, start time and `SigCgt` checks
+//! then happen at the signal as always. It falls back to the full scan when the warm set cannot be
+//! trusted: none yet, older than three refresh periods (the refresh is failing or starved), more
+//! than [`MAX_NEW_PIDS`] PIDs allocated since (or the last PID unreadable), or a proc root other
+//! than this process's own `/proc`.
+//!
+//! **Unsettled.** A process started within [`RECENT`] of the refresh is re-read at the notice only
+//! while it may still become another program: it runs a shell or an exec wrapper
+//! ([`EXEC_WRAPPERS`]: `env`, `nice`, `numactl`, … replace themselves with the command they were
+//! given), its executable cannot be read, or it has not exec'd since its fork (its command line is
+//! its parent's) and is younger than [`SETTLE_AGE`] (fork and exec are milliseconds apart; a fork
+//! that has run longer without exec'ing is a worker of its parent's program, as a perl or Python
+//! fork server's are). The rest has become the program it runs, so a burst of new
+//! processes costs the background refresh, not the notice. What it does not see: a process that
+//! at the refresh was settled (or older than [`RECENT`]) and, since the refresh, exec'd into a
+//! matching command line, or was moved into a unit's cgroup without forking — found by the next
+//! refresh.
 
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
@@ -85,6 +95,16 @@ pub struct HostDiscovery {
 pub const WARM_INTERVAL: Duration = Duration::from_secs(2);
 /// Processes started this long before a refresh are re-read at the notice (they may have exec'd).
 pub const RECENT: Duration = Duration::from_secs(10);
+/// A recent process that has not exec'd since its fork counts as settled from this age on (a fork
+/// and its exec are milliseconds apart).
+pub const SETTLE_AGE: Duration = Duration::from_millis(250);
+/// Executables that replace themselves with the command they were given (by file name): a recent
+/// process running one is re-read at the notice.
+pub const EXEC_WRAPPERS: &[&str] = &[
+    "env", "nice", "ionice", "numactl", "taskset", "chrt", "stdbuf", "nohup", "setsid", "setpriv",
+    "capsh", "runuser", "su", "sudo", "doas", "chroot", "unshare", "nsenter", "prlimit", "flock",
+    "time", "exec", "systemd-run", "sg", "newgrp",
+];
 /// More PIDs allocated since the refresh than this: the notice scans every process.
 pub const MAX_NEW_PIDS: i32 = 8192;
 
@@ -98,8 +118,8 @@ struct Warm {
     /// The last PID allocated before the snapshot began, and where PIDs wrap.
     last_pid: i32,
     pid_max: i32,
-    /// Start time (clock ticks since boot) from which a process counts as recent.
-    recent_from: u64,
+    /// The recent processes that may still exec into a match (module docs): re-read at the notice.
+    unsettled: HashSet<i32>,
     at: Instant,
     /// Trusted until `at + trusted_for`.
     trusted_for: Duration,
@@ -170,7 +190,14 @@ impl HostDiscovery {
                 }
             }
         }
-        let recent_from = uptime_ticks.saturating_sub(RECENT.as_secs() * clock_ticks_per_second());
+        let ticks = clock_ticks_per_second();
+        let recent_from = uptime_ticks.saturating_sub(RECENT.as_secs() * ticks);
+        // to the clock tick: btime above has whole seconds
+        let settle_ticks = u64::try_from(SETTLE_AGE.as_millis()).unwrap_or(u64::MAX) * ticks / 1000;
+        let young_from = boottime_ticks(ticks)
+            .unwrap_or(uptime_ticks)
+            .saturating_sub(settle_ticks);
+        let unsettled = self.unsettled(&snap, recent_from, young_from);
         // The next refresh begins `interval` after this one ends: trusted for three such periods.
         let took = started.elapsed();
         let trusted_for = (interval + took) * 3;
@@ -179,7 +206,7 @@ impl HostDiscovery {
             candidates,
             last_pid,
             pid_max,
-            recent_from,
+            unsettled,
             at: started,
             trusted_for,
         }));
@@ -242,12 +269,7 @@ impl HostDiscovery {
                 .collect()
         };
         let mut read: HashSet<i32> = warm.candidates.clone();
-        read.extend(
-            warm.snap
-                .iter()
-                .filter(|(_, s)| s.start_time >= warm.recent_from)
-                .map(|(pid, _)| *pid),
-        );
+        read.extend(warm.unsettled.iter().copied());
         for pidfile in &self.targets.pidfiles {
             if let Ok((root, _)) = self.pidfile_root(pidfile, &warm.snap) {
                 read.extend(descendants(&warm.snap, root));
@@ -339,6 +361,39 @@ impl HostDiscovery {
     pub fn check_pidfile(&self, path: &Path) -> Result<i32, Error> {
         let snap = self.snapshot()?;
         self.pidfile_root(path, &snap).map(|(pid, _)| pid)
+    }
+
+    /// The processes of `snap` started at `recent_from` or later (clock ticks since boot) that
+    /// may still exec into another program (module docs, "Unsettled"); `young_from`: the start
+    /// from which a process that has not exec'd since its fork is still expected to.
+    fn unsettled(&self, snap: &HashMap<i32, Snap>, recent_from: u64, young_from: u64) -> HashSet<i32> {
+        let mut parents: HashMap<i32, Option<Vec<String>>> = HashMap::new();
+        snap.iter()
+            .filter(|(_, s)| s.start_time >= recent_from)
+            .filter(|(pid, s)| {
+                // kthreadd's children are kernel threads: they never exec
+                if s.ppid == 2 {
+                    return false;
+                }
+                let Ok(args) = self.proc.cmdline(**pid) else {
+                    return !matches!(self.proc.stat(**pid), Err(ref e) if is_gone(e));
+                };
+                match super::handler::exe_name(&self.proc, **pid) {
+                    Some(exe) if super::handler::SHELLS.contains(&exe.as_str()) => return true,
+                    Some(exe) if EXEC_WRAPPERS.contains(&exe.as_str()) => return true,
+                    Some(_) => {}
+                    None => return true,
+                }
+                if s.start_time < young_from {
+                    return false;
+                }
+                let parent = parents
+                    .entry(s.ppid)
+                    .or_insert_with(|| self.proc.cmdline(s.ppid).ok());
+                args.is_empty() || parent.as_ref() == Some(&args)
+            })
+            .map(|(pid, _)| *pid)
+            .collect()
     }
 
     fn snapshot(&self) -> Result<HashMap<i32, Snap>, Error> {
@@ -609,17 +664,33 @@ fn unit_name(name: &str) -> String {
 }
 
 /// `root` and every process below it in the snapshot.
+/// `CLOCK_BOOTTIME` in clock ticks (the unit of a process's start time in `/proc/PID/stat`).
+fn boottime_ticks(ticks_per_second: u64) -> Option<u64> {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes into the local timespec.
+    if unsafe { libc::clock_gettime(libc::CLOCK_BOOTTIME, &mut ts) } != 0 {
+        return None;
+    }
+    let secs = u64::try_from(ts.tv_sec).ok()?;
+    let nanos = u64::try_from(ts.tv_nsec).ok()?;
+    Some(secs * ticks_per_second + nanos * ticks_per_second / 1_000_000_000)
+}
+
 fn descendants(snap: &HashMap<i32, Snap>, root: i32) -> Vec<i32> {
     let mut children: HashMap<i32, Vec<i32>> = HashMap::new();
     for (pid, s) in snap {
         children.entry(s.ppid).or_default().push(*pid);
     }
     let mut out = vec![root];
+    let mut seen: HashSet<i32> = HashSet::from([root]);
     let mut i = 0;
     while let Some(pid) = out.get(i).copied() {
         if let Some(kids) = children.get(&pid) {
             for k in kids {
-                if !out.contains(k) {
+                if seen.insert(*k) {
                     out.push(*k);
                 }
             }
