@@ -1363,5 +1363,8 @@ async fn a_recent_launcher_that_execs_into_a_match_after_the_refresh_is_found_wa
     let (groups, how) = d.discover_with().unwrap();
     assert_eq!(how, HostFoundBy::Warm, "the warm set is still trusted");
     assert_eq!(pids_of(&groups[0]), vec![launcher.pid()]);
-    assert_eq!(processes_of(&groups), processes_of(&d.discover_full().unwrap()));
+    assert_eq!(
+        processes_of(&groups),
+        processes_of(&d.discover_full().unwrap())
+    );
 }

@@ -101,9 +101,31 @@ pub const SETTLE_AGE: Duration = Duration::from_millis(250);
 /// Executables that replace themselves with the command they were given (by file name): a recent
 /// process running one is re-read at the notice.
 pub const EXEC_WRAPPERS: &[&str] = &[
-    "env", "nice", "ionice", "numactl", "taskset", "chrt", "stdbuf", "nohup", "setsid", "setpriv",
-    "capsh", "runuser", "su", "sudo", "doas", "chroot", "unshare", "nsenter", "prlimit", "flock",
-    "time", "exec", "systemd-run", "sg", "newgrp",
+    "env",
+    "nice",
+    "ionice",
+    "numactl",
+    "taskset",
+    "chrt",
+    "stdbuf",
+    "nohup",
+    "setsid",
+    "setpriv",
+    "capsh",
+    "runuser",
+    "su",
+    "sudo",
+    "doas",
+    "chroot",
+    "unshare",
+    "nsenter",
+    "prlimit",
+    "flock",
+    "time",
+    "exec",
+    "systemd-run",
+    "sg",
+    "newgrp",
 ];
 /// More PIDs allocated since the refresh than this: the notice scans every process.
 pub const MAX_NEW_PIDS: i32 = 8192;
@@ -366,7 +388,12 @@ impl HostDiscovery {
     /// The processes of `snap` started at `recent_from` or later (clock ticks since boot) that
     /// may still exec into another program (module docs, "Unsettled"); `young_from`: the start
     /// from which a process that has not exec'd since its fork is still expected to.
-    fn unsettled(&self, snap: &HashMap<i32, Snap>, recent_from: u64, young_from: u64) -> HashSet<i32> {
+    fn unsettled(
+        &self,
+        snap: &HashMap<i32, Snap>,
+        recent_from: u64,
+        young_from: u64,
+    ) -> HashSet<i32> {
         let mut parents: HashMap<i32, Option<Vec<String>>> = HashMap::new();
         snap.iter()
             .filter(|(_, s)| s.start_time >= recent_from)
