@@ -133,6 +133,18 @@ mod tests {
     use super::*;
     use std::process::Command;
 
+    /// The SIGUSR1 handler in `root`'s tree, once one shows (within a minute).
+    fn handler_in_tree(proc: &ProcFs, root: i32) -> Handler {
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Some(h) = find_handler(proc, root, Signal::USR1) {
+                return h;
+            }
+            assert!(std::time::Instant::now() < deadline, "no handler found");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
     #[test]
     fn finds_a_handler_in_a_grandchild_and_not_in_a_plain_shell() {
         let proc = ProcFs::new("/proc");
@@ -143,14 +155,7 @@ mod tests {
             .spawn()
             .expect("spawn sh");
         let root = child.id() as i32;
-        let deadline = std::time::Instant::now() + Duration::from_secs(60);
-        let found = loop {
-            if let Some(h) = find_handler(&proc, root, Signal::USR1) {
-                break h;
-            }
-            assert!(std::time::Instant::now() < deadline, "no handler found");
-            std::thread::sleep(Duration::from_millis(50));
-        };
+        let found = handler_in_tree(&proc, root);
         assert_ne!(found.pid, root, "the shell does not catch SIGUSR1");
         assert!(found.command.contains("-c import signal"), "{found:?}");
         assert!(!proc.status(root).unwrap().catches(Signal::USR1));
@@ -172,14 +177,7 @@ mod tests {
             .spawn()
             .expect("spawn bash");
         let root = child.id() as i32;
-        let deadline = std::time::Instant::now() + Duration::from_secs(60);
-        let found = loop {
-            if let Some(h) = find_handler(&proc, root, Signal::USR1) {
-                break h;
-            }
-            assert!(std::time::Instant::now() < deadline, "no handler found");
-            std::thread::sleep(Duration::from_millis(50));
-        };
+        let found = handler_in_tree(&proc, root);
         assert!(proc.status(root).unwrap().catches(Signal::USR1));
         assert_ne!(found.pid, root, "bash with an EXIT trap is no handler");
         assert!(found.command.contains("-c import signal"), "{found:?}");
