@@ -7,7 +7,8 @@
 //!   the subject's are kept; a Job's are selected by its uid's label.
 //! * Checked on read: a record whose spec does not parse, whose record is not a goodput record,
 //!   does not name the node and target the object names, or carries a figure out of bounds
-//!   (negative, not finite, over a year of seconds, over 10^12 steps) is skipped and counted.
+//!   (negative, not finite, a badput duration past the record's own bound `record::MAX_SECONDS`,
+//!   another time over a year, over 10^12 steps) is skipped and counted.
 //! * Joined in linear time: records are grouped by notice id first (a hash map), and each
 //!   interruption's handful of targets and recoveries is joined on its own.
 
@@ -116,11 +117,10 @@ pub fn check(spec: &InterruptionSpec) -> Option<EventRecord> {
                 && i.node == spec.node
                 && i.targets.len() == 1
                 && i.targets.iter().all(|t| {
+                    // the record's own bounds (one check for Events, logs and the ledger), and
+                    // the schema's for the step counts
                     t.target == spec.target
-                        && seconds_ok(t.save_seconds)
-                        && seconds_ok(t.wasted_seconds)
-                        && seconds_ok(t.downtime_seconds)
-                        && seconds_ok(t.upload_seconds)
+                        && t.insane().is_none()
                         && steps_ok(t.wasted_steps)
                         && steps_ok(t.step)
                         && steps_ok(t.durable_step)
