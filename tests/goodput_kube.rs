@@ -22,7 +22,7 @@ use spotguard::goodput::event::{EventRecord, Recovery, ANNOTATION};
 use spotguard::goodput::kube_report::{JOBSET_NAME_LABEL, REASONS};
 use spotguard::goodput::record::{Interruption, TargetBadput};
 use spotguard::metrics::Metrics;
-use spotguard::node::kube::ledger::api_resource;
+use spotguard::node::kube::ledger::{api_resource, RecordOwner, JOB_UID_LABEL, OWNER_UID_LABEL};
 use spotguard::node::kube::KubeNodeOps;
 use spotguard::node::{EventType, NodeOps, PodRef};
 use spotguard_testkit::k8s::{assets, fixtures, TestCluster, TestPod};
@@ -577,6 +577,234 @@ async fn spotguard_goodput_reports_a_jobset_through_its_jobs() {
     assert_eq!(t["targets"], 2);
 }
 
+/// The JobSet API of `../shared/k8s/crds`.
+fn jobset_resource() -> kube::api::ApiResource {
+    kube::api::ApiResource::from_gvk_with_plural(
+        &kube::api::GroupVersionKind::gvk("jobset.x-k8s.io", "v1alpha2", "JobSet"),
+        "jobsets",
+    )
+}
+
+/// A suspended Job of `jobset` as the JobSet controller makes it (controlled by the JobSet,
+/// labelled with its name), created once the earlier Job of that name, if any, is gone.
+async fn jobset_job(k: &TestCluster, ns: &str, name: &str, jobset: &DynamicObject) -> Job {
+    let jobs: Api<Job> = Api::namespaced(k.admin(), ns);
+    let js_name = jobset.metadata.name.clone().unwrap();
+    let job: Job = serde_json::from_value(json!({
+        "metadata": {
+            "name": name,
+            "labels": {JOBSET_NAME_LABEL: js_name},
+            "ownerReferences": [{
+                "apiVersion": "jobset.x-k8s.io/v1alpha2",
+                "kind": "JobSet",
+                "name": js_name,
+                "uid": jobset.metadata.uid.clone().unwrap(),
+                "controller": true,
+            }]
+        },
+        "spec": {"suspend": true, "template": {"spec": {"restartPolicy": "Never",
+            "containers": [{"name": "main", "image": "registry.example/trainer:1"}]}}}
+    }))
+    .unwrap();
+    jobs.create(&PostParams::default(), &job).await.unwrap()
+}
+
+/// A pod of `node` whose controller reference names Job `job` with `uid`.
+async fn pod_of_job(k: &TestCluster, ns: &str, pod: &str, node: &str, job: &str, uid: &str) -> Pod {
+    let owner = OwnerReference {
+        api_version: "batch/v1".into(),
+        kind: "Job".into(),
+        name: job.into(),
+        uid: uid.into(),
+        controller: Some(true),
+        block_owner_deletion: None,
+    };
+    k.create_pod(&TestPod::new(ns, pod, node).owned_by(owner).build())
+        .await
+}
+
+/// The ledger's record of notice `notice` in `ns`.
+async fn record_of(k: &TestCluster, ns: &str, notice: &str) -> DynamicObject {
+    let records = ledger(k, ns).await;
+    records
+        .iter()
+        .find(|r| r.data["spec"]["noticeId"] == notice)
+        .unwrap_or_else(|| panic!("no record of {notice}: {records:#?}"))
+        .clone()
+}
+
+/// (kind, name, uid) of each of a record's owners, and its owner-uid and job-uid labels.
+fn owners_and_labels(
+    r: &DynamicObject,
+) -> (
+    Vec<(String, String, String)>,
+    Option<String>,
+    Option<String>,
+) {
+    let owners = r
+        .metadata
+        .owner_references
+        .iter()
+        .flatten()
+        .map(|o| (o.kind.clone(), o.name.clone(), o.uid.clone()))
+        .collect();
+    let label = |key: &str| r.metadata.labels.as_ref()?.get(key).cloned();
+    (owners, label(OWNER_UID_LABEL), label(JOB_UID_LABEL))
+}
+
+/// Issue 45, retention follows the job: a JobSet's records are owned by the JobSet (the agent
+/// reads the pod's Job and finds the JobSet controlling it), so a JobSet restart, which deletes
+/// its Jobs and creates them again under the same names, leaves them: every owner a record names
+/// is still there after it. A pod naming its Job with another uid gets what it named, not the
+/// JobSet. (The testkit runs no garbage collector, so the test checks what the collector goes
+/// by: that each record's owners exist, with the uids it names.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_jobsets_records_are_the_jobsets_and_outlive_its_restart() {
+    let k = cluster().await;
+    install_jobset_crd(&k).await;
+    let ns = k.namespace("gp-jsown").await;
+    let jobsets: Api<DynamicObject> = Api::namespaced_with(k.admin(), &ns, &jobset_resource());
+    let js: DynamicObject = serde_json::from_value(json!({
+        "apiVersion": "jobset.x-k8s.io/v1alpha2",
+        "kind": "JobSet",
+        "metadata": {"name": "pretrain", "namespace": ns},
+        "spec": {"replicatedJobs": [{"name": "workers", "replicas": 1, "template": {"spec": {
+            "template": {"spec": {"restartPolicy": "Never",
+                "containers": [{"name": "main", "image": "registry.example/trainer:1"}]}}}}}]}
+    }))
+    .unwrap();
+    let js = jobsets.create(&PostParams::default(), &js).await.unwrap();
+    let js_uid = js.metadata.uid.clone().unwrap();
+    let mut registry = Registry::default();
+    let metrics = Arc::new(Metrics::register(&mut registry));
+    let ops = KubeNodeOps::new(k.agent_client(), k.name("gp-node"), None, false, metrics);
+    let node = ops.node_name().to_string();
+    let job_name = "pretrain-workers-0";
+    let job = jobset_job(&k, &ns, job_name, &js).await;
+    let job_uid = job.metadata.uid.clone().unwrap();
+    let pod = pod_of_job(&k, &ns, "w0-a", &node, job_name, &job_uid).await;
+    let w0 = target_of(&pod);
+    post(
+        &ops,
+        &pod,
+        REASONS[0],
+        &badput("n1", &node, &w0, 4.0, (10, 5.0)),
+    )
+    .await;
+    let jobset_owned = (
+        vec![("JobSet".to_string(), "pretrain".to_string(), js_uid.clone())],
+        Some(js_uid.clone()),
+        Some(job_uid.clone()),
+    );
+    assert_eq!(
+        owners_and_labels(&record_of(&k, &ns, "n1").await),
+        jobset_owned
+    );
+    // The Event still names the pod's own controller, the Job.
+    let events = goodput_events(&k, &ns).await;
+    let related = events[0].related.as_ref().unwrap();
+    assert_eq!(
+        (related.kind.as_deref(), related.uid.as_deref()),
+        (Some("Job"), Some(job_uid.as_str()))
+    );
+    // The Job's report has it too (the record names the Job's uid).
+    let r = goodput(&k, &["--namespace", &ns, "--job", job_name]);
+    assert_eq!(r["totals"]["interruptions"], 1, "{r:#}");
+
+    // The JobSet restarts: its Job is deleted and made again under the same name.
+    let jobs: Api<Job> = Api::namespaced(k.admin(), &ns);
+    jobs.delete(job_name, &kube::api::DeleteParams::background())
+        .await
+        .unwrap();
+    until("the JobSet's first Job gone", WAIT, || async {
+        jobs.get_opt(job_name).await.ok()?.is_none().then_some(())
+    })
+    .await;
+    let again = jobset_job(&k, &ns, job_name, &js).await;
+    let again_uid = again.metadata.uid.clone().unwrap();
+    assert_ne!(again_uid, job_uid);
+    let resumed = pod_of_job(&k, &ns, "w0-b", &node, job_name, &again_uid).await;
+    post(
+        &ops,
+        &resumed,
+        REASONS[1],
+        &recovery("n1", "spot-a", &node, &target_of(&resumed), 12.0, 3.0),
+    )
+    .await;
+    // Every owner each record names exists, with that uid: nothing for the collector to take.
+    for r in ledger(&k, &ns).await {
+        for o in r.metadata.owner_references.iter().flatten() {
+            assert_eq!(
+                (o.kind.as_str(), o.uid.as_str()),
+                ("JobSet", js_uid.as_str()),
+                "{r:#?}"
+            );
+        }
+    }
+    assert_eq!(
+        jobsets.get("pretrain").await.unwrap().metadata.uid,
+        js.metadata.uid
+    );
+    assert_eq!(
+        owners_and_labels(&record_of(&k, &ns, "n1").await),
+        jobset_owned
+    );
+
+    // The JobSet's report: the interruption before the restart, its recovery after it, once each.
+    let r = goodput(&k, &["--namespace", &ns, "--jobset", "pretrain"]);
+    let rows = r["interruptions"].as_array().unwrap();
+    let [row] = rows.as_slice() else {
+        panic!("one interruption expected: {r:#}")
+    };
+    assert_eq!(row["notice_id"], "n1");
+    assert_eq!(f(&row["save_seconds"]), 4.0);
+    assert_eq!(row["steps_lost"], 10);
+    assert_eq!(f(&row["recovery_seconds"]), 9.0);
+    assert_eq!(
+        (&r["totals"]["interruptions"], &r["totals"]["recoveries"]),
+        (&json!(1), &json!(1)),
+        "{r:#}"
+    );
+    assert_eq!(r["skipped"], 0);
+
+    // A pod naming the Job by name with another uid: the record is owned by what it named, as
+    // for any controller, not by the JobSet the Job of that name belongs to.
+    let forged_uid = "0c0ffee0-0000-4000-8000-000000000000";
+    let liar = pod_of_job(&k, &ns, "liar", &node, job_name, forged_uid).await;
+    post(
+        &ops,
+        &liar,
+        REASONS[0],
+        &badput("n2", &node, &target_of(&liar), 100.0, (0, 0.0)),
+    )
+    .await;
+    assert_eq!(
+        owners_and_labels(&record_of(&k, &ns, "n2").await),
+        (
+            vec![(
+                "Job".to_string(),
+                job_name.to_string(),
+                forged_uid.to_string()
+            )],
+            Some(forged_uid.to_string()),
+            None
+        )
+    );
+    let text = spotguard::metrics::encode(&registry);
+    assert!(
+        text.contains("spotguard_errors_total{module=\"node\",error=\"job_gone\"} 1"),
+        "{text}"
+    );
+    // The Job of that name now (another uid) does not count it; its report has the recovery its
+    // JobSet owns, which names it.
+    let r = goodput(&k, &["--namespace", &ns, "--job", job_name]);
+    assert_eq!(
+        (&r["totals"]["interruptions"], &r["totals"]["recoveries"]),
+        (&json!(0), &json!(1)),
+        "{r:#}"
+    );
+}
+
 /// Issue 45: a Job interrupted three times over a simulated day. The goodput Events expire
 /// (this binary's API server keeps Events [`EVENT_TTL`]); the report, from the ledger, still has
 /// every interruption and recovery, and so does `--pod` once the pod is gone.
@@ -839,7 +1067,7 @@ async fn forged_events_and_writers_without_rights_change_nothing() {
     let obj = spotguard::node::kube::ledger::object(
         s,
         &ns,
-        Some(&owner),
+        Some(&RecordOwner::controller(&owner)),
         Timestamp::now(),
         Duration::ZERO,
     );

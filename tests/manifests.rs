@@ -586,6 +586,7 @@ fn least_privilege() -> BTreeSet<Rule> {
         ("spotguard.io", "interruptions", "get"),
         ("spotguard.io", "interruptions", "list"),
         ("spotguard.io", "interruptions", "delete"),
+        ("batch", "jobs", "get"),
     ]
     .into_iter()
     .map(|(g, r, v)| (g.to_string(), r.to_string(), v.to_string()))

@@ -6,10 +6,11 @@
 //! them, so an Event anyone wrote changes nothing and an Event the API server dropped
 //! (`--event-ttl`) loses nothing.
 //!
-//! * Which records: those owned by the owner (for `--job NAME`: by that Job's uid; for
-//!   `--jobset NAME`: by any of its Jobs, found by the label `jobset.sigs.k8s.io/jobset-name=NAME`;
-//!   for `--pod`: about the pod, even once it is gone). One that does not check out is skipped
-//!   and counted.
+//! * Which records: those owned by the owner (for `--job NAME`: by that Job's uid, or by its
+//!   JobSet naming that uid; for `--jobset NAME`: by the JobSet's uid, or, as older agents wrote
+//!   them, by any of its Jobs, found by the label `jobset.sigs.k8s.io/jobset-name=NAME`; for
+//!   `--pod`: about the pod, even once it is gone), each once. One that does not check out is
+//!   skipped and counted.
 //! * Paid time: the owner's start → end. Job: `status.startTime` → `completionTime` (or the
 //!   `Failed` condition's time, or now while it runs); JobSet and other owners:
 //!   `creationTimestamp` → the terminal condition's `lastTransitionTime` (or now); a pod: its
@@ -45,7 +46,7 @@ pub struct KubeArgs {
     /// The Job to report (with --namespace).
     #[arg(long, value_name = "NAME", group = "subject", requires = "namespace")]
     pub job: Option<String>,
-    /// The JobSet to report, through its Jobs (with --namespace).
+    /// The JobSet to report (with --namespace).
     #[arg(long, value_name = "NAME", group = "subject", requires = "namespace")]
     pub jobset: Option<String>,
     /// Any other controller of the pods, as `KIND/NAME` (with --namespace).
@@ -240,10 +241,15 @@ pub async fn report(
                 .await
                 .map_err(api_err(format!("reading Job {namespace}/{name}")))?
                 .ok_or_else(|| Error::NotFound(format!("Job {namespace}/{name}")))?;
-            let matcher = Matcher::Owner {
+            let owned = Matcher::Owner {
                 kind: "Job".into(),
                 names: BTreeSet::from([name.clone()]),
                 uid: job.metadata.uid.clone(),
+            };
+            // A JobSet's Job: its records are the JobSet's, naming the Job's uid.
+            let matcher = match &job.metadata.uid {
+                Some(uid) => Matcher::Any(vec![owned, Matcher::JobUid(uid.clone())]),
+                None => owned,
             };
             let records = ledger::records(client, namespace, &matcher).await?;
             ("Job", name, records, job_paid(&job, now))
@@ -272,13 +278,21 @@ pub async fn report(
                 .into_iter()
                 .filter_map(|j| j.metadata.name)
                 .collect();
-            // By name: a JobSet that restarts recreates its Jobs under the same names (the
-            // records of a deleted Job went with it).
-            let matcher = Matcher::Owner {
-                kind: "Job".into(),
-                names,
-                uid: None,
-            };
+            // Owned by the JobSet (its uid: an earlier JobSet of that name is not this one), or,
+            // written by an older agent, by one of its Jobs, by name: a JobSet that restarts
+            // recreates its Jobs under the same names.
+            let matcher = Matcher::Any(vec![
+                Matcher::Owner {
+                    kind: "JobSet".into(),
+                    names: BTreeSet::from([name.clone()]),
+                    uid: js.metadata.uid.clone(),
+                },
+                Matcher::Owner {
+                    kind: "Job".into(),
+                    names,
+                    uid: None,
+                },
+            ]);
             let records = ledger::records(client, namespace, &matcher).await?;
             ("JobSet", name, records, object_paid(&js, now))
         }

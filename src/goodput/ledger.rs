@@ -4,7 +4,8 @@
 //! ([`super::kube_report`]); recovery validation asks [`recorded_interruption`].
 //!
 //! * Paged: the namespace's records are listed `limit`/`continue` ([`PAGE`] a request), and only
-//!   the subject's are kept; a Job's are selected by its uid's label.
+//!   the subject's are kept; a Job's are selected by its uid's labels (the owner's, and the Job's
+//!   on a record its JobSet owns), one list each, a record counted once.
 //! * Checked on read: a record whose spec does not parse, whose record is not a goodput record,
 //!   does not name the node and target the object names, or carries a figure out of bounds
 //!   (negative, not finite, a badput duration past the record's own bound `record::MAX_SECONDS`,
@@ -13,7 +14,7 @@
 //!   interruption's handful of targets and recoveries is joined on its own.
 
 use std::cell::RefCell;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -27,7 +28,9 @@ use super::record::Interruption;
 use super::recovery::{Job, Ledger, LedgerFactory, LogLedger, RecordedInterruption};
 use super::report::{self, Row};
 use crate::node::drain::PodWatch;
-use crate::node::kube::ledger::{api_resource, bounds, InterruptionSpec, OWNER_UID_LABEL};
+use crate::node::kube::ledger::{
+    api_resource, bounds, InterruptionSpec, JOB_UID_LABEL, OWNER_UID_LABEL,
+};
 
 /// Records listed per request.
 pub const PAGE: u32 = 500;
@@ -53,8 +56,12 @@ pub enum Matcher {
         names: std::collections::BTreeSet<String>,
         uid: Option<String>,
     },
+    /// Owned by a JobSet through the Job of this uid (the record's [`JOB_UID_LABEL`]).
+    JobUid(String),
     /// About this pod.
     Pod(String),
+    /// Kept by any of these.
+    Any(Vec<Matcher>),
 }
 
 impl Matcher {
@@ -68,8 +75,22 @@ impl Matcher {
                         && uid.as_ref().is_none_or(|u| u == &o.uid)
                 })
             }
+            Matcher::JobUid(_) => self.labelled(obj),
             Matcher::Pod(name) => &spec.pod == name,
+            Matcher::Any(any) => any.iter().any(|m| m.matches(obj, spec)),
         }
+    }
+
+    /// Whether `obj` carries the [`JOB_UID_LABEL`] of this [`Matcher::JobUid`].
+    fn labelled(&self, obj: &DynamicObject) -> bool {
+        let Matcher::JobUid(uid) = self else {
+            return false;
+        };
+        obj.metadata
+            .labels
+            .as_ref()
+            .and_then(|l| l.get(JOB_UID_LABEL))
+            .is_some_and(|l| l == uid)
     }
 
     /// The label selector that narrows the list on the server, where there is one.
@@ -80,7 +101,19 @@ impl Matcher {
                 names,
                 ..
             } if names.len() == 1 => Some(format!("{OWNER_UID_LABEL}={uid}")),
+            Matcher::JobUid(uid) => Some(format!("{JOB_UID_LABEL}={uid}")),
             _ => None,
+        }
+    }
+
+    /// The lists that find the subject's records: one per selector of an [`Matcher::Any`] whose
+    /// every part has one, else one (narrowed when there is a selector).
+    fn passes(&self) -> Vec<(Option<String>, &Matcher)> {
+        match self {
+            Matcher::Any(any) if !any.is_empty() && any.iter().all(|m| m.selector().is_some()) => {
+                any.iter().map(|m| (m.selector(), m)).collect()
+            }
+            m => vec![(m.selector(), m)],
         }
     }
 }
@@ -144,14 +177,15 @@ pub fn check(spec: &InterruptionSpec) -> Option<EventRecord> {
     ok.then_some(record)
 }
 
-/// Sort one listed object into `out` if `matcher` keeps it.
-pub fn take(obj: &DynamicObject, matcher: &Matcher, out: &mut Records) {
+/// Sort one listed object into `out` if `matcher` keeps it; whether it was counted (kept, or
+/// skipped as unreadable).
+pub fn take(obj: &DynamicObject, matcher: &Matcher, out: &mut Records) -> bool {
     let Ok(spec) = serde_json::from_value::<InterruptionSpec>(obj.data["spec"].clone()) else {
         out.skipped += 1;
-        return;
+        return true;
     };
     if !matcher.matches(obj, &spec) {
-        return;
+        return false;
     }
     if out.owner_api_version.is_none() {
         out.owner_api_version = obj
@@ -167,33 +201,46 @@ pub fn take(obj: &DynamicObject, matcher: &Matcher, out: &mut Records) {
         Some(EventRecord::Recovery(r)) => out.recoveries.push(r),
         None => out.skipped += 1,
     }
+    true
 }
 
-/// The records of `namespace` that `matcher` keeps, page by page (only the kept ones are held).
+/// The records of `namespace` that `matcher` keeps, page by page (only the kept ones are held;
+/// a record two of the lists find is counted once).
 pub async fn records(
     client: &Client,
     namespace: &str,
     matcher: &Matcher,
 ) -> Result<Records, Error> {
     let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), namespace, &api_resource());
-    let mut params = ListParams::default().limit(PAGE);
-    if let Some(s) = matcher.selector() {
-        params = params.labels(&s);
-    }
+    let passes = matcher.passes();
+    let mut taken: HashSet<String> = HashSet::new();
     let mut out = Records::default();
-    loop {
-        let page = api.list(&params).await.map_err(|source| Error::List {
-            namespace: namespace.to_string(),
-            source,
-        })?;
-        for obj in &page.items {
-            take(obj, matcher, &mut out);
+    for (selector, m) in &passes {
+        let mut params = ListParams::default().limit(PAGE);
+        if let Some(s) = selector {
+            params = params.labels(s);
         }
-        match page.metadata.continue_ {
-            Some(c) if !c.is_empty() => params = params.continue_token(&c),
-            _ => return Ok(out),
+        loop {
+            let page = api.list(&params).await.map_err(|source| Error::List {
+                namespace: namespace.to_string(),
+                source,
+            })?;
+            for obj in &page.items {
+                let name = obj.metadata.name.clone().unwrap_or_default();
+                if passes.len() > 1 && taken.contains(&name) {
+                    continue;
+                }
+                if take(obj, m, &mut out) && passes.len() > 1 {
+                    taken.insert(name);
+                }
+            }
+            match page.metadata.continue_ {
+                Some(c) if !c.is_empty() => params = params.continue_token(&c),
+                _ => break,
+            }
         }
     }
+    Ok(out)
 }
 
 /// [`report::join`] in linear time: the records grouped by notice id, each group joined on its
@@ -230,8 +277,9 @@ pub fn join(mut badput: Vec<Interruption>, recoveries: Vec<Recovery>) -> Vec<Row
 }
 
 /// Whether an agent recorded the interruption `notice_id` for the job owned by `owner_uid` (the
-/// pod's controller's uid) in `namespace`: its badput record, if any. What recovery validation
-/// asks in Kubernetes before it counts a recovery naming that notice.
+/// pod's controller's uid) in `namespace`: its badput record, if any: one owned by that
+/// controller, or, for a JobSet's Job, one its JobSet owns that names the Job's uid. What
+/// recovery validation asks in Kubernetes before it counts a recovery naming that notice.
 pub async fn recorded_interruption(
     client: &Client,
     namespace: &str,
@@ -239,37 +287,43 @@ pub async fn recorded_interruption(
     notice_id: &str,
 ) -> Result<Option<Interruption>, Error> {
     let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), namespace, &api_resource());
-    let mut params = ListParams::default()
-        .limit(PAGE)
-        .labels(&format!("{OWNER_UID_LABEL}={owner_uid}"));
-    loop {
-        let page = api.list(&params).await.map_err(|source| Error::List {
-            namespace: namespace.to_string(),
-            source,
-        })?;
-        for obj in &page.items {
-            let owned = obj
-                .metadata
-                .owner_references
-                .iter()
-                .flatten()
-                .any(|o| o.uid == owner_uid);
-            let Ok(spec) = serde_json::from_value::<InterruptionSpec>(obj.data["spec"].clone())
-            else {
-                continue;
-            };
-            if !owned || spec.notice_id != notice_id {
-                continue;
+    for label in [OWNER_UID_LABEL, JOB_UID_LABEL] {
+        let mut params = ListParams::default()
+            .limit(PAGE)
+            .labels(&format!("{label}={owner_uid}"));
+        loop {
+            let page = api.list(&params).await.map_err(|source| Error::List {
+                namespace: namespace.to_string(),
+                source,
+            })?;
+            for obj in &page.items {
+                let ours = if label == OWNER_UID_LABEL {
+                    obj.metadata
+                        .owner_references
+                        .iter()
+                        .flatten()
+                        .any(|o| o.uid == owner_uid)
+                } else {
+                    Matcher::JobUid(owner_uid.to_string()).labelled(obj)
+                };
+                let Ok(spec) = serde_json::from_value::<InterruptionSpec>(obj.data["spec"].clone())
+                else {
+                    continue;
+                };
+                if !ours || spec.notice_id != notice_id {
+                    continue;
+                }
+                if let Some(EventRecord::Badput(i)) = check(&spec) {
+                    return Ok(Some(i));
+                }
             }
-            if let Some(EventRecord::Badput(i)) = check(&spec) {
-                return Ok(Some(i));
+            match page.metadata.continue_ {
+                Some(c) if !c.is_empty() => params = params.continue_token(&c),
+                _ => break,
             }
-        }
-        match page.metadata.continue_ {
-            Some(c) if !c.is_empty() => params = params.continue_token(&c),
-            _ => return Ok(None),
         }
     }
+    Ok(None)
 }
 
 /// How long the ledger's "no such interruption" is believed before it is asked again (a record
@@ -394,7 +448,7 @@ impl Ledger for KubeLedger {
 mod tests {
     use super::*;
     use crate::goodput::record::TargetBadput;
-    use crate::node::kube::ledger::{object, spec_for, DEFAULT_RECORD_TTL};
+    use crate::node::kube::ledger::{object, spec_for, RecordOwner, DEFAULT_RECORD_TTL};
     use crate::node::PodRef;
     use jiff::Timestamp;
     use k8s_openapi::api::core::v1::ObjectReference;
@@ -439,7 +493,93 @@ mod tests {
             uid: Some(format!("uid-{job}")),
             ..Default::default()
         };
+        object(
+            spec,
+            "ml",
+            Some(&RecordOwner::controller(&owner)),
+            t(0),
+            DEFAULT_RECORD_TTL,
+        )
+    }
+
+    /// A record of a JobSet's Job as an agent that reads Jobs writes it: owned by the JobSet.
+    fn stored_by_jobset(
+        record: &EventRecord,
+        pod_name: &str,
+        jobset: &str,
+        job: &str,
+    ) -> DynamicObject {
+        let spec = spec_for(&record.to_annotation(), "a", &pod(pod_name)).unwrap();
+        let owner = RecordOwner {
+            owner: ObjectReference {
+                api_version: Some("jobset.x-k8s.io/v1alpha2".into()),
+                kind: Some("JobSet".into()),
+                name: Some(jobset.into()),
+                uid: Some(format!("uid-{jobset}")),
+                ..Default::default()
+            },
+            job_uid: Some(format!("uid-{job}")),
+        };
         object(spec, "ml", Some(&owner), t(0), DEFAULT_RECORD_TTL)
+    }
+
+    #[test]
+    fn a_jobsets_records_are_its_own_and_its_jobs_by_name_each_once() {
+        let objs = [
+            // Written by an agent that reads Jobs: owned by the JobSet, naming the Job.
+            stored_by_jobset(&badput("n1", "a", "p1", 3.0, 0), "p1", "pretrain", "w-0"),
+            // Written by an older agent: owned by the Job.
+            stored(&badput("n2", "a", "p2", 5.0, 0), "a", "p2", "w-1"),
+            // Another JobSet's, by either way.
+            stored_by_jobset(&badput("n3", "a", "p3", 7.0, 0), "p3", "eval", "e-0"),
+            stored(&badput("n4", "a", "p4", 9.0, 0), "a", "p4", "e-1"),
+        ];
+        let jobset = Matcher::Any(vec![
+            Matcher::Owner {
+                kind: "JobSet".into(),
+                names: ["pretrain".to_string()].into(),
+                uid: Some("uid-pretrain".into()),
+            },
+            Matcher::Owner {
+                kind: "Job".into(),
+                names: ["w-0".to_string(), "w-1".to_string()].into(),
+                uid: None,
+            },
+        ]);
+        // One list (a part without a selector), each record once though both parts keep n1's.
+        assert_eq!(jobset.passes().len(), 1);
+        let mut out = Records::default();
+        for o in &objs {
+            take(o, &jobset, &mut out);
+        }
+        let mut ids: Vec<&str> = out.badput.iter().map(|i| i.notice_id.as_str()).collect();
+        ids.sort();
+        assert_eq!(ids, ["n1", "n2"]);
+        // A Job's report: its own records and those its JobSet owns that name it, one list each.
+        for (job, want) in [("w-0", "n1"), ("w-1", "n2"), ("e-0", "n3")] {
+            let m = Matcher::Any(vec![
+                Matcher::Owner {
+                    kind: "Job".into(),
+                    names: [job.to_string()].into(),
+                    uid: Some(format!("uid-{job}")),
+                },
+                Matcher::JobUid(format!("uid-{job}")),
+            ]);
+            let selectors: Vec<Option<String>> = m.passes().into_iter().map(|p| p.0).collect();
+            assert_eq!(
+                selectors,
+                [
+                    Some(format!("{OWNER_UID_LABEL}=uid-{job}")),
+                    Some(format!("{JOB_UID_LABEL}=uid-{job}"))
+                ]
+            );
+            let mut out = Records::default();
+            for o in &objs {
+                take(o, &m, &mut out);
+            }
+            let ids: Vec<&str> = out.badput.iter().map(|i| i.notice_id.as_str()).collect();
+            assert_eq!(ids, [want], "{job}");
+        }
     }
 
     fn job(name: &str) -> Matcher {

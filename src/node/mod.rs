@@ -445,6 +445,14 @@ pub enum Error {
         #[source]
         source: ::kube::Error,
     },
+    #[error("reading Job {job} (a goodput record's owner): {source}")]
+    GetJob {
+        job: String,
+        #[source]
+        source: ::kube::Error,
+    },
+    #[error("Job {job} is gone, or is not the Job its pod names")]
+    JobGone { job: String },
     #[error("conflicting updates to node {node} did not settle after {attempts} attempts")]
     Conflict { node: String, attempts: u32 },
     #[error("deadline passed while {0}")]
@@ -462,7 +470,9 @@ impl Error {
             | Error::PatchPod { source, .. }
             | Error::DeletePod { source, .. }
             | Error::Event { source, .. }
-            | Error::Record { source, .. } => kube_retryable(source),
+            | Error::Record { source, .. }
+            | Error::GetJob { source, .. } => kube_retryable(source),
+            Error::JobGone { .. } => false,
             Error::Conflict { .. } => true,
             Error::Deadline(_) => false,
         }
@@ -479,6 +489,8 @@ impl Error {
             Error::DeletePod { .. } => "delete_pod",
             Error::Event { .. } => "event",
             Error::Record { .. } => "record",
+            Error::GetJob { .. } => "get_job",
+            Error::JobGone { .. } => "job_gone",
             Error::Conflict { .. } => "conflict",
             Error::Deadline(_) => "deadline",
         }

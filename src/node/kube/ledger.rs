@@ -6,8 +6,9 @@
 //!   its name a hash of the type, notice id, target and node, so a record written twice (a retry,
 //!   a restarted agent) is one object (`AlreadyExists` is success).
 //! * Retention follows the job: the object is owned (an ownerReference, not a controller one) by
-//!   the pod's controller, as the pod watch knows it, so the garbage collector deletes it with the
-//!   job. A bare pod's record carries `spec.expiresAt` (now + the record TTL) and the label
+//!   the pod's controller, as the pod watch knows it, or by the JobSet of a JobSet's Job (`owner`:
+//!   a JobSet that restarts recreates its Jobs, and a Job's records would go with it), so the
+//!   garbage collector deletes it with the job. A bare pod's record carries `spec.expiresAt` (now + the record TTL) and the label
 //!   [`EXPIRES_LABEL`]; this agent deletes its own node's expired records every [`SWEEP_EVERY`]
 //!   (its task, [`KubeNodeOps::expire_records`]) and when it writes one (at most once per
 //!   [`SWEEP_EVERY`] in all).
@@ -29,7 +30,8 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::api::{with_timeout, API_BACKOFF};
-use super::{KubeNodeOps, FIELD_MANAGER};
+pub use super::owner::RecordOwner;
+use super::{owner, KubeNodeOps, FIELD_MANAGER};
 use crate::node::{Error, PodRef};
 
 /// The ledger's API group, version, kind and resource.
@@ -39,8 +41,12 @@ pub const KIND: &str = "Interruption";
 pub const PLURAL: &str = "interruptions";
 /// On a bare pod's record (no controller to follow): its agent deletes it after `spec.expiresAt`.
 pub const EXPIRES_LABEL: &str = "spotguard.io/expires";
-/// The uid of the record's owner (the pod's controller): the report selects a Job's records by it.
+/// The uid of the record's owner (the pod's controller, or its Job's JobSet): the report selects
+/// an owner's records by it.
 pub const OWNER_UID_LABEL: &str = "spotguard.io/owner-uid";
+/// On a record owned by a JobSet: the uid of the pod's Job (the report's `--job` and recovery
+/// validation select a Job's records by it).
+pub const JOB_UID_LABEL: &str = "spotguard.io/job-uid";
 /// How long a bare pod's record is kept (`--goodput-record-ttl`).
 pub const DEFAULT_RECORD_TTL: Duration = Duration::from_secs(7 * 24 * 3600);
 /// Expired records are looked for at most this often.
@@ -168,16 +174,17 @@ pub fn owner_reference(controller: &ObjectReference) -> Option<OwnerReference> {
     })
 }
 
-/// The object for `spec` in `namespace`: owned by `controller`, else expiring at `now + ttl`.
+/// The object for `spec` in `namespace`: owned by `owner`, else expiring at `now + ttl`.
 pub fn object(
     spec: InterruptionSpec,
     namespace: &str,
-    controller: Option<&ObjectReference>,
+    owner: Option<&RecordOwner>,
     now: Timestamp,
     ttl: Duration,
 ) -> DynamicObject {
     let mut spec = spec;
-    let owner = controller.and_then(owner_reference);
+    let job_uid = owner.and_then(|o| o.job_uid.clone());
+    let owner = owner.and_then(|o| owner_reference(&o.owner));
     let mut labels = std::collections::BTreeMap::from([(
         "app.kubernetes.io/managed-by".to_string(),
         "spotguard".to_string(),
@@ -185,6 +192,9 @@ pub fn object(
     match &owner {
         Some(o) => {
             labels.insert(OWNER_UID_LABEL.to_string(), o.uid.clone());
+            if let Some(job) = job_uid {
+                labels.insert(JOB_UID_LABEL.to_string(), job);
+            }
         }
         None => {
             spec.expires_at = Some(crate::duration::add(now, ttl));
@@ -227,8 +237,12 @@ impl KubeNodeOps {
             tracing::info!(node = %self.node_name, pod = %spec.target, notice_id = %spec.notice_id, record_type = %spec.type_, "dry-run: would write the goodput record");
             return Ok(());
         }
+        let owner = match controller {
+            Some(c) => Some(self.record_owner(&pod.namespace, c).await),
+            None => None,
+        };
         let now = Timestamp::now();
-        let obj = object(spec, &pod.namespace, controller, now, self.record_ttl);
+        let obj = object(spec, &pod.namespace, owner.as_ref(), now, self.record_ttl);
         let name = obj.metadata.name.clone().unwrap_or_default();
         let api: Api<DynamicObject> =
             Api::namespaced_with(self.client.clone(), &pod.namespace, &api_resource());
@@ -257,6 +271,24 @@ impl KubeNodeOps {
             self.sweep_expired_records(now).await;
         }
         result
+    }
+
+    /// The owner of a record about a pod of `namespace` controlled by `controller`: the JobSet of
+    /// its Job (`owner`), else `controller` itself, also when the Job cannot be read (logged and
+    /// counted; the record is still written).
+    async fn record_owner(&self, namespace: &str, controller: &ObjectReference) -> RecordOwner {
+        match self
+            .job_owners
+            .jobset(&self.client, namespace, controller)
+            .await
+        {
+            Ok(jobset) => owner::record_owner(controller, jobset),
+            Err(e) => {
+                tracing::warn!(error = %e, "the goodput record is owned by the pod's Job: its JobSet, if any, is unknown");
+                self.metrics.error("node", e.metric_label());
+                RecordOwner::controller(controller)
+            }
+        }
     }
 
     /// Every [`SWEEP_EVERY`] from the start until `cancel`: [`Self::sweep_expired_records`] (the
@@ -388,11 +420,58 @@ mod tests {
             uid: Some("job-uid".into()),
             ..Default::default()
         };
-        let o = object(s.clone(), "ml", Some(&job), now, DEFAULT_RECORD_TTL);
+        let o = object(
+            s.clone(),
+            "ml",
+            Some(&RecordOwner::controller(&job)),
+            now,
+            DEFAULT_RECORD_TTL,
+        );
         let owners = o.metadata.owner_references.clone().unwrap();
         assert_eq!(owners[0].uid, "job-uid");
         assert_eq!(owners[0].controller, None);
         assert!(o.data["spec"]["expiresAt"].is_null());
+        assert_eq!(
+            o.metadata.labels.as_ref().unwrap().get(OWNER_UID_LABEL),
+            Some(&"job-uid".to_string())
+        );
+        assert!(!o
+            .metadata
+            .labels
+            .as_ref()
+            .unwrap()
+            .contains_key(JOB_UID_LABEL));
+        // A JobSet's Job: owned by the JobSet, the Job's uid in a label of its own.
+        let jobset = ObjectReference {
+            api_version: Some("jobset.x-k8s.io/v1alpha2".into()),
+            kind: Some("JobSet".into()),
+            name: Some("pretrain".into()),
+            uid: Some("js-uid".into()),
+            ..Default::default()
+        };
+        let via = RecordOwner {
+            owner: jobset,
+            job_uid: Some("job-uid".into()),
+        };
+        let o = object(s.clone(), "ml", Some(&via), now, DEFAULT_RECORD_TTL);
+        let owners = o.metadata.owner_references.clone().unwrap();
+        assert_eq!(
+            (
+                owners.len(),
+                owners[0].kind.as_str(),
+                owners[0].uid.as_str()
+            ),
+            (1, "JobSet", "js-uid")
+        );
+        assert_eq!(owners[0].controller, None);
+        let labels = o.metadata.labels.clone().unwrap();
+        assert_eq!(
+            (
+                labels.get(OWNER_UID_LABEL).map(String::as_str),
+                labels.get(JOB_UID_LABEL).map(String::as_str)
+            ),
+            (Some("js-uid"), Some("job-uid"))
+        );
         let bare = object(s, "ml", None, now, Duration::from_secs(60));
         assert!(bare.metadata.owner_references.is_none());
         assert_eq!(

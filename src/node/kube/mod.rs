@@ -19,7 +19,8 @@
 //! Files: this one holds [`KubeNodeOps`] and the plan state, protection and drain parts of
 //! [`NodeOps`]; `api` the bounded API call and the node's reads and resourceVersion-guarded writes
 //! (retries through [`crate::backoff`]); `events` the Events and their series; `ledger` the goodput
-//! records (`Interruption` objects) written beside the goodput Events; `conditions` the
+//! records (`Interruption` objects) written beside the goodput Events, `owner` whom each belongs
+//! to (the pod's controller, or its Job's JobSet); `conditions` the
 //! GPU conditions and taint; `drain` the deadline-bounded drain through the Eviction API.
 
 mod api;
@@ -28,6 +29,7 @@ mod disruption;
 mod drain;
 mod events;
 pub mod ledger;
+mod owner;
 
 pub use events::controller_reference;
 
@@ -85,6 +87,8 @@ pub struct KubeNodeOps {
     record_ttl: std::time::Duration,
     /// When this agent last looked for its expired goodput records.
     last_sweep: Mutex<Option<tokio::time::Instant>>,
+    /// The JobSets of the Jobs whose pods' goodput records were written (`owner`).
+    job_owners: owner::JobOwners,
 }
 
 #[derive(Clone, Copy, Debug, Default)]
@@ -114,6 +118,7 @@ impl KubeNodeOps {
             pod_watch: OnceLock::new(),
             record_ttl: ledger::DEFAULT_RECORD_TTL,
             last_sweep: Mutex::new(None),
+            job_owners: owner::JobOwners::default(),
         }
     }
 
