@@ -19,7 +19,9 @@ use k8s_openapi::api::core::v1::ObjectReference;
 use kube::api::{Api, DynamicObject, PostParams};
 use spotguard::goodput::event::{EventRecord, Recovery};
 use spotguard::goodput::record::{Interruption, TargetBadput};
-use spotguard::node::kube::ledger::{api_resource, object, spec_for, DEFAULT_RECORD_TTL};
+use spotguard::node::kube::ledger::{
+    api_resource, object, spec_for, RecordOwner, DEFAULT_RECORD_TTL,
+};
 use spotguard::node::PodRef;
 use spotguard_testkit::k8s::TestCluster;
 
@@ -96,7 +98,13 @@ async fn fill(k: &TestCluster, ns: &str, job: &ObjectReference, from: usize, to:
                 uid: String::new(),
             };
             let spec = spec_for(&r.to_annotation(), node, &pod).expect("a record of the ledger");
-            object(spec, ns, Some(job), Timestamp::now(), DEFAULT_RECORD_TTL)
+            object(
+                spec,
+                ns,
+                Some(&RecordOwner::controller(job)),
+                Timestamp::now(),
+                DEFAULT_RECORD_TTL,
+            )
         })
         .collect();
     futures::stream::iter(objs)

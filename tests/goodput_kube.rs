@@ -634,13 +634,13 @@ async fn record_of(k: &TestCluster, ns: &str, notice: &str) -> DynamicObject {
 }
 
 /// (kind, name, uid) of each of a record's owners, and its owner-uid and job-uid labels.
-fn owners_and_labels(
-    r: &DynamicObject,
-) -> (
+type Owned = (
     Vec<(String, String, String)>,
     Option<String>,
     Option<String>,
-) {
+);
+
+fn owners_and_labels(r: &DynamicObject) -> Owned {
     let owners = r
         .metadata
         .owner_references
