@@ -710,6 +710,12 @@ async fn a_jobsets_records_are_the_jobsets_and_outlive_its_restart() {
     // The Job's report has it too (the record names the Job's uid).
     let r = goodput(&k, &["--namespace", &ns, "--job", job_name]);
     assert_eq!(r["totals"]["interruptions"], 1, "{r:#}");
+    // And so does recovery validation, asked (as the agent) for the pod's controller's uid.
+    let found =
+        spotguard::goodput::ledger::recorded_interruption(&k.agent_client(), &ns, &job_uid, "n1")
+            .await
+            .unwrap();
+    assert_eq!(found.map(|i| i.notice_id).as_deref(), Some("n1"));
 
     // The JobSet restarts: its Job is deleted and made again under the same name.
     let jobs: Api<Job> = Api::namespaced(k.admin(), &ns);
