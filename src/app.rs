@@ -149,8 +149,8 @@ pub async fn start_with_client(
     // What a recovery is checked against: the interruptions this agent logged, and in
     // Kubernetes those any agent recorded in the ledger for the pod's controller.
     let ledger = match cluster_ledger {
-        Some((client, pods)) => {
-            crate::goodput::ledger::KubeLedger::factory(client, pods, goodput_log.clone())
+        Some((client, pods, owners)) => {
+            crate::goodput::ledger::KubeLedger::factory(client, pods, owners, goodput_log.clone())
         }
         None => crate::goodput::recovery::log_ledger(goodput_log.clone()),
     };
@@ -350,6 +350,7 @@ async fn node_and_discovery(
                 .with_record_ttl(cfg.args.goodput_record_ttl),
             );
             let ledger_client = client.clone();
+            let job_owners = ops.job_owners();
             let discovery = Arc::new(kube_discovery::KubeDiscovery::new(
                 client,
                 node_name,
@@ -379,7 +380,7 @@ async fn node_and_discovery(
                 discovery,
                 Some(pod_location),
                 Arc::new(move || synced.synced()),
-                Some((ledger_client, pods)),
+                Some((ledger_client, pods, job_owners)),
             ))
         }
     }
@@ -394,7 +395,11 @@ type NodeAndDiscovery = (
     Arc<dyn TargetDiscovery>,
     Option<crate::upload::service::PodLocation>,
     crate::goodput::recovery::Ready,
-    Option<(kube::Client, Arc<dyn crate::node::drain::PodWatch>)>,
+    Option<(
+        kube::Client,
+        Arc<dyn crate::node::drain::PodWatch>,
+        Arc<crate::node::kube::owner::JobOwners>,
+    )>,
 );
 
 /// The staged checkpoint upload service (its own runtime), and the uploads an earlier run left

@@ -23,6 +23,7 @@ use spotguard::goodput::kube_report::{JOBSET_NAME_LABEL, REASONS};
 use spotguard::goodput::record::{Interruption, TargetBadput};
 use spotguard::metrics::Metrics;
 use spotguard::node::kube::ledger::{api_resource, RecordOwner, JOB_UID_LABEL, OWNER_UID_LABEL};
+use spotguard::node::kube::owner::JobOwners;
 use spotguard::node::kube::KubeNodeOps;
 use spotguard::node::{EventType, NodeOps, PodRef};
 use spotguard_testkit::k8s::{assets, fixtures, TestCluster, TestPod};
@@ -729,6 +730,25 @@ async fn a_jobsets_records_are_the_jobsets_and_outlive_its_restart() {
     let again = jobset_job(&k, &ns, job_name, &js).await;
     let again_uid = again.metadata.uid.clone().unwrap();
     assert_ne!(again_uid, job_uid);
+    // Recovery validation for a pod of the new Job: the interruption hit the earlier Job, and is
+    // found through the JobSet both belong to.
+    let again_ref = ObjectReference {
+        api_version: Some("batch/v1".into()),
+        kind: Some("Job".into()),
+        name: Some(job_name.into()),
+        uid: Some(again_uid.clone()),
+        ..Default::default()
+    };
+    let found = spotguard::goodput::ledger::recorded_for(
+        &k.agent_client(),
+        &JobOwners::default(),
+        &ns,
+        &again_ref,
+        "n1",
+    )
+    .await
+    .unwrap();
+    assert_eq!(found.map(|i| i.notice_id).as_deref(), Some("n1"));
     let resumed = pod_of_job(&k, &ns, "w0-b", &node, job_name, &again_uid).await;
     post(
         &ops,

@@ -1,7 +1,7 @@
 //! The goodput ledger, read: the `Interruption` objects (`spotguard.io/v1alpha1`) the agents
 //! write beside their goodput Events (`crate::node::kube::ledger`), which outlive the Events and
 //! which only the agents can write. `spotguard goodput --namespace` reads them
-//! ([`super::kube_report`]); recovery validation asks [`recorded_interruption`].
+//! ([`super::kube_report`]); recovery validation asks [`recorded_for`].
 //!
 //! * Paged: the namespace's records are listed `limit`/`continue` ([`PAGE`] a request), and only
 //!   the subject's are kept; a Job's are selected by its uid's labels (the owner's, and the Job's
@@ -27,10 +27,13 @@ use super::event::{EventRecord, Recovery};
 use super::record::Interruption;
 use super::recovery::{Job, Ledger, LedgerFactory, LogLedger, RecordedInterruption};
 use super::report::{self, Row};
+use k8s_openapi::api::core::v1::ObjectReference;
+
 use crate::node::drain::PodWatch;
 use crate::node::kube::ledger::{
     api_resource, bounds, InterruptionSpec, JOB_UID_LABEL, OWNER_UID_LABEL,
 };
+use crate::node::kube::owner::JobOwners;
 
 /// Records listed per request.
 pub const PAGE: u32 = 500;
@@ -326,6 +329,39 @@ pub async fn recorded_interruption(
     Ok(None)
 }
 
+/// Whether an agent recorded the interruption `notice_id` for the job of a pod controlled by
+/// `controller` in `namespace`: first by the JobSet of that Job, when it is a JobSet's Job
+/// (`owners` reads it, checked by uid: the interruption may have hit an earlier Job of the set,
+/// since a JobSet that restarts recreates its Jobs), then by the controller's uid
+/// ([`recorded_interruption`]). A Job that cannot be read only skips the first question.
+pub async fn recorded_for(
+    client: &Client,
+    owners: &JobOwners,
+    namespace: &str,
+    controller: &ObjectReference,
+    notice_id: &str,
+) -> Result<Option<Interruption>, Error> {
+    let Some(uid) = controller.uid.as_deref().filter(|u| !u.is_empty()) else {
+        return Ok(None);
+    };
+    match owners.jobset(client, namespace, controller).await {
+        Ok(Some(jobset)) => {
+            if let Some(js_uid) = jobset.uid.as_deref() {
+                if let Some(found) =
+                    recorded_interruption(client, namespace, js_uid, notice_id).await?
+                {
+                    return Ok(Some(found));
+                }
+            }
+        }
+        Ok(None) => {}
+        Err(e) => {
+            debug!(error = %e, "recovery ledger: the pod's Job could not be read; its JobSet's records are not asked")
+        }
+    }
+    recorded_interruption(client, namespace, uid, notice_id).await
+}
+
 /// How long the ledger's "no such interruption" is believed before it is asked again (a record
 /// written by the interrupted node's agent may land after the job resumed here).
 const NOT_FOUND_FOR: Duration = Duration::from_secs(30);
@@ -336,7 +372,8 @@ const LOOKUP_LIMIT: Duration = Duration::from_secs(2);
 
 /// The recovery task's [`Ledger`] in Kubernetes: an interruption this agent logged itself (its
 /// own goodput log, [`LogLedger`]), else one an agent recorded in the cluster's ledger for the
-/// pod's controller (the job: a resumed pod has the same controller as the interrupted one).
+/// pod's controller (the job: a resumed pod has the same controller as the interrupted one), or
+/// for a JobSet's Job, for its JobSet ([`recorded_for`]: a restart recreates the Jobs).
 /// The controller comes from the agent's pod watch, never from the pod's labels; a pod without
 /// one (a bare pod is its own job and does not resume elsewhere) has only the local log. Answers
 /// are cached (a found record never changes; "not found" for [`NOT_FOUND_FOR`]), so a pod
@@ -346,6 +383,8 @@ pub struct KubeLedger {
     client: Client,
     runtime: tokio::runtime::Handle,
     pods: Arc<dyn PodWatch>,
+    /// The JobSets of the pods' Jobs (shared with the node operations' record writer).
+    owners: Arc<JobOwners>,
     /// (namespace, owner uid, notice id) → the answer and when it was had.
     asked: RefCell<HashMap<Asked, (Option<RecordedInterruption>, Instant)>>,
 }
@@ -356,6 +395,7 @@ impl KubeLedger {
     pub fn factory(
         client: Client,
         pods: Arc<dyn PodWatch>,
+        owners: Arc<JobOwners>,
         goodput_log: Option<PathBuf>,
     ) -> LedgerFactory {
         let runtime = tokio::runtime::Handle::current();
@@ -365,6 +405,7 @@ impl KubeLedger {
                 client: client.clone(),
                 runtime: runtime.clone(),
                 pods: pods.clone(),
+                owners: owners.clone(),
                 asked: RefCell::new(HashMap::new()),
             }) as Box<dyn Ledger>
         })
@@ -373,9 +414,10 @@ impl KubeLedger {
     fn ask(
         &self,
         namespace: &str,
-        owner_uid: &str,
+        controller: &ObjectReference,
         notice_id: &str,
     ) -> Option<RecordedInterruption> {
+        let owner_uid = controller.uid.as_deref()?;
         let key = (
             namespace.to_string(),
             owner_uid.to_string(),
@@ -390,7 +432,7 @@ impl KubeLedger {
         let asked = self.runtime.block_on(async {
             tokio::time::timeout(
                 LOOKUP_LIMIT,
-                recorded_interruption(&self.client, namespace, owner_uid, notice_id),
+                recorded_for(&self.client, &self.owners, namespace, controller, notice_id),
             )
             .await
         });
@@ -438,9 +480,8 @@ impl Ledger for KubeLedger {
             return Some(found);
         }
         let pod = job.pod?;
-        let owner = self.pods.controller(&pod.uid)??;
-        let owner_uid = owner.uid?;
-        self.ask(&pod.namespace, &owner_uid, notice_id)
+        let controller = self.pods.controller(&pod.uid)??;
+        self.ask(&pod.namespace, &controller, notice_id)
     }
 }
 

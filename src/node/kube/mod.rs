@@ -29,7 +29,7 @@ mod disruption;
 mod drain;
 mod events;
 pub mod ledger;
-mod owner;
+pub mod owner;
 
 pub use events::controller_reference;
 
@@ -88,7 +88,7 @@ pub struct KubeNodeOps {
     /// When this agent last looked for its expired goodput records.
     last_sweep: Mutex<Option<tokio::time::Instant>>,
     /// The JobSets of the Jobs whose pods' goodput records were written (`owner`).
-    job_owners: owner::JobOwners,
+    job_owners: Arc<owner::JobOwners>,
 }
 
 #[derive(Clone, Copy, Debug, Default)]
@@ -118,7 +118,7 @@ impl KubeNodeOps {
             pod_watch: OnceLock::new(),
             record_ttl: ledger::DEFAULT_RECORD_TTL,
             last_sweep: Mutex::new(None),
-            job_owners: owner::JobOwners::default(),
+            job_owners: Arc::default(),
         }
     }
 
@@ -139,6 +139,11 @@ impl KubeNodeOps {
     pub fn with_gpu_condition_types(mut self, types: GpuConditionTypes) -> Self {
         self.gpu_types = types;
         self
+    }
+
+    /// The JobSets of the Jobs read for goodput records (recovery validation asks them too).
+    pub fn job_owners(&self) -> Arc<owner::JobOwners> {
+        self.job_owners.clone()
     }
 
     pub fn node_name(&self) -> &str {

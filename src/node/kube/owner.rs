@@ -8,6 +8,9 @@
 //! and the Job's own controller is a JobSet (`jobset.x-k8s.io`, with a name and a uid that can be
 //! a label value), owns the record by that JobSet, the Job's uid kept in a label of its own.
 //!
+//! * Recovery validation asks the same (`crate::goodput::ledger::recorded_for`, through the
+//!   [`JobOwners`] the node operations share): a pod of a JobSet's new Job resumes what an
+//!   interruption of an earlier Job of the set recorded.
 //! * Hostile input: a pod may name any Job of its namespace, a Job's creator any JobSet of it;
 //!   a record goes to an owner of the pod's own namespace, no further than what the namespace's
 //!   users can already claim.
