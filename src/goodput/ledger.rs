@@ -19,6 +19,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use k8s_openapi::api::core::v1::ObjectReference;
 use kube::api::{Api, DynamicObject, ListParams};
 use kube::Client;
 use tracing::debug;
@@ -27,8 +28,6 @@ use super::event::{EventRecord, Recovery};
 use super::record::Interruption;
 use super::recovery::{Job, Ledger, LedgerFactory, LogLedger, RecordedInterruption};
 use super::report::{self, Row};
-use k8s_openapi::api::core::v1::ObjectReference;
-
 use crate::node::drain::PodWatch;
 use crate::node::kube::ledger::{
     api_resource, bounds, InterruptionSpec, JOB_UID_LABEL, OWNER_UID_LABEL,
@@ -78,22 +77,10 @@ impl Matcher {
                         && uid.as_ref().is_none_or(|u| u == &o.uid)
                 })
             }
-            Matcher::JobUid(_) => self.labelled(obj),
+            Matcher::JobUid(uid) => names_job(obj, uid),
             Matcher::Pod(name) => &spec.pod == name,
             Matcher::Any(any) => any.iter().any(|m| m.matches(obj, spec)),
         }
-    }
-
-    /// Whether `obj` carries the [`JOB_UID_LABEL`] of this [`Matcher::JobUid`].
-    fn labelled(&self, obj: &DynamicObject) -> bool {
-        let Matcher::JobUid(uid) = self else {
-            return false;
-        };
-        obj.metadata
-            .labels
-            .as_ref()
-            .and_then(|l| l.get(JOB_UID_LABEL))
-            .is_some_and(|l| l == uid)
     }
 
     /// The label selector that narrows the list on the server, where there is one.
@@ -119,6 +106,15 @@ impl Matcher {
             m => vec![(m.selector(), m)],
         }
     }
+}
+
+/// Whether `obj` names the Job of uid `uid` in its [`JOB_UID_LABEL`].
+fn names_job(obj: &DynamicObject, uid: &str) -> bool {
+    obj.metadata
+        .labels
+        .as_ref()
+        .and_then(|l| l.get(JOB_UID_LABEL))
+        .is_some_and(|l| l == uid)
 }
 
 /// The subject's records: interruptions, recoveries, the records skipped as unreadable, and the
@@ -307,7 +303,7 @@ pub async fn recorded_interruption(
                         .flatten()
                         .any(|o| o.uid == owner_uid)
                 } else {
-                    Matcher::JobUid(owner_uid.to_string()).labelled(obj)
+                    names_job(obj, owner_uid)
                 };
                 let Ok(spec) = serde_json::from_value::<InterruptionSpec>(obj.data["spec"].clone())
                 else {
