@@ -141,6 +141,20 @@ async fn fetch_ranged(
                 }
             }
         }
+        // At most `parts_per_object` in flight: wait for one to end before the next.
+        while first_err.is_none() && parts.len() >= run.opts.parts_per_object.max(1) {
+            let Some(res) = parts.join_next().await else {
+                break;
+            };
+            match part_result(res) {
+                Ok(Some(h)) => hashes.push(h),
+                Ok(None) => {}
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                    object_stop.cancel();
+                }
+            }
+        }
         if first_err.is_some() {
             break;
         }

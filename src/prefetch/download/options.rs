@@ -14,6 +14,9 @@ use crate::prefetch::metrics::PrefetchMetrics;
 use crate::store::progress::Progress;
 use crate::store::url::SourceUrl;
 
+/// Default of [`FetchOptions::parts_per_object`].
+pub const PARTS_PER_OBJECT: usize = 4;
+
 /// What to verify before a file is published.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -34,6 +37,9 @@ pub struct FetchOptions {
     pub concurrency: usize,
     /// Objects larger than this are fetched as parallel ranged GETs of this size.
     pub part_size: u64,
+    /// Ranged GETs of one object in flight at once (within `concurrency`): the other request
+    /// slots go to the next objects, and fewer writers queue on the one file's lock.
+    pub parts_per_object: usize,
     pub verify: Verify,
     /// Claim lease; renewed every `renew_every` (progress is synced and recorded then).
     pub lease: Duration,
@@ -59,6 +65,7 @@ impl Default for FetchOptions {
         FetchOptions {
             concurrency: 32,
             part_size: 8 << 20,
+            parts_per_object: PARTS_PER_OBJECT,
             verify: Verify::Checksum,
             lease: Duration::from_secs(30),
             renew_every: Duration::from_secs(5),
