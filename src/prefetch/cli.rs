@@ -84,8 +84,8 @@ pub struct PrefetchArgs {
     #[arg(long, default_value = "8MiB", value_parser = parse_part_size)]
     pub part_size: u64,
 
-    /// Ranged GETs of one object in flight at once (within --concurrency); the other requests
-    /// go to the next objects.
+    /// One object's share of the request slots for its ranged GETs while other objects wait
+    /// for a slot (within --concurrency); with none waiting it takes the free slots too.
     #[arg(long, default_value = "4", value_parser = parse_parts_per_object)]
     pub parts_per_object: usize,
 

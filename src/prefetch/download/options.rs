@@ -37,8 +37,9 @@ pub struct FetchOptions {
     pub concurrency: usize,
     /// Objects larger than this are fetched as parallel ranged GETs of this size.
     pub part_size: u64,
-    /// Ranged GETs of one object in flight at once (within `concurrency`): the other request
-    /// slots go to the next objects, and fewer writers queue on the one file's lock.
+    /// One object's share of the request slots for its ranged GETs (within `concurrency`):
+    /// beyond it, the object takes only a slot no other object waits for, so large objects
+    /// listed first leave the small ones theirs while a lone large object uses them all.
     pub parts_per_object: usize,
     pub verify: Verify,
     /// Claim lease; renewed every `renew_every` (progress is synced and recorded then).

@@ -478,7 +478,7 @@ impl ObjectStore for RangesInFlight {
 }
 
 #[tokio::test]
-async fn one_object_has_at_most_parts_per_object_ranged_gets_in_flight() {
+async fn a_lone_object_takes_the_free_slots_beyond_its_share() {
     let root = tempfile::tempdir().unwrap();
     let big = pattern(16 * (64 << 10), 4);
     let inner = InMemory::new();
@@ -502,7 +502,12 @@ async fn one_object_has_at_most_parts_per_object_ranged_gets_in_flight() {
         report.summary
     );
     assert_eq!(std::fs::read(root.path().join("ds/big.bin")).unwrap(), big);
-    // 16 parts of 64 KiB, 8 request slots: never more than 2 of the object's parts at once, and
-    // 2 at once (the cap is a cap, not one part at a time).
-    assert_eq!(store.most.load(Ordering::SeqCst), 2);
+    // 16 parts of 64 KiB, 8 request slots, a share of 2: with no other object waiting for a
+    // slot the lone object takes the free ones too (a cap would hold it to 2 at once), never
+    // more than the slots.
+    let most = store.most.load(Ordering::SeqCst);
+    assert!(
+        (3..=8).contains(&most),
+        "{most} ranged GETs in flight at most"
+    );
 }
