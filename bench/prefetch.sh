@@ -15,8 +15,11 @@
 #
 # Environment: BENCH_DIR (work directory, default a fresh one under /tmp; needs ~2.5 GiB for the
 # server's copy), BENCH_DEST (destination, default <BENCH_DIR>/dest; 2 GiB), BENCH_SMALL (count of
-# 1 MiB objects, default 1000), BENCH_LARGE (count of 256 MiB objects, default 4), SPOTGUARD (a
-# prebuilt binary, skips the release build).
+# small objects, default 1000), BENCH_SMALL_KIB (size of each, default 1024), BENCH_LARGE (count of
+# large objects, default 4), BENCH_LARGE_MIB (size of each, default 256), SPOTGUARD (a prebuilt
+# binary, skips the release build), BENCH_BASELINE (another spotguard binary, e.g. a build from
+# before a change, run as the client "spotguard (baseline)" in the same rounds, whatever
+# BENCH_CLIENTS says). Many small files: BENCH_SMALL=5000 BENCH_SMALL_KIB=64 BENCH_LARGE=0.
 #
 # On a filesystem that reuses inodes lazily (ext4 without a journal skips inodes freed within the
 # last 60-360 s), clearing the destination between runs makes every client's file creations scan
@@ -42,5 +45,7 @@ if [ -z "${SPOTGUARD:-}" ]; then
     SPOTGUARD="$work/spotguard"
 fi
 exec python3 "$here/prefetch_bench.py" --spotguard "$SPOTGUARD" --work "$work" --rounds "$rounds" \
-    --small "${BENCH_SMALL:-1000}" --large "${BENCH_LARGE:-4}" --dest "${BENCH_DEST:-$work/dest}" \
-    --upload "${BENCH_UPLOAD:-checksums}" ${BENCH_CLIENTS:+--clients "$BENCH_CLIENTS"}
+    --small "${BENCH_SMALL:-1000}" --small-kib "${BENCH_SMALL_KIB:-1024}" \
+    --large "${BENCH_LARGE:-4}" --large-mib "${BENCH_LARGE_MIB:-256}" --dest "${BENCH_DEST:-$work/dest}" \
+    --upload "${BENCH_UPLOAD:-checksums}" ${BENCH_CLIENTS:+--clients "$BENCH_CLIENTS"} \
+    ${BENCH_BASELINE:+--baseline "$BENCH_BASELINE"}

@@ -46,18 +46,19 @@ def upload_with_checksums(gen, endpoint):
                               ChecksumAlgorithm="CRC32")
 
 
-def generate_and_upload(work, endpoint, s5, small, large, upload):
+def generate_and_upload(work, endpoint, s5, small, small_kib, large, large_mib, upload):
     gen = os.path.join(work, "gen")
     shutil.rmtree(gen, ignore_errors=True)
     os.makedirs(os.path.join(gen, "small"))
     os.makedirs(os.path.join(gen, "large"))
+    width = max(4, len(str(small - 1)))
     with open("/dev/urandom", "rb") as rnd:
         for i in range(small):
-            with open(os.path.join(gen, "small", f"{i:04d}.bin"), "wb") as f:
-                f.write(rnd.read(MIB))
+            with open(os.path.join(gen, "small", f"{i:0{width}d}.bin"), "wb") as f:
+                f.write(rnd.read(small_kib * 1024))
         for i in range(large):
             with open(os.path.join(gen, "large", f"{i}.bin"), "wb") as f:
-                for _ in range(256):
+                for _ in range(large_mib):
                     f.write(rnd.read(MIB))
     env = tool_env(endpoint)
     subprocess.run([s5, "--endpoint-url", endpoint, "mb", f"s3://{BUCKET}"], env=env, check=True,
@@ -65,18 +66,23 @@ def generate_and_upload(work, endpoint, s5, small, large, upload):
     if upload == "checksums":
         upload_with_checksums(gen, endpoint)
     else:
-        # "legacy": s5cmd uploads the 256 MiB files in parts (multipart etags, no checksum),
-        # the 1 MiB ones whole (MD5 etags), as older dataset uploads did.
+        # "legacy": s5cmd uploads the large files in parts (multipart etags, no checksum; s5cmd's
+        # parts are 50 MiB), the small ones whole (MD5 etags), as older dataset uploads did.
         subprocess.run([s5, "--endpoint-url", endpoint, "cp", gen + "/*",
                         f"s3://{BUCKET}/{PREFIX}/"],
                        env=env, check=True, stdout=subprocess.DEVNULL)
     shutil.rmtree(gen)
-    return small * MIB + large * 256 * MIB, small + large
+    return small * small_kib * 1024 + large * large_mib * MIB, small + large
 
 
-def commands(spotguard, s5, endpoint, dest):
+def commands(spotguard, s5, endpoint, dest, baseline=None):
     src = f"s3://{BUCKET}/{PREFIX}"
-    return {
+    extra = {}
+    if baseline:
+        # Another build of spotguard (before a change), measured in the same rounds.
+        extra["spotguard (baseline)"] = [baseline, "prefetch", src, dest, "--name", "ds",
+                                         "--endpoint", endpoint, "--progress", "json"]
+    return extra | {
         "spotguard": [spotguard, "prefetch", src, dest, "--name", "ds", "--endpoint", endpoint,
                       "--progress", "json"],
         "spotguard --verify size": [spotguard, "prefetch", src, dest, "--name", "ds", "--endpoint",
@@ -136,12 +142,15 @@ def main():
     ap.add_argument("--work", required=True)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--small", type=int, default=1000)
+    ap.add_argument("--small-kib", type=int, default=1024, help="size of each small object")
     ap.add_argument("--large", type=int, default=4)
+    ap.add_argument("--large-mib", type=int, default=256, help="size of each large object")
     ap.add_argument("--dest", help="destination directory (cleared before every run)")
     ap.add_argument("--upload", choices=["checksums", "legacy"], default="checksums",
                     help="checksums: every object PUT with a CRC32 checksum (current SDK "
                          "default); legacy: s5cmd upload, multipart etags and no checksums")
     ap.add_argument("--clients", help="comma-separated subset of the clients (default: all)")
+    ap.add_argument("--baseline", help="another spotguard binary, run as 'spotguard (baseline)'")
     args = ap.parse_args()
 
     root = os.path.join(args.work, "s3root")
@@ -151,20 +160,23 @@ def main():
     try:
         s5 = s5cmd_binary()
         want_bytes, want_files = generate_and_upload(args.work, endpoint, s5, args.small,
-                                                     args.large, args.upload)
+                                                     args.small_kib, args.large, args.large_mib,
+                                                     args.upload)
         gib = want_bytes / GIB
         env = tool_env(endpoint)
         dest = args.dest or os.path.join(args.work, "dest")
-        cmds = commands(args.spotguard, s5, endpoint, dest)
+        cmds = commands(args.spotguard, s5, endpoint, dest, args.baseline)
         if args.clients:
-            keep = [c.strip() for c in args.clients.split(",")]
+            keep = [c.strip() for c in args.clients.split(",")] + ["spotguard (baseline)"]
             cmds = {n: c for n, c in cmds.items() if n in keep}
             if "s5cmd" not in cmds:
                 sys.exit("--clients must include s5cmd (the reference)")
         names = list(cmds)
         results = {n: [] for n in names}
-        print(f"dataset: {want_files} objects, {gib:.2f} GiB ({args.upload} upload); s3s-fs at "
-              f"{endpoint}; destination {dest}; {args.rounds} rounds, interleaved", flush=True)
+        print(f"dataset: {args.small} x {args.small_kib} KiB + {args.large} x {args.large_mib} MiB = "
+              f"{want_files} objects, {gib:.2f} GiB ({args.upload} upload); s3s-fs at "
+              f"{endpoint}; destination {dest}; {args.rounds} rounds, interleaved; "
+              f"load {os.getloadavg()[0]:.2f}", flush=True)
         for r in range(args.rounds):
             order = names[r % len(names):] + names[:r % len(names)]
             for n in order:
@@ -174,7 +186,8 @@ def main():
                 results[n].append(res)
                 print(f"  round {r + 1} {n:26s} wall {res['wall']:6.2f}s  "
                       f"cpu {res['cpu']:6.2f}s  rss {res['rss_mib']:7.1f} MiB  "
-                      f"server cpu {res['server_cpu']:5.2f}s  {res['verified']}", flush=True)
+                      f"server cpu {res['server_cpu']:5.2f}s  load {os.getloadavg()[0]:5.2f}  "
+                      f"{res['verified']}", flush=True)
         shutil.rmtree(dest, ignore_errors=True)
 
         def med(n, k):

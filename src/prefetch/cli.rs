@@ -35,6 +35,10 @@ fn parse_part_size(s: &str) -> Result<u64, String> {
     units::parse_bytes_between(s, "part size", (64 << 10, "64KiB"), (5 << 30, "5GiB"))
 }
 
+fn parse_parts_per_object(s: &str) -> Result<usize, String> {
+    units::parse_count_between(s, "parts per object", 1, 1024)
+}
+
 fn parse_concurrency(s: &str) -> Result<usize, String> {
     units::parse_count_between(s, "concurrency", 1, 1024)
 }
@@ -79,6 +83,11 @@ pub struct PrefetchArgs {
     /// Objects larger than this are fetched as parallel ranged GETs of this size (8MiB, 16MiB…).
     #[arg(long, default_value = "8MiB", value_parser = parse_part_size)]
     pub part_size: u64,
+
+    /// One object's share of the request slots for its ranged GETs while other objects wait
+    /// for a slot (within --concurrency); with none waiting it takes the free slots too.
+    #[arg(long, default_value = "4", value_parser = parse_parts_per_object)]
+    pub parts_per_object: usize,
 
     /// S3-compatible endpoint (path-style; http:// allowed), e.g. http://127.0.0.1:9000.
     #[arg(long, env = "SPOTGUARD_PREFETCH_ENDPOINT", value_name = "URL", value_parser = crate::store::url::parse_http_url)]
@@ -236,6 +245,7 @@ fn fetch_options(
     FetchOptions {
         concurrency: args.concurrency,
         part_size: args.part_size,
+        parts_per_object: args.parts_per_object,
         verify: args.verify,
         lease: args.claim_lease,
         renew_every: args.claim_lease / 6,

@@ -129,7 +129,9 @@ async fn fetch_ranged(
         }
     }
     let mut first_err: Option<Stop> = None;
-    for seg in iter {
+    let share = run.opts.parts_per_object.max(1);
+    let mut iter = iter.peekable();
+    while let Some(seg) = iter.peek().cloned() {
         // Reap finished parts so that a failure stops the rest early.
         while let Some(res) = parts.try_join_next() {
             match part_result(res) {
@@ -144,13 +146,41 @@ async fn fetch_ranged(
         if first_err.is_some() {
             break;
         }
-        let permit = match acquire_request(run, active).await {
-            Ok(p) => p,
-            Err(e) => {
-                first_err = Some(e);
-                break;
+        let permit = if parts.len() < share {
+            match acquire_request(run, active).await {
+                Ok(p) => p,
+                Err(e) => {
+                    first_err = Some(e);
+                    break;
+                }
+            }
+        } else {
+            // Beyond its share, an object takes only a slot nobody waits for (the semaphore
+            // hands a released slot to a waiter first): a lone large object still uses every
+            // free slot, one listed before many small ones leaves them theirs.
+            match run.requests.clone().try_acquire_owned() {
+                Ok(p) => p,
+                Err(tokio::sync::TryAcquireError::Closed) => {
+                    first_err = Some(Stop::Aborted);
+                    break;
+                }
+                Err(tokio::sync::TryAcquireError::NoPermits) => {
+                    // Wait for one of its own parts to end, then ask again.
+                    if let Some(res) = parts.join_next().await {
+                        match part_result(res) {
+                            Ok(Some(h)) => hashes.push(h),
+                            Ok(None) => {}
+                            Err(e) => {
+                                first_err.get_or_insert(e);
+                                object_stop.cancel();
+                            }
+                        }
+                    }
+                    continue;
+                }
             }
         };
+        iter.next();
         let (r, l, a, f) = (run.clone(), listed.clone(), active.clone(), file.clone());
         let (tag, stop) = (expected_etag.clone(), object_stop.clone());
         let h = SegmentHash::Given(part_hasher.map(|c| c.hasher()));

@@ -14,6 +14,9 @@ use crate::prefetch::metrics::PrefetchMetrics;
 use crate::store::progress::Progress;
 use crate::store::url::SourceUrl;
 
+/// Default of [`FetchOptions::parts_per_object`].
+pub const PARTS_PER_OBJECT: usize = 4;
+
 /// What to verify before a file is published.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -34,6 +37,10 @@ pub struct FetchOptions {
     pub concurrency: usize,
     /// Objects larger than this are fetched as parallel ranged GETs of this size.
     pub part_size: u64,
+    /// One object's share of the request slots for its ranged GETs (within `concurrency`):
+    /// beyond it, the object takes only a slot no other object waits for, so large objects
+    /// listed first leave the small ones theirs while a lone large object uses them all.
+    pub parts_per_object: usize,
     pub verify: Verify,
     /// Claim lease; renewed every `renew_every` (progress is synced and recorded then).
     pub lease: Duration,
@@ -59,6 +66,7 @@ impl Default for FetchOptions {
         FetchOptions {
             concurrency: 32,
             part_size: 8 << 20,
+            parts_per_object: PARTS_PER_OBJECT,
             verify: Verify::Checksum,
             lease: Duration::from_secs(30),
             renew_every: Duration::from_secs(5),
