@@ -6,11 +6,16 @@
 //! API server adding 0 ms, 100 ms, 1 s, or never answering (accepts, never answers) from just
 //! before the notice on — plus notice → node cordoned with nothing added; and the idle footprint
 //! (RSS, CPU) of a `spotguard run` process over a minute in host mode and in Kubernetes mode with
-//! 110 pods on the node (the kubelet's default maximum).
+//! 110 pods on the node (the kubelet's default maximum); and host mode (GCE) on a busy node: N
+//! other processes (perl-forked sleepers) started just before the notice — after the agent, or
+//! before it — or long before it (older than `checkpoint::discover::RECENT`), a fresh agent per
+//! trial.
 //!
 //! `cargo bench --bench latency` (env: SPOTGUARD_BENCH_TRIALS=50, SPOTGUARD_BENCH_IDLE_SECS=60,
-//! SPOTGUARD_BENCH_MODE=all|host|kubernetes, SPOTGUARD_BENCH_SLOW_TRIALS: trials for the 1 s and
-//! never-answering API conditions, default SPOTGUARD_BENCH_TRIALS). A Kubernetes trial whose
+//! SPOTGUARD_BENCH_MODE=all|host|kubernetes|busy, SPOTGUARD_BENCH_SLOW_TRIALS: trials for the 1 s
+//! and never-answering API conditions, default SPOTGUARD_BENCH_TRIALS; for the busy node,
+//! SPOTGUARD_BENCH_SLEEPERS=1000,10000 and SPOTGUARD_BENCH_BUSY_TRIALS=10 per condition). `busy`
+//! runs only the busy-node conditions; `host` and `all` include them. A Kubernetes trial whose
 //! process is not signalled within SIGNAL_WAIT is counted as "never" and shown as such; the
 //! percentiles then include it as +∞.
 //! The receiving process stamps CLOCK_REALTIME inside its signal handler (clock_gettime is
@@ -23,7 +28,7 @@ use spotguard::app;
 use spotguard::config::{self, Config};
 use spotguard::emulator::{self, Cloud, EmulatedNotice, EmulatorConfig};
 use spotguard_testkit::k8s::{Fault, RequestKind, TestCluster, TestPod};
-use spotguard_testkit::process::{percentile, usr1_stamp_child};
+use spotguard_testkit::process::{percentile, sleepers, usr1_stamp_child, Sleepers};
 use tokio_util::sync::CancellationToken;
 
 /// How long a Kubernetes trial waits for the signal before counting it as never delivered.
@@ -47,7 +52,27 @@ fn run_args(cloud: &str, endpoint: &str, dir: &Path, pidfile: &Path) -> config::
     spotguard::config::parse_run_args(argv).unwrap_or_else(|text| panic!("{text}"))
 }
 
-async fn trial(cloud: Cloud, emu: &emulator::EmulatorHandle) -> f64 {
+/// When a busy-node trial's other processes start.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Burst {
+    /// None started for the trial (the plain per-cloud trials, or long before them).
+    No,
+    /// After the agent started (its first refresh saw none of them), 1–2 s before the notice.
+    AfterAgent(usize),
+    /// Just before the agent started, 1–2 s before the notice.
+    BeforeAgent(usize),
+}
+
+/// `n` sleepers, started and awaited off the runtime's threads (the agent runs on them).
+async fn start_sleepers(n: usize, dir: &Path) -> Sleepers {
+    let ready = dir.join(format!("sleepers-{n}-{:016x}", fastrand::u64(..)));
+    tokio::task::spawn_blocking(move || sleepers(n, &ready))
+        .await
+        .expect("sleepers")
+}
+
+/// Notice visible → signal received, through a fresh agent, in seconds.
+async fn trial(cloud: Cloud, emu: &emulator::EmulatorHandle, burst: Burst) -> f64 {
     let dir = tempfile::tempdir().expect("tempdir");
     let out = dir.path().join("received");
     let me = std::env::current_exe().expect("exe");
@@ -67,8 +92,15 @@ async fn trial(cloud: Cloud, emu: &emulator::EmulatorHandle) -> f64 {
         &config::ProcessEnv,
     )
     .expect("config");
+    let mut others = None;
+    if let Burst::BeforeAgent(n) = burst {
+        others = Some(start_sleepers(n, dir.path()).await);
+    }
     let cancel = CancellationToken::new();
     let app = app::start(cfg, cancel.clone()).await.expect("start");
+    if let Burst::AfterAgent(n) = burst {
+        others = Some(start_sleepers(n, dir.path()).await);
+    }
     // Let the first polls happen, at a random phase relative to the poll clock.
     tokio::time::sleep(Duration::from_millis(1000 + fastrand::u64(0..1000))).await;
     let visible = emu
@@ -84,7 +116,86 @@ async fn trial(cloud: Cloud, emu: &emulator::EmulatorHandle) -> f64 {
     cancel.cancel();
     let _ = tokio::time::timeout(Duration::from_secs(5), app.join).await;
     emu.clear();
+    if let Some(others) = others {
+        tokio::task::spawn_blocking(move || drop(others))
+            .await
+            .expect("sleepers gone");
+    }
     (received_ns - visible.as_nanosecond()) as f64 / 1e9
+}
+
+/// `p50 p99 max` of `v` (seconds), in ms.
+fn row(v: &mut [f64]) -> String {
+    v.sort_by(|a, b| a.total_cmp(b));
+    format!(
+        "{:>8.1}ms {:>8.1}ms {:>8.1}ms",
+        percentile(v, 50.0) * 1e3,
+        percentile(v, 99.0) * 1e3,
+        v.last().copied().unwrap_or(f64::NAN) * 1e3
+    )
+}
+
+/// The load averages (`/proc/loadavg`'s first three fields).
+fn load() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .unwrap_or_default()
+        .split_whitespace()
+        .take(3)
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// Host mode (GCE hanging GET) on a busy node: for each count of other processes, `trials`
+/// trials with them started after the agent, before it, and long before the notice.
+async fn busy_node(trials: usize, counts: &[usize]) {
+    let emu = emulator::start(EmulatorConfig::new(Cloud::Gce))
+        .await
+        .expect("emulator");
+    let dir = tempfile::tempdir().expect("tempdir");
+    println!(
+        "host mode, GCE hanging GET, N other processes: notice visible → SIGUSR1 received, {trials} trials per row, a fresh agent each"
+    );
+    println!(
+        "{:<6} {:<44} {:>10} {:>10} {:>10}   load before → after",
+        "N", "others started", "p50", "p99", "max"
+    );
+    for &n in counts {
+        for (label, burst) in [
+            (
+                "after the agent, 1–2 s before the notice",
+                Burst::AfterAgent(n),
+            ),
+            (
+                "before the agent, 1–2 s before the notice",
+                Burst::BeforeAgent(n),
+            ),
+        ] {
+            let before = load();
+            let mut v = Vec::with_capacity(trials);
+            for _ in 0..trials {
+                v.push(trial(Cloud::Gce, &emu, burst).await);
+            }
+            println!("{n:<6} {label:<44} {}   {before} → {}", row(&mut v), load());
+        }
+        let before = load();
+        let others = start_sleepers(n, dir.path()).await;
+        // older than every window in which discovery treats a process as new
+        tokio::time::sleep(spotguard::checkpoint::discover::RECENT + Duration::from_secs(2)).await;
+        let mut v = Vec::with_capacity(trials);
+        for _ in 0..trials {
+            v.push(trial(Cloud::Gce, &emu, Burst::No).await);
+        }
+        tokio::task::spawn_blocking(move || drop(others))
+            .await
+            .expect("sleepers gone");
+        println!(
+            "{n:<6} {:<44} {}   {before} → {}",
+            "long before (> RECENT)",
+            row(&mut v),
+            load()
+        );
+    }
+    emu.shutdown().await;
 }
 
 /// How the API server answers from just before the notice on (the pod cache synced before).
@@ -448,7 +559,20 @@ fn main() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(trials);
     let mode = std::env::var("SPOTGUARD_BENCH_MODE").unwrap_or_else(|_| "all".into());
-    let (host, kube) = (mode != "kubernetes", mode != "host");
+    let busy = mode != "kubernetes";
+    let (host, kube) = (
+        mode != "kubernetes" && mode != "busy",
+        mode != "host" && mode != "busy",
+    );
+    let busy_trials: usize = std::env::var("SPOTGUARD_BENCH_BUSY_TRIALS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(10);
+    let counts: Vec<usize> = std::env::var("SPOTGUARD_BENCH_SLEEPERS")
+        .unwrap_or_else(|_| "1000,10000".into())
+        .split(',')
+        .filter_map(|v| v.trim().parse().ok())
+        .collect();
     let idle_secs: u64 = std::env::var("SPOTGUARD_BENCH_IDLE_SECS")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -459,11 +583,14 @@ fn main() {
         .build()
         .expect("runtime");
     rt.block_on(async {
+        if busy {
+            busy_node(busy_trials, &counts).await;
+        }
         if kube {
             kube_latency(trials, slow_trials).await;
         }
         if !host {
-            if idle_secs > 0 {
+            if idle_secs > 0 && kube {
                 idle_footprint(idle_secs, None).await;
                 idle_footprint(idle_secs, Some(110)).await;
             }
@@ -477,7 +604,7 @@ fn main() {
                 .expect("emulator");
             let mut v = Vec::with_capacity(trials);
             for _ in 0..trials {
-                v.push(trial(cloud, &emu).await);
+                v.push(trial(cloud, &emu, Burst::No).await);
             }
             emu.shutdown().await;
             v.sort_by(|a, b| a.total_cmp(b));

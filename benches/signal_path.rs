@@ -34,7 +34,7 @@ use spotguard::checkpoint::run::{deliver, CheckpointRequest};
 use spotguard::checkpoint::{PodRef, Signal, TargetGroup, TargetMode};
 use spotguard::metrics::Metrics;
 use spotguard_testkit::kubelet::{self, Qos};
-use spotguard_testkit::process::{percentile, usr1_stamp_child, Kid};
+use spotguard_testkit::process::{percentile, sleepers, usr1_stamp_child, Kid};
 
 fn now_ns() -> i64 {
     let mut ts = libc::timespec {
@@ -67,23 +67,6 @@ fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
         );
         std::thread::sleep(Duration::from_millis(2));
     }
-}
-
-/// `n` sleeping processes (perl forks: copy-on-write, little memory each) in one process group,
-/// killed with it on drop.
-fn sleepers(n: usize, dir: &Path) -> Kid {
-    let ready = dir.join(format!("sleepers-{n}"));
-    let mut cmd = Command::new("perl");
-    cmd.arg("-e")
-        .arg(
-            "my ($n, $r) = @ARGV; for (1..$n) { my $p = fork; die \"fork: $!\" unless defined $p; \
-             if (!$p) { sleep 1000000; exit 0 } } open(my $f, '>', $r) or die; close $f; sleep 1000000",
-        )
-        .arg(n.to_string())
-        .arg(&ready);
-    let kid = Kid::spawn(cmd);
-    wait_for("the sleepers", || ready.exists());
-    kid
 }
 
 /// The trainer: this bench re-run in child mode, `$0`-style token in its arguments.
@@ -337,7 +320,7 @@ fn main() {
             running + n + 1000 < pid_max,
             "{n} sleepers do not fit under pid_max {pid_max}"
         );
-        let others = sleepers(n, dir.path());
+        let others = sleepers(n, &dir.path().join(format!("sleepers-{n}")));
         let started = std::time::Instant::now();
         // a burst of processes just before the notices (the notice of an agent started beside
         // them, 2–7 s later): recent, but settled (forks that never exec'd, past SETTLE_AGE)

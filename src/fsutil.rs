@@ -11,10 +11,13 @@ use rustix::fs::{AtFlags, Mode, OFlags};
 /// the new, never a partial file; this only says what survives a crash of the machine.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Durability {
-    /// Nothing: for records rewritten often whose loss is harmless (a prefetch claim's renewal).
+    /// Nothing: for records rewritten often whose loss is harmless (a prefetch claim's renewal),
+    /// and for what the signal path writes before the signal (`notice.json` in the checkpoint
+    /// dir, the local record's list of targets): meaningless after a crash of the machine, and
+    /// an fsync there would make the signal wait on other writers' dirty data.
     None,
     /// The file's content (fsync before the rename); the rename itself may be lost. For files
-    /// that are meaningless after a crash and sit on the signal path (`notice.json`).
+    /// whose loss in a crash is harmless but whose content must never be half there.
     File,
     /// The content and the rename (fsync of the file, then of the directory).
     FileAndDir,

@@ -1180,7 +1180,20 @@ fn tagged_handler(dir: &Path, token: &str, removable: bool) -> Kid {
     cmd.arg("-c").arg(script).arg(token).env("DIR", dir);
     let kid = Kid::spawn(cmd);
     wait_for_handler(kid.pid());
+    wait_for_handler_sleep(kid.pid());
     kid
+}
+
+/// Until [`HANDLER`]'s `sleep` child in `pid` has exec'd: before, it is a fork of the handler
+/// whose command line matches the handler's selectors too.
+fn wait_for_handler_sleep(pid: i32) {
+    eventually_blocking("the handler's sleep", Duration::from_secs(10), || {
+        std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+            .unwrap_or_default()
+            .split_whitespace()
+            .filter_map(|c| c.parse().ok())
+            .any(|c| ProcFs::default().status(c).is_ok_and(|s| s.name == "sleep"))
+    });
 }
 
 /// A `sleep` that gets PID `pid` (the kernel's next PID set through `ns_last_pid`; other
@@ -1301,6 +1314,49 @@ async fn warm_candidates_give_what_the_full_scan_gives() {
     wait(deliveries, &req, &m, &done).await;
 }
 
+/// Processes created after a full refresh are folded into the warm set by the background's
+/// catch-up: the notice then re-reads its targets (and the few processes that may still exec),
+/// not every process created since the refresh, and finds what a full scan finds.
+#[tokio::test]
+async fn after_the_catch_up_the_notice_reads_none_of_the_processes_created_since_the_refresh() {
+    use spotguard::checkpoint::discover::{HostFoundBy, WARM_INTERVAL};
+    use spotguard_testkit::process::sleepers;
+    let tmp = tempfile::tempdir().unwrap();
+    let token = format!("sg-catchup-{}", fastrand::u64(..));
+    let mut t = targets(tmp.path());
+    t.cmdlines = vec![regex::Regex::new(&token).unwrap()];
+    let d = HostDiscovery::new(t);
+    d.refresh_warm(WARM_INTERVAL).unwrap();
+    // after the refresh: 200 other processes and a matching one
+    let others = sleepers(200, &tmp.path().join("sleepers"));
+    let newcomer = tagged_handler(tmp.path(), &token, false);
+    let others_read = |d: &HostDiscovery| {
+        let read = d.notice_reads().expect("the warm set is trusted");
+        others.pids().iter().filter(|p| read.contains(p)).count()
+    };
+    assert_eq!(
+        others_read(&d),
+        200,
+        "not caught up yet: read at the notice"
+    );
+    // forks that never exec are settled from SETTLE_AGE on; the catch-up folds them in then
+    eventually_blocking(
+        "the other processes folded into the warm set",
+        Duration::from_secs(10),
+        || {
+            d.catch_up().unwrap();
+            others_read(&d) == 0
+        },
+    );
+    let (groups, how) = d.discover_with().unwrap();
+    assert_eq!(how, HostFoundBy::Warm);
+    assert_eq!(pids_of(&groups[0]), vec![newcomer.pid()]);
+    assert_eq!(
+        processes_of(&groups),
+        processes_of(&d.discover_full().unwrap())
+    );
+}
+
 /// A warm set older than three refresh periods is not trusted: the notice reads every process.
 #[tokio::test]
 async fn stale_warm_candidates_fall_back_to_the_full_scan() {
@@ -1360,6 +1416,7 @@ async fn a_recent_launcher_that_execs_into_a_match_after_the_refresh_is_found_wa
     assert!(pids_of(&before[0]).is_empty(), "not a match yet");
     std::fs::write(&go, "go\n").unwrap();
     wait_for_handler(launcher.pid());
+    wait_for_handler_sleep(launcher.pid());
     let (groups, how) = d.discover_with().unwrap();
     assert_eq!(how, HostFoundBy::Warm, "the warm set is still trusted");
     assert_eq!(pids_of(&groups[0]), vec![launcher.pid()]);

@@ -287,8 +287,7 @@ impl LocalDir {
         found
     }
 
-    /// Write `name` atomically inside the dir (temp + fsync + rename), creating the dir if
-    /// needed.
+    /// Write `name` atomically inside the dir (temp + rename), creating the dir if needed.
     pub(super) fn write_atomic(&self, name: &str, data: &[u8]) -> Result<(), Error> {
         let err = |source| Error::WriteNotice {
             target: self.display.clone(),
@@ -296,9 +295,10 @@ impl LocalDir {
             source,
         };
         let dir = self.ensure_dir().map_err(err)?;
-        // The directory itself is not fsynced: a notice is meaningless after a crash, and every
-        // fsync is milliseconds before the signal.
-        crate::fsutil::write_atomic_at(dir.as_fd(), name, data, 0o644, Durability::File)
+        // Not fsynced: a notice is meaningless after a crash of the machine (a new life), and
+        // an fsync before the signal takes milliseconds, hundreds of them when other writers
+        // have dirty data (a journal commit waits for them).
+        crate::fsutil::write_atomic_at(dir.as_fd(), name, data, 0o644, Durability::None)
             .map_err(err)
     }
 

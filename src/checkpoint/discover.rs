@@ -37,8 +37,23 @@
 //! than [`MAX_NEW_PIDS`] PIDs allocated since (or the last PID unreadable), or a proc root other
 //! than this process's own `/proc`.
 //!
-//! **Unsettled.** A process started within [`RECENT`] of the refresh is re-read at the notice only
-//! while it may still become another program: it runs a shell or an exec wrapper
+//! **Catching up.** Between two full refreshes the same background thread catches up every
+//! [`CATCH_UP`]: the processes created since (by the last PID) are read once each — their stat,
+//! whether a selector selects them or their parent is a candidate, whether they are unsettled —
+//! and folded into the warm set, and the unsettled ones are re-checked (settled, they drop out;
+//! matching, they become candidates). So a burst of new processes costs the background once, as
+//! they appear, and a notice re-reads only what was created in the last [`CATCH_UP`] and what is
+//! still unsettled, however soon after the burst it comes. It reads at most [`MAX_NEW_PIDS`]
+//! processes a time (the rest the next), and pauses at least as long as it took: at most half a
+//! core, and only while processes are being created (a catch-up costs a fraction of what creating
+//! them cost). Every pass of the thread, full or catch-up, yields to a
+//! discovery in progress (it stops and is made again after its pause): the notice never shares
+//! the CPU with its own background.
+//!
+//! **Unsettled.** With a cmdline selector (an exec changes a process's command line, never its
+//! parent, user or cgroup, so pidfile and unit selectors have none), a process started within
+//! [`RECENT`] of the refresh is re-read at the notice only while it may still become another
+//! program: it runs a shell or an exec wrapper
 //! ([`EXEC_WRAPPERS`]: `env`, `nice`, `numactl`, … replace themselves with the command they were
 //! given), its executable cannot be read, or it has not exec'd since its fork (its command line is
 //! its parent's) and is younger than [`SETTLE_AGE`] (fork and exec are milliseconds apart; a fork
@@ -51,7 +66,8 @@
 
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
@@ -89,10 +105,15 @@ pub struct HostDiscovery {
     mode: TargetMode,
     /// The candidates of the latest background refresh (shared by clones).
     warm: Arc<Mutex<Option<Arc<Warm>>>>,
+    /// Discoveries in progress (shared by clones): the background yields to them.
+    notices: Arc<AtomicUsize>,
 }
 
 /// Least time between two background refreshes of the warm candidates.
 pub const WARM_INTERVAL: Duration = Duration::from_secs(2);
+/// Between two full refreshes, the background catches up this often with the processes created
+/// since (and re-checks the unsettled ones).
+pub const CATCH_UP: Duration = Duration::from_millis(200);
 /// Processes started this long before a refresh are re-read at the notice (they may have exec'd).
 pub const RECENT: Duration = Duration::from_secs(10);
 /// A recent process that has not exec'd since its fork counts as settled from this age on (a fork
@@ -147,6 +168,14 @@ struct Warm {
     trusted_for: Duration,
 }
 
+/// What a notice re-reads from the warm set: its candidates and unsettled processes (`read`), the
+/// PIDs allocated since (`new`).
+struct WarmReads {
+    warm: Arc<Warm>,
+    read: HashSet<i32>,
+    new: Vec<i32>,
+}
+
 /// How a discovery found its targets.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum HostFoundBy {
@@ -170,6 +199,7 @@ impl HostDiscovery {
             proc: ProcFs::default(),
             mode: TargetMode::Handlers,
             warm: Arc::new(Mutex::new(None)),
+            notices: Arc::new(AtomicUsize::new(0)),
         }
     }
 
@@ -185,9 +215,61 @@ impl HostDiscovery {
     /// One background refresh of the warm candidates (a full discovery, quiet); blocking.
     /// `interval`: the pause before the next one. Returns how long it took.
     pub fn refresh_warm(&self, interval: Duration) -> Result<Duration, Error> {
+        self.refresh(&|_| interval, &|| false)
+            .map(|done| done.map(|(took, _)| took).unwrap_or_default())
+    }
+
+    /// [`HostDiscovery::refresh_warm`] with the pause before the next one a function of how long
+    /// this one took; `None` when `stop` said so before the end (nothing published). Returns how
+    /// long it took and the pause.
+    fn refresh(
+        &self,
+        pause: &dyn Fn(Duration) -> Duration,
+        stop: &dyn Fn() -> bool,
+    ) -> Result<Option<(Duration, Duration)>, Error> {
         let started = Instant::now();
         let last_pid = self.proc.last_pid()?;
         let pid_max = self.proc.pid_max()?;
+        let Some(snap) = self.snapshot_unless(stop)? else {
+            return Ok(None);
+        };
+        if stop() {
+            return Ok(None);
+        }
+        let groups = self.groups(&snap, false)?;
+        let mut candidates: HashSet<i32> = HashSet::new();
+        for g in &groups {
+            for c in &g.containers {
+                candidates.extend(c.processes.iter().map(|p| p.pid));
+                if let Some(init) = c.init_pid {
+                    candidates.extend(descendants(&snap, init));
+                }
+            }
+        }
+        let (recent_from, young_from) = self.windows();
+        let Some(unsettled) = self.unsettled(snap.iter(), recent_from, young_from, stop) else {
+            return Ok(None);
+        };
+        // The next refresh begins `pause` after this one ends: trusted for three such periods.
+        let took = started.elapsed();
+        let pause = pause(took);
+        let trusted_for = (pause + took) * 3;
+        *crate::sync::lock(&self.warm) = Some(Arc::new(Warm {
+            snap,
+            candidates,
+            last_pid,
+            pid_max,
+            unsettled,
+            at: started,
+            trusted_for,
+        }));
+        Ok(Some((started.elapsed(), pause)))
+    }
+
+    /// The start times (clock ticks since boot) from which a process is recent ([`RECENT`]) and
+    /// from which one that has not exec'd since its fork is still young ([`SETTLE_AGE`]).
+    fn windows(&self) -> (u64, u64) {
+        let ticks = clock_ticks_per_second();
         let uptime_ticks = self
             .proc
             .boot_time()
@@ -200,73 +282,142 @@ impl HostDiscovery {
                 now.checked_sub(u64::try_from(boot).ok()?)
             })
             .unwrap_or(0)
-            * clock_ticks_per_second();
-        let snap = self.snapshot()?;
-        let groups = self.groups(&snap, false)?;
-        let mut candidates: HashSet<i32> = HashSet::new();
-        for g in &groups {
-            for c in &g.containers {
-                candidates.extend(c.processes.iter().map(|p| p.pid));
-                if let Some(init) = c.init_pid {
-                    candidates.extend(descendants(&snap, init));
-                }
-            }
-        }
-        let ticks = clock_ticks_per_second();
+            * ticks;
         let recent_from = uptime_ticks.saturating_sub(RECENT.as_secs() * ticks);
         // to the clock tick: btime above has whole seconds
         let settle_ticks = u64::try_from(SETTLE_AGE.as_millis()).unwrap_or(u64::MAX) * ticks / 1000;
         let young_from = boottime_ticks(ticks)
             .unwrap_or(uptime_ticks)
             .saturating_sub(settle_ticks);
-        let unsettled = self.unsettled(&snap, recent_from, young_from);
-        // The next refresh begins `interval` after this one ends: trusted for three such periods.
-        let took = started.elapsed();
-        let trusted_for = (interval + took) * 3;
+        (recent_from, young_from)
+    }
+
+    /// Between two full refreshes (module docs, "Catching up"): fold the processes created since
+    /// the warm set was made into it, each read once, and re-check the unsettled ones, so that a
+    /// notice re-reads only what was created in the last moments. Blocking.
+    pub fn catch_up(&self) -> Result<CatchUp, Error> {
+        self.catch_up_unless(&|| false)
+    }
+
+    fn catch_up_unless(&self, stop: &dyn Fn() -> bool) -> Result<CatchUp, Error> {
+        let Some(warm) = self.warm() else {
+            return Ok(CatchUp::FullRefreshDue);
+        };
+        let now_last = self.proc.last_pid()?;
+        // at most MAX_NEW_PIDS at a time, in the order they were allocated: the rest next time
+        let new: Vec<i32> = pid_range(warm.last_pid, warm.pid_max, now_last)
+            .take(usize::try_from(MAX_NEW_PIDS).unwrap_or(0))
+            .collect();
+        let upto = if allocated(warm.last_pid, warm.pid_max, now_last) > MAX_NEW_PIDS {
+            new.last().copied().unwrap_or(now_last)
+        } else {
+            now_last
+        };
+        if new.is_empty() && warm.unsettled.is_empty() {
+            return Ok(CatchUp::Done);
+        }
+        let me = i32::try_from(std::process::id()).unwrap_or(-1);
+        let mut read: HashMap<i32, Snap> = HashMap::new();
+        for pid in new {
+            if stop() {
+                return Ok(CatchUp::Yielded);
+            }
+            if pid != me {
+                if let Some(s) = self.read_process(pid, None) {
+                    read.insert(pid, s);
+                }
+            }
+        }
+        for pid in &warm.unsettled {
+            if stop() {
+                return Ok(CatchUp::Yielded);
+            }
+            if let Some(s) = self.read_process(*pid, warm.snap.get(pid)) {
+                read.insert(*pid, s);
+            }
+        }
+        let mut candidates = warm.candidates.clone();
+        for (pid, s) in &read {
+            // a candidate's child is one too (a superset: the notice applies the rules)
+            if candidates.contains(&s.ppid) || self.selects(*pid) {
+                candidates.insert(*pid);
+            }
+        }
+        let (recent_from, young_from) = self.windows();
+        let Some(unsettled) = self.unsettled(read.iter(), recent_from, young_from, stop) else {
+            return Ok(CatchUp::Yielded);
+        };
+        let mut snap = warm.snap.clone();
+        snap.extend(read);
         *crate::sync::lock(&self.warm) = Some(Arc::new(Warm {
             snap,
             candidates,
-            last_pid,
-            pid_max,
+            last_pid: upto,
+            pid_max: warm.pid_max,
             unsettled,
-            at: started,
-            trusted_for,
+            at: warm.at,
+            trusted_for: warm.trusted_for,
         }));
-        Ok(started.elapsed())
+        Ok(CatchUp::Done)
     }
 
-    /// Keep the candidates warm until `cancel` (module docs): a refresh on a thread of its own,
-    /// then a pause of [`WARM_INTERVAL`] or 50 times the previous refresh's duration, whichever
-    /// is longer.
+    /// Keep the candidates warm until `cancel` (module docs), on a thread of its own: a full
+    /// refresh, then a pause of [`WARM_INTERVAL`] or 50 times the refresh's duration, whichever is
+    /// longer, during which it catches up every [`CATCH_UP`] (or after as long as the last
+    /// catch-up took, whichever is longer). Each pass yields to a discovery in progress: it stops, and
+    /// is made again after the pause.
     /// Does nothing when the proc root is not this process's own `/proc`.
     pub async fn keep_warm(self: Arc<Self>, cancel: CancellationToken) {
         if !self.own_proc() {
             cancel.cancelled().await;
             return;
         }
-        let mut interval = WARM_INTERVAL;
+        // dropped at `cancel`: the thread's pause ends at once and it returns
+        let (stop, stopped) = mpsc::channel::<()>();
+        let this = self.clone();
+        let looped = super::run_on_thread("sg-host-warm", move || this.warm_loop(&stopped));
+        tokio::select! {
+            _ = cancel.cancelled() => drop(stop),
+            _ = looped => {}
+        }
+    }
+
+    /// The thread of [`HostDiscovery::keep_warm`], until `stopped` is disconnected.
+    fn warm_loop(&self, stopped: &mpsc::Receiver<()>) {
+        let yield_now = || self.notices.load(Ordering::SeqCst) > 0;
+        let mut next_full = Instant::now();
         loop {
-            let this = self.clone();
-            let took =
-                super::run_on_thread("sg-host-warm", move || this.refresh_warm(interval)).await;
-            let pause = interval;
-            interval = match took {
-                Ok(Ok(took)) => (took * 50).max(WARM_INTERVAL),
-                Ok(Err(e)) => {
-                    tracing::debug!(error = %e, "refreshing the warm checkpoint candidates failed");
-                    WARM_INTERVAL
+            let mut pause = CATCH_UP;
+            let started = Instant::now();
+            if started >= next_full {
+                match self.refresh(&|took| (took * 50).max(WARM_INTERVAL), &yield_now) {
+                    Ok(Some((_, after))) => next_full = Instant::now() + after,
+                    Ok(None) => {}
+                    Err(e) => {
+                        tracing::debug!(error = %e, "refreshing the warm checkpoint candidates failed");
+                        next_full = Instant::now() + WARM_INTERVAL;
+                    }
                 }
-                Err(_) => WARM_INTERVAL,
-            };
-            tokio::select! {
-                _ = cancel.cancelled() => return,
-                _ = tokio::time::sleep(pause) => {}
+            } else {
+                match self.catch_up_unless(&yield_now) {
+                    Ok(CatchUp::FullRefreshDue) => next_full = Instant::now(),
+                    Ok(CatchUp::Done) => pause = pause.max(started.elapsed()),
+                    Ok(CatchUp::Yielded) => {}
+                    Err(e) => {
+                        tracing::debug!(error = %e, "catching up the warm checkpoint candidates failed");
+                    }
+                }
+            }
+            if let Err(mpsc::RecvTimeoutError::Disconnected) = stopped.recv_timeout(pause) {
+                return;
             }
         }
     }
 
-    /// Discovery from the warm candidates, or `None` (and why) when they cannot be trusted.
-    fn discover_warm(&self) -> Result<Vec<TargetGroup>, &'static str> {
+    /// What a notice now re-reads from the warm set: the candidates and unsettled processes (and
+    /// the pidfiles' processes' descendants), and the PIDs allocated since; or why the warm set
+    /// cannot be trusted.
+    fn warm_reads(&self) -> Result<WarmReads, &'static str> {
         if !self.own_proc() {
             return Err("proc root is not this process's /proc");
         }
@@ -275,21 +426,8 @@ impl HostDiscovery {
             return Err("warm candidates are stale (refresh failing or starved)");
         }
         let now_last = self.proc.last_pid().map_err(|_| "last pid unreadable")?;
-        let new: Vec<i32> = if now_last >= warm.last_pid {
-            if now_last - warm.last_pid > MAX_NEW_PIDS {
-                return Err("too many processes created since the refresh");
-            }
-            (warm.last_pid + 1..=now_last).collect()
-        } else {
-            // wrapped at pid_max
-            let count = (warm.pid_max - warm.last_pid).max(0) + now_last;
-            if count > MAX_NEW_PIDS {
-                return Err("too many processes created since the refresh");
-            }
-            (warm.last_pid + 1..warm.pid_max.max(warm.last_pid + 1))
-                .chain(1..=now_last)
-                .collect()
-        };
+        let new = pids_since(warm.last_pid, warm.pid_max, now_last)
+            .ok_or("too many processes created since the refresh")?;
         let mut read: HashSet<i32> = warm.candidates.clone();
         read.extend(warm.unsettled.iter().copied());
         for pidfile in &self.targets.pidfiles {
@@ -297,6 +435,22 @@ impl HostDiscovery {
                 read.extend(descendants(&warm.snap, root));
             }
         }
+        Ok(WarmReads { warm, read, new })
+    }
+
+    /// The processes a notice now would read (module docs, "Warm candidates"), in PID order;
+    /// `None` when it would read every process.
+    pub fn notice_reads(&self) -> Option<Vec<i32>> {
+        let WarmReads { mut read, new, .. } = self.warm_reads().ok()?;
+        read.extend(new);
+        let mut pids: Vec<i32> = read.into_iter().collect();
+        pids.sort_unstable();
+        Some(pids)
+    }
+
+    /// Discovery from the warm candidates, or `None` (and why) when they cannot be trusted.
+    fn discover_warm(&self) -> Result<Vec<TargetGroup>, &'static str> {
+        let WarmReads { warm, read, new } = self.warm_reads()?;
         let me = i32::try_from(std::process::id()).unwrap_or(-1);
         let mut snap: HashMap<i32, Snap> = HashMap::new();
         for (pid, created) in read
@@ -307,34 +461,10 @@ impl HostDiscovery {
             if pid == me || snap.contains_key(&pid) {
                 continue;
             }
-            let Ok(stat) = self.proc.stat(pid) else {
-                continue;
-            };
-            if stat.exited() {
-                continue;
+            let known = if created { None } else { warm.snap.get(&pid) };
+            if let Some(s) = self.read_process(pid, known) {
+                snap.insert(pid, s);
             }
-            // A PID not seen at the refresh (or now another process) may be a thread's id:
-            // only thread group leaders are processes.
-            let known = !created
-                && warm
-                    .snap
-                    .get(&pid)
-                    .is_some_and(|s| s.start_time == stat.start_time);
-            if !known
-                && !self
-                    .proc
-                    .status(pid)
-                    .is_ok_and(|s| s.tgid.is_none_or(|t| t == pid))
-            {
-                continue;
-            }
-            snap.insert(
-                pid,
-                Snap {
-                    ppid: stat.ppid,
-                    start_time: stat.start_time,
-                },
-            );
         }
         self.groups(&snap, true)
             .map_err(|_| "reading the candidates failed")
@@ -349,6 +479,8 @@ impl HostDiscovery {
     /// Blocking discovery and how it was made: from the warm candidates when they can be trusted,
     /// else by reading every process.
     pub fn discover_with(&self) -> Result<(Vec<TargetGroup>, HostFoundBy), Error> {
+        // the background yields until this discovery is done
+        let _notice = InProgress::enter(&self.notices);
         match self.discover_warm() {
             Ok(groups) => Ok((groups, HostFoundBy::Warm)),
             Err(why) => {
@@ -388,15 +520,27 @@ impl HostDiscovery {
     /// The processes of `snap` started at `recent_from` or later (clock ticks since boot) that
     /// may still exec into another program (module docs, "Unsettled"); `young_from`: the start
     /// from which a process that has not exec'd since its fork is still expected to.
-    fn unsettled(
+    /// `None` when `stop` said so before the end.
+    fn unsettled<'a>(
         &self,
-        snap: &HashMap<i32, Snap>,
+        procs: impl Iterator<Item = (&'a i32, &'a Snap)>,
         recent_from: u64,
         young_from: u64,
-    ) -> HashSet<i32> {
+        stop: &dyn Fn() -> bool,
+    ) -> Option<HashSet<i32>> {
+        // An exec changes the command line, never the parent, the user or the cgroup: only a
+        // cmdline selector can come to select a process that execs.
+        if self.targets.cmdlines.is_empty() {
+            return Some(HashSet::new());
+        }
         let mut parents: HashMap<i32, Option<Vec<String>>> = HashMap::new();
-        snap.iter()
+        let mut stopped = false;
+        let unsettled = procs
             .filter(|(_, s)| s.start_time >= recent_from)
+            .take_while(|_| {
+                stopped = stop();
+                !stopped
+            })
             .filter(|(pid, s)| {
                 // kthreadd's children are kernel threads: they never exec
                 if s.ppid == 2 {
@@ -420,13 +564,48 @@ impl HostDiscovery {
                 args.is_empty() || parent.as_ref() == Some(&args)
             })
             .map(|(pid, _)| *pid)
-            .collect()
+            .collect();
+        (!stopped).then_some(unsettled)
+    }
+
+    /// Process `pid` (gone, exited: `None`); `known`: what the warm set saw as it, whose start
+    /// time, if still the same, says it is a process; otherwise only a thread group leader is
+    /// one (a PID not seen before may be a thread's id).
+    fn read_process(&self, pid: i32, known: Option<&Snap>) -> Option<Snap> {
+        let stat = self.proc.stat(pid).ok()?;
+        if stat.exited() {
+            return None;
+        }
+        let known = known.is_some_and(|s| s.start_time == stat.start_time);
+        if !known
+            && !self
+                .proc
+                .status(pid)
+                .is_ok_and(|s| s.tgid.is_none_or(|t| t == pid))
+        {
+            return None;
+        }
+        Some(Snap {
+            ppid: stat.ppid,
+            start_time: stat.start_time,
+        })
     }
 
     fn snapshot(&self) -> Result<HashMap<i32, Snap>, Error> {
+        Ok(self.snapshot_unless(&|| false)?.unwrap_or_default())
+    }
+
+    /// Every process; `None` when `stop` said so before the end.
+    fn snapshot_unless(
+        &self,
+        stop: &dyn Fn() -> bool,
+    ) -> Result<Option<HashMap<i32, Snap>>, Error> {
         let me = i32::try_from(std::process::id()).unwrap_or(-1);
         let mut snap: HashMap<i32, Snap> = HashMap::new();
         for pid in self.proc.pids()? {
+            if stop() {
+                return Ok(None);
+            }
             if pid == me {
                 continue;
             }
@@ -445,7 +624,7 @@ impl HostDiscovery {
                 Err(e) => tracing::debug!(pid, error = %e, "skipping process in host discovery"),
             }
         }
-        Ok(snap)
+        Ok(Some(snap))
     }
 
     /// The groups over `snap`; `log`: say why a selector matched nothing (not from the background
@@ -537,36 +716,59 @@ impl HostDiscovery {
         let mut pids: Vec<i32> = snap
             .keys()
             .copied()
-            .filter(|pid| match self.proc.cgroup(*pid) {
-                Ok(text) => text
-                    .lines()
-                    .filter_map(parse_line)
-                    .any(|l| (l.is_systemd() || l.is_unified()) && in_unit(l.path, unit)),
-                Err(_) => false,
-            })
+            .filter(|pid| self.in_unit(*pid, unit))
             .collect();
         pids.sort_unstable();
         pids
+    }
+
+    /// Whether process `pid` is in `unit` (a full unit name).
+    fn in_unit(&self, pid: i32, unit: &str) -> bool {
+        match self.proc.cgroup(pid) {
+            Ok(text) => text
+                .lines()
+                .filter_map(parse_line)
+                .any(|l| (l.is_systemd() || l.is_unified()) && in_unit(l.path, unit)),
+            Err(_) => false,
+        }
     }
 
     fn cmdline_pids(&self, snap: &HashMap<i32, Snap>, re: &regex::Regex) -> Vec<i32> {
         let mut pids: Vec<i32> = snap
             .keys()
             .copied()
-            .filter(|pid| match self.proc.cmdline(*pid) {
-                Ok(args) if !args.is_empty() => {
-                    re.is_match(&args.join(" "))
-                        && (self.targets.cmdline_uids.is_empty()
-                            || self
-                                .proc
-                                .status(*pid)
-                                .is_ok_and(|s| self.targets.cmdline_uids.contains(&s.uid)))
-                }
-                _ => false,
-            })
+            .filter(|pid| self.cmdline_matches(*pid, re))
             .collect();
         pids.sort_unstable();
         pids
+    }
+
+    /// Whether process `pid`'s command line matches `re` (and its user is allowed).
+    fn cmdline_matches(&self, pid: i32, re: &regex::Regex) -> bool {
+        match self.proc.cmdline(pid) {
+            Ok(args) if !args.is_empty() => {
+                re.is_match(&args.join(" "))
+                    && (self.targets.cmdline_uids.is_empty()
+                        || self
+                            .proc
+                            .status(pid)
+                            .is_ok_and(|s| self.targets.cmdline_uids.contains(&s.uid)))
+            }
+            _ => false,
+        }
+    }
+
+    /// Whether a cmdline or unit selector selects process `pid`.
+    fn selects(&self, pid: i32) -> bool {
+        self.targets
+            .cmdlines
+            .iter()
+            .any(|re| self.cmdline_matches(pid, re))
+            || self
+                .targets
+                .units
+                .iter()
+                .any(|u| self.in_unit(pid, &unit_name(u)))
     }
 
     /// The PID in a pidfile and its process's uid, if the file passes the rules in the module
@@ -646,6 +848,58 @@ impl HostDiscovery {
             }
         }
         Ok((pid, uid))
+    }
+}
+
+/// The PIDs allocated after `last` up to `now` (wrapping at `pid_max`; PIDs are not reused in
+/// between), or `None` when more than [`MAX_NEW_PIDS`].
+fn pids_since(last: i32, pid_max: i32, now: i32) -> Option<Vec<i32>> {
+    (allocated(last, pid_max, now) <= MAX_NEW_PIDS).then(|| pid_range(last, pid_max, now).collect())
+}
+
+/// How many PIDs were allocated after `last` up to `now` (wrapping at `pid_max`).
+fn allocated(last: i32, pid_max: i32, now: i32) -> i32 {
+    if now >= last {
+        now - last
+    } else {
+        (pid_max - last).max(0) + now
+    }
+}
+
+/// The PIDs after `last` up to `now` (wrapping at `pid_max`), in the order they are allocated.
+fn pid_range(last: i32, pid_max: i32, now: i32) -> impl Iterator<Item = i32> {
+    let (upper, wrapped) = if now >= last {
+        (now + 1, 1..1)
+    } else {
+        (pid_max.max(last + 1), 1..now + 1)
+    };
+    (last + 1..upper).chain(wrapped)
+}
+
+/// What a catch-up did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CatchUp {
+    /// The warm set now includes the processes created until it began.
+    Done,
+    /// Stopped for a discovery in progress; nothing changed.
+    Yielded,
+    /// No warm set yet: a full refresh is due.
+    FullRefreshDue,
+}
+
+/// One discovery in progress, counted while it lives.
+struct InProgress<'a>(&'a AtomicUsize);
+
+impl<'a> InProgress<'a> {
+    fn enter(count: &'a AtomicUsize) -> Self {
+        count.fetch_add(1, Ordering::SeqCst);
+        InProgress(count)
+    }
+}
+
+impl Drop for InProgress<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
     }
 }
 

@@ -144,10 +144,12 @@ pub fn request_stop(cache_dir: &Path) -> std::io::Result<()> {
         "boot_id": boot_id(),
         "at": jiff::Timestamp::now().to_string(),
     });
-    crate::fsutil::write_atomic(
+    // Not fsynced: written beside the signal, and a request of this boot only (`boot_id`).
+    crate::fsutil::write_atomic_with(
         &cache_dir.join(STOP_FILE),
         body.to_string().as_bytes(),
         0o644,
+        crate::fsutil::Durability::None,
     )
 }
 

@@ -1,7 +1,7 @@
 //! Real processes under test: [`Kid`], a child that cannot outlive its test, whether a process
 //! has installed its SIGUSR1 handler yet (the agent only signals processes that catch the
 //! signal, so a test waits for the trap first), and [`usr1_stamp_child`], the benches' trainer
-//! that records when the signal arrived.
+//! that records when the signal arrived, and [`sleepers`], the benches' other processes.
 
 use std::fmt::Display;
 use std::io::Write;
@@ -181,6 +181,52 @@ pub fn usr1_stamp_child(out: &Path) -> ! {
     }
     let _ = std::fs::write(out, RECEIVED_NS.load(Ordering::SeqCst).to_string());
     std::process::exit(0);
+}
+
+/// The benches' "other processes on a busy node": `n` sleeping processes (perl forks:
+/// copy-on-write, little memory each) below one perl parent, in a process group of their own.
+/// Dropped, the parent kills and reaps them (an orphan is reaped only by a PID 1 that reaps,
+/// and some do not: 10 000 zombies would stay behind per burst), then exits; the group is
+/// killed after it.
+pub struct Sleepers {
+    parent: Kid,
+}
+
+/// Start `n` [`Sleepers`]; returns once all `n` are forked (perl then creates `ready`). Panics
+/// after 120 s.
+pub fn sleepers(n: usize, ready: &Path) -> Sleepers {
+    let mut cmd = Command::new("perl");
+    cmd.arg("-e")
+        .arg(
+            "my ($n, $r) = @ARGV; my @k; for (1..$n) { my $p = fork; die \"fork: $!\" unless defined $p; \
+             if (!$p) { sleep 1000000; exit 0 } push @k, $p } \
+             $SIG{TERM} = sub { kill 'KILL', @k; waitpid($_, 0) for @k; exit 0 }; \
+             open(my $f, '>', $r) or die; close $f; sleep 1000000 while 1",
+        )
+        .arg(n.to_string())
+        .arg(ready);
+    let parent = Kid::spawn(cmd);
+    crate::wait::eventually_blocking("the sleepers", Duration::from_secs(120), || ready.exists());
+    Sleepers { parent }
+}
+
+impl Sleepers {
+    /// The sleeping processes' PIDs (the perl parent's children).
+    pub fn pids(&self) -> Vec<i32> {
+        let pid = self.parent.pid();
+        std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+            .unwrap_or_default()
+            .split_whitespace()
+            .filter_map(|p| p.parse().ok())
+            .collect()
+    }
+}
+
+impl Drop for Sleepers {
+    fn drop(&mut self) {
+        self.parent.signal(libc::SIGTERM);
+        let _ = self.parent.wait_timeout(Duration::from_secs(60));
+    }
 }
 
 /// The `p`-th percentile (0–100) of `sorted` (ascending), the nearest rank rounded; NaN when

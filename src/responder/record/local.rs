@@ -1,5 +1,6 @@
 //! The local copy of the plan record: `<state-dir>/notice.json` ([`LocalRecord`]), kept in
-//! every mode, written atomically and fsync'd before the checkpoint signal (no API call).
+//! every mode, written atomically before the checkpoint signal (no API call, no fsync: see
+//! [`StateFile::save_with_targets`]) and durably at every phase after it.
 
 use std::path::{Path, PathBuf};
 
@@ -7,7 +8,7 @@ use serde::{Deserialize, Serialize};
 
 use super::Error;
 use super::PlanState;
-use crate::fsutil::write_atomic;
+use crate::fsutil::{write_atomic_with, Durability};
 
 /// File name of the persisted plan state inside `--state-dir`.
 pub const STATE_FILE: &str = "notice.json";
@@ -171,6 +172,7 @@ impl StateFile {
         &self,
         state: &PlanState,
         targets: Option<&[RecordedTarget]>,
+        durability: Durability,
     ) -> Result<(), Error> {
         if self.dry_run {
             tracing::info!(phase = state.phase.as_str(), notice_id = %state.id, "dry-run: would persist plan state");
@@ -179,19 +181,21 @@ impl StateFile {
         let _g = self.guard();
         // An unreadable record is replaced: it said nothing usable (reported by `load`).
         let current = self.load_record_blocking().ok().flatten();
-        self.write(&LocalRecord::put(current, state, targets))?;
+        self.write(&LocalRecord::put(current, state, targets), durability)?;
         self.mark(false);
         Ok(())
     }
 
-    fn write(&self, record: &LocalRecord) -> Result<(), Error> {
+    fn write(&self, record: &LocalRecord, durability: Durability) -> Result<(), Error> {
         let json = serde_json::to_vec_pretty(record).map_err(|e| Error::StateCorrupt {
             location: self.path.display().to_string(),
             reason: e.to_string(),
         })?;
-        write_atomic(&self.path, &json, 0o644).map_err(|source| Error::StateWrite {
-            path: self.path.display().to_string(),
-            source,
+        write_atomic_with(&self.path, &json, 0o644, durability).map_err(|source| {
+            Error::StateWrite {
+                path: self.path.display().to_string(),
+                source,
+            }
         })
     }
 
@@ -203,7 +207,7 @@ impl StateFile {
         let _g = self.guard();
         match self.load_record_blocking() {
             Ok(Some(r)) => match r.without(id) {
-                Some(rest) => self.write(&rest),
+                Some(rest) => self.write(&rest, Durability::FileAndDir),
                 None => self.remove(),
             },
             Ok(None) => Ok(()),
@@ -248,17 +252,30 @@ impl StateFile {
 
     pub async fn save(&self, state: &PlanState) -> Result<(), Error> {
         let (me, state) = (self.clone(), state.clone());
-        blocking(move || me.save_blocking(&state, None), &self.path).await
+        blocking(
+            move || me.save_blocking(&state, None, Durability::FileAndDir),
+            &self.path,
+        )
+        .await
     }
 
-    /// [`StateFile::save`] with the processes about to be signalled for `state`'s notice.
+    /// [`StateFile::save`] with the processes about to be signalled for `state`'s notice, on the
+    /// signal path: written and renamed (a restarted agent reads it from the page cache, so it
+    /// never signals them twice) but not fsync'd, which takes from milliseconds to hundreds of
+    /// them when other writers have dirty data; the record of the `Signalled` phase, written
+    /// after the signal, makes it durable. A machine that crashes in between starts a new life,
+    /// in which the old record's processes are gone.
     pub async fn save_with_targets(
         &self,
         state: &PlanState,
         targets: Vec<RecordedTarget>,
     ) -> Result<(), Error> {
         let (me, state) = (self.clone(), state.clone());
-        blocking(move || me.save_blocking(&state, Some(&targets)), &self.path).await
+        blocking(
+            move || me.save_blocking(&state, Some(&targets), Durability::None),
+            &self.path,
+        )
+        .await
     }
 
     pub async fn clear_plan(&self, id: &str) -> Result<(), Error> {
