@@ -22,15 +22,12 @@
 pub mod ack;
 pub mod budget;
 pub mod cli;
-pub mod crc;
 pub mod dest;
 pub mod engine;
 mod error;
 pub mod journal;
 pub mod latest;
-pub mod manifest;
 pub mod metrics;
-pub mod owner;
 pub mod pool;
 mod resume;
 mod send;
@@ -39,6 +36,8 @@ pub mod staged;
 pub mod target;
 pub mod uploader;
 
+// The checkpoint's shared formats live on the store floor (the relay uses them too).
+pub use crate::store::{crc, manifest, owner};
 pub use dest::{AllowUpload, Location, UploadPolicy};
 pub use engine::{Job, Meta, Options, Report};
 pub use error::Error;
