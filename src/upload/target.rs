@@ -34,7 +34,7 @@ use super::manifest::MANIFEST_MAX_BYTES;
 use super::owner::{Marker, Writer};
 use super::Error;
 use crate::checkpoint::root;
-use crate::fsutil::{AtomicFile, Durability};
+use crate::fsutil::AtomicFile;
 use crate::store::checksum::{ChecksumSlot, StoreChecksum};
 use crate::store::url::{self as source, Scheme, StoreOptions};
 
@@ -424,14 +424,26 @@ impl StoreTarget {
         }
     }
 
-    /// Publish: `PUT` the manifest `file` (one object: atomic for readers).
-    pub async fn write_manifest(&self, file: &str, data: Vec<u8>) -> Result<(), Error> {
+    /// Publish: `PUT` the manifest `file` (one object: atomic for readers) only if there is
+    /// none (`PutMode::Create`: S3's `If-None-Match: *`, GCS's `ifGenerationMatch=0`), so two
+    /// writers of one checkpoint (the doomed node's upload and a peer's relay) never both
+    /// publish. `Ok(false)`: another writer's manifest was there first.
+    pub async fn write_manifest(&self, file: &str, data: Vec<u8>) -> Result<bool, Error> {
         let key = self.key(file)?;
-        self.store
-            .put(&key, PutPayload::from(data))
+        let opts = PutOptions {
+            mode: object_store::PutMode::Create,
+            ..PutOptions::default()
+        };
+        match self
+            .store
+            .put_opts(&key, PutPayload::from(data), opts)
             .await
-            .map(|_| ())
-            .map_err(Self::request_err("PUT", &key))
+        {
+            Ok(_) => Ok(true),
+            Err(object_store::Error::AlreadyExists { .. })
+            | Err(object_store::Error::Precondition { .. }) => Ok(false),
+            Err(e) => Err(Self::request_err("PUT", &key)(e)),
+        }
     }
 }
 
@@ -785,16 +797,11 @@ impl DirTarget {
         Ok(Some(data))
     }
 
-    /// Publish: the manifest `file` written atomically and durably (file and directory synced).
-    pub fn write_manifest(&self, file: &str, data: &[u8]) -> Result<(), Error> {
-        crate::fsutil::write_atomic_at(
-            self.dir.as_fd(),
-            file,
-            data,
-            FILE_MODE,
-            Durability::FileAndDir,
-        )
-        .map_err(Error::io("write", self.path_of(file)))
+    /// Publish: the manifest `file` written durably and atomically, only if there is none
+    /// ([`create_once`]: a hard link never replaces), so two writers of one checkpoint never
+    /// both publish. `Ok(false)`: another writer's manifest was there first.
+    pub fn write_manifest(&self, file: &str, data: &[u8]) -> Result<bool, Error> {
+        create_once(&self.dir, file, data).map_err(Error::io("create", self.path_of(file)))
     }
 
     /// Remove temporary files an interrupted earlier run left in the checkpoint directory (the
@@ -835,55 +842,54 @@ impl DirTarget {
         Ok(Some(data))
     }
 
-    /// Create the owner marker only if there is none: written and synced under a temporary name,
-    /// then hard-linked to its name (`linkat` never replaces), so a reader sees it whole or not
-    /// at all. `Ok(false)`: one was already there.
+    /// Create the owner marker only if there is none ([`create_once`] in the location's
+    /// directory). `Ok(false)`: one was already there.
     pub fn create_marker(&self, data: &[u8]) -> Result<bool, Error> {
-        use std::io::Write;
         let name = super::owner::MARKER_NAME;
         let path = format!("{}/../{name}", self.display);
-        let tmp = format!(
-            ".{name}.new-{}-{:08x}",
-            std::process::id(),
-            fastrand::u32(..)
-        );
-        let fd = rustix::fs::openat(
-            &self.parent,
-            tmp.as_str(),
-            OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-            Mode::from_raw_mode(FILE_MODE),
-        )
-        .map_err(|e| Error::io("create", path.clone())(e.into()))?;
-        let mut file = std::fs::File::from(fd);
-        let linked = (|| -> std::io::Result<bool> {
-            rustix::fs::fchmod(&file, Mode::from_raw_mode(FILE_MODE))?;
-            file.write_all(data)?;
-            file.sync_all()?;
-            match rustix::fs::linkat(
-                &self.parent,
-                tmp.as_str(),
-                &self.parent,
-                name,
-                rustix::fs::AtFlags::empty(),
-            ) {
-                Ok(()) => {}
-                Err(rustix::io::Errno::EXIST) => return Ok(false),
-                Err(e) => return Err(e.into()),
-            }
-            match rustix::fs::fsync(&self.parent) {
-                Err(e) if e != rustix::io::Errno::INVAL => return Err(e.into()),
-                _ => {}
-            }
-            Ok(true)
-        })();
-        let _ = rustix::fs::unlinkat(&self.parent, tmp.as_str(), rustix::fs::AtFlags::empty());
-        linked.map_err(Error::io("create", path))
+        create_once(&self.parent, name, data).map_err(Error::io("create", path))
     }
 
     /// The checkpoint directory, for tests and logs.
     pub fn path(&self) -> PathBuf {
         PathBuf::from(&self.display)
     }
+}
+
+/// Create `name` in `dir` with `data` only if there is none: written and synced under a
+/// temporary name, then hard-linked to its name (`linkat` never replaces) and the directory
+/// synced, so a reader sees it whole or not at all. `Ok(false)`: one was already there.
+fn create_once(dir: &OwnedFd, name: &str, data: &[u8]) -> std::io::Result<bool> {
+    use std::io::Write;
+    let tmp = format!(
+        ".{name}.new-{}-{:08x}",
+        std::process::id(),
+        fastrand::u32(..)
+    );
+    let fd = rustix::fs::openat(
+        dir,
+        tmp.as_str(),
+        OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+        Mode::from_raw_mode(FILE_MODE),
+    )?;
+    let mut file = std::fs::File::from(fd);
+    let linked = (|| -> std::io::Result<bool> {
+        rustix::fs::fchmod(&file, Mode::from_raw_mode(FILE_MODE))?;
+        file.write_all(data)?;
+        file.sync_all()?;
+        match rustix::fs::linkat(dir, tmp.as_str(), dir, name, rustix::fs::AtFlags::empty()) {
+            Ok(()) => {}
+            Err(rustix::io::Errno::EXIST) => return Ok(false),
+            Err(e) => return Err(e.into()),
+        }
+        match rustix::fs::fsync(dir) {
+            Err(e) if e != rustix::io::Errno::INVAL => return Err(e.into()),
+            _ => {}
+        }
+        Ok(true)
+    })();
+    let _ = rustix::fs::unlinkat(dir, tmp.as_str(), rustix::fs::AtFlags::empty());
+    linked
 }
 
 /// A hostile key, bounded for a message.
