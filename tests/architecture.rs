@@ -54,6 +54,8 @@ const ALLOWED: &[(&str, &[&str])] = &[
             "units",
         ],
     ),
+    // The relay: beside upload on the store floor; upload publishes what it receives.
+    ("relay", &["fsutil", "store", "sync"]),
     (
         "upload",
         &[
@@ -63,6 +65,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
             "life",
             "metrics",
             "node",
+            "relay",
             "store",
             "sync",
             "units",

@@ -17,6 +17,7 @@
 //! - [`uploader`]: where uploads run (own runtime, own low-priority threads);
 //! - [`service`]: the agent's side (`spotguard run`): settings, a staged ack taken and its
 //!   upload submitted on the ack watcher's thread, restart recovery;
+//! - [`relayed`]: what a peer relayed to this agent, published (`crate::relay::Publisher`);
 //! - [`cli`]: `spotguard upload STAGED DEST`; [`metrics`]: `spotguard_checkpoint_upload_*`.
 
 pub mod ack;
@@ -29,6 +30,7 @@ pub mod journal;
 pub mod latest;
 pub mod metrics;
 pub mod pool;
+pub mod relayed;
 mod resume;
 mod send;
 pub mod service;
