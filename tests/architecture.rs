@@ -79,6 +79,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
             "gpu",
             "notice",
             "prefetch",
+            "relay",
             "store",
             "units",
             "upload",
@@ -132,6 +133,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
             "notice",
             "outcome",
             "prefetch",
+            "relay",
             "responder",
             "store",
             "upload",
@@ -158,8 +160,8 @@ const ALLOWED: &[(&str, &[&str])] = &[
     (
         "cli",
         &[
-            "config", "drill", "emulator", "fsutil", "goodput", "gpu", "prefetch", "store",
-            "upload",
+            "config", "drill", "emulator", "fsutil", "goodput", "gpu", "prefetch", "relay",
+            "store", "upload",
         ],
     ),
 ];

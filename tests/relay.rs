@@ -24,10 +24,16 @@ use spotguard::relay::tls::{self, Identity};
 use spotguard::relay::wire::{self, Checkpoint, FileCrcs, FileEntry, Reserve, State};
 use spotguard::store::crc::Crcs;
 use spotguard::store::manifest::{Manifest, NoticeInfo, Origin};
+use spotguard::store::owner::Writer;
 use spotguard::store::url::StoreOptions;
 use spotguard::upload::dest::{AllowUpload, UploadPolicy};
+use spotguard::upload::engine::{self, Job, Meta, Options};
+use spotguard::upload::handoff::{self, Mode, Relay};
+use spotguard::upload::journal::RootRecord;
 use spotguard::upload::relayed::RelayPublisher;
 use spotguard::upload::staged::{self, Limits, Root};
+use spotguard::upload::target::Target;
+use spotguard::upload::Outcome;
 use spotguard_testkit::s3::proxy::{paced, Body, Faults, Proxy};
 use spotguard_testkit::s3::{create_bucket, S3Server};
 use spotguard_testkit::wait::eventually;
@@ -181,6 +187,7 @@ fn stage(root: &Path, name: &str, files: &[(&str, Vec<u8>)]) -> PathBuf {
 fn outgoing(dir: &Path, location: &str) -> (Reserve, Vec<Source>) {
     let tree = staged::capture(&Root::host().unwrap(), dir, &Limits::default()).unwrap();
     let name = dir.file_name().unwrap().to_str().unwrap().to_string();
+    let step = name.trim_start_matches("step-").parse().ok();
     let reserve = Reserve {
         version: wire::VERSION,
         sender: "doomed-node".into(),
@@ -188,7 +195,7 @@ fn outgoing(dir: &Path, location: &str) -> (Reserve, Vec<Source>) {
         namespace: None,
         checkpoint: Checkpoint {
             name,
-            step: Some(100),
+            step,
             part: None,
             notice: Some(NoticeInfo {
                 id: "notice-1".into(),
@@ -742,4 +749,168 @@ fn journals_committed(staging: &Path) -> bool {
             })
         })
         .unwrap_or(false)
+}
+
+/// Slows every PUT body down to `rate` bytes a second: a store the doomed node cannot reach fast.
+struct Slow(u64);
+
+impl Faults for Slow {
+    fn request_body(self: &Arc<Self>, req: &http::request::Parts, body: Body) -> Body {
+        if req.method == Method::PUT {
+            return paced(body, self.0);
+        }
+        body
+    }
+}
+
+/// The doomed node's upload job for `dir` to `location`/<name>, through `endpoint`.
+fn upload_job(dir: &Path, endpoint: &str, location: &str, deadline: tokio::time::Instant) -> Job {
+    use spotguard::upload::dest::{Granted, Location};
+    let (reserve, _) = outgoing(dir, location);
+    let cp = reserve.checkpoint;
+    let dest = Location::parse(location).unwrap().join(&cp.name);
+    let target = Target::open(
+        &dest,
+        &Granted::Store,
+        &StoreOptions {
+            endpoint: Some(endpoint.to_string()),
+            ..StoreOptions::default()
+        },
+    )
+    .unwrap();
+    Job {
+        tree: staged::capture(&Root::host().unwrap(), dir, &Limits::default()).unwrap(),
+        target,
+        meta: Meta {
+            name: cp.name,
+            step: cp.step,
+            part: None,
+            notice: cp.notice,
+            origin: cp.origin,
+            acked_at: cp.acked_at.and_then(|t| t.parse().ok()),
+            writer: Some(Writer(cp.writer)),
+        },
+        root: RootRecord::Host { owner: None },
+        options: Options {
+            deadline: Some(deadline),
+            ..Options::default()
+        },
+        progress: Default::default(),
+        metrics: None,
+        cancel: CancellationToken::new(),
+    }
+}
+
+/// The sender's race ([`handoff::race`]) as the upload service starts it for a staged ack.
+async fn race(job: Job, peer: &Node, mode: Mode) -> spotguard::upload::Report {
+    let (reserve, sources) = handoff::outgoing(&job, "s3://ckpt/run1", None, "doomed-node");
+    let (progress, cancel, total, deadline) = (
+        job.progress.clone(),
+        job.cancel.clone(),
+        job.tree.bytes,
+        job.options.deadline,
+    );
+    let upload = tokio::spawn(engine::run(job));
+    let relay = Relay {
+        mode,
+        peers: vec![peer.peer()],
+        key: KEY.into(),
+    };
+    handoff::race(
+        upload, relay, reserve, sources, progress, total, deadline, cancel,
+    )
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upload_that_cannot_finish_inside_the_notice_is_relayed_and_published_once() {
+    if in_child("an_upload_that_cannot_finish_inside_the_notice_is_relayed_and_published_once")
+        .await
+    {
+        return;
+    }
+    let server = S3Server::s3s_fs(&[]);
+    create_bucket(&server.endpoint(), BUCKET).await;
+    // The doomed node reaches the store at 200 kB/s: 6.2 MB take half a minute, the notice
+    // leaves it 20 s.
+    let slow = Proxy::start(&server, Slow(200_000)).await;
+    let tmp = tempfile::tempdir().unwrap();
+    let peer = start(
+        &server.endpoint(),
+        "s3://ckpt",
+        dirs(tmp.path()),
+        1 << 40,
+        Duration::from_secs(30),
+    )
+    .await;
+    let files = tree_files();
+    let dir = stage(tmp.path(), "step-100", &files);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+
+    let report = race(
+        upload_job(&dir, &slow.endpoint(), "s3://ckpt/run1", deadline),
+        &peer,
+        Mode::Auto,
+    )
+    .await;
+    assert_eq!(report.outcome, Outcome::Published, "{report:?}");
+    assert_eq!(
+        report.relayed_to.as_deref(),
+        Some(peer.addr.to_string().as_str())
+    );
+    assert!(
+        tokio::time::Instant::now() < deadline,
+        "published only at the deadline"
+    );
+    let s3 = store(&server.endpoint());
+    let m = Manifest::parse(
+        &get(&*s3, "run1/step-100/manifest.json").await.unwrap(),
+        "step-100",
+        None,
+    )
+    .unwrap();
+    assert_eq!(m.origin.node.as_deref(), Some("doomed-node"));
+    assert_eq!(m.writer.as_deref(), Some("host:uid:1000"));
+    for (p, d) in &files {
+        assert_eq!(get(&*s3, &format!("run1/step-100/{p}")).await.unwrap(), *d);
+    }
+
+    // An upload that finishes inside the notice (5 MB/s: a second and a half) is not relayed.
+    let fits = Proxy::start(&server, Slow(5_000_000)).await;
+    let dir = stage(tmp.path(), "step-200", &files);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    let before = peer.receiver.known();
+    let report = race(
+        upload_job(&dir, &fits.endpoint(), "s3://ckpt/run1", deadline),
+        &peer,
+        Mode::Auto,
+    )
+    .await;
+    assert_eq!(report.outcome, Outcome::Published, "{report:?}");
+    assert_eq!(report.relayed_to, None);
+    assert_eq!(
+        peer.receiver.known(),
+        before,
+        "relayed though the upload fit"
+    );
+}
+
+#[test]
+fn relay_fingerprint_prints_the_certificate_senders_pin() {
+    let tmp = tempfile::tempdir().unwrap();
+    let print = || {
+        let o = std::process::Command::new(env!("CARGO_BIN_EXE_spotguard"))
+            .args(["relay", "fingerprint", "--state-dir"])
+            .arg(tmp.path())
+            .env_remove("SPOTGUARD_STATE_DIR")
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        String::from_utf8(o.stdout).unwrap().trim().to_string()
+    };
+    let first = print();
+    assert_eq!(first.len(), 64, "{first}");
+    assert_eq!(print(), first, "the certificate is made once and kept");
+    let id = Identity::load_or_create(&tls::dir(tmp.path())).unwrap();
+    assert_eq!(tls::hex(&id.fingerprint), first);
 }

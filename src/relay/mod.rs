@@ -26,6 +26,48 @@ use tokio_util::sync::CancellationToken;
 
 use crate::store::crc::Crcs;
 
+/// `spotguard relay …`.
+#[derive(Debug, clap::Args)]
+pub struct RelayArgs {
+    #[command(subcommand)]
+    pub command: RelayCommand,
+}
+
+/// `spotguard relay …`.
+#[derive(Debug, clap::Subcommand)]
+pub enum RelayCommand {
+    /// Print this node's relay certificate fingerprint (SHA-256, hex), making the certificate if
+    /// there is none yet: what senders put after the `#` of --relay-peers.
+    Fingerprint {
+        /// The agent's state dir (the certificate is kept in its relay/).
+        #[arg(
+            long,
+            env = "SPOTGUARD_STATE_DIR",
+            value_name = "DIR",
+            default_value = "/var/lib/spotguard"
+        )]
+        state_dir: PathBuf,
+    },
+}
+
+/// Run `spotguard relay …`; the exit code.
+pub fn run_cli(args: RelayArgs) -> i32 {
+    match args.command {
+        RelayCommand::Fingerprint { state_dir } => {
+            match tls::Identity::load_or_create(&tls::dir(&state_dir)) {
+                Ok(id) => {
+                    println!("{}", tls::hex(&id.fingerprint));
+                    0
+                }
+                Err(e) => {
+                    eprintln!("spotguard relay fingerprint: {e}");
+                    1
+                }
+            }
+        }
+    }
+}
+
 /// What the relay refused or failed at.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {

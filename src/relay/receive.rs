@@ -271,6 +271,11 @@ impl Receiver {
         &self.staging.root
     }
 
+    /// Relays reserved since the start (those still kept, finished ones included).
+    pub fn known(&self) -> usize {
+        crate::sync::lock(&self.inner).relays.len()
+    }
+
     /// Bytes reserved now (all senders).
     pub fn reserved(&self) -> u64 {
         crate::sync::lock(&self.inner).reserved

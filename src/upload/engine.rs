@@ -116,7 +116,42 @@ pub struct Report {
     pub error: Option<String>,
     /// The error's metric label.
     pub error_label: Option<&'static str>,
+    /// The relay's peer that published this checkpoint instead of this upload
+    /// (`upload::handoff`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub relayed_to: Option<String>,
 }
+impl Report {
+    /// A report of an upload that could not run.
+    pub fn failed(destination: &str, error: String) -> Report {
+        Report {
+            outcome: Outcome::Failed,
+            destination: destination.to_string(),
+            files: 0,
+            bytes: 0,
+            bytes_sent: 0,
+            bytes_resumed: 0,
+            seconds: 0.0,
+            rate_bps: 0,
+            manifest: None,
+            error: Some(error),
+            error_label: Some("task"),
+            relayed_to: None,
+        }
+    }
+
+    /// This report, for a checkpoint a relay's `peer` published (`super::handoff`).
+    pub fn relayed(self, peer: String) -> Report {
+        Report {
+            outcome: Outcome::Published,
+            error: None,
+            error_label: None,
+            relayed_to: Some(peer),
+            ..self
+        }
+    }
+}
+
 /// Run one upload to its end.
 pub async fn run(job: Job) -> Report {
     let started = Instant::now();
@@ -163,6 +198,7 @@ pub async fn run(job: Job) -> Report {
         manifest,
         error_label: error.as_ref().map(|e| e.metric_label()),
         error: None,
+        relayed_to: None,
     };
     log_end(&report, error.as_ref());
     Report {

@@ -17,6 +17,7 @@
 //! - [`uploader`]: where uploads run (own runtime, own low-priority threads);
 //! - [`service`]: the agent's side (`spotguard run`): settings, a staged ack taken and its
 //!   upload submitted on the ack watcher's thread, restart recovery;
+//! - [`handoff`]: the sender's side of the relay: when to relay, and the race with the upload;
 //! - [`relayed`]: what a peer relayed to this agent, published (`crate::relay::Publisher`);
 //! - [`cli`]: `spotguard upload STAGED DEST`; [`metrics`]: `spotguard_checkpoint_upload_*`.
 
@@ -26,6 +27,7 @@ pub mod cli;
 pub mod dest;
 pub mod engine;
 mod error;
+pub mod handoff;
 pub mod journal;
 pub mod latest;
 pub mod metrics;
