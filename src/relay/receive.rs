@@ -694,9 +694,9 @@ impl Receiver {
                 return;
             }
             if st.state == State::Publishing {
-                // The publication stops at its next step; its end is recorded there.
-                drop(st);
-                relay.cancel.cancel();
+                // A committed relay is published regardless: its manifest is created only if
+                // absent, and a publication stopped half-way would leave its multipart uploads
+                // and journal behind. Only the agent's stop interrupts it (resumed next run).
                 return;
             }
         }
