@@ -295,6 +295,7 @@ async fn a_relayed_checkpoint_is_published_once_with_the_senders_manifest() {
         KEY,
         reserve.clone(),
         sources.clone(),
+        None,
         CancellationToken::new(),
     )
     .await
@@ -331,6 +332,7 @@ async fn a_relayed_checkpoint_is_published_once_with_the_senders_manifest() {
         KEY,
         reserve,
         sources,
+        None,
         CancellationToken::new(),
     )
     .await
@@ -367,6 +369,7 @@ async fn a_sender_without_the_key_or_pinning_another_fingerprint_gets_nowhere() 
             key,
             reserve.clone(),
             sources.clone(),
+            None,
             CancellationToken::new(),
         )
         .await
@@ -379,9 +382,16 @@ async fn a_sender_without_the_key_or_pinning_another_fingerprint_gets_nowhere() 
     // A peer presenting another certificate than the one pinned: the sender refuses it.
     let mut wrong = peer.peer();
     wrong.fingerprint[0] ^= 1;
-    let e = send::relay(&wrong, KEY, reserve, sources, CancellationToken::new())
-        .await
-        .unwrap_err();
+    let e = send::relay(
+        &wrong,
+        KEY,
+        reserve,
+        sources,
+        None,
+        CancellationToken::new(),
+    )
+    .await
+    .unwrap_err();
     assert!(e.to_string().contains("fingerprint"), "{e}");
     assert!(peer.is_empty());
     assert!(keys(&*store(&server.endpoint()), "run1").await.is_empty());
@@ -674,7 +684,7 @@ async fn a_receiver_restarted_while_publishing_publishes_once_from_its_journal()
     proxy.state.0.store(true, Ordering::SeqCst);
     let sending = tokio::spawn({
         let (p, r, s) = (peer.peer(), reserve.clone(), sources.clone());
-        async move { send::relay(&p, KEY, r, s, CancellationToken::new()).await }
+        async move { send::relay(&p, KEY, r, s, None, CancellationToken::new()).await }
     });
     let r2 = peer.receiver.clone();
     eventually(
@@ -893,6 +903,79 @@ async fn an_upload_that_cannot_finish_inside_the_notice_is_relayed_and_published
         before,
         "relayed though the upload fit"
     );
+}
+
+/// A publisher that never ends (a peer whose store hangs).
+struct Stalled;
+
+impl spotguard::relay::Publisher for Stalled {
+    fn check(&self, _: &Reserve) -> Result<(), String> {
+        Ok(())
+    }
+
+    fn publish(
+        &self,
+        _: spotguard::relay::PublishJob,
+    ) -> futures::future::BoxFuture<'static, spotguard::relay::Published> {
+        Box::pin(std::future::pending())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sender_waits_for_its_peer_only_until_the_deadline() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (staging, state) = dirs(tmp.path());
+    let identity = Identity::load_or_create(&tls::dir(&state)).unwrap();
+    let receiver = Arc::new(
+        Receiver::new(
+            Settings {
+                key: KEY.as_bytes().to_vec(),
+                staging,
+                per_sender: 1 << 40,
+                idle: Duration::from_secs(30),
+                limits: Limits::default(),
+            },
+            Arc::new(Stalled),
+        )
+        .unwrap(),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let cancel = CancellationToken::new();
+    tokio::spawn(receiver.clone().serve(
+        listener,
+        identity.server_config().unwrap(),
+        cancel.clone(),
+    ));
+    let peer = Peer {
+        addr: addr.to_string(),
+        fingerprint: identity.fingerprint,
+    };
+    let dir = stage(tmp.path(), "step-7", &[("a.bin", data(4096, 7))]);
+    let (reserve, sources) = outgoing(&dir, "s3://ckpt/run1");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(2);
+    // The peer never publishes: the sender stops waiting at the deadline and says the relay is
+    // not finished (the bound here only keeps a broken sender from hanging the test).
+    let end = tokio::time::timeout(
+        Duration::from_secs(120),
+        send::relay(
+            &peer,
+            KEY,
+            reserve,
+            sources,
+            Some(deadline),
+            CancellationToken::new(),
+        ),
+    )
+    .await
+    .expect("the sender waited past the deadline");
+    assert!(
+        matches!(end, Err(spotguard::relay::Error::Deadline { .. })),
+        "{end:?}"
+    );
+    // It had committed: the peer still holds it, publishing (never a part of it).
+    assert_eq!(receiver.known(), 1);
+    cancel.cancel();
 }
 
 #[test]

@@ -91,6 +91,9 @@ pub enum Error {
     },
     #[error("relay to {peer} cancelled")]
     Cancelled { peer: String },
+    /// The peer had not published by the notice's deadline: the relay is not finished.
+    #[error("relay to {peer}: not published by the deadline")]
+    Deadline { peer: String },
 }
 
 /// A verified relay ready to publish: the staged files under `dir`, in the reservation's order

@@ -26,6 +26,8 @@ const READ_CHUNK: usize = 1 << 20;
 const CONNECT: Duration = Duration::from_secs(10);
 /// How often the peer's status is read after the commit.
 const POLL: Duration = Duration::from_millis(200);
+/// The best-effort `DELETE` that gives a stopped relay up is done within this.
+const GIVE_UP: Duration = Duration::from_secs(5);
 
 /// A peer: `ADDR#SHA256` (`10.0.0.7:7443#9f86d0…`).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -221,20 +223,37 @@ impl Session {
 
 /// Relay `files` (in `reserve`'s order) to `peer` with the node `key`, and wait for the peer's
 /// end: `Ok` with its final status (published or not), `Err` when the peer refused, broke or
-/// could not be reached. `cancel` stops it (the peer is told, best effort: `DELETE`).
+/// could not be reached, or had not published by `deadline` ([`Error::Deadline`]: the relay
+/// is not finished; the peer may still publish it whole, never a part). `cancel` stops it.
+/// Stopped or failed, the peer is told, best effort (`DELETE`, within [`GIVE_UP`]).
 pub async fn relay(
     peer: &Peer,
     key: &str,
     reserve: Reserve,
     files: Vec<Source>,
+    deadline: Option<tokio::time::Instant>,
     cancel: CancellationToken,
 ) -> Result<Status, Error> {
-    let mut session = Session::connect(peer, key).await?;
-    let data = serde_json::to_vec(&reserve).unwrap_or_default();
-    let reserved: Reserved = session
-        .json(Method::POST, wire::RELAYS, data, StatusCode::CREATED)
-        .await?;
-    let id = reserved.id;
+    let by_deadline = async {
+        match deadline {
+            Some(d) => tokio::time::sleep_until(d).await,
+            None => std::future::pending().await,
+        }
+    };
+    let reserving = async {
+        let mut session = Session::connect(peer, key).await?;
+        let data = serde_json::to_vec(&reserve).unwrap_or_default();
+        let reserved: Reserved = session
+            .json(Method::POST, wire::RELAYS, data, StatusCode::CREATED)
+            .await?;
+        Ok::<_, Error>((session, reserved.id))
+    };
+    let mut by_deadline = std::pin::pin!(by_deadline);
+    let (mut session, id) = tokio::select! {
+        r = reserving => r?,
+        _ = cancel.cancelled() => return Err(Error::Cancelled { peer: peer.addr.clone() }),
+        () = &mut by_deadline => return Err(Error::Deadline { peer: peer.addr.clone() }),
+    };
     let run = async {
         let mut sums = Vec::with_capacity(files.len());
         for (i, src) in files.iter().enumerate() {
@@ -259,16 +278,21 @@ pub async fn relay(
     let ended = tokio::select! {
         r = run => r,
         _ = cancel.cancelled() => Err(Error::Cancelled { peer: peer.addr.clone() }),
+        () = &mut by_deadline => Err(Error::Deadline { peer: peer.addr.clone() }),
     };
     if ended.is_err() {
-        // The peer gives the relay up (its files go, nothing is published); told on a
-        // connection of its own, as the first may be mid-body.
-        if let Ok(mut s) = Session::connect(peer, key).await {
-            let path = format!("{}/{id}", wire::RELAYS);
-            let _ = s
-                .call(Method::DELETE, &path, body(Vec::new()), Some(0))
-                .await;
-        }
+        // The peer gives the relay up (its files go, nothing is published; a committed one it
+        // publishes whole regardless); told on a connection of its own, as the first may be
+        // mid-body.
+        let _ = tokio::time::timeout(GIVE_UP, async {
+            if let Ok(mut s) = Session::connect(peer, key).await {
+                let path = format!("{}/{id}", wire::RELAYS);
+                let _ = s
+                    .call(Method::DELETE, &path, body(Vec::new()), Some(0))
+                    .await;
+            }
+        })
+        .await;
     }
     ended
 }

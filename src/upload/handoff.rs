@@ -142,6 +142,7 @@ async fn relay_to_peers(
     relay: &Relay,
     reserve: Reserve,
     sources: Vec<Source>,
+    deadline: Option<Instant>,
     cancel: CancellationToken,
 ) -> Option<String> {
     for peer in &relay.peers {
@@ -150,6 +151,7 @@ async fn relay_to_peers(
             &relay.key,
             reserve.clone(),
             sources.clone(),
+            deadline,
             cancel.clone(),
         )
         .await
@@ -166,6 +168,10 @@ async fn relay_to_peers(
                 return None;
             }
             Err(crate::relay::Error::Cancelled { .. }) => return None,
+            Err(e @ crate::relay::Error::Deadline { .. }) => {
+                warn!(peer = %peer, error = %e, "the relay did not finish by the deadline");
+                return None;
+            }
             Err(e) => warn!(peer = %peer, error = %e, "relaying to a peer failed; trying the next"),
         }
     }
@@ -198,7 +204,7 @@ pub async fn race(
     let relay_cancel = CancellationToken::new();
     let relaying = tokio::spawn({
         let (relay, cancel) = (relay.clone(), relay_cancel.clone());
-        async move { relay_to_peers(&relay, reserve, sources, cancel).await }
+        async move { relay_to_peers(&relay, reserve, sources, deadline, cancel).await }
     });
     let mut relaying = relaying;
     tokio::select! {
