@@ -523,6 +523,10 @@ async fn spawn_relay_receiver(
                 per_sender: cfg.args.relay_max_bytes_per_sender,
                 idle: cfg.args.relay_idle_timeout,
                 limits: upload_limits(cfg),
+                connections: crate::relay::receive::connection_limits(
+                    crate::relay::receive::MAX_CONNECTIONS,
+                    crate::relay::receive::MAX_CONNECTIONS_PER_SENDER,
+                ),
             },
             Arc::new(publisher),
         )

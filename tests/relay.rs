@@ -18,7 +18,7 @@ use hyper_util::rt::TokioIo;
 use object_store::aws::AmazonS3Builder;
 use object_store::path::Path as ObjectPath;
 use object_store::{ClientOptions, ObjectStore, ObjectStoreExt};
-use spotguard::relay::receive::{Receiver, Settings};
+use spotguard::relay::receive::{self, Receiver, Settings};
 use spotguard::relay::send::{self, Peer, Source};
 use spotguard::relay::tls::{self, Identity};
 use spotguard::relay::wire::{self, Checkpoint, FileCrcs, FileEntry, Reserve, State};
@@ -138,6 +138,10 @@ async fn start(
                 per_sender,
                 idle,
                 limits: Limits::default(),
+                connections: receive::connection_limits(
+                    receive::MAX_CONNECTIONS,
+                    receive::MAX_CONNECTIONS_PER_SENDER,
+                ),
             },
             Arc::new(publisher),
         )
@@ -404,8 +408,12 @@ struct Raw {
 
 impl Raw {
     async fn connect(node: &Node) -> Raw {
-        let config = tls::client_config(node.fingerprint).unwrap();
-        let tcp = tokio::net::TcpStream::connect(node.addr).await.unwrap();
+        Raw::connect_to(node.addr, node.fingerprint).await
+    }
+
+    async fn connect_to(addr: SocketAddr, fingerprint: [u8; 32]) -> Raw {
+        let config = tls::client_config(fingerprint).unwrap();
+        let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
         let tls = tokio_rustls::TlsConnector::from(config)
             .connect(tls::server_name(), tcp)
             .await
@@ -921,10 +929,13 @@ impl spotguard::relay::Publisher for Stalled {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_sender_waits_for_its_peer_only_until_the_deadline() {
-    let tmp = tempfile::tempdir().unwrap();
-    let (staging, state) = dirs(tmp.path());
+/// A receiver whose publications never end, with the connection limits `connections`: its
+/// receiver, address, fingerprint and stop.
+async fn stalled(
+    tmp: &Path,
+    connections: spotguard::admin::Limits,
+) -> (Arc<Receiver>, SocketAddr, [u8; 32], CancellationToken) {
+    let (staging, state) = dirs(tmp);
     let identity = Identity::load_or_create(&tls::dir(&state)).unwrap();
     let receiver = Arc::new(
         Receiver::new(
@@ -934,6 +945,7 @@ async fn a_sender_waits_for_its_peer_only_until_the_deadline() {
                 per_sender: 1 << 40,
                 idle: Duration::from_secs(30),
                 limits: Limits::default(),
+                connections,
             },
             Arc::new(Stalled),
         )
@@ -947,9 +959,20 @@ async fn a_sender_waits_for_its_peer_only_until_the_deadline() {
         identity.server_config().unwrap(),
         cancel.clone(),
     ));
+    (receiver, addr, identity.fingerprint, cancel)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sender_waits_for_its_peer_only_until_the_deadline() {
+    let tmp = tempfile::tempdir().unwrap();
+    let limits = receive::connection_limits(
+        receive::MAX_CONNECTIONS,
+        receive::MAX_CONNECTIONS_PER_SENDER,
+    );
+    let (receiver, addr, fingerprint, cancel) = stalled(tmp.path(), limits).await;
     let peer = Peer {
         addr: addr.to_string(),
-        fingerprint: identity.fingerprint,
+        fingerprint,
     };
     let dir = stage(tmp.path(), "step-7", &[("a.bin", data(4096, 7))]);
     let (reserve, sources) = outgoing(&dir, "s3://ckpt/run1");
@@ -975,6 +998,65 @@ async fn a_sender_waits_for_its_peer_only_until_the_deadline() {
     );
     // It had committed: the peer still holds it, publishing (never a part of it).
     assert_eq!(receiver.known(), 1);
+    cancel.cancel();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_receiver_closes_connections_over_its_cap_when_every_one_is_busy() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (_receiver, addr, fingerprint, cancel) =
+        stalled(tmp.path(), receive::connection_limits(2, 2)).await;
+    let staging = tmp.path().join("staging");
+    let files = [("a.bin", data(2 * MIB, 1)), ("b.bin", data(2 * MIB, 2))];
+    let dir = stage(tmp.path(), "step-9", &files);
+    let (reserve, _) = outgoing(&dir, "s3://ckpt/run1");
+    let id = Raw::connect_to(addr, fingerprint)
+        .await
+        .reserve(&reserve)
+        .await
+        .unwrap();
+    // Two connections each busy with a file (half of it sent): the receiver's cap.
+    use tokio::io::AsyncWriteExt;
+    let mut busy = Vec::new();
+    for (i, (_, d)) in files.iter().enumerate() {
+        let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let mut tls = tokio_rustls::TlsConnector::from(tls::client_config(fingerprint).unwrap())
+            .connect(tls::server_name(), tcp)
+            .await
+            .unwrap();
+        let head = format!(
+            "PUT {}/{id}/files/{i} HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {KEY}\r\ncontent-length: {}\r\n\r\n",
+            wire::RELAYS,
+            d.len()
+        );
+        tls.write_all(head.as_bytes()).await.unwrap();
+        tls.write_all(&d[..MIB + 1]).await.unwrap();
+        tls.flush().await.unwrap();
+        busy.push(tls);
+    }
+    eventually(
+        "both files being received",
+        Duration::from_secs(30),
+        || async { walk_bytes(&staging) >= 2 * MIB as u64 },
+    )
+    .await;
+    // A third is closed on accept: no handshake, no answer.
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let third = tokio_rustls::TlsConnector::from(tls::client_config(fingerprint).unwrap())
+        .connect(tls::server_name(), tcp)
+        .await;
+    assert!(third.is_err(), "a connection over the cap was served");
+    // The busy ones are served still.
+    for (tls, (_, d)) in busy.iter_mut().zip(&files) {
+        tls.write_all(&d[MIB + 1..]).await.unwrap();
+        tls.flush().await.unwrap();
+    }
+    use tokio::io::AsyncReadExt;
+    for mut tls in busy {
+        let mut head = [0u8; 12];
+        tls.read_exact(&mut head).await.unwrap();
+        assert_eq!(&head, b"HTTP/1.1 204", "{}", String::from_utf8_lossy(&head));
+    }
     cancel.cancel();
 }
 

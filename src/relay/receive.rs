@@ -29,6 +29,7 @@ use tracing::{info, warn};
 use super::stage::{self, Incoming, Journal, Staging};
 use super::wire::{self, Commit, FileCrcs, Refusal, Reserve, Reserved, State, Status};
 use super::{PublishJob, Published, Publisher};
+use crate::admin;
 use crate::store::crc::Crcs;
 use crate::store::tree::{self, Limits};
 
@@ -38,6 +39,27 @@ const WRITE_CHUNK: usize = 1 << 20;
 const HANDSHAKE: Duration = Duration::from_secs(10);
 /// Finished relays whose status is kept for senders to read.
 const KEEP_FINISHED: usize = 1024;
+
+/// Connections open at once ([`Settings::connections`], the agent's): a sender holds one per
+/// relay, and one more while it gives a relay up.
+pub const MAX_CONNECTIONS: usize = 256;
+/// Connections open at once from one address: one sender never takes them all.
+pub const MAX_CONNECTIONS_PER_SENDER: usize = 64;
+
+/// The receiver's connection limits (the admin server's mechanism, [`admin::Gate`]): at most
+/// `max` connections and `per_sender` from one address; over a limit a new connection takes
+/// the place of the one waiting longest for a request head (a TLS handshake or a head sent
+/// slowly, a connection idle between requests), and is closed at once when every one is
+/// serving a request. A connection is never closed for its age (a file may take long).
+pub fn connection_limits(max: usize, per_sender: usize) -> admin::Limits {
+    admin::Limits {
+        header_read_timeout: HANDSHAKE,
+        max_connections: max,
+        max_connections_per_peer: per_sender,
+        max_connection_age: Duration::from_secs(24 * 3600),
+        ..admin::Limits::default()
+    }
+}
 
 /// The receiver's settings.
 #[derive(Clone, Debug)]
@@ -52,6 +74,9 @@ pub struct Settings {
     pub idle: Duration,
     /// Files, bytes and depth of one relayed tree (the upload's `--upload-max-*`).
     pub limits: Limits,
+    /// Connections open at once ([`connection_limits`]; the agent's: [`MAX_CONNECTIONS`],
+    /// [`MAX_CONNECTIONS_PER_SENDER`]).
+    pub connections: admin::Limits,
 }
 
 /// The receiver.
@@ -178,6 +203,7 @@ impl Receiver {
     ) {
         let acceptor = tokio_rustls::TlsAcceptor::from(config);
         let reaper = tokio::spawn(self.clone().reap(cancel.clone()));
+        let gate = admin::Gate::new(self.settings.connections);
         loop {
             let (tcp, addr) = tokio::select! {
                 _ = cancel.cancelled() => break,
@@ -190,30 +216,43 @@ impl Receiver {
                     }
                 },
             };
+            let Some(admitted) = gate.admit(addr.ip()) else {
+                warn!(peer = %addr, "relay connection refused: every connection is serving a request");
+                continue;
+            };
             let me = self.clone();
             let acceptor = acceptor.clone();
             let cancel = cancel.clone();
             tokio::spawn(async move {
-                let tls = match tokio::time::timeout(HANDSHAKE, acceptor.accept(tcp)).await {
-                    Ok(Ok(t)) => t,
-                    Ok(Err(e)) => {
-                        warn!(peer = %addr, error = %e, "relay: TLS handshake failed");
-                        return;
+                let tracker = admitted.tracker();
+                let serving = async move {
+                    let tls = match tokio::time::timeout(HANDSHAKE, acceptor.accept(tcp)).await {
+                        Ok(Ok(t)) => t,
+                        Ok(Err(e)) => {
+                            warn!(peer = %addr, error = %e, "relay: TLS handshake failed");
+                            return;
+                        }
+                        Err(_) => return,
+                    };
+                    let service = hyper::service::service_fn(move |req| {
+                        let me = me.clone();
+                        let serving = tracker.serving();
+                        async move {
+                            let answer = me.handle(req, addr).await;
+                            drop(serving);
+                            Ok::<_, std::convert::Infallible>(answer)
+                        }
+                    });
+                    let conn = hyper::server::conn::http1::Builder::new()
+                        .timer(TokioTimer::new())
+                        .header_read_timeout(HANDSHAKE)
+                        .serve_connection(TokioIo::new(tls), service);
+                    tokio::select! {
+                        _ = conn => {}
+                        _ = cancel.cancelled() => {}
                     }
-                    Err(_) => return,
                 };
-                let service = hyper::service::service_fn(move |req| {
-                    let me = me.clone();
-                    async move { Ok::<_, std::convert::Infallible>(me.handle(req, addr).await) }
-                });
-                let conn = hyper::server::conn::http1::Builder::new()
-                    .timer(TokioTimer::new())
-                    .header_read_timeout(HANDSHAKE)
-                    .serve_connection(TokioIo::new(tls), service);
-                tokio::select! {
-                    _ = conn => {}
-                    _ = cancel.cancelled() => {}
-                }
+                admitted.serve(serving, |_| {}).await;
             });
         }
         reaper.abort();
