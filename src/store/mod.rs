@@ -31,7 +31,7 @@ pub mod url;
 
 pub use allow::AllowPattern;
 pub use checksum::{ChecksumConnector, ChecksumSlot, StoreChecksum, VerifiedBy};
-pub use error::{store_words, Error, GetCause};
+pub use error::{is_conditional_write_unsupported, store_words, Error, GetCause};
 pub use key::{short_hash, validate_key, META_DIR, PART_INFIX};
 pub use progress::{Progress, ProgressMode, Snapshot};
 pub use url::{

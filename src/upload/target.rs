@@ -436,14 +436,47 @@ impl StoreTarget {
         };
         match self
             .store
-            .put_opts(&key, PutPayload::from(data), opts)
+            .put_opts(&key, PutPayload::from(data.clone()), opts)
             .await
         {
             Ok(_) => Ok(true),
             Err(object_store::Error::AlreadyExists { .. })
             | Err(object_store::Error::Precondition { .. }) => Ok(false),
+            Err(e) if crate::store::is_conditional_write_unsupported(&e) => {
+                self.write_manifest_unconditionally(&key, file, data, &e)
+                    .await
+            }
             Err(e) => Err(Self::request_err("PUT", &key)(e)),
         }
+    }
+
+    /// A store without conditional writes (an older S3-compatible server): the manifest is
+    /// written as before them, unless one is there already (read first), with a plain `PUT`.
+    /// Two writers racing between the read and the `PUT` both publish (the later manifest
+    /// replaces the earlier): exactly once is not guaranteed on such a store.
+    async fn write_manifest_unconditionally(
+        &self,
+        key: &ObjectPath,
+        file: &str,
+        data: Vec<u8>,
+        why: &object_store::Error,
+    ) -> Result<bool, Error> {
+        static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+        if !WARNED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+            tracing::warn!(
+                dest = %self.url,
+                error = %crate::store::store_words(why),
+                "the store does not do conditional writes: manifests are written unconditionally (checked first), so two writers of one checkpoint may both publish it"
+            );
+        }
+        if self.read_manifest(file).await?.is_some() {
+            return Ok(false);
+        }
+        self.store
+            .put(key, PutPayload::from(data))
+            .await
+            .map(|_| true)
+            .map_err(Self::request_err("PUT", key))
     }
 }
 
@@ -909,6 +942,106 @@ fn shorten(key: &str) -> String {
 mod tests {
     use super::*;
     use std::os::unix::fs::PermissionsExt;
+
+    /// An older S3-compatible server: no conditional writes.
+    #[derive(Debug)]
+    struct NoConditional(object_store::memory::InMemory);
+
+    impl std::fmt::Display for NoConditional {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("NoConditional")
+        }
+    }
+
+    #[async_trait::async_trait]
+    impl ObjectStore for NoConditional {
+        async fn put_opts(
+            &self,
+            location: &ObjectPath,
+            payload: PutPayload,
+            opts: PutOptions,
+        ) -> object_store::Result<object_store::PutResult> {
+            if matches!(opts.mode, object_store::PutMode::Create) {
+                return Err(object_store::Error::NotImplemented {
+                    operation: "put_opts with PutMode::Create".into(),
+                    implementer: self.to_string(),
+                });
+            }
+            self.0.put_opts(location, payload, opts).await
+        }
+
+        async fn put_multipart_opts(
+            &self,
+            location: &ObjectPath,
+            opts: object_store::PutMultipartOptions,
+        ) -> object_store::Result<Box<dyn object_store::MultipartUpload>> {
+            self.0.put_multipart_opts(location, opts).await
+        }
+
+        async fn get_opts(
+            &self,
+            location: &ObjectPath,
+            options: object_store::GetOptions,
+        ) -> object_store::Result<object_store::GetResult> {
+            self.0.get_opts(location, options).await
+        }
+
+        fn delete_stream(
+            &self,
+            locations: futures::stream::BoxStream<'static, object_store::Result<ObjectPath>>,
+        ) -> futures::stream::BoxStream<'static, object_store::Result<ObjectPath>> {
+            self.0.delete_stream(locations)
+        }
+
+        fn list(
+            &self,
+            prefix: Option<&ObjectPath>,
+        ) -> futures::stream::BoxStream<'static, object_store::Result<object_store::ObjectMeta>>
+        {
+            self.0.list(prefix)
+        }
+
+        async fn list_with_delimiter(
+            &self,
+            prefix: Option<&ObjectPath>,
+        ) -> object_store::Result<object_store::ListResult> {
+            self.0.list_with_delimiter(prefix).await
+        }
+
+        async fn copy_opts(
+            &self,
+            from: &ObjectPath,
+            to: &ObjectPath,
+            options: object_store::CopyOptions,
+        ) -> object_store::Result<()> {
+            self.0.copy_opts(from, to, options).await
+        }
+    }
+
+    #[tokio::test]
+    async fn a_store_without_conditional_writes_still_publishes_its_manifest_once_checked() {
+        let store = Arc::new(NoConditional(object_store::memory::InMemory::new()));
+        let multipart = Arc::new(object_store::memory::InMemory::new());
+        let t = StoreTarget::new(
+            store.clone(),
+            multipart,
+            "run1/step-1",
+            "s3://b/run1/step-1".into(),
+        );
+        assert!(t
+            .write_manifest("manifest.json", b"first".to_vec())
+            .await
+            .unwrap());
+        // A second writer finds it there (checked first) and writes nothing.
+        assert!(!t
+            .write_manifest("manifest.json", b"second".to_vec())
+            .await
+            .unwrap());
+        assert_eq!(
+            t.read_manifest("manifest.json").await.unwrap().as_deref(),
+            Some(&b"first"[..])
+        );
+    }
 
     fn chmod(p: &Path, mode: u32) {
         std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode)).unwrap();
