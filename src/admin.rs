@@ -19,6 +19,7 @@
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
+use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -96,11 +97,9 @@ pub async fn bind_with_limits(
     let local = listener.local_addr()?;
     let app = router(registry, readiness);
     let http = http_builder(&limits);
-    let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
-    let table = Arc::new(Mutex::new(Table::default()));
+    let gate = Gate::new(limits);
     let fut = async move {
         let mut conns = JoinSet::new();
-        let mut next_id: u64 = 0;
         loop {
             let accepted = tokio::select! {
                 _ = cancel.cancelled() => break,
@@ -117,33 +116,16 @@ pub async fn bind_with_limits(
                     continue;
                 }
             };
-            let peer = peer.ip();
-            next_id += 1;
-            let id = next_id;
             // Refused: closed at once (dropping the stream).
-            let Some(permit) = admit(&table, &slots, &limits, id, peer) else {
+            let Some(admitted) = gate.admit(peer.ip()) else {
                 continue;
             };
-            let kill = crate::sync::lock(&table).kill_token(id);
             let service = Tracked {
                 inner: hyper_util::service::TowerToHyperService::new(app.clone()),
-                id,
-                table: table.clone(),
+                tracker: admitted.tracker(),
             };
             let conn = http.serve_connection(TokioIo::new(stream), service);
-            let entry = Entry {
-                id,
-                table: table.clone(),
-            };
-            let age = limits.max_connection_age;
-            conns.spawn(serve_connection(
-                conn,
-                kill,
-                permit,
-                slots.clone(),
-                entry,
-                age,
-            ));
+            conns.spawn(admitted.serve(conn, |c| c.graceful_shutdown()));
         }
         // Shutdown: stop accepting; in-flight scrapes are dropped with the set.
         conns.shutdown().await;
@@ -173,62 +155,128 @@ fn http_builder(limits: &Limits) -> http1::Builder {
     http
 }
 
-/// Take a place for connection `id` from `peer`. Over a limit, it takes the place of the
-/// connection waiting longest for a request head (of this peer for the per-peer limit), else it
-/// is refused (`None`). Admitted: its slot, or `None` inside when it took another's place and
-/// waits for that one's slot.
-fn admit(
-    table: &Mutex<Table>,
-    slots: &Arc<Semaphore>,
-    limits: &Limits,
-    id: u64,
-    peer: IpAddr,
-) -> Option<Option<OwnedSemaphorePermit>> {
-    let mut t = crate::sync::lock(table);
-    let mut evicted = false;
-    if t.from(peer) >= limits.max_connections_per_peer.max(1) {
-        if !t.evict_longest_waiting(Some(peer)) {
-            return None;
-        }
-        evicted = true;
-    }
-    let permit = match slots.clone().try_acquire_owned() {
-        Ok(p) => Some(p),
-        Err(_) if evicted || t.evict_longest_waiting(None) => None,
-        Err(_) => return None,
-    };
-    t.insert(id, peer);
-    Some(permit)
+/// The connection limits of a server every client of which is untrusted (the admin server's,
+/// the relay receiver's): at most [`Limits::max_connections`] at once and
+/// [`Limits::max_connections_per_peer`] from one address; over a limit, a new connection takes
+/// the place of the one waiting longest for a request head (of that peer for the per-peer
+/// limit), else it is refused; a connection lives at most [`Limits::max_connection_age`].
+pub struct Gate {
+    limits: Limits,
+    slots: Arc<Semaphore>,
+    table: Arc<Mutex<Table>>,
+    next_id: std::sync::atomic::AtomicU64,
 }
 
-/// Serve one admitted connection until it ends, is killed (another took its place) or reaches
-/// `age` (then closed gracefully, 10 s at most). Without `permit` it first waits up to
-/// [`EVICT_WAIT`] for the slot of the connection whose place it took.
-async fn serve_connection(
-    conn: http1::Connection<TokioIo<tokio::net::TcpStream>, Tracked>,
+/// A connection the [`Gate`] let in: serve it with [`Admitted::serve`], marking each request
+/// served with its [`Tracker`].
+pub struct Admitted {
     kill: CancellationToken,
+    /// `None`: it took another's place and waits for that one's slot.
     permit: Option<OwnedSemaphorePermit>,
     slots: Arc<Semaphore>,
     entry: Entry,
     age: Duration,
-) {
-    let _entry = entry;
-    // The slot of an evicted connection frees as soon as its task ends.
-    let _permit = match permit {
-        Some(p) => p,
-        None => match tokio::time::timeout(EVICT_WAIT, slots.acquire_owned()).await {
-            Ok(Ok(p)) => p,
-            _ => return,
-        },
-    };
-    let mut conn = std::pin::pin!(conn);
-    tokio::select! {
-        _ = conn.as_mut() => return,
-        _ = kill.cancelled() => return,
-        _ = tokio::time::sleep(age) => {}
+}
+
+/// Marks its connection busy (not evictable) while a request is served.
+#[derive(Clone)]
+pub struct Tracker {
+    id: u64,
+    table: Arc<Mutex<Table>>,
+}
+
+/// A request being served; its connection waits for a head again when this is dropped.
+pub struct Serving(Tracker);
+
+impl Tracker {
+    pub fn serving(&self) -> Serving {
+        crate::sync::lock(&self.table).busy(self.id, true);
+        Serving(self.clone())
     }
-    conn.as_mut().graceful_shutdown();
-    let _ = tokio::time::timeout(Duration::from_secs(10), conn).await;
+}
+
+impl Drop for Serving {
+    fn drop(&mut self) {
+        crate::sync::lock(&self.0.table).busy(self.0.id, false);
+    }
+}
+
+impl Gate {
+    pub fn new(limits: Limits) -> Gate {
+        Gate {
+            slots: Arc::new(Semaphore::new(limits.max_connections.max(1))),
+            limits,
+            table: Arc::new(Mutex::new(Table::default())),
+            next_id: std::sync::atomic::AtomicU64::new(0),
+        }
+    }
+
+    /// Take a place for a connection from `peer`. Over a limit, it takes the place of the
+    /// connection waiting longest for a request head (of this peer for the per-peer limit),
+    /// else it is refused (`None`: close it).
+    pub fn admit(&self, peer: IpAddr) -> Option<Admitted> {
+        let id = 1 + self
+            .next_id
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let mut t = crate::sync::lock(&self.table);
+        let mut evicted = false;
+        if t.from(peer) >= self.limits.max_connections_per_peer.max(1) {
+            if !t.evict_longest_waiting(Some(peer)) {
+                return None;
+            }
+            evicted = true;
+        }
+        let permit = match self.slots.clone().try_acquire_owned() {
+            Ok(p) => Some(p),
+            Err(_) if evicted || t.evict_longest_waiting(None) => None,
+            Err(_) => return None,
+        };
+        t.insert(id, peer);
+        let kill = t.kill_token(id);
+        Some(Admitted {
+            kill,
+            permit,
+            slots: self.slots.clone(),
+            entry: Entry {
+                id,
+                table: self.table.clone(),
+            },
+            age: self.limits.max_connection_age,
+        })
+    }
+}
+
+impl Admitted {
+    pub fn tracker(&self) -> Tracker {
+        Tracker {
+            id: self.entry.id,
+            table: self.entry.table.clone(),
+        }
+    }
+
+    /// Serve the connection `conn` until it ends, is killed (another took its place) or
+    /// reaches its age (then `graceful` is called on it, and it has 10 s more at most).
+    /// Without a slot it first waits up to [`EVICT_WAIT`] for the slot of the connection whose
+    /// place it took.
+    pub async fn serve<F: std::future::Future>(self, conn: F, graceful: impl FnOnce(Pin<&mut F>)) {
+        let _entry = self.entry;
+        // The slot of an evicted connection frees as soon as its task ends.
+        let _permit = match self.permit {
+            Some(p) => p,
+            None => match tokio::time::timeout(EVICT_WAIT, self.slots.acquire_owned()).await {
+                Ok(Ok(p)) => p,
+                _ => return,
+            },
+        };
+        let mut conn = std::pin::pin!(conn);
+        tokio::select! {
+            _ = conn.as_mut() => return,
+            _ = self.kill.cancelled() => return,
+            _ = tokio::time::sleep(self.age) => {}
+        }
+        graceful(conn.as_mut());
+        let _ = tokio::time::timeout(Duration::from_secs(10), conn).await;
+    }
 }
 
 /// How long a connection that took another's place waits for that one's slot.
@@ -312,25 +360,21 @@ impl Drop for Entry {
 /// The router, marking its connection busy while a request is served.
 struct Tracked {
     inner: hyper_util::service::TowerToHyperService<Router>,
-    id: u64,
-    table: Arc<Mutex<Table>>,
+    tracker: Tracker,
 }
 
 impl hyper::service::Service<http::Request<hyper::body::Incoming>> for Tracked {
     type Response = axum::response::Response;
     type Error = std::convert::Infallible;
-    type Future = std::pin::Pin<
-        Box<dyn std::future::Future<Output = Result<Self::Response, Self::Error>> + Send>,
-    >;
+    type Future =
+        Pin<Box<dyn std::future::Future<Output = Result<Self::Response, Self::Error>> + Send>>;
 
     fn call(&self, req: http::Request<hyper::body::Incoming>) -> Self::Future {
-        let table = self.table.clone();
-        let id = self.id;
-        crate::sync::lock(&table).busy(id, true);
+        let serving = self.tracker.serving();
         let fut = self.inner.call(req);
         Box::pin(async move {
             let resp = fut.await;
-            crate::sync::lock(&table).busy(id, false);
+            drop(serving);
             resp
         })
     }

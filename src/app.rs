@@ -46,6 +46,8 @@ pub enum Error {
     Source(String),
     #[error("the {0} task ended before shutdown")]
     TaskEnded(&'static str),
+    #[error("relay receiver: {0}")]
+    Relay(String),
 }
 
 impl Error {
@@ -59,6 +61,7 @@ impl Error {
             Error::Webhook(_) => "webhook",
             Error::Source(_) => "source",
             Error::TaskEnded(_) => "task_ended",
+            Error::Relay(_) => "relay",
         }
     }
 }
@@ -176,6 +179,7 @@ pub async fn start_with_client(
     tasks.spawn("responder", responder.run(inputs.notices, cancel.clone()));
     spawn_gpu_monitor(&cfg, &node, telemetry.gpu.clone(), &mut tasks, &cancel);
     spawn_prefetcher(&cfg, &metrics, &mut tasks, &cancel).await;
+    spawn_relay_receiver(&cfg, &telemetry, &mut tasks, &cancel).await?;
 
     let registry = Arc::new(std::mem::take(&mut telemetry.registry));
     let admin_addr = spawn_admin_server(
@@ -418,11 +422,7 @@ async fn upload_service(
             // The agent's own directories (notice.json goes in the checkpoint dir).
             own_dirs: vec![cfg.args.checkpoint_dir.clone(), cfg.args.state_dir.clone()],
         },
-        limits: crate::upload::Limits {
-            max_files: cfg.args.upload_max_files as usize,
-            max_bytes: cfg.args.upload_max_bytes,
-            ..crate::upload::Limits::default()
-        },
+        limits: upload_limits(cfg),
         concurrency: cfg.args.upload_concurrency,
         part_size: cfg.args.upload_part_size,
         store: crate::store::StoreOptions {
@@ -432,6 +432,7 @@ async fn upload_service(
         state_dir: cfg.args.state_dir.clone(),
         host_location: cfg.args.checkpoint_upload.clone(),
         node: cfg.node_name.clone(),
+        relay: relay_sender(cfg),
     };
     let service = match Service::new(settings, telemetry.upload.clone(), pod_location) {
         Ok(s) => Arc::new(s),
@@ -462,6 +463,105 @@ async fn upload_service(
         }
     });
     Some(service)
+}
+
+/// `--relay`: the sender's settings (the key was checked at start).
+fn relay_sender(cfg: &Config) -> Option<crate::upload::handoff::Relay> {
+    use crate::config::RelayChoice;
+    use crate::upload::handoff::{Mode, Relay};
+    let mode = match cfg.args.relay {
+        RelayChoice::Off => return None,
+        RelayChoice::Auto => Mode::Auto,
+        RelayChoice::Always => Mode::Always,
+    };
+    let key = crate::config::read_relay_key(cfg.args.relay_key_file.as_deref()?).ok()?;
+    Some(Relay {
+        mode,
+        peers: cfg.args.relay_peers.clone(),
+        key,
+    })
+}
+
+/// `--relay-listen`: the relay receiver, publishing what peers relay with the upload engine
+/// under this agent's own upload settings.
+async fn spawn_relay_receiver(
+    cfg: &Config,
+    telemetry: &Telemetry,
+    tasks: &mut Tasks,
+    cancel: &CancellationToken,
+) -> Result<(), Error> {
+    use crate::relay::receive::{Receiver, Settings};
+    let (Some(listen), Some(key_file)) = (cfg.args.relay_listen, &cfg.args.relay_key_file) else {
+        return Ok(());
+    };
+    let relay_err = |e: String| Error::Relay(e);
+    let key = crate::config::read_relay_key(key_file).map_err(relay_err)?;
+    let state = &cfg.args.state_dir;
+    let identity = crate::relay::tls::Identity::load_or_create(&crate::relay::tls::dir(state))
+        .map_err(|e| relay_err(e.to_string()))?;
+    let publisher = crate::upload::relayed::RelayPublisher {
+        policy: crate::upload::UploadPolicy {
+            allow: cfg.args.upload_allow.clone(),
+            own_dirs: vec![cfg.args.checkpoint_dir.clone(), cfg.args.state_dir.clone()],
+        },
+        limits: upload_limits(cfg),
+        store: crate::store::StoreOptions {
+            endpoint: cfg.args.upload_endpoint.clone(),
+            pool: cfg.args.upload_concurrency,
+            ..crate::store::StoreOptions::default()
+        },
+        concurrency: cfg.args.upload_concurrency,
+        part_size: cfg.args.upload_part_size,
+        journal_dir: crate::relay::tls::dir(state),
+        metrics: Some(telemetry.upload.clone()),
+    };
+    let staging = cfg
+        .args
+        .relay_staging_dir
+        .clone()
+        .unwrap_or_else(|| crate::relay::tls::dir(state).join("staging"));
+    let receiver = Arc::new(
+        Receiver::new(
+            Settings {
+                key: key.into_bytes(),
+                staging,
+                per_sender: cfg.args.relay_max_bytes_per_sender,
+                idle: cfg.args.relay_idle_timeout,
+                limits: upload_limits(cfg),
+                connections: crate::relay::receive::connection_limits(
+                    crate::relay::receive::MAX_CONNECTIONS,
+                    crate::relay::receive::MAX_CONNECTIONS_PER_SENDER,
+                ),
+            },
+            Arc::new(publisher),
+        )
+        .map_err(|e| relay_err(e.to_string()))?,
+    );
+    let listener = tokio::net::TcpListener::bind(listen)
+        .await
+        .map_err(|e| relay_err(format!("--relay-listen {listen}: {e}")))?;
+    let config = identity
+        .server_config()
+        .map_err(|e| relay_err(e.to_string()))?;
+    receiver.recover();
+    info!(
+        listen = %listener.local_addr().unwrap_or(listen),
+        fingerprint = %crate::relay::tls::hex(&identity.fingerprint),
+        "relay receiver listening"
+    );
+    tasks.spawn(
+        "relay receiver",
+        receiver.serve(listener, config, cancel.clone()),
+    );
+    Ok(())
+}
+
+fn upload_limits(cfg: &Config) -> crate::upload::Limits {
+    crate::upload::Limits {
+        max_files: cfg.args.upload_max_files as usize,
+        max_bytes: cfg.args.upload_max_bytes,
+        ..crate::upload::Limits::default()
+    }
 }
 
 /// The in-cluster (or KUBECONFIG) client. kube's default client retries 429s for minutes: the

@@ -54,6 +54,8 @@ pub enum Command {
     PrefetchServe(Box<crate::prefetch::serve::ServeArgs>),
     /// Upload a checkpoint saved to local disk to s3://, gs:// or a directory, manifest last.
     Upload(Box<crate::upload::cli::UploadArgs>),
+    /// The relay between agents: this node's certificate fingerprint (docs/relay.md).
+    Relay(crate::relay::RelayArgs),
     /// One-shot GPU health report (exit 0 healthy, 1 unhealthy, 2 NVML unavailable).
     Gpu(crate::gpu::GpuArgs),
     /// What interruptions cost: goodput and badput by category, from a Job's, JobSet's or pod

@@ -23,6 +23,7 @@ pub mod node;
 pub mod notice;
 pub mod outcome;
 pub mod prefetch;
+pub mod relay;
 pub mod responder;
 pub mod shutdown;
 pub mod store;

@@ -76,6 +76,7 @@ fn run_command(command: Command) -> ExitCode {
         Command::Config(ConfigCommand::Check(args)) => exit(config_check(*args)),
         Command::ExampleTrainer(args) => exit(drill::example_trainer(args)),
         Command::Gpu(args) => exit(gpu::run_cli(args)),
+        Command::Relay(args) => exit(spotguard::relay::run_cli(args)),
         Command::Goodput(args) => exit(spotguard::goodput::report::run_cli(*args)),
         Command::Run(args) => run_agent(*args),
         Command::Drill(args) => with_runtime(|cancel| drill::run(*args, cancel)),

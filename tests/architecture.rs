@@ -54,6 +54,8 @@ const ALLOWED: &[(&str, &[&str])] = &[
             "units",
         ],
     ),
+    // The relay: beside upload on the store floor; upload publishes what it receives.
+    ("relay", &["admin", "fsutil", "store", "sync"]),
     (
         "upload",
         &[
@@ -63,6 +65,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
             "life",
             "metrics",
             "node",
+            "relay",
             "store",
             "sync",
             "units",
@@ -76,6 +79,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
             "gpu",
             "notice",
             "prefetch",
+            "relay",
             "store",
             "units",
             "upload",
@@ -129,6 +133,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
             "notice",
             "outcome",
             "prefetch",
+            "relay",
             "responder",
             "store",
             "upload",
@@ -155,8 +160,8 @@ const ALLOWED: &[(&str, &[&str])] = &[
     (
         "cli",
         &[
-            "config", "drill", "emulator", "fsutil", "goodput", "gpu", "prefetch", "store",
-            "upload",
+            "config", "drill", "emulator", "fsutil", "goodput", "gpu", "prefetch", "relay",
+            "store", "upload",
         ],
     ),
 ];

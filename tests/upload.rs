@@ -515,6 +515,74 @@ async fn an_existing_checkpoint_is_never_overwritten() {
     );
 }
 
+/// Two writers of one checkpoint (the doomed node's upload and a peer's relay of it) race: the
+/// one held mid-upload finds the other's manifest at its own publication and never overwrites
+/// it (the manifest is created only if absent: `If-None-Match: *`).
+async fn racing_writers_publish_once_on(server: &S3Server) {
+    create_bucket(&server.endpoint(), BUCKET).await;
+    let store = s3(&server.endpoint());
+    let files = dcp_like(1, 6 * MIB, 2);
+    let (_t, dir) = stage("step-9", &as_refs(&files));
+    for (round, other_content) in [(0, false), (1, true)] {
+        let prefix = format!("run{round}/step-9");
+        let held = Recording::new(store.clone());
+        held.hold_after.store(1, Ordering::SeqCst);
+        let slow = tokio::spawn(engine::run(job(
+            &dir,
+            held.target(&prefix),
+            9,
+            small_parts(),
+        )));
+        // The held upload is past its start (its second part is waiting)...
+        let h = held.clone();
+        spotguard_testkit::wait::eventually(
+            "the held upload's second part",
+            Duration::from_secs(20),
+            || {
+                let h = h.clone();
+                async move { h.started.load(Ordering::SeqCst) >= 2 }
+            },
+        )
+        .await;
+        // ...when the other writer publishes the same checkpoint, or other content under its name.
+        let (_t2, dir2) = stage("step-9", &as_refs(&files));
+        if other_content {
+            std::fs::write(dir2.join(".metadata"), b"different").unwrap();
+        }
+        let fast = Recording::new(store.clone());
+        let first = engine::run(job(&dir2, fast.target(&prefix), 9, small_parts())).await;
+        assert_eq!(first.outcome, Outcome::Published, "{first:?}");
+        let published = get(&store, &format!("{prefix}/manifest.json"))
+            .await
+            .unwrap();
+        held.hold_after.store(usize::MAX, Ordering::SeqCst);
+        let second = slow.await.unwrap();
+        if other_content {
+            assert_eq!(second.outcome, Outcome::Failed, "{second:?}");
+            assert_eq!(second.error_label, Some("exists"));
+        } else {
+            assert_eq!(second.outcome, Outcome::AlreadyPublished, "{second:?}");
+        }
+        assert_eq!(
+            get(&store, &format!("{prefix}/manifest.json"))
+                .await
+                .unwrap(),
+            published,
+            "the first writer's manifest was overwritten"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s3s_fs_racing_writers_of_one_checkpoint_publish_it_once() {
+    racing_writers_publish_once_on(&S3Server::s3s_fs(&[])).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn moto_racing_writers_of_one_checkpoint_publish_it_once() {
+    racing_writers_publish_once_on(&S3Server::moto()).await;
+}
+
 // ---------------------------------------------------------------------------------------------
 // A proxy in front of the server (spotguard_testkit::s3::proxy): slows request bodies down (to
 // kill an upload mid-way) and adds the full-object checksum real S3 returns for every new object

@@ -12,6 +12,15 @@ use super::{Dataset, GpuMode, Setting};
 use crate::checkpoint::{Signal, TargetMode};
 use crate::notice::Cloud;
 
+/// `--relay`: when a staged checkpoint is also streamed to a peer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum RelayChoice {
+    Off,
+    /// When the upload cannot finish before its deadline at the throughput it gets.
+    Auto,
+    Always,
+}
+
 /// Mode of operation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum ModeChoice {
@@ -88,6 +97,7 @@ const OBSERVABILITY: &str = "Observability";
 const PREFETCH: &str = "Prefetch";
 const HOST_MODE: &str = "Host mode";
 const UPLOAD: &str = "Staged checkpoint upload";
+const RELAY: &str = "Relay (a staged checkpoint handed to a peer)";
 
 /// `spotguard run` flags. Every flag also reads `SPOTGUARD_<FLAG_IN_CAPS>`.
 #[derive(Debug, Clone, Args)]
@@ -397,6 +407,34 @@ pub struct RunArgs {
     /// S3-compatible endpoint for uploads (path-style; http:// allowed), e.g. http://127.0.0.1:9000.
     #[arg(long, env = "SPOTGUARD_UPLOAD_ENDPOINT", value_name = "URL", value_parser = parse_url, help_heading = UPLOAD)]
     pub upload_endpoint: Option<String>,
+
+    /// Also stream a staged checkpoint to a peer agent, which verifies and publishes it (docs/relay.md): off; auto (when the upload, at the throughput it gets, cannot finish before its deadline); always. Needs --relay-peers and --relay-key-file.
+    #[arg(long, env = "SPOTGUARD_RELAY", value_name = "WHEN", default_value = "off", value_enum, help_heading = RELAY)]
+    pub relay: RelayChoice,
+
+    /// Host mode: the peers a staged checkpoint is relayed to, tried in order (repeatable): HOST:PORT#SHA256, the SHA-256 being what `spotguard relay fingerprint` prints on the peer.
+    #[arg(long, env = "SPOTGUARD_RELAY_PEERS", value_name = "PEER", value_delimiter = ',', value_parser = crate::relay::send::Peer::parse, help_heading = RELAY)]
+    pub relay_peers: Vec<crate::relay::send::Peer>,
+
+    /// A file holding the node key every relay request carries and every receiver requires (at least 16 bytes; surrounding whitespace ignored; read at start).
+    #[arg(long, env = "SPOTGUARD_RELAY_KEY_FILE", value_name = "PATH", value_parser = parse_abs_path, help_heading = RELAY)]
+    pub relay_key_file: Option<PathBuf>,
+
+    /// Receive relays from peers on this address (e.g. 0.0.0.0:7443), TLS with this node's certificate kept in <state-dir>/relay; none: this node receives none. Needs --relay-key-file.
+    #[arg(long, env = "SPOTGUARD_RELAY_LISTEN", value_name = "ADDR", help_heading = RELAY)]
+    pub relay_listen: Option<std::net::SocketAddr>,
+
+    /// Where received relays are staged (size it for the checkpoints peers may send at once) [default: <state-dir>/relay/staging].
+    #[arg(long, env = "SPOTGUARD_RELAY_STAGING_DIR", value_name = "DIR", value_parser = parse_abs_path, help_heading = RELAY)]
+    pub relay_staging_dir: Option<PathBuf>,
+
+    /// Bytes one sender (address) may have reserved on this node at once.
+    #[arg(long, env = "SPOTGUARD_RELAY_MAX_BYTES_PER_SENDER", value_name = "BYTES", default_value = "1TiB", value_parser = parse_bytes, help_heading = RELAY)]
+    pub relay_max_bytes_per_sender: u64,
+
+    /// A relay whose sender sends nothing for this long is given up (its files removed, nothing published); more than 0, at most 10m.
+    #[arg(long, env = "SPOTGUARD_RELAY_IDLE_TIMEOUT", value_name = "DURATION", default_value = "30s", value_parser = parse_relay_idle, help_heading = RELAY)]
+    pub relay_idle_timeout: Duration,
 
     /// Maximum evictions in flight during a drain.
     #[arg(long, env = "SPOTGUARD_DRAIN_CONCURRENCY", value_name = "N", default_value_t = 32, value_parser = clap::value_parser!(u16).range(1..=1024), help_heading = DRAIN)]

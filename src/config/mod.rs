@@ -33,7 +33,7 @@ use file::{read_extras, validate_dataset};
 pub use crate::gpu::GpuMode;
 pub use args::{
     empty_env_is_unset, CloudChoice, LogFormat, MaintenanceAction, ModeChoice, RebalanceAction,
-    RunArgs, WebhookHeader,
+    RelayChoice, RunArgs, WebhookHeader,
 };
 pub(crate) use file::merge_config_file;
 pub use file::Dataset;
@@ -261,7 +261,46 @@ fn check_values(args: &RunArgs) -> Result<(), Error> {
             reason,
         })?;
     }
-    check_host_upload(args)
+    check_host_upload(args)?;
+    check_relay(args)
+}
+
+/// The relay's settings agree: relaying needs peers and the node key, receiving needs the key;
+/// the key file holds at least 16 bytes.
+fn check_relay(args: &RunArgs) -> Result<(), Error> {
+    let sends = args.relay != RelayChoice::Off;
+    let invalid = |key: &'static str, reason: String| Error::Invalid { key, reason };
+    if sends && args.relay_peers.is_empty() {
+        return Err(invalid(
+            "relay",
+            "relaying needs --relay-peers (HOST:PORT#SHA256 of each peer)".into(),
+        ));
+    }
+    if !sends && args.relay_listen.is_none() {
+        return Ok(());
+    }
+    let Some(path) = &args.relay_key_file else {
+        return Err(invalid(
+            "relay-key-file",
+            "--relay and --relay-listen need the node key (--relay-key-file)".into(),
+        ));
+    };
+    read_relay_key(path)
+        .map(|_| ())
+        .map_err(|reason| invalid("relay-key-file", reason))
+}
+
+/// The node key in `path`: its content without surrounding whitespace, at least 16 bytes.
+pub fn read_relay_key(path: &std::path::Path) -> Result<String, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let key = text.trim();
+    if key.len() < 16 {
+        return Err(format!(
+            "{}: the node key must be at least 16 bytes",
+            path.display()
+        ));
+    }
+    Ok(key.to_string())
 }
 
 /// Host mode's fixed destination (`--checkpoint-upload`) lies under `--upload-allow`, judged for
@@ -630,6 +669,47 @@ mod tests {
         )
         .expect_err("kubelet's condition");
         assert!(err.to_string().contains("gpu-unhealthy-condition"), "{err}");
+    }
+
+    #[test]
+    fn the_relay_needs_its_peers_and_the_node_key() {
+        let env = TestEnv(vec![]);
+        let resolve = |extra: &[&str]| {
+            let mut args = vec!["--mode", "host", "--checkpoint-unit", "train"];
+            args.extend_from_slice(extra);
+            Config::resolve(run_args(&args).unwrap(), &env).map_err(|e| e.to_string())
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let (good, short) = (dir.path().join("good.key"), dir.path().join("short.key"));
+        std::fs::write(&good, "0123456789abcdef0123\n").unwrap();
+        std::fs::write(&short, "short\n").unwrap();
+        let (good, short) = (good.to_str().unwrap(), short.to_str().unwrap());
+        let peer = format!("10.0.0.7:7443#{}", "ab".repeat(32));
+        let e = resolve(&["--relay", "auto", "--relay-key-file", good]).unwrap_err();
+        assert!(
+            e.starts_with("relay:") && e.contains("--relay-peers"),
+            "{e}"
+        );
+        let e = resolve(&["--relay", "always", "--relay-peers", &peer]).unwrap_err();
+        assert!(e.starts_with("relay-key-file:"), "{e}");
+        let e = resolve(&["--relay-listen", "127.0.0.1:0"]).unwrap_err();
+        assert!(e.starts_with("relay-key-file:"), "{e}");
+        let e = resolve(&["--relay-listen", "127.0.0.1:0", "--relay-key-file", short]).unwrap_err();
+        assert!(e.contains("at least 16 bytes"), "{e}");
+        resolve(&[
+            "--relay",
+            "auto",
+            "--relay-peers",
+            &peer,
+            "--relay-key-file",
+            good,
+        ])
+        .unwrap();
+        resolve(&["--relay-listen", "127.0.0.1:0", "--relay-key-file", good]).unwrap();
+        assert!(
+            run_args(&["--relay-peers", "10.0.0.7:7443"]).is_err(),
+            "a peer without its fingerprint"
+        );
     }
 
     #[test]

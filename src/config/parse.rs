@@ -69,6 +69,11 @@ pub(super) fn parse_nonzero_hour(s: &str) -> Result<Duration, String> {
     within(s, NONZERO, HOUR)
 }
 
+/// `--relay-idle-timeout`: more than 0, at most 10m.
+pub(super) fn parse_relay_idle(s: &str) -> Result<Duration, String> {
+    within(s, NONZERO, 10 * MINUTE)
+}
+
 /// `--goodput-record-ttl`: 1h to 366d.
 pub(super) fn parse_record_ttl(s: &str) -> Result<Duration, String> {
     within(s, HOUR, 366 * DAY)

@@ -68,6 +68,24 @@ pub fn store_words(e: &object_store::Error) -> String {
     crate::words::store(e, &GetCause::of(e).to_string())
 }
 
+/// The store does not do conditional writes (`PutMode::Create`): object_store refuses it
+/// itself (`NotImplemented`, `NotSupported`: a client set up without them), or the server
+/// answered `501 NotImplemented` to `If-None-Match: *` (older S3-compatible servers; object_store
+/// surfaces that as `Generic`, the status inside its private retry error, worded
+/// "... 501 Not Implemented ...").
+pub fn is_conditional_write_unsupported(e: &object_store::Error) -> bool {
+    match e {
+        object_store::Error::NotImplemented { .. } | object_store::Error::NotSupported { .. } => {
+            true
+        }
+        object_store::Error::Generic { .. } => {
+            let text = crate::words::chain(e);
+            text.contains(" 501") || text.contains("NotImplemented")
+        }
+        _ => false,
+    }
+}
+
 impl GetCause {
     /// Classify an object store's failure.
     pub fn of(e: &object_store::Error) -> GetCause {
@@ -98,5 +116,36 @@ impl GetCause {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_store_without_conditional_writes_is_recognised_by_each_form_of_its_refusal() {
+        let generic = |text: &str| object_store::Error::Generic {
+            store: "S3",
+            source: text.to_string().into(),
+        };
+        assert!(is_conditional_write_unsupported(
+            &object_store::Error::NotImplemented {
+                operation: "put_opts".into(),
+                implementer: "S3".into(),
+            }
+        ));
+        assert!(is_conditional_write_unsupported(&generic(
+            "Server returned non-2xx status code: 501 Not Implemented: <Code>NotImplemented</Code>"
+        )));
+        assert!(!is_conditional_write_unsupported(&generic(
+            "Server returned non-2xx status code: 503 Service Unavailable"
+        )));
+        assert!(!is_conditional_write_unsupported(
+            &object_store::Error::Precondition {
+                path: "m".into(),
+                source: "412".to_string().into(),
+            }
+        ));
     }
 }

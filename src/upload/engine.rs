@@ -116,7 +116,42 @@ pub struct Report {
     pub error: Option<String>,
     /// The error's metric label.
     pub error_label: Option<&'static str>,
+    /// The relay's peer that published this checkpoint instead of this upload
+    /// (`upload::handoff`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub relayed_to: Option<String>,
 }
+impl Report {
+    /// A report of an upload that could not run.
+    pub fn failed(destination: &str, error: String) -> Report {
+        Report {
+            outcome: Outcome::Failed,
+            destination: destination.to_string(),
+            files: 0,
+            bytes: 0,
+            bytes_sent: 0,
+            bytes_resumed: 0,
+            seconds: 0.0,
+            rate_bps: 0,
+            manifest: None,
+            error: Some(error),
+            error_label: Some("task"),
+            relayed_to: None,
+        }
+    }
+
+    /// This report, for a checkpoint a relay's `peer` published (`super::handoff`).
+    pub fn relayed(self, peer: String) -> Report {
+        Report {
+            outcome: Outcome::Published,
+            error: None,
+            error_label: None,
+            relayed_to: Some(peer),
+            ..self
+        }
+    }
+}
+
 /// Run one upload to its end.
 pub async fn run(job: Job) -> Report {
     let started = Instant::now();
@@ -163,6 +198,7 @@ pub async fn run(job: Job) -> Report {
         manifest,
         error_label: error.as_ref().map(|e| e.metric_label()),
         error: None,
+        relayed_to: None,
     };
     log_end(&report, error.as_ref());
     Report {
@@ -295,15 +331,33 @@ async fn upload(job: Job, started_at: Timestamp) -> Result<Done, Failed> {
     // Every file is whole: sync (directories), then publish the manifest.
     let stamp = (writer, started_at, started, resumed);
     let manifest = manifest_of(&tree, &meta, &shared, stamp);
-    if let Err(e) = publish(&shared, &tree, &manifest, manifest_file).await {
-        give_up(&shared, &e).await;
-        return Err((e, sent, resumed_bytes));
-    }
+    let published = match publish(&shared, &tree, &manifest, &manifest_file).await {
+        Ok(true) => Ok((Outcome::Published, manifest)),
+        // Another writer's manifest came first (a peer's relay of this very checkpoint): the
+        // same content is "already published"; anything else stays theirs.
+        Ok(false) => match existing_manifest(&shared.target, &meta, &manifest_file).await {
+            Ok(Some(existing)) if existing.same_content(&manifest) => {
+                Ok((Outcome::AlreadyPublished, existing))
+            }
+            Ok(_) => Err(Error::Exists {
+                dest: shared.target.display().to_string(),
+            }),
+            Err(e) => Err(e),
+        },
+        Err(e) => Err(e),
+    };
+    let (outcome, manifest) = match published {
+        Ok(p) => p,
+        Err(e) => {
+            give_up(&shared, &e).await;
+            return Err((e, sent, resumed_bytes));
+        }
+    };
     if let Some(j) = &shared.journal {
         j.remove();
     }
     Ok(Done {
-        outcome: Outcome::Published,
+        outcome,
         manifest,
         sent,
         resumed: resumed_bytes,
@@ -451,13 +505,15 @@ fn manifest_of(tree: &StagedTree, meta: &Meta, shared: &Shared, stamp: Stamp) ->
     }
 }
 
-/// Write the manifest last (directories synced first): the checkpoint is published.
+/// Write the manifest last (directories synced first), only if there is none: the checkpoint
+/// is published. `Ok(false)`: another writer (a peer's relay of this very checkpoint, say)
+/// published first; nothing was overwritten.
 async fn publish(
     shared: &Arc<Shared>,
     tree: &StagedTree,
     manifest: &Manifest,
-    manifest_file: String,
-) -> Result<(), Error> {
+    manifest_file: &str,
+) -> Result<bool, Error> {
     if manifest.files.len() != tree.files.len() {
         return Err(Error::Manifest {
             key: shared.target.display().to_string(),
@@ -466,14 +522,15 @@ async fn publish(
     }
     let data = manifest.to_bytes();
     match &shared.target {
-        Target::Store(s) => s.write_manifest(&manifest_file, data).await,
+        Target::Store(s) => s.write_manifest(manifest_file, data).await,
         Target::Dir(_) => {
             let s2 = shared.clone();
+            let manifest_file = manifest_file.to_string();
             tokio::task::spawn_blocking(move || match &s2.target {
                 Target::Dir(d) => d
                     .sync_dirs()
                     .and_then(|()| d.write_manifest(&manifest_file, &data)),
-                Target::Store(_) => Ok(()),
+                Target::Store(_) => Ok(false),
             })
             .await
             .unwrap_or_else(|e| Err(Error::io("publish", "manifest")(std::io::Error::other(e))))

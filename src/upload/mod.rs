@@ -17,21 +17,22 @@
 //! - [`uploader`]: where uploads run (own runtime, own low-priority threads);
 //! - [`service`]: the agent's side (`spotguard run`): settings, a staged ack taken and its
 //!   upload submitted on the ack watcher's thread, restart recovery;
+//! - [`handoff`]: the sender's side of the relay: when to relay, and the race with the upload;
+//! - [`relayed`]: what a peer relayed to this agent, published (`crate::relay::Publisher`);
 //! - [`cli`]: `spotguard upload STAGED DEST`; [`metrics`]: `spotguard_checkpoint_upload_*`.
 
 pub mod ack;
 pub mod budget;
 pub mod cli;
-pub mod crc;
 pub mod dest;
 pub mod engine;
 mod error;
+pub mod handoff;
 pub mod journal;
 pub mod latest;
-pub mod manifest;
 pub mod metrics;
-pub mod owner;
 pub mod pool;
+pub mod relayed;
 mod resume;
 mod send;
 pub mod service;
@@ -39,6 +40,8 @@ pub mod staged;
 pub mod target;
 pub mod uploader;
 
+// The checkpoint's shared formats live on the store floor (the relay uses them too).
+pub use crate::store::{crc, manifest, owner};
 pub use dest::{AllowUpload, Location, UploadPolicy};
 pub use engine::{Job, Meta, Options, Report};
 pub use error::Error;

@@ -17,6 +17,7 @@ use tracing::{info, warn};
 use super::ack::{self, Acker, Binding, StagedRequest, Taken};
 use super::dest::{Location, UploadPolicy};
 use super::engine::{Job, Meta, Options, Report};
+use super::handoff;
 use super::journal::Record;
 use super::manifest::{NoticeInfo, Origin};
 use super::metrics::UploadMetrics;
@@ -58,6 +59,9 @@ pub struct Settings {
 
     /// This node's name, for manifests.
     pub node: Option<String>,
+    /// `--relay` with `--relay-peers` and the node key: when a staged checkpoint is also
+    /// streamed to a peer ([`super::handoff`]); `None`: never.
+    pub relay: Option<super::handoff::Relay>,
 }
 
 /// The location a pod's `spotguard.io/checkpoint-upload` annotation names and the job the pod
@@ -204,13 +208,34 @@ impl Service {
             pod = ?pod.as_ref().map(pod_key),
             "staged checkpoint taken; uploading"
         );
+        let location = taken.resolved.location.display();
         let job = self.job_for(taken, &req, ctx, pod.as_ref());
+        let handle = match &self.settings.relay {
+            None => self.uploader.submit(job),
+            Some(relay) => {
+                let namespace = pod.as_ref().map(|p| p.namespace.as_str());
+                let sender = self.settings.node.as_deref().unwrap_or("");
+                let (reserve, sources) = handoff::outgoing(&job, &location, namespace, sender);
+                let (progress, cancel) = (job.progress.clone(), job.cancel.clone());
+                let upload = self.uploader.submit(job);
+                self.uploader.handle().spawn(handoff::race(
+                    upload,
+                    relay.clone(),
+                    reserve,
+                    sources,
+                    progress,
+                    bytes,
+                    ctx.deadline,
+                    cancel,
+                ))
+            }
+        };
         Some(Staged::Started(Started {
             pod,
             destination,
             files,
             bytes,
-            handle: self.uploader.submit(job),
+            handle,
         }))
     }
 

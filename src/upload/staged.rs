@@ -29,8 +29,7 @@ use super::Error;
 use crate::checkpoint::procfs::ProcFs;
 use crate::checkpoint::root::{self, ProcessRoot, Symlinks};
 
-/// Name of the commit marker at the top of an uploaded checkpoint; a staged file may not take it.
-pub const MANIFEST_NAME: &str = "manifest.json";
+pub use crate::store::manifest::MANIFEST_NAME;
 
 /// Why a staged tree was refused.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -104,26 +103,7 @@ impl std::fmt::Display for Problem {
     }
 }
 
-/// Bounds on what one staged checkpoint may hold.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Limits {
-    /// Files (each is held open until its upload ends).
-    pub max_files: usize,
-    /// Bytes in all.
-    pub max_bytes: u64,
-    /// Directory levels below the staged directory.
-    pub max_depth: usize,
-}
-
-impl Default for Limits {
-    fn default() -> Self {
-        Limits {
-            max_files: 10_000,
-            max_bytes: 1 << 40,
-            max_depth: 32,
-        }
-    }
-}
+pub use crate::store::tree::Limits;
 
 /// What identifies a file's content as captured: if any of it differs after the upload read the
 /// file, the file changed under the upload.

@@ -34,7 +34,7 @@ use super::manifest::MANIFEST_MAX_BYTES;
 use super::owner::{Marker, Writer};
 use super::Error;
 use crate::checkpoint::root;
-use crate::fsutil::{AtomicFile, Durability};
+use crate::fsutil::AtomicFile;
 use crate::store::checksum::{ChecksumSlot, StoreChecksum};
 use crate::store::url::{self as source, Scheme, StoreOptions};
 
@@ -424,14 +424,59 @@ impl StoreTarget {
         }
     }
 
-    /// Publish: `PUT` the manifest `file` (one object: atomic for readers).
-    pub async fn write_manifest(&self, file: &str, data: Vec<u8>) -> Result<(), Error> {
+    /// Publish: `PUT` the manifest `file` (one object: atomic for readers) only if there is
+    /// none (`PutMode::Create`: S3's `If-None-Match: *`, GCS's `ifGenerationMatch=0`), so two
+    /// writers of one checkpoint (the doomed node's upload and a peer's relay) never both
+    /// publish. `Ok(false)`: another writer's manifest was there first.
+    pub async fn write_manifest(&self, file: &str, data: Vec<u8>) -> Result<bool, Error> {
         let key = self.key(file)?;
-        self.store
-            .put(&key, PutPayload::from(data))
+        let opts = PutOptions {
+            mode: object_store::PutMode::Create,
+            ..PutOptions::default()
+        };
+        match self
+            .store
+            .put_opts(&key, PutPayload::from(data.clone()), opts)
             .await
-            .map(|_| ())
-            .map_err(Self::request_err("PUT", &key))
+        {
+            Ok(_) => Ok(true),
+            Err(object_store::Error::AlreadyExists { .. })
+            | Err(object_store::Error::Precondition { .. }) => Ok(false),
+            Err(e) if crate::store::is_conditional_write_unsupported(&e) => {
+                self.write_manifest_unconditionally(&key, file, data, &e)
+                    .await
+            }
+            Err(e) => Err(Self::request_err("PUT", &key)(e)),
+        }
+    }
+
+    /// A store without conditional writes (an older S3-compatible server): the manifest is
+    /// written as before them, unless one is there already (read first), with a plain `PUT`.
+    /// Two writers racing between the read and the `PUT` both publish (the later manifest
+    /// replaces the earlier): exactly once is not guaranteed on such a store.
+    async fn write_manifest_unconditionally(
+        &self,
+        key: &ObjectPath,
+        file: &str,
+        data: Vec<u8>,
+        why: &object_store::Error,
+    ) -> Result<bool, Error> {
+        static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+        if !WARNED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+            tracing::warn!(
+                dest = %self.url,
+                error = %crate::store::store_words(why),
+                "the store does not do conditional writes: manifests are written unconditionally (checked first), so two writers of one checkpoint may both publish it"
+            );
+        }
+        if self.read_manifest(file).await?.is_some() {
+            return Ok(false);
+        }
+        self.store
+            .put(key, PutPayload::from(data))
+            .await
+            .map(|_| true)
+            .map_err(Self::request_err("PUT", key))
     }
 }
 
@@ -785,16 +830,11 @@ impl DirTarget {
         Ok(Some(data))
     }
 
-    /// Publish: the manifest `file` written atomically and durably (file and directory synced).
-    pub fn write_manifest(&self, file: &str, data: &[u8]) -> Result<(), Error> {
-        crate::fsutil::write_atomic_at(
-            self.dir.as_fd(),
-            file,
-            data,
-            FILE_MODE,
-            Durability::FileAndDir,
-        )
-        .map_err(Error::io("write", self.path_of(file)))
+    /// Publish: the manifest `file` written durably and atomically, only if there is none
+    /// ([`create_once`]: a hard link never replaces), so two writers of one checkpoint never
+    /// both publish. `Ok(false)`: another writer's manifest was there first.
+    pub fn write_manifest(&self, file: &str, data: &[u8]) -> Result<bool, Error> {
+        create_once(&self.dir, file, data).map_err(Error::io("create", self.path_of(file)))
     }
 
     /// Remove temporary files an interrupted earlier run left in the checkpoint directory (the
@@ -835,55 +875,54 @@ impl DirTarget {
         Ok(Some(data))
     }
 
-    /// Create the owner marker only if there is none: written and synced under a temporary name,
-    /// then hard-linked to its name (`linkat` never replaces), so a reader sees it whole or not
-    /// at all. `Ok(false)`: one was already there.
+    /// Create the owner marker only if there is none ([`create_once`] in the location's
+    /// directory). `Ok(false)`: one was already there.
     pub fn create_marker(&self, data: &[u8]) -> Result<bool, Error> {
-        use std::io::Write;
         let name = super::owner::MARKER_NAME;
         let path = format!("{}/../{name}", self.display);
-        let tmp = format!(
-            ".{name}.new-{}-{:08x}",
-            std::process::id(),
-            fastrand::u32(..)
-        );
-        let fd = rustix::fs::openat(
-            &self.parent,
-            tmp.as_str(),
-            OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-            Mode::from_raw_mode(FILE_MODE),
-        )
-        .map_err(|e| Error::io("create", path.clone())(e.into()))?;
-        let mut file = std::fs::File::from(fd);
-        let linked = (|| -> std::io::Result<bool> {
-            rustix::fs::fchmod(&file, Mode::from_raw_mode(FILE_MODE))?;
-            file.write_all(data)?;
-            file.sync_all()?;
-            match rustix::fs::linkat(
-                &self.parent,
-                tmp.as_str(),
-                &self.parent,
-                name,
-                rustix::fs::AtFlags::empty(),
-            ) {
-                Ok(()) => {}
-                Err(rustix::io::Errno::EXIST) => return Ok(false),
-                Err(e) => return Err(e.into()),
-            }
-            match rustix::fs::fsync(&self.parent) {
-                Err(e) if e != rustix::io::Errno::INVAL => return Err(e.into()),
-                _ => {}
-            }
-            Ok(true)
-        })();
-        let _ = rustix::fs::unlinkat(&self.parent, tmp.as_str(), rustix::fs::AtFlags::empty());
-        linked.map_err(Error::io("create", path))
+        create_once(&self.parent, name, data).map_err(Error::io("create", path))
     }
 
     /// The checkpoint directory, for tests and logs.
     pub fn path(&self) -> PathBuf {
         PathBuf::from(&self.display)
     }
+}
+
+/// Create `name` in `dir` with `data` only if there is none: written and synced under a
+/// temporary name, then hard-linked to its name (`linkat` never replaces) and the directory
+/// synced, so a reader sees it whole or not at all. `Ok(false)`: one was already there.
+fn create_once(dir: &OwnedFd, name: &str, data: &[u8]) -> std::io::Result<bool> {
+    use std::io::Write;
+    let tmp = format!(
+        ".{name}.new-{}-{:08x}",
+        std::process::id(),
+        fastrand::u32(..)
+    );
+    let fd = rustix::fs::openat(
+        dir,
+        tmp.as_str(),
+        OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+        Mode::from_raw_mode(FILE_MODE),
+    )?;
+    let mut file = std::fs::File::from(fd);
+    let linked = (|| -> std::io::Result<bool> {
+        rustix::fs::fchmod(&file, Mode::from_raw_mode(FILE_MODE))?;
+        file.write_all(data)?;
+        file.sync_all()?;
+        match rustix::fs::linkat(dir, tmp.as_str(), dir, name, rustix::fs::AtFlags::empty()) {
+            Ok(()) => {}
+            Err(rustix::io::Errno::EXIST) => return Ok(false),
+            Err(e) => return Err(e.into()),
+        }
+        match rustix::fs::fsync(dir) {
+            Err(e) if e != rustix::io::Errno::INVAL => return Err(e.into()),
+            _ => {}
+        }
+        Ok(true)
+    })();
+    let _ = rustix::fs::unlinkat(dir, tmp.as_str(), rustix::fs::AtFlags::empty());
+    linked
 }
 
 /// A hostile key, bounded for a message.
@@ -903,6 +942,106 @@ fn shorten(key: &str) -> String {
 mod tests {
     use super::*;
     use std::os::unix::fs::PermissionsExt;
+
+    /// An older S3-compatible server: no conditional writes.
+    #[derive(Debug)]
+    struct NoConditional(object_store::memory::InMemory);
+
+    impl std::fmt::Display for NoConditional {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("NoConditional")
+        }
+    }
+
+    #[async_trait::async_trait]
+    impl ObjectStore for NoConditional {
+        async fn put_opts(
+            &self,
+            location: &ObjectPath,
+            payload: PutPayload,
+            opts: PutOptions,
+        ) -> object_store::Result<object_store::PutResult> {
+            if matches!(opts.mode, object_store::PutMode::Create) {
+                return Err(object_store::Error::NotImplemented {
+                    operation: "put_opts with PutMode::Create".into(),
+                    implementer: self.to_string(),
+                });
+            }
+            self.0.put_opts(location, payload, opts).await
+        }
+
+        async fn put_multipart_opts(
+            &self,
+            location: &ObjectPath,
+            opts: object_store::PutMultipartOptions,
+        ) -> object_store::Result<Box<dyn object_store::MultipartUpload>> {
+            self.0.put_multipart_opts(location, opts).await
+        }
+
+        async fn get_opts(
+            &self,
+            location: &ObjectPath,
+            options: object_store::GetOptions,
+        ) -> object_store::Result<object_store::GetResult> {
+            self.0.get_opts(location, options).await
+        }
+
+        fn delete_stream(
+            &self,
+            locations: futures::stream::BoxStream<'static, object_store::Result<ObjectPath>>,
+        ) -> futures::stream::BoxStream<'static, object_store::Result<ObjectPath>> {
+            self.0.delete_stream(locations)
+        }
+
+        fn list(
+            &self,
+            prefix: Option<&ObjectPath>,
+        ) -> futures::stream::BoxStream<'static, object_store::Result<object_store::ObjectMeta>>
+        {
+            self.0.list(prefix)
+        }
+
+        async fn list_with_delimiter(
+            &self,
+            prefix: Option<&ObjectPath>,
+        ) -> object_store::Result<object_store::ListResult> {
+            self.0.list_with_delimiter(prefix).await
+        }
+
+        async fn copy_opts(
+            &self,
+            from: &ObjectPath,
+            to: &ObjectPath,
+            options: object_store::CopyOptions,
+        ) -> object_store::Result<()> {
+            self.0.copy_opts(from, to, options).await
+        }
+    }
+
+    #[tokio::test]
+    async fn a_store_without_conditional_writes_still_publishes_its_manifest_once_checked() {
+        let store = Arc::new(NoConditional(object_store::memory::InMemory::new()));
+        let multipart = Arc::new(object_store::memory::InMemory::new());
+        let t = StoreTarget::new(
+            store.clone(),
+            multipart,
+            "run1/step-1",
+            "s3://b/run1/step-1".into(),
+        );
+        assert!(t
+            .write_manifest("manifest.json", b"first".to_vec())
+            .await
+            .unwrap());
+        // A second writer finds it there (checked first) and writes nothing.
+        assert!(!t
+            .write_manifest("manifest.json", b"second".to_vec())
+            .await
+            .unwrap());
+        assert_eq!(
+            t.read_manifest("manifest.json").await.unwrap().as_deref(),
+            Some(&b"first"[..])
+        );
+    }
 
     fn chmod(p: &Path, mode: u32) {
         std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode)).unwrap();

@@ -119,6 +119,7 @@ impl Step for Upload {
                         manifest: None,
                         error: Some(error.to_string()),
                         error_label: Some(error.metric_label()),
+                        relayed_to: None,
                     };
                     let message = format!("staged checkpoint {staged} refused: {error}");
                     let tell = tell(&run.plan, pod, report, message);
@@ -255,17 +256,12 @@ fn follow(
         let report = match joined {
             Ok(report) => report,
             Err(e) => Report {
-                outcome: Outcome::Failed,
-                destination: destination.clone(),
                 files,
                 bytes,
-                bytes_sent: 0,
-                bytes_resumed: 0,
-                seconds: 0.0,
-                rate_bps: 0,
-                manifest: None,
-                error: Some(format!("the upload task ended without a report: {e}")),
-                error_label: Some("task"),
+                ..Report::failed(
+                    &destination,
+                    format!("the upload task ended without a report: {e}"),
+                )
             },
         };
         let message = describe(&report);

@@ -3,12 +3,13 @@
 //! CRC-32C of the bytes read from the staged files, computed while reading) and says how each
 //! was verified against the store, then the step, the notice, where it came from and timings.
 //! A checkpoint directory without a valid manifest does not exist for readers
-//! ([`latest`](super::latest)).
+//! (`upload::latest`).
 
 use jiff::Timestamp;
 use serde::{Deserialize, Serialize};
 
-use super::staged::MANIFEST_NAME;
+/// Name of the commit marker at the top of an uploaded checkpoint; a staged file may not take it.
+pub const MANIFEST_NAME: &str = "manifest.json";
 
 /// The `format` every manifest carries; readers skip manifests of other formats.
 pub const FORMAT: &str = "spotguard-checkpoint/1";
@@ -261,7 +262,7 @@ pub fn check_path(path: &str) -> Result<(), &'static str> {
     if path.chars().any(char::is_control) {
         return Err("NUL or control characters");
     }
-    if path.contains(crate::store::PART_INFIX) {
+    if path.contains(super::PART_INFIX) {
         return Err("spotguard's part-file infix");
     }
     for (i, seg) in path.split('/').enumerate() {

@@ -1,0 +1,235 @@
+//! The sender's side of the relay (docs/relay.md): when a staged checkpoint's upload cannot
+//! finish inside the notice, the same staged tree (the descriptors the upload took, read with
+//! `pread` beside it) is streamed to a peer, and the upload and the relay race.
+//!
+//! When: at once with `--relay always`; with `--relay auto`, as soon as the upload's own
+//! throughput (after its first second) says the bytes left will not be sent before the upload's
+//! deadline. Peers are tried in the order given until one takes the whole tree. The race: the
+//! upload published (or found it published) → the relay is given up (`DELETE`: the peer removes
+//! its files); the peer published → the upload stops and the report says the relay published
+//! it; the upload ended unpublished (its deadline) → the relay goes on, and its end is the
+//! report. Exactly one manifest is written either way (it is created only if absent).
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use super::engine::{Job, Report};
+use crate::relay::send::{self, Peer, Source};
+use crate::relay::wire::{self, Checkpoint, FileEntry, Reserve, State};
+use crate::store::progress::Progress;
+
+/// `--relay`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// Relay only when the upload cannot finish before its deadline.
+    Auto,
+    /// Relay every staged checkpoint.
+    Always,
+}
+
+/// The sender's relay settings.
+#[derive(Clone, Debug)]
+pub struct Relay {
+    pub mode: Mode,
+    pub peers: Vec<Peer>,
+    /// The node key (`--relay-key-file`).
+    pub key: String,
+}
+
+/// A throughput is judged after this much of the upload.
+const MEASURE_AFTER: Duration = Duration::from_secs(1);
+/// How often the estimate is made.
+const EVERY: Duration = Duration::from_millis(250);
+
+/// What a relay of `job` sends: its reservation (`location` is the job's location, where the
+/// owner marker is) and its files.
+pub fn outgoing(
+    job: &Job,
+    location: &str,
+    namespace: Option<&str>,
+    sender: &str,
+) -> (Reserve, Vec<Source>) {
+    let m = &job.meta;
+    let reserve = Reserve {
+        version: wire::VERSION,
+        sender: sender.to_string(),
+        location: location.to_string(),
+        namespace: namespace.map(str::to_string),
+        checkpoint: Checkpoint {
+            name: m.name.clone(),
+            step: m.step,
+            part: m.part,
+            notice: m.notice.clone(),
+            origin: m.origin.clone(),
+            acked_at: m.acked_at.map(|t| t.to_string()),
+            writer: m.writer.as_ref().map(|w| w.to_string()).unwrap_or_default(),
+        },
+        files: job
+            .tree
+            .files
+            .iter()
+            .map(|f| FileEntry {
+                path: f.path.clone(),
+                size: f.id.size,
+            })
+            .collect(),
+    };
+    let sources = job
+        .tree
+        .files
+        .iter()
+        .map(|f| Source {
+            file: f.file.clone(),
+            size: f.id.size,
+        })
+        .collect();
+    (reserve, sources)
+}
+
+/// Resolves when the relay should start: at once (`always`), or when the upload, at the
+/// throughput it is getting, would not send its `total` bytes before `deadline` (`auto`; never
+/// without a deadline).
+pub async fn relay_needed(mode: Mode, progress: &Progress, total: u64, deadline: Option<Instant>) {
+    if mode == Mode::Always {
+        return;
+    }
+    let Some(deadline) = deadline else {
+        return std::future::pending().await;
+    };
+    let start = Instant::now();
+    loop {
+        tokio::time::sleep(EVERY).await;
+        let elapsed = start.elapsed();
+        if elapsed < MEASURE_AFTER {
+            continue;
+        }
+        let done = progress.bytes_done.load(Ordering::Relaxed);
+        let resumed = progress.bytes_resumed.load(Ordering::Relaxed);
+        let sent = done.saturating_sub(resumed);
+        let left = total.saturating_sub(done);
+        if left == 0 {
+            return std::future::pending().await;
+        }
+        let rate = sent as f64 / elapsed.as_secs_f64();
+        let needed = if rate > 0.0 {
+            Duration::from_secs_f64((left as f64 / rate).min(1e9))
+        } else {
+            Duration::MAX
+        };
+        if Instant::now()
+            .checked_add(needed)
+            .is_none_or(|end| end > deadline)
+        {
+            info!(
+                bytes_left = left,
+                rate_bps = rate as u64,
+                "the upload cannot finish before its deadline at its throughput: relaying to a peer"
+            );
+            return;
+        }
+    }
+}
+
+/// Relay to the first peer that takes it; `Some(peer)` when a peer published it (or found it
+/// published).
+async fn relay_to_peers(
+    relay: &Relay,
+    reserve: Reserve,
+    sources: Vec<Source>,
+    deadline: Option<Instant>,
+    cancel: CancellationToken,
+) -> Option<String> {
+    for peer in &relay.peers {
+        match send::relay(
+            peer,
+            &relay.key,
+            reserve.clone(),
+            sources.clone(),
+            deadline,
+            cancel.clone(),
+        )
+        .await
+        {
+            Ok(s) if s.state.is_published() => {
+                info!(peer = %peer, outcome = ?s.state, "the relay's peer published the checkpoint");
+                return Some(peer.to_string());
+            }
+            Ok(s) => {
+                warn!(peer = %peer, outcome = ?s.state, detail = ?s.detail, "the relay's peer did not publish the checkpoint");
+                if s.state == State::Failed {
+                    continue;
+                }
+                return None;
+            }
+            Err(crate::relay::Error::Cancelled { .. }) => return None,
+            Err(e @ crate::relay::Error::Deadline { .. }) => {
+                warn!(peer = %peer, error = %e, "the relay did not finish by the deadline");
+                return None;
+            }
+            Err(e) => warn!(peer = %peer, error = %e, "relaying to a peer failed; trying the next"),
+        }
+    }
+    None
+}
+
+/// The upload `upload` (of `total` bytes, `progress`, stopped by `upload_cancel`) raced by a
+/// relay of `reserve` / `sources`. The report is the upload's, or, when the peer published the
+/// checkpoint, the upload's with outcome `published` and `relayed_to` naming the peer.
+#[allow(clippy::too_many_arguments)]
+pub async fn race(
+    upload: JoinHandle<Report>,
+    relay: Relay,
+    reserve: Reserve,
+    sources: Vec<Source>,
+    progress: Arc<Progress>,
+    total: u64,
+    deadline: Option<Instant>,
+    upload_cancel: CancellationToken,
+) -> Report {
+    let joined = |r: Result<Report, tokio::task::JoinError>, dest: &str| {
+        r.unwrap_or_else(|e| Report::failed(dest, format!("the upload's task failed: {e}")))
+    };
+    let dest = format!("{}/{}", reserve.location, reserve.checkpoint.name);
+    let mut upload = upload;
+    tokio::select! {
+        r = &mut upload => return joined(r, &dest),
+        () = relay_needed(relay.mode, &progress, total, deadline) => {}
+    }
+    let relay_cancel = CancellationToken::new();
+    let relaying = tokio::spawn({
+        let (relay, cancel) = (relay.clone(), relay_cancel.clone());
+        async move { relay_to_peers(&relay, reserve, sources, deadline, cancel).await }
+    });
+    let mut relaying = relaying;
+    tokio::select! {
+        r = &mut upload => {
+            let report = joined(r, &dest);
+            if report.outcome.is_published() {
+                relay_cancel.cancel();
+                let _ = relaying.await;
+                return report;
+            }
+            // The upload gave up (its deadline): the relay is the checkpoint's chance.
+            match relaying.await.ok().flatten() {
+                Some(peer) => report.relayed(peer),
+                None => report,
+            }
+        }
+        r = &mut relaying => {
+            match r.ok().flatten() {
+                Some(peer) => {
+                    // The peer published it: the upload stops.
+                    upload_cancel.cancel();
+                    joined(upload.await, &dest).relayed(peer)
+                }
+                None => joined(upload.await, &dest),
+            }
+        }
+    }
+}
