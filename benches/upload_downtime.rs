@@ -362,6 +362,7 @@ fn run_trial(
             progress: Default::default(),
             metrics: None,
             cancel: CancellationToken::new(),
+            relayed: Default::default(),
         });
         let report = rt.block_on(handle).expect("upload task");
         assert!(report.outcome.is_published(), "{report:?}");

@@ -235,6 +235,7 @@ struct Telemetry {
     sources: notice::SourceMetrics,
     gpu: Arc<gpu::GpuMetrics>,
     upload: Arc<crate::upload::UploadMetrics>,
+    relay: Arc<crate::relay::metrics::RelayMetrics>,
 }
 
 impl Telemetry {
@@ -252,12 +253,15 @@ impl Telemetry {
             gpu::GpuMetrics::register(&mut Registry::default())
         });
         let upload = Arc::new(crate::upload::UploadMetrics::register(&mut registry));
+        // Registered with the relay off too: every series exists at 0 from start-up.
+        let relay = Arc::new(crate::relay::metrics::RelayMetrics::register(&mut registry));
         Telemetry {
             registry,
             metrics,
             sources,
             gpu,
             upload,
+            relay,
         }
     }
 }
@@ -432,7 +436,7 @@ async fn upload_service(
         state_dir: cfg.args.state_dir.clone(),
         host_location: cfg.args.checkpoint_upload.clone(),
         node: cfg.node_name.clone(),
-        relay: relay_sender(cfg),
+        relay: relay_sender(cfg, &telemetry.relay),
     };
     let service = match Service::new(settings, telemetry.upload.clone(), pod_location) {
         Ok(s) => Arc::new(s),
@@ -466,7 +470,10 @@ async fn upload_service(
 }
 
 /// `--relay`: the sender's settings (the key was checked at start).
-fn relay_sender(cfg: &Config) -> Option<crate::upload::handoff::Relay> {
+fn relay_sender(
+    cfg: &Config,
+    metrics: &Arc<crate::relay::metrics::RelayMetrics>,
+) -> Option<crate::upload::handoff::Relay> {
     use crate::config::RelayChoice;
     use crate::upload::handoff::{Mode, Relay};
     let mode = match cfg.args.relay {
@@ -479,6 +486,7 @@ fn relay_sender(cfg: &Config) -> Option<crate::upload::handoff::Relay> {
         mode,
         peers: cfg.args.relay_peers.clone(),
         key,
+        metrics: metrics.clone(),
     })
 }
 
@@ -532,6 +540,7 @@ async fn spawn_relay_receiver(
                     crate::relay::receive::MAX_CONNECTIONS,
                     crate::relay::receive::MAX_CONNECTIONS_PER_SENDER,
                 ),
+                metrics: telemetry.relay.clone(),
             },
             Arc::new(publisher),
         )

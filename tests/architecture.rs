@@ -55,7 +55,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
         ],
     ),
     // The relay: beside upload on the store floor; upload publishes what it receives.
-    ("relay", &["admin", "fsutil", "store", "sync"]),
+    ("relay", &["admin", "fsutil", "metrics", "store", "sync"]),
     (
         "upload",
         &[

@@ -523,6 +523,10 @@ const NOT_IN_A_HOST_PLAN: &[(&str, &str)] = &[
         "needs a staged checkpoint and an object store",
     ),
     (
+        "Checkpoint relay",
+        "needs a peer agent and a staged checkpoint",
+    ),
+    (
         "Node and drain",
         "needs Kubernetes (host mode counts only `drain`, checked below)",
     ),

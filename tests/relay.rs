@@ -18,6 +18,8 @@ use hyper_util::rt::TokioIo;
 use object_store::aws::AmazonS3Builder;
 use object_store::path::Path as ObjectPath;
 use object_store::{ClientOptions, ObjectStore, ObjectStoreExt};
+use prometheus_client::registry::Registry;
+use spotguard::relay::metrics::RelayMetrics;
 use spotguard::relay::receive::{self, Receiver, Settings};
 use spotguard::relay::send::{self, Peer, Source};
 use spotguard::relay::tls::{self, Identity};
@@ -33,7 +35,7 @@ use spotguard::upload::journal::RootRecord;
 use spotguard::upload::relayed::RelayPublisher;
 use spotguard::upload::staged::{self, Limits, Root};
 use spotguard::upload::target::Target;
-use spotguard::upload::Outcome;
+use spotguard::upload::{Outcome, UploadMetrics};
 use spotguard_testkit::s3::proxy::{paced, Body, Faults, Proxy};
 use spotguard_testkit::s3::{create_bucket, S3Server};
 use spotguard_testkit::wait::eventually;
@@ -80,6 +82,8 @@ struct Node {
     state: PathBuf,
     cancel: CancellationToken,
     task: tokio::task::JoinHandle<()>,
+    /// The receiver's registry (`spotguard_relay_*`).
+    registry: Arc<Registry>,
 }
 
 impl Node {
@@ -96,6 +100,11 @@ impl Node {
             && std::fs::read_dir(&self.staging)
                 .map(|d| d.count() == 0)
                 .unwrap_or(true)
+    }
+
+    /// Its `/metrics` text.
+    fn metrics(&self) -> String {
+        spotguard::metrics::encode(&self.registry)
     }
 
     /// The agent stops (its publications stop where they are, nothing is cleaned).
@@ -130,6 +139,8 @@ async fn start(
         metrics: None,
     };
     let identity = Identity::load_or_create(&tls::dir(&state)).unwrap();
+    let mut registry = Registry::default();
+    let metrics = Arc::new(RelayMetrics::register(&mut registry));
     let receiver = Arc::new(
         Receiver::new(
             Settings {
@@ -142,6 +153,7 @@ async fn start(
                     receive::MAX_CONNECTIONS,
                     receive::MAX_CONNECTIONS_PER_SENDER,
                 ),
+                metrics,
             },
             Arc::new(publisher),
         )
@@ -164,6 +176,7 @@ async fn start(
         state,
         cancel,
         task,
+        registry: Arc::new(registry),
     }
 }
 
@@ -382,6 +395,14 @@ async fn a_sender_without_the_key_or_pinning_another_fingerprint_gets_nowhere() 
             matches!(e, spotguard::relay::Error::Refused { status: 401, .. }),
             "{e}"
         );
+    }
+    // Counted where the receiver refuses: no byte was taken.
+    let text = peer.metrics();
+    for line in [
+        "spotguard_relay_refusals_total{reason=\"auth\"} 2",
+        "spotguard_relay_received_bytes_total 0",
+    ] {
+        assert!(text.contains(line), "missing {line} in\n{text}");
     }
     // A peer presenting another certificate than the one pinned: the sender refuses it.
     let mut wrong = peer.peer();
@@ -816,15 +837,23 @@ fn upload_job(dir: &Path, endpoint: &str, location: &str, deadline: tokio::time:
         progress: Default::default(),
         metrics: None,
         cancel: CancellationToken::new(),
+        relayed: Default::default(),
     }
 }
 
 /// The sender's race ([`handoff::race`]) as the upload service starts it for a staged ack.
-async fn race(job: Job, peer: &Node, mode: Mode) -> spotguard::upload::Report {
+/// The sender's counts go to `metrics`.
+async fn race(
+    job: Job,
+    peer: &Node,
+    mode: Mode,
+    metrics: Arc<RelayMetrics>,
+) -> spotguard::upload::Report {
     let (reserve, sources) = handoff::outgoing(&job, "s3://ckpt/run1", None, "doomed-node");
-    let (progress, cancel, total, deadline) = (
+    let (progress, cancel, relayed, total, deadline) = (
         job.progress.clone(),
         job.cancel.clone(),
+        job.relayed.clone(),
         job.tree.bytes,
         job.options.deadline,
     );
@@ -833,9 +862,10 @@ async fn race(job: Job, peer: &Node, mode: Mode) -> spotguard::upload::Report {
         mode,
         peers: vec![peer.peer()],
         key: KEY.into(),
+        metrics,
     };
     handoff::race(
-        upload, relay, reserve, sources, progress, total, deadline, cancel,
+        upload, relay, reserve, sources, progress, total, deadline, cancel, relayed,
     )
     .await
 }
@@ -864,13 +894,15 @@ async fn an_upload_that_cannot_finish_inside_the_notice_is_relayed_and_published
     let files = tree_files();
     let dir = stage(tmp.path(), "step-100", &files);
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    // The sender's one registry: its upload's families and the relay's.
+    let mut registry = Registry::default();
+    let uploads = Arc::new(UploadMetrics::register(&mut registry));
+    let relays = Arc::new(RelayMetrics::register(&mut registry));
+    let bytes: usize = files.iter().map(|(_, d)| d.len()).sum();
 
-    let report = race(
-        upload_job(&dir, &slow.endpoint(), "s3://ckpt/run1", deadline),
-        &peer,
-        Mode::Auto,
-    )
-    .await;
+    let mut job = upload_job(&dir, &slow.endpoint(), "s3://ckpt/run1", deadline);
+    job.metrics = Some(uploads.clone());
+    let report = race(job, &peer, Mode::Auto, relays.clone()).await;
     assert_eq!(report.outcome, Outcome::Published, "{report:?}");
     assert_eq!(
         report.relayed_to.as_deref(),
@@ -892,6 +924,29 @@ async fn an_upload_that_cannot_finish_inside_the_notice_is_relayed_and_published
     for (p, d) in &files {
         assert_eq!(get(&*s3, &format!("run1/step-100/{p}")).await.unwrap(), *d);
     }
+    // The metrics say what the report says: the relay published it, the upload stopped for it
+    // (`relayed`, not `cancelled`); the peer received every byte and published once.
+    let sender = spotguard::metrics::encode(&registry);
+    for line in [
+        "spotguard_relay_sent_total{outcome=\"published\"} 1",
+        "spotguard_relay_sent_total{outcome=\"failed\"} 0",
+        "spotguard_checkpoint_upload_total{outcome=\"relayed\"} 1",
+        "spotguard_checkpoint_upload_total{outcome=\"cancelled\"} 0",
+        "spotguard_checkpoint_upload_total{outcome=\"published\"} 0",
+    ] {
+        assert!(sender.contains(line), "missing {line} in\n{sender}");
+    }
+    assert!(
+        !sender.contains("spotguard_checkpoint_upload_errors_total{error=\"cancelled\"}"),
+        "{sender}"
+    );
+    let received = peer.metrics();
+    for line in [
+        "spotguard_relay_received_total{outcome=\"published\"} 1".to_string(),
+        format!("spotguard_relay_received_bytes_total {bytes}"),
+    ] {
+        assert!(received.contains(&line), "missing {line} in\n{received}");
+    }
 
     // An upload that finishes inside the notice (5 MB/s: a second and a half) is not relayed.
     let fits = Proxy::start(&server, Slow(5_000_000)).await;
@@ -902,6 +957,7 @@ async fn an_upload_that_cannot_finish_inside_the_notice_is_relayed_and_published
         upload_job(&dir, &fits.endpoint(), "s3://ckpt/run1", deadline),
         &peer,
         Mode::Auto,
+        relays.clone(),
     )
     .await;
     assert_eq!(report.outcome, Outcome::Published, "{report:?}");
@@ -946,6 +1002,7 @@ async fn stalled(
                 idle: Duration::from_secs(30),
                 limits: Limits::default(),
                 connections,
+                metrics: Arc::new(RelayMetrics::register(&mut Registry::default())),
             },
             Arc::new(Stalled),
         )

@@ -423,6 +423,7 @@ impl Host {
             progress: Default::default(),
             metrics: None,
             cancel: CancellationToken::new(),
+            relayed: Default::default(),
         })
         .await)
     }

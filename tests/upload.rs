@@ -299,6 +299,7 @@ fn job(dir: &Path, target: Target, step: u64, options: Options) -> Job {
         progress: Default::default(),
         metrics: None,
         cancel: CancellationToken::new(),
+        relayed: Default::default(),
     }
 }
 
@@ -1187,6 +1188,7 @@ async fn a_taken_checkpoint_uploads_after_the_trainer_and_its_files_are_gone() {
         progress: Default::default(),
         metrics: None,
         cancel: CancellationToken::new(),
+        relayed: Default::default(),
     })
     .await;
     assert_eq!(report.outcome, Outcome::Published, "{report:?}");
@@ -1435,6 +1437,7 @@ print(json.dumps({{"state": a.state, "files": a.files, "error": a.error, "at": t
         progress: Default::default(),
         metrics: None,
         cancel: CancellationToken::new(),
+        relayed: Default::default(),
     })
     .await;
     assert_eq!(report.outcome, Outcome::Published, "{report:?}");

@@ -8,11 +8,13 @@
 //! - [`receive`]: the receiver (`--relay-listen`): the node key, reservations under a cap per
 //!   sender and the free space, every byte as hostile input, publication through a
 //!   [`Publisher`];
-//! - [`send`]: the sender: a staged tree's files to one peer, then the commit and its outcome.
+//! - [`send`]: the sender: a staged tree's files to one peer, then the commit and its outcome;
+//! - [`metrics`]: `spotguard_relay_*`, counted by the receiver and by the sender's race.
 //!
 //! The relay stands on the `store` floor beside `upload`, and never imports it: publication is
 //! the [`Publisher`] seam, which `upload::relayed` implements with the upload engine.
 
+pub mod metrics;
 pub mod receive;
 pub mod send;
 pub mod stage;

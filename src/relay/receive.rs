@@ -77,6 +77,8 @@ pub struct Settings {
     /// Connections open at once ([`connection_limits`]; the agent's: [`MAX_CONNECTIONS`],
     /// [`MAX_CONNECTIONS_PER_SENDER`]).
     pub connections: admin::Limits,
+    /// `spotguard_relay_*` (received, bytes, refusals).
+    pub metrics: Arc<super::metrics::RelayMetrics>,
 }
 
 /// The receiver.
@@ -323,6 +325,7 @@ impl Receiver {
     async fn handle(self: Arc<Self>, req: Request<Body>, from: SocketAddr) -> Answer {
         if !self.authorized(&req) {
             warn!(peer = %from, "relay request without the node key refused");
+            self.settings.metrics.refused("auth");
             return refuse(StatusCode::UNAUTHORIZED, "the node key is missing or wrong");
         }
         let path = req.uri().path().to_string();
@@ -380,9 +383,13 @@ impl Receiver {
     async fn reserve(self: &Arc<Self>, req: Request<Body>, sender: IpAddr) -> Answer {
         let reserve: Reserve = match read_json(req).await {
             Ok(r) => r,
-            Err(a) => return a,
+            Err(a) => {
+                self.settings.metrics.refused("bad_request");
+                return a;
+            }
         };
         if reserve.version != wire::VERSION {
+            self.settings.metrics.refused("bad_request");
             return refuse(
                 StatusCode::BAD_REQUEST,
                 format!(
@@ -394,10 +401,12 @@ impl Receiver {
         }
         if let Err(why) = self.check_tree(&reserve) {
             warn!(sender = %sender, location = %reserve.location, error = %why, "relay refused: its tree breaks the staged-tree rules");
+            self.settings.metrics.refused("tree");
             return refuse(StatusCode::UNPROCESSABLE_ENTITY, why);
         }
         if let Err(why) = self.publisher.check(&reserve) {
             warn!(sender = %sender, location = %reserve.location, error = %why, "relay refused: this agent does not publish there");
+            self.settings.metrics.refused("location");
             return refuse(StatusCode::FORBIDDEN, why);
         }
         let bytes = reserve.bytes();
@@ -410,6 +419,7 @@ impl Receiver {
             let mut inner = crate::sync::lock(&self.inner);
             let mine = inner.by_sender.get(&sender).copied().unwrap_or(0);
             if mine.saturating_add(bytes) > self.settings.per_sender {
+                self.settings.metrics.refused("cap");
                 return refuse(
                     StatusCode::PAYLOAD_TOO_LARGE,
                     format!(
@@ -419,6 +429,7 @@ impl Receiver {
                 );
             }
             if inner.reserved.saturating_add(bytes) > free {
+                self.settings.metrics.refused("space");
                 return refuse(
                     StatusCode::INSUFFICIENT_STORAGE,
                     format!(
@@ -598,6 +609,10 @@ impl Receiver {
                 continue;
             };
             crate::sync::lock(&relay.st).last = Instant::now();
+            self.settings
+                .metrics
+                .received_bytes
+                .inc_by(data.len() as u64);
             if (buf.len() + data.len()) as u64 + file_len(&file) > size {
                 return Err((
                     StatusCode::PAYLOAD_TOO_LARGE,
@@ -628,7 +643,10 @@ impl Receiver {
         };
         let commit: Commit = match read_json(req).await {
             Ok(c) => c,
-            Err(a) => return a,
+            Err(a) => {
+                self.settings.metrics.refused("bad_request");
+                return a;
+            }
         };
         let crcs = {
             let mut st = crate::sync::lock(&relay.st);
@@ -660,6 +678,7 @@ impl Receiver {
                 f.path
             );
             warn!(relay = %relay.id, sender = %relay.sender, error = %why, "relay refused: nothing is published");
+            self.settings.metrics.refused("crc");
             self.abort(&relay, &why);
             return refuse(StatusCode::UNPROCESSABLE_ENTITY, why);
         }
@@ -755,6 +774,12 @@ impl Receiver {
             st.state = state;
             st.detail = detail;
         }
+        self.settings.metrics.received(match state {
+            State::Published => "published",
+            State::AlreadyPublished => "already_published",
+            State::Failed => "failed",
+            State::Aborted | State::Receiving | State::Publishing => "aborted",
+        });
         self.staging.remove(&relay.id);
         let mut inner = crate::sync::lock(&self.inner);
         if let Some(b) = inner.by_sender.get_mut(&relay.sender) {

@@ -345,6 +345,7 @@ async fn upload(
         progress,
         metrics: None,
         cancel,
+        relayed: Default::default(),
     };
     let report = engine::run(job).await;
     stop_report.cancel();
@@ -354,7 +355,8 @@ async fn upload(
         eprintln!("spotguard upload: {e}");
     }
     match report.outcome {
-        Outcome::Published | Outcome::AlreadyPublished => EXIT_OK,
+        // A relay's peer published it (the CLI does not relay; the outcome is the agent's).
+        Outcome::Published | Outcome::AlreadyPublished | Outcome::Relayed => EXIT_OK,
         Outcome::Refused => EXIT_REFUSED,
         Outcome::Failed => EXIT_FAILED,
         Outcome::Deadline | Outcome::Cancelled | Outcome::Interrupted => EXIT_STOPPED,

@@ -93,6 +93,9 @@ pub struct Job {
     pub progress: Arc<Progress>,
     pub metrics: Option<Arc<UploadMetrics>>,
     pub cancel: CancellationToken,
+    /// Set (by `super::handoff::race`) before `cancel` when a relay's peer published the
+    /// checkpoint: the upload then ends [`Outcome::Relayed`], not `cancelled`.
+    pub relayed: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// How an upload ended.
@@ -159,6 +162,7 @@ pub async fn run(job: Job) -> Report {
     let destination = job.target.display().to_string();
     let (files, bytes) = (job.tree.files.len(), job.tree.bytes);
     let metrics = job.metrics.clone();
+    let relayed = job.relayed.clone();
     announce(&job, &destination);
     let result = upload(job, started_at).await;
     let seconds = started.elapsed().as_secs_f64();
@@ -170,6 +174,12 @@ pub async fn run(job: Job) -> Report {
             done.sent,
             done.resumed,
         ),
+        // Stopped because a relay's peer published it: not an error of this upload.
+        Err((Error::Cancelled { .. }, sent, resumed))
+            if relayed.load(std::sync::atomic::Ordering::SeqCst) =>
+        {
+            (Outcome::Relayed, None, None, sent, resumed)
+        }
         Err((e, sent, resumed)) => (e.outcome(), None, Some(e), sent, resumed),
     };
     if let Some(m) = &metrics {
@@ -272,6 +282,7 @@ async fn upload(job: Job, started_at: Timestamp) -> Result<Done, Failed> {
         progress,
         metrics,
         cancel,
+        relayed: _,
     } = job;
     let started = Instant::now();
     let total = tree.bytes;

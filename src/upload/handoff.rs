@@ -10,7 +10,7 @@
 //! it; the upload ended unpublished (its deadline) → the relay goes on, and its end is the
 //! report. Exactly one manifest is written either way (it is created only if absent).
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -20,6 +20,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use super::engine::{Job, Report};
+use crate::relay::metrics::RelayMetrics;
 use crate::relay::send::{self, Peer, Source};
 use crate::relay::wire::{self, Checkpoint, FileEntry, Reserve, State};
 use crate::store::progress::Progress;
@@ -40,6 +41,8 @@ pub struct Relay {
     pub peers: Vec<Peer>,
     /// The node key (`--relay-key-file`).
     pub key: String,
+    /// `spotguard_relay_sent_total`, counted as each peer's relay ends.
+    pub metrics: Arc<RelayMetrics>,
 }
 
 /// A throughput is judged after this much of the upload.
@@ -146,7 +149,7 @@ async fn relay_to_peers(
     cancel: CancellationToken,
 ) -> Option<String> {
     for peer in &relay.peers {
-        match send::relay(
+        let ended = send::relay(
             peer,
             &relay.key,
             reserve.clone(),
@@ -154,8 +157,9 @@ async fn relay_to_peers(
             deadline,
             cancel.clone(),
         )
-        .await
-        {
+        .await;
+        relay.metrics.sent(sent_outcome(&ended));
+        match ended {
             Ok(s) if s.state.is_published() => {
                 info!(peer = %peer, outcome = ?s.state, "the relay's peer published the checkpoint");
                 return Some(peer.to_string());
@@ -178,9 +182,28 @@ async fn relay_to_peers(
     None
 }
 
+/// The `outcome` of `spotguard_relay_sent_total` for one peer's relay.
+fn sent_outcome(ended: &Result<wire::Status, crate::relay::Error>) -> &'static str {
+    use crate::relay::Error;
+    match ended {
+        Ok(s) => match s.state {
+            State::Published => "published",
+            State::AlreadyPublished => "already_published",
+            State::Failed | State::Aborted | State::Receiving | State::Publishing => "failed",
+        },
+        Err(Error::Refused { .. }) => "refused",
+        Err(Error::Deadline { .. }) => "deadline",
+        Err(Error::Cancelled { .. }) => "cancelled",
+        Err(Error::Io { .. } | Error::Tls { .. } | Error::Peer { .. }) => "failed",
+    }
+}
+
 /// The upload `upload` (of `total` bytes, `progress`, stopped by `upload_cancel`) raced by a
 /// relay of `reserve` / `sources`. The report is the upload's, or, when the peer published the
-/// checkpoint, the upload's with outcome `published` and `relayed_to` naming the peer.
+/// checkpoint, the upload's with outcome `published` and `relayed_to` naming the peer. Before it
+/// stops the upload for a peer's publication it sets `relayed` (the job's
+/// [`Job::relayed`](super::engine::Job::relayed)): the upload then ends `relayed`, not
+/// `cancelled`.
 #[allow(clippy::too_many_arguments)]
 pub async fn race(
     upload: JoinHandle<Report>,
@@ -191,6 +214,7 @@ pub async fn race(
     total: u64,
     deadline: Option<Instant>,
     upload_cancel: CancellationToken,
+    relayed: Arc<AtomicBool>,
 ) -> Report {
     let joined = |r: Result<Report, tokio::task::JoinError>, dest: &str| {
         r.unwrap_or_else(|e| Report::failed(dest, format!("the upload's task failed: {e}")))
@@ -224,7 +248,8 @@ pub async fn race(
         r = &mut relaying => {
             match r.ok().flatten() {
                 Some(peer) => {
-                    // The peer published it: the upload stops.
+                    // The peer published it: the upload stops, and ends `relayed`.
+                    relayed.store(true, Ordering::SeqCst);
                     upload_cancel.cancel();
                     joined(upload.await, &dest).relayed(peer)
                 }

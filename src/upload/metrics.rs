@@ -27,7 +27,7 @@ pub struct UploadMetrics {
     /// `spotguard_checkpoint_upload_files_total`: files whole at their destination.
     pub files: Counter,
     /// `spotguard_checkpoint_upload_total{outcome}`: uploads ended, by outcome (published,
-    /// already_published, deadline, cancelled, failed, refused, interrupted).
+    /// already_published, deadline, cancelled, failed, refused, interrupted, relayed).
     pub uploads: Family<OutcomeLabels, Counter>,
     /// `spotguard_checkpoint_upload_duration_seconds{outcome}`: how long uploads took.
     pub duration: Family<OutcomeLabels, Histogram>,

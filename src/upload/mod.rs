@@ -69,11 +69,14 @@ pub enum Outcome {
     /// An uploader restarted mid-upload and could not resume it (the trainer's files are no
     /// longer reachable, or an earlier boot): reported, nothing published.
     Interrupted,
+    /// A relay's peer published the checkpoint first (`handoff`): this upload stopped; the
+    /// report says `published` with `relayed_to`.
+    Relayed,
 }
 
 impl Outcome {
     /// Every outcome, in the order the docs list them.
-    pub const ALL: [Outcome; 7] = [
+    pub const ALL: [Outcome; 8] = [
         Outcome::Published,
         Outcome::AlreadyPublished,
         Outcome::Deadline,
@@ -81,6 +84,7 @@ impl Outcome {
         Outcome::Failed,
         Outcome::Refused,
         Outcome::Interrupted,
+        Outcome::Relayed,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -92,6 +96,7 @@ impl Outcome {
             Outcome::Failed => "failed",
             Outcome::Refused => "refused",
             Outcome::Interrupted => "interrupted",
+            Outcome::Relayed => "relayed",
         }
     }
 

@@ -128,6 +128,7 @@ impl RelayPublisher {
             progress: Arc::new(Progress::default()),
             metrics: self.metrics.clone(),
             cancel: job.cancel,
+            relayed: Default::default(),
         })
         .await;
         match report.outcome {

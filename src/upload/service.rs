@@ -216,7 +216,11 @@ impl Service {
                 let namespace = pod.as_ref().map(|p| p.namespace.as_str());
                 let sender = self.settings.node.as_deref().unwrap_or("");
                 let (reserve, sources) = handoff::outgoing(&job, &location, namespace, sender);
-                let (progress, cancel) = (job.progress.clone(), job.cancel.clone());
+                let (progress, cancel, relayed) = (
+                    job.progress.clone(),
+                    job.cancel.clone(),
+                    job.relayed.clone(),
+                );
                 let upload = self.uploader.submit(job);
                 self.uploader.handle().spawn(handoff::race(
                     upload,
@@ -227,6 +231,7 @@ impl Service {
                     bytes,
                     ctx.deadline,
                     cancel,
+                    relayed,
                 ))
             }
         };
@@ -292,6 +297,7 @@ impl Service {
             progress: Arc::new(Progress::default()),
             metrics: Some(self.metrics.clone()),
             cancel: ctx.cancel.child_token(),
+            relayed: Default::default(),
         }
     }
 
@@ -398,6 +404,7 @@ impl Service {
             progress: Arc::new(Progress::default()),
             metrics: Some(self.metrics.clone()),
             cancel: cancel.child_token(),
+            relayed: Default::default(),
         })
     }
 
