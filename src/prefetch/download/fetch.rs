@@ -134,14 +134,7 @@ async fn fetch_ranged(
     while let Some(seg) = iter.peek().cloned() {
         // Reap finished parts so that a failure stops the rest early.
         while let Some(res) = parts.try_join_next() {
-            match part_result(res) {
-                Ok(Some(h)) => hashes.push(h),
-                Ok(None) => {}
-                Err(e) => {
-                    first_err.get_or_insert(e);
-                    object_stop.cancel();
-                }
-            }
+            settle(res, &mut hashes, &mut first_err, &object_stop);
         }
         if first_err.is_some() {
             break;
@@ -167,14 +160,7 @@ async fn fetch_ranged(
                 Err(tokio::sync::TryAcquireError::NoPermits) => {
                     // Wait for one of its own parts to end, then ask again.
                     if let Some(res) = parts.join_next().await {
-                        match part_result(res) {
-                            Ok(Some(h)) => hashes.push(h),
-                            Ok(None) => {}
-                            Err(e) => {
-                                first_err.get_or_insert(e);
-                                object_stop.cancel();
-                            }
-                        }
+                        settle(res, &mut hashes, &mut first_err, &object_stop);
                     }
                     continue;
                 }
@@ -194,16 +180,7 @@ async fn fetch_ranged(
         });
     }
     while let Some(res) = parts.join_next().await {
-        match part_result(res) {
-            Ok(Some(h)) => hashes.push(h),
-            Ok(None) => {}
-            Err(e) => {
-                if first_err.is_none() {
-                    object_stop.cancel();
-                    first_err = Some(e);
-                }
-            }
-        }
+        settle(res, &mut hashes, &mut first_err, &object_stop);
     }
     if let Some(e) = first_err {
         // A part stopped because a sibling failed: report the sibling's cause.
@@ -314,6 +291,26 @@ pub(super) struct SegmentOut {
     pub(super) hasher: Option<Hasher>,
     pub(super) etag: Option<String>,
     pub(super) checksum: Option<StoreChecksum>,
+}
+
+/// One ended part of [`fetch_ranged`]: its hash kept, or its failure the object's first (which
+/// stops the other parts).
+fn settle(
+    res: Result<Result<(u64, Option<Hasher>), Stop>, tokio::task::JoinError>,
+    hashes: &mut Vec<(u64, Option<Hasher>)>,
+    first_err: &mut Option<Stop>,
+    object_stop: &tokio_util::sync::CancellationToken,
+) {
+    match part_result(res) {
+        Ok(Some(h)) => hashes.push(h),
+        Ok(None) => {}
+        Err(e) => {
+            if first_err.is_none() {
+                object_stop.cancel();
+                *first_err = Some(e);
+            }
+        }
+    }
 }
 
 pub(super) fn part_result(
