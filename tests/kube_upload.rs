@@ -33,8 +33,10 @@ os.makedirs(path)
 with open(os.path.join(path, "__0_0.distcp"), "wb") as f:
     f.write(os.urandom(int(os.environ["STAGED_MIB"]) << 20))
 answer = spotguard.ack_staged(path, step=int(os.environ.get("STEP", "3")))
-with open(os.environ["RESULT"], "w") as f:
+# Written aside, then renamed: the test reads the file while it waits.
+with open(os.environ["RESULT"] + ".t", "w") as f:
     f.write(answer.state)
+os.rename(os.environ["RESULT"] + ".t", os.environ["RESULT"])
 spotguard.exit_after_checkpoint()
 "#;
 

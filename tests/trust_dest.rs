@@ -91,8 +91,10 @@ base = os.environ["BASE"]
 os.rename(base, base + ".old")
 os.symlink(os.environ["TO"], base)
 answer = spotguard.ack_staged(path, wait=20)
-with open(os.environ["RESULT"], "w") as f:
+# Written aside, then renamed: the test reads the file while it waits.
+with open(os.environ["RESULT"] + ".t", "w") as f:
     json.dump({"answer": answer.state, "error": answer.error}, f)
+os.rename(os.environ["RESULT"] + ".t", os.environ["RESULT"])
 spotguard.exit_after_checkpoint()
 "#;
 

@@ -54,8 +54,10 @@ saved_at = time.time()
 answer = spotguard.ack_staged(path, step=7)
 out = {"signal_at": signal_at, "saved_at": saved_at, "answer": answer.state,
        "error": answer.error, "exit_at": time.time()}
-with open(os.environ["RESULT"], "w") as f:
+# Written aside, then renamed: the test reads the file while it waits.
+with open(os.environ["RESULT"] + ".t", "w") as f:
     json.dump(out, f)
+os.rename(os.environ["RESULT"] + ".t", os.environ["RESULT"])
 spotguard.exit_after_checkpoint()
 "#;
 
