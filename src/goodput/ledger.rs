@@ -219,27 +219,42 @@ pub async fn records(
         if let Some(s) = selector {
             params = params.labels(s);
         }
-        loop {
-            let page = api.list(&params).await.map_err(|source| Error::List {
-                namespace: namespace.to_string(),
-                source,
-            })?;
-            for obj in &page.items {
-                let name = obj.metadata.name.clone().unwrap_or_default();
-                if passes.len() > 1 && taken.contains(&name) {
-                    continue;
-                }
-                if take(obj, m, &mut out) && passes.len() > 1 {
-                    taken.insert(name);
-                }
+        each_listed(&api, namespace, params, |obj| {
+            let name = obj.metadata.name.clone().unwrap_or_default();
+            if passes.len() > 1 && taken.contains(&name) {
+                return false;
             }
-            match page.metadata.continue_ {
-                Some(c) if !c.is_empty() => params = params.continue_token(&c),
-                _ => break,
+            if take(obj, m, &mut out) && passes.len() > 1 {
+                taken.insert(name);
             }
-        }
+            false
+        })
+        .await?;
     }
     Ok(out)
+}
+
+/// Hand every object `params` lists in `namespace` to `each`, page by page, until `each` says
+/// it has found what it looked for (`true`).
+async fn each_listed(
+    api: &Api<DynamicObject>,
+    namespace: &str,
+    mut params: ListParams,
+    mut each: impl FnMut(&DynamicObject) -> bool,
+) -> Result<(), Error> {
+    loop {
+        let page = api.list(&params).await.map_err(|source| Error::List {
+            namespace: namespace.to_string(),
+            source,
+        })?;
+        if page.items.iter().any(&mut each) {
+            return Ok(());
+        }
+        match page.metadata.continue_ {
+            Some(c) if !c.is_empty() => params = params.continue_token(&c),
+            _ => return Ok(()),
+        }
+    }
 }
 
 /// [`report::join`] in linear time: the records grouped by notice id, each group joined on its
@@ -287,39 +302,36 @@ pub async fn recorded_interruption(
 ) -> Result<Option<Interruption>, Error> {
     let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), namespace, &api_resource());
     for label in [OWNER_UID_LABEL, JOB_UID_LABEL] {
-        let mut params = ListParams::default()
+        let params = ListParams::default()
             .limit(PAGE)
             .labels(&format!("{label}={owner_uid}"));
-        loop {
-            let page = api.list(&params).await.map_err(|source| Error::List {
-                namespace: namespace.to_string(),
-                source,
-            })?;
-            for obj in &page.items {
-                let ours = if label == OWNER_UID_LABEL {
-                    obj.metadata
-                        .owner_references
-                        .iter()
-                        .flatten()
-                        .any(|o| o.uid == owner_uid)
-                } else {
-                    names_job(obj, owner_uid)
-                };
-                let Ok(spec) = serde_json::from_value::<InterruptionSpec>(obj.data["spec"].clone())
-                else {
-                    continue;
-                };
-                if !ours || spec.notice_id != notice_id {
-                    continue;
-                }
-                if let Some(EventRecord::Badput(i)) = check(&spec) {
-                    return Ok(Some(i));
-                }
+        let mut found = None;
+        each_listed(&api, namespace, params, |obj| {
+            let ours = if label == OWNER_UID_LABEL {
+                obj.metadata
+                    .owner_references
+                    .iter()
+                    .flatten()
+                    .any(|o| o.uid == owner_uid)
+            } else {
+                names_job(obj, owner_uid)
+            };
+            let Ok(spec) = serde_json::from_value::<InterruptionSpec>(obj.data["spec"].clone())
+            else {
+                return false;
+            };
+            if !ours || spec.notice_id != notice_id {
+                return false;
             }
-            match page.metadata.continue_ {
-                Some(c) if !c.is_empty() => params = params.continue_token(&c),
-                _ => break,
+            if let Some(EventRecord::Badput(i)) = check(&spec) {
+                found = Some(i);
+                return true;
             }
+            false
+        })
+        .await?;
+        if found.is_some() {
+            return Ok(found);
         }
     }
     Ok(None)

@@ -109,17 +109,8 @@ impl Step for Upload {
                 Staged::Refused { pod, staged, error } => {
                     let report = Report {
                         outcome: Outcome::Refused,
-                        destination: String::new(),
-                        files: 0,
-                        bytes: 0,
-                        bytes_sent: 0,
-                        bytes_resumed: 0,
-                        seconds: 0.0,
-                        rate_bps: 0,
-                        manifest: None,
-                        error: Some(error.to_string()),
                         error_label: Some(error.metric_label()),
-                        relayed_to: None,
+                        ..Report::failed("", error.to_string())
                     };
                     let message = format!("staged checkpoint {staged} refused: {error}");
                     let tell = tell(&run.plan, pod, report, message);
