@@ -370,14 +370,18 @@ async fn template(t: &Tools, helm: &Helm, ns: &str, extra: &[&str]) -> Result<St
 }
 
 /// The chart's default rendering is the kustomize base, its forceDelete value is the
-/// force-delete component and `prefetch.enabled=false` is the no-prefetch component — with
+/// force-delete component, `relay.enabled=true` is the relay component and `prefetch.enabled=false` is the no-prefetch component — with
 /// both Helm majors. An object added to daemonset/ (or a field changed) without the chart
 /// following fails here.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_charts_default_rendering_is_the_kustomize_base() {
     let t = Tools::start().await;
-    let cases: [(&[&str], &[&str]); 3] = [
+    let cases: [(&[&str], &[&str]); 4] = [
         (&[], &[]),
+        (
+            &["--set", "relay.enabled=true"],
+            &["daemonset/components/relay"],
+        ),
         (
             &["--set", "forceDelete.enabled=true"],
             &["daemonset/components/force-delete"],
