@@ -62,7 +62,7 @@ pub enum Auth {
     /// Host mode: the node key's SHA-256.
     Key([u8; 32]),
     /// Kubernetes: TokenReview.
-    Tokens(Reviewer),
+    Tokens(Box<Reviewer>),
 }
 
 impl Auth {

@@ -164,7 +164,7 @@ impl Receiver {
     /// Kubernetes: senders present an agent's relay token, checked by `reviewer`, instead of
     /// the node key.
     pub fn with_tokens(mut self, reviewer: super::auth::Reviewer) -> Receiver {
-        self.auth = super::auth::Auth::Tokens(reviewer);
+        self.auth = super::auth::Auth::Tokens(Box::new(reviewer));
         self
     }
 
