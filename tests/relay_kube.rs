@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 use kube::api::{Api, Patch, PatchParams};
 use prometheus_client::registry::Registry;
@@ -292,7 +292,6 @@ async fn relay_leases_are_each_nodes_own_and_give_the_peers_in_order() {
     let (a, b) = (a.name().to_string(), b.name().to_string());
     let (_, client_a) = k.agent_on(&a).await;
     let leases: Api<Lease> = Api::namespaced(k.admin(), AGENT_NAMESPACE);
-    assert!(Api::<Node>::all(k.admin()).get(&a).await.is_ok());
 
     // Its own Lease, with its node's placement.
     let advertiser = Advertiser::new(
@@ -319,6 +318,15 @@ async fn relay_leases_are_each_nodes_own_and_give_the_peers_in_order() {
     assert_eq!(
         own.spec.unwrap().holder_identity.as_deref(),
         Some(a.as_str())
+    );
+    // The Node's dependent: gone with the Node.
+    let owners = own.metadata.owner_references.unwrap_or_default();
+    assert_eq!(
+        owners
+            .iter()
+            .map(|o| (o.kind.as_str(), o.name.as_str()))
+            .collect::<Vec<_>>(),
+        [("Node", a.as_str())]
     );
 
     // Another node's Lease, or its own held by another node: refused by the policy.

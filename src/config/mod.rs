@@ -611,6 +611,43 @@ mod tests {
     }
 
     #[test]
+    fn kubernetes_relays_with_leases_and_the_token_without_a_node_key() {
+        let env = TestEnv(vec![
+            ("NODE_NAME", "gpu-node-1"),
+            ("POD_SERVICE_ACCOUNT", "spotguard"),
+            ("POD_IP", "10.0.0.7"),
+        ]);
+        let a = run_args(&[
+            "--mode",
+            "kubernetes",
+            "--relay",
+            "auto",
+            "--relay-listen",
+            "0.0.0.0:7443",
+        ])
+        .unwrap();
+        let c = Config::resolve(a, &env).unwrap();
+        assert_eq!(
+            c.args.relay_token_file,
+            std::path::Path::new(crate::relay::auth::TOKEN_FILE)
+        );
+        assert_eq!(c.args.relay_audience, crate::relay::auth::AUDIENCE);
+        assert_eq!(c.pod_service_account.as_deref(), Some("spotguard"));
+        assert_eq!(c.pod_ip, Some("10.0.0.7".parse().unwrap()));
+        // Host mode still needs the peers and the key.
+        let a = run_args(&[
+            "--mode",
+            "host",
+            "--checkpoint-unit",
+            "t",
+            "--relay",
+            "auto",
+        ])
+        .unwrap();
+        assert!(Config::resolve(a, &env).is_err());
+    }
+
+    #[test]
     fn config_file_fills_in_below_flags() {
         let (_dir, path) = config_file(
             "cloud = \"gce\"\npoll_interval = \"3s\"\ncheckpoint-timeout = \"45s\"\ndry-run = true\ncheckpoint-cmdline = [\"train\", \"torchrun\"]\n[[datasets]]\nname = \"ds\"\nurl = \"s3://b/p/\"\n",

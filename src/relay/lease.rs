@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::api::core::v1::Node;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta, OwnerReference};
 use kube::api::{ListParams, Patch, PatchParams};
 use kube::Api;
 use tokio::sync::Notify;
@@ -132,6 +132,8 @@ impl Capacity {
 pub struct Placement {
     pub zone: Option<String>,
     pub capacity: Option<Capacity>,
+    /// The Node's uid: the Lease is the Node's dependent (gone with it).
+    pub uid: Option<String>,
 }
 
 impl Placement {
@@ -142,6 +144,7 @@ impl Placement {
         Ok(Placement {
             zone: labels.get(ZONE_LABEL).cloned(),
             capacity: Some(Capacity::of(&labels)),
+            uid: n.metadata.uid,
         })
     }
 }
@@ -255,11 +258,25 @@ impl Advertiser {
             *crate::sync::lock(&self.placement) = Some(p);
         }
         let name = lease_name(&self.node);
+        let uid = crate::sync::lock(&self.placement)
+            .as_ref()
+            .and_then(|p| p.uid.clone());
+        // Owned by its Node: the garbage collector removes it with the Node.
+        let owner = uid.map(|uid| {
+            vec![OwnerReference {
+                api_version: "v1".into(),
+                kind: "Node".into(),
+                name: self.node.clone(),
+                uid,
+                ..OwnerReference::default()
+            }]
+        });
         let lease = Lease {
             metadata: ObjectMeta {
                 name: Some(name.clone()),
                 labels: Some(BTreeMap::from([(LABEL.to_string(), "agent".to_string())])),
                 annotations: Some(self.advert().annotations()),
+                owner_references: owner,
                 ..ObjectMeta::default()
             },
             spec: Some(LeaseSpec {
