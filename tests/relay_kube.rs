@@ -5,7 +5,8 @@
 //! fingerprint); an agent writes its own relay Lease with its node's placement and notice mark,
 //! and the policy refuses it another node's; a sender's peers, read from real Leases, are
 //! filtered (stale, its own, under notice, a Lease not named for its holder) and ordered
-//! (on-demand, same zone, most free space).
+//! (on-demand, same zone, most free space); end to end, a peer found through its Lease takes a
+//! relay under the doomed node's agent's token and publishes it to s3s-fs.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -16,10 +17,13 @@ use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 use kube::api::{Api, Patch, PatchParams};
+use object_store::aws::AmazonS3Builder;
+use object_store::path::Path as ObjectPath;
+use object_store::{ClientOptions, ObjectStoreExt};
 use prometheus_client::registry::Registry;
 use serde_json::json;
-use spotguard::relay::auth::{Reviewer, AUDIENCE};
-use spotguard::relay::lease::{self, Advertiser, PeerList};
+use spotguard::relay::auth::{Bearer, Reviewer, AUDIENCE};
+use spotguard::relay::lease::{self, Advertiser, PeerList, Peers};
 use spotguard::relay::metrics::RelayMetrics;
 use spotguard::relay::receive::{self, Receiver, Settings};
 use spotguard::relay::send::{self, Peer, Source};
@@ -36,6 +40,8 @@ use spotguard_testkit::k8s::controlplane::{
 };
 use spotguard_testkit::k8s::fixtures::TestPod;
 use spotguard_testkit::k8s::TestCluster;
+use spotguard_testkit::s3::{create_bucket, S3Server};
+use spotguard_testkit::wait::until;
 use tokio_util::sync::CancellationToken;
 
 /// A pod of `service_account` in the agent's namespace bound to `node`.
@@ -52,6 +58,7 @@ async fn pod_on(k: &TestCluster, node: &str, service_account: &str, base: &str) 
 async fn receiver(
     client: kube::Client,
     tmp: &Path,
+    endpoint: Option<String>,
     cancel: &CancellationToken,
 ) -> (Peer, Arc<Registry>) {
     let publisher = RelayPublisher {
@@ -60,7 +67,10 @@ async fn receiver(
             own_dirs: Vec::new(),
         },
         limits: Limits::default(),
-        store: StoreOptions::default(),
+        store: StoreOptions {
+            endpoint,
+            ..StoreOptions::default()
+        },
         concurrency: 1,
         part_size: spotguard::upload::engine::MIN_PART_SIZE,
         journal_dir: tmp.join("state/relay"),
@@ -175,7 +185,7 @@ async fn a_kubernetes_receiver_accepts_only_an_agents_relay_token() {
 
     let tmp = tempfile::tempdir().unwrap();
     let cancel = CancellationToken::new();
-    let (peer, registry) = receiver(k.agent_client(), tmp.path(), &cancel).await;
+    let (peer, registry) = receiver(k.agent_client(), tmp.path(), None, &cancel).await;
     let (reserve, sources) = outgoing(tmp.path(), "s3://elsewhere/run1");
     let relay = |peer: Peer, token: String| {
         let (reserve, sources) = (reserve.clone(), sources.clone());
@@ -329,8 +339,32 @@ async fn relay_leases_are_each_nodes_own_and_give_the_peers_in_order() {
         [("Node", a.as_str())]
     );
 
-    // Another node's Lease, or its own held by another node: refused by the policy.
+    // Another node's Lease, or its own held by another node: refused by the policy — once the
+    // API server enforces it (it loads a new policy on its own time): a probe Lease, which
+    // advertises nothing, until it is refused.
     let agent_leases: Api<Lease> = Api::namespaced(client_a.clone(), AGENT_NAMESPACE);
+    let probe = lease::lease_name(&k.name("relay-probe"));
+    until(
+        "the own-node policy enforced",
+        Duration::from_secs(60),
+        || async {
+            let body = json!({
+                "apiVersion": "coordination.k8s.io/v1",
+                "kind": "Lease",
+                "metadata": { "name": probe },
+                "spec": { "holderIdentity": k.name("relay-probe") },
+            });
+            let r = agent_leases
+                .patch(
+                    &probe,
+                    &PatchParams::apply("probe").force(),
+                    &Patch::Apply(body),
+                )
+                .await;
+            matches!(r, Err(e) if e.to_string().contains("spotguard-own-node")).then_some(())
+        },
+    )
+    .await;
     let now = jiff::Timestamp::now();
     for (name, holder) in [
         (lease::lease_name(&b), b.clone()),
@@ -485,4 +519,121 @@ async fn relay_leases_are_each_nodes_own_and_give_the_peers_in_order() {
     );
     from_b.refresh().await.unwrap();
     assert!(!from_b.peers().iter().any(|p| p.addr == "10.77.0.1:7443"));
+}
+
+/// The store's credentials come from the environment, which a test never changes in its own
+/// process: the test runs again, alone, as a child of this binary with the variables set.
+/// `true`: this is the parent, and the child passed.
+async fn in_child(name: &str) -> bool {
+    const CHILD: &str = "SPOTGUARD_RELAY_KUBE_TEST_CHILD";
+    if std::env::var_os(CHILD).is_some() {
+        return false;
+    }
+    let out = tokio::process::Command::new(std::env::current_exe().unwrap())
+        .args([name, "--exact", "--nocapture", "--test-threads=1"])
+        .envs(S3Server::client_env())
+        .env(CHILD, "1")
+        .output()
+        .await
+        .unwrap();
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{name} failed in its child:\n{text}");
+    assert!(
+        text.contains("1 passed"),
+        "{name} did not run in its child:\n{text}"
+    );
+    true
+}
+
+/// Issue 44, end to end against the control plane and s3s-fs: the peer advertises itself in its
+/// Lease; the doomed node's agent finds it there, presents its relay token (read from the
+/// projected file) and relays; the peer reviews the token and publishes the checkpoint.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_found_through_its_lease_publishes_the_relayed_checkpoint() {
+    if in_child("a_peer_found_through_its_lease_publishes_the_relayed_checkpoint").await {
+        return;
+    }
+    let server = S3Server::s3s_fs(&[]);
+    create_bucket(&server.endpoint(), "ckpt").await;
+    let k = TestCluster::new().await;
+    let doomed = k.node(k.node_config("relay-doomed")).await;
+    let peer_node = k.node(k.node_config("relay-peer")).await;
+    let (doomed, peer_node) = (doomed.name().to_string(), peer_node.name().to_string());
+    let (_, client_doomed) = k.agent_on(&doomed).await;
+    let (_, client_peer) = k.agent_on(&peer_node).await;
+
+    // The peer: its receiver, and its Lease.
+    let tmp = tempfile::tempdir().unwrap();
+    let cancel = CancellationToken::new();
+    let (peer, registry) = receiver(
+        client_peer.clone(),
+        &tmp.path().join("peer"),
+        Some(server.endpoint()),
+        &cancel,
+    )
+    .await;
+    let advertiser = Advertiser::new(
+        client_peer,
+        AGENT_NAMESPACE,
+        &peer_node,
+        peer.addr.parse().unwrap(),
+        peer.fingerprint,
+        Box::new(|| 1 << 40),
+    );
+    advertiser.write().await.unwrap();
+
+    // The doomed node's agent: its peers from the Leases, its projected relay token.
+    let list = Arc::new(PeerList::new(client_doomed, AGENT_NAMESPACE, &doomed));
+    list.refresh().await.unwrap();
+    let peers = Peers::Found(list).current();
+    assert!(peers.contains(&peer), "{peers:?}");
+    let agent = pod_on(&k, &doomed, AGENT_SERVICE_ACCOUNT, "spotguard-doomed").await;
+    let token_file = tmp.path().join("token");
+    std::fs::write(
+        &token_file,
+        mint_pod_token_for(&k.admin(), &agent, AUDIENCE)
+            .await
+            .unwrap(),
+    )
+    .unwrap();
+    let bearer = Bearer::TokenFile(token_file).read().unwrap();
+    let (reserve, sources) = outgoing(tmp.path(), "s3://ckpt/run1");
+    let status = send::relay(
+        &peer,
+        &bearer,
+        reserve,
+        sources,
+        None,
+        CancellationToken::new(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(status.state, wire::State::Published, "{status:?}");
+    assert_eq!(refusals(&registry, "auth"), 0);
+
+    let store = AmazonS3Builder::from_env()
+        .with_endpoint(server.endpoint())
+        .with_bucket_name("ckpt")
+        .with_client_options(ClientOptions::new().with_allow_http(true))
+        .build()
+        .unwrap();
+    let manifest = store
+        .get(&ObjectPath::from("run1/step-100/manifest.json"))
+        .await
+        .expect("the peer published the manifest")
+        .bytes()
+        .await
+        .unwrap();
+    let manifest: serde_json::Value = serde_json::from_slice(&manifest).unwrap();
+    assert_eq!(manifest["origin"]["node"], "doomed-node", "{manifest}");
+    let model = store
+        .get(&ObjectPath::from("run1/step-100/model.bin"))
+        .await
+        .unwrap()
+        .bytes()
+        .await
+        .unwrap();
+    assert_eq!(model.as_ref(), vec![7u8; 4096].as_slice());
+    cancel.cancel();
 }
