@@ -22,6 +22,7 @@ use object_store::path::Path as ObjectPath;
 use object_store::{ClientOptions, ObjectStoreExt};
 use prometheus_client::registry::Registry;
 use serde_json::json;
+use spotguard::emulator::EmulatedNotice;
 use spotguard::relay::auth::{Bearer, Reviewer, AUDIENCE};
 use spotguard::relay::lease::{self, Advertiser, PeerList, Peers};
 use spotguard::relay::metrics::RelayMetrics;
@@ -34,6 +35,7 @@ use spotguard::store::url::StoreOptions;
 use spotguard::upload::dest::{AllowUpload, UploadPolicy};
 use spotguard::upload::relayed::RelayPublisher;
 use spotguard::upload::staged::{self, Limits, Root};
+use spotguard_testkit::k8s::agents::{AgentSpec, NodeAgent};
 use spotguard_testkit::k8s::controlplane::{
     mint_pod_token, mint_pod_token_for, AGENT_NAMESPACE, AGENT_SERVICE_ACCOUNT,
     FORCE_DELETE_SERVICE_ACCOUNT,
@@ -636,4 +638,67 @@ async fn a_peer_found_through_its_lease_publishes_the_relayed_checkpoint() {
         .unwrap();
     assert_eq!(model.as_ref(), vec![7u8; 4096].as_slice());
     cancel.cancel();
+}
+
+/// The agent as the DaemonSet runs it (its own process, the shipped privileges and permissions)
+/// with the relay on: it advertises its receiver in its Lease (its address, its certificate's
+/// fingerprint, its node's zone) and, once a spot interruption's plan has signalled, marks it
+/// under notice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_running_agent_advertises_its_receiver_and_marks_its_notice() {
+    let k = TestCluster::new().await;
+    let node = k
+        .node(
+            k.node_config("relay-agent")
+                .label("topology.kubernetes.io/zone", "zone-9")
+                .label("cloud.google.com/gke-spot", "true"),
+        )
+        .await;
+    let node = node.name().to_string();
+    let dir = tempfile::tempdir().unwrap();
+    let kubeconfig = dir.path().join("agent.kubeconfig");
+    std::fs::write(&kubeconfig, k.agent_kubeconfig()).unwrap();
+    let port = spotguard_testkit::k8s::child::free_port().unwrap();
+    let mut spec = AgentSpec::new(env!("CARGO_BIN_EXE_spotguard"), &node, &kubeconfig);
+    spec.args = vec![
+        "--relay=auto".into(),
+        format!("--relay-listen=127.0.0.1:{port}"),
+    ];
+    spec.env = vec![
+        ("POD_NAMESPACE".into(), AGENT_NAMESPACE.into()),
+        ("POD_SERVICE_ACCOUNT".into(), AGENT_SERVICE_ACCOUNT.into()),
+    ];
+    let agent = NodeAgent::start(&spec).await.expect("the agent");
+    let leases: Api<Lease> = Api::namespaced(k.admin(), AGENT_NAMESPACE);
+    let name = lease::lease_name(&node);
+    let advert = |want_notice: &'static str| {
+        let (leases, name) = (leases.clone(), name.clone());
+        async move {
+            let l = leases.get_opt(&name).await.ok()??;
+            let notes = l.metadata.annotations?;
+            (notes.get(lease::UNDER_NOTICE).map(String::as_str) == Some(want_notice))
+                .then_some(notes)
+        }
+    };
+    let notes = until("the agent's relay Lease", Duration::from_secs(60), || {
+        advert("false")
+    })
+    .await;
+    let identity = Identity::load_or_create(&tls::dir(&agent.dir().join("state"))).unwrap();
+    assert_eq!(notes[lease::ADDRESS], format!("127.0.0.1:{port}"));
+    assert_eq!(notes[lease::FINGERPRINT], tls::hex(&identity.fingerprint));
+    assert_eq!(notes[lease::ZONE], "zone-9");
+    assert_eq!(notes[lease::CAPACITY], "spot");
+
+    agent
+        .emulator
+        .raise(EmulatedNotice::interruption().due_in(Duration::from_secs(120)))
+        .expect("raise");
+    until(
+        "the Lease marked under notice",
+        Duration::from_secs(60),
+        || advert("true"),
+    )
+    .await;
+    drop(agent);
 }
