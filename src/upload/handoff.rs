@@ -159,7 +159,11 @@ async fn relay_to_peers(
             return None;
         }
     };
-    for peer in &relay.peers.current() {
+    let peers = relay.peers.current();
+    if peers.is_empty() {
+        warn!("cannot relay: no peer (none configured, or no live peer's Lease not under notice)");
+    }
+    for peer in &peers {
         let ended = send::relay(
             peer,
             &key,
