@@ -397,8 +397,28 @@ async fn relay_leases_are_each_nodes_own_and_give_the_peers_in_order() {
         );
     }
 
-    // Peers as their agents advertise them.
     let peer = |n: &str| k.name(&format!("relay-peer-{n}"));
+    // A Lease not named for its holder is no agent's.
+    let body = peer_lease(
+        &k.name("spotguard-relay-misnamed"),
+        &peer("misnamed"),
+        "10.77.1.8:7443",
+        999_999,
+        "zone-1",
+        "on-demand",
+        false,
+        now,
+    );
+    leases
+        .patch(
+            &k.name("spotguard-relay-misnamed"),
+            &PatchParams::apply("test").force(),
+            &Patch::Apply(body),
+        )
+        .await
+        .unwrap();
+
+    // Peers as their agents advertise them ("unknown" last).
     let stale = now - jiff::SignedDuration::from_secs(3600);
     let others = [
         (
@@ -469,34 +489,24 @@ async fn relay_leases_are_each_nodes_own_and_give_the_peers_in_order() {
             .await
             .unwrap();
     }
-    // A Lease not named for its holder is no agent's.
-    let body = peer_lease(
-        &k.name("spotguard-relay-misnamed"),
-        &peer("misnamed"),
-        "10.77.1.8:7443",
-        999_999,
-        "zone-1",
-        "on-demand",
-        false,
-        now,
-    );
-    leases
-        .patch(
-            &k.name("spotguard-relay-misnamed"),
-            &PatchParams::apply("test").force(),
-            &Patch::Apply(body),
-        )
-        .await
-        .unwrap();
-
+    // The list is read from the API server's watch cache: until it holds the last Lease written
+    // (and so every one before it).
     let list = PeerList::new(client_a.clone(), AGENT_NAMESPACE, &a);
-    list.refresh().await.expect("the agent lists the Leases");
-    let mine: Vec<String> = list
-        .peers()
-        .into_iter()
-        .map(|p| p.addr)
-        .filter(|addr| addr.starts_with("10.77."))
-        .collect();
+    let mine: Vec<String> = until(
+        "the peers' Leases listed",
+        Duration::from_secs(30),
+        || async {
+            list.refresh().await.ok()?;
+            let mine: Vec<String> = list
+                .peers()
+                .into_iter()
+                .map(|p| p.addr)
+                .filter(|addr| addr.starts_with("10.77."))
+                .collect();
+            mine.contains(&"10.77.1.7:7443".to_string()).then_some(mine)
+        },
+    )
+    .await;
     assert_eq!(
         mine,
         [
@@ -510,8 +520,18 @@ async fn relay_leases_are_each_nodes_own_and_give_the_peers_in_order() {
 
     // Under notice: the next write says so, and the peers drop it.
     let from_b = PeerList::new(k.admin(), AGENT_NAMESPACE, &b);
-    from_b.refresh().await.unwrap();
-    assert!(from_b.peers().iter().any(|p| p.addr == "10.77.0.1:7443"));
+    let listed = |want: bool| {
+        let from_b = &from_b;
+        async move {
+            from_b.refresh().await.ok()?;
+            let has = from_b.peers().iter().any(|p| p.addr == "10.77.0.1:7443");
+            (has == want).then_some(())
+        }
+    };
+    until("node A among B's peers", Duration::from_secs(30), || {
+        listed(true)
+    })
+    .await;
     advertiser.under_notice(true);
     advertiser.write().await.unwrap();
     let own = leases.get(&lease::lease_name(&a)).await.unwrap();
@@ -519,8 +539,12 @@ async fn relay_leases_are_each_nodes_own_and_give_the_peers_in_order() {
         own.metadata.annotations.unwrap_or_default()[lease::UNDER_NOTICE],
         "true"
     );
-    from_b.refresh().await.unwrap();
-    assert!(!from_b.peers().iter().any(|p| p.addr == "10.77.0.1:7443"));
+    until(
+        "node A dropped from B's peers",
+        Duration::from_secs(30),
+        || listed(false),
+    )
+    .await;
 }
 
 /// The store's credentials come from the environment, which a test never changes in its own
@@ -587,9 +611,16 @@ async fn a_peer_found_through_its_lease_publishes_the_relayed_checkpoint() {
 
     // The doomed node's agent: its peers from the Leases, its projected relay token.
     let list = Arc::new(PeerList::new(client_doomed, AGENT_NAMESPACE, &doomed));
-    list.refresh().await.unwrap();
-    let peers = Peers::Found(list).current();
-    assert!(peers.contains(&peer), "{peers:?}");
+    let peers = Peers::Found(list.clone());
+    until(
+        "the peer's Lease listed",
+        Duration::from_secs(30),
+        || async {
+            list.refresh().await.ok()?;
+            peers.current().contains(&peer).then_some(())
+        },
+    )
+    .await;
     let agent = pod_on(&k, &doomed, AGENT_SERVICE_ACCOUNT, "spotguard-doomed").await;
     let token_file = tmp.path().join("token");
     std::fs::write(
