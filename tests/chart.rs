@@ -985,16 +985,22 @@ async fn kustomize_install_server_side_reapply_karpenter_and_removal() {
     args.extend(["--ignore-not-found", "--wait=false"]);
     let ran = t.kubectl(&args, None).await;
     assert!(ran.ok, "{}", ran.stderr);
-    // testkit's own ServiceAccount for its force-delete identity, not part of the install.
-    let testkit_sa = format!(
-        "ServiceAccount/spotguard/{}",
-        spotguard_testkit::k8s::controlplane::FORCE_DELETE_SERVICE_ACCOUNT
-    );
+    // testkit's own ServiceAccount for its force-delete identity, and the relay component's Role
+    // and binding testkit applies for every test, not part of this install (in the namespace
+    // being deleted, they go with it).
+    let testkit_objects = [
+        format!(
+            "ServiceAccount/spotguard/{}",
+            spotguard_testkit::k8s::controlplane::FORCE_DELETE_SERVICE_ACCOUNT
+        ),
+        "Role/spotguard/spotguard-relay".to_string(),
+        "RoleBinding/spotguard/spotguard-relay".to_string(),
+    ];
     let left: Vec<String> = t
         .leftovers(selector)
         .await
         .into_iter()
-        .filter(|o| *o != testkit_sa)
+        .filter(|o| !testkit_objects.contains(o))
         .collect();
     assert_eq!(
         left,

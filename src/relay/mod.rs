@@ -7,7 +7,7 @@
 //! - [`wire`]: the versioned wire format (HTTP/1.1 over TLS);
 //! - [`tls`]: the node's self-signed certificate and the sender's fingerprint pinning;
 //! - [`stage`]: the receiver's staging volume (each relay's files and journal);
-//! - [`receive`]: the receiver (`--relay-listen`): the node key, reservations under a cap per
+//! - [`receive`]: the receiver (`--relay-listen`): [`auth`] first, reservations under a cap per
 //!   sender and the free space, every byte as hostile input, publication through a
 //!   [`Publisher`];
 //! - [`send`]: the sender: a staged tree's files to one peer, then the commit and its outcome;

@@ -1,6 +1,7 @@
 //! The receiver: a TLS listener (`--relay-listen`) serving the wire format ([`super::wire`]).
 //!
-//! Every request carries the node key (`Authorization: Bearer`), compared in constant time; a
+//! Every request carries the node key or, in Kubernetes, an agent's relay token
+//! (`Authorization: Bearer`), checked first ([`super::auth`]); a
 //! reservation is checked before a byte is accepted: its version, the tree's paths, counts and
 //! bytes (the staged-tree rules, `store::tree`), the location against this agent's own
 //! allow-list and writer rules ([`Publisher::check`]), the sender's cap (bytes reserved by one
