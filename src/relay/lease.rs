@@ -422,19 +422,13 @@ impl PeerList {
                 .map_or(DURATION.as_secs(), |d| (d as u64).min(3600)),
         );
         let renew = spec.renew_time.as_ref().map(|t| t.0);
-        let seen = match before {
-            Some(b) if b.renew == renew => b.seen,
-            _ => {
-                // A renewal ahead of this clock is new; none at all is stale.
-                let age = renew.map_or(Duration::MAX, |r| {
-                    Duration::try_from(wall.duration_since(r)).unwrap_or(Duration::ZERO)
-                });
-                now.checked_sub(age).unwrap_or_else(|| {
-                    now.checked_sub(duration + Duration::from_secs(1))
-                        .unwrap_or(now)
-                })
-            }
-        };
+        let seen = seen_at(
+            before.map(|b| (b.renew, b.seen)),
+            renew,
+            now,
+            wall,
+            duration,
+        );
         Some(Entry {
             node,
             advert,
@@ -455,7 +449,7 @@ impl PeerList {
             .values()
             .filter(|e| e.node != self.node)
             .filter(|e| !e.advert.under_notice)
-            .filter(|e| now.saturating_duration_since(e.seen) <= e.duration)
+            .filter(|e| live(e.seen, e.duration, now))
             .collect();
         live.sort_by(|a, b| {
             let key = |e: &Entry| {
@@ -507,6 +501,37 @@ impl PeerList {
             }
         }
     }
+}
+
+/// When this agent counts a Lease's renewal `renew` as seen: when it first saw that renewal
+/// (`before`: the renewal it saw last, and when), else `now` less the renewal's age on this
+/// clock — a renewal ahead of this clock is new, none at all is stale. Only the first sight
+/// reads the wall clock: after it, a Lease is live while its renewal keeps changing, however
+/// far the writer's clock is from this one.
+fn seen_at(
+    before: Option<(Option<jiff::Timestamp>, Instant)>,
+    renew: Option<jiff::Timestamp>,
+    now: Instant,
+    wall: jiff::Timestamp,
+    duration: Duration,
+) -> Instant {
+    match before {
+        Some((r, seen)) if r == renew => seen,
+        _ => {
+            let age = renew.map_or(Duration::MAX, |r| {
+                Duration::try_from(wall.duration_since(r)).unwrap_or(Duration::ZERO)
+            });
+            now.checked_sub(age).unwrap_or_else(|| {
+                now.checked_sub(duration + Duration::from_secs(1))
+                    .unwrap_or(now)
+            })
+        }
+    }
+}
+
+/// A Lease seen renewed at `seen` is live at `now` within its `duration`.
+fn live(seen: Instant, duration: Duration, now: Instant) -> bool {
+    now.saturating_duration_since(seen) <= duration
 }
 
 fn lease_key(lease: &Lease) -> String {
@@ -616,6 +641,37 @@ mod tests {
         let mut broken = a.annotations();
         broken.insert(ADDRESS.into(), "not an address".into());
         assert_eq!(Advert::parse(&broken), None);
+    }
+
+    #[test]
+    fn a_lease_is_stale_when_its_renewal_stops_changing_whatever_the_writers_clock() {
+        let d = DURATION;
+        let t0 = Instant::now() + Duration::from_secs(7200);
+        let wall = jiff::Timestamp::now();
+        let secs = |s: i64| jiff::SignedDuration::from_secs(s);
+        // First sight: its age on this clock.
+        let fresh = Some(wall - secs(5));
+        let seen = seen_at(None, fresh, t0, wall, d);
+        assert!(live(seen, d, t0));
+        assert!(!live(seen, d, t0 + d));
+        assert!(!live(
+            seen_at(None, Some(wall - secs(3600)), t0, wall, d),
+            d,
+            t0
+        ));
+        assert!(!live(seen_at(None, None, t0, wall, d), d, t0));
+        // A writer ten minutes ahead: live while it renews, stale once it stops.
+        let ahead = Some(wall + secs(600));
+        let seen = seen_at(None, ahead, t0, wall, d);
+        assert!(live(seen, d, t0));
+        let later = t0 + Duration::from_secs(20);
+        let again = seen_at(Some((ahead, seen)), ahead, later, wall + secs(20), d);
+        assert_eq!(again, seen, "the same renewal keeps its first sight");
+        assert!(!live(again, d, t0 + d + Duration::from_secs(1)));
+        let renewed = Some(wall + secs(620));
+        let seen = seen_at(Some((ahead, seen)), renewed, later, wall + secs(20), d);
+        assert_eq!(seen, later);
+        assert!(live(seen, d, later + d));
     }
 
     #[test]
