@@ -121,7 +121,9 @@ pub async fn start_with_client(
 
     let (node, discovery, pod_location, discovery_ready, cluster_ledger) =
         node_and_discovery(&cfg, client, &metrics, &mut tasks, &cancel).await?;
-    let upload = upload_service(&cfg, &telemetry, pod_location, &cancel).await;
+    let kube = cluster_ledger.as_ref().map(|(c, _, _)| c.clone());
+    let relay_peers = relay_peer_list(&cfg, kube.as_ref(), &mut tasks, &cancel);
+    let upload = upload_service(&cfg, &telemetry, pod_location, relay_peers, &cancel).await;
     let inputs = spawn_notice_sources(&cfg, &telemetry, &mut tasks, &cancel)?;
     let hook = build_webhook(&cfg, &metrics)?;
     let who = Who::of(&cfg);
@@ -140,6 +142,8 @@ pub async fn start_with_client(
         },
     );
     let events = responder.subscribe();
+    // The relay Lease's notice mark follows the plan (Kubernetes).
+    let relay_kube = kube.map(|c| (c, responder.subscribe()));
     let goodput_log =
         (!cfg.args.dry_run).then(|| cfg.args.state_dir.join(crate::goodput::report::LOG_FILE));
     // The node a job resumes on reports its recovery (off the signal path).
@@ -179,7 +183,7 @@ pub async fn start_with_client(
     tasks.spawn("responder", responder.run(inputs.notices, cancel.clone()));
     spawn_gpu_monitor(&cfg, &node, telemetry.gpu.clone(), &mut tasks, &cancel);
     spawn_prefetcher(&cfg, &metrics, &mut tasks, &cancel).await;
-    spawn_relay_receiver(&cfg, &telemetry, &mut tasks, &cancel).await?;
+    spawn_relay_receiver(&cfg, &telemetry, relay_kube, &mut tasks, &cancel).await?;
 
     let registry = Arc::new(std::mem::take(&mut telemetry.registry));
     let admin_addr = spawn_admin_server(
@@ -417,6 +421,7 @@ async fn upload_service(
     cfg: &Config,
     telemetry: &Telemetry,
     pod_location: Option<crate::upload::service::PodLocation>,
+    relay_peers: Option<Arc<crate::relay::lease::PeerList>>,
     cancel: &CancellationToken,
 ) -> Option<Arc<crate::upload::service::Service>> {
     use crate::upload::service::{Service, Settings};
@@ -436,7 +441,7 @@ async fn upload_service(
         state_dir: cfg.args.state_dir.clone(),
         host_location: cfg.args.checkpoint_upload.clone(),
         node: cfg.node_name.clone(),
-        relay: relay_sender(cfg, &telemetry.relay),
+        relay: relay_sender(cfg, &telemetry.relay, relay_peers),
     };
     let service = match Service::new(settings, telemetry.upload.clone(), pod_location) {
         Ok(s) => Arc::new(s),
@@ -469,41 +474,88 @@ async fn upload_service(
     Some(service)
 }
 
-/// `--relay`: the sender's settings (the key was checked at start).
+/// Kubernetes with `--relay` and no `--relay-peers`: the peers the relay Leases advertise, read
+/// in the background from now on.
+fn relay_peer_list(
+    cfg: &Config,
+    client: Option<&kube::Client>,
+    tasks: &mut Tasks,
+    cancel: &CancellationToken,
+) -> Option<Arc<crate::relay::lease::PeerList>> {
+    let (Some(client), Some(ns), Some(node)) = (client, &cfg.pod_namespace, &cfg.node_name) else {
+        if cfg.mode == Mode::Kubernetes && cfg.args.relay != crate::config::RelayChoice::Off {
+            warn!("--relay without POD_NAMESPACE: no relay peers (set it with the downward API)");
+        }
+        return None;
+    };
+    if cfg.args.relay == crate::config::RelayChoice::Off || !cfg.args.relay_peers.is_empty() {
+        return None;
+    }
+    let list = Arc::new(crate::relay::lease::PeerList::new(client.clone(), ns, node));
+    tasks.spawn("relay peers", list.clone().follow(cancel.clone()));
+    Some(list)
+}
+
+/// `--relay`: the sender's settings (the key was checked at start): the peers configured or
+/// found through their Leases, the node key or (Kubernetes) the relay token's file.
 fn relay_sender(
     cfg: &Config,
     metrics: &Arc<crate::relay::metrics::RelayMetrics>,
+    found: Option<Arc<crate::relay::lease::PeerList>>,
 ) -> Option<crate::upload::handoff::Relay> {
     use crate::config::RelayChoice;
-    use crate::upload::handoff::{Mode, Relay};
+    use crate::relay::auth::Bearer;
+    use crate::relay::lease::Peers;
+    use crate::upload::handoff::{Mode as RelayMode, Relay};
     let mode = match cfg.args.relay {
         RelayChoice::Off => return None,
-        RelayChoice::Auto => Mode::Auto,
-        RelayChoice::Always => Mode::Always,
+        RelayChoice::Auto => RelayMode::Auto,
+        RelayChoice::Always => RelayMode::Always,
     };
-    let key = crate::config::read_relay_key(cfg.args.relay_key_file.as_deref()?).ok()?;
+    let key = match &cfg.args.relay_key_file {
+        Some(path) => Bearer::Key(crate::config::read_relay_key(path).ok()?),
+        None if cfg.mode == Mode::Kubernetes => {
+            Bearer::TokenFile(cfg.args.relay_token_file.clone())
+        }
+        None => return None,
+    };
+    let peers = match found {
+        Some(list) => Peers::Found(list),
+        None => Peers::Fixed(cfg.args.relay_peers.clone()),
+    };
     Some(Relay {
         mode,
-        peers: cfg.args.relay_peers.clone(),
+        peers,
         key,
         metrics: metrics.clone(),
     })
 }
 
 /// `--relay-listen`: the relay receiver, publishing what peers relay with the upload engine
-/// under this agent's own upload settings.
+/// under this agent's own upload settings. Kubernetes without a node key: senders present an
+/// agent's relay token (TokenReview), and the agent advertises itself in its relay Lease, marked
+/// under notice once a plan has signalled (`events`).
 async fn spawn_relay_receiver(
     cfg: &Config,
     telemetry: &Telemetry,
+    kube: Option<(kube::Client, broadcast::Receiver<PlanEvent>)>,
     tasks: &mut Tasks,
     cancel: &CancellationToken,
 ) -> Result<(), Error> {
     use crate::relay::receive::{Receiver, Settings};
-    let (Some(listen), Some(key_file)) = (cfg.args.relay_listen, &cfg.args.relay_key_file) else {
+    let Some(listen) = cfg.args.relay_listen else {
         return Ok(());
     };
     let relay_err = |e: String| Error::Relay(e);
-    let key = crate::config::read_relay_key(key_file).map_err(relay_err)?;
+    let key = match &cfg.args.relay_key_file {
+        Some(f) => Some(crate::config::read_relay_key(f).map_err(relay_err)?),
+        None => None,
+    };
+    let kube = match (&key, kube) {
+        (Some(_), _) => None,
+        (None, Some(k)) => Some(k),
+        (None, None) => return Err(relay_err("--relay-listen needs --relay-key-file".into())),
+    };
     let state = &cfg.args.state_dir;
     let identity = crate::relay::tls::Identity::load_or_create(&crate::relay::tls::dir(state))
         .map_err(|e| relay_err(e.to_string()))?;
@@ -528,41 +580,117 @@ async fn spawn_relay_receiver(
         .relay_staging_dir
         .clone()
         .unwrap_or_else(|| crate::relay::tls::dir(state).join("staging"));
-    let receiver = Arc::new(
-        Receiver::new(
-            Settings {
-                key: key.into_bytes(),
-                staging,
-                per_sender: cfg.args.relay_max_bytes_per_sender,
-                idle: cfg.args.relay_idle_timeout,
-                limits: upload_limits(cfg),
-                connections: crate::relay::receive::connection_limits(
-                    crate::relay::receive::MAX_CONNECTIONS,
-                    crate::relay::receive::MAX_CONNECTIONS_PER_SENDER,
-                ),
-                metrics: telemetry.relay.clone(),
-            },
-            Arc::new(publisher),
-        )
-        .map_err(|e| relay_err(e.to_string()))?,
-    );
+    let mut receiver = Receiver::new(
+        Settings {
+            key: key.unwrap_or_default().into_bytes(),
+            staging,
+            per_sender: cfg.args.relay_max_bytes_per_sender,
+            idle: cfg.args.relay_idle_timeout,
+            limits: upload_limits(cfg),
+            connections: crate::relay::receive::connection_limits(
+                crate::relay::receive::MAX_CONNECTIONS,
+                crate::relay::receive::MAX_CONNECTIONS_PER_SENDER,
+            ),
+            metrics: telemetry.relay.clone(),
+        },
+        Arc::new(publisher),
+    )
+    .map_err(|e| relay_err(e.to_string()))?;
+    let mut advertise = None;
+    if let Some((client, events)) = kube {
+        let (Some(ns), Some(sa), Some(node)) =
+            (&cfg.pod_namespace, &cfg.pod_service_account, &cfg.node_name)
+        else {
+            return Err(relay_err(
+                "Kubernetes relay receiver: POD_NAMESPACE and POD_SERVICE_ACCOUNT (downward API) are needed to know the agents' ServiceAccount".into(),
+            ));
+        };
+        receiver = receiver.with_tokens(crate::relay::auth::Reviewer::new(
+            client.clone(),
+            &cfg.args.relay_audience,
+            ns,
+            sa,
+        ));
+        advertise = Some((client, events, ns.clone(), node.clone()));
+    }
+    let receiver = Arc::new(receiver);
     let listener = tokio::net::TcpListener::bind(listen)
         .await
         .map_err(|e| relay_err(format!("--relay-listen {listen}: {e}")))?;
+    let bound = listener.local_addr().unwrap_or(listen);
     let config = identity
         .server_config()
         .map_err(|e| relay_err(e.to_string()))?;
     receiver.recover();
     info!(
-        listen = %listener.local_addr().unwrap_or(listen),
+        listen = %bound,
         fingerprint = %crate::relay::tls::hex(&identity.fingerprint),
         "relay receiver listening"
     );
+    if let Some((client, events, ns, node)) = advertise {
+        let ip = match (cfg.pod_ip, bound.ip().is_unspecified()) {
+            (Some(ip), _) => ip,
+            (None, false) => bound.ip(),
+            (None, true) => {
+                return Err(relay_err(
+                    "Kubernetes relay receiver: POD_IP (downward API) or a --relay-listen address other than 0.0.0.0 is needed to advertise it".into(),
+                ))
+            }
+        };
+        let free = {
+            let receiver = receiver.clone();
+            Box::new(move || {
+                rustix::fs::statvfs(receiver.staging_dir())
+                    .map(|st| st.f_bavail.saturating_mul(st.f_frsize))
+                    .unwrap_or(0)
+                    .saturating_sub(receiver.reserved())
+            })
+        };
+        let advertiser = Arc::new(crate::relay::lease::Advertiser::new(
+            client,
+            &ns,
+            &node,
+            SocketAddr::new(ip, bound.port()),
+            identity.fingerprint,
+            free,
+        ));
+        tasks.spawn("relay lease", advertiser.clone().run(cancel.clone()));
+        tasks.spawn(
+            "relay notice mark",
+            mark_under_notice(advertiser, events, cancel.clone()),
+        );
+    }
     tasks.spawn(
         "relay receiver",
         receiver.serve(listener, config, cancel.clone()),
     );
     Ok(())
+}
+
+/// The relay Lease says this node is under notice once a plan has signalled its trainers (after
+/// the signal: the Lease's write is its own task's), and no longer when a notice is undone.
+async fn mark_under_notice(
+    advertiser: Arc<crate::relay::lease::Advertiser>,
+    mut events: broadcast::Receiver<PlanEvent>,
+    cancel: CancellationToken,
+) {
+    loop {
+        let event = tokio::select! {
+            _ = cancel.cancelled() => return,
+            e = events.recv() => e,
+        };
+        match event {
+            Ok(PlanEvent::Signalled { .. } | PlanEvent::Checkpointed { .. }) => {
+                advertiser.under_notice(true)
+            }
+            Ok(PlanEvent::Undone { .. }) => advertiser.under_notice(false),
+            Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => {}
+            Err(broadcast::error::RecvError::Closed) => {
+                cancel.cancelled().await;
+                return;
+            }
+        }
+    }
 }
 
 fn upload_limits(cfg: &Config) -> crate::upload::Limits {

@@ -370,14 +370,18 @@ async fn template(t: &Tools, helm: &Helm, ns: &str, extra: &[&str]) -> Result<St
 }
 
 /// The chart's default rendering is the kustomize base, its forceDelete value is the
-/// force-delete component and `prefetch.enabled=false` is the no-prefetch component — with
+/// force-delete component, `relay.enabled=true` is the relay component and `prefetch.enabled=false` is the no-prefetch component — with
 /// both Helm majors. An object added to daemonset/ (or a field changed) without the chart
 /// following fails here.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_charts_default_rendering_is_the_kustomize_base() {
     let t = Tools::start().await;
-    let cases: [(&[&str], &[&str]); 3] = [
+    let cases: [(&[&str], &[&str]); 4] = [
         (&[], &[]),
+        (
+            &["--set", "relay.enabled=true"],
+            &["daemonset/components/relay"],
+        ),
         (
             &["--set", "forceDelete.enabled=true"],
             &["daemonset/components/force-delete"],
@@ -981,16 +985,22 @@ async fn kustomize_install_server_side_reapply_karpenter_and_removal() {
     args.extend(["--ignore-not-found", "--wait=false"]);
     let ran = t.kubectl(&args, None).await;
     assert!(ran.ok, "{}", ran.stderr);
-    // testkit's own ServiceAccount for its force-delete identity, not part of the install.
-    let testkit_sa = format!(
-        "ServiceAccount/spotguard/{}",
-        spotguard_testkit::k8s::controlplane::FORCE_DELETE_SERVICE_ACCOUNT
-    );
+    // testkit's own ServiceAccount for its force-delete identity, and the relay component's Role
+    // and binding testkit applies for every test, not part of this install (in the namespace
+    // being deleted, they go with it).
+    let testkit_objects = [
+        format!(
+            "ServiceAccount/spotguard/{}",
+            spotguard_testkit::k8s::controlplane::FORCE_DELETE_SERVICE_ACCOUNT
+        ),
+        "Role/spotguard/spotguard-relay".to_string(),
+        "RoleBinding/spotguard/spotguard-relay".to_string(),
+    ];
     let left: Vec<String> = t
         .leftovers(selector)
         .await
         .into_iter()
-        .filter(|o| *o != testkit_sa)
+        .filter(|o| !testkit_objects.contains(o))
         .collect();
     assert_eq!(
         left,

@@ -16,7 +16,7 @@
 //!
 //! Tools: kubectl ≥ 1.29 and systemd-analyze (`scripts/deps/kubectl.sh` installs both).
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 use k8s_openapi::api::admissionregistration::v1::{
@@ -533,6 +533,113 @@ async fn force_delete_component_adds_only_pod_deletion() {
         .collect();
     assert_eq!(flags.len(), 1, "{flags:?}");
     assert_eq!(flags[0].value.as_deref(), Some("true"));
+}
+
+/// The relay component (docs/relay.md, "Kubernetes") adds exactly: TokenReviews, the Leases of
+/// the agent's own namespace, the relay's settings, port, staging volume and projected token;
+/// the base's role and policy are unchanged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relay_component_adds_only_leases_and_token_reviews() {
+    let k = Kubectl::start().await;
+    let overlay = tempfile::tempdir().unwrap();
+    let up = overlay
+        .path()
+        .components()
+        .filter(|c| matches!(c, std::path::Component::Normal(_)))
+        .map(|_| "..")
+        .collect::<Vec<_>>()
+        .join("/");
+    let base = format!("{up}{}", repo_root().join("daemonset").display());
+    std::fs::write(
+        overlay.path().join("kustomization.yaml"),
+        format!(
+            "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources:\n  - {base}\n\
+             components:\n  - {base}/components/relay\n"
+        ),
+    )
+    .unwrap();
+    let objects = kustomized(&k, overlay.path()).await;
+    let rule = |g: &str, r: &str, v: &str| (g.to_string(), r.to_string(), v.to_string());
+
+    let cluster: ClusterRole = strict(find(&objects, "ClusterRole", "spotguard-relay")).unwrap();
+    assert_eq!(
+        rule_set(&cluster),
+        BTreeSet::from([rule("authentication.k8s.io", "tokenreviews", "create")])
+    );
+    let role: Role = strict(find(&objects, "Role", "spotguard-relay")).unwrap();
+    assert_eq!(role.metadata.namespace.as_deref(), Some("spotguard"));
+    let mut leases = BTreeSet::new();
+    for r in role.rules.iter().flatten() {
+        assert!(r.resource_names.is_none());
+        for g in r.api_groups.iter().flatten() {
+            for res in r.resources.iter().flatten() {
+                for v in &r.verbs {
+                    leases.insert(rule(g, res, v));
+                }
+            }
+        }
+    }
+    assert_eq!(
+        leases,
+        ["get", "list", "create", "patch"]
+            .into_iter()
+            .map(|v| rule("coordination.k8s.io", "leases", v))
+            .collect()
+    );
+    for (kind, name) in [
+        ("ClusterRoleBinding", "spotguard-relay"),
+        ("RoleBinding", "spotguard-relay"),
+    ] {
+        let b = find(&objects, kind, name);
+        assert_eq!(b["roleRef"]["name"], "spotguard-relay");
+        assert_eq!(b["subjects"].as_array().unwrap().len(), 1);
+        assert_eq!(b["subjects"][0]["name"], "spotguard");
+        assert_eq!(b["subjects"][0]["namespace"], "spotguard");
+    }
+    let base_role: ClusterRole = strict(find(&objects, "ClusterRole", "spotguard")).unwrap();
+    assert_eq!(rule_set(&base_role), least_privilege());
+
+    let ds: DaemonSet = strict(find(&objects, "DaemonSet", "spotguard")).unwrap();
+    let agent = agent(&ds);
+    let env: BTreeMap<String, Option<String>> = agent
+        .env
+        .iter()
+        .flatten()
+        .map(|e| (e.name.clone(), e.value.clone()))
+        .collect();
+    for (name, value) in [
+        ("SPOTGUARD_RELAY", "auto"),
+        ("SPOTGUARD_RELAY_LISTEN", "0.0.0.0:7443"),
+        (
+            "SPOTGUARD_RELAY_STAGING_DIR",
+            "/var/lib/spotguard/relay/staging",
+        ),
+        (
+            "SPOTGUARD_RELAY_TOKEN_FILE",
+            "/var/run/secrets/spotguard.io/relay/token",
+        ),
+        ("SPOTGUARD_RELAY_AUDIENCE", "spotguard-relay"),
+    ] {
+        assert_eq!(env.get(name), Some(&Some(value.to_string())), "{name}");
+    }
+    assert!(env.contains_key("POD_SERVICE_ACCOUNT") && env.contains_key("POD_IP"));
+    assert!(agent
+        .ports
+        .iter()
+        .flatten()
+        .any(|p| p.name.as_deref() == Some("relay") && p.container_port == 7443));
+    let pod = ds.spec.as_ref().unwrap().template.spec.as_ref().unwrap();
+    let volumes = pod.volumes.as_ref().unwrap();
+    let staging = volumes.iter().find(|v| v.name == "relay-staging").unwrap();
+    assert_eq!(
+        staging.host_path.as_ref().unwrap().path,
+        "/var/lib/spotguard/relay/staging"
+    );
+    let token = volumes.iter().find(|v| v.name == "relay-token").unwrap();
+    let sources = token.projected.as_ref().unwrap().sources.as_ref().unwrap();
+    let sa = sources[0].service_account_token.as_ref().unwrap();
+    assert_eq!(sa.audience.as_deref(), Some("spotguard-relay"));
+    assert_eq!(sa.path, "token");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

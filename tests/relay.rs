@@ -860,7 +860,7 @@ async fn race(
     let upload = tokio::spawn(engine::run(job));
     let relay = Relay {
         mode,
-        peers: vec![peer.peer()],
+        peers: vec![peer.peer()].into(),
         key: KEY.into(),
         metrics,
     };

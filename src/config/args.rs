@@ -408,7 +408,7 @@ pub struct RunArgs {
     #[arg(long, env = "SPOTGUARD_UPLOAD_ENDPOINT", value_name = "URL", value_parser = parse_url, help_heading = UPLOAD)]
     pub upload_endpoint: Option<String>,
 
-    /// Also stream a staged checkpoint to a peer agent, which verifies and publishes it (docs/relay.md): off; auto (when the upload, at the throughput it gets, cannot finish before its deadline); always. Needs --relay-peers and --relay-key-file.
+    /// Also stream a staged checkpoint to a peer agent, which verifies and publishes it (docs/relay.md): off; auto (when the upload, at the throughput it gets, cannot finish before its deadline); always. Host mode: needs --relay-peers and --relay-key-file; Kubernetes: peers are the agents advertised in Leases.
     #[arg(long, env = "SPOTGUARD_RELAY", value_name = "WHEN", default_value = "off", value_enum, help_heading = RELAY)]
     pub relay: RelayChoice,
 
@@ -420,7 +420,15 @@ pub struct RunArgs {
     #[arg(long, env = "SPOTGUARD_RELAY_KEY_FILE", value_name = "PATH", value_parser = parse_abs_path, help_heading = RELAY)]
     pub relay_key_file: Option<PathBuf>,
 
-    /// Receive relays from peers on this address (e.g. 0.0.0.0:7443), TLS with this node's certificate kept in <state-dir>/relay; none: this node receives none. Needs --relay-key-file.
+    /// Kubernetes without --relay-key-file: the projected ServiceAccount token (audience --relay-audience) every relay request carries, read again on each use (the kubelet rotates it).
+    #[arg(long, env = "SPOTGUARD_RELAY_TOKEN_FILE", value_name = "PATH", default_value = crate::relay::auth::TOKEN_FILE, value_parser = parse_abs_path, help_heading = RELAY)]
+    pub relay_token_file: PathBuf,
+
+    /// Kubernetes without --relay-key-file: the audience of the relay token; a receiver accepts a token only for it (TokenReview), of its own ServiceAccount and bound to a pod on a node.
+    #[arg(long, env = "SPOTGUARD_RELAY_AUDIENCE", value_name = "AUDIENCE", default_value = crate::relay::auth::AUDIENCE, help_heading = RELAY)]
+    pub relay_audience: String,
+
+    /// Receive relays from peers on this address (e.g. 0.0.0.0:7443), TLS with this node's certificate kept in <state-dir>/relay; none: this node receives none. Host mode: needs --relay-key-file; Kubernetes: senders present the relay token instead, and the agent advertises itself in a Lease (docs/relay.md).
     #[arg(long, env = "SPOTGUARD_RELAY_LISTEN", value_name = "ADDR", help_heading = RELAY)]
     pub relay_listen: Option<std::net::SocketAddr>,
 

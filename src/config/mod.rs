@@ -69,6 +69,11 @@ pub struct Config {
     pub node_name: Option<String>,
     pub pod_name: Option<String>,
     pub pod_namespace: Option<String>,
+    /// Kubernetes (downward API): the agent's ServiceAccount (`POD_SERVICE_ACCOUNT`), the one
+    /// whose relay tokens the receiver accepts, and its pod's address (`POD_IP`), the one its
+    /// relay Lease advertises.
+    pub pod_service_account: Option<String>,
+    pub pod_ip: Option<std::net::IpAddr>,
     pub datasets: Vec<Dataset>,
     /// GPU monitoring settings: `--gpu` plus the config file's `[gpu]` table (interval, thresholds).
     pub gpu: crate::gpu::GpuConfig,
@@ -175,7 +180,7 @@ impl Config {
             env.var("KUBERNETES_SERVICE_HOST").is_some() && env.exists(Path::new(SA_TOKEN));
         let mode = resolve_mode(&args, env, in_cluster);
         let node_name = resolve_node_name(&args, env, mode)?;
-        check_values(&args)?;
+        check_values(&args, mode)?;
         check_webhook(&args)?;
         let (all, gpu_table) = datasets(&args)?;
         let log_format = args.log_format.unwrap_or(if in_cluster {
@@ -194,6 +199,8 @@ impl Config {
             node_name,
             pod_name: env.var("POD_NAME"),
             pod_namespace: env.var("POD_NAMESPACE"),
+            pod_service_account: env.var("POD_SERVICE_ACCOUNT"),
+            pod_ip: env.var("POD_IP").and_then(|ip| ip.parse().ok()),
             datasets: all,
             log_format,
             args,
@@ -241,7 +248,7 @@ fn resolve_node_name(args: &RunArgs, env: &dyn Env, mode: Mode) -> Result<Option
 
 /// The values judged alone or together: the log filter, the timings against each other and the
 /// cloud's notice ([`check::timings`]), the checkpoint units' names.
-fn check_values(args: &RunArgs) -> Result<(), Error> {
+fn check_values(args: &RunArgs, mode: Mode) -> Result<(), Error> {
     check::log_filter(&args.log_level).map_err(|reason| Error::Invalid {
         key: "log-level",
         reason,
@@ -262,15 +269,17 @@ fn check_values(args: &RunArgs) -> Result<(), Error> {
         })?;
     }
     check_host_upload(args)?;
-    check_relay(args)
+    check_relay(args, mode)
 }
 
-/// The relay's settings agree: relaying needs peers and the node key, receiving needs the key;
-/// the key file holds at least 16 bytes.
-fn check_relay(args: &RunArgs) -> Result<(), Error> {
+/// The relay's settings agree. Host mode: relaying needs peers and the node key, receiving needs
+/// the key; the key file holds at least 16 bytes. Kubernetes: peers come from their Leases and
+/// the relay token stands for the key, unless a node key is given.
+fn check_relay(args: &RunArgs, mode: Mode) -> Result<(), Error> {
     let sends = args.relay != RelayChoice::Off;
     let invalid = |key: &'static str, reason: String| Error::Invalid { key, reason };
-    if sends && args.relay_peers.is_empty() {
+    let kube = mode == Mode::Kubernetes;
+    if sends && !kube && args.relay_peers.is_empty() {
         return Err(invalid(
             "relay",
             "relaying needs --relay-peers (HOST:PORT#SHA256 of each peer)".into(),
@@ -280,6 +289,9 @@ fn check_relay(args: &RunArgs) -> Result<(), Error> {
         return Ok(());
     }
     let Some(path) = &args.relay_key_file else {
+        if kube {
+            return Ok(());
+        }
         return Err(invalid(
             "relay-key-file",
             "--relay and --relay-listen need the node key (--relay-key-file)".into(),
@@ -596,6 +608,43 @@ mod tests {
         let c =
             Config::resolve(a, &TestEnv(vec![("KUBECONFIG", "/k"), ("NODE_NAME", "n1")])).unwrap();
         assert_eq!(c.mode, Mode::Kubernetes);
+    }
+
+    #[test]
+    fn kubernetes_relays_with_leases_and_the_token_without_a_node_key() {
+        let env = TestEnv(vec![
+            ("NODE_NAME", "gpu-node-1"),
+            ("POD_SERVICE_ACCOUNT", "spotguard"),
+            ("POD_IP", "10.0.0.7"),
+        ]);
+        let a = run_args(&[
+            "--mode",
+            "kubernetes",
+            "--relay",
+            "auto",
+            "--relay-listen",
+            "0.0.0.0:7443",
+        ])
+        .unwrap();
+        let c = Config::resolve(a, &env).unwrap();
+        assert_eq!(
+            c.args.relay_token_file,
+            std::path::Path::new(crate::relay::auth::TOKEN_FILE)
+        );
+        assert_eq!(c.args.relay_audience, crate::relay::auth::AUDIENCE);
+        assert_eq!(c.pod_service_account.as_deref(), Some("spotguard"));
+        assert_eq!(c.pod_ip, Some("10.0.0.7".parse().unwrap()));
+        // Host mode still needs the peers and the key.
+        let a = run_args(&[
+            "--mode",
+            "host",
+            "--checkpoint-unit",
+            "t",
+            "--relay",
+            "auto",
+        ])
+        .unwrap();
+        assert!(Config::resolve(a, &env).is_err());
     }
 
     #[test]

@@ -2,10 +2,12 @@
 //! upload before the notice's deadline to a peer agent, which verifies every file against the
 //! sender's checksums and publishes it to the job's location with the sender's manifest.
 //!
+//! - [`auth`]: who may send: the node key (host mode) or an agent's reviewed token (Kubernetes);
+//! - [`lease`]: Kubernetes peers: each receiver's Lease, and the sender's list of them;
 //! - [`wire`]: the versioned wire format (HTTP/1.1 over TLS);
 //! - [`tls`]: the node's self-signed certificate and the sender's fingerprint pinning;
 //! - [`stage`]: the receiver's staging volume (each relay's files and journal);
-//! - [`receive`]: the receiver (`--relay-listen`): the node key, reservations under a cap per
+//! - [`receive`]: the receiver (`--relay-listen`): [`auth`] first, reservations under a cap per
 //!   sender and the free space, every byte as hostile input, publication through a
 //!   [`Publisher`];
 //! - [`send`]: the sender: a staged tree's files to one peer, then the commit and its outcome;
@@ -14,6 +16,8 @@
 //! The relay stands on the `store` floor beside `upload`, and never imports it: publication is
 //! the [`Publisher`] seam, which `upload::relayed` implements with the upload engine.
 
+pub mod auth;
+pub mod lease;
 pub mod metrics;
 pub mod receive;
 pub mod send;

@@ -1,6 +1,7 @@
 //! The receiver: a TLS listener (`--relay-listen`) serving the wire format ([`super::wire`]).
 //!
-//! Every request carries the node key (`Authorization: Bearer`), compared in constant time; a
+//! Every request carries the node key or, in Kubernetes, an agent's relay token
+//! (`Authorization: Bearer`), checked first ([`super::auth`]); a
 //! reservation is checked before a byte is accepted: its version, the tree's paths, counts and
 //! bytes (the staged-tree rules, `store::tree`), the location against this agent's own
 //! allow-list and writer rules ([`Publisher::check`]), the sender's cap (bytes reserved by one
@@ -21,7 +22,6 @@ use http::{Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming as Body;
 use hyper_util::rt::{TokioIo, TokioTimer};
-use sha2::{Digest, Sha256};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
@@ -86,7 +86,8 @@ pub struct Receiver {
     settings: Settings,
     staging: Staging,
     publisher: Arc<dyn Publisher>,
-    key_hash: [u8; 32],
+    /// Who may send ([`super::auth`]): the node key, or in Kubernetes a reviewed token.
+    auth: super::auth::Auth,
     inner: Mutex<Inner>,
     /// Cancelled when the agent stops: publications stop where they are, and their files and
     /// journals stay for the next run ([`Receiver::recover`]).
@@ -152,13 +153,20 @@ impl Receiver {
     ) -> Result<Receiver, super::Error> {
         let staging = Staging::open(&settings.staging)?;
         Ok(Receiver {
-            key_hash: Sha256::digest(&settings.key).into(),
+            auth: super::auth::Auth::key(&settings.key),
             settings,
             staging,
             publisher,
             inner: Mutex::new(Inner::default()),
             shutdown: CancellationToken::new(),
         })
+    }
+
+    /// Kubernetes: senders present an agent's relay token, checked by `reviewer`, instead of
+    /// the node key.
+    pub fn with_tokens(mut self, reviewer: super::auth::Reviewer) -> Receiver {
+        self.auth = super::auth::Auth::Tokens(Box::new(reviewer));
+        self
     }
 
     /// The relays an earlier run of the agent left: committed ones are published again from
@@ -323,10 +331,10 @@ impl Receiver {
     }
 
     async fn handle(self: Arc<Self>, req: Request<Body>, from: SocketAddr) -> Answer {
-        if !self.authorized(&req) {
-            warn!(peer = %from, "relay request without the node key refused");
+        if let Err(denied) = self.auth.check(req.headers()).await {
+            warn!(peer = %from, reason = %denied, "relay request from no agent refused");
             self.settings.metrics.refused("auth");
-            return refuse(StatusCode::UNAUTHORIZED, "the node key is missing or wrong");
+            return refuse(denied.status(), denied.to_string());
         }
         let path = req.uri().path().to_string();
         let rest = path.strip_prefix(wire::RELAYS);
@@ -357,23 +365,6 @@ impl Receiver {
             }
             _ => refuse(StatusCode::NOT_FOUND, "no such resource"),
         }
-    }
-
-    /// The bearer token equals the node key (compared as SHA-256 digests, in constant time).
-    fn authorized<B>(&self, req: &Request<B>) -> bool {
-        let Some(token) = req
-            .headers()
-            .get(http::header::AUTHORIZATION)
-            .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "))
-        else {
-            return false;
-        };
-        let given: [u8; 32] = Sha256::digest(token).into();
-        given
-            .iter()
-            .zip(&self.key_hash)
-            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
-            == 0
     }
 
     fn relay(&self, id: &str) -> Option<Arc<Relay>> {

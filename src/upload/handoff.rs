@@ -20,8 +20,10 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use super::engine::{Job, Report};
+use crate::relay::auth::Bearer;
+use crate::relay::lease::Peers;
 use crate::relay::metrics::RelayMetrics;
-use crate::relay::send::{self, Peer, Source};
+use crate::relay::send::{self, Source};
 use crate::relay::wire::{self, Checkpoint, FileEntry, Reserve, State};
 use crate::store::progress::Progress;
 
@@ -38,9 +40,10 @@ pub enum Mode {
 #[derive(Clone, Debug)]
 pub struct Relay {
     pub mode: Mode,
-    pub peers: Vec<Peer>,
-    /// The node key (`--relay-key-file`).
-    pub key: String,
+    /// `--relay-peers`, or (Kubernetes) the peers the Leases advertise.
+    pub peers: Peers,
+    /// The node key (`--relay-key-file`), or (Kubernetes) the relay token's file.
+    pub key: Bearer,
     /// `spotguard_relay_sent_total`, counted as each peer's relay ends.
     pub metrics: Arc<RelayMetrics>,
 }
@@ -148,10 +151,22 @@ async fn relay_to_peers(
     deadline: Option<Instant>,
     cancel: CancellationToken,
 ) -> Option<String> {
-    for peer in &relay.peers {
+    let key = match relay.key.read() {
+        Ok(k) => k,
+        Err(e) => {
+            warn!(error = %e, "cannot relay: no bearer to present");
+            relay.metrics.sent("failed");
+            return None;
+        }
+    };
+    let peers = relay.peers.current();
+    if peers.is_empty() {
+        warn!("cannot relay: no peer (none configured, or no live peer's Lease not under notice)");
+    }
+    for peer in &peers {
         let ended = send::relay(
             peer,
-            &relay.key,
+            &key,
             reserve.clone(),
             sources.clone(),
             deadline,

@@ -30,6 +30,8 @@ pub struct AgentSpec {
     pub annotation_interval: Duration,
     /// More `spotguard run` arguments.
     pub args: Vec<String>,
+    /// More environment of the agent (the downward API's `POD_NAMESPACE`, say).
+    pub env: Vec<(String, String)>,
 }
 
 impl AgentSpec {
@@ -42,6 +44,7 @@ impl AgentSpec {
             poll_interval: Duration::from_secs(1),
             annotation_interval: Duration::from_secs(30),
             args: Vec::new(),
+            env: Vec::new(),
         }
     }
 }
@@ -99,6 +102,7 @@ impl NodeAgent {
                 "--shutdown-grace=1s".to_string(),
             ])
             .args(&spec.args)
+            .envs(spec.env.iter().map(|(k, v)| (k, v)))
             .env("KUBECONFIG", &spec.kubeconfig)
             .stdin(Stdio::null())
             .stdout(Stdio::null())

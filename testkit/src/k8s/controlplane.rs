@@ -4,8 +4,8 @@
 //! name ([`super::TestCluster`]).
 //!
 //! At start it applies the shipped RBAC (`daemonset/namespace.yaml`, `serviceaccount.yaml`,
-//! `clusterrole.yaml`, `clusterrolebinding.yaml`, `clusterrole-interruptions-view.yaml`, and the
-//! force-delete component's role), the goodput ledger's CRD (`daemonset/crds/`), and
+//! `clusterrole.yaml`, `clusterrolebinding.yaml`, `clusterrole-interruptions-view.yaml`, the
+//! force-delete component's role, and the relay component's roles and bindings), the goodput ledger's CRD (`daemonset/crds/`), and
 //! mints ServiceAccount tokens with the TokenRequest API: the agent under test talks to the API
 //! server as the shipped ServiceAccount with the shipped ClusterRole, never as an admin.
 
@@ -19,7 +19,7 @@ use k8s_openapi::api::admissionregistration::v1::{
 use k8s_openapi::api::authentication::v1::BoundObjectReference;
 use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
 use k8s_openapi::api::core::v1::{Namespace, Pod, ServiceAccount};
-use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Subject};
+use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding, Subject};
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -576,6 +576,49 @@ async fn bootstrap_rbac(client: &kube::Client) -> Result<(), String> {
         }]);
         apply(&bindings, &name, &b).await?;
     }
+    // The relay component's roles (Leases in the agent's namespace, TokenReviews), bound to the
+    // shipped ServiceAccount as the component binds them.
+    for file in [
+        "daemonset/components/relay/role-relay.yaml",
+        "daemonset/components/relay/clusterrole-relay.yaml",
+    ] {
+        apply_rbac_documents(client, file).await?;
+    }
+    Ok(())
+}
+
+/// Every Role, RoleBinding, ClusterRole and ClusterRoleBinding of the multi-document `file`.
+async fn apply_rbac_documents(client: &kube::Client, file: &str) -> Result<(), String> {
+    let path = assets::repo_root().join(file);
+    let text = std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let docs: Vec<serde_json::Value> =
+        serde_saphyr::from_multiple(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+    let bad = |e: serde_json::Error| format!("{}: {e}", path.display());
+    for doc in docs.into_iter().filter(|d| !d.is_null()) {
+        let ns = doc["metadata"]["namespace"]
+            .as_str()
+            .unwrap_or(AGENT_NAMESPACE)
+            .to_string();
+        match doc["kind"].as_str() {
+            Some("Role") => {
+                let o: Role = serde_json::from_value(doc).map_err(bad)?;
+                apply(&Api::namespaced(client.clone(), &ns), &name_of(&o), &o).await?;
+            }
+            Some("RoleBinding") => {
+                let o: RoleBinding = serde_json::from_value(doc).map_err(bad)?;
+                apply(&Api::namespaced(client.clone(), &ns), &name_of(&o), &o).await?;
+            }
+            Some("ClusterRole") => {
+                let o: ClusterRole = serde_json::from_value(doc).map_err(bad)?;
+                apply(&Api::all(client.clone()), &name_of(&o), &o).await?;
+            }
+            Some("ClusterRoleBinding") => {
+                let o: ClusterRoleBinding = serde_json::from_value(doc).map_err(bad)?;
+                apply(&Api::all(client.clone()), &name_of(&o), &o).await?;
+            }
+            other => return Err(format!("{}: unexpected kind {other:?}", path.display())),
+        }
+    }
     Ok(())
 }
 
@@ -642,6 +685,33 @@ pub async fn mint_pod_token(client: &kube::Client, pod: &Pod) -> Result<String, 
         uid: pod.metadata.uid.clone(),
     };
     let spec = TokenSpec {
+        bound_object_ref: Some(bound),
+        ..Default::default()
+    };
+    mint(client, &namespace, &sa, spec).await
+}
+
+/// [`mint_pod_token`] for `audience` (a projected token's, as the kubelet mints for a
+/// `serviceAccountToken` volume source with that audience).
+pub async fn mint_pod_token_for(
+    client: &kube::Client,
+    pod: &Pod,
+    audience: &str,
+) -> Result<String, String> {
+    let namespace = pod.metadata.namespace.clone().unwrap_or_default();
+    let sa = pod
+        .spec
+        .as_ref()
+        .and_then(|s| s.service_account_name.clone())
+        .unwrap_or_else(|| "default".into());
+    let bound = BoundObjectReference {
+        api_version: Some("v1".into()),
+        kind: Some("Pod".into()),
+        name: pod.metadata.name.clone(),
+        uid: pod.metadata.uid.clone(),
+    };
+    let spec = TokenSpec {
+        audience: Some(audience.to_string()),
         bound_object_ref: Some(bound),
         ..Default::default()
     };
