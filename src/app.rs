@@ -485,6 +485,7 @@ fn relay_sender(
     Some(Relay {
         mode,
         peers: cfg.args.relay_peers.clone(),
+        copies: cfg.args.relay_copies.into(),
         key,
         metrics: metrics.clone(),
     })

@@ -7,7 +7,7 @@
 //! peer that dies mid-stream, or whose disk fills mid-file, publishes nothing and the next peer
 //! publishes the checkpoint once; a peer with room for one checkpoint takes the first of two
 //! doomed nodes and refuses the second, which goes on to its next peer; a sender's cap is its
-//! address's.
+//! address's; a sender with two copies streams to two peers at once, and one publishes.
 
 use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
@@ -865,6 +865,17 @@ async fn race_to(
     mode: Mode,
     metrics: Arc<RelayMetrics>,
 ) -> spotguard::upload::Report {
+    race_copies(job, peers, 1, mode, metrics).await
+}
+
+/// [`race_to`] with `copies` peers at once.
+async fn race_copies(
+    job: Job,
+    peers: Vec<Peer>,
+    copies: usize,
+    mode: Mode,
+    metrics: Arc<RelayMetrics>,
+) -> spotguard::upload::Report {
     let (reserve, sources) = handoff::outgoing(&job, "s3://ckpt/run1", None, "doomed-node");
     let (progress, cancel, relayed, total, deadline) = (
         job.progress.clone(),
@@ -877,6 +888,7 @@ async fn race_to(
     let relay = Relay {
         mode,
         peers,
+        copies,
         key: KEY.into(),
         metrics,
     };
@@ -1607,4 +1619,104 @@ async fn two_doomed_nodes_on_one_peer_get_its_room_once_and_each_is_published_on
         })
         .await;
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_copies_stream_to_two_peers_at_once_and_the_checkpoint_is_published_once() {
+    if in_child("two_copies_stream_to_two_peers_at_once_and_the_checkpoint_is_published_once").await
+    {
+        return;
+    }
+    let server = S3Server::s3s_fs(&[]);
+    create_bucket(&server.endpoint(), BUCKET).await;
+    let shut = Proxy::start(&server, Shut::default()).await;
+    let tmp = tempfile::tempdir().unwrap();
+    let idle = Duration::from_secs(30);
+    let endpoint = server.endpoint();
+    let a = start(
+        &endpoint,
+        "s3://ckpt",
+        dirs(&tmp.path().join("a")),
+        1 << 40,
+        idle,
+    )
+    .await;
+    let b = start(
+        &endpoint,
+        "s3://ckpt",
+        dirs(&tmp.path().join("b")),
+        1 << 40,
+        idle,
+    )
+    .await;
+    let (to_a, to_b) = (
+        Forward::start(a.addr, None).await,
+        Forward::start(b.addr, None).await,
+    );
+    to_a.hold_at(2 * MIB as u64);
+    to_b.hold_at(2 * MIB as u64);
+    let files = tree_files();
+    let bytes: u64 = files.iter().map(|(_, d)| d.len() as u64).sum();
+    let dir = stage(tmp.path(), "step-100", &files);
+    let mut registry = Registry::default();
+    let relays = Arc::new(RelayMetrics::register(&mut registry));
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(600);
+    let racing = tokio::spawn(race_copies(
+        upload_job(&dir, &shut.endpoint(), "s3://ckpt/run1", deadline),
+        vec![through(&to_a, &a), through(&to_b, &b)],
+        2,
+        Mode::Always,
+        relays.clone(),
+    ));
+    // Both peers take it at once (the first is still mid-file when the second has its part).
+    eventually("both peers mid-file", LONG, || async {
+        to_a.held()
+            && to_b.held()
+            && a.receiver.reserved() == bytes
+            && b.receiver.reserved() == bytes
+    })
+    .await;
+    to_a.release();
+    to_b.release();
+    let report = ended(racing).await;
+    assert_eq!(report.outcome, Outcome::Published, "{report:?}");
+    let winner = report.relayed_to.clone().unwrap();
+    assert!(
+        [to_a.addr().to_string(), to_b.addr().to_string()].contains(&winner),
+        "{winner}"
+    );
+    let s3 = store(&endpoint);
+    let m = published_whole(&*s3, "step-100", &files).await;
+    // The other copy was stopped, or its peer found the checkpoint published: never twice.
+    let sent = spotguard::metrics::encode(&registry);
+    let count = |outcome: &str| {
+        let line = format!("spotguard_relay_sent_total{{outcome=\"{outcome}\"}} ");
+        sent.lines()
+            .find_map(|l| l.strip_prefix(line.as_str()))
+            .map_or(0, |n| n.parse::<u64>().unwrap())
+    };
+    assert_eq!(count("published"), 1, "{sent}");
+    assert_eq!(count("already_published") + count("cancelled"), 1, "{sent}");
+    for (n, peer) in [("a", &a), ("b", &b)] {
+        eventually(&format!("{n}'s staging emptied"), LONG, || async {
+            peer.is_empty()
+        })
+        .await;
+    }
+    let published: u64 = [&a, &b]
+        .iter()
+        .map(|p| {
+            p.metrics()
+                .lines()
+                .find_map(|l| {
+                    l.strip_prefix("spotguard_relay_received_total{outcome=\"published\"} ")
+                })
+                .map_or(0, |n| n.parse::<u64>().unwrap())
+        })
+        .sum();
+    assert_eq!(published, 1, "both peers published");
+    assert_eq!(
+        get(&*s3, "run1/step-100/manifest.json").await.unwrap(),
+        m.to_bytes()
+    );
 }

@@ -4,13 +4,15 @@
 //!
 //! When: at once with `--relay always`; with `--relay auto`, as soon as the upload's own
 //! throughput (after its first second) says the bytes left will not be sent before the upload's
-//! deadline. Peers are tried in the order given until one takes the whole tree. The race: the
+//! deadline. Peers are tried in the order given until one takes the whole tree; with
+//! `--relay-copies N`, N peers at once, each copy going on to the next untried peer when its
+//! own fails, the first publication winning. The race: the
 //! upload published (or found it published) → the relay is given up (`DELETE`: the peer removes
 //! its files); the peer published → the upload stops and the report says the relay published
 //! it; the upload ended unpublished (its deadline) → the relay goes on, and its end is the
 //! report. Exactly one manifest is written either way (it is created only if absent).
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -39,6 +41,9 @@ pub enum Mode {
 pub struct Relay {
     pub mode: Mode,
     pub peers: Vec<Peer>,
+    /// Peers streamed to at once (`--relay-copies`; at most the peers there are): the first
+    /// to publish wins, the others are stopped.
+    pub copies: usize,
     /// The node key (`--relay-key-file`).
     pub key: String,
     /// `spotguard_relay_sent_total`, counted as each peer's relay ends.
@@ -139,8 +144,10 @@ pub async fn relay_needed(mode: Mode, progress: &Progress, total: u64, deadline:
     }
 }
 
-/// Relay to the first peer that takes it; `Some(peer)` when a peer published it (or found it
-/// published).
+/// Relay to `relay.copies` peers at once, each copy going on to the next peer not yet tried
+/// when its peer fails; `Some(peer)` when a peer published it (or found it published): the
+/// other copies are stopped then (a peer that had their commit publishes it regardless and
+/// finds it published).
 async fn relay_to_peers(
     relay: &Relay,
     reserve: Reserve,
@@ -148,7 +155,36 @@ async fn relay_to_peers(
     deadline: Option<Instant>,
     cancel: CancellationToken,
 ) -> Option<String> {
-    for peer in &relay.peers {
+    let next = Arc::new(AtomicUsize::new(0));
+    let stop = cancel.child_token();
+    let mut copies = tokio::task::JoinSet::new();
+    for _ in 0..relay.copies.clamp(1, relay.peers.len().max(1)) {
+        let (relay, reserve, sources) = (relay.clone(), reserve.clone(), sources.clone());
+        let (next, stop) = (next.clone(), stop.clone());
+        copies
+            .spawn(async move { one_copy(&relay, &next, reserve, sources, deadline, stop).await });
+    }
+    let mut won = None;
+    while let Some(ended) = copies.join_next().await {
+        if let (None, Ok(Some(peer))) = (&won, ended) {
+            won = Some(peer);
+            stop.cancel();
+        }
+    }
+    won
+}
+
+/// One copy of the relay: to the next peer not yet tried (`next`), and on to the one after
+/// while they fail; `Some(peer)` when a peer published it (or found it published).
+async fn one_copy(
+    relay: &Relay,
+    next: &AtomicUsize,
+    reserve: Reserve,
+    sources: Vec<Source>,
+    deadline: Option<Instant>,
+    cancel: CancellationToken,
+) -> Option<String> {
+    while let Some(peer) = relay.peers.get(next.fetch_add(1, Ordering::SeqCst)) {
         let ended = send::relay(
             peer,
             &relay.key,
