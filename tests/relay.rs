@@ -1676,7 +1676,15 @@ async fn two_copies_stream_to_two_peers_at_once_and_the_checkpoint_is_published_
             && b.receiver.reserved() == bytes
     })
     .await;
+    // a publishes first; b goes on after that. (s3s-fs checks `If-None-Match` before it writes:
+    // two manifests written at one instant may both be taken there, as S3 and GCS do not —
+    // creating one manifest at most is the store's, tested in tests/upload.rs.)
+    let s3 = store(&endpoint);
     to_a.release();
+    eventually("a published", LONG, || async {
+        get(&*s3, "run1/step-100/manifest.json").await.is_some()
+    })
+    .await;
     to_b.release();
     let report = ended(racing).await;
     assert_eq!(report.outcome, Outcome::Published, "{report:?}");
@@ -1685,7 +1693,6 @@ async fn two_copies_stream_to_two_peers_at_once_and_the_checkpoint_is_published_
         [to_a.addr().to_string(), to_b.addr().to_string()].contains(&winner),
         "{winner}"
     );
-    let s3 = store(&endpoint);
     let m = published_whole(&*s3, "step-100", &files).await;
     // Each copy ended once: the winner published it or found it published (its peer may read
     // its own status after the other peer published), the other was stopped or found it
