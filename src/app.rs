@@ -526,6 +526,7 @@ fn relay_sender(
     Some(Relay {
         mode,
         peers,
+        copies: cfg.args.relay_copies.into(),
         key,
         metrics: metrics.clone(),
     })

@@ -1,5 +1,6 @@
 //! Small filesystem helpers shared by every module that publishes files: the project's one
-//! atomic write (temp file in the same directory → write → sync → rename).
+//! atomic write (temp file in the same directory → write → sync → rename), and the one test of
+//! a full volume.
 
 use std::io::{self, Write};
 use std::os::fd::{AsFd, BorrowedFd};
@@ -21,6 +22,15 @@ pub enum Durability {
     File,
     /// The content and the rename (fsync of the file, then of the directory).
     FileAndDir,
+}
+
+/// The write failed because its volume is full: `ENOSPC`, or a quota (`EDQUOT`).
+pub fn is_disk_full(e: &io::Error) -> bool {
+    matches!(e.raw_os_error(), Some(libc::ENOSPC) | Some(libc::EDQUOT))
+        || matches!(
+            e.kind(),
+            io::ErrorKind::StorageFull | io::ErrorKind::QuotaExceeded
+        )
 }
 
 /// Write `data` to `path` atomically and durably ([`Durability::FileAndDir`]), creating the

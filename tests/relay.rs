@@ -3,9 +3,13 @@
 //! or goes silent mid-stream leaves nothing; a sender without the key, or one that pins another
 //! fingerprint, gets nowhere; a receiver restarted while publishing publishes once from its
 //! journal; hostile streams (a `..` name, more bytes than declared, a checksum that does not
-//! match, a location outside the receiver's allow-list) are refused with nothing published.
+//! match, a location outside the receiver's allow-list) are refused with nothing published; a
+//! peer that dies mid-stream, or whose disk fills mid-file, publishes nothing and the next peer
+//! publishes the checkpoint once; a peer with room for one checkpoint takes the first of two
+//! doomed nodes and refuses the second, which goes on to its next peer; a sender's cap is its
+//! address's; a sender with two copies streams to two peers at once, and one publishes.
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -38,7 +42,9 @@ use spotguard::upload::target::Target;
 use spotguard::upload::{Outcome, UploadMetrics};
 use spotguard_testkit::s3::proxy::{paced, Body, Faults, Proxy};
 use spotguard_testkit::s3::{create_bucket, S3Server};
-use spotguard_testkit::wait::eventually;
+use spotguard_testkit::tcp::Forward;
+use spotguard_testkit::tmpfs::Tmpfs;
+use spotguard_testkit::wait::{eventually, PACE};
 use tokio_util::sync::CancellationToken;
 
 const BUCKET: &str = "ckpt";
@@ -849,6 +855,27 @@ async fn race(
     mode: Mode,
     metrics: Arc<RelayMetrics>,
 ) -> spotguard::upload::Report {
+    race_to(job, vec![peer.peer()], mode, metrics).await
+}
+
+/// [`race`] with the peers `peers`, tried in order.
+async fn race_to(
+    job: Job,
+    peers: Vec<Peer>,
+    mode: Mode,
+    metrics: Arc<RelayMetrics>,
+) -> spotguard::upload::Report {
+    race_copies(job, peers, 1, mode, metrics).await
+}
+
+/// [`race_to`] with `copies` peers at once.
+async fn race_copies(
+    job: Job,
+    peers: Vec<Peer>,
+    copies: usize,
+    mode: Mode,
+    metrics: Arc<RelayMetrics>,
+) -> spotguard::upload::Report {
     let (reserve, sources) = handoff::outgoing(&job, "s3://ckpt/run1", None, "doomed-node");
     let (progress, cancel, relayed, total, deadline) = (
         job.progress.clone(),
@@ -860,7 +887,8 @@ async fn race(
     let upload = tokio::spawn(engine::run(job));
     let relay = Relay {
         mode,
-        peers: vec![peer.peer()].into(),
+        peers: peers.into(),
+        copies,
         key: KEY.into(),
         metrics,
     };
@@ -1135,4 +1163,576 @@ fn relay_fingerprint_prints_the_certificate_senders_pin() {
     assert_eq!(print(), first, "the certificate is made once and kept");
     let id = Identity::load_or_create(&tls::dir(tmp.path())).unwrap();
     assert_eq!(tls::hex(&id.fingerprint), first);
+}
+
+/// Holds every PUT body until opened: the doomed node's own upload waits while its relay runs
+/// (and ends `relayed` when the peer publishes first).
+#[derive(Default)]
+struct Shut(AtomicBool);
+
+impl Shut {
+    fn open(&self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+}
+
+impl Faults for Shut {
+    fn request_body(self: &Arc<Self>, req: &http::request::Parts, body: Body) -> Body {
+        use futures::StreamExt;
+        if req.method != Method::PUT {
+            return body;
+        }
+        let me = self.clone();
+        let opened = async move {
+            while !me.0.load(Ordering::SeqCst) {
+                tokio::time::sleep(PACE).await;
+            }
+        };
+        let stream = futures::stream::once(opened)
+            .filter_map(|()| async {
+                None::<Result<hyper::body::Frame<Bytes>, spotguard_testkit::s3::proxy::BoxError>>
+            })
+            .chain(http_body_util::BodyStream::new(body));
+        BodyExt::boxed(http_body_util::StreamBody::new(stream))
+    }
+}
+
+/// `node`, reached through the forwarder `via`.
+fn through(via: &Forward, node: &Node) -> Peer {
+    Peer {
+        addr: via.addr().to_string(),
+        fingerprint: node.fingerprint,
+    }
+}
+
+/// The keys of checkpoint `name` under `run1`: exactly its files and its manifest, each file
+/// whole.
+async fn published_whole(s3: &dyn ObjectStore, name: &str, files: &[(&str, Vec<u8>)]) -> Manifest {
+    let mut want: Vec<String> = files
+        .iter()
+        .map(|(p, _)| format!("run1/{name}/{p}"))
+        .chain([format!("run1/{name}/manifest.json")])
+        .collect();
+    want.sort();
+    assert_eq!(keys(s3, &format!("run1/{name}")).await, want);
+    for (p, d) in files {
+        assert_eq!(
+            get(s3, &format!("run1/{name}/{p}")).await.unwrap(),
+            *d,
+            "{p}"
+        );
+    }
+    let m = Manifest::parse(
+        &get(s3, &format!("run1/{name}/manifest.json"))
+            .await
+            .unwrap(),
+        name,
+        None,
+    )
+    .unwrap();
+    assert_eq!(m.origin.node.as_deref(), Some("doomed-node"));
+    assert_eq!(m.files.len(), files.len());
+    m
+}
+
+fn has(text: &str, lines: &[&str]) {
+    for line in lines {
+        assert!(text.contains(line), "missing {line} in\n{text}");
+    }
+}
+
+const LONG: Duration = Duration::from_secs(60);
+
+/// The race's report. The bound only keeps a broken sender from hanging the test: an upload
+/// held by its store must stop as soon as the peer published (and the upload's own end comes
+/// when its store answers).
+async fn ended(
+    racing: tokio::task::JoinHandle<spotguard::upload::Report>,
+) -> spotguard::upload::Report {
+    tokio::time::timeout(Duration::from_secs(180), racing)
+        .await
+        .expect("the race did not end: an upload held by its store did not stop for the peer")
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_dies_mid_stream_publishes_nothing_and_the_next_peer_publishes_once() {
+    if in_child("a_peer_that_dies_mid_stream_publishes_nothing_and_the_next_peer_publishes_once")
+        .await
+    {
+        return;
+    }
+    let server = S3Server::s3s_fs(&[]);
+    create_bucket(&server.endpoint(), BUCKET).await;
+    // The doomed node's own upload waits: the relay decides.
+    let shut = Proxy::start(&server, Shut::default()).await;
+    let tmp = tempfile::tempdir().unwrap();
+    let idle = Duration::from_secs(30);
+    let endpoint = server.endpoint();
+    let first = start(
+        &endpoint,
+        "s3://ckpt",
+        dirs(&tmp.path().join("1")),
+        1 << 40,
+        idle,
+    )
+    .await;
+    let second = start(
+        &endpoint,
+        "s3://ckpt",
+        dirs(&tmp.path().join("2")),
+        1 << 40,
+        idle,
+    )
+    .await;
+    // The first peer's stream stops after 2 MiB: mid-file.
+    let to_first = Forward::start(first.addr, None).await;
+    to_first.hold_at(2 * MIB as u64);
+    let files = tree_files();
+    let dir = stage(tmp.path(), "step-100", &files);
+    let mut registry = Registry::default();
+    let uploads = Arc::new(UploadMetrics::register(&mut registry));
+    let relays = Arc::new(RelayMetrics::register(&mut registry));
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(600);
+    let mut job = upload_job(&dir, &shut.endpoint(), "s3://ckpt/run1", deadline);
+    job.metrics = Some(uploads);
+    let racing = tokio::spawn(race_to(
+        job,
+        vec![through(&to_first, &first), second.peer()],
+        Mode::Always,
+        relays.clone(),
+    ));
+    eventually("the first peer mid-file", LONG, || async {
+        to_first.held() && walk_bytes(&first.staging) >= MIB as u64
+    })
+    .await;
+    // The first peer's agent dies there (its files stay on its disk, as a killed agent's do).
+    let (staging, state) = first.stop().await;
+    assert!(walk_bytes(&staging) > 0);
+
+    let report = ended(racing).await;
+    assert_eq!(report.outcome, Outcome::Published, "{report:?}");
+    assert_eq!(
+        report.relayed_to.as_deref(),
+        Some(second.addr.to_string().as_str())
+    );
+    let s3 = store(&endpoint);
+    let m = published_whole(&*s3, "step-100", &files).await;
+    has(
+        &spotguard::metrics::encode(&registry),
+        &[
+            "spotguard_relay_sent_total{outcome=\"failed\"} 1",
+            "spotguard_relay_sent_total{outcome=\"published\"} 1",
+            "spotguard_checkpoint_upload_total{outcome=\"relayed\"} 1",
+        ],
+    );
+    has(
+        &second.metrics(),
+        &["spotguard_relay_received_total{outcome=\"published\"} 1"],
+    );
+    // The first peer comes back: its part is removed, never published.
+    let back = start(&endpoint, "s3://ckpt", (staging, state), 1 << 40, idle).await;
+    assert!(back.is_empty());
+    has(
+        &back.metrics(),
+        &["spotguard_relay_received_total{outcome=\"published\"} 0"],
+    );
+    assert_eq!(
+        get(&*s3, "run1/step-100/manifest.json").await.unwrap(),
+        m.to_bytes()
+    );
+
+    // With no other peer: the relay is reported failed and the upload's own outcome stands.
+    let only = start(
+        &endpoint,
+        "s3://ckpt",
+        dirs(&tmp.path().join("3")),
+        1 << 40,
+        idle,
+    )
+    .await;
+    let to_only = Forward::start(only.addr, None).await;
+    to_only.hold_at(2 * MIB as u64);
+    let dir = stage(tmp.path(), "step-200", &files);
+    let mut registry = Registry::default();
+    let uploads = Arc::new(UploadMetrics::register(&mut registry));
+    let relays = Arc::new(RelayMetrics::register(&mut registry));
+    let mut job = upload_job(&dir, &shut.endpoint(), "s3://ckpt/run1", deadline);
+    job.metrics = Some(uploads);
+    let racing = tokio::spawn(race_to(
+        job,
+        vec![through(&to_only, &only)],
+        Mode::Always,
+        relays.clone(),
+    ));
+    eventually("the only peer mid-file", LONG, || async {
+        to_only.held() && walk_bytes(&only.staging) >= MIB as u64
+    })
+    .await;
+    let (staging, state) = only.stop().await;
+    eventually("the relay counted failed", LONG, || async {
+        spotguard::metrics::encode(&registry)
+            .contains("spotguard_relay_sent_total{outcome=\"failed\"} 1")
+    })
+    .await;
+    assert!(keys(&*s3, "run1/step-200").await.is_empty());
+    shut.state.open();
+    let report = ended(racing).await;
+    assert_eq!(report.outcome, Outcome::Published, "{report:?}");
+    assert_eq!(report.relayed_to, None, "{report:?}");
+    published_whole(&*s3, "step-200", &files).await;
+    has(
+        &spotguard::metrics::encode(&registry),
+        &[
+            "spotguard_relay_sent_total{outcome=\"failed\"} 1",
+            "spotguard_relay_sent_total{outcome=\"published\"} 0",
+            "spotguard_checkpoint_upload_total{outcome=\"published\"} 1",
+            "spotguard_checkpoint_upload_total{outcome=\"relayed\"} 0",
+        ],
+    );
+    let back = start(&endpoint, "s3://ckpt", (staging, state), 1 << 40, idle).await;
+    assert!(back.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_whose_disk_fills_mid_file_gives_the_relay_up_and_the_next_peer_publishes() {
+    if in_child("a_peer_whose_disk_fills_mid_file_gives_the_relay_up_and_the_next_peer_publishes")
+        .await
+    {
+        return;
+    }
+    let server = S3Server::s3s_fs(&[]);
+    create_bucket(&server.endpoint(), BUCKET).await;
+    let shut = Proxy::start(&server, Shut::default()).await;
+    let tmp = tempfile::tempdir().unwrap();
+    let idle = Duration::from_secs(30);
+    let endpoint = server.endpoint();
+    // A staging volume of 16 MiB: the checkpoint's 6.2 MiB are reserved.
+    let volume = Tmpfs::mount(&tmp.path().join("volume"), 16 * MIB as u64);
+    let full = start(
+        &endpoint,
+        "s3://ckpt",
+        (volume.path().join("staging"), tmp.path().join("state")),
+        1 << 40,
+        idle,
+    )
+    .await;
+    let other = start(
+        &endpoint,
+        "s3://ckpt",
+        dirs(&tmp.path().join("2")),
+        1 << 40,
+        idle,
+    )
+    .await;
+    let to_full = Forward::start(full.addr, None).await;
+    to_full.hold_at(2 * MIB as u64);
+    let files = tree_files();
+    let bytes: u64 = files.iter().map(|(_, d)| d.len() as u64).sum();
+    let dir = stage(tmp.path(), "step-100", &files);
+    let mut registry = Registry::default();
+    let relays = Arc::new(RelayMetrics::register(&mut registry));
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(600);
+    let racing = tokio::spawn(race_to(
+        upload_job(&dir, &shut.endpoint(), "s3://ckpt/run1", deadline),
+        vec![through(&to_full, &full), other.peer()],
+        Mode::Always,
+        relays.clone(),
+    ));
+    eventually("the peer mid-file", LONG, || async {
+        to_full.held() && walk_bytes(&full.staging) >= MIB as u64
+    })
+    .await;
+    assert_eq!(full.receiver.reserved(), bytes);
+    // Something else on the volume takes every byte left; the rest of the file does not fit.
+    assert!(volume.fill("filler") > 0);
+    to_full.release();
+
+    let report = ended(racing).await;
+    assert_eq!(report.outcome, Outcome::Published, "{report:?}");
+    assert_eq!(
+        report.relayed_to.as_deref(),
+        Some(other.addr.to_string().as_str())
+    );
+    published_whole(&*store(&endpoint), "step-100", &files).await;
+    // The full peer gave the relay up: its files gone, its bytes freed, counted as its space.
+    eventually("the full peer's relay given up", LONG, || async {
+        full.is_empty()
+    })
+    .await;
+    has(
+        &full.metrics(),
+        &[
+            "spotguard_relay_refusals_total{reason=\"space\"} 1",
+            "spotguard_relay_received_total{outcome=\"aborted\"} 1",
+            "spotguard_relay_received_total{outcome=\"published\"} 0",
+        ],
+    );
+    let sent = spotguard::metrics::encode(&registry);
+    has(
+        &sent,
+        &["spotguard_relay_sent_total{outcome=\"published\"} 1"],
+    );
+    // The refusal (507) reached the sender, or the connection it came on broke first.
+    assert!(
+        sent.contains("spotguard_relay_sent_total{outcome=\"refused\"} 1")
+            || sent.contains("spotguard_relay_sent_total{outcome=\"failed\"} 1"),
+        "{sent}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_doomed_nodes_on_one_peer_get_its_room_once_and_each_is_published_once() {
+    if in_child("two_doomed_nodes_on_one_peer_get_its_room_once_and_each_is_published_once").await {
+        return;
+    }
+    let server = S3Server::s3s_fs(&[]);
+    create_bucket(&server.endpoint(), BUCKET).await;
+    let shut = Proxy::start(&server, Shut::default()).await;
+    let tmp = tempfile::tempdir().unwrap();
+    let idle = Duration::from_secs(30);
+    let endpoint = server.endpoint();
+    let files = tree_files();
+    let bytes: u64 = files.iter().map(|(_, d)| d.len() as u64).sum();
+    // Peer a's staging volume holds one checkpoint (6.2 MiB), not two; peer b takes one
+    // checkpoint per sender (its cap).
+    let volume = Tmpfs::mount(&tmp.path().join("volume"), 10 * MIB as u64);
+    let a = start(
+        &endpoint,
+        "s3://ckpt",
+        (volume.path().join("staging"), tmp.path().join("state")),
+        1 << 40,
+        idle,
+    )
+    .await;
+    let per_sender = 7 * MIB as u64;
+    let b = start(
+        &endpoint,
+        "s3://ckpt",
+        dirs(&tmp.path().join("b")),
+        per_sender,
+        idle,
+    )
+    .await;
+    // Two doomed nodes on one host: their connections leave from 127.0.0.2 and 127.0.0.3.
+    let (x, y): (IpAddr, IpAddr) = ([127, 0, 0, 2].into(), [127, 0, 0, 3].into());
+    let (x_a, x_b) = (
+        Forward::start(a.addr, Some(x)).await,
+        Forward::start(b.addr, Some(x)).await,
+    );
+    let (y_a, y_b) = (
+        Forward::start(a.addr, Some(y)).await,
+        Forward::start(b.addr, Some(y)).await,
+    );
+    let mut registry = Registry::default();
+    let relays = Arc::new(RelayMetrics::register(&mut registry));
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(600);
+
+    // x reserves a's room first, and holds it mid-file.
+    x_a.hold_at(2 * MIB as u64);
+    let x_dir = stage(&tmp.path().join("x"), "step-100", &files);
+    let x_racing = tokio::spawn(race_to(
+        upload_job(&x_dir, &shut.endpoint(), "s3://ckpt/run1", deadline),
+        vec![through(&x_a, &a), through(&x_b, &b)],
+        Mode::Always,
+        relays.clone(),
+    ));
+    eventually("x mid-file on a", LONG, || async {
+        x_a.held() && a.receiver.reserved() == bytes
+    })
+    .await;
+    // y: a has no room left (507), so y goes on to b, where it too holds mid-file.
+    y_b.hold_at(2 * MIB as u64);
+    let y_dir = stage(&tmp.path().join("y"), "step-200", &files);
+    let y_racing = tokio::spawn(race_to(
+        upload_job(&y_dir, &shut.endpoint(), "s3://ckpt/run1", deadline),
+        vec![through(&y_a, &a), through(&y_b, &b)],
+        Mode::Always,
+        relays.clone(),
+    ));
+    eventually("y mid-file on b", LONG, || async {
+        y_b.held() && b.receiver.reserved() == bytes
+    })
+    .await;
+    has(
+        &a.metrics(),
+        &["spotguard_relay_refusals_total{reason=\"space\"} 1"],
+    );
+    assert_eq!(a.receiver.reserved(), bytes);
+    // b's cap is per sender address: y's address is at its cap, x's is not.
+    let z_dir = stage(
+        &tmp.path().join("z"),
+        "step-300",
+        &[("a.bin", data(MIB, 9))],
+    );
+    let (z, _) = outgoing(&z_dir, "s3://ckpt/run1");
+    let y_b2 = Forward::start(b.addr, Some(y)).await;
+    let refused = Raw::connect_to(y_b2.addr(), b.fingerprint)
+        .await
+        .reserve(&z)
+        .await
+        .unwrap_err();
+    assert_eq!(refused.0, StatusCode::PAYLOAD_TOO_LARGE, "{}", refused.1);
+    let x_b2 = Forward::start(b.addr, Some(x)).await;
+    let mut raw = Raw::connect_to(x_b2.addr(), b.fingerprint).await;
+    let id = raw.reserve(&z).await.unwrap();
+    raw.call(
+        Method::DELETE,
+        &format!("{}/{id}", wire::RELAYS),
+        Vec::new(),
+    )
+    .await;
+    has(
+        &b.metrics(),
+        &["spotguard_relay_refusals_total{reason=\"cap\"} 1"],
+    );
+
+    // Both go on: each checkpoint published once, by the peer that took it.
+    x_a.release();
+    y_b.release();
+    let (x_report, y_report) = (ended(x_racing).await, ended(y_racing).await);
+    assert_eq!(x_report.outcome, Outcome::Published, "{x_report:?}");
+    assert_eq!(x_report.relayed_to, Some(x_a.addr().to_string()));
+    assert_eq!(y_report.outcome, Outcome::Published, "{y_report:?}");
+    assert_eq!(y_report.relayed_to, Some(y_b.addr().to_string()));
+    let s3 = store(&endpoint);
+    published_whole(&*s3, "step-100", &files).await;
+    published_whole(&*s3, "step-200", &files).await;
+    has(
+        &a.metrics(),
+        &["spotguard_relay_received_total{outcome=\"published\"} 1"],
+    );
+    has(
+        &b.metrics(),
+        &["spotguard_relay_received_total{outcome=\"published\"} 1"],
+    );
+    has(
+        &spotguard::metrics::encode(&registry),
+        &[
+            "spotguard_relay_sent_total{outcome=\"published\"} 2",
+            "spotguard_relay_sent_total{outcome=\"refused\"} 1",
+        ],
+    );
+    for (n, peer) in [("a", &a), ("b", &b)] {
+        eventually(&format!("{n}'s staging emptied"), LONG, || async {
+            peer.is_empty()
+        })
+        .await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_copies_stream_to_two_peers_at_once_and_the_checkpoint_is_published_once() {
+    if in_child("two_copies_stream_to_two_peers_at_once_and_the_checkpoint_is_published_once").await
+    {
+        return;
+    }
+    let server = S3Server::s3s_fs(&[]);
+    create_bucket(&server.endpoint(), BUCKET).await;
+    let shut = Proxy::start(&server, Shut::default()).await;
+    let tmp = tempfile::tempdir().unwrap();
+    let idle = Duration::from_secs(30);
+    let endpoint = server.endpoint();
+    let a = start(
+        &endpoint,
+        "s3://ckpt",
+        dirs(&tmp.path().join("a")),
+        1 << 40,
+        idle,
+    )
+    .await;
+    let b = start(
+        &endpoint,
+        "s3://ckpt",
+        dirs(&tmp.path().join("b")),
+        1 << 40,
+        idle,
+    )
+    .await;
+    let (to_a, to_b) = (
+        Forward::start(a.addr, None).await,
+        Forward::start(b.addr, None).await,
+    );
+    to_a.hold_at(2 * MIB as u64);
+    to_b.hold_at(2 * MIB as u64);
+    let files = tree_files();
+    let bytes: u64 = files.iter().map(|(_, d)| d.len() as u64).sum();
+    let dir = stage(tmp.path(), "step-100", &files);
+    let mut registry = Registry::default();
+    let relays = Arc::new(RelayMetrics::register(&mut registry));
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(600);
+    let racing = tokio::spawn(race_copies(
+        upload_job(&dir, &shut.endpoint(), "s3://ckpt/run1", deadline),
+        vec![through(&to_a, &a), through(&to_b, &b)],
+        2,
+        Mode::Always,
+        relays.clone(),
+    ));
+    // Both peers take it at once (the first is still mid-file when the second has its part).
+    eventually("both peers mid-file", LONG, || async {
+        to_a.held()
+            && to_b.held()
+            && a.receiver.reserved() == bytes
+            && b.receiver.reserved() == bytes
+    })
+    .await;
+    // a publishes first; b goes on after that. (s3s-fs checks `If-None-Match` before it writes:
+    // two manifests written at one instant may both be taken there, as S3 and GCS do not —
+    // creating one manifest at most is the store's, tested in tests/upload.rs.)
+    let s3 = store(&endpoint);
+    to_a.release();
+    eventually("a published", LONG, || async {
+        get(&*s3, "run1/step-100/manifest.json").await.is_some()
+    })
+    .await;
+    to_b.release();
+    let report = ended(racing).await;
+    assert_eq!(report.outcome, Outcome::Published, "{report:?}");
+    let winner = report.relayed_to.clone().unwrap();
+    assert!(
+        [to_a.addr().to_string(), to_b.addr().to_string()].contains(&winner),
+        "{winner}"
+    );
+    let m = published_whole(&*s3, "step-100", &files).await;
+    // Each copy ended once: the winner published it or found it published (its peer may read
+    // its own status after the other peer published), the other was stopped or found it
+    // published. The peers' counts say which one wrote the manifest: exactly one.
+    let sent = spotguard::metrics::encode(&registry);
+    let count = |outcome: &str| {
+        let line = format!("spotguard_relay_sent_total{{outcome=\"{outcome}\"}} ");
+        sent.lines()
+            .find_map(|l| l.strip_prefix(line.as_str()))
+            .map_or(0, |n| n.parse::<u64>().unwrap())
+    };
+    assert!(
+        count("published") + count("already_published") >= 1,
+        "{sent}"
+    );
+    assert_eq!(
+        count("published") + count("already_published") + count("cancelled"),
+        2,
+        "{sent}"
+    );
+    for (n, peer) in [("a", &a), ("b", &b)] {
+        eventually(&format!("{n}'s staging emptied"), LONG, || async {
+            peer.is_empty()
+        })
+        .await;
+    }
+    let published: u64 = [&a, &b]
+        .iter()
+        .map(|p| {
+            p.metrics()
+                .lines()
+                .find_map(|l| {
+                    l.strip_prefix("spotguard_relay_received_total{outcome=\"published\"} ")
+                })
+                .map_or(0, |n| n.parse::<u64>().unwrap())
+        })
+        .sum();
+    assert_eq!(published, 1, "both peers published");
+    assert_eq!(
+        get(&*s3, "run1/step-100/manifest.json").await.unwrap(),
+        m.to_bytes()
+    );
 }

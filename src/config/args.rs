@@ -416,6 +416,10 @@ pub struct RunArgs {
     #[arg(long, env = "SPOTGUARD_RELAY_PEERS", value_name = "PEER", value_delimiter = ',', value_parser = crate::relay::send::Peer::parse, help_heading = RELAY)]
     pub relay_peers: Vec<crate::relay::send::Peer>,
 
+    /// How many peers a staged checkpoint is streamed to at once (1 to 8; at most the peers there are): the first to publish it wins and the others are stopped; each copy whose peer fails goes on to the next peer not yet tried.
+    #[arg(long, env = "SPOTGUARD_RELAY_COPIES", value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=8), help_heading = RELAY)]
+    pub relay_copies: u8,
+
     /// A file holding the node key every relay request carries and every receiver requires (at least 16 bytes; surrounding whitespace ignored; read at start).
     #[arg(long, env = "SPOTGUARD_RELAY_KEY_FILE", value_name = "PATH", value_parser = parse_abs_path, help_heading = RELAY)]
     pub relay_key_file: Option<PathBuf>,

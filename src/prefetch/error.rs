@@ -118,11 +118,7 @@ impl Error {
 
     /// An I/O failure on `path` while handling `key`; ENOSPC and EDQUOT become [`Error::DiskFull`].
     pub fn io_for(key: &str, op: &'static str, path: PathBuf, source: io::Error) -> Error {
-        if matches!(
-            source.raw_os_error(),
-            Some(libc::ENOSPC) | Some(libc::EDQUOT)
-        ) || source.kind() == io::ErrorKind::StorageFull
-        {
+        if crate::fsutil::is_disk_full(&source) {
             return Error::DiskFull {
                 key: key.to_string(),
                 path,

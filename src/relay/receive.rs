@@ -30,6 +30,7 @@ use super::stage::{self, Incoming, Journal, Staging};
 use super::wire::{self, Commit, FileCrcs, Refusal, Reserve, Reserved, State, Status};
 use super::{PublishJob, Published, Publisher};
 use crate::admin;
+use crate::fsutil::is_disk_full;
 use crate::store::crc::Crcs;
 use crate::store::tree::{self, Limits};
 
@@ -450,6 +451,10 @@ impl Receiver {
             .and_then(|r| r)
         {
             self.abort(&relay, &e.to_string());
+            if matches!(&e, super::Error::Io { source, .. } if is_disk_full(source)) {
+                self.settings.metrics.refused("space");
+                return refuse(StatusCode::INSUFFICIENT_STORAGE, e.to_string());
+            }
             return refuse(StatusCode::INTERNAL_SERVER_ERROR, e.to_string());
         }
         info!(relay = %id, sender = %sender, location = %relay.reserve.location, checkpoint = %relay.reserve.checkpoint.name, files = relay.reserve.files.len(), bytes, "relay reserved");
@@ -554,6 +559,10 @@ impl Receiver {
             }
             Err((status, why)) => {
                 let why = format!("file {:?}: {why}", entry.path);
+                if status == StatusCode::INSUFFICIENT_STORAGE {
+                    warn!(relay = %relay.id, sender = %relay.sender, error = %why, "relay refused: the staging volume is full");
+                    self.settings.metrics.refused("space");
+                }
                 self.abort(&relay, &why);
                 refuse(status, why)
             }
@@ -574,10 +583,10 @@ impl Receiver {
         let mut file = tokio::task::spawn_blocking(move || Incoming::create(&dir, &rel2, size))
             .await
             .map_err(|e| io_err(e.to_string()))?
-            .map_err(|e| io_err(e.to_string()))?;
+            .map_err(|e| io_refusal(&e))?;
         let mut buf: Vec<u8> = Vec::with_capacity(WRITE_CHUNK);
         let refused = |r: stage::Refused| match r {
-            stage::Refused::Io(e) => (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+            stage::Refused::Io(e) => io_refusal(&e),
             r => (StatusCode::BAD_REQUEST, r.to_string()),
         };
         loop {
@@ -683,11 +692,22 @@ impl Receiver {
         let staging = self.staging.clone();
         let written = tokio::task::spawn_blocking(move || staging.write_journal(&journal))
             .await
-            .map_err(|e| e.to_string())
-            .and_then(|r| r.map_err(|e| e.to_string()));
-        if let Err(e) = written {
+            .map_err(|e| (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))
+            .and_then(|r| {
+                r.map_err(|e| match &e {
+                    super::Error::Io { source, .. } if is_disk_full(source) => {
+                        (StatusCode::INSUFFICIENT_STORAGE, e.to_string())
+                    }
+                    e => (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+                })
+            });
+        if let Err((status, e)) = written {
+            if status == StatusCode::INSUFFICIENT_STORAGE {
+                warn!(relay = %relay.id, sender = %relay.sender, error = %e, "relay refused: the staging volume is full");
+                self.settings.metrics.refused("space");
+            }
             self.abort(&relay, &e);
-            return refuse(StatusCode::INTERNAL_SERVER_ERROR, e);
+            return refuse(status, e);
         }
         crate::sync::lock(&relay.st).state = State::Publishing;
         info!(relay = %relay.id, location = %relay.reserve.location, checkpoint = %relay.reserve.checkpoint.name, "relay verified; publishing");
@@ -798,6 +818,18 @@ impl Drop for Busy<'_> {
         let mut st = crate::sync::lock(&self.0.st);
         st.busy = st.busy.saturating_sub(1);
         st.last = Instant::now();
+    }
+}
+
+/// The answer to an I/O error while a file is staged: `507` when the volume is full, else `500`.
+fn io_refusal(e: &std::io::Error) -> (StatusCode, String) {
+    if is_disk_full(e) {
+        (
+            StatusCode::INSUFFICIENT_STORAGE,
+            format!("the staging volume is full: {e}"),
+        )
+    } else {
+        (StatusCode::INTERNAL_SERVER_ERROR, e.to_string())
     }
 }
 

@@ -288,12 +288,18 @@ async fn upload(job: Job, started_at: Timestamp) -> Result<Done, Failed> {
     let total = tree.bytes;
     let fail0 = |e: Error| (e, 0, 0);
 
+    // The steps before the files are sent talk to the store too: each ends at the deadline or
+    // the cancel (a peer's relay that published first) like the sending, a hung store or not.
+    let stop = (&options, &cancel, total);
+
     // The location is this writer's (its owner marker), or nothing is sent.
-    let writer = target.claim(meta.writer.as_ref()).await.map_err(fail0)?;
+    let writer = unless_stopped(target.claim(meta.writer.as_ref()), stop)
+        .await
+        .map_err(fail0)?;
 
     // A checkpoint is never overwritten: an existing manifest must describe this very content.
     let manifest_file = manifest::manifest_file(meta.part);
-    if let Some(existing) = existing_manifest(&target, &meta, &manifest_file)
+    if let Some(existing) = unless_stopped(existing_manifest(&target, &meta, &manifest_file), stop)
         .await
         .map_err(fail0)?
     {
@@ -303,14 +309,17 @@ async fn upload(job: Job, started_at: Timestamp) -> Result<Done, Failed> {
     }
 
     // The journal: resume what an earlier run of this upload left, or start one.
-    let (journal, resumed_from) = resume::journal_for(
-        &target,
-        &manifest_file,
-        &tree,
-        &root,
-        &meta,
-        &options,
-        started_at,
+    let (journal, resumed_from) = unless_stopped(
+        resume::journal_for(
+            &target,
+            &manifest_file,
+            &tree,
+            &root,
+            &meta,
+            &options,
+            started_at,
+        ),
+        stop,
     )
     .await
     .map_err(fail0)?;
@@ -398,6 +407,24 @@ async fn existing_manifest(
             key: format!("{}/{manifest_file}", target.display()),
             reason: format!("an unreadable manifest is already there: {reason}"),
         })
+}
+
+/// `step` (of a run of `total` bytes, before its files are sent) unless the run's deadline or
+/// its cancel comes first: then the run stops there, as [`send_until_stopped`] stops the files.
+async fn unless_stopped<T>(
+    step: impl std::future::Future<Output = Result<T, Error>>,
+    (options, cancel, total): (&Options, &CancellationToken, u64),
+) -> Result<T, Error> {
+    tokio::select! {
+        r = step => r,
+        _ = async {
+            match options.deadline {
+                Some(d) => tokio::time::sleep_until(d).await,
+                None => std::future::pending().await,
+            }
+        } => Err(Error::Deadline { done: 0, total }),
+        _ = cancel.cancelled() => Err(Error::Cancelled { done: 0, total }),
+    }
 }
 
 /// Send the files until all are whole, the deadline, an error or the cancel; the progress

@@ -108,7 +108,7 @@ impl Error {
             Error::Request { source, .. } => request_label(source),
             Error::ChecksumMismatch { .. } => "checksum_mismatch",
             Error::SizeMismatch { .. } => "size_mismatch",
-            Error::Io { source, .. } if is_disk_full(source) => "disk_full",
+            Error::Io { source, .. } if crate::fsutil::is_disk_full(source) => "disk_full",
             Error::Io { .. } => "io",
             Error::Deadline { .. } => "deadline",
             Error::Cancelled { .. } => "cancelled",
@@ -139,10 +139,6 @@ impl Error {
         let path = path.into();
         move |source| Error::Io { op, path, source }
     }
-}
-
-fn is_disk_full(e: &io::Error) -> bool {
-    matches!(e.raw_os_error(), Some(libc::ENOSPC) | Some(libc::EDQUOT))
 }
 
 fn request_label(e: &object_store::Error) -> &'static str {

@@ -4,13 +4,15 @@
 //!
 //! When: at once with `--relay always`; with `--relay auto`, as soon as the upload's own
 //! throughput (after its first second) says the bytes left will not be sent before the upload's
-//! deadline. Peers are tried in the order given until one takes the whole tree. The race: the
+//! deadline. Peers are tried in the order given until one takes the whole tree; with
+//! `--relay-copies N`, N peers at once, each copy going on to the next untried peer when its
+//! own fails, the first publication winning. The race: the
 //! upload published (or found it published) → the relay is given up (`DELETE`: the peer removes
 //! its files); the peer published → the upload stops and the report says the relay published
 //! it; the upload ended unpublished (its deadline) → the relay goes on, and its end is the
 //! report. Exactly one manifest is written either way (it is created only if absent).
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -23,7 +25,7 @@ use super::engine::{Job, Report};
 use crate::relay::auth::Bearer;
 use crate::relay::lease::Peers;
 use crate::relay::metrics::RelayMetrics;
-use crate::relay::send::{self, Source};
+use crate::relay::send::{self, Peer, Source};
 use crate::relay::wire::{self, Checkpoint, FileEntry, Reserve, State};
 use crate::store::progress::Progress;
 
@@ -42,6 +44,9 @@ pub struct Relay {
     pub mode: Mode,
     /// `--relay-peers`, or (Kubernetes) the peers the Leases advertise.
     pub peers: Peers,
+    /// Peers streamed to at once (`--relay-copies`; at most the peers there are): the first
+    /// to publish wins, the others are stopped.
+    pub copies: usize,
     /// The node key (`--relay-key-file`), or (Kubernetes) the relay token's file.
     pub key: Bearer,
     /// `spotguard_relay_sent_total`, counted as each peer's relay ends.
@@ -142,8 +147,10 @@ pub async fn relay_needed(mode: Mode, progress: &Progress, total: u64, deadline:
     }
 }
 
-/// Relay to the first peer that takes it; `Some(peer)` when a peer published it (or found it
-/// published).
+/// Relay to `relay.copies` peers at once, each copy going on to the next peer not yet tried
+/// when its peer fails; `Some(peer)` when a peer published it (or found it published): the
+/// other copies are stopped then (a peer that had their commit publishes it regardless and
+/// finds it published).
 async fn relay_to_peers(
     relay: &Relay,
     reserve: Reserve,
@@ -159,21 +166,59 @@ async fn relay_to_peers(
             return None;
         }
     };
-    let peers = relay.peers.current();
+    // The peers as they stand now (the Leases' list moves on beside the relay).
+    let peers: Arc<[Peer]> = relay.peers.current().into();
     if peers.is_empty() {
         warn!("cannot relay: no peer (none configured, or no live peer's Lease not under notice)");
     }
-    for peer in &peers {
+    let key: Arc<str> = key.into();
+    let next = Arc::new(AtomicUsize::new(0));
+    let stop = cancel.child_token();
+    let mut copies = tokio::task::JoinSet::new();
+    for _ in 0..relay.copies.clamp(1, peers.len().max(1)) {
+        let (metrics, reserve, sources) = (relay.metrics.clone(), reserve.clone(), sources.clone());
+        let (peers, key, next, stop) = (peers.clone(), key.clone(), next.clone(), stop.clone());
+        copies.spawn(async move {
+            one_copy(
+                &metrics, &peers, &key, &next, reserve, sources, deadline, stop,
+            )
+            .await
+        });
+    }
+    let mut won = None;
+    while let Some(ended) = copies.join_next().await {
+        if let (None, Ok(Some(peer))) = (&won, ended) {
+            won = Some(peer);
+            stop.cancel();
+        }
+    }
+    won
+}
+
+/// One copy of the relay: to the next peer not yet tried (`next`), and on to the one after
+/// while they fail; `Some(peer)` when a peer published it (or found it published).
+#[allow(clippy::too_many_arguments)]
+async fn one_copy(
+    metrics: &RelayMetrics,
+    peers: &[Peer],
+    key: &str,
+    next: &AtomicUsize,
+    reserve: Reserve,
+    sources: Vec<Source>,
+    deadline: Option<Instant>,
+    cancel: CancellationToken,
+) -> Option<String> {
+    while let Some(peer) = peers.get(next.fetch_add(1, Ordering::SeqCst)) {
         let ended = send::relay(
             peer,
-            &key,
+            key,
             reserve.clone(),
             sources.clone(),
             deadline,
             cancel.clone(),
         )
         .await;
-        relay.metrics.sent(sent_outcome(&ended));
+        metrics.sent(sent_outcome(&ended));
         match ended {
             Ok(s) if s.state.is_published() => {
                 info!(peer = %peer, outcome = ?s.state, "the relay's peer published the checkpoint");

@@ -21,6 +21,10 @@
 //!   records when SIGUSR1 arrived, and their one percentile.
 //! - [`s3`]: s3s-fs and moto on a free loopback port, a [`s3::Throttle`] (a slow network) before
 //!   them, and a [`s3::proxy::Proxy`] that injects a test's faults into the HTTP traffic.
+//! - [`tcp`]: a TCP forwarder whose connections leave from a chosen loopback address and whose
+//!   stream to the server a test holds at a byte mark (a peer killed mid-stream, a disk filled
+//!   mid-file).
+//! - [`tmpfs`]: a tmpfs of a given size (a staging volume that fills), unmounted on drop.
 //! - [`wait`]: waiting for an event (checked until it holds, a deadline that names what was
 //!   waited for); [`wait_for_event`]: wait for a responder plan event; [`metrics_text`]: a
 //!   running agent's `/metrics`.
@@ -34,7 +38,9 @@ pub mod plan;
 pub mod process;
 pub mod prometheus;
 pub mod s3;
+pub mod tcp;
 pub mod tls;
+pub mod tmpfs;
 pub mod wait;
 
 use std::net::SocketAddr;
