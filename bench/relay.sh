@@ -21,7 +21,12 @@
 # (BENCH_WAIT_S, default the peer's publish time at PEER_STORE_RATE plus 90 s), the bench waits
 # for the peers to finish (published, or nothing left on their staging volumes) and checks the
 # store: published intact = the manifest is there, lists exactly the staged files, and every
-# object's SHA-256 is the staged file's. An arm stops at its first size not published intact.
+# object's SHA-256 is the staged file's. An arm climbs the ladder to its first size not published
+# intact, then tries BENCH_REFINE geometric midpoints between that and the last one published.
+# Prints a line per trial and a table; the rows go to BENCH_DIR/relay-bench.json, the logs of
+# every process to BENCH_DIR/logs (kept with BENCH_DIR or BENCH_KEEP=1). About 15 minutes with
+# the defaults (a relayed checkpoint is published by its peer at PEER_STORE_RATE: 200 s at the
+# largest size).
 #
 #   bench/relay.sh                         (needs root, ip netns, tc, s3s-fs, curl, setpriv)
 #
