@@ -18,7 +18,7 @@
 # signal (8 shards + 4 small files), acks it staged (`spotguard.ack_staged`) and exits once the
 # agent took it. At the notice's end (BENCH_NOTICE seconds after the preemption became visible)
 # the doomed node's links go down and every process in its namespace is SIGKILLed. Then, bounded
-# (BENCH_WAIT_S, default the peer's publish time at PEER_STORE_RATE plus 90 s), the bench waits
+# (BENCH_WAIT_S, default 1.5 times the publish time at PEER_STORE_RATE plus 90 s), the bench waits
 # for the peers to finish (published, or nothing left on their staging volumes) and checks the
 # store: published intact = the manifest is there, lists exactly the staged files, and every
 # object's SHA-256 is the staged file's. An arm climbs the ladder to its first size not published
