@@ -33,6 +33,9 @@ pub struct Progress {
     pub bytes_resumed: AtomicU64,
     /// GET requests sent.
     pub requests: AtomicU64,
+    /// Upload: bytes of the requests under way (a PUT or a part counts in `bytes_done` only once
+    /// the store answered it).
+    pub bytes_in_flight: AtomicU64,
     /// Files this process published, by what verified their content.
     pub verified_crc64nvme: AtomicU64,
     pub verified_crc32c: AtomicU64,

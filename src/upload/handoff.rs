@@ -105,7 +105,10 @@ pub fn outgoing(
 
 /// Resolves when the relay should start: at once (`always`), or when the upload, at the
 /// throughput it is getting, would not send its `total` bytes before `deadline` (`auto`; never
-/// without a deadline).
+/// without a deadline). A PUT or a part counts only once the store answers it, so a slow
+/// upload's first seconds show nothing done; the throughput is read as if every byte of the
+/// requests under way were sent already: the relay starts once even that reading cannot finish
+/// in time, never on an upload that is merely early in its first requests.
 pub async fn relay_needed(mode: Mode, progress: &Progress, total: u64, deadline: Option<Instant>) {
     if mode == Mode::Always {
         return;
@@ -127,24 +130,37 @@ pub async fn relay_needed(mode: Mode, progress: &Progress, total: u64, deadline:
         if left == 0 {
             return std::future::pending().await;
         }
-        let rate = sent as f64 / elapsed.as_secs_f64();
-        let needed = if rate > 0.0 {
-            Duration::from_secs_f64((left as f64 / rate).min(1e9))
-        } else {
-            Duration::MAX
-        };
-        if Instant::now()
-            .checked_add(needed)
-            .is_none_or(|end| end > deadline)
-        {
+        let in_flight = progress.bytes_in_flight.load(Ordering::Relaxed);
+        let time_left = deadline.saturating_duration_since(Instant::now());
+        if let Some(rate) = cannot_finish(sent, in_flight, left, elapsed, time_left) {
             info!(
                 bytes_left = left,
-                rate_bps = rate as u64,
+                bytes_in_flight = in_flight,
+                rate_bps = rate,
                 "the upload cannot finish before its deadline at its throughput: relaying to a peer"
             );
             return;
         }
     }
+}
+
+/// `Some(rate)` (bytes/s) when `left` bytes would not be sent within `time_left` at the rate
+/// the upload showed over `elapsed`: `sent` bytes answered, plus the `in_flight` bytes of its
+/// requests under way read as sent already.
+fn cannot_finish(
+    sent: u64,
+    in_flight: u64,
+    left: u64,
+    elapsed: Duration,
+    time_left: Duration,
+) -> Option<u64> {
+    let rate = sent.saturating_add(in_flight) as f64 / elapsed.as_secs_f64().max(1e-3);
+    let needed = if rate > 0.0 {
+        Duration::from_secs_f64((left as f64 / rate).min(1e9))
+    } else {
+        Duration::MAX
+    };
+    (needed > time_left).then_some(rate as u64)
 }
 
 /// Relay to `relay.copies` peers at once, each copy going on to the next peer not yet tried
@@ -316,5 +332,33 @@ pub async fn race(
                 None => joined(upload.await, &dest),
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: u64 = 1 << 20;
+    const S: fn(u64) -> Duration = Duration::from_secs;
+
+    #[test]
+    fn an_upload_early_in_its_first_requests_is_not_relayed() {
+        // 100 MiB to send, 22 s left, nothing answered after 1 s but 64 MiB under way: at the
+        // rate those requests allow, it may finish.
+        assert_eq!(cannot_finish(0, 64 * MIB, 100 * MIB, S(1), S(21)), None);
+        // Still nothing answered after 9 s: even those requests could not make 100 MiB in 13 s.
+        assert!(cannot_finish(0, 64 * MIB, 100 * MIB, S(9), S(13)).is_some());
+    }
+
+    #[test]
+    fn an_upload_too_slow_for_its_deadline_is_relayed() {
+        // 5 MB/s answered for 4 s, 8 MiB under way, 800 MiB left, 18 s left.
+        let rate = cannot_finish(20 * MIB, 8 * MIB, 800 * MIB, S(4), S(18)).unwrap();
+        assert_eq!(rate, 7 * MIB);
+        // Nothing at all under way or answered: it cannot finish.
+        assert!(cannot_finish(0, 0, 1, S(1), S(100)).is_some());
+        // Fast enough: 100 MiB/s for 100 MiB with 2 s left.
+        assert_eq!(cannot_finish(100 * MIB, 0, 100 * MIB, S(1), S(2)), None);
     }
 }

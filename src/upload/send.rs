@@ -93,6 +93,15 @@ impl Shared {
         }
     }
 
+    /// `n` bytes are on their way to the store until the guard drops (answered or failed).
+    fn in_flight(&self, n: u64) -> InFlight<'_> {
+        Progress::add(&self.progress.bytes_in_flight, n);
+        InFlight {
+            progress: &self.progress,
+            n,
+        }
+    }
+
     fn file_done(&self, idx: usize, path: &str, done: DoneRecord) {
         crate::sync::lock(&self.done).insert(idx, done);
         crate::sync::lock(&self.open).remove(path);
@@ -369,7 +378,10 @@ async fn send_small(
     let verified_by = match &shared.target {
         Target::Store(s) => {
             let key = s.key(&file.path)?.to_string();
-            let from_put = s.put(&file.path, lease.freeze()).await?;
+            let from_put = {
+                let _flight = shared.in_flight(file.id.size);
+                s.put(&file.path, lease.freeze()).await?
+            };
             match from_put {
                 Some(sum) => verify(&key, crcs, Some(sum), None)?,
                 None => {
@@ -524,9 +536,11 @@ async fn send_part(
             let Target::Store(s) = &shared.target else {
                 return Ok(());
             };
-            let etag = s
-                .put_part(&large.file.path, upload_id, part, lease.freeze())
-                .await?;
+            let etag = {
+                let _flight = shared.in_flight(len as u64);
+                s.put_part(&large.file.path, upload_id, part, lease.freeze())
+                    .await?
+            };
             PartRecord { etag, crcs }
         }
         LargeSink::Dir { tmp } => {
@@ -622,6 +636,18 @@ async fn finish_large(shared: &Arc<Shared>, large: &Arc<Large>) -> Result<(), Er
         DoneRecord { crcs, verified_by },
     );
     Ok(())
+}
+
+/// Bytes counted in [`Progress::bytes_in_flight`] while a request is under way.
+struct InFlight<'a> {
+    progress: &'a Progress,
+    n: u64,
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        Progress::sub(&self.progress.bytes_in_flight, self.n);
+    }
 }
 
 #[cfg(test)]
