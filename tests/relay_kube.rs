@@ -118,14 +118,15 @@ async fn receiver(
 }
 
 /// A one-file staged tree and what a relay of it to `location` sends.
-fn outgoing(tmp: &Path, location: &str) -> (Reserve, Vec<Source>) {
+/// A staged checkpoint of `node`'s, relayed to `location`.
+fn outgoing(tmp: &Path, location: &str, node: &str) -> (Reserve, Vec<Source>) {
     let dir = tmp.join("step-100");
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::write(dir.join("model.bin"), vec![7u8; 4096]).unwrap();
     let tree = staged::capture(&Root::host().unwrap(), &dir, &Limits::default()).unwrap();
     let reserve = Reserve {
         version: wire::VERSION,
-        sender: "doomed-node".into(),
+        sender: node.into(),
         location: location.into(),
         namespace: None,
         checkpoint: Checkpoint {
@@ -135,7 +136,7 @@ fn outgoing(tmp: &Path, location: &str) -> (Reserve, Vec<Source>) {
             notice: None,
             origin: Origin {
                 staged: dir.display().to_string(),
-                node: Some("doomed-node".into()),
+                node: Some(node.into()),
                 pod: None,
             },
             acked_at: None,
@@ -188,7 +189,7 @@ async fn a_kubernetes_receiver_accepts_only_an_agents_relay_token() {
     let tmp = tempfile::tempdir().unwrap();
     let cancel = CancellationToken::new();
     let (peer, registry) = receiver(k.agent_client(), tmp.path(), None, &cancel).await;
-    let (reserve, sources) = outgoing(tmp.path(), "s3://elsewhere/run1");
+    let (reserve, sources) = outgoing(tmp.path(), "s3://elsewhere/run1", &node);
     let relay = |peer: Peer, token: String| {
         let (reserve, sources) = (reserve.clone(), sources.clone());
         async move {
@@ -226,6 +227,24 @@ async fn a_kubernetes_receiver_accepts_only_an_agents_relay_token() {
         "{e}"
     );
     assert_eq!(refusals(&registry, "auth"), forged.len() as u64);
+    // The agents' token bound to this node, for another node's checkpoint: an agent relays
+    // only its own node's (the manifest's origin would name a node that never sent it).
+    let (elsewhere, _) = outgoing(tmp.path(), "s3://elsewhere/run1", "another-node");
+    let e = send::relay(
+        &peer,
+        &good,
+        elsewhere,
+        sources.clone(),
+        None,
+        CancellationToken::new(),
+    )
+    .await
+    .unwrap_err();
+    assert!(
+        matches!(&e, spotguard::relay::Error::Refused { status: 403, reason, .. } if reason.contains("bound to node")),
+        "{e}"
+    );
+    assert_eq!(refusals(&registry, "auth"), forged.len() as u64 + 1);
     let reviewer = Reviewer::new(
         k.agent_client(),
         AUDIENCE,
@@ -631,7 +650,7 @@ async fn a_peer_found_through_its_lease_publishes_the_relayed_checkpoint() {
     )
     .unwrap();
     let bearer = Bearer::TokenFile(token_file).read().unwrap();
-    let (reserve, sources) = outgoing(tmp.path(), "s3://ckpt/run1");
+    let (reserve, sources) = outgoing(tmp.path(), "s3://ckpt/run1", &doomed);
     let status = send::relay(
         &peer,
         &bearer,
@@ -659,7 +678,7 @@ async fn a_peer_found_through_its_lease_publishes_the_relayed_checkpoint() {
         .await
         .unwrap();
     let manifest: serde_json::Value = serde_json::from_slice(&manifest).unwrap();
-    assert_eq!(manifest["origin"]["node"], "doomed-node", "{manifest}");
+    assert_eq!(manifest["origin"]["node"], doomed.as_str(), "{manifest}");
     let model = store
         .get(&ObjectPath::from("run1/step-100/model.bin"))
         .await

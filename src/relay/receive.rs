@@ -332,11 +332,14 @@ impl Receiver {
     }
 
     async fn handle(self: Arc<Self>, req: Request<Body>, from: SocketAddr) -> Answer {
-        if let Err(denied) = self.auth.check(req.headers()).await {
-            warn!(peer = %from, reason = %denied, "relay request from no agent refused");
-            self.settings.metrics.refused("auth");
-            return refuse(denied.status(), denied.to_string());
-        }
+        let node = match self.auth.check(req.headers()).await {
+            Ok(node) => node,
+            Err(denied) => {
+                warn!(peer = %from, reason = %denied, "relay request from no agent refused");
+                self.settings.metrics.refused("auth");
+                return refuse(denied.status(), denied.to_string());
+            }
+        };
         let path = req.uri().path().to_string();
         let rest = path.strip_prefix(wire::RELAYS);
         let segments: Vec<&str> = match rest {
@@ -345,7 +348,7 @@ impl Receiver {
             _ => return refuse(StatusCode::NOT_FOUND, "no such resource"),
         };
         match (req.method().clone(), segments.as_slice()) {
-            (Method::POST, []) => self.reserve(req, from.ip()).await,
+            (Method::POST, []) => self.reserve(req, from.ip(), node.as_deref()).await,
             (Method::PUT, [id, "files", index]) => {
                 let (id, index) = (id.to_string(), index.to_string());
                 self.receive_file(req, &id, &index).await
@@ -372,7 +375,14 @@ impl Receiver {
         crate::sync::lock(&self.inner).relays.get(id).cloned()
     }
 
-    async fn reserve(self: &Arc<Self>, req: Request<Body>, sender: IpAddr) -> Answer {
+    /// `node`: the node the sender's token is bound to (Kubernetes), which must be the node the
+    /// reservation names as its sender and as the checkpoint's origin.
+    async fn reserve(
+        self: &Arc<Self>,
+        req: Request<Body>,
+        sender: IpAddr,
+        node: Option<&str>,
+    ) -> Answer {
         let reserve: Reserve = match read_json(req).await {
             Ok(r) => r,
             Err(a) => {
@@ -390,6 +400,18 @@ impl Receiver {
                     wire::VERSION
                 ),
             );
+        }
+        if let Some(node) = node {
+            let origin = reserve.checkpoint.origin.node.as_deref();
+            if reserve.sender != node || origin != Some(node) {
+                let why = format!(
+                    "the sender's token is bound to node {node:?}; the reservation names {:?} as its sender and {origin:?} as the checkpoint's origin",
+                    reserve.sender
+                );
+                warn!(sender = %sender, location = %reserve.location, error = %why, "relay refused: an agent relays only its own node's checkpoints");
+                self.settings.metrics.refused("auth");
+                return refuse(StatusCode::FORBIDDEN, why);
+            }
         }
         if let Err(why) = self.check_tree(&reserve) {
             warn!(sender = %sender, location = %reserve.location, error = %why, "relay refused: its tree breaks the staged-tree rules");
