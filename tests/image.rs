@@ -427,6 +427,12 @@ async fn image_runs_the_agent_as_the_daemonset_does_against_the_control_plane() 
                     "spec.nodeName" => node.clone(),
                     "metadata.name" => pod_name.clone(),
                     "metadata.namespace" => namespace.clone(),
+                    "spec.serviceAccountName" => spec
+                        .service_account_name
+                        .clone()
+                        .expect("the DaemonSet names its ServiceAccount"),
+                    // hostNetwork: the pod's IP is the node's, here this machine's loopback.
+                    "status.podIP" => "127.0.0.1".to_string(),
                     other => panic!("Downward API field {other} not carried over"),
                 }
             }
