@@ -672,23 +672,7 @@ pub struct TokenSpec {
 /// projected token volume: the API server puts the pod's node in its user info
 /// (`authentication.kubernetes.io/node-name`).
 pub async fn mint_pod_token(client: &kube::Client, pod: &Pod) -> Result<String, String> {
-    let namespace = pod.metadata.namespace.clone().unwrap_or_default();
-    let sa = pod
-        .spec
-        .as_ref()
-        .and_then(|s| s.service_account_name.clone())
-        .unwrap_or_else(|| "default".into());
-    let bound = BoundObjectReference {
-        api_version: Some("v1".into()),
-        kind: Some("Pod".into()),
-        name: pod.metadata.name.clone(),
-        uid: pod.metadata.uid.clone(),
-    };
-    let spec = TokenSpec {
-        bound_object_ref: Some(bound),
-        ..Default::default()
-    };
-    mint(client, &namespace, &sa, spec).await
+    mint_bound(client, pod, None).await
 }
 
 /// [`mint_pod_token`] for `audience` (a projected token's, as the kubelet mints for a
@@ -697,6 +681,16 @@ pub async fn mint_pod_token_for(
     client: &kube::Client,
     pod: &Pod,
     audience: &str,
+) -> Result<String, String> {
+    mint_bound(client, pod, Some(audience.to_string())).await
+}
+
+/// A token of `pod`'s ServiceAccount bound to `pod`, for `audience` (the API server's when
+/// `None`).
+async fn mint_bound(
+    client: &kube::Client,
+    pod: &Pod,
+    audience: Option<String>,
 ) -> Result<String, String> {
     let namespace = pod.metadata.namespace.clone().unwrap_or_default();
     let sa = pod
@@ -711,7 +705,7 @@ pub async fn mint_pod_token_for(
         uid: pod.metadata.uid.clone(),
     };
     let spec = TokenSpec {
-        audience: Some(audience.to_string()),
+        audience,
         bound_object_ref: Some(bound),
         ..Default::default()
     };
