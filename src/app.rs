@@ -640,12 +640,7 @@ async fn spawn_relay_receiver(
         };
         let free = {
             let receiver = receiver.clone();
-            Box::new(move || {
-                rustix::fs::statvfs(receiver.staging_dir())
-                    .map(|st| st.f_bavail.saturating_mul(st.f_frsize))
-                    .unwrap_or(0)
-                    .saturating_sub(receiver.reserved())
-            })
+            Box::new(move || receiver.unreserved())
         };
         let advertiser = Arc::new(crate::relay::lease::Advertiser::new(
             client,
@@ -668,8 +663,10 @@ async fn spawn_relay_receiver(
     Ok(())
 }
 
-/// The relay Lease says this node is under notice once a plan has signalled its trainers (after
-/// the signal: the Lease's write is its own task's), and no longer when a notice is undone.
+/// The relay Lease says this node is under notice once a plan has protected the node (tainted,
+/// cordoned), signalled its trainers or drained it — a plan with no trainer to signal marks it
+/// too — and no longer when a notice is undone. The Lease is written by the advertiser's own
+/// task: nothing here waits for it, and the signal never waits for this.
 async fn mark_under_notice(
     advertiser: Arc<crate::relay::lease::Advertiser>,
     mut events: broadcast::Receiver<PlanEvent>,
@@ -681,9 +678,12 @@ async fn mark_under_notice(
             e = events.recv() => e,
         };
         match event {
-            Ok(PlanEvent::Signalled { .. } | PlanEvent::Checkpointed { .. }) => {
-                advertiser.under_notice(true)
-            }
+            Ok(
+                PlanEvent::Protected { .. }
+                | PlanEvent::Signalled { .. }
+                | PlanEvent::Checkpointed { .. }
+                | PlanEvent::Drained { .. },
+            ) => advertiser.under_notice(true),
             Ok(PlanEvent::Undone { .. }) => advertiser.under_notice(false),
             Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => {}
             Err(broadcast::error::RecvError::Closed) => {

@@ -331,6 +331,15 @@ impl Receiver {
         crate::sync::lock(&self.inner).reserved
     }
 
+    /// What a new reservation may still take: the staging volume's free space less what is
+    /// reserved (0 when the volume cannot be read).
+    pub fn unreserved(&self) -> u64 {
+        self.staging
+            .free_bytes()
+            .unwrap_or(0)
+            .saturating_sub(self.reserved())
+    }
+
     async fn handle(self: Arc<Self>, req: Request<Body>, from: SocketAddr) -> Answer {
         let node = match self.auth.check(req.headers()).await {
             Ok(node) => node,
