@@ -593,7 +593,8 @@ async fn in_child(name: &str) -> bool {
 
 /// Issue 44, end to end against the control plane and s3s-fs: the peer advertises itself in its
 /// Lease; the doomed node's agent finds it there, presents its relay token (read from the
-/// projected file) and relays; the peer reviews the token and publishes the checkpoint.
+/// projected file) and relays; the peer reviews the token and publishes the checkpoint, which
+/// is then the latest complete checkpoint a resumed job restores from.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_found_through_its_lease_publishes_the_relayed_checkpoint() {
     if in_child("a_peer_found_through_its_lease_publishes_the_relayed_checkpoint").await {
@@ -687,6 +688,21 @@ async fn a_peer_found_through_its_lease_publishes_the_relayed_checkpoint() {
         .await
         .unwrap();
     assert_eq!(model.as_ref(), vec![7u8; 4096].as_slice());
+    // A Job resumed elsewhere restores from it: the latest complete checkpoint at the location
+    // (what `prefetch --latest-checkpoint` and the client's `latest_checkpoint()` read) is the
+    // one the peer published, naming the doomed node as its origin.
+    let found = spotguard::upload::latest::latest(
+        &spotguard::upload::dest::Location::parse("s3://ckpt/run1").unwrap(),
+        &StoreOptions {
+            endpoint: Some(server.endpoint()),
+            ..StoreOptions::default()
+        },
+    )
+    .await
+    .unwrap()
+    .expect("the relayed checkpoint is the latest complete one");
+    assert_eq!(found.manifest.step, Some(100));
+    assert_eq!(found.manifest.origin.node.as_deref(), Some(doomed.as_str()));
     cancel.cancel();
 }
 
