@@ -27,7 +27,7 @@ use spotguard::relay::metrics::RelayMetrics;
 use spotguard::relay::receive::{self, Receiver, Settings};
 use spotguard::relay::send::{self, Peer, Source};
 use spotguard::relay::tls::{self, Identity};
-use spotguard::relay::wire::{self, Checkpoint, FileCrcs, FileEntry, Reserve, State};
+use spotguard::relay::wire::{self, Checkpoint, FileCrcs, Reserve, State};
 use spotguard::store::crc::Crcs;
 use spotguard::store::manifest::{Manifest, NoticeInfo, Origin};
 use spotguard::store::owner::Writer;
@@ -209,6 +209,7 @@ fn stage(root: &Path, name: &str, files: &[(&str, Vec<u8>)]) -> PathBuf {
 /// What the sender sends for the staged `dir`: the reservation and its files.
 fn outgoing(dir: &Path, location: &str) -> (Reserve, Vec<Source>) {
     let tree = staged::capture(&Root::host().unwrap(), dir, &Limits::default()).unwrap();
+    let (files, sources) = handoff::files_of(&tree);
     let name = dir.file_name().unwrap().to_str().unwrap().to_string();
     let step = name.trim_start_matches("step-").parse().ok();
     let reserve = Reserve {
@@ -234,23 +235,8 @@ fn outgoing(dir: &Path, location: &str) -> (Reserve, Vec<Source>) {
             acked_at: Some("2026-11-29T03:00:00Z".into()),
             writer: "host:uid:1000".into(),
         },
-        files: tree
-            .files
-            .iter()
-            .map(|f| FileEntry {
-                path: f.path.clone(),
-                size: f.id.size,
-            })
-            .collect(),
+        files,
     };
-    let sources = tree
-        .files
-        .iter()
-        .map(|f| Source {
-            file: f.file.clone(),
-            size: f.id.size,
-        })
-        .collect();
     (reserve, sources)
 }
 

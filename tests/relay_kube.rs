@@ -29,10 +29,11 @@ use spotguard::relay::metrics::RelayMetrics;
 use spotguard::relay::receive::{self, Receiver, Settings};
 use spotguard::relay::send::{self, Peer, Source};
 use spotguard::relay::tls::{self, Identity};
-use spotguard::relay::wire::{self, Checkpoint, FileEntry, Reserve};
+use spotguard::relay::wire::{self, Checkpoint, Reserve};
 use spotguard::store::manifest::Origin;
 use spotguard::store::url::StoreOptions;
 use spotguard::upload::dest::{AllowUpload, UploadPolicy};
+use spotguard::upload::handoff;
 use spotguard::upload::relayed::RelayPublisher;
 use spotguard::upload::staged::{self, Limits, Root};
 use spotguard_testkit::k8s::agents::{AgentSpec, NodeAgent};
@@ -124,6 +125,7 @@ fn outgoing(tmp: &Path, location: &str, node: &str) -> (Reserve, Vec<Source>) {
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::write(dir.join("model.bin"), vec![7u8; 4096]).unwrap();
     let tree = staged::capture(&Root::host().unwrap(), &dir, &Limits::default()).unwrap();
+    let (files, sources) = handoff::files_of(&tree);
     let reserve = Reserve {
         version: wire::VERSION,
         sender: node.into(),
@@ -142,23 +144,8 @@ fn outgoing(tmp: &Path, location: &str, node: &str) -> (Reserve, Vec<Source>) {
             acked_at: None,
             writer: "host:uid:1000".into(),
         },
-        files: tree
-            .files
-            .iter()
-            .map(|f| FileEntry {
-                path: f.path.clone(),
-                size: f.id.size,
-            })
-            .collect(),
+        files,
     };
-    let sources = tree
-        .files
-        .iter()
-        .map(|f| Source {
-            file: f.file.clone(),
-            size: f.id.size,
-        })
-        .collect();
     (reserve, sources)
 }
 

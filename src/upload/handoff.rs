@@ -22,6 +22,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use super::engine::{Job, Report};
+use super::staged::StagedTree;
 use crate::relay::auth::Bearer;
 use crate::relay::lease::Peers;
 use crate::relay::metrics::RelayMetrics;
@@ -67,6 +68,7 @@ pub fn outgoing(
     sender: &str,
 ) -> (Reserve, Vec<Source>) {
     let m = &job.meta;
+    let (files, sources) = files_of(&job.tree);
     let reserve = Reserve {
         version: wire::VERSION,
         sender: sender.to_string(),
@@ -81,26 +83,28 @@ pub fn outgoing(
             acked_at: m.acked_at.map(|t| t.to_string()),
             writer: m.writer.as_ref().map(|w| w.to_string()).unwrap_or_default(),
         },
-        files: job
-            .tree
-            .files
-            .iter()
-            .map(|f| FileEntry {
+        files,
+    };
+    (reserve, sources)
+}
+
+/// A staged tree's files as a reservation lists them (path and size, in the tree's order) and
+/// as the sender reads them (the descriptors taken).
+pub fn files_of(tree: &StagedTree) -> (Vec<FileEntry>, Vec<Source>) {
+    tree.files
+        .iter()
+        .map(|f| {
+            let entry = FileEntry {
                 path: f.path.clone(),
                 size: f.id.size,
-            })
-            .collect(),
-    };
-    let sources = job
-        .tree
-        .files
-        .iter()
-        .map(|f| Source {
-            file: f.file.clone(),
-            size: f.id.size,
+            };
+            let source = Source {
+                file: f.file.clone(),
+                size: f.id.size,
+            };
+            (entry, source)
         })
-        .collect();
-    (reserve, sources)
+        .unzip()
 }
 
 /// Resolves when the relay should start: at once (`always`), or when the upload, at the
