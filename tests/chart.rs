@@ -27,7 +27,7 @@ use serde_json::Value;
 use spotguard_testkit::assets::repo_root;
 use spotguard_testkit::k8s::assets;
 use spotguard_testkit::k8s::fixtures::yaml_documents;
-use spotguard_testkit::k8s::tools::{find_on_path, run_tool, Kubectl, Ran, Server};
+use spotguard_testkit::k8s::tools::{find_on_path, overlay, run_tool, Kubectl, Ran, Server};
 use spotguard_testkit::wait::{eventually, until_described};
 
 const HELM_DEPS: &str = "scripts/deps/helm.sh";
@@ -205,34 +205,6 @@ impl Tools {
         }
         out
     }
-}
-
-/// A kustomization in a fresh directory: `resources` and `components` relative to the repo.
-fn overlay(resources: &[&str], components: &[&str], extra: &str) -> tempfile::TempDir {
-    let dir = tempfile::tempdir().unwrap();
-    let up = dir
-        .path()
-        .components()
-        .filter(|c| matches!(c, std::path::Component::Normal(_)))
-        .map(|_| "..")
-        .collect::<Vec<_>>()
-        .join("/");
-    let rel = |p: &str| format!("{up}{}", repo_root().join(p).display());
-    let mut text = String::from(
-        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources:\n",
-    );
-    for r in resources {
-        text.push_str(&format!("  - {}\n", rel(r)));
-    }
-    if !components.is_empty() {
-        text.push_str("components:\n");
-        for c in components {
-            text.push_str(&format!("  - {}\n", rel(c)));
-        }
-    }
-    text.push_str(extra);
-    std::fs::write(dir.path().join("kustomization.yaml"), text).unwrap();
-    dir
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -479,23 +479,7 @@ async fn kustomize_base_renders_the_whole_install() {
 async fn force_delete_component_adds_only_pod_deletion() {
     let k = Kubectl::start().await;
     // An overlay outside daemonset/, the way an operator would enable the component.
-    let overlay = tempfile::tempdir().unwrap();
-    let up = overlay
-        .path()
-        .components()
-        .filter(|c| matches!(c, std::path::Component::Normal(_)))
-        .map(|_| "..")
-        .collect::<Vec<_>>()
-        .join("/");
-    let base = format!("{up}{}", repo_root().join("daemonset").display());
-    std::fs::write(
-        overlay.path().join("kustomization.yaml"),
-        format!(
-            "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources:\n  - {base}\n\
-             components:\n  - {base}/components/force-delete\n"
-        ),
-    )
-    .unwrap();
+    let overlay = tools::overlay(&["daemonset"], &["daemonset/components/force-delete"], "");
     let objects = kustomized(&k, overlay.path()).await;
 
     let role: ClusterRole =
@@ -541,23 +525,7 @@ async fn force_delete_component_adds_only_pod_deletion() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn relay_component_adds_only_leases_and_token_reviews() {
     let k = Kubectl::start().await;
-    let overlay = tempfile::tempdir().unwrap();
-    let up = overlay
-        .path()
-        .components()
-        .filter(|c| matches!(c, std::path::Component::Normal(_)))
-        .map(|_| "..")
-        .collect::<Vec<_>>()
-        .join("/");
-    let base = format!("{up}{}", repo_root().join("daemonset").display());
-    std::fs::write(
-        overlay.path().join("kustomization.yaml"),
-        format!(
-            "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources:\n  - {base}\n\
-             components:\n  - {base}/components/relay\n"
-        ),
-    )
-    .unwrap();
+    let overlay = tools::overlay(&["daemonset"], &["daemonset/components/relay"], "");
     let objects = kustomized(&k, overlay.path()).await;
     let rule = |g: &str, r: &str, v: &str| (g.to_string(), r.to_string(), v.to_string());
 
@@ -1212,24 +1180,14 @@ async fn the_daemonset_runs_and_its_agent_handles_a_notice_on_its_node() {
     daemonset::start_trainer(&k.k, &node, &ml).await;
 
     // An operator's overlay: the base, with the metadata endpoint pointed at the emulator.
-    let overlay = tempfile::tempdir().unwrap();
-    let up = overlay
-        .path()
-        .components()
-        .filter(|c| matches!(c, std::path::Component::Normal(_)))
-        .map(|_| "..")
-        .collect::<Vec<_>>()
-        .join("/");
-    let base = format!("{up}{}", repo_root().join("daemonset").display());
-    std::fs::write(
-        overlay.path().join("kustomization.yaml"),
-        format!(
-            "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources:\n  - {base}\n\
-             patches:\n  - patch: |-\n      apiVersion: apps/v1\n      kind: DaemonSet\n      metadata: {{name: spotguard, namespace: spotguard}}\n      spec:\n        template:\n          spec:\n            containers:\n              - name: spotguard\n                env:\n                  - name: SPOTGUARD_METADATA_ENDPOINT\n                    value: {}\n",
+    let overlay = tools::overlay(
+        &["daemonset"],
+        &[],
+        &format!(
+            "patches:\n  - patch: |-\n      apiVersion: apps/v1\n      kind: DaemonSet\n      metadata: {{name: spotguard, namespace: spotguard}}\n      spec:\n        template:\n          spec:\n            containers:\n              - name: spotguard\n                env:\n                  - name: SPOTGUARD_METADATA_ENDPOINT\n                    value: {}\n",
             emu.base_url()
         ),
-    )
-    .unwrap();
+    );
     let rendered = k.kustomize(overlay.path()).await;
     let ran = k
         .run(&["apply", "--server-side", "-f", "-"], Some(&rendered))

@@ -21,6 +21,35 @@ pub struct Ran {
     pub stderr: String,
 }
 
+/// A kustomization in a fresh directory, the way an operator keeps an overlay outside the repo:
+/// `resources` and `components` relative to the repo, then `extra` (patches, more keys) as is.
+pub fn overlay(resources: &[&str], components: &[&str], extra: &str) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    let up = dir
+        .path()
+        .components()
+        .filter(|c| matches!(c, std::path::Component::Normal(_)))
+        .map(|_| "..")
+        .collect::<Vec<_>>()
+        .join("/");
+    let rel = |p: &str| format!("{up}{}", crate::assets::repo_root().join(p).display());
+    let mut text = String::from(
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources:\n",
+    );
+    for r in resources {
+        text.push_str(&format!("  - {}\n", rel(r)));
+    }
+    if !components.is_empty() {
+        text.push_str("components:\n");
+        for c in components {
+            text.push_str(&format!("  - {}\n", rel(c)));
+        }
+    }
+    text.push_str(extra);
+    std::fs::write(dir.path().join("kustomization.yaml"), text).unwrap();
+    dir
+}
+
 /// `name` in a directory of `PATH`, if there is one.
 pub fn find_on_path(name: &str) -> Option<PathBuf> {
     let path = std::env::var_os("PATH")?;
