@@ -409,8 +409,8 @@ async fn existing_manifest(
         })
 }
 
-/// `step` (of a run of `total` bytes, before its files are sent) unless the run's deadline or
-/// its cancel comes first: then the run stops there, as [`send_until_stopped`] stops the files.
+/// `step` (of a run of `total` bytes) unless the run's deadline or its cancel comes first: the
+/// steps before the files are sent, and the sending itself ([`send_until_stopped`]).
 async fn unless_stopped<T>(
     step: impl std::future::Future<Output = Result<T, Error>>,
     (options, cancel, total): (&Options, &CancellationToken, u64),
@@ -454,16 +454,7 @@ async fn send_until_stopped(
         options.clone(),
         resumed_from,
     );
-    let stopped: Result<Arc<StagedTree>, Error> = tokio::select! {
-        r = work => r,
-        _ = async {
-            match options.deadline {
-                Some(d) => tokio::time::sleep_until(d).await,
-                None => std::future::pending().await,
-            }
-        } => Err(Error::Deadline { done: 0, total }),
-        _ = cancel.cancelled() => Err(Error::Cancelled { done: 0, total }),
-    };
+    let stopped = unless_stopped(work, (options, cancel, total)).await;
     shared.stop.cancel();
     reporter.abort();
     if let Some(f) = flusher {
