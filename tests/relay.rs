@@ -41,7 +41,7 @@ use spotguard::upload::staged::{self, Limits, Root};
 use spotguard::upload::target::Target;
 use spotguard::upload::{Outcome, UploadMetrics};
 use spotguard_testkit::s3::proxy::{paced, Body, Faults, Proxy};
-use spotguard_testkit::s3::{create_bucket, S3Server};
+use spotguard_testkit::s3::{create_bucket, in_child, S3Server};
 use spotguard_testkit::tcp::Forward;
 use spotguard_testkit::tmpfs::Tmpfs;
 use spotguard_testkit::wait::{eventually, PACE};
@@ -50,34 +50,6 @@ use tokio_util::sync::CancellationToken;
 const BUCKET: &str = "ckpt";
 const KEY: &str = "node-key-0123456789abcdef";
 const MIB: usize = 1 << 20;
-
-/// The agent reads the store's credentials from its environment, which a test never changes in
-/// its own process (other tests' threads read it): each test runs again, alone, as a child of
-/// this binary with the variables set. `true`: this is the parent, and the child passed.
-async fn in_child(name: &str) -> bool {
-    const CHILD: &str = "SPOTGUARD_RELAY_TEST_CHILD";
-    if std::env::var_os(CHILD).is_some() {
-        return false;
-    }
-    let out = tokio::process::Command::new(std::env::current_exe().unwrap())
-        .args([name, "--exact", "--nocapture", "--test-threads=1"])
-        .envs(S3Server::client_env())
-        .env(CHILD, "1")
-        .output()
-        .await
-        .unwrap();
-    let text =
-        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
-    assert!(
-        out.status.success(),
-        "{name} failed in its child process:\n{text}"
-    );
-    assert!(
-        text.contains("1 passed"),
-        "{name} did not run in its child:\n{text}"
-    );
-    true
-}
 
 /// One agent's receiving side: its staging dir, state dir, listener and receiver.
 struct Node {

@@ -43,7 +43,7 @@ use spotguard_testkit::k8s::controlplane::{
 };
 use spotguard_testkit::k8s::fixtures::TestPod;
 use spotguard_testkit::k8s::TestCluster;
-use spotguard_testkit::s3::{create_bucket, S3Server};
+use spotguard_testkit::s3::{create_bucket, in_child, S3Server};
 use spotguard_testkit::wait::until;
 use tokio_util::sync::CancellationToken;
 
@@ -551,31 +551,6 @@ async fn relay_leases_are_each_nodes_own_and_give_the_peers_in_order() {
         || listed(false),
     )
     .await;
-}
-
-/// The store's credentials come from the environment, which a test never changes in its own
-/// process: the test runs again, alone, as a child of this binary with the variables set.
-/// `true`: this is the parent, and the child passed.
-async fn in_child(name: &str) -> bool {
-    const CHILD: &str = "SPOTGUARD_RELAY_KUBE_TEST_CHILD";
-    if std::env::var_os(CHILD).is_some() {
-        return false;
-    }
-    let out = tokio::process::Command::new(std::env::current_exe().unwrap())
-        .args([name, "--exact", "--nocapture", "--test-threads=1"])
-        .envs(S3Server::client_env())
-        .env(CHILD, "1")
-        .output()
-        .await
-        .unwrap();
-    let text =
-        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{name} failed in its child:\n{text}");
-    assert!(
-        text.contains("1 passed"),
-        "{name} did not run in its child:\n{text}"
-    );
-    true
 }
 
 /// Issue 44, end to end against the control plane and s3s-fs: the peer advertises itself in its

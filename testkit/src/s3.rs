@@ -99,6 +99,35 @@ impl S3Server {
     }
 }
 
+/// A store client in the code under test reads its credentials from the environment, which a
+/// test never changes in its own process (other tests' threads read it): the test `name` runs
+/// again, alone, as a child of this test binary with [`S3Server::client_env`] set. `true`: this
+/// is the parent, and the child passed; `false`: this is the child, which runs the test.
+pub async fn in_child(name: &str) -> bool {
+    const CHILD: &str = "SPOTGUARD_S3_TEST_CHILD";
+    if std::env::var_os(CHILD).is_some() {
+        return false;
+    }
+    let out = tokio::process::Command::new(std::env::current_exe().unwrap())
+        .args([name, "--exact", "--nocapture", "--test-threads=1"])
+        .envs(S3Server::client_env())
+        .env(CHILD, "1")
+        .output()
+        .await
+        .unwrap();
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "{name} failed in its child process:\n{text}"
+    );
+    assert!(
+        text.contains("1 passed"),
+        "{name} did not run in its child:\n{text}"
+    );
+    true
+}
+
 /// Create `bucket` through the S3 API (a `PUT /bucket` signed with the test credentials, as any
 /// S3 request): moto starts with no bucket; s3s-fs takes one made this way too. Panics with the
 /// server's answer when it refuses.
