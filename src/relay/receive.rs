@@ -589,6 +589,16 @@ impl Receiver {
                 answer(StatusCode::NO_CONTENT, Vec::new())
             }
             Err((status, why)) => {
+                // Aborted because this agent is stopping: unavailable, as a peer that died would
+                // be, not a refusal of the relay.
+                let (status, why) = if self.shutdown.is_cancelled() {
+                    (
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        "the receiving agent is stopping".to_string(),
+                    )
+                } else {
+                    (status, why)
+                };
                 let why = format!("file {:?}: {why}", entry.path);
                 if status == StatusCode::INSUFFICIENT_STORAGE {
                     warn!(relay = %relay.id, sender = %relay.sender, error = %why, "relay refused: the staging volume is full");

@@ -271,6 +271,9 @@ fn sent_outcome(ended: &Result<wire::Status, crate::relay::Error>) -> &'static s
             State::AlreadyPublished => "already_published",
             State::Failed | State::Aborted | State::Receiving | State::Publishing => "failed",
         },
+        // Unavailable (the peer's agent stopping, its API server not answering a review): the
+        // peer failed, as one that died would have; every other answer is its refusal.
+        Err(Error::Refused { status: 503, .. }) => "failed",
         Err(Error::Refused { .. }) => "refused",
         Err(Error::Deadline { .. }) => "deadline",
         Err(Error::Cancelled { .. }) => "cancelled",
